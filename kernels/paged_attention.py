@@ -1,0 +1,179 @@
+"""Paged causal attention over the KV pool for a ragged prefill/decode batch.
+
+Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (torch):
+- query [T, num_q_heads, head_dim]: the step's queries, sequence after sequence.
+- kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the pool, which
+  already holds every key/value of this step (`store_kv` runs first).
+- block_tables [S, max_blocks_per_seq]: sequence s's position j lives in block
+  block_tables[s, j // block_size] at offset j % block_size. Entries past the sequence's last
+  block are never read (any value). Blocks may be shared between sequences (prefix hits).
+- query_start_loc [S+1]: cumulative query counts (query_start_loc[S] == T).
+- seq_lens [S]: context length of each sequence INCLUDING this step's queries. Sequence s's
+  q_len queries sit at positions seq_lens[s] - q_len .. seq_lens[s] - 1 and each attends to
+  keys 0 .. its own position.
+- GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
+Returns [T, num_q_heads, head_dim] in query's dtype; softmax statistics are fp32.
+"""
+import functools
+import os
+
+import torch
+import triton
+
+from kernels._checks import FLOAT_DTYPES, check, check_kv_cache
+from kernels.merge_partitions import merge_partitions
+from kernels.paged_attention_kernel import paged_attention_kernel
+
+LOG2E = 1.4426950408889634
+# Split-KV heuristic (GPU): aim for this many programs per SM, never cut a context into
+# partitions shorter than MIN_PARTITION_SIZE tokens or into more than MAX_PARTITIONS pieces.
+PROGRAMS_PER_SM = 4
+MIN_PARTITION_SIZE = 256
+MAX_PARTITIONS = 64
+
+
+def _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens) -> None:
+    check_kv_cache(kv_cache, layer)
+    _, _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    check(query.dim() == 3 and query.shape[2] == head_dim,
+          f"query must be [T, num_q_heads, {head_dim}], got {tuple(query.shape)}")
+    check(query.shape[1] % num_kv_heads == 0,
+          f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    check(query.dtype == kv_cache.dtype, f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+    check(query.stride(2) == 1, f"query must have a contiguous last dim, strides {query.stride()}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    check(seq_lens.dim() == 1, f"seq_lens must be [S], got {tuple(seq_lens.shape)}")
+    check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == num_seqs + 1,
+          f"query_start_loc must be [S+1={num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+          f"block_tables must be [S={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    check(block_tables.stride(1) == 1, f"block_tables rows must be contiguous, strides {block_tables.stride()}")
+    for name, x in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        check(x.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64, got {x.dtype}")
+        check(x.device == kv_cache.device, f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
+        check(x.dim() < 2 or x.stride(1) == 1, f"{name} must be contiguous")
+    check(query.device == kv_cache.device, f"query is on {query.device}, kv_cache on {kv_cache.device}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: int, tile_n: int) -> int:
+    """0 (no split) unless the batch leaves the GPU under-occupied and contexts are long."""
+    if device.type != "cuda":
+        return 0
+    target = PROGRAMS_PER_SM * _num_sms(device)
+    if num_programs >= target:
+        return 0
+    parts = min(triton.cdiv(target, num_programs), max_seq_len // MIN_PARTITION_SIZE, MAX_PARTITIONS)
+    if parts < 2:
+        return 0
+    return triton.cdiv(triton.cdiv(max_seq_len, parts), tile_n) * tile_n
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
+                    max_seq_len: int | None = None, *, partition_size: int | None = None,
+                    tile_n: int | None = None) -> torch.Tensor:
+    """Triton paged attention (module doc has the contract).
+
+    max_query_len / max_seq_len: host-side maxima of the batch; pass them (the model runner
+    knows them) — when None they are read from the device, which synchronises.
+    partition_size: KV partition length in tokens for split-KV (flash-decoding); None picks
+    automatically (splits when the batch is too small to fill the GPU), 0 never splits.
+    tile_n: keys per inner-loop tile (power of two >= 16); None picks by head_dim.
+    """
+    _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    check(max_seq_len <= block_tables.shape[1] * block_size,
+          f"max_seq_len {max_seq_len} exceeds block table capacity "
+          f"{block_tables.shape[1]} blocks x {block_size}")
+
+    queries_per_kv = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    dim_pad = triton.next_power_of_2(head_dim)
+    # Rows per program: up to 64 (token, head) pairs, at least 16 (tl.dot's minimum).
+    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
+    block_m = max(16, block_q * group_pad)
+    block_q = block_m // group_pad
+    if tile_n is None:
+        tile_n = 64 if dim_pad <= 64 else 32
+    check(tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n must be a power of two >= 16, got {tile_n}")
+    num_tiles = num_tokens // block_q + num_seqs
+    busy_tiles = num_seqs if max_query_len <= block_q else num_tiles
+    if partition_size is None:
+        partition_size = _auto_partition_size(query.device, busy_tiles * num_kv_heads, max_seq_len, tile_n)
+    check(partition_size >= 0, f"partition_size must be >= 0, got {partition_size}")
+    num_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size > 0 else 1
+    if partition_size > 0:
+        part_max = torch.empty((num_tokens, num_q_heads, num_partitions), dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_tokens, num_q_heads, num_partitions, head_dim),
+                               dtype=torch.float32, device=query.device)
+    else:
+        part_max = part_sum = part_acc = out  # unused by the kernel
+
+    paged_attention_kernel[(num_tiles, num_kv_heads, num_partitions)](
+        out, part_acc, part_max, part_sum,
+        query, kv_cache, block_tables, query_start_loc, seq_lens,
+        scale * LOG2E, num_seqs, num_q_heads, num_partitions, layer * kv_cache.stride(1),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size, QUERIES_PER_KV=queries_per_kv, GROUP_PAD=group_pad,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        PARTITION_SIZE=partition_size,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+    )
+    if partition_size > 0:
+        merge_partitions(out, part_acc, part_max, part_sum)
+    return out
+
+
+def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                              block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                              seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
+                              max_seq_len: int | None = None) -> torch.Tensor:
+    """Plain-torch paged attention, one sequence at a time, fp32 math (same contract).
+    max_query_len / max_seq_len are accepted for interface parity and ignored."""
+    _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    check(starts[0] == 0 and starts[-1] == num_tokens,
+          f"query_start_loc must run from 0 to T={num_tokens}, got {starts}")
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    for s, seq_len in enumerate(lens):
+        q = query[starts[s]:starts[s + 1]].float()
+        q_len = q.shape[0]
+        check(0 <= q_len <= seq_len, f"sequence {s}: q_len {q_len} > seq_len {seq_len}")
+        if q_len == 0:
+            continue
+        blocks = block_tables[s, : triton.cdiv(seq_len, block_size)].long()
+        k = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        v = kv_cache[blocks, layer, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[starts[s]:starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out

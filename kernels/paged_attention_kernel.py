@@ -1,0 +1,135 @@
+"""The Triton kernel behind `kernels.paged_attention`: causal attention of a ragged batch of
+queries over keys/values gathered from the paged pool through each sequence's block table.
+
+Work decomposition (grid = (query tiles, kv heads, KV partitions)):
+- A query tile is BLOCK_Q consecutive query tokens of ONE sequence times the GROUP_PAD query
+  heads that share one kv head (GQA packing: each K/V tile is loaded once for the whole group).
+  Row r of the tile is (token r // GROUP_PAD, head r % GROUP_PAD). Tiles are numbered without
+  a host-side schedule: sequence s owns tiles [qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1),
+  an upper bound of what it needs; a program finds its sequence by binary search and exits if
+  its tile has no queries. The grid is therefore T // BLOCK_Q + S tiles, known without a sync.
+- Keys are visited in tiles of TILE_N positions, independent of the pool's block size: each key
+  position looks up its own block id, so a tile may span several pool blocks.
+- PARTITION_SIZE == 0: one program walks all keys the tile can see and writes the output.
+  PARTITION_SIZE > 0 (flash-decoding / split-KV): program p only walks keys
+  [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) and writes its unnormalised partial output
+  with its running max and sum; `merge_partitions_kernel` combines them. A long decode context
+  is thus spread over many programs instead of one serial walk.
+
+UPCAST_DOT: the Triton interpreter (CPU, triton 3.7) computes tl.dot on bf16 operands wrongly;
+there the operands are upcast to fp32 after the same bf16 rounding. Never set on GPU.
+
+Softmax runs in base 2 (qk_scale already includes log2(e)); statistics are fp32.
+"""
+import triton
+import triton.language as tl
+
+# Running max before any key was seen: finite, so that a row whose keys are all masked in this
+# partition gives exp2(-inf - EMPTY_MAX) = 0 and never inf - inf = nan.
+EMPTY_MAX = -1.0e30
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest s with query_start_loc[s] // BLOCK_Q + s <= tile (that start is strictly
+    increasing in s, and is 0 for s = 0)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    query_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, num_seqs, num_q_heads, num_partitions, layer_offset,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
+    BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # the sequence's first query sits at this position
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
+    in_group = rows % GROUP_PAD
+    head = kv_head * QUERIES_PER_KV + in_group
+    row_ok = (q_idx < q_len) & (in_group < QUERIES_PER_KV)
+    token = (q_start + q_idx).to(tl.int64)
+    q_pos = context_len + q_idx
+    d = tl.arange(0, DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: 0 .. position of its last query.
+    kv_stop = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    if PARTITION_SIZE > 0:
+        kv_lo = part * PARTITION_SIZE
+        kv_hi = tl.minimum(kv_stop, kv_lo + PARTITION_SIZE)
+    else:
+        kv_lo = 0
+        kv_hi = kv_stop
+
+    m_i = tl.full([BLOCK_M], EMPTY_MAX, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    k_base = kv_ptr + layer_offset + kv_head * stride_ch
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, TILE_N):
+        n = start + tl.arange(0, TILE_N)
+        n_ok = n < kv_hi
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs
+        k = tl.load(k_base + kv_off[None, :] + d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(k_base + stride_ckv + kv_off[:, None] + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        p = p.to(v.dtype)
+        if UPCAST_DOT:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    if PARTITION_SIZE > 0:
+        stat = (token * num_q_heads + head) * num_partitions + part
+        tl.store(part_max_ptr + stat, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + stat, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + stat[:, None] * HEAD_DIM + d[None, :], acc, mask=io_mask)
+    else:
+        # Every real row saw key 0, so l_i > 0 there; padded rows are not stored.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -1,0 +1,87 @@
+"""Write one step's new K/V into the paged KV pool.
+
+Pool layout (one contiguous tensor per worker, block-major):
+    kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+A slot id is `block_id * block_size + offset_in_block`; slot -1 means "do not store" (padding).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check, check_kv_cache
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, layer_offset,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    # One program per token: copies that token's K and V for every kv head.
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, DIM_PAD)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
+    dst = cache_ptr + layer_offset + block * stride_cb + offset * stride_cs + h * stride_ch + d
+    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_ckv, v, mask=mask)
+
+
+def _check_args(key, value, kv_cache, layer, slot_mapping) -> None:
+    check_kv_cache(kv_cache, layer)
+    _, _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    for name, x in (("key", key), ("value", value)):
+        check(x.dim() == 3 and tuple(x.shape[1:]) == (num_kv_heads, head_dim),
+              f"{name} must be [T, {num_kv_heads}, {head_dim}] to match kv_cache, got {tuple(x.shape)}")
+        check(x.dtype == kv_cache.dtype, f"{name} dtype {x.dtype} != kv_cache dtype {kv_cache.dtype}")
+        check(x.device == kv_cache.device, f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
+        check(x.stride(2) == 1, f"{name} must have a contiguous last dim, strides {x.stride()}")
+    check(key.shape[0] == value.shape[0], f"key has {key.shape[0]} tokens, value {value.shape[0]}")
+    check(slot_mapping.dim() == 1 and slot_mapping.shape[0] == key.shape[0],
+          f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    check(slot_mapping.dtype in (torch.int32, torch.int64),
+          f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    check(slot_mapping.device == kv_cache.device,
+          f"slot_mapping is on {slot_mapping.device}, kv_cache on {kv_cache.device}")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+             slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, num_kv_heads, head_dim] of layer `layer` at their slots (in place).
+
+    Slots < 0 are skipped. Slots must be distinct (apart from -1) and inside the pool; they are
+    not range-checked here (that would need a device sync)."""
+    _check_args(key, value, kv_cache, layer, slot_mapping)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _store_kv_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping, layer * kv_cache.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        BLOCK_SIZE=block_size, NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+def store_kv_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                       layer: int, slot_mapping: torch.Tensor) -> None:
+    """Plain-torch `store_kv` (same contract)."""
+    _check_args(key, value, kv_cache, layer, slot_mapping)
+    block_size = kv_cache.shape[3]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, layer, 0, offsets] = key[keep]
+    kv_cache[blocks, layer, 1, offsets] = value[keep]

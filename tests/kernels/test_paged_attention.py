@@ -1,0 +1,179 @@
+"""paged_attention (Triton) == paged_attention_reference (torch) == dense causal attention."""
+import importlib
+import math
+
+import pytest
+import torch
+
+from kernels import paged_attention, paged_attention_reference
+from paged_batch import MIXED, SeqSpec, dense_causal_attention, lay_out, make_logical
+
+# The package re-exports the function under the module's name; this is the module.
+pa = importlib.import_module("kernels.paged_attention")
+
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.5e-2, rtol=1.5e-2),
+}
+HEAD_DIM = 64
+SCALE = 1 / math.sqrt(HEAD_DIM)
+
+
+def _batch(specs=MIXED, *, gqa=3, num_kv_heads=3, dtype=torch.float32, block_size=16,
+           head_dim=HEAD_DIM, device="cpu", seed=0, **layout):
+    logical = make_logical(specs, num_q_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, dtype=dtype, device=device, seed=seed)
+    return lay_out(logical, block_size, **layout)
+
+
+def _run(batch, fn=paged_attention, scale=SCALE, **kw):
+    lb = batch.logical
+    return fn(*batch.args(), scale, lb.max_query_len, lb.max_seq_len, **kw)
+
+
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_reference_matches_dense_attention(gqa):
+    batch = _batch(gqa=gqa)
+    ref = _run(batch, paged_attention_reference)
+    torch.testing.assert_close(ref, dense_causal_attention(batch.logical, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_sees_wrong_block_table():
+    # The dense oracle can tell a broken layout apart: swapping two blocks of one sequence.
+    batch = _batch()
+    batch.block_tables[0, [0, 1]] = batch.block_tables[0, [1, 0]]
+    ref = _run(batch, paged_attention_reference)
+    assert not torch.allclose(ref, dense_causal_attention(batch.logical, SCALE), atol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_matches_reference_mixed_batch(dtype, gqa, block_size):
+    batch = _batch(gqa=gqa, dtype=dtype, block_size=block_size)
+    out = _run(batch)
+    assert out.dtype == dtype and out.shape == batch.logical.query.shape
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
+
+
+def test_block_size_invariance():
+    logical = make_logical(MIXED, num_q_heads=9, num_kv_heads=3, head_dim=HEAD_DIM)
+    out16 = _run(lay_out(logical, 16, unused_entry=0))
+    out32 = _run(lay_out(logical, 32, seed=7))
+    torch.testing.assert_close(out16, out32, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out16, dense_causal_attention(logical, SCALE), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("tile_n,block_size", [(16, 32), (32, 16), (64, 16)])
+def test_key_tiles_independent_of_block_size(tile_n, block_size):
+    batch = _batch(block_size=block_size)
+    torch.testing.assert_close(_run(batch, tile_n=tile_n), _run(batch, paged_attention_reference),
+                               **TOL[torch.float32])
+
+
+def test_odd_head_dim_and_kv_heads():
+    batch = _batch(gqa=2, num_kv_heads=2, head_dim=48, specs=MIXED[:3])
+    torch.testing.assert_close(_run(batch, scale=0.3), _run(batch, paged_attention_reference, scale=0.3),
+                               **TOL[torch.float32])
+
+
+class _MergeSpy:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = pa.merge_partitions
+
+        def spy(out, part_acc, part_max, part_sum):
+            self.calls.append(part_max.shape[2])
+            return real(out, part_acc, part_max, part_sum)
+
+        monkeypatch.setattr(pa, "merge_partitions", spy)
+
+
+DECODE = (SeqSpec(150, 1), SeqSpec(301, 1, share_from=0, shared_tokens=128), SeqSpec(77, 1), SeqSpec(1, 1))
+
+
+@pytest.mark.parametrize("dtype,partition_size", [(torch.float32, 32), (torch.float32, 80),
+                                                  (torch.float16, 64)])
+def test_split_kv_decode(monkeypatch, dtype, partition_size):
+    spy = _MergeSpy(monkeypatch)
+    batch = _batch(DECODE, dtype=dtype, block_size=16)
+    out = _run(batch, partition_size=partition_size)
+    assert spy.calls == [-(-301 // partition_size)], "split-KV path was not taken"
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
+    torch.testing.assert_close(out, _run(batch, partition_size=0), **TOL[dtype])
+
+
+def test_split_kv_mixed_batch(monkeypatch):
+    # Partitions also work when prefill chunks share the batch (rows whose keys all fall in
+    # later partitions contribute nothing there).
+    spy = _MergeSpy(monkeypatch)
+    batch = _batch(gqa=3, block_size=32)
+    out = _run(batch, partition_size=16)
+    assert spy.calls == [5]
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
+
+
+def test_maxima_read_from_device_when_omitted():
+    batch = _batch(MIXED[:4])
+    out = paged_attention(*batch.args(), SCALE)
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
+
+
+def test_empty_batch():
+    batch = _batch(MIXED[:1])
+    query = batch.logical.query[:0]
+    empty = torch.zeros(0, dtype=torch.int32)
+    out = paged_attention(query, batch.kv_cache, 1, batch.block_tables[:0], torch.zeros(1, dtype=torch.int32),
+                          empty, SCALE, 0, 0)
+    assert out.shape == (0, 9, HEAD_DIM)
+
+
+def test_auto_partition_heuristic(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    assert pa._auto_partition_size(torch.device("cpu"), 3, 100_000, 64) == 0
+    # A small decode batch with long contexts is split, in tile multiples, into <= 64 parts.
+    size = pa._auto_partition_size(cuda, 3, 32_768, 64)
+    assert size % 64 == 0 and 2 <= -(-32_768 // size) <= pa.MAX_PARTITIONS
+    assert pa._auto_partition_size(cuda, 1_000, 32_768, 64) == 0  # GPU already full
+    assert pa._auto_partition_size(cuda, 3, 300, 64) == 0  # context too short to split
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda a: a.update(query=a["query"][..., :32]), "query must be"),
+    (lambda a: a.update(query=a["query"].half()), "dtype"),
+    (lambda a: a.update(kv_cache=a["kv_cache"][:, :, 0]), "kv_cache must be"),
+    (lambda a: a.update(kv_cache=a["kv_cache"].transpose(0, 1)), "contiguous"),
+    (lambda a: a.update(layer=2), "layer 2 out of range"),
+    (lambda a: a.update(seq_lens=a["seq_lens"][:-1]), "query_start_loc must be"),
+    (lambda a: a.update(block_tables=a["block_tables"].float()), "int32/int64"),
+    (lambda a: a.update(block_tables=a["block_tables"][:, :2]), "block table capacity"),
+    (lambda a: a.update(query=a["query"][:, :8]), "multiple of num_kv_heads"),
+])
+def test_launcher_rejects_bad_arguments(mutate, message):
+    batch = _batch(MIXED[:3])
+    lb = batch.logical
+    args = dict(query=lb.query, kv_cache=batch.kv_cache, layer=1, block_tables=batch.block_tables,
+                query_start_loc=lb.query_start_loc, seq_lens=lb.seq_lens, scale=SCALE,
+                max_query_len=lb.max_query_len, max_seq_len=lb.max_seq_len)
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [None, 0, 512])
+def test_gpu_realistic_batch(dtype, partition_size):
+    gen = torch.Generator().manual_seed(0)
+    specs = []
+    for i in range(48):  # SmolLM2-135M shapes: 9 q heads, 3 kv heads, head_dim 64
+        seq_len = int(torch.randint(1, 4096, (1,), generator=gen))
+        q_len = 1 if i % 3 else min(seq_len, int(torch.randint(1, 512, (1,), generator=gen)))
+        specs.append(SeqSpec(seq_len, q_len))
+    specs.append(SeqSpec(16_384, 1))
+    specs.append(SeqSpec(2048 + 100, 100, share_from=len(specs) - 1, shared_tokens=2048))
+    batch = _batch(specs, dtype=dtype, device="cuda")
+    out = _run(batch, partition_size=partition_size)
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
