@@ -13,13 +13,32 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+import pytest  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The prepared default model (prepared once per machine; cached on disk)."""
+    from engine.models.prepare import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer():
+    """transformers' own GGUF->tokenizer conversion: an independent reference for ours."""
+    from transformers import AutoTokenizer
+
+    from engine.models.prepare import bundled_gguf_path
+
+    gguf = bundled_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

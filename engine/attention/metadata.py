@@ -1,0 +1,35 @@
+"""What one forward pass needs to know about the ragged batch, built by the model runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A step's T tokens from S sequences, laid out sequence after sequence.
+
+    Sequence s owns query rows `query_start_loc[s]:query_start_loc[s+1]`; those tokens sit at
+    positions `seq_lens[s] - query_len .. seq_lens[s] - 1` and attend causally to every key at
+    a position up to their own. Before attention, each layer stores the step's new K/V at
+    `slot_mapping` (slot = block_id * block_size + offset; -1 = do not store), so attention
+    reads all keys, cached and new, from the pool through `block_tables`.
+
+    Invariant (set by the model runner): sequences with one query token come first, so rows
+    `0:num_decodes` are one token each — backends batch them together.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [S, max_blocks] int32, rows padded with 0
+    query_lens_cpu: list[int]  # host copies: no device sync in backends' loops
+    seq_lens_cpu: list[int]
+    num_decodes: int  # leading sequences with exactly one query token
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,96 @@
+"""Attention in plain torch (CPU reference path; also runs on CUDA).
+
+The pool is addressed as pages: `kv_cache.view(-1, block_size, H, D)` where page
+`(block * num_layers + layer) * 2 + kv` is one layer's K (kv=0) or V (kv=1) of one block.
+`index_select`/`index_copy_` on that view are much cheaper than advanced indexing into the
+6-D pool."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
+    return kv_cache.view(-1, *kv_cache.shape[3:])  # [N * L * 2, B, H, D]
+
+
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_layers, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    rows = kv_cache.view(-1, *kv_cache.shape[4:])  # one row per (page, offset)
+    base = ((slot_mapping // block_size) * num_layers + layer) * 2 * block_size
+    offset = slot_mapping % block_size
+    rows.index_copy_(0, base + offset, key.to(kv_cache.dtype))
+    rows.index_copy_(0, base + block_size + offset, value.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks in `block_tables` ([..., nb]) as [..., nb * B, H, D] each."""
+    num_layers = kv_cache.shape[1]
+    pages = _pages(kv_cache)
+    k_pages = (block_tables.long() * num_layers + layer) * 2
+    shape = (*block_tables.shape[:-1], -1, *pages.shape[-2:])
+    k = pages.index_select(0, k_pages.flatten()).view(shape)
+    v = pages.index_select(0, (k_pages + 1).flatten()).view(shape)
+    return k, v
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Decodes batched in one padded SDPA call; prefill chunks one SDPA call per sequence."""
+
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale):
+        store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        nd = metadata.num_decodes
+        if nd:
+            out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale)
+        block_size = kv_cache.shape[3]
+        start = nd  # decode rows are one token each
+        for s in range(nd, metadata.num_seqs):
+            q_len, seq_len = metadata.query_lens_cpu[s], metadata.seq_lens_cpu[s]
+            num_blocks = -(-seq_len // block_size)
+            k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, :num_blocks])
+            k, v = k[:seq_len].transpose(0, 1), v[:seq_len].transpose(0, 1)  # [Hkv, L, D]
+            q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+            if q_len == seq_len:
+                mask, causal = None, True
+            else:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+                causal = False
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            )
+            out[start : start + q_len] = o[0].transpose(0, 1)
+            start += q_len
+        return out
+
+    @staticmethod
+    def _decode(query, kv_cache, layer, metadata: AttentionMetadata, scale):
+        nd = query.shape[0]
+        block_size = kv_cache.shape[3]
+        num_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
+        k, v = gather_kv(kv_cache, layer, metadata.block_tables[:nd, :num_blocks])
+        positions = torch.arange(num_blocks * block_size, device=query.device)
+        mask = (positions[None, :] < metadata.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        o = F.scaled_dot_product_attention(
+            query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )  # [nd, Hq, 1, D]
+        return o.squeeze(2)

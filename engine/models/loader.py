@@ -1,0 +1,108 @@
+"""Load a LLaMA model and its tokenizer from an HF-format directory or a GGUF file."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models.config import ModelArgs
+from engine.models.gguf_convert import ModelFileError, convert_gguf
+from engine.models.llama import Transformer, rope_cache
+from engine.models.prepare import default_model_dir
+from engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "default"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    args: ModelArgs
+    model_id: str  # what the OpenAI API reports; the directory or file name
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """`default` (or empty) means the bundled SmolLM2, prepared on first use."""
+    if str(model) in ("", DEFAULT_MODEL):
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelFileError(f"model path does not exist: {path}")
+    return path
+
+
+def _hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{model_dir} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF LLaMA names -> this module's names (q/k/v and gate/up fused)."""
+    out = {
+        "embed_tokens.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[f"layers.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
+        )
+        out[f"layers.{i}.self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
+        )
+        out[f"layers.{i}.mlp.down_proj.weight"] = hf[mlp + "down_proj.weight"]
+    return out
+
+
+def load_model(
+    model: str | Path = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    num_layers: int | None = None,
+) -> LoadedModel:
+    """Load weights + tokenizer. `num_layers` keeps only the first N layers (fast tests)."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        converted = convert_gguf(path)
+        config, hf_state = converted.config, converted.state_dict
+        tokenizer = Tokenizer(
+            converted.tokenizer_json, converted.tokenizer_config, converted.generation_config
+        )
+    else:
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelFileError(f"{path} is neither a GGUF file nor an HF model directory")
+        config = json.loads(config_file.read_text())
+        hf_state = _hf_state_dict(path)
+        tokenizer = Tokenizer.from_dir(path)
+    if num_layers is not None:
+        config = {**config, "num_hidden_layers": min(num_layers, config["num_hidden_layers"])}
+    args = ModelArgs.from_hf_config(config)
+    try:
+        state = _to_ours(hf_state, args)
+    except KeyError as exc:
+        raise ModelFileError(f"{path}: weight {exc} is missing") from exc
+
+    net = Transformer(args)  # parameters are uninitialised until the state dict lands
+    net.load_state_dict(state, strict=True, assign=True)
+    net = net.to(device=device, dtype=dtype)
+    # RoPE tables stay fp32 whatever the weights' dtype.
+    net.rope_cos, net.rope_sin = (t.to(device) for t in rope_cache(args))
+    net.eval().requires_grad_(False)
+    return LoadedModel(net, tokenizer, args, model_id=path.name)

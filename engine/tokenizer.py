@@ -1,0 +1,139 @@
+"""Tokenizer (HF `tokenizers`) and chat-template rendering (jinja2, the template shipped with
+the model). Stateless after construction; safe to share between threads."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered with the model's chat template."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos: str | None
+    eos: str | None
+    pad: str | None
+    unk: str | None
+
+
+class Tokenizer:
+    """Encodes/decodes text and renders chat conversations for one model."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+    ) -> None:
+        self._tok = _HFTokenizer.from_str(tokenizer_json)
+        cfg = tokenizer_config
+        self.special = SpecialTokens(
+            bos=_token_text(cfg.get("bos_token")),
+            eos=_token_text(cfg.get("eos_token")),
+            pad=_token_text(cfg.get("pad_token")),
+            unk=_token_text(cfg.get("unk_token")),
+        )
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.chat_template: str | None = cfg.get("chat_template")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = self.token_id(self.special.eos) if self.special.eos else None
+        self.bos_token_id = self.token_id(self.special.bos) if self.special.bos else None
+        # Ids that end generation: the tokenizer's eos plus generation_config's eos list.
+        stop = set() if self.eos_token_id is None else {self.eos_token_id}
+        gen_eos = (generation_config or {}).get("eos_token_id")
+        stop.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+        self.stop_token_ids: frozenset[int] = frozenset(stop)
+        self._special_ids = frozenset(
+            self._tok.token_to_id(t.content)
+            for t in self._tok.get_added_tokens_decoder().values()
+            if t.special
+        )
+        self._template = (
+            _environment().from_string(self.chat_template) if self.chat_template else None
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "Tokenizer":
+        gen_path = model_dir / "generation_config.json"
+        cfg_path = model_dir / "tokenizer_config.json"
+        return cls(
+            (model_dir / "tokenizer.json").read_text(),
+            json.loads(cfg_path.read_text()) if cfg_path.is_file() else {},
+            json.loads(gen_path.read_text()) if gen_path.is_file() else None,
+        )
+
+    def token_id(self, token: str) -> int:
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise KeyError(f"token {token!r} is not in the vocabulary")
+        return token_id
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token text (e.g. `<|im_start|>`) maps to its id."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The model's chat template applied to `messages`, as text."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.special.bos or "",
+                eos_token=self.special.eos or "",
+                pad_token=self.special.pad or "",
+                unk_token=self.special.unk or "",
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError) as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} form of tokenizer_config.json
+        return value.get("content")
+    return value
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    # The same rendering rules HF uses for chat templates.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+    return env
