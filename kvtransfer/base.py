@@ -1,0 +1,263 @@
+"""The KV transfer interface: a backend owning one worker's pool, a sender and a receiver.
+
+Life cycle of a transfer (decode-driven push):
+
+  decode worker D                                  prefill worker P
+  ---------------                                  ----------------
+  backend.register_pool(kv_cache, compat)          backend.register_pool(kv_cache, compat)
+  publish backend.metadata().to_bytes()  ------->  backend.add_peer(metadata_bytes)  (ahead of
+                                                   time: compat check + warm connection)
+  receiver.expect(tid, [d1..dn], deadline=T)
+  send P: tid, D's agent name, [d1..dn]  ------->  after each engine step:
+                                                     sender.send(tid, D, [(p_i, d_i), ...],
+                                                                 final=last_batch)
+  every engine step: receiver.poll()               every engine step: sender.poll()
+    -> TransferResult(tid, COMPLETE | TIMEOUT        -> TransferResult(tid, COMPLETE | ...):
+       | CANCELLED | ERROR)                             P may now reuse its source blocks
+
+Contract shared by every implementation:
+
+* Nothing blocks the engine loop: `send`, `expect`, `cancel` and `poll` return promptly (a
+  backend that copies with the CPU, like NIXL over CMA, copies one batch inside `send`). No
+  method sleeps or spins; `kvtransfer.polling.wait_for` is the blocking helper for callers
+  that want one.
+* Every request ends in exactly one terminal status, reported exactly once by `poll()`; after
+  that the implementation holds nothing for it (no handles, no block ids). Failures of the
+  transfer itself (peer died, deadline passed) are reported this way, never raised.
+* Programming errors raise at the call (see `kvtransfer.errors`) and leave no state behind.
+* Request ids are transfer-attempt ids: an id that is in flight, or finished among the last
+  `KVTransferConfig.recent_ids`, is refused with DuplicateRequestError. Retry with a new id.
+* Deadlines are absolute `time.monotonic()` values of the calling process.
+* Implementations are safe to call from several threads (one internal lock), but are
+  designed for one caller: the worker's engine loop.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.compat import KVCompat
+from kvtransfer.metadata import PeerMetadata
+from kvtransfer.metrics import TransferMetrics
+
+
+class TransferStatus(enum.IntEnum):
+    """Status of one request's transfer; everything above PENDING is terminal."""
+
+    PENDING = 0
+    COMPLETE = 1
+    TIMEOUT = 2
+    CANCELLED = 3
+    ERROR = 4
+
+    @property
+    def finished(self) -> bool:
+        return self > TransferStatus.PENDING
+
+    @property
+    def failed(self) -> bool:
+        return self > TransferStatus.COMPLETE
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """The terminal outcome of one request, as reported once by `poll()`."""
+
+    request_id: str
+    status: TransferStatus
+    peer: str | None
+    """The other side's agent name (None if a receiver never heard from any sender)."""
+    num_blocks: int
+    """Blocks written (sender) / landed (receiver) — on success, all of them."""
+    num_bytes: int
+    elapsed_s: float
+    """From the first `send` / from `expect` until the terminal status."""
+    error: str = ""
+    """Why it failed; empty on success."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Settings of one worker's transfer backend (part of the worker's frozen config)."""
+
+    agent_name: str | None = None
+    """Unique agent name in the cluster; None picks 'pdserve-<random>'."""
+    default_timeout_s: float = 30.0
+    """Deadline, relative to the first call, of requests given no explicit deadline."""
+    recent_ids: int = 4096
+    """Finished request ids remembered per side, to refuse reuse and drop late notifications."""
+    ucx_net_devices: str | None = "lo"
+    """Value for UCX_NET_DEVICES when the environment does not set it ('lo': one host).
+    Multi-host clusters set the variable (e.g. 'mlx5_0:1' or 'all') or this field to None."""
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    """NIXL backend plugins to instantiate."""
+    nixl_progress_thread: bool = False
+    """NIXL's own progress thread; it spins without delay, so off by default (worker polls)."""
+
+
+class KVSender(ABC):
+    """Writes (local block -> remote block) pairs of a request into a peer's pool.
+
+    A request is opened by its first `send` and is PENDING until its final batch and every
+    earlier batch have completed locally (data written, notifications sent); then it is
+    COMPLETE and its source blocks may be reused. It fails with ERROR if a write fails or the
+    peer disconnects, TIMEOUT if not complete by its deadline, CANCELLED after `cancel`. After
+    a failure no further batch of the request is posted and all its handles are released.
+    """
+
+    metrics: TransferMetrics
+
+    @abstractmethod
+    def send(
+        self,
+        request_id: str,
+        peer: str,
+        pairs: Sequence[tuple[int, int]],
+        *,
+        final: bool,
+        deadline: float | None = None,
+    ) -> None:
+        """Post one batch of writes, asynchronously.
+
+        `pairs` are (local block id, remote block id); each remote block at most once per
+        request. The batch's notification tells the receiver which remote blocks landed; the
+        final batch's notification also carries the request's total block count (it may
+        have no pairs). `deadline` is taken from the first batch only. Raises UnknownPeerError,
+        BlockRangeError, DuplicateRequestError (id finished recently) or RequestStateError
+        (batch after the final one) without posting anything. A batch for a request that has
+        already failed but was not yet reported is ignored.
+        """
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Advance outstanding writes; return the requests that finished since the last call."""
+
+    @abstractmethod
+    def status(self, request_id: str) -> TransferStatus | None:
+        """Current status; None if the request is unknown or was already reported."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Stop a pending request (reported CANCELLED by the next poll). False if not pending."""
+
+    @property
+    @abstractmethod
+    def num_active(self) -> int:
+        """Requests opened and not yet reported by `poll()`."""
+
+    @property
+    @abstractmethod
+    def num_outstanding_writes(self) -> int:
+        """Posted batch writes not yet completed and released (0 when idle: nothing leaked)."""
+
+
+class KVReceiver(ABC):
+    """Tracks, per request, which expected blocks of the local pool have landed.
+
+    A request is opened by `expect`. Each batch notification names the blocks it wrote; the
+    data of a batch is in the pool when its notification arrives. The request is COMPLETE only
+    when every expected block has landed AND the final notification arrived announcing exactly
+    that many blocks. It is TIMEOUT at its deadline otherwise (partially landed blocks are
+    never reported complete), ERROR if a notification names an unexpected or repeated block,
+    a wrong total, or comes from a second sender, CANCELLED after `cancel`. Notifications
+    for unknown or finished requests are dropped and counted.
+    """
+
+    metrics: TransferMetrics
+
+    @abstractmethod
+    def expect(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        deadline: float | None = None,
+        peer: str | None = None,
+    ) -> None:
+        """Register that `request_id` will write into `block_ids` of our pool.
+
+        Must be called before the sender is told the block ids. `peer` (optional) binds the
+        request to one sender agent. Raises BlockRangeError for ids outside the pool, repeated
+        ids, or ids already expected by another pending request; DuplicateRequestError for an
+        id in flight or finished recently.
+        """
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Read notifications, apply deadlines; return requests finished since the last call."""
+
+    @abstractmethod
+    def status(self, request_id: str) -> TransferStatus | None:
+        """Current status; None if the request is unknown or was already reported."""
+
+    @abstractmethod
+    def progress(self, request_id: str) -> tuple[int, int]:
+        """(blocks landed, blocks expected) of a request that is not yet reported."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> bool:
+        """Stop waiting (reported CANCELLED by the next poll). False if not pending.
+
+        Writes already in flight from the sender may still land in the blocks; the gRPC layer
+        tells the sender to stop (its `cancel`)."""
+
+    @property
+    @abstractmethod
+    def num_active(self) -> int:
+        """Requests expected and not yet reported by `poll()`."""
+
+
+class KVTransferBackend(ABC):
+    """One worker's transfer agent: its registered pool, its peers, its sender and receiver."""
+
+    @property
+    @abstractmethod
+    def agent_name(self) -> str: ...
+
+    @abstractmethod
+    def register_pool(self, kv_cache: Any, compat: KVCompat) -> PeerMetadata:
+        """Register the worker's KV pool (CPU or CUDA tensor) once; return our metadata.
+
+        Raises PoolError if the tensor does not match `compat` or a pool is registered."""
+
+    @abstractmethod
+    def metadata(self) -> PeerMetadata:
+        """Our metadata (publish `.to_bytes()`); PoolError before `register_pool`."""
+
+    @abstractmethod
+    def add_peer(self, metadata: PeerMetadata | bytes) -> str:
+        """Load a peer's metadata and connect ahead of the first transfer; return its name.
+
+        Raises MetadataError (malformed, other backend, our own name) or IncompatiblePeerError
+        (KV layout differs). Idempotent for identical metadata; new metadata under a known
+        name (a restarted peer) replaces the old one, failing requests still in flight to it.
+        """
+
+    @abstractmethod
+    def remove_peer(self, name: str) -> None:
+        """Disconnect a peer; pending sends to it fail with ERROR. Unknown names are ignored."""
+
+    @abstractmethod
+    def peers(self) -> list[str]:
+        """Names of the peers currently added."""
+
+    @property
+    @abstractmethod
+    def sender(self) -> KVSender: ...
+
+    @property
+    @abstractmethod
+    def receiver(self) -> KVReceiver: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every handle, peer and registration. Idempotent."""
+
+    def __enter__(self) -> KVTransferBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
