@@ -2,15 +2,20 @@
 
 The references are what the CPU attention backend runs; the kernels run on GPU (or under
 TRITON_INTERPRET=1 on CPU, which must be set before this package is imported)."""
-from kernels.paged_attention import paged_attention, paged_attention_reference
+from kernels.paged_attention import (
+    AttentionPlan,
+    paged_attention,
+    paged_attention_reference,
+    plan_paged_attention,
+)
 from kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference, rope_cos_sin_cache
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.store_kv import store_kv, store_kv_reference
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_reference", "apply_rope", "apply_rope_reference",
-    "paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference",
+    "AttentionPlan", "add_rms_norm", "add_rms_norm_reference", "apply_rope", "apply_rope_reference",
+    "paged_attention", "paged_attention_reference", "plan_paged_attention", "rms_norm", "rms_norm_reference",
     "rope_cos_sin_cache", "silu_and_mul", "silu_and_mul_reference", "store_kv",
     "store_kv_reference",
 ]

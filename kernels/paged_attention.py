@@ -16,6 +16,7 @@ Returns [T, num_q_heads, head_dim] in query's dtype; softmax statistics are fp32
 """
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -74,6 +75,40 @@ def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: i
     return triton.cdiv(triton.cdiv(max_seq_len, parts), tile_n) * tile_n
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """How `paged_attention` cuts a batch into programs (see paged_attention_kernel's doc)."""
+
+    group_pad: int  # query heads per kv head, padded to a power of two
+    block_q: int  # query tokens per tile
+    block_m: int  # rows per tile = block_q * group_pad (>= 16 for tl.dot)
+    tile_n: int  # keys per inner-loop step
+    num_tiles: int  # grid axis 0: T // block_q + S (tiles without queries exit at once)
+    partition_size: int  # keys per split-KV partition; 0 = no split
+    num_partitions: int  # grid axis 2
+
+
+def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, num_q_heads: int,
+                         num_kv_heads: int, head_dim: int, max_query_len: int, max_seq_len: int,
+                         partition_size: int | None = None, tile_n: int | None = None) -> AttentionPlan:
+    """Tile sizes and the split-KV decision, from host-side sizes only (no device sync)."""
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    # Rows per program: up to 64 (token, head) pairs, at least 16 (tl.dot's minimum).
+    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
+    block_m = max(16, block_q * group_pad)
+    block_q = block_m // group_pad
+    if tile_n is None:
+        tile_n = 64 if triton.next_power_of_2(head_dim) <= 64 else 32
+    check(tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n must be a power of two >= 16, got {tile_n}")
+    num_tiles = num_tokens // block_q + num_seqs
+    busy_tiles = num_seqs if max_query_len <= block_q else num_tiles
+    if partition_size is None:
+        partition_size = _auto_partition_size(device, busy_tiles * num_kv_heads, max_seq_len, tile_n)
+    check(partition_size >= 0, f"partition_size must be >= 0, got {partition_size}")
+    num_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size > 0 else 1
+    return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
@@ -102,22 +137,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
           f"max_seq_len {max_seq_len} exceeds block table capacity "
           f"{block_tables.shape[1]} blocks x {block_size}")
 
-    queries_per_kv = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(queries_per_kv)
-    dim_pad = triton.next_power_of_2(head_dim)
-    # Rows per program: up to 64 (token, head) pairs, at least 16 (tl.dot's minimum).
-    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
-    block_m = max(16, block_q * group_pad)
-    block_q = block_m // group_pad
-    if tile_n is None:
-        tile_n = 64 if dim_pad <= 64 else 32
-    check(tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n must be a power of two >= 16, got {tile_n}")
-    num_tiles = num_tokens // block_q + num_seqs
-    busy_tiles = num_seqs if max_query_len <= block_q else num_tiles
-    if partition_size is None:
-        partition_size = _auto_partition_size(query.device, busy_tiles * num_kv_heads, max_seq_len, tile_n)
-    check(partition_size >= 0, f"partition_size must be >= 0, got {partition_size}")
-    num_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size > 0 else 1
+    plan = plan_paged_attention(query.device, num_tokens, num_seqs, num_q_heads, num_kv_heads,
+                                head_dim, max_query_len, max_seq_len, partition_size, tile_n)
+    partition_size, num_partitions = plan.partition_size, plan.num_partitions
     if partition_size > 0:
         part_max = torch.empty((num_tokens, num_q_heads, num_partitions), dtype=torch.float32,
                                device=query.device)
@@ -127,16 +149,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     else:
         part_max = part_sum = part_acc = out  # unused by the kernel
 
-    paged_attention_kernel[(num_tiles, num_kv_heads, num_partitions)](
+    paged_attention_kernel[(plan.num_tiles, num_kv_heads, num_partitions)](
         out, part_acc, part_max, part_sum,
         query, kv_cache, block_tables, query_start_loc, seq_lens,
-        scale * LOG2E, num_seqs, num_q_heads, num_partitions, layer * kv_cache.stride(1),
+        scale * LOG2E, num_seqs, num_q_heads, num_partitions, partition_size, layer * kv_cache.stride(1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, QUERIES_PER_KV=queries_per_kv, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        PARTITION_SIZE=partition_size,
+        BLOCK_SIZE=block_size, QUERIES_PER_KV=num_q_heads // num_kv_heads, GROUP_PAD=plan.group_pad,
+        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, TILE_N=plan.tile_n, HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        SPLIT_KV=partition_size > 0,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
     )

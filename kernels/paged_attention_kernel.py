@@ -10,11 +10,12 @@ Work decomposition (grid = (query tiles, kv heads, KV partitions)):
   its tile has no queries. The grid is therefore T // BLOCK_Q + S tiles, known without a sync.
 - Keys are visited in tiles of TILE_N positions, independent of the pool's block size: each key
   position looks up its own block id, so a tile may span several pool blocks.
-- PARTITION_SIZE == 0: one program walks all keys the tile can see and writes the output.
-  PARTITION_SIZE > 0 (flash-decoding / split-KV): program p only walks keys
-  [p * PARTITION_SIZE, (p + 1) * PARTITION_SIZE) and writes its unnormalised partial output
+- SPLIT_KV off: one program walks all keys the tile can see and writes the output.
+  SPLIT_KV on (flash-decoding): program p only walks keys
+  [p * partition_size, (p + 1) * partition_size) and writes its unnormalised partial output
   with its running max and sum; `merge_partitions_kernel` combines them. A long decode context
-  is thus spread over many programs instead of one serial walk.
+  is thus spread over many programs instead of one serial walk. partition_size is a runtime
+  argument so that a size chosen per step does not trigger a recompilation.
 
 UPCAST_DOT: the Triton interpreter (CPU, triton 3.7) computes tl.dot on bf16 operands wrongly;
 there the operands are upcast to fp32 after the same bf16 rounding. Never set on GPU.
@@ -49,12 +50,12 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, num_seqs, num_q_heads, num_partitions, layer_offset,
+    qk_scale, num_seqs, num_q_heads, num_partitions, partition_size, layer_offset,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -86,9 +87,9 @@ def paged_attention_kernel(
 
     # Keys this tile can see: 0 .. position of its last query.
     kv_stop = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
-    if PARTITION_SIZE > 0:
-        kv_lo = part * PARTITION_SIZE
-        kv_hi = tl.minimum(kv_stop, kv_lo + PARTITION_SIZE)
+    if SPLIT_KV:
+        kv_lo = part * partition_size
+        kv_hi = tl.minimum(kv_stop, kv_lo + partition_size)
     else:
         kv_lo = 0
         kv_hi = kv_stop
@@ -123,7 +124,7 @@ def paged_attention_kernel(
         m_i = m_new
 
     io_mask = row_ok[:, None] & d_ok[None, :]
-    if PARTITION_SIZE > 0:
+    if SPLIT_KV:
         stat = (token * num_q_heads + head) * num_partitions + part
         tl.store(part_max_ptr + stat, m_i, mask=row_ok)
         tl.store(part_sum_ptr + stat, l_i, mask=row_ok)

@@ -33,15 +33,15 @@ def _run(batch, fn=paged_attention, scale=SCALE, **kw):
 
 
 @pytest.mark.parametrize("gqa", [1, 3])
-def test_reference_matches_dense_attention(gqa):
-    batch = _batch(gqa=gqa)
+def test_reference_matches_dense_attention(gqa, device):
+    batch = _batch(gqa=gqa, device=device)
     ref = _run(batch, paged_attention_reference)
     torch.testing.assert_close(ref, dense_causal_attention(batch.logical, SCALE), atol=1e-5, rtol=1e-5)
 
 
-def test_reference_sees_wrong_block_table():
+def test_reference_sees_wrong_block_table(device):
     # The dense oracle can tell a broken layout apart: swapping two blocks of one sequence.
-    batch = _batch()
+    batch = _batch(device=device)
     batch.block_tables[0, [0, 1]] = batch.block_tables[0, [1, 0]]
     ref = _run(batch, paged_attention_reference)
     assert not torch.allclose(ref, dense_causal_attention(batch.logical, SCALE), atol=1e-3)
@@ -50,15 +50,15 @@ def test_reference_sees_wrong_block_table():
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_kernel_matches_reference_mixed_batch(dtype, gqa, block_size):
-    batch = _batch(gqa=gqa, dtype=dtype, block_size=block_size)
+def test_kernel_matches_reference_mixed_batch(dtype, gqa, block_size, device):
+    batch = _batch(gqa=gqa, dtype=dtype, block_size=block_size, device=device)
     out = _run(batch)
     assert out.dtype == dtype and out.shape == batch.logical.query.shape
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
 
 
-def test_block_size_invariance():
-    logical = make_logical(MIXED, num_q_heads=9, num_kv_heads=3, head_dim=HEAD_DIM)
+def test_block_size_invariance(device):
+    logical = make_logical(MIXED, num_q_heads=9, num_kv_heads=3, head_dim=HEAD_DIM, device=device)
     out16 = _run(lay_out(logical, 16, unused_entry=0))
     out32 = _run(lay_out(logical, 32, seed=7))
     torch.testing.assert_close(out16, out32, atol=1e-6, rtol=1e-6)
@@ -66,14 +66,14 @@ def test_block_size_invariance():
 
 
 @pytest.mark.parametrize("tile_n,block_size", [(16, 32), (32, 16), (64, 16)])
-def test_key_tiles_independent_of_block_size(tile_n, block_size):
-    batch = _batch(block_size=block_size)
+def test_key_tiles_independent_of_block_size(tile_n, block_size, device):
+    batch = _batch(block_size=block_size, device=device)
     torch.testing.assert_close(_run(batch, tile_n=tile_n), _run(batch, paged_attention_reference),
                                **TOL[torch.float32])
 
 
-def test_odd_head_dim_and_kv_heads():
-    batch = _batch(gqa=2, num_kv_heads=2, head_dim=48, specs=MIXED[:3])
+def test_odd_head_dim_and_kv_heads(device):
+    batch = _batch(gqa=2, num_kv_heads=2, head_dim=48, specs=MIXED[:3], device=device)
     torch.testing.assert_close(_run(batch, scale=0.3), _run(batch, paged_attention_reference, scale=0.3),
                                **TOL[torch.float32])
 
@@ -95,37 +95,37 @@ DECODE = (SeqSpec(150, 1), SeqSpec(301, 1, share_from=0, shared_tokens=128), Seq
 
 @pytest.mark.parametrize("dtype,partition_size", [(torch.float32, 32), (torch.float32, 80),
                                                   (torch.float16, 64)])
-def test_split_kv_decode(monkeypatch, dtype, partition_size):
+def test_split_kv_decode(monkeypatch, dtype, partition_size, device):
     spy = _MergeSpy(monkeypatch)
-    batch = _batch(DECODE, dtype=dtype, block_size=16)
+    batch = _batch(DECODE, dtype=dtype, block_size=16, device=device)
     out = _run(batch, partition_size=partition_size)
     assert spy.calls == [-(-301 // partition_size)], "split-KV path was not taken"
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
     torch.testing.assert_close(out, _run(batch, partition_size=0), **TOL[dtype])
 
 
-def test_split_kv_mixed_batch(monkeypatch):
+def test_split_kv_mixed_batch(monkeypatch, device):
     # Partitions also work when prefill chunks share the batch (rows whose keys all fall in
     # later partitions contribute nothing there).
     spy = _MergeSpy(monkeypatch)
-    batch = _batch(gqa=3, block_size=32)
+    batch = _batch(gqa=3, block_size=32, device=device)
     out = _run(batch, partition_size=16)
     assert spy.calls == [5]
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
 
 
-def test_maxima_read_from_device_when_omitted():
-    batch = _batch(MIXED[:4])
+def test_maxima_read_from_device_when_omitted(device):
+    batch = _batch(MIXED[:4], device=device)
     out = paged_attention(*batch.args(), SCALE)
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
 
 
-def test_empty_batch():
-    batch = _batch(MIXED[:1])
+def test_empty_batch(device):
+    batch = _batch(MIXED[:1], device=device)
     query = batch.logical.query[:0]
-    empty = torch.zeros(0, dtype=torch.int32)
-    out = paged_attention(query, batch.kv_cache, 1, batch.block_tables[:0], torch.zeros(1, dtype=torch.int32),
-                          empty, SCALE, 0, 0)
+    empty = torch.zeros(0, dtype=torch.int32, device=device)
+    out = paged_attention(query, batch.kv_cache, 1, batch.block_tables[:0],
+                          torch.zeros(1, dtype=torch.int32, device=device), empty, SCALE, 0, 0)
     assert out.shape == (0, 9, HEAD_DIM)
 
 
@@ -151,8 +151,8 @@ def test_auto_partition_heuristic(monkeypatch):
     (lambda a: a.update(block_tables=a["block_tables"][:, :2]), "block table capacity"),
     (lambda a: a.update(query=a["query"][:, :8]), "multiple of num_kv_heads"),
 ])
-def test_launcher_rejects_bad_arguments(mutate, message):
-    batch = _batch(MIXED[:3])
+def test_launcher_rejects_bad_arguments(mutate, message, device):
+    batch = _batch(MIXED[:3], device=device)
     lb = batch.logical
     args = dict(query=lb.query, kv_cache=batch.kv_cache, layer=1, block_tables=batch.block_tables,
                 query_start_loc=lb.query_start_loc, seq_lens=lb.seq_lens, scale=SCALE,

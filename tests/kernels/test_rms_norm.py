@@ -35,14 +35,14 @@ def test_reference_matches_hf_formula(dtype):
 
 @pytest.mark.parametrize("hidden", [576, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_reference(dtype, hidden):
-    x, _, weight = _inputs(7, hidden, dtype)
+def test_rms_norm_matches_reference(dtype, hidden, device):
+    x, _, weight = _inputs(7, hidden, dtype, device)
     torch.testing.assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_add_rms_norm_matches_reference(dtype):
-    x, residual, weight = _inputs(5, 576, dtype)
+def test_add_rms_norm_matches_reference(dtype, device):
+    x, residual, weight = _inputs(5, 576, dtype, device)
     x_before, residual_before = x.clone(), residual.clone()
     normed, summed = add_rms_norm(x, residual, weight, EPS)
     ref_normed, ref_summed = add_rms_norm_reference(x, residual, weight, EPS)
@@ -51,8 +51,8 @@ def test_add_rms_norm_matches_reference(dtype):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before), "inputs modified"
 
 
-def test_strided_and_batched_input():
-    x, _, weight = _inputs(6, 2 * 576, torch.float32)
+def test_strided_and_batched_input(device):
+    x, _, weight = _inputs(6, 2 * 576, torch.float32, device)
     x = x[:, ::2].reshape(2, 3, 576)  # non-contiguous, 3-D
     out = rms_norm(x, weight[:576].contiguous(), EPS)
     assert out.shape == (2, 3, 576)

@@ -41,24 +41,24 @@ def test_reference_matches_hf_formula():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(dtype):
-    cache = rope_cos_sin_cache(HEAD_DIM, 2048, THETA)
-    qkv, q, k, positions = _qk(13, dtype)
-    ref_qkv, ref_q, ref_k, _ = _qk(13, dtype)
+def test_kernel_matches_reference(dtype, device):
+    cache = rope_cos_sin_cache(HEAD_DIM, 2048, THETA, device)
+    qkv, q, k, positions = _qk(13, dtype, device)
+    ref_qkv, ref_q, ref_k, _ = _qk(13, dtype, device)
     apply_rope(q, k, positions, cache)
     apply_rope_reference(ref_q, ref_k, positions, cache)
     torch.testing.assert_close(qkv, ref_qkv, **TOL[dtype])  # v (the tail) untouched by both
-    assert torch.equal(qkv[:, 12 * HEAD_DIM:], _qk(13, dtype)[0][:, 12 * HEAD_DIM:])
+    assert torch.equal(qkv[:, 12 * HEAD_DIM:], _qk(13, dtype, device)[0][:, 12 * HEAD_DIM:])
 
 
-def test_partial_rotary_dim_leaves_tail():
-    cache = rope_cos_sin_cache(32, 2048, THETA)
-    qkv, q, k, positions = _qk(4, torch.float32, num_q_heads=2, num_kv_heads=1)
-    ref_qkv, ref_q, ref_k, _ = _qk(4, torch.float32, num_q_heads=2, num_kv_heads=1)
+def test_partial_rotary_dim_leaves_tail(device):
+    cache = rope_cos_sin_cache(32, 2048, THETA, device)
+    qkv, q, k, positions = _qk(4, torch.float32, device, num_q_heads=2, num_kv_heads=1)
+    ref_qkv, ref_q, ref_k, _ = _qk(4, torch.float32, device, num_q_heads=2, num_kv_heads=1)
     apply_rope(q, k, positions, cache)
     apply_rope_reference(ref_q, ref_k, positions, cache)
     torch.testing.assert_close(qkv, ref_qkv, **TOL[torch.float32])
-    assert torch.equal(q[..., 32:], _qk(4, torch.float32, num_q_heads=2, num_kv_heads=1)[1][..., 32:])
+    assert torch.equal(q[..., 32:], _qk(4, torch.float32, device, num_q_heads=2, num_kv_heads=1)[1][..., 32:])
 
 
 def test_rejects_bad_arguments():

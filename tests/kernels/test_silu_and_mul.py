@@ -21,15 +21,15 @@ def test_reference_matches_hf_formula():
 
 @pytest.mark.parametrize("intermediate", [1536, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_matches_reference(dtype, intermediate):
-    x = _x(3, intermediate, dtype)
+def test_kernel_matches_reference(dtype, intermediate, device):
+    x = _x(3, intermediate, dtype, device)
     out = silu_and_mul(x)
     assert out.shape == (3, intermediate) and out.dtype == dtype
     torch.testing.assert_close(out, silu_and_mul_reference(x), **TOL[dtype])
 
 
-def test_batched_strided_input():
-    x = _x(4, 2 * 48, torch.float32)[:, ::2].reshape(2, 2, 96)
+def test_batched_strided_input(device):
+    x = _x(4, 2 * 48, torch.float32, device)[:, ::2].reshape(2, 2, 96)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_reference(x), **TOL[torch.float32])
 
 

@@ -29,9 +29,9 @@ def _step(num_tokens, dtype=torch.float32, device="cpu", block_size=BLOCK_SIZE, 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(dtype, slot_dtype):
-    key, value, slots = _step(21, dtype)
-    expected, actual = _pool(dtype), _pool(dtype)
+def test_kernel_matches_reference(dtype, slot_dtype, device):
+    key, value, slots = _step(21, dtype, device)
+    expected, actual = _pool(dtype, device), _pool(dtype, device)
     store_kv_reference(key, value, expected, 1, slots.to(slot_dtype))
     store_kv(key, value, actual, 1, slots.to(slot_dtype))
     assert torch.equal(actual, expected)
@@ -56,9 +56,9 @@ def test_reference_places_tokens_and_skips_minus_one():
     assert written.sum() == (slots >= 0).sum()
 
 
-def test_all_slots_skipped_and_empty_step():
-    key, value, slots = _step(5)
-    pool = _pool()
+def test_all_slots_skipped_and_empty_step(device):
+    key, value, slots = _step(5, device=device)
+    pool = _pool(device=device)
     before = pool.clone()
     store_kv(key, value, pool, 0, torch.full_like(slots, -1))
     store_kv(key[:0], value[:0], pool, 0, slots[:0])
