@@ -18,21 +18,26 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.greedy import greedy_generate
-    from engine.models.loader import load_model
+    from engine import LLM, EngineConfig, SamplingParams
 
-    loaded = load_model(args.model)
-    tok = loaded.tokenizer
-    if args.chat:
-        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        ids = tok.encode(args.prompt, add_special_tokens=True)
-    out = greedy_generate(loaded, ids, args.max_tokens)
-    print(tok.decode(out, skip_special_tokens=True))
+    llm = LLM.from_config(EngineConfig.from_args(args))
+    tok = llm.tokenizer
+    prompts = [
+        tok.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt
+    ]
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+        max_tokens=args.max_tokens, n=args.n,
+    )
+    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+        for completion in out.outputs:
+            print(completion.text)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.config import add_engine_args
+
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving."
     )
@@ -46,14 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: $PDSERVE_CACHE/models/<name>)")
     p.set_defaults(func=_prepare_model)
 
-    p = sub.add_parser("generate", help="offline generation for one prompt, printed to stdout")
-    p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    p.add_argument(
-        "--model", default="default",
-        help="HF-format LLaMA directory or GGUF file (default: bundled SmolLM2-135M-Instruct)",
+    p = sub.add_parser(
+        "generate", help="offline generation with the paged engine; completions to stdout"
     )
+    p.add_argument("--prompt", required=True, action="append",
+                   help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed for sampling")
+    add_engine_args(p)
     p.set_defaults(func=_generate)
     return parser
 

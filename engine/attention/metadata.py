@@ -33,3 +33,22 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @classmethod
+    def single_sequence(
+        cls, start: int, num_new: int, block_size: int, num_blocks: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Positions start..start+num_new-1 of one sequence stored in blocks 0..num_blocks-1."""
+        seq_len = start + num_new
+        return cls(
+            slot_mapping=torch.arange(start, seq_len, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, num_new], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+            query_lens_cpu=[num_new],
+            seq_lens_cpu=[seq_len],
+            num_decodes=1 if num_new == 1 else 0,
+            max_query_len=num_new,
+            max_seq_len=seq_len,
+        )

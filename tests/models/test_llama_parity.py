@@ -3,8 +3,8 @@ weights: logits (fp32, max abs diff <= 1e-3) and 32-token greedy continuations."
 import pytest
 import torch
 
-from engine.greedy import greedy_generate, single_sequence_metadata
-from engine.attention import TorchAttentionBackend
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, TorchAttentionBackend
 from engine.models.llama import ForwardContext
 from engine.models.loader import load_model
 
@@ -29,7 +29,7 @@ def _our_logits(loaded, ids):
     n = len(ids)
     num_blocks = -(-n // 16)
     kv = torch.zeros(num_blocks, args.n_layers, 2, 16, args.n_kv_heads, args.head_dim)
-    meta = single_sequence_metadata(0, n, 16, num_blocks)
+    meta = AttentionMetadata.single_sequence(0, n, 16, num_blocks)
     return loaded.model(
         torch.tensor(ids), torch.arange(n), ForwardContext(TorchAttentionBackend(), kv, meta)
     )
@@ -37,6 +37,7 @@ def _our_logits(loaded, ids):
 
 def _check(model_dir, num_layers, prompts):
     ours = load_model(model_dir, num_layers=num_layers)
+    llm = LLM(str(model_dir), num_layers=num_layers, kv_cache_memory=64 << 20)
     hf = _hf(model_dir, num_layers)
     for prompt in prompts:
         ids = ours.tokenizer.encode(prompt)
@@ -47,7 +48,8 @@ def _check(model_dir, num_layers, prompts):
 
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
-        assert greedy_generate(ours, ids, 32) == ref.tolist(), prompt
+        [out] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+        assert out.outputs[0].token_ids == ref.tolist(), prompt
 
 
 def test_truncated_model_matches_transformers(model_dir):

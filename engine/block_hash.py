@@ -1,0 +1,57 @@
+"""Chained block hashes: the identity of a full KV block's contents, stable across processes.
+
+hash(block i) = sha256(hash(block i-1) || extras || token ids of block i as little-endian int64)
+
+Extras (cache_salt for tenant isolation, LoRA id) enter every block's hash, so equal tokens under
+different salts never share blocks. The router imports `compute_block_hashes` to predict which
+workers hold a prompt's prefix: the same bytes in, the same hashes out, in any process.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+import numpy as np
+
+BlockHash = bytes  # 32-byte sha256 digest
+
+_ROOT = b"pdserve-block-hash-v1"
+
+
+def hash_extras(cache_salt: str | None = None, lora_id: int | None = None) -> bytes:
+    """Bytes mixed into every block hash of a request (empty when there are no extras)."""
+    if cache_salt is None and lora_id is None:
+        return b""
+    salt = (cache_salt or "").encode("utf-8")
+    return struct.pack("<qI", -1 if lora_id is None else lora_id, len(salt)) + salt
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extras: bytes = b"") -> BlockHash:
+    h = hashlib.sha256(parent if parent is not None else _ROOT)
+    h.update(struct.pack("<I", len(extras)))
+    h.update(extras)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return h.digest()
+
+
+def compute_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_id: int | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `token_ids` (a trailing partial block gets none)."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, token_ids, block_size, hash_extras(cache_salt, lora_id))
+    return hashes
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extras: bytes
+) -> None:
+    """Append the hashes of full blocks of `token_ids` that `hashes` does not cover yet."""
+    parent = hashes[-1] if hashes else None
+    for begin in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[begin : begin + block_size], extras)
+        hashes.append(parent)

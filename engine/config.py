@@ -1,0 +1,92 @@
+"""The engine's configuration: one frozen object, parsed once in each process's entry point."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    """HF-format LLaMA directory, GGUF file, or "default" (bundled SmolLM2-135M-Instruct)."""
+    dtype: str = "auto"
+    """float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)."""
+    device: str = "auto"
+    """cpu | cuda | auto."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """KV pool size in bytes. Default on CPU: 2 GiB; on CUDA: derived from
+    gpu_memory_utilization after a profiling forward."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory this engine may use (weights + activations + KV pool)."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens. Default: the model's max_position_embeddings."""
+    max_num_seqs: int = 128
+    """Most requests in one batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    """Off: a prompt is scheduled only when all of it fits the step's budget."""
+    attention_backend: str = "auto"
+    """torch | triton | auto (triton on CUDA, torch on CPU)."""
+    num_layers: int | None = None
+    """Load only the first N layers (tests and quick experiments)."""
+    seed: int = 0
+    """Seeds the draw of per-request seeds for requests that bring none."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "is not supported"),
+            (self.device in ("auto", "cpu", "cuda"), "device", "must be cpu, cuda or auto"),
+            (self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "is unknown"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1e9' or a plain integer."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6, "gb": 10**9}
+    low = text.strip().lower()
+    for suffix, mult in units.items():
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * mult)
+    return int(float(low))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM-style flags for EngineConfig (names match vLLM's where the concept is the same)."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="HF LLaMA directory, GGUF file, or 'default'")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=_size, default=None,
+                   help="KV pool bytes, e.g. 2GiB (default: 2GiB on CPU, profiled on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    g.add_argument("--attention-backend", default=d.attention_backend,
+                   choices=["auto", "torch", "triton"])
+    g.add_argument("--num-layers", type=int, default=None, help="load only the first N layers")
+    g.add_argument("--seed", type=int, default=d.seed)

@@ -1,0 +1,51 @@
+"""Sizing and allocating the KV pool: one tensor, block-major, so one block (all layers, K and
+V) is one contiguous region — one descriptor for a KV transfer."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import GiB, EngineConfig
+from engine.models.config import ModelArgs
+
+DEFAULT_CPU_KV_MEMORY = 2 * GiB
+
+
+def kv_block_shape(args: ModelArgs, block_size: int) -> tuple[int, ...]:
+    return (args.n_layers, 2, block_size, args.n_kv_heads, args.head_dim)
+
+
+def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    n = 1
+    for d in kv_block_shape(args, block_size):
+        n *= d
+    return n * torch.tensor([], dtype=dtype).element_size()
+
+
+def num_blocks_for_budget(
+    config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+    profile_peak_bytes: int | None = None,
+) -> int:
+    """Blocks that fit `kv_cache_memory`; on CUDA without it, what is left of
+    `gpu_memory_utilization` x total memory after the profiled peak of a forward."""
+    block_bytes = kv_block_bytes(args, config.block_size, dtype)
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * config.gpu_memory_utilization) - (profile_peak_bytes or 0)
+    else:
+        budget = DEFAULT_CPU_KV_MEMORY
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) holds no {block_bytes}-byte block: raise "
+            "--kv-cache-memory or --gpu-memory-utilization"
+        )
+    return num_blocks
+
+
+def allocate_kv_pool(
+    num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zero-filled."""
+    return torch.zeros((num_blocks, *kv_block_shape(args, block_size)), dtype=dtype, device=device)

@@ -1,0 +1,62 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Runs the paged engine in-process over a batch of prompts."""
+
+    def __init__(self, model: str = "default", **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Prompts are text or token id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+
+        results: dict[str, RequestOutput] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            rid = f"offline-{i}"
+            request = self.engine.add_request(rid, prompt, p, cache_salt)
+            results[rid] = RequestOutput(
+                rid, request.prompt_token_ids, [CompletionOutput(j) for j in range(p.n)]
+            )
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        done = 0
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                out = results[delta.request_id]
+                out.add(delta)
+                if delta.finished and out.finished:
+                    done += 1
+                    bar.update(1)
+        bar.close()
+        return list(results.values())

@@ -1,0 +1,223 @@
+"""The engine: schedule -> execute -> update, plus detokenization and stop strings.
+
+Not thread-safe: one thread drives `step()`; workers put their own queue in front of it."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.attention.selector import make_attention_backend
+from engine.block_hash import compute_block_hashes, hash_extras
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
+from engine.model_runner import ModelRunner
+from engine.models.loader import LoadedModel, load_model
+from engine.outputs import CompletionDelta
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # share of blocks in use, 0..1
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were cached
+    num_preemptions: int
+    prompt_tokens: int  # prompt tokens computed (excludes prefix hits and remote KV)
+    generation_tokens: int
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config)
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.num_layers)
+        self.tokenizer = self.loaded.tokenizer
+        args = self.loaded.args
+        self.max_model_len = min(
+            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        )
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+        peak = self._profile_peak() if self.device.type == "cuda" else None
+        num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
+        self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len, config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager)
+        self._seed_rng = random.Random(config.seed)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
+
+    # ---- requests ------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Tokenize and validate; raises ValueError with a message naming the problem."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.loaded.args.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None and params.max_tokens > room > 0:
+            max_tokens = room
+        else:
+            max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        eos = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=params,
+            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            eos_token_ids=eos,
+            max_tokens=max_tokens,
+            block_hashes=compute_block_hashes(token_ids, self.config.block_size, cache_salt),
+            hash_extras=hash_extras(cache_salt),
+            cache_salt=cache_salt,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        request = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt)
+        self.scheduler.add_request(request)
+        self._track(request)
+        return request
+
+    def _track(self, request: Request) -> None:
+        self._groups.setdefault(request.group_id, []).append(request.request_id)
+        p = request.sampling
+        self._detok[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, p.skip_special_tokens, p.stop
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort every completion of the caller's request id; frees their blocks. Idempotent."""
+        for rid in self._groups.pop(request_id, []):
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            self._detok.pop(rid, None)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[CompletionDelta]:
+        output = self.scheduler.schedule()
+        sampled = self.runner.execute(output)
+        updated, _ = self.scheduler.update_from_output(output, sampled)
+        return self.process_updates(updated)
+
+    def process_updates(self, updated: list[Request]) -> list[CompletionDelta]:
+        """Detokenize each request's newest token, apply stop strings, build deltas."""
+        deltas = []
+        now = time.monotonic()
+        for request in updated:
+            if request.request_id not in self._detok:  # a fork seen for the first time
+                self._track(request)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            detok = self._detok[request.request_id]
+            token = request.token_ids[-1]
+            if detok.append(token) and not request.status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            finished = request.status.is_finished
+            deltas.append(CompletionDelta(
+                request_id=request.group_id,
+                index=request.completion_index,
+                token_ids=[token],
+                text=detok.take_delta(finished),
+                logprobs=request.logprobs[-1:] if request.sampling.logprobs is not None else [],
+                finish_reason=request.status.finish_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_output_tokens=request.num_output_tokens,
+            ))
+            if finished:
+                self._forget(request)
+        return deltas
+
+    def _forget(self, request: Request) -> None:
+        self._detok.pop(request.request_id, None)
+        group = self._groups.get(request.group_id, [])
+        if request.request_id in group:
+            group.remove(request.request_id)
+        if not group:
+            self._groups.pop(request.group_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_waiting_for_kv=len(sched.waiting_for_kv),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_usage=bm.usage,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            num_preemptions=sched.stats.num_preemptions,
+            prompt_tokens=sched.stats.prompt_tokens,
+            generation_tokens=sched.stats.generation_tokens,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def _profile_peak(self) -> int:
+        """Peak CUDA memory of a forward over a full token budget (weights included)."""
+        from engine.attention import AttentionMetadata
+        from engine.models.llama import ForwardContext
+
+        args, bs = self.loaded.args, self.config.block_size
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // bs)
+        pool = allocate_kv_pool(blocks, args, bs, self.dtype, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            self.loaded.model(
+                torch.zeros(n, dtype=torch.long, device=self.device),
+                torch.arange(n, device=self.device),
+                ForwardContext(self.backend, pool, AttentionMetadata.single_sequence(0, n, bs, blocks, self.device)),
+                logits_indices=torch.tensor([n - 1], device=self.device),
+            )
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - pool.numel() * pool.element_size()
+        del pool
+        torch.cuda.empty_cache()
+        return peak

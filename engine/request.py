@@ -1,0 +1,108 @@
+"""A request inside the engine: counters for progress, an enum for its life cycle."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Order matters: everything after PREEMPTED is finished."""
+
+    WAITING = 0
+    WAITING_FOR_KV = 1  # decode worker: blocks allocated, KV arriving from a prefill worker
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence. Progress is `num_computed_tokens` catching up to `num_tokens`: prompt
+    prefill (chunked or not), prefix-cache hits, KV that arrived from a prefill worker and
+    decoding are all the same counter moving.
+
+    A request with `sampling.n > 1` runs its prompt once; when the prompt is done it forks
+    into n completions (`completion_index` 0..n-1) sharing the prompt's blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seed: int  # effective seed: the request's own, or one drawn at arrival
+    eos_token_ids: frozenset[int]
+    max_tokens: int  # resolved against max_model_len
+    block_hashes: list[BlockHash]
+    hash_extras: bytes = b""
+    cache_salt: str | None = None
+    completion_index: int = 0
+    parent_id: str | None = None  # set on completions forked from a request with n > 1
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
+    num_preemptions: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def group_id(self) -> str:
+        """The id the caller used (shared by all n completions)."""
+        return self.parent_id or self.request_id
+
+    @property
+    def pending_forks(self) -> int:
+        """Completions still to be forked off when this request samples its first token."""
+        return self.sampling.n - 1 if self.parent_id is None and self.num_output_tokens == 0 else 0
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,272 @@
+"""Continuous-batching scheduler: one token budget per step over running and waiting requests.
+
+Each step gives every running request what it still lacks (one token when decoding, a chunk
+when prefilling), oldest first, then admits waiting requests while budget, `max_num_seqs` and
+blocks last. When a running request cannot get a block, the newest running request is
+preempted (its blocks freed; it is recomputed later, mostly from the prefix cache). The
+scheduler never touches tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here (too long for the model or for the whole pool)."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # (request, new tokens to compute), admission order
+    block_copies: list[tuple[int, int]]  # copy-on-write (src, dst) to run before the forward
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed here (not prefix hits or remote KV)
+    generation_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- admission -----------------------------------------------------------------------
+    def check_fits(self, request: Request) -> None:
+        """Raise RequestRejected if the request could never be scheduled."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt + at least one output token)"
+            )
+        if self.bm.blocks_for(n + 1) > self.bm.num_blocks:
+            raise RequestRejected(
+                f"the prompt needs {self.bm.blocks_for(n + 1)} KV blocks but the whole pool "
+                f"has {self.bm.num_blocks}"
+            )
+        if not self.chunked and n > self.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill off"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.bm.append_slots(request, n):
+                victim = self.running.pop()  # newest first; never one already scheduled
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        while (
+            self.waiting and budget > 0 and not preempted
+            and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            prefix = self.bm.match_prefix(request)
+            n = request.num_tokens - prefix.num_tokens
+            if n > budget:
+                if not self.chunked:
+                    break
+                n = budget
+            if not self.bm.allocate(request, n, prefix):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens = prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+
+        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.bm.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance counters after a forward. `sampled` has, per request that completed its
+        known tokens, one token per completion (n of them when a fork is due).
+        Returns (requests that got tokens, including new forks; requests that finished)."""
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for request, n in output.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted meanwhile
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += n
+            self.bm.cache_full_blocks(request)
+            tokens = sampled.get(request.request_id)
+            if not tokens:
+                continue  # mid-prefill chunk
+            group = [request] + [self._fork(request, i) for i in range(1, len(tokens))]
+            for member, token in zip(group, tokens):
+                self._append(member, token)
+                updated.append(member)
+                if member.status.is_finished:
+                    finished.append(member)
+        return updated, finished
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        child = Request(
+            request_id=f"{parent.request_id}#{index}",
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling=parent.sampling,
+            seed=parent.seed,
+            eos_token_ids=parent.eos_token_ids,
+            max_tokens=parent.max_tokens,
+            block_hashes=list(parent.block_hashes),
+            hash_extras=parent.hash_extras,
+            cache_salt=parent.cache_salt,
+            completion_index=index,
+            parent_id=parent.request_id,
+            arrival_time=parent.arrival_time,
+            status=RequestStatus.RUNNING,
+            token_ids=list(parent.token_ids),
+            num_computed_tokens=parent.num_computed_tokens,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+        self.bm.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        return child
+
+    def _append(self, request: Request, token: SampledToken) -> None:
+        from engine.request import Logprob
+
+        request.append_token(token.token_id)
+        self.stats.generation_tokens += 1
+        if token.logprob is not None:
+            request.logprobs.append(Logprob(token.token_id, token.logprob, list(token.top_logprobs)))
+        status = self._stop_status(request, token.token_id)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens <= params.min_tokens:
+            return None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    # ---- finishing -----------------------------------------------------------------------
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, abort, error) a request in any state, freeing its blocks. Idempotent."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            del self.waiting_for_kv[request_id]
+        request.status = status
+        if self.bm.has_table(request_id):
+            self.bm.free(request)
+        return request
+
+    # ---- decode worker: KV computed elsewhere -------------------------------------------
+    def allocate_for_remote_kv(self, request: Request) -> list[int] | None:
+        """Allocate all of a prompt's blocks, reusing local prefix hits, and park the request
+        as WAITING_FOR_KV. Returns the block ids a prefill worker must fill (those after the
+        local hit), or None if the pool cannot hold the prompt now (nothing changed)."""
+        self.check_fits(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        prefix = self.bm.match_prefix(request)
+        if not self.bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix):
+            return None
+        request.num_cached_tokens = prefix.num_tokens
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_kv[request.request_id] = request
+        return self.bm.block_table(request.request_id)[len(prefix.block_ids) :]
+
+    def remote_kv_arrived(self, request_id: str, first_token: SampledToken) -> Request:
+        """All of the prompt's KV has landed and the prefill worker sampled `first_token`:
+        the prompt counts as computed and the request joins the running batch."""
+        request = self.waiting_for_kv.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.bm.cache_full_blocks(request)
+        self._append(request, first_token)
+        return request
+
+    # ---- state ---------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
