@@ -42,7 +42,7 @@ class PrefixCacheStats:
     hits: int = 0  # of which found cached
 
 
-@dataclass
+@dataclass(eq=False)
 class BlockManager:
     num_blocks: int
     block_size: int

@@ -137,29 +137,31 @@ class LLMEngine:
     def step(self) -> list[CompletionDelta]:
         output = self.scheduler.schedule()
         sampled = self.runner.execute(output)
-        updated, _ = self.scheduler.update_from_output(output, sampled)
-        return self.process_updates(updated)
+        updated, finished = self.scheduler.update_from_output(output, sampled)
+        stopped_without_token = [r for r in finished if r not in updated]
+        return self.process_updates(updated) + self.process_updates(stopped_without_token, False)
 
-    def process_updates(self, updated: list[Request]) -> list[CompletionDelta]:
-        """Detokenize each request's newest token, apply stop strings, build deltas."""
+    def process_updates(self, requests: list[Request], new_token: bool = True) -> list[CompletionDelta]:
+        """Detokenize each request's newest token (if it got one), apply stop strings, build
+        deltas."""
         deltas = []
         now = time.monotonic()
-        for request in updated:
+        for request in requests:
             if request.request_id not in self._detok:  # a fork seen for the first time
                 self._track(request)
             if request.first_token_time is None:
                 request.first_token_time = now
             detok = self._detok[request.request_id]
-            token = request.token_ids[-1]
-            if detok.append(token) and not request.status.is_finished:
+            tokens = request.token_ids[-1:] if new_token else []
+            if tokens and detok.append(tokens[0]) and not request.status.is_finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             finished = request.status.is_finished
             deltas.append(CompletionDelta(
                 request_id=request.group_id,
                 index=request.completion_index,
-                token_ids=[token],
+                token_ids=tokens,
                 text=detok.take_delta(finished),
-                logprobs=request.logprobs[-1:] if request.sampling.logprobs is not None else [],
+                logprobs=request.logprobs[-1:] if tokens and request.sampling.logprobs is not None else [],
                 finish_reason=request.status.finish_reason,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),

@@ -24,6 +24,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # (request, new tokens to compute), admission order
     block_copies: list[tuple[int, int]]  # copy-on-write (src, dst) to run before the forward
     preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # stopped by the scheduler itself
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,12 +99,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        finished: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.bm.append_slots(request, n):
+                if len(self.running) == 1:
+                    # Alone and still out of blocks: the pool cannot hold this sequence any
+                    # longer; preempting it would only loop. (Its prompt always fits.)
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+                    finished.append(request)
+                    break
                 victim = self.running.pop()  # newest first; never one already scheduled
                 self._preempt(victim)
                 preempted.append(victim)
@@ -138,7 +146,7 @@ class Scheduler:
             scheduled.append((request, n))
             budget -= n
 
-        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted)
+        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished)
 
     def _preempt(self, request: Request) -> None:
         self.bm.free(request)
@@ -153,9 +161,10 @@ class Scheduler:
     ) -> tuple[list[Request], list[Request]]:
         """Advance counters after a forward. `sampled` has, per request that completed its
         known tokens, one token per completion (n of them when a fork is due).
-        Returns (requests that got tokens, including new forks; requests that finished)."""
+        Returns (requests that got a token, including new forks; requests that finished,
+        including those the scheduler stopped without a new token)."""
         updated: list[Request] = []
-        finished: list[Request] = []
+        finished: list[Request] = list(output.finished)
         for request, n in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile

@@ -42,3 +42,35 @@ def hf_gguf_tokenizer():
 
     gguf = bundled_gguf_path()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _track_block_managers():
+    """Every BlockManager created in this test session, held weakly."""
+    import weakref
+
+    from engine.block_manager import BlockManager
+
+    live = weakref.WeakSet()
+    original = BlockManager.__post_init__
+
+    def tracking_post_init(self):
+        original(self)
+        live.add(self)
+
+    BlockManager.__post_init__ = tracking_post_init
+    return live
+
+
+_LIVE_BLOCK_MANAGERS = _track_block_managers()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_kv_blocks():
+    """After every test, every live block manager (from this test or a longer-lived fixture)
+    has all its blocks free — cached blocks with ref count 0 count as free — and no block
+    tables: nothing leaked."""
+    yield
+    for bm in list(_LIVE_BLOCK_MANAGERS):
+        leaked = bm.num_blocks - bm.num_free_blocks
+        assert leaked == 0, f"{leaked} KV blocks still referenced after the test"
+        assert not bm._tables, f"block tables left behind: {list(bm._tables)[:5]}"
