@@ -33,13 +33,25 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 # times the L2 cache, so the numbers are DRAM bandwidth.
 GPU_DECODE_CASES = [(2, 131_072), (8, 32_768), (64, 4_096), (256, 1_024)]
 DRY_DECODE_CASES = [(2, 96)]
+# name -> plan_paged_attention keyword arguments. "auto" is what the engine gets; the others show
+# what splitting buys and whether the default launch options leave bandwidth on the table.
+GPU_VARIANTS = {
+    "auto": {},
+    "no-split": {"partition_size": 0},
+    "auto warps=8": {"num_warps": 8},
+    "auto stages=2": {"num_stages": 2},
+    "auto tile=32": {"tile_n": 32},
+    "auto w8 t32": {"num_warps": 8, "tile_n": 32},
+}
+DRY_VARIANTS = {"split=32": {"partition_size": 32}, "no-split": {"partition_size": 0},
+                "split=32 w8": {"partition_size": 32, "num_warps": 8, "num_stages": 2}}
 
 
 @dataclass
 class DecodeResult:
     batch: int
     context: int
-    variant: str  # "auto" (launcher's split-KV choice), "no-split", or "split=<tokens>"
+    variant: str  # a key of GPU_VARIANTS / DRY_VARIANTS
     partitions: int
     ms: float
     kv_gbps: float  # bytes of K and V read per second / 1e9
@@ -127,43 +139,37 @@ def make_decode_batch(batch: int, context: int, dtype, device, num_layers: int =
 def decode_bandwidth(device, dtype, timer, copy_gbps: float, dry_run: bool) -> list[DecodeResult]:
     import torch
 
-    from kernels import paged_attention, paged_attention_reference
+    from kernels import paged_attention, paged_attention_reference, plan_paged_attention
 
-    variants = [("split=32", 32), ("no-split", 0)] if dry_run else [("auto", None), ("no-split", 0)]
+    variants = DRY_VARIANTS if dry_run else GPU_VARIANTS
     results = []
     for batch, context in DRY_DECODE_CASES if dry_run else GPU_DECODE_CASES:
         query, kv_cache, tables, qsl, seq_lens = make_decode_batch(batch, context, dtype, device)
         kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * kv_cache.element_size()
         outputs = {}
-        for name, partition_size in variants:
-            def call(ps=partition_size):
+        for name, plan_kwargs in variants.items():
+            plan = plan_paged_attention(device, batch, batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1,
+                                        context, **plan_kwargs)
+
+            def call(plan=plan):
                 return paged_attention(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5,
-                                       1, context, partition_size=ps)
+                                       1, context, plan=plan)
 
             outputs[name] = call()
             ms = timer(call)
-            parts = _partitions(batch, context, partition_size, device)
             gbps = kv_bytes / (ms * 1e-3) / 1e9
-            results.append(DecodeResult(batch, context, name, parts, round(ms, 4), round(gbps, 1),
-                                        round(gbps / copy_gbps, 3)))
-            print(f"  decode batch={batch:4d} ctx={context:6d} {name:9s} partitions={parts:3d} "
+            results.append(DecodeResult(batch, context, name, plan.num_partitions, round(ms, 4),
+                                        round(gbps, 1), round(gbps / copy_gbps, 3)))
+            print(f"  decode batch={batch:4d} ctx={context:6d} {name:12s} partitions={plan.num_partitions:3d} "
                   f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy", flush=True)
-        a, b = outputs.values()
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        first, *others = outputs.values()
+        for other in others:
+            torch.testing.assert_close(other, first, atol=2e-2, rtol=2e-2)
         if batch * context <= 8_192:  # the per-sequence reference is only cheap for small cases
             ref = paged_attention_reference(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5)
-            torch.testing.assert_close(a, ref, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(first, ref, atol=2e-2, rtol=2e-2)
         del query, kv_cache, tables, outputs
     return results
-
-
-def _partitions(batch: int, context: int, partition_size: int | None, device) -> int:
-    """How many KV partitions the launcher uses for this decode batch."""
-    from kernels.paged_attention import plan_paged_attention
-
-    plan = plan_paged_attention(device, batch, batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, context,
-                                partition_size)
-    return plan.num_partitions
 
 
 def prefill_tflops(device, dtype, timer, dry_run: bool) -> dict:

@@ -15,17 +15,18 @@ Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (t
 Returns [T, num_q_heads, head_dim] in query's dtype; softmax statistics are fp32.
 """
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from kernels._checks import FLOAT_DTYPES, check, check_kv_cache
+from kernels._checks import check, check_kv_cache
 from kernels.merge_partitions import merge_partitions
 from kernels.paged_attention_kernel import paged_attention_kernel
 
 LOG2E = 1.4426950408889634
+# Running under the Triton interpreter (TRITON_INTERPRET=1 when triton was imported).
+_INTERPRETED = type(paged_attention_kernel).__name__ == "InterpretedFunction"
 # Split-KV heuristic (GPU): aim for this many programs per SM, never cut a context into
 # partitions shorter than MIN_PARTITION_SIZE tokens or into more than MAX_PARTITIONS pieces.
 PROGRAMS_PER_SM = 4
@@ -77,7 +78,9 @@ def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: i
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """How `paged_attention` cuts a batch into programs (see paged_attention_kernel's doc)."""
+    """How `paged_attention` cuts one batch into programs (see paged_attention_kernel's doc).
+    Depends only on host-side sizes, so the model runner can make it once per step and pass it
+    to every layer."""
 
     group_pad: int  # query heads per kv head, padded to a power of two
     block_q: int  # query tokens per tile
@@ -86,12 +89,22 @@ class AttentionPlan:
     num_tiles: int  # grid axis 0: T // block_q + S (tiles without queries exit at once)
     partition_size: int  # keys per split-KV partition; 0 = no split
     num_partitions: int  # grid axis 2
+    num_warps: int = 4
+    num_stages: int | None = None  # None: Triton's default for the device
 
 
 def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, num_q_heads: int,
-                         num_kv_heads: int, head_dim: int, max_query_len: int, max_seq_len: int,
-                         partition_size: int | None = None, tile_n: int | None = None) -> AttentionPlan:
-    """Tile sizes and the split-KV decision, from host-side sizes only (no device sync)."""
+                         num_kv_heads: int, head_dim: int, max_query_len: int, max_seq_len: int, *,
+                         partition_size: int | None = None, tile_n: int | None = None,
+                         num_warps: int = 4, num_stages: int | None = None) -> AttentionPlan:
+    """Tile sizes and the split-KV decision for a batch of T tokens from S sequences.
+
+    partition_size: KV partition length in tokens for split-KV (flash-decoding); None picks
+    automatically (splits when the batch is too small to fill the GPU), 0 never splits.
+    tile_n: keys per inner-loop step (power of two >= 16); None picks by head_dim.
+    num_warps / num_stages: Triton launch options (for tuning)."""
+    check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     # Rows per program: up to 64 (token, head) pairs, at least 16 (tl.dot's minimum).
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
@@ -106,21 +119,29 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
         partition_size = _auto_partition_size(device, busy_tiles * num_kv_heads, max_seq_len, tile_n)
     check(partition_size >= 0, f"partition_size must be >= 0, got {partition_size}")
     num_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size > 0 else 1
-    return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions)
+    return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions,
+                         num_warps, num_stages)
+
+
+def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, queries_per_kv: int,
+                max_seq_len: int) -> None:
+    check(plan.group_pad >= queries_per_kv and plan.block_m == plan.block_q * plan.group_pad
+          and plan.num_tiles == num_tokens // plan.block_q + num_seqs
+          and plan.partition_size * plan.num_partitions >= (max_seq_len if plan.partition_size else 0),
+          f"{plan} was not made for this batch (T={num_tokens}, S={num_seqs}, "
+          f"max_seq_len={max_seq_len}); use plan_paged_attention")
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                    max_seq_len: int | None = None, *, partition_size: int | None = None,
-                    tile_n: int | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, *, plan: AttentionPlan | None = None) -> torch.Tensor:
     """Triton paged attention (module doc has the contract).
 
     max_query_len / max_seq_len: host-side maxima of the batch; pass them (the model runner
     knows them) — when None they are read from the device, which synchronises.
-    partition_size: KV partition length in tokens for split-KV (flash-decoding); None picks
-    automatically (splits when the batch is too small to fill the GPU), 0 never splits.
-    tile_n: keys per inner-loop tile (power of two >= 16); None picks by head_dim.
+    plan: from `plan_paged_attention` for this batch (once per step, shared by all layers), or
+    None to plan here with the defaults.
     """
     _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -136,9 +157,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     check(max_seq_len <= block_tables.shape[1] * block_size,
           f"max_seq_len {max_seq_len} exceeds block table capacity "
           f"{block_tables.shape[1]} blocks x {block_size}")
-
-    plan = plan_paged_attention(query.device, num_tokens, num_seqs, num_q_heads, num_kv_heads,
-                                head_dim, max_query_len, max_seq_len, partition_size, tile_n)
+    if plan is None:
+        plan = plan_paged_attention(query.device, num_tokens, num_seqs, num_q_heads, num_kv_heads,
+                                    head_dim, max_query_len, max_seq_len)
+    _check_plan(plan, num_tokens, num_seqs, num_q_heads // num_kv_heads, max_seq_len)
     partition_size, num_partitions = plan.partition_size, plan.num_partitions
     if partition_size > 0:
         part_max = torch.empty((num_tokens, num_q_heads, num_partitions), dtype=torch.float32,
@@ -161,7 +183,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         DIM_PAD=triton.next_power_of_2(head_dim),
         SPLIT_KV=partition_size > 0,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST_DOT=query.dtype == torch.bfloat16 and _INTERPRETED,
+        num_warps=plan.num_warps,
+        **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )
     if partition_size > 0:
         merge_partitions(out, part_acc, part_max, part_sum)

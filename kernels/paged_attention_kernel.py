@@ -27,7 +27,7 @@ import triton.language as tl
 
 # Running max before any key was seen: finite, so that a row whose keys are all masked in this
 # partition gives exp2(-inf - EMPTY_MAX) = 0 and never inf - inf = nan.
-EMPTY_MAX = -1.0e30
+EMPTY_MAX = tl.constexpr(-1.0e30)
 
 
 @triton.jit

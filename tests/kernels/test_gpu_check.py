@@ -25,6 +25,7 @@ def test_dry_run(tmp_path):
     assert report["pytest"]["returncode"] in (0, 5)
     assert report["copy_gbps"] > 0
     variants = {r["variant"]: r for r in report["decode"]}
+    assert set(variants) == set(gpu_check.DRY_VARIANTS)
     assert variants["split=32"]["partitions"] > 1 and variants["no-split"]["partitions"] == 1
     assert report["prefill"]["ms"] > 0
     assert report["engine"] == {"skipped": "--skip-engine"}

@@ -1,11 +1,12 @@
 """paged_attention (Triton) == paged_attention_reference (torch) == dense causal attention."""
+import dataclasses
 import importlib
 import math
 
 import pytest
 import torch
 
-from kernels import paged_attention, paged_attention_reference
+from kernels import paged_attention, paged_attention_reference, plan_paged_attention
 from paged_batch import MIXED, SeqSpec, dense_causal_attention, lay_out, make_logical
 
 # The package re-exports the function under the module's name; this is the module.
@@ -27,9 +28,17 @@ def _batch(specs=MIXED, *, gqa=3, num_kv_heads=3, dtype=torch.float32, block_siz
     return lay_out(logical, block_size, **layout)
 
 
-def _run(batch, fn=paged_attention, scale=SCALE, **kw):
+def _plan(batch, **plan_kw):
+    lb, q = batch.logical, batch.logical.query
+    return plan_paged_attention(q.device, q.shape[0], len(lb.specs), q.shape[1], batch.kv_cache.shape[4],
+                                q.shape[2], lb.max_query_len, lb.max_seq_len, **plan_kw)
+
+
+def _run(batch, fn=paged_attention, scale=SCALE, **plan_kw):
+    """fn on the batch; plan_kw (partition_size=, tile_n=, ...) go to plan_paged_attention."""
     lb = batch.logical
-    return fn(*batch.args(), scale, lb.max_query_len, lb.max_seq_len, **kw)
+    extra = {"plan": _plan(batch, **plan_kw)} if plan_kw else {}
+    return fn(*batch.args(), scale, lb.max_query_len, lb.max_seq_len, **extra)
 
 
 @pytest.mark.parametrize("gqa", [1, 3])
@@ -114,6 +123,23 @@ def test_split_kv_mixed_batch(monkeypatch, device):
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
 
 
+def test_plan_for_another_batch_is_rejected(device):
+    batch = _batch(DECODE, device=device)
+    lb = batch.logical
+    small = _batch(DECODE[:2], device=device)
+    with pytest.raises(ValueError, match="was not made for this batch"):
+        paged_attention(*batch.args(), SCALE, lb.max_query_len, lb.max_seq_len, plan=_plan(small))
+    too_few_partitions = dataclasses.replace(_plan(batch, partition_size=32), num_partitions=2)
+    with pytest.raises(ValueError, match="was not made for this batch"):
+        paged_attention(*batch.args(), SCALE, lb.max_query_len, lb.max_seq_len, plan=too_few_partitions)
+
+
+def test_launch_options_in_plan(device):
+    batch = _batch(DECODE, device=device)
+    out = _run(batch, partition_size=64, num_warps=8, num_stages=2)
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
+
+
 def test_maxima_read_from_device_when_omitted(device):
     batch = _batch(MIXED[:4], device=device)
     out = paged_attention(*batch.args(), SCALE)
@@ -177,3 +203,8 @@ def test_gpu_realistic_batch(dtype, partition_size):
     batch = _batch(specs, dtype=dtype, device="cuda")
     out = _run(batch, partition_size=partition_size)
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
+
+
+def test_interpreter_detected_on_cpu():
+    # The bf16 dot workaround keys on this; it must be on exactly when triton interprets.
+    assert pa._INTERPRETED == (not torch.cuda.is_available())
