@@ -107,8 +107,9 @@ class Sender(KVSender):
                 elif final:
                     self._b.transport.send_notif(peer, notice)
             except TransportError as e:
-                self._finish(req, TransferStatus.ERROR, f"write to {peer!r} failed: {e}")
-                if e.disconnected:
+                if not e.disconnected:
+                    self._finish(req, TransferStatus.ERROR, f"write to {peer!r} failed: {e}")
+                else:  # fails this and every other request in flight to the peer
                     self._b.mark_peer_dead(peer, f"peer {peer!r} disconnected: {e}")
 
     def poll(self) -> list[TransferResult]:

@@ -38,6 +38,8 @@ def block_pairs(
 
 
 def _int_array(ids: object, what: str) -> np.ndarray:
+    if _has_bool(ids):  # numpy would quietly turn True into 1
+        raise BlockRangeError(f"{what} must be integers, got a bool")
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError) as e:
@@ -47,6 +49,12 @@ def _int_array(ids: object, what: str) -> np.ndarray:
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise BlockRangeError(f"{what} must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
+
+
+def _has_bool(x: object) -> bool:
+    if isinstance(x, (list, tuple)):
+        return any(_has_bool(e) for e in x)
+    return isinstance(x, (bool, np.bool_))
 
 
 def _check_range(arr: np.ndarray, num_blocks: int, what: str) -> None:

@@ -1,0 +1,144 @@
+"""Compatibility descriptor, peer metadata encoding and the notification format."""
+import base64
+import json
+
+import pytest
+import torch
+
+from kvtransfer import (
+    IncompatiblePeerError,
+    KVCompat,
+    MetadataError,
+    PeerMetadata,
+    PoolError,
+    check_compatible,
+)
+from kvtransfer.protocol import HELLO, BatchNotice, decode
+
+pytestmark = pytest.mark.timeout(30)
+
+DEFAULT = KVCompat("smollm2-135m", "float32", block_size=16, num_layers=30, num_kv_heads=3,
+                   head_dim=64)
+
+
+def meta(**overrides) -> PeerMetadata:
+    fields = dict(agent_name="decode-0", backend="nixl", compat=DEFAULT, num_blocks=100,
+                  base_addr=0x7F0000000000, mem_type="DRAM", device_id=0,
+                  agent_metadata=b"\x00\x01blob\xff")
+    fields.update(overrides)
+    return PeerMetadata(**fields)
+
+
+def test_default_model_block_bytes():
+    assert DEFAULT.block_bytes == 30 * 2 * 16 * 3 * 64 * 4 == 737_280
+    assert DEFAULT.block_shape == (30, 2, 16, 3, 64)
+
+
+def test_hash_is_stable_and_covers_every_field():
+    assert DEFAULT.hash() == KVCompat(**DEFAULT.to_dict()).hash()
+    variants = [
+        KVCompat("other-model", "float32", 16, 30, 3, 64),
+        KVCompat("smollm2-135m", "bfloat16", 16, 30, 3, 64),
+        KVCompat("smollm2-135m", "float32", 32, 30, 3, 64),
+        KVCompat("smollm2-135m", "float32", 16, 29, 3, 64),
+        KVCompat("smollm2-135m", "float32", 16, 30, 6, 32),
+        KVCompat("smollm2-135m", "float32", 16, 30, 3, 64, layout="layer-major"),
+    ]
+    hashes = {v.hash() for v in variants} | {DEFAULT.hash()}
+    assert len(hashes) == len(variants) + 1
+
+
+def test_dtype_is_normalized():
+    assert KVCompat("m", torch.bfloat16, 16, 1, 1, 8).dtype == "bfloat16"
+    assert KVCompat("m", "torch.float16", 16, 1, 1, 8) == KVCompat("m", "float16", 16, 1, 1, 8)
+    with pytest.raises(ValueError, match="unsupported KV dtype"):
+        KVCompat("m", "complex64", 16, 1, 1, 8)
+
+
+def test_check_compatible_names_the_differing_fields():
+    check_compatible(DEFAULT, KVCompat(**DEFAULT.to_dict()))
+    other = KVCompat("smollm2-135m", "bfloat16", 32, 30, 3, 64)
+    with pytest.raises(IncompatiblePeerError, match="dtype.*block_size") as e:
+        check_compatible(DEFAULT, other, peer="'prefill-1'")
+    assert "prefill-1" in str(e.value) and "model_id" not in str(e.value)
+
+
+def test_for_pool_and_check_pool():
+    pool = torch.zeros(5, 2, 2, 16, 3, 8)
+    compat = KVCompat.for_pool(pool, "m")
+    assert compat.block_shape == (2, 2, 16, 3, 8) and compat.dtype == "float32"
+    compat.check_pool(pool)
+    with pytest.raises(PoolError, match="shape"):
+        compat.check_pool(torch.zeros(5, 2, 2, 8, 3, 8))
+    with pytest.raises(PoolError, match="dtype"):
+        compat.check_pool(pool.half())
+    with pytest.raises(PoolError, match="contiguous"):
+        compat.check_pool(pool.transpose(3, 4).contiguous().transpose(3, 4))
+    with pytest.raises(PoolError, match="num_blocks, num_layers, 2"):
+        KVCompat.for_pool(torch.zeros(5, 2, 3, 16, 3, 8), "m")
+
+
+def test_metadata_roundtrip():
+    m = meta()
+    data = m.to_bytes()
+    assert PeerMetadata.from_bytes(data) == m
+    assert json.loads(data)["compat_hash"] == DEFAULT.hash()
+
+
+def _mutated(**changes) -> bytes:
+    doc = json.loads(meta().to_bytes())
+    for key, value in changes.items():
+        if value is KeyError:
+            del doc[key]
+        else:
+            doc[key] = value
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "not valid JSON"),
+        (b"\xff\xfe garbage", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (_mutated(version=2), "version 2"),
+        (_mutated(agent_name=KeyError), "missing field 'agent_name'"),
+        (_mutated(num_blocks="100"), "'num_blocks' must be int"),
+        (_mutated(num_blocks=True), "'num_blocks' must be int"),
+        (_mutated(num_blocks=0), "num_blocks=0"),
+        (_mutated(base_addr=-1), "base_addr"),
+        (_mutated(base_addr=2**64 - 10), "base_addr"),
+        (_mutated(mem_type="HBM"), "mem_type"),
+        (_mutated(agent_metadata="not base64!"), "base64"),
+        (_mutated(compat_hash="0" * 64), "compat_hash does not match"),
+        (_mutated(compat={"model_id": "m"}), "missing"),
+        (_mutated(compat=dict(DEFAULT.to_dict(), block_size=-16)), "block_size"),
+        (meta().to_bytes()[:40], "not valid JSON"),
+    ],
+)
+def test_malformed_metadata_is_a_clear_error(data, message):
+    with pytest.raises(MetadataError, match=message):
+        PeerMetadata.from_bytes(data)
+
+
+def test_metadata_rejects_non_bytes():
+    with pytest.raises(MetadataError, match="must be bytes"):
+        PeerMetadata.from_bytes("text")  # type: ignore[arg-type]
+
+
+def test_notice_roundtrip_and_malformed():
+    n = BatchNotice("req-1", 3, (5, 7, 9), total=12)
+    assert decode(n.encode()) == n and n.final
+    assert decode(BatchNotice("r", 0, ()).encode()).total is None
+    assert decode(HELLO) is None
+    for bad in [b"hello", b"pdkv1:{", b"pdkv1:[]", b'pdkv1:{"r":1,"s":0,"b":[]}',
+                b'pdkv1:{"r":"x","s":0,"b":[1.5]}', b'pdkv1:{"r":"x","s":0,"b":[],"n":"3"}']:
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+def test_agent_blob_survives_base64():
+    blob = bytes(range(256)) * 3
+    m = PeerMetadata.from_bytes(meta(agent_metadata=blob).to_bytes())
+    assert m.agent_metadata == blob
+    assert base64.b64decode(json.loads(meta(agent_metadata=blob).to_bytes())["agent_metadata"])
