@@ -24,12 +24,16 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        x = x + tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
-        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=ok)
+    dtype = x.dtype
     xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        # Add in fp32, round once to the dtype: that rounded sum is the next residual.
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = (xf + residual.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=ok)
+        xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 

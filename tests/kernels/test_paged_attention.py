@@ -87,6 +87,31 @@ def test_odd_head_dim_and_kv_heads(device):
                                **TOL[torch.float32])
 
 
+def _random_specs(num_seqs, max_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randint(lo, hi):  # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    specs = []
+    for i in range(num_seqs):
+        seq_len = randint(1, max_len)
+        q_len = 1 if randint(0, 1) else randint(1, seq_len)
+        share_from, shared = None, 0
+        if i and randint(0, 2) == 0:  # a prefix hit on an earlier sequence's whole 32-blocks
+            share_from = randint(0, i - 1)
+            shared = min(seq_len - q_len, specs[share_from].seq_len) // 32 * 32
+        specs.append(SeqSpec(seq_len, q_len, share_from if shared else None, shared))
+    return specs
+
+
+@pytest.mark.parametrize("seed,partition_size", [(1, None), (2, 64), (3, 0)])
+def test_random_batches(seed, partition_size, device):
+    batch = _batch(_random_specs(8, 128, seed), block_size=32 if seed % 2 else 16, device=device, seed=seed)
+    torch.testing.assert_close(_run(batch, partition_size=partition_size),
+                               dense_causal_attention(batch.logical, SCALE), **TOL[torch.float32])
+
+
 class _MergeSpy:
     def __init__(self, monkeypatch):
         self.calls = []

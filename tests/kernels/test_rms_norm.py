@@ -40,7 +40,7 @@ def test_rms_norm_matches_reference(dtype, hidden, device):
     torch.testing.assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_add_rms_norm_matches_reference(dtype, device):
     x, residual, weight = _inputs(5, 576, dtype, device)
     x_before, residual_before = x.clone(), residual.clone()
