@@ -86,15 +86,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     if random_idx:
         sub_rows = [rows[i] for i in random_idx]
         probs = _filter(logits[random_idx], sub_rows).softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
+        uniforms = torch.empty(len(sub_rows), 1, dtype=probs.dtype, device=probs.device)
+        g = torch.Generator(device=probs.device)
         for j, row in enumerate(sub_rows):
             req = row.request
-            position = req.num_output_tokens  # index of the token being drawn
-            g = torch.Generator(device=probs.device)
-            g.manual_seed(draw_seed(req.seed, row.completion_index, position))
-            noise[j].exponential_(generator=g)
-        tokens[random_idx] = (probs / noise).argmax(-1)
+            g.manual_seed(draw_seed(req.seed, row.completion_index, req.num_output_tokens))
+            uniforms[j].uniform_(generator=g)
+        cdf = probs.cumsum(-1)
+        # right: the first index whose cdf exceeds u * total — always a token with p > 0.
+        drawn = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(1)
+        tokens[random_idx] = drawn.clamp(max=probs.shape[-1] - 1)
 
     token_list = tokens.tolist()
     out: list[SampledToken] = []

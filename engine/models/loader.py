@@ -22,6 +22,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     args: ModelArgs
     model_id: str  # what the OpenAI API reports; the directory or file name
+    model_dir: Path  # where it was loaded from (an HF directory or a GGUF file)
 
 
 def resolve_model_path(model: str | Path) -> Path:
@@ -105,4 +106,4 @@ def load_model(
     # RoPE tables stay fp32 whatever the weights' dtype.
     net.rope_cos, net.rope_sin = (t.to(device) for t in rope_cache(args))
     net.eval().requires_grad_(False)
-    return LoadedModel(net, tokenizer, args, model_id=path.name)
+    return LoadedModel(net, tokenizer, args, model_id=path.name, model_dir=path)

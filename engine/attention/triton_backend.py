@@ -1,0 +1,37 @@
+"""Attention through the Triton kernels (CUDA; or CPU under TRITON_INTERPRET=1 in tests)."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """store_kv + one ragged paged-attention launch per layer; the launch plan is made once
+    per step (the metadata object) and shared by every layer."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        import kernels  # imported here: Triton reads TRITON_INTERPRET at import time
+
+        self._k = kernels
+        self._planned: tuple[AttentionMetadata, object] | None = None
+
+    def _plan(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata):
+        if self._planned is None or self._planned[0] is not metadata:
+            plan = self._k.plan_paged_attention(
+                query.device, query.shape[0], metadata.num_seqs, query.shape[1],
+                kv_cache.shape[4], kv_cache.shape[5], metadata.max_query_len, metadata.max_seq_len,
+            )
+            self._planned = (metadata, plan)
+        return self._planned[1]
+
+    def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale):
+        self._k.store_kv(key, value, kv_cache, layer, metadata.slot_mapping)
+        return self._k.paged_attention(
+            query, kv_cache, layer, metadata.block_tables, metadata.query_start_loc,
+            metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len,
+            plan=self._plan(query, kv_cache, metadata),
+        )
