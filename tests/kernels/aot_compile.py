@@ -5,12 +5,16 @@ ptxas ships inside the triton wheel, so a CPU machine can still build the cubins
 Run as a script with TRITON_INTERPRET unset (tests/kernels/test_aot_compile.py does):
     python tests/kernels/aot_compile.py [--arch 90]
 The launchers run on CPU tensors with each kernel replaced by a recorder; the recorded
-arguments become the compile signature (tensors -> pointer types, keyword args -> constexprs).
+arguments become the compile signature (tensors -> pointer types, keyword args -> constexprs,
+divisibility by 16 -> the same specialisation attributes a real launch gets).
 Prints one line per distinct variant; exits non-zero on the first failure.
 """
 import argparse
 import importlib
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +57,26 @@ def _type_code(value) -> str:
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no Triton type for {value!r}")
+
+
+def _resource_usage(cubin: bytes) -> str:
+    """'regs=N stack=M' from cuobjdump (shipped with triton's NVIDIA backend); stack > 0 means
+    register spills."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return "regs=? stack=?"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK):(\d+)", out))
+    return f"regs={found.get('REG', '?')} stack={found.get('STACK', '?')}"
+
+
+def _divisible_by_16(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def record_launches() -> list:
@@ -116,12 +140,16 @@ def main(argv=None) -> int:
             continue
         seen.add(key)
         start = time.perf_counter()
-        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
+        # Triton's launch-time specialisation: 16-byte-aligned pointers and ints divisible by 16
+        # are compiled as such (this is what lets loads vectorise).
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+                 for name, value in zip(params, call_args) if _divisible_by_16(value)}
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
         shown = {k: v for k, v in kwargs.items()
                  if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "num_warps", "num_stages")}
         dtype = signature[params[0]] if params else ""
         print(f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "
-              f"({time.perf_counter() - start:.1f} s)", flush=True)
+              f"{_resource_usage(compiled.asm['cubin'])} ({time.perf_counter() - start:.1f} s)", flush=True)
     return 0
 
 
