@@ -4,10 +4,11 @@ Steps, each printed as it finishes and collected into a JSON report:
 1. `pytest -m gpu tests/kernels`: the kernels against their torch references at realistic sizes.
 2. Device-to-device copy bandwidth (a torch copy of a large tensor): the practical memory roof.
 3. Decode attention (SmolLM2-135M shapes, one layer): bytes of KV read per second, with the
-   automatic split-KV choice and with splitting off, as a fraction of the copy bandwidth; plus
-   one prefill chunk's TFLOP/s for orientation.
-4. Engine offline throughput with the Triton vs the torch attention backend, if the engine
-   offers `engine.LLM(..., attention_backend=...)`.
+   automatic split-KV choice, with splitting off and with a few launch-option variants, as a
+   fraction of the copy bandwidth; plus one prefill chunk's TFLOP/s for orientation.
+4. Engine offline throughput (128 prompts x 128 greedy tokens, default model) with the Triton vs
+   the torch attention backend, through `engine.LLM(attention_backend=...)` if the engine takes
+   it (directly or via **engine_args into EngineConfig); otherwise a TODO is reported.
 
 --dry-run runs the same code on CPU under the Triton interpreter with tiny shapes (a test runs
 it), so the script is known to work before it meets a GPU. Needs no network; the whole GPU run
@@ -197,42 +198,67 @@ def prefill_tflops(device, dtype, timer, dry_run: bool) -> dict:
     return {"q_len": q_len, "cached": cached, "ms": round(ms, 4), "tflops": round(tflops, 2)}
 
 
+def _accepts(engine, name: str) -> bool:
+    """Does engine.LLM take keyword `name` (directly, or through **engine_args into EngineConfig)?"""
+    params = inspect.signature(engine.LLM).parameters
+    if name in params:
+        return True
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    config = getattr(engine, "EngineConfig", None)
+    return takes_kwargs and config is not None and name in getattr(config, "__dataclass_fields__", {})
+
+
 def engine_throughput(device, dry_run: bool) -> dict:
     """Offline generation throughput with each attention backend."""
     try:
         import engine
     except ImportError as exc:  # pragma: no cover - the package is part of the repo
         return {"skipped": f"engine not importable: {exc}"}
-    llm_cls = getattr(engine, "LLM", None)
-    if llm_cls is None or "attention_backend" not in inspect.signature(llm_cls).parameters:
+    if getattr(engine, "LLM", None) is None or not _accepts(engine, "attention_backend"):
         # TODO(engine): expose `engine.LLM(model=..., attention_backend="triton" | "torch")` and
-        # `engine.SamplingParams`; this step then measures them with no change here. If the
-        # names differ, adapt `_generate_tokens_per_s` below.
+        # `engine.SamplingParams`; this step then measures them with no change here.
         return {"skipped": "TODO(engine): engine.LLM with an attention_backend argument is not there yet"}
     results = {}
     for backend in ("triton", "torch"):
         results[backend] = _generate_tokens_per_s(engine, backend, device, dry_run)
         print(f"  engine {backend:6s}: {results[backend]}", flush=True)
-    if all("tokens_per_s" in r for r in results.values()):
-        results["speedup"] = round(results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2)
+    results["speedup"] = round(results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2)
     return results
 
 
 def _generate_tokens_per_s(engine, backend: str, device, dry_run: bool) -> dict:
+    import gc
+
+    import torch
+
     num_prompts, max_tokens = (1, 2) if dry_run else (128, 128)
-    kwargs = {"attention_backend": backend}
-    if "device" in inspect.signature(engine.LLM).parameters:
-        kwargs["device"] = device.type
-    llm = engine.LLM(**kwargs)
+    wanted = {"attention_backend": backend, "device": device.type,
+              # Two engines live one after the other in this process: leave room for both.
+              "gpu_memory_utilization": 0.45,
+              # Dry run: a 2-layer model and a small pool keep the interpreter quick.
+              **({"num_layers": 2, "kv_cache_memory": 64 << 20} if dry_run else {})}
+    llm = engine.LLM(**{k: v for k, v in wanted.items() if _accepts(engine, k)})
     params = engine.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    quiet = {"use_tqdm": False} if "use_tqdm" in inspect.signature(llm.generate).parameters else {}
     prompts = [f"Write a short story about the number {i}." for i in range(num_prompts)]
-    llm.generate(prompts[:1], params)  # warm-up: compilation, allocator
+    # Warm-up on the same batch, shorter: compiles the kernel variants this batch shape needs
+    # (prefill tiles, mixed steps, decode) outside the timed run.
+    warm = engine.SamplingParams(max_tokens=min(8, max_tokens), temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, warm, **quiet)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, **quiet)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"prompts": num_prompts, "generated_tokens": generated, "seconds": round(seconds, 3),
-            "tokens_per_s": round(generated / seconds, 1)}
+    del llm, outputs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"prompts": num_prompts, "max_tokens": max_tokens, "generated_tokens": generated,
+            "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1)}
 
 
 def main(argv=None) -> int:

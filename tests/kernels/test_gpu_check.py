@@ -14,10 +14,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks import gpu_check  # noqa: E402
 
 
-def test_dry_run(tmp_path):
+def test_dry_run(tmp_path, model_dir):
+    # model_dir (tests/conftest.py) prepares the bundled model the engine step loads.
     report_path = tmp_path / "report.json"
-    proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--skip-engine",
-                           "--json", str(report_path)],
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--json", str(report_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -28,7 +28,8 @@ def test_dry_run(tmp_path):
     assert set(variants) == set(gpu_check.DRY_VARIANTS)
     assert variants["split=32"]["partitions"] > 1 and variants["no-split"]["partitions"] == 1
     assert report["prefill"]["ms"] > 0
-    assert report["engine"] == {"skipped": "--skip-engine"}
+    engine = report["engine"]
+    assert engine["triton"]["generated_tokens"] == engine["torch"]["generated_tokens"] == 2, engine
 
 
 def test_engine_step_without_engine_llm(monkeypatch):
