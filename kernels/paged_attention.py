@@ -54,7 +54,7 @@ def _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
                     ("seq_lens", seq_lens)):
         check(x.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64, got {x.dtype}")
         check(x.device == kv_cache.device, f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
-        check(x.dim() < 2 or x.stride(1) == 1, f"{name} must be contiguous")
+        check(x.dim() == 2 or x.is_contiguous(), f"{name} must be contiguous, strides {x.stride()}")
     check(query.device == kv_cache.device, f"query is on {query.device}, kv_cache on {kv_cache.device}")
 
 

@@ -46,7 +46,9 @@ def _rows(name: str, x: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    check(weight.dim() == 1, f"weight must be [hidden], got {tuple(weight.shape)}")
+    check(weight.dim() == 1 and weight.stride(0) == 1,
+          f"weight must be a contiguous [hidden], got {tuple(weight.shape)} strides {weight.stride()}")
+    check(weight.dtype in FLOAT_DTYPES, f"weight dtype {weight.dtype} not in {FLOAT_DTYPES}")
     hidden = weight.shape[0]
     x2 = _rows("x", x, hidden)
     check(weight.device == x.device, f"weight is on {weight.device}, x on {x.device}")

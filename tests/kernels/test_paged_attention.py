@@ -201,6 +201,7 @@ def test_auto_partition_heuristic(monkeypatch):
     (lambda a: a.update(block_tables=a["block_tables"].float()), "int32/int64"),
     (lambda a: a.update(block_tables=a["block_tables"][:, :2]), "block table capacity"),
     (lambda a: a.update(query=a["query"][:, :8]), "multiple of num_kv_heads"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].repeat_interleave(2)[::2]), "seq_lens must be contiguous"),
 ])
 def test_launcher_rejects_bad_arguments(mutate, message, device):
     batch = _batch(MIXED[:3], device=device)

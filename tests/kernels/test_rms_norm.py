@@ -67,6 +67,8 @@ def test_rejects_bad_arguments():
         add_rms_norm(x, residual.half(), weight, EPS)
     with pytest.raises(ValueError, match="dtype"):
         rms_norm(x.int(), weight, EPS)
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        rms_norm(x, torch.zeros(128)[::2], EPS)
 
 
 @pytest.mark.gpu
