@@ -1,0 +1,194 @@
+"""Worker registration in etcd.
+
+Key: `/pdserve/<cluster>/workers/<role>/<worker_id>`, value: WorkerInfo as JSON, bound to a
+lease of a few seconds that the worker keeps alive. A worker that dies stops refreshing and
+its key disappears when the lease lapses; the router watches the prefix. Capacity is
+re-published several times per second (same key, same lease).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+
+
+class EtcdUnavailable(RuntimeError):
+    """etcd could not be reached."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    total_blocks: int = 0
+    free_blocks: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
+    prefill_tokens_per_s: float = 0.0  # measured; 0 until measured
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str  # prefill | decode
+    grpc_address: str  # host:port
+    model_id: str
+    compat_hash: str  # kvtransfer compatibility hash (model, dtype, block size, layout)
+    block_size: int
+    kv_metadata: str = ""  # base64 of the kvtransfer peer metadata
+    metrics_address: str = ""  # host:port of /metrics
+    draining: bool = False
+    capacity: Capacity = field(default_factory=Capacity)
+    updated_at: float = 0.0  # unix time of this publication
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "WorkerInfo":
+        doc = json.loads(data)
+        doc["capacity"] = Capacity(**doc.get("capacity", {}))
+        info = cls(**doc)
+        if info.role not in ROLES:
+            raise ValueError(f"unknown worker role {info.role!r}")
+        return info
+
+
+def workers_prefix(cluster: str) -> bytes:
+    return f"/pdserve/{cluster}/workers/".encode()
+
+
+def worker_key(cluster: str, role: str, worker_id: str) -> bytes:
+    return workers_prefix(cluster) + f"{role}/{worker_id}".encode()
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.removeprefix("http://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
+    return host, int(port)
+
+
+def make_client(endpoint: str, timeout: float = 2.0):
+    import aetcd
+
+    host, port = parse_endpoint(endpoint)
+    return aetcd.Client(host, port, timeout=timeout)
+
+
+async def list_workers(client, cluster: str) -> list[WorkerInfo]:
+    out = []
+    for kv in await client.get_prefix(workers_prefix(cluster)):
+        try:
+            out.append(WorkerInfo.from_json(kv.value))
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring malformed registration %s: %s", kv.key, exc)
+    return out
+
+
+class Registrar:
+    """Keeps one worker registered: lease + periodic publication, re-registering after etcd
+    comes back. `info()` is called for every publication (fresh capacity)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        cluster: str,
+        info: Callable[[], WorkerInfo],
+        ttl_s: int = 3,
+        publish_interval_s: float = 0.25,
+    ) -> None:
+        self.endpoint = endpoint
+        self.cluster = cluster
+        self.info = info
+        self.ttl_s = ttl_s
+        self.publish_interval_s = publish_interval_s
+        self._client = None
+        self._lease = None
+        self._task: asyncio.Task | None = None
+        self.registered = asyncio.Event()
+
+    async def start(self, timeout_s: float = 5.0) -> None:
+        """First registration; raises EtcdUnavailable if etcd cannot be reached in time."""
+        try:
+            await asyncio.wait_for(self._register(), timeout_s)
+        except Exception as exc:
+            await self._drop_client()
+            raise EtcdUnavailable(f"cannot register with etcd at {self.endpoint}: {exc!r}") from exc
+        self._task = asyncio.create_task(self._keep_alive())
+
+    async def _register(self) -> None:
+        self._client = make_client(self.endpoint)
+        await self._client.connect()
+        self._lease = await self._client.lease(self.ttl_s)
+        await self._publish()
+        self.registered.set()
+
+    async def _publish(self) -> None:
+        info = replace(self.info(), updated_at=time.time())
+        key = worker_key(self.cluster, info.role, info.worker_id)
+        await self._client.put(key, info.to_json(), lease=self._lease)
+
+    async def _keep_alive(self) -> None:
+        last_refresh = time.monotonic()
+        backoff = 0.2
+        while True:
+            await asyncio.sleep(self.publish_interval_s)
+            try:
+                if self._client is None:
+                    await self._register()
+                    log.info("re-registered with etcd at %s", self.endpoint)
+                    last_refresh = time.monotonic()
+                    backoff = 0.2
+                    continue
+                if time.monotonic() - last_refresh > self.ttl_s / 3:
+                    await self._lease.refresh()
+                    last_refresh = time.monotonic()
+                await self._publish()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd went away: keep serving, keep retrying
+                self.registered.clear()
+                log.warning("etcd unreachable (%r); retrying in %.1fs", exc, backoff)
+                await self._drop_client()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def publish_now(self) -> None:
+        """Publish immediately (e.g. the draining flag flipped)."""
+        if self._client is not None:
+            try:
+                await self._publish()
+            except Exception as exc:
+                log.warning("publish failed: %r", exc)
+
+    async def deregister(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._client is not None:
+            try:
+                info = self.info()
+                await self._client.delete(worker_key(self.cluster, info.role, info.worker_id))
+                await self._lease.revoke()
+            except Exception as exc:
+                log.warning("deregistration incomplete: %r", exc)
+        await self._drop_client()
+
+    async def _drop_client(self) -> None:
+        client, self._client, self._lease = self._client, None, None
+        if client is not None:
+            try:
+                await client.close()
+            except Exception:
+                pass

@@ -1,0 +1,60 @@
+import asyncio
+import time
+
+import pytest
+
+from cluster.etcd_server import EtcdServer
+from cluster.registration import (
+    Capacity, EtcdUnavailable, Registrar, WorkerInfo, list_workers, make_client,
+)
+
+
+@pytest.fixture
+def etcd():
+    with EtcdServer() as server:
+        yield server
+
+
+def _info(free=10, draining=False):
+    return WorkerInfo("w1", "decode", "127.0.0.1:1", "m", "hash", 16,
+                      draining=draining, capacity=Capacity(total_blocks=20, free_blocks=free))
+
+
+def test_register_refresh_and_deregister(etcd):
+    async def main():
+        state = {"free": 10}
+        reg = Registrar(etcd.endpoint, "t", lambda: _info(state["free"]), ttl_s=2, publish_interval_s=0.05)
+        await reg.start()
+        async with make_client(etcd.endpoint) as c:
+            [w] = await list_workers(c, "t")
+            assert w.worker_id == "w1" and w.capacity.free_blocks == 10 and w.updated_at > 0
+            state["free"] = 3
+            await asyncio.sleep(0.3)
+            [w] = await list_workers(c, "t")
+            assert w.capacity.free_blocks == 3  # capacity republished
+            await asyncio.sleep(2.5)  # longer than the TTL: the lease was kept alive
+            assert len(await list_workers(c, "t")) == 1
+            await reg.deregister()
+            assert await list_workers(c, "t") == []
+
+    asyncio.run(main())
+
+
+def test_unreachable_etcd_is_a_clear_error():
+    async def main():
+        from cluster.net import free_port
+
+        reg = Registrar(f"127.0.0.1:{free_port()}", "t", _info)
+        t0 = time.monotonic()
+        with pytest.raises(EtcdUnavailable, match="cannot register"):
+            await reg.start(timeout_s=2)
+        assert time.monotonic() - t0 < 5
+
+    asyncio.run(main())
+
+
+def test_registration_round_trips_as_json():
+    info = _info(draining=True)
+    assert WorkerInfo.from_json(info.to_json()) == info
+    with pytest.raises(ValueError, match="role"):
+        WorkerInfo.from_json(info.to_json().replace(b'"decode"', b'"other"'))
