@@ -1,11 +1,23 @@
-"""The paged engine: a library with no network code."""
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+"""The paged engine: a library with no network code.
 
-__all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "CompletionDelta",
-]
+Public names load lazily, so `import engine.config` (the CLI's flags) does not import torch."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "CompletionDelta": "engine.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -120,7 +120,7 @@ class BlockManager:
         for block_id in prefix.block_ids:
             self._take(block_id)
         table = list(prefix.block_ids) + [self._pop_free() for _ in range(needed)]
-        self._tables[request.request_id] = table
+        self._tables[request.request_id] = request.block_table = table
         self._num_hashed[request.request_id] = len(prefix.block_ids)
         self.stats.queries += request.num_tokens
         self.stats.hits += prefix.num_tokens
@@ -150,7 +150,7 @@ class BlockManager:
         table = list(self._tables[parent.request_id])
         for block_id in table:
             self.blocks[block_id].ref_count += 1
-        self._tables[child.request_id] = table
+        self._tables[child.request_id] = child.block_table = table
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -179,7 +179,18 @@ class BlockManager:
     def free(self, request: Request) -> None:
         table = self._tables.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
-        for block_id in reversed(table or []):
+        self.release(list(reversed(table or [])))  # leaves before roots on the free list
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Hold blocks beyond their requests (e.g. while a KV transfer reads them). Valid for
+        blocks of a request freed earlier in this engine step: nothing was allocated since,
+        so their contents are intact; pinning takes them back off the free list."""
+        for block_id in block_ids:
+            self._take(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference per block (the inverse of `pin`; `free` uses it for a table)."""
+        for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

@@ -21,7 +21,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import SampledToken, Scheduler
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # prompt tokens computed (excludes prefix hits and remote KV)
     generation_tokens: int
+    queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -115,7 +116,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        request = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt)
+        return self.submit(self.make_request(request_id, prompt, params or SamplingParams(), cache_salt))
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request made by `make_request` (raises RequestRejected if it can never run)."""
         self.scheduler.add_request(request)
         self._track(request)
         return request
@@ -127,11 +131,34 @@ class LLMEngine:
             self.tokenizer, p.skip_special_tokens, p.stop
         )
 
-    def abort_request(self, request_id: str) -> None:
-        """Abort every completion of the caller's request id; frees their blocks. Idempotent."""
+    def abort_request(self, request_id: str) -> bool:
+        """Abort every completion of the caller's request id; frees their blocks. Idempotent:
+        False if nothing was live under that id."""
+        found = False
         for rid in self._groups.pop(request_id, []):
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            found |= self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None
             self._detok.pop(rid, None)
+        return found
+
+    # ---- decode worker: the prompt's KV is computed by a prefill worker -----------------
+    def add_remote_prefill_request(
+        self, request: Request
+    ) -> list[int] | None:
+        """Allocate the prompt's blocks (reusing local prefix hits) and park the request until
+        its KV arrives. Returns the block ids still to be filled (after the local hit), or
+        None if the pool cannot hold the prompt now (nothing changed)."""
+        block_ids = self.scheduler.allocate_for_remote_kv(request)
+        if block_ids is not None:
+            self._track(request)
+        return block_ids
+
+    def finish_remote_prefill(self, request_id: str, first_token: SampledToken) -> list[CompletionDelta]:
+        """Every prompt block has landed and the prefill worker sampled `first_token`."""
+        return self.process_updates([self.scheduler.remote_kv_arrived(request_id, first_token)])
+
+    def has_schedulable_work(self) -> bool:
+        """Something for `step()` to compute (requests parked for remote KV are not)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
@@ -196,6 +223,11 @@ class LLMEngine:
             num_preemptions=sched.stats.num_preemptions,
             prompt_tokens=sched.stats.prompt_tokens,
             generation_tokens=sched.stats.generation_tokens,
+            queued_prefill_tokens=sum(
+                r.num_prompt_tokens - r.num_computed_tokens
+                for r in (*sched.waiting, *sched.running)
+                if r.num_computed_tokens < r.num_prompt_tokens
+            ),
         )
 
     def reset_prefix_cache(self) -> None:

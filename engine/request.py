@@ -73,6 +73,9 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
     first_token_time: float | None = None
+    block_table: list[int] = field(default_factory=list)
+    """Set by the block manager on allocation (the same list it updates); kept after the
+    request is freed, so callers can still see which blocks it used."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

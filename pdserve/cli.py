@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-seed", type=int, default=None, help="seed for sampling")
     add_engine_args(p)
     p.set_defaults(func=_generate)
+
+    from cluster.worker_main import register as register_workers
+
+    register_workers(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\x81\x03\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x32\n\x0eprefill_worker\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.WorkerRefH\x00\x88\x01\x01\x42\x11\n\x0f_prefill_worker\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xbd\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x07 \x01(\t\"f\n\rKVDestination\x12\x15\n\rpeer_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0fnum_skip_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\ndeadline_s\x18\x04 \x01(\x02\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"t\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_sent\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x94\x01\n\x08\x43\x61pacity\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x02\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12&\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Capacity\"\x11\n\x0fKVEventsRequest\"/\n\x0cKVEventBatch\x12\x0e\n\x06stored\x18\x01 \x03(\x0c\x12\x0f\n\x07removed\x18\x02 \x03(\x0c\"\x15\n\x13\x43\x61\x63hedBlocksRequest\",\n\x14\x43\x61\x63hedBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x32\xab\x02\n\x06Worker\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x18.pdserve.v1.KVEventBatch0\x01\x12T\n\x0fGetCachedBlocks\x12\x1f.pdserve.v1.CachedBlocksRequest\x1a .pdserve.v1.CachedBlocksResponse2W\n\x0c\x44\x65\x63odeWorker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32S\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\x81\x03\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x32\n\x0eprefill_worker\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.WorkerRefH\x00\x88\x01\x01\x42\x11\n\x0f_prefill_worker\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xbd\x01\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x07 \x01(\t\"{\n\rKVDestination\x12\x15\n\rpeer_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0fnum_skip_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\ndeadline_s\x18\x04 \x01(\x02\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"t\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_sent\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x94\x01\n\x08\x43\x61pacity\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x02\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12&\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Capacity\"\x11\n\x0fKVEventsRequest\"/\n\x0cKVEventBatch\x12\x0e\n\x06stored\x18\x01 \x03(\x0c\x12\x0f\n\x07removed\x18\x02 \x03(\x0c\"\x15\n\x13\x43\x61\x63hedBlocksRequest\",\n\x14\x43\x61\x63hedBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x32\xab\x02\n\x06Worker\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x18.pdserve.v1.KVEventBatch0\x01\x12T\n\x0fGetCachedBlocks\x12\x1f.pdserve.v1.CachedBlocksRequest\x1a .pdserve.v1.CachedBlocksResponse2W\n\x0c\x44\x65\x63odeWorker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32S\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=895
   _globals['_GENERATERESPONSE']._serialized_end=1084
   _globals['_KVDESTINATION']._serialized_start=1086
-  _globals['_KVDESTINATION']._serialized_end=1188
-  _globals['_PREFILLREQUEST']._serialized_start=1191
-  _globals['_PREFILLREQUEST']._serialized_end=1367
-  _globals['_PREFILLRESPONSE']._serialized_start=1369
-  _globals['_PREFILLRESPONSE']._serialized_end=1485
-  _globals['_ABORTREQUEST']._serialized_start=1487
-  _globals['_ABORTREQUEST']._serialized_end=1521
-  _globals['_ABORTRESPONSE']._serialized_start=1523
-  _globals['_ABORTRESPONSE']._serialized_end=1553
-  _globals['_CAPACITY']._serialized_start=1556
-  _globals['_CAPACITY']._serialized_end=1704
-  _globals['_HEALTHREQUEST']._serialized_start=1706
-  _globals['_HEALTHREQUEST']._serialized_end=1721
-  _globals['_HEALTHRESPONSE']._serialized_start=1723
-  _globals['_HEALTHRESPONSE']._serialized_end=1848
-  _globals['_KVEVENTSREQUEST']._serialized_start=1850
-  _globals['_KVEVENTSREQUEST']._serialized_end=1867
-  _globals['_KVEVENTBATCH']._serialized_start=1869
-  _globals['_KVEVENTBATCH']._serialized_end=1916
-  _globals['_CACHEDBLOCKSREQUEST']._serialized_start=1918
-  _globals['_CACHEDBLOCKSREQUEST']._serialized_end=1939
-  _globals['_CACHEDBLOCKSRESPONSE']._serialized_start=1941
-  _globals['_CACHEDBLOCKSRESPONSE']._serialized_end=1985
-  _globals['_WORKER']._serialized_start=1988
-  _globals['_WORKER']._serialized_end=2287
-  _globals['_DECODEWORKER']._serialized_start=2289
-  _globals['_DECODEWORKER']._serialized_end=2376
-  _globals['_PREFILLWORKER']._serialized_start=2378
-  _globals['_PREFILLWORKER']._serialized_end=2461
+  _globals['_KVDESTINATION']._serialized_end=1209
+  _globals['_PREFILLREQUEST']._serialized_start=1212
+  _globals['_PREFILLREQUEST']._serialized_end=1388
+  _globals['_PREFILLRESPONSE']._serialized_start=1390
+  _globals['_PREFILLRESPONSE']._serialized_end=1506
+  _globals['_ABORTREQUEST']._serialized_start=1508
+  _globals['_ABORTREQUEST']._serialized_end=1542
+  _globals['_ABORTRESPONSE']._serialized_start=1544
+  _globals['_ABORTRESPONSE']._serialized_end=1574
+  _globals['_CAPACITY']._serialized_start=1577
+  _globals['_CAPACITY']._serialized_end=1725
+  _globals['_HEALTHREQUEST']._serialized_start=1727
+  _globals['_HEALTHREQUEST']._serialized_end=1742
+  _globals['_HEALTHRESPONSE']._serialized_start=1744
+  _globals['_HEALTHRESPONSE']._serialized_end=1869
+  _globals['_KVEVENTSREQUEST']._serialized_start=1871
+  _globals['_KVEVENTSREQUEST']._serialized_end=1888
+  _globals['_KVEVENTBATCH']._serialized_start=1890
+  _globals['_KVEVENTBATCH']._serialized_end=1937
+  _globals['_CACHEDBLOCKSREQUEST']._serialized_start=1939
+  _globals['_CACHEDBLOCKSREQUEST']._serialized_end=1960
+  _globals['_CACHEDBLOCKSRESPONSE']._serialized_start=1962
+  _globals['_CACHEDBLOCKSRESPONSE']._serialized_end=2006
+  _globals['_WORKER']._serialized_start=2009
+  _globals['_WORKER']._serialized_end=2308
+  _globals['_DECODEWORKER']._serialized_start=2310
+  _globals['_DECODEWORKER']._serialized_end=2397
+  _globals['_PREFILLWORKER']._serialized_start=2399
+  _globals['_PREFILLWORKER']._serialized_end=2482
 # @@protoc_insertion_point(module_scope)

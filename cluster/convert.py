@@ -1,0 +1,85 @@
+"""Protobuf <-> engine types, in one place (servicers stay thin: from_pb -> domain -> to_pb)."""
+from __future__ import annotations
+
+from engine.outputs import CompletionDelta
+from engine.request import Logprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken
+from proto import pdserve_pb2 as pb
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError (naming the field) for out-of-range values."""
+    return SamplingParams(
+        n=m.n or 1,
+        temperature=m.temperature,
+        top_k=m.top_k,
+        top_p=m.top_p or 1.0,
+        min_p=m.min_p,
+        seed=m.seed if m.HasField("seed") else None,
+        presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty or 1.0,
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
+        min_tokens=m.min_tokens,
+        stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids),
+        ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        skip_special_tokens=m.skip_special_tokens,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    m = pb.SamplingParams(
+        n=p.n, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.max_tokens is not None:
+        m.max_tokens = p.max_tokens
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def logprob_to_pb(lp: Logprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
+    m = pb.TokenLogprob(
+        token_id=token.token_id, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs]
+    )
+    if token.logprob is not None:
+        m.logprob = token.logprob
+    return m
+
+
+def sampled_from_pb(m: pb.TokenLogprob, with_logprobs: bool) -> SampledToken:
+    if not with_logprobs:
+        return SampledToken(m.token_id)
+    return SampledToken(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
+
+
+def delta_to_pb(d: CompletionDelta, prefill_mode: str, extra_cached_tokens: int = 0) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        index=d.index,
+        token_ids=d.token_ids,
+        text=d.text,
+        logprobs=[logprob_to_pb(lp) for lp in d.logprobs],
+        finish_reason=d.finish_reason or "",
+        usage=pb.Usage(
+            prompt_tokens=d.num_prompt_tokens,
+            completion_tokens=d.num_output_tokens,
+            cached_tokens=min(d.num_prompt_tokens, d.num_cached_tokens + extra_cached_tokens),
+        ),
+        prefill_mode=prefill_mode,
+    )

@@ -1,0 +1,61 @@
+"""Entry point shared by `pdserve prefill` and `pdserve decode`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from cluster.worker_args import add_worker_args, worker_config_from_args
+from engine.config import EngineConfig, add_engine_args
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_worker_args(parser)
+    add_engine_args(parser)
+
+
+def run(role: str, args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    config = worker_config_from_args(role, args)
+    engine_config = EngineConfig.from_args(args)
+    return asyncio.run(_serve(role, config, engine_config))
+
+
+async def _serve(role, config, engine_config) -> int:
+    from cluster.worker_runtime import WorkerRuntime
+    from proto import pdserve_pb2_grpc as pb_grpc
+
+    runtime = WorkerRuntime(config, engine_config)
+    background = []
+    if role == "decode":
+        from decode_node.worker import DecodeWorker
+
+        servicer = DecodeWorker(runtime)
+        add = lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)  # noqa: E731
+    else:
+        from prefill_node.worker import PrefillWorker
+
+        servicer = PrefillWorker(runtime)
+        add = lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)  # noqa: E731
+        background.append(asyncio.create_task(servicer.warm_peers()))
+    try:
+        return await runtime.serve(add)
+    finally:
+        for task in background:
+            task.cancel()
+        sys.stdout.flush()
+
+
+_HELP = {
+    "prefill": "run a prefill worker (gRPC Prefill; streams KV blocks over NIXL; registers in etcd)",
+    "decode": "run a decode worker (gRPC Generate; receives KV over NIXL; registers in etcd)",
+}
+
+
+def register(subparsers) -> None:
+    """Add the `prefill` and `decode` subcommands (importing nothing heavy)."""
+    for role, help_text in _HELP.items():
+        p = subparsers.add_parser(role, help=help_text)
+        add_args(p)
+        p.set_defaults(func=lambda args, role=role: run(role, args))

@@ -1,0 +1,92 @@
+"""A worker's Prometheus /metrics: engine stats, KV transfer stats, request latencies."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.llm_engine import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, kv_backend) -> None:
+        self.role = role
+        self.kv = kv_backend
+        self.registry = CollectorRegistry()
+        self._stats: EngineStats | None = None
+        self._step_seconds = 0.0
+        self.registry.register(self)
+        labels = ["role"]
+        self.ttft = Histogram("pdserve_worker_ttft_seconds", "Request arrival to first token",
+                              labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("pdserve_worker_itl_seconds", "Time between output tokens",
+                             labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("pdserve_worker_e2e_seconds", "Request arrival to last token",
+                             labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.prefill_modes = {}
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def update(self, stats: EngineStats, loop) -> None:
+        self._stats = stats
+        self._step_seconds = loop.step_seconds
+
+    def count_prefill_mode(self, mode: str) -> None:
+        self.prefill_modes[mode] = self.prefill_modes.get(mode, 0) + 1
+
+    def collect(self):
+        s = self._stats
+        role = [self.role]
+        if s is not None:
+            for name, doc, value in [
+                ("running", "Requests running", s.num_running),
+                ("waiting", "Requests waiting to be scheduled", s.num_waiting),
+                ("waiting_for_kv", "Requests waiting for KV from a prefill worker", s.num_waiting_for_kv),
+                ("kv_usage", "Share of KV blocks in use (0..1)", s.kv_usage),
+                ("kv_blocks_total", "KV blocks in the pool", s.num_blocks),
+                ("kv_blocks_free", "KV blocks free (incl. cached-free)", s.num_free_blocks),
+                ("queued_prefill_tokens", "Prompt tokens admitted, not yet computed", s.queued_prefill_tokens),
+            ]:
+                g = GaugeMetricFamily(f"pdserve_worker_{name}", doc, labels=["role"])
+                g.add_metric(role, value)
+                yield g
+            for name, doc, value in [
+                ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+                ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+                ("preemptions", "Requests preempted", s.num_preemptions),
+                ("prompt_tokens", "Prompt tokens computed", s.prompt_tokens),
+                ("generation_tokens", "Tokens generated", s.generation_tokens),
+            ]:
+                c = CounterMetricFamily(f"pdserve_worker_{name}", doc, labels=["role"])
+                c.add_metric(role, value)
+                yield c
+        steps = CounterMetricFamily("pdserve_worker_engine_step_seconds", "Time in engine steps", labels=["role"])
+        steps.add_metric(role, self._step_seconds)
+        yield steps
+        modes = CounterMetricFamily("pdserve_worker_prefill_mode", "Requests by prefill mode",
+                                    labels=["role", "mode"])
+        for mode, n in self.prefill_modes.items():
+            modes.add_metric([self.role, mode], n)
+        yield modes
+        yield from self._transfer_metrics()
+
+    def _transfer_metrics(self):
+        fams = {
+            "bytes": CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes moved", labels=["direction", "peer"]),
+            "blocks": CounterMetricFamily("pdserve_kv_transfer_blocks", "KV blocks moved", labels=["direction", "peer"]),
+            "done": CounterMetricFamily("pdserve_kv_transfer_requests", "Transfers completed", labels=["direction", "peer"]),
+            "fail": CounterMetricFamily("pdserve_kv_transfer_failures", "Transfers failed", labels=["direction", "peer", "reason"]),
+            "lat": CounterMetricFamily("pdserve_kv_transfer_latency_seconds_sum", "Sum of transfer latencies", labels=["direction", "peer"]),
+        }
+        for direction, side in (("send", self.kv.sender), ("receive", self.kv.receiver)):
+            for peer, m in list(side.metrics.peers.items()):
+                labels = [direction, peer]
+                fams["bytes"].add_metric(labels, m.bytes)
+                fams["blocks"].add_metric(labels, m.blocks)
+                fams["done"].add_metric(labels, m.requests_completed)
+                fams["lat"].add_metric(labels, m.request_latency_s.sum)
+                for reason, n in m.failures.items():
+                    fams["fail"].add_metric([direction, peer, reason], n)
+        yield from fams.values()

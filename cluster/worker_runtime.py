@@ -1,0 +1,224 @@
+"""What a prefill and a decode worker share: the engine on its own thread, the KV transfer
+agent, etcd registration, KV-event fan-out, the `Worker` gRPC service, /metrics, draining.
+
+Life cycle of a worker process: build (load model, size pool, register the pool with NIXL)
+-> start (engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at
+start is fatal) -> serve -> SIGTERM: mark draining (published at once; new work is refused
+with UNAVAILABLE), wait for in-flight requests (bounded), deregister, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import AsyncIterator, Callable
+
+import grpc
+
+from cluster.registration import Capacity, Registrar, WorkerInfo
+from cluster.worker_args import WorkerConfig
+from cluster.worker_metrics import WorkerMetrics
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import EngineStats, LLMEngine
+from engine.outputs import CompletionDelta
+from kvtransfer import KVCompat, KVTransferConfig
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from cluster.grpc_errors import grpc_errors
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, engine_config: EngineConfig) -> None:
+        import torch
+        from kvtransfer import NixlTransferBackend
+
+        self.config = config
+        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
+        self.engine = LLMEngine(engine_config)
+        self.engine.block_manager.record_events = True
+        self.worker_id = config.worker_id
+        self.kv = NixlTransferBackend(KVTransferConfig(agent_name=self.worker_id))
+        compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id)
+        self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, compat)
+        self.compat_hash = compat.hash()
+        self.metrics = WorkerMetrics(config.role, self.kv)
+        self.draining = False
+        self.inflight = 0
+        self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
+        self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
+        self._role_after_step: Callable[[LLMEngine], bool] | None = None
+        self.loop = EngineLoop(self.engine, self._on_deltas, self._after_step)
+        self.stats: EngineStats = self.engine.stats()
+        self.registrar: Registrar | None = None
+        self.grpc_address = ""
+        self.metrics_address = ""
+
+    # ---- engine thread side ------------------------------------------------------------
+    def set_role_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
+        self._role_after_step = hook
+
+    def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
+        for delta in deltas:
+            queue = self.streams.get(delta.request_id)
+            if queue is not None:
+                self.aio.call_soon_threadsafe(queue.put_nowait, delta)
+
+    def _after_step(self, engine: LLMEngine) -> bool:
+        events = engine.block_manager.take_events()
+        if events and self._kv_subscribers:
+            batch = pb.KVEventBatch(
+                stored=[e.block_hash for e in events if e.stored],
+                removed=[e.block_hash for e in events if not e.stored],
+            )
+            for q in list(self._kv_subscribers):
+                self.aio.call_soon_threadsafe(q.put_nowait, batch)
+        return self._role_after_step(engine) if self._role_after_step else False
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread; await its result."""
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    # ---- registration ------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        s = self.stats
+        prefill_rate = (
+            s.prompt_tokens / self.loop.prefill_seconds if self.loop.prefill_seconds > 0 else 0.0
+        )
+        return WorkerInfo(
+            worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
+            model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
+            block_size=self.engine.config.block_size,
+            kv_metadata=self.kv_metadata.to_bytes().decode("ascii"),
+            metrics_address=self.metrics_address, draining=self.draining,
+            capacity=Capacity(
+                total_blocks=s.num_blocks, free_blocks=s.num_free_blocks,
+                running=s.num_running + s.num_waiting_for_kv, waiting=s.num_waiting,
+                queued_prefill_tokens=s.queued_prefill_tokens, prefill_tokens_per_s=prefill_rate,
+            ),
+        )
+
+    async def _refresh_stats(self) -> None:
+        while True:
+            try:
+                self.stats = await self.call(lambda e: e.stats())
+                self.metrics.update(self.stats, self.loop)
+            except Exception:  # pragma: no cover - engine thread gone; the main loop exits
+                log.exception("stats refresh failed")
+            await asyncio.sleep(0.2)
+
+    # ---- process life cycle --------------------------------------------------------------
+    async def serve(self, add_servicers: Callable[[grpc.aio.Server], None]) -> int:
+        """Run until SIGTERM/SIGINT; returns the exit code."""
+        import signal
+
+        from cluster.net import free_port
+
+        self.aio = asyncio.get_running_loop()
+        cfg = self.config
+        host = cfg.advertise_host or cfg.host
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_WorkerServicer_to_server(WorkerService(self), server)
+        add_servicers(server)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+        self.grpc_address = f"{host}:{port}"
+        if not self.worker_id:
+            self.worker_id = f"{cfg.role}-{host}-{port}"
+        metrics_port = cfg.metrics_port or free_port(cfg.host)
+        self.metrics.serve(cfg.host, metrics_port)
+        self.metrics_address = f"{host}:{metrics_port}"
+
+        self.loop.start()
+        await server.start()
+        refresher = asyncio.create_task(self._refresh_stats())
+        self.registrar = Registrar(cfg.etcd, cfg.cluster, self.info)
+        try:
+            await self.registrar.start()
+        except Exception as exc:
+            log.error("%s", exc)
+            await server.stop(0)
+            self.loop.stop()
+            return 1
+        log.info("%s %s serving on %s (metrics %s)", cfg.role, self.worker_id,
+                 self.grpc_address, self.metrics_address)
+        print(f"READY {cfg.role} {self.worker_id} grpc={self.grpc_address} "
+              f"metrics={self.metrics_address}", flush=True)
+
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.aio.add_signal_handler(sig, stop.set)
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                if not self.loop._thread.is_alive():
+                    log.error("engine loop died; exiting")
+                    return 1
+        await self.drain()
+        refresher.cancel()
+        await self.registrar.deregister()
+        await server.stop(1.0)
+        self.loop.stop()
+        self.kv.close()
+        return 0
+
+    async def drain(self) -> None:
+        self.draining = True
+        if self.registrar is not None:
+            await self.registrar.publish_now()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("drain timeout: %d requests still in flight", self.inflight)
+
+    async def kv_events(self) -> AsyncIterator[pb.KVEventBatch]:
+        queue: asyncio.Queue[pb.KVEventBatch] = asyncio.Queue()
+        self._kv_subscribers.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._kv_subscribers.discard(queue)
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    """Calls every worker answers (thin: all work is in WorkerRuntime)."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+
+    @grpc_errors
+    async def Health(self, request, context):
+        info = self.rt.info()
+        c = info.capacity
+        return pb.HealthResponse(
+            role=info.role, worker_id=info.worker_id, model_id=info.model_id, draining=info.draining,
+            capacity=pb.Capacity(
+                total_blocks=c.total_blocks, free_blocks=c.free_blocks, running=c.running,
+                waiting=c.waiting, queued_prefill_tokens=c.queued_prefill_tokens,
+                prefill_tokens_per_s=c.prefill_tokens_per_s,
+            ),
+        )
+
+    @grpc_errors
+    async def Abort(self, request, context):
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        found = await self.rt.call(lambda e: e.abort_request(request.request_id))
+        return pb.AbortResponse(found=bool(found))
+
+    @grpc_errors
+    async def SubscribeKVEvents(self, request, context):
+        async for batch in self.rt.kv_events():
+            yield batch
+
+    @grpc_errors
+    async def GetCachedBlocks(self, request, context):
+        hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
+        return pb.CachedBlocksResponse(block_hashes=hashes)

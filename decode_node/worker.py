@@ -1,0 +1,236 @@
+"""The decode worker.
+
+Life cycle of a request here:
+1. `Generate` arrives (from the router) with the prompt's token ids and, optionally, the
+   prefill worker P to use.
+2. With P (and n == 1): the engine allocates the prompt's blocks, reusing its own prefix-cache
+   hits, and parks the request as WAITING_FOR_KV; the KV receiver is told to expect writes into
+   the blocks still missing; then P's `Prefill` is called with our transfer identity and those
+   block ids. P streams the blocks as its chunks complete and returns the first token.
+3. When every block has landed (receiver COMPLETE) and the first token is back, the request
+   joins the running batch; its first token is streamed at once, then every decoded token.
+4. Failures: P unreachable or failing -> the parked request is dropped (blocks freed) and the
+   prompt is prefilled here (`local_fallback`), or UNAVAILABLE with --strict-remote-prefill;
+   KV not complete by the deadline -> DEADLINE_EXCEEDED, blocks freed, nothing decoded from
+   them; the caller cancelling -> the request is aborted and its blocks freed.
+Without P (or n > 1) the prompt is prefilled here (`local`).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from cluster.convert import delta_to_pb, sampled_from_pb, sampling_from_pb, sampling_to_pb
+from cluster.grpc_errors import Unavailable, grpc_errors
+from cluster.worker_runtime import WorkerRuntime
+from engine.llm_engine import LLMEngine
+from engine.request import Request
+from engine.scheduler import SampledToken
+from kvtransfer import TransferStatus
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _RemotePrefill:
+    """Engine-thread state of one request waiting for its KV."""
+
+    request_id: str
+    transfer_id: str
+    done: asyncio.Future  # resolved on the asyncio loop: None (started) or an exception
+    kv_landed: bool = False
+    first_token: SampledToken | None = None
+    deltas: list = field(default_factory=list)
+
+
+class DecodeWorker(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+        self._pending: dict[str, _RemotePrefill] = {}  # engine thread only
+        self._by_transfer: dict[str, str] = {}  # engine thread only
+        self._attempts = itertools.count()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        runtime.set_role_hook(self._after_step)
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _after_step(self, engine: LLMEngine) -> bool:
+        for result in self.rt.kv.receiver.poll():
+            request_id = self._by_transfer.pop(result.request_id, None)
+            pending = self._pending.get(request_id) if request_id else None
+            if pending is None:
+                continue
+            if result.status is TransferStatus.COMPLETE:
+                pending.kv_landed = True
+                self._maybe_start(engine, pending)
+            else:
+                self._fail(engine, pending, TimeoutError(
+                    f"KV for request {request_id} did not arrive: {result.status.name.lower()}"
+                    f" after {result.elapsed_s:.1f}s ({result.num_blocks} blocks landed) {result.error}"
+                ) if result.status is TransferStatus.TIMEOUT else Unavailable(
+                    f"KV transfer for request {request_id} failed: {result.status.name.lower()} {result.error}"))
+        return bool(self._pending)
+
+    def _start_remote(
+        self, engine: LLMEngine, request: Request, done: asyncio.Future
+    ) -> tuple[str, list[int]] | None:
+        """Park the request and expect its KV; (transfer id, block ids to fill) or None."""
+        block_ids = engine.add_remote_prefill_request(request)
+        if block_ids is None:
+            return None
+        transfer_id = f"{request.request_id}:{next(self._attempts)}"
+        deadline = time.monotonic() + self.rt.config.kv_timeout_s
+        try:
+            self.rt.kv.receiver.expect(transfer_id, block_ids, deadline=deadline)
+        except Exception:
+            engine.abort_request(request.request_id)
+            raise
+        self._pending[request.request_id] = _RemotePrefill(request.request_id, transfer_id, done)
+        self._by_transfer[transfer_id] = request.request_id
+        return transfer_id, block_ids
+
+    def _first_token(self, engine: LLMEngine, request_id: str, token: SampledToken) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.first_token = token
+            self._maybe_start(engine, pending)
+
+    def _maybe_start(self, engine: LLMEngine, pending: _RemotePrefill) -> None:
+        if not (pending.kv_landed and pending.first_token is not None):
+            return
+        del self._pending[pending.request_id]
+        deltas = engine.finish_remote_prefill(pending.request_id, pending.first_token)
+        self.rt._on_deltas(deltas)
+        self.rt.aio.call_soon_threadsafe(_resolve, pending.done, None)
+
+    def _fail(self, engine: LLMEngine, pending: _RemotePrefill, exc: Exception) -> None:
+        self._pending.pop(pending.request_id, None)
+        self._by_transfer.pop(pending.transfer_id, None)
+        self.rt.kv.receiver.cancel(pending.transfer_id)
+        engine.abort_request(pending.request_id)
+        self.rt.aio.call_soon_threadsafe(_resolve, pending.done, exc)
+
+    def _cancel_remote(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            self._fail(engine, pending, exc)
+
+    # ---- asyncio side ----------------------------------------------------------------------
+    @grpc_errors
+    async def Generate(self, request: pb.GenerateRequest, context):
+        rt = self.rt
+        if rt.draining:
+            raise Unavailable("worker is draining")
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        params = sampling_from_pb(request.sampling)
+        rid = request.request_id
+        if rid in rt.streams:
+            raise ValueError(f"request_id {rid!r} is already live on this worker")
+        engine = rt.engine
+        req = engine.make_request(rid, list(request.prompt_token_ids), params, request.cache_salt or None)
+        await rt.call(lambda e: e.scheduler.check_fits(req))  # invalid input fails before any work
+        queue: asyncio.Queue = asyncio.Queue()
+        rt.streams[rid] = queue
+        rt.inflight += 1
+        start = time.monotonic()
+        finished: set[int] = set()
+        mode = "local"
+        extra_cached = 0
+        try:
+            if request.HasField("prefill_worker") and params.n == 1:
+                mode, extra_cached = await self._prefill_remotely(req, request.prefill_worker)
+            if mode == "local_fallback":  # the parked request was dropped: start afresh
+                req = engine.make_request(rid, list(request.prompt_token_ids), params,
+                                          request.cache_salt or None)
+            if mode != "remote":
+                await rt.call(lambda e: e.submit(req))
+            rt.metrics.count_prefill_mode(mode)
+            last = None
+            while len(finished) < params.n:
+                delta = await queue.get()
+                now = time.monotonic()
+                if last is None:
+                    rt.metrics.ttft.labels("decode").observe(now - start)
+                elif delta.token_ids:
+                    rt.metrics.itl.labels("decode").observe(now - last)
+                last = now
+                if delta.finished:
+                    finished.add(delta.index)
+                yield delta_to_pb(delta, mode, extra_cached)
+            rt.metrics.e2e.labels("decode").observe(time.monotonic() - start)
+        finally:
+            rt.streams.pop(rid, None)
+            rt.inflight -= 1
+            if len(finished) < params.n:  # cancelled or failed: free everything now
+                gone = Unavailable(f"request {rid} ended before completing (cancelled or failed)")
+                await asyncio.shield(rt.call(lambda e: (self._cancel_remote(e, rid, gone), e.abort_request(rid))))
+
+    async def _prefill_remotely(self, req: Request, worker: pb.WorkerRef) -> tuple[str, int]:
+        """Run the prompt on prefill worker `worker`. Returns (prefill mode, prompt tokens P
+        found cached) once the request is running here; falls back to local prefill."""
+        rt = self.rt
+        done = rt.aio.create_future()
+        started = await rt.call(lambda e: self._start_remote(e, req, done))
+        if started is None:
+            return "local", 0  # no room for the whole prompt now: let the scheduler queue it
+        transfer_id, block_ids = started
+        num_skip = rt.engine.block_manager.blocks_for(req.num_prompt_tokens) - len(block_ids)
+        prefill = pb.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
+            destination=pb.KVDestination(
+                peer_metadata=rt.kv_metadata.to_bytes(), num_skip_blocks=num_skip,
+                block_ids=block_ids, deadline_s=rt.config.kv_timeout_s, transfer_id=transfer_id,
+            ),
+        )
+        stub = pb_grpc.PrefillWorkerStub(self._channel(worker.address))
+        call = stub.Prefill(prefill, timeout=rt.config.kv_timeout_s)
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
+                                  f"{exc.code().name}: {exc.details()}")
+            await rt.call(lambda e: self._cancel_remote(e, req.request_id, failure))
+            if done.done() and isinstance(done.exception(), TimeoutError):
+                raise done.exception()
+            if rt.config.strict_remote_prefill:
+                raise failure
+            log.warning("%s; prefilling %s locally", failure, req.request_id)
+            return "local_fallback", 0
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
+        await rt.call(lambda e: self._first_token(e, req.request_id, token))
+        await done  # raises if the KV failed or timed out
+        return "remote", response.num_cached_tokens
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return channel
+
+
+def _for_prefill(req: Request):
+    """The prefill worker samples exactly the first token, with this request's seed."""
+    from dataclasses import replace
+
+    return replace(req.sampling, n=1, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=(),
+                   ignore_eos=True, seed=req.seed)
+
+
+def _resolve(future: asyncio.Future, exc: Exception | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

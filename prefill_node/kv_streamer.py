@@ -1,0 +1,99 @@
+"""Streams a prompt's KV blocks to the decode worker as the prefill engine completes them.
+
+Runs on the engine thread after every step. For each prefill in flight: blocks that became
+full (and computed) since the last step are pinned and written at once, so the transfer of
+chunk k overlaps the compute of chunk k+1; when the request has sampled its first token, the
+remaining blocks (the last, partial one included) go out in the final batch, which carries
+the completion notification. Pinned blocks are released when the sender reports the request
+(complete or failed); the engine's own request is already finished by then, so the blocks
+become cached-free prefix cache — nothing is held for the decode side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.llm_engine import LLMEngine
+from engine.request import Request
+from engine.scheduler import SampledToken
+from kvtransfer import KVSender, TransferResult, TransferStatus
+
+
+@dataclass
+class Outgoing:
+    """One prefill being streamed."""
+
+    request: Request
+    transfer_id: str  # what the decode worker's receiver expects
+    peer: str
+    dest_blocks: list[int]  # decode-side block ids for prompt blocks num_skip..
+    num_skip: int  # leading prompt blocks the decode worker already has
+    deadline: float
+    on_done: Callable[[TransferResult, SampledToken | None], None]
+    sent: int = 0  # prompt blocks handled so far (sent or skipped)
+    pinned: list[int] = field(default_factory=list)
+    final_sent: bool = False
+
+
+class KVStreamer:
+    def __init__(self, sender: KVSender) -> None:
+        self.sender = sender
+        self.active: dict[str, Outgoing] = {}  # by transfer id
+
+    def add(self, out: Outgoing) -> None:
+        self.active[out.transfer_id] = out
+
+    def cancel(self, engine: LLMEngine, transfer_id: str) -> None:
+        """Stop streaming (the request is aborted in the engine by the caller)."""
+        out = self.active.get(transfer_id)
+        if out is not None and not self.sender.cancel(transfer_id) and not out.final_sent:
+            # Nothing posted yet: finish it here (the sender never heard of it).
+            self._finish(engine, out, None, TransferStatus.CANCELLED)
+
+    def after_step(self, engine: LLMEngine) -> bool:
+        bm = engine.block_manager
+        for out in list(self.active.values()):
+            req = out.request
+            if out.final_sent or not req.block_table:
+                continue  # all sent, or not admitted yet
+            if req.status.is_finished and req.num_output_tokens == 0:
+                self._finish(engine, out, None, TransferStatus.CANCELLED)  # aborted in the engine
+                continue
+            prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
+            final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
+            upto = prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
+            start = max(out.sent, out.num_skip)
+            pairs = [(req.block_table[i], out.dest_blocks[i - out.num_skip]) for i in range(start, upto)]
+            if not pairs and not final:
+                continue
+            blocks = [local for local, _ in pairs]
+            bm.pin(blocks)  # freed-this-step blocks are taken back before any reuse
+            out.pinned += blocks
+            out.sent = upto
+            out.final_sent = final
+            try:
+                self.sender.send(out.transfer_id, out.peer, pairs, final=final, deadline=out.deadline)
+            except Exception as exc:  # refused before posting: fail this request only
+                self._finish(engine, out, None, TransferStatus.ERROR, str(exc))
+        for result in self.sender.poll():
+            out = self.active.get(result.request_id)
+            if out is not None:
+                self._finish(engine, out, result)
+        return bool(self.active)
+
+    def _finish(self, engine: LLMEngine, out: Outgoing, result: TransferResult | None,
+                status: TransferStatus | None = None, error: str = "") -> None:
+        self.active.pop(out.transfer_id, None)
+        engine.block_manager.release(out.pinned)
+        out.pinned = []
+        if result is None:
+            result = TransferResult(out.transfer_id, status, out.peer, 0, 0, 0.0, error)
+        first = None
+        req = out.request
+        if result.status is TransferStatus.COMPLETE:
+            lp = req.logprobs[0] if req.logprobs else None
+            first = SampledToken(req.output_token_ids[0], lp.logprob if lp else None,
+                                 tuple(lp.top) if lp else ())
+        else:
+            engine.abort_request(req.request_id)
+        out.on_done(result, first)

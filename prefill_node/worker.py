@@ -1,0 +1,125 @@
+"""The prefill worker.
+
+Life cycle of a request here:
+1. `Prefill` arrives from a decode worker D with the prompt, sampling settings (n = 1, seed
+   set) and the destination: D's transfer identity and D's block ids for the prompt blocks
+   D does not have yet.
+2. D's peer is added (compatibility check; a no-op for known peers — peers are also added
+   ahead of time as decode workers appear in etcd). The prompt enters this engine (chunked
+   prefill, own prefix cache) with max_tokens = 1.
+3. After every engine step the KV streamer writes the blocks that became complete into D's
+   blocks; when the first token is sampled, the rest goes out with the completion
+   notification. The engine request is finished at that point: its blocks are only pinned
+   until the writes complete, then they are cached-free.
+4. The response (first token, cached-token count, blocks sent) is returned once every write
+   completed. A failed write (D died) or a deadline fails the call; the caller cancelling
+   aborts the request and frees everything.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from cluster.convert import sampled_to_pb, sampling_from_pb
+from cluster.grpc_errors import Unavailable, grpc_errors
+from cluster.registration import list_workers, make_client
+from cluster.worker_runtime import WorkerRuntime
+from kvtransfer import TransferStatus
+from prefill_node.kv_streamer import KVStreamer, Outgoing
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+        self.streamer = KVStreamer(runtime.kv.sender)
+        runtime.set_role_hook(self.streamer.after_step)
+
+    @grpc_errors
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        rt = self.rt
+        if rt.draining:
+            raise Unavailable("worker is draining")
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        params = sampling_from_pb(request.sampling)
+        if params.n != 1 or params.seed is None or params.max_tokens != 1:
+            raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
+        dest = request.destination
+        prompt_blocks = rt.engine.block_manager.blocks_for(len(request.prompt_token_ids))
+        if dest.num_skip_blocks + len(dest.block_ids) != prompt_blocks:
+            raise ValueError(
+                f"destination covers {dest.num_skip_blocks} + {len(dest.block_ids)} blocks; "
+                f"the prompt has {prompt_blocks}"
+            )
+        peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
+        req = rt.engine.make_request(
+            request.request_id, list(request.prompt_token_ids), params, request.cache_salt or None
+        )
+        done: asyncio.Future = rt.aio.create_future()
+
+        def on_done(result, first_token):
+            rt.aio.call_soon_threadsafe(_resolve, done, (result, first_token))
+
+        if not dest.transfer_id:
+            raise ValueError("destination.transfer_id is required")
+        out = Outgoing(
+            request=req, transfer_id=dest.transfer_id, peer=peer, dest_blocks=list(dest.block_ids), num_skip=dest.num_skip_blocks,
+            deadline=time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s), on_done=on_done,
+        )
+
+        def start(engine):
+            engine.submit(req)  # raises RequestRejected for prompts that can never fit
+            self.streamer.add(out)
+
+        rt.inflight += 1
+        try:
+            await rt.call(start)
+            try:
+                result, first_token = await done
+            except asyncio.CancelledError:
+                await asyncio.shield(rt.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
+                raise
+        finally:
+            rt.inflight -= 1
+        if result.status is not TransferStatus.COMPLETE:
+            raise Unavailable(
+                f"KV transfer to {peer} failed: {result.status.name.lower()} {result.error}".strip()
+            )
+        return pb.PrefillResponse(
+            first_token=sampled_to_pb(first_token),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_blocks_sent=result.num_blocks,
+        )
+
+    def _cancel(self, engine, transfer_id: str, request_id: str) -> None:
+        self.streamer.cancel(engine, transfer_id)
+        engine.abort_request(request_id)
+
+    async def warm_peers(self) -> None:
+        """Add every decode worker in etcd as a transfer peer ahead of its first request."""
+        known: set[str] = set()
+        while True:
+            try:
+                async with make_client(self.rt.config.etcd) as client:
+                    for info in await list_workers(client, self.rt.config.cluster):
+                        if info.role == "decode" and info.kv_metadata and info.kv_metadata not in known:
+                            try:
+                                await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
+                                known.add(info.kv_metadata)
+                            except Exception as exc:
+                                log.warning("cannot add decode worker %s as a peer: %s", info.worker_id, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("peer warm-up: etcd not reachable (%r)", exc)
+            await asyncio.sleep(1.0)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
