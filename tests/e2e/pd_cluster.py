@@ -1,0 +1,126 @@
+"""Multi-process test harness: real etcd, `pdserve prefill` / `pdserve decode` processes on
+free loopback ports, stopped by PID by the test that started them."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from cluster.net import free_port
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_LAYERS = 2
+PDSERVE = [sys.executable, "-m", "pdserve"]
+
+
+class WorkerProcess:
+    def __init__(self, role: str, etcd_endpoint: str, *extra: str, log_dir: Path, cluster: str = "default"):
+        self.role = role
+        self.port = free_port()
+        self.log_path = log_dir / f"{role}-{self.port}.log"
+        cmd = [
+            *PDSERVE, role, "--etcd", etcd_endpoint, "--cluster", cluster, "--port", str(self.port),
+            "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
+            *extra,
+        ]
+        env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True
+        )
+        self.worker_id = ""
+        self.metrics_address = ""
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("READY "):  # READY <role> <worker id> grpc=<addr> metrics=<addr>
+                fields = line.split()
+                self.worker_id = fields[2]
+                self.metrics_address = fields[4].removeprefix("metrics=")
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 90.0) -> "WorkerProcess":
+        if not self._ready.wait(timeout):
+            self.kill()
+            raise RuntimeError(f"{self.role} did not start:\n{self.log_path.read_text()[-3000:]}")
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def ref(self) -> pb.WorkerRef:
+        return pb.WorkerRef(worker_id=self.worker_id, address=self.address)
+
+    def terminate(self, timeout: float = 40.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return -9
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+async def ahealth(address: str) -> pb.HealthResponse:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)
+
+
+def health(address: str) -> pb.HealthResponse:
+    return asyncio.run(ahealth(address))
+
+
+def wait_all_blocks_free(address: str, timeout: float = 5.0) -> pb.HealthResponse:
+    """Every block back on the free list (free or cached-free); nothing running or parked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = health(address)
+        c = h.capacity
+        if c.free_blocks == c.total_blocks and c.running == 0 and c.waiting == 0:
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{address}: {c.total_blocks - c.free_blocks} blocks still in use, {c}")
+        time.sleep(0.05)
+
+
+async def generate(address: str, request: pb.GenerateRequest, timeout: float = 120.0):
+    """All responses of one Generate call."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        return [r async for r in pb_grpc.DecodeWorkerStub(ch).Generate(request, timeout=timeout)]
+
+
+def tokens_by_index(responses) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r in responses:
+        out.setdefault(r.index, []).extend(r.token_ids)
+    return out
+
+
+def metric(address: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples (matching `labels`) from a /metrics endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,0 +1,266 @@
+"""Prefill + decode workers as real processes on loopback with a real etcd; KV over NIXL.
+
+The headline: greedy outputs through decode + prefill (KV streamed block by block over NIXL,
+several transfer batches per request) are token-identical to a single engine's."""
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from cluster.etcd_server import EtcdServer
+from cluster.registration import list_workers, make_client
+from engine import LLM, SamplingParams
+from pd_cluster import (
+    NUM_LAYERS, WorkerProcess, ahealth, generate, metric, tokens_by_index, wait_all_blocks_free,
+)
+from proto import pdserve_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def workers(etcd, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    # A tiny prefill token budget: every prompt is chunked into several transfer batches.
+    prefill = WorkerProcess("prefill", etcd.endpoint, "--max-num-batched-tokens", "24", log_dir=logs)
+    decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "20", log_dir=logs)
+    try:
+        yield prefill.wait_ready(), decode.wait_ready()
+    finally:
+        assert decode.terminate() == 0
+        assert prefill.terminate() == 0
+
+
+@pytest.fixture(autouse=True)
+def pools_are_clean_after(request):
+    yield
+    if "workers" in request.fixturenames:
+        prefill, decode = request.getfixturevalue("workers")
+        wait_all_blocks_free(prefill.address)
+        wait_all_blocks_free(decode.address)
+
+
+@pytest.fixture(scope="module")
+def reference_llm(model_dir):
+    return LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20)
+
+
+def _request(rid, tokens, prefill=None, **sampling):
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 12)
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling))
+    if prefill is not None:
+        req.prefill_worker.CopyFrom(prefill.ref())
+    return req
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 150))] for _ in range(n)]
+
+
+def test_disaggregated_greedy_equals_single_engine(workers, reference_llm):
+    prefill, decode = workers
+    prompts = _prompts(8)
+    sent_before = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+
+    async def run_all():
+        return await asyncio.gather(*[
+            generate(decode.address, _request(f"parity-{i}", p, prefill)) for i, p in enumerate(prompts)
+        ])
+
+    results = asyncio.run(run_all())
+    expected = reference_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    for responses, ref in zip(results, expected):
+        assert {r.prefill_mode for r in responses} == {"remote"}
+        assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
+        assert responses[-1].finish_reason == ref.outputs[0].finish_reason
+        assert "".join(r.text for r in responses) == ref.outputs[0].text
+    landed = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") - sent_before
+    assert landed == sum(-(-len(p) // 16) for p in prompts)
+
+
+def test_seeded_sampling_across_workers_equals_single_engine(workers, reference_llm):
+    prefill, decode = workers
+    [prompt] = _prompts(1, seed=3)
+    responses = asyncio.run(generate(decode.address, _request(
+        "seeded", prompt, prefill, temperature=0.9, top_p=0.9, seed=42, max_tokens=10, logprobs=2)))
+    [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, logprobs=2), use_tqdm=False)
+    assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
+    got = [lp.logprob for r in responses for lp in r.logprobs]
+    assert got == pytest.approx([lp.logprob for lp in ref.outputs[0].logprobs], abs=1e-4)
+
+
+def test_decode_side_prefix_reuse_transfers_only_missing_blocks(workers):
+    prefill, decode = workers
+    shared = list(range(1000, 1200))  # 200 tokens: 12 full blocks (+ 8)
+    first, second = shared + [5, 6, 7], shared + [8, 9, 10, 11, 12]
+    asyncio.run(generate(decode.address, _request("prefix-a", first, prefill)))
+    before = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+    responses = asyncio.run(generate(decode.address, _request("prefix-b", second, prefill)))
+    landed = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") - before
+    assert landed == -(-len(second) // 16) - 12  # only the blocks after the shared 12
+    assert responses[-1].usage.cached_tokens >= 192
+
+
+def test_local_prefill_without_a_prefill_worker(workers, reference_llm):
+    _, decode = workers
+    [prompt] = _prompts(1, seed=5)
+    responses = asyncio.run(generate(decode.address, _request("local", prompt, n=2, temperature=0.7, seed=3)))
+    assert {r.prefill_mode for r in responses} == {"local"}
+    got = tokens_by_index(responses)
+    [ref] = reference_llm.generate([prompt], SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=12), use_tqdm=False)
+    assert [got[0], got[1]] == [c.token_ids for c in ref.outputs]
+
+
+def test_unreachable_prefill_worker_falls_back_to_local(workers, reference_llm):
+    _, decode = workers
+    [prompt] = _prompts(1, seed=9)
+    req = _request("fallback", prompt)
+    req.prefill_worker.CopyFrom(pb.WorkerRef(worker_id="gone", address="127.0.0.1:1"))
+    responses = asyncio.run(generate(decode.address, req))
+    assert {r.prefill_mode for r in responses} == {"local_fallback"}
+    [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt_token_ids=[]), "empty"),
+    (dict(prompt_token_ids=[1] * 9000), "maximum context length"),
+    (dict(prompt_token_ids=[1, 10**7]), "token ids"),
+    (dict(sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    (dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    (dict(request_id=""), "request_id"),
+])
+def test_invalid_requests_are_invalid_argument(workers, bad, message):
+    _, decode = workers
+    req = _request("bad", [1, 2, 3])
+    for field, value in bad.items():
+        if field == "prompt_token_ids":
+            del req.prompt_token_ids[:]
+            req.prompt_token_ids.extend(value)
+        elif field == "sampling":
+            req.sampling.CopyFrom(value)
+        else:
+            setattr(req, field, value)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(generate(decode.address, req))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+def test_client_cancel_aborts_and_frees_within_a_second(workers):
+    prefill, decode = workers
+
+    async def start_and_cancel():
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            from proto import pdserve_pb2_grpc as pb_grpc
+
+            call = pb_grpc.DecodeWorkerStub(ch).Generate(
+                _request("cancel-me", _prompts(1, seed=11)[0], prefill, max_tokens=100000, ignore_eos=True))
+            async for _ in call:
+                break  # got the first token: the request is running
+            call.cancel()
+        t0 = time.monotonic()
+        while True:
+            c = (await ahealth(decode.address)).capacity
+            if c.free_blocks == c.total_blocks and c.running == 0:
+                return time.monotonic() - t0
+            assert time.monotonic() - t0 < 1.0, c
+            await asyncio.sleep(0.02)
+
+    assert asyncio.run(start_and_cancel()) < 1.0
+
+
+def test_kv_deadline_fails_clearly_and_frees(etcd, tmp_path, workers):
+    prefill, _ = workers
+    decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "0.001", "--cluster", "deadline",
+                           log_dir=tmp_path).wait_ready()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(generate(decode.address, _request("late", _prompts(1, seed=2)[0], prefill)))
+        assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        wait_all_blocks_free(decode.address)
+    finally:
+        assert decode.terminate() == 0
+
+
+def test_registration_and_lease_expiry_after_kill(etcd, tmp_path):
+    async def roles(cluster):
+        async with make_client(etcd.endpoint) as client:
+            return sorted((w.role, w.worker_id) for w in await list_workers(client, cluster))
+
+    decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "lease", log_dir=tmp_path).wait_ready()
+    try:
+        [(role, worker_id)] = asyncio.run(roles("lease"))
+        assert (role, worker_id) == ("decode", decode.worker_id)
+        decode.proc.kill()  # kill -9: no deregistration; the lease must lapse
+        decode.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while asyncio.run(roles("lease")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert asyncio.run(roles("lease")) == []
+    finally:
+        decode.kill()
+
+
+def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
+    decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "drain", log_dir=tmp_path).wait_ready()
+
+    async def main():
+        task = asyncio.create_task(generate(decode.address, _request("drain", [5] * 20, max_tokens=60, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        decode.proc.send_signal(15)
+        await asyncio.sleep(0.3)
+        async with make_client(etcd.endpoint) as client:
+            during = await list_workers(client, "drain")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # no new work while draining
+            await generate(decode.address, _request("too-late", [5] * 20))
+        return await task, during, refused.value.code()
+
+    responses, during, refused_code = asyncio.run(main())
+    assert [w.draining for w in during] == [True]
+    assert refused_code is grpc.StatusCode.UNAVAILABLE
+    assert sum(len(r.token_ids) for r in responses) == 60 and responses[-1].finish_reason == "length"
+    assert decode.proc.wait(30) == 0
+
+    async def registered():
+        async with make_client(etcd.endpoint) as client:
+            return await list_workers(client, "drain")
+
+    assert asyncio.run(registered()) == []
+
+
+def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(etcd, tmp_path, workers, reference_llm):
+    prefill, decode = workers
+    doomed = WorkerProcess("decode", etcd.endpoint, "--cluster", "doomed", log_dir=tmp_path).wait_ready()
+    long_prompt = [random.Random(4).randrange(100, 40000) for _ in range(3000)]
+
+    async def start_then_kill():
+        task = asyncio.create_task(generate(doomed.address, _request("doomed", long_prompt, prefill)))
+        deadline = time.monotonic() + 20
+        while (await ahealth(prefill.address)).capacity.running == 0:  # prefill under way
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        doomed.proc.kill()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await task
+
+    try:
+        asyncio.run(start_then_kill())
+    finally:
+        doomed.kill()
+    wait_all_blocks_free(prefill.address, timeout=15)  # aborted, pinned blocks released
+    [prompt] = _prompts(1, seed=12)  # and it keeps serving
+    responses = asyncio.run(generate(decode.address, _request("after-death", prompt, prefill)))
+    [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert {r.prefill_mode for r in responses} == {"remote"}
+    assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
