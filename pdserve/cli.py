@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.worker_main import register as register_workers
 
     register_workers(sub)
+    __import__("router.cli").cli.register(sub)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""The HTTP surface (FastAPI): OpenAI endpoints, /health, /metrics.
+
+Every error leaves as an OpenAI error body. A request is prepared (validated, tokenized)
+before any worker is involved; a streamed response starts only once its first update has
+arrived, so placement failures (503) and workers failing before the first token (after the
+retry, 502) are real HTTP statuses; a failure later ends the stream with an error event.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.dispatch import Delta, WorkerFailed
+from router.errors import APIError
+from router.placement import PromptKey
+from router.responses import ChunkWriter, Collector, sse
+from router.server import RouterServices
+from router.streaming import ClientGone, merge, until_disconnect
+from router.validation import Kind, Prepared, prepare
+
+log = logging.getLogger(__name__)
+
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
+
+
+def create_app(services: RouterServices) -> FastAPI:
+    app = FastAPI(title="pdserve router", lifespan=services.lifespan)
+    app.add_middleware(_AuthAndCount, services=services)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s", request.url.path)
+        return APIError(500, f"internal error: {exc!r}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = {role: 0 for role in ("prefill", "decode")}
+        now = services.registry.clock()
+        for w in services.registry.all():
+            if not w.info.draining and not services.registry.is_stale(w, now):
+                ready[w.info.role] += 1
+        ok = ready["decode"] > 0
+        return JSONResponse({"status": "ok" if ok else "no_decode_workers",
+                             "decode_workers": ready["decode"],
+                             "prefill_workers": ready["prefill"]},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        services.update_gauges()
+        return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = services.card
+        return {"object": "list", "data": [{
+            "id": card.name, "object": "model", "created": 0, "owned_by": "pdserve",
+            "max_model_len": card.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(services, "completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(services, "chat", request)
+
+    return app
+
+
+async def _generate(services: RouterServices, kind: Kind, request: Request) -> Response:
+    arrival = time.monotonic()
+    body = await request.body()
+    if len(body) > _THREAD_TOKENIZE_BYTES:
+        prepared = await asyncio.to_thread(prepare, kind, body, services.card)
+    else:
+        prepared = prepare(kind, body, services.card)
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    streams = merge([
+        services.dispatcher.generate(PromptKey(ids, prepared.cache_salt), prepared.sampling, arrival)
+        for ids in prepared.prompts
+    ])
+    try:
+        if not prepared.stream:
+            collector = Collector(prepared, services.tokens, request_id)
+            await until_disconnect(request, _collect(streams, collector))
+            return JSONResponse(collector.response())
+        first = await until_disconnect(request, anext(streams))
+    except ClientGone:
+        await streams.aclose()
+        return Response(status_code=499)
+    except WorkerFailed as exc:
+        await streams.aclose()
+        raise APIError(502, str(exc), code="worker_failed") from None
+    except BaseException:
+        await streams.aclose()
+        raise
+    writer = ChunkWriter(prepared, services.tokens, request_id)
+    return StreamingResponse(_sse(prepared, writer, first, streams), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(streams: AsyncIterator[tuple[int, Delta]], collector: Collector) -> None:
+    async with aclosing(streams):
+        async for prompt_idx, delta in streams:
+            collector.add(prompt_idx, delta)
+
+
+async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta],
+               streams: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
+    async with aclosing(streams):
+        yield writer.opening() + writer.chunk(*first)
+        try:
+            async for prompt_idx, delta in streams:
+                chunk = writer.chunk(prompt_idx, delta)
+                if chunk:
+                    yield chunk
+        except (WorkerFailed, APIError) as exc:
+            status = exc.status if isinstance(exc, APIError) else 502
+            yield sse(APIError(status, str(exc), code="worker_failed").body())
+            yield sse("[DONE]")
+            return
+    yield writer.closing()
+
+
+class _AuthAndCount:
+    """ASGI middleware: Bearer-key check on /v1/*, and requests counted by endpoint and
+    status (499: the client went away first)."""
+
+    def __init__(self, app, services: RouterServices) -> None:
+        self.app = app
+        self.services = services
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = {"code": 499}
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            key = self.services.config.api_key
+            if key and path.startswith("/v1/") and not _authorized(scope, key):
+                err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                await err.response()(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.services.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+def _authorized(scope, key: str) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            return hmac.compare_digest(value, f"Bearer {key}".encode("latin-1"))
+    return False

@@ -1,0 +1,93 @@
+"""`pdserve router`: flags -> RouterConfig -> router.server.serve. Importing this module is
+cheap (argparse only); the HTTP, gRPC and etcd stacks load when the command runs."""
+from __future__ import annotations
+
+import argparse
+
+from router.config import POLICIES, PlacementConfig, RouterConfig
+
+
+def register(subparsers) -> None:
+    d, pd = RouterConfig(etcd=""), PlacementConfig()
+    p = subparsers.add_parser(
+        "router",
+        help="OpenAI-compatible HTTP front end: places requests on prefill/decode workers",
+        description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /metrics), placing each request on the decode and prefill workers "
+        "registered in etcd.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint")
+    p.add_argument("--cluster", default=d.cluster, help="cluster name (etcd key prefix)")
+    p.add_argument("--host", default=d.host, help="HTTP listen address")
+    p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument("--model", default=d.model,
+                   help='tokenizer / chat template / context length source: "default" '
+                   "(bundled SmolLM2-135M-Instruct) or an HF model directory")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the model directory's name)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("placement")
+    g.add_argument("--policy", choices=POLICIES, default=pd.policy,
+                   help="affinity: prefix cache + load + estimated TTFT; round_robin and "
+                   "least_loaded are baselines")
+    g.add_argument("--prefix-weight", type=float, default=pd.prefix_weight,
+                   help="decode score per unit of prompt fraction cached on the worker")
+    g.add_argument("--load-weight", type=float, default=pd.load_weight,
+                   help="decode score lost per --load-scale requests on the worker")
+    g.add_argument("--load-scale", type=float, default=pd.load_scale,
+                   help="requests that cost --load-weight of score")
+    g.add_argument("--kv-weight", type=float, default=pd.kv_weight,
+                   help="decode score lost per unit of KV pool in use")
+    g.add_argument("--local-prefill-threshold", type=int, default=pd.local_prefill_threshold,
+                   help="uncached prompt tokens below which the decode worker prefills locally")
+    g.add_argument("--prefill-queue-limit", type=int, default=pd.prefill_queue_limit,
+                   help="queued prefill tokens above which a prefill worker is saturated")
+    g.add_argument("--default-prefill-rate", type=float, default=pd.default_prefill_rate,
+                   help="prefill tokens/s assumed until a worker reports its measured rate")
+    g.add_argument("--max-waiting-per-worker", type=int, default=pd.max_waiting_per_worker,
+                   help="a decode worker with more waiting requests takes no new ones")
+    g = p.add_argument_group("admission")
+    g.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
+                   help="seconds a request waits for worker capacity before a 503")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="requests waiting for capacity beyond this get a 503 at once")
+    g.add_argument("--max-retries", type=int, default=d.max_retries,
+                   help="retries on another worker when one fails before the first token")
+    g.add_argument("--stale-after", type=float, default=d.stale_after_s,
+                   help="seconds without a republished registration before a worker gets "
+                   "no new work")
+    p.set_defaults(func=_run)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    placement = PlacementConfig(
+        policy=args.policy, prefix_weight=args.prefix_weight, load_weight=args.load_weight,
+        kv_weight=args.kv_weight, load_scale=args.load_scale,
+        local_prefill_threshold=args.local_prefill_threshold,
+        prefill_queue_limit=args.prefill_queue_limit,
+        default_prefill_rate=args.default_prefill_rate,
+        max_waiting_per_worker=args.max_waiting_per_worker,
+    )
+    return RouterConfig(
+        etcd=args.etcd, cluster=args.cluster, host=args.host, port=args.port, model=args.model,
+        served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        api_key=args.api_key, placement=placement, queue_timeout_s=args.queue_timeout,
+        max_queued_requests=args.max_queued_requests, max_retries=args.max_retries,
+        stale_after_s=args.stale_after,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+
+    from router.server import serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config_from_args(args), log_level=args.log_level)

@@ -1,0 +1,89 @@
+"""The router's configuration: one frozen tree, built once from the command line."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("affinity", "round_robin", "least_loaded")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Weights and thresholds of the placement policies (router/policy.py)."""
+
+    policy: str = "affinity"
+    """affinity (prefix cache + load + estimated TTFT) | round_robin | least_loaded."""
+    prefix_weight: float = 1.0
+    """Decode score gained per unit of prompt fraction found in the worker's own prefix cache."""
+    load_weight: float = 1.0
+    """Decode score lost per `load_scale` requests running or waiting on the worker."""
+    kv_weight: float = 0.5
+    """Decode score lost per unit of the worker's KV pool in use (0..1)."""
+    load_scale: float = 8.0
+    """Requests that cost `load_weight` of score: how many requests a full prefix hit is worth."""
+    local_prefill_threshold: int = 128
+    """Uncached prompt tokens (on the decode worker) below which it prefills locally."""
+    prefill_queue_limit: int = 16384
+    """A prefill worker with more queued prefill tokens than this is saturated."""
+    default_prefill_rate: float = 2000.0
+    """Prefill tokens/s assumed for a worker that has not measured its rate yet."""
+    max_waiting_per_worker: int = 64
+    """A decode worker with more waiting requests than this has no capacity for new ones."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}"),
+            (self.prefix_weight >= 0, "prefix_weight", "must be >= 0"),
+            (self.load_weight >= 0, "load_weight", "must be >= 0"),
+            (self.kv_weight >= 0, "kv_weight", "must be >= 0"),
+            (self.load_scale > 0, "load_scale", "must be > 0"),
+            (self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0"),
+            (self.prefill_queue_limit >= 0, "prefill_queue_limit", "must be >= 0"),
+            (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
+            (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    etcd: str
+    """etcd endpoint, host:port."""
+    cluster: str = "default"
+    """Cluster name: workers are read from /pdserve/<cluster>/workers/."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "default"
+    """Tokenizer / chat template / context length source: "default" or an HF directory."""
+    served_model_name: str | None = None
+    """Model name clients send and /v1/models lists. Default: the model directory's name."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens. Default: the model's max_position_embeddings."""
+    api_key: str | None = None
+    """When set, /v1/* require `Authorization: Bearer <api_key>`."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    queue_timeout_s: float = 10.0
+    """How long a request waits for a worker with capacity before a 503."""
+    max_queued_requests: int = 1024
+    """Requests waiting for capacity beyond this get a 503 at once."""
+    max_retries: int = 1
+    """Attempts on another decode worker when one fails before the first token."""
+    stale_after_s: float = 2.0
+    """A worker whose registration was not republished for this long gets no new work."""
+    max_n: int = 128
+    """Largest `n` accepted."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 < self.port < 65536, "port", "must be in 1..65535"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
+            (self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0"),
+            (self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0"),
+            (self.max_retries >= 0, "max_retries", "must be >= 0"),
+            (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
+            (self.max_n >= 1, "max_n", "must be >= 1"),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")

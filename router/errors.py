@@ -1,0 +1,72 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+Everything the router refuses is an `APIError`; the app maps it (and Starlette's own HTTP
+errors, and request-body validation errors) to this body, so a client never sees another shape.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[A-Z]\w*)$|[\[\]\-]")
+
+
+def pydantic_param(loc: tuple) -> str | None:
+    """A field path from a pydantic error location: `messages.0.content`, without the union
+    member tags pydantic inserts (`str`, `list[int]`, model class names)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.search(str(p))]
+    return ".".join(parts) or None
+
+
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """The first (most specific) pydantic error as a 400 naming its field."""
+    if not errors:
+        return bad_request("invalid request body")
+    first = min(errors, key=lambda e: (e.get("type") != "missing", -len(e.get("loc", ()))))
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                           code="invalid_json")
+    param = pydantic_param(tuple(first.get("loc", ())))
+    if first.get("type") == "model_type" and not param:
+        return bad_request("request body must be a JSON object", code="invalid_json")
+    msg = first.get("msg", "invalid value")
+    return bad_request(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")

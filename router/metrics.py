@@ -1,0 +1,51 @@
+"""The router's Prometheus metrics, in a registry of its own (several routers can live in one
+process, as they do in tests)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdserve_router_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("pdserve_router_ttft_seconds",
+                              "Arrival at the router to the first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pdserve_router_itl_seconds", "Time between tokens of a completion",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_seconds", "Arrival at the router to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("pdserve_router_queue_wait_seconds",
+                                    "Wait for a worker with capacity", buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.decisions = Counter("pdserve_router_routing_decisions",
+                                 "Placement decisions by policy and reason", ["policy", "reason"],
+                                 registry=r)
+        self.retries = Counter("pdserve_router_retries", "Requests retried on another worker",
+                               registry=r)
+        self.worker_failures = Counter("pdserve_router_worker_failures",
+                                       "Worker calls that failed, by phase",
+                                       ["phase"], registry=r)
+        self.prefix_hit_tokens = Counter(
+            "pdserve_router_prefix_hit_tokens",
+            "Prompt tokens found cached: predicted by the KV index vs reported by the worker",
+            ["source"], registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens routed",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_router_generation_tokens",
+                                         "Tokens generated", registry=r)
+        self.waiting = Gauge("pdserve_router_waiting_requests", "Requests waiting for capacity",
+                             registry=r)
+        self.running = Gauge("pdserve_router_running_requests", "Requests on workers", registry=r)
+        self.workers = Gauge("pdserve_router_workers", "Registered workers by role and state",
+                             ["role", "state"], registry=r)
+        self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
+                                     "Distinct block hashes in the KV index", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

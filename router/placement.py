@@ -1,0 +1,77 @@
+"""Glue between live state and the pure policy: builds `Candidate`s from the registry (load,
+staleness, this router's in-flight work) and the KV index (each worker's cached prefix of
+this prompt), asks the policy, and returns the workers' registrations with its decision."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.registration import WorkerInfo
+from engine.block_hash import BlockHash
+from router.kv_index import KVIndex, prompt_block_hashes
+from router.policy import Candidate, Decision, Policy
+from router.registry import WorkerRegistry, WorkerState
+
+
+@dataclass
+class PromptKey:
+    """A prompt's identity for the prefix cache; its block hashes are computed once per block
+    size in use, however often the request is placed (queueing, retries)."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+    _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
+
+    def hashes(self, block_size: int) -> list[BlockHash]:
+        h = self._hashes.get(block_size)
+        if h is None:
+            h = self._hashes[block_size] = prompt_block_hashes(
+                self.token_ids, block_size, self.cache_salt
+            )
+        return h
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    decision: Decision
+    decode: WorkerState
+    prefill: WorkerState | None
+
+    @property
+    def decode_info(self) -> WorkerInfo:
+        return self.decode.info
+
+
+class Placer:
+    def __init__(self, registry: WorkerRegistry, index: KVIndex, policy: Policy) -> None:
+        self.registry = registry
+        self.index = index
+        self.policy = policy
+
+    def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset()) -> Placement | None:
+        now = self.registry.clock()
+        matches: dict[int, dict[str, int]] = {}
+        num_tokens = len(prompt.token_ids)
+
+        def candidate(state: WorkerState) -> Candidate:
+            info = state.info
+            bs = info.block_size
+            match = matches.get(bs)
+            if match is None:
+                match = matches[bs] = self.index.match(prompt.hashes(bs))
+            return Candidate(
+                worker_id=info.worker_id, capacity=info.capacity, block_size=bs,
+                cached_tokens=match.get(info.worker_id, 0) * bs,
+                inflight=state.inflight, inflight_prefill_tokens=state.inflight_prefill_tokens,
+                compat=info.compat_hash, draining=info.draining,
+                stale=self.registry.is_stale(state, now),
+            )
+
+        states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
+        decode = [candidate(s) for s in states.values() if s.info.role == "decode"]
+        prefill = [candidate(s) for s in states.values() if s.info.role == "prefill"]
+        decision = self.policy.place(num_tokens, decode, prefill)
+        if decision is None:
+            return None
+        p = decision.prefill
+        return Placement(decision, states[decision.decode.worker_id],
+                         states[p.worker_id] if p is not None else None)

@@ -1,0 +1,197 @@
+"""Placement: which decode worker runs a request, and which prefill worker (if any) computes
+its prompt. Pure: no I/O, no clocks — callers pass snapshots (`Candidate`s) and get a
+`Decision`; a policy's only state is its rotation counter (tie-breaks and round-robin).
+
+Contract shared by every policy:
+- Draining or stale candidates never receive work.
+- A decode candidate needs room: waiting <= max_waiting_per_worker and enough free KV blocks
+  for the prompt's uncached blocks plus one (when its pool size is known). None has room ->
+  `place` returns None (the caller queues, then answers 503).
+- Conditional disaggregation: the chosen decode worker prefills locally when its uncached part
+  of the prompt is below `local_prefill_threshold`, when no prefill worker is usable (usable:
+  not draining, not stale, same KV compatibility hash), or when every usable prefill worker
+  has more than `prefill_queue_limit` tokens queued.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from cluster.registration import Capacity
+from router.config import PlacementConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One worker as placement sees it for one request."""
+
+    worker_id: str
+    capacity: Capacity
+    block_size: int = 16
+    cached_tokens: int = 0
+    """Longest prefix of this request's prompt in the worker's cache (from the KV index)."""
+    inflight: int = 0
+    """Requests this router has running on it (covers capacity reports that lag)."""
+    inflight_prefill_tokens: int = 0
+    """Prompt tokens this router sent it that have not produced their first token yet."""
+    compat: str = ""
+    """KV compatibility hash: a prefill worker serves only decode workers with the same one."""
+    draining: bool = False
+    stale: bool = False
+    """Registration not republished recently: capacity unknown, no new work."""
+
+    @property
+    def usable(self) -> bool:
+        return not (self.draining or self.stale)
+
+    @property
+    def load(self) -> int:
+        return max(self.capacity.running + self.capacity.waiting, self.inflight)
+
+    @property
+    def kv_usage(self) -> float:
+        total = self.capacity.total_blocks
+        return 1.0 - self.capacity.free_blocks / total if total > 0 else 0.0
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return max(self.capacity.queued_prefill_tokens, self.inflight_prefill_tokens)
+
+
+class Reason(str, enum.Enum):
+    """Why a decision came out the way it did (a /metrics label)."""
+
+    REMOTE = "remote"  # a prefill worker computes the prompt
+    LOCAL_SHORT = "local_short"  # uncached part below the threshold
+    LOCAL_SATURATED = "local_saturated"  # every prefill worker's queue is over the limit
+    LOCAL_NO_PREFILL = "local_no_prefill"  # no usable prefill worker
+    NO_CAPACITY = "no_capacity"  # no decode worker has room (place returned None)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    decode: Candidate
+    prefill: Candidate | None  # None: the decode worker prefills locally
+    reason: Reason
+    predicted_cached_tokens: int
+    """Prompt tokens expected to be found cached (the better of the two workers used)."""
+    estimated_ttft_s: float | None = None  # remote prefill only
+
+
+class Policy:
+    """Base: filtering and conditional disaggregation; subclasses pick among candidates."""
+
+    name = "base"
+
+    def __init__(self, config: PlacementConfig) -> None:
+        self.config = config
+        self._turn = 0
+
+    def place(
+        self, num_prompt_tokens: int, decode: Sequence[Candidate], prefill: Sequence[Candidate]
+    ) -> Decision | None:
+        self._turn += 1
+        rooms = [c for c in decode if self.has_room(c, num_prompt_tokens)]
+        if not rooms:
+            return None
+        d = self.pick_decode(num_prompt_tokens, rooms)
+        local = Decision(d, None, Reason.LOCAL_SHORT, d.cached_tokens)
+        if num_prompt_tokens - d.cached_tokens < self.config.local_prefill_threshold:
+            return local
+        usable = [c for c in prefill if c.usable and c.compat == d.compat]
+        if not usable:
+            return Decision(d, None, Reason.LOCAL_NO_PREFILL, d.cached_tokens)
+        open_ = [c for c in usable if c.queued_prefill_tokens <= self.config.prefill_queue_limit]
+        if not open_:
+            return Decision(d, None, Reason.LOCAL_SATURATED, d.cached_tokens)
+        p = self.pick_prefill(num_prompt_tokens, open_)
+        return Decision(
+            d, p, Reason.REMOTE, max(d.cached_tokens, p.cached_tokens),
+            self.estimated_ttft_s(num_prompt_tokens, p),
+        )
+
+    def has_room(self, c: Candidate, num_prompt_tokens: int) -> bool:
+        if not c.usable or c.capacity.waiting > self.config.max_waiting_per_worker:
+            return False
+        if c.capacity.total_blocks <= 0:  # pool size not reported: assume room
+            return True
+        bs = c.block_size
+        needed = -(-(num_prompt_tokens + 1) // bs) - c.cached_tokens // bs
+        return c.capacity.free_blocks >= needed
+
+    def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate) -> float:
+        """(queued prefill tokens + this request's uncached tokens there) / prefill rate."""
+        rate = p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
+        return (p.queued_prefill_tokens + num_prompt_tokens - p.cached_tokens) / rate
+
+    def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        raise NotImplementedError
+
+    def pick_prefill(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        raise NotImplementedError
+
+    def _best(self, cands: Sequence[Candidate], key: Callable[[Candidate], object]) -> Candidate:
+        """Lowest key; ties go to the next candidate in rotation (equal workers share work)."""
+        start = self._turn % len(cands)
+        best, best_key = None, None
+        for i in range(len(cands)):
+            c = cands[(start + i) % len(cands)]
+            k = key(c)
+            if best is None or k < best_key:  # type: ignore[operator]
+                best, best_key = c, k
+        assert best is not None
+        return best
+
+
+class AffinityPolicy(Policy):
+    """Decode: prefix overlap vs load vs KV usage (weighted). Prefill: lowest estimated TTFT."""
+
+    name = "affinity"
+
+    def decode_score(self, num_prompt_tokens: int, c: Candidate) -> float:
+        cfg = self.config
+        hit = c.cached_tokens / num_prompt_tokens if num_prompt_tokens else 0.0
+        return (
+            cfg.prefix_weight * hit - cfg.load_weight * c.load / cfg.load_scale
+            - cfg.kv_weight * c.kv_usage
+        )
+
+    def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        return self._best(cands, lambda c: -self.decode_score(num_prompt_tokens, c))
+
+    def pick_prefill(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        return self._best(cands, lambda c: self.estimated_ttft_s(num_prompt_tokens, c))
+
+
+class RoundRobinPolicy(Policy):
+    """Each pool in turn, ignoring load and caches (a baseline)."""
+
+    name = "round_robin"
+
+    def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        return sorted(cands, key=lambda c: c.worker_id)[self._turn % len(cands)]
+
+    def pick_prefill(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        return sorted(cands, key=lambda c: c.worker_id)[self._turn % len(cands)]
+
+
+class LeastLoadedPolicy(Policy):
+    """Decode: fewest requests, then least KV in use. Prefill: fewest queued tokens."""
+
+    name = "least_loaded"
+
+    def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        return self._best(cands, lambda c: (c.load, c.kv_usage))
+
+    def pick_prefill(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
+        return self._best(cands, lambda c: c.queued_prefill_tokens)
+
+
+_POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (AffinityPolicy, RoundRobinPolicy, LeastLoadedPolicy)
+}
+
+
+def make_policy(config: PlacementConfig) -> Policy:
+    return _POLICIES[config.policy](config)

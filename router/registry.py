@@ -1,0 +1,185 @@
+"""Live workers of one cluster, as etcd says, plus what this router knows about its own load
+on them.
+
+`WorkerRegistry` is plain state (put / delete / replace_all, listeners, a change signal);
+`EtcdWatcher` drives it: list the prefix, watch from the next revision, and on any error or
+silence reconnect and re-list, so a router restart or an etcd outage ends in the same state.
+A worker disappears when its lease lapses (etcd deletes the key); a worker whose registration
+was not republished for `stale_after_s` stays listed but gets no new work (`stale`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cluster.registration import ROLES, WorkerInfo, make_client, workers_prefix
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[WorkerInfo], None]
+
+
+@dataclass(slots=True)
+class WorkerState:
+    info: WorkerInfo
+    seen_at: float  # router clock (monotonic) when this registration was last republished
+    inflight: int = 0  # requests this router has on the worker (decode)
+    inflight_prefill_tokens: int = 0  # prompt tokens sent that have no first token yet (prefill)
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        stale_after_s: float = 2.0,
+        accept: Callable[[WorkerInfo], bool] = lambda info: True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stale_after_s = stale_after_s
+        self.accept = accept
+        self.clock = clock
+        self._workers: dict[str, WorkerState] = {}
+        self._on_added: list[Listener] = []
+        self._on_removed: list[Listener] = []
+        self._changed = asyncio.Event()
+        self._rejected: set[str] = set()
+        self.synced = asyncio.Event()  # set once the first full listing was applied
+
+    def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
+        self._on_added.append(on_added)
+        self._on_removed.append(on_removed)
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def by_role(self, role: str) -> list[WorkerState]:
+        return [w for w in self._workers.values() if w.info.role == role]
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def is_stale(self, state: WorkerState, now: float | None = None) -> bool:
+        return (self.clock() if now is None else now) - state.seen_at > self.stale_after_s
+
+    def put(self, info: WorkerInfo) -> None:
+        if not self.accept(info):
+            if info.worker_id not in self._rejected:
+                self._rejected.add(info.worker_id)
+                log.warning("ignoring worker %s: model %r is not served here",
+                            info.worker_id, info.model_id)
+            return
+        old = self._workers.get(info.worker_id)
+        if old is not None and (old.info.grpc_address, old.info.role) != (info.grpc_address, info.role):
+            self.delete(info.worker_id)  # restarted elsewhere: a new worker
+            old = None
+        if old is None:
+            # First sight (possibly an old listing): as fresh as its publication time says.
+            age = max(0.0, time.time() - info.updated_at) if info.updated_at else 0.0
+            self._workers[info.worker_id] = WorkerState(info, self.clock() - age)
+            log.info("worker %s (%s) at %s joined", info.worker_id, info.role, info.grpc_address)
+            for listener in self._on_added:
+                listener(info)
+        else:
+            if info.updated_at != old.info.updated_at:  # republished, not merely re-listed
+                old.seen_at = self.clock()
+            old.info = info
+        self.notify()
+
+    def delete(self, worker_id: str) -> None:
+        state = self._workers.pop(worker_id, None)
+        self._rejected.discard(worker_id)
+        if state is None:
+            return
+        log.info("worker %s (%s) left", worker_id, state.info.role)
+        for listener in self._on_removed:
+            listener(state.info)
+        self.notify()
+
+    def replace_all(self, infos: list[WorkerInfo]) -> None:
+        """A full listing: workers not in it are gone."""
+        present = {i.worker_id for i in infos}
+        for worker_id in [w for w in self._workers if w not in present]:
+            self.delete(worker_id)
+        for info in infos:
+            self.put(info)
+        self.synced.set()
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake everyone waiting for a change (new worker, new capacity, finished request)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+def parse_key(key: bytes, prefix: bytes) -> tuple[str, str] | None:
+    """(role, worker_id) of a registration key, None for keys of other shapes."""
+    role, _, worker_id = key[len(prefix):].decode(errors="replace").partition("/")
+    return (role, worker_id) if role in ROLES and worker_id else None
+
+
+class EtcdWatcher:
+    """Keeps a WorkerRegistry equal to the registrations under the cluster's prefix."""
+
+    def __init__(self, registry: WorkerRegistry, endpoint: str, cluster: str,
+                 resync_after_s: float = 5.0) -> None:
+        self.registry = registry
+        self.endpoint = endpoint
+        self.prefix = workers_prefix(cluster)
+        self.resync_after_s = resync_after_s
+
+    async def run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                async with make_client(self.endpoint) as client:
+                    await self._sync_and_watch(client)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("etcd watch at %s failed (%r); retrying in %.1fs",
+                            self.endpoint, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            else:
+                backoff = 0.2
+
+    async def _sync_and_watch(self, client) -> None:
+        listing = await client.get_prefix(self.prefix)
+        infos = []
+        for kv in listing:
+            try:
+                infos.append(WorkerInfo.from_json(kv.value))
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning("ignoring malformed registration %s: %s", kv.key, exc)
+        self.registry.replace_all(infos)
+        watch = await client.watch_prefix(self.prefix, start_revision=listing.header.revision + 1)
+        events = aiter(watch)
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(anext(events), self.resync_after_s)
+                except asyncio.TimeoutError:
+                    return  # silence: workers republish often, so re-list to be sure
+                self._apply(event)
+        finally:
+            await watch.cancel()
+
+    def _apply(self, event) -> None:
+        parsed = parse_key(event.kv.key, self.prefix)
+        if parsed is None:
+            return
+        if event.kind == "DELETE":
+            self.registry.delete(parsed[1])
+            return
+        try:
+            self.registry.put(WorkerInfo.from_json(event.kv.value))
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring malformed registration %s: %s", event.kv.key, exc)

@@ -1,0 +1,123 @@
+"""Assembly of a router: model card, worker registry + etcd watch, KV index + subscriptions,
+placement, dispatcher, metrics; `serve` runs it under uvicorn until interrupted."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager, suppress
+from typing import AsyncIterator
+
+from cluster.registration import WorkerInfo
+from router.channels import ChannelPool
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.kv_events import KVSubscriptions
+from router.kv_index import KVIndex
+from router.metrics import RouterMetrics
+from router.placement import Placer
+from router.policy import make_policy
+from router.registry import EtcdWatcher, WorkerRegistry
+from router.responses import TokenText
+from router.validation import ModelCard
+
+log = logging.getLogger(__name__)
+
+
+def load_model_card(config: RouterConfig) -> ModelCard:
+    """Tokenizer, chat template and context length of the served model (no weights)."""
+    from engine.models.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    path = resolve_model_path(config.model)
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"--model must be an HF-format directory with tokenizer.json: {path}")
+    hf = json.loads((path / "config.json").read_text())
+    tok = Tokenizer.from_dir(path)
+    max_len = config.max_model_len or int(hf.get("max_position_embeddings", 2048))
+    name = config.served_model_name or path.name
+    return ModelCard(
+        name=name, tokenizer=tok, max_model_len=max_len,
+        vocab_size=int(hf.get("vocab_size", tok.vocab_size)),
+        aliases=frozenset({config.model, path.name, str(path)}), max_n=config.max_n,
+    )
+
+
+class RouterServices:
+    """Everything a running router owns. Background work starts in `start` (inside the event
+    loop) and stops in `stop`."""
+
+    def __init__(self, config: RouterConfig, card: ModelCard) -> None:
+        self.config = config
+        self.card = card
+        self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(config.stale_after_s, accept=self._serves)
+        self.index = KVIndex()
+        self.channels = ChannelPool()
+        self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
+        self.registry.add_listener(self.kv_subscriptions.on_added, self._on_removed)
+        self.placer = Placer(self.registry, self.index, make_policy(config.placement))
+        self.dispatcher = Dispatcher(config, self.placer, self.channels, self.metrics)
+        self.tokens = TokenText(card.tokenizer)
+        self._watch: asyncio.Task | None = None
+
+    def _serves(self, info: WorkerInfo) -> bool:
+        return info.model_id in self.card.aliases or info.model_id == self.card.name
+
+    def _on_removed(self, info: WorkerInfo) -> None:
+        self.kv_subscriptions.on_removed(info)
+        if not any(w.info.grpc_address == info.grpc_address for w in self.registry.all()):
+            asyncio.get_running_loop().create_task(self.channels.close(info.grpc_address))
+
+    async def start(self, sync_timeout_s: float = 5.0) -> None:
+        watcher = EtcdWatcher(self.registry, self.config.etcd, self.config.cluster)
+        self._watch = asyncio.create_task(watcher.run(), name="etcd-watch")
+        try:
+            await asyncio.wait_for(self.registry.synced.wait(), sync_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("etcd at %s not reachable yet; serving 503s until it is", self.config.etcd)
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._watch
+        await self.kv_subscriptions.close()
+        await self.channels.close_all()
+
+    @asynccontextmanager
+    async def lifespan(self, app) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    def update_gauges(self) -> None:
+        now = self.registry.clock()
+        counts: dict[tuple[str, str], int] = {
+            (role, state): 0 for role in ("prefill", "decode")
+            for state in ("ready", "draining", "stale")
+        }
+        for w in self.registry.all():
+            state = ("draining" if w.info.draining
+                     else "stale" if self.registry.is_stale(w, now) else "ready")
+            counts[(w.info.role, state)] += 1
+        for (role, state), n in counts.items():
+            self.metrics.workers.labels(role, state).set(n)
+        self.metrics.kv_index_blocks.set(len(self.index))
+
+
+def serve(config: RouterConfig, log_level: str = "info") -> int:
+    import uvicorn
+
+    from router.app import create_app
+
+    card = load_model_card(config)
+    services = RouterServices(config, card)
+    app = create_app(services)
+    log.info("router for %s on http://%s:%d (policy %s)", card.name, config.host, config.port,
+             config.placement.policy)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
+                timeout_graceful_shutdown=5)
+    return 0
