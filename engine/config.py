@@ -12,7 +12,8 @@ class EngineConfig:
     model: str = "default"
     """HF-format LLaMA directory, GGUF file, or "default" (bundled SmolLM2-135M-Instruct)."""
     dtype: str = "auto"
-    """float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)."""
+    """float32 | bfloat16 | float16 | auto (bfloat16 on CUDA and on CPUs with native bf16
+    (AVX512-BF16/AMX), else float32)."""
     device: str = "auto"
     """cpu | cuda | auto."""
     block_size: int = 16

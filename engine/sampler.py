@@ -56,10 +56,12 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     logits = logits / temps[:, None]
     if any(p.top_k for p in params):
+        # By rank, not by value: exactly k tokens survive even when logits tie.
         vocab = logits.shape[-1]
-        ks = torch.tensor([p.top_k or vocab for p in params], device=logits.device).clamp(max=vocab)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        ks = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf")))
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)

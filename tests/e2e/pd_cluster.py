@@ -30,6 +30,7 @@ class WorkerProcess:
         cmd = [
             *PDSERVE, role, "--etcd", etcd_endpoint, "--cluster", cluster, "--port", str(self.port),
             "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
+            "--dtype", "float32",  # exact parity with the fp32 reference engine
             *extra,
         ]
         env = {**os.environ, "UCX_NET_DEVICES": "lo"}

@@ -50,7 +50,7 @@ def pools_are_clean_after(request):
 
 @pytest.fixture(scope="module")
 def reference_llm(model_dir):
-    return LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20)
+    return LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20, dtype="float32")
 
 
 def _request(rid, tokens, prefill=None, **sampling):

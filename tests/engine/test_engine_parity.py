@@ -57,7 +57,7 @@ def references(hf_model, model_dir):
 
 
 def _run(model_dir, prompts, **engine_args):
-    llm = LLM(str(model_dir), num_layers=NUM_LAYERS, **engine_args)
+    llm = LLM(str(model_dir), num_layers=NUM_LAYERS, dtype="float32", **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     return llm, llm.generate(prompts, params, use_tqdm=False)
 
@@ -91,7 +91,7 @@ def test_preemption_under_a_tiny_pool(model_dir, references):
 
 
 def test_prefix_caching_with_shared_prefixes(model_dir, references):
-    llm = LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=64 << 20)
+    llm = LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=64 << 20, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     llm.generate(PREFIXED[:1], params, use_tqdm=False)  # warms the shared prefix
     outs = llm.generate(PREFIXED, params, use_tqdm=False)
