@@ -50,11 +50,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|[A-Z]\w*)$|[\[\]\-]")
 
 
-def pydantic_param(loc: tuple) -> str | None:
-    """A field path from a pydantic error location: `messages.0.content`, without the union
-    member tags pydantic inserts (`str`, `list[int]`, model class names)."""
-    parts = [str(p) for p in loc if isinstance(p, int) or not _TYPE_TAG.search(str(p))]
-    return ".".join(parts) or None
+def pydantic_param(loc: tuple) -> tuple[str | None, bool]:
+    """(field path, whether it stops at a union) from a pydantic error location. Pydantic puts
+    the union member tried (`str`, `list[int]`, a model class name) into the location; the
+    path ends before it, so `prompt: ["a", 1]` is reported as `prompt`, not `prompt.0`."""
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, str) and _TYPE_TAG.search(p):
+            return ".".join(parts) or None, True
+        parts.append(str(p))
+    return ".".join(parts) or None, False
 
 
 def from_validation_errors(errors: list[dict]) -> APIError:
@@ -63,10 +68,12 @@ def from_validation_errors(errors: list[dict]) -> APIError:
         return bad_request("invalid request body")
     first = min(errors, key=lambda e: (e.get("type") != "missing", -len(e.get("loc", ()))))
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
-                           code="invalid_json")
-    param = pydantic_param(tuple(first.get("loc", ())))
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return bad_request(f"request body is not valid JSON: {detail}", code="invalid_json")
+    param, union = pydantic_param(tuple(first.get("loc", ())))
     if first.get("type") == "model_type" and not param:
         return bad_request("request body must be a JSON object", code="invalid_json")
     msg = first.get("msg", "invalid value")
+    if union:
+        msg = f"none of the accepted types matches (e.g. {msg[0].lower() + msg[1:]})"
     return bad_request(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")

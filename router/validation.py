@@ -109,8 +109,9 @@ def _chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
             parts = []
             for j, part in enumerate(m.content):
                 if not isinstance(part, TextPart):
-                    raise bad_request(f"content part type {part.type!r} is not supported",
-                                      f"messages.{i}.content.{j}.type")
+                    where = f"messages.{i}.content.{j}.type"
+                    raise bad_request(f"{where}: content part type {part.type!r} is not "
+                                      "supported (only text)", where)
                 parts.append(part.text)
             text = "".join(parts)
         messages.append({"role": m.role, "content": text})

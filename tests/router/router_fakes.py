@@ -60,12 +60,13 @@ class FakeWorker:
         self.address = ""
 
     # ---- life cycle -----------------------------------------------------------------------
-    async def start(self, publish_interval_s: float = 0.1, register: bool = True) -> "FakeWorker":
+    async def start(self, publish_interval_s: float = 0.1, register: bool = True,
+                    port: int = 0) -> "FakeWorker":
         self._server = grpc.aio.server()
         pb_grpc.add_WorkerServicer_to_server(_WorkerService(self), self._server)
         if self.role == "decode":
             pb_grpc.add_DecodeWorkerServicer_to_server(_DecodeService(self), self._server)
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        port = self._server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{port}"
         await self._server.start()
         _LIVE[self.worker_id] = self

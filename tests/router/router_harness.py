@@ -81,3 +81,39 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> N
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+@dataclass
+class FakeCluster:
+    """Fake workers + an in-process router, all on the background loop."""
+
+    bg: LoopThread
+    workers: dict[str, FakeWorker]
+    router: RunningRouter
+
+    @property
+    def base_url(self) -> str:
+        return self.router.base_url
+
+    @property
+    def services(self) -> RouterServices:
+        return self.router.services
+
+    def stop(self) -> None:
+        async def main():
+            await stop_router(self.router)
+            for w in self.workers.values():
+                await w.stop()
+        self.bg.run(main())
+
+
+def start_cluster(bg: LoopThread, etcd: str, cluster: str, specs: list[tuple[str, str]],
+                  placement: PlacementConfig | None = None, **config: Any) -> FakeCluster:
+    async def main():
+        workers = {wid: await FakeWorker(role, etcd, cluster, wid).start() for role, wid in specs}
+        router = await start_router(etcd, cluster, placement, **config)
+        await wait_for(lambda: len(router.services.registry.all()) == len(specs))
+        subs = router.services.kv_subscriptions
+        await wait_for(lambda: all(e.is_set() for e in subs.synced.values()))
+        return FakeCluster(bg, workers, router)
+    return bg.run(main())

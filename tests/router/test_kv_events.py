@@ -1,0 +1,83 @@
+"""KV subscriptions against fake workers: snapshot first, then events; a worker leaving drops
+its entries; a fresh router (restart) rebuilds the index from snapshots."""
+import asyncio
+
+from engine.block_hash import compute_block_hashes
+from router.channels import ChannelPool
+from router.kv_events import KVSubscriptions
+from router.kv_index import KVIndex
+from router_fakes import FakeWorker
+from router_harness import wait_for
+
+H = compute_block_hashes(list(range(160)), 16)  # 10 blocks
+
+
+async def _subscribed(worker):
+    index, channels = KVIndex(), ChannelPool()
+    subs = KVSubscriptions(index, channels)
+    subs.on_added(worker.info())
+    await asyncio.wait_for(subs.synced[worker.worker_id].wait(), 5)
+    return index, channels, subs
+
+
+def test_snapshot_then_events_then_removal(bg):
+    async def main():
+        w = await FakeWorker("prefill", "", "", "p1").start(register=False)
+        w.store(H[:4])  # cached before the router subscribed: must come from the snapshot
+        index, channels, subs = await _subscribed(w)
+        assert index.match(H) == {"p1": 4}
+        w.store(H[4:8])
+        await wait_for(lambda: index.match(H) == {"p1": 8})
+        w.evict([H[2]])
+        await wait_for(lambda: index.match(H) == {"p1": 2})
+        subs.on_removed(w.info())
+        assert index.match(H) == {} and len(index) == 0
+        await subs.close()
+        await channels.close_all()
+        await w.stop()
+
+    bg.run(main())
+
+
+def test_restart_rebuilds_from_snapshots(bg):
+    async def main():
+        a = await FakeWorker("prefill", "", "", "pa").start(register=False)
+        b = await FakeWorker("decode", "", "", "db").start(register=False)
+        a.store(H)
+        b.store(H[:3])
+        first = [await _subscribed(w) for w in (a, b)]
+        for index, channels, subs in first:  # the old router goes away
+            await subs.close()
+            await channels.close_all()
+        a.evict(H[6:])  # changes while no router listens
+        index, channels = KVIndex(), ChannelPool()
+        subs = KVSubscriptions(index, channels)
+        for w in (a, b):
+            subs.on_added(w.info())
+        await asyncio.wait_for(asyncio.gather(*(subs.synced[i].wait() for i in ("pa", "db"))), 5)
+        assert index.match(H) == {"pa": 6, "db": 3}
+        await subs.close()
+        await channels.close_all()
+        await a.stop()
+        await b.stop()
+
+    bg.run(main())
+
+
+def test_worker_restart_resubscribes(bg):
+    async def main():
+        w = await FakeWorker("decode", "", "", "d1").start(register=False)
+        w.store(H[:5])
+        index, channels, subs = await _subscribed(w)
+        port = w.address.rsplit(":", 1)[1]
+        await w.stop()  # the stream breaks: entries dropped, retries begin
+        await wait_for(lambda: index.match(H) == {})
+        w2 = FakeWorker("decode", "", "", "d1")  # same id and address: a restarted worker
+        w2.cached = list(H[:2])
+        await w2.start(register=False, port=int(port))
+        await wait_for(lambda: index.match(H) == {"d1": 2}, timeout=8)
+        await subs.close()
+        await channels.close_all()
+        await w2.stop()
+
+    bg.run(main(), timeout=30)

@@ -1,0 +1,89 @@
+"""Worker registry from a real etcd: workers appear and disappear with their leases, stale
+capacity ages out, draining workers stay listed but get no work, a restart rebuilds."""
+import asyncio
+
+from cluster.registration import Capacity, WorkerInfo
+from router.registry import EtcdWatcher, WorkerRegistry, parse_key
+from router_fakes import FakeWorker
+from router_harness import wait_for
+
+
+def _watch(etcd, cluster, **kw):
+    registry = WorkerRegistry(**kw)
+    task = asyncio.get_running_loop().create_task(
+        EtcdWatcher(registry, etcd.endpoint, cluster, resync_after_s=1.0).run())
+    return registry, task
+
+
+def test_workers_appear_update_and_disappear(etcd, bg, cluster_name):
+    async def main():
+        registry, task = _watch(etcd, cluster_name)
+        added, removed = [], []
+        registry.add_listener(lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id))
+        d = await FakeWorker("decode", etcd.endpoint, cluster_name, "d1").start()
+        p = await FakeWorker("prefill", etcd.endpoint, cluster_name, "p1").start()
+        await wait_for(lambda: len(registry.all()) == 2)
+        assert [w.info.grpc_address for w in registry.by_role("decode")] == [d.address]
+        d.set_capacity(running=5)
+        await wait_for(lambda: registry.get("d1").info.capacity.running == 5)
+        await d.stop()  # deregisters: gone at once
+        await wait_for(lambda: registry.get("d1") is None)
+        await p.stop(deregister=False)  # dies silently: gone when its 2 s lease lapses
+        await wait_for(lambda: registry.get("p1") is None, timeout=6)
+        assert added == ["d1", "p1"] and removed == ["d1", "p1"]
+        task.cancel()
+
+    bg.run(main(), timeout=30)
+
+
+def test_stale_capacity_ages_out_and_draining_is_reported(etcd, bg, cluster_name):
+    async def main():
+        registry, task = _watch(etcd, cluster_name, stale_after_s=0.5)
+        d = await FakeWorker("decode", etcd.endpoint, cluster_name, "d1").start()
+        await wait_for(lambda: registry.get("d1") is not None)
+        assert not registry.is_stale(registry.get("d1"))
+        d.registrar._task.cancel()  # stops republishing; the lease is still alive for a while
+        await wait_for(lambda: registry.is_stale(registry.get("d1")), timeout=3)
+        # A re-listing (resync) must not make an old registration look fresh again.
+        await asyncio.sleep(1.2)
+        assert registry.get("d1") is None or registry.is_stale(registry.get("d1"))
+        d2 = await FakeWorker("decode", etcd.endpoint, cluster_name, "d2", draining=True).start()
+        await wait_for(lambda: registry.get("d2") is not None)
+        assert registry.get("d2").info.draining
+        await d2.stop()
+        await d.stop(deregister=False)
+        task.cancel()
+
+    bg.run(main(), timeout=30)
+
+
+def test_restart_rebuilds_from_etcd_and_ignores_other_models(etcd, bg, cluster_name):
+    async def main():
+        workers = [await FakeWorker(role, etcd.endpoint, cluster_name, wid).start()
+                   for role, wid in [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")]]
+        other = await FakeWorker("decode", etcd.endpoint, cluster_name, "x", model_id="other").start()
+        registry, task = _watch(etcd, cluster_name,
+                                accept=lambda info: info.model_id != "other")
+        await wait_for(lambda: registry.synced.is_set())
+        assert sorted(w.info.worker_id for w in registry.all()) == ["d1", "d2", "p1"]
+        task.cancel()
+        for w in [*workers, other]:
+            await w.stop()
+
+    bg.run(main(), timeout=30)
+
+
+def test_registry_replace_all_and_key_parsing():
+    async def main():
+        registry = WorkerRegistry()
+        info = lambda wid, addr="a:1": WorkerInfo(wid, "decode", addr, "m", "c", 16,  # noqa: E731
+                                                  capacity=Capacity(total_blocks=1))
+        registry.replace_all([info("a"), info("b")])
+        registry.replace_all([info("b", "b:2")])  # a gone; b restarted at another address
+        assert [(w.info.worker_id, w.info.grpc_address) for w in registry.all()] == [("b", "b:2")]
+
+    asyncio.run(main())
+    prefix = b"/pdserve/c/workers/"
+    assert parse_key(prefix + b"decode/w-1", prefix) == ("decode", "w-1")
+    assert parse_key(prefix + b"other/w-1", prefix) is None
+    assert parse_key(prefix + b"decode/", prefix) is None
