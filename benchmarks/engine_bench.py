@@ -1,11 +1,12 @@
 """Paged-engine benchmarks (issue: the paged engine). Prints numbers and ratios measured in
 one run against a baseline from the same run; asserts nothing.
 
-  python -m benchmarks.engine_bench [--quick] [--only throughput,kv,prefix,overhead]
+  python -m benchmarks.engine_bench [--quick] [--only throughput,prefix,overhead]
 
 - throughput: N prompts of 128-512 tokens, 128 output tokens each, ignore_eos: pdserve vs HF
   transformers static batching (one left-padded batch), same model, same threads.
-- kv: share of allocated KV slots holding real tokens, sampled every step of that run.
+  Both in float32, both in bfloat16, and each at its default on this CPU.
+  Also the share of allocated KV slots holding real tokens, sampled every step.
 - prefix: a 4,000-token shared prefix + 50 new tokens: prefill tokens computed, TTFT cached
   vs uncached.
 - overhead: CPU time per engine step outside the model forward, at 1 and 64 running sequences.
@@ -26,59 +27,67 @@ def _prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def bench_throughput(args) -> None:
-    prompts = _prompts(args.num_prompts, 128, 512)
-    out_len = args.output_len
-    llm = LLM(args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory)
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+def _run_pdserve(args, prompts, dtype: str) -> tuple[float, int, list[float], str]:
+    """(seconds, output tokens, KV slot-usage samples, model dir) for one pdserve run."""
+    llm = LLM(args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory, dtype=dtype)
     engine = llm.engine
-    usage_samples: list[float] = []
-    original_step = engine.step
+    usage: list[float] = []
+    step = engine.step
 
     def sampling_step():
-        deltas = original_step()
+        deltas = step()
         running = engine.scheduler.running
-        slots = sum(len(engine.block_manager.block_table(r.request_id)) for r in running)
+        slots = sum(len(r.block_table) for r in running) * engine.block_manager.block_size
         if slots:
-            real = sum(r.num_computed_tokens for r in running)
-            usage_samples.append(real / (slots * engine.block_manager.block_size))
+            usage.append(sum(r.num_computed_tokens for r in running) / slots)
         return deltas
 
     engine.step = sampling_step
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
-    ours_s = time.perf_counter() - t0
-    engine.step = original_step
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    total = generated + sum(len(p) for p in prompts)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), usage, str(engine.loaded.model_dir)
 
+
+def _run_hf(args, prompts, model_dir: str, dtype: torch.dtype) -> tuple[float, int]:
+    """HF transformers static batching: one left-padded batch, min = max new tokens."""
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(
-        str(llm.engine.loaded.model_dir), dtype=torch.float32,
-        **({"num_hidden_layers": args.num_layers} if args.num_layers else {}),
+        model_dir, dtype=dtype, **({"num_hidden_layers": args.num_layers} if args.num_layers else {})
     ).eval()
-    width = max(len(p) for p in prompts)
-    pad = 2
+    width, pad = max(len(p) for p in prompts), 2
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        hf_out = hf.generate(
-            ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
-            do_sample=False, pad_token_id=pad,
-        )
-    hf_s = time.perf_counter() - t0
-    hf_generated = (hf_out.shape[1] - width) * len(prompts)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=args.output_len,
+                          min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+    return time.perf_counter() - t0, (out.shape[1] - width) * len(prompts)
 
-    print(f"\n== offline throughput: {len(prompts)} prompts of 128-512 tokens, {out_len} out ==")
-    print(f"pdserve: {ours_s:7.1f} s  {generated / ours_s:8.1f} output tok/s  {total / ours_s:8.1f} total tok/s")
-    print(f"HF static batch: {hf_s:7.1f} s  {hf_generated / hf_s:8.1f} output tok/s")
-    print(f"ratio pdserve / HF (output tok/s): {(generated / ours_s) / (hf_generated / hf_s):.2f}x  (target >= 3x)")
-    if usage_samples:
-        mean = sum(usage_samples) / len(usage_samples)
-        print(f"\n== KV memory: slots holding real tokens ==\nmean {mean:.1%} over {len(usage_samples)} "
-              f"steps, min {min(usage_samples):.1%}  (target >= 95%)")
+
+def bench_throughput(args) -> None:
+    prompts = _prompts(args.num_prompts, 128, 512)
+    print(f"\n== offline throughput: {len(prompts)} prompts of 128-512 tokens, {args.output_len} "
+          f"out, ignore_eos, {args.threads} thread(s) ==")
+    rates = {}
+    for dtype in args.dtypes.split(","):
+        seconds, generated, usage, model_dir = _run_pdserve(args, prompts, dtype)
+        rates[("pdserve", dtype)] = generated / seconds
+        print(f"pdserve {dtype:9s}: {seconds:7.1f} s {generated / seconds:8.1f} output tok/s")
+        if usage and dtype == args.dtypes.split(",")[0]:
+            mean = sum(usage) / len(usage)
+            print(f"  KV slots holding real tokens: mean {mean:.1%} over {len(usage)} steps, "
+                  f"min {min(usage):.1%}  (target >= 95%)")
+        seconds, generated = _run_hf(args, prompts, model_dir, getattr(torch, dtype))
+        rates[("hf", dtype)] = generated / seconds
+        print(f"HF static {dtype:7s}: {seconds:7.1f} s {generated / seconds:8.1f} output tok/s")
+    for dtype in args.dtypes.split(","):
+        print(f"ratio pdserve/HF, both {dtype}: {rates[('pdserve', dtype)] / rates[('hf', dtype)]:.2f}x")
+    if ("pdserve", "bfloat16") in rates and ("hf", "float32") in rates:
+        print(f"ratio pdserve bfloat16 / HF float32 (each at its default on this CPU): "
+              f"{rates[('pdserve', 'bfloat16')] / rates[('hf', 'float32')]:.2f}x  (target >= 3x)")
 
 
 def bench_prefix(args) -> None:
@@ -147,13 +156,14 @@ def main() -> None:
     parser.add_argument("--kv-memory", type=int, default=3 << 30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small sizes, 4 layers: a smoke run")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="engine/HF dtypes to compare")
     parser.add_argument("--only", default="throughput,prefix,overhead")
     args = parser.parse_args()
     if args.quick:
         args.num_layers, args.num_prompts, args.output_len, args.prefix_len = 4, 8, 16, 500
     torch.set_num_threads(args.threads)
     which = set(args.only.split(","))
-    if "throughput" in which or "kv" in which:
+    if "throughput" in which:
         bench_throughput(args)
     if "prefix" in which:
         bench_prefix(args)
