@@ -3,58 +3,34 @@ free loopback ports, stopped by PID by the test that started them."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 
+from cluster.launcher import ServiceProcess
 from cluster.net import free_port
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_LAYERS = 2
-PDSERVE = [sys.executable, "-m", "pdserve"]
 
 
-class WorkerProcess:
+class WorkerProcess(ServiceProcess):
+    """A `pdserve prefill|decode` process with the test settings (2 layers, fp32, 1 thread)."""
+
     def __init__(self, role: str, etcd_endpoint: str, *extra: str, log_dir: Path, cluster: str = "default"):
         self.role = role
         self.port = free_port()
-        self.log_path = log_dir / f"{role}-{self.port}.log"
-        cmd = [
-            *PDSERVE, role, "--etcd", etcd_endpoint, "--cluster", cluster, "--port", str(self.port),
-            "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
-            "--dtype", "float32",  # exact parity with the fp32 reference engine
-            *extra,
-        ]
-        env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True
+        super().__init__(
+            [
+                role, "--etcd", etcd_endpoint, "--cluster", cluster, "--port", str(self.port),
+                "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
+                "--dtype", "float32",  # exact parity with the fp32 reference engine
+                *extra,
+            ],
+            log_dir / f"{role}-{self.port}.log",
         )
-        self.worker_id = ""
-        self.metrics_address = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("READY "):  # READY <role> <worker id> grpc=<addr> metrics=<addr>
-                fields = line.split()
-                self.worker_id = fields[2]
-                self.metrics_address = fields[4].removeprefix("metrics=")
-                self._ready.set()
-
-    def wait_ready(self, timeout: float = 90.0) -> "WorkerProcess":
-        if not self._ready.wait(timeout):
-            self.kill()
-            raise RuntimeError(f"{self.role} did not start:\n{self.log_path.read_text()[-3000:]}")
-        return self
 
     @property
     def address(self) -> str:
@@ -62,20 +38,6 @@ class WorkerProcess:
 
     def ref(self) -> pb.WorkerRef:
         return pb.WorkerRef(worker_id=self.worker_id, address=self.address)
-
-    def terminate(self, timeout: float = 40.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return -9
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 async def ahealth(address: str) -> pb.HealthResponse:

@@ -1,0 +1,71 @@
+"""Child `pdserve` processes: started with their flags, ready when they print their READY line,
+stopped by PID (never by name). Used by `pdserve up`, benchmarks and multi-process tests."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+class ServiceProcess:
+    """`python -m pdserve <args>`; stdout is scanned for `READY <role> <id> grpc=... metrics=...`
+    and otherwise appended to `log_path` with the rest of its output."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.log = open(log_path, "a", buffering=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args],
+            env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})},
+            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
+        )
+        self.worker_id = ""
+        self.grpc_address = ""
+        self.metrics_address = ""
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("READY ") and not self._ready.is_set():
+                fields = dict(f.split("=", 1) for f in line.split()[3:] if "=" in f)
+                self.worker_id = line.split()[2]
+                self.grpc_address = fields.get("grpc", "")
+                self.metrics_address = fields.get("metrics", "")
+                self._ready.set()
+            self.log.write(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServiceProcess":
+        if not self._ready.wait(timeout) or not self.alive():
+            self.kill()
+            tail = self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
+            raise RuntimeError(f"`pdserve {' '.join(self.args[:1])}` did not become ready:\n{tail}")
+        return self
+
+    def terminate(self, timeout: float = 40.0) -> int:
+        """SIGTERM (drain), then SIGKILL after `timeout`. Returns the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = -9
+        self.log.flush()
+        return code
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(10)
