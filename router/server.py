@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from contextlib import asynccontextmanager, suppress
-from typing import AsyncIterator
+import signal
+from contextlib import asynccontextmanager, contextmanager, suppress
+from typing import AsyncIterator, Iterator
 
 from cluster.registration import WorkerInfo
 from router.channels import ChannelPool
@@ -109,15 +110,30 @@ class RouterServices:
 
 
 def serve(config: RouterConfig, log_level: str = "info") -> int:
+    """Run until SIGTERM/SIGINT (graceful: in-flight responses finish), then exit 0."""
     import uvicorn
 
     from router.app import create_app
 
+    class _Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the signal after a graceful shutdown (exit status -15); a
+            # router, like the workers, exits 0 when asked to stop.
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
     card = load_model_card(config)
     services = RouterServices(config, card)
-    app = create_app(services)
+    server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
+                                    log_level=log_level, timeout_graceful_shutdown=5))
     log.info("router for %s on http://%s:%d (policy %s)", card.name, config.host, config.port,
              config.placement.policy)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    asyncio.run(server.serve())
+    return 0 if server.started else 1
