@@ -106,6 +106,8 @@ class KVSender(ABC):
     COMPLETE and its source blocks may be reused. It fails with ERROR if a write fails or the
     peer disconnects, TIMEOUT if not complete by its deadline, CANCELLED after `cancel`. After
     a failure no further batch of the request is posted and all its handles are released.
+    The transport reads the source blocks asynchronously: the caller must not overwrite them
+    until `poll()` has reported the request.
     """
 
     metrics: TransferMetrics
@@ -163,7 +165,8 @@ class KVReceiver(ABC):
     that many blocks. It is TIMEOUT at its deadline otherwise (partially landed blocks are
     never reported complete), ERROR if a notification names an unexpected or repeated block,
     a wrong total, or comes from a second sender, CANCELLED after `cancel`. Notifications
-    for unknown or finished requests are dropped and counted.
+    for unknown or finished requests are dropped and counted. The caller must not read the
+    blocks before COMPLETE, and must treat the blocks of a failed request as garbage.
     """
 
     metrics: TransferMetrics

@@ -5,6 +5,7 @@ the other, so every transfer crosses a process boundary. Children are killed onl
 """
 import hashlib
 import os
+import signal
 import time
 
 import pytest
@@ -52,6 +53,7 @@ def peers():
         "victim-recv": PeerProcess.start("child-victim-recv", num_blocks=64, seed=12),
         "send-a": PeerProcess.start("child-send-a", num_blocks=128, seed=13),
         "victim-send": PeerProcess.start("child-victim-send", num_blocks=64, seed=14),
+        "hang-recv": PeerProcess.start("child-hang-recv", num_blocks=16, seed=15),
     }
     try:
         for p in procs.values():
@@ -189,3 +191,34 @@ def test_sender_dies_mid_transfer(peers):
             make_pool(64, seed=25), [22])[0]
     finally:
         d.close()
+
+
+def test_hung_receiver_fails_pending_writes_at_the_sender_deadline(peers):
+    """A receiver that stops progressing (SIGSTOP) leaves the batch's flush/notification
+    pending: the sender ends the request at its deadline and releases every handle."""
+    hung = peers["hang-recv"]
+    p, _ = local_backend("sender-hang", 16, seed=26)
+    try:
+        name = p.add_peer(hung.metadata)
+        hung.call("expect", "h1", [1, 2], 60.0)
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            p.sender.send("h1", name, [(0, 1), (1, 2)], final=True, deadline=t0 + 1.0)
+            sent = Loop(p).run(want_send=["h1"], timeout_s=10).sent
+            assert sent["h1"].status is S.TIMEOUT, sent["h1"]
+            assert 1.0 <= time.monotonic() - t0 < 3.0
+            assert p.sender.num_active == 0
+            end = time.monotonic() + 5
+            while p.sender.num_outstanding_writes and time.monotonic() < end:
+                p.sender.poll()
+                time.sleep(0.01)
+            assert p.sender.num_outstanding_writes == 0
+        finally:
+            os.kill(hung.process.pid, signal.SIGCONT)
+        hung.call("expect", "h2", [5], 20.0)  # the link works again once it resumes
+        p.sender.send("h2", name, [(3, 5)], final=True)
+        assert Loop(p).run(want_send=["h2"]).sent["h2"].status is S.COMPLETE
+        assert hung.call("wait", ["h2"], 10.0)["h2"]["status"] == "COMPLETE"
+    finally:
+        p.close()
