@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.worker_main import register as register_workers
 
     register_workers(sub)
+    __import__("cluster.up").up.register(sub)
     __import__("router.cli").cli.register(sub)
+    __import__("benchmarks.serving.cli").serving.cli.register(sub)
     return parser
 
 
