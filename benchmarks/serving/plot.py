@@ -29,7 +29,8 @@ def plot_cdfs(results: list[RequestResult], slo: SloConfig, path: Path, title: s
         ax.grid(alpha=0.3)
         if values:
             x = np.sort(np.asarray(values))
-            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post")
+            y = np.arange(1, len(x) + 1) / len(x)
+            ax.step(np.r_[x[0], x], np.r_[0.0, y], where="post")
             for q, style in ((50, ":"), (99, "--")):
                 ax.axvline(np.percentile(x, q), color="gray", linestyle=style, linewidth=1,
                            label=f"p{q} {np.percentile(x, q):.1f} ms")
