@@ -72,6 +72,7 @@ class LLMEngine:
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
         self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.loaded.model.use_fused_kernels(self.backend.name == "triton")
         peak = self._profile_peak() if self.device.type == "cuda" else None
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device)

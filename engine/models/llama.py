@@ -2,7 +2,8 @@
 
 The forward pass takes one flattened ragged batch: `input_ids`/`positions` of T tokens from
 any mix of sequences, the paged KV pool and the step's AttentionMetadata. Q/K/V and gate/up
-projections are fused into one matmul each.
+projections are fused into one matmul each. With `use_fused_kernels(True)` (the engine does
+this with the Triton attention backend) RMSNorm, RoPE and SiLU-and-mul run as Triton kernels.
 """
 from __future__ import annotations
 
@@ -32,28 +33,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        if ctx.kernels is not None:
+            return ctx.kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cache(args: ModelArgs, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [max_position_embeddings, head_dim // 2] in fp32."""
+def rope_cache(args: ModelArgs, device: torch.device | None = None) -> Tensor:
+    """[max_position_embeddings, head_dim] fp32: cos(pos * f_i) | sin(pos * f_i)."""
     half = args.head_dim // 2
     inv_freq = 1.0 / (
         args.rope_theta ** (torch.arange(0, half, dtype=torch.int64, device=device).float() / half)
     )
     t = torch.arange(args.max_position_embeddings, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
-    return freqs.cos(), freqs.sin()
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos/sin: [T, D/2]. Non-interleaved halves (HF LLaMA convention)."""
+def apply_rope(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """x: [T, H, D]; cos_sin: [T, D] (cos | sin). Non-interleaved halves (HF convention)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
@@ -68,12 +71,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, args.dim, bias=False)
         self.scale = args.head_dim**-0.5
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: "ForwardContext") -> Tensor:
+    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
+        if ctx.kernels is not None:
+            ctx.kernels.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin)  # in place
+        else:
+            q, k = apply_rope(q, ctx.cos_sin), apply_rope(k, ctx.cos_sin)
         o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.layer, ctx.metadata, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -85,8 +92,11 @@ class FeedForward(nn.Module):
         self.gate_up_proj = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        gate_up = self.gate_up_proj(x)
+        if ctx.kernels is not None:
+            return self.down_proj(ctx.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -98,18 +108,20 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: "ForwardContext") -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
 
 
 class ForwardContext:
-    """Per-forward state every attention layer reads: backend, pool, batch metadata."""
+    """Per-forward state every layer reads: attention backend, pool, batch metadata; the
+    Transformer fills in positions and RoPE tables, and the kernels module when fused."""
 
-    __slots__ = ("backend", "kv_cache", "metadata")
+    __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels")
 
     def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata):
         self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
+        self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = None
 
 
 class Transformer(nn.Module):
@@ -122,9 +134,8 @@ class Transformer(nn.Module):
         self.lm_head = (
             None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size, bias=False)
         )
-        cos, sin = rope_cache(args)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos_sin", rope_cache(args), persistent=False)
+        self.kernels = None  # the `kernels` package when fused Triton ops are on
 
     def forward(
         self,
@@ -134,12 +145,24 @@ class Transformer(nn.Module):
         logits_indices: Tensor | None = None,
     ) -> Tensor:
         """Logits [len(logits_indices) or T, vocab] in fp32, only at the rows asked for."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_cos_sin, self.kernels
+        if self.kernels is None:
+            ctx.cos_sin = self.rope_cos_sin[positions]
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, ctx)
         if logits_indices is not None:
             x = x[logits_indices]
-        x = self.norm(x)
+        x = self.norm(x, ctx)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Route RMSNorm, RoPE and SiLU-and-mul through the Triton kernels (CUDA, or CPU under
+        TRITON_INTERPRET=1)."""
+        if enabled:
+            import kernels
+
+            self.kernels = kernels
+        else:
+            self.kernels = None

@@ -103,7 +103,6 @@ def load_model(
     net = Transformer(args)  # parameters are uninitialised until the state dict lands
     net.load_state_dict(state, strict=True, assign=True)
     net = net.to(device=device, dtype=dtype)
-    # RoPE tables stay fp32 whatever the weights' dtype.
-    net.rope_cos, net.rope_sin = (t.to(device) for t in rope_cache(args))
+    net.rope_cos_sin = rope_cache(args).to(device)  # RoPE table stays fp32 whatever the dtype
     net.eval().requires_grad_(False)
     return LoadedModel(net, tokenizer, args, model_id=path.name, model_dir=path)
