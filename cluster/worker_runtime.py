@@ -51,7 +51,7 @@ class WorkerRuntime:
         self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
         self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
         self._role_after_step: Callable[[LLMEngine], bool] | None = None
-        self.loop = EngineLoop(self.engine, self._on_deltas, self._after_step)
+        self.loop = EngineLoop(self.engine, self.deliver, self._after_step)
         self.stats: EngineStats = self.engine.stats()
         self.registrar: Registrar | None = None
         self.grpc_address = ""
@@ -61,7 +61,8 @@ class WorkerRuntime:
     def set_role_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
         self._role_after_step = hook
 
-    def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
+    def deliver(self, deltas: list[CompletionDelta]) -> None:
+        """Hand deltas (engine thread) to the asyncio queues of their requests."""
         for delta in deltas:
             queue = self.streams.get(delta.request_id)
             if queue is not None:

@@ -106,7 +106,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             return
         del self._pending[pending.request_id]
         deltas = engine.finish_remote_prefill(pending.request_id, pending.first_token)
-        self.rt._on_deltas(deltas)
+        self.rt.deliver(deltas)
         self.rt.aio.call_soon_threadsafe(_resolve, pending.done, None)
 
     def _fail(self, engine: LLMEngine, pending: _RemotePrefill, exc: Exception) -> None:
