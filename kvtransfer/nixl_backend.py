@@ -9,8 +9,10 @@ cuda_ipc on GPU machines).
 Progress: no thread. UCX advances only inside our calls, so the worker's loop calls
 `sender.poll()` / `receiver.poll()` every step (each is a few microseconds when idle). On one
 host UCX writes with CMA, which copies inside the posting call: `send` returns after its batch
-is copied, so keep batches to what one engine step produced. NIXL's own progress thread
-(`KVTransferConfig.nixl_progress_thread`) spins without delay and is off by default.
+is copied, so keep batches to what one engine step produced. A batch's flush and notification
+complete only once the receiver has polled, so the sender's COMPLETE trails the receiver's
+poll period. NIXL's own progress thread (`KVTransferConfig.nixl_progress_thread`) spins
+without delay and is off by default.
 
 Dead peers: posting to, or notifying, a peer whose process died raises
 NIXL_ERR_REMOTE_DISCONNECT (UCX notices the closed socket within milliseconds on one host);

@@ -170,6 +170,8 @@ class Receiver(KVReceiver):
 
     def _collect(self) -> list[TransferResult]:
         done = [r for r in self._requests.values() if r.status.finished]
+        if not done:
+            return []
         block_bytes = self._b.metadata().block_bytes
         results = []
         for r in done:

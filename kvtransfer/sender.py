@@ -194,6 +194,8 @@ class Sender(KVSender):
 
     def _collect(self) -> list[TransferResult]:
         done = [r for r in self._requests.values() if r.status.finished]
+        if not done:
+            return []
         block_bytes = self._b.metadata().block_bytes
         for r in done:
             del self._requests[r.request_id]
