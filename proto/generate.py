@@ -11,13 +11,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def generate(out_dir: Path = REPO) -> None:
-    from grpc_tools import protoc
+    import subprocess
 
     protos = sorted(str(p.relative_to(REPO)) for p in (REPO / "proto").glob("*.proto"))
-    args = ["grpc_tools.protoc", f"-I{REPO}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *protos]
-    if protoc.main(args) != 0:
-        raise SystemExit("protoc failed")
+    # A child process: grpc_tools' bundled protobuf crashes when loaded into a process that
+    # already holds torch/NIXL (seen in the full test run).
+    subprocess.run(
+        [sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO}", f"--python_out={out_dir}",
+         f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos],
+        cwd=REPO, check=True,
+    )
 
 
 if __name__ == "__main__":
