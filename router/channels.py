@@ -1,5 +1,11 @@
-"""One gRPC channel per worker address, shared by the KV subscription and every request."""
+"""One gRPC channel per worker address, shared by the KV subscription and every request.
+
+A worker that leaves has its channel retired: closed at once if no request uses it, else
+when the last one ends (a worker that lost its etcd lease may still be streaming tokens)."""
 from __future__ import annotations
+
+import asyncio
+from collections import Counter
 
 import grpc
 
@@ -16,8 +22,11 @@ _OPTIONS = [
 class ChannelPool:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._users: Counter[str] = Counter()
+        self._retiring: set[str] = set()
 
     def channel(self, address: str) -> grpc.aio.Channel:
+        self._retiring.discard(address)  # a worker (re)appeared at this address
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
@@ -26,10 +35,28 @@ class ChannelPool:
     def worker(self, address: str) -> pdserve_pb2_grpc.WorkerStub:
         return pdserve_pb2_grpc.WorkerStub(self.channel(address))
 
-    def decode(self, address: str) -> pdserve_pb2_grpc.DecodeWorkerStub:
-        return pdserve_pb2_grpc.DecodeWorkerStub(self.channel(address))
+    def hold_decode(self, address: str) -> pdserve_pb2_grpc.DecodeWorkerStub:
+        """A stub for one request; pair with `release`."""
+        stub = pdserve_pb2_grpc.DecodeWorkerStub(self.channel(address))
+        self._users[address] += 1
+        return stub
+
+    def release(self, address: str) -> None:
+        self._users[address] -= 1
+        if self._users[address] <= 0:
+            del self._users[address]
+            if address in self._retiring:
+                asyncio.get_running_loop().create_task(self.close(address))
+
+    def retire(self, address: str) -> None:
+        if self._users[address] > 0:
+            self._retiring.add(address)
+        else:
+            self._users.pop(address, None)
+            asyncio.get_running_loop().create_task(self.close(address))
 
     async def close(self, address: str) -> None:
+        self._retiring.discard(address)
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close(grace=None)

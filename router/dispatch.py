@@ -163,14 +163,18 @@ class Dispatcher:
             request.prefill_worker.worker_id = p.info.worker_id
             request.prefill_worker.address = p.info.grpc_address
         num_prompt = len(prompt.token_ids)
+        # The prefill worker's extra work: the part of the prompt it does not hold.
+        prefill_work = num_prompt - (placement.decision.prefill.cached_tokens if p else 0)
         d.inflight += 1
         if p is not None:
-            p.inflight_prefill_tokens += num_prompt
+            p.inflight_prefill_tokens += prefill_work
         self.metrics.running.inc()
-        call = self.channels.decode(d.info.grpc_address).Generate(request)
+        stub = self.channels.hold_decode(d.info.grpc_address)
+        call = None
         yielded, cached, last_token_at = False, 0, {}
         finished: set[int] = set()
         try:
+            call = stub.Generate(request)
             async for msg in call:
                 delta = _delta(msg)
                 cached = max(cached, delta.cached_tokens)
@@ -182,7 +186,7 @@ class Dispatcher:
                     if not last_token_at:
                         self.metrics.ttft.observe(now - arrival)
                         if p is not None:
-                            p.inflight_prefill_tokens -= num_prompt
+                            p.inflight_prefill_tokens -= prefill_work
                             p = None
                     elif delta.index in last_token_at:
                         self.metrics.itl.observe(now - last_token_at[delta.index])
@@ -206,9 +210,11 @@ class Dispatcher:
             raise WorkerFailed(f"decode worker {d.info.worker_id} at {d.info.grpc_address}: "
                                f"{exc.code().name}: {exc.details()}", yielded) from None
         finally:
-            call.cancel()  # no-op when the call already ended; aborts it on the worker otherwise
+            if call is not None:
+                call.cancel()  # no-op when the call already ended; aborts it on the worker otherwise
+            self.channels.release(d.info.grpc_address)
             d.inflight -= 1
             if p is not None:
-                p.inflight_prefill_tokens -= num_prompt
+                p.inflight_prefill_tokens -= prefill_work
             self.metrics.running.dec()
             self.registry.notify()

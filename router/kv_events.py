@@ -71,8 +71,9 @@ class KVSubscriptions:
         call = stub.SubscribeKVEvents(pdserve_pb2.KVEventsRequest())
         try:
             try:
-                await asyncio.wait_for(call.initial_metadata(), self.ack_timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.ack_timeout_s):
+                    await call.initial_metadata()
+            except TimeoutError:
                 pass  # the worker sends no early metadata: a small window of missed events
             snapshot = await stub.GetCachedBlocks(pdserve_pb2.CachedBlocksRequest(), timeout=10)
             self.index.reset(info.worker_id, snapshot.block_hashes)

@@ -114,8 +114,9 @@ class WorkerRegistry:
 
     async def wait_changed(self, timeout_s: float) -> None:
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait()
+        except TimeoutError:
             pass
 
 
@@ -165,8 +166,11 @@ class EtcdWatcher:
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(anext(events), self.resync_after_s)
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a
+                    # cancellation that races with a completing event (and never stop).
+                    async with asyncio.timeout(self.resync_after_s):
+                        event = await anext(events)
+                except TimeoutError:
                     return  # silence: workers republish often, so re-list to be sure
                 self._apply(event)
         finally:

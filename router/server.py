@@ -68,14 +68,15 @@ class RouterServices:
     def _on_removed(self, info: WorkerInfo) -> None:
         self.kv_subscriptions.on_removed(info)
         if not any(w.info.grpc_address == info.grpc_address for w in self.registry.all()):
-            asyncio.get_running_loop().create_task(self.channels.close(info.grpc_address))
+            self.channels.retire(info.grpc_address)
 
     async def start(self, sync_timeout_s: float = 5.0) -> None:
         watcher = EtcdWatcher(self.registry, self.config.etcd, self.config.cluster)
         self._watch = asyncio.create_task(watcher.run(), name="etcd-watch")
         try:
-            await asyncio.wait_for(self.registry.synced.wait(), sync_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(sync_timeout_s):
+                await self.registry.synced.wait()
+        except TimeoutError:
             log.warning("etcd at %s not reachable yet; serving 503s until it is", self.config.etcd)
 
     async def stop(self) -> None:

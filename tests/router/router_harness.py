@@ -45,7 +45,7 @@ class RunningRouter:
         return self.url + "/v1"
 
 
-_CARD = {}
+_CARD: dict = {}  # max_model_len -> ModelCard: the tokenizer loads once per session
 
 
 async def start_router(etcd: str, cluster: str, placement: PlacementConfig | None = None,
@@ -53,7 +53,7 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
     port = free_port()
     cfg = RouterConfig(etcd=etcd, cluster=cluster, port=port,
                        placement=placement or PlacementConfig(), **config)
-    if cfg.max_model_len not in _CARD:  # the tokenizer loads once per test session
+    if cfg.max_model_len not in _CARD:
         _CARD[cfg.max_model_len] = load_model_card(cfg)
     services = RouterServices(cfg, _CARD[cfg.max_model_len])
     server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=port,
@@ -69,10 +69,6 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
 async def stop_router(router: RunningRouter) -> None:
     router.server.should_exit = True
     await asyncio.wait_for(router.task, 10)
-
-
-async def start_workers(etcd: str, cluster: str, *specs: tuple[str, str], **kwargs: Any) -> list[FakeWorker]:
-    return [await FakeWorker(role, etcd, cluster, wid, **kwargs).start() for role, wid in specs]
 
 
 async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
