@@ -30,6 +30,7 @@ def register(subparsers) -> None:
                    help="longest prompt + output in tokens (default: the model's)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="largest n accepted")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("placement")
@@ -79,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         api_key=args.api_key, placement=placement, queue_timeout_s=args.queue_timeout,
         max_queued_requests=args.max_queued_requests, max_retries=args.max_retries,
-        stale_after_s=args.stale_after,
+        stale_after_s=args.stale_after, max_n=args.max_n,
     )
 
 

@@ -1,0 +1,58 @@
+"""`pdserve router`: cheap to import, every config field has a flag, help is true to the code."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import build_parser, main
+from router.cli import config_from_args
+from router.config import PlacementConfig, RouterConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_importing_the_cli_loads_no_heavy_stack():
+    code = ("import sys, router.cli; heavy = [m for m in ('grpc', 'fastapi', 'uvicorn', 'torch', "
+            "'aetcd', 'engine') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def test_flags_reach_the_config():
+    args = build_parser().parse_args([
+        "router", "--etcd", "h:1", "--cluster", "c", "--port", "9", "--policy", "round_robin",
+        "--api-key", "k", "--prefix-weight", "2", "--load-weight", "3", "--load-scale", "4",
+        "--kv-weight", "5", "--local-prefill-threshold", "6", "--prefill-queue-limit", "7",
+        "--default-prefill-rate", "8", "--max-waiting-per-worker", "9", "--queue-timeout", "1.5",
+        "--max-queued-requests", "11", "--max-retries", "2", "--stale-after", "3.5",
+        "--max-model-len", "100", "--served-model-name", "m", "--max-n", "4",
+        "--host", "0.0.0.0", "--model", "/some/dir",
+    ])
+    cfg = config_from_args(args)
+    assert cfg.placement == PlacementConfig("round_robin", 2, 3, 5, 4, 6, 7, 8, 9)
+    assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
+            cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
+            cfg.served_model_name, cfg.max_n) == ("h:1", "c", 9, "k", 1.5, 11, 2, 3.5, 100, "m", 4)
+    # Defaults on the command line are the dataclasses' defaults.
+    default = config_from_args(build_parser().parse_args(["router", "--etcd", "h:1"]))
+    assert default == RouterConfig(etcd="h:1")
+    # Every field has a flag: each one above moved its field off the default.
+    for f in dataclasses.fields(RouterConfig):
+        if f.name not in ("etcd", "placement"):
+            assert getattr(cfg, f.name) != getattr(default, f.name), f.name
+    for f in dataclasses.fields(PlacementConfig):
+        assert getattr(cfg.placement, f.name) != getattr(default.placement, f.name), f.name
+
+
+def test_help_and_bad_values(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["router", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--etcd", "--policy", "--api-key", "--local-prefill-threshold", "--queue-timeout"):
+        assert flag in out
+    assert main(["router", "--etcd", "h:1", "--load-scale", "0"]) == 2
+    assert "load_scale must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["router"])  # --etcd is required
