@@ -69,7 +69,9 @@ def sampled_from_pb(m: pb.TokenLogprob, with_logprobs: bool) -> SampledToken:
     return SampledToken(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
 
 
-def delta_to_pb(d: CompletionDelta, prefill_mode: str, extra_cached_tokens: int = 0) -> pb.GenerateResponse:
+def delta_to_pb(d: CompletionDelta, prefill_mode: str, remote_cached_tokens: int = 0) -> pb.GenerateResponse:
+    """`remote_cached_tokens`: the prefill worker's own prefix hit; usage reports the larger
+    of the two workers' hits (neither recomputed them), never their sum."""
     return pb.GenerateResponse(
         index=d.index,
         token_ids=d.token_ids,
@@ -79,7 +81,7 @@ def delta_to_pb(d: CompletionDelta, prefill_mode: str, extra_cached_tokens: int 
         usage=pb.Usage(
             prompt_tokens=d.num_prompt_tokens,
             completion_tokens=d.num_output_tokens,
-            cached_tokens=min(d.num_prompt_tokens, d.num_cached_tokens + extra_cached_tokens),
+            cached_tokens=min(d.num_prompt_tokens, max(d.num_cached_tokens, remote_cached_tokens)),
         ),
         prefill_mode=prefill_mode,
     )

@@ -71,9 +71,12 @@ class WorkerRuntime:
     def _after_step(self, engine: LLMEngine) -> bool:
         events = engine.block_manager.take_events()
         if events and self._kv_subscribers:
+            final: dict[bytes, bool] = {}  # one batch is unordered: keep each hash's last state
+            for e in events:
+                final[e.block_hash] = e.stored
             batch = pb.KVEventBatch(
-                stored=[e.block_hash for e in events if e.stored],
-                removed=[e.block_hash for e in events if not e.stored],
+                stored=[h for h, stored in final.items() if stored],
+                removed=[h for h, stored in final.items() if not stored],
             )
             for q in list(self._kv_subscribers):
                 self.aio.call_soon_threadsafe(q.put_nowait, batch)
@@ -216,6 +219,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     @grpc_errors
     async def SubscribeKVEvents(self, request, context):
+        await context.send_initial_metadata(())  # the subscriber knows it is subscribed
         async for batch in self.rt.kv_events():
             yield batch
 

@@ -142,10 +142,10 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         start = time.monotonic()
         finished: set[int] = set()
         mode = "local"
-        extra_cached = 0
+        remote_cached = 0
         try:
             if request.HasField("prefill_worker") and params.n == 1:
-                mode, extra_cached = await self._prefill_remotely(req, request.prefill_worker)
+                mode, remote_cached = await self._prefill_remotely(req, request.prefill_worker)
             if mode == "local_fallback":  # the parked request was dropped: start afresh
                 req = engine.make_request(rid, list(request.prompt_token_ids), params,
                                           request.cache_salt or None)
@@ -163,7 +163,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                 last = now
                 if delta.finished:
                     finished.add(delta.index)
-                yield delta_to_pb(delta, mode, extra_cached)
+                yield delta_to_pb(delta, mode, remote_cached)
             rt.metrics.e2e.labels("decode").observe(time.monotonic() - start)
         finally:
             rt.streams.pop(rid, None)

@@ -101,9 +101,10 @@ class Dispatcher:
         self.metrics = metrics
         self.num_waiting = 0
 
-    async def acquire(self, prompt: PromptKey, exclude: frozenset[str] = frozenset()) -> Placement:
+    async def acquire(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
+                      remote_prefill: bool = True) -> Placement:
         policy = self.placer.policy.name
-        placement = self.placer.place(prompt, exclude)
+        placement = self.placer.place(prompt, exclude, remote_prefill)
         if placement is None:
             if self.num_waiting >= self.config.max_queued_requests:
                 raise self._busy(policy, "too many requests are waiting for capacity")
@@ -117,7 +118,7 @@ class Dispatcher:
                     if remaining <= 0:
                         raise self._busy(policy, "no worker has capacity for this request")
                     await self.registry.wait_changed(min(remaining, 0.25))
-                    placement = self.placer.place(prompt, exclude)
+                    placement = self.placer.place(prompt, exclude, remote_prefill)
             finally:
                 self.num_waiting -= 1
                 self.metrics.waiting.dec()
@@ -135,7 +136,9 @@ class Dispatcher:
         """Deltas of every completion of one prompt, until each has finished."""
         exclude: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
-            placement = await self.acquire(prompt, frozenset(exclude))
+            # Decode workers prefill n > 1 requests themselves (the prefill side samples one
+            # first token), so those are placed as local prefill.
+            placement = await self.acquire(prompt, frozenset(exclude), remote_prefill=sampling.n == 1)
             try:
                 async with aclosing(self._run(placement, prompt, sampling, arrival)) as stream:
                     async for delta in stream:

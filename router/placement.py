@@ -47,7 +47,9 @@ class Placer:
         self.index = index
         self.policy = policy
 
-    def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset()) -> Placement | None:
+    def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
+              remote_prefill: bool = True) -> Placement | None:
+        """`remote_prefill=False`: the decode worker must prefill (it does so for n > 1)."""
         now = self.registry.clock()
         matches: dict[int, dict[str, int]] = {}
         num_tokens = len(prompt.token_ids)
@@ -68,7 +70,8 @@ class Placer:
 
         states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
         decode = [candidate(s) for s in states.values() if s.info.role == "decode"]
-        prefill = [candidate(s) for s in states.values() if s.info.role == "prefill"]
+        prefill = [candidate(s) for s in states.values()
+                   if s.info.role == "prefill" and remote_prefill]
         decision = self.policy.place(num_tokens, decode, prefill)
         if decision is None:
             return None
