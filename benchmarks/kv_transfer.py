@@ -227,9 +227,9 @@ def main() -> None:
     # allocations get madvise(MADV_HUGEPAGE), as the engine should do for its KV pool.
     os.environ["THP_MEM_ALLOC_ENABLE"] = "0" if args.no_thp else "1"
     if args.quick:
-        out = run([16, 64], [1, 64], args.reps or 3, 50, args.device)
+        out = run([16, 64], [1, 64], args.reps or 5, 50, args.device)
     else:
-        out = run([16, 64, 256], [1, 64, 512], args.reps or 7, 300, args.device)
+        out = run([16, 64, 256], [1, 64, 512], args.reps or 15, 300, args.device)
     lat = out["latency_1_block"]
     print(f"1-block request ({lat['block_bytes']} B) with notification: "
           f"p50 {lat['e2e_us_p50']:.0f} us, p99 {lat['e2e_us_p99']:.0f} us end-to-end; "
