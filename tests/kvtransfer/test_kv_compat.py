@@ -142,3 +142,13 @@ def test_agent_blob_survives_base64():
     m = PeerMetadata.from_bytes(meta(agent_metadata=blob).to_bytes())
     assert m.agent_metadata == blob
     assert base64.b64decode(json.loads(meta(agent_metadata=blob).to_bytes())["agent_metadata"])
+
+
+def test_package_import_is_light():
+    """The router reads compat hashes and metadata: importing kvtransfer pulls no torch/NIXL."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvtransfer; kvtransfer.PeerMetadata; kvtransfer.KVCompat; "
+            "assert not {'torch', 'nixl', 'numpy'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
