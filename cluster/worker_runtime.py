@@ -26,7 +26,7 @@ from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from cluster.grpc_errors import grpc_errors
+from cluster.grpc_errors import Unavailable, grpc_errors
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,13 @@ class WorkerRuntime:
             for q in list(self._kv_subscribers):
                 self.aio.call_soon_threadsafe(q.put_nowait, batch)
         return self._role_after_step(engine) if self._role_after_step else False
+
+    def admit(self, request_id: str) -> None:
+        """Refuse new work while draining, and requests without an id."""
+        if self.draining:
+            raise Unavailable("worker is draining")
+        if not request_id:
+            raise ValueError("request_id is required")
 
     async def call(self, fn):
         """Run fn(engine) on the engine thread; await its result."""

@@ -125,10 +125,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         rt = self.rt
-        if rt.draining:
-            raise Unavailable("worker is draining")
-        if not request.request_id:
-            raise ValueError("request_id is required")
+        rt.admit(request.request_id)
         params = sampling_from_pb(request.sampling)
         rid = request.request_id
         if rid in rt.streams:

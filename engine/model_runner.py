@@ -12,7 +12,6 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.llama import ForwardContext, Transformer
-from engine.request import Request
 from engine.sampler import SampleRow, sample
 from engine.scheduler import SampledToken, SchedulerOutput
 

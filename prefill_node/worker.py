@@ -42,10 +42,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context):
         rt = self.rt
-        if rt.draining:
-            raise Unavailable("worker is draining")
-        if not request.request_id:
-            raise ValueError("request_id is required")
+        rt.admit(request.request_id)
         params = sampling_from_pb(request.sampling)
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")

@@ -16,7 +16,6 @@ Life cycle of a request here:
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -26,6 +25,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from cluster.convert import sampling_to_pb
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
@@ -63,23 +63,6 @@ class WorkerFailed(Exception):
     def __init__(self, message: str, after_first_token: bool) -> None:
         super().__init__(message)
         self.after_first_token = after_first_token
-
-
-def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        n=p.n, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        skip_special_tokens=p.skip_special_tokens,
-    )
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.max_tokens is not None:
-        msg.max_tokens = p.max_tokens
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    return msg
 
 
 def _delta(msg: pb.GenerateResponse) -> Delta:

