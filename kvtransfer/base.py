@@ -22,7 +22,8 @@ Contract shared by every implementation:
   method sleeps or spins; `kvtransfer.polling.wait_for` is the blocking helper for callers
   that want one.
 * Every request ends in exactly one terminal status, reported exactly once by `poll()`; after
-  that the implementation holds nothing for it (no handles, no block ids). Failures of the
+  that the implementation holds nothing for it (no block ids; a transfer handle the transport
+  cannot cancel yet is retried on later polls, see `num_outstanding_writes`). Failures of the
   transfer itself (peer died, deadline passed) are reported this way, never raised.
 * Programming errors raise at the call (see `kvtransfer.errors`) and leave no state behind.
 * Request ids are transfer-attempt ids: an id that is in flight, or finished among the last
