@@ -44,7 +44,9 @@ class _RemotePrefill:
 
     request_id: str
     transfer_id: str
+    block_ids: list[int]  # our blocks the prefill worker writes into
     done: asyncio.Future  # resolved on the asyncio loop: None (started) or an exception
+    call_ended: bool = False  # the Prefill call returned or failed: no more writes can come
     kv_landed: bool = False
     first_token: SampledToken | None = None
     deltas: list = field(default_factory=list)
@@ -55,8 +57,12 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self.rt = runtime
         self._pending: dict[str, _RemotePrefill] = {}  # engine thread only
         self._by_transfer: dict[str, str] = {}  # engine thread only
+        # Blocks of failed transfers whose Prefill call may still be writing into them: held
+        # (pinned) until the call ends, so a late write never lands in someone else's KV.
+        self._quarantine: dict[str, list[int]] = {}  # engine thread only
         self._attempts = itertools.count()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task] = set()
         runtime.set_role_hook(self._after_step)
 
     # ---- engine thread -------------------------------------------------------------------
@@ -91,7 +97,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         except Exception:
             engine.abort_request(request.request_id)
             raise
-        self._pending[request.request_id] = _RemotePrefill(request.request_id, transfer_id, done)
+        self._pending[request.request_id] = _RemotePrefill(request.request_id, transfer_id, block_ids, done)
         self._by_transfer[transfer_id] = request.request_id
         return transfer_id, block_ids
 
@@ -113,8 +119,19 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._pending.pop(pending.request_id, None)
         self._by_transfer.pop(pending.transfer_id, None)
         self.rt.kv.receiver.cancel(pending.transfer_id)
+        if not pending.call_ended:
+            engine.block_manager.pin(pending.block_ids)
+            self._quarantine[pending.transfer_id] = pending.block_ids
         engine.abort_request(pending.request_id)
         self.rt.aio.call_soon_threadsafe(_resolve, pending.done, exc)
+
+    def _call_ended(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.transfer_id == transfer_id:
+            pending.call_ended = True
+        blocks = self._quarantine.pop(transfer_id, None)
+        if blocks is not None:
+            engine.block_manager.release(blocks)
 
     def _cancel_remote(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:
         pending = self._pending.get(request_id)
@@ -184,7 +201,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
             destination=pb.KVDestination(
                 peer_metadata=rt.kv_metadata.to_bytes(), num_skip_blocks=num_skip,
-                block_ids=block_ids, deadline_s=rt.config.kv_timeout_s, transfer_id=transfer_id,
+                # The prefill side stops writing before we stop waiting.
+                block_ids=block_ids, deadline_s=0.9 * rt.config.kv_timeout_s, transfer_id=transfer_id,
             ),
         )
         stub = pb_grpc.PrefillWorkerStub(self._channel(worker.address))
@@ -192,6 +210,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         try:
             response = await call
         except grpc.aio.AioRpcError as exc:
+            await rt.call(lambda e: self._call_ended(e, req.request_id, transfer_id))
             failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
                                   f"{exc.code().name}: {exc.details()}")
             await rt.call(lambda e: self._cancel_remote(e, req.request_id, failure))
@@ -203,11 +222,28 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             return "local_fallback", 0
         except asyncio.CancelledError:
             call.cancel()
+            task = rt.aio.create_task(self._abort_remote(worker, req.request_id, transfer_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
             raise
+        await rt.call(lambda e: self._call_ended(e, req.request_id, transfer_id))
         token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
         await rt.call(lambda e: self._first_token(e, req.request_id, token))
         await done  # raises if the KV failed or timed out
         return "remote", response.num_cached_tokens
+
+    async def _abort_remote(self, worker: pb.WorkerRef, request_id: str, transfer_id: str) -> None:
+        """After a cancel mid-transfer: abort on the prefill worker, then release our blocks.
+        Its Abort returns once its engine thread dropped the request — no write follows. If
+        it cannot be reached, the blocks wait out the deadline we gave it instead."""
+        rt = self.rt
+        grace = 0.9 * rt.config.kv_timeout_s
+        try:
+            stub = pb_grpc.WorkerStub(self._channel(worker.address))
+            await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=grace)
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(grace)
+        await rt.call(lambda e: self._call_ended(e, request_id, transfer_id))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

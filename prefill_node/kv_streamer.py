@@ -56,8 +56,11 @@ class KVStreamer:
             req = out.request
             if out.final_sent or not req.block_table:
                 continue  # all sent, or not admitted yet
-            if req.status.is_finished and req.num_output_tokens == 0:
-                self._finish(engine, out, None, TransferStatus.CANCELLED)  # aborted in the engine
+            if req.status.is_finished and req.num_output_tokens == 0:  # aborted in the engine
+                if self.sender.cancel(out.transfer_id):
+                    out.final_sent = True  # nothing more goes out; poll() reports CANCELLED
+                else:
+                    self._finish(engine, out, None, TransferStatus.CANCELLED)
                 continue
             prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
             final = req.num_output_tokens > 0  # the first token is sampled: all KV computed

@@ -264,3 +264,28 @@ def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(etcd, tmp_pat
     [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert {r.prefill_mode for r in responses} == {"remote"}
     assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
+
+
+def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
+    prefill, decode = workers
+    long_prompt = [random.Random(8).randrange(100, 40000) for _ in range(3000)]
+
+    async def start_then_cancel():
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            from proto import pdserve_pb2_grpc as pb_grpc
+
+            call = pb_grpc.DecodeWorkerStub(ch).Generate(_request("cancel-mid", long_prompt, prefill))
+            task = asyncio.ensure_future(call.read())
+            deadline = time.monotonic() + 20
+            while (await ahealth(prefill.address)).capacity.running == 0:  # P is computing it
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(start_then_cancel())
+    # The decode side holds its blocks until the prefill side confirmed the abort (no late
+    # write can land in reused blocks), then frees them; the prefill side frees its own.
+    wait_all_blocks_free(decode.address, timeout=10)
+    wait_all_blocks_free(prefill.address, timeout=10)
