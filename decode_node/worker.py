@@ -214,8 +214,11 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
                                   f"{exc.code().name}: {exc.details()}")
             await rt.call(lambda e: self._cancel_remote(e, req.request_id, failure))
-            if done.done() and isinstance(done.exception(), TimeoutError):
-                raise done.exception()
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
+                done.done() and isinstance(done.exception(), TimeoutError)
+            ):  # the KV deadline passed: fail clearly rather than start over
+                raise TimeoutError(f"KV for request {req.request_id} did not arrive within "
+                                   f"{rt.config.kv_timeout_s:g}s") from None
             if rt.config.strict_remote_prefill:
                 raise failure
             log.warning("%s; prefilling %s locally", failure, req.request_id)
