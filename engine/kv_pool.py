@@ -47,5 +47,26 @@ def num_blocks_for_budget(
 def allocate_kv_pool(
     num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zero-filled."""
-    return torch.zeros((num_blocks, *kv_block_shape(args, block_size)), dtype=dtype, device=device)
+    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zero-filled. On CPU
+    the pool asks for transparent huge pages before its pages are first touched: KV
+    transfers (NIXL/CMA pins the receiver's pages) run about twice as fast on them."""
+    pool = torch.empty((num_blocks, *kv_block_shape(args, block_size)), dtype=dtype, device=device)
+    if pool.device.type == "cpu":
+        _advise_huge_pages(pool)
+    return pool.zero_()
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned interior of `t` (best effort: Linux
+    with THP in `madvise` or `always` mode; silently nothing elsewhere)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    huge, madv_hugepage = 2 << 20, 14
+    start = (t.data_ptr() + huge - 1) & ~(huge - 1)
+    end = (t.data_ptr() + t.numel() * t.element_size()) & ~(huge - 1)
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage)
