@@ -47,6 +47,9 @@ def register(subparsers) -> None:
                    help="decode score lost per unit of KV pool in use")
     g.add_argument("--local-prefill-threshold", type=int, default=pd.local_prefill_threshold,
                    help="uncached prompt tokens below which the decode worker prefills locally")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=pd.local_prefill_max_tokens,
+                   help="uncached prompt tokens up to which the decode worker prefills locally "
+                        "when that is estimated to answer sooner than the prefill pool (0: never)")
     g.add_argument("--prefill-queue-limit", type=int, default=pd.prefill_queue_limit,
                    help="queued prefill tokens above which a prefill worker is saturated")
     g.add_argument("--default-prefill-rate", type=float, default=pd.default_prefill_rate,
@@ -71,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy, prefix_weight=args.prefix_weight, load_weight=args.load_weight,
         kv_weight=args.kv_weight, load_scale=args.load_scale,
         local_prefill_threshold=args.local_prefill_threshold,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         prefill_queue_limit=args.prefill_queue_limit,
         default_prefill_rate=args.default_prefill_rate,
         max_waiting_per_worker=args.max_waiting_per_worker,

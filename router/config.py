@@ -22,6 +22,9 @@ class PlacementConfig:
     """Requests that cost `load_weight` of score: how many requests a full prefix hit is worth."""
     local_prefill_threshold: int = 128
     """Uncached prompt tokens (on the decode worker) below which it prefills locally."""
+    local_prefill_max_tokens: int = 512
+    """Uncached prompt tokens up to which the decode worker prefills locally when its own
+    estimated TTFT is lower than the best prefill worker's (0: never)."""
     prefill_queue_limit: int = 16384
     """A prefill worker with more queued prefill tokens than this is saturated."""
     default_prefill_rate: float = 2000.0
@@ -38,6 +41,7 @@ class PlacementConfig:
             (self.load_scale > 0, "load_scale", "must be > 0"),
             (self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0"),
             (self.prefill_queue_limit >= 0, "prefill_queue_limit", "must be >= 0"),
+            (self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0"),
             (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
             (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
         ]

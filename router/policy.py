@@ -9,8 +9,10 @@ Contract shared by every policy:
   `place` returns None (the caller queues, then answers 503).
 - Conditional disaggregation: the chosen decode worker prefills locally when its uncached part
   of the prompt is below `local_prefill_threshold`, when no prefill worker is usable (usable:
-  not draining, not stale, same KV compatibility hash), or when every usable prefill worker
-  has more than `prefill_queue_limit` tokens queued.
+  not draining, not stale, same KV compatibility hash), when every usable prefill worker
+  has more than `prefill_queue_limit` tokens queued, or when the uncached part is at most
+  `local_prefill_max_tokens` and the decode worker's own estimated TTFT beats the best prefill
+  worker's (a short prompt does not wait behind a long one queued on the prefill pool).
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class Reason(str, enum.Enum):
     REMOTE = "remote"  # a prefill worker computes the prompt
     LOCAL_SHORT = "local_short"  # uncached part below the threshold
     LOCAL_SATURATED = "local_saturated"  # every prefill worker's queue is over the limit
+    LOCAL_FASTER = "local_faster"  # short enough, and the decode worker would answer sooner
     LOCAL_NO_PREFILL = "local_no_prefill"  # no usable prefill worker
     NO_CAPACITY = "no_capacity"  # no decode worker has room (place returned None)
 
@@ -106,10 +109,13 @@ class Policy:
         if not open_:
             return Decision(d, None, Reason.LOCAL_SATURATED, d.cached_tokens)
         p = self.pick_prefill(num_prompt_tokens, open_)
-        return Decision(
-            d, p, Reason.REMOTE, max(d.cached_tokens, p.cached_tokens),
-            self.estimated_ttft_s(num_prompt_tokens, p),
-        )
+        remote_ttft = self.estimated_ttft_s(num_prompt_tokens, p)
+        # A decode worker that has not measured its prefill rate is assumed as fast as p.
+        local_rate = d.capacity.prefill_tokens_per_s or p.capacity.prefill_tokens_per_s
+        if (num_prompt_tokens - d.cached_tokens <= self.config.local_prefill_max_tokens
+                and self.estimated_ttft_s(num_prompt_tokens, d, local_rate) < remote_ttft):
+            return Decision(d, None, Reason.LOCAL_FASTER, d.cached_tokens)
+        return Decision(d, p, Reason.REMOTE, max(d.cached_tokens, p.cached_tokens), remote_ttft)
 
     def has_room(self, c: Candidate, num_prompt_tokens: int) -> bool:
         if not c.usable or c.capacity.waiting > self.config.max_waiting_per_worker:
@@ -120,9 +126,10 @@ class Policy:
         needed = -(-(num_prompt_tokens + 1) // bs) - c.cached_tokens // bs
         return c.capacity.free_blocks >= needed
 
-    def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate) -> float:
-        """(queued prefill tokens + this request's uncached tokens there) / prefill rate."""
-        rate = p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
+    def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate, rate: float = 0.0) -> float:
+        """(queued prefill tokens + this request's uncached tokens there) / prefill rate; for
+        a prefill worker, or for a decode worker prefilling locally."""
+        rate = rate or p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
         return (p.queued_prefill_tokens + num_prompt_tokens - p.cached_tokens) / rate
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:

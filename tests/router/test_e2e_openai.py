@@ -3,11 +3,8 @@
 prefill (KV over NIXL) -> decode equals a single engine's for the same token ids.
 
 Skips (with the reason) where the worker commands are not available."""
-import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import openai
 import pytest
 
 from cluster.etcd_server import EtcdServer
+from cluster.launcher import ServiceProcess
 from cluster.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -38,37 +36,6 @@ def _workers_available() -> str | None:
     return None
 
 
-class Proc:
-    """A child process with its stderr in a log file; stopped by PID."""
-
-    def __init__(self, name: str, cmd: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "UCX_NET_DEVICES": "lo"},
-                                     stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),
-                                     text=True)
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("READY "):
-                self.ready.set()
-
-    def fail(self, what: str) -> None:
-        raise RuntimeError(f"{self.name} {what}:\n{self.log_path.read_text()[-3000:]}")
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            return -9
-
-
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
     reason = _workers_available()
@@ -81,17 +48,15 @@ def e2e(tmp_path_factory):
         # reference engine below must compute exactly what the workers compute.
         worker_flags = ["--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "64MiB",
                         "--dtype", "float32", "--num-threads", "1"]
-        procs = [Proc(role, [*PDSERVE, role, *common, "--port", str(free_port()), *worker_flags],
-                      logs) for role in ("prefill", "decode")]
+        procs = {role: ServiceProcess([role, *common, "--port", str(free_port()), *worker_flags],
+                                      logs / f"{role}.log") for role in ("prefill", "decode")}
         port = free_port()
-        router = Proc("router", [*PDSERVE, "router", *common, "--port", str(port),
-                                 "--api-key", KEY, "--local-prefill-threshold", "0",
-                                 "--log-level", "warning"], logs)
-        procs.append(router)
+        router = procs["router"] = ServiceProcess(
+            ["router", *common, "--port", str(port), "--api-key", KEY,
+             "--local-prefill-threshold", "0", "--log-level", "warning"], logs / "router.log")
         try:
-            for p in procs[:2]:
-                if not p.ready.wait(120):
-                    p.fail("did not start")
+            procs["prefill"].wait_ready()
+            procs["decode"].wait_ready()
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
             while True:
@@ -101,12 +66,13 @@ def e2e(tmp_path_factory):
                         break
                 except httpx.HTTPError:
                     pass
-                if time.monotonic() > deadline or router.proc.poll() is not None:
-                    router.fail("did not see both workers")
+                if time.monotonic() > deadline or not router.alive():
+                    raise RuntimeError("router did not see both workers:\n"
+                                       + router.log_path.read_text()[-3000:])
                 time.sleep(0.2)
             yield url
         finally:
-            codes = {p.name: p.stop() for p in reversed(procs)}
+            codes = {name: procs[name].terminate(30) for name in ("router", "decode", "prefill")}
         assert codes == {"router": 0, "decode": 0, "prefill": 0}, codes
 
 

@@ -77,7 +77,7 @@ def test_prefill_by_estimated_ttft():
     (0, 0, Reason.REMOTE),
 ])
 def test_conditional_disaggregation_threshold(cached, threshold, reason):
-    d = affinity(local_prefill_threshold=threshold).place(
+    d = affinity(local_prefill_threshold=threshold, local_prefill_max_tokens=0).place(
         PROMPT, [dec("d", cached=cached)], [pre("p")])
     assert d.reason is reason
     assert (d.prefill is None) == (reason is not Reason.REMOTE)
@@ -125,7 +125,8 @@ def test_no_room_means_no_decision():
 
 
 def test_round_robin_rotates_ignoring_caches_and_load():
-    policy = RoundRobinPolicy(PlacementConfig(policy="round_robin", local_prefill_threshold=0))
+    policy = RoundRobinPolicy(PlacementConfig(policy="round_robin", local_prefill_threshold=0,
+                                              local_prefill_max_tokens=0))
     decode = [dec("a", cached=1000), dec("b", running=40), dec("c")]
     prefill = [pre("p", queued=900), pre("q", cached=1000)]
     got = [policy.place(PROMPT, decode, prefill) for _ in range(6)]
@@ -150,3 +151,16 @@ def test_make_policy_and_config_validation():
         PlacementConfig(policy="random")
     with pytest.raises(ValueError, match="load_scale"):
         PlacementConfig(load_scale=0)
+
+
+def test_short_prompt_goes_local_when_the_prefill_pool_is_busy():
+    policy = affinity(local_prefill_threshold=0, local_prefill_max_tokens=512)
+    busy = pre("p", queued=4000, rate=1000.0)  # ~4.3 s before a 300-token prompt is done there
+    d = policy.place(300, [dec("d")], [busy])  # 0.3 s locally (assumed as fast as p)
+    assert d.reason is Reason.LOCAL_FASTER and d.prefill is None
+    idle = pre("p", queued=0, rate=1000.0)  # equal estimates: the prefill pool takes it
+    assert policy.place(300, [dec("d")], [idle]).reason is Reason.REMOTE
+    # Long prompts go to the prefill pool even when it is busy (that is its job).
+    assert policy.place(2000, [dec("d")], [busy]).reason is Reason.REMOTE
+    assert affinity(local_prefill_threshold=0, local_prefill_max_tokens=0).place(
+        300, [dec("d")], [busy]).reason is Reason.REMOTE

@@ -23,14 +23,15 @@ def test_flags_reach_the_config():
     args = build_parser().parse_args([
         "router", "--etcd", "h:1", "--cluster", "c", "--port", "9", "--policy", "round_robin",
         "--api-key", "k", "--prefix-weight", "2", "--load-weight", "3", "--load-scale", "4",
-        "--kv-weight", "5", "--local-prefill-threshold", "6", "--prefill-queue-limit", "7",
+        "--kv-weight", "5", "--local-prefill-threshold", "6", "--local-prefill-max-tokens", "10",
+        "--prefill-queue-limit", "7",
         "--default-prefill-rate", "8", "--max-waiting-per-worker", "9", "--queue-timeout", "1.5",
         "--max-queued-requests", "11", "--max-retries", "2", "--stale-after", "3.5",
         "--max-model-len", "100", "--served-model-name", "m", "--max-n", "4",
         "--host", "0.0.0.0", "--model", "/some/dir",
     ])
     cfg = config_from_args(args)
-    assert cfg.placement == PlacementConfig("round_robin", 2, 3, 5, 4, 6, 7, 8, 9)
+    assert cfg.placement == PlacementConfig("round_robin", 2, 3, 5, 4, 6, 10, 7, 8, 9)
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
             cfg.served_model_name, cfg.max_n) == ("h:1", "c", 9, "k", 1.5, 11, 2, 3.5, 100, "m", 4)
