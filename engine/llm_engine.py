@@ -103,11 +103,8 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        room = self.max_model_len - len(token_ids)
-        if params.max_tokens is not None and params.max_tokens > room > 0:
-            max_tokens = room
-        else:
-            max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
+        max_tokens = max(1, min(params.max_tokens or room, room))
         eos = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
         return Request(
             request_id=request_id,
