@@ -41,6 +41,13 @@ def _message(exc: BaseException) -> str:
     return text.strip("'\"") if isinstance(exc, KeyError) else text
 
 
+async def _abort(context, exc: Exception, method_name: str) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("internal error in %s", method_name)
+    await context.abort(code, _message(exc))
+
+
 def grpc_errors(method):
     """Decorate an async servicer method (unary or server-streaming) so that exceptions end
     the call with the mapped status code and the exception's message."""
@@ -52,10 +59,7 @@ def grpc_errors(method):
                 async for item in method(self, request, context):
                     yield item
             except Exception as exc:
-                code = status_for(exc)
-                if code is grpc.StatusCode.INTERNAL:
-                    log.exception("internal error in %s", method.__name__)
-                await context.abort(code, _message(exc))
+                await _abort(context, exc, method.__name__)
         return stream
 
     @functools.wraps(method)
@@ -63,8 +67,5 @@ def grpc_errors(method):
         try:
             return await method(self, request, context)
         except Exception as exc:
-            code = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("internal error in %s", method.__name__)
-            await context.abort(code, _message(exc))
+            await _abort(context, exc, method.__name__)
     return unary
