@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 
@@ -47,7 +48,11 @@ class ServiceProcess:
         return self.proc.poll() is None
 
     def wait_ready(self, timeout: float = 120.0) -> "ServiceProcess":
-        if not self._ready.wait(timeout) or not self.alive():
+        """Block until the READY line; fail at once if the process exits first."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2) and self.alive() and time.monotonic() < deadline:
+            pass
+        if not self._ready.is_set() or not self.alive():
             self.kill()
             tail = self.log_path.read_text()[-3000:] if self.log_path.exists() else ""
             raise RuntimeError(f"`pdserve {' '.join(self.args[:1])}` did not become ready:\n{tail}")
