@@ -24,12 +24,20 @@ def etcd_binary() -> Path:
 class EtcdServer:
     """A child etcd process. `with EtcdServer() as etcd: etcd.endpoint` -> '127.0.0.1:PORT'."""
 
-    def __init__(self, data_dir: Path | None = None, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        log_path: Path | None = None,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+    ) -> None:
+        """A given `data_dir` is kept on stop; with the same ports and directory a restarted
+        server is the same etcd again."""
         self._tmp = data_dir is None
         self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-etcd-")) if data_dir is None else data_dir
         self.log_path = log_path
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
         self.proc: subprocess.Popen | None = None
 
     @property

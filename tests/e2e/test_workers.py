@@ -289,3 +289,29 @@ def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
     # write can land in reused blocks), then frees them; the prefill side frees its own.
     wait_all_blocks_free(decode.address, timeout=10)
     wait_all_blocks_free(prefill.address, timeout=10)
+
+
+def test_etcd_lost_and_back_keeps_serving_and_reregisters(tmp_path):
+    etcd = EtcdServer(data_dir=tmp_path / "etcd").start()
+    decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "loss", log_dir=tmp_path).wait_ready()
+
+    async def registered(endpoint, since=0.0):
+        async with make_client(endpoint) as client:
+            return [w.worker_id for w in await list_workers(client, "loss") if w.updated_at > since]
+
+    try:
+        assert asyncio.run(registered(etcd.endpoint)) == [decode.worker_id]
+        etcd.stop()
+        responses = asyncio.run(generate(decode.address, _request("no-etcd", [5] * 20, max_tokens=4)))
+        assert sum(len(r.token_ids) for r in responses) == 4  # still serving without etcd
+        etcd = EtcdServer(data_dir=tmp_path / "etcd", client_port=etcd.client_port,
+                          peer_port=etcd.peer_port).start()
+        restarted = time.time()
+        deadline = time.monotonic() + 20
+        # Published again after the restart (not a key left over from before the outage).
+        while asyncio.run(registered(etcd.endpoint, since=restarted)) != [decode.worker_id]:
+            assert time.monotonic() < deadline, "the worker did not re-register"
+            time.sleep(0.3)
+    finally:
+        assert decode.terminate() == 0
+        etcd.stop()
