@@ -1,0 +1,34 @@
+"""The `pdserve` command end to end (offline parts)."""
+import subprocess
+import sys
+
+
+def _pdserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_answers_the_capital_of_france():
+    out = _pdserve("generate", "--chat", "--prompt", "What is the capital of France?",
+                   "--max-tokens", "16", "--kv-cache-memory", "64MiB")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_help_lists_every_subcommand_without_loading_torch():
+    out = _pdserve("--help")
+    assert out.returncode == 0
+    for command in ("prepare-model", "generate", "prefill", "decode", "router", "up", "scale",
+                    "status", "bench"):
+        assert command in out.stdout
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, pdserve.cli as c; c.build_parser(); "
+         "print(sorted(m for m in ('torch', 'grpc', 'fastapi') if m in sys.modules))"],
+        capture_output=True, text=True, check=True,
+    )
+    assert probe.stdout.strip() == "[]"
+
+
+def test_bad_model_path_is_a_clear_error():
+    out = _pdserve("generate", "--prompt", "hi", "--model", "/nonexistent/model")
+    assert out.returncode == 2 and "model path does not exist" in out.stderr
