@@ -35,6 +35,7 @@ class Supervisor:
         self.log_dir = log_dir
         self.workers: dict[str, list] = {"prefill": [], "decode": []}
         self.router = None
+        self.retiring: list = []  # scaled-in workers still draining
         self.etcd_pid: int | None = None  # when `up` started etcd itself
         self.lock = threading.Lock()
         self._serial = 0
@@ -61,6 +62,7 @@ class Supervisor:
             if not self.workers[role]:
                 return False
             proc = self.workers[role].pop()
+            self.retiring.append(proc)
         threading.Thread(target=proc.terminate, daemon=True).start()  # drains, then exits
         return True
 
@@ -86,8 +88,9 @@ class Supervisor:
 
     def stop_all(self) -> None:
         with self.lock:
-            procs = [p for procs in self.workers.values() for p in procs]
+            procs = [p for procs in self.workers.values() for p in procs] + self.retiring
             self.workers = {"prefill": [], "decode": []}
+            self.retiring = []
         threads = [threading.Thread(target=p.terminate) for p in procs]
         for t in threads:
             t.start()
