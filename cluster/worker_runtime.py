@@ -167,7 +167,7 @@ class WorkerRuntime:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
-                if not self.loop._thread.is_alive():
+                if not self.loop.alive:
                     log.error("engine loop died; exiting")
                     return 1
         await self.drain()

@@ -149,7 +149,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             raise ValueError(f"request_id {rid!r} is already live on this worker")
         engine = rt.engine
         req = engine.make_request(rid, list(request.prompt_token_ids), params, request.cache_salt or None)
-        await rt.call(lambda e: e.scheduler.check_fits(req))  # invalid input fails before any work
+        engine.scheduler.check_fits(req)  # reads only fixed sizes; invalid input fails before any work
         queue: asyncio.Queue = asyncio.Queue()
         rt.streams[rid] = queue
         rt.inflight += 1

@@ -51,6 +51,11 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """False once the loop thread has died (a step raised): the process should exit."""
+        return self._thread.is_alive()
+
     def call(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
         """Run `fn(engine)` on the loop thread before its next step."""
         future: Future = Future()

@@ -16,16 +16,10 @@ Prompt = str | Sequence[int]
 class LLM:
     """Runs the paged engine in-process over a batch of prompts."""
 
-    def __init__(self, model: str = "default", **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str = "default", config: EngineConfig | None = None, **engine_args) -> None:
+        """`config` (as parsed by the CLI) or `model` + EngineConfig fields as keywords."""
+        self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
-        llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm.tokenizer = llm.engine.tokenizer
-        return llm
 
     def generate(
         self,

@@ -4,7 +4,6 @@ Not thread-safe: one thread drives `step()`; workers put their own queue in fron
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -181,12 +180,9 @@ class LLMEngine:
         """Detokenize each request's newest token (if it got one), apply stop strings, build
         deltas."""
         deltas = []
-        now = time.monotonic()
         for request in requests:
             if request.request_id not in self._detok:  # a fork seen for the first time
                 self._track(request)
-            if request.first_token_time is None:
-                request.first_token_time = now
             detok = self._detok[request.request_id]
             tokens = request.token_ids[-1:] if new_token else []
             if tokens and detok.append(tokens[0]) and not request.status.is_finished:

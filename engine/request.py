@@ -70,9 +70,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
-    num_preemptions: int = 0
     logprobs: list[Logprob] = field(default_factory=list)
-    first_token_time: float | None = None
     block_table: list[int] = field(default_factory=list)
     """Set by the block manager on allocation (the same list it updates); kept after the
     request is freed, so callers can still see which blocks it used."""

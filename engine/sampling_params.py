@@ -1,7 +1,7 @@
 """Per-request sampling settings, validated once at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,6 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top alternatives per position."""
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

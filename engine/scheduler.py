@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Logprob, Request, RequestStatus
 
 
 class RequestRejected(ValueError):
@@ -152,7 +152,6 @@ class Scheduler:
         self.bm.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -208,8 +207,6 @@ class Scheduler:
         return child
 
     def _append(self, request: Request, token: SampledToken) -> None:
-        from engine.request import Logprob
-
         request.append_token(token.token_id)
         self.stats.generation_tokens += 1
         if token.logprob is not None:

@@ -20,7 +20,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, EngineConfig, SamplingParams
 
-    llm = LLM.from_config(EngineConfig.from_args(args))
+    llm = LLM(config=EngineConfig.from_args(args))
     tok = llm.tokenizer
     prompts = [
         tok.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt

@@ -176,9 +176,11 @@ def test_events_report_stores_and_evictions():
 
 
 def test_block_hashes_are_stable_bytes():
-    # Pinned value: any change to the hash breaks router <-> worker agreement across versions.
+    # Pinned values: a change to the hash breaks router <-> worker agreement across versions.
     h = compute_block_hashes([1, 2, 3, 4], 4)
-    assert len(h) == 1 and isinstance(h[0], bytes) and len(h[0]) == 32
+    assert [x.hex() for x in h] == ["2d790034a8dec2c984f9da697f7f0e9cbdee5fddeef98c2119e4a53710057cd2"]
+    assert compute_block_hashes([1, 2, 3, 4], 4, cache_salt="x")[0].hex() == (
+        "a89b6ff141b7510b04b1d8a851663ad9ef2ff2de6a3810c0b977bcce6c23bf49")
     assert compute_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)[0] == h[0]
     assert compute_block_hashes([1, 2, 3, 4], 4, cache_salt="x")[0] != h[0]
     assert compute_block_hashes([1, 2, 3], 4) == []

@@ -77,7 +77,8 @@ def test_presence_penalty_prevents_repeats(llm):
     [penalised] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=1.5), use_tqdm=False)
     ids = penalised.outputs[0].token_ids
     assert len(set(plain.outputs[0].token_ids)) < len(plain.outputs[0].token_ids)  # repeats
-    assert ids != plain.outputs[0].token_ids
+    assert len(set(ids)) == len(ids)  # penalised: no output token repeats
+    assert not set(ids) & set(llm.tokenizer.encode(prompt))  # nor echoes the prompt
 
 
 def _row(params: SamplingParams, output=(), prompt=(3,)) -> SampleRow:
