@@ -27,6 +27,12 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         skip_special_tokens=m.skip_special_tokens,
+        include_stop_str_in_output=m.include_stop_str_in_output,
+        logit_bias=dict(m.logit_bias) or None,
+        allowed_token_ids=tuple(m.allowed_token_ids) or None,
+        bad_words=tuple(m.bad_words),
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
     )
 
 
@@ -37,21 +43,26 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        logit_bias=p.logit_bias or {}, allowed_token_ids=list(p.allowed_token_ids or ()),
+        bad_words=list(p.bad_words),
     )
-    if p.seed is not None:
-        m.seed = p.seed
-    if p.max_tokens is not None:
-        m.max_tokens = p.max_tokens
-    if p.logprobs is not None:
-        m.logprobs = p.logprobs
+    for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+        value = getattr(p, name)
+        if value is not None:
+            setattr(m, name, value)
     return m
 
 
 def logprob_to_pb(lp: Logprob) -> pb.TokenLogprob:
     return pb.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
+
+
+def logprob_from_pb(m: pb.TokenLogprob) -> Logprob:
+    return Logprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.rank)
 
 
 def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
@@ -72,7 +83,7 @@ def sampled_from_pb(m: pb.TokenLogprob, with_logprobs: bool) -> SampledToken:
 def delta_to_pb(d: CompletionDelta, prefill_mode: str, remote_cached_tokens: int = 0) -> pb.GenerateResponse:
     """`remote_cached_tokens`: the prefill worker's own prefix hit; usage reports the larger
     of the two workers' hits (neither recomputed them), never their sum."""
-    return pb.GenerateResponse(
+    m = pb.GenerateResponse(
         index=d.index,
         token_ids=d.token_ids,
         text=d.text,
@@ -84,4 +95,16 @@ def delta_to_pb(d: CompletionDelta, prefill_mode: str, remote_cached_tokens: int
             cached_tokens=min(d.num_prompt_tokens, max(d.num_cached_tokens, remote_cached_tokens)),
         ),
         prefill_mode=prefill_mode,
+        prompt_logprobs=[logprob_to_pb(lp) for lp in d.prompt_logprobs or ()],
     )
+    if isinstance(d.stop_reason, str):
+        m.stop_str = d.stop_reason
+    elif d.stop_reason is not None:
+        m.stop_token_id = d.stop_reason
+    return m
+
+
+def stop_reason_from_pb(m: pb.GenerateResponse) -> str | int | None:
+    """The stop string or token id that ended a completion; None for EOS (or not stopped)."""
+    which = m.WhichOneof("stop_reason")
+    return None if which is None else getattr(m, which)

@@ -19,6 +19,8 @@ class CompletionDelta:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (or remote KV)
     num_output_tokens: int
+    stop_reason: str | int | None = None  # finish "stop": the stop string or token id; None = EOS
+    prompt_logprobs: list[Logprob] | None = None  # first delta only: prompt tokens 1.. (0 has none)
 
     @property
     def finished(self) -> bool:
@@ -32,6 +34,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -40,6 +43,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None  # [None, prompt token 1, ...]
 
     @property
     def finished(self) -> bool:
@@ -51,4 +55,7 @@ class RequestOutput:
         out.token_ids += delta.token_ids
         out.logprobs += delta.logprobs
         out.finish_reason = delta.finish_reason
+        out.stop_reason = delta.stop_reason
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *delta.prompt_logprobs]

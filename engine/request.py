@@ -43,6 +43,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    rank: int = 0  # 1-based rank of token_id (1 = most likely); 0 = not computed
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +64,8 @@ class Request:
     block_hashes: list[BlockHash]
     hash_extras: bytes = b""
     cache_salt: str | None = None
+    priority: int = 0  # lower is scheduled first; ties in arrival order
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from sampling.bad_words
     completion_index: int = 0
     parent_id: str | None = None  # set on completions forked from a request with n > 1
     arrival_time: float = field(default_factory=time.monotonic)

@@ -1,7 +1,9 @@
-"""Per-request sampling settings, validated once at construction."""
+"""Per-request sampling settings, validated once at construction. Field names and meanings
+follow vLLM's `SamplingParams`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -25,19 +27,40 @@ class SamplingParams:
     max_tokens: int | None = 16
     """None: up to the model's context length."""
     min_tokens: int = 0
+    """Until this many tokens are out, EOS and `stop_token_ids` are masked from sampling and
+    stop strings do not end the request."""
     stop: tuple[str, ...] = ()
     """Stop strings; the output text is cut before the first one."""
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string (or the stop token's text) at the end of the output."""
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top alternatives per position."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob plus this many top alternatives per position (the
+    request then computes its whole prompt: no prefix-cache hits)."""
     skip_special_tokens: bool = True
+    logit_bias: Mapping[int, float] | None = None
+    """Added to these token ids' logits before anything else (OpenAI: -100..100)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled."""
+    bad_words: tuple[str, ...] = ()
+    """Words never generated: each is tokenized with and without a leading space, and the
+    token that would complete one of those sequences is masked."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -51,8 +74,20 @@ class SamplingParams:
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()), "logit_bias",
+             "values must be in [-100, 100]"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "must not be empty"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+             "must be non-empty strings"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             "truncate_prompt_tokens", "must be >= 1"),
         ]
         for ok, name, message in checks:
             if not ok:

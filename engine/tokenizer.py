@@ -56,6 +56,8 @@ class Tokenizer:
         gen_eos = (generation_config or {}).get("eos_token_id")
         stop.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.stop_token_ids: frozenset[int] = frozenset(stop)
+        self.generation_config: dict[str, Any] = dict(generation_config or {})
+        """The model's generation_config.json (engine.generation_config reads its defaults)."""
         self._special_ids = frozenset(
             self._tok.token_to_id(t.content)
             for t in self._tok.get_added_tokens_decoder().values()
