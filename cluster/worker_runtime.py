@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -51,6 +51,7 @@ class WorkerRuntime:
         self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
         self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
         self._role_after_step: Callable[[LLMEngine], bool] | None = None
+        self._role_abort: Callable[[str], Awaitable[bool]] | None = None
         self.loop = EngineLoop(self.engine, self.deliver, self._after_step)
         self.stats: EngineStats = self.engine.stats()
         self.registrar: Registrar | None = None
@@ -60,6 +61,16 @@ class WorkerRuntime:
     # ---- engine thread side ------------------------------------------------------------
     def set_role_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
         self._role_after_step = hook
+
+    def set_abort_hook(self, hook: Callable[[str], Awaitable[bool]]) -> None:
+        """`hook(request_id)` runs first on `Worker.Abort` (asyncio side); True = handled."""
+        self._role_abort = hook
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in any state; False if it was not (or no longer) known."""
+        if self._role_abort is not None and await self._role_abort(request_id):
+            return True
+        return bool(await self.call(lambda e: e.abort_request(request_id)))
 
     def deliver(self, deltas: list[CompletionDelta]) -> None:
         """Hand deltas (engine thread) to the asyncio queues of their requests."""
@@ -221,8 +232,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             raise ValueError("request_id is required")
-        found = await self.rt.call(lambda e: e.abort_request(request.request_id))
-        return pb.AbortResponse(found=bool(found))
+        return pb.AbortResponse(found=await self.rt.abort(request.request_id))
 
     @grpc_errors
     async def SubscribeKVEvents(self, request, context):

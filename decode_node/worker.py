@@ -13,7 +13,10 @@ Life cycle of a request here:
    prompt is prefilled here (`local_fallback`), or UNAVAILABLE with --strict-remote-prefill;
    KV not complete by the deadline -> DEADLINE_EXCEEDED, blocks freed, nothing decoded from
    them; the caller cancelling -> the request is aborted and its blocks freed.
-Without P (or n > 1) the prompt is prefilled here (`local`).
+5. `Worker.Abort` (an operator, or a router migrating the request): the stream ends with a
+   final "abort" update per unfinished completion; a request whose KV is still on its way is
+   dropped like a cancelled one (its blocks stay quarantined until P can no longer write).
+Without P (or n > 1, or with prompt logprobs) the prompt is prefilled here (`local`).
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Awaitable, TypeVar
 
 import grpc
 
@@ -29,6 +33,7 @@ from cluster.convert import delta_to_pb, sampled_from_pb, sampling_from_pb, samp
 from cluster.grpc_errors import Unavailable, grpc_errors
 from cluster.worker_runtime import WorkerRuntime
 from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionDelta
 from engine.request import Request
 from engine.scheduler import SampledToken
 from kvtransfer import TransferStatus
@@ -36,6 +41,12 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_ABORT = object()  # put on a request's stream queue by `abort`
+
+
+class RequestAborted(Exception):
+    """`Worker.Abort` was called for a request this worker is streaming."""
 
 
 @dataclass
@@ -63,7 +74,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._attempts = itertools.count()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
+        self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
         runtime.set_role_hook(self._after_step)
+        runtime.set_abort_hook(self.abort)
 
     # ---- engine thread -------------------------------------------------------------------
     def _after_step(self, engine: LLMEngine) -> bool:
@@ -148,43 +161,71 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         if rid in rt.streams:
             raise ValueError(f"request_id {rid!r} is already live on this worker")
         engine = rt.engine
-        req = engine.make_request(rid, list(request.prompt_token_ids), params, request.cache_salt or None)
+
+        def make_request() -> Request:
+            return engine.make_request(rid, list(request.prompt_token_ids), params,
+                                       request.cache_salt or None, priority=request.priority)
+
+        req = make_request()
         engine.scheduler.check_fits(req)  # reads only fixed sizes; invalid input fails before any work
         queue: asyncio.Queue = asyncio.Queue()
         rt.streams[rid] = queue
+        aborted = self._aborted[rid] = asyncio.Event()
         rt.inflight += 1
         start = time.monotonic()
         finished: set[int] = set()
+        num_tokens = [0] * params.n
         mode = "local"
         remote_cached = 0
         try:
-            if request.HasField("prefill_worker") and params.n == 1:
-                mode, remote_cached = await self._prefill_remotely(req, request.prefill_worker)
-            if mode == "local_fallback":  # the parked request was dropped: start afresh
-                req = engine.make_request(rid, list(request.prompt_token_ids), params,
-                                          request.cache_salt or None)
-            if mode != "remote":
-                await rt.call(lambda e: e.submit(req))
-            rt.metrics.count_prefill_mode(mode)
-            last = None
-            while len(finished) < params.n:
-                delta = await queue.get()
-                now = time.monotonic()
-                if last is None:
-                    rt.metrics.ttft.labels("decode").observe(now - start)
-                elif delta.token_ids:
-                    rt.metrics.itl.labels("decode").observe(now - last)
-                last = now
-                if delta.finished:
-                    finished.add(delta.index)
-                yield delta_to_pb(delta, mode, remote_cached)
+            try:
+                if request.HasField("prefill_worker") and params.n == 1 and params.prompt_logprobs is None:
+                    mode, remote_cached = await _unless_aborted(
+                        self._prefill_remotely(req, request.prefill_worker), aborted)
+                if mode == "local_fallback":  # the parked request was dropped: start afresh
+                    req = make_request()
+                if mode != "remote":
+                    await rt.call(lambda e: e.submit(req))
+                rt.metrics.count_prefill_mode(mode)
+                last = None
+                while len(finished) < params.n:
+                    delta = await queue.get()
+                    if delta is _ABORT:
+                        raise RequestAborted
+                    now = time.monotonic()
+                    if last is None:
+                        rt.metrics.ttft.labels("decode").observe(now - start)
+                    elif delta.token_ids:
+                        rt.metrics.itl.labels("decode").observe(now - last)
+                    last = now
+                    num_tokens[delta.index] += len(delta.token_ids)
+                    if delta.finished:
+                        finished.add(delta.index)
+                    yield delta_to_pb(delta, mode, remote_cached)
+            except RequestAborted:
+                gone = RequestAborted(f"request {rid} was aborted")
+                await asyncio.shield(rt.call(lambda e: (self._cancel_remote(e, rid, gone), e.abort_request(rid))))
+                for index in sorted(set(range(params.n)) - finished):
+                    finished.add(index)
+                    yield delta_to_pb(_abort_delta(req, index, num_tokens[index]), mode, remote_cached)
             rt.metrics.e2e.labels("decode").observe(time.monotonic() - start)
         finally:
             rt.streams.pop(rid, None)
+            self._aborted.pop(rid, None)
             rt.inflight -= 1
             if len(finished) < params.n:  # cancelled or failed: free everything now
                 gone = Unavailable(f"request {rid} ended before completing (cancelled or failed)")
                 await asyncio.shield(rt.call(lambda e: (self._cancel_remote(e, rid, gone), e.abort_request(rid))))
+
+    async def abort(self, request_id: str) -> bool:
+        """`Worker.Abort` for a request a Generate stream here owns: that stream ends with a
+        final "abort" update (see Generate). False if no stream owns it."""
+        aborted = self._aborted.get(request_id)
+        if aborted is None or aborted.is_set():
+            return False
+        aborted.set()
+        self.rt.streams[request_id].put_nowait(_ABORT)
+        return True
 
     async def _prefill_remotely(self, req: Request, worker: pb.WorkerRef) -> tuple[str, int]:
         """Run the prompt on prefill worker `worker`. Returns (prefill mode, prompt tokens P
@@ -199,6 +240,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         prefill = pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
+            priority=req.priority,
             destination=pb.KVDestination(
                 peer_metadata=rt.kv_metadata.to_bytes(), num_skip_blocks=num_skip,
                 # The prefill side stops writing before we stop waiting.
@@ -256,11 +298,41 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 
 
 def _for_prefill(req: Request):
-    """The prefill worker samples exactly the first token, with this request's seed."""
-    from dataclasses import replace
+    """The prefill worker samples exactly the first token, with this request's seed and the
+    same masks a single engine would apply to it (min_tokens > 0 masks EOS and stop ids;
+    logit_bias, allowed_token_ids and bad_words as given). Whether that token ends the
+    request is decided here, so stop strings stay behind."""
+    p = req.sampling
+    return replace(p, n=1, max_tokens=1, min_tokens=min(p.min_tokens, 1), stop=(),
+                   include_stop_str_in_output=False, prompt_logprobs=None,
+                   truncate_prompt_tokens=None, seed=req.seed)
 
-    return replace(req.sampling, n=1, max_tokens=1, min_tokens=0, stop=(), stop_token_ids=(),
-                   ignore_eos=True, seed=req.seed)
+
+def _abort_delta(req: Request, index: int, num_output_tokens: int) -> CompletionDelta:
+    return CompletionDelta(
+        request_id=req.request_id, index=index, token_ids=[], text="", logprobs=[],
+        finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=max(req.num_cached_tokens, 0), num_output_tokens=num_output_tokens,
+    )
+
+
+async def _unless_aborted(work: Awaitable[T], aborted: asyncio.Event) -> T:
+    """`work`'s result, or RequestAborted as soon as `aborted` is set (then `work` is
+    cancelled and its cancellation path has run)."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(aborted.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if aborted.is_set():
+        if not task.cancelled():
+            task.exception()  # retrieved: an abort supersedes whatever the work ended with
+        raise RequestAborted
+    return task.result()
 
 
 def _resolve(future: asyncio.Future, exc: Exception | None) -> None:

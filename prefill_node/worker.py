@@ -55,7 +55,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             )
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
         req = rt.engine.make_request(
-            request.request_id, list(request.prompt_token_ids), params, request.cache_salt or None
+            request.request_id, list(request.prompt_token_ids), params, request.cache_salt or None,
+            priority=request.priority,
         )
         done: asyncio.Future = rt.aio.create_future()
 

@@ -69,7 +69,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """/ Abort a request in any state; frees its blocks.
+        """/ Abort a request in any state; frees its blocks. On a decode worker the request's
+        / Generate stream ends normally, with a final "abort" update per unfinished completion.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

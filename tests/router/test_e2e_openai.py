@@ -1,98 +1,16 @@
 """The whole path with real processes: etcd + `pdserve prefill` + `pdserve decode` +
-`pdserve router`, driven by the official `openai` client. Greedy output through router ->
-prefill (KV over NIXL) -> decode equals a single engine's for the same token ids.
-
-Skips (with the reason) where the worker commands are not available."""
-import subprocess
-import sys
+`pdserve router` (tests/router/openai_cluster.py), driven by the official `openai` client.
+Greedy output through router -> prefill (KV over NIXL) -> decode equals a single engine's for
+the same token ids."""
 import time
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from cluster.etcd_server import EtcdServer
-from cluster.launcher import ServiceProcess
-from cluster.net import free_port
+from openai_cluster import MODEL
+from openai_cluster import reference_output as _ref
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-PDSERVE = [sys.executable, "-m", "pdserve"]
-NUM_LAYERS = 2
-KEY = "sk-e2e"
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def _workers_available() -> str | None:
-    try:
-        out = subprocess.run([*PDSERVE, "decode", "--help"], cwd=REPO, capture_output=True,
-                             text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"`pdserve decode --help` failed: {exc!r}"
-    if out.returncode != 0:
-        return "`pdserve decode` is not available yet (the worker commands have not landed)"
-    return None
-
-
-@pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
-    reason = _workers_available()
-    if reason:
-        pytest.skip(reason)
-    logs = tmp_path_factory.mktemp("router-e2e")
-    with EtcdServer() as etcd:
-        common = ["--etcd", etcd.endpoint, "--cluster", "e2e"]
-        # float32 on both sides: `auto` is bfloat16 on CPUs with native bf16, and the
-        # reference engine below must compute exactly what the workers compute.
-        worker_flags = ["--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "64MiB",
-                        "--dtype", "float32", "--num-threads", "1"]
-        procs = {role: ServiceProcess([role, *common, "--port", str(free_port()), *worker_flags],
-                                      logs / f"{role}.log") for role in ("prefill", "decode")}
-        port = free_port()
-        router = procs["router"] = ServiceProcess(
-            ["router", *common, "--port", str(port), "--api-key", KEY,
-             "--local-prefill-threshold", "0", "--log-level", "warning"], logs / "router.log")
-        try:
-            procs["prefill"].wait_ready()
-            procs["decode"].wait_ready()
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    h = httpx.get(url + "/health", timeout=2).json()
-                    if h.get("decode_workers") == 1 and h.get("prefill_workers") == 1:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or not router.alive():
-                    raise RuntimeError("router did not see both workers:\n"
-                                       + router.log_path.read_text()[-3000:])
-                time.sleep(0.2)
-            yield url
-        finally:
-            codes = {name: procs[name].terminate(30) for name in ("router", "decode", "prefill")}
-        assert codes == {"router": 0, "decode": 0, "prefill": 0}, codes
-
-
-@pytest.fixture(scope="module")
-def client(e2e):
-    return openai.OpenAI(base_url=e2e + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    from engine import LLM
-
-    return LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=64 << 20, dtype="float32")
-
-
-def _ref(reference, token_ids, **sampling):
-    from engine import SamplingParams
-
-    [out] = reference.generate([token_ids], SamplingParams(**sampling), use_tqdm=False)
-    return out
 
 
 def test_chat_greedy_equals_single_engine(client, reference):
@@ -157,7 +75,7 @@ def test_repeated_prefix_is_reported_cached_and_predicted(e2e, client):
     time.sleep(0.5)  # KV events reach the router
     second = ask("second?")
     assert second.usage.prompt_tokens_details.cached_tokens >= 64
-    text = httpx.get(e2e + "/metrics").text
+    text = httpx.get(e2e.url + "/metrics").text
     values = {line.split("}")[0].split('"')[1]: float(line.rsplit(" ", 1)[1])
               for line in text.splitlines()
               if line.startswith("pdserve_router_prefix_hit_tokens_total{")}
