@@ -216,8 +216,10 @@ def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
     decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "drain", log_dir=tmp_path).wait_ready()
 
     async def main():
-        task = asyncio.create_task(generate(decode.address, _request("drain", [5] * 20, max_tokens=60, ignore_eos=True)))
-        await asyncio.sleep(0.5)
+        # Long enough to be in flight well past the SIGTERM on a fast CPU (2 layers decode
+        # at a few ms per token), bounded on a slow one.
+        task = asyncio.create_task(generate(decode.address, _request("drain", [5] * 20, max_tokens=400, ignore_eos=True)))
+        await asyncio.sleep(0.3)
         decode.proc.send_signal(15)
         await asyncio.sleep(0.3)
         async with make_client(etcd.endpoint) as client:
@@ -229,7 +231,7 @@ def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
     responses, during, refused_code = asyncio.run(main())
     assert [w.draining for w in during] == [True]
     assert refused_code is grpc.StatusCode.UNAVAILABLE
-    assert sum(len(r.token_ids) for r in responses) == 60 and responses[-1].finish_reason == "length"
+    assert sum(len(r.token_ids) for r in responses) == 400 and responses[-1].finish_reason == "length"
     assert decode.proc.wait(30) == 0
 
     async def registered():
