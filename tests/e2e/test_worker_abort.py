@@ -57,7 +57,7 @@ def test_abort_of_a_running_request_ends_its_stream_with_a_final_update(workers)
                 _request("abort-running", _prompt(40, 1), prefill, n=2, max_tokens=100000, ignore_eos=True))
             responses = [await call.read()]  # a token is out: the request is running
             assert await _abort(decode.address, "abort-running")
-            async for r in call:
+            while (r := await call.read()) is not grpc.aio.EOF:
                 responses.append(r)
             return responses, await call.code()
 
@@ -83,7 +83,9 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
                 await asyncio.sleep(0.01)
             assert (await ahealth(decode.address)).capacity.running == 1  # parked for its KV
             assert await _abort(decode.address, "abort-parked")
-            responses = [r async for r in call]
+            responses = []
+            while (r := await call.read()) is not grpc.aio.EOF:
+                responses.append(r)
             return responses, await call.code()
 
     responses, code = asyncio.run(run())
