@@ -1,6 +1,8 @@
-"""`Worker.Abort` on a decode worker (real processes, real etcd, KV over NIXL): the request's
-Generate stream ends normally with a final "abort" update, nothing is leaked, and a request
-aborted while its KV is still being written does not take the engine down when the KV lands."""
+"""Decode-worker semantics with real processes (real etcd, KV over NIXL):
+- `Worker.Abort`: the request's Generate stream ends normally with a final "abort" update,
+  nothing is leaked, and a request aborted while its KV is still being written does not take
+  the engine down when the KV lands;
+- `--max-num-seqs` also bounds requests parked for KV from a prefill worker."""
 import asyncio
 import random
 import time
@@ -14,6 +16,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
+MAX_NUM_SEQS = 2
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,8 @@ def workers(tmp_path_factory):
     with EtcdServer() as etcd:
         # A tiny prefill budget: a long prompt takes P many steps, so D waits for its KV.
         prefill = WorkerProcess("prefill", etcd.endpoint, "--max-num-batched-tokens", "32", log_dir=logs)
-        decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "30", log_dir=logs)
+        decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "30", "--max-num-seqs",
+                               str(MAX_NUM_SEQS), log_dir=logs)
         try:
             yield prefill.wait_ready(), decode.wait_ready()
         finally:
@@ -98,3 +102,21 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
     after = asyncio.run(generate(decode.address, _request("after-abort", _prompt(30, 3), prefill, max_tokens=3)))
     assert [r.finish_reason for r in after if r.finish_reason] == ["length"]
     assert {r.prefill_mode for r in after} == {"remote"}
+
+
+def test_max_num_seqs_bounds_requests_waiting_for_kv(workers):
+    prefill, decode = workers
+
+    async def run():
+        calls = [asyncio.ensure_future(generate(decode.address, _request(
+            f"seqs-{i}", _prompt(600, 10 + i), prefill, max_tokens=2))) for i in range(4)]
+        peak = 0
+        while not all(c.done() for c in calls):
+            peak = max(peak, (await ahealth(decode.address)).capacity.running)  # running + parked
+            await asyncio.sleep(0.005)
+        return peak, [await c for c in calls]
+
+    peak, results = asyncio.run(run())
+    assert peak <= MAX_NUM_SEQS
+    assert all([r.finish_reason for r in rs if r.finish_reason] == ["length"] for rs in results)
+    wait_all_blocks_free(decode.address)
