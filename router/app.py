@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse

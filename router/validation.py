@@ -70,7 +70,7 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
     req = parse_body(kind, body)
     check_model(req.model, card)
     refuse_unsupported(req)
-    echo = None
+    echo = None  # completions with echo: each prompt's text
     if isinstance(req, ChatCompletionRequest):
         prompts, prompt_param = [chat_prompt(req, card.tokenizer)], "messages"
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -90,10 +90,7 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
         truncate = _truncation(req.truncate_prompt_tokens, limit - (max_tokens or 0))
         prompts = [ids[-truncate:] for ids in prompts]
     if isinstance(req, CompletionRequest) and req.echo:
-        # A text prompt is echoed as sent; token ids (or a truncated prompt) as decoded.
-        texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        echo = [t if isinstance(t, str) and truncate is None else card.tokenizer.decode(ids)
-                for t, ids in zip(texts if not isinstance(texts[0], int) else [None], prompts)]
+        echo = _echo_texts(req, prompts, truncate is not None, card.tokenizer)
     prompt_logprobs = req.prompt_logprobs
     if req.stream and prompt_logprobs:
         raise bad_request("prompt_logprobs are not available when stream is true",
@@ -125,17 +122,22 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
 
 
 def _truncation(k: int, max_input: int) -> int:
-    """vLLM's rules: -1 keeps as many as the context leaves beside max_tokens; larger than
+    """vLLM's rules: -1 keeps as many as the context leaves beside max_tokens; more than
     that is refused."""
-    if k == -1:
-        k = max_input
-    elif k < 1:
-        raise bad_request(f"truncate_prompt_tokens must be >= 1 (or -1), got {k}",
-                          "truncate_prompt_tokens")
-    if k > max_input:
-        raise bad_request(f"truncate_prompt_tokens={k} cannot be greater than max_model_len - "
-                          f"max_tokens = {max_input}", "truncate_prompt_tokens")
-    return k
+    kept = max_input if k == -1 else k
+    if not 1 <= kept <= max_input:
+        raise bad_request(f"truncate_prompt_tokens must be in [1, max_model_len - max_tokens = "
+                          f"{max_input}] (or -1), got {k}", "truncate_prompt_tokens")
+    return kept
+
+
+def _echo_texts(req: CompletionRequest, prompts: list[list[int]], truncated: bool,
+                tok: Tokenizer) -> list[str]:
+    """What echo puts first: a text prompt as sent; token ids (or a truncated prompt) decoded."""
+    raw = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) \
+        else [req.prompt]
+    return [p if isinstance(p, str) and not truncated else tok.decode(ids)
+            for p, ids in zip(raw, prompts)]
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
