@@ -46,6 +46,7 @@ class WorkerInfo:
     draining: bool = False
     capacity: Capacity = field(default_factory=Capacity)
     updated_at: float = 0.0  # unix time of this publication
+    max_model_len: int = 0  # longest prompt + output the worker holds; 0 = not published
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

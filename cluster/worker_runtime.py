@@ -113,7 +113,7 @@ class WorkerRuntime:
         return WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
-            block_size=self.engine.config.block_size,
+            block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
             kv_metadata=self.kv_metadata.to_bytes().decode("ascii"),
             metrics_address=self.metrics_address, draining=self.draining,
             capacity=Capacity(

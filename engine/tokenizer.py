@@ -58,14 +58,15 @@ class Tokenizer:
         self.stop_token_ids: frozenset[int] = frozenset(stop)
         self.generation_config: dict[str, Any] = dict(generation_config or {})
         """The model's generation_config.json (engine.generation_config reads its defaults)."""
-        self._special_ids = frozenset(
-            self._tok.token_to_id(t.content)
-            for t in self._tok.get_added_tokens_decoder().values()
-            if t.special
-        )
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
         self._template = (
             _environment().from_string(self.chat_template) if self.chat_template else None
         )
+        decoder = (json.loads(tokenizer_json).get("decoder") or {})
+        self._byte_level = decoder.get("type") == "ByteLevel" or any(
+            d.get("type") == "ByteLevel" for d in decoder.get("decoders", ()))
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "Tokenizer":
@@ -86,6 +87,21 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary entry of `token_id` (e.g. `Ġhello` in a byte-level vocabulary)."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            raise KeyError(f"token id {token_id} is not in the vocabulary")
+        return token
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for. A byte-level BPE token can hold part of a
+        multi-byte character (`decode([id])` then gives U+FFFD); these are its real bytes, so
+        the bytes of a sequence's tokens, joined, are the UTF-8 of its decoded text."""
+        if not self._byte_level or token_id in self._added_ids:  # added tokens: plain text
+            return self.decode([token_id]).encode()
+        return bytes(_UNICODE_TO_BYTE[c] for c in self.token_str(token_id))
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text (e.g. `<|im_start|>`) maps to its id."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -100,30 +116,63 @@ class Tokenizer:
         self,
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """The model's chat template applied to `messages`, as text."""
+        """The model's chat template applied to `messages`, as text. `extra` are further
+        template variables (`chat_template_kwargs`); they cannot replace `messages` or the two
+        flags. `continue_final_message`: the text ends right after the last message's content
+        (no end-of-turn marker), so the model continues that message (as HF transformers)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message and add_generation_prompt cannot both be true")
+        context = {
+            "bos_token": self.special.bos or "", "eos_token": self.special.eos or "",
+            "pad_token": self.special.pad or "", "unk_token": self.special.unk or "",
+            **extra,
+            "messages": list(messages), "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
         try:
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.special.bos or "",
-                eos_token=self.special.eos or "",
-                pad_token=self.special.pad or "",
-                unk_token=self.special.unk or "",
-                **extra,
-            )
+            text = self._template.render(**context)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError) as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") or "" if messages else ""
+        # Some templates strip message text: fall back to the stripped content.
+        for needle in (final, final.strip()):
+            at = text.rfind(needle) if needle else -1
+            if at >= 0:
+                return text[: at + len(needle)]
+        raise ChatTemplateError("continue_final_message: the final message does not appear in "
+                                "the rendered chat")
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _token_text(value: Any) -> str | None:

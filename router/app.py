@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.dispatch import Delta, WorkerFailed
 from router.errors import APIError
+from router.info_routes import add_info_routes
 from router.placement import PromptKey
 from router.responses import ChunkWriter, Collector, sse
 from router.server import RouterServices
@@ -30,7 +31,8 @@ from router.validation import Kind, Prepared, prepare
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+              "/tokenize", "/detokenize", "/version"}
 _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
@@ -48,8 +50,8 @@ def create_app(services: RouterServices) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s", request.url.path)
-        return APIError(500, f"internal error: {exc!r}").response()
+        log.exception("unexpected error on %s", request.url.path)  # the detail stays here
+        return APIError(500, "internal server error").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -69,12 +71,7 @@ def create_app(services: RouterServices) -> FastAPI:
         services.update_gauges()
         return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = services.card
-        return {"object": "list", "data": [{
-            "id": card.name, "object": "model", "created": 0, "owned_by": "pdserve",
-            "max_model_len": card.max_model_len}]}
+    add_info_routes(app, services)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -90,13 +87,17 @@ def create_app(services: RouterServices) -> FastAPI:
 async def _generate(services: RouterServices, kind: Kind, request: Request) -> Response:
     arrival = time.monotonic()
     body = await request.body()
+    limit = services.max_model_len()
     if len(body) > _THREAD_TOKENIZE_BYTES:
-        prepared = await asyncio.to_thread(prepare, kind, body, services.card)
+        prepared = await asyncio.to_thread(prepare, kind, body, services.card, limit)
     else:
-        prepared = prepare(kind, body, services.card)
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        prepared = prepare(kind, body, services.card, limit)
+    # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
+    base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
     streams = merge([
-        services.dispatcher.generate(PromptKey(ids, prepared.cache_salt), prepared.sampling, arrival)
+        services.dispatcher.generate(PromptKey(ids, prepared.cache_salt), prepared.sampling,
+                                     arrival, prepared.priority)
         for ids in prepared.prompts
     ])
     try:
@@ -143,8 +144,9 @@ async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta]
 
 
 class _AuthAndCount:
-    """ASGI middleware: Bearer-key check on /v1/*, and requests counted by endpoint and
-    status (499: the client went away first)."""
+    """ASGI middleware: Bearer-key check on /v1/*, requests counted by endpoint and status
+    (499: the client went away first), and every response carries an `X-Request-Id` header:
+    the request's own, or a fresh one."""
 
     def __init__(self, app, services: RouterServices) -> None:
         self.app = app
@@ -155,12 +157,17 @@ class _AuthAndCount:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        endpoint = path if path in _ENDPOINTS else "other"
+        endpoint = (path if path in _ENDPOINTS
+                    else "/v1/models/{id}" if path.startswith("/v1/models/") else "other")
         status = {"code": 499}
+        request_id = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"),
+                          None) or uuid.uuid4().hex.encode()
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", request_id)]}
             await send(message)
 
         try:

@@ -31,6 +31,10 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n accepted")
+    p.add_argument("--generation-config", default=d.generation_config,
+                   help='sampling defaults for omitted request fields: "auto" (the model\'s '
+                   'generation_config.json), "vllm" (built-in defaults only) or a folder '
+                   "holding a generation_config.json")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("placement")
@@ -85,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key, placement=placement, queue_timeout_s=args.queue_timeout,
         max_queued_requests=args.max_queued_requests, max_retries=args.max_retries,
         stale_after_s=args.stale_after, max_n=args.max_n,
+        generation_config=args.generation_config,
     )
 
 

@@ -77,6 +77,10 @@ class RouterConfig:
     """A worker whose registration was not republished for this long gets no new work."""
     max_n: int = 128
     """Largest `n` accepted."""
+    generation_config: str = "auto"
+    """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
+    repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
+    "vllm" = none (built-in defaults), or a folder holding a generation_config.json."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -25,7 +25,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from cluster.convert import sampling_to_pb
+from cluster.convert import logprob_from_pb, sampling_to_pb, stop_reason_from_pb
+from engine.request import Logprob as TokenLogprob
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
@@ -41,13 +42,6 @@ _FAILED = ("error", "abort")
 
 
 @dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # most likely first
-
-
-@dataclass(slots=True)
 class Delta:
     """One streamed update for one completion of one prompt."""
 
@@ -57,6 +51,13 @@ class Delta:
     logprobs: list[TokenLogprob]
     finish_reason: str | None  # stop | length once this completion ends
     cached_tokens: int  # as reported by the worker (latest value)
+    stop_reason: str | int | None = None  # the stop string / token id that ended it; None: EOS
+    prompt_logprobs: list[TokenLogprob] | None = None  # first update, when asked for: one per
+    # prompt token after the first
+
+
+def _context_needed(prompt: PromptKey, sampling: SamplingParams) -> int:
+    return len(prompt.token_ids) + (sampling.max_tokens or 1)
 
 
 class WorkerFailed(Exception):
@@ -68,9 +69,10 @@ class WorkerFailed(Exception):
 def _delta(msg: pb.GenerateResponse) -> Delta:
     return Delta(
         index=msg.index, token_ids=list(msg.token_ids), text=msg.text,
-        logprobs=[TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                  for lp in msg.logprobs],
+        logprobs=[logprob_from_pb(lp) for lp in msg.logprobs],
         finish_reason=msg.finish_reason or None, cached_tokens=msg.usage.cached_tokens,
+        stop_reason=stop_reason_from_pb(msg),
+        prompt_logprobs=[logprob_from_pb(lp) for lp in msg.prompt_logprobs] or None,
     )
 
 
@@ -85,9 +87,10 @@ class Dispatcher:
         self.num_waiting = 0
 
     async def acquire(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
-                      remote_prefill: bool = True) -> Placement:
+                      remote_prefill: bool = True, context: int = 0) -> Placement:
+        """`context`: the tokens (prompt + output) the decode worker must be able to hold."""
         policy = self.placer.policy.name
-        placement = self.placer.place(prompt, exclude, remote_prefill)
+        placement = self.placer.place(prompt, exclude, remote_prefill, context)
         if placement is None:
             if self.num_waiting >= self.config.max_queued_requests:
                 raise self._busy(policy, "too many requests are waiting for capacity")
@@ -101,7 +104,7 @@ class Dispatcher:
                     if remaining <= 0:
                         raise self._busy(policy, "no worker has capacity for this request")
                     await self.registry.wait_changed(min(remaining, 0.25))
-                    placement = self.placer.place(prompt, exclude, remote_prefill)
+                    placement = self.placer.place(prompt, exclude, remote_prefill, context)
             finally:
                 self.num_waiting -= 1
                 self.metrics.waiting.dec()
@@ -115,15 +118,17 @@ class Dispatcher:
         return APIError(503, message, code="overloaded", headers={"Retry-After": retry_after})
 
     async def generate(self, prompt: PromptKey, sampling: SamplingParams,
-                       arrival: float) -> AsyncIterator[Delta]:
+                       arrival: float, priority: int = 0) -> AsyncIterator[Delta]:
         """Deltas of every completion of one prompt, until each has finished."""
         exclude: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
             # Decode workers prefill n > 1 requests themselves (the prefill side samples one
             # first token), so those are placed as local prefill.
-            placement = await self.acquire(prompt, frozenset(exclude), remote_prefill=sampling.n == 1)
+            placement = await self.acquire(prompt, frozenset(exclude), remote_prefill=sampling.n == 1,
+                                           context=_context_needed(prompt, sampling))
             try:
-                async with aclosing(self._run(placement, prompt, sampling, arrival)) as stream:
+                async with aclosing(self._run(placement, prompt, sampling, arrival,
+                                              priority)) as stream:
                     async for delta in stream:
                         yield delta
                 return
@@ -139,11 +144,12 @@ class Dispatcher:
                     exclude.add(placement.prefill.info.worker_id)
 
     async def _run(self, placement: Placement, prompt: PromptKey, sampling: SamplingParams,
-                   arrival: float) -> AsyncIterator[Delta]:
+                   arrival: float, priority: int) -> AsyncIterator[Delta]:
         d, p = placement.decode, placement.prefill
         request = pb.GenerateRequest(
             request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
             sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
+            priority=priority,
         )
         if p is not None:
             request.prefill_worker.worker_id = p.info.worker_id

@@ -48,8 +48,10 @@ class Placer:
         self.policy = policy
 
     def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
-              remote_prefill: bool = True) -> Placement | None:
-        """`remote_prefill=False`: the decode worker must prefill (it does so for n > 1)."""
+              remote_prefill: bool = True, context: int = 0) -> Placement | None:
+        """`remote_prefill=False`: the decode worker must prefill (it does so for n > 1).
+        `context`: prompt + output tokens; decode workers whose published max_model_len is
+        smaller are never chosen (unpublished, 0: assumed to fit)."""
         now = self.registry.clock()
         matches: dict[int, dict[str, int]] = {}
         num_tokens = len(prompt.token_ids)
@@ -69,7 +71,8 @@ class Placer:
             )
 
         states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
-        decode = [candidate(s) for s in states.values() if s.info.role == "decode"]
+        decode = [candidate(s) for s in states.values() if s.info.role == "decode"
+                  and (s.info.max_model_len == 0 or context <= s.info.max_model_len)]
         prefill = [candidate(s) for s in states.values()
                    if s.info.role == "prefill" and remote_prefill]
         decision = self.policy.place(num_tokens, decode, prefill)

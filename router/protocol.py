@@ -1,4 +1,6 @@
-"""OpenAI request bodies (the fields this router reads; unknown fields are ignored).
+"""OpenAI request bodies: the fields this router reads. Other fields are kept in
+`model_extra`; router/validation.py refuses the vLLM ones whose effect pdserve lacks and
+ignores (with a warning) the rest, as vLLM ignores fields it does not know.
 
 Parsed strictly from JSON (`parse_body`): a string where a number belongs is a type error,
 never coerced. Ranges are checked later, by `engine.SamplingParams` and router/validation.py.
@@ -16,6 +18,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):
@@ -41,6 +44,15 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    request_id: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    response_format: dict | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -49,6 +61,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True
 
 
 class TextPart(_Body):
@@ -72,6 +85,29 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    documents: list[dict] | None = None
+    add_special_tokens: bool = False
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM): either `prompt` or `messages` (+ the chat template fields)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,37 +1,29 @@
 """OpenAI response bodies from `Delta`s: whole responses (`Collector`) and SSE chunks
 (`ChunkWriter`), for chat and text completions. Choice index = prompt index * n + completion
-index (completions accept a batch of prompts)."""
+index (completions accept a batch of prompts). Every choice carries vLLM's `stop_reason`."""
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
-from engine.tokenizer import Tokenizer
-from router.dispatch import Delta, TokenLogprob
+from engine.request import Logprob
+from router.dispatch import Delta
+from router.logprobs import (TextOffsets, TokenText, chat_logprobs, completion_logprobs,
+                             prompt_logprobs)
 from router.validation import Prepared
-
-
-class TokenText:
-    """Token id -> its text (and bytes), for logprobs."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.text = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t]))
-
-    def chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
     finish_reason: str | None = None
-    text_offset: int = 0  # completions logprobs: where the next token starts in the text
+    stop_reason: str | int | None = None
+    offsets: TextOffsets = field(default_factory=TextOffsets)  # completions: text_offset
+    echoed: bool = False  # streamed completions: the prompt went out already
 
 
 class _Base:
@@ -43,6 +35,11 @@ class _Base:
         n = prepared.sampling.n
         self.choices = [_Choice() for _ in range(n * len(prepared.prompts))]
         self.cached = [0] * len(prepared.prompts)
+        self.prompt_lps: list[list[Logprob] | None] = [None] * len(prepared.prompts)
+
+    @property
+    def chat(self) -> bool:
+        return self.p.kind == "chat"
 
     def choice_index(self, prompt_idx: int, delta: Delta) -> int:
         return prompt_idx * self.p.sampling.n + delta.index
@@ -51,8 +48,10 @@ class _Base:
         c = self.choices[self.choice_index(prompt_idx, delta)]
         c.num_tokens += len(delta.token_ids)
         if delta.finish_reason:
-            c.finish_reason = delta.finish_reason
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
         self.cached[prompt_idx] = max(self.cached[prompt_idx], delta.cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_lps[prompt_idx] = delta.prompt_logprobs
         return c
 
     def usage(self) -> dict[str, Any]:
@@ -62,26 +61,36 @@ class _Base:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
 
-    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
-        k = self.p.sampling.logprobs or 0
-        return {"content": [
-            {**self.tokens.chat_entry(lp.token_id, lp.logprob),
-             "top_logprobs": [self.tokens.chat_entry(t, v) for t, v in lp.top[:k]]}
-            for lp in lps
-        ]}
+    def _chat_logprobs(self, lps: list[Logprob]) -> dict[str, Any] | None:
+        if not self.p.chat_logprobs:
+            return None
+        return chat_logprobs(self.tokens, lps, self.p.sampling.logprobs or 0, self.p.tokens_as_ids)
 
-    def completion_logprobs(self, c: _Choice, lps: list[TokenLogprob]) -> dict[str, Any]:
-        k = self.p.sampling.logprobs or 0
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                "text_offset": []}
-        for lp in lps:
-            text = self.tokens.text(lp.token_id)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({self.tokens.text(t): v for t, v in lp.top[:k]})
-            out["text_offset"].append(c.text_offset)
-            c.text_offset += len(text)
-        return out
+    def _completion(self, prompt_idx: int, c: _Choice, text: str, lps: list[Logprob]
+                    ) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's text and logprobs for these output tokens; the first time,
+        with echo, the prompt (text, and its logprobs: null for its first token) comes first."""
+        k, as_id = self.p.sampling.logprobs, self.p.tokens_as_ids
+        echoed = None
+        if self.p.echo is not None and not c.echoed:
+            c.echoed = True
+            prompt_text = self.p.echo[prompt_idx]
+            text = prompt_text + text
+            if k is not None:
+                ids, plps = self.p.prompts[prompt_idx], self.prompt_lps[prompt_idx] or []
+                entries = [(t, plps[i - 1] if 0 < i <= len(plps) else None)
+                           for i, t in enumerate(ids)]
+                echoed = completion_logprobs(self.tokens, entries, k, TextOffsets(), False, as_id)
+            c.offsets = TextOffsets(len(prompt_text))
+        if k is None:
+            return text, None
+        out = completion_logprobs(self.tokens, [(lp.token_id, lp) for lp in lps], k, c.offsets,
+                                  self.p.sampling.skip_special_tokens, as_id)
+        return text, out if echoed is None else {key: echoed[key] + out[key] for key in out}
+
+    def _prompt_logprobs(self, prompt_idx: int) -> list | None:
+        k = self.p.sampling.prompt_logprobs
+        return None if k is None else prompt_logprobs(self.tokens, self.prompt_lps[prompt_idx], k)
 
 
 class Collector(_Base):
@@ -93,22 +102,25 @@ class Collector(_Base):
         c.logprobs.extend(delta.logprobs)
 
     def response(self) -> dict[str, Any]:
-        chat = self.p.kind == "chat"
         choices = []
+        n = self.p.sampling.n
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
-            if chat:
-                lp = self.chat_logprobs(c.logprobs) if self.p.chat_logprobs else None
+            if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                                "logprobs": self._chat_logprobs(c.logprobs),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             else:
-                lp = (self.completion_logprobs(c, c.logprobs)
-                      if self.p.sampling.logprobs is not None else None)
+                text, lp = self._completion(i // n, c, text, c.logprobs)
                 choices.append({"index": i, "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if chat else "text_completion",
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                "prompt_logprobs": self._prompt_logprobs(i // n)})
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.p.model, "choices": choices,
                 "usage": self.usage()}
+        if self.chat:
+            body["prompt_logprobs"] = self._prompt_logprobs(0)
+        return body
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -120,17 +132,16 @@ class ChunkWriter(_Base):
     """Turns deltas into SSE chunks (`chat.completion.chunk` / `text_completion`)."""
 
     def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
-        chat = self.p.kind == "chat"
         body: dict[str, Any] = {"id": self.id,
-                                "object": "chat.completion.chunk" if chat else "text_completion",
+                                "object": "chat.completion.chunk" if self.chat else "text_completion",
                                 "created": self.created, "model": self.p.model, "choices": choices}
         if self.p.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage() if self.p.continuous_usage else None
         return sse(body)
 
     def opening(self) -> bytes:
         """Chat: one chunk per choice announcing the assistant role (nothing for completions)."""
-        if self.p.kind != "chat":
+        if not self.chat:
             return b""
         return b"".join(
             self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -141,24 +152,26 @@ class ChunkWriter(_Base):
     def chunk(self, prompt_idx: int, delta: Delta) -> bytes:
         c = self._track(prompt_idx, delta)
         i = self.choice_index(prompt_idx, delta)
-        if not delta.text and not delta.logprobs and not delta.finish_reason:
+        echo_due = self.p.echo is not None and not c.echoed
+        if not (delta.text or delta.logprobs or delta.finish_reason or echo_due):
             return b""
-        if self.p.kind == "chat":
-            lp = self.chat_logprobs(delta.logprobs) if self.p.chat_logprobs else None
+        if self.chat:
             d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-            return self._chunk([{"index": i, "delta": d, "logprobs": lp,
-                                 "finish_reason": delta.finish_reason}])
-        lp = (self.completion_logprobs(c, delta.logprobs)
-              if self.p.sampling.logprobs is not None else None)
-        return self._chunk([{"index": i, "text": delta.text, "logprobs": lp,
-                             "finish_reason": delta.finish_reason}])
+            return self._chunk([{"index": i, "delta": d,
+                                 "logprobs": self._chat_logprobs(delta.logprobs),
+                                 "finish_reason": delta.finish_reason,
+                                 "stop_reason": delta.stop_reason}])
+        text, lp = self._completion(prompt_idx, c, delta.text, delta.logprobs)
+        return self._chunk([{"index": i, "text": text, "logprobs": lp,
+                             "finish_reason": delta.finish_reason,
+                             "stop_reason": delta.stop_reason}])
 
     def closing(self) -> bytes:
         """The usage chunk (when asked for) and the terminator."""
         out = b""
         if self.p.include_usage:
-            chat = self.p.kind == "chat"
-            out += sse({"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+            out += sse({"id": self.id,
+                        "object": "chat.completion.chunk" if self.chat else "text_completion",
                         "created": self.created, "model": self.p.model, "choices": [],
                         "usage": self.usage()})
         return out + sse("[DONE]")

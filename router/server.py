@@ -19,7 +19,7 @@ from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import make_policy
 from router.registry import EtcdWatcher, WorkerRegistry
-from router.responses import TokenText
+from router.logprobs import TokenText
 from router.validation import ModelCard
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 def load_model_card(config: RouterConfig) -> ModelCard:
     """Tokenizer, chat template and context length of the served model (no weights)."""
+    from engine.generation_config import load_generation_config, sampling_defaults
     from engine.models.loader import resolve_model_path
     from engine.tokenizer import Tokenizer
 
@@ -37,10 +38,16 @@ def load_model_card(config: RouterConfig) -> ModelCard:
     tok = Tokenizer.from_dir(path)
     max_len = config.max_model_len or int(hf.get("max_position_embeddings", 2048))
     name = config.served_model_name or path.name
+    defaults = sampling_defaults(load_generation_config(config.generation_config,
+                                                        tok.generation_config))
+    if defaults:
+        log.info("sampling defaults from the generation config (%s): %s",
+                 config.generation_config, defaults)
     return ModelCard(
         name=name, tokenizer=tok, max_model_len=max_len,
         vocab_size=int(hf.get("vocab_size", tok.vocab_size)),
         aliases=frozenset({config.model, path.name, str(path)}), max_n=config.max_n,
+        sampling_defaults=defaults,
     )
 
 
@@ -61,6 +68,13 @@ class RouterServices:
         self.dispatcher = Dispatcher(config, self.placer, self.channels, self.metrics)
         self.tokens = TokenText(card.tokenizer)
         self._watch: asyncio.Task | None = None
+
+    def max_model_len(self) -> int:
+        """The longest prompt + output a decode worker holds: the largest published by a
+        registered decode worker, else (none registered or published) the model card's."""
+        published = [w.info.max_model_len for w in self.registry.by_role("decode")
+                     if w.info.max_model_len > 0]
+        return max(published) if published else self.card.max_model_len
 
     def _serves(self, info: WorkerInfo) -> bool:
         return info.model_id in self.card.aliases or info.model_id == self.card.name

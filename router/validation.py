@@ -1,19 +1,23 @@
 """From an HTTP body to a `Prepared` request: parse, check ranges, apply the chat template,
-tokenize, check the context length. Every refusal is a 400 `APIError` naming the field."""
+tokenize, apply defaults (OpenAI's, then the model's generation config), check the context
+length. Every refusal is a 400 `APIError` naming the field."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from router.errors import APIError, bad_request, from_validation_errors
-from router.protocol import ChatCompletionRequest, CompletionRequest, TextPart
+from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart
+from router.unsupported import refuse_unsupported
 
 Kind = Literal["chat", "completion"]
 MAX_SEED = (1 << 63) - 1
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+_INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class ModelCard:
     vocab_size: int
     aliases: frozenset[str] = frozenset()
     max_n: int = 128
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams field -> value for requests that omit it (engine.generation_config)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,12 @@ class Prepared:
     cache_salt: str | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk carries the usage so far
     chat_logprobs: bool = False  # chat: logprobs as `content` entries
+    priority: int = 0
+    echo: list[str] | None = None  # completions with echo: each prompt's text
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
+    request_id: str | None = None  # the client's (body) request id
 
 
 def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
@@ -48,13 +59,20 @@ def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionReq
         raise from_validation_errors(exc.errors()) from None
 
 
-def prepare(kind: Kind, body: bytes, card: ModelCard) -> Prepared:
+def check_model(name: str | None, card: ModelCard) -> None:
+    if name is not None and name != card.name and name not in card.aliases:
+        raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
+def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) -> Prepared:
+    """`limit`: the longest prompt + output a live worker holds (default: the model card's)."""
+    limit = limit or card.max_model_len
     req = parse_body(kind, body)
-    if req.model is not None and req.model != card.name and req.model not in card.aliases:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
-    _refuse_unsupported(req)
+    check_model(req.model, card)
+    refuse_unsupported(req)
+    echo = None  # completions with echo: each prompt's text
     if isinstance(req, ChatCompletionRequest):
-        prompts, prompt_param = [_chat_prompt(req, card.tokenizer)], "messages"
+        prompts, prompt_param = [chat_prompt(req, card.tokenizer)], "messages"
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
@@ -64,45 +82,69 @@ def prepare(kind: Kind, body: bytes, card: ModelCard) -> Prepared:
     else:
         prompts, prompt_param = _completion_prompts(req, card), "prompt"
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
+        if max_tokens is None:
+            max_tokens = COMPLETION_MAX_TOKENS
         logprobs, logprobs_param = req.logprobs, "logprobs"
-    sampling = _sampling(req, max_tokens, logprobs, card,
+    truncate = None
+    if req.truncate_prompt_tokens is not None:
+        truncate = _truncation(req.truncate_prompt_tokens, limit - (max_tokens or 0))
+        prompts = [ids[-truncate:] for ids in prompts]
+    if isinstance(req, CompletionRequest) and req.echo:
+        echo = _echo_texts(req, prompts, truncate is not None, card.tokenizer)
+    prompt_logprobs = req.prompt_logprobs
+    if req.stream and prompt_logprobs:
+        raise bad_request("prompt_logprobs are not available when stream is true",
+                          "prompt_logprobs")
+    if prompt_logprobs is None and echo is not None:
+        prompt_logprobs = logprobs  # vLLM: echo with logprobs returns the prompt's too
+    if max_tokens is None and "max_tokens" in card.sampling_defaults:
+        # The model's max_new_tokens stands in for an omitted chat max_tokens, within the
+        # context (vLLM: min(context remainder, request or default max_tokens)).
+        max_tokens = max(1, min(card.sampling_defaults["max_tokens"], limit - len(prompts[0])))
+    sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
                          {"max_tokens": max_tokens_param, "logprobs": logprobs_param})
     for ids in prompts:
-        _check_length(ids, sampling.max_tokens, card, prompt_param, max_tokens_param)
+        _check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
+    if not _INT32[0] <= req.priority <= _INT32[1]:
+        raise bad_request(f"priority must be a 32-bit integer, got {req.priority}", "priority")
+    opts = req.stream_options
+    include_usage = bool(req.stream and opts and opts.include_usage)
     return Prepared(
         kind=kind, model=card.name, prompts=prompts, sampling=sampling,
-        cache_salt=req.cache_salt, stream=req.stream,
-        include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-        chat_logprobs=kind == "chat" and logprobs is not None,
+        cache_salt=req.cache_salt, stream=req.stream, include_usage=include_usage,
+        continuous_usage=include_usage and opts.continuous_usage_stats,
+        chat_logprobs=kind == "chat" and logprobs is not None, priority=req.priority,
+        echo=echo, tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        request_id=req.request_id,
     )
 
 
-def _refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
-        if req.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise bad_request("best_of other than n is not supported", "best_of")
-    else:
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format type 'text' is supported", "response_format")
+def _truncation(k: int, max_input: int) -> int:
+    """vLLM's rules: -1 keeps as many as the context leaves beside max_tokens; more than
+    that is refused."""
+    kept = max_input if k == -1 else k
+    if not 1 <= kept <= max_input:
+        raise bad_request(f"truncate_prompt_tokens must be in [1, max_model_len - max_tokens = "
+                          f"{max_input}] (or -1), got {k}", "truncate_prompt_tokens")
+    return kept
 
 
-def _chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
-    messages = []
-    for i, m in enumerate(req.messages):
+def _echo_texts(req: CompletionRequest, prompts: list[list[int]], truncated: bool,
+                tok: Tokenizer) -> list[str]:
+    """What echo puts first: a text prompt as sent; token ids (or a truncated prompt) decoded."""
+    raw = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) \
+        else [req.prompt]
+    return [p if isinstance(p, str) and not truncated else tok.decode(ids)
+            for p, ids in zip(raw, prompts)]
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat template's input: text parts joined with newlines (vLLM's string content
+    format); `name` kept."""
+    out = []
+    for i, m in enumerate(messages):
         if m.content is None or isinstance(m.content, str):
             text = m.content or ""
         else:
@@ -113,12 +155,44 @@ def _chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
                     raise bad_request(f"{where}: content part type {part.type!r} is not "
                                       "supported (only text)", where)
                 parts.append(part.text)
-            text = "".join(parts)
-        messages.append({"role": m.role, "content": text})
+            text = "\n".join(parts)
+        message = {"role": m.role, "content": text}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def render_chat(tok: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool, kwargs: dict | None, explicit_agp: bool) -> str:
+    """`explicit_agp`: add_generation_prompt was set in the request (its default, true, yields
+    to continue_final_message)."""
+    if continue_final_message:
+        if add_generation_prompt and explicit_agp:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true", "continue_final_message")
+        add_generation_prompt = False
     try:
-        return tok.encode(tok.render_chat(messages, req.add_generation_prompt))
+        return tok.render_chat(chat_messages(messages), add_generation_prompt,
+                               continue_final_message, **(kwargs or {}))
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
+
+
+def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    text = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+                       kwargs, "add_generation_prompt" in req.model_fields_set)
+    return tok.encode(text, add_special_tokens=req.add_special_tokens)
+
+
+def check_token_ids(ids, card: ModelCard, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < card.vocab_size]
+    if bad:
+        raise bad_request(f"{param} token ids must be in [0, {card.vocab_size}), got {bad[:5]}",
+                          param)
 
 
 def _completion_prompts(req: CompletionRequest, card: ModelCard) -> list[list[int]]:
@@ -133,55 +207,79 @@ def _completion_prompts(req: CompletionRequest, card: ModelCard) -> list[list[in
         raise bad_request("prompt must not be empty", "prompt")
     out = []
     for item in raw:
-        ids = card.tokenizer.encode(item, add_special_tokens=True) if isinstance(item, str) else list(item)
-        bad = [t for t in ids if not 0 <= t < card.vocab_size]
-        if bad:
-            raise bad_request(f"prompt token ids must be in [0, {card.vocab_size}), got {bad[:5]}",
-                              "prompt")
+        ids = (card.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+               if isinstance(item, str) else list(item))
+        check_token_ids(ids, card, "prompt")
         out.append(ids)
     return out
 
 
-def _sampling(req, max_tokens, logprobs, card: ModelCard, names: dict[str, str]) -> SamplingParams:
+def _logit_bias(bias: dict[str, float] | None, card: ModelCard) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+        out[token] = value
+    check_token_ids(out, card, "logit_bias")
+    return out
+
+
+def _default(value, name: str, card: ModelCard, builtin):
+    """The request's value, else the model's generation-config default, else the built-in."""
+    if value is not None:
+        return value
+    return card.sampling_defaults.get(name, builtin)
+
+
+def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelCard,
+              names: dict[str, str]) -> SamplingParams:
     if not 1 <= req.n <= card.max_n:
         raise bad_request(f"n must be in [1, {card.max_n}], got {req.n}", "n")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise bad_request(f"seed must be in [0, 2**63 - 1], got {req.seed}", "seed")
     if req.top_k is not None and req.top_k < -1:
         raise bad_request(f"top_k must be >= 0 (or -1 to disable), got {req.top_k}", "top_k")
-    bad_ids = [t for t in req.stop_token_ids or () if not 0 <= t < card.vocab_size]
-    if bad_ids:
-        raise bad_request(f"stop_token_ids must be in [0, {card.vocab_size}), got {bad_ids[:5]}",
-                          "stop_token_ids")
+    for param in ("stop_token_ids", "allowed_token_ids"):
+        check_token_ids(getattr(req, param) or (), card, param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=req.top_k or 0,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p or 0.0,
+            temperature=_default(req.temperature, "temperature", card, 1.0),
+            top_k=_default(req.top_k, "top_k", card, 0),
+            top_p=_default(req.top_p, "top_p", card, 1.0),
+            min_p=_default(req.min_p, "min_p", card, 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=_default(req.repetition_penalty, "repetition_penalty", card, 1.0),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            logit_bias=_logit_bias(req.logit_bias, card),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=tuple(req.bad_words or ()),
+            truncate_prompt_tokens=truncate,
         )
     except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        param = names.get(field, field)
-        raise bad_request(str(exc).replace(field, param, 1), param) from None
+        field_ = str(exc).split(" ", 1)[0]
+        param = names.get(field_, field_)
+        raise bad_request(str(exc).replace(field_, param, 1), param) from None
 
 
-def _check_length(ids: list[int], max_tokens: int | None, card: ModelCard,
+def _check_length(ids: list[int], max_tokens: int | None, limit: int,
                   prompt_param: str, max_tokens_param: str) -> None:
-    limit = card.max_model_len
     if not ids:
         raise bad_request(f"{prompt_param} must not be empty", prompt_param)
     if len(ids) >= limit:

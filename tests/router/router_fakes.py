@@ -4,7 +4,11 @@ cache of real block hashes (engine.block_hash) that feeds KV events, and a regis
 real etcd through cluster.registration.Registrar.
 
 Tokens: completion i of a prompt p emits ids 100 + (sum(p) + 7k + 13i) % 1000 for k = 0, 1, ...
-each with text " w<id>". Failure injection and per-token delays are set on `behavior`.
+each with text " w<id>", or `behavior.script`'s (id, text) pairs. Logprobs: the sampled token
+-0.5 (rank 2), top k = id + 1, id + 2, ... at -0.25, -0.75, ... (the sampled token is never
+among them); prompt logprobs likewise for each prompt token after the first. A stop string
+ends a completion with stop_str set. Failure injection and per-token delays are set on
+`behavior`; every GenerateRequest received is kept in `requests`.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class Behavior:
     """Generate calls fail with INTERNAL after this many tokens."""
     token_delay_s: float = 0.0
     default_max_tokens: int = 32
+    script: list[tuple[int, str]] | None = None
+    """Tokens (id, text delta) every completion emits instead of the fake ones."""
 
 
 @dataclass
@@ -48,6 +54,7 @@ class FakeWorker:
     compat_hash: str = "fake-compat"
     draining: bool = False
     behavior: Behavior = field(default_factory=Behavior)
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         self.cached: list[bytes] = []  # prefix cache, insertion order
@@ -91,7 +98,8 @@ class FakeWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.role, self.address, self.model_id, self.compat_hash,
-                          self.block_size, draining=self.draining, capacity=self.capacity)
+                          self.block_size, draining=self.draining, capacity=self.capacity,
+                          max_model_len=self.max_model_len)
 
     def set_capacity(self, **changes) -> None:
         self.capacity = replace(self.capacity, **changes)
@@ -172,6 +180,10 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
         w.store(hashes)
         s = request.sampling
         max_tokens = s.max_tokens if s.HasField("max_tokens") else b.default_max_tokens
+        if b.script is not None:
+            max_tokens = min(max_tokens, len(b.script))
+        prompt_lps = ([_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
+                      if s.HasField("prompt_logprobs") else [])
         w.active.add(request.request_id)
         sent = 0
         try:
@@ -184,20 +196,27 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
                         await context.abort(grpc.StatusCode.INTERNAL, "injected failure mid-stream")
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)
-                    tok = fake_token(prompt, i, k)
-                    text, finish = f" w{tok}", ("length" if k == max_tokens - 1 else "")
-                    cut = _first_stop(texts[i] + text, list(s.stop))
-                    if cut is not None:
-                        text, finish = (texts[i] + text)[:cut][len(texts[i]):], "stop"
+                    tok, text = (b.script[k] if b.script is not None
+                                 else (fake_token(prompt, i, k), f" w{fake_token(prompt, i, k)}"))
+                    finish = "length" if k == max_tokens - 1 else ""
+                    stop = _first_stop(texts[i] + text, list(s.stop))
+                    if stop is not None:
+                        cut, stop_str = stop
+                        end = cut + (len(stop_str) if s.include_stop_str_in_output else 0)
+                        text, finish = (texts[i] + text)[:end][len(texts[i]):], "stop"
                     texts[i] = None if finish else texts[i] + text
                     sent += 1
-                    yield pb.GenerateResponse(
+                    msg = pb.GenerateResponse(
                         index=i, token_ids=[tok], text=text, finish_reason=finish,
-                        logprobs=_logprobs(tok, s) if s.HasField("logprobs") else [],
+                        logprobs=[_logprob(tok, s.logprobs)] if s.HasField("logprobs") else [],
                         usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=k + 1,
                                        cached_tokens=cached),
-                        prefill_mode=mode,
+                        prefill_mode=mode, prompt_logprobs=prompt_lps,
                     )
+                    prompt_lps = []  # first response only
+                    if stop is not None:
+                        msg.stop_str = stop[1]
+                    yield msg
                 if all(t is None for t in texts):
                     break
         except asyncio.CancelledError:
@@ -207,11 +226,11 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
             w.active.discard(request.request_id)
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s in text]
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(text.find(s), s) for s in stops if s in text]
     return min(hits) if hits else None
 
 
-def _logprobs(tok: int, s: pb.SamplingParams) -> list[pb.TokenLogprob]:
-    top = [pb.TopLogprob(token_id=tok + j, logprob=-0.5 - j) for j in range(s.logprobs)]
-    return [pb.TokenLogprob(token_id=tok, logprob=-0.5, top=top)]
+def _logprob(tok: int, k: int) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=tok + 1 + j, logprob=-0.25 - 0.5 * j) for j in range(k)]
+    return pb.TokenLogprob(token_id=tok, logprob=-0.5, top=top, rank=2)

@@ -45,7 +45,7 @@ class RunningRouter:
         return self.url + "/v1"
 
 
-_CARD: dict = {}  # max_model_len -> ModelCard: the tokenizer loads once per session
+_CARD: dict = {}  # (model, max_model_len, generation config) -> ModelCard: loaded once
 
 
 async def start_router(etcd: str, cluster: str, placement: PlacementConfig | None = None,
@@ -53,9 +53,10 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
     port = free_port()
     cfg = RouterConfig(etcd=etcd, cluster=cluster, port=port,
                        placement=placement or PlacementConfig(), **config)
-    if cfg.max_model_len not in _CARD:
-        _CARD[cfg.max_model_len] = load_model_card(cfg)
-    services = RouterServices(cfg, _CARD[cfg.max_model_len])
+    key = (cfg.model, cfg.max_model_len, cfg.generation_config)
+    if key not in _CARD:
+        _CARD[key] = load_model_card(cfg)
+    services = RouterServices(cfg, _CARD[key])
     server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
     task = asyncio.get_running_loop().create_task(server.serve())

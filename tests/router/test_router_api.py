@@ -105,7 +105,8 @@ def test_logprobs(cluster, client, tok):
                                   logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
-    assert lp.token_logprobs == [-0.5] * 3 and all(len(t) == 2 for t in lp.top_logprobs)
+    # The sampled token (not among the fake's top 2) comes first, then the top 2 (as vLLM).
+    assert lp.token_logprobs == [-0.5] * 3 and all(len(t) == 3 for t in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=2, logprobs=True,
                                        top_logprobs=3, messages=[{"role": "user", "content": "x"}])

@@ -87,10 +87,11 @@ _DROP = object()
     # not supported here
     ("chat", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("chat", _with(CHAT, response_format={"type": "json_object"}), "response_format"),
-    ("chat", _with(CHAT, logit_bias={"5": 1.0}), "logit_bias"),
+    ("chat", _with(CHAT, logit_bias={"99999999": 1.0}), "logit_bias"),
+    ("chat", _with(CHAT, logit_bias={"5": 101}), "logit_bias"),
     ("chat", _with(CHAT, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]), "messages.0.content.0.type"),
-    ("comp", _with(COMP, echo=True), "echo"),
+    ("chat", _with(CHAT, echo=True), "echo"),
     ("comp", _with(COMP, best_of=3), "best_of"),
 ])
 def test_bad_input_is_a_400_naming_the_field(http, path, body, param):

@@ -1,0 +1,79 @@
+"""The model-information endpoints beside generation (vLLM's): /v1/models[/{id}], /tokenize,
+/detokenize, /version. Like vLLM, only /v1/* need the API key."""
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+
+from router.errors import APIError, bad_request, from_validation_errors
+from router.protocol import DetokenizeRequest, TokenizeRequest
+from router.server import RouterServices
+from router.validation import check_model, check_token_ids, render_chat
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _parse(model, body: bytes):
+    try:
+        return model.model_validate_json(body or b"", strict=True)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def add_info_routes(app: FastAPI, services: RouterServices) -> None:
+    card, version = services.card, _version()
+
+    def model_card() -> dict[str, Any]:
+        return {"id": card.name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "root": card.name, "max_model_len": services.max_model_len()}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != card.name and model_id not in card.aliases:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
+                           "model_not_found")
+        return model_card()
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = _parse(TokenizeRequest, await request.body())
+        check_model(req.model, card)
+        tok = card.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            text = render_chat(tok, req.messages, req.add_generation_prompt,
+                               req.continue_final_message, req.chat_template_kwargs,
+                               "add_generation_prompt" in req.model_fields_set)
+            special = bool(req.add_special_tokens)
+        else:
+            text, special = req.prompt, req.add_special_tokens is not False
+        ids = tok.encode(text, add_special_tokens=special)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": services.max_model_len(),
+                               "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [tok.token_str(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, str]:
+        req = _parse(DetokenizeRequest, await request.body())
+        check_model(req.model, card)
+        check_token_ids(req.tokens, card, "tokens")
+        return {"prompt": card.tokenizer.decode(req.tokens)}
