@@ -4,7 +4,7 @@ Not thread-safe: one thread drives `step()`; workers put their own queue in fron
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -14,11 +14,12 @@ from engine.block_hash import compute_block_hashes, hash_extras
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
-from engine.request import Request, RequestStatus
+from engine.request import Logprob, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
 
@@ -81,6 +82,10 @@ class LLMEngine:
             self.max_model_len, config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager)
+        self.sampling_defaults = sampling_defaults(
+            load_generation_config(config.generation_config, self.tokenizer.generation_config)
+        )
+        """SamplingParams fields -> the model's defaults (a request that omits one gets it)."""
         self._seed_rng = random.Random(config.seed)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
@@ -92,19 +97,26 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Tokenize and validate; raises ValueError with a message naming the problem."""
+        vocab = self.loaded.args.vocab_size
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             token_ids = [int(t) for t in prompt]
-            vocab = self.loaded.args.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:5]}")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
         max_tokens = max(1, min(params.max_tokens or room, room))
-        eos = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
+        params, eos = self._eos_rules(params)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -115,7 +127,34 @@ class LLMEngine:
             block_hashes=compute_block_hashes(token_ids, self.config.block_size, cache_salt),
             hash_extras=hash_extras(cache_salt),
             cache_salt=cache_salt,
+            priority=priority,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
+
+    def _eos_rules(self, params: SamplingParams) -> tuple[SamplingParams, frozenset[int]]:
+        """(params, eos ids) as vLLM's update_from_generation_config leaves them: the
+        tokenizer's eos stops as EOS (stop_reason None); generation_config's other eos ids
+        join stop_token_ids (stop_reason = the id) unless ignore_eos. With ignore_eos nothing
+        stops as EOS and the eos ids only stay masked until min_tokens."""
+        primary = self.tokenizer.eos_token_id
+        others = self.tokenizer.stop_token_ids - {primary}
+        if params.ignore_eos:
+            return params, self.tokenizer.stop_token_ids
+        if others - set(params.stop_token_ids):
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, *sorted(others - set(params.stop_token_ids))))
+        return params, frozenset() if primary is None else frozenset({primary})
+
+    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word (left-stripped) as-is, and with a
+        leading space when that gives a different first token and as many tokens."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip())
+            spaced = self.tokenizer.encode(" " + word.lstrip())
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
 
     def add_request(
         self,
@@ -123,8 +162,11 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
-        return self.submit(self.make_request(request_id, prompt, params or SamplingParams(), cache_salt))
+        return self.submit(
+            self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, priority)
+        )
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by `make_request` (raises RequestRejected if it can never run)."""
@@ -136,7 +178,7 @@ class LLMEngine:
         self._groups.setdefault(request.group_id, []).append(request.request_id)
         p = request.sampling
         self._detok[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, p.skip_special_tokens, p.stop
+            self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -154,7 +196,11 @@ class LLMEngine:
     ) -> list[int] | None:
         """Allocate the prompt's blocks (reusing local prefix hits) and park the request until
         its KV arrives. Returns the block ids still to be filled (after the local hit), or
-        None if the pool cannot hold the prompt now (nothing changed)."""
+        None if it cannot be parked now (nothing changed; see
+        Scheduler.allocate_for_remote_kv) or asks for prompt logprobs (computed where the
+        prompt runs: it must run here)."""
+        if request.sampling.prompt_logprobs is not None:
+            return None
         block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:
             self._track(request)
@@ -178,30 +224,50 @@ class LLMEngine:
 
     def process_updates(self, requests: list[Request], new_token: bool = True) -> list[CompletionDelta]:
         """Detokenize each request's newest token (if it got one), apply stop strings, build
-        deltas."""
+        deltas. The first delta of completion 0 carries the prompt logprobs (if asked)."""
         deltas = []
         for request in requests:
             if request.request_id not in self._detok:  # a fork seen for the first time
                 self._track(request)
-            detok = self._detok[request.request_id]
             tokens = request.token_ids[-1:] if new_token else []
-            if tokens and detok.append(tokens[0]) and not request.status.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if tokens:
+                self._detokenize(request, tokens[0])
             finished = request.status.is_finished
             deltas.append(CompletionDelta(
                 request_id=request.group_id,
                 index=request.completion_index,
                 token_ids=tokens,
-                text=detok.take_delta(finished),
+                text=self._detok[request.request_id].take_delta(finished),
                 logprobs=request.logprobs[-1:] if tokens and request.sampling.logprobs is not None else [],
                 finish_reason=request.status.finish_reason,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_output_tokens=request.num_output_tokens,
+                stop_reason=request.stop_reason,
+                prompt_logprobs=self._first_prompt_logprobs(request, tokens),
             ))
             if finished:
                 self._forget(request)
         return deltas
+
+    def _detokenize(self, request: Request, token_id: int) -> None:
+        """A stop string ends the request with finish "stop", even one that also hit a length
+        limit or a stop token with this token (vLLM: the detokenizer's verdict wins)."""
+        stop_terminated = request.status is RequestStatus.FINISHED_STOPPED
+        stop = self._detok[request.request_id].append(token_id, stop_terminated)
+        if stop is None:
+            return
+        request.stop_reason = stop
+        if not request.status.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status is RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def _first_prompt_logprobs(request: Request, tokens: list[int]) -> list[Logprob] | None:
+        if request.sampling.prompt_logprobs is None or request.parent_id is not None:
+            return None
+        return list(request.prompt_logprobs) if tokens and request.num_output_tokens == 1 else None
 
     def _forget(self, request: Request) -> None:
         self._detok.pop(request.request_id, None)

@@ -1,5 +1,6 @@
-"""Turns logits into tokens: penalties, temperature, top-k, top-p, min-p, seeded draws,
-logprobs. Rows are independent of each other, so a request samples the same token whatever
+"""Turns logits into tokens: request masks (engine.logits_masks), penalties, temperature,
+top-k, top-p, min-p, seeded draws, logprobs (from the raw logits, before any of these, as
+vLLM's default `raw_logprobs`). Rows are independent of each other, so a request samples the same token whatever
 else is in the batch.
 
 Randomness for a row comes from a generator seeded by (request seed, completion index, output
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_masks import apply_masks
 from engine.request import Request
 from engine.scheduler import SampledToken
 
@@ -80,6 +82,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
     want_logprobs = [r.request.sampling.logprobs for r in rows]
     raw_logprobs = logits.log_softmax(-1) if any(n is not None for n in want_logprobs) else None
+    apply_masks(logits, rows)
     _apply_penalties(logits, rows)
 
     greedy = [r.request.sampling.greedy for r in rows]
@@ -101,16 +104,26 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         tokens[random_idx] = drawn.clamp(max=probs.shape[-1] - 1)
 
     token_list = tokens.tolist()
+    if raw_logprobs is None:
+        return [SampledToken(token) for token in token_list]
+    chosen = raw_logprobs.gather(1, tokens[:, None])
+    ranks = token_ranks(raw_logprobs, chosen).tolist()
+    chosen = chosen.squeeze(1).tolist()
     out: list[SampledToken] = []
     for i, token in enumerate(token_list):
         n = want_logprobs[i]
         if n is None:
             out.append(SampledToken(token))
             continue
-        row_lp = raw_logprobs[i]
         top = ()
         if n > 0:
-            vals, ids = row_lp.topk(n)
+            vals, ids = raw_logprobs[i].topk(n)
             top = tuple(zip(ids.tolist(), vals.tolist()))
-        out.append(SampledToken(token, float(row_lp[token]), top))
+        out.append(SampledToken(token, chosen[i], top, ranks[i]))
     return out
+
+
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """1-based rank of each row's chosen logprob ([rows, 1]) among the row's logprobs, as
+    vLLM counts it: the number of tokens at least as likely (ties share the worse rank)."""
+    return (logprobs >= chosen).sum(-1)
