@@ -80,8 +80,8 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
-    want_logprobs = [r.request.sampling.logprobs for r in rows]
-    raw_logprobs = logits.log_softmax(-1) if any(n is not None for n in want_logprobs) else None
+    lp_idx = [i for i, r in enumerate(rows) if r.request.sampling.logprobs is not None]
+    raw_logprobs = logits[lp_idx].log_softmax(-1) if lp_idx else None
     apply_masks(logits, rows)
     _apply_penalties(logits, rows)
 
@@ -103,23 +103,18 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         drawn = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(1)
         tokens[random_idx] = drawn.clamp(max=probs.shape[-1] - 1)
 
-    token_list = tokens.tolist()
+    out = [SampledToken(token) for token in tokens.tolist()]
     if raw_logprobs is None:
-        return [SampledToken(token) for token in token_list]
-    chosen = raw_logprobs.gather(1, tokens[:, None])
+        return out
+    chosen = raw_logprobs.gather(1, tokens[lp_idx, None])
     ranks = token_ranks(raw_logprobs, chosen).tolist()
-    chosen = chosen.squeeze(1).tolist()
-    out: list[SampledToken] = []
-    for i, token in enumerate(token_list):
-        n = want_logprobs[i]
-        if n is None:
-            out.append(SampledToken(token))
-            continue
+    for j, (i, value) in enumerate(zip(lp_idx, chosen.squeeze(1).tolist())):
+        n = rows[i].request.sampling.logprobs
         top = ()
         if n > 0:
-            vals, ids = raw_logprobs[i].topk(n)
+            vals, ids = raw_logprobs[j].topk(n)
             top = tuple(zip(ids.tolist(), vals.tolist()))
-        out.append(SampledToken(token, chosen[i], top, ranks[i]))
+        out[i] = SampledToken(out[i].token_id, value, top, ranks[j])
     return out
 
 
