@@ -3,14 +3,12 @@
 Not thread-safe: one thread drives `step()`; workers put their own queue in front of it."""
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from engine.attention.selector import make_attention_backend
-from engine.block_hash import compute_block_hashes, hash_extras
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -20,6 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
 from engine.request import Logprob, Request, RequestStatus
+from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
 
@@ -86,7 +85,9 @@ class LLMEngine:
             load_generation_config(config.generation_config, self.tokenizer.generation_config)
         )
         """SamplingParams fields -> the model's defaults (a request that omits one gets it)."""
-        self._seed_rng = random.Random(config.seed)
+        self._builder = RequestBuilder(
+            self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
 
@@ -100,61 +101,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> Request:
         """Tokenize and validate; raises ValueError with a message naming the problem."""
-        vocab = self.loaded.args.vocab_size
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            token_ids = [int(t) for t in prompt]
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} token ids must be in [0, {vocab}), got {bad[:5]}")
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens :]
-        room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
-        max_tokens = max(1, min(params.max_tokens or room, room))
-        params, eos = self._eos_rules(params)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling=params,
-            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
-            eos_token_ids=eos,
-            max_tokens=max_tokens,
-            block_hashes=compute_block_hashes(token_ids, self.config.block_size, cache_salt),
-            hash_extras=hash_extras(cache_salt),
-            cache_salt=cache_salt,
-            priority=priority,
-            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-        )
-
-    def _eos_rules(self, params: SamplingParams) -> tuple[SamplingParams, frozenset[int]]:
-        """(params, eos ids) as vLLM's update_from_generation_config leaves them: the
-        tokenizer's eos stops as EOS (stop_reason None); generation_config's other eos ids
-        join stop_token_ids (stop_reason = the id) unless ignore_eos. With ignore_eos nothing
-        stops as EOS and the eos ids only stay masked until min_tokens."""
-        primary = self.tokenizer.eos_token_id
-        others = self.tokenizer.stop_token_ids - {primary}
-        if params.ignore_eos:
-            return params, self.tokenizer.stop_token_ids
-        if others - set(params.stop_token_ids):
-            params = replace(params, stop_token_ids=(*params.stop_token_ids, *sorted(others - set(params.stop_token_ids))))
-        return params, frozenset() if primary is None else frozenset({primary})
-
-    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> list[list[int]]:
-        """vLLM's tokenization of bad words: each word (left-stripped) as-is, and with a
-        leading space when that gives a different first token and as many tokens."""
-        out: list[list[int]] = []
-        for word in bad_words:
-            plain = self.tokenizer.encode(word.lstrip())
-            spaced = self.tokenizer.encode(" " + word.lstrip())
-            out.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return out
+        return self._builder.build(request_id, prompt, params, cache_salt, priority)
 
     def add_request(
         self,

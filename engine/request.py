@@ -59,7 +59,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     seed: int  # effective seed: the request's own, or one drawn at arrival
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # stop as EOS (none do with ignore_eos); masked until min_tokens
     max_tokens: int  # resolved against max_model_len
     block_hashes: list[BlockHash]
     hash_extras: bytes = b""

@@ -111,3 +111,21 @@ def test_generation_config_defaults(model_dir, tmp_path, llm):
     assert vllm_defaults.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation-config"):
         LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, generation_config=str(tmp_path / "no"))
+
+
+def test_generation_config_eos_ids_follow_vllm(model_dir):
+    """The tokenizer's eos stops as EOS (stop_reason None); the generation config's other eos
+    ids act as stop_token_ids (stop_reason = the id); with ignore_eos all are only masked."""
+    from engine.request_builder import RequestBuilder
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(
+        (model_dir / "tokenizer.json").read_text(),
+        json.loads((model_dir / "tokenizer_config.json").read_text()),
+        {"eos_token_id": [2, 0]},
+    )
+    builder = RequestBuilder(tok, 49152, 1024, 16, seed=0)
+    req = builder.build("a", "hi", SamplingParams(stop_token_ids=[7]))
+    assert req.eos_token_ids == {2} and req.sampling.stop_token_ids == (7, 0)
+    ignoring = builder.build("b", "hi", SamplingParams(ignore_eos=True, stop_token_ids=[7]))
+    assert ignoring.eos_token_ids == {0, 2} and ignoring.sampling.stop_token_ids == (7,)
