@@ -39,11 +39,13 @@ def banned_bad_word_tokens(bad_words_token_ids: list[list[int]], output: list[in
     return banned
 
 
-def min_tokens_banned(request: Request) -> list[int]:
-    """While fewer than min_tokens are out: every EOS id and every stop token id."""
+def min_tokens_banned(request: Request, vocab_size: int) -> list[int]:
+    """While fewer than min_tokens are out: every EOS id and every stop token id (those in
+    the vocabulary: a stop id outside it can never be sampled anyway)."""
     if request.num_output_tokens >= request.sampling.min_tokens:
         return []
-    return sorted(request.eos_token_ids | set(request.sampling.stop_token_ids))
+    ids = request.eos_token_ids | set(request.sampling.stop_token_ids)
+    return sorted(t for t in ids if 0 <= t < vocab_size)
 
 
 def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -60,8 +62,9 @@ def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             kept = logits[i, allowed]
             logits[i] = _NEG_INF
             logits[i, allowed] = kept
-        banned = banned_bad_word_tokens(req.bad_words_token_ids, req.output_token_ids) if req.bad_words_token_ids else []
-        banned += min_tokens_banned(req)
+        banned = min_tokens_banned(req, logits.shape[-1])
+        if req.bad_words_token_ids:
+            banned += banned_bad_word_tokens(req.bad_words_token_ids, req.output_token_ids)
         if banned:
             logits[i, ids(banned)] = _NEG_INF
         if p.logit_bias:

@@ -1,7 +1,7 @@
 """Turns logits into tokens: request masks (engine.logits_masks), penalties, temperature,
 top-k, top-p, min-p, seeded draws, logprobs (from the raw logits, before any of these, as
-vLLM's default `raw_logprobs`). Rows are independent of each other, so a request samples the same token whatever
-else is in the batch.
+vLLM's default `raw_logprobs`). Rows are independent of each other, so a request samples
+the same token whatever else is in the batch.
 
 Randomness for a row comes from a generator seeded by (request seed, completion index, output
 position): a prefill worker sampling the first token and a decode worker sampling the rest

@@ -129,3 +129,13 @@ def test_generation_config_eos_ids_follow_vllm(model_dir):
     assert req.eos_token_ids == {2} and req.sampling.stop_token_ids == (7, 0)
     ignoring = builder.build("b", "hi", SamplingParams(ignore_eos=True, stop_token_ids=[7]))
     assert ignoring.eos_token_ids == {0, 2} and ignoring.sampling.stop_token_ids == (7,)
+
+
+def test_prompt_logprobs_requests_are_not_parked_for_remote_kv(llm):
+    engine = llm.engine
+    wants = engine.make_request("pl", PROMPT, SamplingParams(prompt_logprobs=1))
+    assert engine.add_remote_prefill_request(wants) is None  # the decode worker prefills it
+    assert not engine.has_unfinished_requests()
+    plain = engine.make_request("remote", PROMPT, SamplingParams())
+    assert engine.add_remote_prefill_request(plain) is not None
+    engine.abort_request("remote")

@@ -52,8 +52,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
         row = _row(output=[5] * out_len, min_tokens=3, stop_token_ids=(STOP,))
         assert _greedy(row, logits) == expected, out_len
     # stop_token_ids masked too: with eos allowed to win only once min_tokens is out.
-    row = _row(output=[], min_tokens=1, stop_token_ids=(STOP,))
-    assert _greedy(row, torch.tensor([[0.0, 0.0, 0.0, 9.0, 7.0, 0.0, 0.0, 0.0]])) == 4
+    row = _row(output=[], min_tokens=1, stop_token_ids=(STOP, 99, -1))  # out of vocab: ignored
+    assert _greedy(row, torch.tensor([[0.0, 0.0, 0.0, 9.0, 7.0, 0.0, 0.0, 8.0]])) == 7
 
 
 def test_logit_bias_adds_to_logits():
