@@ -12,7 +12,7 @@ PROMPT = "In the beginning"  # greedy on 2 layers: " of" " a" "." " " "," ...
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20)
+    return LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, dtype="float32")
 
 
 def _one(llm, **params):
@@ -61,7 +61,8 @@ def test_min_tokens_holds_stop_tokens_and_strings_back(llm, greedy):
 
 
 def test_lower_priority_value_runs_first_with_one_slot(model_dir):
-    one_slot = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, max_num_seqs=1)
+    one_slot = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, max_num_seqs=1,
+                   dtype="float32")
     engine = one_slot.engine
     params = SamplingParams(temperature=0, max_tokens=3)
     engine.add_request("background", PROMPT, params, priority=1)
