@@ -94,8 +94,9 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of cached full blocks at the start of the request. At least the last
-        token is always left to compute (its logits are needed)."""
-        if not self.enable_prefix_caching:
+        token is always left to compute (its logits are needed). No hit for a request that
+        wants prompt logprobs: it computes its whole prompt (vLLM)."""
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
             return PrefixMatch([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         ids: list[int] = []

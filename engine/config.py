@@ -38,6 +38,10 @@ class EngineConfig:
     """Load only the first N layers (tests and quick experiments)."""
     seed: int = 0
     """Seeds the draw of per-request seeds for requests that bring none."""
+    generation_config: str = "auto"
+    """Where default sampling settings come from (vLLM's --generation-config): auto (the
+    model's generation_config.json), vllm (built-in defaults only) or a folder holding a
+    generation_config.json. See engine.generation_config."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -91,3 +95,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "torch", "triton"])
     g.add_argument("--num-layers", type=int, default=None, help="load only the first N layers")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--generation-config", default=d.generation_config,
+                   help="default sampling settings: auto (the model's generation_config.json), "
+                        "vllm (built-in defaults) or a folder with a generation_config.json")

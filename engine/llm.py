@@ -21,25 +21,36 @@ class LLM:
         self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults applied (vLLM's name;
+        EngineConfig.generation_config chooses the source)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are text or token id lists."""
+        """One RequestOutput per prompt, in order. Prompts are text or token id lists.
+        `sampling_params` None: `get_default_sampling_params()`. `priority`: one per prompt,
+        lower runs first."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
 
         results: dict[str, RequestOutput] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, p, prio) in enumerate(zip(prompts, params_list, priorities)):
             rid = f"offline-{i}"
-            request = self.engine.add_request(rid, prompt, p, cache_salt)
+            request = self.engine.add_request(rid, prompt, p, cache_salt, prio)
             results[rid] = RequestOutput(
                 rid, request.prompt_token_ids, [CompletionOutput(j) for j in range(p.n)]
             )

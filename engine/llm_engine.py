@@ -3,22 +3,22 @@
 Not thread-safe: one thread drives `step()`; workers put their own queue in front of it."""
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from engine.attention.selector import make_attention_backend
-from engine.block_hash import compute_block_hashes, hash_extras
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
-from engine.request import Request, RequestStatus
+from engine.request import Logprob, Request, RequestStatus
+from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
 
@@ -81,7 +81,13 @@ class LLMEngine:
             self.max_model_len, config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager)
-        self._seed_rng = random.Random(config.seed)
+        self.sampling_defaults = sampling_defaults(
+            load_generation_config(config.generation_config, self.tokenizer.generation_config)
+        )
+        """SamplingParams fields -> the model's defaults (a request that omits one gets it)."""
+        self._builder = RequestBuilder(
+            self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed
+        )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
 
@@ -92,30 +98,10 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Tokenize and validate; raises ValueError with a message naming the problem."""
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            token_ids = [int(t) for t in prompt]
-            vocab = self.loaded.args.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
-        max_tokens = max(1, min(params.max_tokens or room, room))
-        eos = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling=params,
-            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
-            eos_token_ids=eos,
-            max_tokens=max_tokens,
-            block_hashes=compute_block_hashes(token_ids, self.config.block_size, cache_salt),
-            hash_extras=hash_extras(cache_salt),
-            cache_salt=cache_salt,
-        )
+        return self._builder.build(request_id, prompt, params, cache_salt, priority)
 
     def add_request(
         self,
@@ -123,8 +109,11 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
-        return self.submit(self.make_request(request_id, prompt, params or SamplingParams(), cache_salt))
+        return self.submit(
+            self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, priority)
+        )
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by `make_request` (raises RequestRejected if it can never run)."""
@@ -136,7 +125,7 @@ class LLMEngine:
         self._groups.setdefault(request.group_id, []).append(request.request_id)
         p = request.sampling
         self._detok[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, p.skip_special_tokens, p.stop
+            self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -154,7 +143,11 @@ class LLMEngine:
     ) -> list[int] | None:
         """Allocate the prompt's blocks (reusing local prefix hits) and park the request until
         its KV arrives. Returns the block ids still to be filled (after the local hit), or
-        None if the pool cannot hold the prompt now (nothing changed)."""
+        None if it cannot be parked now (nothing changed; see
+        Scheduler.allocate_for_remote_kv) or asks for prompt logprobs (computed where the
+        prompt runs: it must run here)."""
+        if request.sampling.prompt_logprobs is not None:
+            return None
         block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:
             self._track(request)
@@ -178,30 +171,50 @@ class LLMEngine:
 
     def process_updates(self, requests: list[Request], new_token: bool = True) -> list[CompletionDelta]:
         """Detokenize each request's newest token (if it got one), apply stop strings, build
-        deltas."""
+        deltas. The first delta of completion 0 carries the prompt logprobs (if asked)."""
         deltas = []
         for request in requests:
             if request.request_id not in self._detok:  # a fork seen for the first time
                 self._track(request)
-            detok = self._detok[request.request_id]
             tokens = request.token_ids[-1:] if new_token else []
-            if tokens and detok.append(tokens[0]) and not request.status.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if tokens:
+                self._detokenize(request, tokens[0])
             finished = request.status.is_finished
             deltas.append(CompletionDelta(
                 request_id=request.group_id,
                 index=request.completion_index,
                 token_ids=tokens,
-                text=detok.take_delta(finished),
+                text=self._detok[request.request_id].take_delta(finished),
                 logprobs=request.logprobs[-1:] if tokens and request.sampling.logprobs is not None else [],
                 finish_reason=request.status.finish_reason,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_output_tokens=request.num_output_tokens,
+                stop_reason=request.stop_reason,
+                prompt_logprobs=self._first_prompt_logprobs(request, tokens),
             ))
             if finished:
                 self._forget(request)
         return deltas
+
+    def _detokenize(self, request: Request, token_id: int) -> None:
+        """A stop string ends the request with finish "stop", even one that also hit a length
+        limit or a stop token with this token (vLLM: the detokenizer's verdict wins)."""
+        stop_terminated = request.status is RequestStatus.FINISHED_STOPPED
+        stop = self._detok[request.request_id].append(token_id, stop_terminated)
+        if stop is None:
+            return
+        request.stop_reason = stop
+        if not request.status.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status is RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def _first_prompt_logprobs(request: Request, tokens: list[int]) -> list[Logprob] | None:
+        if request.sampling.prompt_logprobs is None or request.parent_id is not None:
+            return None
+        return list(request.prompt_logprobs) if tokens and request.num_output_tokens == 1 else None
 
     def _forget(self, request: Request) -> None:
         self._detok.pop(request.request_id, None)

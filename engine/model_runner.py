@@ -3,7 +3,11 @@
 The runner owns the KV pool and the attention backend; it never decides policy: the
 scheduler says which requests compute how many tokens, the runner lays them out (one-token
 rows first, see AttentionMetadata) and samples where a request has computed all its known
-tokens."""
+tokens.
+
+A request asking for prompt logprobs also gets logits at each prompt position it runs (chunk
+by chunk); the runner records them on the request (`Request.prompt_logprobs`). Everyone else
+only gets logits where it samples."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +16,8 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.llama import ForwardContext, Transformer
-from engine.sampler import SampleRow, sample
+from engine.request import Logprob, Request
+from engine.sampler import SampleRow, sample, token_ranks
 from engine.scheduler import SampledToken, SchedulerOutput
 
 
@@ -41,6 +46,8 @@ class ModelRunner:
         order = sorted(output.scheduled, key=lambda item: item[1] != 1)
         input_ids, positions, slots, tables = [], [], [], []
         query_lens, seq_lens, sample_at, sample_rows = [], [], [], []
+        prompt_spans: list[tuple[Request, int, int]] = []  # (request, first position, end)
+        prompt_rows: list[int] = []
         row = 0
         for request, n in order:
             start = request.num_computed_tokens
@@ -52,6 +59,14 @@ class ModelRunner:
             tables.append(table)
             query_lens.append(n)
             seq_lens.append(start + n)
+            if request.sampling.prompt_logprobs is not None:
+                # Position p predicts prompt token p + 1; skip positions already recorded
+                # (recomputed after a preemption) and the last prompt position (it samples).
+                first = max(start, len(request.prompt_logprobs))
+                end = min(start + n, request.num_prompt_tokens - 1)
+                if first < end:
+                    prompt_spans.append((request, first, end))
+                    prompt_rows.extend(range(row + first - start, row + end - start))
             row += n
             if start + n == request.num_tokens:  # all known tokens computed: draw the next
                 for index in range(request.sampling.n if request.pending_forks else 1):
@@ -64,11 +79,13 @@ class ModelRunner:
             torch.from_numpy(np.concatenate(input_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),
             ForwardContext(self.backend, self.kv_cache, metadata),
-            logits_indices=torch.tensor(sample_at, dtype=torch.long, device=self.device),
+            logits_indices=torch.tensor(sample_at + prompt_rows, dtype=torch.long, device=self.device),
         )
+        if prompt_spans:
+            _record_prompt_logprobs(logits[len(sample_at) :], prompt_spans)
         if not sample_at:
             return {}
-        tokens = sample(logits, sample_rows)
+        tokens = sample(logits[: len(sample_at)], sample_rows)
         out: dict[str, list[SampledToken]] = {}
         for sample_row, token in zip(sample_rows, tokens):
             out.setdefault(sample_row.request.request_id, []).append(token)
@@ -94,3 +111,22 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+
+
+def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
+    """`logits`: one row per prompt position of `spans` (request, first, end), in order;
+    appends a Logprob for prompt tokens first + 1 .. end to each request."""
+    logprobs = logits.log_softmax(-1)
+    targets = [t for req, first, end in spans for t in req.prompt_token_ids[first + 1 : end + 1]]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = token_ranks(logprobs, chosen).tolist()
+    chosen = chosen.squeeze(1).tolist()
+    k = max(req.sampling.prompt_logprobs for req, _, _ in spans)
+    top_vals, top_ids = (t.tolist() for t in logprobs.topk(k))
+    i = 0
+    for req, first, end in spans:
+        n = req.sampling.prompt_logprobs
+        for _ in range(end - first):
+            top = list(zip(top_ids[i][:n], top_vals[i][:n]))
+            req.prompt_logprobs.append(Logprob(targets[i], chosen[i], top, ranks[i]))
+            i += 1

@@ -20,7 +20,9 @@ class CompletionDelta:
     num_cached_tokens: int  # prompt tokens served from the prefix cache (or remote KV)
     num_output_tokens: int
     stop_reason: str | int | None = None  # finish "stop": the stop string or token id; None = EOS
-    prompt_logprobs: list[Logprob] | None = None  # first delta only: prompt tokens 1.. (0 has none)
+    prompt_logprobs: list[Logprob] | None = None
+    """Prompt tokens 1.. (token 0 has none); on completion 0's first delta only (n > 1:
+    the completions share one prompt)."""
 
     @property
     def finished(self) -> bool:

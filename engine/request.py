@@ -59,7 +59,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     seed: int  # effective seed: the request's own, or one drawn at arrival
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # stop as EOS (none do with ignore_eos); masked until min_tokens
     max_tokens: int  # resolved against max_model_len
     block_hashes: list[BlockHash]
     hash_extras: bytes = b""
@@ -74,6 +74,10 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
     logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+    """sampling.prompt_logprobs set: prompt tokens 1.. so far (the model runner records them
+    as the prompt's chunks run; a recomputed position is not recorded twice)."""
+    stop_reason: str | int | None = None  # FINISHED_STOPPED: stop string or stop token id
     block_table: list[int] = field(default_factory=list)
     """Set by the block manager on allocation (the same list it updates); kept after the
     request is freed, so callers can still see which blocks it used."""

@@ -1,6 +1,7 @@
-"""Turns logits into tokens: penalties, temperature, top-k, top-p, min-p, seeded draws,
-logprobs. Rows are independent of each other, so a request samples the same token whatever
-else is in the batch.
+"""Turns logits into tokens: request masks (engine.logits_masks), penalties, temperature,
+top-k, top-p, min-p, seeded draws, logprobs (from the raw logits, before any of these, as
+vLLM's default `raw_logprobs`). Rows are independent of each other, so a request samples
+the same token whatever else is in the batch.
 
 Randomness for a row comes from a generator seeded by (request seed, completion index, output
 position): a prefill worker sampling the first token and a decode worker sampling the rest
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_masks import apply_masks
 from engine.request import Request
 from engine.scheduler import SampledToken
 
@@ -78,8 +80,9 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
-    want_logprobs = [r.request.sampling.logprobs for r in rows]
-    raw_logprobs = logits.log_softmax(-1) if any(n is not None for n in want_logprobs) else None
+    lp_idx = [i for i, r in enumerate(rows) if r.request.sampling.logprobs is not None]
+    raw_logprobs = logits[lp_idx].log_softmax(-1) if lp_idx else None
+    apply_masks(logits, rows)
     _apply_penalties(logits, rows)
 
     greedy = [r.request.sampling.greedy for r in rows]
@@ -100,17 +103,22 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
         drawn = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(1)
         tokens[random_idx] = drawn.clamp(max=probs.shape[-1] - 1)
 
-    token_list = tokens.tolist()
-    out: list[SampledToken] = []
-    for i, token in enumerate(token_list):
-        n = want_logprobs[i]
-        if n is None:
-            out.append(SampledToken(token))
-            continue
-        row_lp = raw_logprobs[i]
+    out = [SampledToken(token) for token in tokens.tolist()]
+    if raw_logprobs is None:
+        return out
+    chosen = raw_logprobs.gather(1, tokens[lp_idx, None])
+    ranks = token_ranks(raw_logprobs, chosen).tolist()
+    for j, (i, value) in enumerate(zip(lp_idx, chosen.squeeze(1).tolist())):
+        n = rows[i].request.sampling.logprobs
         top = ()
         if n > 0:
-            vals, ids = row_lp.topk(n)
+            vals, ids = raw_logprobs[j].topk(n)
             top = tuple(zip(ids.tolist(), vals.tolist()))
-        out.append(SampledToken(token, float(row_lp[token]), top))
+        out[i] = SampledToken(out[i].token_id, value, top, ranks[j])
     return out
+
+
+def token_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """1-based rank of each row's chosen logprob ([rows, 1]) among the row's logprobs, as
+    vLLM counts it: the number of tokens at least as likely (ties share the worse rank)."""
+    return (logprobs >= chosen).sum(-1)

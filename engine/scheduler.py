@@ -1,14 +1,16 @@
 """Continuous-batching scheduler: one token budget per step over running and waiting requests.
 
 Each step gives every running request what it still lacks (one token when decoding, a chunk
-when prefilling), oldest first, then admits waiting requests while budget, `max_num_seqs` and
-blocks last. When a running request cannot get a block, the newest running request is
-preempted (its blocks freed; it is recomputed later, mostly from the prefix cache). The
+when prefilling), then admits waiting requests while budget, `max_num_seqs` and blocks last.
+Both queues are kept in (priority, arrival) order, lower first (vLLM's priority policy; with
+every priority 0 it is first come, first served). When a running request cannot get a block,
+the last running request in that order is preempted (its blocks freed; it is recomputed
+later, mostly from the prefix cache) and waits again in its place in that order. The
 scheduler never touches tensors.
 """
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -36,6 +38,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    rank: int = 0  # 1-based rank of token_id among the logprobs; 0 = not computed
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # both in _order
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -92,7 +95,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        insort(self.waiting, request, key=_order)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -112,7 +115,9 @@ class Scheduler:
                     self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
                     finished.append(request)
                     break
-                victim = self.running.pop()  # newest first; never one already scheduled
+                # The last in (priority, arrival) order; never one already scheduled (those
+                # are before i).
+                victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -137,12 +142,12 @@ class Scheduler:
                 n = budget
             if not self.bm.allocate(request, n, prefix):
                 break
-            self.waiting.popleft()
+            del self.waiting[0]
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = prefix.num_tokens
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            insort(self.running, request, key=_order)
             scheduled.append((request, n))
             budget -= n
 
@@ -153,7 +158,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        insort(self.waiting, request, key=_order)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
@@ -193,6 +198,8 @@ class Scheduler:
             block_hashes=list(parent.block_hashes),
             hash_extras=parent.hash_extras,
             cache_salt=parent.cache_salt,
+            priority=parent.priority,
+            bad_words_token_ids=parent.bad_words_token_ids,
             completion_index=index,
             parent_id=parent.request_id,
             arrival_time=parent.arrival_time,
@@ -203,27 +210,33 @@ class Scheduler:
         )
         self.bm.fork(parent, child)
         self.requests[child.request_id] = child
-        self.running.append(child)
+        insort(self.running, child, key=_order)
         return child
 
     def _append(self, request: Request, token: SampledToken) -> None:
         request.append_token(token.token_id)
         self.stats.generation_tokens += 1
         if token.logprob is not None:
-            request.logprobs.append(Logprob(token.token_id, token.logprob, list(token.top_logprobs)))
+            request.logprobs.append(
+                Logprob(token.token_id, token.logprob, list(token.top_logprobs), token.rank)
+            )
         status = self._stop_status(request, token.token_id)
         if status is not None:
             self.finish_request(request.request_id, status)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        """vLLM's check_stop: length first; no EOS / stop token before min_tokens (the sampler
+        masks them, this is a guard); EOS before stop_token_ids (only the latter set
+        `stop_reason`)."""
         params = request.sampling
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens <= params.min_tokens:
+        if request.num_output_tokens < params.min_tokens:
             return None
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         return None
 
@@ -249,10 +262,13 @@ class Scheduler:
     def allocate_for_remote_kv(self, request: Request) -> list[int] | None:
         """Allocate all of a prompt's blocks, reusing local prefix hits, and park the request
         as WAITING_FOR_KV. Returns the block ids a prefill worker must fill (those after the
-        local hit), or None if the pool cannot hold the prompt now (nothing changed)."""
+        local hit), or None if `max_num_seqs` requests are already running or parked or the
+        pool cannot hold the prompt now (nothing changed)."""
         self.check_fits(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+            return None
         prefix = self.bm.match_prefix(request)
         if not self.bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix):
             return None
@@ -268,7 +284,7 @@ class Scheduler:
         request = self.waiting_for_kv.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        insort(self.running, request, key=_order)
         self.bm.cache_full_blocks(request)
         self._append(request, first_token)
         return request
@@ -276,3 +292,8 @@ class Scheduler:
     # ---- state ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+
+def _order(request: Request) -> tuple[int, float]:
+    """Queue order: lower priority value first, then earlier arrival."""
+    return request.priority, request.arrival_time

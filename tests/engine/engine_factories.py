@@ -20,6 +20,7 @@ def make_request(
     cache_salt: str | None = None,
     n: int = 1,
     request_id: str | None = None,
+    priority: int = 0,
 ) -> Request:
     token_ids = list(range(100, 100 + tokens)) if isinstance(tokens, int) else list(tokens)
     return Request(
@@ -32,6 +33,7 @@ def make_request(
         block_hashes=compute_block_hashes(token_ids, block_size, cache_salt),
         hash_extras=hash_extras(cache_salt),
         cache_salt=cache_salt,
+        priority=priority,
     )
 
 

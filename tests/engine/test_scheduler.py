@@ -194,3 +194,50 @@ def test_a_sequence_that_outgrows_the_whole_pool_stops_with_length():
     drain(s)
     # 8 slots: the 9th token is sampled from the 8th position and needs no slot of its own.
     assert r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == 9
+
+
+def test_waiting_requests_run_in_priority_then_arrival_order():
+    s = make_scheduler(max_num_seqs=1)
+    low, high, high_later = make_request(4, priority=1), make_request(4, priority=0), make_request(4, priority=0)
+    for r in (low, high, high_later):
+        s.add_request(r)
+    order = []
+    while s.has_unfinished():
+        out = step(s)
+        order += [r for r, _ in out.scheduled if r not in order]
+    assert order == [high, high_later, low]
+
+
+def test_preemption_picks_the_lowest_priority_running_request_and_requeues_it_in_order():
+    # Two requests of 8 prompt + 12 outputs need 5 blocks each; the pool has 8.
+    s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    background = make_request(8, max_tokens=12, priority=5)  # older but less important
+    urgent = make_request(8, max_tokens=12, priority=-1)
+    s.add_request(background)
+    step(s)
+    s.add_request(urgent)
+    victims = []
+    while s.has_unfinished():
+        out = step(s)
+        victims += out.preempted
+        assert s.waiting == sorted(s.waiting, key=lambda r: (r.priority, r.arrival_time))
+    assert victims and all(v is background for v in victims)
+    assert urgent.num_output_tokens == background.num_output_tokens == 12
+
+
+def test_remote_kv_admission_respects_max_num_seqs():
+    s = make_scheduler(num_blocks=64, max_num_seqs=2)
+    running = make_request(5)
+    s.add_request(running)
+    step(s)
+    parked = make_request(list(range(300, 306)))
+    assert s.allocate_for_remote_kv(parked) is not None
+    extra = make_request(list(range(400, 406)))
+    free_before = s.bm.num_free_blocks
+    assert s.allocate_for_remote_kv(extra) is None  # running + parked == max_num_seqs
+    assert extra.request_id not in s.requests and s.bm.num_free_blocks == free_before
+    s.remote_kv_arrived(parked.request_id, SampledToken(7))
+    drain(s)
+    assert s.allocate_for_remote_kv(extra) is not None  # room again
+    s.remote_kv_arrived(extra.request_id, SampledToken(7))
+    drain(s)

@@ -1,0 +1,72 @@
+"""Per-request logit masks, applied before penalties and temperature (vLLM's order):
+allowed_token_ids, bad_words, min_tokens, logit_bias.
+
+A row pays for these only when its request asks for one of them (`needs_masks`); a batch
+where no row does costs one attribute check per row."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.sampler import SampleRow
+
+_NEG_INF = float("-inf")
+
+
+def needs_masks(request: Request) -> bool:
+    p = request.sampling
+    return bool(
+        p.allowed_token_ids is not None
+        or request.bad_words_token_ids
+        or p.logit_bias
+        or request.num_output_tokens < p.min_tokens
+    )
+
+
+def banned_bad_word_tokens(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end `output` (one-token words always)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or output[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
+
+
+def min_tokens_banned(request: Request, vocab_size: int) -> list[int]:
+    """While fewer than min_tokens are out: every EOS id and every stop token id (those in
+    the vocabulary: a stop id outside it can never be sampled anyway)."""
+    if request.num_output_tokens >= request.sampling.min_tokens:
+        return []
+    ids = request.eos_token_ids | set(request.sampling.stop_token_ids)
+    return sorted(t for t in ids if 0 <= t < vocab_size)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place, row by row, only for rows whose request needs it."""
+    device = logits.device
+    ids = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    for i, row in enumerate(rows):
+        req = row.request
+        if not needs_masks(req):
+            continue
+        p = req.sampling
+        if p.allowed_token_ids is not None:
+            allowed = ids(p.allowed_token_ids)
+            kept = logits[i, allowed]
+            logits[i] = _NEG_INF
+            logits[i, allowed] = kept
+        banned = min_tokens_banned(req, logits.shape[-1])
+        if req.bad_words_token_ids:
+            banned += banned_bad_word_tokens(req.bad_words_token_ids, req.output_token_ids)
+        if banned:
+            logits[i, ids(banned)] = _NEG_INF
+        if p.logit_bias:
+            logits[i].index_add_(0, ids(list(p.logit_bias)), torch.tensor(
+                list(p.logit_bias.values()), dtype=logits.dtype, device=device))

@@ -1,0 +1,89 @@
+"""From (prompt, SamplingParams) to a validated engine Request, as vLLM's input processing
+does it: tokenization, id checks, prompt truncation, the generation config's eos ids, bad
+words as token sequences."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Sequence
+
+from engine.block_hash import compute_block_hashes, hash_extras
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+class RequestBuilder:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, seed: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self._seed_rng = random.Random(seed)  # seeds for requests that bring none
+
+    def build(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Raises ValueError with a message that starts with the offending field."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = [int(t) for t in prompt]
+        for name, ids in (
+            ("prompt", token_ids),
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
+        params, eos = self._eos_rules(params)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=params,
+            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            eos_token_ids=eos,
+            max_tokens=max(1, min(params.max_tokens or room, room)),
+            block_hashes=compute_block_hashes(token_ids, self.block_size, cache_salt),
+            hash_extras=hash_extras(cache_salt),
+            cache_salt=cache_salt,
+            priority=priority,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+        )
+
+    def _eos_rules(self, params: SamplingParams) -> tuple[SamplingParams, frozenset[int]]:
+        """(params, eos ids) as vLLM's update_from_generation_config leaves them: the
+        tokenizer's eos stops as EOS (stop_reason None); the generation config's other eos
+        ids join stop_token_ids (stop_reason = the id). With ignore_eos none of them stops,
+        and all stay masked until min_tokens."""
+        all_eos = self.tokenizer.stop_token_ids
+        if params.ignore_eos:
+            return params, all_eos
+        primary = self.tokenizer.eos_token_id
+        extra = sorted(all_eos - {primary} - set(params.stop_token_ids))
+        if extra:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+        return params, frozenset() if primary is None else frozenset({primary})
+
+    def _bad_words_token_ids(self, bad_words: tuple[str, ...]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word (left-stripped) as-is, and with a
+        leading space when that gives a different first token and as many tokens."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip())
+            spaced = self.tokenizer.encode(" " + word.lstrip())
+            out.append(plain)
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
