@@ -67,7 +67,8 @@ def logprob_from_pb(m: pb.TokenLogprob) -> Logprob:
 
 def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
     m = pb.TokenLogprob(
-        token_id=token.token_id, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs]
+        token_id=token.token_id, rank=token.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs],
     )
     if token.logprob is not None:
         m.logprob = token.logprob
@@ -77,7 +78,7 @@ def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
 def sampled_from_pb(m: pb.TokenLogprob, with_logprobs: bool) -> SampledToken:
     if not with_logprobs:
         return SampledToken(m.token_id)
-    return SampledToken(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
+    return SampledToken(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top), m.rank)
 
 
 def delta_to_pb(d: CompletionDelta, prefill_mode: str, remote_cached_tokens: int = 0) -> pb.GenerateResponse:

@@ -179,7 +179,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         remote_cached = 0
         try:
             try:
-                if request.HasField("prefill_worker") and params.n == 1 and params.prompt_logprobs is None:
+                if request.HasField("prefill_worker") and params.remote_prefill_ok:
                     mode, remote_cached = await _unless_aborted(
                         self._prefill_remotely(req, request.prefill_worker), aborted)
                 if mode == "local_fallback":  # the parked request was dropped: start afresh

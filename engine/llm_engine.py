@@ -144,9 +144,9 @@ class LLMEngine:
         """Allocate the prompt's blocks (reusing local prefix hits) and park the request until
         its KV arrives. Returns the block ids still to be filled (after the local hit), or
         None if it cannot be parked now (nothing changed; see
-        Scheduler.allocate_for_remote_kv) or asks for prompt logprobs (computed where the
-        prompt runs: it must run here)."""
-        if request.sampling.prompt_logprobs is not None:
+        Scheduler.allocate_for_remote_kv) or must prefill here (not
+        `SamplingParams.remote_prefill_ok`)."""
+        if not request.sampling.remote_prefill_ok:
             return None
         block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:

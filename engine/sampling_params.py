@@ -94,6 +94,12 @@ class SamplingParams:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
     @property
+    def remote_prefill_ok(self) -> bool:
+        """A prefill worker returns one first token and no prompt logprobs: requests that need
+        more (n > 1, prompt_logprobs) prefill where they decode."""
+        return self.n == 1 and self.prompt_logprobs is None
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

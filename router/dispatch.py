@@ -122,9 +122,9 @@ class Dispatcher:
         """Deltas of every completion of one prompt, until each has finished."""
         exclude: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
-            # Decode workers prefill n > 1 requests themselves (the prefill side samples one
-            # first token), so those are placed as local prefill.
-            placement = await self.acquire(prompt, frozenset(exclude), remote_prefill=sampling.n == 1,
+            # Decode workers prefill n > 1 and prompt-logprobs requests themselves, so those
+            # are placed as local prefill.
+            placement = await self.acquire(prompt, frozenset(exclude), remote_prefill=sampling.remote_prefill_ok,
                                            context=_context_needed(prompt, sampling))
             try:
                 async with aclosing(self._run(placement, prompt, sampling, arrival,

@@ -49,7 +49,7 @@ class Placer:
 
     def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
               remote_prefill: bool = True, context: int = 0) -> Placement | None:
-        """`remote_prefill=False`: the decode worker must prefill (it does so for n > 1).
+        """`remote_prefill=False`: the decode worker must prefill (n > 1, prompt logprobs).
         `context`: prompt + output tokens; decode workers whose published max_model_len is
         smaller are never chosen (unpublished, 0: assumed to fit)."""
         now = self.registry.clock()

@@ -5,6 +5,7 @@
 - `--max-num-seqs` also bounds requests parked for KV from a prefill worker."""
 import asyncio
 import random
+import signal
 import time
 
 import grpc
@@ -24,7 +25,7 @@ def workers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with EtcdServer() as etcd:
         # A tiny prefill budget: a long prompt takes P many steps, so D waits for its KV.
-        prefill = WorkerProcess("prefill", etcd.endpoint, "--max-num-batched-tokens", "32", log_dir=logs)
+        prefill = WorkerProcess("prefill", etcd.endpoint, "--max-num-batched-tokens", "16", log_dir=logs)
         decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "30", "--max-num-seqs",
                                str(MAX_NUM_SEQS), log_dir=logs)
         try:
@@ -76,7 +77,7 @@ def test_abort_of_a_running_request_ends_its_stream_with_a_final_update(workers)
 
 def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
     prefill, decode = workers
-    long_prompt = _prompt(3000, 2)
+    long_prompt = _prompt(6000, 2)
 
     async def run():
         async with grpc.aio.insecure_channel(decode.address) as ch:
@@ -85,17 +86,24 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
             while (await ahealth(prefill.address)).capacity.running == 0:  # P is computing it
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
-            assert (await ahealth(decode.address)).capacity.running == 1  # parked for its KV
-            assert await _abort(decode.address, "abort-parked")
-            responses = []
-            while (r := await call.read()) is not grpc.aio.EOF:
-                responses.append(r)
-            return responses, await call.code()
+            prefill.proc.send_signal(signal.SIGSTOP)  # its KV cannot complete now
+            try:
+                while (await ahealth(decode.address)).capacity.running == 0:  # parked for its KV
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                assert await _abort(decode.address, "abort-parked")
+                responses = []
+                while (r := await call.read()) is not grpc.aio.EOF:
+                    responses.append(r)
+                return responses, await call.code()
+            finally:
+                # P wakes up to a cancelled call and an Abort; whatever it still writes lands
+                # in blocks the decode worker holds until P confirmed the abort.
+                prefill.proc.send_signal(signal.SIGCONT)
 
     responses, code = asyncio.run(run())
     assert code is grpc.StatusCode.OK
     assert [(r.finish_reason, list(r.token_ids)) for r in responses] == [("abort", [])]
-    # The prefill side is told to stop; the decode side holds the target blocks until it has.
     wait_all_blocks_free(decode.address, timeout=15)
     wait_all_blocks_free(prefill.address, timeout=15)
     # The engine thread is alive: a new request runs to completion through both workers.

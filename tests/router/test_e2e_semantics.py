@@ -27,18 +27,26 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 
 
 def test_min_tokens_equals_max_tokens_matches_single_engine(client, reference):
+    """EOS pushed to the top (logit_bias) would end the request at once; min_tokens masks it
+    from sampling on both workers (the prefill worker samples the first token)."""
     messages = [{"role": "user", "content": "Hi"}]
     ids = reference.tokenizer.encode_chat(messages)
-    early = reference_output(reference, ids, temperature=0.0, max_tokens=30)
-    assert early.outputs[0].finish_reason == "stop"  # EOS comes early without min_tokens...
-    n = len(early.outputs[0].token_ids) + 4
-    ref = reference_output(reference, ids, temperature=0.0, max_tokens=n, min_tokens=n)
+    eos = reference.tokenizer.eos_token_id
+    bias = {eos: 100.0}
+    early = reference_output(reference, ids, temperature=0.0, max_tokens=30, logit_bias=bias)
+    assert early.outputs[0].token_ids == [eos]  # EOS comes first without min_tokens...
+    n = 6
+    ref = reference_output(reference, ids, temperature=0.0, max_tokens=n, min_tokens=n, logit_bias=bias)
     r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=n,
-                                       extra_body={"min_tokens": n})
+                                       logit_bias={str(eos): 100}, extra_body={"min_tokens": n})
     assert r.usage.completion_tokens == n == len(ref.outputs[0].token_ids)  # ...but not with it
+    assert eos not in ref.outputs[0].token_ids
     assert r.choices[0].message.content == ref.outputs[0].text
     assert "<|im_end|>" not in r.choices[0].message.content
     assert r.choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=n,
+                                       logit_bias={str(eos): 100}, extra_body={"min_tokens": 2})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop"
 
 
 def test_streamed_stop_string_and_continuous_usage(client, reference):
@@ -66,19 +74,24 @@ def test_completion_logprobs_include_the_sampled_token_and_exact_offsets(client,
     lp = r.choices[0].logprobs
     assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))
     assert any(len(top) == 2 for top in lp.top_logprobs)  # sampled outside the top 1: both shown
-    # Offsets index the returned text, multibyte characters split across tokens included.
-    emoji = tok.encode("😀中")
-    r = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=8, logprobs=0,
-                                  extra_body={"ignore_eos": True, "allowed_token_ids": emoji})
+    # Offsets index the returned text, multibyte characters split across tokens included
+    # (echo: the prompt's tokens come first, at their offsets in the prompt's text).
+    prompt = "Hi 😀 and 中文 😀!"
+    ids = tok.encode(prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1, logprobs=0,
+                                  echo=True, extra_body={"ignore_eos": True})
     out = r.choices[0]
-    assert len(out.logprobs.text_offset) == 8 and out.logprobs.text_offset[0] == 0
-    prefix_ids = reference_output(reference, tok.encode("Hello"), temperature=0, max_tokens=8, ignore_eos=True,
-                                  allowed_token_ids=emoji).outputs[0].token_ids
-    assert tok.decode(prefix_ids) == out.text
-    for i, offset in enumerate(out.logprobs.text_offset):
-        before = tok.decode(prefix_ids[:i])
+    assert out.text.startswith(prompt)
+    offsets = out.logprobs.text_offset
+    assert len(offsets) == len(ids) + 1 and offsets[0] == 0
+    checked = 0
+    for i, offset in enumerate(offsets[: len(ids)]):
+        before = tok.decode(ids[:i])
         if "\ufffd" not in before:
-            assert offset == len(before), (i, out.logprobs.text_offset)
+            assert offset == len(before), (i, offsets)
+            checked += 1
+    assert checked >= len(ids) - 4  # all but the tokens inside the split characters
+    assert offsets[-1] == len(prompt)  # the generated token starts right after the prompt
 
 
 def test_chat_logprob_bytes_are_the_tokens_real_bytes(client, reference):
@@ -125,11 +138,20 @@ def test_generation_config_defaults_apply_when_omitted(e2e, reference, tmp_path)
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
     ids = reference.tokenizer.encode("The weather today is", add_special_tokens=True)
     greedy = reference_output(reference, ids, temperature=0.0, max_tokens=3, ignore_eos=True).outputs[0].text
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = reference.tokenizer.encode_chat(messages)
+    chat_greedy = reference_output(reference, chat_ids, temperature=0.0, max_tokens=3, ignore_eos=True).outputs[0].text
     with start_router(e2e.etcd, e2e.logs, "--generation-config", str(folder), name="router-genconf") as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        # temperature from the model's config; completions keep OpenAI's max_tokens default (16).
+        r = c.completions.create(model=MODEL, prompt=ids, max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == greedy
         r = c.completions.create(model=MODEL, prompt=ids, extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 3 and r.choices[0].text == greedy
-        r = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 16
+        # chat without max_tokens: the model's max_new_tokens (within the context).
+        r = c.chat.completions.create(model=MODEL, messages=messages, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3 and r.choices[0].message.content == chat_greedy
+        r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 5  # a field the request sets wins
 
 
