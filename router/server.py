@@ -70,11 +70,12 @@ class RouterServices:
         self._watch: asyncio.Task | None = None
 
     def max_model_len(self) -> int:
-        """The longest prompt + output a decode worker holds: the largest published by a
-        registered decode worker, else (none registered or published) the model card's."""
-        published = [w.info.max_model_len for w in self.registry.by_role("decode")
-                     if w.info.max_model_len > 0]
-        return max(published) if published else self.card.max_model_len
+        """The longest prompt + output a decode worker holds: the largest published by a live
+        decode worker (else by any registered one, draining or stale), else the model card's."""
+        now = self.registry.clock()
+        decode = [w for w in self.registry.by_role("decode") if w.info.max_model_len > 0]
+        live = [w for w in decode if not w.info.draining and not self.registry.is_stale(w, now)]
+        return max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
 
     def _serves(self, info: WorkerInfo) -> bool:
         return info.model_id in self.card.aliases or info.model_id == self.card.name
