@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from cluster.retry import reconnect_forever
+
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
@@ -137,29 +139,27 @@ class Registrar:
         await self._client.put(key, info.to_json(), lease=self._lease)
 
     async def _keep_alive(self) -> None:
+        await reconnect_forever(self._session, f"etcd registration at {self.endpoint}", log,
+                                after_failure=self._lost)
+
+    async def _session(self) -> None:
+        """Publish every interval (refreshing the lease in time) until etcd fails; registers
+        afresh first when the last session lost etcd."""
+        if self._client is None:
+            await self._register()
+            log.info("re-registered with etcd at %s", self.endpoint)
         last_refresh = time.monotonic()
-        backoff = 0.2
         while True:
             await asyncio.sleep(self.publish_interval_s)
-            try:
-                if self._client is None:
-                    await self._register()
-                    log.info("re-registered with etcd at %s", self.endpoint)
-                    last_refresh = time.monotonic()
-                    backoff = 0.2
-                    continue
-                if time.monotonic() - last_refresh > self.ttl_s / 3:
-                    await self._lease.refresh()
-                    last_refresh = time.monotonic()
-                await self._publish()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # etcd went away: keep serving, keep retrying
-                self.registered.clear()
-                log.warning("etcd unreachable (%r); retrying in %.1fs", exc, backoff)
-                await self._drop_client()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+            if time.monotonic() - last_refresh > self.ttl_s / 3:
+                await self._lease.refresh()
+                last_refresh = time.monotonic()
+            await self._publish()
+
+    async def _lost(self) -> None:
+        """etcd went away: keep serving, drop the client; the next session re-registers."""
+        self.registered.clear()
+        await self._drop_client()
 
     async def publish_now(self) -> None:
         """Publish immediately (e.g. the draining flag flipped)."""

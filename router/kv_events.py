@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from cluster.registration import WorkerInfo
+from cluster.retry import reconnect_forever
 from proto import pdserve_pb2
 from router.channels import ChannelPool
 from router.kv_index import KVIndex
@@ -49,22 +50,15 @@ class KVSubscriptions:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _follow(self, info: WorkerInfo) -> None:
-        backoff = 0.2
-        while True:
+        async def session() -> None:  # ends when the worker closes the stream: resubscribe
             try:
                 await self._subscribe_once(info)
-                backoff = 0.2  # the worker closed the stream cleanly: resubscribe
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.info("KV events from %s interrupted (%r); retrying in %.1fs",
-                         info.worker_id, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
             finally:
                 self.index.remove_worker(info.worker_id)
                 if info.worker_id in self.synced:
                     self.synced[info.worker_id].clear()
+
+        await reconnect_forever(session, f"KV events from {info.worker_id}", log, logging.INFO)
 
     async def _subscribe_once(self, info: WorkerInfo) -> None:
         stub = self.channels.worker(info.grpc_address)

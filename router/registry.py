@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cluster.registration import ROLES, WorkerInfo, make_client, workers_prefix
+from cluster.retry import reconnect_forever
 
 log = logging.getLogger(__name__)
 
@@ -137,20 +138,11 @@ class EtcdWatcher:
         self.resync_after_s = resync_after_s
 
     async def run(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                async with make_client(self.endpoint) as client:
-                    await self._sync_and_watch(client)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("etcd watch at %s failed (%r); retrying in %.1fs",
-                            self.endpoint, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-            else:
-                backoff = 0.2
+        await reconnect_forever(self._session, f"etcd watch at {self.endpoint}", log)
+
+    async def _session(self) -> None:
+        async with make_client(self.endpoint) as client:
+            await self._sync_and_watch(client)
 
     async def _sync_and_watch(self, client) -> None:
         listing = await client.get_prefix(self.prefix)
