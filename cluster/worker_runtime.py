@@ -93,6 +93,11 @@ class WorkerRuntime:
                 self.aio.call_soon_threadsafe(q.put_nowait, batch)
         return self._role_after_step(engine) if self._role_after_step else False
 
+    def settle(self, future: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
+        """From the engine thread: resolve an asyncio future on the worker's loop (once; a
+        future already resolved or cancelled is left alone)."""
+        self.aio.call_soon_threadsafe(_settle, future, result, exc)
+
     def admit(self, request_id: str) -> None:
         """Refuse new work while draining, and requests without an id."""
         if self.draining:
@@ -207,6 +212,15 @@ class WorkerRuntime:
                 yield await queue.get()
         finally:
             self._kv_subscribers.discard(queue)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(result)
+    else:
+        future.set_exception(exc)
 
 
 class WorkerService(pb_grpc.WorkerServicer):

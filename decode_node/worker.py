@@ -126,7 +126,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         del self._pending[pending.request_id]
         deltas = engine.finish_remote_prefill(pending.request_id, pending.first_token)
         self.rt.deliver(deltas)
-        self.rt.aio.call_soon_threadsafe(_resolve, pending.done, None)
+        self.rt.settle(pending.done)
 
     def _fail(self, engine: LLMEngine, pending: _RemotePrefill, exc: Exception) -> None:
         self._pending.pop(pending.request_id, None)
@@ -136,7 +136,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             engine.block_manager.pin(pending.block_ids)
             self._quarantine[pending.transfer_id] = pending.block_ids
         engine.abort_request(pending.request_id)
-        self.rt.aio.call_soon_threadsafe(_resolve, pending.done, exc)
+        self.rt.settle(pending.done, exc=exc)
 
     def _call_ended(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
         pending = self._pending.get(request_id)
@@ -167,7 +167,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                                        request.cache_salt or None, priority=request.priority)
 
         req = make_request()
-        engine.scheduler.check_fits(req)  # reads only fixed sizes; invalid input fails before any work
+        engine.limits.check_fits(req.num_prompt_tokens)  # invalid input fails before any work
         queue: asyncio.Queue = asyncio.Queue()
         rt.streams[rid] = queue
         aborted = self._aborted[rid] = asyncio.Event()
@@ -236,7 +236,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         if started is None:
             return "local", 0  # no room for the whole prompt now: let the scheduler queue it
         transfer_id, block_ids = started
-        num_skip = rt.engine.block_manager.blocks_for(req.num_prompt_tokens) - len(block_ids)
+        num_skip = rt.engine.limits.blocks_for(req.num_prompt_tokens) - len(block_ids)
         prefill = pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
@@ -333,12 +333,3 @@ async def _unless_aborted(work: Awaitable[T], aborted: asyncio.Event) -> T:
             task.exception()  # retrieved: an abort supersedes whatever the work ended with
         raise RequestAborted
     return task.result()
-
-
-def _resolve(future: asyncio.Future, exc: Exception | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)

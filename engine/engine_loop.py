@@ -1,8 +1,9 @@
 """Drives an LLMEngine on a thread of its own, so network I/O never stalls a step and a step
 never stalls I/O.
 
-Other threads never touch the engine: they `call(fn)` to run `fn(engine)` on the loop thread
-between steps and get a concurrent Future. Deltas of every step go to `on_deltas` (on the loop
+Other threads never touch the engine's state: they `call(fn)` to run `fn(engine)` on the loop
+thread between steps and get a concurrent Future. (Only `engine.make_request` and
+`engine.limits` are safe to use directly from another thread; they read no mutable state.) Deltas of every step go to `on_deltas` (on the loop
 thread; workers forward them to asyncio with call_soon_threadsafe). `after_step(engine)` runs
 after every step and while idle; it returns True while it has work in flight (e.g. KV
 transfers to poll), which keeps the loop polling with a short sleep instead of waiting for a

@@ -1,6 +1,8 @@
 """The engine: schedule -> execute -> update, plus detokenization and stop strings.
 
-Not thread-safe: one thread drives `step()`; workers put their own queue in front of it."""
+Not thread-safe: one thread drives `step()`; workers put their own queue in front of it
+(engine/engine_loop.py). Two exceptions, safe from any thread: `make_request` (tokenizer,
+fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission check)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,6 +82,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.enable_chunked_prefill,
         )
+        self.limits = self.scheduler.limits
+        """Fixed sizes and the admission check; safe from any thread."""
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager)
         self.sampling_defaults = sampling_defaults(
             load_generation_config(config.generation_config, self.tokenizer.generation_config)
@@ -100,7 +104,8 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> Request:
-        """Tokenize and validate; raises ValueError with a message naming the problem."""
+        """Tokenize and validate; raises ValueError with a message naming the problem.
+        Safe from any thread: touches no engine state (see RequestBuilder)."""
         return self._builder.build(request_id, prompt, params, cache_salt, priority)
 
     def add_request(

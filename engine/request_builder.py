@@ -1,9 +1,13 @@
 """From (prompt, SamplingParams) to a validated engine Request, as vLLM's input processing
 does it: tokenization, id checks, prompt truncation, the generation config's eos ids, bad
-words as token sequences."""
+words as token sequences.
+
+Safe from any thread: it reads only the tokenizer (stateless) and fixed sizes, and draws
+seeds under a lock."""
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import replace
 from typing import Sequence
 
@@ -22,6 +26,7 @@ class RequestBuilder:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self._seed_rng = random.Random(seed)  # seeds for requests that bring none
+        self._seed_lock = threading.Lock()  # build() runs on worker asyncio threads too
 
     def build(
         self,
@@ -47,12 +52,17 @@ class RequestBuilder:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
+        if params.seed is None:
+            with self._seed_lock:
+                seed = self._seed_rng.getrandbits(63)
+        else:
+            seed = params.seed
         params, eos = self._eos_rules(params)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling=params,
-            seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(63),
+            seed=seed,
             eos_token_ids=eos,
             max_tokens=max(1, min(params.max_tokens or room, room)),
             block_hashes=compute_block_hashes(token_ids, self.block_size, cache_salt),

@@ -14,11 +14,8 @@ from bisect import insort
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.limits import EngineLimits
 from engine.request import Logprob, Request, RequestStatus
-
-
-class RequestRejected(ValueError):
-    """A request that can never run here (too long for the model or for the whole pool)."""
 
 
 @dataclass(slots=True)
@@ -62,6 +59,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
+        self.limits = EngineLimits(max_model_len, block_manager.block_size, block_manager.num_blocks,
+                                   max_num_batched_tokens, enable_chunked_prefill)
         self.waiting: list[Request] = []  # both in _order
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -71,24 +70,7 @@ class Scheduler:
     # ---- admission -----------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
         """Raise RequestRejected if the request could never be scheduled."""
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {n} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens (prompt + at least one output token)"
-            )
-        if self.bm.blocks_for(n + 1) > self.bm.num_blocks:
-            raise RequestRejected(
-                f"the prompt needs {self.bm.blocks_for(n + 1)} KV blocks but the whole pool "
-                f"has {self.bm.num_blocks}"
-            )
-        if not self.chunked and n > self.max_num_batched_tokens:
-            raise RequestRejected(
-                f"the prompt has {n} tokens, more than max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) with chunked prefill off"
-            )
+        self.limits.check_fits(request.num_prompt_tokens)
 
     def add_request(self, request: Request) -> None:
         self.check_fits(request)

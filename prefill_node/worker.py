@@ -47,7 +47,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
         dest = request.destination
-        prompt_blocks = rt.engine.block_manager.blocks_for(len(request.prompt_token_ids))
+        prompt_blocks = rt.engine.limits.blocks_for(len(request.prompt_token_ids))
         if dest.num_skip_blocks + len(dest.block_ids) != prompt_blocks:
             raise ValueError(
                 f"destination covers {dest.num_skip_blocks} + {len(dest.block_ids)} blocks; "
@@ -61,7 +61,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):
-            rt.aio.call_soon_threadsafe(_resolve, done, (result, first_token))
+            rt.settle(done, (result, first_token))
 
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
@@ -116,8 +116,3 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             except Exception as exc:
                 log.debug("peer warm-up: etcd not reachable (%r)", exc)
             await asyncio.sleep(1.0)
-
-
-def _resolve(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)

@@ -7,7 +7,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sampler import SampleRow, draw_seed, sample
-from engine.scheduler import RequestRejected
+from engine.limits import RequestRejected
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the beginning", "Dear diary,"]
 

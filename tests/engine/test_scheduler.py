@@ -3,7 +3,8 @@ import random
 import pytest
 
 from engine.request import RequestStatus
-from engine.scheduler import RequestRejected, SampledToken
+from engine.limits import RequestRejected
+from engine.scheduler import SampledToken
 from engine_factories import drain, make_request, make_requests, make_scheduler, step
 
 

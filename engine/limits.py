@@ -1,0 +1,44 @@
+"""An engine's fixed sizes, and the admission check that needs nothing else.
+
+Frozen at construction and read-only: safe to use from any thread (the workers check a
+request on their asyncio thread before handing it to the engine thread)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here (too long for the model or for the whole pool)."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Raise RequestRejected if a prompt this long could never be scheduled."""
+        n = num_prompt_tokens
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt + at least one output token)"
+            )
+        if self.blocks_for(n + 1) > self.num_blocks:
+            raise RequestRejected(
+                f"the prompt needs {self.blocks_for(n + 1)} KV blocks but the whole pool "
+                f"has {self.num_blocks}"
+            )
+        if not self.chunked_prefill and n > self.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill off"
+            )
