@@ -1,10 +1,11 @@
-"""Replays the recorded vLLM behaviour (vllm_behaviour.py) against a real pdserve cluster:
-each request must get vLLM's status, error field, or response semantics."""
-import httpx
+"""Replays the recorded vLLM behaviour (vllm_behaviour.py) against a real pdserve cluster,
+through the official `openai` client (vLLM's extra fields in `extra_body`, as its users send
+them): each request must get vLLM's status, error field, or response semantics."""
+import openai
 import pytest
 
-from openai_cluster import KEY, MODEL
-from vllm_behaviour import CASES, Case, Vocab, lookup
+from openai_cluster import MODEL
+from vllm_behaviour import CASES, CHAT, Case, Vocab, lookup
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +18,26 @@ def vocab(reference):
                  emoji_head=tok.encode("😀")[0], vocab_size=tok.vocab_size)
 
 
+def _send(client: openai.OpenAI, case: Case, vocab: Vocab) -> dict:
+    body = case.body(vocab)
+    if case.path == CHAT:
+        messages = body.pop("messages")
+        return client.chat.completions.create(model=MODEL, messages=messages, extra_body=body).model_dump()
+    prompt = body.pop("prompt")
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body=body).model_dump()
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_behaves_like_vllm(e2e, vocab, case: Case):
-    body = {"model": MODEL, **case.body(vocab)}
-    r = httpx.post(e2e.url + case.path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    doc = r.json()
-    assert r.status_code == case.status, (case.why, doc)
+def test_behaves_like_vllm(client, vocab, case: Case):
     if case.status >= 400:
-        error = doc["error"]
+        with pytest.raises(openai.APIStatusError) as refused:
+            _send(client, case, vocab)
+        assert refused.value.status_code == case.status, case.why
+        error = refused.value.body
         assert error["param"] == case.param, (case.why, error)
         assert error["message"] and error["type"] == "invalid_request_error", error
         return
+    doc = _send(client, case, vocab)
     for path, expected in case.expect.items():
         value = lookup(doc, path)
         if callable(expected):

@@ -1,7 +1,8 @@
 """Recorded vLLM behaviour: (request, expected response semantics) for what a user moving from
 vLLM's OpenAI server sends, derived from vLLM's documented behaviour (its OpenAI-compatible
 server docs and `vllm/entrypoints/openai/protocol.py`: field defaults, validators, response
-models). test_vllm_differential.py replays every case against a real pdserve cluster.
+models). test_vllm_differential.py replays every case against a real pdserve cluster
+through the official `openai` client.
 
 A case's body may name tokens through `V` (the served tokenizer); `expect` maps a dotted path
 into the JSON response to a value or a predicate. Every request is greedy and small, so the
