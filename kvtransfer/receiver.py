@@ -14,16 +14,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvtransfer.base import KVReceiver, TransferResult, TransferStatus
 from kvtransfer.errors import BlockRangeError, DuplicateRequestError, RequestStateError
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.protocol import BatchNotice, decode
+from kvtransfer.transport import TransportHost
 from kvtransfer.validation import RecentIds, unique_block_ids
-
-if TYPE_CHECKING:
-    from kvtransfer.transport import TransportBackend
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +41,9 @@ class _Request:
 
 
 class Receiver(KVReceiver):
-    """KVReceiver over a TransportBackend's notifications; see `KVReceiver` for the contract."""
+    """KVReceiver over its backend's notifications; see `KVReceiver` for the contract."""
 
-    def __init__(self, backend: TransportBackend) -> None:
+    def __init__(self, backend: TransportHost) -> None:
         self._b = backend
         self._requests: dict[str, _Request] = {}
         self._owner: dict[int, str] = {}
