@@ -49,7 +49,7 @@ class Receiver(KVReceiver):
         self._owner: dict[int, str] = {}
         """Block id -> the request expecting it (reserved until that request is reported)."""
         self._recent = RecentIds(backend.config.recent_ids)
-        self.metrics = TransferMetrics("recv")
+        self.metrics = TransferMetrics("receive")
 
     def expect(
         self,
@@ -118,14 +118,14 @@ class Receiver(KVReceiver):
         try:
             notice = decode(msg)
         except ValueError as e:
-            self.metrics.dropped_notifications += 1
+            self.metrics.record_dropped()
             log.warning("dropping KV notification from %r: %s", agent, e)
             return
         if notice is None:
             return
         req = self._requests.get(notice.request_id)
         if req is None or req.status.finished:
-            self.metrics.dropped_notifications += 1
+            self.metrics.record_dropped()
             return
         problem = self._check_notice(req, agent, notice)
         if problem:
