@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtransfer.backend import TransportBackend
 from kvtransfer.base import KVTransferConfig
 from kvtransfer.errors import MetadataError
 from kvtransfer.metadata import PeerMetadata
-from kvtransfer.transport import Transport, TransportBackend, TransportError, WriteState
+from kvtransfer.transport import Transport, TransportError, WriteState
 
 
 @dataclass(slots=True)

@@ -1,12 +1,18 @@
-"""Plain counters and histograms for KV transfer, per peer; the workers export them.
+"""KV transfer counters and latency histograms, per peer, kept in prometheus_client collectors.
 
-No Prometheus import here: a worker's /metrics handler reads `TransferMetrics.snapshot()` (or
-the objects directly) and maps them onto its own collectors.
+Each sender and each receiver owns a `TransferMetrics` with its own `CollectorRegistry` (one
+process may hold several backends, e.g. in tests). A worker exports one by registering that
+registry in its own (`CollectorRegistry.register(metrics.registry)`); `peers` and `snapshot()`
+read the same collectors back as plain values.
 """
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram as PromHistogram
+from prometheus_client.samples import Sample
 
 #: Upper bounds (seconds) of the latency buckets; the last bucket is +Inf.
 LATENCY_BUCKETS_S = (
@@ -14,33 +20,24 @@ LATENCY_BUCKETS_S = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
 
+_PREFIX = "pdserve_kv_transfer_"
+_LABELS = ("direction", "peer")
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class Histogram:
-    """Cumulative-style histogram data: counts per bucket (non-cumulative), sum and count."""
+    """A latency histogram as read from its collector: counts per bucket (not cumulative; the
+    last is +Inf), sum and count."""
 
     bounds: tuple[float, ...] = LATENCY_BUCKETS_S
-    counts: list[int] = field(default_factory=list)
+    counts: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS_S) + 1)
     sum: float = 0.0
     count: int = 0
 
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def to_dict(self) -> dict[str, object]:
-        return {"bounds": list(self.bounds), "counts": list(self.counts),
-                "sum": self.sum, "count": self.count}
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PeerMetrics:
-    """What moved between us and one peer, in one direction."""
+    """What moved between us and one peer, in one direction, when it was read."""
 
     bytes: int = 0
     """Payload bytes of batches that completed (sender) or whose notification arrived."""
@@ -49,57 +46,105 @@ class PeerMetrics:
     requests_completed: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     """Failed requests by reason: 'timeout', 'cancelled', 'error'."""
-    request_latency_s: Histogram = field(default_factory=Histogram)
+    request_latency_s: Histogram = Histogram()
     """First batch (sender) or expect() (receiver) until completion, completed requests only."""
-    batch_latency_s: Histogram = field(default_factory=Histogram)
+    batch_latency_s: Histogram = Histogram()
     """Post until done of one batch write (sender only)."""
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "bytes": self.bytes, "blocks": self.blocks, "batches": self.batches,
-            "requests_completed": self.requests_completed, "failures": dict(self.failures),
-            "request_latency_s": self.request_latency_s.to_dict(),
-            "batch_latency_s": self.batch_latency_s.to_dict(),
-        }
 
-
-@dataclass(slots=True)
 class TransferMetrics:
-    """Metrics of one sender or one receiver, keyed by peer agent name."""
+    """Metrics of one sender or one receiver, labelled by direction and peer agent name.
 
-    direction: str
-    """'send' or 'recv'."""
-    peers: dict[str, PeerMetrics] = field(default_factory=dict)
-    dropped_notifications: int = 0
-    """Notifications that matched no pending request (late, after a timeout/cancel) or were
-    malformed; dropped without effect."""
+    Exported names: pdserve_kv_transfer_{bytes,blocks,batches,requests}_total and
+    _failures_total{reason} (counters), _latency_seconds and _batch_latency_seconds
+    (histograms), _dropped_notifications_total (direction only).
+    """
 
-    def peer(self, name: str) -> PeerMetrics:
-        m = self.peers.get(name)
-        if m is None:
-            m = self.peers[name] = PeerMetrics()
-        return m
+    def __init__(self, direction: str) -> None:
+        self.direction = direction
+        """'send' or 'receive'."""
+        self.registry = CollectorRegistry()
 
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(_PREFIX + name, doc, labels or _LABELS, registry=self.registry)
+
+        def histogram(name: str, doc: str) -> PromHistogram:
+            return PromHistogram(_PREFIX + name, doc, _LABELS, registry=self.registry,
+                                 buckets=LATENCY_BUCKETS_S)
+
+        self._counters = {
+            "bytes": counter("bytes", "KV payload bytes of completed (send) or notified "
+                                      "(receive) batches"),
+            "blocks": counter("blocks", "KV blocks moved"),
+            "batches": counter("batches", "KV batch writes moved"),
+            "requests_completed": counter("requests", "KV transfers completed"),
+        }
+        self._failures = counter("failures", "KV transfers failed, by reason",
+                                 *_LABELS, "reason")
+        self._histograms = {
+            "request_latency_s": histogram(
+                "latency_seconds", "First batch (send) or expect() (receive) until a KV "
+                                   "transfer completed"),
+            "batch_latency_s": histogram(
+                "batch_latency_seconds", "Post until done of one KV batch write (send only)"),
+        }
+        self._dropped = counter(
+            "dropped_notifications", "KV notifications that matched no pending request "
+                                     "(late, after a timeout/cancel) or were malformed",
+            "direction").labels(direction)
+
+    # -- recording (under the owning backend's lock) -----------------------------------
     def record_batch(self, peer: str, blocks: int, nbytes: int, latency_s: float | None) -> None:
-        m = self.peer(peer)
-        m.batches += 1
-        m.blocks += blocks
-        m.bytes += nbytes
+        self._counters["batches"].labels(self.direction, peer).inc()
+        self._counters["blocks"].labels(self.direction, peer).inc(blocks)
+        self._counters["bytes"].labels(self.direction, peer).inc(nbytes)
         if latency_s is not None:
-            m.batch_latency_s.observe(latency_s)
+            self._histograms["batch_latency_s"].labels(self.direction, peer).observe(latency_s)
 
     def record_completed(self, peer: str, latency_s: float) -> None:
-        m = self.peer(peer)
-        m.requests_completed += 1
-        m.request_latency_s.observe(latency_s)
+        self._counters["requests_completed"].labels(self.direction, peer).inc()
+        self._histograms["request_latency_s"].labels(self.direction, peer).observe(latency_s)
 
     def record_failure(self, peer: str, reason: str) -> None:
-        m = self.peer(peer)
-        m.failures[reason] = m.failures.get(reason, 0) + 1
+        self._failures.labels(self.direction, peer, reason).inc()
+
+    def record_dropped(self) -> None:
+        """A notification dropped without effect (see `dropped_notifications`)."""
+        self._dropped.inc()
+
+    # -- reading -------------------------------------------------------------------------
+    @property
+    def dropped_notifications(self) -> int:
+        return int(self.registry.get_sample_value(
+            _PREFIX + "dropped_notifications_total", {"direction": self.direction}))
+
+    @property
+    def peers(self) -> dict[str, PeerMetrics]:
+        """Per peer agent name, the values now; a peer appears with its first event."""
+        rows: defaultdict[str, dict] = defaultdict(lambda: {"failures": {}})
+        for name, metric in self._counters.items():
+            for s in _samples(metric, "_total"):
+                rows[s.labels["peer"]][name] = int(s.value)
+        for s in _samples(self._failures, "_total"):
+            rows[s.labels["peer"]]["failures"][s.labels["reason"]] = int(s.value)
+        for name, metric in self._histograms.items():
+            cumulative: defaultdict[str, list[int]] = defaultdict(list)
+            for s in _samples(metric, "_bucket"):  # in bound order, +Inf last
+                cumulative[s.labels["peer"]].append(int(s.value))
+            totals = {s.labels["peer"]: s.value for s in _samples(metric, "_sum")}
+            for peer, cum in cumulative.items():
+                counts = tuple(b - a for a, b in zip([0, *cum], cum))
+                rows[peer][name] = Histogram(counts=counts, sum=totals[peer], count=cum[-1])
+        return {peer: PeerMetrics(**row) for peer, row in rows.items()}
 
     def snapshot(self) -> dict[str, object]:
         return {
             "direction": self.direction,
             "dropped_notifications": self.dropped_notifications,
-            "peers": {name: m.to_dict() for name, m in self.peers.items()},
+            "peers": {name: asdict(m) for name, m in self.peers.items()},
         }
+
+
+def _samples(metric: Counter | PromHistogram, suffix: str) -> Iterator[Sample]:
+    for family in metric.collect():
+        yield from (s for s in family.samples if s.name.endswith(suffix))

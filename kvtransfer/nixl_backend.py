@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from kvtransfer.backend import TransportBackend
 from kvtransfer.base import KVTransferConfig
 from kvtransfer.errors import KVTransferError, MetadataError
 from kvtransfer.metadata import PeerMetadata
-from kvtransfer.transport import Transport, TransportBackend, TransportError, WriteState
+from kvtransfer.transport import Transport, TransportError, WriteState
 
 log = logging.getLogger(__name__)
 

@@ -14,16 +14,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvtransfer.base import KVReceiver, TransferResult, TransferStatus
 from kvtransfer.errors import BlockRangeError, DuplicateRequestError, RequestStateError
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.protocol import BatchNotice, decode
+from kvtransfer.transport import TransportHost
 from kvtransfer.validation import RecentIds, unique_block_ids
-
-if TYPE_CHECKING:
-    from kvtransfer.transport import TransportBackend
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +41,15 @@ class _Request:
 
 
 class Receiver(KVReceiver):
-    """KVReceiver over a TransportBackend's notifications; see `KVReceiver` for the contract."""
+    """KVReceiver over its backend's notifications; see `KVReceiver` for the contract."""
 
-    def __init__(self, backend: TransportBackend) -> None:
+    def __init__(self, backend: TransportHost) -> None:
         self._b = backend
         self._requests: dict[str, _Request] = {}
         self._owner: dict[int, str] = {}
         """Block id -> the request expecting it (reserved until that request is reported)."""
         self._recent = RecentIds(backend.config.recent_ids)
-        self.metrics = TransferMetrics("recv")
+        self.metrics = TransferMetrics("receive")
 
     def expect(
         self,
@@ -121,14 +118,14 @@ class Receiver(KVReceiver):
         try:
             notice = decode(msg)
         except ValueError as e:
-            self.metrics.dropped_notifications += 1
+            self.metrics.record_dropped()
             log.warning("dropping KV notification from %r: %s", agent, e)
             return
         if notice is None:
             return
         req = self._requests.get(notice.request_id)
         if req is None or req.status.finished:
-            self.metrics.dropped_notifications += 1
+            self.metrics.record_dropped()
             return
         problem = self._check_notice(req, agent, notice)
         if problem:

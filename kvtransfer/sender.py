@@ -12,17 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtransfer.base import KVSender, TransferResult, TransferStatus
 from kvtransfer.errors import BlockRangeError, DuplicateRequestError, RequestStateError
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.protocol import BatchNotice
-from kvtransfer.transport import TransportError, WriteState
+from kvtransfer.transport import TransportError, TransportHost, WriteState
 from kvtransfer.validation import RecentIds, block_pairs
-
-if TYPE_CHECKING:
-    from kvtransfer.transport import TransportBackend
 
 
 @dataclass(slots=True)
@@ -50,9 +47,9 @@ class _Request:
 
 
 class Sender(KVSender):
-    """KVSender over a TransportBackend's transport; see `KVSender` for the contract."""
+    """KVSender over its backend's transport; see `KVSender` for the contract."""
 
-    def __init__(self, backend: TransportBackend) -> None:
+    def __init__(self, backend: TransportHost) -> None:
         self._b = backend
         self._requests: dict[str, _Request] = {}
         self._recent = RecentIds(backend.config.recent_ids)

@@ -1,34 +1,23 @@
-"""The part of a backend that differs between NIXL and the fake, and the part that does not.
+"""The part of a backend that differs between NIXL and the fake, and what the shared request
+state machines need of the backend that owns them.
 
 `Transport` is the narrow, backend-specific layer: post a batch of block writes carrying a
 notification, check and release it, send a standalone notification, read notifications.
-`TransportBackend` implements `KVTransferBackend` on top of any transport: pool registration,
-metadata, the peer table with its compatibility check, and the shared `Sender`/`Receiver`
-bookkeeping — so the fake exercises exactly the request state machines NIXL runs.
+`TransportHost` is what `Sender` and `Receiver` use of their backend; `TransportBackend`
+(kvtransfer.backend) implements it and composes them, so neither imports the backend.
 """
 from __future__ import annotations
 
 import enum
-import threading
 from abc import ABC, abstractmethod
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvtransfer.base import KVTransferBackend, KVTransferConfig
-from kvtransfer.compat import KVCompat, check_compatible
-from kvtransfer.errors import KVTransferError, MetadataError, PoolError, UnknownPeerError
+from kvtransfer.base import KVTransferConfig
+from kvtransfer.errors import KVTransferError
 from kvtransfer.metadata import PeerMetadata
-from kvtransfer.protocol import HELLO
-
-if TYPE_CHECKING:
-    from kvtransfer.receiver import Receiver
-    from kvtransfer.sender import Sender
-
-#: Notifications kept for the receiver at most; beyond that the oldest are dropped (a worker
-#: that only sends never drains them).
-MAX_INBOX = 65536
 
 
 class WriteState(enum.Enum):
@@ -87,145 +76,27 @@ class Transport(ABC):
     def close(self) -> None: ...
 
 
-class TransportBackend(KVTransferBackend):
-    """KVTransferBackend over a Transport. See `kvtransfer.base` for the contract."""
+class TransportHost(Protocol):
+    """The backend as `Sender` and `Receiver` see it. Call everything under `lock`."""
 
-    def __init__(self, transport: Transport, agent_name: str, config: KVTransferConfig) -> None:
-        from kvtransfer.receiver import Receiver
-        from kvtransfer.sender import Sender
-
-        self.config = config
-        self.lock = threading.RLock()
-        self.transport = transport
-        self._name = agent_name
-        self._peers: dict[str, PeerMetadata] = {}
-        self._dead_peers: set[str] = set()
-        self._meta: PeerMetadata | None = None
-        self._inbox: deque[tuple[str, bytes]] = deque(maxlen=MAX_INBOX)
-        self._closed = False
-        self._sender = Sender(self)
-        self._receiver = Receiver(self)
-
-    # -- KVTransferBackend -------------------------------------------------------------
-    @property
-    def agent_name(self) -> str:
-        return self._name
-
-    @property
-    def sender(self) -> Sender:
-        return self._sender
-
-    @property
-    def receiver(self) -> Receiver:
-        return self._receiver
-
-    def register_pool(self, kv_cache: Any, compat: KVCompat) -> PeerMetadata:
-        with self.lock:
-            self._check_open()
-            if self._meta is not None:
-                raise PoolError("a KV pool is already registered with this backend")
-            compat.check_pool(kv_cache)
-            is_cuda = bool(getattr(kv_cache, "is_cuda", False))
-            blob = self.transport.register(kv_cache, compat.block_bytes)
-            self._pool = kv_cache  # keep the memory alive while it is registered
-            self._meta = PeerMetadata(
-                agent_name=self._name,
-                backend=self.transport.name,
-                compat=compat,
-                num_blocks=int(kv_cache.shape[0]),
-                base_addr=int(kv_cache.data_ptr()),
-                mem_type="VRAM" if is_cuda else "DRAM",
-                device_id=int(kv_cache.get_device()) if is_cuda else 0,
-                agent_metadata=blob,
-            )
-            return self._meta
+    lock: AbstractContextManager[Any]
+    """Re-entrant; guards the transport, the peer table and both state machines."""
+    config: KVTransferConfig
+    transport: Transport
 
     def metadata(self) -> PeerMetadata:
-        if self._meta is None:
-            raise PoolError("no KV pool registered yet: call register_pool first")
-        return self._meta
+        """Our own pool's metadata; PoolError before `register_pool`."""
 
-    def add_peer(self, metadata: PeerMetadata | bytes) -> str:
-        meta = metadata if isinstance(metadata, PeerMetadata) else PeerMetadata.from_bytes(metadata)
-        with self.lock:
-            self._check_open()
-            local = self.metadata()
-            meta.validate()
-            if meta.backend != self.transport.name:
-                raise MetadataError(
-                    f"peer {meta.agent_name!r} uses backend {meta.backend!r}, "
-                    f"we use {self.transport.name!r}"
-                )
-            if meta.agent_name == self._name:
-                raise MetadataError(f"peer metadata carries our own agent name {self._name!r}")
-            check_compatible(local.compat, meta.compat, peer=repr(meta.agent_name))
-            known = self._peers.get(meta.agent_name)
-            if known == meta and meta.agent_name not in self._dead_peers:
-                return meta.agent_name
-            if known is not None:  # a restarted peer, or one that died: reconnect
-                self._drop_peer(meta.agent_name, "peer was replaced by new metadata")
-            self.transport.connect(meta)
-            self._peers[meta.agent_name] = meta
-            try:
-                self.transport.send_notif(meta.agent_name, HELLO)  # warm the connection up
-            except TransportError as e:
-                self._dead_peers.add(meta.agent_name)  # first send reports it per request
-                self._sender.fail_peer(meta.agent_name, f"peer unreachable: {e}")
-            return meta.agent_name
-
-    def remove_peer(self, name: str) -> None:
-        with self.lock:
-            if name in self._peers:
-                self._drop_peer(name, "peer was removed")
-
-    def peers(self) -> list[str]:
-        with self.lock:
-            return list(self._peers)
-
-    def close(self) -> None:
-        with self.lock:
-            if self._closed:
-                return
-            self._sender.close()
-            for name in list(self._peers):
-                self._drop_peer(name, "backend closed")
-            self.transport.close()
-            self._pool = None
-            self._closed = True
-
-    # -- used by Sender / Receiver (under self.lock) -----------------------------------
     def peer_meta(self, name: str) -> PeerMetadata:
-        meta = self._peers.get(name)
-        if meta is None:
-            raise UnknownPeerError(f"unknown KV transfer peer {name!r}: add_peer it first")
-        return meta
+        """A peer's metadata; UnknownPeerError if it was never added (or was removed)."""
 
-    def peer_alive(self, name: str) -> bool:
-        return name in self._peers and name not in self._dead_peers
+    def peer_alive(self, name: str) -> bool: ...
 
     def mark_peer_dead(self, name: str, reason: str) -> None:
         """The transport said the peer is gone: fail everything in flight to it."""
-        self._dead_peers.add(name)
-        self._sender.fail_peer(name, reason)
 
     def pump(self) -> None:
         """Drive transport progress; keep data notifications for the receiver."""
-        self._check_open()
-        for agent, msg in self.transport.fetch_notifs():
-            if msg != HELLO:
-                self._inbox.append((agent, msg))
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
-        out = list(self._inbox)
-        self._inbox.clear()
-        return out
-
-    def _drop_peer(self, name: str, reason: str) -> None:
-        self._sender.fail_peer(name, reason)
-        self._peers.pop(name, None)
-        self._dead_peers.discard(name)
-        self.transport.disconnect(name)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KVTransferError("KV transfer backend is closed")
+        """Data notifications (sender agent name, message) received since the last call."""

@@ -25,7 +25,22 @@ class ConvertedModel:
     generation_config: dict[str, Any]
 
 
-# GGUF tensor name (per layer) -> HF name.
+@dataclass(frozen=True, slots=True)
+class _SpecialTokens:
+    """Token ids the GGUF metadata names; where absent bos 1, eos 2, pad = eos, unk 0."""
+
+    bos: int
+    eos: int
+    pad: int
+    unk: int
+
+
+# GGUF tensor name -> HF name: the model's own, then each layer's.
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -41,7 +56,8 @@ _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
 
-def _open(path: Path):
+def _read_llama_gguf(path: Path):
+    """A GGUF reader over `path`; ModelFileError unless it is a readable LLaMA GGUF file."""
     import gguf
 
     if not path.is_file():
@@ -50,6 +66,9 @@ def _open(path: Path):
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises assorted errors on garbage input
         raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelFileError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
     return reader
 
 
@@ -100,92 +119,115 @@ def _tokenizer_json(tokens: list[str], merges: list[str], token_types: list[int]
 
 def convert_gguf(path: Path) -> ConvertedModel:
     """Read and dequantize a LLaMA GGUF file into HF-format config, weights and tokenizer."""
-    import gguf
-
-    reader = _open(path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelFileError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
-
+    reader = _read_llama_gguf(path)
     num_heads = int(_field(reader, "llama.attention.head_count"))
     num_kv_heads = int(_field(reader, "llama.attention.head_count_kv", num_heads))
-    hidden = int(_field(reader, "llama.embedding_length"))
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    tensors = {t.name: t for t in reader.tensors}
-
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        try:
-            array = gguf.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:
-            raise ModelFileError(f"{path}: cannot dequantize tensor {name}: {exc}") from exc
-        array = np.array(array.reshape(tuple(reversed([int(d) for d in tensor.shape]))), dtype=np.float32)
-        parts = name.split(".")
-        if name == "token_embd.weight":
-            hf_name = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            hf_name = "model.norm.weight"
-        elif name == "output.weight":
-            hf_name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-            hf_name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-            if parts[2] == "attn_q":
-                array = unpermute_rope(array, num_heads)
-            elif parts[2] == "attn_k":
-                array = unpermute_rope(array, num_kv_heads)
-        else:
-            continue  # e.g. rope_freqs for other variants; not used by this architecture
-        state[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
-
-    if "model.embed_tokens.weight" not in state:
-        raise ModelFileError(f"{path}: no token embedding tensor")
-    num_layers = int(_field(reader, "llama.block_count"))
-    bos = int(_field(reader, "tokenizer.ggml.bos_token_id", 1))
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
-    pad = int(_field(reader, "tokenizer.ggml.padding_token_id", eos))
-    unk = int(_field(reader, "tokenizer.ggml.unknown_token_id", 0))
-    context = int(_field(reader, "llama.context_length"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": hidden // num_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": context,
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "vocab_size": len(tokens),
-        "tie_word_embeddings": "lm_head.weight" not in state,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": pad,
-        "torch_dtype": "float32",
-    }
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[bos],
-        "eos_token": tokens[eos],
-        "pad_token": tokens[pad],
-        "unk_token": tokens[unk],
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context,
-        "chat_template": str(_field(reader, "tokenizer.chat_template", "")) or None,
-    }
-    generation_config = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
+    state = _state_dict(reader, path, num_heads, num_kv_heads)
+    special = _special_tokens(reader)
+    config = _model_config(reader, num_heads, num_kv_heads, len(tokens), special,
+                           tie_word_embeddings="lm_head.weight" not in state)
     tokenizer_json = _tokenizer_json(
         tokens,
         list(_field(reader, "tokenizer.ggml.merges")),
         list(_field(reader, "tokenizer.ggml.token_type")),
     )
+    tokenizer_config = _tokenizer_config(reader, tokens, special, config["max_position_embeddings"])
+    generation_config = {"bos_token_id": special.bos, "eos_token_id": special.eos,
+                         "pad_token_id": special.pad}
     return ConvertedModel(config, state, tokenizer_json, tokenizer_config, generation_config)
+
+
+def _state_dict(reader, path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    """Every tensor the HF model uses, dequantized to fp32 under its HF name, Q/K un-permuted."""
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = _dequantize(tensor, path)  # unused tensors too: a corrupt one fails the file
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs for other variants; not used by this architecture
+        if ".self_attn.q_proj." in hf_name:
+            array = unpermute_rope(array, num_heads)
+        elif ".self_attn.k_proj." in hf_name:
+            array = unpermute_rope(array, num_kv_heads)
+        state[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+    if "model.embed_tokens.weight" not in state:
+        raise ModelFileError(f"{path}: no token embedding tensor")
+    return state
+
+
+def _dequantize(tensor, path: Path) -> np.ndarray:
+    """A GGUF tensor as fp32 in HF's (row-major, reversed GGUF) shape."""
+    import gguf
+
+    try:
+        array = gguf.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as exc:
+        raise ModelFileError(f"{path}: cannot dequantize tensor {tensor.name}: {exc}") from exc
+    return np.array(array.reshape(tuple(reversed([int(d) for d in tensor.shape]))), dtype=np.float32)
+
+
+def _hf_name(name: str) -> str | None:
+    """The HF name of a GGUF tensor; None if HF's LLaMA has no such tensor."""
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return _GLOBAL_TENSORS.get(name)
+
+
+def _special_tokens(reader) -> _SpecialTokens:
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 2))
+    return _SpecialTokens(
+        bos=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos=eos,
+        pad=int(_field(reader, "tokenizer.ggml.padding_token_id", eos)),
+        unk=int(_field(reader, "tokenizer.ggml.unknown_token_id", 0)),
+    )
+
+
+def _model_config(reader, num_heads: int, num_kv_heads: int, vocab_size: int,
+                  special: _SpecialTokens, tie_word_embeddings: bool) -> dict[str, Any]:
+    """HF config.json of the LLaMA model the GGUF file describes."""
+    hidden = int(_field(reader, "llama.embedding_length"))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(_field(reader, "llama.context_length")),
+        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": special.bos,
+        "eos_token_id": special.eos,
+        "pad_token_id": special.pad,
+        "torch_dtype": "float32",
+    }
+
+
+def _tokenizer_config(reader, tokens: list[str], special: _SpecialTokens,
+                      model_max_length: int) -> dict[str, Any]:
+    """HF tokenizer_config.json, chat template included."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[special.bos],
+        "eos_token": tokens[special.eos],
+        "pad_token": tokens[special.pad],
+        "unk_token": tokens[special.unk],
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": str(_field(reader, "tokenizer.chat_template", "")) or None,
+    }
 
 
 def write_hf_dir(model: ConvertedModel, out_dir: Path) -> None:

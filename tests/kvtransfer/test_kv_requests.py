@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 from kv_fake_util import SHAPE, S, make, step
+from prometheus_client import generate_latest
 
 from kvtransfer import (
     BlockRangeError,
@@ -188,6 +189,8 @@ def test_metrics_per_peer(pd):
     assert d.receiver.metrics.peers["unknown"].failures == {"timeout": 1}
     snap = p.sender.metrics.snapshot()
     assert snap["direction"] == "send" and snap["peers"]["D"]["bytes"] == 3 * bb
+    exported = generate_latest(d.receiver.metrics.registry).decode()
+    assert 'pdserve_kv_transfer_blocks_total{direction="receive",peer="P"} 3.0' in exported
 
 
 def test_wait_for_returns_every_result_and_backs_off(pd):
