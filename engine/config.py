@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from engine.checks import check_fields
+
 GiB = 1 << 30
 
 
@@ -44,7 +46,7 @@ class EngineConfig:
     generation_config.json. See engine.generation_config."""
 
     def __post_init__(self) -> None:
-        checks = [
+        check_fields(self, [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
@@ -53,10 +55,7 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "is not supported"),
             (self.device in ("auto", "cpu", "cuda"), "device", "must be cpu, cuda or auto"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "is unknown"),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+        ])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

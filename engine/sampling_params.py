@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from engine.checks import check_fields
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -63,7 +65,7 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        checks = [
+        check_fields(self, [
             (self.n >= 1, "n", "must be >= 1"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (self.top_k >= 0, "top_k", "must be >= 0 (or -1 to disable)"),
@@ -88,10 +90,7 @@ class SamplingParams:
              "must be non-empty strings"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              "truncate_prompt_tokens", "must be >= 1"),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+        ])
 
     @property
     def remote_prefill_ok(self) -> bool:

@@ -25,7 +25,7 @@ from router.errors import APIError
 from router.info_routes import add_info_routes
 from router.placement import PromptKey
 from router.responses import ChunkWriter, Collector, sse
-from router.server import RouterServices
+from router.services import Services
 from router.streaming import ClientGone, merge, until_disconnect
 from router.validation import Kind, Prepared, prepare
 
@@ -36,7 +36,7 @@ _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
 _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
-def create_app(services: RouterServices) -> FastAPI:
+def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=services.lifespan)
     app.add_middleware(_AuthAndCount, services=services)
 
@@ -84,7 +84,7 @@ def create_app(services: RouterServices) -> FastAPI:
     return app
 
 
-async def _generate(services: RouterServices, kind: Kind, request: Request) -> Response:
+async def _generate(services: Services, kind: Kind, request: Request) -> Response:
     arrival = time.monotonic()
     body = await request.body()
     limit = services.max_model_len()
@@ -148,7 +148,7 @@ class _AuthAndCount:
     (499: the client went away first), and every response carries an `X-Request-Id` header:
     the request's own, or a fresh one."""
 
-    def __init__(self, app, services: RouterServices) -> None:
+    def __init__(self, app, services: Services) -> None:
         self.app = app
         self.services = services
 

@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 POLICIES = ("affinity", "round_robin", "least_loaded")
 
 
+def _check_fields(obj: object, rules: list[tuple[bool, str, str]]) -> None:
+    """engine.checks.check_fields, imported on first use: `import router.cli` loads no
+    engine package (tests/router/test_router_cli.py)."""
+    from engine.checks import check_fields
+
+    check_fields(obj, rules)
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
     """Weights and thresholds of the placement policies (router/policy.py)."""
@@ -33,7 +41,7 @@ class PlacementConfig:
     """A decode worker with more waiting requests than this has no capacity for new ones."""
 
     def __post_init__(self) -> None:
-        checks = [
+        _check_fields(self, [
             (self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}"),
             (self.prefix_weight >= 0, "prefix_weight", "must be >= 0"),
             (self.load_weight >= 0, "load_weight", "must be >= 0"),
@@ -44,10 +52,7 @@ class PlacementConfig:
             (self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0"),
             (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
             (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+        ])
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ class RouterConfig:
     "vllm" = none (built-in defaults), or a folder holding a generation_config.json."""
 
     def __post_init__(self) -> None:
-        checks = [
+        _check_fields(self, [
             (0 < self.port < 65536, "port", "must be in 1..65535"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
             (self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0"),
@@ -91,7 +96,4 @@ class RouterConfig:
             (self.max_retries >= 0, "max_retries", "must be >= 0"),
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
-        ]
-        for ok, name, message in checks:
-            if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+        ])

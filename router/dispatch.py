@@ -35,6 +35,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, PromptKey
 from router.policy import Reason
+from router.registry import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -145,68 +146,151 @@ class Dispatcher:
 
     async def _run(self, placement: Placement, prompt: PromptKey, sampling: SamplingParams,
                    arrival: float, priority: int) -> AsyncIterator[Delta]:
-        d, p = placement.decode, placement.prefill
-        request = pb.GenerateRequest(
-            request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
-            sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
-            priority=priority,
-        )
-        if p is not None:
-            request.prefill_worker.worker_id = p.info.worker_id
-            request.prefill_worker.address = p.info.grpc_address
-        num_prompt = len(prompt.token_ids)
-        # The prefill worker's extra work: the part of the prompt it does not hold.
-        prefill_work = num_prompt - (placement.decision.prefill.cached_tokens if p else 0)
-        d.inflight += 1
-        if p is not None:
-            p.inflight_prefill_tokens += prefill_work
-        self.metrics.running.inc()
-        stub = self.channels.hold_decode(d.info.grpc_address)
-        call = None
-        yielded, cached, last_token_at = False, 0, {}
+        """One attempt: the Generate call under this router's in-flight accounting, observed
+        by the metrics, its failures classified for `generate`."""
+        decode = placement.decode
+        request = _generate_request(placement, prompt, sampling, priority)
+        observer = _CallMetrics(self.metrics, arrival)
         finished: set[int] = set()
+        yielded = False
+        with _InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
+            try:
+                async with aclosing(self._call(decode.info.grpc_address, request)) as messages:
+                    async for msg in messages:
+                        delta = _delta(msg)
+                        if delta.finish_reason in _FAILED:
+                            raise _failed_completion(decode, delta, yielded)
+                        if delta.token_ids:
+                            load.first_token()
+                        observer.on_delta(delta)
+                        if delta.finish_reason is not None:
+                            finished.add(delta.index)
+                        yielded = True
+                        yield delta
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_failure(decode, exc, yielded) from None
+            if len(finished) < sampling.n:
+                raise _unfinished(decode, sampling.n - len(finished), yielded)
+            observer.on_success(len(prompt.token_ids), placement.decision.predicted_cached_tokens)
+
+    async def _call(self, address: str,
+                    request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """`DecodeWorker.Generate` at `address`, message by message. Closing this early
+        cancels the call: the worker aborts the request."""
+        stub = self.channels.hold_decode(address)
+        call = None
         try:
             call = stub.Generate(request)
             async for msg in call:
-                delta = _delta(msg)
-                cached = max(cached, delta.cached_tokens)
-                if delta.finish_reason in _FAILED:
-                    raise WorkerFailed(f"decode worker {d.info.worker_id}: completion "
-                                       f"{delta.index} ended with {delta.finish_reason}", yielded)
-                now = time.monotonic()
-                if delta.token_ids:
-                    if not last_token_at:
-                        self.metrics.ttft.observe(now - arrival)
-                        if p is not None:
-                            p.inflight_prefill_tokens -= prefill_work
-                            p = None
-                    elif delta.index in last_token_at:
-                        self.metrics.itl.observe(now - last_token_at[delta.index])
-                    last_token_at[delta.index] = now
-                    self.metrics.generation_tokens.inc(len(delta.token_ids))
-                if delta.finish_reason is not None:
-                    finished.add(delta.index)
-                yielded = True
-                yield delta
-            if len(finished) < sampling.n:
-                raise WorkerFailed(f"decode worker {d.info.worker_id} ended the stream with "
-                                   f"{sampling.n - len(finished)} completions unfinished", yielded)
-            self.metrics.e2e.observe(time.monotonic() - arrival)
-            self.metrics.prompt_tokens.inc(num_prompt)
-            self.metrics.prefix_hit_tokens.labels("predicted").inc(
-                placement.decision.predicted_cached_tokens)
-            self.metrics.prefix_hit_tokens.labels("reported").inc(cached)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not yielded:
-                raise APIError(400, f"rejected by the decode worker: {exc.details()}") from None
-            raise WorkerFailed(f"decode worker {d.info.worker_id} at {d.info.grpc_address}: "
-                               f"{exc.code().name}: {exc.details()}", yielded) from None
+                yield msg
         finally:
             if call is not None:
                 call.cancel()  # no-op when the call already ended; aborts it on the worker otherwise
-            self.channels.release(d.info.grpc_address)
-            d.inflight -= 1
-            if p is not None:
-                p.inflight_prefill_tokens -= prefill_work
-            self.metrics.running.dec()
-            self.registry.notify()
+            self.channels.release(address)
+
+
+def _generate_request(placement: Placement, prompt: PromptKey, sampling: SamplingParams,
+                      priority: int) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
+        sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
+        priority=priority,
+    )
+    if placement.prefill is not None:
+        request.prefill_worker.worker_id = placement.prefill.info.worker_id
+        request.prefill_worker.address = placement.prefill.info.grpc_address
+    return request
+
+
+class _InFlight:
+    """This router's own load on a placement's workers while its call runs, so back-to-back
+    placements see it before the workers' next capacity report: the decode worker's request
+    count (and the running gauge) until the end; the prefill worker's share of the prompt
+    until the first token, or the end if none came. Leaving, however the call ended
+    (cancellation included), wakes the requests waiting for capacity."""
+
+    __slots__ = ("decode", "prefill", "prefill_work", "metrics", "registry")
+
+    def __init__(self, placement: Placement, num_prompt: int, metrics: RouterMetrics,
+                 registry: WorkerRegistry) -> None:
+        self.decode: WorkerState = placement.decode
+        self.prefill: WorkerState | None = placement.prefill  # None once its part is done
+        # The prefill worker's extra work: the part of the prompt it does not hold.
+        self.prefill_work = num_prompt - (
+            placement.decision.prefill.cached_tokens if self.prefill is not None else 0)
+        self.metrics = metrics
+        self.registry = registry
+
+    def __enter__(self) -> _InFlight:
+        self.decode.inflight += 1
+        if self.prefill is not None:
+            self.prefill.inflight_prefill_tokens += self.prefill_work
+        self.metrics.running.inc()
+        return self
+
+    def first_token(self) -> None:
+        """The prefill worker's part is done (later calls do nothing)."""
+        if self.prefill is not None:
+            self.prefill.inflight_prefill_tokens -= self.prefill_work
+            self.prefill = None
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.decode.inflight -= 1
+        self.first_token()
+        self.metrics.running.dec()
+        self.registry.notify()
+
+
+class _CallMetrics:
+    """The latency and token metrics of one call. As updates stream: TTFT (the first token
+    of any completion, from arrival), ITL (between one completion's tokens), generation
+    tokens. Once every completion finished: E2E, prompt tokens, prefix-cache hit tokens (as
+    the placement predicted them and as the worker reported them)."""
+
+    __slots__ = ("metrics", "arrival", "last_token_at", "cached")
+
+    def __init__(self, metrics: RouterMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last_token_at: dict[int, float] = {}  # completion index -> its latest token's time
+        self.cached = 0  # prompt tokens the worker found cached (the most it reported)
+
+    def on_delta(self, delta: Delta) -> None:
+        self.cached = max(self.cached, delta.cached_tokens)
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        if not self.last_token_at:
+            self.metrics.ttft.observe(now - self.arrival)
+        elif delta.index in self.last_token_at:
+            self.metrics.itl.observe(now - self.last_token_at[delta.index])
+        self.last_token_at[delta.index] = now
+        self.metrics.generation_tokens.inc(len(delta.token_ids))
+
+    def on_success(self, num_prompt: int, predicted_cached: int) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.prompt_tokens.inc(num_prompt)
+        self.metrics.prefix_hit_tokens.labels("predicted").inc(predicted_cached)
+        self.metrics.prefix_hit_tokens.labels("reported").inc(self.cached)
+
+
+# Failure classification. `yielded`: an update already reached the client (no retry then).
+
+def _failed_completion(decode: WorkerState, delta: Delta, yielded: bool) -> WorkerFailed:
+    return WorkerFailed(f"decode worker {decode.info.worker_id}: completion {delta.index} "
+                        f"ended with {delta.finish_reason}", yielded)
+
+
+def _unfinished(decode: WorkerState, missing: int, yielded: bool) -> WorkerFailed:
+    return WorkerFailed(f"decode worker {decode.info.worker_id} ended the stream with "
+                        f"{missing} completions unfinished", yielded)
+
+
+def _rpc_failure(decode: WorkerState, exc: grpc.aio.AioRpcError,
+                 yielded: bool) -> APIError | WorkerFailed:
+    """INVALID_ARGUMENT before any update: the request itself was refused (a 400, not
+    retried); anything else: the worker failed."""
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not yielded:
+        return APIError(400, f"rejected by the decode worker: {exc.details()}")
+    return WorkerFailed(f"decode worker {decode.info.worker_id} at {decode.info.grpc_address}: "
+                        f"{exc.code().name}: {exc.details()}", yielded)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from router.errors import APIError, bad_request, from_validation_errors
 from router.protocol import DetokenizeRequest, TokenizeRequest
-from router.server import RouterServices
+from router.services import Services
 from router.validation import check_model, check_token_ids, render_chat
 
 
@@ -28,7 +28,7 @@ def _parse(model, body: bytes):
         raise from_validation_errors(exc.errors()) from None
 
 
-def add_info_routes(app: FastAPI, services: RouterServices) -> None:
+def add_info_routes(app: FastAPI, services: Services) -> None:
     card, version = services.card, _version()
 
     def model_card() -> dict[str, Any]:

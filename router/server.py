@@ -1,5 +1,6 @@
 """Assembly of a router: model card, worker registry + etcd watch, KV index + subscriptions,
-placement, dispatcher, metrics; `serve` runs it under uvicorn until interrupted."""
+placement, dispatcher, metrics; `serve` builds the app over them and runs it under uvicorn
+until interrupted."""
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,8 @@ def load_model_card(config: RouterConfig) -> ModelCard:
 
 
 class RouterServices:
-    """Everything a running router owns. Background work starts in `start` (inside the event
-    loop) and stops in `stop`."""
+    """Everything a running router owns (the app sees it as `router.services.Services`).
+    Background work starts in `start` (inside the event loop) and stops in `stop`."""
 
     def __init__(self, config: RouterConfig, card: ModelCard) -> None:
         self.config = config

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from engine.checks import FieldError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from router.errors import APIError, bad_request, from_validation_errors
@@ -272,10 +273,9 @@ def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelC
             bad_words=tuple(req.bad_words or ()),
             truncate_prompt_tokens=truncate,
         )
-    except ValueError as exc:
-        field_ = str(exc).split(" ", 1)[0]
-        param = names.get(field_, field_)
-        raise bad_request(str(exc).replace(field_, param, 1), param) from None
+    except FieldError as exc:  # named as the request names it (chat: max_completion_tokens)
+        param = names.get(exc.field, exc.field)
+        raise bad_request(str(exc).replace(exc.field, param, 1), param) from None
 
 
 def _check_length(ids: list[int], max_tokens: int | None, limit: int,

@@ -1,0 +1,32 @@
+"""What the HTTP surface (app.py, info_routes.py) needs from a running router. server.py's
+`RouterServices` is the real one; the app knows only this, so router's modules import one
+way: server -> app -> services."""
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.logprobs import TokenText
+from router.metrics import RouterMetrics
+from router.registry import WorkerRegistry
+from router.validation import ModelCard
+
+
+class Services(Protocol):
+    config: RouterConfig  # api_key
+    card: ModelCard  # tokenizer, names, the fallback context length
+    registry: WorkerRegistry  # /health counts its ready workers
+    metrics: RouterMetrics
+    dispatcher: Dispatcher  # runs each prompt on the cluster
+    tokens: TokenText  # token texts and bytes for responses
+
+    def max_model_len(self) -> int:
+        """The longest prompt + output a decode worker holds now."""
+
+    def update_gauges(self) -> None:
+        """Bring the worker and KV-index gauges up to date (before /metrics renders)."""
+
+    def lifespan(self, app: Any) -> AbstractAsyncContextManager[None]:
+        """Starts the background work (etcd watch, KV subscriptions) and stops it."""

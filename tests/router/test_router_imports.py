@@ -1,0 +1,62 @@
+"""router/'s own modules import one way: no circle, counting imports inside functions too
+(read with `ast`; nothing is imported)."""
+import ast
+from pathlib import Path
+
+ROUTER = Path(__file__).resolve().parents[2] / "router"
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The router modules `path` imports, at any depth of its code."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "router":
+                continue
+            if len(parts) > 1:
+                out.add(parts[1])
+            else:  # from router import x
+                out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x / from .x import
+            out.update([node.module.split(".")[0]] if node.module
+                       else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names
+                       if a.name.startswith("router."))
+    return out & modules
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_cycle_finder_sees_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_router_modules_import_one_way():
+    modules = {p.stem for p in ROUTER.glob("*.py")}
+    assert {"app", "server", "dispatch"} <= modules
+    graph = {m: _imports(ROUTER / f"{m}.py", modules) - {m} for m in modules}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
