@@ -55,11 +55,7 @@ def create_app(services: Services) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ready = {role: 0 for role in ("prefill", "decode")}
-        now = services.registry.clock()
-        for w in services.registry.all():
-            if not w.info.draining and not services.registry.is_stale(w, now):
-                ready[w.info.role] += 1
+        ready = {role: len(services.registry.ready(role)) for role in ("prefill", "decode")}
         ok = ready["decode"] > 0
         return JSONResponse({"status": "ok" if ok else "no_decode_workers",
                              "decode_workers": ready["decode"],

@@ -64,6 +64,16 @@ class WorkerRegistry:
     def is_stale(self, state: WorkerState, now: float | None = None) -> bool:
         return (self.clock() if now is None else now) - state.seen_at > self.stale_after_s
 
+    def state_of(self, state: WorkerState, now: float | None = None) -> str:
+        """ready | draining | stale (only ready workers take new requests)."""
+        if state.info.draining:
+            return "draining"
+        return "stale" if self.is_stale(state, now) else "ready"
+
+    def ready(self, role: str) -> list[WorkerState]:
+        now = self.clock()
+        return [w for w in self.by_role(role) if self.state_of(w, now) == "ready"]
+
     def put(self, info: WorkerInfo) -> None:
         if not self.accept(info):
             if info.worker_id not in self._rejected:

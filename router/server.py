@@ -73,9 +73,8 @@ class RouterServices:
     def max_model_len(self) -> int:
         """The longest prompt + output a decode worker holds: the largest published by a live
         decode worker (else by any registered one, draining or stale), else the model card's."""
-        now = self.registry.clock()
         decode = [w for w in self.registry.by_role("decode") if w.info.max_model_len > 0]
-        live = [w for w in decode if not w.info.draining and not self.registry.is_stale(w, now)]
+        live = [w for w in self.registry.ready("decode") if w.info.max_model_len > 0]
         return max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
 
     def _serves(self, info: WorkerInfo) -> bool:
@@ -118,9 +117,7 @@ class RouterServices:
             for state in ("ready", "draining", "stale")
         }
         for w in self.registry.all():
-            state = ("draining" if w.info.draining
-                     else "stale" if self.registry.is_stale(w, now) else "ready")
-            counts[(w.info.role, state)] += 1
+            counts[(w.info.role, self.registry.state_of(w, now))] += 1
         for (role, state), n in counts.items():
             self.metrics.workers.labels(role, state).set(n)
         self.metrics.kv_index_blocks.set(len(self.index))
