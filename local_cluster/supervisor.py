@@ -45,7 +45,7 @@ class Supervisor:
         return max(1, (os.cpu_count() or 2) // total) if self.args.num_threads == 0 else self.args.num_threads
 
     def start_worker(self, role: str):
-        from cluster.launcher import ServiceProcess
+        from local_cluster.launcher import ServiceProcess
 
         with self.lock:
             self._serial += 1
@@ -151,7 +151,7 @@ def _wait_until_serving(url: str, etcd: str, cluster: str, expected: int, timeou
 
 def up(args: argparse.Namespace) -> int:
     from cluster.etcd_server import EtcdServer
-    from cluster.launcher import ServiceProcess
+    from local_cluster.launcher import ServiceProcess
     from cluster.net import free_port
     from engine.models.loader import resolve_model_path
 
