@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from cluster.etcd_server import EtcdServer
-from cluster.launcher import ServiceProcess
+from local_cluster.launcher import ServiceProcess
 from cluster.net import free_port
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc

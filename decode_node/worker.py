@@ -30,8 +30,6 @@ from typing import Awaitable, TypeVar
 import grpc
 
 from cluster.convert import delta_to_pb, sampled_from_pb, sampling_from_pb, sampling_to_pb
-from cluster.grpc_errors import Unavailable, grpc_errors
-from cluster.worker_runtime import WorkerRuntime
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionDelta
 from engine.request import Request
@@ -39,6 +37,8 @@ from engine.scheduler import SampledToken
 from kvtransfer import TransferStatus
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.grpc_errors import Unavailable, grpc_errors
+from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -66,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=_generate)
 
-    from cluster.worker_main import register as register_workers
+    from pdserve.worker_main import register as register_workers
 
     register_workers(sub)
-    __import__("cluster.up").up.register(sub)
+    __import__("local_cluster.cli").cli.register(sub)
     __import__("router.cli").cli.register(sub)
     __import__("benchmarks.serving.cli").serving.cli.register(sub)
     return parser

@@ -22,13 +22,13 @@ import logging
 import time
 
 from cluster.convert import sampled_to_pb, sampling_from_pb
-from cluster.grpc_errors import Unavailable, grpc_errors
 from cluster.registration import list_workers, make_client
-from cluster.worker_runtime import WorkerRuntime
 from kvtransfer import TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.grpc_errors import Unavailable, grpc_errors
+from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 
 from cluster.etcd_server import EtcdServer
-from cluster.launcher import ServiceProcess
+from local_cluster.launcher import ServiceProcess
 from cluster.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]

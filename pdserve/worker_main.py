@@ -1,4 +1,6 @@
-"""Entry point shared by `pdserve prefill` and `pdserve decode`."""
+"""Entry point shared by `pdserve prefill` and `pdserve decode`. It lives here, in the command
+line, because it is the one place above both roles: it picks `prefill_node` or `decode_node`,
+and neither they nor the runtime they share (`worker_runtime`) import it back."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +8,8 @@ import asyncio
 import logging
 import sys
 
-from cluster.worker_args import add_worker_args, worker_config_from_args
 from engine.config import EngineConfig, add_engine_args
+from worker_runtime.args import add_worker_args, worker_config_from_args
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +25,8 @@ def run(role: str, args: argparse.Namespace) -> int:
 
 
 async def _serve(role, config, engine_config) -> int:
-    from cluster.worker_runtime import WorkerRuntime
     from proto import pdserve_pb2_grpc as pb_grpc
+    from worker_runtime.runtime import WorkerRuntime
 
     runtime = WorkerRuntime(config, engine_config)
     background = []

@@ -17,8 +17,6 @@ from typing import AsyncIterator, Awaitable, Callable
 import grpc
 
 from cluster.registration import Capacity, Registrar, WorkerInfo
-from cluster.worker_args import WorkerConfig
-from cluster.worker_metrics import WorkerMetrics
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
@@ -26,7 +24,9 @@ from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from cluster.grpc_errors import Unavailable, grpc_errors
+from worker_runtime.args import WorkerConfig
+from worker_runtime.grpc_errors import Unavailable, grpc_errors
+from worker_runtime.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,79 @@
+"""The `pdserve up`, `pdserve scale` and `pdserve status` subcommands. `up` runs the
+supervisor (supervisor.py); `scale` asks the running `up` over its control port, and `status`
+lists the workers registered in etcd (control.py says where both find the running `up`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+
+from local_cluster.control import current
+from local_cluster.supervisor import up
+
+
+def scale(args: argparse.Namespace) -> int:
+    sign = args.delta[0]
+    if sign not in "+-" or not args.delta[1:].isdigit():
+        raise ValueError(f"delta must look like +1 or -2, got {args.delta!r}")
+    delta = int(args.delta)
+    req = urllib.request.Request(
+        current()["control"] + "/scale", data=json.dumps({"role": args.role, "delta": delta}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        print(json.dumps(json.loads(resp.read()), indent=2))
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cluster.registration import list_workers, make_client
+
+    etcd = args.etcd or current()["etcd"]
+    cluster = args.cluster or (current()["cluster"] if not args.etcd else "default")
+
+    async def fetch():
+        async with make_client(etcd) as client:
+            return await list_workers(client, cluster)
+
+    workers = sorted(asyncio.run(fetch()), key=lambda w: (w.role, w.worker_id))
+    print(f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
+          f"{'running':>8} {'waiting':>8} {'queued prefill':>15}")
+    for w in workers:
+        c = w.capacity
+        print(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {'draining' if w.draining else 'ready':9} "
+              f"{c.free_blocks:>8}/{c.total_blocks:<9} {c.running:>8} {c.waiting:>8} {c.queued_prefill_tokens:>15}")
+    if not workers:
+        print(f"(no workers registered in cluster {cluster!r} at {etcd})")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("up", help="start a local cluster: etcd + router + prefill/decode workers")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers to start")
+    p.add_argument("--decode", type=int, default=1, help="decode workers to start")
+    p.add_argument("--model", default="default", help="HF LLaMA directory, GGUF file or 'default'")
+    p.add_argument("--host", default="127.0.0.1", help="router listen address")
+    p.add_argument("--port", type=int, default=8000, help="router port (0 = any free port)")
+    p.add_argument("--etcd", default=None, help="use this etcd (host:port) instead of starting one")
+    p.add_argument("--cluster", default="default", help="cluster name in etcd")
+    p.add_argument("--num-threads", type=int, default=0,
+                   help="torch threads per worker (0 = cores / workers, at least 1)")
+    p.add_argument("--log-dir", default=None, help="keep per-process logs here (default: a temp dir)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
+                   help="extra flag for every worker, e.g. --worker-arg=--kv-cache-memory=1GiB")
+    p.add_argument("--router-arg", dest="router_args", action="append", default=[],
+                   help="extra flag for the router, e.g. --router-arg=--policy=round_robin")
+    p.set_defaults(func=up)
+
+    p = subparsers.add_parser("scale", help="add or drain workers of the running `pdserve up`")
+    p.add_argument("role", choices=["prefill", "decode"])
+    p.add_argument("delta", help="+K to start K workers, -K to drain and stop K")
+    p.set_defaults(func=scale)
+
+    p = subparsers.add_parser("status", help="list registered workers and their capacity")
+    p.add_argument("--etcd", default=None, help="etcd host:port (default: the running `pdserve up`)")
+    p.add_argument("--cluster", default=None)
+    p.set_defaults(func=status)
