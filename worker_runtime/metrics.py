@@ -1,4 +1,5 @@
-"""A worker's Prometheus /metrics: engine stats, KV transfer stats, request latencies."""
+"""A worker's Prometheus /metrics: engine stats, KV transfer stats (kvtransfer's own
+registries), request latencies."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -17,6 +18,10 @@ class WorkerMetrics:
         self._stats: EngineStats | None = None
         self._step_seconds = 0.0
         self.registry.register(self)
+        # KV transfer metrics (bytes, blocks, batches, requests, failures, latency histograms)
+        # live in each side's own registry (kvtransfer.metrics); exported here as they are.
+        self.registry.register(kv_backend.sender.metrics.registry)
+        self.registry.register(kv_backend.receiver.metrics.registry)
         labels = ["role"]
         self.ttft = Histogram("pdserve_worker_ttft_seconds", "Request arrival to first token",
                               labels, registry=self.registry, buckets=LATENCY_BUCKETS)
@@ -70,23 +75,3 @@ class WorkerMetrics:
         for mode, n in self.prefill_modes.items():
             modes.add_metric([self.role, mode], n)
         yield modes
-        yield from self._transfer_metrics()
-
-    def _transfer_metrics(self):
-        fams = {
-            "bytes": CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes moved", labels=["direction", "peer"]),
-            "blocks": CounterMetricFamily("pdserve_kv_transfer_blocks", "KV blocks moved", labels=["direction", "peer"]),
-            "done": CounterMetricFamily("pdserve_kv_transfer_requests", "Transfers completed", labels=["direction", "peer"]),
-            "fail": CounterMetricFamily("pdserve_kv_transfer_failures", "Transfers failed", labels=["direction", "peer", "reason"]),
-            "lat": CounterMetricFamily("pdserve_kv_transfer_latency_seconds_sum", "Sum of transfer latencies", labels=["direction", "peer"]),
-        }
-        for direction, side in (("send", self.kv.sender), ("receive", self.kv.receiver)):
-            for peer, m in list(side.metrics.peers.items()):
-                labels = [direction, peer]
-                fams["bytes"].add_metric(labels, m.bytes)
-                fams["blocks"].add_metric(labels, m.blocks)
-                fams["done"].add_metric(labels, m.requests_completed)
-                fams["lat"].add_metric(labels, m.request_latency_s.sum)
-                for reason, n in m.failures.items():
-                    fams["fail"].add_metric([direction, peer, reason], n)
-        yield from fams.values()

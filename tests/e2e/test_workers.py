@@ -86,6 +86,10 @@ def test_disaggregated_greedy_equals_single_engine(workers, reference_llm):
         assert "".join(r.text for r in responses) == ref.outputs[0].text
     landed = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") - sent_before
     assert landed == sum(-(-len(p) // 16) for p in prompts)
+    # Per-request transfer latency is a histogram on both sides' /metrics.
+    for worker, direction in ((decode, "receive"), (prefill, "send")):
+        assert metric(worker.metrics_address, "pdserve_kv_transfer_latency_seconds_count",
+                      direction=direction) >= len(prompts)
 
 
 def test_seeded_sampling_across_workers_equals_single_engine(workers, reference_llm):
