@@ -14,6 +14,7 @@ Link impairments: `netem()` (delay, loss: needs a kernel with sch_netem), `rate_
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().with_name("netns_child.py")
@@ -143,19 +144,27 @@ def rate_limit(hosts: TwoHosts, rate: str):
 
 
 @contextmanager
-def packet_loss(hosts: TwoHosts, percent: int) -> Iterator[None]:
+def packet_loss(hosts: TwoHosts, percent: int) -> Iterator[Callable[[], int]]:
     """Drop `percent`% of the packets each end sends on the veth, at random (an nftables
-    table of our own in each namespace; needs no sch_netem)."""
+    table of our own in each namespace; needs no sch_netem). Yields a function counting the
+    packets dropped so far."""
     added: list[Host] = []
     try:
         for h in (hosts.prefill, hosts.decode):
             nft = ["nft", "-f", "-"]
             rules = (f"table inet pdloss {{\n chain out {{\n type filter hook output priority 0;\n"
-                     f' oifname "{h.dev}" numgen random mod 100 < {percent} drop\n }}\n}}\n')
+                     f' oifname "{h.dev}" numgen random mod 100 < {percent} counter drop\n }}\n}}\n')
             subprocess.run(h.exec_argv(*nft), input=rules, text=True, capture_output=True,
                            check=True, timeout=10)
             added.append(h)
-        yield
+
+        def dropped() -> int:
+            return sum(
+                int(n) for h in added for n in re.findall(r"counter packets (\d+)", subprocess.run(
+                    h.exec_argv("nft", "list", "table", "inet", "pdloss"), capture_output=True,
+                    text=True, check=True, timeout=10).stdout))
+
+        yield dropped
     finally:
         for h in added:
             subprocess.run(h.exec_argv("nft", "delete", "table", "inet", "pdloss"),
@@ -207,6 +216,10 @@ class NetnsChild:
             raise reply
         return reply
 
+    def run(self, target: str, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
+        """`target(*args, **kwargs)` in a `serve_calls` child; its exception is raised here."""
+        return self.call("run", target, args, kwargs, timeout_s=timeout_s)
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
@@ -231,18 +244,34 @@ class NetnsChild:
 
 
 def serve_calls(conn: Any) -> None:
-    """Child target: run ("module:function", *args) calls and send back their results."""
+    """Child target: run ("run", "module:function", args, kwargs) calls (a coroutine function
+    is run to its end) and send back their results; ("exit",) ends it."""
+    import asyncio
     import importlib
+    import inspect
 
     conn.send("ready")
     while True:
-        cmd, *args = conn.recv()
+        cmd, *rest = conn.recv()
         if cmd == "exit":
             conn.send("bye")
             return
         try:
-            module, fn = cmd.split(":")
-            reply = getattr(importlib.import_module(module), fn)(*args)
+            target, args, kwargs = rest
+            module, fn = target.split(":")
+            reply = getattr(importlib.import_module(module), fn)(*args, **kwargs)
+            if inspect.iscoroutine(reply):
+                reply = asyncio.run(reply)
         except Exception as e:  # re-raised by NetnsChild.call
-            reply = RuntimeError(f"{cmd}: {type(e).__name__}: {e}")
+            reply = e if _picklable(e) else RuntimeError(f"{target}: {type(e).__name__}: {e}")
         conn.send(reply)
+
+
+def _picklable(obj: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(obj))
+        return True
+    except Exception:
+        return False

@@ -78,8 +78,9 @@ def _lossy_transfer_completes(link, rid, seed):
 
 def test_packet_loss_on_the_link_is_retransmitted_byte_identical(link):
     """1% of the packets dropped each way (nftables): TCP retransmits, every byte lands."""
-    with packet_loss(link[0], 1):
+    with packet_loss(link[0], 1) as dropped:
         _lossy_transfer_completes(link, "lossy", seed=2)
+        assert dropped() > 0
 
 
 def test_netem_delay_and_loss_still_complete_byte_identical(link):
