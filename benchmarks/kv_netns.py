@@ -98,7 +98,8 @@ def main() -> None:
                 stack.callback(recv.stop)
                 send = _peer(sh, f"bench-send-{k}", n, senv, logs)
                 stack.callback(send.stop)
-                recv.ready(), send.ready()
+                recv.ready()
+                send.ready()
                 with impair() if impair else nullcontext():
                     results[label] = _measure(send, recv, n, runs, f"r{k}")
             print(f"{label:20s} {results[label]['gb_per_s']:7.3f} GB/s  "

@@ -1,12 +1,11 @@
 """Entry point of a NetnsChild (run under `ip netns exec`): connect back, run the target.
 
-argv: socket path, "module:function"; stdin: repr() of the target's extra arguments; the
-authkey in PD_NETNS_AUTHKEY."""
+argv: socket path, "module:function"; stdin: repr() of the target's extra arguments."""
 import ast
 import importlib
-import os
+import socket
 import sys
-from multiprocessing.connection import Client
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -16,7 +15,9 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS / "kvtransfer"), str(TESTS / "e2e")
 def main() -> None:
     path, target = sys.argv[1], sys.argv[2]
     args = ast.literal_eval(sys.stdin.read())
-    conn = Client(path, family="AF_UNIX", authkey=bytes.fromhex(os.environ["PD_NETNS_AUTHKEY"]))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    conn = Connection(sock.detach())
     module, fn = target.split(":")
     getattr(importlib.import_module(module), fn)(conn, *args)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ class NetnsWorker(ServiceProcess):
             "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
             "--dtype", "float32", *extra,
         ]
-        self.log_path = log_dir / f"{role}-{host.netns}-{len(list(log_dir.iterdir()))}.log"
+        self.log_path = log_dir / f"{role}-{host.netns}-{secrets.token_hex(2)}.log"
         self.log = open(self.log_path, "a", buffering=1)
         # ServiceProcess.__init__ would start `python -m pdserve` here, in our namespace.
         self.proc = subprocess.Popen(

@@ -4,8 +4,9 @@
 a private /30 address on each end (these addresses exist only inside the two namespaces),
 and removes both namespaces, by name, on exit, also when the body failed. Processes run in a
 namespace through `ip netns exec` (which also mounts that namespace's /sys, where UCX lists
-the network devices); `NetnsChild` is such a process talking to the test over a Unix socket
-(a file path: reachable from every network namespace). Children are stopped by PID.
+the network devices, and then execs the command: its PID is the process's own); `NetnsChild`
+is such a process talking to the test over a Unix socket (a file path: reachable from every
+network namespace, unlike an abstract or TCP socket). Children are stopped by PID.
 
 Link impairments: `netem()` (delay, loss: needs a kernel with sch_netem), `rate_limit()`
 (tbf) and `packet_loss()` (nftables), each removed on exit. Needs root and iproute2
@@ -18,12 +19,13 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -179,25 +181,27 @@ class NetnsChild:
     def __init__(self, host: Host, target: str, *args: Any, env: dict[str, str] | None = None,
                  log_path: Path | None = None) -> None:
         self.host = host
-        self._dir = tempfile.mkdtemp(prefix="pd-netns-")
+        self._dir = tempfile.mkdtemp(prefix="pd-netns-")  # 0700: only we can connect
         path = os.path.join(self._dir, "sock")
-        key = secrets.token_bytes(16)
         self._log = open(log_path, "ab") if log_path else None
-        with Listener(path, family="AF_UNIX", authkey=key) as listener:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(path)
+            listener.listen(1)
+            listener.settimeout(60)  # a child that dies before connecting
             self.proc = subprocess.Popen(
                 host.exec_argv(sys.executable, str(CHILD), path, target),
-                env={**os.environ, **(env or {}), "PD_NETNS_AUTHKEY": key.hex()},
-                stdin=subprocess.PIPE, stdout=self._log, stderr=self._log, cwd=str(REPO),
-                start_new_session=True,
+                env={**os.environ, **(env or {})}, stdin=subprocess.PIPE,
+                stdout=self._log, stderr=self._log, cwd=str(REPO), start_new_session=True,
             )
             self.proc.stdin.write(repr(args).encode())
             self.proc.stdin.close()
-            listener._listener._socket.settimeout(60)  # accept() bounded: a child that dies
             try:
-                self.conn = listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 self.kill()
-                raise RuntimeError(f"child {target} in {host.netns} did not connect")
+                raise RuntimeError(f"child {target} in {host.netns} did not connect") from None
+        sock.setblocking(True)
+        self.conn = Connection(sock.detach())
         self.metadata: Any = None
 
     def ready(self, timeout_s: float = 60.0) -> NetnsChild:
@@ -225,11 +229,11 @@ class NetnsChild:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
-    def stop(self, exit_cmd: tuple = ("exit",)) -> None:
+    def stop(self) -> None:
         """Ask it to exit, then SIGKILL by PID if it has not within 10 s."""
         if self.proc.poll() is None:
             try:
-                self.call(*exit_cmd, timeout_s=10)
+                self.call("exit", timeout_s=10)
             except (TimeoutError, EOFError, OSError):
                 pass
             try:
