@@ -19,6 +19,7 @@ import torch
 
 from cluster.convert import sampling_from_pb
 from engine.engine_loop import EngineLoop
+from engine.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from worker_runtime.runtime import WorkerRuntime
@@ -67,8 +68,11 @@ class FakeEngine:
         return blocks
 
     def finish_remote_prefill(self, rid, token):
-        self.running.append(rid)
-        return []
+        self.running.append(rid)  # and finished at once: one token, max_tokens reached
+        n = len(self.allocated[rid]) * BLOCK_SIZE
+        return [CompletionDelta(request_id=rid, index=0, token_ids=[token.token_id], text="", logprobs=[],
+                                finish_reason="length", num_prompt_tokens=n, num_cached_tokens=n,
+                                num_output_tokens=1)]
 
     def submit(self, req):
         self.running.append(req.request_id)
@@ -84,7 +88,8 @@ class FakeEngine:
 class FakeCall:
     """A `Prefill` call the test ends by hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, request: pb.PrefillRequest) -> None:
+        self.request = request
         self.future = asyncio.get_running_loop().create_future()
         self.cancelled = False
 
@@ -107,9 +112,10 @@ class Harness:
         rt = WorkerRuntime.__new__(WorkerRuntime)
         rt.config = SimpleNamespace(kv_timeout_s=kv_timeout_s, strict_remote_prefill=False)
         rt.engine = self.engine
-        rt.kv = FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="D"))
-        pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
-        rt.kv.register_pool(pool, KVCompat.for_pool(pool, "m"))
+        fabric = FakeFabric()
+        rt.kv = _backend(fabric, "D")
+        self.p_kv = _backend(fabric, "P")  # the prefill worker's side, to land KV by hand
+        self.p_kv.add_peer(rt.kv.metadata())
         rt.kv_metadata = rt.kv.metadata()
         rt.metrics = mock.MagicMock()
         rt.draining, rt.inflight, rt.streams = False, 0, {}
@@ -119,6 +125,7 @@ class Harness:
         self.calls: list[FakeCall] = []
         self.aborts: list[str] = []
         self.abort_reply: asyncio.Future | None = None  # None: P answers Abort at once
+        self.abort_error: Exception | None = None  # P's Abort fails with this
         stubs = {"PrefillWorkerStub": self._prefill_stub, "WorkerStub": self._worker_stub}
         self._patch = mock.patch.multiple("decode_node.worker.pb_grpc", **stubs)
         self._patch.start()
@@ -130,13 +137,15 @@ class Harness:
 
     def _prefill_stub(self, channel):
         def prefill(request, timeout=None):
-            self.calls.append(FakeCall())
+            self.calls.append(FakeCall(request))
             return self.calls[-1]
         return SimpleNamespace(Prefill=prefill)
 
     def _worker_stub(self, channel):
         async def abort(request, timeout=None):
             self.aborts.append(request.request_id)
+            if self.abort_error is not None:
+                raise self.abort_error
             if self.abort_reply is not None:
                 await self.abort_reply
             return pb.AbortResponse(found=True)
@@ -165,9 +174,33 @@ class Harness:
             return [r async for r in self.worker.Generate(request, _Context())]
         return asyncio.ensure_future(consume())
 
+    async def land_kv(self, call: FakeCall) -> None:
+        """P writes every block the call asked for (final batch included)."""
+        dest = call.request.destination
+        self.p_kv.sender.send(dest.transfer_id, "D", [(i, b) for i, b in enumerate(dest.block_ids)],
+                              final=True)
+        self.p_kv.sender.poll()  # the fake copies here, then notifies D
+
+    @property
+    def held(self) -> list[int]:
+        """Blocks pinned beyond their request (quarantined)."""
+        return self.engine.block_manager.held
+
     @staticmethod
     def response() -> pb.PrefillResponse:
         return pb.PrefillResponse(first_token=pb.TokenLogprob(token_id=42), num_cached_tokens=0)
+
+
+def unavailable() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="connection refused")
+
+
+def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:
+    backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
+    pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
+    backend.register_pool(pool, KVCompat.for_pool(pool, "m"))
+    return backend
 
 
 class _Context:
