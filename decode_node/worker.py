@@ -9,14 +9,19 @@ Life cycle of a request here:
    block ids. P streams the blocks as its chunks complete and returns the first token.
 3. When every block has landed (receiver COMPLETE) and the first token is back, the request
    joins the running batch; its first token is streamed at once, then every decoded token.
-4. Failures: P unreachable or failing -> the parked request is dropped (blocks freed) and the
-   prompt is prefilled here (`local_fallback`), or UNAVAILABLE with --strict-remote-prefill;
-   KV not complete by the deadline -> DEADLINE_EXCEEDED, blocks freed, nothing decoded from
-   them; the caller cancelling -> the request is aborted and its blocks freed.
+4. Failures: P unreachable or failing -> the parked request is dropped and the prompt is
+   prefilled here (`local_fallback`), or UNAVAILABLE with --strict-remote-prefill; KV not
+   complete by the deadline -> DEADLINE_EXCEEDED, nothing decoded from the blocks; the caller
+   cancelling -> the request is aborted.
 5. `Worker.Abort` (an operator, or a router migrating the request): the stream ends with a
    final "abort" update per unfinished completion; a request whose KV is still on its way is
-   dropped like a cancelled one (its blocks stay quarantined until P can no longer write).
+   dropped like a cancelled one.
 Without P (or n > 1, or with prompt logprobs) the prompt is prefilled here (`local`).
+
+Steps 2-5 are the state machine of decode_node/remote_prefill.py (PARKED -> KV_LANDED /
+FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven only on the engine thread.
+A dropped request's blocks stay quarantined until P confirmed it writes no more: its call
+returned, or its `Worker.Abort` answered (`_abort_remote`, retried until it does).
 """
 from __future__ import annotations
 
