@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -108,7 +107,6 @@ class RemotePrefills:
         self._deliver = deliver  # WorkerRuntime.deliver: hand deltas to their streams
         self._attempts: dict[str, RemotePrefill] = {}  # by transfer id
         self._live: dict[str, RemotePrefill] = {}  # by request id: attempts in a live state
-        self._ids = itertools.count()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -124,16 +122,17 @@ class RemotePrefills:
         return attempt.state if attempt is not None else None
 
     # ---- events --------------------------------------------------------------------------
-    def start(self, engine: LLMEngine, request: Request, done: asyncio.Future,
+    def start(self, engine: LLMEngine, request: Request, transfer_id: str, done: asyncio.Future,
               kv_timeout_s: float) -> RemotePrefill | None:
-        """Park the request and expect its KV (PARKED); None if it cannot be parked now."""
+        """Park the request and expect its KV (PARKED); None if it cannot be parked now.
+        `transfer_id` is new for every attempt (the caller picks it, so it can name the
+        attempt even if it never saw this command's result)."""
         if request.request_id in self._live:
             raise ValueError(f"request_id {request.request_id!r} is already waiting for KV")
         block_ids = engine.add_remote_prefill_request(request)
         if block_ids is None:
             return None
-        attempt = RemotePrefill(request.request_id, f"{request.request_id}:{next(self._ids)}",
-                                block_ids, done)
+        attempt = RemotePrefill(request.request_id, transfer_id, block_ids, done)
         try:
             self._receiver.expect(attempt.transfer_id, block_ids,
                                   deadline=time.monotonic() + kv_timeout_s)
@@ -172,17 +171,11 @@ class RemotePrefills:
             self._drop(engine, attempt, exc,
                        S.RELEASED if attempt.state.p_stopped else S.QUARANTINED)
 
-    def fail_request(self, engine: LLMEngine, request_id: str, exc: Exception, *,
-                     p_called: bool = True) -> None:
-        """`fail` the live attempt of `request_id`, if any (cancel, Worker.Abort).
-        `p_called=False`: P was never asked for it, so nothing can land: release at once."""
+    def fail_request(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:
+        """`fail` the live attempt of `request_id`, if any (cancel, Worker.Abort)."""
         attempt = self._live.get(request_id)
-        if attempt is None:
-            return
-        if p_called:
+        if attempt is not None:
             self.fail(engine, attempt.transfer_id, exc)
-        else:
-            self.writes_stopped(engine, attempt.transfer_id, exc)
 
     def writes_stopped(self, engine: LLMEngine, transfer_id: str, exc: Exception) -> None:
         """P confirmed it writes nothing more for this attempt: fail it (with `exc`) if it is

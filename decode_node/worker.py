@@ -26,6 +26,7 @@ returned, or its `Worker.Abort` answered (`_abort_remote`, retried until it does
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import replace
@@ -57,6 +58,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         self.remote = RemotePrefills(runtime.kv.receiver, runtime.settle, runtime.deliver)  # engine thread
+        self._attempts = itertools.count()  # transfer ids: one per attempt
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
         self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
@@ -155,17 +157,17 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         rt = self.rt
         rid = req.request_id
         done = rt.aio.create_future()
+        tid = f"{rid}:{next(self._attempts)}"
         try:
-            attempt = await rt.call(lambda e: self.remote.start(e, req, done, rt.config.kv_timeout_s),
+            attempt = await rt.call(lambda e: self.remote.start(e, req, tid, done, rt.config.kv_timeout_s),
                                     cancellable=False)
         except asyncio.CancelledError:  # P was never called: nothing can land, release now
             gone = Unavailable(f"request {rid} was cancelled before its prefill started")
-            await rt.call(lambda e: self.remote.fail_request(e, rid, gone, p_called=False),
-                          cancellable=False)
+            await rt.call(lambda e: self.remote.writes_stopped(e, tid, gone), cancellable=False)
             raise
         if attempt is None:
             return "local", 0  # no room for the whole prompt now: let the scheduler queue it
-        tid, block_ids = attempt.transfer_id, attempt.block_ids
+        block_ids = attempt.block_ids
         num_skip = rt.engine.limits.blocks_for(req.num_prompt_tokens) - len(block_ids)
         prefill = pb.PrefillRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids,
