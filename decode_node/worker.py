@@ -9,14 +9,19 @@ Life cycle of a request here:
    block ids. P streams the blocks as its chunks complete and returns the first token.
 3. When every block has landed (receiver COMPLETE) and the first token is back, the request
    joins the running batch; its first token is streamed at once, then every decoded token.
-4. Failures: P unreachable or failing -> the parked request is dropped (blocks freed) and the
-   prompt is prefilled here (`local_fallback`), or UNAVAILABLE with --strict-remote-prefill;
-   KV not complete by the deadline -> DEADLINE_EXCEEDED, blocks freed, nothing decoded from
-   them; the caller cancelling -> the request is aborted and its blocks freed.
+4. Failures: P unreachable or failing -> the parked request is dropped and the prompt is
+   prefilled here (`local_fallback`), or UNAVAILABLE with --strict-remote-prefill; KV not
+   complete by the deadline -> DEADLINE_EXCEEDED, nothing decoded from the blocks; the caller
+   cancelling -> the request is aborted.
 5. `Worker.Abort` (an operator, or a router migrating the request): the stream ends with a
    final "abort" update per unfinished completion; a request whose KV is still on its way is
-   dropped like a cancelled one (its blocks stay quarantined until P can no longer write).
+   dropped like a cancelled one.
 Without P (or n > 1, or with prompt logprobs) the prompt is prefilled here (`local`).
+
+Steps 2-5 are the state machine of decode_node/remote_prefill.py (PARKED -> KV_LANDED /
+FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven only on the engine thread.
+A dropped request's blocks stay quarantined until P confirmed it writes no more: its call
+returned, or its `Worker.Abort` answered (`_abort_remote`, retried until it does).
 """
 from __future__ import annotations
 
@@ -24,17 +29,16 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Awaitable, TypeVar
 
 import grpc
 
 from cluster.convert import delta_to_pb, sampled_from_pb, sampling_from_pb, sampling_to_pb
+from decode_node.remote_prefill import RemotePrefills
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionDelta
 from engine.request import Request
-from engine.scheduler import SampledToken
-from kvtransfer import TransferStatus
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.grpc_errors import Unavailable, grpc_errors
@@ -43,113 +47,31 @@ from worker_runtime.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ABORT = object()  # put on a request's stream queue by `abort`
+_GONE_AFTER = 3  # UNAVAILABLE answers in a row to an Abort: nothing serves at P's address
 
 
 class RequestAborted(Exception):
     """`Worker.Abort` was called for a request this worker is streaming."""
 
 
-@dataclass
-class _RemotePrefill:
-    """Engine-thread state of one request waiting for its KV."""
-
-    request_id: str
-    transfer_id: str
-    block_ids: list[int]  # our blocks the prefill worker writes into
-    done: asyncio.Future  # resolved on the asyncio loop: None (started) or an exception
-    call_ended: bool = False  # the Prefill call returned or failed: no more writes can come
-    kv_landed: bool = False
-    first_token: SampledToken | None = None
-    deltas: list = field(default_factory=list)
-
-
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self._pending: dict[str, _RemotePrefill] = {}  # engine thread only
-        self._by_transfer: dict[str, str] = {}  # engine thread only
-        # Blocks of failed transfers whose Prefill call may still be writing into them: held
-        # (pinned) until the call ends, so a late write never lands in someone else's KV.
-        self._quarantine: dict[str, list[int]] = {}  # engine thread only
-        self._attempts = itertools.count()
+        self.remote = RemotePrefills(runtime.kv.receiver, runtime.settle, runtime.deliver)  # engine thread
+        self._attempts = itertools.count()  # transfer ids: one per attempt
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
         self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
         runtime.set_role_hook(self._after_step)
         runtime.set_abort_hook(self.abort)
 
-    # ---- engine thread -------------------------------------------------------------------
-    def _after_step(self, engine: LLMEngine) -> bool:
-        for result in self.rt.kv.receiver.poll():
-            request_id = self._by_transfer.pop(result.request_id, None)
-            pending = self._pending.get(request_id) if request_id else None
-            if pending is None:
-                continue
-            if result.status is TransferStatus.COMPLETE:
-                pending.kv_landed = True
-                self._maybe_start(engine, pending)
-            else:
-                self._fail(engine, pending, TimeoutError(
-                    f"KV for request {request_id} did not arrive: {result.status.name.lower()}"
-                    f" after {result.elapsed_s:.1f}s ({result.num_blocks} blocks landed) {result.error}"
-                ) if result.status is TransferStatus.TIMEOUT else Unavailable(
-                    f"KV transfer for request {request_id} failed: {result.status.name.lower()} {result.error}"))
-        return bool(self._pending)
+    def _after_step(self, engine: LLMEngine) -> bool:  # engine thread
+        self.remote.poll_kv(engine)
+        return self.remote.in_flight
 
-    def _start_remote(
-        self, engine: LLMEngine, request: Request, done: asyncio.Future
-    ) -> tuple[str, list[int]] | None:
-        """Park the request and expect its KV; (transfer id, block ids to fill) or None."""
-        block_ids = engine.add_remote_prefill_request(request)
-        if block_ids is None:
-            return None
-        transfer_id = f"{request.request_id}:{next(self._attempts)}"
-        deadline = time.monotonic() + self.rt.config.kv_timeout_s
-        try:
-            self.rt.kv.receiver.expect(transfer_id, block_ids, deadline=deadline)
-        except Exception:
-            engine.abort_request(request.request_id)
-            raise
-        self._pending[request.request_id] = _RemotePrefill(request.request_id, transfer_id, block_ids, done)
-        self._by_transfer[transfer_id] = request.request_id
-        return transfer_id, block_ids
-
-    def _first_token(self, engine: LLMEngine, request_id: str, token: SampledToken) -> None:
-        pending = self._pending.get(request_id)
-        if pending is not None:
-            pending.first_token = token
-            self._maybe_start(engine, pending)
-
-    def _maybe_start(self, engine: LLMEngine, pending: _RemotePrefill) -> None:
-        if not (pending.kv_landed and pending.first_token is not None):
-            return
-        del self._pending[pending.request_id]
-        deltas = engine.finish_remote_prefill(pending.request_id, pending.first_token)
-        self.rt.deliver(deltas)
-        self.rt.settle(pending.done)
-
-    def _fail(self, engine: LLMEngine, pending: _RemotePrefill, exc: Exception) -> None:
-        self._pending.pop(pending.request_id, None)
-        self._by_transfer.pop(pending.transfer_id, None)
-        self.rt.kv.receiver.cancel(pending.transfer_id)
-        if not pending.call_ended:
-            engine.block_manager.pin(pending.block_ids)
-            self._quarantine[pending.transfer_id] = pending.block_ids
-        engine.abort_request(pending.request_id)
-        self.rt.settle(pending.done, exc=exc)
-
-    def _call_ended(self, engine: LLMEngine, request_id: str, transfer_id: str) -> None:
-        pending = self._pending.get(request_id)
-        if pending is not None and pending.transfer_id == transfer_id:
-            pending.call_ended = True
-        blocks = self._quarantine.pop(transfer_id, None)
-        if blocks is not None:
-            engine.block_manager.release(blocks)
-
-    def _cancel_remote(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:
-        pending = self._pending.get(request_id)
-        if pending is not None:
-            self._fail(engine, pending, exc)
+    def _drop(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:  # engine thread
+        self.remote.fail_request(engine, request_id, exc)
+        engine.abort_request(request_id)
 
     # ---- asyncio side ----------------------------------------------------------------------
     @grpc_errors
@@ -204,7 +126,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     yield delta_to_pb(delta, mode, remote_cached)
             except RequestAborted:
                 gone = RequestAborted(f"request {rid} was aborted")
-                await asyncio.shield(rt.call(lambda e: (self._cancel_remote(e, rid, gone), e.abort_request(rid))))
+                await rt.call(lambda e: self._drop(e, rid, gone), cancellable=False)
                 for index in sorted(set(range(params.n)) - finished):
                     finished.add(index)
                     yield delta_to_pb(_abort_delta(req, index, num_tokens[index]), mode, remote_cached)
@@ -215,7 +137,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             rt.inflight -= 1
             if len(finished) < params.n:  # cancelled or failed: free everything now
                 gone = Unavailable(f"request {rid} ended before completing (cancelled or failed)")
-                await asyncio.shield(rt.call(lambda e: (self._cancel_remote(e, rid, gone), e.abort_request(rid))))
+                await rt.call(lambda e: self._drop(e, rid, gone), cancellable=False)
 
     async def abort(self, request_id: str) -> bool:
         """`Worker.Abort` for a request a Generate stream here owns: that stream ends with a
@@ -229,22 +151,32 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 
     async def _prefill_remotely(self, req: Request, worker: pb.WorkerRef) -> tuple[str, int]:
         """Run the prompt on prefill worker `worker`. Returns (prefill mode, prompt tokens P
-        found cached) once the request is running here; falls back to local prefill."""
+        found cached) once the request is running here; falls back to local prefill.
+        Every engine command that records what P did is uncancellable (see
+        `WorkerRuntime.call`): a cancel at any await below still ends in RUNNING or RELEASED."""
         rt = self.rt
+        rid = req.request_id
         done = rt.aio.create_future()
-        started = await rt.call(lambda e: self._start_remote(e, req, done))
-        if started is None:
+        tid = f"{rid}:{next(self._attempts)}"
+        try:
+            attempt = await rt.call(lambda e: self.remote.start(e, req, tid, done, rt.config.kv_timeout_s),
+                                    cancellable=False)
+        except asyncio.CancelledError:  # P was never called: nothing can land, release now
+            gone = Unavailable(f"request {rid} was cancelled before its prefill started")
+            await rt.call(lambda e: self.remote.writes_stopped(e, tid, gone), cancellable=False)
+            raise
+        if attempt is None:
             return "local", 0  # no room for the whole prompt now: let the scheduler queue it
-        transfer_id, block_ids = started
+        block_ids = attempt.block_ids
         num_skip = rt.engine.limits.blocks_for(req.num_prompt_tokens) - len(block_ids)
         prefill = pb.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            request_id=rid, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
             priority=req.priority,
             destination=pb.KVDestination(
                 peer_metadata=rt.kv_metadata.to_bytes(), num_skip_blocks=num_skip,
                 # The prefill side stops writing before we stop waiting.
-                block_ids=block_ids, deadline_s=0.9 * rt.config.kv_timeout_s, transfer_id=transfer_id,
+                block_ids=block_ids, deadline_s=0.9 * rt.config.kv_timeout_s, transfer_id=tid,
             ),
         )
         stub = pb_grpc.PrefillWorkerStub(self._channel(worker.address))
@@ -252,43 +184,57 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         try:
             response = await call
         except grpc.aio.AioRpcError as exc:
-            await rt.call(lambda e: self._call_ended(e, req.request_id, transfer_id))
             failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
                                   f"{exc.code().name}: {exc.details()}")
-            await rt.call(lambda e: self._cancel_remote(e, req.request_id, failure))
+            self._confirm_stopped(worker, rid, tid, failure)
+            await rt.call(lambda e: self.remote.fail(e, tid, failure), cancellable=False)
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
                 done.done() and isinstance(done.exception(), TimeoutError)
             ):  # the KV deadline passed: fail clearly rather than start over
-                raise TimeoutError(f"KV for request {req.request_id} did not arrive within "
+                raise TimeoutError(f"KV for request {rid} did not arrive within "
                                    f"{rt.config.kv_timeout_s:g}s") from None
             if rt.config.strict_remote_prefill:
                 raise failure
-            log.warning("%s; prefilling %s locally", failure, req.request_id)
+            log.warning("%s; prefilling %s locally", failure, rid)
             return "local_fallback", 0
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled: the caller went away, or Worker.Abort
             call.cancel()
-            task = rt.aio.create_task(self._abort_remote(worker, req.request_id, transfer_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._confirm_stopped(worker, rid, tid, Unavailable(f"request {rid} was cancelled"))
             raise
-        await rt.call(lambda e: self._call_ended(e, req.request_id, transfer_id))
         token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
-        await rt.call(lambda e: self._first_token(e, req.request_id, token))
+        await rt.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
         await done  # raises if the KV failed or timed out
         return "remote", response.num_cached_tokens
 
-    async def _abort_remote(self, worker: pb.WorkerRef, request_id: str, transfer_id: str) -> None:
-        """After a cancel mid-transfer: abort on the prefill worker, then release our blocks.
-        Its Abort returns once its engine thread dropped the request — no write follows. If
-        it cannot be reached, the blocks wait out the deadline we gave it instead."""
+    def _confirm_stopped(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
+                         exc: Exception) -> None:
+        """In the background: wait until P writes nothing more for this attempt, then
+        release its blocks (`RemotePrefills.writes_stopped`)."""
+        task = self.rt.aio.create_task(self._abort_remote(worker, request_id, transfer_id, exc))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_remote(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
+                            exc: Exception) -> None:
+        """Abort the request on P. P's Abort answers once its sender reported the transfer:
+        no write of it can land any more. Retried until P answers; only when nothing serves
+        at P's address (UNAVAILABLE, `_GONE_AFTER` times in a row: a dead process writes
+        nothing) is P taken as stopped without its word."""
         rt = self.rt
-        grace = 0.9 * rt.config.kv_timeout_s
-        try:
-            stub = pb_grpc.WorkerStub(self._channel(worker.address))
-            await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=grace)
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(grace)
-        await rt.call(lambda e: self._call_ended(e, request_id, transfer_id))
+        stub = pb_grpc.WorkerStub(self._channel(worker.address))
+        delay, unavailable = 0.05, 0
+        while True:
+            try:
+                await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=rt.config.kv_timeout_s)
+                break
+            except grpc.aio.AioRpcError as err:
+                unavailable = unavailable + 1 if err.code() is grpc.StatusCode.UNAVAILABLE else 0
+                if unavailable >= _GONE_AFTER:
+                    break
+                log.info("abort of %s on %s: %s; retrying", request_id, worker.address, err.code().name)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+        await rt.call(lambda e: self.remote.writes_stopped(e, transfer_id, exc), cancellable=False)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)

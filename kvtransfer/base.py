@@ -22,9 +22,11 @@ Contract shared by every implementation:
   method sleeps or spins; `kvtransfer.polling.wait_for` is the blocking helper for callers
   that want one.
 * Every request ends in exactly one terminal status, reported exactly once by `poll()`; after
-  that the implementation holds nothing for it (no block ids; a transfer handle the transport
-  cannot cancel yet is retried on later polls, see `num_outstanding_writes`). Failures of the
-  transfer itself (peer died, deadline passed) are reported this way, never raised.
+  that the implementation holds nothing for it (no block ids, no handles). The sender reports
+  a failed request only once none of its writes can still move data: a write handle the
+  transport cannot cancel yet is retried on later polls first (see `num_outstanding_writes`),
+  so whatever `poll()` reports, the blocks it used may be reused — on both sides. Failures of
+  the transfer itself (peer died, deadline passed) are reported this way, never raised.
 * Programming errors raise at the call (see `kvtransfer.errors`) and leave no state behind.
 * Request ids are transfer-attempt ids: an id that is in flight, or finished among the last
   `KVTransferConfig.recent_ids`, is refused with DuplicateRequestError. Retry with a new id.
@@ -108,7 +110,8 @@ class KVSender(ABC):
     peer disconnects, TIMEOUT if not complete by its deadline, CANCELLED after `cancel`. After
     a failure no further batch of the request is posted and all its handles are released.
     The transport reads the source blocks asynchronously: the caller must not overwrite them
-    until `poll()` has reported the request.
+    until `poll()` has reported the request, which for a failed request waits until every
+    write handle was cancelled or finished (never on a timer alone).
     """
 
     metrics: TransferMetrics
@@ -144,7 +147,8 @@ class KVSender(ABC):
 
     @abstractmethod
     def cancel(self, request_id: str) -> bool:
-        """Stop a pending request (reported CANCELLED by the next poll). False if not pending."""
+        """Stop a pending request: reported CANCELLED by the next poll, or by a later one if
+        a write cannot be cancelled yet (see `poll`). False if not pending."""
 
     @property
     @abstractmethod
@@ -205,8 +209,9 @@ class KVReceiver(ABC):
     def cancel(self, request_id: str) -> bool:
         """Stop waiting (reported CANCELLED by the next poll). False if not pending.
 
-        Writes already in flight from the sender may still land in the blocks; the gRPC layer
-        tells the sender to stop (its `cancel`)."""
+        Writes already in flight from the sender may still land in the blocks: the caller
+        keeps them out of reuse until the sending side confirms it stopped (its `poll`
+        reported the request; the workers relay that over gRPC)."""
 
     @property
     @abstractmethod

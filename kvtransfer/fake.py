@@ -4,7 +4,8 @@ Backends on one `FakeFabric` reach each other by agent name. A posted write is i
 the sender's next `poll()`, which copies the blocks with `torch` and then queues the
 notification on the receiver — the same order a real transport guarantees. The fabric can
 kill an agent (its posts and notifications fail with a disconnect, its in-flight writes error)
-or stall it (writes towards it stay in flight), to test failure handling without processes.
+or stall it (writes towards it stay in flight), and can make an agent's in-flight writes
+impossible to cancel for a while (`hold_releases`), to test failure handling without processes.
 Everything above the transport (request state machines, checks, metrics) is the real code.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ class FakeFabric:
     agents: dict[str, FakeTransport] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
     stalled: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)
 
     def kill(self, agent: str) -> None:
         """The agent's process 'died': everything towards it fails from now on."""
@@ -48,6 +50,11 @@ class FakeFabric:
     def stall(self, agent: str, stalled: bool = True) -> None:
         """Writes towards the agent stay in flight (a hung link) until un-stalled."""
         (self.stalled.add if stalled else self.stalled.discard)(agent)
+
+    def hold_releases(self, agent: str, held: bool = True) -> None:
+        """The agent cannot release (cancel) its writes still in flight until un-held, like a
+        NIXL handle that refuses to be released mid-transfer."""
+        (self.held.add if held else self.held.discard)(agent)
 
 
 class FakeTransport(Transport):
@@ -96,6 +103,8 @@ class FakeTransport(Transport):
         return w.state
 
     def release(self, handle: Any) -> bool:
+        if handle.state is WriteState.PROC and self._name in self._fabric.held:
+            return False
         self.released_handles += 1
         return True
 

@@ -5,7 +5,10 @@ validates its pairs, then posts one write of all of them carrying the batch noti
 `poll` checks the posted writes, releasing each handle as it completes; when the final batch
 has been posted and every write completed the request is COMPLETE. A failed write, a
 disconnected peer, the deadline or `cancel` ends it early: its remaining handles are released
-at once (a handle the transport cannot free yet is retried on later polls, never dropped).
+(cancelled) at once. A handle the transport cannot release yet may still be reading the
+source blocks and writing the peer's: the request keeps its terminal status but is not
+reported by `poll` — so neither side reuses those blocks — until every such handle has been
+released on a later poll.
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ class _Request:
     remote_blocks: set[int] = field(default_factory=set)
     batches: list[_Batch] = field(default_factory=list)
     """Posted writes not yet completed and released."""
+    unreleased: list[Any] = field(default_factory=list)
+    """Handles of a failed request the transport could not release (cancel) yet: they may
+    still move data, so the request is not reported until they are released."""
     next_seq: int = 0
     final_sent: bool = False
     blocks_done: int = 0
@@ -54,6 +60,7 @@ class Sender(KVSender):
         self._requests: dict[str, _Request] = {}
         self._recent = RecentIds(backend.config.recent_ids)
         self._zombies: list[Any] = []
+        """Handles of completed writes the transport could not free yet (no data moves)."""
         self.metrics = TransferMetrics("send")
 
     def send(
@@ -116,6 +123,8 @@ class Sender(KVSender):
             for req in list(self._requests.values()):
                 if not req.status.finished:
                     self._advance(req, now)
+                elif req.unreleased:
+                    req.unreleased = [h for h in req.unreleased if not self._b.transport.release(h)]
             self._zombies = [h for h in self._zombies if not self._b.transport.release(h)]
             return self._collect()
 
@@ -137,7 +146,8 @@ class Sender(KVSender):
 
     @property
     def num_outstanding_writes(self) -> int:
-        return sum(len(r.batches) for r in self._requests.values()) + len(self._zombies)
+        return (sum(len(r.batches) + len(r.unreleased) for r in self._requests.values())
+                + len(self._zombies))
 
     # -- called by the backend (under its lock) ----------------------------------------
     def fail_peer(self, peer: str, reason: str) -> None:
@@ -149,6 +159,7 @@ class Sender(KVSender):
         for req in self._requests.values():
             if not req.status.finished:
                 self._finish(req, TransferStatus.CANCELLED, "backend closed")
+            req.unreleased = [h for h in req.unreleased if not self._b.transport.release(h)]
         self._zombies = [h for h in self._zombies if not self._b.transport.release(h)]
 
     # -- internals ---------------------------------------------------------------------
@@ -176,8 +187,8 @@ class Sender(KVSender):
             self._finish(req, TransferStatus.TIMEOUT, "writes not complete by the deadline")
 
     def _finish(self, req: _Request, status: TransferStatus, error: str = "") -> None:
-        for batch in req.batches:
-            self._release(batch.handle)
+        # Only a failed request has batches left here: writes possibly still in flight.
+        req.unreleased += [b.handle for b in req.batches if not self._b.transport.release(b.handle)]
         req.batches.clear()
         req.status, req.error, req.finished_at = status, error, time.monotonic()
         if status is TransferStatus.COMPLETE:
@@ -190,7 +201,7 @@ class Sender(KVSender):
             self._zombies.append(handle)
 
     def _collect(self) -> list[TransferResult]:
-        done = [r for r in self._requests.values() if r.status.finished]
+        done = [r for r in self._requests.values() if r.status.finished and not r.unreleased]
         if not done:
             return []
         block_bytes = self._b.metadata().block_bytes

@@ -4,9 +4,12 @@ Runs on the engine thread after every step. For each prefill in flight: blocks t
 full (and computed) since the last step are pinned and written at once, so the transfer of
 chunk k overlaps the compute of chunk k+1; when the request has sampled its first token, the
 remaining blocks (the last, partial one included) go out in the final batch, which carries
-the completion notification. Pinned blocks are released when the sender reports the request
-(complete or failed); the engine's own request is already finished by then, so the blocks
-become cached-free prefix cache — nothing is held for the decode side.
+the completion notification. Pinned blocks are released only when the sender reports the
+request (complete or failed) — for a cancelled or failed request that is once none of its
+writes can still read them, however long the transport takes to let go of a write. The
+engine's own request is already finished by then, so the blocks become cached-free prefix
+cache — nothing is held for the decode side. `when_ended` tells the worker when a request
+has nothing left in flight (its `Worker.Abort` answers then).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class KVStreamer:
     def __init__(self, sender: KVSender) -> None:
         self.sender = sender
         self.active: dict[str, Outgoing] = {}  # by transfer id
+        self._waiters: dict[str, list[Callable[[], None]]] = {}  # by request id
 
     def add(self, out: Outgoing) -> None:
         self.active[out.transfer_id] = out
@@ -46,8 +50,29 @@ class KVStreamer:
     def cancel(self, engine: LLMEngine, transfer_id: str) -> None:
         """Stop streaming (the request is aborted in the engine by the caller)."""
         out = self.active.get(transfer_id)
-        if out is not None and not self.sender.cancel(transfer_id) and not out.final_sent:
-            # Nothing posted yet: finish it here (the sender never heard of it).
+        if out is not None:
+            self._stop(engine, out)
+
+    def cancel_request(self, engine: LLMEngine, request_id: str) -> bool:
+        """`cancel` every transfer of `request_id`; False if it has none in flight."""
+        outs = [o for o in self.active.values() if o.request.request_id == request_id]
+        for out in outs:
+            self._stop(engine, out)
+        return bool(outs)
+
+    def when_ended(self, request_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the engine thread) once no transfer of `request_id` is in
+        flight any more: at once if none is."""
+        if any(o.request.request_id == request_id for o in self.active.values()):
+            self._waiters.setdefault(request_id, []).append(callback)
+        else:
+            callback()
+
+    def _stop(self, engine: LLMEngine, out: Outgoing) -> None:
+        out.final_sent = True  # nothing more goes out
+        if not self.sender.cancel(out.transfer_id) and self.sender.status(out.transfer_id) is None:
+            # The sender never heard of it (nothing posted): finish it here. Otherwise its
+            # poll() reports it once none of its writes can still read our blocks.
             self._finish(engine, out, None, TransferStatus.CANCELLED)
 
     def after_step(self, engine: LLMEngine) -> bool:
@@ -57,10 +82,7 @@ class KVStreamer:
             if out.final_sent or not req.block_table:
                 continue  # all sent, or not admitted yet
             if req.status.is_finished and req.num_output_tokens == 0:  # aborted in the engine
-                if self.sender.cancel(out.transfer_id):
-                    out.final_sent = True  # nothing more goes out; poll() reports CANCELLED
-                else:
-                    self._finish(engine, out, None, TransferStatus.CANCELLED)
+                self._stop(engine, out)
                 continue
             prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
             final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
@@ -100,3 +122,7 @@ class KVStreamer:
         else:
             engine.abort_request(req.request_id)
         out.on_done(result, first)
+        rid = req.request_id
+        if rid in self._waiters and not any(o.request.request_id == rid for o in self.active.values()):
+            for callback in self._waiters.pop(rid):
+                callback()

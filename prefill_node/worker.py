@@ -13,7 +13,11 @@ Life cycle of a request here:
    until the writes complete, then they are cached-free.
 4. The response (first token, cached-token count, blocks sent) is returned once every write
    completed. A failed write (D died) or a deadline fails the call; the caller cancelling
-   aborts the request and frees everything.
+   aborts the request and frees everything once the sender reported the transfer (a write the
+   transport cannot cancel yet keeps our source blocks pinned until it can).
+5. `Worker.Abort` (D, after cancelling or losing its call): the request is aborted here and
+   the answer waits until no transfer of it is in flight — D releases the blocks it kept
+   out of reuse on that answer, so it is the promise that no write of ours lands later.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.rt = runtime
         self.streamer = KVStreamer(runtime.kv.sender)
         runtime.set_role_hook(self.streamer.after_step)
+        runtime.set_abort_hook(self.abort)
 
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context):
@@ -97,6 +102,21 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def _cancel(self, engine, transfer_id: str, request_id: str) -> None:
         self.streamer.cancel(engine, transfer_id)
         engine.abort_request(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """`Worker.Abort`: abort the request and answer once none of its writes can still
+        land in the decode worker's blocks (its transfers were reported by the sender)."""
+        ended = self.rt.aio.create_future()
+
+        def stop(engine) -> bool:
+            found = self.streamer.cancel_request(engine, request_id)
+            found |= bool(engine.abort_request(request_id))
+            self.streamer.when_ended(request_id, lambda: self.rt.settle(ended))
+            return found
+
+        found = await self.rt.call(stop, cancellable=False)
+        await ended
+        return found
 
     async def warm_peers(self) -> None:
         """Add every decode worker in etcd as a transfer peer ahead of its first request."""

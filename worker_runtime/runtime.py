@@ -105,9 +105,15 @@ class WorkerRuntime:
         if not request_id:
             raise ValueError("request_id is required")
 
-    async def call(self, fn):
-        """Run fn(engine) on the engine thread; await its result."""
-        return await asyncio.wrap_future(self.loop.call(fn))
+    async def call(self, fn, *, cancellable: bool = True):
+        """Run fn(engine) on the engine thread; await its result.
+
+        Cancelling the awaiting task before the engine thread took the command drops the
+        command (the engine loop skips cancelled futures). Commands that record a fact the
+        engine must not miss — a call ended, blocks to release — pass `cancellable=False`:
+        they run whatever happens to the caller (who still sees CancelledError at once)."""
+        future = asyncio.wrap_future(self.loop.call(fn))
+        return await (future if cancellable else asyncio.shield(future))
 
     # ---- registration ------------------------------------------------------------------
     def info(self) -> WorkerInfo:

@@ -176,3 +176,29 @@ def test_close_cancels_pending_and_releases(fabric, pd):
     p.close()
     assert p.sender.num_outstanding_writes == 0
     assert p.transport.released_handles == 1
+
+
+@pytest.mark.parametrize("end", ["cancel", "deadline"])
+def test_a_write_that_cannot_be_cancelled_is_reported_only_once_released(fabric, pd, end):
+    """The source blocks may be reused once `poll` reports the request: a failed request
+    whose write the transport cannot cancel yet (it may still read them and land in D's
+    blocks) stays unreported, on no timer, until the handle is released."""
+    p, _, d, _ = pd
+    fabric.stall("D")  # the write stays in flight
+    fabric.hold_releases("P")  # ... and cannot be cancelled
+    d.receiver.expect("r", [1, 2])
+    p.sender.send("r", "D", [(0, 1)], final=False, deadline=time.monotonic() + 0.05)
+    status = S.CANCELLED if end == "cancel" else S.TIMEOUT
+    if end == "cancel":
+        assert p.sender.cancel("r")
+    else:
+        time.sleep(0.06)
+    for _ in range(3):
+        assert ("send", "r") not in step(p)
+    assert p.sender.status("r") is status
+    assert p.sender.num_active == 1 and p.sender.num_outstanding_writes == 1
+    assert not p.sender.cancel("r")  # already ended
+    fabric.hold_releases("P", False)
+    results = step(p)
+    assert results[("send", "r")].status is status
+    assert p.sender.num_active == 0 and p.sender.num_outstanding_writes == 0

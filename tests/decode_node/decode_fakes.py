@@ -1,0 +1,208 @@
+"""A decode worker on a fake runtime, driven step by step from the test's own thread.
+
+The engine loop is real but never started: `Harness.run_engine()` runs its queued commands
+and the worker's after-step hook in the test thread, so the test decides exactly where the
+asyncio side and the engine thread interleave. The engine is a fake that counts block
+references; the KV receiver is the real one over the fake transport; the prefill worker is a
+fake gRPC stub whose calls the test resolves by hand.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from unittest import mock
+
+import grpc
+import torch
+
+from cluster.convert import sampling_from_pb
+from engine.engine_loop import EngineLoop
+from engine.outputs import CompletionDelta
+from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
+from proto import pdserve_pb2 as pb
+from worker_runtime.runtime import WorkerRuntime
+
+BLOCK_SIZE = 4
+
+
+class FakeBlocks:
+    """Reference counts of the blocks the worker holds beyond the engine's own request."""
+
+    def __init__(self) -> None:
+        self.refs: Counter[int] = Counter()
+
+    def pin(self, block_ids):
+        self.refs.update(block_ids)
+
+    def release(self, block_ids):
+        for b in block_ids:
+            assert self.refs[b] > 0, f"block {b} released more often than pinned"
+            self.refs[b] -= 1
+
+    @property
+    def held(self) -> list[int]:
+        return sorted(b for b, n in self.refs.items() if n)
+
+
+@dataclass
+class FakeEngine:
+    block_manager: FakeBlocks = field(default_factory=FakeBlocks)
+    allocated: dict[str, list[int]] = field(default_factory=dict)
+    running: list[str] = field(default_factory=list)
+    next_block: int = 0
+
+    limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE))
+
+    def make_request(self, rid, prompt, params, cache_salt=None, priority=0):
+        return SimpleNamespace(request_id=rid, prompt_token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                               sampling=params, cache_salt=cache_salt, priority=priority, seed=7,
+                               num_cached_tokens=0)
+
+    def add_remote_prefill_request(self, req):
+        n = self.limits.blocks_for(req.num_prompt_tokens)
+        blocks = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        self.allocated[req.request_id] = blocks
+        return blocks
+
+    def finish_remote_prefill(self, rid, token):
+        self.running.append(rid)  # and finished at once: one token, max_tokens reached
+        n = len(self.allocated[rid]) * BLOCK_SIZE
+        return [CompletionDelta(request_id=rid, index=0, token_ids=[token.token_id], text="", logprobs=[],
+                                finish_reason="length", num_prompt_tokens=n, num_cached_tokens=n,
+                                num_output_tokens=1)]
+
+    def submit(self, req):
+        self.running.append(req.request_id)
+
+    def abort_request(self, rid):
+        found = self.allocated.pop(rid, None) is not None
+        if rid in self.running:
+            self.running.remove(rid)
+            found = True
+        return found
+
+
+class FakeCall:
+    """A `Prefill` call the test ends by hand."""
+
+    def __init__(self, request: pb.PrefillRequest) -> None:
+        self.request = request
+        self.future = asyncio.get_running_loop().create_future()
+        self.cancelled = False
+
+    def __await__(self):
+        return self.future.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+        if not self.future.done():
+            self.future.cancel()
+
+
+class Harness:
+    """A DecodeWorker on a fake runtime (see the module docstring)."""
+
+    def __init__(self, kv_timeout_s: float = 30.0) -> None:
+        from decode_node.worker import DecodeWorker
+
+        self.engine = FakeEngine()
+        rt = WorkerRuntime.__new__(WorkerRuntime)
+        rt.config = SimpleNamespace(kv_timeout_s=kv_timeout_s, strict_remote_prefill=False)
+        rt.engine = self.engine
+        fabric = FakeFabric()
+        rt.kv = _backend(fabric, "D")
+        self.p_kv = _backend(fabric, "P")  # the prefill worker's side, to land KV by hand
+        self.p_kv.add_peer(rt.kv.metadata())
+        rt.kv_metadata = rt.kv.metadata()
+        rt.metrics = mock.MagicMock()
+        rt.draining, rt.inflight, rt.streams = False, 0, {}
+        rt.aio = asyncio.get_running_loop()
+        rt.loop = EngineLoop(self.engine, rt.deliver)  # never started: see run_engine
+        self.rt = rt
+        self.calls: list[FakeCall] = []
+        self.aborts: list[str] = []
+        self.abort_reply: asyncio.Future | None = None  # None: P answers Abort at once
+        self.abort_error: Exception | None = None  # P's Abort fails with this
+        stubs = {"PrefillWorkerStub": self._prefill_stub, "WorkerStub": self._worker_stub}
+        self._patch = mock.patch.multiple("decode_node.worker.pb_grpc", **stubs)
+        self._patch.start()
+        self.worker = DecodeWorker(rt)
+        self.worker._channel = lambda address: None
+
+    def close(self) -> None:
+        self._patch.stop()
+
+    def _prefill_stub(self, channel):
+        def prefill(request, timeout=None):
+            self.calls.append(FakeCall(request))
+            return self.calls[-1]
+        return SimpleNamespace(Prefill=prefill)
+
+    def _worker_stub(self, channel):
+        async def abort(request, timeout=None):
+            self.aborts.append(request.request_id)
+            if self.abort_error is not None:
+                raise self.abort_error
+            if self.abort_reply is not None:
+                await self.abort_reply
+            return pb.AbortResponse(found=True)
+        return SimpleNamespace(Abort=abort)
+
+    def run_engine(self) -> None:
+        """One round of the engine thread: queued commands, then the after-step hook."""
+        self.rt.loop._run_commands()
+        self.rt._role_after_step(self.engine)
+
+    async def spin(self, rounds: int = 20, engine: bool = True) -> None:
+        """Let asyncio tasks run (and the engine thread, unless `engine` is False)."""
+        for _ in range(rounds):
+            await asyncio.sleep(0)
+            if engine:
+                self.run_engine()
+
+    def generate(self, rid: str, num_tokens: int = 10) -> asyncio.Task:
+        request = pb.GenerateRequest(
+            request_id=rid, prompt_token_ids=list(range(1, num_tokens + 1)),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=3),
+            prefill_worker=pb.WorkerRef(worker_id="P", address="p:1"))
+        assert sampling_from_pb(request.sampling).remote_prefill_ok
+
+        async def consume():
+            return [r async for r in self.worker.Generate(request, _Context())]
+        return asyncio.ensure_future(consume())
+
+    async def land_kv(self, call: FakeCall) -> None:
+        """P writes every block the call asked for (final batch included)."""
+        dest = call.request.destination
+        self.p_kv.sender.send(dest.transfer_id, "D", [(i, b) for i, b in enumerate(dest.block_ids)],
+                              final=True)
+        self.p_kv.sender.poll()  # the fake copies here, then notifies D
+
+    @property
+    def held(self) -> list[int]:
+        """Blocks pinned beyond their request (quarantined)."""
+        return self.engine.block_manager.held
+
+    @staticmethod
+    def response() -> pb.PrefillResponse:
+        return pb.PrefillResponse(first_token=pb.TokenLogprob(token_id=42), num_cached_tokens=0)
+
+
+def unavailable() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details="connection refused")
+
+
+def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:
+    backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
+    pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
+    backend.register_pool(pool, KVCompat.for_pool(pool, "m"))
+    return backend
+
+
+class _Context:
+    async def abort(self, code, details):
+        raise grpc.RpcError(f"{code}: {details}")

@@ -1,0 +1,208 @@
+"""Deterministic interleavings of a Generate being cancelled with the engine thread.
+
+The harness never runs the engine thread on its own: each test chooses exactly which engine
+commands have run when the cancel arrives. Whatever the interleaving, once the prefill worker
+can no longer write, no block may stay held."""
+import asyncio
+
+import pytest
+from decode_fakes import Harness
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_cancel_while_the_call_ended_command_is_queued_leaves_nothing_quarantined():
+    """The race: P's Prefill returned (so P writes nothing more) and the command recording
+    that is queued for the engine thread; the client cancels before the engine thread runs
+    it. The cancelled command must not be dropped, or the request's blocks are quarantined
+    waiting for a call end that never comes."""
+    async def main():
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            assert len(h.calls) == 1 and h.engine.allocated["r"]
+            h.calls[0].future.set_result(h.response())
+            await h.spin(engine=False)  # Generate now awaits an engine command, not yet run
+            task.cancel()
+            await h.spin(engine=False)  # the cancel reaches the queued command first
+            await h.spin()
+            assert task.done()
+            await h.spin()
+            assert h.engine.block_manager.held == [], "blocks quarantined forever"
+            assert "r" not in h.engine.allocated and "r" not in h.engine.running
+        finally:
+            h.close()
+
+    run(main())
+
+
+async def _settled(h, task, cancel_first=True):
+    if cancel_first:
+        task.cancel()
+    await h.spin(engine=False)
+    await h.spin()
+    assert task.done()
+
+
+def _nothing_left(h, rid="r"):
+    assert h.held == []
+    assert rid not in h.engine.allocated and rid not in h.engine.running
+    assert not h.worker.remote.in_flight and h.worker.remote.quarantined_blocks == 0
+
+
+def test_cancel_before_the_start_command_ran_releases_without_asking_p():
+    async def main():
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin(engine=False)  # the start command is queued, not run
+            await _settled(h, task)
+            assert h.calls == [] and h.aborts == []  # P never heard of it
+            _nothing_left(h)
+        finally:
+            h.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("kv_landed", [False, True], ids=["parked", "kv_landed"])
+def test_cancel_while_p_may_write_quarantines_until_p_confirms(kv_landed):
+    async def main():
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            call = h.calls[0]
+            blocks = list(call.request.destination.block_ids)
+            if kv_landed:
+                await h.land_kv(call)
+                await h.spin()
+                assert h.worker.remote.state(call.request.destination.transfer_id).name == "KV_LANDED"
+            h.abort_reply = asyncio.get_running_loop().create_future()  # P has not answered yet
+            await _settled(h, task)
+            assert call.cancelled and h.aborts == ["r"]
+            assert h.held == blocks  # a late write cannot reach another request's KV
+            assert h.worker.remote.quarantined_blocks == len(blocks)
+            h.abort_reply.set_result(None)  # P: its sender reported the transfer
+            await h.spin()
+            _nothing_left(h)
+        finally:
+            h.close()
+
+    run(main())
+
+
+def test_cancel_after_the_first_token_while_waiting_for_kv_releases_at_once():
+    async def main():
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            h.calls[0].future.set_result(h.response())
+            await h.spin()  # FIRST_TOKEN: P writes nothing more
+            assert h.worker.remote.state(h.calls[0].request.destination.transfer_id).name == "FIRST_TOKEN"
+            await _settled(h, task)
+            assert h.aborts == []
+            _nothing_left(h)
+        finally:
+            h.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("kv_first", [True, False], ids=["kv_then_token", "token_then_kv"])
+def test_kv_and_first_token_in_either_order_run_the_request(kv_first):
+    async def main():
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            call = h.calls[0]
+            if kv_first:
+                await h.land_kv(call)
+                await h.spin()
+            call.future.set_result(h.response())
+            await h.spin()
+            if not kv_first:
+                await h.land_kv(call)
+                await h.spin()
+            responses = await asyncio.wait_for(task, 5)
+            assert [(r.prefill_mode, list(r.token_ids), r.finish_reason) for r in responses] == [
+                ("remote", [42], "length")]
+            assert h.engine.running == ["r"] and h.held == [] and not h.worker.remote.in_flight
+        finally:
+            h.close()
+
+    run(main())
+
+
+def test_worker_abort_while_waiting_for_kv_ends_the_stream_and_quarantines_until_p_confirms():
+    async def main():
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            blocks = list(h.calls[0].request.destination.block_ids)
+            h.abort_reply = asyncio.get_running_loop().create_future()
+            assert await h.worker.abort("r")
+            await _settled(h, task, cancel_first=False)
+            assert [r.finish_reason for r in task.result()] == ["abort"]
+            assert h.held == blocks
+            h.abort_reply.set_result(None)
+            await h.spin()
+            _nothing_left(h)
+        finally:
+            h.close()
+
+    run(main())
+
+
+def test_kv_timeout_keeps_the_blocks_until_ps_call_has_ended():
+    async def main():
+        h = Harness(kv_timeout_s=0.05)
+        try:
+            task = h.generate("r")
+            await h.spin()
+            call = h.calls[0]
+            blocks = list(call.request.destination.block_ids)
+            await asyncio.sleep(0.1)
+            await h.spin()  # the receiver times out; P's call is still open
+            assert h.held == blocks and "r" not in h.engine.allocated
+            call.future.set_result(h.response())  # P answers late: its writes are done
+            await h.spin()
+            assert task.done() and h.held == [] and not h.worker.remote.quarantined_blocks
+            assert "did not arrive" in str(task.exception())
+        finally:
+            h.close()
+
+    run(main())
+
+
+def test_unreachable_prefill_worker_falls_back_and_releases_once_nothing_serves_there():
+    async def main():
+        from decode_fakes import unavailable
+
+        h = Harness()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            h.abort_error = unavailable()
+            h.calls[0].future.set_exception(unavailable())
+            deadline = asyncio.get_running_loop().time() + 5
+            while h.held or len(h.aborts) < 3:
+                assert asyncio.get_running_loop().time() < deadline, h.held
+                await asyncio.sleep(0.01)
+                h.run_engine()
+            assert len(h.aborts) == 3  # asked until nothing answered three times in a row
+            assert h.engine.running == ["r"]  # prefilled here instead
+            task.cancel()
+            await h.spin()
+        finally:
+            h.close()
+
+    run(main())
