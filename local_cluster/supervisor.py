@@ -81,7 +81,10 @@ class Supervisor:
             for slot in slots:
                 if self._halt.is_set():
                     return
-                self._step(slot, time.monotonic())
+                try:
+                    self._step(slot, time.monotonic())
+                except Exception as exc:  # never let one slot stop the supervision of all
+                    self.say(f"error: supervising {slot.name}: {exc!r}")
             self._halt.wait(TICK_S)
 
     def _step(self, slot: Slot, now: float) -> None:
