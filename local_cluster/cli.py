@@ -21,7 +21,7 @@ def scale(args: argparse.Namespace) -> int:
         current()["control"] + "/scale", data=json.dumps({"role": args.role, "delta": delta}).encode(),
         headers={"Content-Type": "application/json"}, method="POST",
     )
-    with urllib.request.urlopen(req, timeout=300) as resp:
+    with urllib.request.urlopen(req, timeout=900) as resp:  # up to --startup-timeout per worker
         print(json.dumps(json.loads(resp.read()), indent=2))
     return 0
 

@@ -53,6 +53,8 @@ def up(args: argparse.Namespace) -> int:
         url = add_router(sup)
         sup.start()
         problem = wait_until_serving(sup, stop)
+        if stop.is_set():
+            return 0
         if problem:
             sup.say(f"error: {problem}")
             return 1
@@ -92,7 +94,7 @@ def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:
                 return f"every {role} is in a crash loop; see the logs in {sup.log_dir}"
         if time.monotonic() > deadline:
             return f"the cluster did not come up within {sup.args.startup_timeout:.0f}s"
-    return "stopped while starting"
+    return None  # stopped (Ctrl-C) while starting
 
 
 def _print_banner(sup: Supervisor, url: str) -> None:
