@@ -1,6 +1,7 @@
 """The `pdserve up`, `pdserve scale` and `pdserve status` subcommands. `up` runs the
-supervisor (supervisor.py); `scale` asks the running `up` over its control port, and `status`
-lists the workers registered in etcd (control.py says where both find the running `up`)."""
+supervisor (up.py); `scale` asks the running `up` over its control port, and `status` lists its
+processes (state, restarts) and the workers registered in etcd (control.py says where both find
+the running `up`)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,7 @@ import json
 import urllib.request
 
 from local_cluster.control import current
-from local_cluster.supervisor import up
+from local_cluster.up import up
 
 
 def scale(args: argparse.Namespace) -> int:
@@ -20,7 +21,7 @@ def scale(args: argparse.Namespace) -> int:
         current()["control"] + "/scale", data=json.dumps({"role": args.role, "delta": delta}).encode(),
         headers={"Content-Type": "application/json"}, method="POST",
     )
-    with urllib.request.urlopen(req, timeout=300) as resp:
+    with urllib.request.urlopen(req, timeout=900) as resp:  # up to --startup-timeout per worker
         print(json.dumps(json.loads(resp.read()), indent=2))
     return 0
 
@@ -37,6 +38,8 @@ def status(args: argparse.Namespace) -> int:
         async with make_client(etcd) as client:
             return await list_workers(client, cluster)
 
+    if not args.etcd:
+        _print_processes()
     workers = sorted(asyncio.run(fetch()), key=lambda w: (w.role, w.worker_id))
     print(f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
           f"{'running':>8} {'waiting':>8} {'queued prefill':>15}")
@@ -47,6 +50,22 @@ def status(args: argparse.Namespace) -> int:
     if not workers:
         print(f"(no workers registered in cluster {cluster!r} at {etcd})")
     return 0
+
+
+def _print_processes() -> None:
+    """The running `up`'s slots: role, pid, state, restarts, last exit code."""
+    try:
+        with urllib.request.urlopen(current()["control"], timeout=5) as resp:
+            slots = json.loads(resp.read())["slots"]
+    except OSError as exc:
+        print(f"(the running `pdserve up` does not answer: {exc})\n")
+        return
+    print(f"{'process':12} {'role':8} {'pid':>8} {'state':11} {'restarts':>8} {'last exit':>9}")
+    for s in slots:
+        pid = "-" if s["pid"] is None else s["pid"]
+        code = "-" if s["last_exit"] is None else s["last_exit"]
+        print(f"{s['name']:12} {s['role']:8} {pid:>8} {s['state']:11} {s['restarts']:>8} {code:>9}")
+    print()
 
 
 def register(subparsers) -> None:
@@ -61,9 +80,23 @@ def register(subparsers) -> None:
     p.add_argument("--num-threads", type=int, default=0,
                    help="torch threads per worker (0 = cores / workers, at least 1)")
     p.add_argument("--log-dir", default=None, help="keep per-process logs here (default: a temp dir)")
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds a process may take to become ready before it counts as crashed; "
+                        "also how long `up` waits for workers still on their first start")
+    p.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="seconds before restarting a crashed process, doubled per further crash "
+                        "within --restart-window (capped at 30 s)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one process allowed within --restart-window; one crash more "
+                        "is a crash loop and it is not restarted again (0 = never restart)")
+    p.add_argument("--restart-window", type=float, default=300.0,
+                   help="seconds a crash counts towards --max-restarts and the backoff")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--kv-cache-memory=1GiB")
+    p.add_argument("--prefill-arg", dest="prefill_args", action="append", default=[],
+                   help="extra flag for prefill workers only (after the --worker-arg ones)")
+    p.add_argument("--decode-arg", dest="decode_args", action="append", default=[],
+                   help="extra flag for decode workers only (after the --worker-arg ones)")
     p.add_argument("--router-arg", dest="router_args", action="append", default=[],
                    help="extra flag for the router, e.g. --router-arg=--policy=round_robin")
     p.set_defaults(func=up)
@@ -73,7 +106,8 @@ def register(subparsers) -> None:
     p.add_argument("delta", help="+K to start K workers, -K to drain and stop K")
     p.set_defaults(func=scale)
 
-    p = subparsers.add_parser("status", help="list registered workers and their capacity")
+    p = subparsers.add_parser(
+        "status", help="processes of the running `pdserve up` (state, restarts) and the registered workers")
     p.add_argument("--etcd", default=None, help="etcd host:port (default: the running `pdserve up`)")
     p.add_argument("--cluster", default=None)
     p.set_defaults(func=status)

@@ -1,6 +1,7 @@
 """How `pdserve scale` and `pdserve status` find and steer a running `pdserve up`: a loopback
-HTTP control server (GET: live child PIDs by role; POST /scale {"role", "delta"}: start
-workers, or drain and stop the newest ones) and the run file that records its address."""
+HTTP control server (GET: live child PIDs by role and every slot's state and restarts, see
+Supervisor.snapshot; POST /scale {"role", "delta"}: start workers, or drain and stop some) and
+the run file that records its address."""
 from __future__ import annotations
 
 import json

@@ -47,6 +47,13 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def ready(self) -> bool:
+        """It printed its READY line (a worker: serving and registered in etcd)."""
+        return self._ready.is_set()
+
     def wait_ready(self, timeout: float = 120.0) -> "ServiceProcess":
         """Block until the READY line; fail at once if the process exits first."""
         deadline = time.monotonic() + timeout

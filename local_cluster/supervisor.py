@@ -1,212 +1,203 @@
-"""`pdserve up`: a whole local cluster as child processes of this one.
+"""The child processes of one `pdserve up`, kept alive: each worker, the router and etcd (when
+`up` started it) lives in a slot (slots.py), and one monitor thread starts, watches and restarts
+them. The control server's threads call `scale` and `snapshot`; `stop_all` runs once, at the end.
 
-Life cycle: start etcd (unless --etcd) -> start N prefill + M decode workers -> start the
-router -> wait until the router answers and every worker is registered -> serve the control
-port (and write the run file), print the URL -> supervise until Ctrl-C / SIGTERM (or the
-router exits) -> stop workers (they drain), router, etcd; remove temporary directories.
-`pdserve scale ROLE +K|-K` reaches `Supervisor.scale` through the control port (control.py).
+Invariants: only the monitor thread spawns children, and `stop_all` joins it before stopping
+them, so every child ever started is stopped at shutdown (by PID). A slot's state and child are
+changed only under `lock`; a child that exits while its slot is DRAINING was asked to stop, any
+other exit is a crash.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import shutil
-import signal
-import tempfile
 import threading
 import time
-import urllib.request
-from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
-from cluster.etcd_server import EtcdServer
-from cluster.net import free_port
-from local_cluster.control import remove_run_file, serve_control
 from local_cluster.launcher import ServiceProcess
+from local_cluster.slots import Child, RestartPolicy, Slot, SlotState
+
+WORKER_ROLES = ("prefill", "decode")
+TICK_S = 0.2
 
 
 class Supervisor:
-    """The child processes of one `pdserve up` (workers by role, router, etcd's PID); the
-    control server calls `scale` and `snapshot` from its threads."""
-
-    def __init__(self, args: argparse.Namespace, etcd_endpoint: str, log_dir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, etcd_endpoint: str, log_dir: Path,
+                 policy: RestartPolicy) -> None:
         self.args = args
         self.etcd = etcd_endpoint
         self.log_dir = log_dir
-        self.workers: dict[str, list] = {"prefill": [], "decode": []}
-        self.router = None
-        self.retiring: list = []  # scaled-in workers still draining
-        self.etcd_pid: int | None = None  # when `up` started etcd itself
+        self.policy = policy
+        self.slots: list[Slot] = []
         self.lock = threading.Lock()
         self._serial = 0
+        self._halt = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="supervisor", daemon=True)
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def add_slot(self, role: str, spawn: Callable[[], Child] | None = None, name: str = "") -> Slot:
+        """A new slot, started by the monitor on its next tick (slots start in the order added)."""
+        with self.lock:
+            if not name:
+                self._serial += 1
+                name = f"{role}-{self._serial}"
+            slot = Slot(name, role, spawn or (lambda: self._spawn_worker(role, name)))
+            self.slots.append(slot)
+        return slot
+
+    def _spawn_worker(self, role: str, name: str) -> ServiceProcess:
+        role_args = self.args.prefill_args if role == "prefill" else self.args.decode_args
+        cmd = [role, "--etcd", self.etcd, "--cluster", self.args.cluster, "--model", self.args.model,
+               "--num-threads", str(self._threads()), *self.args.worker_args, *role_args]
+        return ServiceProcess(cmd, self.log_dir / f"{name}.log")
 
     def _threads(self) -> int:
-        total = max(1, len(self.workers["prefill"]) + len(self.workers["decode"]))
-        return max(1, (os.cpu_count() or 2) // total) if self.args.num_threads == 0 else self.args.num_threads
+        if self.args.num_threads:
+            return self.args.num_threads
+        with self.lock:
+            total = len([s for s in self.slots if s.role in WORKER_ROLES and not s.state.stopping])
+        return max(1, (os.cpu_count() or 2) // max(1, total))
 
-    def start_worker(self, role: str) -> ServiceProcess:
+    def states(self, role: str) -> list[SlotState]:
         with self.lock:
-            self._serial += 1
-            name = f"{role}-{self._serial}"
-        cmd = [role, "--etcd", self.etcd, "--cluster", self.args.cluster, "--model", self.args.model,
-               "--num-threads", str(self._threads()), *self.args.worker_args]
-        proc = ServiceProcess(cmd, self.log_dir / f"{name}.log")
-        with self.lock:
-            self.workers[role].append(proc)
-        return proc
+            return [s.state for s in self.slots if s.role == role]
 
-    def stop_newest(self, role: str) -> bool:
+    def say(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # -- the monitor ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._monitor.start()
+
+    def _monitor_loop(self) -> None:
+        while not self._halt.is_set():
+            with self.lock:
+                slots = list(self.slots)
+            for slot in slots:
+                if self._halt.is_set():
+                    return
+                try:
+                    self._step(slot, time.monotonic())
+                except Exception as exc:  # never let one slot stop the supervision of all
+                    self.say(f"error: supervising {slot.name}: {exc!r}")
+            self._halt.wait(TICK_S)
+
+    def _step(self, slot: Slot, now: float) -> None:
         with self.lock:
-            if not self.workers[role]:
-                return False
-            proc = self.workers[role].pop()
-            self.retiring.append(proc)
-        threading.Thread(target=proc.terminate, daemon=True).start()  # drains, then exits
-        return True
+            state, child = slot.state, slot.child
+            if state is SlotState.RESTARTING and now >= slot.restart_at:
+                state, slot.state = SlotState.STARTING, SlotState.STARTING
+                slot.restarts += 1
+        if state is SlotState.STARTING and child is None:
+            self._start(slot)
+        elif state is SlotState.DRAINING:
+            if child is None or not child.alive():
+                with self.lock:
+                    slot.state = SlotState.STOPPED
+                    self.slots.remove(slot)
+        elif child is None:
+            return
+        elif not child.alive():
+            self._on_crash(slot, child, child.exit_code())
+        elif state is SlotState.STARTING and child.ready():
+            with self.lock:
+                if slot.state is SlotState.STARTING and slot.child is child:
+                    slot.state = SlotState.READY
+            back = f" (restored {now - slot.crashed_at:.1f}s after the crash)" if slot.restarts else ""
+            self.say(f"{slot.name} is ready, pid {child.pid}{back}")
+        elif state is SlotState.STARTING and now - slot.started_at > self.policy.startup_timeout:
+            self.say(f"{slot.name} not ready within {self.policy.startup_timeout:.0f}s; killing it")
+            child.kill()  # the next tick sees the exit: a crash
+
+    def _start(self, slot: Slot) -> None:
+        try:
+            child = slot.spawn()
+        except Exception as exc:  # e.g. etcd that does not come up: a crash like any other
+            self.say(f"{slot.name} failed to start: {exc}")
+            self._on_crash(slot, None, None)
+            return
+        with self.lock:
+            slot.child, slot.started_at = child, time.monotonic()
+            removed = slot.state.stopping  # scaled in while it was being spawned
+        if removed:
+            threading.Thread(target=child.terminate, daemon=True).start()
+
+    def _on_crash(self, slot: Slot, child: Child | None, code: int | None) -> None:
+        with self.lock:
+            if slot.state.stopping or slot.child is not child:
+                return  # asked to stop meanwhile: not a crash
+            delay = slot.on_crash(code, self.policy, time.monotonic())
+            recent = len(slot.crashes)
+        log = self.log_dir / f"{slot.name}.log"
+        if delay is None:
+            self.say(f"error: {slot.name} ({slot.role}) crashed {recent} times within "
+                     f"{self.policy.window:.0f}s (last exit code {code}): crash loop, not restarting "
+                     f"it; see {log}")
+        else:
+            self.say(f"{slot.name} ({slot.role}) exited with code {code}; restarting it in "
+                     f"{delay:.1f}s (crash {recent} within {self.policy.window:.0f}s)")
+
+    # -- control port -----------------------------------------------------------------------
 
     def scale(self, role: str, delta: int) -> dict:
-        if role not in self.workers:
+        """+K: K new slots, waited for until ready or in a crash loop; -K: drain and stop K
+        slots of `role` (broken ones first, then the newest ready ones)."""
+        if role not in WORKER_ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         if delta > 0:
-            for proc in [self.start_worker(role) for _ in range(delta)]:
-                proc.wait_ready()
+            slots = [self.add_slot(role) for _ in range(delta)]
+            deadline = time.monotonic() + self.policy.startup_timeout + 5
+            while time.monotonic() < deadline and any(
+                    s.state not in (SlotState.READY, SlotState.CRASH_LOOP, SlotState.STOPPED) for s in slots):
+                time.sleep(TICK_S)
         else:
-            for _ in range(-delta):
-                if not self.stop_newest(role):
-                    break
+            with self.lock:
+                live = [s for s in self.slots if s.role == role and not s.state.stopping]
+                order = ([s for s in reversed(live) if s.state is not SlotState.READY]
+                         + [s for s in reversed(live) if s.state is SlotState.READY])
+                chosen = order[:-delta]
+                for slot in chosen:
+                    slot.state = SlotState.DRAINING  # the monitor drops it once its child exited
+                children = [s.child for s in chosen if s.child is not None]
+            for child in children:  # drains, then exits
+                threading.Thread(target=child.terminate, daemon=True).start()
         return self.snapshot()
 
     def snapshot(self) -> dict:
-        """Live child PIDs by role (workers, router, etcd)."""
+        """{"pids": live child PIDs by role, "slots": one SlotView (as a dict) per slot}."""
         with self.lock:
-            out = {role: [p.pid for p in procs if p.alive()] for role, procs in self.workers.items()}
-        out["router"] = [self.router.pid] if self.router is not None and self.router.alive() else []
-        out["etcd"] = [self.etcd_pid] if self.etcd_pid else []
-        return out
+            views = [s.view() for s in self.slots]
+        pids: dict[str, list[int]] = {r: [] for r in (*WORKER_ROLES, "router", "etcd")}
+        for v in views:
+            if v.pid is not None:
+                pids[v.role].append(v.pid)
+        return {"pids": pids, "slots": [dataclasses.asdict(v) for v in views]}
+
+    # -- shutdown ---------------------------------------------------------------------------
 
     def stop_all(self) -> None:
+        """Stop the monitor (no child is started after this), then every child: workers first
+        (in parallel; they drain), the router, etcd last."""
+        self._halt.set()
+        if self._monitor.is_alive():
+            self._monitor.join()
         with self.lock:
-            procs = [p for procs in self.workers.values() for p in procs] + self.retiring
-            self.workers = {"prefill": [], "decode": []}
-            self.retiring = []
-        threads = [threading.Thread(target=p.terminate) for p in procs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if self.router is not None:
-            self.router.terminate()
-
-
-def up(args: argparse.Namespace) -> int:
-    """Run a local cluster until Ctrl-C / SIGTERM; 1 if the router exited on its own."""
-    from engine.models.loader import resolve_model_path
-
-    args.model = str(resolve_model_path(args.model))  # prepare once, before N processes race
-    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-    log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    etcd = start_etcd(args, log_dir)
-    sup = Supervisor(args, args.etcd or etcd.endpoint, log_dir)
-    sup.etcd_pid = etcd.proc.pid if etcd is not None else None
-    control = None
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        start_workers(sup)
-        url = start_router(sup)
-        wait_until_serving(sup, url)
-        control = serve_control(sup, url)
-        _print_banner(sup, url)
-        return supervise(sup, stop)
-    finally:
-        stop_cluster(sup, control, etcd, run_dir)
-
-
-def start_etcd(args: argparse.Namespace, log_dir: Path) -> EtcdServer | None:
-    """An etcd of our own, unless --etcd names one (then None)."""
-    if args.etcd is not None:
-        return None
-    return EtcdServer(log_path=log_dir / "etcd.log").start()
-
-
-def start_workers(sup: Supervisor) -> None:
-    """--prefill prefill and --decode decode workers (not waited for)."""
-    for role, count in (("prefill", sup.args.prefill), ("decode", sup.args.decode)):
-        for _ in range(count):
-            sup.start_worker(role)
-
-
-def start_router(sup: Supervisor) -> str:
-    """The router on --port (0: a free one); returns its URL (not waited for)."""
-    args = sup.args
-    port = args.port or free_port()
-    sup.router = ServiceProcess(
-        ["router", "--etcd", sup.etcd, "--cluster", args.cluster, "--host", args.host,
-         "--port", str(port), "--model", args.model, *args.router_args],
-        sup.log_dir / "router.log",
-    )
-    return f"http://{args.host}:{port}"
-
-
-def wait_until_serving(sup: Supervisor, url: str) -> None:
-    """Every worker printed READY, the router answers and every worker is registered (not
-    draining) in etcd; RuntimeError after --startup-timeout."""
-    import asyncio
-
-    from cluster.registration import list_workers, make_client
-
-    args = sup.args
-    for procs in sup.workers.values():
-        for proc in procs:
-            proc.wait_ready()
-    expected, timeout = args.prefill + args.decode, args.startup_timeout
-
-    async def registered() -> int:
-        async with make_client(sup.etcd) as client:
-            return len([w for w in await list_workers(client, args.cluster) if not w.draining])
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/v1/models", timeout=2)
-            if asyncio.run(registered()) >= expected:
-                return
-        except Exception:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the cluster did not come up within {timeout:.0f}s")
-
-
-def _print_banner(sup: Supervisor, url: str) -> None:
-    args = sup.args
-    print(f"pdserve is up: {url}  ({args.prefill} prefill + {args.decode} decode, etcd {sup.etcd})")
-    print(f"logs: {sup.log_dir}")
-    print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-        -d '{{"model": "{Path(args.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")
-    print("Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker.", flush=True)
-
-
-def supervise(sup: Supervisor, stop: threading.Event) -> int:
-    """Until `stop` is set (0), or the router exits (1)."""
-    while not stop.wait(1.0):
-        if sup.router is not None and not sup.router.alive():
-            print("the router exited; stopping the cluster", flush=True)
-            return 1
-    return 0
-
-
-def stop_cluster(
-    sup: Supervisor, control: ThreadingHTTPServer | None, etcd: EtcdServer | None, run_dir: Path
-) -> None:
-    """Control port, then workers (they drain) and router, then etcd; run file, temp dirs."""
-    print("stopping...", flush=True)
-    if control is not None:
-        control.shutdown()
-    sup.stop_all()
-    if etcd is not None:
-        etcd.stop()
-    remove_run_file()
-    if not sup.args.log_dir:
-        shutil.rmtree(run_dir, ignore_errors=True)
+            for slot in self.slots:
+                slot.state = SlotState.DRAINING
+            slots = list(self.slots)
+        for roles in (WORKER_ROLES, ("router",), ("etcd",)):
+            threads = [threading.Thread(target=s.child.terminate) for s in slots
+                       if s.role in roles and s.child is not None]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        with self.lock:
+            for slot in slots:
+                slot.state = SlotState.STOPPED
+            self.slots = []
