@@ -1,0 +1,1 @@
+"""Chaos runs: faults under load against a `pdserve up` cluster (see run.py)."""

@@ -1,0 +1,168 @@
+"""`python -m benchmarks.chaos` (also `pdserve chaos`): start a `pdserve up` cluster, put a
+steady streaming load on it, inject a random fault every --fault-interval seconds for
+--duration seconds, then stop the load, let the cluster go idle and check it.
+
+Passes (exit 0) when: no request failed (every fault absorbed: migration, restarts, client
+retries of a refused connection), no seeded request diverged from its other runs, no worker
+holds a KV block once idle, the router's KV index agrees with the workers' caches, and the
+router's RSS grew by at most --max-rss-growth. The report (JSON) also has the faults, the
+router's migration counters, the per-request longest chunk gap (the seam) and RSS."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.chaos.checks import index_mismatch, leaked_blocks, router_metric, rss_bytes
+from benchmarks.chaos.faults import KINDS, Fault, Injector
+from benchmarks.chaos.load import Load
+
+# Test-sized workers (2 layers, fp32) unless the caller passes its own --worker-arg flags.
+SMALL_WORKERS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
+                 "--worker-arg=--dtype=float32"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of faults under load")
+    p.add_argument("--fault-interval", type=float, default=6.0, help="seconds between faults")
+    p.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--stall", type=float, default=4.0, help="seconds a stalled worker stays stopped")
+    p.add_argument("--concurrency", type=int, default=6, help="clients streaming at once")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
+    p.add_argument("--cancel-share", type=float, default=0.1,
+                   help="share of requests the client closes at a random token")
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers")
+    p.add_argument("--decode", type=int, default=2, help="decode workers")
+    p.add_argument("--full-model", action="store_true",
+                   help="serve the whole model (default: 2 layers, float32, like the tests)")
+    p.add_argument("--up-arg", action="append", default=[], help="extra flag for `pdserve up`")
+    p.add_argument("--max-rss-growth", type=float, default=0.25,
+                   help="largest allowed relative RSS growth of the router over the run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", type=Path, default=None, help="write the JSON report here")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the cluster's logs here")
+
+
+class Cluster:
+    """A `pdserve up` child process and its run file (own PDSERVE_CACHE: never another up's)."""
+
+    def __init__(self, args: argparse.Namespace, home: Path) -> None:
+        model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        env = {**os.environ, "PDSERVE_CACHE": str(home / "cache"), "UCX_NET_DEVICES": "lo"}
+        flags = [] if args.full_model else SMALL_WORKERS
+        cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--model", model,
+               "--prefill", str(args.prefill), "--decode", str(args.decode), "--num-threads", "1",
+               "--log-dir", str(args.log_dir or home / "logs"), *flags, *args.up_arg]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.output: list[str] = []
+        up = threading.Event()
+        threading.Thread(target=self._read, args=(up,), daemon=True).start()
+        if not up.wait(300):
+            self.stop()
+            raise RuntimeError("pdserve up did not start:\n" + "".join(self.output[-40:]))
+        self.run = json.loads((home / "cache" / "run" / "current-cluster.json").read_text())
+        self.url = self.run["url"]
+
+    def _read(self, up: threading.Event) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("pdserve is up: "):
+                up.set()
+
+    def pid_of(self, role: str) -> int | None:
+        control = json.loads(urllib.request.urlopen(self.run["control"], timeout=5).read())
+        pids = control["pids"].get(role) or []
+        return pids[0] if pids else None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return -9
+
+
+def run(args: argparse.Namespace) -> dict:
+    kinds = tuple(k for k in args.faults.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown fault kinds: {sorted(unknown)}")
+    with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as home:
+        cluster = Cluster(args, Path(home))
+        try:
+            return asyncio.run(_drive(args, cluster, kinds))
+        finally:
+            code = cluster.stop()
+            if code != 0:
+                print(f"warning: pdserve up exited with {code}", file=sys.stderr)
+
+
+async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
+    models = json.loads(urllib.request.urlopen(cluster.url + "/v1/models", timeout=5).read())
+    model = models["data"][0]["id"]
+    load = Load(cluster.url, model, args.concurrency, args.max_tokens, args.cancel_share, args.seed)
+    load_task = asyncio.create_task(load.run())
+    await asyncio.sleep(3.0)  # warm up before the baseline RSS sample
+    router_pid = cluster.pid_of("router")
+    rss_start = rss_bytes(router_pid) if router_pid else None
+    injector = Injector(cluster.run["control"], kinds, args.stall, args.seed)
+    faults: list[Fault] = []
+    deadline = time.monotonic() + args.duration
+    while time.monotonic() < deadline and not load_task.done():
+        fault = await asyncio.to_thread(injector.inject)
+        if fault is not None:
+            faults.append(fault)
+            print(f"[chaos] {fault.kind} {fault.target} (pid {fault.pid})", flush=True)
+        await asyncio.sleep(args.fault_interval)
+    load.stop()
+    stats = await load_task
+    etcd, name = cluster.run["etcd"], cluster.run["cluster"]
+    leaks = await leaked_blocks(etcd, name)
+    mismatch = await index_mismatch(cluster.url, etcd, name)
+    router_now = cluster.pid_of("router")
+    rss_end = rss_bytes(router_now) if router_now == router_pid and router_pid else None
+    growth = (rss_end - rss_start) / rss_start if rss_start and rss_end else None
+    seams = sorted(stats.seams)
+    report = {
+        "duration_s": args.duration, "faults": [f.kind for f in faults],
+        "fault_counts": {k: sum(f.kind == k for f in faults) for k in kinds},
+        "requests": dict(stats.outcomes), "failures": stats.failures[:20],
+        "diverged": [list(k) for k in stats.diverged], "router_connection_retries": stats.router_retries,
+        "migrations": router_metric(cluster.url, "pdserve_router_migrations_total"),
+        "leaked_blocks": leaks, "kv_index_mismatch": mismatch,
+        "router_rss_growth": growth,
+        "seam_s": {"p50": _pct(seams, 0.5), "p99": _pct(seams, 0.99), "max": seams[-1] if seams else None},
+    }
+    report["passed"] = (not stats.outcomes.get("failed") and not stats.diverged and not leaks
+                        and mismatch == 0 and (growth is None or growth <= args.max_rss_growth)
+                        and stats.outcomes.get("completed", 0) > 0)
+    return report
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.report:
+        args.report.write_text(text)
+    return 0 if report["passed"] else 1
