@@ -16,7 +16,8 @@ Life cycle of a request here:
 5. `Worker.Abort` (an operator, or a router migrating the request): the stream ends with a
    final "abort" update per unfinished completion; a request whose KV is still on its way is
    dropped like a cancelled one (its blocks stay quarantined until P can no longer write).
-Without P (or n > 1, or with prompt logprobs) the prompt is prefilled here (`local`).
+Without P (or n > 1, with prompt logprobs, or resumed after a migration) the prompt is
+prefilled here (`local`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from typing import Awaitable, TypeVar
 
 import grpc
 
-from cluster.convert import delta_to_pb, sampled_from_pb, sampling_from_pb, sampling_to_pb
+from cluster.convert import (delta_to_pb, resume_from_pb, sampled_from_pb, sampling_from_pb,
+                             sampling_to_pb)
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionDelta
 from engine.request import Request
@@ -162,12 +164,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             raise ValueError(f"request_id {rid!r} is already live on this worker")
         engine = rt.engine
 
+        resume = resume_from_pb(request)
         def make_request() -> Request:
             return engine.make_request(rid, list(request.prompt_token_ids), params,
-                                       request.cache_salt or None, priority=request.priority)
+                                       request.cache_salt or None, priority=request.priority,
+                                       resume=resume)
 
         req = make_request()
-        engine.limits.check_fits(req.num_prompt_tokens)  # invalid input fails before any work
+        engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
         queue: asyncio.Queue = asyncio.Queue()
         rt.streams[rid] = queue
         aborted = self._aborted[rid] = asyncio.Event()
@@ -179,7 +183,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         remote_cached = 0
         try:
             try:
-                if request.HasField("prefill_worker") and params.remote_prefill_ok:
+                if request.HasField("prefill_worker") and req.remote_prefill_ok:
                     mode, remote_cached = await _unless_aborted(
                         self._prefill_remotely(req, request.prefill_worker), aborted)
                 if mode == "local_fallback":  # the parked request was dropped: start afresh
