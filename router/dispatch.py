@@ -199,7 +199,7 @@ class Dispatcher:
                     if retries == self.config.max_retries:
                         raise
                     retries += 1
-                    log.warning("retrying on another worker: %s", exc)
+                    log.warning("retrying on another worker (%s): %s", exc.reason.value, exc)
                     self.metrics.retries.inc()
                     if placement.prefill is not None:
                         exclude.add(placement.prefill.info.worker_id)

@@ -123,4 +123,5 @@ def test_first_token_timeout_retries_on_another_worker(make_cluster):
     stuck = c.workers["stuck"]
     assert stuck.requests and len(stuck.cancelled) == len(stuck.requests)
     assert _metric(c, "pdserve_router_retries_total") == len(stuck.requests)
-    assert _metric(c, "pdserve_router_migrations_total", reason="first_token_timeout") == 0
+    assert _metric(c, "pdserve_router_worker_failures_total",
+                   phase="before_first_token") == len(stuck.requests)
