@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine.outputs import CompletionDelta
-from engine.request import Logprob
+from engine.request import Logprob, Resume
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
 from proto import pdserve_pb2 as pb
@@ -109,3 +109,10 @@ def stop_reason_from_pb(m: pb.GenerateResponse) -> str | int | None:
     """The stop string or token id that ended a completion; None for EOS (or not stopped)."""
     which = m.WhichOneof("stop_reason")
     return None if which is None else getattr(m, which)
+
+
+def resume_from_pb(m: pb.GenerateRequest) -> Resume | None:
+    """A migrated request's outputs so far (None: a fresh request)."""
+    if not m.resume_output_token_ids:
+        return None
+    return Resume(tuple(m.resume_output_token_ids), m.resume_text_chars)

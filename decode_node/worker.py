@@ -16,7 +16,8 @@ Life cycle of a request here:
 5. `Worker.Abort` (an operator, or a router migrating the request): the stream ends with a
    final "abort" update per unfinished completion; a request whose KV is still on its way is
    dropped like a cancelled one.
-Without P (or n > 1, or with prompt logprobs) the prompt is prefilled here (`local`).
+Without P (or n > 1, with prompt logprobs, or resumed after a migration) the prompt is
+prefilled here (`local`).
 
 Steps 2-5 are the state machine of decode_node/remote_prefill.py (PARKED -> KV_LANDED /
 FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven only on the engine thread.
@@ -34,7 +35,8 @@ from typing import Awaitable, TypeVar
 
 import grpc
 
-from cluster.convert import delta_to_pb, sampled_from_pb, sampling_from_pb, sampling_to_pb
+from cluster.convert import (delta_to_pb, resume_from_pb, sampled_from_pb, sampling_from_pb,
+                             sampling_to_pb)
 from decode_node.remote_prefill import RemotePrefills
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionDelta
@@ -84,12 +86,15 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             raise ValueError(f"request_id {rid!r} is already live on this worker")
         engine = rt.engine
 
+        resume = resume_from_pb(request)
+
         def make_request() -> Request:
             return engine.make_request(rid, list(request.prompt_token_ids), params,
-                                       request.cache_salt or None, priority=request.priority)
+                                       request.cache_salt or None, priority=request.priority,
+                                       resume=resume)
 
         req = make_request()
-        engine.limits.check_fits(req.num_prompt_tokens)  # invalid input fails before any work
+        engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
         queue: asyncio.Queue = asyncio.Queue()
         rt.streams[rid] = queue
         aborted = self._aborted[rid] = asyncio.Event()
@@ -101,7 +106,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         remote_cached = 0
         try:
             try:
-                if request.HasField("prefill_worker") and params.remote_prefill_ok:
+                if request.HasField("prefill_worker") and req.remote_prefill_ok:
                     mode, remote_cached = await _unless_aborted(
                         self._prefill_remotely(req, request.prefill_worker), aborted)
                 if mode == "local_fallback":  # the parked request was dropped: start afresh

@@ -47,6 +47,19 @@ class IncrementalDetokenizer:
             return None
         return self._cut_at_stop(checked_from)
 
+    def resume(self, output_token_ids: tuple[int, ...], num_text_chars: int) -> None:
+        """Continue after outputs produced elsewhere, of whose text the caller already has
+        `num_text_chars` characters: the text (and any held-back or incomplete character at
+        the seam) is rebuilt token by token exactly as it was, and streaming continues right
+        after what was sent. None of them ended the request, so no stop string is cut."""
+        for token_id in output_token_ids:
+            self._num_tokens += 1
+            self._decode(token_id)
+        if num_text_chars > len(self.text):
+            raise ValueError(f"resume_text_chars: {num_text_chars} characters sent, but the "
+                             f"outputs decode to {len(self.text)}")
+        self._sent = num_text_chars
+
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out that can no longer turn into (part of) a stop string."""
         end = len(self.text) if finished else max(self._sent, len(self.text) - self.holdback)

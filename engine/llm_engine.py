@@ -19,7 +19,7 @@ from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
-from engine.request import Logprob, Request, RequestStatus
+from engine.request import Logprob, Request, RequestStatus, Resume
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler
@@ -103,10 +103,13 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        resume: Resume | None = None,
     ) -> Request:
         """Tokenize and validate; raises ValueError with a message naming the problem.
-        Safe from any thread: touches no engine state (see RequestBuilder)."""
-        return self._builder.build(request_id, prompt, params, cache_salt, priority)
+        Safe from any thread: touches no engine state (see RequestBuilder). `resume`: the
+        request continues after outputs produced elsewhere (prefilled here with the prompt;
+        counters, penalties, stop rules and seeded draws continue from them)."""
+        return self._builder.build(request_id, prompt, params, cache_salt, priority, resume)
 
     def add_request(
         self,
@@ -121,17 +124,25 @@ class LLMEngine:
         )
 
     def submit(self, request: Request) -> Request:
-        """Queue a request made by `make_request` (raises RequestRejected if it can never run)."""
+        """Queue a request made by `make_request` (raises RequestRejected if it can never
+        run, ValueError if its resume text does not match its outputs)."""
+        detok = self._new_detokenizer(request)
         self.scheduler.add_request(request)
-        self._track(request)
+        self._track(request, detok)
         return request
 
-    def _track(self, request: Request) -> None:
-        self._groups.setdefault(request.group_id, []).append(request.request_id)
+    def _new_detokenizer(self, request: Request) -> IncrementalDetokenizer:
         p = request.sampling
-        self._detok[request.request_id] = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens
         )
+        if request.resume is not None:
+            detok.resume(request.resume.output_token_ids, request.resume.num_text_chars)
+        return detok
+
+    def _track(self, request: Request, detok: IncrementalDetokenizer | None = None) -> None:
+        self._groups.setdefault(request.group_id, []).append(request.request_id)
+        self._detok[request.request_id] = detok or self._new_detokenizer(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort every completion of the caller's request id; frees their blocks. Idempotent:
@@ -150,8 +161,8 @@ class LLMEngine:
         its KV arrives. Returns the block ids still to be filled (after the local hit), or
         None if it cannot be parked now (nothing changed; see
         Scheduler.allocate_for_remote_kv) or must prefill here (not
-        `SamplingParams.remote_prefill_ok`)."""
-        if not request.sampling.remote_prefill_ok:
+        `Request.remote_prefill_ok`)."""
+        if not request.remote_prefill_ok:
             return None
         block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:

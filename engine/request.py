@@ -46,6 +46,16 @@ class Logprob:
     rank: int = 0  # 1-based rank of token_id (1 = most likely); 0 = not computed
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A request continued where another worker left it (the router migrating it off a
+    failed one): the outputs it already produced and how much of their text the caller
+    already has. Sampling continues at output position len(output_token_ids)."""
+
+    output_token_ids: tuple[int, ...]
+    num_text_chars: int  # characters of those outputs' text already streamed
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One sequence. Progress is `num_computed_tokens` catching up to `num_tokens`: prompt
@@ -81,6 +91,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     """Set by the block manager on allocation (the same list it updates); kept after the
     request is freed, so callers can still see which blocks it used."""
+    resume: Resume | None = None
+    """Set: `token_ids` starts as prompt + resume.output_token_ids (prefilled together)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -101,6 +113,14 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def remote_prefill_ok(self) -> bool:
+        """The one rule for where a request prefills: a prefill worker samples output
+        position 0 from the prompt alone, so requests that need more (see
+        `SamplingParams.remote_prefill_ok`) or continue earlier outputs prefill where they
+        decode."""
+        return self.sampling.remote_prefill_ok and self.resume is None
 
     @property
     def group_id(self) -> str:

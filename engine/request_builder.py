@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from engine.block_hash import compute_block_hashes, hash_extras
-from engine.request import Request
+from engine.request import Request, Resume
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -35,8 +35,10 @@ class RequestBuilder:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        resume: Resume | None = None,
     ) -> Request:
-        """Raises ValueError with a message that starts with the offending field."""
+        """Raises ValueError with a message that starts with the offending field. `resume`:
+        continue after outputs produced elsewhere (n must be 1; fewer than max_tokens)."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -45,6 +47,7 @@ class RequestBuilder:
             ("prompt", token_ids),
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("resume_output_token_ids", resume.output_token_ids if resume else ()),
         ):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -58,14 +61,23 @@ class RequestBuilder:
         else:
             seed = params.seed
         params, eos = self._eos_rules(params)
+        max_tokens = max(1, min(params.max_tokens or room, room))
+        outputs = list(resume.output_token_ids) if resume else []
+        if resume is not None and (params.n != 1 or len(outputs) >= max_tokens):
+            raise ValueError(f"resume_output_token_ids: a resumed request needs n == 1 and "
+                             f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
+                             f"{len(outputs)} outputs")
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling=params,
             seed=seed,
             eos_token_ids=eos,
-            max_tokens=max(1, min(params.max_tokens or room, room)),
-            block_hashes=compute_block_hashes(token_ids, self.block_size, cache_salt),
+            max_tokens=max_tokens,
+            token_ids=token_ids + outputs,
+            resume=resume,
+            # Over the outputs too: a request resumed again on this worker finds them cached.
+            block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt),
             hash_extras=hash_extras(cache_salt),
             cache_salt=cache_salt,
             priority=priority,

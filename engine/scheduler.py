@@ -69,8 +69,9 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
-        """Raise RequestRejected if the request could never be scheduled."""
-        self.limits.check_fits(request.num_prompt_tokens)
+        """Raise RequestRejected if the request could never be scheduled (a resumed one
+        prefills its earlier outputs too)."""
+        self.limits.check_fits(request.num_tokens)
 
     def add_request(self, request: Request) -> None:
         self.check_fits(request)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xb6\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\r\x12\x11\n\tbad_words\x18\x14 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x03\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x16 \x01(\rH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xda\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x32\n\x0eprefill_worker\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.WorkerRefH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x11\n\x0f_prefill_worker\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xac\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x07 \x01(\t\x12\x12\n\x08stop_str\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\r\n\x0bstop_reason\"{\n\rKVDestination\x12\x15\n\rpeer_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0fnum_skip_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\ndeadline_s\x18\x04 \x01(\x02\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\"\xc2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x10\n\x08priority\x18\x06 \x01(\x05\"t\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_sent\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x94\x01\n\x08\x43\x61pacity\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x02\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12&\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Capacity\"\x11\n\x0fKVEventsRequest\"/\n\x0cKVEventBatch\x12\x0e\n\x06stored\x18\x01 \x03(\x0c\x12\x0f\n\x07removed\x18\x02 \x03(\x0c\"\x15\n\x13\x43\x61\x63hedBlocksRequest\",\n\x14\x43\x61\x63hedBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x32\xab\x02\n\x06Worker\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x18.pdserve.v1.KVEventBatch0\x01\x12T\n\x0fGetCachedBlocks\x12\x1f.pdserve.v1.CachedBlocksRequest\x1a .pdserve.v1.CachedBlocksResponse2W\n\x0c\x44\x65\x63odeWorker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32S\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xb6\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\r\x12\x11\n\tbad_words\x18\x14 \x03(\t\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x03\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x16 \x01(\rH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x96\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x32\n\x0eprefill_worker\x18\x05 \x01(\x0b\x32\x15.pdserve.v1.WorkerRefH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x1f\n\x17resume_output_token_ids\x18\x07 \x03(\r\x12\x19\n\x11resume_text_chars\x18\x08 \x01(\rB\x11\n\x0f_prefill_worker\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xac\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x14\n\x0cprefill_mode\x18\x07 \x01(\t\x12\x12\n\x08stop_str\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprobB\r\n\x0bstop_reason\"{\n\rKVDestination\x12\x15\n\rpeer_metadata\x18\x01 \x01(\x0c\x12\x17\n\x0fnum_skip_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\ndeadline_s\x18\x04 \x01(\x02\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\"\xc2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x10\n\x08priority\x18\x06 \x01(\x05\"t\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x17\n\x0fnum_blocks_sent\x18\x03 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x94\x01\n\x08\x43\x61pacity\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x02\"\x0f\n\rHealthRequest\"}\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12&\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Capacity\"\x11\n\x0fKVEventsRequest\"/\n\x0cKVEventBatch\x12\x0e\n\x06stored\x18\x01 \x03(\x0c\x12\x0f\n\x07removed\x18\x02 \x03(\x0c\"\x15\n\x13\x43\x61\x63hedBlocksRequest\",\n\x14\x43\x61\x63hedBlocksResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x32\xab\x02\n\x06Worker\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12L\n\x11SubscribeKVEvents\x12\x1b.pdserve.v1.KVEventsRequest\x1a\x18.pdserve.v1.KVEventBatch0\x01\x12T\n\x0fGetCachedBlocks\x12\x1f.pdserve.v1.CachedBlocksRequest\x1a .pdserve.v1.CachedBlocksResponse2W\n\x0c\x44\x65\x63odeWorker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32S\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,43 +40,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERREF']._serialized_start=732
   _globals['_WORKERREF']._serialized_end=779
   _globals['_GENERATEREQUEST']._serialized_start=782
-  _globals['_GENERATEREQUEST']._serialized_end=1000
-  _globals['_TOPLOGPROB']._serialized_start=1002
-  _globals['_TOPLOGPROB']._serialized_end=1049
-  _globals['_TOKENLOGPROB']._serialized_start=1051
-  _globals['_TOKENLOGPROB']._serialized_end=1151
-  _globals['_USAGE']._serialized_start=1153
-  _globals['_USAGE']._serialized_end=1233
-  _globals['_GENERATERESPONSE']._serialized_start=1236
-  _globals['_GENERATERESPONSE']._serialized_end=1536
-  _globals['_KVDESTINATION']._serialized_start=1538
-  _globals['_KVDESTINATION']._serialized_end=1661
-  _globals['_PREFILLREQUEST']._serialized_start=1664
-  _globals['_PREFILLREQUEST']._serialized_end=1858
-  _globals['_PREFILLRESPONSE']._serialized_start=1860
-  _globals['_PREFILLRESPONSE']._serialized_end=1976
-  _globals['_ABORTREQUEST']._serialized_start=1978
-  _globals['_ABORTREQUEST']._serialized_end=2012
-  _globals['_ABORTRESPONSE']._serialized_start=2014
-  _globals['_ABORTRESPONSE']._serialized_end=2044
-  _globals['_CAPACITY']._serialized_start=2047
-  _globals['_CAPACITY']._serialized_end=2195
-  _globals['_HEALTHREQUEST']._serialized_start=2197
-  _globals['_HEALTHREQUEST']._serialized_end=2212
-  _globals['_HEALTHRESPONSE']._serialized_start=2214
-  _globals['_HEALTHRESPONSE']._serialized_end=2339
-  _globals['_KVEVENTSREQUEST']._serialized_start=2341
-  _globals['_KVEVENTSREQUEST']._serialized_end=2358
-  _globals['_KVEVENTBATCH']._serialized_start=2360
-  _globals['_KVEVENTBATCH']._serialized_end=2407
-  _globals['_CACHEDBLOCKSREQUEST']._serialized_start=2409
-  _globals['_CACHEDBLOCKSREQUEST']._serialized_end=2430
-  _globals['_CACHEDBLOCKSRESPONSE']._serialized_start=2432
-  _globals['_CACHEDBLOCKSRESPONSE']._serialized_end=2476
-  _globals['_WORKER']._serialized_start=2479
-  _globals['_WORKER']._serialized_end=2778
-  _globals['_DECODEWORKER']._serialized_start=2780
-  _globals['_DECODEWORKER']._serialized_end=2867
-  _globals['_PREFILLWORKER']._serialized_start=2869
-  _globals['_PREFILLWORKER']._serialized_end=2952
+  _globals['_GENERATEREQUEST']._serialized_end=1060
+  _globals['_TOPLOGPROB']._serialized_start=1062
+  _globals['_TOPLOGPROB']._serialized_end=1109
+  _globals['_TOKENLOGPROB']._serialized_start=1111
+  _globals['_TOKENLOGPROB']._serialized_end=1211
+  _globals['_USAGE']._serialized_start=1213
+  _globals['_USAGE']._serialized_end=1293
+  _globals['_GENERATERESPONSE']._serialized_start=1296
+  _globals['_GENERATERESPONSE']._serialized_end=1596
+  _globals['_KVDESTINATION']._serialized_start=1598
+  _globals['_KVDESTINATION']._serialized_end=1721
+  _globals['_PREFILLREQUEST']._serialized_start=1724
+  _globals['_PREFILLREQUEST']._serialized_end=1918
+  _globals['_PREFILLRESPONSE']._serialized_start=1920
+  _globals['_PREFILLRESPONSE']._serialized_end=2036
+  _globals['_ABORTREQUEST']._serialized_start=2038
+  _globals['_ABORTREQUEST']._serialized_end=2072
+  _globals['_ABORTRESPONSE']._serialized_start=2074
+  _globals['_ABORTRESPONSE']._serialized_end=2104
+  _globals['_CAPACITY']._serialized_start=2107
+  _globals['_CAPACITY']._serialized_end=2255
+  _globals['_HEALTHREQUEST']._serialized_start=2257
+  _globals['_HEALTHREQUEST']._serialized_end=2272
+  _globals['_HEALTHRESPONSE']._serialized_start=2274
+  _globals['_HEALTHRESPONSE']._serialized_end=2399
+  _globals['_KVEVENTSREQUEST']._serialized_start=2401
+  _globals['_KVEVENTSREQUEST']._serialized_end=2418
+  _globals['_KVEVENTBATCH']._serialized_start=2420
+  _globals['_KVEVENTBATCH']._serialized_end=2467
+  _globals['_CACHEDBLOCKSREQUEST']._serialized_start=2469
+  _globals['_CACHEDBLOCKSREQUEST']._serialized_end=2490
+  _globals['_CACHEDBLOCKSRESPONSE']._serialized_start=2492
+  _globals['_CACHEDBLOCKSRESPONSE']._serialized_end=2536
+  _globals['_WORKER']._serialized_start=2539
+  _globals['_WORKER']._serialized_end=2838
+  _globals['_DECODEWORKER']._serialized_start=2840
+  _globals['_DECODEWORKER']._serialized_end=2927
+  _globals['_PREFILLWORKER']._serialized_start=2929
+  _globals['_PREFILLWORKER']._serialized_end=3012
 # @@protoc_insertion_point(module_scope)

@@ -70,20 +70,24 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill_worker", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill_worker", "priority", "resume_output_token_ids", "resume_text_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     cache_salt: str
     prefill_worker: WorkerRef
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill_worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_text_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill_worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., priority: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

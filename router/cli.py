@@ -67,6 +67,18 @@ def register(subparsers) -> None:
                    help="requests waiting for capacity beyond this get a 503 at once")
     g.add_argument("--max-retries", type=int, default=d.max_retries,
                    help="retries on another worker when one fails before the first token")
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--max-migrations", type=int, default=d.max_migrations,
+                   help="times a request may move to another decode worker after tokens were "
+                   "streamed (its worker failed or stalled); it resumes from prompt + tokens "
+                   "sent (0: never, the stream ends with an error event)")
+    g.add_argument("--first-token-timeout", type=float, default=d.first_token_timeout_s,
+                   help="seconds without a first token before the call is cancelled and "
+                   "retried on another worker (0: off)")
+    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds without an update from a call that already streamed (or "
+                   "resumes a migrated request) before it is cancelled and the request "
+                   "migrated (0: off)")
     g.add_argument("--stale-after", type=float, default=d.stale_after_s,
                    help="seconds without a republished registration before a worker gets "
                    "no new work")
@@ -88,6 +100,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         api_key=args.api_key, placement=placement, queue_timeout_s=args.queue_timeout,
         max_queued_requests=args.max_queued_requests, max_retries=args.max_retries,
+        max_migrations=args.max_migrations, first_token_timeout_s=args.first_token_timeout,
+        stall_timeout_s=args.stall_timeout,
         stale_after_s=args.stale_after, max_n=args.max_n,
         generation_config=args.generation_config,
     )

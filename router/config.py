@@ -78,6 +78,16 @@ class RouterConfig:
     """Requests waiting for capacity beyond this get a 503 at once."""
     max_retries: int = 1
     """Attempts on another decode worker when one fails before the first token."""
+    max_migrations: int = 3
+    """Times one request may move to another decode worker after tokens were streamed (its
+    worker failed or stalled); it resumes there from prompt + tokens sent. 0: never (the
+    stream ends with an error event)."""
+    first_token_timeout_s: float = 0.0
+    """A call that streams no token within this many seconds is cancelled and retried on
+    another worker. 0: off (a request may legitimately queue behind others for long)."""
+    stall_timeout_s: float = 60.0
+    """A call that streamed tokens (or resumes a migrated request) and then streams nothing
+    for this many seconds is cancelled and the request migrated. 0: off."""
     stale_after_s: float = 2.0
     """A worker whose registration was not republished for this long gets no new work."""
     max_n: int = 128
@@ -94,6 +104,9 @@ class RouterConfig:
             (self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0"),
             (self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0"),
             (self.max_retries >= 0, "max_retries", "must be >= 0"),
+            (self.max_migrations >= 0, "max_migrations", "must be >= 0"),
+            (self.first_token_timeout_s >= 0, "first_token_timeout_s", "must be >= 0"),
+            (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
         ])

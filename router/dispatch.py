@@ -8,25 +8,35 @@ Life cycle of a request here:
 2. Call Generate. This router's in-flight counts on both workers rise until the first token
    (prefill tokens) or the end (decode requests), so back-to-back placements see the load
    before the workers' next capacity report does.
-3. A failure before anything was yielded (RPC error, or a completion ending in error/abort
-   with no tokens) is retried on other workers, at most `max_retries` times; after that it
-   raises `WorkerFailed(after_first_token=...)` for the HTTP layer to turn into a 502 or an
-   error event in the stream.
-4. Closing the generator early (client disconnect) cancels the gRPC call: the worker aborts.
+3. A failure before anything was yielded (RPC error, a completion ending in error/abort
+   with no tokens, or no token within `first_token_timeout_s`) is retried on other workers,
+   at most `max_retries` times; after that it raises `WorkerFailed(after_first_token=False)`
+   for the HTTP layer to turn into a 502.
+4. Migration: a failure after tokens were yielded (the same failures, or nothing streamed
+   for `stall_timeout_s`) re-dispatches the request to another decode worker (never one that
+   failed it) as prompt + the tokens yielded so far, with the length of the text yielded: the
+   worker prefills them and continues, so the caller's stream goes on without a seam (same
+   tokens a seeded request would have drawn; see engine.request.Resume). At most
+   `max_migrations` times, only for n == 1; otherwise `WorkerFailed(after_first_token=True)`
+   (an error event in the stream).
+5. Closing the generator early (client disconnect) cancels the gRPC call: the worker aborts.
 """
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
 
 from cluster.convert import logprob_from_pb, sampling_to_pb, stop_reason_from_pb
 from engine.request import Logprob as TokenLogprob
+from engine.request import Resume
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
@@ -61,10 +71,42 @@ def _context_needed(prompt: PromptKey, sampling: SamplingParams) -> int:
     return len(prompt.token_ids) + (sampling.max_tokens or 1)
 
 
+class FailureReason(str, enum.Enum):
+    """What ended a worker call early (the `reason` label of the migration metrics)."""
+
+    ERROR = "error"  # RPC error, a completion ending in error/abort, or the stream cut short
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    STALL_TIMEOUT = "stall_timeout"
+
+
 class WorkerFailed(Exception):
-    def __init__(self, message: str, after_first_token: bool) -> None:
+    def __init__(self, message: str, after_first_token: bool,
+                 reason: FailureReason = FailureReason.ERROR) -> None:
         super().__init__(message)
         self.after_first_token = after_first_token
+        self.reason = reason
+
+
+class _CallStalled(Exception):
+    """A call streamed nothing within its timeout (`_call`)."""
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What one prompt's caller received so far (of completion 0: only n == 1 migrates)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    num_text_chars: int = 0
+    started: bool = False  # any update yielded: no more retries, only migrations
+
+    def add(self, delta: Delta) -> None:
+        self.started = True
+        if delta.index == 0:
+            self.token_ids += delta.token_ids
+            self.num_text_chars += len(delta.text)
+
+    def resume(self) -> Resume:
+        return Resume(tuple(self.token_ids), self.num_text_chars)
 
 
 def _delta(msg: pb.GenerateResponse) -> Delta:
@@ -120,42 +162,76 @@ class Dispatcher:
 
     async def generate(self, prompt: PromptKey, sampling: SamplingParams,
                        arrival: float, priority: int = 0) -> AsyncIterator[Delta]:
-        """Deltas of every completion of one prompt, until each has finished."""
+        """Deltas of every completion of one prompt, until each has finished; failures are
+        retried or migrated (module docstring, 3 and 4)."""
         exclude: set[str] = set()
-        for attempt in range(self.config.max_retries + 1):
-            # Decode workers prefill n > 1 and prompt-logprobs requests themselves, so those
-            # are placed as local prefill.
-            placement = await self.acquire(prompt, frozenset(exclude), remote_prefill=sampling.remote_prefill_ok,
-                                           context=_context_needed(prompt, sampling))
+        sent = _Sent()
+        retries = migrations = 0
+        failed_at: float | None = None  # a migration's failure, until the next token
+        while True:
+            resume = sent.resume() if sent.started else None
+            try:
+                # Decode workers prefill n > 1, prompt-logprobs and resumed requests
+                # themselves (engine Request.remote_prefill_ok), so those are placed as local.
+                placement = await self.acquire(
+                    prompt, frozenset(exclude),
+                    remote_prefill=sampling.remote_prefill_ok and resume is None,
+                    context=_context_needed(prompt, sampling))
+            except APIError:
+                if resume is not None:
+                    self.metrics.migration_failures.labels("no_worker").inc()
+                raise
             try:
                 async with aclosing(self._run(placement, prompt, sampling, arrival,
-                                              priority)) as stream:
+                                              priority, resume)) as stream:
                     async for delta in stream:
+                        if failed_at is not None and delta.token_ids:
+                            self.metrics.migration_seam.observe(time.monotonic() - failed_at)
+                            failed_at = None
+                        sent.add(delta)
                         yield delta
                 return
             except WorkerFailed as exc:
                 self.metrics.worker_failures.labels(
                     "after_first_token" if exc.after_first_token else "before_first_token").inc()
-                if exc.after_first_token or attempt == self.config.max_retries:
-                    raise
-                log.warning("retrying on another worker: %s", exc)
-                self.metrics.retries.inc()
                 exclude.add(placement.decode.info.worker_id)
-                if placement.prefill is not None:
-                    exclude.add(placement.prefill.info.worker_id)
+                if not sent.started:
+                    if retries == self.config.max_retries:
+                        raise
+                    retries += 1
+                    log.warning("retrying on another worker (%s): %s", exc.reason.value, exc)
+                    self.metrics.retries.inc()
+                    if placement.prefill is not None:
+                        exclude.add(placement.prefill.info.worker_id)
+                    continue
+                refused = ("n" if sampling.n > 1 else
+                           "limit" if migrations == self.config.max_migrations else None)
+                if refused is not None:
+                    self.metrics.migration_failures.labels(refused).inc()
+                    raise
+                migrations += 1
+                failed_at = time.monotonic()
+                log.warning("migrating after %d tokens (%s): %s", len(sent.token_ids),
+                            exc.reason.value, exc)
+                self.metrics.migrations.labels(exc.reason.value).inc()
 
     async def _run(self, placement: Placement, prompt: PromptKey, sampling: SamplingParams,
-                   arrival: float, priority: int) -> AsyncIterator[Delta]:
+                   arrival: float, priority: int,
+                   resume: Resume | None = None) -> AsyncIterator[Delta]:
         """One attempt: the Generate call under this router's in-flight accounting, observed
-        by the metrics, its failures classified for `generate`."""
+        by the metrics, its failures classified for `generate`. `resume`: a migration."""
         decode = placement.decode
-        request = _generate_request(placement, prompt, sampling, priority)
-        observer = _CallMetrics(self.metrics, arrival)
+        request = _generate_request(placement, prompt, sampling, priority, resume)
+        observer = _CallMetrics(self.metrics, arrival, resumed=resume is not None)
         finished: set[int] = set()
-        yielded = False
+        yielded = resume is not None  # the caller has updates already: never a 400 now
+        # A resumed call's first token is not the request's first: the stall timeout holds.
+        first_timeout = (self.config.stall_timeout_s if resume is not None
+                         else self.config.first_token_timeout_s)
         with _InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
             try:
-                async with aclosing(self._call(decode.info.grpc_address, request)) as messages:
+                async with aclosing(self._call(decode.info.grpc_address, request,
+                                               first_timeout)) as messages:
                     async for msg in messages:
                         delta = _delta(msg)
                         if delta.finish_reason in _FAILED:
@@ -169,20 +245,36 @@ class Dispatcher:
                         yield delta
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_failure(decode, exc, yielded) from None
+            except _CallStalled as exc:
+                raise WorkerFailed(f"decode worker {decode.info.worker_id}: {exc}", yielded,
+                                   FailureReason.STALL_TIMEOUT if yielded
+                                   else FailureReason.FIRST_TOKEN_TIMEOUT) from None
             if len(finished) < sampling.n:
                 raise _unfinished(decode, sampling.n - len(finished), yielded)
             observer.on_success(len(prompt.token_ids), placement.decision.predicted_cached_tokens)
 
-    async def _call(self, address: str,
-                    request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """`DecodeWorker.Generate` at `address`, message by message. Closing this early
-        cancels the call: the worker aborts the request."""
+    async def _call(self, address: str, request: pb.GenerateRequest,
+                    first_timeout: float) -> AsyncIterator[pb.GenerateResponse]:
+        """`DecodeWorker.Generate` at `address`, message by message; `_CallStalled` when the
+        first message takes over `first_timeout` s, a later one over `stall_timeout_s` (0:
+        no limit; time spent by our consumer does not count). Closing this early cancels the
+        call: the worker aborts the request."""
         stub = self.channels.hold_decode(address)
         call = None
         try:
             call = stub.Generate(request)
-            async for msg in call:
+            messages = aiter(call)
+            timeout = first_timeout
+            while True:
+                try:
+                    async with asyncio.timeout(timeout or None):
+                        msg = await anext(messages)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise _CallStalled(f"nothing streamed for {timeout:g} s") from None
                 yield msg
+                timeout = self.config.stall_timeout_s
         finally:
             if call is not None:
                 call.cancel()  # no-op when the call already ended; aborts it on the worker otherwise
@@ -190,12 +282,17 @@ class Dispatcher:
 
 
 def _generate_request(placement: Placement, prompt: PromptKey, sampling: SamplingParams,
-                      priority: int) -> pb.GenerateRequest:
+                      priority: int, resume: Resume | None) -> pb.GenerateRequest:
+    if resume is not None:  # prompt logprobs came with the first update already
+        sampling = replace(sampling, prompt_logprobs=None)
     request = pb.GenerateRequest(
         request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
         sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
         priority=priority,
     )
+    if resume is not None:
+        request.resume_output_token_ids.extend(resume.output_token_ids)
+        request.resume_text_chars = resume.num_text_chars
     if placement.prefill is not None:
         request.prefill_worker.worker_id = placement.prefill.info.worker_id
         request.prefill_worker.address = placement.prefill.info.grpc_address
@@ -245,13 +342,15 @@ class _CallMetrics:
     """The latency and token metrics of one call. As updates stream: TTFT (the first token
     of any completion, from arrival), ITL (between one completion's tokens), generation
     tokens. Once every completion finished: E2E, prompt tokens, prefix-cache hit tokens (as
-    the placement predicted them and as the worker reported them)."""
+    the placement predicted them and as the worker reported them). A resumed call (a
+    migration) has no TTFT; its seam is `migration_seam`, not an ITL."""
 
-    __slots__ = ("metrics", "arrival", "last_token_at", "cached")
+    __slots__ = ("metrics", "arrival", "resumed", "last_token_at", "cached")
 
-    def __init__(self, metrics: RouterMetrics, arrival: float) -> None:
+    def __init__(self, metrics: RouterMetrics, arrival: float, resumed: bool = False) -> None:
         self.metrics = metrics
         self.arrival = arrival
+        self.resumed = resumed
         self.last_token_at: dict[int, float] = {}  # completion index -> its latest token's time
         self.cached = 0  # prompt tokens the worker found cached (the most it reported)
 
@@ -261,7 +360,8 @@ class _CallMetrics:
             return
         now = time.monotonic()
         if not self.last_token_at:
-            self.metrics.ttft.observe(now - self.arrival)
+            if not self.resumed:
+                self.metrics.ttft.observe(now - self.arrival)
         elif delta.index in self.last_token_at:
             self.metrics.itl.observe(now - self.last_token_at[delta.index])
         self.last_token_at[delta.index] = now

@@ -28,6 +28,18 @@ class RouterMetrics:
                                  registry=r)
         self.retries = Counter("pdserve_router_retries", "Requests retried on another worker",
                                registry=r)
+        self.migrations = Counter("pdserve_router_migrations",
+                                  "Requests moved to another decode worker after tokens were "
+                                  "streamed, by what ended the call", ["reason"], registry=r)
+        self.migration_failures = Counter(
+            "pdserve_router_migration_failures",
+            "Requests ended with an error event after tokens were streamed, by why they could "
+            "not move on (limit: --max-migrations used up; n: n > 1; no_worker: none had room)",
+            ["reason"], registry=r)
+        self.migration_seam = Histogram("pdserve_router_migration_seam_seconds",
+                                        "A migration's added latency: failure detected to the "
+                                        "next worker's first token", buckets=_LATENCY_BUCKETS,
+                                        registry=r)
         self.worker_failures = Counter("pdserve_router_worker_failures",
                                        "Worker calls that failed, by phase",
                                        ["phase"], registry=r)

@@ -7,8 +7,10 @@ Tokens: completion i of a prompt p emits ids 100 + (sum(p) + 7k + 13i) % 1000 fo
 each with text " w<id>", or `behavior.script`'s (id, text) pairs. Logprobs: the sampled token
 -0.5 (rank 2), top k = id + 1, id + 2, ... at -0.25, -0.75, ... (the sampled token is never
 among them); prompt logprobs likewise for each prompt token after the first. A stop string
-ends a completion with stop_str set. Failure injection and per-token delays are set on
-`behavior`; every GenerateRequest received is kept in `requests`.
+ends a completion with stop_str set. A resumed request (resume_output_token_ids, a
+migration) continues at k = len(resume_output_token_ids). Failure injection, stalls and
+per-token delays are set on `behavior`; every GenerateRequest received is kept in
+`requests`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class Behavior:
     """The next this-many Generate calls fail with UNAVAILABLE before any token."""
     fail_after_tokens: int | None = None
     """Generate calls fail with INTERNAL after this many tokens."""
+    stall_after_tokens: int | None = None
+    """Generate calls stop streaming (but stay open) after this many tokens."""
     token_delay_s: float = 0.0
     default_max_tokens: int = 32
     script: list[tuple[int, str]] | None = None
@@ -186,14 +190,20 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
                       if s.HasField("prompt_logprobs") else [])
         w.active.add(request.request_id)
         sent = 0
+        start = len(request.resume_output_token_ids)
         try:
             texts = ["" for _ in range(s.n or 1)]
-            for k in range(max_tokens):
+            if start:  # a migrated request: its text so far, for stop strings
+                texts[0] = "".join(b.script[k][1] if b.script is not None
+                                   else f" w{fake_token(prompt, 0, k)}" for k in range(start))
+            for k in range(start, max_tokens):
                 for i in range(s.n or 1):
                     if texts[i] is None:
                         continue
                     if b.fail_after_tokens is not None and sent >= b.fail_after_tokens:
                         await context.abort(grpc.StatusCode.INTERNAL, "injected failure mid-stream")
+                    if b.stall_after_tokens is not None and sent >= b.stall_after_tokens:
+                        await asyncio.Event().wait()
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)
                     tok, text = (b.script[k] if b.script is not None

@@ -27,6 +27,7 @@ def test_flags_reach_the_config():
         "--prefill-queue-limit", "7",
         "--default-prefill-rate", "8", "--max-waiting-per-worker", "9", "--queue-timeout", "1.5",
         "--max-queued-requests", "11", "--max-retries", "2", "--stale-after", "3.5",
+        "--max-migrations", "5", "--first-token-timeout", "7.5", "--stall-timeout", "9.5",
         "--max-model-len", "100", "--served-model-name", "m", "--max-n", "4",
         "--host", "0.0.0.0", "--model", "/some/dir", "--generation-config", "vllm",
     ])
@@ -34,8 +35,9 @@ def test_flags_reach_the_config():
     assert cfg.placement == PlacementConfig("round_robin", 2, 3, 5, 4, 6, 10, 7, 8, 9)
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
-            cfg.served_model_name, cfg.max_n, cfg.generation_config) == (
-        "h:1", "c", 9, "k", 1.5, 11, 2, 3.5, 100, "m", 4, "vllm")
+            cfg.served_model_name, cfg.max_n, cfg.generation_config, cfg.max_migrations,
+            cfg.first_token_timeout_s, cfg.stall_timeout_s) == (
+        "h:1", "c", 9, "k", 1.5, 11, 2, 3.5, 100, "m", 4, "vllm", 5, 7.5, 9.5)
     # Defaults on the command line are the dataclasses' defaults.
     default = config_from_args(build_parser().parse_args(["router", "--etcd", "h:1"]))
     assert default == RouterConfig(etcd="h:1")
