@@ -22,9 +22,10 @@ class EngineLimits:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def check_fits(self, num_prompt_tokens: int) -> None:
-        """Raise RequestRejected if a prompt this long could never be scheduled."""
-        n = num_prompt_tokens
+    def check_fits(self, num_tokens: int) -> None:
+        """Raise RequestRejected if a request that must prefill `num_tokens` (its prompt, plus
+        its earlier outputs when resumed) could never be scheduled."""
+        n = num_tokens
         if n == 0:
             raise RequestRejected("the prompt is empty")
         if n >= self.max_model_len:

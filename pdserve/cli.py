@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("local_cluster.cli").cli.register(sub)
     __import__("router.cli").cli.register(sub)
     __import__("benchmarks.serving.cli").serving.cli.register(sub)
+    __import__("benchmarks.chaos.cli").chaos.cli.register(sub)
     return parser
 
 

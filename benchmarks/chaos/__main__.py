@@ -1,5 +1,5 @@
 import sys
 
-from benchmarks.chaos.run import main
+from benchmarks.chaos.cli import main
 
 sys.exit(main())

@@ -18,7 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-KINDS = ("kill-prefill", "kill-decode", "stall-prefill", "stall-decode", "restart-etcd", "restart-router")
+from benchmarks.chaos.cli import KINDS  # noqa: F401  (the one list of fault kinds)
 
 
 @dataclass(frozen=True)

@@ -26,30 +26,9 @@ from benchmarks.chaos.checks import index_mismatch, leaked_blocks, router_metric
 from benchmarks.chaos.faults import KINDS, Fault, Injector
 from benchmarks.chaos.load import Load
 
-# Test-sized workers (2 layers, fp32) unless the caller passes its own --worker-arg flags.
+# Test-sized workers (2 layers, fp32) unless --full-model.
 SMALL_WORKERS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
                  "--worker-arg=--dtype=float32"]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of faults under load")
-    p.add_argument("--fault-interval", type=float, default=6.0, help="seconds between faults")
-    p.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
-    p.add_argument("--stall", type=float, default=4.0, help="seconds a stalled worker stays stopped")
-    p.add_argument("--concurrency", type=int, default=6, help="clients streaming at once")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request (ignore_eos)")
-    p.add_argument("--cancel-share", type=float, default=0.1,
-                   help="share of requests the client closes at a random token")
-    p.add_argument("--prefill", type=int, default=2, help="prefill workers")
-    p.add_argument("--decode", type=int, default=2, help="decode workers")
-    p.add_argument("--full-model", action="store_true",
-                   help="serve the whole model (default: 2 layers, float32, like the tests)")
-    p.add_argument("--up-arg", action="append", default=[], help="extra flag for `pdserve up`")
-    p.add_argument("--max-rss-growth", type=float, default=0.25,
-                   help="largest allowed relative RSS growth of the router over the run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", type=Path, default=None, help="write the JSON report here")
-    p.add_argument("--log-dir", type=Path, default=None, help="keep the cluster's logs here")
 
 
 class Cluster:
@@ -62,7 +41,8 @@ class Cluster:
         flags = [] if args.full_model else SMALL_WORKERS
         cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--model", model,
                "--prefill", str(args.prefill), "--decode", str(args.decode), "--num-threads", "1",
-               "--log-dir", str(args.log_dir or home / "logs"), *flags, *args.up_arg]
+               "--log-dir", str(args.log_dir or home / "logs"), *flags,
+               f"--router-arg=--stall-timeout={args.stall_timeout}", *args.up_arg]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.output: list[str] = []
@@ -141,7 +121,8 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
         "fault_counts": {k: sum(f.kind == k for f in faults) for k in kinds},
         "requests": dict(stats.outcomes), "failures": stats.failures[:20],
         "diverged": [list(k) for k in stats.diverged], "router_connection_retries": stats.router_retries,
-        "migrations": router_metric(cluster.url, "pdserve_router_migrations_total"),
+        # Counters of the router now running (a restart-router fault resets them).
+        "migrations_since_router_start": router_metric(cluster.url, "pdserve_router_migrations_total"),
         "leaked_blocks": leaks, "kv_index_mismatch": mismatch,
         "router_rss_growth": growth,
         "seam_s": {"p50": _pct(seams, 0.5), "p99": _pct(seams, 0.99), "max": seams[-1] if seams else None},
@@ -156,10 +137,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pdserve chaos", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     report = run(args)
     text = json.dumps(report, indent=2)
     print(text)

@@ -51,8 +51,9 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         assert load.ok > 0
         assert len([w for w in up.workers() if w.role == "decode"]) == 1
 
-        # SIGKILL a decode worker under load: only what it held fails; the cluster keeps serving,
-        # and the supervisor restarts the slot: a new decode worker registers and serves.
+        # SIGKILL a decode worker under load: nothing fails (the router migrates what it held
+        # to the other decode worker), and the supervisor restarts the slot: a new decode
+        # worker registers and serves.
         up.cli("scale", "decode", "+1")
         pids |= {p for ps in up.children().values() for p in ps}
         load = Load(up.url)
@@ -71,7 +72,7 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         assert len(new) == 1 and not new[0].draining
         time.sleep(3)
         load.stop()
-        assert load.failed <= 4, load.errors[:5]  # at most what the victim held (concurrency 4)
+        assert load.failed == 0, load.errors[:5]
         assert load.ok > 0
         assert asyncio.run(concurrent())
         status = up.cli("status")
