@@ -81,3 +81,56 @@ class ServiceProcess:
         if self.alive():
             self.proc.kill()
             self.proc.wait(10)
+
+
+class UpProcess:
+    """A whole `pdserve up` as a child process (chaos runs, end-to-end tests): its own
+    PDSERVE_CACHE under `home` (so its run file is never another `up`'s), the prepared default
+    model, any port; ready once it prints its URL. Stopped with SIGTERM (it drains and stops
+    its children), SIGKILL of its process group as a last resort."""
+
+    def __init__(self, home: Path, *flags: str, timeout: float = 300.0) -> None:
+        import json
+
+        model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        self.env = {**os.environ, "PDSERVE_CACHE": str(home / "cache"),
+                    "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+        os.makedirs(self.env["PDSERVE_CACHE"], exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", "--port", "0", "--model", model, *flags],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )
+        self.output: list[str] = []
+        self.url = ""
+        up = threading.Event()
+        threading.Thread(target=self._read, args=(up,), daemon=True).start()
+        if not up.wait(timeout):
+            self.stop()
+            raise RuntimeError("pdserve up did not start:\n" + "".join(self.output[-50:]))
+        self.run = json.loads((home / "cache" / "run" / "current-cluster.json").read_text())
+        """The run file: pid, url, etcd, cluster, control, logs."""
+
+    def _read(self, up: threading.Event) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("pdserve is up: "):
+                self.url = line.split()[3]
+                up.set()
+
+    def control(self) -> dict:
+        """The control port's GET: {"pids": live child PIDs by role, "slots": [...]}."""
+        import json
+        import urllib.request
+
+        return json.loads(urllib.request.urlopen(self.run["control"], timeout=5).read())
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return -9

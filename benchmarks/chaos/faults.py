@@ -18,8 +18,6 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from benchmarks.chaos.cli import KINDS  # noqa: F401  (the one list of fault kinds)
-
 
 @dataclass(frozen=True)
 class Fault:

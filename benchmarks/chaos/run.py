@@ -12,67 +12,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from benchmarks.chaos.checks import index_mismatch, leaked_blocks, router_metric, rss_bytes
-from benchmarks.chaos.faults import KINDS, Fault, Injector
+from benchmarks.chaos.cli import KINDS
+from benchmarks.chaos.faults import Fault, Injector
 from benchmarks.chaos.load import Load
+from local_cluster.launcher import UpProcess
 
 # Test-sized workers (2 layers, fp32) unless --full-model.
 SMALL_WORKERS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
                  "--worker-arg=--dtype=float32"]
 
 
-class Cluster:
-    """A `pdserve up` child process and its run file (own PDSERVE_CACHE: never another up's)."""
+class Cluster(UpProcess):
+    """The chaos run's own `pdserve up` (fresh PDSERVE_CACHE: never another up's)."""
 
     def __init__(self, args: argparse.Namespace, home: Path) -> None:
-        model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        env = {**os.environ, "PDSERVE_CACHE": str(home / "cache"), "UCX_NET_DEVICES": "lo"}
         flags = [] if args.full_model else SMALL_WORKERS
-        cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--model", model,
-               "--prefill", str(args.prefill), "--decode", str(args.decode), "--num-threads", "1",
-               "--log-dir", str(args.log_dir or home / "logs"), *flags,
-               f"--router-arg=--stall-timeout={args.stall_timeout}", *args.up_arg]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.output: list[str] = []
-        up = threading.Event()
-        threading.Thread(target=self._read, args=(up,), daemon=True).start()
-        if not up.wait(300):
-            self.stop()
-            raise RuntimeError("pdserve up did not start:\n" + "".join(self.output[-40:]))
-        self.run = json.loads((home / "cache" / "run" / "current-cluster.json").read_text())
-        self.url = self.run["url"]
-
-    def _read(self, up: threading.Event) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith("pdserve is up: "):
-                up.set()
+        super().__init__(home, "--prefill", str(args.prefill), "--decode", str(args.decode),
+                         "--num-threads", "1", "--log-dir", str(args.log_dir or home / "logs"),
+                         *flags, f"--router-arg=--stall-timeout={args.stall_timeout}", *args.up_arg)
 
     def pid_of(self, role: str) -> int | None:
-        control = json.loads(urllib.request.urlopen(self.run["control"], timeout=5).read())
-        pids = control["pids"].get(role) or []
+        pids = self.control()["pids"].get(role) or []
         return pids[0] if pids else None
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return -9
 
 
 def run(args: argparse.Namespace) -> dict:

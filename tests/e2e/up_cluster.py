@@ -2,50 +2,27 @@
 the 2-layer fp32 test model), read its control port and etcd, stop it with SIGTERM; plus a
 streaming-chat load generator and a PID liveness check."""
 import asyncio
-import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import openai
 
 from cluster.registration import list_workers, make_client
+from local_cluster.launcher import UpProcess
 
 WORKER_FLAGS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
                 "--worker-arg=--dtype=float32"]
 
 
-class Up:
+class Up(UpProcess):
+    """`pdserve up` with the test settings, plus the CLI, slots and etcd views tests read."""
+
     def __init__(self, tmp_path, *flags):
-        self.env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "UCX_NET_DEVICES": "lo"}
-        os.makedirs(self.env["PDSERVE_CACHE"], exist_ok=True)
-        model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
-                               text=True, check=True, env={**os.environ}).stdout.strip()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--port", "0", "--model", model, "--num-threads", "1",
-             "--log-dir", str(tmp_path / "logs"), *WORKER_FLAGS, *flags],
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        self.url = None
-        self.output: list[str] = []
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if line.startswith("pdserve is up: "):
-                    self.url = line.split()[3]
-                    ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(240):
-            self.stop()
-            raise RuntimeError("pdserve up did not start:\n" + "".join(self.output[-50:]))
-        self.run = json.loads((tmp_path / "cache" / "run" / "current-cluster.json").read_text())
+        super().__init__(tmp_path, "--num-threads", "1", "--log-dir", str(tmp_path / "logs"),
+                         *WORKER_FLAGS, *flags, timeout=240)
 
     def cli(self, *args) -> str:
         return subprocess.run([sys.executable, "-m", "pdserve", *args], env=self.env, capture_output=True,
@@ -58,9 +35,6 @@ class Up:
     def slots(self) -> dict:
         """The supervisor's slots by name: role, pid, state, restarts, last_exit."""
         return {s["name"]: s for s in self.control()["slots"]}
-
-    def control(self) -> dict:
-        return json.loads(urllib.request.urlopen(self.run["control"], timeout=5).read())
 
     def wait_slot(self, name: str, state: str, timeout: float = 120.0, restarts: int = 0) -> dict:
         """Poll until slot `name` is in `state` with at least `restarts` restarts."""
@@ -78,15 +52,6 @@ class Up:
             async with make_client(self.run["etcd"]) as client:
                 return await list_workers(client, self.run["cluster"])
         return asyncio.run(fetch())
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return -9
 
 
 def alive(pid: int) -> bool:
