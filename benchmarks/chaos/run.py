@@ -36,7 +36,9 @@ class Cluster(UpProcess):
         flags = [] if args.full_model else SMALL_WORKERS
         super().__init__(home, "--prefill", str(args.prefill), "--decode", str(args.decode),
                          "--num-threads", "1", "--log-dir", str(args.log_dir or home / "logs"),
-                         *flags, f"--router-arg=--stall-timeout={args.stall_timeout}", *args.up_arg)
+                         *flags, f"--router-arg=--stall-timeout={args.stall_timeout}",
+                         # Faults here are deliberate and frequent: no crash-loop verdict on them.
+                         "--max-restarts", "1000", *args.up_arg)
 
     def pid_of(self, role: str) -> int | None:
         pids = self.control()["pids"].get(role) or []
@@ -69,14 +71,22 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
     injector = Injector(cluster.run["control"], kinds, args.stall, args.seed)
     faults: list[Fault] = []
     deadline = time.monotonic() + args.duration
+    cluster_error = None
     while time.monotonic() < deadline and not load_task.done():
-        fault = await asyncio.to_thread(injector.inject)
+        try:
+            fault = await asyncio.to_thread(injector.inject)
+        except OSError as exc:  # the control port is gone: `pdserve up` itself stopped
+            cluster_error = f"pdserve up stopped answering: {exc!r}"
+            break
         if fault is not None:
             faults.append(fault)
             print(f"[chaos] {fault.kind} {fault.target} (pid {fault.pid})", flush=True)
         await asyncio.sleep(args.fault_interval)
     load.stop()
     stats = await load_task
+    if cluster_error is not None:
+        return {"passed": False, "cluster_error": cluster_error, "faults": [f.kind for f in faults],
+                "requests": dict(stats.outcomes), "failures": stats.failures[:20]}
     etcd, name = cluster.run["etcd"], cluster.run["cluster"]
     leaks = await leaked_blocks(etcd, name)
     mismatch = await index_mismatch(cluster.url, etcd, name)
