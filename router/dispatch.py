@@ -18,7 +18,8 @@ Life cycle of a request here:
    worker prefills them and continues, so the caller's stream goes on without a seam (same
    tokens a seeded request would have drawn; see engine.request.Resume). At most
    `max_migrations` times, only for n == 1; otherwise `WorkerFailed(after_first_token=True)`
-   (an error event in the stream).
+   (an error event in the stream). A request without a seed gets one drawn here, so a
+   migrated unseeded request continues exactly as it would have, too.
 5. Closing the generator early (client disconnect) cancels the gRPC call: the worker aborts.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
 import uuid
 from contextlib import aclosing
@@ -48,6 +50,7 @@ from router.policy import Reason
 from router.registry import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
+_SEEDS = random.SystemRandom()  # seeds for requests that bring none
 
 _FAILED = ("error", "abort")
 
@@ -164,6 +167,8 @@ class Dispatcher:
                        arrival: float, priority: int = 0) -> AsyncIterator[Delta]:
         """Deltas of every completion of one prompt, until each has finished; failures are
         retried or migrated (module docstring, 3 and 4)."""
+        if sampling.seed is None:  # (seed, position) then makes a migration seamless
+            sampling = replace(sampling, seed=_SEEDS.getrandbits(63))
         exclude: set[str] = set()
         sent = _Sent()
         retries = migrations = 0

@@ -68,6 +68,9 @@ def test_failure_mid_stream_continues_on_another_worker_without_a_seam(make_clus
     assert list(second.resume_output_token_ids) == tokens[:4]
     assert second.resume_text_chars == len("".join(f" w{t}" for t in tokens[:4]))
     assert not second.HasField("prefill_worker")
+    # The request brought no seed: the router drew one, and the migrated call carries it, so
+    # the new worker draws what the first would have.
+    assert first.sampling.HasField("seed") and second.sampling.seed == first.sampling.seed
     assert _metric(c, "pdserve_router_migrations_total", reason="error") == 1
     assert _metric(c, "pdserve_router_migration_seam_seconds_count") == 1
     # Not streamed: one body, the same text and usage.
