@@ -11,7 +11,7 @@ prefix-cache hits (like prompt logprobs); last-token pooling reuses cached prefi
 last position is always computed)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from engine.checks import check_fields
@@ -46,7 +46,7 @@ class PoolingState:
     params: PoolingParams
     num_pooled: int = 0  # mean: prompt positions summed so far
     total: "torch.Tensor | None" = None  # mean: fp32 sum of their hidden states
-    embedding: list[float] | None = field(default=None)  # set once the prompt is computed
+    embedding: list[float] | None = None  # set once the prompt is computed
 
     def rows(self, start: int, n: int, num_prompt: int) -> range:
         """Positions of the chunk [start, start + n) whose hidden state this request needs."""

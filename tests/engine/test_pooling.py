@@ -14,7 +14,7 @@ PROMPTS = [
     "Hi",
 ]
 LAST, MEAN = PoolingParams(), PoolingParams(pooling_type="mean")
-TOL = 1e-4
+TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
