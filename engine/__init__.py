@@ -13,6 +13,8 @@ _EXPORTS = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "CompletionDelta": "engine.outputs",
+    "EmbeddingOutput": "engine.outputs",
+    "PoolingParams": "engine.pooling",
 }
 __all__ = list(_EXPORTS)
 

@@ -95,8 +95,9 @@ class BlockManager:
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of cached full blocks at the start of the request. At least the last
         token is always left to compute (its logits are needed). No hit for a request that
-        wants prompt logprobs: it computes its whole prompt (vLLM)."""
-        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+        needs every position (prompt logprobs, mean pooling): it computes its whole prompt
+        (vLLM)."""
+        if not self.enable_prefix_caching or request.computes_whole_prompt:
             return PrefixMatch([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         ids: list[int] = []

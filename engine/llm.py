@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`,
+`LLM(...).embed(prompts, PoolingParams(...))`."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,7 +8,8 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -64,4 +66,27 @@ class LLM:
                     done += 1
                     bar.update(1)
         bar.close()
+        return list(results.values())
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> list[EmbeddingOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): the final-normed hidden
+        state pooled over the prompt (`PoolingParams`: last token by default, normalized)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams()
+        results: dict[str, EmbeddingOutput] = {}
+        for i, prompt in enumerate(prompts):
+            request = self.engine.add_request(f"embed-{i}", prompt, SamplingParams(max_tokens=1),
+                                              cache_salt, pooling=pooling)
+            results[request.request_id] = EmbeddingOutput(request.request_id,
+                                                          request.prompt_token_ids, [])
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                out = results[delta.request_id]
+                out.embedding, out.num_cached_tokens = delta.embedding, delta.num_cached_tokens
         return list(results.values())

@@ -19,6 +19,7 @@ from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
+from engine.pooling import PoolingParams
 from engine.request import Logprob, Request, RequestStatus, Resume
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
@@ -104,12 +105,15 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         resume: Resume | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Tokenize and validate; raises ValueError with a message naming the problem.
         Safe from any thread: touches no engine state (see RequestBuilder). `resume`: the
         request continues after outputs produced elsewhere (prefilled here with the prompt;
-        counters, penalties, stop rules and seeded draws continue from them)."""
-        return self._builder.build(request_id, prompt, params, cache_salt, priority, resume)
+        counters, penalties, stop rules and seeded draws continue from them). `pooling`: a
+        pooling (embedding) request: its one delta carries the embedding, no token."""
+        return self._builder.build(request_id, prompt, params, cache_salt, priority, resume,
+                                   pooling)
 
     def add_request(
         self,
@@ -118,10 +122,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
-        return self.submit(
-            self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, priority)
-        )
+        return self.submit(self.make_request(
+            request_id, prompt, params or SamplingParams(), cache_salt, priority, pooling=pooling))
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by `make_request` (raises RequestRejected if it can never
@@ -208,6 +212,7 @@ class LLMEngine:
                 num_output_tokens=request.num_output_tokens,
                 stop_reason=request.stop_reason,
                 prompt_logprobs=self._first_prompt_logprobs(request, tokens),
+                embedding=request.pooling.embedding if request.pooling is not None else None,
             ))
             if finished:
                 self._forget(request)

@@ -6,8 +6,9 @@ rows first, see AttentionMetadata) and samples where a request has computed all 
 tokens.
 
 A request asking for prompt logprobs also gets logits at each prompt position it runs (chunk
-by chunk); the runner records them on the request (`Request.prompt_logprobs`). Everyone else
-only gets logits where it samples."""
+by chunk); the runner records them on the request (`Request.prompt_logprobs`). A pooling
+request (engine/pooling.py) gets the final-normed hidden state, no logits, at the rows it pools
+and never samples. Everyone else only gets logits where it samples."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,6 +49,8 @@ class ModelRunner:
         query_lens, seq_lens, sample_at, sample_rows = [], [], [], []
         prompt_spans: list[tuple[Request, int, int]] = []  # (request, first position, end)
         prompt_rows: list[int] = []
+        pool_spans: list[tuple[Request, int]] = []  # (pooling request, its rows here)
+        pool_rows: list[int] = []
         row = 0
         for request, n in order:
             start = request.num_computed_tokens
@@ -59,7 +62,12 @@ class ModelRunner:
             tables.append(table)
             query_lens.append(n)
             seq_lens.append(start + n)
-            if request.sampling.prompt_logprobs is not None:
+            if request.pooling is not None:
+                rows = request.pooling.rows(start, n, request.num_prompt_tokens)
+                if rows:
+                    pool_spans.append((request, len(rows)))
+                    pool_rows.extend(range(row + rows.start - start, row + rows.stop - start))
+            elif request.sampling.prompt_logprobs is not None:
                 # Position p predicts prompt token p + 1; skip positions already recorded
                 # (recomputed after a preemption) and the last prompt position (it samples).
                 first = max(start, len(request.prompt_logprobs))
@@ -68,19 +76,25 @@ class ModelRunner:
                     prompt_spans.append((request, first, end))
                     prompt_rows.extend(range(row + first - start, row + end - start))
             row += n
-            if start + n == request.num_tokens:  # all known tokens computed: draw the next
+            if start + n == request.num_tokens and request.pooling is None:  # draw the next
                 for index in range(request.sampling.n if request.pending_forks else 1):
                     sample_at.append(row - 1)
                     sample_rows.append(SampleRow(request, index or request.completion_index))
 
         metadata = self._metadata(slots, tables, query_lens, seq_lens)
-        # A step of prefill chunks only has no rows to sample: the head is skipped.
-        logits = self.model(
+        ctx = ForwardContext(self.backend, self.kv_cache, metadata)
+        x = self.model.residual(
             torch.from_numpy(np.concatenate(input_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),
-            ForwardContext(self.backend, self.kv_cache, metadata),
-            logits_indices=torch.tensor(sample_at + prompt_rows, dtype=torch.long, device=self.device),
+            ctx,
         )
+        if pool_spans:
+            hidden = self.model.hidden(x, ctx, self._index(pool_rows)).float()
+            for (request, _), part in zip(pool_spans, hidden.split([c for _, c in pool_spans])):
+                request.pooling.add(part, request.num_prompt_tokens)
+        if not sample_at and not prompt_rows:
+            return {}  # prefill chunks and pooling only: the LM head is skipped
+        logits = self.model.logits(x, ctx, self._index(sample_at + prompt_rows))
         if prompt_spans:
             _record_prompt_logprobs(logits[len(sample_at) :], prompt_spans)
         if not sample_at:
@@ -90,6 +104,9 @@ class ModelRunner:
         for sample_row, token in zip(sample_rows, tokens):
             out.setdefault(sample_row.request.request_id, []).append(token)
         return out
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _metadata(self, slots, tables, query_lens, seq_lens) -> AttentionMetadata:
         width = max(len(t) for t in tables)

@@ -23,6 +23,8 @@ class CompletionDelta:
     prompt_logprobs: list[Logprob] | None = None
     """Prompt tokens 1.. (token 0 has none); on completion 0's first delta only (n > 1:
     the completions share one prompt)."""
+    embedding: list[float] | None = None
+    """A pooling request's result, on its one (finishing) delta (engine/pooling.py)."""
 
     @property
     def finished(self) -> bool:
@@ -61,3 +63,13 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *delta.prompt_logprobs]
+
+
+@dataclass
+class EmbeddingOutput:
+    """A pooling request's result (offline API: `LLM.embed`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
+from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 
 
@@ -93,6 +94,9 @@ class Request:
     request is freed, so callers can still see which blocks it used."""
     resume: Resume | None = None
     """Set: `token_ids` starts as prompt + resume.output_token_ids (prefilled together)."""
+    pooling: PoolingState | None = None
+    """Set: a pooling (embedding) request — it never samples; it finishes ("stop") once its
+    prompt is computed, with `pooling.embedding` set (engine/pooling.py)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -121,6 +125,13 @@ class Request:
         `SamplingParams.remote_prefill_ok`) or continue earlier outputs prefill where they
         decode."""
         return self.sampling.remote_prefill_ok and self.resume is None
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Needs a result at every prompt position (prompt logprobs, mean pooling): no
+        prefix-cache hits."""
+        return self.sampling.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.params.needs_every_position)
 
     @property
     def group_id(self) -> str:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from engine.block_hash import compute_block_hashes, hash_extras
+from engine.pooling import PoolingParams, PoolingState
 from engine.request import Request, Resume
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -36,9 +37,13 @@ class RequestBuilder:
         cache_salt: str | None = None,
         priority: int = 0,
         resume: Resume | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Raises ValueError with a message that starts with the offending field. `resume`:
-        continue after outputs produced elsewhere (n must be 1; fewer than max_tokens)."""
+        continue after outputs produced elsewhere (n must be 1; fewer than max_tokens).
+        `pooling`: a pooling (embedding) request; it never samples (`params` only truncate)."""
+        if pooling is not None and (resume is not None or params.n != 1):
+            raise ValueError("pooling: a pooling request has n == 1 and no resume")
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -82,6 +87,7 @@ class RequestBuilder:
             cache_salt=cache_salt,
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            pooling=PoolingState(pooling) if pooling is not None else None,
         )
 
     def _eos_rules(self, params: SamplingParams) -> tuple[SamplingParams, frozenset[int]]:

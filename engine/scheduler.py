@@ -147,7 +147,8 @@ class Scheduler:
         self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
     ) -> tuple[list[Request], list[Request]]:
         """Advance counters after a forward. `sampled` has, per request that completed its
-        known tokens, one token per completion (n of them when a fork is due).
+        known tokens, one token per completion (n of them when a fork is due); a pooling
+        request finishes once its prompt is computed (the runner recorded its result).
         Returns (requests that got a token, including new forks; requests that finished,
         including those the scheduler stopped without a new token)."""
         updated: list[Request] = []
@@ -159,6 +160,11 @@ class Scheduler:
                 self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += n
             self.bm.cache_full_blocks(request)
+            if request.pooling is not None:
+                if request.num_computed_tokens == request.num_tokens:  # pooled: done
+                    self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    finished.append(request)
+                continue
             tokens = sampled.get(request.request_id)
             if not tokens:
                 continue  # mid-prefill chunk

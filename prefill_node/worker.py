@@ -18,6 +18,11 @@ Life cycle of a request here:
 5. `Worker.Abort` (D, after cancelling or losing its call): the request is aborted here and
    the answer waits until no transfer of it is in flight — D releases the blocks it kept
    out of reuse on that answer, so it is the promise that no write of ours lands later.
+
+`Embed` (the router's /v1/embeddings) is a prompt-only request with no decode worker: the
+prompt runs in this engine like any other (batched, chunked, own prefix cache) as a pooling
+request (engine/pooling.py) and the call returns its embedding; no KV leaves the worker.
+Cancelling the call or `Worker.Abort` aborts it.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ import time
 
 from cluster.convert import sampled_to_pb, sampling_from_pb
 from cluster.registration import list_workers, make_client
+from engine.outputs import CompletionDelta
+from engine.pooling import PoolingParams
+from engine.sampling_params import SamplingParams
 from kvtransfer import TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
@@ -43,6 +51,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.streamer = KVStreamer(runtime.kv.sender)
         runtime.set_role_hook(self.streamer.after_step)
         runtime.set_abort_hook(self.abort)
+        self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
 
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context):
@@ -99,6 +108,37 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             num_blocks_sent=result.num_blocks,
         )
 
+    @grpc_errors
+    async def Embed(self, request: pb.EmbedRequest, context):
+        rt, rid = self.rt, request.request_id
+        rt.admit(rid)
+        if rid in rt.streams:
+            raise ValueError(f"request_id {rid!r} is already live on this worker")
+        pooling = PoolingParams(request.pooling_type or "last",
+                                request.normalize if request.HasField("normalize") else True)
+        req = rt.engine.make_request(rid, list(request.prompt_token_ids), SamplingParams(max_tokens=1),
+                                     request.cache_salt or None, priority=request.priority,
+                                     pooling=pooling)
+        rt.engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
+        queue: asyncio.Queue[CompletionDelta | None] = asyncio.Queue()
+        rt.streams[rid] = self._embeds[rid] = queue
+        rt.inflight += 1
+        try:
+            await rt.call(lambda e: e.submit(req))
+            delta = await queue.get()
+        except asyncio.CancelledError:
+            await rt.call(lambda e: e.abort_request(rid), cancellable=False)
+            raise
+        finally:
+            rt.streams.pop(rid, None)
+            self._embeds.pop(rid, None)
+            rt.inflight -= 1
+        if delta is None or delta.embedding is None:
+            raise Unavailable(f"request {rid} was aborted")
+        rt.metrics.embeddings.inc()
+        return pb.EmbedResponse(embedding=delta.embedding, num_prompt_tokens=delta.num_prompt_tokens,
+                                num_cached_tokens=delta.num_cached_tokens)
+
     def _cancel(self, engine, transfer_id: str, request_id: str) -> None:
         self.streamer.cancel(engine, transfer_id)
         engine.abort_request(request_id)
@@ -116,6 +156,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
 
         found = await self.rt.call(stop, cancellable=False)
         await ended
+        embed = self._embeds.get(request_id)
+        if embed is not None:  # aborted in the engine above: its Embed call ends
+            embed.put_nowait(None)
         return found
 
     async def warm_peers(self) -> None:

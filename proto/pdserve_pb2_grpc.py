@@ -321,6 +321,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Embed',
+                request_serializer=proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -334,6 +339,15 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """/ Embed a prompt: prefilled here like any prompt (batched with other prefills, own prefix
+        / cache), the pooled hidden state returned; no KV leaves this worker. Cancelling the call
+        / aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -341,6 +355,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -370,6 +389,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Embed',
+            proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+            proto_dot_pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

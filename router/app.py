@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.dispatch import Delta, WorkerFailed
+from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
 from router.placement import PromptKey
@@ -32,7 +33,7 @@ from router.validation import Kind, Prepared, prepare
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/tokenize", "/detokenize", "/version"}
+              "/tokenize", "/detokenize", "/version", "/v1/embeddings"}
 _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
@@ -68,6 +69,7 @@ def create_app(services: Services) -> FastAPI:
         return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_info_routes(app, services)
+    add_embedding_routes(app, services)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -41,6 +41,12 @@ class ChannelPool:
         self._users[address] += 1
         return stub
 
+    def hold_prefill(self, address: str) -> pdserve_pb2_grpc.PrefillWorkerStub:
+        """A stub for one request (embeddings); pair with `release`."""
+        stub = pdserve_pb2_grpc.PrefillWorkerStub(self.channel(address))
+        self._users[address] += 1
+        return stub
+
     def release(self, address: str) -> None:
         self._users[address] -= 1
         if self._users[address] <= 0:

@@ -51,6 +51,12 @@ class RouterMetrics:
                                      registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens",
                                          "Tokens generated", registry=r)
+        self.embedding_placements = Counter(
+            "pdserve_router_embedding_placements",
+            "Embedding inputs sent to a worker, by the worker's role (prefill only, by design)",
+            ["role"], registry=r)
+        for role in ("prefill", "decode"):
+            self.embedding_placements.labels(role)
         self.waiting = Gauge("pdserve_router_waiting_requests", "Requests waiting for capacity",
                              registry=r)
         self.running = Gauge("pdserve_router_running_requests", "Requests on workers", registry=r)

@@ -4,6 +4,7 @@ this prompt), asks the policy, and returns the workers' registrations with its d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cluster.registration import WorkerInfo
 from engine.block_hash import BlockHash
@@ -52,9 +53,38 @@ class Placer:
         """`remote_prefill=False`: the decode worker must prefill (n > 1, prompt logprobs).
         `context`: prompt + output tokens; decode workers whose published max_model_len is
         smaller are never chosen (unpublished, 0: assumed to fit)."""
+        num_tokens = len(prompt.token_ids)
+        candidate = self._candidates(prompt)
+        states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
+        decode = [candidate(s) for s in states.values() if s.info.role == "decode"
+                  and (s.info.max_model_len == 0 or context <= s.info.max_model_len)]
+        prefill = [candidate(s) for s in states.values()
+                   if s.info.role == "prefill" and remote_prefill]
+        decision = self.policy.place(num_tokens, decode, prefill)
+        if decision is None:
+            return None
+        p = decision.prefill
+        return Placement(decision, states[decision.decode.worker_id],
+                         states[p.worker_id] if p is not None else None)
+
+    def place_prefill(self, prompt: PromptKey, exclude: frozenset[str] = frozenset()
+                      ) -> WorkerState | None:
+        """A prefill worker alone, for prompt-only work (embeddings): the policy's prefill
+        choice (prefix affinity vs queued prefill work) among prefill workers whose
+        published max_model_len holds the prompt. None: no usable one."""
+        candidate = self._candidates(prompt)
+        num_tokens = len(prompt.token_ids)
+        states = {s.info.worker_id: s for s in self.registry.by_role("prefill")
+                  if s.info.worker_id not in exclude
+                  and (s.info.max_model_len == 0 or num_tokens < s.info.max_model_len)}
+        chosen = self.policy.place_prefill(num_tokens, [candidate(s) for s in states.values()])
+        return states[chosen.worker_id] if chosen is not None else None
+
+    def _candidates(self, prompt: PromptKey) -> Callable[[WorkerState], Candidate]:
+        """WorkerState -> Candidate for this prompt (KV-index matches computed once per
+        block size, the staleness clock read once)."""
         now = self.registry.clock()
         matches: dict[int, dict[str, int]] = {}
-        num_tokens = len(prompt.token_ids)
 
         def candidate(state: WorkerState) -> Candidate:
             info = state.info
@@ -70,14 +100,4 @@ class Placer:
                 stale=self.registry.is_stale(state, now),
             )
 
-        states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
-        decode = [candidate(s) for s in states.values() if s.info.role == "decode"
-                  and (s.info.max_model_len == 0 or context <= s.info.max_model_len)]
-        prefill = [candidate(s) for s in states.values()
-                   if s.info.role == "prefill" and remote_prefill]
-        decision = self.policy.place(num_tokens, decode, prefill)
-        if decision is None:
-            return None
-        p = decision.prefill
-        return Placement(decision, states[decision.decode.worker_id],
-                         states[p.worker_id] if p is not None else None)
+        return candidate

@@ -117,6 +117,14 @@ class Policy:
             return Decision(d, None, Reason.LOCAL_FASTER, d.cached_tokens)
         return Decision(d, p, Reason.REMOTE, max(d.cached_tokens, p.cached_tokens), remote_ttft)
 
+    def place_prefill(self, num_prompt_tokens: int, prefill: Sequence[Candidate]) -> Candidate | None:
+        """Prompt-only work (embeddings), which no decode worker takes: `pick_prefill` among
+        the usable prefill candidates, over the queue limit too (there is no local
+        fallback). None: none usable."""
+        self._turn += 1
+        usable = [c for c in prefill if c.usable]
+        return self.pick_prefill(num_prompt_tokens, usable) if usable else None
+
     def has_room(self, c: Candidate, num_prompt_tokens: int) -> bool:
         if not c.usable or c.capacity.waiting > self.config.max_waiting_per_worker:
             return False

@@ -2,7 +2,7 @@
 registries), request latencies."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.llm_engine import EngineStats
@@ -30,6 +30,9 @@ class WorkerMetrics:
         self.e2e = Histogram("pdserve_worker_e2e_seconds", "Request arrival to last token",
                              labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.prefill_modes = {}
+        # Exported by both roles (a decode worker's stays 0: embeddings are prefill-only).
+        self.embeddings = Counter("pdserve_worker_embeddings", "Embedding requests served",
+                                  labels, registry=self.registry).labels(role)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -145,17 +145,30 @@ class Transformer(nn.Module):
         logits_indices: Tensor | None = None,
     ) -> Tensor:
         """Logits [len(logits_indices) or T, vocab] in fp32, only at the rows asked for."""
+        return self.logits(self.residual(input_ids, positions, ctx), ctx, logits_indices)
+
+    def residual(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        """The residual stream after the last layer, [T, dim] (before the final norm)."""
         ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_cos_sin, self.kernels
         if self.kernels is None:
             ctx.cos_sin = self.rope_cos_sin[positions]
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, ctx)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.norm(x, ctx)
+        return x
+
+    def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+        """LM-head logits [len(indices) or T, vocab] fp32 at rows `indices` of `residual`'s
+        output."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return F.linear(self.hidden(x, ctx, indices), head).float()
+
+    def hidden(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+        """The final-normed hidden state at rows `indices` (what pooling and the LM head
+        read), in the model's dtype."""
+        if indices is not None:
+            x = x[indices]
+        return self.norm(x, ctx)
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Route RMSNorm, RoPE and SiLU-and-mul through the Triton kernels (CUDA, or CPU under
