@@ -13,18 +13,25 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
 
-async def _workers(etcd: str, cluster: str) -> list[WorkerInfo]:
-    async with make_client(etcd) as client:
-        return [w for w in await list_workers(client, cluster) if not w.draining]
+async def _workers(etcd: str, cluster: str) -> list[WorkerInfo] | None:
+    """The non-draining workers, or None while etcd is unreachable (a fault may have just
+    restarted it): the callers poll until their deadline."""
+    try:
+        async with make_client(etcd) as client:
+            return [w for w in await list_workers(client, cluster) if not w.draining]
+    except Exception:  # aetcd raises its own connection errors
+        return None
 
 
 async def leaked_blocks(etcd: str, cluster: str, timeout_s: float = 60.0) -> dict[str, int]:
     """worker id -> blocks still in use (or requests still running/waiting) after waiting up
-    to `timeout_s` for the cluster to go idle; empty when nothing leaked."""
+    to `timeout_s` for the cluster to go idle; empty when nothing leaked ({"etcd": -1}: the
+    workers could not even be listed)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        leaks = {}
-        for w in await _workers(etcd, cluster):
+        workers = await _workers(etcd, cluster)
+        leaks = {"etcd": -1} if workers is None else {}
+        for w in workers or ():
             try:
                 async with grpc.aio.insecure_channel(w.grpc_address) as ch:
                     c = (await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5)).capacity
@@ -39,16 +46,17 @@ async def leaked_blocks(etcd: str, cluster: str, timeout_s: float = 60.0) -> dic
 
 async def index_mismatch(router_url: str, etcd: str, cluster: str, timeout_s: float = 15.0) -> int:
     """|router's indexed block hashes - the union of the workers' cached hashes| once both
-    settled (0 when consistent)."""
+    settled (0 when consistent; -1: the workers could not be listed)."""
     deadline = time.monotonic() + timeout_s
     while True:
         cached: set[bytes] = set()
-        for w in await _workers(etcd, cluster):
+        workers = await _workers(etcd, cluster)
+        for w in workers or ():
             async with grpc.aio.insecure_channel(w.grpc_address) as ch:
                 reply = await pb_grpc.WorkerStub(ch).GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
                 cached.update(reply.block_hashes)
         indexed = router_metric(router_url, "pdserve_router_kv_index_blocks")
-        diff = abs(int(indexed) - len(cached))
+        diff = -1 if workers is None else abs(int(indexed) - len(cached))
         if diff == 0 or time.monotonic() > deadline:
             return diff
         await asyncio.sleep(0.5)

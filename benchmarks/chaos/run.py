@@ -84,6 +84,7 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
         await asyncio.sleep(args.fault_interval)
     load.stop()
     stats = await load_task
+    print(f"[chaos] load done: {dict(stats.outcomes)}; checking the idle cluster", flush=True)
     if cluster_error is not None:
         return {"passed": False, "cluster_error": cluster_error, "faults": [f.kind for f in faults],
                 "requests": dict(stats.outcomes), "failures": stats.failures[:20]}
