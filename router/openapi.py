@@ -61,11 +61,9 @@ def route_schema(request: type[BaseModel] | None = None, ok: type[BaseModel] | N
     if ok is not None:
         responses[200] = {"model": ok, "description": ok_description}
     if stream is not None:
-        # OpenAPI 3.2's itemSchema: each event (schemathesis validates them one by one).
         ok_response = responses.setdefault(200, {"description": ok_description})
         ok_response["description"] += STREAM_TEXT
-        ok_response["content"] = {"text/event-stream": {
-            "itemSchema": {"anyOf": [schema_ref(stream), schema_ref(ErrorResponse)]}}}
+        ok_response["content"] = {"text/event-stream": {"itemSchema": _sse_event(stream)}}
     for status in errors:
         responses[status] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
     out: dict[str, Any] = {"response_model": None, "responses": responses}
@@ -73,6 +71,15 @@ def route_schema(request: type[BaseModel] | None = None, ok: type[BaseModel] | N
         out["openapi_extra"] = {"requestBody": {
             "required": True, "content": {"application/json": {"schema": schema_ref(request)}}}}
     return out
+
+
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI 3.2's itemSchema for `text/event-stream`: one event, whose `data` is a chunk's
+    or an error's JSON, or the final `[DONE]`."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [schema_ref(chunk), schema_ref(ErrorResponse)]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
 
 
 def install_openapi(app: FastAPI) -> None:

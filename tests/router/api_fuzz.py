@@ -10,7 +10,9 @@ tokens than max_tokens allows, within `request_timeout` seconds.
 Cost bound (`cap`): max_tokens / max_completion_tokens / n above `cap` are lowered to it
 before the call (never a schema violation: the schema sets no maximum), and with
 `fill_max_tokens` a generation request without either gets max_tokens = cap (a chat request
-otherwise runs to the end of the context on a real worker).
+otherwise runs to the end of the context on a real worker). A positive generation request
+that leaves `stream` out gets true or false in turn (the generator rarely makes a streamed
+request that is valid all through).
 """
 from __future__ import annotations
 
@@ -40,46 +42,59 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def fuzz(url: str, headers: dict[str, str], examples: int, cap: int,
          fill_max_tokens: bool = False, request_timeout: float = 30.0,
-         only: set[str] | None = None) -> Counter:
+         only: set[str] | None = None, derandomize: bool = True) -> Counter:
     """Runs `examples` generated requests per operation and mode (fewer where the space is
     smaller: a GET without parameters is one request); returns counts by
-    (mode, path, status)."""
+    (mode, path, status, "json" | "sse"). `derandomize`: the same requests every run (CI);
+    False explores anew."""
     doc = httpx.get(url + "/openapi.json", timeout=30).raise_for_status().json()
     schema = schemathesis.openapi.from_dict(doc)
+    schema.config.max_stream_events = 1 << 20  # read every stream to its end (default: 20)
     stats: Counter = Counter()
     with requests.Session() as session:
         for result in schema.get_all_operations():
             op = result.ok()
             if only is not None and op.path not in only:
                 continue
-            has_input = bool(op.body) or any(True for _ in op.path_parameters)
+            # A free-form string path parameter (/v1/models/{id}) has no invalid value.
+            has_input = bool(op.body)
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 if mode is GenerationMode.NEGATIVE and not has_input:
                     continue
                 _run(op, mode, url, headers, session, examples, cap, fill_max_tokens,
-                     request_timeout, stats)
+                     request_timeout, stats, derandomize)
     return stats
 
 
-def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats) -> None:
+def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats,
+         derandomize) -> None:
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
 
     @given(case=op.as_strategy(generation_mode=mode))
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize,
               phases=[Phase.generate], report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck))
     def one(case) -> None:
         _bound_cost(op.path, case.body, cap, fill)
+        if (mode is GenerationMode.POSITIVE and op.path in GENERATE
+                and isinstance(case.body, dict) and "stream" not in case.body):
+            case.body["stream"] = bool(sum(stats.values()) % 2)  # streams get their share
         start = time.monotonic()
         response = case.call(base_url=url, session=session, headers=headers, timeout=timeout)
         elapsed = time.monotonic() - start
-        stats[(mode.value, op.path, response.status_code)] += 1
-        where = f"{case.as_curl_command()}\n-> {response.status_code} {response.text[:2000]}"
+        sse = response.headers.get("content-type", [""])[0].startswith("text/event-stream")
+        stats[(mode.value, op.path, response.status_code, "sse" if sse else "json")] += 1
+        where = (f"{case.as_curl_command()}\n-> {response.status_code} {response.text[:1000]}"
+                 f" ... {response.text[-1000:]!r}")
         case.validate_response(response, checks=checks, headers=headers)
         assert elapsed <= timeout, where
         _check_body(op.path, case.body, response, cap, where)
 
-    one()
+    try:
+        one()
+    except Exception as exc:
+        exc.add_note(f"operation: {op.label}, {mode.value}")
+        raise
 
 
 def _bound_cost(path: str, body, cap: int, fill: bool) -> None:
@@ -101,7 +116,7 @@ def _check_body(path: str, body, response, cap: int, where: str) -> None:
     if path not in GENERATE or status != 200:
         return
     whole, chunk = GENERATE[path]
-    if response.headers["content-type"].startswith("text/event-stream"):
+    if response.headers["content-type"][0].startswith("text/event-stream"):
         events = [e[len("data: "):] for e in response.text.split("\n\n") if e]
         assert events and events[-1] == "[DONE]", where
         usage = None

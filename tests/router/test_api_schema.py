@@ -69,9 +69,11 @@ def test_fuzz_fake_workers(cluster):
     total = sum(stats.values())
     print(f"schemathesis (fake workers): {total} requests, {_summary(stats)}")
     assert total >= 1000
-    ok = {(mode, path) for (mode, path, status) in stats if status == 200}
+    ok = {(path, kind) for (mode, path, status, kind) in stats if status == 200}
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
-        assert ("positive", path) in ok, f"no positive request to {path} succeeded"
+        assert (path, "json") in ok, f"no request to {path} succeeded"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert (path, "sse") in ok, f"no streamed request to {path} succeeded"
     workers = cluster.workers.values()
     assert all(not w.active for w in workers)
     assert httpx.get(cluster.router.url + "/health").status_code == 200
@@ -116,6 +118,6 @@ async def _all_blocks_free(etcd: str, timeout: float = 10.0) -> None:
 
 def _summary(stats) -> str:
     by = {}
-    for (mode, _, status), count in stats.items():
-        by[(mode, status)] = by.get((mode, status), 0) + count
-    return ", ".join(f"{mode} {status}: {n}" for (mode, status), n in sorted(by.items()))
+    for (mode, _, status, kind), count in stats.items():
+        by[(mode, status, kind)] = by.get((mode, status, kind), 0) + count
+    return ", ".join(f"{mode} {status} {kind}: {n}" for (mode, status, kind), n in sorted(by.items()))
