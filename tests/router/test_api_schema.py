@@ -63,6 +63,19 @@ def test_docs_render(cluster):
     assert r.status_code == 200 and "swagger-ui" in r.text and "/openapi.json" in r.text
 
 
+def test_fuzz_findings(cluster):
+    """What the fuzzer found: integers past the wire's uint32 were a 500; infinity got through."""
+    post = lambda body: httpx.post(cluster.router.url + "/v1/chat/completions", timeout=30,
+                                   headers={"Authorization": "Bearer k"},
+                                   json={"messages": [{"role": "user", "content": "hi"}], **body})
+    assert post({"top_k": 1 << 33, "max_tokens": 2}).status_code == 200  # = every token
+    r = post({"min_tokens": 1 << 33})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = httpx.post(cluster.router.url + "/v1/completions", headers={"Authorization": "Bearer k"},
+                   content=b'{"prompt": "hi", "temperature": Infinity}', timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
 def test_fuzz_fake_workers(cluster):
     """>= 1,000 generated requests, positive and negative, in well under a minute."""
     stats = fuzz(cluster.router.url, {"Authorization": "Bearer k"}, examples=130, cap=16)
@@ -83,7 +96,7 @@ def test_fuzz_fake_workers(cluster):
 def test_fuzz_real_cluster(e2e):
     """A smaller run against real workers; then the cluster still serves and no worker holds
     a KV block."""
-    stats = fuzz(e2e.url, {"Authorization": f"Bearer {KEY}"}, examples=25, cap=4,
+    stats = fuzz(e2e.url, {"Authorization": f"Bearer {KEY}"}, examples=50, cap=4,
                  fill_max_tokens=True, request_timeout=60.0)
     print(f"schemathesis (real cluster): {sum(stats.values())} requests, {_summary(stats)}")
     r = httpx.post(e2e.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -107,7 +120,7 @@ async def _all_blocks_free(etcd: str, timeout: float = 10.0) -> None:
     assert {w.role for w in workers} == {"prefill", "decode"}
     deadline = asyncio.get_running_loop().time() + timeout
     for w in workers:
-        async with grpc.aio.insecure_channel(w.address) as ch:
+        async with grpc.aio.insecure_channel(w.grpc_address) as ch:
             while True:
                 c = (await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)).capacity
                 if c.free_blocks == c.total_blocks and c.running == 0 and c.waiting == 0:
