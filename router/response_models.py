@@ -1,7 +1,7 @@
 """The response bodies the router emits, as pydantic models: the schemas /openapi.json
 publishes (router/openapi.py). router/responses.py and router/info_routes.py build plain dicts
 on the hot path; tests validate what they emit against these models
-(tests/router/test_openapi_fuzz.py validates every body and SSE event of the fuzz run), so a
+(tests/router/api_fuzz.py validates every body and SSE event of the fuzz run), so a
 field added there and not here fails a test.
 
 Models forbid fields they do not declare (the published schema says exactly what comes back).
