@@ -24,7 +24,11 @@ from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
+from router.openapi import GENERATE_ERRORS, install_openapi, route_schema
 from router.placement import PromptKey
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.response_models import (ChatCompletionResponse, ChatCompletionStreamChunk,
+                                    CompletionResponse, CompletionStreamChunk, HealthResponse)
 from router.responses import ChunkWriter, Collector, sse
 from router.services import Services
 from router.streaming import ClientGone, merge, until_disconnect
@@ -40,6 +44,7 @@ _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off t
 def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=services.lifespan)
     app.add_middleware(_AuthAndCount, services=services)
+    install_openapi(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -54,7 +59,9 @@ def create_app(services: Services) -> FastAPI:
         log.exception("unexpected error on %s", request.url.path)  # the detail stays here
         return APIError(500, "internal server error").response()
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={
+        200: {"model": HealthResponse, "description": "A decode worker is usable"},
+        503: {"model": HealthResponse, "description": "No decode worker is usable"}})
     async def health() -> Response:
         ready = {role: len(services.registry.ready(role)) for role in ("prefill", "decode")}
         ok = ready["decode"] > 0
@@ -63,7 +70,9 @@ def create_app(services: Services) -> FastAPI:
                              "prefill_workers": ready["prefill"]},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, responses={200: {
+        "description": "Prometheus text format (the router's own registry)",
+        "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         services.update_gauges()
         return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -71,11 +80,15 @@ def create_app(services: Services) -> FastAPI:
     add_info_routes(app, services)
     add_embedding_routes(app, services)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_schema(CompletionRequest, CompletionResponse,
+                                                stream=CompletionStreamChunk,
+                                                errors=GENERATE_ERRORS))
     async def completions(request: Request) -> Response:
         return await _generate(services, "completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_schema(ChatCompletionRequest, ChatCompletionResponse,
+                                                     stream=ChatCompletionStreamChunk,
+                                                     errors=GENERATE_ERRORS))
     async def chat_completions(request: Request) -> Response:
         return await _generate(services, "chat", request)
 

@@ -9,7 +9,10 @@ from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
 from router.errors import APIError, bad_request, from_validation_errors
+from router.openapi import SIDE_ERRORS, route_schema
 from router.protocol import DetokenizeRequest, TokenizeRequest
+from router.response_models import (DetokenizeResponse, ModelInfo, ModelList, TokenizeResponse,
+                                    VersionResponse)
 from router.services import Services
 from router.validation import check_model, check_token_ids, render_chat
 
@@ -35,22 +38,22 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
         return {"id": card.name, "object": "model", "created": 0, "owned_by": "pdserve",
                 "root": card.name, "max_model_len": services.max_model_len()}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **route_schema(ok=ModelList, errors=(401, 500)))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", **route_schema(ok=ModelInfo, errors=(401, 404, 500)))
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != card.name and model_id not in card.aliases:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model",
                            "model_not_found")
         return model_card()
 
-    @app.get("/version")
+    @app.get("/version", **route_schema(ok=VersionResponse, errors=(500,)))
     async def get_version() -> dict[str, str]:
         return {"version": version}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **route_schema(TokenizeRequest, TokenizeResponse, errors=SIDE_ERRORS))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = _parse(TokenizeRequest, await request.body())
         check_model(req.model, card)
@@ -71,7 +74,8 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
             out["token_strs"] = [tok.token_str(t) for t in ids]
         return out
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse,
+                                            errors=SIDE_ERRORS))
     async def detokenize(request: Request) -> dict[str, str]:
         req = _parse(DetokenizeRequest, await request.body())
         check_model(req.model, card)

@@ -3,7 +3,8 @@
 ignores (with a warning) the rest, as vLLM ignores fields it does not know.
 
 Parsed strictly from JSON (`parse_body`): a string where a number belongs is a type error,
-never coerced. Ranges are checked later, by `engine.SamplingParams` and router/validation.py.
+never coerced; NaN and infinities are refused. Ranges are checked later, by
+`engine.SamplingParams` and router/validation.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):

@@ -106,6 +106,9 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
                          {"max_tokens": max_tokens_param, "logprobs": logprobs_param})
     for ids in prompts:
         _check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
+        if sampling.max_tokens is None and sampling.min_tokens > limit - len(ids):
+            raise bad_request(f"min_tokens must be <= the {limit - len(ids)} tokens the context "
+                              f"leaves, got {sampling.min_tokens}", "min_tokens")
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
     if not _INT32[0] <= req.priority <= _INT32[1]:
@@ -252,7 +255,8 @@ def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelC
         return SamplingParams(
             n=req.n,
             temperature=_default(req.temperature, "temperature", card, 1.0),
-            top_k=_default(req.top_k, "top_k", card, 0),
+            # k >= the vocabulary keeps every token (and fits the wire's uint32).
+            top_k=min(_default(req.top_k, "top_k", card, 0), card.vocab_size),
             top_p=_default(req.top_p, "top_p", card, 1.0),
             min_p=_default(req.min_p, "min_p", card, 0.0),
             seed=req.seed,

@@ -1,0 +1,207 @@
+"""The response bodies the router emits, as pydantic models: the schemas /openapi.json
+publishes (router/openapi.py). router/responses.py and router/info_routes.py build plain dicts
+on the hot path; tests validate what they emit against these models
+(tests/router/api_fuzz.py validates every body and SSE event of the fuzz run), so a
+field added there and not here fails a test.
+
+Models forbid fields they do not declare (the published schema says exactly what comes back).
+A field with a default may be left out of a body; one without is always present (maybe null).
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FinishReason = Literal["stop", "length"]
+StopReason = Union[str, int, None]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class ErrorInfo(_Out):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, "
+                                  "not_found_error, server_error, ...")
+    param: str | None = Field(description="the request field at fault (`messages.0.role`)")
+    code: str | None = Field(description="e.g. context_length_exceeded, invalid_value")
+
+
+class ErrorResponse(_Out):
+    """Every 4xx/5xx body (OpenAI's shape); also a stream's last event before `[DONE]` when
+    it fails after the first token."""
+
+    error: ErrorInfo
+
+
+# ---- shared -----------------------------------------------------------------------------------
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's prompt_logprobs: null for the first prompt token, then token id -> entry."""
+
+
+# ---- completions ------------------------------------------------------------------------------
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason = Field(description="the stop string or token id; null for EOS "
+                                                "or length")
+    prompt_logprobs: PromptLogprobs | None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionStreamChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason
+
+
+class CompletionStreamChunk(_Out):
+    """One `data:` event of a streamed completion (`usage`: with
+    `stream_options.include_usage`; null until the last, usage-only chunk unless
+    `continuous_usage_stats`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Usage | None = None
+
+
+# ---- chat -------------------------------------------------------------------------------------
+class ChatTopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
+class ChatCompletionMessage(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason = None  # absent from the opening (role) chunk
+
+
+class ChatCompletionStreamChunk(_Out):
+    """One `data:` event of a streamed chat completion (`usage` as for completions)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+# ---- side endpoints ---------------------------------------------------------------------------
+class ModelInfo(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelInfo]
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class VersionResponse(_Out):
+    version: str
+
+
+class HealthResponse(_Out):
+    """200 when a decode worker is usable, else 503 (`no_decode_workers`)."""
+
+    status: Literal["ok", "no_decode_workers"]
+    decode_workers: int
+    prefill_workers: int
