@@ -32,8 +32,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
 from router.errors import APIError, bad_request, from_validation_errors
+from router.openapi import GENERATE_ERRORS, route_schema
 from router.placement import PromptKey
 from router.registry import WorkerState
+from router.response_models import EmbeddingResponse
 from router.services import Services
 from router.streaming import ClientGone, until_disconnect
 from router.validation import ModelCard, check_model, check_token_ids
@@ -221,7 +223,8 @@ async def _all(calls: list[Awaitable[pb.EmbedResponse]]) -> list[pb.EmbedRespons
 def add_embedding_routes(app: FastAPI, services: Services) -> None:
     embedder = Embedder(services)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", **route_schema(EmbeddingRequest, EmbeddingResponse,
+                                               errors=GENERATE_ERRORS))
     async def embeddings(request: Request) -> Response:
         body = await request.body()
         args = (body, services.card, embedder.max_model_len())

@@ -205,3 +205,23 @@ class HealthResponse(_Out):
     status: Literal["ok", "no_decode_workers"]
     decode_workers: int
     prefill_workers: int
+
+
+class Embedding(_Out):
+    object: Literal["embedding"]
+    index: int
+    embedding: Union[list[float], str]  # floats, or base64 of little-endian float32
+
+
+class EmbeddingUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
