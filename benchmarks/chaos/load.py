@@ -66,13 +66,14 @@ class Load:
         body = {"model": self.model, "prompt": PROMPTS[prompt], "max_tokens": self.max_tokens,
                 "temperature": 0.8, "seed": seed, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
-        for attempt in range(50):
+        give_up = time.monotonic() + 60.0
+        while time.monotonic() < give_up:
             try:
                 return await self._stream(http, body, (prompt, seed), cancel_after)
             except httpx.TransportError:  # before any response: the router is (re)starting
                 self.stats.router_retries += 1
                 await asyncio.sleep(0.2)
-        return "failed", "router unreachable after 50 attempts"
+        return "failed", "router unreachable for 60 s"
 
     async def _stream(self, http, body, key, cancel_after) -> tuple[str, str]:
         text, chunks, usage, finish, last, gap = [], 0, None, None, time.monotonic(), 0.0

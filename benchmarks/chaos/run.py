@@ -37,8 +37,11 @@ class Cluster(UpProcess):
         super().__init__(home, "--prefill", str(args.prefill), "--decode", str(args.decode),
                          "--num-threads", "1", "--log-dir", str(args.log_dir or home / "logs"),
                          *flags, f"--router-arg=--stall-timeout={args.stall_timeout}",
-                         # Faults here are deliberate and frequent: no crash-loop verdict on them.
-                         "--max-restarts", "1000", *args.up_arg)
+                         # Faults here are deliberate and frequent: no crash-loop verdict and no
+                         # growing backoff for them (a crash is forgotten after 10 s), and the
+                         # router waits for a worker long enough to ride out a restart.
+                         "--max-restarts", "1000", "--restart-window", "10",
+                         "--router-arg=--queue-timeout=60", *args.up_arg)
 
     def pid_of(self, role: str) -> int | None:
         pids = self.control()["pids"].get(role) or []
