@@ -147,15 +147,16 @@ def rate_limit(hosts: TwoHosts, rate: str):
 
 @contextmanager
 def packet_loss(hosts: TwoHosts, percent: int) -> Iterator[Callable[[], int]]:
-    """Drop `percent`% of the packets each end sends on the veth, at random (an nftables
-    table of our own in each namespace; needs no sch_netem). Yields a function counting the
-    packets dropped so far."""
+    """Drop `percent`% of the packets each end sends on the veth: every (100 / percent)-th one,
+    so a test that sends enough packets is sure to lose some (random drops of a short exchange
+    may be none at all). An nftables table of our own in each namespace; needs no sch_netem.
+    Yields a function counting the packets dropped so far."""
     added: list[Host] = []
     try:
         for h in (hosts.prefill, hosts.decode):
             nft = ["nft", "-f", "-"]
             rules = (f"table inet pdloss {{\n chain out {{\n type filter hook output priority 0;\n"
-                     f' oifname "{h.dev}" numgen random mod 100 < {percent} counter drop\n }}\n}}\n')
+                     f' oifname "{h.dev}" numgen inc mod {100 // percent} == 0 counter drop\n }}\n}}\n')
             subprocess.run(h.exec_argv(*nft), input=rules, text=True, capture_output=True,
                            check=True, timeout=10)
             added.append(h)
