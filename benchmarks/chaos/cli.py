@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve the whole model (default: 2 layers, float32, like the tests)")
     p.add_argument("--up-arg", action="append", default=[], help="extra flag for `pdserve up`")
     p.add_argument("--max-rss-growth", type=float, default=0.25,
-                   help="largest allowed relative RSS growth of the router over the run")
+                   help="largest allowed relative RSS growth of a process that lived through the "
+                   "run (workers touch their KV pool's pages as they first use them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the cluster's logs here")
