@@ -1,0 +1,268 @@
+"""deploy/k8s/: every overlay renders with `kubectl kustomize` and every rendered document
+validates against the Kubernetes JSON schemas (kubernetes-validate, offline), plus checks of
+what the manifests promise: only the router is reachable from outside, workers drain within
+their grace period, GPUs go to workers only, separate prefill/decode Deployments and HPAs,
+the API key from a Secret. The base's files are also validated without kubectl."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e .[test])")
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+K8S_VERSION = "1.32.0"  # schemas checked against (strict: unknown fields are errors)
+KUBECTL = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH: cannot render the kustomize overlays")
+WORKERS = ("prefill", "decode")
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{out.stderr}"
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert docs, f"overlays/{overlay} rendered nothing"
+    return docs
+
+
+_cache: dict[str, list[dict]] = {}
+
+
+@pytest.fixture(params=OVERLAYS, ids=lambda o: f"overlay-{o}")  # not "gpu": conftest skips that keyword
+def rendered(request) -> tuple[str, list[dict]]:
+    if KUBECTL is None:
+        pytest.skip("kubectl not on PATH: cannot render the kustomize overlays")
+    if request.param not in _cache:
+        _cache[request.param] = render(request.param)
+    return request.param, _cache[request.param]
+
+
+def of_kind(docs, kind):
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def container(deploy: dict) -> dict:
+    cs = deploy["spec"]["template"]["spec"]["containers"]
+    assert len(cs) == 1, deploy["metadata"]["name"]
+    return cs[0]
+
+
+def validate(doc: dict) -> None:
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}")
+
+
+def test_overlays_exist():
+    assert {"cpu", "gpu", "external-etcd"} <= set(OVERLAYS)
+
+
+def test_base_files_validate_without_kubectl():
+    """The pure-Python path: the base's and components' resource files as written."""
+    files = [p for p in (K8S / "base").glob("*.yaml") if p.name != "kustomization.yaml"]
+    files += [K8S / "components" / "autoscaling" / "hpa.yaml"]
+    n = 0
+    for p in files:
+        for doc in yaml.safe_load_all(p.read_text()):
+            if doc:
+                validate(doc)
+                n += 1
+    assert n >= 12
+
+
+@needs_kubectl
+def test_renders_and_validates(rendered):
+    name, docs = rendered
+    for doc in docs:
+        validate(doc)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == "pdserve", (name, doc["kind"], doc["metadata"]["name"])
+
+
+def test_a_broken_manifest_fails_validation():
+    """The validator is really strict (guards the test above against passing vacuously)."""
+    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+           "spec": {"replicas": "two", "selector": {}, "template": {}, "bogus": 1}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+@needs_kubectl
+def test_separate_worker_deployments(rendered):
+    name, docs = rendered
+    deps = of_kind(docs, "Deployment")
+    assert {"router", *WORKERS} <= set(deps), name
+    for role in WORKERS:
+        c = container(deps[role])
+        assert c["command"][:2] == ["pdserve", role], (name, role, c["command"])
+        labels = deps[role]["spec"]["selector"]["matchLabels"]
+        others = [r for r in WORKERS if r != role]
+        tmpl = deps[others[0]]["spec"]["template"]["metadata"]["labels"]
+        assert not all(tmpl.get(k) == v for k, v in labels.items()), \
+            f"{name}: {role}'s selector also matches {others[0]}'s pods"
+
+
+def _args(c: dict) -> dict[str, str]:
+    out = {}
+    for a in c.get("args", []):
+        if a.startswith("--") and "=" in a:
+            k, v = a[2:].split("=", 1)
+            out[k] = v
+    return out
+
+
+def _env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+@needs_kubectl
+def test_workers_advertise_pod_ip_and_drain_in_grace_period(rendered):
+    name, docs = rendered
+    deps = of_kind(docs, "Deployment")
+    for role in WORKERS:
+        spec = deps[role]["spec"]["template"]["spec"]
+        c = container(deps[role])
+        args = _args(c)
+        assert args.get("host") == "0.0.0.0", (name, role)
+        m = re.fullmatch(r"\$\((\w+)\)", args.get("advertise-host", ""))
+        assert m, f"{name}/{role}: --advertise-host is not an env var: {args.get('advertise-host')}"
+        src = _env(c)[m.group(1)]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert src == "status.podIP", (name, role, src)
+        drain = float(args.get("drain-timeout", 30.0))  # pdserve's default
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+        assert grace > drain, f"{name}/{role}: terminationGracePeriodSeconds {grace} <= --drain-timeout {drain}"
+        assert c["command"][0] == "pdserve", f"{name}/{role}: SIGTERM must reach pdserve (no shell wrapper)"
+        ports = {p["containerPort"] for p in c["ports"]}
+        assert {int(args["port"]), int(args["metrics-port"])} <= ports, (name, role)
+        assert c.get("readinessProbe") and c.get("livenessProbe"), (name, role)
+
+
+@needs_kubectl
+def test_router_ready_on_health_and_key_from_secret(rendered):
+    name, docs = rendered
+    deps = of_kind(docs, "Deployment")
+    c = container(deps["router"])
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health", name
+    secrets = of_kind(docs, "Secret")
+    args = _args(c)
+    m = re.fullmatch(r"\$\((\w+)\)", args.get("api-key", ""))
+    assert m, f"{name}: router --api-key is not read from an env var: {args.get('api-key')}"
+    ref = _env(c)[m.group(1)]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] in secrets and ref["key"] in secrets[ref["name"]].get("stringData", secrets[ref["name"]].get("data", {}))
+    # no literal key anywhere in a Deployment
+    for dname, d in deps.items():
+        for cc in d["spec"]["template"]["spec"]["containers"]:
+            for a in cc.get("args", []) + cc.get("command", []):
+                assert not (a.startswith("--api-key") and "$(" not in a), f"{name}/{dname}: literal API key"
+            for e in cc.get("env", []):
+                if "key" in e["name"].lower():
+                    assert "value" not in e, f"{name}/{dname}: env {e['name']} is a literal"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    if selector.get("matchExpressions"):
+        raise AssertionError("matchExpressions not handled by this test")
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _is_outside(peer_list) -> bool:
+    """An ingress rule's `from` admits sources outside the namespace."""
+    if not peer_list:
+        return True  # no `from`: everyone
+    return any("namespaceSelector" in p or "ipBlock" in p for p in peer_list)
+
+
+@needs_kubectl
+def test_only_router_reachable_from_outside(rendered):
+    name, docs = rendered
+    pols = list(of_kind(docs, "NetworkPolicy").values())
+    assert any(p["spec"]["podSelector"] == {} and p["spec"].get("policyTypes") == ["Ingress"]
+               and not p["spec"].get("ingress") for p in pols), f"{name}: no default-deny ingress policy"
+    pods = {n: d["spec"]["template"]["metadata"]["labels"]
+            for n, d in {**of_kind(docs, "Deployment"), **of_kind(docs, "StatefulSet")}.items()}
+    metrics_ports = {}
+    for n, d in of_kind(docs, "Deployment").items():
+        if n in WORKERS:
+            metrics_ports[n] = {int(_args(container(d))["metrics-port"]), "metrics"}
+    reachable = set()
+    for p in pols:
+        for rule in p["spec"].get("ingress", []):
+            if not _is_outside(rule.get("from")):
+                continue
+            for pod, labels in pods.items():
+                if not _selects(p["spec"]["podSelector"], labels):
+                    continue
+                ports = {x.get("port") for x in rule.get("ports", [])}
+                if pod in metrics_ports and ports and ports <= metrics_ports[pod] \
+                        and all("namespaceSelector" in f and "podSelector" not in f and f["namespaceSelector"]
+                                for f in rule["from"]):
+                    continue  # Prometheus in a named namespace scraping /metrics only
+                reachable.add(pod)
+    assert reachable == {"router"}, f"{name}: reachable from outside the namespace: {sorted(reachable)}"
+    # and the router Service is the only Service selecting a reachable pod / leaving the cluster
+    for sname, svc in of_kind(docs, "Service").items():
+        sel = svc["spec"]["selector"]
+        hits = {pod for pod, labels in pods.items() if _selects({"matchLabels": sel}, labels)}
+        if sname != "router":
+            assert not hits & reachable, (name, sname)
+            assert svc["spec"].get("type", "ClusterIP") == "ClusterIP", (name, sname)
+        else:
+            assert hits == {"router"}, (name, hits)
+
+
+@needs_kubectl
+def test_gpu_only_on_workers(rendered):
+    name, docs = rendered
+    want = name == "gpu"
+    for kind in ("Deployment", "StatefulSet"):
+        for dname, d in of_kind(docs, kind).items():
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                res = c.get("resources", {})
+                assert res.get("requests") and res.get("limits"), f"{name}/{dname}: no requests/limits"
+                gpu = "nvidia.com/gpu" in res.get("limits", {})
+                expect = want and dname in WORKERS
+                assert gpu == expect, f"{name}/{dname}: nvidia.com/gpu {'missing' if expect else 'requested'}"
+                if expect:
+                    assert "--device=cuda" in c["args"]
+                sc = {**d["spec"]["template"]["spec"].get("securityContext", {}), **c.get("securityContext", {})}
+                assert sc.get("runAsNonRoot") is True and sc.get("allowPrivilegeEscalation") is False, (name, dname)
+    if want:
+        cm = of_kind(docs, "ConfigMap")["pdserve-config"]["data"]
+        assert "rc" in cm["UCX_TLS"].split(",") and "cuda_ipc" in cm["UCX_TLS"].split(","), cm
+
+
+@needs_kubectl
+def test_hpas_scale_each_pool_on_worker_metrics():
+    docs = _cache.get("gpu") or render("gpu")
+    hpas = of_kind(docs, "HorizontalPodAutoscaler")
+    targets = {h["spec"]["scaleTargetRef"]["name"]: h for h in hpas.values()}
+    assert set(targets) == set(WORKERS), sorted(targets)
+    exported = set(re.findall(r'\("(\w+)",', (K8S.parents[1] / "worker_runtime" / "metrics.py").read_text()))
+    names = {}
+    for role, h in targets.items():
+        assert h["apiVersion"] == "autoscaling/v2"
+        names[role] = {m["pods"]["metric"]["name"] for m in h["spec"]["metrics"] if m["type"] == "Pods"}
+        for n in names[role]:
+            assert n.startswith("pdserve_worker_") and n.removeprefix("pdserve_worker_") in exported, n
+    assert "pdserve_worker_queued_prefill_tokens" in names["prefill"]
+    assert {"pdserve_worker_kv_usage", "pdserve_worker_running"} & names["decode"]
+
+
+@needs_kubectl
+def test_external_etcd_drops_the_statefulset():
+    docs = _cache.get("external-etcd") or render("external-etcd")
+    assert not of_kind(docs, "StatefulSet") and "etcd" not in of_kind(docs, "Service")
+    assert of_kind(docs, "ConfigMap")["pdserve-config"]["data"]["PDSERVE_ETCD"] != "etcd:2379"
+    full = _cache.get("cpu") or render("cpu")
+    sts = of_kind(full, "StatefulSet")["etcd"]
+    assert sts["spec"]["volumeClaimTemplates"], "bundled etcd without a PVC"
