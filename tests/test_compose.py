@@ -1,5 +1,7 @@
 """compose/: the file is valid for docker-compose (no engine runs here, so `config` is the
 check) and has the topology the README promises."""
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,8 +26,11 @@ def _config() -> dict:
 
 def test_compose_file_is_valid_and_only_the_router_is_published():
     services = _config()["services"]
-    assert set(services) == {"etcd", "router", "prefill", "decode"}
-    assert [name for name, s in services.items() if s.get("ports")] == ["router"]
+    assert set(services) == {"etcd", "router", "prefill", "decode", "prometheus", "grafana"}
+    assert sorted(name for name, s in services.items() if s.get("ports")) == ["grafana", "router"]
+    [grafana_port] = services["grafana"]["ports"]  # on the host's loopback only
+    assert (grafana_port.get("host_ip") if isinstance(grafana_port, dict)
+            else grafana_port.split(":")[0]) == "127.0.0.1"
     for name in ("prefill", "decode"):  # scalable: no fixed names or host ports
         s = services[name]
         assert "container_name" not in s and "healthcheck" in s
@@ -39,3 +44,73 @@ def test_dockerfile_runs_as_non_root_and_prepares_the_model_at_build():
     assert text.splitlines()[0].startswith("#") and "FROM python:3.11-slim" in text
     user_at = text.index("USER pdserve")
     assert text.index("RUN pdserve prepare-model") > user_at  # the model belongs to that user
+
+
+def test_prometheus_scrapes_every_process_by_dns_on_the_service_names():
+    services = _config()["services"]
+    prom = services["prometheus"]
+    assert "pdnet" in prom["networks"] and not prom.get("ports")
+    assert any("prometheus.yml" in str(v) for v in prom["volumes"])
+    config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    jobs = {}
+    for job in config["scrape_configs"]:
+        [sd] = job["dns_sd_configs"]
+        assert sd["type"] == "A" and not job.get("static_configs")
+        for name in sd["names"]:
+            jobs[name] = sd["port"]
+    assert jobs == {"router": 8000, "prefill": 9100, "decode": 9100}
+    for name in ("prefill", "decode"):  # the port the workers serve /metrics on
+        assert f"--metrics-port {jobs[name]}" in " ".join(services[name]["command"])
+    assert '"--port", "8000"' in json.dumps(services["router"]["command"])
+
+
+def test_grafana_is_provisioned_with_the_datasource_and_dashboard():
+    grafana = _config()["services"]["grafana"]
+    mounts = {str(v).split(":")[-2] if isinstance(v, str) else v["target"] for v in grafana["volumes"]}
+    assert {"/etc/grafana/provisioning", "/var/lib/grafana/dashboards"} <= mounts
+    prov = COMPOSE / "grafana" / "provisioning"
+    [ds] = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert ds["type"] == "prometheus" and ds["url"] == "http://prometheus:9090"
+    [provider] = yaml.safe_load((prov / "dashboards" / "pdserve.yml").read_text())["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    dash = json.loads((COMPOSE / "grafana" / "dashboards" / "pdserve.json").read_text())
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == ds["uid"] and panel["targets"]
+
+
+# PromQL words that are not metric names (functions are recognised by the "(" after them).
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
+                 "unless", "bool", "offset"}
+
+
+def _metric_names(expr: str) -> set[str]:
+    expr = re.sub(r'"[^"]*"', "", expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    names = set()
+    for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
+        word, rest = m.group(), expr[m.end():].lstrip()
+        if rest.startswith("(") or word in _PROMQL_WORDS or re.fullmatch(r"[0-9.e]+", word):
+            continue
+        names.add(word)
+    return names
+
+
+def test_dashboard_queries_use_only_metrics_the_code_exports():
+    from metrics_catalog import exported, series_names
+
+    known = set().union(*(series_names(t) for t in exported().values()))
+    dash = json.loads((COMPOSE / "grafana" / "dashboards" / "pdserve.json").read_text())
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"Request rate", "TTFT percentiles", "ITL percentiles", "KV cache usage per worker",
+            "Prefix cache hit rate", "KV transfer throughput", "Routing decisions",
+            "Pool sizes"} <= titles
+    used = set()
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            names = _metric_names(target["expr"])
+            assert names, target["expr"]
+            assert names <= known, (panel["title"], names - known)
+            used |= names
+    assert any(n.startswith("vllm:") for n in used) and any(n.startswith("pdserve_") for n in used)

@@ -1,5 +1,11 @@
 """A worker's Prometheus /metrics: engine stats, KV transfer stats (kvtransfer's own
-registries), request latencies."""
+registries), request latencies. docs/metrics.md lists every name.
+
+Besides pdserve's own `pdserve_worker_*` names, the engine-level stats are also exported under
+vLLM's names (`vllm:*`, labels `model_name`, `engine`, plus `role`), so dashboards and
+autoscalers written for vLLM work unchanged. The request latency histograms under vLLM's names
+are observed by decode workers (where a completion request arrives and its tokens leave, like
+vLLM's engine); a prefill worker exports them empty."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -10,9 +16,56 @@ from engine.llm_engine import EngineStats
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+#: vLLM's engine-level names (vllm/v1/metrics/loggers.py) -> the EngineStats field behind them.
+VLLM_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches",
+     lambda s: s.num_running),
+    # vLLM counts requests waiting for remote KV (WAITING_FOR_REMOTE_KVS) as waiting too.
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed",
+     lambda s: s.num_waiting + s.num_waiting_for_kv),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+     lambda s: s.kv_usage),
+)
+VLLM_COUNTERS = (  # exported with the `_total` suffix, as vLLM's are
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens",
+     lambda s: s.prefix_cache_queries),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens",
+     lambda s: s.prefix_cache_hits),
+    ("vllm:num_preemptions", "Cumulative number of preemptions from the engine",
+     lambda s: s.num_preemptions),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed", lambda s: s.prompt_tokens),
+    ("vllm:generation_tokens", "Number of generation tokens processed",
+     lambda s: s.generation_tokens),
+)
+VLLM_LABELS = ["model_name", "engine", "role"]
+# vLLM's own bucket bounds for these histograms (v1 loggers).
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _Both:
+    """Observes into pdserve's histogram child and vLLM's at once (callers keep using
+    `metrics.ttft.labels(role).observe(x)`)."""
+
+    def __init__(self, ours: Histogram, theirs) -> None:
+        self._ours, self._theirs = ours, theirs
+
+    def labels(self, *values: str) -> "_Both":
+        return _Both(self._ours.labels(*values), self._theirs)
+
+    def observe(self, value: float) -> None:
+        self._ours.observe(value)
+        self._theirs.observe(value)
+
+
 class WorkerMetrics:
-    def __init__(self, role: str, kv_backend) -> None:
+    def __init__(self, role: str, kv_backend, model_name: str = "") -> None:
         self.role = role
+        self.model_name = model_name
         self.kv = kv_backend
         self.registry = CollectorRegistry()
         self._stats: EngineStats | None = None
@@ -23,12 +76,25 @@ class WorkerMetrics:
         self.registry.register(kv_backend.sender.metrics.registry)
         self.registry.register(kv_backend.receiver.metrics.registry)
         labels = ["role"]
-        self.ttft = Histogram("pdserve_worker_ttft_seconds", "Request arrival to first token",
-                              labels, registry=self.registry, buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("pdserve_worker_itl_seconds", "Time between output tokens",
-                             labels, registry=self.registry, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("pdserve_worker_e2e_seconds", "Request arrival to last token",
-                             labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        vllm = [model_name, "0", role]
+        self.ttft = _Both(
+            Histogram("pdserve_worker_ttft_seconds", "Request arrival to first token",
+                      labels, registry=self.registry, buckets=LATENCY_BUCKETS),
+            Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                      "seconds (decode worker: Generate call to first token)", VLLM_LABELS,
+                      registry=self.registry, buckets=VLLM_TTFT_BUCKETS).labels(*vllm))
+        self.itl = _Both(
+            Histogram("pdserve_worker_itl_seconds", "Time between output tokens",
+                      labels, registry=self.registry, buckets=LATENCY_BUCKETS),
+            Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                      "seconds", VLLM_LABELS, registry=self.registry,
+                      buckets=VLLM_ITL_BUCKETS).labels(*vllm))
+        self.e2e = _Both(
+            Histogram("pdserve_worker_e2e_seconds", "Request arrival to last token",
+                      labels, registry=self.registry, buckets=LATENCY_BUCKETS),
+            Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                      "seconds", VLLM_LABELS, registry=self.registry,
+                      buckets=VLLM_E2E_BUCKETS).labels(*vllm))
         self.prefill_modes = {}
         # Exported by both roles (a decode worker's stays 0: embeddings are prefill-only).
         self.embeddings = Counter("pdserve_worker_embeddings", "Embedding requests served",
@@ -69,6 +135,15 @@ class WorkerMetrics:
             ]:
                 c = CounterMetricFamily(f"pdserve_worker_{name}", doc, labels=["role"])
                 c.add_metric(role, value)
+                yield c
+            vllm = [self.model_name, "0", self.role]
+            for name, doc, value in VLLM_GAUGES:
+                g = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+                g.add_metric(vllm, value(s))
+                yield g
+            for name, doc, value in VLLM_COUNTERS:
+                c = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+                c.add_metric(vllm, value(s))
                 yield c
         steps = CounterMetricFamily("pdserve_worker_engine_step_seconds", "Time in engine steps", labels=["role"])
         steps.add_metric(role, self._step_seconds)

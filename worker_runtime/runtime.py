@@ -45,7 +45,7 @@ class WorkerRuntime:
         compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id)
         self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, compat)
         self.compat_hash = compat.hash()
-        self.metrics = WorkerMetrics(config.role, self.kv)
+        self.metrics = WorkerMetrics(config.role, self.kv, self.engine.loaded.model_id)
         self.draining = False
         self.inflight = 0
         self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}

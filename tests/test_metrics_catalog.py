@@ -1,0 +1,65 @@
+"""docs/metrics.md and the code's collectors list the same metrics, with the same types (the
+real-process check is tests/router/test_e2e_metrics.py)."""
+from metrics_catalog import documented, exported
+
+VLLM = {  # vLLM's names (vllm/v1/metrics/loggers.py) the issue asks for, as exported
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries_total": "counter",
+    "vllm:prefix_cache_hits_total": "counter", "vllm:num_preemptions_total": "counter",
+    "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
+
+
+def test_every_documented_metric_is_exported_and_every_exported_one_documented():
+    doc = documented()
+    code = exported()
+    for process, names in code.items():
+        listed = {n: t for n, (t, p) in doc.items() if p == process}
+        assert names == listed, (process, set(names) ^ set(listed))
+    assert set(doc) == set(code["router"]) | set(code["worker"])
+
+
+def test_workers_export_vllm_names_with_vllm_labels():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    worker = exported()["worker"]
+    assert {n: worker.get(n) for n in VLLM} == VLLM
+    assert not any(n.startswith("vllm:") for n in exported()["router"])
+    # labels: model_name and engine as vLLM's, plus role
+    from types import SimpleNamespace
+
+    from engine.llm_engine import EngineStats
+    from kvtransfer.metrics import TransferMetrics
+    from worker_runtime.metrics import WorkerMetrics
+
+    kv = SimpleNamespace(sender=SimpleNamespace(metrics=TransferMetrics("send")),
+                         receiver=SimpleNamespace(metrics=TransferMetrics("receive")))
+    m = WorkerMetrics("decode", kv, "SmolLM2")
+    m.update(EngineStats(2, 3, 4, 100, 25, 0.75, 10, 6, 1, 9, 8, 0), SimpleNamespace(step_seconds=0))
+    m.ttft.labels("decode").observe(0.2)
+    m.itl.labels("decode").observe(0.02)
+    m.e2e.labels("decode").observe(1.0)
+    values = {}
+    for family in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        for s in family.samples:
+            if s.name.startswith("vllm:"):
+                assert s.labels.get("model_name") == "SmolLM2" and s.labels["engine"] == "0"
+                assert s.labels["role"] == "decode"
+                values.setdefault(s.name, s.value)
+    assert values["vllm:num_requests_running"] == 2
+    assert values["vllm:num_requests_waiting"] == 3 + 4  # parked for KV counts as waiting
+    assert values["vllm:kv_cache_usage_perc"] == 0.75
+    assert values["vllm:prefix_cache_queries_total"] == 10
+    assert values["vllm:prefix_cache_hits_total"] == 6
+    assert values["vllm:num_preemptions_total"] == 1
+    assert values["vllm:prompt_tokens_total"] == 9
+    assert values["vllm:generation_tokens_total"] == 8
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):
+        assert values[f"vllm:{name}_count"] == 1
+    # pdserve's own names observed too
+    assert m.registry.get_sample_value("pdserve_worker_ttft_seconds_count", {"role": "decode"}) == 1
