@@ -1,4 +1,4 @@
-"""The HTTP surface (FastAPI): OpenAI endpoints, /health, /metrics.
+"""The HTTP surface (FastAPI): OpenAI endpoints, /health, /metrics, /dashboard.
 
 Every error leaves as an OpenAI error body. A request is prepared (validated, tokenized)
 before any worker is involved; a streamed response starts only once its first update has
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.dashboard import add_dashboard_routes
 from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
@@ -37,7 +38,8 @@ from router.validation import Kind, Prepared, prepare
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/tokenize", "/detokenize", "/version", "/v1/embeddings"}
+              "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/dashboard",
+              "/dashboard/data"}
 _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
@@ -79,6 +81,7 @@ def create_app(services: Services) -> FastAPI:
 
     add_info_routes(app, services)
     add_embedding_routes(app, services)
+    add_dashboard_routes(app, services)
 
     @app.post("/v1/completions", **route_schema(CompletionRequest, CompletionResponse,
                                                 stream=CompletionStreamChunk,

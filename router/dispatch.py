@@ -156,10 +156,15 @@ class Dispatcher:
                 self.metrics.waiting.dec()
                 self.metrics.queue_wait.observe(time.monotonic() - t0)
         self.metrics.decisions.labels(policy, placement.decision.reason.value).inc()
+        self.metrics.note_decision(policy, placement.decision.reason.value,
+                                   placement.decode.info.worker_id,
+                                   placement.prefill.info.worker_id if placement.prefill else None,
+                                   placement.decision.predicted_cached_tokens)
         return placement
 
     def _busy(self, policy: str, message: str) -> APIError:
         self.metrics.decisions.labels(policy, Reason.NO_CAPACITY.value).inc()
+        self.metrics.note_decision(policy, Reason.NO_CAPACITY.value, None, None)
         retry_after = str(max(1, round(self.config.queue_timeout_s / 2)))
         return APIError(503, message, code="overloaded", headers={"Retry-After": retry_after})
 
@@ -367,8 +372,10 @@ class _CallMetrics:
         if not self.last_token_at:
             if not self.resumed:
                 self.metrics.ttft.observe(now - self.arrival)
+                self.metrics.recent_ttft.append(now - self.arrival)
         elif delta.index in self.last_token_at:
             self.metrics.itl.observe(now - self.last_token_at[delta.index])
+            self.metrics.recent_itl.append(now - self.last_token_at[delta.index])
         self.last_token_at[delta.index] = now
         self.metrics.generation_tokens.inc(len(delta.token_ids))
 

@@ -2,6 +2,9 @@
 process, as they do in tests)."""
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -11,6 +14,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        # Recent samples for /dashboard's sparklines and decision list (small rings).
+        self.recent_ttft: deque[float] = deque(maxlen=120)
+        self.recent_itl: deque[float] = deque(maxlen=240)
+        self.recent_decisions: deque[dict] = deque(maxlen=20)
         self.requests = Counter("pdserve_router_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("pdserve_router_ttft_seconds",
@@ -64,6 +71,12 @@ class RouterMetrics:
                              ["role", "state"], registry=r)
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "Distinct block hashes in the KV index", registry=r)
+
+    def note_decision(self, policy: str, reason: str, decode: str | None,
+                      prefill: str | None, predicted_cached: int = 0) -> None:
+        self.recent_decisions.append({"time": time.time(), "policy": policy, "reason": reason,
+                                      "decode": decode, "prefill": prefill,
+                                      "predicted_cached_tokens": predicted_cached})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -225,3 +225,48 @@ class EmbeddingResponse(_Out):
     model: str
     data: list[Embedding]
     usage: EmbeddingUsage
+
+
+class DashboardWorker(_Out):
+    """One registered worker as /dashboard shows it (from its latest etcd registration)."""
+
+    worker_id: str
+    role: Literal["prefill", "decode"]
+    state: Literal["ready", "draining", "stale"]
+    address: str
+    kv_usage: float  # 1 - free/total blocks (0 when total is unknown)
+    total_blocks: int
+    free_blocks: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float
+    inflight: int  # this router's requests on it
+
+
+class DashboardDecision(_Out):
+    time: float  # unix seconds
+    policy: str
+    reason: str
+    decode: Union[str, None]
+    prefill: Union[str, None]
+    predicted_cached_tokens: int
+
+
+class DashboardData(_Out):
+    """GET /dashboard/data: what the live cluster page polls. Counters are cumulative (the
+    page derives rates between polls); ttft_s / itl_s are the most recent samples."""
+
+    time: float  # unix seconds
+    model: str
+    workers: list[DashboardWorker]
+    requests_total: int  # generation requests answered (completions + chat), any status
+    running: int
+    waiting: int
+    decisions: dict[str, int]  # placement decisions by reason
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_hit_tokens: int  # prompt tokens the workers found cached
+    ttft_s: list[float]
+    itl_s: list[float]
+    recent_decisions: list[DashboardDecision]

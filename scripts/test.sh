@@ -9,4 +9,9 @@ if ! command -v docker-compose >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) >/dev/null 2>&1 \
     || echo "warning: could not install docker-compose; the compose test will be skipped" >&2
 fi
+# tests/router/test_dashboard.py renders /dashboard in Debian's headless chromium.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+    || echo "warning: could not install chromium; the dashboard browser test will be skipped" >&2
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,75 @@
+"""The live cluster page: GET /dashboard (one static HTML file with inline CSS and JS, no
+external URLs) polls GET /dashboard/data every second. Like /health, neither needs the API
+key: the data is the registry's view of the workers and the router's own counters."""
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+
+from router.openapi import route_schema
+from router.response_models import DashboardData
+from router.services import Services
+
+_GENERATE = ("/v1/completions", "/v1/chat/completions")
+
+
+def _page() -> str:
+    return resources.files("router").joinpath("static/dashboard.html").read_text("utf-8")
+
+
+def dashboard_data(services: Services) -> dict[str, Any]:
+    registry, metrics = services.registry, services.metrics
+    now = registry.clock()
+    workers = []
+    for w in sorted(registry.all(), key=lambda w: (w.info.role != "prefill", w.info.worker_id)):
+        c = w.info.capacity
+        workers.append({
+            "worker_id": w.info.worker_id, "role": w.info.role,
+            "state": registry.state_of(w, now), "address": w.info.grpc_address,
+            "kv_usage": (1 - c.free_blocks / c.total_blocks) if c.total_blocks else 0.0,
+            "total_blocks": c.total_blocks, "free_blocks": c.free_blocks,
+            "running": c.running, "waiting": c.waiting,
+            "queued_prefill_tokens": c.queued_prefill_tokens,
+            "prefill_tokens_per_s": c.prefill_tokens_per_s, "inflight": w.inflight})
+    requests = 0
+    by_reason: dict[str, int] = {}
+    for family in metrics.requests.collect():
+        for s in family.samples:
+            if s.name.endswith("_total") and s.labels.get("endpoint") in _GENERATE:
+                requests += int(s.value)
+    for family in metrics.decisions.collect():
+        for s in family.samples:
+            if s.name.endswith("_total"):
+                reason = s.labels["reason"]
+                by_reason[reason] = by_reason.get(reason, 0) + int(s.value)
+    value = lambda name, **labels: int(metrics.registry.get_sample_value(name, labels) or 0)
+    return {
+        "time": time.time(), "model": services.card.name, "workers": workers,
+        "requests_total": requests,
+        "running": int(metrics.registry.get_sample_value("pdserve_router_running_requests") or 0),
+        "waiting": int(metrics.registry.get_sample_value("pdserve_router_waiting_requests") or 0),
+        "decisions": by_reason,
+        "prompt_tokens": value("pdserve_router_prompt_tokens_total"),
+        "generation_tokens": value("pdserve_router_generation_tokens_total"),
+        "prefix_hit_tokens": value("pdserve_router_prefix_hit_tokens_total", source="reported"),
+        "ttft_s": list(metrics.recent_ttft), "itl_s": list(metrics.recent_itl),
+        "recent_decisions": list(metrics.recent_decisions)[::-1],
+    }
+
+
+def add_dashboard_routes(app: FastAPI, services: Services) -> None:
+    page = _page()
+
+    @app.get("/dashboard", response_model=None, responses={200: {
+        "description": "The live cluster page (HTML with inline CSS and JS)",
+        "content": {"text/html": {"schema": {"type": "string"}}}}})
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/data", **route_schema(ok=DashboardData, errors=(500,)))
+    async def data() -> dict[str, Any]:
+        return dashboard_data(services)
