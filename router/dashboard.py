@@ -3,15 +3,18 @@ external URLs) polls GET /dashboard/data every second. Like /health, neither nee
 key: the data is the registry's view of the workers and the router's own counters."""
 from __future__ import annotations
 
+import asyncio
 import time
 from importlib import resources
 from typing import Any
 
+import httpx
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
 from router.openapi import route_schema
 from router.response_models import DashboardData
+from router.registry import WorkerState
 from router.services import Services
 
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -21,7 +24,25 @@ def _page() -> str:
     return resources.files("router").joinpath("static/dashboard.html").read_text("utf-8")
 
 
-def dashboard_data(services: Services) -> dict[str, Any]:
+async def kv_bytes_moved(workers: list[WorkerState], timeout_s: float = 0.5) -> dict[str, float]:
+    """worker id -> KV bytes it has sent and received so far, from its own /metrics
+    (`pdserve_kv_transfer_bytes_total`; the router does not see the transfers). Workers that
+    do not answer in time are left out."""
+    async def one(http: httpx.AsyncClient, w: WorkerState) -> float | None:
+        try:
+            text = (await http.get(f"http://{w.info.metrics_address}/metrics")).text
+        except httpx.HTTPError:
+            return None
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pdserve_kv_transfer_bytes_total{"))
+
+    scraped = [w for w in workers if w.info.metrics_address]
+    async with httpx.AsyncClient(timeout=timeout_s) as http:
+        values = await asyncio.gather(*(one(http, w) for w in scraped))
+    return {w.info.worker_id: v for w, v in zip(scraped, values) if v is not None}
+
+
+def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, Any]:
     registry, metrics = services.registry, services.metrics
     now = registry.clock()
     workers = []
@@ -34,7 +55,8 @@ def dashboard_data(services: Services) -> dict[str, Any]:
             "total_blocks": c.total_blocks, "free_blocks": c.free_blocks,
             "running": c.running, "waiting": c.waiting,
             "queued_prefill_tokens": c.queued_prefill_tokens,
-            "prefill_tokens_per_s": c.prefill_tokens_per_s, "inflight": w.inflight})
+            "prefill_tokens_per_s": c.prefill_tokens_per_s, "inflight": w.inflight,
+            "kv_bytes": kv_bytes.get(w.info.worker_id)})
     requests = 0
     by_reason: dict[str, int] = {}
     for family in metrics.requests.collect():
@@ -72,4 +94,4 @@ def add_dashboard_routes(app: FastAPI, services: Services) -> None:
 
     @app.get("/dashboard/data", **route_schema(ok=DashboardData, errors=(500,)))
     async def data() -> dict[str, Any]:
-        return dashboard_data(services)
+        return dashboard_data(services, await kv_bytes_moved(services.registry.all()))

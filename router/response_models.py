@@ -242,6 +242,7 @@ class DashboardWorker(_Out):
     queued_prefill_tokens: int
     prefill_tokens_per_s: float
     inflight: int  # this router's requests on it
+    kv_bytes: float | None  # KV bytes sent + received so far (its /metrics); None: not scraped
 
 
 class DashboardDecision(_Out):

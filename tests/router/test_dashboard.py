@@ -74,6 +74,11 @@ def test_dashboard_in_browser(e2e, client, tmp_path):
     assert _requests(after) > count
     assert _rows(after) == workers
     assert re.search(r'data-reason="[a-z_]+">', after)  # a routing decision is listed
+    # KV transfer throughput comes from the workers' own /metrics: both have moved KV bytes
+    # (the completion was prefilled remotely) and the page has the column.
+    data = DashboardData.model_validate(httpx.get(e2e.url + "/dashboard/data", timeout=30).json())
+    assert all(w.kv_bytes is not None and w.kv_bytes > 0 for w in data.workers), data.workers
+    assert "KV transfer MB/s" in after
 
     shot = tmp_path / "dashboard.png"
     _chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,800", url)
