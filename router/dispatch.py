@@ -44,10 +44,11 @@ from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
 from router.config import RouterConfig
 from router.errors import APIError
+from router.inflight import InFlight
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, PromptKey
 from router.policy import Reason
-from router.registry import WorkerRegistry, WorkerState
+from router.registry import WorkerState
 
 log = logging.getLogger(__name__)
 _SEEDS = random.SystemRandom()  # seeds for requests that bring none
@@ -238,7 +239,7 @@ class Dispatcher:
         # A resumed call's first token is not the request's first: the stall timeout holds.
         first_timeout = (self.config.stall_timeout_s if resume is not None
                          else self.config.first_token_timeout_s)
-        with _InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
+        with InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
             try:
                 async with aclosing(self._call(decode.info.grpc_address, request,
                                                first_timeout)) as messages:
@@ -307,45 +308,6 @@ def _generate_request(placement: Placement, prompt: PromptKey, sampling: Samplin
         request.prefill_worker.worker_id = placement.prefill.info.worker_id
         request.prefill_worker.address = placement.prefill.info.grpc_address
     return request
-
-
-class _InFlight:
-    """This router's own load on a placement's workers while its call runs, so back-to-back
-    placements see it before the workers' next capacity report: the decode worker's request
-    count (and the running gauge) until the end; the prefill worker's share of the prompt
-    until the first token, or the end if none came. Leaving, however the call ended
-    (cancellation included), wakes the requests waiting for capacity."""
-
-    __slots__ = ("decode", "prefill", "prefill_work", "metrics", "registry")
-
-    def __init__(self, placement: Placement, num_prompt: int, metrics: RouterMetrics,
-                 registry: WorkerRegistry) -> None:
-        self.decode: WorkerState = placement.decode
-        self.prefill: WorkerState | None = placement.prefill  # None once its part is done
-        # The prefill worker's extra work: the part of the prompt it does not hold.
-        self.prefill_work = num_prompt - (
-            placement.decision.prefill.cached_tokens if self.prefill is not None else 0)
-        self.metrics = metrics
-        self.registry = registry
-
-    def __enter__(self) -> _InFlight:
-        self.decode.inflight += 1
-        if self.prefill is not None:
-            self.prefill.inflight_prefill_tokens += self.prefill_work
-        self.metrics.running.inc()
-        return self
-
-    def first_token(self) -> None:
-        """The prefill worker's part is done (later calls do nothing)."""
-        if self.prefill is not None:
-            self.prefill.inflight_prefill_tokens -= self.prefill_work
-            self.prefill = None
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.decode.inflight -= 1
-        self.first_token()
-        self.metrics.running.dec()
-        self.registry.notify()
 
 
 class _CallMetrics:
