@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster.registration import list_workers, make_client
-from openai_cluster import CLUSTER, KEY, MODEL, NUM_LAYERS, WORKER_MAX_MODEL_LEN
+from openai_cluster import CLUSTER, MODEL, NUM_LAYERS, WORKER_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4

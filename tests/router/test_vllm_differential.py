@@ -14,8 +14,7 @@ pytestmark = pytest.mark.slow
 def vocab(reference):
     tok = reference.tokenizer
     [paris], [paris_bare] = tok.encode(" Paris"), tok.encode("Paris")
-    return Vocab(eos=tok.eos_token_id, paris=paris, paris_bare=paris_bare,
-                 emoji_head=tok.encode("😀")[0], vocab_size=tok.vocab_size)
+    return Vocab(eos=tok.eos_token_id, paris=paris, paris_bare=paris_bare, vocab_size=tok.vocab_size)
 
 
 def _send(client: openai.OpenAI, case: Case, vocab: Vocab) -> dict:

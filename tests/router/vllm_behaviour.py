@@ -25,7 +25,6 @@ class Vocab:
     eos: int  # <|im_end|>
     paris: int  # " Paris" (one token)
     paris_bare: int  # "Paris" (one token)
-    emoji_head: int  # first token of "😀": an incomplete UTF-8 sequence on its own
     vocab_size: int
 
 
