@@ -96,7 +96,15 @@ def test_sigkill_mid_stream_migrates_without_a_seam(model_dir, tmp_path):
             while min(len(s.times) for s in streams) < 3:
                 assert all(s.is_alive() for s in streams), "a stream ended before the kill"
                 time.sleep(0.005)
-            running = [health(d.address).capacity.running for d in decodes]
+            # Worker stats refresh every 0.2 s: wait until the snapshot counts every stream.
+            snapshot_deadline = time.monotonic() + 10
+            while True:
+                caps = [health(d.address).capacity for d in decodes]
+                running = [c.running + c.waiting for c in caps]
+                if sum(running) == len(streams) or time.monotonic() > snapshot_deadline:
+                    break
+                time.sleep(0.05)
+            assert sum(running) == len(streams), running
             victim = decodes[running.index(max(running))]
             victim.kill()  # SIGKILL
             killed_at = time.monotonic()
