@@ -147,6 +147,17 @@ class BlockManager:
         table.extend(self._pop_free() for _ in range(needed))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the blocks past the first `num_tokens` positions of a request's table
+        (slots of rejected draft tokens). Those blocks were never computed into, so they
+        carry no hash and go to the front of the free list."""
+        table = self._tables[request.request_id]
+        keep = self.blocks_for(num_tokens)
+        if len(table) > keep:
+            surplus = table[keep:]
+            del table[keep:]
+            self.release(list(reversed(surplus)))
+
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares every block of `parent` (copy-on-write on the first divergent write)."""
         table = list(self._tables[parent.request_id])

@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from engine.checks import check_fields
+from engine.spec_decode.config import SpeculativeConfig
 
 GiB = 1 << 30
 
@@ -44,8 +45,12 @@ class EngineConfig:
     """Where default sampling settings come from (vLLM's --generation-config): auto (the
     model's generation_config.json), vllm (built-in defaults only) or a folder holding a
     generation_config.json. See engine.generation_config."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's speculative_config; a dict or its JSON is accepted and
+    parsed here). None: off. See engine.spec_decode."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_fields(self, [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
@@ -94,6 +99,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "torch", "triton"])
     g.add_argument("--num-layers", type=int, default=None, help="load only the first N layers")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+                        '\'{"method": "draft_model", "model": "self:8" | PATH, '
+                        '"num_speculative_tokens": 3}\' (decode workers speculate)')
     g.add_argument("--generation-config", default=d.generation_config,
                    help="default sampling settings: auto (the model's generation_config.json), "
                         "vllm (built-in defaults) or a folder with a generation_config.json")

@@ -23,7 +23,10 @@ from engine.pooling import PoolingParams
 from engine.request import Logprob, Request, RequestStatus, Resume
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler
+from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.spec_decode.factory import make_proposer
+from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.state import SpecState
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens computed (excludes prefix hits and remote KV)
     generation_tokens: int
     queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
+    spec_num_drafts: int = 0  # verify steps with at least one draft token
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts by position 0..k-1
 
 
 def cpu_has_native_bf16() -> bool:
@@ -95,6 +102,7 @@ class LLMEngine:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
+        self.proposer: Proposer | None = make_proposer(self)
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -131,6 +139,7 @@ class LLMEngine:
         """Queue a request made by `make_request` (raises RequestRejected if it can never
         run, ValueError if its resume text does not match its outputs)."""
         detok = self._new_detokenizer(request)
+        self._attach_spec(request)
         self.scheduler.add_request(request)
         self._track(request, detok)
         return request
@@ -143,6 +152,11 @@ class LLMEngine:
         if request.resume is not None:
             detok.resume(request.resume.output_token_ids, request.resume.num_text_chars)
         return detok
+
+    def _attach_spec(self, request: Request) -> None:
+        spec = self.config.speculative_config
+        if spec is not None and request.pooling is None and request.spec is None:
+            request.spec = SpecState(spec.num_speculative_tokens, spec.adaptive)
 
     def _track(self, request: Request, detok: IncrementalDetokenizer | None = None) -> None:
         self._groups.setdefault(request.group_id, []).append(request.request_id)
@@ -168,6 +182,7 @@ class LLMEngine:
         `Request.remote_prefill_ok`)."""
         if not request.remote_prefill_ok:
             return None
+        self._attach_spec(request)
         block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:
             self._track(request)
@@ -175,7 +190,7 @@ class LLMEngine:
 
     def finish_remote_prefill(self, request_id: str, first_token: SampledToken) -> list[CompletionDelta]:
         """Every prompt block has landed and the prefill worker sampled `first_token`."""
-        return self.process_updates([self.scheduler.remote_kv_arrived(request_id, first_token)])
+        return self.process_updates([(self.scheduler.remote_kv_arrived(request_id, first_token), 1)])
 
     def has_schedulable_work(self) -> bool:
         """Something for `step()` to compute (requests parked for remote KV are not)."""
@@ -184,28 +199,42 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
         output = self.scheduler.schedule()
+        self.runner.copy_blocks(output.block_copies)
+        if self.proposer is not None:
+            self.proposer.copy_blocks(output.block_copies)
+            if output.speculating:
+                self._draft(output)
         sampled = self.runner.execute(output)
         updated, finished = self.scheduler.update_from_output(output, sampled)
-        stopped_without_token = [r for r in finished if r not in updated]
-        return self.process_updates(updated) + self.process_updates(stopped_without_token, False)
+        got_tokens = {id(r) for r, _ in updated}
+        return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
 
-    def process_updates(self, requests: list[Request], new_token: bool = True) -> list[CompletionDelta]:
-        """Detokenize each request's newest token (if it got one), apply stop strings, build
-        deltas. The first delta of completion 0 carries the prompt logprobs (if asked)."""
+    def _draft(self, output: SchedulerOutput) -> None:
+        for (request, k), proposal in zip(output.speculating, self.proposer.propose(output.speculating)):
+            request.spec.drafts = proposal.token_ids[:k]
+            if proposal.probs is not None:
+                request.spec.draft_probs = proposal.probs[: len(request.spec.drafts)]
+        self.scheduler.fit_drafts(output)
+
+    def process_updates(self, updates: list[tuple[Request, int]]) -> list[CompletionDelta]:
+        """Detokenize each request's new tokens (the number given; 0 = it finished without
+        one), apply stop strings (a stop string inside a step's tokens drops the tokens after
+        it), build deltas. The first delta of completion 0 carries the prompt logprobs (if
+        asked)."""
         deltas = []
-        for request in requests:
+        for request, num_new in updates:
             if request.request_id not in self._detok:  # a fork seen for the first time
                 self._track(request)
-            tokens = request.token_ids[-1:] if new_token else []
-            if tokens:
-                self._detokenize(request, tokens[0])
+            tokens = self._detokenize(request, request.token_ids[len(request.token_ids) - num_new:]
+                                      if num_new else [])
             finished = request.status.is_finished
             deltas.append(CompletionDelta(
                 request_id=request.group_id,
                 index=request.completion_index,
                 token_ids=tokens,
                 text=self._detok[request.request_id].take_delta(finished),
-                logprobs=request.logprobs[-1:] if tokens and request.sampling.logprobs is not None else [],
+                logprobs=(request.logprobs[-len(tokens):]
+                          if tokens and request.sampling.logprobs is not None else []),
                 finish_reason=request.status.finish_reason,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -218,18 +247,29 @@ class LLMEngine:
                 self._forget(request)
         return deltas
 
-    def _detokenize(self, request: Request, token_id: int) -> None:
-        """A stop string ends the request with finish "stop", even one that also hit a length
-        limit or a stop token with this token (vLLM: the detokenizer's verdict wins)."""
-        stop_terminated = request.status is RequestStatus.FINISHED_STOPPED
-        stop = self._detok[request.request_id].append(token_id, stop_terminated)
-        if stop is None:
-            return
-        request.stop_reason = stop
-        if not request.status.is_finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        elif request.status is RequestStatus.FINISHED_LENGTH:
-            request.status = RequestStatus.FINISHED_STOPPED
+    def _detokenize(self, request: Request, tokens: list[int]) -> list[int]:
+        """Detokenize a step's new tokens one by one; the ones kept. A stop string ends the
+        request with finish "stop" at the token completing it (tokens after it are dropped),
+        even one that also hit a length limit or a stop token (vLLM: the detokenizer's
+        verdict wins)."""
+        for i, token_id in enumerate(tokens):
+            last = i == len(tokens) - 1
+            stop_terminated = last and request.status is RequestStatus.FINISHED_STOPPED
+            stop = self._detok[request.request_id].append(token_id, stop_terminated)
+            if stop is None:
+                continue
+            request.stop_reason = stop
+            if not request.status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif request.status is RequestStatus.FINISHED_LENGTH:
+                request.status = RequestStatus.FINISHED_STOPPED
+            dropped = len(tokens) - i - 1
+            if dropped:
+                del request.token_ids[-dropped:]
+                if request.sampling.logprobs is not None:
+                    del request.logprobs[-dropped:]
+            return tokens[: i + 1]
+        return tokens
 
     @staticmethod
     def _first_prompt_logprobs(request: Request, tokens: list[int]) -> list[Logprob] | None:
@@ -267,6 +307,10 @@ class LLMEngine:
                 for r in (*sched.waiting, *sched.running)
                 if r.num_computed_tokens < r.num_prompt_tokens
             ),
+            spec_num_drafts=sched.spec_stats.num_drafts,
+            spec_num_draft_tokens=sched.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(sched.spec_stats.accepted_per_pos),
         )
 
     def reset_prefix_cache(self) -> None:

@@ -9,21 +9,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import Request
-
 if TYPE_CHECKING:
     from engine.sampler import SampleRow
 
 _NEG_INF = float("-inf")
 
 
-def needs_masks(request: Request) -> bool:
-    p = request.sampling
+def needs_masks(row: SampleRow) -> bool:
+    p = row.request.sampling
     return bool(
         p.allowed_token_ids is not None
-        or request.bad_words_token_ids
+        or row.request.bad_words_token_ids
         or p.logit_bias
-        or request.num_output_tokens < p.min_tokens
+        or row.num_output_tokens < p.min_tokens
     )
 
 
@@ -39,10 +37,11 @@ def banned_bad_word_tokens(bad_words_token_ids: list[list[int]], output: list[in
     return banned
 
 
-def min_tokens_banned(request: Request, vocab_size: int) -> list[int]:
+def min_tokens_banned(row: SampleRow, vocab_size: int) -> list[int]:
     """While fewer than min_tokens are out: every EOS id and every stop token id (those in
     the vocabulary: a stop id outside it can never be sampled anyway)."""
-    if request.num_output_tokens >= request.sampling.min_tokens:
+    request = row.request
+    if row.num_output_tokens >= request.sampling.min_tokens:
         return []
     ids = request.eos_token_ids | set(request.sampling.stop_token_ids)
     return sorted(t for t in ids if 0 <= t < vocab_size)
@@ -53,18 +52,17 @@ def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     device = logits.device
     ids = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     for i, row in enumerate(rows):
-        req = row.request
-        if not needs_masks(req):
+        if not needs_masks(row):
             continue
-        p = req.sampling
+        req, p = row.request, row.request.sampling
         if p.allowed_token_ids is not None:
             allowed = ids(p.allowed_token_ids)
             kept = logits[i, allowed]
             logits[i] = _NEG_INF
             logits[i, allowed] = kept
-        banned = min_tokens_banned(req, logits.shape[-1])
+        banned = min_tokens_banned(row, logits.shape[-1])
         if req.bad_words_token_ids:
-            banned += banned_bad_word_tokens(req.bad_words_token_ids, req.output_token_ids)
+            banned += banned_bad_word_tokens(req.bad_words_token_ids, row.output_token_ids)
         if banned:
             logits[i, ids(banned)] = _NEG_INF
         if p.logit_bias:

@@ -18,8 +18,9 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.models.llama import ForwardContext, Transformer
 from engine.request import Logprob, Request
-from engine.sampler import SampleRow, sample, token_ranks
+from engine.sampler import SampleRow, raw_logprobs, sample, target_probs, token_ranks, with_logprobs
 from engine.scheduler import SampledToken, SchedulerOutput
+from engine.spec_decode.verify import accepted_prefix, rejection_sample
 
 
 class ModelRunner:
@@ -37,10 +38,14 @@ class ModelRunner:
         self.block_size = kv_cache.shape[3]
         self.device = kv_cache.device
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies the scheduler issued; run before anything writes this step."""
+        for src, dst in copies:
+            self.kv_cache[dst].copy_(self.kv_cache[src])
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, list[SampledToken]]:
-        for src, dst in output.block_copies:
-            self.kv_cache[dst].copy_(self.kv_cache[src])
+        """The step's forward and draws. Block copies must already be done (copy_blocks)."""
         if not output.scheduled:
             return {}
         # One-token rows first: backends batch them (AttentionMetadata invariant).
@@ -52,13 +57,15 @@ class ModelRunner:
         pool_spans: list[tuple[Request, int]] = []  # (pooling request, its rows here)
         pool_rows: list[int] = []
         row = 0
+        verify: list[tuple[Request, int]] = []  # (request with drafts, its first sample row)
         for request, n in order:
             start = request.num_computed_tokens
+            drafts = request.spec.drafts if request.spec is not None else []
             table = self.bm.block_table(request.request_id)
             pos = np.arange(start, start + n)
-            input_ids.append(np.asarray(request.token_ids[start : start + n]))
+            input_ids.append(np.asarray(request.token_ids[start : start + n - len(drafts)] + drafts))
             positions.append(pos)
-            slots.append(np.asarray(table)[pos // self.block_size] * self.block_size + pos % self.block_size)
+            slots.append(slots_of(table, pos, self.block_size))
             tables.append(table)
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -76,12 +83,17 @@ class ModelRunner:
                     prompt_spans.append((request, first, end))
                     prompt_rows.extend(range(row + first - start, row + end - start))
             row += n
-            if start + n == request.num_tokens and request.pooling is None:  # draw the next
+            if drafts:  # verify: every draft position and the one after the last draft
+                verify.append((request, len(sample_rows)))
+                for j in range(len(drafts) + 1):
+                    sample_at.append(row - 1 - len(drafts) + j)
+                    sample_rows.append(SampleRow(request, request.completion_index, tuple(drafts[:j])))
+            elif start + n == request.num_tokens and request.pooling is None:  # draw the next
                 for index in range(request.sampling.n if request.pending_forks else 1):
                     sample_at.append(row - 1)
                     sample_rows.append(SampleRow(request, index or request.completion_index))
 
-        metadata = self._metadata(slots, tables, query_lens, seq_lens)
+        metadata = batch_metadata(self.device, slots, tables, query_lens, seq_lens)
         ctx = ForwardContext(self.backend, self.kv_cache, metadata)
         x = self.model.residual(
             torch.from_numpy(np.concatenate(input_ids)).to(self.device),
@@ -99,35 +111,78 @@ class ModelRunner:
             _record_prompt_logprobs(logits[len(sample_at) :], prompt_spans)
         if not sample_at:
             return {}
-        tokens = sample(logits[: len(sample_at)], sample_rows)
+        return self._sample(logits[: len(sample_at)], sample_rows, verify)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], verify: list[tuple[Request, int]]
+    ) -> dict[str, list[SampledToken]]:
+        """Draw every row; a request with drafts keeps what verification accepts
+        (engine/spec_decode/verify.py) plus the target's token."""
+        with_q = {first: request for request, first in verify if request.spec.draft_probs is not None}
+        q_rows = {first + j for first, r in with_q.items() for j in range(len(r.spec.drafts) + 1)}
+        plain = [i for i in range(len(rows)) if i not in q_rows]
+        tokens: list[SampledToken | None] = [None] * len(rows)
+        if plain:
+            for i, token in zip(plain, sample(logits[plain], [rows[i] for i in plain])):
+                tokens[i] = token
         out: dict[str, list[SampledToken]] = {}
-        for sample_row, token in zip(sample_rows, tokens):
-            out.setdefault(sample_row.request.request_id, []).append(token)
+        for request, first in verify:
+            drafts = request.spec.drafts
+            span = slice(first, first + len(drafts) + 1)
+            if first in with_q:
+                kept = _rejection_sample(logits[span], rows[span], request)
+            else:
+                drawn = tokens[span]
+                kept = drawn[: accepted_prefix([t.token_id for t in drawn], drafts) + 1]
+            out[request.request_id] = kept
+        verified = {first + j for request, first in verify for j in range(len(request.spec.drafts) + 1)}
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            if i not in verified:
+                out.setdefault(row.request.request_id, []).append(token)
         return out
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _metadata(self, slots, tables, query_lens, seq_lens) -> AttentionMetadata:
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        to = lambda a, dtype: torch.from_numpy(np.asarray(a, dtype=dtype)).to(self.device)  # noqa: E731
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        return AttentionMetadata(
-            slot_mapping=to(np.concatenate(slots), np.int64),
-            query_start_loc=to(np.concatenate([[0], np.cumsum(query_lens)]), np.int32),
-            seq_lens=to(seq_lens, np.int32),
-            block_tables=to(block_tables, np.int32),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
+def _rejection_sample(logits: torch.Tensor, rows: list[SampleRow], request: Request) -> list[SampledToken]:
+    """Drafts that came with their distributions: the standard min(1, p/q) rule."""
+    raw_idx, raw = raw_logprobs(logits, rows)
+    kept = rejection_sample(target_probs(logits, rows), request.spec.draft_probs,
+                            request.spec.drafts, rows)
+    n = len(kept)
+    return with_logprobs(kept, rows[:n], ([i for i in raw_idx if i < n], None if raw is None else raw[:n]))
+
+
+def batch_metadata(
+    device: torch.device, slots: list[np.ndarray], tables: list[list[int]],
+    query_lens: list[int], seq_lens: list[int],
+) -> AttentionMetadata:
+    """AttentionMetadata of a ragged batch laid out sequence after sequence (one-token
+    sequences first: the caller orders them so)."""
+    width = max(len(t) for t in tables)
+    block_tables = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    to = lambda a, dtype: torch.from_numpy(np.asarray(a, dtype=dtype)).to(device)  # noqa: E731
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    return AttentionMetadata(
+        slot_mapping=to(np.concatenate(slots), np.int64),
+        query_start_loc=to(np.concatenate([[0], np.cumsum(query_lens)]), np.int32),
+        seq_lens=to(seq_lens, np.int32),
+        block_tables=to(block_tables, np.int32),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def slots_of(table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """KV slots (block_id * block_size + offset) of `positions` in a block table."""
+    return np.asarray(table)[positions // block_size] * block_size + positions % block_size
 
 
 def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:

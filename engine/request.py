@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.block_hash import BlockHash
 from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.state import SpecState
 
 
 class RequestStatus(enum.IntEnum):
@@ -94,6 +95,8 @@ class Request:
     request is freed, so callers can still see which blocks it used."""
     resume: Resume | None = None
     """Set: `token_ids` starts as prompt + resume.output_token_ids (prefilled together)."""
+    spec: SpecState | None = None
+    """Set when the engine speculates: this sequence's drafts and their policy."""
     pooling: PoolingState | None = None
     """Set: a pooling (embedding) request — it never samples; it finishes ("stop") once its
     prompt is computed, with `pooling.embedding` set (engine/pooling.py)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
 from engine.request import Logprob, Request, RequestStatus
+from engine.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -24,6 +25,9 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # copy-on-write (src, dst) to run before the forward
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # stopped by the scheduler itself
+    speculating: list[tuple[Request, int]] = field(default_factory=list)
+    """Decoding requests given slots for k drafts: (request, k); the proposer fills
+    `request.spec.drafts` (up to k), then `Scheduler.fit_drafts` sizes their entries."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,6 +70,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.spec_stats = SpecDecodeStats()
 
     # ---- admission -----------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -86,11 +91,14 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         finished: list[Request] = []
+        speculating: list[tuple[Request, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
+            k = self._num_drafts(request, budget) if n == 1 else 0
+            n += k
             while not self.bm.append_slots(request, n):
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the pool cannot hold this sequence any
@@ -107,6 +115,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append((request, n))
+                if k:
+                    speculating.append((request, k))
                 budget -= n
                 i += 1
                 continue
@@ -134,28 +144,59 @@ class Scheduler:
             scheduled.append((request, n))
             budget -= n
 
-        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished)
+        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating)
+
+    def fit_drafts(self, output: SchedulerOutput) -> None:
+        """After the proposer: each speculating request computes its last token plus the
+        drafts it got; slots kept for drafts it did not get go back to the pool."""
+        sizes: dict[str, int] = {}
+        for request, k in output.speculating:
+            got = len(request.spec.drafts)
+            sizes[request.request_id] = 1 + got
+            if got < k:
+                self.bm.trim(request, request.num_tokens + got)
+        output.scheduled = [(r, sizes.get(r.request_id, n)) for r, n in output.scheduled]
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Drafts a decoding request may verify this step: its policy's allowance, cut so
+        that the step fits the budget and every token it could keep stays within max_tokens
+        and max_model_len (it keeps at most drafts + 1)."""
+        if request.spec is None or request.pooling is not None:
+            return 0
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return max(0, min(request.spec.allowance(), room)) if room > 0 else 0
 
     def _preempt(self, request: Request) -> None:
         self.bm.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        if request.spec is not None:
+            request.spec.num_draft_computed = 0
         self.stats.num_preemptions += 1
         insort(self.waiting, request, key=_order)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
-    ) -> tuple[list[Request], list[Request]]:
+    ) -> tuple[list[tuple[Request, int]], list[Request]]:
         """Advance counters after a forward. `sampled` has, per request that completed its
-        known tokens, one token per completion (n of them when a fork is due); a pooling
-        request finishes once its prompt is computed (the runner recorded its result).
-        Returns (requests that got a token, including new forks; requests that finished,
-        including those the scheduler stopped without a new token)."""
-        updated: list[Request] = []
+        known tokens, one token per completion (n of them when a fork is due) — or, for a
+        request that verified drafts, the tokens it keeps (accepted drafts, then the
+        target's own); a pooling request finishes once its prompt is computed (the runner
+        recorded its result). Returns ((request, new tokens) for requests that got tokens,
+        including new forks; requests that finished, including those the scheduler stopped
+        without a new token)."""
+        updated: list[tuple[Request, int]] = []
         finished: list[Request] = list(output.finished)
         for request, n in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile
+            if request.spec is not None and request.spec.drafts:
+                kept = self._apply_verified(request, sampled[request.request_id])
+                updated.append((request, kept))
+                if request.status.is_finished:
+                    finished.append(request)
+                continue
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += n
@@ -171,10 +212,39 @@ class Scheduler:
             group = [request] + [self._fork(request, i) for i in range(1, len(tokens))]
             for member, token in zip(group, tokens):
                 self._append(member, token)
-                updated.append(member)
+                updated.append((member, 1))
                 if member.status.is_finished:
                     finished.append(member)
         return updated, finished
+
+    def _apply_verified(self, request: Request, tokens: list[SampledToken]) -> int:
+        """A verify step's result: `tokens` = the accepted drafts, then the target's token.
+        They are kept one by one under the stop rules (a stop drops the rest, so max_tokens,
+        stop tokens and min_tokens hold at any acceptance length); num_computed_tokens
+        covers the last token and the kept drafts only, so the rejected drafts' KV is never
+        read or hashed, and the blocks only they needed go back to the pool. Returns the
+        number of tokens kept."""
+        spec = request.spec
+        proposed, accepted = len(spec.drafts), len(tokens) - 1
+        spec.record(proposed, accepted)
+        self.spec_stats.record(proposed, accepted, spec.max_k)
+        spec.drafts, spec.draft_probs = [], None
+        computed = request.num_computed_tokens
+        kept, status = 0, None
+        for token in tokens:
+            kept += 1
+            status = self._append_token(request, token)
+            if status is not None:
+                break
+        # Inputs computed this step: the last token and the drafts; the kept ones are valid.
+        request.num_computed_tokens = computed + 1 + min(accepted, kept - 1)
+        spec.num_draft_computed = min(spec.num_draft_computed, request.num_computed_tokens)
+        self.bm.cache_full_blocks(request)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        else:
+            self.bm.trim(request, request.num_tokens)
+        return kept
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = Request(
@@ -196,6 +266,7 @@ class Scheduler:
             token_ids=list(parent.token_ids),
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
+            spec=parent.spec.fresh() if parent.spec is not None else None,
         )
         self.bm.fork(parent, child)
         self.requests[child.request_id] = child
@@ -203,15 +274,20 @@ class Scheduler:
         return child
 
     def _append(self, request: Request, token: SampledToken) -> None:
+        status = self._append_token(request, token)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+
+    def _append_token(self, request: Request, token: SampledToken) -> RequestStatus | None:
+        """Append one output token (and its logprobs); the status it stops the request
+        with, if any (the caller finishes it)."""
         request.append_token(token.token_id)
         self.stats.generation_tokens += 1
         if token.logprob is not None:
             request.logprobs.append(
                 Logprob(token.token_id, token.logprob, list(token.top_logprobs), token.rank)
             )
-        status = self._stop_status(request, token.token_id)
-        if status is not None:
-            self.finish_request(request.request_id, status)
+        return self._stop_status(request, token.token_id)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         """vLLM's check_stop: length first; no EOS / stop token before min_tokens (the sampler

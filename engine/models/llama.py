@@ -147,13 +147,16 @@ class Transformer(nn.Module):
         """Logits [len(logits_indices) or T, vocab] in fp32, only at the rows asked for."""
         return self.logits(self.residual(input_ids, positions, ctx), ctx, logits_indices)
 
-    def residual(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
-        """The residual stream after the last layer, [T, dim] (before the final norm)."""
+    def residual(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> Tensor:
+        """The residual stream after the last layer, [T, dim] (before the final norm).
+        `num_layers`: stop after the first N layers (a layer-skip self-draft)."""
         ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_cos_sin, self.kernels
         if self.kernels is None:
             ctx.cos_sin = self.rope_cos_sin[positions]
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, ctx)
         return x
 

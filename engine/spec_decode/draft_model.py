@@ -1,0 +1,107 @@
+"""Draft-model proposer: a smaller model drafts k tokens greedily, one forward per token
+over every sequence in the batch.
+
+Two kinds of drafter:
+- `self:N` (layer-skip self-speculation): the target's first N layers, its final norm and
+  LM head. Those layers' KV *is* the target's KV for layers 0..N-1, so the drafter reads and
+  writes the target's pool through the target's block tables: no second KV cache, nothing
+  to catch up, and in disaggregated mode the prompt's draft KV arrives with the target's.
+- A separate model (same vocabulary): its own KV pool, indexed by the target's block ids
+  (same block size and count), so the block manager's tables, copy-on-write and rollback
+  serve both. Each sequence's draft KV catches up from `SpecState.num_draft_computed` on
+  its first proposal (the prompt, whether prefilled here or by a prefill worker: rebuilt on
+  the decode worker, which keeps prefill workers and KV transfers unaware of drafting).
+
+Drafts see the request's masks and penalties (so a constrained or penalized request is not
+drafted tokens its target can never pick); the argmax is the draft."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend
+from engine.block_manager import BlockManager
+from engine.model_runner import batch_metadata, slots_of
+from engine.models.llama import ForwardContext, Transformer
+from engine.request import Request
+from engine.sampler import SampleRow, adjust_logits
+from engine.spec_decode.proposer import Proposal
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        block_manager: BlockManager,
+        num_layers: int | None = None,
+        owns_kv: bool = False,
+    ) -> None:
+        """`num_layers`: run only the first N layers of `model` (self:N). `owns_kv`: the pool
+        is the drafter's own (a separate model), so each sequence catches up on it."""
+        self.model, self.kv_cache, self.backend, self.bm = model, kv_cache, backend, block_manager
+        self.num_layers, self.owns_kv = num_layers, owns_kv
+        self.block_size = kv_cache.shape[3]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if self.owns_kv:
+            for src, dst in copies:
+                self.kv_cache[dst].copy_(self.kv_cache[src])
+
+    @torch.inference_mode()
+    def propose(self, batch: list[tuple[Request, int]]) -> list[Proposal]:
+        drafts: list[list[int]] = [[] for _ in batch]
+        live = [i for i, (_, k) in enumerate(batch) if k > 0]
+        step = 0
+        while live:
+            feeds = []  # (batch index, first position, input tokens)
+            for i in live:
+                request = batch[i][0]
+                if step == 0:
+                    start = request.spec.num_draft_computed if self.owns_kv else request.num_tokens - 1
+                    feeds.append((i, start, request.token_ids[start:]))
+                else:
+                    feeds.append((i, request.num_tokens - 1 + step, [drafts[i][-1]]))
+            for i, token in zip([f[0] for f in feeds], self._next_tokens(feeds, batch, drafts)):
+                drafts[i].append(token)
+                if self.owns_kv:
+                    request = batch[i][0]
+                    request.spec.num_draft_computed = request.num_tokens - 1 + len(drafts[i])
+            step += 1
+            live = [i for i in live if len(drafts[i]) < batch[i][1]]
+        return [Proposal(d) for d in drafts]
+
+    def _next_tokens(self, feeds, batch, drafts) -> list[int]:
+        """One forward over `feeds` (one-token rows first, as attention expects); the greedy
+        draft after each feed's last row, in `feeds` order."""
+        order = sorted(range(len(feeds)), key=lambda j: len(feeds[j][2]) != 1)
+        input_ids, positions, slots, tables, query_lens, seq_lens, last_rows = [], [], [], [], [], [], []
+        row = 0
+        for j in order:
+            i, start, tokens = feeds[j]
+            table = self.bm.block_table(batch[i][0].request_id)
+            pos = np.arange(start, start + len(tokens))
+            input_ids.append(np.asarray(tokens))
+            positions.append(pos)
+            slots.append(slots_of(table, pos, self.block_size))
+            tables.append(table)
+            query_lens.append(len(tokens))
+            seq_lens.append(start + len(tokens))
+            row += len(tokens)
+            last_rows.append(row - 1)
+        device = self.kv_cache.device
+        ctx = ForwardContext(self.backend, self.kv_cache,
+                             batch_metadata(device, slots, tables, query_lens, seq_lens))
+        x = self.model.residual(torch.from_numpy(np.concatenate(input_ids)).to(device),
+                                torch.from_numpy(np.concatenate(positions)).to(device), ctx,
+                                self.num_layers)
+        logits = self.model.logits(x, ctx, torch.tensor(last_rows, device=device))
+        rows = [SampleRow(batch[feeds[j][0]][0], batch[feeds[j][0]][0].completion_index,
+                          tuple(drafts[feeds[j][0]])) for j in order]
+        adjust_logits(logits, rows)
+        tokens = logits.argmax(-1).tolist()
+        out = [0] * len(feeds)
+        for j, token in zip(order, tokens):
+            out[j] = token
+        return out
