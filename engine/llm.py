@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.metrics_reader import Metric, engine_metrics
 from engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -22,6 +23,13 @@ class LLM:
         """`config` (as parsed by the CLI) or `model` + EngineConfig fields as keywords."""
         self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters so far (vLLM's `LLM.get_metrics()`): requests, KV usage,
+        prefix cache, tokens, and with speculation its draft / accepted counts per position
+        (acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted /
+        drafts)."""
+        return engine_metrics(self.engine.stats(), self.engine.proposer is not None)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults applied (vLLM's name;
