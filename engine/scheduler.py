@@ -100,6 +100,9 @@ class Scheduler:
             k = self._num_drafts(request, budget) if n == 1 else 0
             n += k
             while not self.bm.append_slots(request, n):
+                if k:  # short of blocks: drafts go before anyone is preempted
+                    n, k = n - k, 0
+                    continue
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the pool cannot hold this sequence any
                     # longer; preempting it would only loop. (Its prompt always fits.)

@@ -48,6 +48,21 @@ def gather_kv(
     return k, v
 
 
+SHORT_QUERY = 16
+"""Sequences with at most this many query rows after a cached context (verify rows of
+speculating sequences) are batched in one padded call, like decodes."""
+
+
+def _leading_short(metadata: AttentionMetadata, first: int) -> int:
+    """End of the run of short-query sequences starting at `first` that attend to a cached
+    context (not whole-prompt prefills)."""
+    s = first
+    while (s < metadata.num_seqs and metadata.query_lens_cpu[s] <= SHORT_QUERY
+           and metadata.seq_lens_cpu[s] > metadata.query_lens_cpu[s]):
+        s += 1
+    return s
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Decodes batched in one padded SDPA call; prefill chunks one SDPA call per sequence."""
 
@@ -61,7 +76,13 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale)
         block_size = kv_cache.shape[3]
         start = nd  # decode rows are one token each
-        for s in range(nd, metadata.num_seqs):
+        short = _leading_short(metadata, nd)
+        if short > nd:  # verify rows of speculating sequences: one padded call
+            rows = sum(metadata.query_lens_cpu[nd:short])
+            out[start : start + rows] = self._short(query[start : start + rows], kv_cache, layer,
+                                                    metadata, nd, short, scale)
+            start += rows
+        for s in range(short, metadata.num_seqs):
             q_len, seq_len = metadata.query_lens_cpu[s], metadata.seq_lens_cpu[s]
             num_blocks = -(-seq_len // block_size)
             k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, :num_blocks])
@@ -80,6 +101,40 @@ class TorchAttentionBackend(AttentionBackend):
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
+
+    @staticmethod
+    def _short(query, kv_cache, layer, metadata: AttentionMetadata, first: int, end: int, scale):
+        """Sequences first..end-1, each a few query rows after a cached context (a
+        speculating sequence's last token and drafts): padded to the longest, one SDPA
+        call, query heads grouped per kv head as in `_decode`."""
+        q_lens = metadata.query_lens_cpu[first:end]
+        ns, q_max = end - first, max(q_lens)
+        block_size = kv_cache.shape[3]
+        seq_lens = metadata.seq_lens[first:end]
+        num_blocks = -(-max(metadata.seq_lens_cpu[first:end]) // block_size)
+        k, v = gather_kv(kv_cache, layer, metadata.block_tables[first:end, :num_blocks])
+        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        group = query.shape[1] // num_kv_heads
+        padded = query.new_zeros(ns, q_max, *query.shape[1:])
+        row_of = torch.tensor([i * q_max + t for i, n in enumerate(q_lens) for t in range(n)],
+                              device=query.device)
+        padded.view(ns * q_max, *query.shape[1:])[row_of] = query
+        # [ns, Hkv, q_max * group, D]: row t * group + g is query token t, head g of the group.
+        grouped = padded.view(ns, q_max, num_kv_heads, group, head_dim).transpose(1, 2)
+        grouped = grouped.reshape(ns, num_kv_heads, q_max * group, head_dim)
+        # Token t of sequence i sits at position seq_len - q_len + t; padding rows see the
+        # whole context (their output is dropped).
+        q_len_t = torch.tensor(q_lens, device=query.device)
+        t = torch.arange(q_max, device=query.device)
+        q_pos = (seq_lens - q_len_t)[:, None] + torch.minimum(t[None, :], q_len_t[:, None] - 1)
+        keys = torch.arange(num_blocks * block_size, device=query.device)
+        mask = keys[None, None, :] <= q_pos[:, :, None]  # [ns, q_max, L]
+        mask = mask.repeat_interleave(group, dim=1)[:, None]  # [ns, 1, q_max * group, L]
+        o = F.scaled_dot_product_attention(
+            grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        )
+        o = o.view(ns, num_kv_heads, q_max, group, head_dim).transpose(1, 2)
+        return o.reshape(ns * q_max, *query.shape[1:])[row_of]
 
     @staticmethod
     def _decode(query, kv_cache, layer, metadata: AttentionMetadata, scale):

@@ -99,7 +99,7 @@ def test_stop_rules_hold_at_any_acceptance_length(reference, model_dir):
 
 @pytest.mark.parametrize("engine_args", [
     {"max_num_batched_tokens": 8},  # chunked prefill; the budget also cuts drafts
-    {"kv_cache_memory": 20 * 4 * 2 * 16 * 3 * 64 * 4, "max_num_seqs": 6},  # 20 blocks: preempts
+    {"kv_cache_memory": 12 * 4 * 2 * 16 * 3 * 64 * 4, "max_num_seqs": 6},  # 12 blocks: preempts
     {"enable_prefix_caching": True},
 ], ids=["chunked", "preemption", "prefix_cache"])
 def test_identical_under_chunked_prefill_preemption_and_prefix_caching(reference, model_dir, engine_args):
