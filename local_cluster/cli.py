@@ -91,6 +91,11 @@ def register(subparsers) -> None:
                         "is a crash loop and it is not restarted again (0 = never restart)")
     p.add_argument("--restart-window", type=float, default=300.0,
                    help="seconds a crash counts towards --max-restarts and the backoff")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding on the decode workers (prefill workers never '
+                        'speculate), as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": "self:8" | PATH, '
+                        '"num_speculative_tokens": 3}\'')
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--kv-cache-memory=1GiB")
     p.add_argument("--prefill-arg", dest="prefill_args", action="append", default=[],

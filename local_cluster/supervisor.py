@@ -50,10 +50,17 @@ class Supervisor:
         return slot
 
     def _spawn_worker(self, role: str, name: str) -> ServiceProcess:
-        role_args = self.args.prefill_args if role == "prefill" else self.args.decode_args
-        cmd = [role, "--etcd", self.etcd, "--cluster", self.args.cluster, "--model", self.args.model,
-               "--num-threads", str(self._threads()), *self.args.worker_args, *role_args]
-        return ServiceProcess(cmd, self.log_dir / f"{name}.log")
+        return ServiceProcess(self.worker_command(role), self.log_dir / f"{name}.log")
+
+    def worker_command(self, role: str) -> list[str]:
+        """`pdserve <role> ...`'s arguments: the cluster's, --worker-arg's, then the role's own
+        (--speculative-config for decode workers only, then --prefill-arg / --decode-arg)."""
+        a = self.args
+        role_args = list(a.prefill_args if role == "prefill" else a.decode_args)
+        if role == "decode" and a.speculative_config:
+            role_args[:0] = ["--speculative-config", a.speculative_config]
+        return [role, "--etcd", self.etcd, "--cluster", a.cluster, "--model", a.model,
+                "--num-threads", str(self._threads()), *a.worker_args, *role_args]
 
     def _threads(self) -> int:
         if self.args.num_threads:

@@ -28,7 +28,9 @@ from local_cluster.supervisor import Supervisor
 def up(args: argparse.Namespace) -> int:
     """Run a local cluster until Ctrl-C / SIGTERM; 1 if it could not serve at all."""
     from engine.models.loader import resolve_model_path
+    from engine.spec_decode.config import SpeculativeConfig
 
+    SpeculativeConfig.parse(args.speculative_config)  # a malformed one fails here, not N times
     args.model = str(resolve_model_path(args.model))  # prepare once, before N processes race
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 
 from engine.config import EngineConfig, add_engine_args
 from worker_runtime.args import add_worker_args, worker_config_from_args
+
+log = logging.getLogger(__name__)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +23,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(role: str, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     config = worker_config_from_args(role, args)
-    engine_config = EngineConfig.from_args(args)
+    engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
     return asyncio.run(_serve(role, config, engine_config))
+
+
+def engine_config_for_role(role: str, engine_config: EngineConfig) -> EngineConfig:
+    """Speculation runs on decode workers only: a prefill worker computes prompts and samples
+    one token per request, so it would load a draft model it never uses. It drops a
+    --speculative-config (users pass the same --worker-arg to both roles) with one warning;
+    the config is still parsed first, so a malformed one fails here as on a decode worker."""
+    if role != "prefill" or engine_config.speculative_config is None:
+        return engine_config
+    log.warning("prefill worker: ignoring --speculative-config (%s); speculative decoding runs "
+                "on decode workers", engine_config.speculative_config.to_json())
+    return dataclasses.replace(engine_config, speculative_config=None)
 
 
 async def _serve(role, config, engine_config) -> int:

@@ -10,6 +10,12 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "metrics.md"
 _ROW = re.compile(r"^\| `([a-zA-Z_:][a-zA-Z0-9_:]*)` \| (\w+) \| (\w+) \|")
 _TYPE = re.compile(r"^# TYPE (\S+) (\w+)$", re.M)
+#: Exported only by a worker whose engine speculates (--speculative-config), as vLLM's.
+SPECULATIVE_PREFIXES = ("vllm:spec_decode_", "pdserve_worker_spec_")
+
+
+def speculative_only(name: str) -> bool:
+    return name.startswith(SPECULATIVE_PREFIXES)
 
 
 def documented() -> dict[str, tuple[str, str]]:
@@ -31,7 +37,8 @@ def type_lines(exposition: str) -> dict[str, str]:
 
 
 def exported() -> dict[str, dict[str, str]]:
-    """process ('router', 'worker') -> {name: type} of what the code's collectors export."""
+    """process ('router', 'worker') -> {name: type} of what the code's collectors export (a
+    worker with speculative decoding on, so its spec-decode counters are included)."""
     from prometheus_client import generate_latest
 
     from engine.llm_engine import EngineStats
@@ -41,7 +48,7 @@ def exported() -> dict[str, dict[str, str]]:
 
     kv = SimpleNamespace(sender=SimpleNamespace(metrics=TransferMetrics("send")),
                          receiver=SimpleNamespace(metrics=TransferMetrics("receive")))
-    worker = WorkerMetrics("decode", kv, "model")
+    worker = WorkerMetrics("decode", kv, "model", num_speculative_tokens=2)
     worker.update(EngineStats(*([1] * 12)), SimpleNamespace(step_seconds=0.0))
     return {"router": type_lines(generate_latest(RouterMetrics().registry).decode()),
             "worker": type_lines(generate_latest(worker.registry).decode())}

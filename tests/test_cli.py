@@ -32,3 +32,24 @@ def test_help_lists_every_subcommand_without_loading_torch():
 def test_bad_model_path_is_a_clear_error():
     out = _pdserve("generate", "--prompt", "hi", "--model", "/nonexistent/model")
     assert out.returncode == 2 and "model path does not exist" in out.stderr
+
+
+def test_up_refuses_a_malformed_speculative_config_before_starting_anything():
+    # the model path is checked after the config: a passing config would fail on it instead
+    out = _pdserve("up", "--model", "/nonexistent/model", "--speculative-config",
+                   '{"method": "eagle", "num_speculative_tokens": 2}')
+    assert out.returncode == 2 and "method must be one of" in out.stderr, out.stderr
+
+
+def test_prefill_role_drops_the_speculative_config_with_one_warning(caplog):
+    from engine.config import EngineConfig
+    from pdserve.worker_main import engine_config_for_role
+
+    config = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert engine_config_for_role("decode", config) is config
+    with caplog.at_level("WARNING"):
+        prefill = engine_config_for_role("prefill", config)
+    assert prefill.speculative_config is None
+    assert prefill == EngineConfig(speculative_config=None)
+    [record] = caplog.records
+    assert "ignoring --speculative-config" in record.getMessage()

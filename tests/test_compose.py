@@ -37,6 +37,10 @@ def test_compose_file_is_valid_and_only_the_router_is_published():
         assert services[name]["networks"] == {"pdnet": None} or set(services[name]["networks"]) == {"pdnet"}
         assert f"pdserve {name}" in " ".join(s["command"])
     assert "router" in " ".join(services["router"]["command"])
+    # speculative decoding: decode workers only, from SPECULATIVE_CONFIG (empty: off)
+    assert '--speculative-config "$$SPECULATIVE_CONFIG"' in " ".join(services["decode"]["command"])
+    assert services["decode"]["environment"]["SPECULATIVE_CONFIG"] == ""
+    assert "speculative" not in " ".join(services["prefill"]["command"])
 
 
 def test_dockerfile_runs_as_non_root_and_prepares_the_model_at_build():

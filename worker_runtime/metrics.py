@@ -5,7 +5,9 @@ Besides pdserve's own `pdserve_worker_*` names, the engine-level stats are also 
 vLLM's names (`vllm:*`, labels `model_name`, `engine`, plus `role`), so dashboards and
 autoscalers written for vLLM work unchanged. The request latency histograms under vLLM's names
 are observed by decode workers (where a completion request arrives and its tokens leave, like
-vLLM's engine); a prefill worker exports them empty."""
+vLLM's engine); a prefill worker exports them empty. The speculative-decoding counters exist only
+on a worker whose engine speculates (a decode worker given --speculative-config), as vLLM
+registers them only when a speculative config is set."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -38,6 +40,16 @@ VLLM_COUNTERS = (  # exported with the `_total` suffix, as vLLM's are
      lambda s: s.generation_tokens),
 )
 VLLM_LABELS = ["model_name", "engine", "role"]
+#: vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py) and pdserve's twins, `_total`
+#: suffixed; per-position acceptance is `vllm:spec_decode_num_accepted_tokens_per_pos` (below).
+SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "pdserve_worker_spec_drafts",
+     "Number of spec decoding drafts.", lambda s: s.spec_num_drafts),
+    ("vllm:spec_decode_num_draft_tokens", "pdserve_worker_spec_draft_tokens",
+     "Number of draft tokens.", lambda s: s.spec_num_draft_tokens),
+    ("vllm:spec_decode_num_accepted_tokens", "pdserve_worker_spec_accepted_tokens",
+     "Number of accepted tokens.", lambda s: s.spec_num_accepted_tokens),
+)
 # vLLM's own bucket bounds for these histograms (v1 loggers).
 VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -63,9 +75,11 @@ class _Both:
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, kv_backend, model_name: str = "") -> None:
+    def __init__(self, role: str, kv_backend, model_name: str = "",
+                 num_speculative_tokens: int = 0) -> None:
         self.role = role
         self.model_name = model_name
+        self.num_speculative_tokens = num_speculative_tokens  # 0: no speculation, no spec metrics
         self.kv = kv_backend
         self.registry = CollectorRegistry()
         self._stats: EngineStats | None = None
@@ -145,6 +159,8 @@ class WorkerMetrics:
                 c = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
                 c.add_metric(vllm, value(s))
                 yield c
+            if self.num_speculative_tokens:
+                yield from self._spec_decode(s, vllm)
         steps = CounterMetricFamily("pdserve_worker_engine_step_seconds", "Time in engine steps", labels=["role"])
         steps.add_metric(role, self._step_seconds)
         yield steps
@@ -153,3 +169,24 @@ class WorkerMetrics:
         for mode, n in self.prefill_modes.items():
             modes.add_metric([self.role, mode], n)
         yield modes
+
+    def _spec_decode(self, s: EngineStats, vllm: list[str]):
+        for vllm_name, name, doc, value in SPEC_COUNTERS:
+            for family, labels, values in ((vllm_name, VLLM_LABELS, vllm), (name, ["role"], [self.role])):
+                c = CounterMetricFamily(family, doc, labels=labels)
+                c.add_metric(values, value(s))
+                yield c
+        # One series per draft position 0..k-1 from the start, as vLLM's (the engine's list
+        # grows to the longest draft seen so far).
+        per_pos = list(s.spec_accepted_per_pos)
+        per_pos += [0] * (self.num_speculative_tokens - len(per_pos))
+        doc = "Accepted tokens per draft position."
+        theirs = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc,
+                                     labels=[*VLLM_LABELS, "position"])
+        ours = CounterMetricFamily("pdserve_worker_spec_accepted_tokens_per_pos", doc,
+                                   labels=["role", "position"])
+        for pos, n in enumerate(per_pos):
+            theirs.add_metric([*vllm, str(pos)], n)
+            ours.add_metric([self.role, str(pos)], n)
+        yield theirs
+        yield ours

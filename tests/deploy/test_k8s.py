@@ -148,6 +148,17 @@ def test_workers_advertise_pod_ip_and_drain_in_grace_period(rendered):
 
 
 @needs_kubectl
+def test_speculative_config_on_decode_workers_only_off_by_default(rendered):
+    name, docs = rendered
+    deps = of_kind(docs, "Deployment")
+    c = container(deps["decode"])
+    m = re.fullmatch(r"\$\((\w+)\)", _args(c).get("speculative-config", ""))
+    assert m, f"{name}: decode --speculative-config is not an env var"
+    assert _env(c)[m.group(1)]["value"] == "", name  # defined (else $(...) stays literal), empty: off
+    assert "speculative-config" not in _args(container(deps["prefill"])), name
+
+
+@needs_kubectl
 def test_router_ready_on_health_and_key_from_secret(rendered):
     name, docs = rendered
     deps = of_kind(docs, "Deployment")

@@ -156,3 +156,18 @@ def test_stop_during_a_backoff_stops_every_child_and_starts_none():
     assert [c for s in spawns for c in s.children] == started
     assert not [c for c in started if c.alive()]
     assert sup.snapshot()["slots"] == []
+
+
+def test_speculative_config_goes_to_decode_workers_only():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=spec,
+                              worker_args=["--dtype=float32"], prefill_args=[],
+                              decode_args=["--kv-timeout=5"])
+    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
+    decode = sup.worker_command("decode")
+    assert decode[0] == "decode"
+    # after --worker-arg, before --decode-arg (so a --decode-arg of the same flag wins)
+    assert decode[-4:] == ["--dtype=float32", "--speculative-config", spec, "--kv-timeout=5"]
+    assert not any("speculative" in a for a in sup.worker_command("prefill"))
+    args.speculative_config = None
+    assert not any("speculative" in a for a in sup.worker_command("decode"))
