@@ -103,6 +103,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
         self.proposer: Proposer | None = make_proposer(self)
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        """k: the most drafts a sequence verifies per step (0: no speculation)."""
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -310,7 +313,8 @@ class LLMEngine:
             spec_num_drafts=sched.spec_stats.num_drafts,
             spec_num_draft_tokens=sched.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
-            spec_accepted_per_pos=tuple(sched.spec_stats.accepted_per_pos),
+            spec_accepted_per_pos=tuple(sched.spec_stats.accepted_per_pos)
+            + (0,) * (self.num_speculative_tokens - len(sched.spec_stats.accepted_per_pos)),
         )
 
     def reset_prefix_cache(self) -> None:

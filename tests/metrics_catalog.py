@@ -49,7 +49,8 @@ def exported() -> dict[str, dict[str, str]]:
     kv = SimpleNamespace(sender=SimpleNamespace(metrics=TransferMetrics("send")),
                          receiver=SimpleNamespace(metrics=TransferMetrics("receive")))
     worker = WorkerMetrics("decode", kv, "model", num_speculative_tokens=2)
-    worker.update(EngineStats(*([1] * 12)), SimpleNamespace(step_seconds=0.0))
+    worker.update(EngineStats(*([1] * 12), spec_accepted_per_pos=(1, 1)),
+                  SimpleNamespace(step_seconds=0.0))
     return {"router": type_lines(generate_latest(RouterMetrics().registry).decode()),
             "worker": type_lines(generate_latest(worker.registry).decode())}
 

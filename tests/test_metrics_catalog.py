@@ -95,7 +95,7 @@ def test_spec_decode_counters_under_vllm_names_only_when_speculating():
 
     stats = EngineStats(1, 0, 0, 100, 50, 0.5, 0, 0, 0, 9, 30, 0, spec_num_drafts=10,
                         spec_num_draft_tokens=28, spec_num_accepted_tokens=13,
-                        spec_accepted_per_pos=(7, 4, 2))
+                        spec_accepted_per_pos=(7, 4, 2, 0))
     m = _worker(num_speculative_tokens=4)
     m.update(stats, SimpleNamespace(step_seconds=0))
     values = _samples(m.registry)
@@ -103,7 +103,7 @@ def test_spec_decode_counters_under_vllm_names_only_when_speculating():
     assert values[("vllm:spec_decode_num_drafts_total", vllm)] == 10
     assert values[("vllm:spec_decode_num_draft_tokens_total", vllm)] == 28
     assert values[("vllm:spec_decode_num_accepted_tokens_total", vllm)] == 13
-    # one series per position 0..k-1, from the start (the engine's list may be shorter)
+    # one series per position 0..k-1, from the start
     per_pos = {dict(labels)["position"]: v for (name, labels), v in values.items()
                if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
     assert per_pos == {"0": 7, "1": 4, "2": 2, "3": 0}

@@ -176,10 +176,8 @@ class WorkerMetrics:
                 c = CounterMetricFamily(family, doc, labels=labels)
                 c.add_metric(values, value(s))
                 yield c
-        # One series per draft position 0..k-1 from the start, as vLLM's (the engine's list
-        # grows to the longest draft seen so far).
-        per_pos = list(s.spec_accepted_per_pos)
-        per_pos += [0] * (self.num_speculative_tokens - len(per_pos))
+        # One series per draft position 0..k-1 from the start, as vLLM's.
+        per_pos = s.spec_accepted_per_pos
         doc = "Accepted tokens per draft position."
         theirs = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", doc,
                                      labels=[*VLLM_LABELS, "position"])

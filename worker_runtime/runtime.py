@@ -45,9 +45,8 @@ class WorkerRuntime:
         compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id)
         self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, compat)
         self.compat_hash = compat.hash()
-        spec = engine_config.speculative_config
         self.metrics = WorkerMetrics(config.role, self.kv, self.engine.loaded.model_id,
-                                     spec.num_speculative_tokens if spec else 0)
+                                     self.engine.num_speculative_tokens)
         self.draining = False
         self.inflight = 0
         self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
