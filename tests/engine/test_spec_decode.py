@@ -191,3 +191,10 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model_dir, tmp_path):
     save_file({k: torch.zeros(v) for k, v in shapes.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(FieldError, match="another vocabulary"):
         _llm(model_dir, {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_parallel_completions_speculate_each_on_their_own(reference, model_dir):
+    llm = _llm(model_dir, NGRAM)
+    params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=20)
+    assert _outputs(llm, REPEATING[:2], params) == _outputs(reference, REPEATING[:2], params)
+    assert _accepted(llm) > 0
