@@ -215,6 +215,8 @@ class LLMEngine:
     def _draft(self, output: SchedulerOutput) -> None:
         for (request, k), proposal in zip(output.speculating, self.proposer.propose(output.speculating)):
             request.spec.drafts = proposal.token_ids[:k]
+            if request.grammar is not None:  # drafts the grammar forbids are never verified
+                del request.spec.drafts[request.grammar.valid_prefix(request.spec.drafts):]
             if proposal.probs is not None:
                 request.spec.draft_probs = proposal.probs[: len(request.spec.drafts)]
         self.scheduler.fit_drafts(output)

@@ -1,5 +1,5 @@
 """Per-request logit masks, applied before penalties and temperature (vLLM's order):
-allowed_token_ids, bad_words, min_tokens, logit_bias.
+allowed_token_ids, bad_words, min_tokens, logit_bias, then the structured-output grammar.
 
 A row pays for these only when its request asks for one of them (`needs_masks`); a batch
 where no row does costs one attribute check per row."""
@@ -25,6 +25,20 @@ def needs_masks(row: SampleRow) -> bool:
     )
 
 
+def apply_grammar_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Structured outputs: rows of constrained requests keep only the tokens their grammar
+    allows next (after the row's drafts, for a speculating sequence). One batched bitmask."""
+    constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
+    if not constrained:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    applied = [i for i in constrained if rows[i].request.grammar.fill_mask(bitmask, i, rows[i].drafts)]
+    if applied:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=applied)
+
+
 def banned_bad_word_tokens(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
     """Last tokens of the bad words whose other tokens end `output` (one-token words always)."""
     banned = []
@@ -48,7 +62,12 @@ def min_tokens_banned(row: SampleRow, vocab_size: int) -> list[int]:
 
 
 def apply_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """In place, row by row, only for rows whose request needs it."""
+    """In place, row by row, only for rows whose request needs it; grammar masks last."""
+    _apply_request_masks(logits, rows)
+    apply_grammar_masks(logits, rows)
+
+
+def _apply_request_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     device = logits.device
     ids = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     for i, row in enumerate(rows):

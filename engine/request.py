@@ -9,6 +9,7 @@ from engine.block_hash import BlockHash
 from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
+from engine.structured.state import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -95,6 +96,9 @@ class Request:
     request is freed, so callers can still see which blocks it used."""
     resume: Resume | None = None
     """Set: `token_ids` starts as prompt + resume.output_token_ids (prefilled together)."""
+    grammar: GrammarState | None = None
+    """Set for structured outputs: the matcher its sampled tokens must follow (advanced by
+    every token it keeps; engine/structured)."""
     spec: SpecState | None = None
     """Set when the engine speculates: this sequence's drafts and their policy."""
     pooling: PoolingState | None = None

@@ -9,13 +9,16 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.block_hash import compute_block_hashes, hash_extras
 from engine.pooling import PoolingParams, PoolingState
 from engine.request import Request, Resume
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.structured.compiler import GrammarCompiler
 
 
 class RequestBuilder:
@@ -28,6 +31,20 @@ class RequestBuilder:
         self.block_size = block_size
         self._seed_rng = random.Random(seed)  # seeds for requests that bring none
         self._seed_lock = threading.Lock()  # build() runs on worker asyncio threads too
+        self._grammars: GrammarCompiler | None = None  # on the first structured request
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this vocabulary (built once, on first use:
+        importing and indexing the vocabulary takes a moment)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from engine.structured.compiler import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                 self.tokenizer.stop_token_ids)
+            return self._grammars
 
     def build(
         self,
@@ -41,7 +58,9 @@ class RequestBuilder:
     ) -> Request:
         """Raises ValueError with a message that starts with the offending field. `resume`:
         continue after outputs produced elsewhere (n must be 1; fewer than max_tokens).
-        `pooling`: a pooling (embedding) request; it never samples (`params` only truncate)."""
+        `pooling`: a pooling (embedding) request; it never samples (`params` only truncate).
+        A structured-output request compiles its grammar here (off the engine thread) and
+        replays `resume`'s outputs into its matcher."""
         if pooling is not None and (resume is not None or params.n != 1):
             raise ValueError("pooling: a pooling request has n == 1 and no resume")
         if isinstance(prompt, str):
@@ -72,6 +91,14 @@ class RequestBuilder:
             raise ValueError(f"resume_output_token_ids: a resumed request needs n == 1 and "
                              f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
                              f"{len(outputs)} outputs")
+        grammar = None
+        if params.structured_outputs is not None and pooling is None:
+            grammar = self.grammars.matcher(params.structured_outputs)
+            if grammar.valid_prefix(outputs) != len(outputs):
+                raise ValueError("resume_output_token_ids: the outputs do not follow the "
+                                 "request's structured_outputs")
+            for token in outputs:
+                grammar.accept(token)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -88,6 +115,7 @@ class RequestBuilder:
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             pooling=PoolingState(pooling) if pooling is not None else None,
+            grammar=grammar,
         )
 
     def _eos_rules(self, params: SamplingParams) -> tuple[SamplingParams, frozenset[int]]:

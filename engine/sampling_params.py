@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from engine.checks import check_fields
+from engine.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class SamplingParams:
     token that would complete one of those sequences is masked."""
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (a dict of
+    StructuredOutputsParams fields is accepted). See engine.structured."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,8 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         check_fields(self, [

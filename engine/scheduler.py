@@ -270,6 +270,7 @@ class Scheduler:
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
             spec=parent.spec.fresh() if parent.spec is not None else None,
+            grammar=parent.grammar.fork() if parent.grammar is not None else None,
         )
         self.bm.fork(parent, child)
         self.requests[child.request_id] = child
@@ -290,7 +291,12 @@ class Scheduler:
             request.logprobs.append(
                 Logprob(token.token_id, token.logprob, list(token.top_logprobs), token.rank)
             )
-        return self._stop_status(request, token.token_id)
+        if request.grammar is not None and not request.grammar.accept(token.token_id):
+            return RequestStatus.FINISHED_ERROR  # cannot happen: the sampler masks the rest
+        status = self._stop_status(request, token.token_id)
+        if status is None and request.grammar is not None and request.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        return status
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         """vLLM's check_stop: length first; no EOS / stop token before min_tokens (the sampler
