@@ -1,23 +1,27 @@
 """A sequence's speculation state and the policy that sizes its drafts.
 
-The policy (vLLM has none; drafts are always k there): a sequence whose drafts are mostly
-rejected stops paying for verification. Its acceptance rate is an exponential average over
-its verify steps; below `LOW_ACCEPTANCE` it stops drafting for a cool-down that doubles
-each time it fails again (up to `MAX_COOLDOWN` steps), then probes with a full k again.
-Between, the draft length follows the acceptance rate, so a sequence that accepts half its
-drafts is not asked to verify k of them."""
+The policy (vLLM has none; drafts are always k there): each sequence estimates the chance p
+that the target accepts its next draft token — an exponential average, per verify step, of
+accepted / examined drafts (drafts after the first rejection were never examined) — and
+drafts position j only while p**j, the chance that position j is reached and kept, is at
+least `MIN_KEEP_CHANCE`. Below `LOW_ACCEPTANCE` it stops drafting for a cool-down that
+doubles each time it fails again (up to `MAX_COOLDOWN` steps), then probes with one draft
+(p restarts just above the threshold, so one failed probe ends it). A sequence whose drafts
+are never accepted thus verifies about log2(steps) failed drafts, and one whose drafts are
+accepted reaches the full k after one step."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-LOW_ACCEPTANCE = 0.2  # below: stop drafting for a while
-FULL_ACCEPTANCE = 0.6  # at or above: draft the full k
-MAX_COOLDOWN = 32  # steps
+LOW_ACCEPTANCE = 0.2  # p below this: stop drafting for a while
+MIN_KEEP_CHANCE = 0.15  # draft position j only while p**j >= this
+INITIAL = 0.5  # p of a new sequence: 2 drafts first
+PROBE = 0.3  # p after a cool-down: 1 draft; a failure ends the probe
+MAX_COOLDOWN = 256  # steps
 _EMA = 0.5  # weight of the newest verify step
 
 
@@ -33,7 +37,7 @@ class SpecState:
     num_draft_computed: int = 0
     """A separate draft model only: positions whose draft-model KV is in the draft pool
     (the drafter catches up from here). Reset on preemption, cut back on rejection."""
-    acceptance: float = 1.0
+    acceptance: float = INITIAL  # p: estimated chance the next draft token is accepted
     cooldown: int = 0  # steps left without drafting
     backoff: int = 1  # the next cool-down's length
 
@@ -49,14 +53,17 @@ class SpecState:
         if self.cooldown:
             self.cooldown -= 1
             return 0
-        share = min(1.0, self.acceptance / FULL_ACCEPTANCE)
-        return max(1, math.ceil(self.max_k * share))
+        k, reach = 0, self.acceptance
+        while k < self.max_k and reach >= MIN_KEEP_CHANCE:
+            k, reach = k + 1, reach * self.acceptance
+        return max(1, k)
 
     def record(self, proposed: int, accepted: int) -> None:
         """One verify step's outcome (proposed >= 1)."""
-        self.acceptance = (1 - _EMA) * self.acceptance + _EMA * accepted / proposed
+        examined = accepted + (accepted < proposed)
+        self.acceptance = (1 - _EMA) * self.acceptance + _EMA * accepted / examined
         if self.acceptance < LOW_ACCEPTANCE:
             self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
-            self.acceptance = FULL_ACCEPTANCE  # the probe after the cool-down drafts k
-        elif self.acceptance >= FULL_ACCEPTANCE:
+            self.acceptance = PROBE
+        elif accepted == proposed:
             self.backoff = 1
