@@ -16,8 +16,10 @@ the target's distribution exactly:
   letting each row draw its token as plain sampling would (inverse CDF of p with the row's
   (seed, position) uniform; argmax when greedy) and accepting d_j iff the draw equals it:
   P(accept) = p(d_j), and a rejected draw is distributed as p conditioned on != d_j. So the
-  output is, token for token, what the sequence samples without speculation — for every
-  seed, at any acceptance length (a migrated or re-run seeded request cannot tell)."""
+  output is, token for token, what the sequence samples without speculation from the same
+  logits — for every seed, at any acceptance length. (The logits themselves are those of a
+  k + 1-row forward: in float32 they equal one-row decoding's here; in bfloat16 they may
+  round differently, as a different batch composition does, and a near-tie can then flip.)"""
 from __future__ import annotations
 
 import torch
