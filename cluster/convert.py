@@ -1,10 +1,13 @@
 """Protobuf <-> engine types, in one place (servicers stay thin: from_pb -> domain -> to_pb)."""
 from __future__ import annotations
 
+import json
+
 from engine.outputs import CompletionDelta
 from engine.request import Logprob, Resume
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
+from engine.structured.params import StructuredOutputsParams
 from proto import pdserve_pb2 as pb
 
 
@@ -33,6 +36,8 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         bad_words=tuple(m.bad_words),
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
+        structured_outputs=(structured_from_pb(m.structured_outputs)
+                            if m.HasField("structured_outputs") else None),
     )
 
 
@@ -51,6 +56,34 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         value = getattr(p, name)
         if value is not None:
             setattr(m, name, value)
+    if p.structured_outputs is not None:
+        m.structured_outputs.CopyFrom(structured_to_pb(p.structured_outputs))
+    return m
+
+
+_FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+
+
+def structured_from_pb(m: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """A JSON schema stays JSON text (the engine parses it). Raises ValueError (FieldError)
+    when no constraint is set."""
+    kind = m.WhichOneof("constraint")
+    value = getattr(m, kind) if kind else None
+    if kind == "choice":
+        value = tuple(value.values)
+    kwargs = {kind: value} if kind else {}
+    return StructuredOutputsParams(**kwargs, **{f: getattr(m, f) for f in _FLAGS})
+
+
+def structured_to_pb(p: StructuredOutputsParams) -> pb.StructuredOutputs:
+    m = pb.StructuredOutputs(**{f: getattr(p, f) for f in _FLAGS})
+    kind, value = p.kind, getattr(p, p.kind)
+    if kind == "choice":
+        m.choice.values.extend(value)
+    elif kind == "json" and not isinstance(value, str):
+        m.json = json.dumps(value)
+    else:
+        setattr(m, kind, value)
     return m
 
 

@@ -82,18 +82,20 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         rt.admit(request.request_id)
         params = sampling_from_pb(request.sampling)
         rid = request.request_id
-        if rid in rt.streams:
-            raise ValueError(f"request_id {rid!r} is already live on this worker")
         engine = rt.engine
 
         resume = resume_from_pb(request)
 
-        def make_request() -> Request:
-            return engine.make_request(rid, list(request.prompt_token_ids), params,
-                                       request.cache_salt or None, priority=request.priority,
-                                       resume=resume)
+        async def make_request() -> Request:
+            args = (rid, list(request.prompt_token_ids), params, request.cache_salt or None,
+                    request.priority, resume)
+            if params.structured_outputs is None:
+                return engine.make_request(*args)
+            return await asyncio.to_thread(engine.make_request, *args)  # compiles its grammar
 
-        req = make_request()
+        req = await make_request()
+        if rid in rt.streams:  # checked after the last await before it is registered below
+            raise ValueError(f"request_id {rid!r} is already live on this worker")
         engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
         queue: asyncio.Queue = asyncio.Queue()
         rt.streams[rid] = queue
@@ -110,7 +112,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     mode, remote_cached = await _unless_aborted(
                         self._prefill_remotely(req, request.prefill_worker), aborted)
                 if mode == "local_fallback":  # the parked request was dropped: start afresh
-                    req = make_request()
+                    req = await make_request()
                 if mode != "remote":
                     await rt.call(lambda e: e.submit(req))
                 rt.metrics.count_prefill_mode(mode)
@@ -251,8 +253,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
 def _for_prefill(req: Request):
     """The prefill worker samples exactly the first token, with this request's seed and the
     same masks a single engine would apply to it (min_tokens > 0 masks EOS and stop ids;
-    logit_bias, allowed_token_ids and bad_words as given). Whether that token ends the
-    request is decided here, so stop strings stay behind."""
+    logit_bias, allowed_token_ids, bad_words and the structured-output grammar as given).
+    Whether that token ends the request is decided here, so stop strings stay behind."""
     p = req.sampling
     return replace(p, n=1, max_tokens=1, min_tokens=min(p.min_tokens, 1), stop=(),
                    include_stop_str_in_output=False, prompt_logprobs=None,

@@ -68,10 +68,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 f"the prompt has {prompt_blocks}"
             )
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
-        req = rt.engine.make_request(
-            request.request_id, list(request.prompt_token_ids), params, request.cache_salt or None,
-            priority=request.priority,
-        )
+        args = (request.request_id, list(request.prompt_token_ids), params,
+                request.cache_salt or None, request.priority)
+        # A structured request compiles its grammar here (the first token obeys it): off the loop.
+        req = (rt.engine.make_request(*args) if params.structured_outputs is None
+               else await asyncio.to_thread(rt.engine.make_request, *args))
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):

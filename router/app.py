@@ -106,6 +106,8 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
         prepared = await asyncio.to_thread(prepare, kind, body, services.card, limit)
     else:
         prepared = prepare(kind, body, services.card, limit)
+    if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
+        await asyncio.to_thread(services.card.grammars.check, prepared.constraint)
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
     base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"

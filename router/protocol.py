@@ -8,7 +8,7 @@ never coerced; NaN and infinities are refused. Ranges are checked later, by
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,50 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always followed exactly (xgrammar's strict mode)
+
+
+class LegacyStructure(_Body):
+    """vLLM's older structural tag: text between `begin` and `end` follows `schema`."""
+
+    begin: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format` (text, json_object, json_schema) and vLLM's structural_tag:
+    `format` (xgrammar's structural tag) or the older `structures` + `triggers`."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[LegacyStructure] | None = None
+    triggers: list[str] | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (engine.structured.StructuredOutputsParams): exactly one
+    constraint, plus flags."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None  # refused: xgrammar has no whitespace pattern
 
 
 class _SamplingFields(_Body):
@@ -53,7 +97,16 @@ class _SamplingFields(_Body):
     priority: int = 0
     request_id: str | None = None
     return_tokens_as_token_ids: bool | None = None
-    response_format: dict | None = None
+    # Structured outputs (router/structured.py): one of these constrains the output.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -28,14 +28,6 @@ _LACKING: dict[str, Callable[[Any], bool]] = {
     "length_penalty": lambda v: v is not None and v != 1.0,
     "early_stopping": _true,
     "logits_processors": _true,
-    "guided_json": _set,
-    "guided_regex": _set,
-    "guided_choice": _set,
-    "guided_grammar": _set,
-    "guided_decoding_backend": _set,
-    "guided_whitespace_pattern": _set,
-    "structured_outputs": _set,
-    "structural_tag": _set,
     "logprob_token_ids": _set,
     "prompt_embeds": _set,
     "spaces_between_special_tokens": lambda v: v is False,
@@ -51,16 +43,11 @@ _LACKING: dict[str, Callable[[Any], bool]] = {
     "chat_template": _set,
     "watermarking": _true,
 }
-_RESPONSE_FORMATS = ("text",)
 
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    rf = req.response_format
-    if rf is not None and rf.get("type", "text") not in _RESPONSE_FORMATS:
-        raise bad_request(f"response_format type {rf.get('type')!r} is not supported (only "
-                          "'text')", "response_format")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")

@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from router.errors import APIError, bad_request, from_validation_errors
 from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart
+from router.structured import Constraint, Grammars, constraint
 from router.unsupported import refuse_unsupported
 
 Kind = Literal["chat", "completion"]
@@ -33,6 +34,11 @@ class ModelCard:
     max_n: int = 128
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """SamplingParams field -> value for requests that omit it (engine.generation_config)."""
+    grammars: Grammars = field(init=False, repr=False, compare=False)
+    """Structured-output constraints compiled against this vocabulary (router/structured.py)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grammars", Grammars(self.tokenizer, self.vocab_size))
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Prepared:
     echo: list[str] | None = None  # completions with echo: each prompt's text
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
     request_id: str | None = None  # the client's (body) request id
+    constraint: Constraint | None = None  # structured outputs: compile-check before dispatch
 
 
 def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
@@ -102,8 +109,10 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
         # The model's max_new_tokens stands in for an omitted chat max_tokens, within the
         # context (vLLM: min(context remainder, request or default max_tokens)).
         max_tokens = max(1, min(card.sampling_defaults["max_tokens"], limit - len(prompts[0])))
+    structured = constraint(req)
     sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
-                         {"max_tokens": max_tokens_param, "logprobs": logprobs_param})
+                         {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
+                         structured)
     for ids in prompts:
         _check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
         if sampling.max_tokens is None and sampling.min_tokens > limit - len(ids):
@@ -121,7 +130,7 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
         continuous_usage=include_usage and opts.continuous_usage_stats,
         chat_logprobs=kind == "chat" and logprobs is not None, priority=req.priority,
         echo=echo, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-        request_id=req.request_id,
+        request_id=req.request_id, constraint=structured,
     )
 
 
@@ -241,7 +250,7 @@ def _default(value, name: str, card: ModelCard, builtin):
 
 
 def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelCard,
-              names: dict[str, str]) -> SamplingParams:
+              names: dict[str, str], structured: Constraint | None) -> SamplingParams:
     if not 1 <= req.n <= card.max_n:
         raise bad_request(f"n must be in [1, {card.max_n}], got {req.n}", "n")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
@@ -276,6 +285,7 @@ def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelC
             allowed_token_ids=req.allowed_token_ids,
             bad_words=tuple(req.bad_words or ()),
             truncate_prompt_tokens=truncate,
+            structured_outputs=structured.params if structured is not None else None,
         )
     except FieldError as exc:  # named as the request names it (chat: max_completion_tokens)
         param = names.get(exc.field, exc.field)

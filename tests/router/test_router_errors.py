@@ -86,7 +86,8 @@ _DROP = object()
     ("comp", _with(COMP, stop_token_ids=[-1]), "stop_token_ids"),
     # not supported here
     ("chat", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("chat", _with(CHAT, response_format={"type": "json_object"}), "response_format"),
+    ("chat", _with(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}), "response_format"),
     ("chat", _with(CHAT, logit_bias={"99999999": 1.0}), "logit_bias"),
     ("chat", _with(CHAT, logit_bias={"5": 101}), "logit_bias"),
     ("chat", _with(CHAT, messages=[{"role": "user", "content": [
