@@ -10,7 +10,6 @@ constraint given another way; two constraints are refused, as vLLM refuses them.
 from __future__ import annotations
 
 import json
-import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -148,11 +147,8 @@ def _backend(value: str) -> dict[str, bool]:
     return flags
 
 
-_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
-
-
 def _invalid(exc: FieldError, param: str):
-    message = _LOG_PREFIX.sub("", str(exc))
+    message = str(exc)
     return bad_request(message if message.startswith(param) else f"{param}: {message}", param)
 
 

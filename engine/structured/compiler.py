@@ -9,6 +9,7 @@ constraints compile once (cached by content)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -69,8 +70,9 @@ class GrammarCompiler:
             # strict_mode (xgrammar's default, as vLLM calls it): an object schema without
             # "additionalProperties" allows no properties beyond the listed ones.
             return c.compile_json_schema(json.dumps(schema), any_whitespace=not p.disable_any_whitespace)
-        if p.json_object:
-            return c.compile_builtin_json_grammar()
+        if p.json_object:  # any object: extra properties allowed (not strict)
+            return c.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                         any_whitespace=not p.disable_any_whitespace)
         if p.regex is not None:
             return c.compile_regex(p.regex)
         if p.choice is not None:
@@ -94,5 +96,7 @@ def _no_additional_properties(schema):
 
 
 def _first_line(e: Exception) -> str:
+    """The message's first line, without xgrammar's `[time] file.cc:line: ` log prefix."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)

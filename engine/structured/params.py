@@ -51,6 +51,6 @@ class StructuredOutputsParams:
     def key(self) -> tuple:
         """Content identity (the compile cache's key): equal constraints compile once."""
         value = getattr(self, self.kind)
-        if isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
+        if isinstance(value, dict):  # key order kept: properties are generated in it
+            value = json.dumps(value)
         return (self.kind, value, self.disable_any_whitespace, self.disable_additional_properties)
