@@ -11,45 +11,18 @@ scheduler never touches tensors.
 from __future__ import annotations
 
 from bisect import insort
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
 from engine.request import Logprob, Request, RequestStatus
+from engine.scheduler_output import SampledToken, SchedulerOutput, SchedulerStats
+from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
 
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]]  # (request, new tokens to compute), admission order
-    block_copies: list[tuple[int, int]]  # copy-on-write (src, dst) to run before the forward
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # stopped by the scheduler itself
-    speculating: list[tuple[Request, int]] = field(default_factory=list)
-    """Decoding requests given slots for k drafts: (request, k); the proposer fills
-    `request.spec.drafts` (up to k), then `Scheduler.fit_drafts` sizes their entries."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+__all__ = ["SampledToken", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    rank: int = 0  # 1-based rank of token_id among the logprobs; 0 = not computed
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed here (not prefix hits or remote KV)
-    generation_tokens: int = 0
-
-
-class Scheduler:
+class Scheduler(SpeculationScheduling):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -149,27 +122,6 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating)
 
-    def fit_drafts(self, output: SchedulerOutput) -> None:
-        """After the proposer: each speculating request computes its last token plus the
-        drafts it got; slots kept for drafts it did not get go back to the pool."""
-        sizes: dict[str, int] = {}
-        for request, k in output.speculating:
-            got = len(request.spec.drafts)
-            sizes[request.request_id] = 1 + got
-            if got < k:
-                self.bm.trim(request, request.num_tokens + got)
-        output.scheduled = [(r, sizes.get(r.request_id, n)) for r, n in output.scheduled]
-
-    def _num_drafts(self, request: Request, budget: int) -> int:
-        """Drafts a decoding request may verify this step: its policy's allowance, cut so
-        that the step fits the budget and every token it could keep stays within max_tokens
-        and max_model_len (it keeps at most drafts + 1)."""
-        if request.spec is None or request.pooling is not None:
-            return 0
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        return max(0, min(request.spec.allowance(), room)) if room > 0 else 0
-
     def _preempt(self, request: Request) -> None:
         self.bm.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -219,35 +171,6 @@ class Scheduler:
                 if member.status.is_finished:
                     finished.append(member)
         return updated, finished
-
-    def _apply_verified(self, request: Request, tokens: list[SampledToken]) -> int:
-        """A verify step's result: `tokens` = the accepted drafts, then the target's token.
-        They are kept one by one under the stop rules (a stop drops the rest, so max_tokens,
-        stop tokens and min_tokens hold at any acceptance length); num_computed_tokens
-        covers the last token and the kept drafts only, so the rejected drafts' KV is never
-        read or hashed, and the blocks only they needed go back to the pool. Returns the
-        number of tokens kept."""
-        spec = request.spec
-        proposed, accepted = len(spec.drafts), len(tokens) - 1
-        spec.record(proposed, accepted)
-        self.spec_stats.record(proposed, accepted, spec.max_k)
-        spec.drafts, spec.draft_probs = [], None
-        computed = request.num_computed_tokens
-        kept, status = 0, None
-        for token in tokens:
-            kept += 1
-            status = self._append_token(request, token)
-            if status is not None:
-                break
-        # Inputs computed this step: the last token and the drafts; the kept ones are valid.
-        request.num_computed_tokens = computed + 1 + min(accepted, kept - 1)
-        spec.num_draft_computed = min(spec.num_draft_computed, request.num_computed_tokens)
-        self.bm.cache_full_blocks(request)
-        if status is not None:
-            self.finish_request(request.request_id, status)
-        else:
-            self.bm.trim(request, request.num_tokens)
-        return kept
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = Request(
