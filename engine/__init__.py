@@ -15,6 +15,7 @@ _EXPORTS = {
     "CompletionDelta": "engine.outputs",
     "EmbeddingOutput": "engine.outputs",
     "PoolingParams": "engine.pooling",
+    "LoRARequest": "engine.lora.request",
 }
 __all__ = list(_EXPORTS)
 

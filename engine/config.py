@@ -49,7 +49,18 @@ class EngineConfig:
     """Speculative decoding (vLLM's speculative_config; a dict or its JSON is accepted and
     parsed here). None: off. See engine.spec_decode."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters over the base model (engine/lora)."""
+    max_loras: int = 1
+    """Distinct adapters in one step (GPU-resident slots)."""
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded on the CPU (default: max_loras)."""
+    lora_modules: tuple[str, ...] = ()
+    """`name=path` adapters loaded at start (vLLM's --lora-modules)."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         check_fields(self, [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
@@ -60,6 +71,13 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "is not supported"),
             (self.device in ("auto", "cpu", "cuda"), "device", "must be cpu, cuda or auto"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "is unknown"),
+            (self.max_loras >= 1, "max_loras", "must be >= 1"),
+            (1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             "must be >= max_loras"),
+            (all("=" in m and m.split("=", 1)[0] and m.split("=", 1)[1] for m in self.lora_modules),
+             "lora_modules", "must be name=path"),
+            (self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora"),
         ])
 
     @classmethod
@@ -104,6 +122,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
                         '\'{"method": "draft_model", "model": "self:8" | PATH, '
                         '"num_speculative_tokens": 3}\' (decode workers speculate)')
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format)")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="distinct LoRA adapters in one batch")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept loaded on the CPU (default: --max-loras)")
+    g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
+                   help="LoRA adapters to load at start, served as model NAME")
     g.add_argument("--generation-config", default=d.generation_config,
                    help="default sampling settings: auto (the model's generation_config.json), "
                         "vllm (built-in defaults) or a folder with a generation_config.json")

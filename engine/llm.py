@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.metrics_reader import Metric, engine_metrics
 from engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
 from engine.pooling import PoolingParams
@@ -43,10 +44,12 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts are text or token id lists.
         `sampling_params` None: `get_default_sampling_params()`. `priority`: one per prompt,
-        lower runs first."""
+        lower runs first. `lora_request`: one adapter for all prompts or one per prompt
+        (None: the base model); needs enable_lora."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.get_default_sampling_params()
@@ -57,10 +60,14 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
 
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
-        for i, (prompt, p, prio) in enumerate(zip(prompts, params_list, priorities)):
+        for i, (prompt, p, prio, lora) in enumerate(zip(prompts, params_list, priorities, loras)):
             rid = f"offline-{i}"
-            request = self.engine.add_request(rid, prompt, p, cache_salt, prio)
+            request = self.engine.add_request(rid, prompt, p, cache_salt, prio, lora_request=lora)
             results[rid] = RequestOutput(
                 rid, request.prompt_token_ids, [CompletionOutput(j) for j in range(p.n)]
             )

@@ -17,6 +17,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device_dtype
 from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
+from engine.lora.adapter import LoRAAdapter, LoRAError
+from engine.lora.request import LoRARequest, lora_id_for
+from engine.lora.slots import LoRACache, LoRASlots
 from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
@@ -69,10 +72,18 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.enable_chunked_prefill,
+            config.max_loras if config.enable_lora else 0,
         )
+        self.lora_cache: LoRACache | None = None
+        lora_slots = None
+        if config.enable_lora:
+            self.lora_cache = LoRACache(args, config.max_lora_rank,
+                                        config.max_cpu_loras or config.max_loras)
+            lora_slots = LoRASlots(args, config.max_loras, config.max_lora_rank, self.dtype, self.device)
         self.limits = self.scheduler.limits
         """Fixed sizes and the admission check; safe from any thread."""
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager,
+                                  lora_slots)
         self.sampling_defaults = sampling_defaults(
             load_generation_config(config.generation_config, self.tokenizer.generation_config)
         )
@@ -82,6 +93,9 @@ class LLMEngine:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
+        for module in config.lora_modules:
+            name, path = module.split("=", 1)
+            self.add_lora(LoRARequest(name, lora_id_for(name), path))
         self.proposer: Proposer | None = make_proposer(self)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -97,14 +111,40 @@ class LLMEngine:
         priority: int = 0,
         resume: Resume | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Tokenize and validate; raises ValueError with a message naming the problem.
         Safe from any thread: touches no engine state (see RequestBuilder). `resume`: the
         request continues after outputs produced elsewhere (prefilled here with the prompt;
         counters, penalties, stop rules and seeded draws continue from them). `pooling`: a
-        pooling (embedding) request: its one delta carries the embedding, no token."""
+        pooling (embedding) request: its one delta carries the embedding, no token.
+        `lora_request`: the LoRA adapter to run with (loaded from its path here, off the
+        engine thread, if not loaded yet; LoRAError if it cannot be used)."""
         return self._builder.build(request_id, prompt, params, cache_salt, priority, resume,
-                                   pooling)
+                                   pooling, self._lora(lora_request))
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+    def _lora(self, request: LoRARequest | None) -> LoRAAdapter | None:
+        if request is None:
+            return None
+        if self.lora_cache is None:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} asked for, but LoRA is not "
+                            "enabled (--enable-lora)")
+        return self.lora_cache.get(request)
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Load an adapter (vLLM's add_lora); raises LoRAError if it cannot be used."""
+        return self._lora(request) is not None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it). Engine thread."""
+        if self.lora_cache is None:
+            return False
+        self.runner.evict_lora(lora_id)
+        return self.lora_cache.remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.lora_cache.requests() if self.lora_cache is not None else []
 
     def add_request(
         self,
@@ -114,9 +154,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         return self.submit(self.make_request(
-            request_id, prompt, params or SamplingParams(), cache_salt, priority, pooling=pooling))
+            request_id, prompt, params or SamplingParams(), cache_salt, priority, pooling=pooling,
+            lora_request=lora_request))
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by `make_request` (raises RequestRejected if it can never

@@ -16,6 +16,8 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
+from engine.lora.batch import LoRABatch
+from engine.lora.slots import LoRASlots
 from engine.models.llama import ForwardContext, Transformer
 from engine.request import Logprob, Request
 from engine.sampler import SampleRow, raw_logprobs, sample, target_probs, token_ranks, with_logprobs
@@ -30,8 +32,10 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         block_manager: BlockManager,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.model = model
+        self.lora_slots = lora_slots
         self.kv_cache = kv_cache
         self.backend = backend
         self.bm = block_manager
@@ -94,7 +98,7 @@ class ModelRunner:
                     sample_rows.append(SampleRow(request, index or request.completion_index))
 
         metadata = batch_metadata(self.device, slots, tables, query_lens, seq_lens)
-        ctx = ForwardContext(self.backend, self.kv_cache, metadata)
+        ctx = ForwardContext(self.backend, self.kv_cache, metadata, self._lora_batch(order))
         x = self.model.residual(
             torch.from_numpy(np.concatenate(input_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),
@@ -140,6 +144,20 @@ class ModelRunner:
             if i not in verified:
                 out.setdefault(row.request.request_id, []).append(token)
         return out
+
+    def _lora_batch(self, order: list[tuple[Request, int]]) -> LoRABatch | None:
+        """The step's adapters made resident, and each row's slot; None if no row has one."""
+        adapters = [r.lora for r, _ in order if r.lora is not None]
+        if not adapters:
+            return None
+        slot_of = self.lora_slots.prepare(adapters)
+        row_slots = [slot_of[r.lora.lora_int_id] if r.lora is not None else -1
+                     for r, n in order for _ in range(n)]
+        return LoRABatch.build(self.lora_slots, row_slots, self.device)
+
+    def evict_lora(self, lora_id: int) -> None:
+        if self.lora_slots is not None:
+            self.lora_slots.evict(lora_id)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)

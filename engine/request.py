@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
+from engine.lora.adapter import LoRAAdapter
 from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
@@ -96,6 +97,8 @@ class Request:
     request is freed, so callers can still see which blocks it used."""
     resume: Resume | None = None
     """Set: `token_ids` starts as prompt + resume.output_token_ids (prefilled together)."""
+    lora: LoRAAdapter | None = None
+    """The LoRA adapter it runs with (its id is in `hash_extras`)."""
     grammar: GrammarState | None = None
     """Set for structured outputs: the matcher its sampled tokens must follow (advanced by
     every token it keeps; engine/structured)."""

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from engine.block_hash import compute_block_hashes, hash_extras
+from engine.lora.adapter import LoRAAdapter
 from engine.pooling import PoolingParams, PoolingState
 from engine.request import Request, Resume
 from engine.sampling_params import SamplingParams
@@ -55,12 +56,14 @@ class RequestBuilder:
         priority: int = 0,
         resume: Resume | None = None,
         pooling: PoolingParams | None = None,
+        lora: LoRAAdapter | None = None,
     ) -> Request:
         """Raises ValueError with a message that starts with the offending field. `resume`:
         continue after outputs produced elsewhere (n must be 1; fewer than max_tokens).
         `pooling`: a pooling (embedding) request; it never samples (`params` only truncate).
         A structured-output request compiles its grammar here (off the engine thread) and
-        replays `resume`'s outputs into its matcher."""
+        replays `resume`'s outputs into its matcher. `lora`: the adapter it runs with (its
+        id enters the block hashes)."""
         if pooling is not None and (resume is not None or params.n != 1):
             raise ValueError("pooling: a pooling request has n == 1 and no resume")
         if isinstance(prompt, str):
@@ -91,6 +94,7 @@ class RequestBuilder:
             raise ValueError(f"resume_output_token_ids: a resumed request needs n == 1 and "
                              f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
                              f"{len(outputs)} outputs")
+        lora_id = lora.lora_int_id if lora is not None else None
         grammar = None
         if params.structured_outputs is not None and pooling is None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -109,13 +113,15 @@ class RequestBuilder:
             token_ids=token_ids + outputs,
             resume=resume,
             # Over the outputs too: a request resumed again on this worker finds them cached.
-            block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt),
-            hash_extras=hash_extras(cache_salt),
+            block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt,
+                                              lora_id),
+            hash_extras=hash_extras(cache_salt, lora_id),
             cache_salt=cache_salt,
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             pooling=PoolingState(pooling) if pooling is not None else None,
             grammar=grammar,
+            lora=lora,
         )
 
     def _eos_rules(self, params: SamplingParams) -> tuple[SamplingParams, frozenset[int]]:

@@ -30,8 +30,10 @@ class Scheduler(SpeculationScheduling):
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        max_loras: int = 0,
     ) -> None:
         self.bm = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters per step (0: LoRA off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -65,10 +67,14 @@ class Scheduler(SpeculationScheduling):
         preempted: list[Request] = []
         finished: list[Request] = []
         speculating: list[tuple[Request, int]] = []
+        loras: set[int] = set()  # adapters this step runs: at most max_loras
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self._lora_fits(request, loras):
+                i += 1  # held back: its adapter would be one too many this step
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             k = self._num_drafts(request, budget) if n == 1 else 0
             n += k
@@ -91,6 +97,7 @@ class Scheduler(SpeculationScheduling):
                     break
             else:
                 scheduled.append((request, n))
+                self._use_lora(request, loras)
                 if k:
                     speculating.append((request, k))
                 budget -= n
@@ -98,11 +105,15 @@ class Scheduler(SpeculationScheduling):
                 continue
             break
 
+        j = 0
         while (
-            self.waiting and budget > 0 and not preempted
+            j < len(self.waiting) and budget > 0 and not preempted
             and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[j]
+            if not self._lora_fits(request, loras):
+                j += 1
+                continue
             prefix = self.bm.match_prefix(request)
             n = request.num_tokens - prefix.num_tokens
             if n > budget:
@@ -111,7 +122,8 @@ class Scheduler(SpeculationScheduling):
                 n = budget
             if not self.bm.allocate(request, n, prefix):
                 break
-            del self.waiting[0]
+            del self.waiting[j]
+            self._use_lora(request, loras)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = prefix.num_tokens
             request.num_computed_tokens = prefix.num_tokens
@@ -121,6 +133,15 @@ class Scheduler(SpeculationScheduling):
             budget -= n
 
         return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating)
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        return (request.lora is None or request.lora.lora_int_id in loras
+                or len(loras) < self.max_loras)
+
+    @staticmethod
+    def _use_lora(request: Request, loras: set[int]) -> None:
+        if request.lora is not None:
+            loras.add(request.lora.lora_int_id)
 
     def _preempt(self, request: Request) -> None:
         self.bm.free(request)
@@ -194,6 +215,7 @@ class Scheduler(SpeculationScheduling):
             num_cached_tokens=parent.num_cached_tokens,
             spec=parent.spec.fresh() if parent.spec is not None else None,
             grammar=parent.grammar.fork() if parent.grammar is not None else None,
+            lora=parent.lora,
         )
         self.bm.fork(parent, child)
         self.requests[child.request_id] = child

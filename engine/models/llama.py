@@ -7,12 +7,17 @@ this with the Triton attention backend) RMSNorm, RoPE and SiLU-and-mul run as Tr
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
+
+if TYPE_CHECKING:
+    from engine.lora.batch import LoRABatch
 
 
 class Linear(nn.Linear):
@@ -73,7 +78,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.add(qkv, x, self.layer, (("q_proj", 0), ("k_proj", self.q_size),
+                                              ("v_proj", self.q_size + self.kv_size)))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
@@ -82,22 +91,34 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, ctx.cos_sin), apply_rope(k, ctx.cos_sin)
         o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.layer, ctx.metadata, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = o.reshape(T, self.q_size)
+        out = self.o_proj(o)
+        if ctx.lora is not None:
+            ctx.lora.add(out, o, self.layer, (("o_proj", 0),))
+        return out
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.inter = args.intermediate_size
         self.gate_up_proj = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         gate_up = self.gate_up_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.add(gate_up, x, self.layer, (("gate_proj", 0), ("up_proj", self.inter)))
         if ctx.kernels is not None:
-            return self.down_proj(ctx.kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            h = ctx.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+            h = F.silu(gate) * up
+        out = self.down_proj(h)
+        if ctx.lora is not None:
+            ctx.lora.add(out, h, self.layer, (("down_proj", 0),))
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -106,7 +127,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.self_attn = Attention(args, layer)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args)
+        self.mlp = FeedForward(args, layer)
 
     def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
@@ -117,11 +138,14 @@ class ForwardContext:
     """Per-forward state every layer reads: attention backend, pool, batch metadata; the
     Transformer fills in positions and RoPE tables, and the kernels module when fused."""
 
-    __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels")
+    __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels",
+                 "lora")
 
-    def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata):
+    def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
+                 lora: "LoRABatch | None" = None):
         self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
         self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = None
+        self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
 
 
 class Transformer(nn.Module):
