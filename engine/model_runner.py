@@ -153,7 +153,7 @@ class ModelRunner:
         slot_of = self.lora_slots.prepare(adapters)
         row_slots = [slot_of[r.lora.lora_int_id] if r.lora is not None else -1
                      for r, n in order for _ in range(n)]
-        return LoRABatch.build(self.lora_slots, row_slots, self.device)
+        return LoRABatch.build(self.lora_slots, row_slots, self.device, self.model.kernels)
 
     def evict_lora(self, lora_id: int) -> None:
         if self.lora_slots is not None:

@@ -1,13 +1,18 @@
 """One forward's LoRA: which slot each token row uses, and the shrink/expand that adds
-scale * B (A x) to a base projection's output for the rows with an adapter.
+scale * B (A x) to a base projection's output for the rows with an adapter (the slots hold
+B pre-multiplied by the scale).
 
-The torch path groups rows by slot (at most max_loras groups): per group and target one
-(rows x in) @ (in x r) and one (rows x r) @ (r x out) matmul, added with index_add_. Rows
-without an adapter cost nothing. With the Triton kernels on (CUDA) the same runs as the
-batched gather kernels kernels.lora_shrink / kernels.lora_expand over all rows."""
+Two paths, the same arithmetic:
+- torch (CPU): rows grouped by slot (at most max_loras groups); per group and target one
+  (rows x in) @ (in x r) and one (rows x r) @ (r x out) matmul, added with index_add_. Rows
+  without an adapter cost nothing.
+- Triton (with the fused kernels on, CUDA): kernels.lora_shrink / kernels.lora_expand, one
+  launch each per target over all rows, each row gathering its slot's weights (Punica's
+  BGMV)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -19,21 +24,27 @@ class LoRABatch:
     slots: LoRASlots
     token_slots: torch.Tensor  # [T] slot of each row, -1 = none
     groups: list[tuple[int, torch.Tensor]]  # (slot, its rows), slots in use only
+    kernels: ModuleType | None = None  # the `kernels` package: the Triton path
 
     @classmethod
-    def build(cls, slots: LoRASlots, row_slots: list[int], device: torch.device) -> "LoRABatch":
+    def build(cls, slots: LoRASlots, row_slots: list[int], device: torch.device,
+              kernels: ModuleType | None = None) -> "LoRABatch":
         token_slots = torch.tensor(row_slots, dtype=torch.long)
         groups = [(s, (token_slots == s).nonzero().squeeze(1).to(device))
                   for s in sorted(set(row_slots) - {-1})]
-        return cls(slots, token_slots.to(device), groups)
+        return cls(slots, token_slots.to(device), groups, kernels)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int], ...]) -> None:
         """y [T, out_total] += the deltas of `parts` ((target, column offset in y)) for x [T, in]."""
         for target, offset in parts:
+            users = [(slot, rows) for slot, rows in self.groups if target in self.slots.targets[slot]]
+            if not users:
+                continue
             a, b = self.slots.a[target][layer], self.slots.b[target][layer]
-            width = b.shape[1]
-            out = y[:, offset : offset + width]
-            for slot, rows in self.groups:
-                if target not in self.slots.targets[slot]:
-                    continue
+            out = y[:, offset : offset + b.shape[1]]
+            if self.kernels is not None:
+                shrunk = self.kernels.lora_shrink(x, a, self.token_slots)
+                self.kernels.lora_expand(out, shrunk, b, self.token_slots, self.slots.unit_scale)
+                continue
+            for slot, rows in users:
                 out.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot].T)

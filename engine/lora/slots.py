@@ -29,6 +29,7 @@ class LoRASlots:
         self.b = {t: torch.zeros(layers, max_loras, shapes[t][1], max_rank, dtype=dtype, device=device)
                   for t in TARGETS}
         self.targets: list[set[str]] = [set() for _ in range(max_loras)]  # what each slot adds
+        self.unit_scale = torch.ones(max_loras, dtype=torch.float32, device=device)  # B is pre-scaled
         self._resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
 
     def slot_of(self, lora_id: int) -> int | None:
