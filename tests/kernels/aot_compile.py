@@ -32,6 +32,8 @@ KERNELS = {  # module -> name of its kernel global
     "kernels.rms_norm": "_rms_norm_kernel",
     "kernels.rope": "_rope_kernel",
     "kernels.silu_and_mul": "_silu_and_mul_kernel",
+    "kernels.lora_shrink": "_lora_shrink_kernel",
+    "kernels.lora_expand": "_lora_expand_kernel",
 }
 TYPE_CODES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
               torch.int32: "i32", torch.int64: "i64"}
@@ -81,8 +83,8 @@ def _divisible_by_16(value) -> bool:
 
 def record_launches() -> list:
     import kernels
-    from kernels import (add_rms_norm, apply_rope, paged_attention, plan_paged_attention, rms_norm,
-                         rope_cos_sin_cache, silu_and_mul, store_kv)
+    from kernels import (add_rms_norm, apply_rope, lora_expand, lora_shrink, paged_attention,
+                         plan_paged_attention, rms_norm, rope_cos_sin_cache, silu_and_mul, store_kv)
 
     launches: list = []
     for module_name, attr in KERNELS.items():
@@ -119,6 +121,15 @@ def record_launches() -> list:
     q = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
     apply_rope(q, q[:, :3], torch.arange(4), rope_cos_sin_cache(64, 16, 1e5))
     silu_and_mul(torch.zeros(4, 3072, dtype=torch.bfloat16))
+    slots = torch.tensor([0, -1, 1, 0], dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rank in (16, 64):
+            x = torch.zeros(4, 576, dtype=dtype)
+            shrunk = lora_shrink(x, torch.zeros(2, rank, 576, dtype=dtype), slots)
+            lora_shrink(x, torch.zeros(2, rank, 576, dtype=dtype), slots, split_k=4)
+            qkv = torch.zeros(4, 3 * 576, dtype=dtype)
+            lora_expand(qkv[:, 576:1152], shrunk, torch.zeros(2, 576, rank, dtype=dtype), slots,
+                        torch.ones(2))
     return launches
 
 
@@ -146,7 +157,8 @@ def main(argv=None) -> int:
                  for name, value in zip(params, call_args) if _divisible_by_16(value)}
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
         shown = {k: v for k, v in kwargs.items()
-                 if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "num_warps", "num_stages")}
+                 if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "SPLIT_K", "BLOCK_R",
+                               "num_warps", "num_stages")}
         dtype = signature[params[0]] if params else ""
         print(f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "
               f"{_resource_usage(compiled.asm['cubin'])} ({time.perf_counter() - start:.1f} s)", flush=True)

@@ -27,4 +27,4 @@ def test_kernels_compile_for_nvidia(arch):
     assert not spilling, spilling
     assert all(any(name in line for line in compiled) for name in
                ("merge_partitions_kernel", "_store_kv_kernel", "_rms_norm_kernel", "_rope_kernel",
-                "_silu_and_mul_kernel"))
+                "_silu_and_mul_kernel", "_lora_shrink_kernel", "_lora_expand_kernel"))
