@@ -49,8 +49,8 @@ def adapters(model_dir, tmp_path_factory):
 
 def _llm(model_dir, **kw):
     kw.setdefault("kv_cache_memory", 64 << 20)
-    return LLM(str(model_dir), num_layers=NUM_LAYERS, dtype="float32", enable_lora=True,
-               max_lora_rank=16, **kw)
+    kw.setdefault("max_lora_rank", 16)
+    return LLM(str(model_dir), num_layers=NUM_LAYERS, dtype="float32", enable_lora=True, **kw)
 
 
 def _hf_greedy(model, tokenizer, prompt):
@@ -156,3 +156,16 @@ def test_lora_modules_load_at_start_and_remove_lora_forgets(model_dir, adapters)
     assert ours == _greedy(llm, PROMPTS[:1], lora)
     assert llm.engine.remove_lora(lora.lora_int_id)
     assert lora.lora_int_id not in {r.lora_int_id for r in llm.engine.list_loras()}
+
+
+def test_triton_kernels_path_equals_the_torch_path(model_dir, adapters):
+    """The fused-kernel path (Triton backend; the interpreter here) over a mixed batch."""
+    loras = [adapters["qv_down"][0], adapters["everything"][0], None]
+    outputs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model_dir), num_layers=2, dtype="float32", kv_cache_memory=8 << 20,
+                  attention_backend=backend, enable_lora=True, max_loras=2, max_lora_rank=16)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, params, lora_request=loras, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
