@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
 from engine.request import Logprob, Resume
 from engine.sampling_params import SamplingParams
@@ -149,3 +150,20 @@ def resume_from_pb(m: pb.GenerateRequest) -> Resume | None:
     if not m.resume_output_token_ids:
         return None
     return Resume(tuple(m.resume_output_token_ids), m.resume_text_chars)
+
+
+def lora_from_pb(m: pb.LoRAAdapter) -> LoRARequest:
+    """The engine's LoRARequest; the id is `lora_id_for(name)` in every process. Raises
+    ValueError for an empty name."""
+    if not m.name:
+        raise ValueError("lora.name must not be empty")
+    return LoRARequest(m.name, lora_id_for(m.name), m.path)
+
+
+def lora_to_pb(lora: LoRARequest) -> pb.LoRAAdapter:
+    return pb.LoRAAdapter(name=lora.lora_name, path=lora.lora_path)
+
+
+def request_lora(m: pb.GenerateRequest | pb.PrefillRequest) -> LoRARequest | None:
+    """The adapter a Generate / Prefill request runs with (None: the base model)."""
+    return lora_from_pb(m.lora) if m.HasField("lora") else None

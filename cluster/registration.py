@@ -49,6 +49,11 @@ class WorkerInfo:
     capacity: Capacity = field(default_factory=Capacity)
     updated_at: float = 0.0  # unix time of this publication
     max_model_len: int = 0  # longest prompt + output the worker holds; 0 = not published
+    loras: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters this worker serves, name -> path (--lora-modules + LoadLoRAAdapter)."""
+    resident_loras: tuple[str, ...] = ()
+    """Names of the adapters loaded in its engine now (served or loaded on demand by a
+    request); a request with one of them starts without loading it (router affinity)."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -57,6 +62,7 @@ class WorkerInfo:
     def from_json(cls, data: bytes) -> "WorkerInfo":
         doc = json.loads(data)
         doc["capacity"] = Capacity(**doc.get("capacity", {}))
+        doc["resident_loras"] = tuple(doc.get("resident_loras", ()))
         info = cls(**doc)
         if info.role not in ROLES:
             raise ValueError(f"unknown worker role {info.role!r}")

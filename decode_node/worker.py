@@ -35,8 +35,8 @@ from typing import Awaitable, TypeVar
 
 import grpc
 
-from cluster.convert import (delta_to_pb, resume_from_pb, sampled_from_pb, sampling_from_pb,
-                             sampling_to_pb)
+from cluster.convert import (delta_to_pb, lora_to_pb, request_lora, resume_from_pb,
+                             sampled_from_pb, sampling_from_pb, sampling_to_pb)
 from decode_node.remote_prefill import RemotePrefills
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionDelta
@@ -85,13 +85,15 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         engine = rt.engine
 
         resume = resume_from_pb(request)
+        lora = request_lora(request)
 
         async def make_request() -> Request:
             args = (rid, list(request.prompt_token_ids), params, request.cache_salt or None,
                     request.priority, resume)
-            if params.structured_outputs is None:
+            if params.structured_outputs is None and lora is None:
                 return engine.make_request(*args)
-            return await asyncio.to_thread(engine.make_request, *args)  # compiles its grammar
+            # Compiles its grammar / loads its adapter from disk: off the event loop.
+            return await asyncio.to_thread(engine.make_request, *args, lora_request=lora)
 
         req = await make_request()
         if rid in rt.streams:  # checked after the last await before it is registered below
@@ -180,6 +182,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             request_id=rid, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
             priority=req.priority,
+            lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
             destination=pb.KVDestination(
                 peer_metadata=rt.kv_metadata.to_bytes(), num_skip_blocks=num_skip,
                 # The prefill side stops writing before we stop waiting.

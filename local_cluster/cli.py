@@ -96,6 +96,16 @@ def register(subparsers) -> None:
                         'speculate), as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": "self:8" | PATH, '
                         '"num_speculative_tokens": 3}\'')
+    g = p.add_argument_group("LoRA adapters (passed to the workers of both roles and the router)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters; also enables the router's /v1/load_lora_adapter "
+                        "and /v1/unload_lora_adapter")
+    g.add_argument("--max-loras", type=int, default=None, help="distinct adapters in one batch")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded on the CPU per worker")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters loaded at start, served as model NAME")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--kv-cache-memory=1GiB")
     p.add_argument("--prefill-arg", dest="prefill_args", action="append", default=[],

@@ -53,14 +53,16 @@ class Supervisor:
         return ServiceProcess(self.worker_command(role), self.log_dir / f"{name}.log")
 
     def worker_command(self, role: str) -> list[str]:
-        """`pdserve <role> ...`'s arguments: the cluster's, --worker-arg's, then the role's own
-        (--speculative-config for decode workers only, then --prefill-arg / --decode-arg)."""
+        """`pdserve <role> ...`'s arguments: the cluster's, the LoRA flags (both roles),
+        --worker-arg's, then the role's own (--speculative-config for decode workers only,
+        then --prefill-arg / --decode-arg)."""
         a = self.args
         role_args = list(a.prefill_args if role == "prefill" else a.decode_args)
         if role == "decode" and a.speculative_config:
             role_args[:0] = ["--speculative-config", a.speculative_config]
         return [role, "--etcd", self.etcd, "--cluster", a.cluster, "--model", a.model,
-                "--num-threads", str(self._threads()), *a.worker_args, *role_args]
+                "--num-threads", str(self._threads()), *lora_worker_args(a), *a.worker_args,
+                *role_args]
 
     def _threads(self) -> int:
         if self.args.num_threads:
@@ -208,3 +210,18 @@ class Supervisor:
             for slot in slots:
                 slot.state = SlotState.STOPPED
             self.slots = []
+
+
+def lora_worker_args(args) -> list[str]:
+    """`pdserve up`'s LoRA flags as a worker's (both roles: prefill and decode apply the same
+    adapter to a request)."""
+    if not getattr(args, "enable_lora", False):
+        return []
+    out = ["--enable-lora"]
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                        ("--max-cpu-loras", args.max_cpu_loras)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.lora_modules:
+        out += ["--lora-modules", *args.lora_modules]
+    return out

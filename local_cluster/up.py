@@ -73,7 +73,8 @@ def add_router(sup: Supervisor) -> str:
     port = args.port or free_port()
     url = f"http://{args.host}:{port}"
     cmd = ["router", "--etcd", sup.etcd, "--cluster", args.cluster, "--host", args.host,
-           "--port", str(port), "--model", args.model, *args.router_args]
+           "--port", str(port), "--model", args.model, *_router_lora_args(args),
+           *args.router_args]
     sup.add_slot("router", lambda: RouterProcess(cmd, sup.log_dir / "router.log", url), name="router")
     return url
 
@@ -129,3 +130,11 @@ def stop_cluster(sup: Supervisor, control: ThreadingHTTPServer | None, run_dir: 
     sup.stop_all()
     remove_run_file()
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _router_lora_args(args) -> list[str]:
+    """--enable-lora lets the router load / unload adapters at run time; --lora-modules
+    makes it serve them from the start."""
+    if not getattr(args, "enable_lora", False):
+        return []
+    return ["--enable-lora", *(["--lora-modules", *args.lora_modules] if args.lora_modules else [])]

@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 
-from cluster.convert import sampled_to_pb, sampling_from_pb
+from cluster.convert import request_lora, sampled_to_pb, sampling_from_pb
 from cluster.registration import list_workers, make_client
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
@@ -70,9 +70,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
         args = (request.request_id, list(request.prompt_token_ids), params,
                 request.cache_salt or None, request.priority)
-        # A structured request compiles its grammar here (the first token obeys it): off the loop.
-        req = (rt.engine.make_request(*args) if params.structured_outputs is None
-               else await asyncio.to_thread(rt.engine.make_request, *args))
+        lora = request_lora(request)
+        # A structured request compiles its grammar here (the first token obeys it), a LoRA
+        # request loads its adapter if needed (the decode worker's): off the loop.
+        req = (rt.engine.make_request(*args) if params.structured_outputs is None and lora is None
+               else await asyncio.to_thread(rt.engine.make_request, *args, lora_request=lora))
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):

@@ -55,6 +55,16 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.CachedBlocksRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.CachedBlocksResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Worker/LoadLoRAAdapter',
+                request_serializer=proto_dot_pdserve__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoRAResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.Worker/UnloadLoRAAdapter',
+                request_serializer=proto_dot_pdserve__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoRAResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -90,6 +100,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """/ Load a LoRA adapter and serve it under its name (vLLM's /v1/load_lora_adapter, per
+        / worker): INVALID_ARGUMENT naming the problem when it cannot be used (missing path,
+        / rank above --max-lora-rank, wrong shapes, LoRA not enabled). Idempotent for the same
+        / name and path. The registration is republished before the answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """/ Stop serving a LoRA adapter (requests running with it finish with it); found = false
+        / if it was not served here. The registration is republished before the answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +140,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetCachedBlocks,
                     request_deserializer=proto_dot_pdserve__pb2.CachedBlocksRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.CachedBlocksResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.LoadLoRARequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoRAResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoRAResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +261,60 @@ class Worker:
             '/pdserve.v1.Worker/GetCachedBlocks',
             proto_dot_pdserve__pb2.CachedBlocksRequest.SerializeToString,
             proto_dot_pdserve__pb2.CachedBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/LoadLoRAAdapter',
+            proto_dot_pdserve__pb2.LoadLoRARequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/UnloadLoRAAdapter',
+            proto_dot_pdserve__pb2.UnloadLoRARequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoRAResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
+from router.loras import add_lora_routes, runtime_updates_allowed
 from router.openapi import GENERATE_ERRORS, install_openapi, route_schema
 from router.placement import PromptKey
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
               "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/dashboard",
-              "/dashboard/data"}
+              "/dashboard/data", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
@@ -82,6 +83,7 @@ def create_app(services: Services) -> FastAPI:
     add_info_routes(app, services)
     add_embedding_routes(app, services)
     add_dashboard_routes(app, services)
+    add_lora_routes(app, services.loras, runtime_updates_allowed(services.config.enable_lora))
 
     @app.post("/v1/completions", **route_schema(CompletionRequest, CompletionResponse,
                                                 stream=CompletionStreamChunk,
@@ -102,17 +104,19 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
     arrival = time.monotonic()
     body = await request.body()
     limit = services.max_model_len()
+    adapters = services.loras.served()
     if len(body) > _THREAD_TOKENIZE_BYTES:
-        prepared = await asyncio.to_thread(prepare, kind, body, services.card, limit)
+        prepared = await asyncio.to_thread(prepare, kind, body, services.card, limit, adapters)
     else:
-        prepared = prepare(kind, body, services.card, limit)
+        prepared = prepare(kind, body, services.card, limit, adapters)
     if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
         await asyncio.to_thread(services.card.grammars.check, prepared.constraint)
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
     base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
     streams = merge([
-        services.dispatcher.generate(PromptKey(ids, prepared.cache_salt), prepared.sampling,
+        services.dispatcher.generate(PromptKey(ids, prepared.cache_salt, prepared.lora),
+                                     prepared.sampling,
                                      arrival, prepared.priority)
         for ids in prepared.prompts
     ])

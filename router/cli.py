@@ -35,6 +35,12 @@ def register(subparsers) -> None:
                    help='sampling defaults for omitted request fields: "auto" (the model\'s '
                    'generation_config.json), "vllm" (built-in defaults only) or a folder '
                    "holding a generation_config.json")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                   "enabled by VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
+    p.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
+                   help="LoRA adapters served as model NAME from the start (workers load them "
+                   "from PATH on first use)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("placement")
@@ -60,6 +66,11 @@ def register(subparsers) -> None:
                    help="prefill tokens/s assumed until a worker reports its measured rate")
     g.add_argument("--max-waiting-per-worker", type=int, default=pd.max_waiting_per_worker,
                    help="a decode worker with more waiting requests takes no new ones")
+    g.add_argument("--lora-weight", type=float, default=pd.lora_weight,
+                   help="decode score lost when the request's LoRA adapter is not loaded there")
+    g.add_argument("--lora-load-time", type=float, default=pd.lora_load_s,
+                   help="seconds added to a worker's estimated TTFT when it must load the "
+                   "request's LoRA adapter first")
     g = p.add_argument_group("admission")
     g.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
                    help="seconds a request waits for worker capacity before a 503")
@@ -94,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_queue_limit=args.prefill_queue_limit,
         default_prefill_rate=args.default_prefill_rate,
         max_waiting_per_worker=args.max_waiting_per_worker,
+        lora_weight=args.lora_weight, lora_load_s=args.lora_load_time,
     )
     return RouterConfig(
         etcd=args.etcd, cluster=args.cluster, host=args.host, port=args.port, model=args.model,
@@ -103,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_migrations=args.max_migrations, first_token_timeout_s=args.first_token_timeout,
         stall_timeout_s=args.stall_timeout,
         stale_after_s=args.stale_after, max_n=args.max_n,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules),
     )
 
 

@@ -39,6 +39,11 @@ class PlacementConfig:
     """Prefill tokens/s assumed for a worker that has not measured its rate yet."""
     max_waiting_per_worker: int = 64
     """A decode worker with more waiting requests than this has no capacity for new ones."""
+    lora_weight: float = 0.5
+    """Decode score lost when the request's LoRA adapter is not loaded on the worker."""
+    lora_load_s: float = 0.05
+    """Seconds added to a worker's estimated TTFT when it must load the request's LoRA
+    adapter first."""
 
     def __post_init__(self) -> None:
         _check_fields(self, [
@@ -52,6 +57,8 @@ class PlacementConfig:
             (self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0"),
             (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
             (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
+            (self.lora_weight >= 0, "lora_weight", "must be >= 0"),
+            (self.lora_load_s >= 0, "lora_load_s", "must be >= 0"),
         ])
 
 
@@ -92,6 +99,11 @@ class RouterConfig:
     """A worker whose registration was not republished for this long gets no new work."""
     max_n: int = 128
     """Largest `n` accepted."""
+    enable_lora: bool = False
+    """Allow loading and unloading LoRA adapters at run time (POST /v1/load_lora_adapter,
+    /v1/unload_lora_adapter); also enabled by VLLM_ALLOW_RUNTIME_LORA_UPDATING=true."""
+    lora_modules: tuple[str, ...] = ()
+    """`name=path` LoRA adapters served from the start (the workers load them on first use)."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
@@ -109,4 +121,6 @@ class RouterConfig:
             (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
+            (all("=" in m and m.split("=", 1)[0] and m.split("=", 1)[1] for m in self.lora_modules),
+             "lora_modules", "must be name=path"),
         ])

@@ -36,7 +36,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from cluster.convert import logprob_from_pb, sampling_to_pb, stop_reason_from_pb
+from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
 from engine.request import Logprob as TokenLogprob
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
@@ -301,6 +301,8 @@ def _generate_request(placement: Placement, prompt: PromptKey, sampling: Samplin
         sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
         priority=priority,
     )
+    if prompt.lora is not None:
+        request.lora.CopyFrom(lora_to_pb(prompt.lora))
     if resume is not None:
         request.resume_output_token_ids.extend(resume.output_token_ids)
         request.resume_text_chars = resume.num_text_chars

@@ -22,7 +22,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Literal, Union
+from typing import Any, Awaitable, Literal, Mapping, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -76,13 +76,17 @@ class PreparedEmbedding:
     request_id: str | None = None  # the client's (body) request id
 
 
-def prepare_embedding(body: bytes, card: ModelCard, limit: int) -> PreparedEmbedding:
-    """`limit`: the prefill workers' max_model_len (an input has fewer tokens)."""
+def prepare_embedding(body: bytes, card: ModelCard, limit: int,
+                      adapters: Mapping[str, str] | None = None) -> PreparedEmbedding:
+    """`limit`: the prefill workers' max_model_len (an input has fewer tokens). `adapters`:
+    the LoRA adapters served (embeddings run on the base model only)."""
     try:
         req = EmbeddingRequest.model_validate_json(body or b"", strict=True)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors()) from None
-    check_model(req.model, card)
+    if check_model(req.model, card, adapters) is not None:
+        raise bad_request(f"Embeddings run on the base model only; {req.model!r} is a LoRA "
+                          f"adapter (use {card.name!r})", "model")
     if req.dimensions is not None:
         raise bad_request(f"Model {card.name!r} does not support matryoshka representation: "
                           "dimensions cannot be set", "dimensions")
@@ -227,7 +231,7 @@ def add_embedding_routes(app: FastAPI, services: Services) -> None:
                                                errors=GENERATE_ERRORS))
     async def embeddings(request: Request) -> Response:
         body = await request.body()
-        args = (body, services.card, embedder.max_model_len())
+        args = (body, services.card, embedder.max_model_len(), services.loras.served())
         prepared = (await asyncio.to_thread(prepare_embedding, *args)
                     if len(body) > _THREAD_TOKENIZE_BYTES else prepare_embedding(*args))
         base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
 
-from router.errors import APIError, bad_request, from_validation_errors
+from router.errors import bad_request, from_validation_errors
 from router.openapi import SIDE_ERRORS, route_schema
 from router.protocol import DetokenizeRequest, TokenizeRequest
 from router.response_models import (DetokenizeResponse, ModelInfo, ModelList, TokenizeResponse,
@@ -34,20 +34,24 @@ def _parse(model, body: bytes):
 def add_info_routes(app: FastAPI, services: Services) -> None:
     card, version = services.card, _version()
 
-    def model_card() -> dict[str, Any]:
-        return {"id": card.name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "root": card.name, "max_model_len": services.max_model_len()}
+    def model_card(lora_name: str | None = None, lora_path: str = "") -> dict[str, Any]:
+        """The base model's card, or (vLLM's) a LoRA adapter's: `parent` the base model,
+        `root` the adapter's path."""
+        if lora_name is None:
+            return {"id": card.name, "object": "model", "created": 0, "owned_by": "pdserve",
+                    "root": card.name, "parent": None, "max_model_len": services.max_model_len()}
+        return {"id": lora_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "root": lora_path, "parent": card.name, "max_model_len": services.max_model_len()}
 
     @app.get("/v1/models", **route_schema(ok=ModelList, errors=(401, 500)))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        loras = sorted(services.loras.served().items())
+        return {"object": "list", "data": [model_card(), *(model_card(n, p) for n, p in loras)]}
 
     @app.get("/v1/models/{model_id:path}", **route_schema(ok=ModelInfo, errors=(401, 404, 500)))
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != card.name and model_id not in card.aliases:
-            raise APIError(404, f"The model `{model_id}` does not exist.", "model",
-                           "model_not_found")
-        return model_card()
+        lora = check_model(model_id, card, services.loras.served())
+        return model_card(*(lora.lora_name, lora.lora_path) if lora else ())
 
     @app.get("/version", **route_schema(ok=VersionResponse, errors=(500,)))
     async def get_version() -> dict[str, str]:
@@ -56,7 +60,7 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
     @app.post("/tokenize", **route_schema(TokenizeRequest, TokenizeResponse, errors=SIDE_ERRORS))
     async def tokenize(request: Request) -> dict[str, Any]:
         req = _parse(TokenizeRequest, await request.body())
-        check_model(req.model, card)
+        check_model(req.model, card, services.loras.served())  # an adapter: the same tokenizer
         tok = card.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
@@ -78,6 +82,6 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
                                             errors=SIDE_ERRORS))
     async def detokenize(request: Request) -> dict[str, str]:
         req = _parse(DetokenizeRequest, await request.body())
-        check_model(req.model, card)
+        check_model(req.model, card, services.loras.served())
         check_token_ids(req.tokens, card, "tokens")
         return {"prompt": card.tokenizer.decode(req.tokens)}

@@ -15,12 +15,14 @@ from engine.block_hash import BlockHash, compute_block_hashes
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+    lora_id: int | None = None,
 ) -> list[BlockHash]:
     """Hashes of the prompt blocks a worker can reuse: full blocks, leaving at least the last
-    token to compute (the engine's prefix matching never reuses further)."""
+    token to compute (the engine's prefix matching never reuses further). `lora_id`: the
+    request's adapter (engine.lora_id_for(name)); it enters every hash, as in the engine."""
     usable = (len(token_ids) - 1) // block_size * block_size if token_ids else 0
-    return compute_block_hashes(token_ids[:usable], block_size, cache_salt or None)
+    return compute_block_hashes(token_ids[:usable], block_size, cache_salt or None, lora_id)
 
 
 class KVIndex:

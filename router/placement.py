@@ -8,6 +8,7 @@ from typing import Callable
 
 from cluster.registration import WorkerInfo
 from engine.block_hash import BlockHash
+from engine.lora.request import LoRARequest
 from router.kv_index import KVIndex, prompt_block_hashes
 from router.policy import Candidate, Decision, Policy
 from router.registry import WorkerRegistry, WorkerState
@@ -20,13 +21,17 @@ class PromptKey:
 
     token_ids: list[int]
     cache_salt: str | None = None
+    lora: LoRARequest | None = None
+    """The LoRA adapter it runs with: its id enters the block hashes; placement prefers
+    workers that have it loaded."""
     _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
 
     def hashes(self, block_size: int) -> list[BlockHash]:
         h = self._hashes.get(block_size)
         if h is None:
             h = self._hashes[block_size] = prompt_block_hashes(
-                self.token_ids, block_size, self.cache_salt
+                self.token_ids, block_size, self.cache_salt,
+                self.lora.lora_int_id if self.lora is not None else None,
             )
         return h
 
@@ -85,6 +90,7 @@ class Placer:
         block size, the staleness clock read once)."""
         now = self.registry.clock()
         matches: dict[int, dict[str, int]] = {}
+        adapter = prompt.lora.lora_name if prompt.lora is not None else None
 
         def candidate(state: WorkerState) -> Candidate:
             info = state.info
@@ -98,6 +104,7 @@ class Placer:
                 inflight=state.inflight, inflight_prefill_tokens=state.inflight_prefill_tokens,
                 compat=info.compat_hash, draining=info.draining,
                 stale=self.registry.is_stale(state, now),
+                lora_missing=adapter is not None and adapter not in info.resident_loras,
             )
 
         return candidate

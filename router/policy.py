@@ -42,6 +42,8 @@ class Candidate:
     draining: bool = False
     stale: bool = False
     """Registration not republished recently: capacity unknown, no new work."""
+    lora_missing: bool = False
+    """The request's LoRA adapter is not loaded there (it would load it from disk first)."""
 
     @property
     def usable(self) -> bool:
@@ -138,7 +140,8 @@ class Policy:
         """(queued prefill tokens + this request's uncached tokens there) / prefill rate; for
         a prefill worker, or for a decode worker prefilling locally."""
         rate = rate or p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
-        return (p.queued_prefill_tokens + num_prompt_tokens - p.cached_tokens) / rate
+        load_lora = self.config.lora_load_s if p.lora_missing else 0.0
+        return (p.queued_prefill_tokens + num_prompt_tokens - p.cached_tokens) / rate + load_lora
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
         raise NotImplementedError
@@ -160,7 +163,8 @@ class Policy:
 
 
 class AffinityPolicy(Policy):
-    """Decode: prefix overlap vs load vs KV usage (weighted). Prefill: lowest estimated TTFT."""
+    """Decode: prefix overlap vs load vs KV usage vs the request's LoRA adapter not loaded
+    there (weighted). Prefill: lowest estimated TTFT (an adapter to load adds its time)."""
 
     name = "affinity"
 
@@ -169,7 +173,7 @@ class AffinityPolicy(Policy):
         hit = c.cached_tokens / num_prompt_tokens if num_prompt_tokens else 0.0
         return (
             cfg.prefix_weight * hit - cfg.load_weight * c.load / cfg.load_scale
-            - cfg.kv_weight * c.kv_usage
+            - cfg.kv_weight * c.kv_usage - cfg.lora_weight * c.lora_missing
         )
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:

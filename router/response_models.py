@@ -177,6 +177,7 @@ class ModelInfo(_Out):
     owned_by: str
     root: str
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter: the base model's id
 
 
 class ModelList(_Out):

@@ -21,6 +21,7 @@ from router.placement import Placer
 from router.policy import make_policy
 from router.registry import EtcdWatcher, WorkerRegistry
 from router.logprobs import TokenText
+from router.loras import LoRAAdapters
 from router.validation import ModelCard
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class RouterServices:
         self.placer = Placer(self.registry, self.index, make_policy(config.placement))
         self.dispatcher = Dispatcher(config, self.placer, self.channels, self.metrics)
         self.tokens = TokenText(card.tokenizer)
+        self.loras = LoRAAdapters(self.registry, self.channels, config.lora_modules)
         self._watch: asyncio.Task | None = None
 
     def max_model_len(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.logprobs import TokenText
+from router.loras import LoRAAdapters
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.validation import ModelCard
@@ -21,6 +22,7 @@ class Services(Protocol):
     metrics: RouterMetrics
     dispatcher: Dispatcher  # runs each prompt on the cluster
     tokens: TokenText  # token texts and bytes for responses
+    loras: LoRAAdapters  # the LoRA adapters served (models beside the base), load / unload
 
     def max_model_len(self) -> int:
         """The longest prompt + output a decode worker holds now."""

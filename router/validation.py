@@ -4,11 +4,12 @@ length. Every refusal is a 400 `APIError` naming the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import ValidationError
 
 from engine.checks import FieldError
+from engine.lora.request import LoRARequest, lora_id_for
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from router.errors import APIError, bad_request, from_validation_errors
@@ -57,6 +58,7 @@ class Prepared:
     tokens_as_ids: bool = False  # logprob tokens as "token_id:<id>"
     request_id: str | None = None  # the client's (body) request id
     constraint: Constraint | None = None  # structured outputs: compile-check before dispatch
+    lora: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
 
 
 def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
@@ -67,16 +69,25 @@ def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionReq
         raise from_validation_errors(exc.errors()) from None
 
 
-def check_model(name: str | None, card: ModelCard) -> None:
-    if name is not None and name != card.name and name not in card.aliases:
+def check_model(name: str | None, card: ModelCard,
+                adapters: Mapping[str, str] | None = None) -> LoRARequest | None:
+    """The LoRA adapter `name` selects (None: the base model). `adapters`: the LoRA adapters
+    served now, name -> path (router/loras.py). An unknown name is vLLM's 404."""
+    if name is None or name == card.name or name in card.aliases:
+        return None
+    path = (adapters or {}).get(name)
+    if path is None:
         raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+    return LoRARequest(name, lora_id_for(name), path)
 
 
-def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) -> Prepared:
-    """`limit`: the longest prompt + output a live worker holds (default: the model card's)."""
+def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
+            adapters: Mapping[str, str] | None = None) -> Prepared:
+    """`limit`: the longest prompt + output a live worker holds (default: the model card's).
+    `adapters`: the LoRA adapters served now (name -> path); `model` may name one."""
     limit = limit or card.max_model_len
     req = parse_body(kind, body)
-    check_model(req.model, card)
+    lora = check_model(req.model, card, adapters)
     refuse_unsupported(req)
     echo = None  # completions with echo: each prompt's text
     if isinstance(req, ChatCompletionRequest):
@@ -125,12 +136,12 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None) 
     opts = req.stream_options
     include_usage = bool(req.stream and opts and opts.include_usage)
     return Prepared(
-        kind=kind, model=card.name, prompts=prompts, sampling=sampling,
+        kind=kind, model=lora.lora_name if lora else card.name, prompts=prompts, sampling=sampling,
         cache_salt=req.cache_salt, stream=req.stream, include_usage=include_usage,
         continuous_usage=include_usage and opts.continuous_usage_stats,
         chat_logprobs=kind == "chat" and logprobs is not None, priority=req.priority,
         echo=echo, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-        request_id=req.request_id, constraint=structured,
+        request_id=req.request_id, constraint=structured, lora=lora,
     )
 
 

@@ -18,9 +18,15 @@ class ResourceExhausted(RuntimeError):
     """No room for the request now (e.g. KV pool full); retry elsewhere or later."""
 
 
+class NotFound(LookupError):
+    """What the call names does not exist (e.g. a LoRA adapter's path)."""
+
+
 def status_for(exc: BaseException) -> grpc.StatusCode:
     from kvtransfer import IncompatiblePeerError, KVTransferError
 
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, (ValueError, TypeError, KeyError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, ResourceExhausted):

@@ -19,13 +19,14 @@ import grpc
 from cluster.registration import Capacity, Registrar, WorkerInfo
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.lora.request import LoRARequest, lora_id_for
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.args import WorkerConfig
-from worker_runtime.grpc_errors import Unavailable, grpc_errors
+from worker_runtime.grpc_errors import NotFound, Unavailable, grpc_errors
 from worker_runtime.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class WorkerRuntime:
         self.loop = EngineLoop(self.engine, self.deliver, self._after_step)
         self.stats: EngineStats = self.engine.stats()
         self.registrar: Registrar | None = None
+        self.loras: dict[str, str] = dict(m.split("=", 1) for m in engine_config.lora_modules)
+        """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
         self.grpc_address = ""
         self.metrics_address = ""
 
@@ -116,6 +119,40 @@ class WorkerRuntime:
         future = asyncio.wrap_future(self.loop.call(fn))
         return await (future if cancellable else asyncio.shield(future))
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter (off the event loop: disk) and serve it under `name`; LoRAError
+        (a ValueError) if it cannot be used. The registration is republished before this
+        returns, so the router sees the change as soon as it hears back."""
+        if not path:
+            raise ValueError("lora_path must not be empty")
+        if not os.path.isdir(path):
+            raise NotFound(f"No adapter found for LoRA adapter {name!r}: {path} is not a "
+                           "directory")
+        served = self.loras.get(name)
+        if served is not None and served != path:
+            raise ValueError(f"LoRA adapter {name!r} is already served from {served}; "
+                             "unload it first")
+        await asyncio.to_thread(self.engine.add_lora, LoRARequest(name, lora_id_for(name), path))
+        self.loras[name] = path
+        await self._republish()
+
+    async def unload_lora(self, name: str) -> bool:
+        """Stop serving an adapter and drop it from the engine (requests running with it
+        finish with it); False if it was not served here."""
+        found = self.loras.pop(name, None) is not None
+        lora_id = lora_id_for(name)
+        await self.call(lambda e: e.remove_lora(lora_id), cancellable=False)
+        await self._republish()
+        return found
+
+    def served_loras(self) -> list[pb.LoRAAdapter]:
+        return [pb.LoRAAdapter(name=n, path=p) for n, p in sorted(self.loras.items())]
+
+    async def _republish(self) -> None:
+        if self.registrar is not None:
+            await self.registrar.publish_now()
+
     # ---- registration ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
         s = self.stats
@@ -128,6 +165,8 @@ class WorkerRuntime:
             block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
             kv_metadata=self.kv_metadata.to_bytes().decode("ascii"),
             metrics_address=self.metrics_address, draining=self.draining,
+            loras=dict(self.loras),
+            resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
             capacity=Capacity(
                 total_blocks=s.num_blocks, free_blocks=s.num_free_blocks,
                 running=s.num_running + s.num_waiting_for_kv, waiting=s.num_waiting,
@@ -265,3 +304,18 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def GetCachedBlocks(self, request, context):
         hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
         return pb.CachedBlocksResponse(block_hashes=hashes)
+
+    @grpc_errors
+    async def LoadLoRAAdapter(self, request, context):
+        adapter = request.adapter
+        if not adapter.name:
+            raise ValueError("lora_name must not be empty")
+        await self.rt.load_lora(adapter.name, adapter.path)
+        return pb.LoRAResponse(found=True, served=self.rt.served_loras())
+
+    @grpc_errors
+    async def UnloadLoRAAdapter(self, request, context):
+        if not request.name:
+            raise ValueError("lora_name must not be empty")
+        found = await self.rt.unload_lora(request.name)
+        return pb.LoRAResponse(found=found, served=self.rt.served_loras())

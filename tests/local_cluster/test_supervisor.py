@@ -171,3 +171,19 @@ def test_speculative_config_goes_to_decode_workers_only():
     assert not any("speculative" in a for a in sup.worker_command("prefill"))
     args.speculative_config = None
     assert not any("speculative" in a for a in sup.worker_command("decode"))
+
+
+def test_lora_flags_go_to_workers_of_both_roles():
+    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
+                              worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
+                              enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=None,
+                              lora_modules=["a=/x", "b=/y"])
+    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
+    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+            "--lora-modules", "a=/x", "b=/y"]
+    for role in ("prefill", "decode"):
+        cmd = sup.worker_command(role)
+        i = cmd.index("--enable-lora")
+        assert cmd[i:i + len(lora)] == lora and cmd[-1] == "--dtype=float32"  # --worker-arg wins
+    args.enable_lora = False
+    assert not any("lora" in a for a in sup.worker_command("decode"))

@@ -59,6 +59,9 @@ class FakeWorker:
     draining: bool = False
     behavior: Behavior = field(default_factory=Behavior)
     max_model_len: int = 0
+    loras: dict = field(default_factory=dict)  # served LoRA adapters, name -> path
+    resident_loras: tuple = ()
+    lora_calls: list = field(default_factory=list)  # ("load" | "unload", name)
 
     def __post_init__(self) -> None:
         self.cached: list[bytes] = []  # prefix cache, insertion order
@@ -103,7 +106,8 @@ class FakeWorker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.role, self.address, self.model_id, self.compat_hash,
                           self.block_size, draining=self.draining, capacity=self.capacity,
-                          max_model_len=self.max_model_len)
+                          max_model_len=self.max_model_len, loras=dict(self.loras),
+                          resident_loras=tuple(self.resident_loras))
 
     def set_capacity(self, **changes) -> None:
         self.capacity = replace(self.capacity, **changes)
@@ -159,6 +163,23 @@ class _WorkerService(pb_grpc.WorkerServicer):
 
     async def GetCachedBlocks(self, request, context):
         return pb.CachedBlocksResponse(block_hashes=list(self.w.cached))
+
+    async def LoadLoRAAdapter(self, request, context):
+        """Prefill workers refuse paths containing "bad" (INVALID_ARGUMENT), as a real worker
+        an invalid adapter."""
+        a = request.adapter
+        self.w.lora_calls.append(("load", a.name))
+        if "bad" in a.path and self.w.role == "prefill":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"adapter {a.name!r}: bad rank")
+        self.w.loras[a.name] = a.path
+        await self.w.registrar.publish_now()
+        return pb.LoRAResponse(found=True)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        self.w.lora_calls.append(("unload", request.name))
+        found = self.w.loras.pop(request.name, None) is not None
+        await self.w.registrar.publish_now()
+        return pb.LoRAResponse(found=found)
 
 
 class _DecodeService(pb_grpc.DecodeWorkerServicer):
