@@ -67,6 +67,9 @@ def fuzz(url: str, headers: dict[str, str], examples: int, cap: int,
     return stats
 
 
+_STREAM_TURNS: dict[str, int] = {}
+
+
 def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats,
          derandomize) -> None:
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
@@ -79,7 +82,10 @@ def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats,
         _bound_cost(op.path, case.body, cap, fill)
         if (mode is GenerationMode.POSITIVE and op.path in GENERATE
                 and isinstance(case.body, dict) and "stream" not in case.body):
-            case.body["stream"] = bool(sum(stats.values()) % 2)  # streams get their share
+            # Streams get their share: every other case of this path that leaves it out (a
+            # per-path turn, so other paths' request counts cannot line it up with failures).
+            turn = _STREAM_TURNS[op.path] = _STREAM_TURNS.get(op.path, 0) + 1
+            case.body["stream"] = bool(turn % 2)
         start = time.monotonic()
         response = case.call(base_url=url, session=session, headers=headers, timeout=timeout)
         elapsed = time.monotonic() - start
