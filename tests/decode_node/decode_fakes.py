@@ -55,11 +55,12 @@ class FakeEngine:
 
     limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE))
 
-    def make_request(self, rid, prompt, params, cache_salt=None, priority=0, resume=None):
+    def make_request(self, rid, prompt, params, cache_salt=None, priority=0, resume=None,
+                     lora_request=None):
         outputs = len(resume.output_token_ids) if resume is not None else 0
         return SimpleNamespace(request_id=rid, prompt_token_ids=list(prompt), num_prompt_tokens=len(prompt),
                                num_tokens=len(prompt) + outputs, sampling=params, cache_salt=cache_salt,
-                               priority=priority, seed=7, num_cached_tokens=0,
+                               priority=priority, seed=7, num_cached_tokens=0, lora=None,
                                remote_prefill_ok=params.remote_prefill_ok and resume is None)
 
     def add_remote_prefill_request(self, req):
