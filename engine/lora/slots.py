@@ -28,6 +28,10 @@ class LoRASlots:
                   for t in TARGETS}
         self.b = {t: torch.zeros(layers, max_loras, shapes[t][1], max_rank, dtype=dtype, device=device)
                   for t in TARGETS}
+        # B transposed, [layers, max_loras, max_rank, out]: all slots' B as one (slots x rank,
+        # out) matrix for the torch path's small batches (engine/lora/batch.py).
+        self.bt = {t: torch.zeros(layers, max_loras, max_rank, shapes[t][1], dtype=dtype, device=device)
+                   for t in TARGETS}
         self.targets: list[set[str]] = [set() for _ in range(max_loras)]  # what each slot adds
         self.unit_scale = torch.ones(max_loras, dtype=torch.float32, device=device)  # B is pre-scaled
         self._resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
@@ -68,10 +72,12 @@ class LoRASlots:
         for t in TARGETS:
             self.a[t][:, slot].zero_()
             self.b[t][:, slot].zero_()
+            self.bt[t][:, slot].zero_()
         targets = set()
         for (layer, t), (a, b) in adapter.weights.items():
             self.a[t][layer, slot, :r].copy_(a)
             self.b[t][layer, slot, :, :r].copy_(b * adapter.scale)
+            self.bt[t][layer, slot, :r].copy_((b * adapter.scale).T)
             targets.add(t)
         self.targets[slot] = targets
         self._resident[adapter.lora_int_id] = slot

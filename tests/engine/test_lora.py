@@ -68,10 +68,11 @@ def _greedy(llm, prompts, lora):
 
 def test_each_adapter_matches_peft_and_merged_weights(model_dir, adapters):
     llm = _llm(model_dir, max_loras=3)
-    base = _greedy(llm, PROMPTS, None)
+    prompts = PROMPTS + [" ".join(PROMPTS * 8)]  # its prefill step has > 64 rows: grouped path
+    base = _greedy(llm, prompts, None)
     for name, (lora, peft_model) in adapters.items():
-        ours = _greedy(llm, PROMPTS, lora)
-        assert ours == [_hf_greedy(peft_model, llm.tokenizer, p) for p in PROMPTS], name
+        ours = _greedy(llm, prompts, lora)
+        assert ours == [_hf_greedy(peft_model, llm.tokenizer, p) for p in prompts], name
         assert ours != base, name  # the adapter changes the output
     lora, peft_model = adapters["everything"]
     merged = peft_model.merge_and_unload()  # W + scale * B A, a plain HF model
@@ -82,6 +83,7 @@ def test_a_mixed_batch_equals_each_run_alone(model_dir, adapters):
     llm = _llm(model_dir, max_loras=3)
     loras = [adapters[n][0] for n in ADAPTERS] + [None]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    prompts[0] = " ".join([prompts[0]] * 20)  # > 64 rows in the first step: the grouped path
     alone = [_greedy(llm, [p], lora)[0] for p, lora in zip(prompts, loras)]
     assert _greedy(llm, prompts, loras) == alone
 
