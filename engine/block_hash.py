@@ -2,7 +2,7 @@
 
 hash(block i) = sha256(hash(block i-1) || extras || token ids of block i as little-endian int64)
 
-Extras (cache_salt for tenant isolation, LoRA id) enter every block's hash, so equal tokens under
+Extras (cache_salt for tenant isolation, LoRA id, a quantized KV dtype) enter every block's hash, so equal tokens under
 different salts never share blocks. The router imports `compute_block_hashes` to predict which
 workers hold a prompt's prefix: the same bytes in, the same hashes out, in any process.
 """
@@ -19,12 +19,16 @@ BlockHash = bytes  # 32-byte sha256 digest
 _ROOT = b"pdserve-block-hash-v1"
 
 
-def hash_extras(cache_salt: str | None = None, lora_id: int | None = None) -> bytes:
-    """Bytes mixed into every block hash of a request (empty when there are no extras)."""
-    if cache_salt is None and lora_id is None:
+def hash_extras(cache_salt: str | None = None, lora_id: int | None = None,
+                kv_cache_dtype: str = "auto") -> bytes:
+    """Bytes mixed into every block hash of a request (empty when there are no extras). A
+    quantized KV cache (`kv_cache_dtype` other than auto) is an extra: its blocks hold other
+    bytes than the model dtype's for the same tokens."""
+    kv = b"" if kv_cache_dtype == "auto" else b"kv:" + kv_cache_dtype.encode()
+    if cache_salt is None and lora_id is None and not kv:
         return b""
     salt = (cache_salt or "").encode("utf-8")
-    return struct.pack("<qI", -1 if lora_id is None else lora_id, len(salt)) + salt
+    return struct.pack("<qI", -1 if lora_id is None else lora_id, len(salt)) + salt + kv
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extras: bytes = b"") -> BlockHash:
@@ -40,10 +44,12 @@ def compute_block_hashes(
     block_size: int,
     cache_salt: str | None = None,
     lora_id: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` (a trailing partial block gets none)."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size, hash_extras(cache_salt, lora_id))
+    extend_block_hashes(hashes, token_ids, block_size,
+                        hash_extras(cache_salt, lora_id, kv_cache_dtype))
     return hashes
 
 

@@ -8,6 +8,8 @@ from engine.checks import check_fields
 from engine.spec_decode.config import SpeculativeConfig
 
 GiB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+"""vLLM's kv_cache_dtype values pdserve stores (engine/kv_format.py)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class EngineConfig:
     """Speculative decoding (vLLM's speculative_config; a dict or its JSON is accepted and
     parsed here). None: off. See engine.spec_decode."""
 
+    kv_cache_dtype: str = "auto"
+    """How K/V are stored (vLLM's): auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2, or int8
+    (per-token, per-head scales inside the block). See engine.kv_format."""
     enable_lora: bool = False
     """Serve LoRA adapters over the base model (engine/lora)."""
     max_loras: int = 1
@@ -71,6 +76,8 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "is not supported"),
             (self.device in ("auto", "cpu", "cuda"), "device", "must be cpu, cuda or auto"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "is unknown"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+             f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.max_loras >= 1, "max_loras", "must be >= 1"),
             (1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
@@ -122,6 +129,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
                         '\'{"method": "draft_model", "model": "self:8" | PATH, '
                         '"num_speculative_tokens": 3}\' (decode workers speculate)')
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format)")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="distinct LoRA adapters in one batch")

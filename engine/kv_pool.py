@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from engine import kv_format
 from engine.config import GiB, EngineConfig
 from engine.models.config import ModelArgs
 
 DEFAULT_CPU_KV_MEMORY = 2 * GiB
 
 
-def kv_block_shape(args: ModelArgs, block_size: int) -> tuple[int, ...]:
-    return (args.n_layers, 2, block_size, args.n_kv_heads, args.head_dim)
+def kv_block_shape(args: ModelArgs, block_size: int, kv_cache_dtype: str = "auto") -> tuple[int, ...]:
+    """One block: [layers, K/V, tokens, kv heads, stored head dim] (head_dim + 4 for int8:
+    the per-token scales live in the block, engine/kv_format.py)."""
+    return (args.n_layers, 2, block_size, args.n_kv_heads,
+            kv_format.stored_head_dim(kv_cache_dtype, args.head_dim))
 
 
-def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype,
+                   kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block; `dtype` is the model's (what `auto` stores)."""
     n = 1
-    for d in kv_block_shape(args, block_size):
+    for d in kv_block_shape(args, block_size, kv_cache_dtype):
         n *= d
-    return n * torch.tensor([], dtype=dtype).element_size()
+    storage = kv_format.storage_dtype(kv_cache_dtype, dtype)
+    return n * torch.tensor([], dtype=storage).element_size()
 
 
 def num_blocks_for_budget(
@@ -27,7 +34,7 @@ def num_blocks_for_budget(
 ) -> int:
     """Blocks that fit `kv_cache_memory`; on CUDA without it, what is left of
     `gpu_memory_utilization` x total memory after the profiled peak of a forward."""
-    block_bytes = kv_block_bytes(args, config.block_size, dtype)
+    block_bytes = kv_block_bytes(args, config.block_size, dtype, config.kv_cache_dtype)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
@@ -45,12 +52,14 @@ def num_blocks_for_budget(
 
 
 def allocate_kv_pool(
-    num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device
+    num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zero-filled. On CPU
     the pool asks for transparent huge pages before its pages are first touched: KV
     transfers (NIXL/CMA pins the receiver's pages) run about twice as fast on them."""
-    pool = torch.empty((num_blocks, *kv_block_shape(args, block_size)), dtype=dtype, device=device)
+    pool = torch.empty((num_blocks, *kv_block_shape(args, block_size, kv_cache_dtype)),
+                       dtype=kv_format.storage_dtype(kv_cache_dtype, dtype), device=device)
     if pool.device.type == "cpu":
         _advise_huge_pages(pool)
     return pool.zero_()

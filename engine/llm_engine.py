@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device_dtype
 from engine.generation_config import load_generation_config, sampling_defaults
+from engine.kv_format import normalize as normalize_kv_dtype
 from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
@@ -67,7 +68,8 @@ class LLMEngine:
         self.loaded.model.use_fused_kernels(self.backend.name == "triton")
         peak = self._profile_peak() if self.device.type == "cuda" else None
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
-        self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
+                                         config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -89,7 +91,8 @@ class LLMEngine:
         )
         """SamplingParams fields -> the model's defaults (a request that omits one gets it)."""
         self._builder = RequestBuilder(
-            self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed
+            self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed,
+            normalize_kv_dtype(config.kv_cache_dtype),
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
@@ -352,7 +355,7 @@ class LLMEngine:
         args, bs = self.loaded.args, self.config.block_size
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-n // bs)
-        pool = allocate_kv_pool(blocks, args, bs, self.dtype, self.device)
+        pool = allocate_kv_pool(blocks, args, bs, self.dtype, self.device, self.config.kv_cache_dtype)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
             self.loaded.model(

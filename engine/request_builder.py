@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 
 class RequestBuilder:
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, seed: int
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, seed: int,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
+        self.kv_cache_dtype = kv_cache_dtype  # normalized; enters the block hashes
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -114,8 +116,8 @@ class RequestBuilder:
             resume=resume,
             # Over the outputs too: a request resumed again on this worker finds them cached.
             block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt,
-                                              lora_id),
-            hash_extras=hash_extras(cache_salt, lora_id),
+                                              lora_id, self.kv_cache_dtype),
+            hash_extras=hash_extras(cache_salt, lora_id, self.kv_cache_dtype),
             cache_salt=cache_salt,
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),

@@ -11,6 +11,12 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kv_format import dequantize, quantize
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """One-byte pools (fp8, int8) as uint8: CPU index ops lack fp8 kernels."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -31,20 +37,26 @@ def store_kv_torch(
     rows = kv_cache.view(-1, *kv_cache.shape[4:])  # one row per (page, offset)
     base = ((slot_mapping // block_size) * num_layers + layer) * 2 * block_size
     offset = slot_mapping % block_size
-    rows.index_copy_(0, base + offset, key.to(kv_cache.dtype))
-    rows.index_copy_(0, base + block_size + offset, value.to(kv_cache.dtype))
+    # Byte views: index_copy_ has no fp8 kernel on CPU (and bytes are what moves anyway).
+    raw = _bytes(rows)
+    raw.index_copy_(0, base + offset, _bytes(quantize(key, kv_cache.dtype)))
+    raw.index_copy_(0, base + block_size + offset, _bytes(quantize(value, kv_cache.dtype)))
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor
+    kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks in `block_tables` ([..., nb]) as [..., nb * B, H, D] each."""
+    """K and V of the blocks in `block_tables` ([..., nb]) as [..., nb * B, H, D] each, in
+    `like`'s dtype and head size (dequantized when the pool is fp8 / int8, engine/kv_format.py)."""
     num_layers = kv_cache.shape[1]
-    pages = _pages(kv_cache)
+    pages = _bytes(_pages(kv_cache))
     k_pages = (block_tables.long() * num_layers + layer) * 2
     shape = (*block_tables.shape[:-1], -1, *pages.shape[-2:])
-    k = pages.index_select(0, k_pages.flatten()).view(shape)
-    v = pages.index_select(0, (k_pages + 1).flatten()).view(shape)
+    k = pages.index_select(0, k_pages.flatten()).view(shape).view(kv_cache.dtype)
+    v = pages.index_select(0, (k_pages + 1).flatten()).view(shape).view(kv_cache.dtype)
+    if kv_cache.dtype != like.dtype:
+        head_dim = like.shape[-1]
+        k, v = dequantize(k, head_dim, like.dtype), dequantize(v, head_dim, like.dtype)
     return k, v
 
 
@@ -85,7 +97,7 @@ class TorchAttentionBackend(AttentionBackend):
         for s in range(short, metadata.num_seqs):
             q_len, seq_len = metadata.query_lens_cpu[s], metadata.seq_lens_cpu[s]
             num_blocks = -(-seq_len // block_size)
-            k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, :num_blocks])
+            k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, :num_blocks], query)
             k, v = k[:seq_len].transpose(0, 1), v[:seq_len].transpose(0, 1)  # [Hkv, L, D]
             q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
             if q_len == seq_len:
@@ -112,7 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[3]
         seq_lens = metadata.seq_lens[first:end]
         num_blocks = -(-max(metadata.seq_lens_cpu[first:end]) // block_size)
-        k, v = gather_kv(kv_cache, layer, metadata.block_tables[first:end, :num_blocks])
+        k, v = gather_kv(kv_cache, layer, metadata.block_tables[first:end, :num_blocks], query)
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
         group = query.shape[1] // num_kv_heads
         padded = query.new_zeros(ns, q_max, *query.shape[1:])
@@ -141,7 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
         nd = query.shape[0]
         block_size = kv_cache.shape[3]
         num_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
-        k, v = gather_kv(kv_cache, layer, metadata.block_tables[:nd, :num_blocks])
+        k, v = gather_kv(kv_cache, layer, metadata.block_tables[:nd, :num_blocks], query)
         positions = torch.arange(num_blocks * block_size, device=query.device)
         mask = (positions[None, :] < metadata.seq_lens[:nd, None]).view(nd, 1, 1, -1)
         # The query heads sharing a kv head ride in SDPA's query-length dimension: no GQA

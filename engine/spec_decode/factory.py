@@ -43,5 +43,5 @@ def make_proposer(engine: LLMEngine) -> Proposer | None:
                                   f"max_model_len {engine.max_model_len}")
     draft.model.use_fused_kernels(engine.backend.name == "triton")
     pool = allocate_kv_pool(engine.block_manager.num_blocks, draft.args, engine.config.block_size,
-                            engine.dtype, engine.device)
+                            engine.dtype, engine.device, engine.config.kv_cache_dtype)
     return DraftModelProposer(draft.model, pool, engine.backend, engine.block_manager, owns_kv=True)
