@@ -45,6 +45,23 @@ async def ahealth(address: str) -> pb.HealthResponse:
         return await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)
 
 
+def wait_router_sees(url: str, router: ServiceProcess, prefill: int = 1, decode: int = 1,
+                     timeout: float = 60.0) -> None:
+    """Wait until the router at `url` has that many workers of each pool registered."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            h = httpx.get(url + "/health", timeout=2).json()
+            if h.get("decode_workers") == decode and h.get("prefill_workers") == prefill:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and router.alive(), "router not ready"
+        time.sleep(0.2)
+
+
 def health(address: str) -> pb.HealthResponse:
     return asyncio.run(ahealth(address))
 

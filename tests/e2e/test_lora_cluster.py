@@ -6,7 +6,6 @@ Through the router with the openai client: an adapter loaded at run time appears
 single engine's with that adapter; bad adapters are 4xx naming the problem and leave nothing
 loaded; unloading removes it (a request for it is then vLLM's 404); the workers keep serving
 and hold no KV block afterwards."""
-import time
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.lora.request import LoRARequest, lora_id_for
 from local_cluster.launcher import ServiceProcess
 from lora_adapter import make_adapter
-from pd_cluster import NUM_LAYERS, WorkerProcess, metric, wait_all_blocks_free
+from pd_cluster import NUM_LAYERS, WorkerProcess, metric, wait_all_blocks_free, wait_router_sees
 
 pytestmark = pytest.mark.slow
 
@@ -52,16 +51,7 @@ def cluster(tmp_path_factory):
         try:
             prefill.wait_ready()
             decode.wait_ready()
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    h = httpx.get(url + "/health", timeout=2).json()
-                    if h.get("decode_workers") == 1 and h.get("prefill_workers") == 1:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline and router.alive(), "router not ready"
-                time.sleep(0.2)
+            wait_router_sees(url, router)
             yield url, prefill, decode
         finally:
             codes = [p.terminate(30) for p in (router, decode, prefill)]

@@ -16,7 +16,7 @@ from cluster.net import free_port
 from engine import LLM, SamplingParams
 from local_cluster.launcher import ServiceProcess
 from metrics_catalog import documented, speculative_only, type_lines
-from pd_cluster import NUM_LAYERS, WorkerProcess, metric
+from pd_cluster import NUM_LAYERS, WorkerProcess, metric, wait_router_sees
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +46,7 @@ def cluster(tmp_path_factory):
         try:
             prefill.wait_ready()
             decode.wait_ready()
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    h = httpx.get(url + "/health", timeout=2).json()
-                    if h.get("decode_workers") == 1 and h.get("prefill_workers") == 1:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline and router.alive(), "router not ready"
-                time.sleep(0.2)
+            wait_router_sees(url, router)
             yield url, prefill, decode
         finally:
             codes = [p.terminate(30) for p in (router, decode, prefill)]
