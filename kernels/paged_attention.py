@@ -2,8 +2,10 @@
 
 Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (torch):
 - query [T, num_q_heads, head_dim]: the step's queries, sequence after sequence.
-- kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: the pool, which
-  already holds every key/value of this step (`store_kv` runs first).
+- kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, D_stored]: the pool, which
+  already holds every key/value of this step (`store_kv` runs first), in the model dtype
+  (D_stored = head_dim) or quantized (fp8 e4m3/e5m2: D_stored = head_dim; int8: head_dim + 4;
+  kernels/kv_quant.py). Quantized K/V are dequantized on the fly.
 - block_tables [S, max_blocks_per_seq]: sequence s's position j lives in block
   block_tables[s, j // block_size] at offset j % block_size. Entries past the sequence's last
   block are never read (any value). Blocks may be shared between sequences (prefix hits).
@@ -12,7 +14,8 @@ Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (t
   q_len queries sit at positions seq_lens[s] - q_len .. seq_lens[s] - 1 and each attends to
   keys 0 .. its own position.
 - GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
-Returns [T, num_q_heads, head_dim] in query's dtype; softmax statistics are fp32.
+Returns [T, num_q_heads, head_dim] in query's dtype (the model dtype, also for a quantized pool);
+softmax statistics are fp32.
 """
 import functools
 from dataclasses import dataclass
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels._checks import check, check_kv_cache
+from kernels._checks import FLOAT_DTYPES, check, check_kv_cache
+from kernels.kv_quant import dequantize_kv_reference, format_code, kernel_view, kv_format, pool_head_dim
 from kernels.merge_partitions import merge_partitions
 from kernels.paged_attention_kernel import paged_attention_kernel
 
@@ -36,12 +40,17 @@ MAX_PARTITIONS = 64
 
 def _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens) -> None:
     check_kv_cache(kv_cache, layer)
-    _, _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    _, _, _, _, num_kv_heads, d_stored = kv_cache.shape
+    fmt, head_dim = kv_format(kv_cache), pool_head_dim(kv_cache)
     check(query.dim() == 3 and query.shape[2] == head_dim,
-          f"query must be [T, num_q_heads, {head_dim}], got {tuple(query.shape)}")
+          f"query must be [T, num_q_heads, {head_dim}] to match kv_cache (format {fmt}, "
+          f"last dim {d_stored}), got {tuple(query.shape)}")
     check(query.shape[1] % num_kv_heads == 0,
           f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    check(query.dtype == kv_cache.dtype, f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+    if fmt == "auto":
+        check(query.dtype == kv_cache.dtype, f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+    else:
+        check(query.dtype in FLOAT_DTYPES, f"query dtype {query.dtype} not in {FLOAT_DTYPES}")
     check(query.stride(2) == 1, f"query must have a contiguous last dim, strides {query.stride()}")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check(seq_lens.dim() == 1, f"seq_lens must be [S], got {tuple(seq_lens.shape)}")
@@ -173,7 +182,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
 
     paged_attention_kernel[(plan.num_tiles, num_kv_heads, num_partitions)](
         out, part_acc, part_max, part_sum,
-        query, kv_cache, block_tables, query_start_loc, seq_lens,
+        query, kernel_view(kv_cache), block_tables, query_start_loc, seq_lens,
         scale * LOG2E, num_seqs, num_q_heads, num_partitions, partition_size, layer * kv_cache.stride(1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
@@ -184,6 +193,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         SPLIT_KV=partition_size > 0,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=query.dtype == torch.bfloat16 and _INTERPRETED,
+        KV_FORMAT=format_code(kv_cache),
         num_warps=plan.num_warps,
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )
@@ -196,7 +206,8 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer
                               block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                               seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
                               max_seq_len: int | None = None) -> torch.Tensor:
-    """Plain-torch paged attention, one sequence at a time, fp32 math (same contract).
+    """Plain-torch paged attention, one sequence at a time, fp32 math over the dequantized pool
+    (`dequantize_kv_reference`; same contract).
     max_query_len / max_seq_len are accepted for interface parity and ignored."""
     _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -214,8 +225,8 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer
         if q_len == 0:
             continue
         blocks = block_tables[s, : triton.cdiv(seq_len, block_size)].long()
-        k = kv_cache[blocks, layer, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = kv_cache[blocks, layer, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = dequantize_kv_reference(kv_cache[blocks, layer, 0].flatten(0, 1)[:seq_len])
+        v = dequantize_kv_reference(kv_cache[blocks, layer, 1].flatten(0, 1)[:seq_len])
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

@@ -17,6 +17,13 @@ Work decomposition (grid = (query tiles, kv heads, KV partitions)):
   is thus spread over many programs instead of one serial walk. partition_size is a runtime
   argument so that a size chosen per step does not trigger a recompilation.
 
+KV_FORMAT (kernels/kv_quant.py): AUTO reads K/V in the query dtype. FP8_E4M3 / FP8_E5M2 read the
+pool as bytes and decode them exactly to the query dtype (fp8 fits fp16/bf16 exactly; e4m3 by
+bit arithmetic, as sm_80 has no e4m3 conversion). INT8 puts
+the integers (exact in any float dtype) into the dots and applies the per-key scales outside
+them: scores *= k_scale per key column, and P is multiplied by v_scale per key column before it
+is rounded for the P @ V dot. Each scale is the float32 after its head's head_dim bytes.
+
 UPCAST_DOT: the Triton interpreter (CPU, triton 3.7) computes tl.dot on bf16 operands wrongly;
 there the operands are upcast to fp32 after the same bf16 rounding. Never set on GPU.
 
@@ -24,6 +31,8 @@ Softmax runs in base 2 (qk_scale already includes log2(e)); statistics are fp32.
 """
 import triton
 import triton.language as tl
+
+from kernels.kv_quant import FP8_E4M3, FP8_E5M2, INT8, decode_e4m3
 
 # Running max before any key was seen: finite, so that a row whose keys are all masked in this
 # partition gives exp2(-inf - EMPTY_MAX) = 0 and never inf - inf = nan.
@@ -47,6 +56,16 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _kv_for_dot(x, dot_dtype: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """Loaded K/V as stored -> the dot operand dtype (exact: fp8 and int8 values fit)."""
+    if KV_FORMAT == FP8_E4M3:
+        x = decode_e4m3(x)
+    elif KV_FORMAT == FP8_E5M2:
+        x = x.to(tl.float8e5, bitcast=True)  # converted natively (all archs, and exact)
+    return x.to(dot_dtype)
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -56,7 +75,7 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FORMAT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,21 +124,28 @@ def paged_attention_kernel(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs
         k = tl.load(k_base + kv_off[None, :] + d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
+                    mask=n_ok[None, :] & d_ok[:, None], other=0)
+        k = _kv_for_dot(k, q.dtype, KV_FORMAT)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if KV_FORMAT == INT8:
+            k_scale = tl.load((k_base + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                              mask=n_ok, other=0.0)
+            s = s * k_scale[None, :]
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(k_base + stride_ckv + kv_off[:, None] + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        p = p.to(v.dtype)
-        if UPCAST_DOT:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
+                    mask=n_ok[:, None] & d_ok[None, :], other=0)
+        v = _kv_for_dot(v, q.dtype, KV_FORMAT)
+        if KV_FORMAT == INT8:
+            v_scale = tl.load((k_base + stride_ckv + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                              mask=n_ok, other=0.0)
+            p = p * v_scale[None, :]
+        # P is rounded to the query dtype (the KV dtype when unquantized) as on GPU, even when
+        # UPCAST_DOT then computes the dot in fp32.
+        p = p.to(query_ptr.dtype.element_ty).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 

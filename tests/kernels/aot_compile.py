@@ -36,7 +36,7 @@ KERNELS = {  # module -> name of its kernel global
     "kernels.lora_expand": "_lora_expand_kernel",
 }
 TYPE_CODES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-              torch.int32: "i32", torch.int64: "i64"}
+              torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8"}
 
 
 class Recorder:
@@ -93,10 +93,12 @@ def record_launches() -> list:
     assert kernels  # the package import above already bound every launcher to its module
 
     def pool(dtype, block_size=16, kv_heads=3, head_dim=64):
-        return torch.zeros(8, 2, 2, block_size, kv_heads, head_dim, dtype=dtype)
+        d_stored = head_dim + 4 if dtype == torch.int8 else head_dim  # int8: + the scale bytes
+        return torch.zeros(8, 2, 2, block_size, kv_heads, d_stored, dtype=dtype)
 
-    def attention(dtype, q_lens, seq_lens, partition_size, gqa=3, kv_heads=3, head_dim=64, **launch):
-        cache = pool(dtype, kv_heads=kv_heads, head_dim=head_dim)
+    def attention(dtype, q_lens, seq_lens, partition_size, gqa=3, kv_heads=3, head_dim=64, kv_dtype=None,
+                  **launch):
+        cache = pool(kv_dtype or dtype, kv_heads=kv_heads, head_dim=head_dim)
         query = torch.zeros(sum(q_lens), kv_heads * gqa, head_dim, dtype=dtype)
         tables = torch.zeros(len(q_lens), 8, dtype=torch.int32)
         qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -112,9 +114,16 @@ def record_launches() -> list:
     attention(torch.bfloat16, [40], [100], partition_size=0, gqa=1)
     attention(torch.bfloat16, [1, 1], [100, 30], partition_size=32, num_warps=8, num_stages=2)
     attention(torch.bfloat16, [1, 1], [100, 30], partition_size=0, head_dim=128, kv_heads=2, gqa=4)
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):  # quantized pools
+        attention(torch.bfloat16, [1, 1], [100, 30], partition_size=32, kv_dtype=kv_dtype)
+        attention(torch.bfloat16, [64, 1], [100, 30], partition_size=0, kv_dtype=kv_dtype)
+        attention(torch.float16, [1, 1], [100, 30], partition_size=0, kv_dtype=kv_dtype)
     for dtype in (torch.bfloat16, torch.float32):
         key = torch.zeros(5, 3, 64, dtype=dtype)
         store_kv(key, key, pool(dtype), 1, torch.arange(5))
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
+        key = torch.zeros(5, 3, 64, dtype=torch.bfloat16)
+        store_kv(key, key, pool(kv_dtype), 1, torch.arange(5))
     x = torch.zeros(4, 576, dtype=torch.bfloat16)
     rms_norm(x, x[0], 1e-5)
     add_rms_norm(x, x, x[0], 1e-5)
@@ -157,7 +166,7 @@ def main(argv=None) -> int:
                  for name, value in zip(params, call_args) if _divisible_by_16(value)}
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
         shown = {k: v for k, v in kwargs.items()
-                 if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "SPLIT_K", "BLOCK_R",
+                 if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "SPLIT_K", "BLOCK_R", "KV_FORMAT",
                                "num_warps", "num_stages")}
         dtype = signature[params[0]] if params else ""
         print(f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "

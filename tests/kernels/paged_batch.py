@@ -88,8 +88,11 @@ def make_logical(specs, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, layer: int = 1,
-            spare_blocks: int = 3, unused_entry: int = -1, seed: int = 1) -> PagedBatch:
-    """Place the logical batch in a fresh NaN-filled pool with shuffled block ids."""
+            spare_blocks: int = 3, unused_entry: int = -1, seed: int = 1,
+            kv_dtype: torch.dtype | None = None) -> PagedBatch:
+    """Place the logical batch in a fresh NaN-filled pool with shuffled block ids. kv_dtype: the
+    pool's dtype (default the query's; fp8 / int8 make a quantized pool, int8 with head_dim + 4
+    bytes per row, filled with -1 bytes so that an unwritten scale reads as NaN)."""
     specs = logical.specs
     _, num_kv_heads, head_dim = logical.keys[0].shape
     blocks_per_seq = [-(-s.seq_len // block_size) for s in specs]
@@ -98,8 +101,10 @@ def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, laye
         assert n * block_size == s.shared_tokens, "shared prefix must be whole blocks"
     num_blocks = sum(blocks_per_seq) - sum(shared_blocks) + spare_blocks
     device = logical.query.device
-    kv_cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
-                          float("nan"), dtype=logical.query.dtype, device=device)
+    kv_dtype = kv_dtype or logical.query.dtype
+    d_stored = head_dim + 4 if kv_dtype == torch.int8 else head_dim
+    kv_cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, d_stored),
+                          -1 if kv_dtype == torch.int8 else float("nan"), dtype=kv_dtype, device=device)
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = torch.full((len(specs), max(blocks_per_seq) + 2), unused_entry, dtype=torch.int32)
     slots, keys, values = [], [], []

@@ -22,8 +22,12 @@ def test_kernels_compile_for_nvidia(arch):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = proc.stdout.splitlines()
     assert sum("paged_attention_kernel" in line for line in compiled) >= 6
+    for kv_format in (1, 2, 3):  # quantized pools: fp8_e4m3, fp8_e5m2, int8
+        assert sum(f"'KV_FORMAT': {kv_format}" in line for line in compiled) >= 4, kv_format
     # Serving dtypes must not spill registers (fp32 is a test dtype; its prefill tile does spill).
-    spilling = [line for line in compiled if "fp32" not in line and "stack=0" not in line]
+    # Known exception: on sm_80 the fp8_e5m2 attention variants spill 8-16 bytes (docs/kernels.md).
+    spilling = [line for line in compiled if "fp32" not in line and "stack=0" not in line
+                and not (arch == 80 and "'KV_FORMAT': 2" in line)]
     assert not spilling, spilling
     assert all(any(name in line for line in compiled) for name in
                ("merge_partitions_kernel", "_store_kv_kernel", "_rms_norm_kernel", "_rope_kernel",

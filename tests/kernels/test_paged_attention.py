@@ -1,4 +1,5 @@
-"""paged_attention (Triton) == paged_attention_reference (torch) == dense causal attention."""
+"""paged_attention (Triton) == paged_attention_reference (torch) == dense causal attention, also
+over quantized pools (fp8 e4m3/e5m2, int8): there against dense attention over the dequantized K/V."""
 import dataclasses
 import importlib
 import math
@@ -6,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels import paged_attention, paged_attention_reference, plan_paged_attention
+from kernels import (dequantize_kv_reference, paged_attention, paged_attention_reference, plan_paged_attention,
+                     quantize_kv_reference)
 from paged_batch import MIXED, SeqSpec, dense_causal_attention, lay_out, make_logical
 
 # The package re-exports the function under the module's name; this is the module.
@@ -21,11 +23,22 @@ HEAD_DIM = 64
 SCALE = 1 / math.sqrt(HEAD_DIM)
 
 
+QUANTIZED = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+
 def _batch(specs=MIXED, *, gqa=3, num_kv_heads=3, dtype=torch.float32, block_size=16,
            head_dim=HEAD_DIM, device="cpu", seed=0, **layout):
     logical = make_logical(specs, num_q_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads,
                            head_dim=head_dim, dtype=dtype, device=device, seed=seed)
     return lay_out(logical, block_size, **layout)
+
+
+def _dequantized(logical, kv_dtype):
+    """The logical batch with its K/V replaced by what a kv_dtype pool gives back (fp32)."""
+    def roundtrip(x):
+        return dequantize_kv_reference(quantize_kv_reference(x, kv_dtype))
+    return dataclasses.replace(logical, keys=[roundtrip(k) for k in logical.keys],
+                               values=[roundtrip(v) for v in logical.values])
 
 
 def _plan(batch, **plan_kw):
@@ -148,6 +161,65 @@ def test_split_kv_mixed_batch(monkeypatch, device):
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantized_reference_matches_dense_attention(kv_dtype, device):
+    batch = _batch(device=device, kv_dtype=kv_dtype)
+    ref = _run(batch, paged_attention_reference)
+    expected = dense_causal_attention(_dequantized(batch.logical, kv_dtype), SCALE)
+    torch.testing.assert_close(ref, expected, atol=1e-5, rtol=1e-5)
+    # ... and quantization did change the K/V (the test would not see a skipped dequantization).
+    assert not torch.allclose(ref, dense_causal_attention(batch.logical, SCALE), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantized_kernel_matches_reference(kv_dtype, dtype, device):
+    # K/V are scaled so that int8 rows have varied scales and e4m3 sees subnormals.
+    logical = make_logical(MIXED, num_q_heads=9, num_kv_heads=3, head_dim=HEAD_DIM, dtype=dtype, device=device)
+    # One factor per (position, head), so that shared prefixes stay equal.
+    n = logical.max_seq_len * 3
+    factor = torch.logspace(-2.5, 0.5, n)[torch.randperm(n, generator=torch.Generator().manual_seed(5))]
+    for x in logical.keys + logical.values:
+        x *= factor.view(-1, 3, 1)[:x.shape[0]].to(x)
+    batch = lay_out(logical, 16, kv_dtype=kv_dtype)
+    out = _run(batch)
+    assert out.dtype == dtype and out.shape == logical.query.shape
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype,partition_size", [(torch.int8, 64), (torch.float8_e4m3fn, 80)])
+def test_quantized_split_kv_and_odd_shapes(monkeypatch, kv_dtype, partition_size, device):
+    spy = _MergeSpy(monkeypatch)
+    batch = _batch(DECODE, gqa=2, num_kv_heads=2, head_dim=48, block_size=32, device=device, kv_dtype=kv_dtype)
+    out = _run(batch, partition_size=partition_size)
+    assert spy.calls == [-(-301 // partition_size)], "split-KV path was not taken"
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kv_dtype,d_stored,query_dim,message", [
+    (torch.int8, HEAD_DIM, HEAD_DIM, "query must be"),  # int8 pool without room for the scales
+    (torch.int8, HEAD_DIM + 6, HEAD_DIM + 2, "multiple of 4"),  # scales not 4-byte aligned
+    (torch.float8_e5m2, HEAD_DIM + 4, HEAD_DIM, "query must be"),  # fp8 pools have no scales
+    (torch.uint8, HEAD_DIM, HEAD_DIM, "kv_cache dtype"),
+])
+def test_launcher_rejects_pool_of_no_format(kv_dtype, d_stored, query_dim, message):
+    batch = _batch(MIXED[:3])
+    lb = batch.logical
+    pool = torch.zeros(*batch.kv_cache.shape[:-1], d_stored, dtype=kv_dtype)
+    query = torch.zeros(lb.query.shape[0], lb.query.shape[1], query_dim)
+    for fn in (paged_attention, paged_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(query, pool, 1, batch.block_tables, lb.query_start_loc, lb.seq_lens, SCALE,
+               lb.max_query_len, lb.max_seq_len)
+
+
+def test_quantized_pool_rejects_non_float_query():
+    batch = _batch(MIXED[:3], kv_dtype=torch.int8)
+    lb = batch.logical
+    with pytest.raises(ValueError, match="query dtype"):
+        paged_attention(lb.query.double(), *batch.args()[1:], SCALE, lb.max_query_len, lb.max_seq_len)
+
+
 def test_plan_for_another_batch_is_rejected(device):
     batch = _batch(DECODE, device=device)
     lb = batch.logical
@@ -229,6 +301,17 @@ def test_gpu_realistic_batch(dtype, partition_size):
     batch = _batch(specs, dtype=dtype, device="cuda")
     out = _run(batch, partition_size=partition_size)
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+@pytest.mark.parametrize("partition_size", [None, 0])
+def test_gpu_quantized_batch(kv_dtype, partition_size):
+    specs = [SeqSpec(int(n), 1) for n in torch.randint(1, 4096, (32,), generator=torch.Generator().manual_seed(0))]
+    specs += [SeqSpec(16_384, 1), SeqSpec(700, 300)]
+    batch = _batch(specs, dtype=torch.bfloat16, device="cuda", kv_dtype=kv_dtype)
+    out = _run(batch, partition_size=partition_size)
+    torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[torch.bfloat16])
 
 
 def test_interpreter_detected_on_cpu():
