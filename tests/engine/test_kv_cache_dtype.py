@@ -89,3 +89,16 @@ def test_bad_kv_cache_dtype_is_a_clear_error():
 
     with pytest.raises(FieldError, match="kv_cache_dtype must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="fp4")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_triton_backend_reads_and_writes_the_same_format(model_dir, kv_cache_dtype):
+    """The Triton kernels (interpreter here) and the torch path over a quantized pool."""
+    outputs = []
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model_dir), num_layers=2, dtype="float32", kv_cache_memory=8 << 20,
+                  kv_cache_dtype=kv_cache_dtype, attention_backend=backend, max_num_batched_tokens=8)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(
+            ["The capital of France is", "def add(a, b):"], params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
