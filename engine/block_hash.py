@@ -20,15 +20,17 @@ _ROOT = b"pdserve-block-hash-v1"
 
 
 def hash_extras(cache_salt: str | None = None, lora_id: int | None = None,
-                kv_cache_dtype: str = "auto") -> bytes:
+                kv_cache_dtype: str = "auto", weights_version: int = 0) -> bytes:
     """Bytes mixed into every block hash of a request (empty when there are no extras). A
     quantized KV cache (`kv_cache_dtype` other than auto) is an extra: its blocks hold other
-    bytes than the model dtype's for the same tokens."""
+    bytes than the model dtype's for the same tokens; so is the weights version (bumped by
+    every weight update): KV computed by older weights is never reused."""
     kv = b"" if kv_cache_dtype == "auto" else b"kv:" + kv_cache_dtype.encode()
-    if cache_salt is None and lora_id is None and not kv:
+    version = b"" if weights_version == 0 else b"w:" + str(weights_version).encode()
+    if cache_salt is None and lora_id is None and not kv and not version:
         return b""
     salt = (cache_salt or "").encode("utf-8")
-    return struct.pack("<qI", -1 if lora_id is None else lora_id, len(salt)) + salt + kv
+    return struct.pack("<qI", -1 if lora_id is None else lora_id, len(salt)) + salt + kv + version
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extras: bytes = b"") -> BlockHash:
@@ -45,11 +47,12 @@ def compute_block_hashes(
     cache_salt: str | None = None,
     lora_id: int | None = None,
     kv_cache_dtype: str = "auto",
+    weights_version: int = 0,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` (a trailing partial block gets none)."""
     hashes: list[BlockHash] = []
     extend_block_hashes(hashes, token_ids, block_size,
-                        hash_extras(cache_salt, lora_id, kv_cache_dtype))
+                        hash_extras(cache_salt, lora_id, kv_cache_dtype, weights_version))
     return hashes
 
 

@@ -54,6 +54,12 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """How K/V are stored (vLLM's): auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2, or int8
     (per-token, per-head scales inside the block). See engine.kv_format."""
+    enable_sleep_mode: bool = False
+    """Allow `sleep(level)` / `wake_up()` (vLLM's): free the KV pool (level 1; weights stay, on
+    the CPU) or also drop the weights (level 2)."""
+    worker_extension_cls: str | None = None
+    """`module:Class` whose methods `collective_rpc` can call (vLLM's hook); built as
+    Class(engine)."""
     enable_lora: bool = False
     """Serve LoRA adapters over the base model (engine/lora)."""
     max_loras: int = 1
@@ -131,6 +137,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 3}\' (decode workers speculate)')
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8")
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="allow sleep/wake_up (free the KV pool, offload or drop weights)")
+    g.add_argument("--worker-extension-cls", default=None, metavar="MODULE:CLASS",
+                   help="a class whose methods collective_rpc may call")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format)")
     g.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="distinct LoRA adapters in one batch")

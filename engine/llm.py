@@ -25,6 +25,30 @@ class LLM:
         self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
+    # ---- weights lifecycle (vLLM's names; engine/lifecycle.py) -----------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 1, weights offloaded to the CPU) or also drop the weights
+        (level 2). Needs enable_sleep_mode."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def update_weights(self, weights) -> int:
+        """New weights by HF name ((name, tensor) pairs or a safetensors path); bumps the
+        weights version (part of every block hash) and resets the prefix cache."""
+        return self.engine.update_weights(weights)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call `method` on every engine (here: one) or its worker extension; the results."""
+        return self.engine.collective_rpc(method, args, kwargs)
+
     def get_metrics(self) -> list[Metric]:
         """The engine's counters so far (vLLM's `LLM.get_metrics()`): requests, KV usage,
         prefix cache, tokens, and with speculation its draft / accepted counts per position

@@ -17,6 +17,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.device import resolve_device_dtype
 from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_format import normalize as normalize_kv_dtype
+from engine.lifecycle import Lifecycle
 from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
 from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
@@ -100,6 +101,7 @@ class LLMEngine:
             name, path = module.split("=", 1)
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
         self.proposer: Proposer | None = make_proposer(self)
+        self.lifecycle = Lifecycle(self)
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         """k: the most drafts a sequence verifies per step (0: no speculation)."""
@@ -346,6 +348,33 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
+
+    # ---- weights lifecycle (engine/lifecycle.py) -------------------------------------------
+    @property
+    def weights_version(self) -> int:
+        """Bumped by every weight update; part of every block hash."""
+        return self._builder.weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        self._builder.weights_version = version
+
+    def sleep(self, level: int = 1) -> None:
+        self.lifecycle.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.lifecycle.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.lifecycle.level > 0
+
+    def update_weights(self, weights) -> int:
+        """HF-named (name, tensor) pairs, or a safetensors file / directory; returns how
+        many weights were applied (engine/weights.py)."""
+        return self.lifecycle.update_weights(weights)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self.lifecycle.collective_rpc(method, args, kwargs)
 
     def _profile_peak(self) -> int:
         """Peak CUDA memory of a forward over a full token budget (weights included)."""

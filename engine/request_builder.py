@@ -29,6 +29,7 @@ class RequestBuilder:
     ) -> None:
         self.tokenizer = tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # normalized; enters the block hashes
+        self.weights_version = 0  # bumped by weight updates; enters the block hashes
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -97,6 +98,7 @@ class RequestBuilder:
                              f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
                              f"{len(outputs)} outputs")
         lora_id = lora.lora_int_id if lora is not None else None
+        version = self.weights_version  # read once: an update may land meanwhile
         grammar = None
         if params.structured_outputs is not None and pooling is None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -116,8 +118,8 @@ class RequestBuilder:
             resume=resume,
             # Over the outputs too: a request resumed again on this worker finds them cached.
             block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt,
-                                              lora_id, self.kv_cache_dtype),
-            hash_extras=hash_extras(cache_salt, lora_id, self.kv_cache_dtype),
+                                              lora_id, self.kv_cache_dtype, version),
+            hash_extras=hash_extras(cache_salt, lora_id, self.kv_cache_dtype, version),
             cache_salt=cache_salt,
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
