@@ -79,3 +79,29 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
     if end > start:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage)
+
+
+def profile_peak(model, backend, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
+                 device: torch.device) -> int:
+    """Peak CUDA memory of a forward over a full token budget (weights included, the
+    temporary pool not)."""
+    from engine.attention import AttentionMetadata
+    from engine.models.llama import ForwardContext
+
+    args, bs = model.args, config.block_size
+    n = min(config.max_num_batched_tokens, max_model_len)
+    blocks = -(-n // bs)
+    pool = allocate_kv_pool(blocks, args, bs, dtype, device, config.kv_cache_dtype)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        model(
+            torch.zeros(n, dtype=torch.long, device=device),
+            torch.arange(n, device=device),
+            ForwardContext(backend, pool, AttentionMetadata.single_sequence(0, n, bs, blocks, device)),
+            logits_indices=torch.tensor([n - 1], device=device),
+        )
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - pool.numel() * pool.element_size()
+    del pool
+    torch.cuda.empty_cache()
+    return peak

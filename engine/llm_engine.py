@@ -8,17 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 
 from engine.attention.selector import make_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.deltas import Deltas
 from engine.device import resolve_device_dtype
 from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_format import normalize as normalize_kv_dtype
 from engine.lifecycle import Lifecycle
-from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget
+from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget, profile_peak
 from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.lora.slots import LoRACache, LoRASlots
@@ -26,7 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
-from engine.request import Logprob, Request, RequestStatus, Resume
+from engine.request import Request, RequestStatus, Resume
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
@@ -67,7 +66,8 @@ class LLMEngine:
         )
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.loaded.model.use_fused_kernels(self.backend.name == "triton")
-        peak = self._profile_peak() if self.device.type == "cuda" else None
+        peak = profile_peak(self.loaded.model, self.backend, config, self.max_model_len,
+                            self.dtype, self.device) if self.device.type == "cuda" else None
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
                                          config.kv_cache_dtype)
@@ -95,8 +95,7 @@ class LLMEngine:
             self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed,
             normalize_kv_dtype(config.kv_cache_dtype),
         )
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
+        self.deltas = Deltas(self.tokenizer, self.scheduler)
         for module in config.lora_modules:
             name, path = module.split("=", 1)
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
@@ -168,37 +167,23 @@ class LLMEngine:
     def submit(self, request: Request) -> Request:
         """Queue a request made by `make_request` (raises RequestRejected if it can never
         run, ValueError if its resume text does not match its outputs)."""
-        detok = self._new_detokenizer(request)
+        detok = self.deltas.new_detokenizer(request)
         self._attach_spec(request)
         self.scheduler.add_request(request)
-        self._track(request, detok)
+        self.deltas.track(request, detok)
         return request
-
-    def _new_detokenizer(self, request: Request) -> IncrementalDetokenizer:
-        p = request.sampling
-        detok = IncrementalDetokenizer(
-            self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens
-        )
-        if request.resume is not None:
-            detok.resume(request.resume.output_token_ids, request.resume.num_text_chars)
-        return detok
 
     def _attach_spec(self, request: Request) -> None:
         spec = self.config.speculative_config
         if spec is not None and request.pooling is None and request.spec is None:
             request.spec = SpecState(spec.num_speculative_tokens, spec.adaptive)
 
-    def _track(self, request: Request, detok: IncrementalDetokenizer | None = None) -> None:
-        self._groups.setdefault(request.group_id, []).append(request.request_id)
-        self._detok[request.request_id] = detok or self._new_detokenizer(request)
-
     def abort_request(self, request_id: str) -> bool:
         """Abort every completion of the caller's request id; frees their blocks. Idempotent:
         False if nothing was live under that id."""
         found = False
-        for rid in self._groups.pop(request_id, []):
+        for rid in self.deltas.forget_group(request_id):
             found |= self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None
-            self._detok.pop(rid, None)
         return found
 
     # ---- decode worker: the prompt's KV is computed by a prefill worker -----------------
@@ -215,7 +200,7 @@ class LLMEngine:
         self._attach_spec(request)
         block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:
-            self._track(request)
+            self.deltas.track(request)
         return block_ids
 
     def finish_remote_prefill(self, request_id: str, first_token: SampledToken) -> list[CompletionDelta]:
@@ -249,73 +234,8 @@ class LLMEngine:
         self.scheduler.fit_drafts(output)
 
     def process_updates(self, updates: list[tuple[Request, int]]) -> list[CompletionDelta]:
-        """Detokenize each request's new tokens (the number given; 0 = it finished without
-        one), apply stop strings (a stop string inside a step's tokens drops the tokens after
-        it), build deltas. The first delta of completion 0 carries the prompt logprobs (if
-        asked)."""
-        deltas = []
-        for request, num_new in updates:
-            if request.request_id not in self._detok:  # a fork seen for the first time
-                self._track(request)
-            tokens = self._detokenize(request, request.token_ids[len(request.token_ids) - num_new:]
-                                      if num_new else [])
-            finished = request.status.is_finished
-            deltas.append(CompletionDelta(
-                request_id=request.group_id,
-                index=request.completion_index,
-                token_ids=tokens,
-                text=self._detok[request.request_id].take_delta(finished),
-                logprobs=(request.logprobs[-len(tokens):]
-                          if tokens and request.sampling.logprobs is not None else []),
-                finish_reason=request.status.finish_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                num_output_tokens=request.num_output_tokens,
-                stop_reason=request.stop_reason,
-                prompt_logprobs=self._first_prompt_logprobs(request, tokens),
-                embedding=request.pooling.embedding if request.pooling is not None else None,
-            ))
-            if finished:
-                self._forget(request)
-        return deltas
-
-    def _detokenize(self, request: Request, tokens: list[int]) -> list[int]:
-        """Detokenize a step's new tokens one by one; the ones kept. A stop string ends the
-        request with finish "stop" at the token completing it (tokens after it are dropped),
-        even one that also hit a length limit or a stop token (vLLM: the detokenizer's
-        verdict wins)."""
-        for i, token_id in enumerate(tokens):
-            last = i == len(tokens) - 1
-            stop_terminated = last and request.status is RequestStatus.FINISHED_STOPPED
-            stop = self._detok[request.request_id].append(token_id, stop_terminated)
-            if stop is None:
-                continue
-            request.stop_reason = stop
-            if not request.status.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            elif request.status is RequestStatus.FINISHED_LENGTH:
-                request.status = RequestStatus.FINISHED_STOPPED
-            dropped = len(tokens) - i - 1
-            if dropped:
-                del request.token_ids[-dropped:]
-                if request.sampling.logprobs is not None:
-                    del request.logprobs[-dropped:]
-            return tokens[: i + 1]
-        return tokens
-
-    @staticmethod
-    def _first_prompt_logprobs(request: Request, tokens: list[int]) -> list[Logprob] | None:
-        if request.sampling.prompt_logprobs is None or request.parent_id is not None:
-            return None
-        return list(request.prompt_logprobs) if tokens and request.num_output_tokens == 1 else None
-
-    def _forget(self, request: Request) -> None:
-        self._detok.pop(request.request_id, None)
-        group = self._groups.get(request.group_id, [])
-        if request.request_id in group:
-            group.remove(request.request_id)
-        if not group:
-            self._groups.pop(request.group_id, None)
+        """The deltas of requests that got (n) new tokens or finished (0): engine/deltas.py."""
+        return self.deltas.build(updates)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -375,26 +295,3 @@ class LLMEngine:
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
         return self.lifecycle.collective_rpc(method, args, kwargs)
-
-    def _profile_peak(self) -> int:
-        """Peak CUDA memory of a forward over a full token budget (weights included)."""
-        from engine.attention import AttentionMetadata
-        from engine.models.llama import ForwardContext
-
-        args, bs = self.loaded.args, self.config.block_size
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-n // bs)
-        pool = allocate_kv_pool(blocks, args, bs, self.dtype, self.device, self.config.kv_cache_dtype)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        with torch.inference_mode():
-            self.loaded.model(
-                torch.zeros(n, dtype=torch.long, device=self.device),
-                torch.arange(n, device=self.device),
-                ForwardContext(self.backend, pool, AttentionMetadata.single_sequence(0, n, bs, blocks, self.device)),
-                logits_indices=torch.tensor([n - 1], device=self.device),
-            )
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - pool.numel() * pool.element_size()
-        del pool
-        torch.cuda.empty_cache()
-        return peak

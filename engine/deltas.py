@@ -1,0 +1,106 @@
+"""From scheduler updates to what the caller sees: per-completion detokenizers (vLLM's stop
+strings included), the caller's groups of completions, and one CompletionDelta per update."""
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionDelta
+from engine.request import Logprob, Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+
+class Deltas:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler  # finishes a request whose text hit a stop string
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._groups: dict[str, list[str]] = {}  # caller's id -> ids of its completions
+
+    def forget_group(self, request_id: str) -> list[str]:
+        """Stop tracking every completion of the caller's request id; their ids."""
+        ids = self._groups.pop(request_id, [])
+        for rid in ids:
+            self._detok.pop(rid, None)
+        return ids
+
+    def new_detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        p = request.sampling
+        detok = IncrementalDetokenizer(
+            self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens
+        )
+        if request.resume is not None:
+            detok.resume(request.resume.output_token_ids, request.resume.num_text_chars)
+        return detok
+
+    def track(self, request: Request, detok: IncrementalDetokenizer | None = None) -> None:
+        self._groups.setdefault(request.group_id, []).append(request.request_id)
+        self._detok[request.request_id] = detok or self.new_detokenizer(request)
+
+    def build(self, updates: list[tuple[Request, int]]) -> list[CompletionDelta]:
+        """Detokenize each request's new tokens (the number given; 0 = it finished without
+        one), apply stop strings (a stop string inside a step's tokens drops the tokens after
+        it), build deltas. The first delta of completion 0 carries the prompt logprobs (if
+        asked)."""
+        deltas = []
+        for request, num_new in updates:
+            if request.request_id not in self._detok:  # a fork seen for the first time
+                self.track(request)
+            tokens = self._detokenize(request, request.token_ids[len(request.token_ids) - num_new:]
+                                      if num_new else [])
+            finished = request.status.is_finished
+            deltas.append(CompletionDelta(
+                request_id=request.group_id,
+                index=request.completion_index,
+                token_ids=tokens,
+                text=self._detok[request.request_id].take_delta(finished),
+                logprobs=(request.logprobs[-len(tokens):]
+                          if tokens and request.sampling.logprobs is not None else []),
+                finish_reason=request.status.finish_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_output_tokens=request.num_output_tokens,
+                stop_reason=request.stop_reason,
+                prompt_logprobs=self._first_prompt_logprobs(request, tokens),
+                embedding=request.pooling.embedding if request.pooling is not None else None,
+            ))
+            if finished:
+                self._forget(request)
+        return deltas
+
+    def _detokenize(self, request: Request, tokens: list[int]) -> list[int]:
+        """Detokenize a step's new tokens one by one; the ones kept. A stop string ends the
+        request with finish "stop" at the token completing it (tokens after it are dropped),
+        even one that also hit a length limit or a stop token (vLLM: the detokenizer's
+        verdict wins)."""
+        for i, token_id in enumerate(tokens):
+            last = i == len(tokens) - 1
+            stop_terminated = last and request.status is RequestStatus.FINISHED_STOPPED
+            stop = self._detok[request.request_id].append(token_id, stop_terminated)
+            if stop is None:
+                continue
+            request.stop_reason = stop
+            if not request.status.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif request.status is RequestStatus.FINISHED_LENGTH:
+                request.status = RequestStatus.FINISHED_STOPPED
+            dropped = len(tokens) - i - 1
+            if dropped:
+                del request.token_ids[-dropped:]
+                if request.sampling.logprobs is not None:
+                    del request.logprobs[-dropped:]
+            return tokens[: i + 1]
+        return tokens
+
+    @staticmethod
+    def _first_prompt_logprobs(request: Request, tokens: list[int]) -> list[Logprob] | None:
+        if request.sampling.prompt_logprobs is None or request.parent_id is not None:
+            return None
+        return list(request.prompt_logprobs) if tokens and request.num_output_tokens == 1 else None
+
+    def _forget(self, request: Request) -> None:
+        self._detok.pop(request.request_id, None)
+        group = self._groups.get(request.group_id, [])
+        if request.request_id in group:
+            group.remove(request.request_id)
+        if not group:
+            self._groups.pop(request.group_id, None)
