@@ -155,3 +155,30 @@ def test_decode_worker_prefills_locally_when_its_prefill_worker_is_of_another_fo
     log = d_fp8.log_path.read_text()
     assert "FAILED_PRECONDITION" in log and "KV cache formats differ" in log
     wait_all_blocks_free(d_fp8.address)
+
+
+def test_pdserve_up_kv_cache_dtype_reaches_both_roles_and_serves(tmp_path, reference):
+    """`pdserve up --kv-cache-dtype int8`: both roles run int8 KV, the router places the
+    prompt remotely (hashing with the workers' format), the output equals a single int8
+    engine's."""
+    import httpx
+    from up_cluster import Up
+
+    up = Up(tmp_path, "--prefill", "1", "--decode", "1", "--kv-cache-dtype", "int8",
+            "--router-arg=--local-prefill-threshold=0", "--router-arg=--local-prefill-max-tokens=0")
+    try:
+        workers = up.workers()
+        assert sorted(w.role for w in workers) == ["decode", "prefill"]
+        assert {w.kv_cache_dtype for w in workers} == {"int8"}
+        [decode] = [w for w in workers if w.role == "decode"]
+        [prompt] = _prompts(1, seed=21)
+        r = httpx.post(up.url + "/v1/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        [ref] = reference("int8").generate([prompt], SamplingParams(temperature=0.0, max_tokens=8),
+                                           use_tqdm=False)
+        assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+        assert metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total",
+                      direction="receive") == -(-len(prompt) // 16)
+    finally:
+        assert up.stop() == 0
