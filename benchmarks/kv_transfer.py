@@ -80,7 +80,7 @@ def _receiver(conn: Any, device: str) -> None:
                 backend.close()
             pool = None
             pool = _pool(args[0], args[1], device, 0.0, *args[2:])
-            backend = _backend(f"bench-recv-{args[1]}-{'-'.join(args[2:])}", pool, *args[2:3])
+            backend = _backend("-".join(map(str, ("bench-recv", *args[1:]))), pool, *args[2:3])
             conn.send(backend.metadata().to_bytes())
         elif cmd == "expect":
             backend.receiver.expect(args[0], args[1], deadline=time.monotonic() + 60)

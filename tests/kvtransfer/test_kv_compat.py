@@ -199,3 +199,21 @@ def test_different_kv_formats_are_refused_naming_both():
     other = KVCompat("m", "int8", 16, 30, 3, 64, kv_cache_dtype="int8", scale_layout="per-block")
     with pytest.raises(IncompatiblePeerError, match="scale_layout"):
         check_compatible(int8, other)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_compat_describes_the_engines_pool_of_every_format(kv, model_dtype):
+    """compat.py keeps its own (torch-free) table of the formats: it must agree with the
+    engine's pool (engine/kv_pool.py, engine/kv_format.py) on dtype, shape and bytes."""
+    from engine.kv_pool import allocate_kv_pool, kv_block_bytes
+    from engine.models.config import ModelArgs
+
+    args = ModelArgs(vocab_size=32, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
+                     intermediate_size=64, norm_eps=1e-5, rope_theta=1e4,
+                     max_position_embeddings=64, tie_word_embeddings=True)
+    pool = allocate_kv_pool(3, args, 16, model_dtype, torch.device("cpu"), kv)
+    compat = KVCompat.for_pool(pool, "m", kv)
+    compat.check_pool(pool)
+    assert compat.head_dim == args.head_dim
+    assert compat.block_bytes == kv_block_bytes(args, 16, model_dtype, kv) == pool[0].nbytes
