@@ -34,28 +34,42 @@ MODEL_SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer.json"
 
 
-def _pool(num_blocks: int, block_tokens: int, device: str, fill: float) -> Any:
+def _pool(num_blocks: int, block_tokens: int, device: str, fill: float,
+          kv_cache_dtype: str = "auto", model_dtype: str = "float32") -> Any:
+    """The default model's pool as the engine allocates it for `kv_cache_dtype`
+    (engine/kv_format.py: fp8 / int8 storage, int8 rows 4 bytes longer)."""
     import torch
 
-    shape = (num_blocks, MODEL_SHAPE["num_layers"], 2, block_tokens,
-             MODEL_SHAPE["num_kv_heads"], MODEL_SHAPE["head_dim"])
-    return torch.empty(shape, dtype=torch.float32, device=device).fill_(fill)  # pages touched
+    from engine import kv_format
+
+    storage = kv_format.storage_dtype(kv_cache_dtype, getattr(torch, model_dtype))
+    shape = (num_blocks, MODEL_SHAPE["num_layers"], 2, block_tokens, MODEL_SHAPE["num_kv_heads"],
+             kv_format.stored_head_dim(kv_cache_dtype, MODEL_SHAPE["head_dim"]))
+    pool = torch.empty(shape, dtype=storage, device=device)
+    if pool.element_size() == 1:  # fp8 has no CPU fill kernel: fill the bytes
+        pool.view(torch.uint8).fill_(int(fill) & 0xFF)
+        return pool
+    return pool.fill_(fill)  # pages touched
 
 
 def _digest(block: Any) -> str:
-    return hashlib.sha256(block.cpu().numpy().tobytes()).hexdigest()
+    import torch
+
+    raw = block.contiguous().view(torch.uint8)  # numpy has no bf16 / fp8: hash the bytes
+    return hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest()
 
 
-def _backend(name: str, pool: Any) -> Any:
+def _backend(name: str, pool: Any, kv_cache_dtype: str = "auto") -> Any:
     from kvtransfer import KVCompat, KVTransferConfig, NixlTransferBackend
 
     backend = NixlTransferBackend(KVTransferConfig(agent_name=name))
-    backend.register_pool(pool, KVCompat.for_pool(pool, "smollm2-135m"))
+    backend.register_pool(pool, KVCompat.for_pool(pool, "smollm2-135m", kv_cache_dtype))
     return backend
 
 
 def _receiver(conn: Any, device: str) -> None:
-    """Child: one backend per block size; `expect` then `wait` reports the completion time."""
+    """Child: one backend per setup (block size, and optionally KV cache dtype and model
+    dtype); `expect` then `wait` reports the completion time."""
     from kvtransfer.polling import Backoff
 
     backend = pool = None
@@ -65,8 +79,8 @@ def _receiver(conn: Any, device: str) -> None:
             if backend is not None:
                 backend.close()
             pool = None
-            pool = _pool(args[0], args[1], device, 0.0)
-            backend = _backend(f"bench-recv-{args[1]}", pool)
+            pool = _pool(args[0], args[1], device, 0.0, *args[2:])
+            backend = _backend("-".join(map(str, ("bench-recv", *args[1:]))), pool, *args[2:3])
             conn.send(backend.metadata().to_bytes())
         elif cmd == "expect":
             backend.receiver.expect(args[0], args[1], deadline=time.monotonic() + 60)

@@ -41,7 +41,7 @@ class WorkerInfo:
     role: str  # prefill | decode
     grpc_address: str  # host:port
     model_id: str
-    compat_hash: str  # kvtransfer compatibility hash (model, dtype, block size, layout)
+    compat_hash: str  # kvtransfer compatibility hash (model, KV format, block size, layout)
     block_size: int
     kv_metadata: str = ""  # base64 of the kvtransfer peer metadata
     metrics_address: str = ""  # host:port of /metrics
@@ -54,6 +54,9 @@ class WorkerInfo:
     resident_loras: tuple[str, ...] = ()
     """Names of the adapters loaded in its engine now (served or loaded on demand by a
     request); a request with one of them starts without loading it (router affinity)."""
+    kv_cache_dtype: str = "auto"
+    """How its pool stores K/V (normalized: auto, fp8_e4m3, fp8_e5m2, int8). A quantized one
+    enters its prefix-cache block hashes, so the router hashes prompts with it."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

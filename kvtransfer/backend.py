@@ -93,7 +93,8 @@ class TransportBackend(KVTransferBackend):
                 )
             if meta.agent_name == self._name:
                 raise MetadataError(f"peer metadata carries our own agent name {self._name!r}")
-            check_compatible(local.compat, meta.compat, peer=repr(meta.agent_name))
+            check_compatible(local.compat, meta.compat,
+                             peer=f"{meta.agent_name!r} (ours: {self._name!r})")
             known = self._peers.get(meta.agent_name)
             if known == meta and meta.agent_name not in self._dead_peers:
                 return meta.agent_name

@@ -1,12 +1,24 @@
 """What two workers must agree on before one may write KV blocks into the other's pool.
 
-A block is copied byte for byte, so both pools must hold the same model's KV in the same dtype
-and the same block-major layout:
+A block is copied byte for byte, so both pools must hold the same model's KV in the same
+storage format (element type and scale layout) and the same block-major layout:
 
-    kv_cache.shape == [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache.shape == [num_blocks, num_layers, 2, block_size, num_kv_heads, stored_head_dim]
 
-Only `num_blocks` (and the device) may differ between peers. This module imports no torch so
-that the router can compute and compare compatibility hashes cheaply.
+Only `num_blocks` (and the device) may differ between peers. A quantized KV cache (vLLM's
+`kv_cache_dtype`, engine/kv_format.py) changes what a block's bytes mean:
+
+| kv_cache_dtype | pool dtype    | stored_head_dim | scale layout |
+|---|---|---|---|
+| auto           | model dtype   | head_dim        | none |
+| fp8_e4m3       | float8_e4m3fn | head_dim        | unit (scale 1, nothing stored) |
+| fp8_e5m2       | float8_e5m2   | head_dim        | unit |
+| int8           | int8          | head_dim + 4    | a float32 scale per token and kv head in the row's last 4 bytes |
+
+The scales live inside the block, so a block is still one contiguous region: moving its bytes
+moves its scales. Two pools of different formats are refused (`check_compatible`), never
+reinterpreted — an int8 block read as fp8 is noise. This module imports no torch so that the
+router can compute and compare compatibility hashes cheaply.
 """
 from __future__ import annotations
 
@@ -32,6 +44,30 @@ _DTYPE_SIZES = {
 }
 
 
+#: kv_cache_dtype -> (pool dtype, bytes of scales after head_dim, scale layout). The layout
+#: strings are part of the hash: a future encoding gets a new string and refuses old peers.
+_KV_FORMATS = {
+    "fp8_e4m3": ("float8_e4m3fn", 0, "unit"),
+    "fp8_e5m2": ("float8_e5m2", 0, "unit"),
+    "int8": ("int8", 4, "per-token-head:float32-after-head_dim"),
+}
+_AUTO_DTYPES = ("float32", "bfloat16", "float16")  # what `auto` (the model dtype) may be
+
+
+def normalize_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """vLLM's names -> one per format ('fp8' is 'fp8_e4m3')."""
+    name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+    if name != "auto" and name not in _KV_FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: auto, fp8, "
+                         f"{', '.join(_KV_FORMATS)}")
+    return name
+
+
+def scale_layout_for(kv_cache_dtype: str) -> str:
+    name = normalize_kv_cache_dtype(kv_cache_dtype)
+    return "none" if name == "auto" else _KV_FORMATS[name][2]
+
+
 def normalize_dtype(dtype: object) -> str:
     """'torch.bfloat16', torch.bfloat16 or 'bfloat16' -> 'bfloat16'."""
     name = str(dtype).removeprefix("torch.")
@@ -53,11 +89,25 @@ class KVCompat:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    """The model's head dim: values per token and kv head (without int8's scale bytes)."""
+    kv_cache_dtype: str = "auto"
+    """How values are stored (normalized vLLM name: auto, fp8_e4m3, fp8_e5m2, int8)."""
+    scale_layout: str = ""
+    """Where the dequantization scales are; '' = this version's layout for kv_cache_dtype
+    (see the module docstring). Published, compared and hashed like every field."""
     layout: str = BLOCK_MAJOR_LAYOUT
     """Dimension order of the pool tensor; see the module docstring."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        kv = normalize_kv_cache_dtype(self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", kv)
+        if not self.scale_layout:
+            object.__setattr__(self, "scale_layout", scale_layout_for(kv))
+        expected = _AUTO_DTYPES if kv == "auto" else (_KV_FORMATS[kv][0],)
+        if self.dtype not in expected:
+            raise ValueError(f"a {kv} KV cache is stored as {' or '.join(expected)}, "
+                             f"not {self.dtype}")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ValueError("model_id must be a non-empty string")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
@@ -66,9 +116,20 @@ class KVCompat:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     @property
+    def stored_head_dim(self) -> int:
+        """The pool's last dimension: head_dim, plus 4 int8 elements of scale for int8."""
+        extra = _KV_FORMATS[self.kv_cache_dtype][1] if self.kv_cache_dtype in _KV_FORMATS else 0
+        return self.head_dim + extra
+
+    @property
+    def kv_format(self) -> str:
+        """The storage format in words, for errors and logs: 'int8 (int8, scales ...)'."""
+        return f"{self.kv_cache_dtype} ({self.dtype}, scales: {self.scale_layout})"
+
+    @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one block: `kv_cache.shape[1:]`."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.stored_head_dim)
 
     @property
     def element_size(self) -> int:
@@ -107,16 +168,24 @@ class KVCompat:
             raise MetadataError(f"invalid compat descriptor: {e}") from e
 
     @classmethod
-    def for_pool(cls, kv_cache: Any, model_id: str) -> KVCompat:
-        """The descriptor of an existing pool tensor (checks that it is 6-D)."""
+    def for_pool(cls, kv_cache: Any, model_id: str, kv_cache_dtype: str = "auto") -> KVCompat:
+        """The descriptor of an existing pool tensor holding `kv_cache_dtype` KV (the engine's
+        EngineConfig.kv_cache_dtype). PoolError if it is not 6-D or not of that format."""
         shape = tuple(kv_cache.shape)
         if len(shape) != 6 or shape[2] != 2:
             raise PoolError(
                 f"KV pool must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
                 f"head_dim], got shape {list(shape)}"
             )
-        _, layers, _, block_size, heads, head_dim = shape
-        return cls(model_id, normalize_dtype(kv_cache.dtype), block_size, layers, heads, head_dim)
+        _, layers, _, block_size, heads, stored = shape
+        kv = normalize_kv_cache_dtype(kv_cache_dtype)
+        head_dim = stored - (_KV_FORMATS[kv][1] if kv in _KV_FORMATS else 0)
+        try:
+            return cls(model_id, normalize_dtype(kv_cache.dtype), block_size, layers, heads,
+                       head_dim, kv_cache_dtype=kv)
+        except ValueError as e:
+            raise PoolError(f"KV pool of shape {list(shape)} and dtype {kv_cache.dtype} is not "
+                            f"a {kv} KV cache: {e}") from e
 
     def check_pool(self, kv_cache: Any) -> None:
         """Raise PoolError unless `kv_cache` is a contiguous pool of exactly this layout."""
@@ -128,6 +197,10 @@ class KVCompat:
             )
         if normalize_dtype(kv_cache.dtype) != self.dtype:
             raise PoolError(f"KV pool dtype {kv_cache.dtype} != compat dtype {self.dtype}")
+        if self.scale_layout != scale_layout_for(self.kv_cache_dtype):
+            raise PoolError(f"scale layout {self.scale_layout!r} is not the one this version "
+                            f"stores for {self.kv_cache_dtype} KV "
+                            f"({scale_layout_for(self.kv_cache_dtype)!r})")
         if not kv_cache.is_contiguous():
             raise PoolError("KV pool must be contiguous (one block = one contiguous region)")
         if shape[0] <= 0:
@@ -135,7 +208,8 @@ class KVCompat:
 
 
 def check_compatible(local: KVCompat, remote: KVCompat, peer: str = "peer") -> None:
-    """Raise IncompatiblePeerError naming every field that differs between the two pools."""
+    """Raise IncompatiblePeerError naming every field that differs between the two pools
+    (and both KV storage formats when those differ)."""
     if local == remote:
         return
     diffs = [
@@ -143,6 +217,10 @@ def check_compatible(local: KVCompat, remote: KVCompat, peer: str = "peer") -> N
         for f in fields(KVCompat)
         if getattr(local, f.name) != getattr(remote, f.name)
     ]
+    formats = ""
+    if local.kv_format != remote.kv_format:
+        formats = (f"; KV cache formats differ: ours {local.kv_format}, theirs "
+                   f"{remote.kv_format} — start both workers with the same --kv-cache-dtype")
     raise IncompatiblePeerError(
-        f"refusing KV transfer with {peer}: incompatible KV layout ({'; '.join(diffs)})"
+        f"refusing KV transfer with {peer}: incompatible KV layout ({'; '.join(diffs)}){formats}"
     )

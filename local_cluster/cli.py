@@ -8,6 +8,7 @@ import argparse
 import json
 import urllib.request
 
+from engine.config import KV_CACHE_DTYPES
 from local_cluster.control import current
 from local_cluster.up import up
 
@@ -96,6 +97,10 @@ def register(subparsers) -> None:
                         'speculate), as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": "self:8" | PATH, '
                         '"num_speculative_tokens": 3}\'')
+    p.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage of every worker, both roles (vLLM's kv_cache_dtype): "
+                        "auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8; a prefill worker "
+                        "sends KV only to decode workers of the same format")
     g = p.add_argument_group("LoRA adapters (passed to the workers of both roles and the router)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters; also enables the router's /v1/load_lora_adapter "

@@ -53,7 +53,8 @@ class Supervisor:
         return ServiceProcess(self.worker_command(role), self.log_dir / f"{name}.log")
 
     def worker_command(self, role: str) -> list[str]:
-        """`pdserve <role> ...`'s arguments: the cluster's, the LoRA flags (both roles),
+        """`pdserve <role> ...`'s arguments: the cluster's, --kv-cache-dtype and the LoRA flags
+        (both roles: a prefill worker writes KV only into a pool of its own format),
         --worker-arg's, then the role's own (--speculative-config for decode workers only,
         then --prefill-arg / --decode-arg)."""
         a = self.args
@@ -61,8 +62,8 @@ class Supervisor:
         if role == "decode" and a.speculative_config:
             role_args[:0] = ["--speculative-config", a.speculative_config]
         return [role, "--etcd", self.etcd, "--cluster", a.cluster, "--model", a.model,
-                "--num-threads", str(self._threads()), *lora_worker_args(a), *a.worker_args,
-                *role_args]
+                "--num-threads", str(self._threads()), *kv_worker_args(a), *lora_worker_args(a),
+                *a.worker_args, *role_args]
 
     def _threads(self) -> int:
         if self.args.num_threads:
@@ -210,6 +211,12 @@ class Supervisor:
             for slot in slots:
                 slot.state = SlotState.STOPPED
             self.slots = []
+
+
+def kv_worker_args(args) -> list[str]:
+    """`pdserve up --kv-cache-dtype` as a worker's flag (both roles); none when not given."""
+    kv = getattr(args, "kv_cache_dtype", None)
+    return ["--kv-cache-dtype", kv] if kv else []
 
 
 def lora_worker_args(args) -> list[str]:

@@ -5,7 +5,10 @@ Life cycle of a request here:
    set) and the destination: D's transfer identity and D's block ids for the prompt blocks
    D does not have yet.
 2. D's peer is added (compatibility check; a no-op for known peers — peers are also added
-   ahead of time as decode workers appear in etcd). The prompt enters this engine (chunked
+   ahead of time as decode workers appear in etcd). A D whose KV layout differs (model, KV
+   cache dtype and scale layout, block shape) is refused: FAILED_PRECONDITION naming both
+   formats, nothing written; D then prefills locally (or fails with
+   --strict-remote-prefill). The prompt enters this engine (chunked
    prefill, own prefix cache) with max_tokens = 1.
 3. After every engine step the KV streamer writes the blocks that became complete into D's
    blocks; when the first token is sampled, the rest goes out with the completion
@@ -35,7 +38,7 @@ from cluster.registration import list_workers, make_client
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
-from kvtransfer import TransferStatus
+from kvtransfer import IncompatiblePeerError, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -175,6 +178,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                             try:
                                 await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
                                 known.add(info.kv_metadata)
+                            except IncompatiblePeerError as exc:  # its KV format differs: say it once
+                                known.add(info.kv_metadata)
+                                log.warning("decode worker %s is not a KV peer: %s", info.worker_id, exc)
                             except Exception as exc:
                                 log.warning("cannot add decode worker %s as a peer: %s", info.worker_id, exc)
             except asyncio.CancelledError:

@@ -16,13 +16,16 @@ from engine.block_hash import BlockHash, compute_block_hashes
 
 def prompt_block_hashes(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-    lora_id: int | None = None,
+    lora_id: int | None = None, kv_cache_dtype: str = "auto",
 ) -> list[BlockHash]:
     """Hashes of the prompt blocks a worker can reuse: full blocks, leaving at least the last
     token to compute (the engine's prefix matching never reuses further). `lora_id`: the
-    request's adapter (engine.lora_id_for(name)); it enters every hash, as in the engine."""
+    request's adapter (engine.lora_id_for(name)); it enters every hash, as in the engine.
+    `kv_cache_dtype`: the worker's KV format (WorkerInfo.kv_cache_dtype, normalized); a
+    quantized one enters every hash too, so workers of one format share hashes."""
     usable = (len(token_ids) - 1) // block_size * block_size if token_ids else 0
-    return compute_block_hashes(token_ids[:usable], block_size, cache_salt or None, lora_id)
+    return compute_block_hashes(token_ids[:usable], block_size, cache_salt or None, lora_id,
+                                kv_cache_dtype)
 
 
 class KVIndex:

@@ -16,22 +16,24 @@ from router.registry import WorkerRegistry, WorkerState
 
 @dataclass
 class PromptKey:
-    """A prompt's identity for the prefix cache; its block hashes are computed once per block
-    size in use, however often the request is placed (queueing, retries)."""
+    """A prompt's identity for the prefix cache; its block hashes are computed once per
+    (block size, KV cache dtype) in use, however often the request is placed (queueing,
+    retries)."""
 
     token_ids: list[int]
     cache_salt: str | None = None
     lora: LoRARequest | None = None
     """The LoRA adapter it runs with: its id enters the block hashes; placement prefers
     workers that have it loaded."""
-    _hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
+    _hashes: dict[tuple[int, str], list[BlockHash]] = field(default_factory=dict, repr=False)
 
-    def hashes(self, block_size: int) -> list[BlockHash]:
-        h = self._hashes.get(block_size)
+    def hashes(self, block_size: int, kv_cache_dtype: str = "auto") -> list[BlockHash]:
+        key = (block_size, kv_cache_dtype)
+        h = self._hashes.get(key)
         if h is None:
-            h = self._hashes[block_size] = prompt_block_hashes(
+            h = self._hashes[key] = prompt_block_hashes(
                 self.token_ids, block_size, self.cache_salt,
-                self.lora.lora_int_id if self.lora is not None else None,
+                self.lora.lora_int_id if self.lora is not None else None, kv_cache_dtype,
             )
         return h
 
@@ -87,17 +89,17 @@ class Placer:
 
     def _candidates(self, prompt: PromptKey) -> Callable[[WorkerState], Candidate]:
         """WorkerState -> Candidate for this prompt (KV-index matches computed once per
-        block size, the staleness clock read once)."""
+        (block size, KV cache dtype), the staleness clock read once)."""
         now = self.registry.clock()
-        matches: dict[int, dict[str, int]] = {}
+        matches: dict[tuple[int, str], dict[str, int]] = {}
         adapter = prompt.lora.lora_name if prompt.lora is not None else None
 
         def candidate(state: WorkerState) -> Candidate:
             info = state.info
-            bs = info.block_size
-            match = matches.get(bs)
+            bs, kv = info.block_size, info.kv_cache_dtype
+            match = matches.get((bs, kv))
             if match is None:
-                match = matches[bs] = self.index.match(prompt.hashes(bs))
+                match = matches[bs, kv] = self.index.match(prompt.hashes(bs, kv))
             return Candidate(
                 worker_id=info.worker_id, capacity=info.capacity, block_size=bs,
                 cached_tokens=match.get(info.worker_id, 0) * bs,

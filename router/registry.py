@@ -89,7 +89,9 @@ class WorkerRegistry:
             # First sight (possibly an old listing): as fresh as its publication time says.
             age = max(0.0, time.time() - info.updated_at) if info.updated_at else 0.0
             self._workers[info.worker_id] = WorkerState(info, self.clock() - age)
-            log.info("worker %s (%s) at %s joined", info.worker_id, info.role, info.grpc_address)
+            log.info("worker %s (%s, KV %s) at %s joined", info.worker_id, info.role,
+                     info.kv_cache_dtype, info.grpc_address)
+            self._warn_unpaired(info)
             for listener in self._on_added:
                 listener(info)
         else:
@@ -97,6 +99,17 @@ class WorkerRegistry:
                 old.seen_at = self.clock()
             old.info = info
         self.notify()
+
+    def _warn_unpaired(self, info: WorkerInfo) -> None:
+        """A joining worker whose KV layout (compat hash: model, KV cache dtype and scales,
+        block size) no worker of the other role shares never pairs with them: say so once."""
+        other = [w.info for w in self._workers.values() if w.info.role != info.role]
+        if other and all(o.compat_hash != info.compat_hash for o in other):
+            log.warning("worker %s (%s, KV %s, block size %d) shares its KV layout with no %s "
+                        "worker (%s): no KV transfers between them", info.worker_id, info.role,
+                        info.kv_cache_dtype, info.block_size, other[0].role,
+                        ", ".join(sorted({f"{o.worker_id}: KV {o.kv_cache_dtype}, block size "
+                                          f"{o.block_size}" for o in other})))
 
     def delete(self, worker_id: str) -> None:
         state = self._workers.pop(worker_id, None)

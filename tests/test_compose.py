@@ -41,6 +41,10 @@ def test_compose_file_is_valid_and_only_the_router_is_published():
     assert '--speculative-config "$$SPECULATIVE_CONFIG"' in " ".join(services["decode"]["command"])
     assert services["decode"]["environment"]["SPECULATIVE_CONFIG"] == ""
     assert "speculative" not in " ".join(services["prefill"]["command"])
+    # the KV cache format: one per cluster, both roles, from KV_CACHE_DTYPE (default auto)
+    for name in ("prefill", "decode"):
+        assert '--kv-cache-dtype "$$KV_CACHE_DTYPE"' in " ".join(services[name]["command"])
+        assert services[name]["environment"]["KV_CACHE_DTYPE"] == "auto"
 
 
 def test_dockerfile_runs_as_non_root_and_prepares_the_model_at_build():

@@ -43,7 +43,9 @@ class WorkerRuntime:
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
         self.kv = NixlTransferBackend(KVTransferConfig(agent_name=self.worker_id))
-        compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id)
+        compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id,
+                                   engine_config.kv_cache_dtype)
+        self.kv_cache_dtype = compat.kv_cache_dtype  # normalized: published, hashed by the router
         self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, compat)
         self.compat_hash = compat.hash()
         self.metrics = WorkerMetrics(config.role, self.kv, self.engine.loaded.model_id,
@@ -163,6 +165,7 @@ class WorkerRuntime:
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
             block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
+            kv_cache_dtype=self.kv_cache_dtype,
             kv_metadata=self.kv_metadata.to_bytes().decode("ascii"),
             metrics_address=self.metrics_address, draining=self.draining,
             loras=dict(self.loras),

@@ -159,6 +159,19 @@ def test_speculative_config_on_decode_workers_only_off_by_default(rendered):
 
 
 @needs_kubectl
+def test_kv_cache_dtype_is_one_setting_for_workers_of_both_roles(rendered):
+    name, docs = rendered
+    deps = of_kind(docs, "Deployment")
+    [config] = [m for m in of_kind(docs, "ConfigMap").values() if "PDSERVE_ETCD" in m.get("data", {})]
+    for role in WORKERS:
+        c = container(deps[role])
+        assert _args(c).get("kv-cache-dtype") == "$(PDSERVE_KV_CACHE_DTYPE)", (name, role)
+        assert any(ref.get("configMapRef", {}).get("name") == config["metadata"]["name"]
+                   for ref in c.get("envFrom", [])), (name, role)
+    assert config["data"]["PDSERVE_KV_CACHE_DTYPE"] == "auto", name
+
+
+@needs_kubectl
 def test_router_ready_on_health_and_key_from_secret(rendered):
     name, docs = rendered
     deps = of_kind(docs, "Deployment")

@@ -152,3 +152,68 @@ def test_package_import_is_light():
     code = ("import sys, kvtransfer; kvtransfer.PeerMetadata; kvtransfer.KVCompat; "
             "assert not {'torch', 'nixl', 'numpy'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---- quantized KV caches (vLLM's kv_cache_dtype, engine/kv_format.py) -------------------------
+
+def test_quantized_pools_are_described_by_format_with_the_model_head_dim():
+    fp8 = KVCompat.for_pool(torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m", "fp8")
+    assert (fp8.kv_cache_dtype, fp8.dtype, fp8.head_dim, fp8.scale_layout) == (
+        "fp8_e4m3", "float8_e4m3fn", 64, "unit")
+    assert fp8.block_bytes == 30 * 2 * 16 * 3 * 64 == DEFAULT.block_bytes // 4
+    e5m2 = KVCompat.for_pool(torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e5m2), "m", "fp8_e5m2")
+    assert e5m2.dtype == "float8_e5m2" and e5m2.block_bytes == fp8.block_bytes
+    # int8: 64 values + a float32 scale (4 int8 elements) per token and kv head
+    int8_pool = torch.zeros(4, 30, 2, 16, 3, 68, dtype=torch.int8)
+    int8 = KVCompat.for_pool(int8_pool, "m", "int8")
+    assert (int8.head_dim, int8.stored_head_dim, int8.block_shape) == (64, 68, (30, 2, 16, 3, 68))
+    assert int8.block_bytes == 30 * 2 * 16 * 3 * 68
+    assert int8.scale_layout == "per-token-head:float32-after-head_dim"
+    int8.check_pool(int8_pool)
+    assert len({c.hash() for c in (DEFAULT, fp8, e5m2, int8)}) == 4
+    assert KVCompat.from_dict(int8.to_dict()) == int8
+
+
+def test_a_pool_that_is_not_of_its_declared_format_is_refused():
+    with pytest.raises(PoolError, match="not a int8 KV cache"):  # the engine said int8, pool is fp32
+        KVCompat.for_pool(torch.zeros(4, 2, 2, 16, 3, 68), "m", "int8")
+    with pytest.raises(PoolError, match="auto KV cache"):  # an fp8 pool described as auto
+        KVCompat.for_pool(torch.zeros(4, 2, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m")
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
+        KVCompat("m", "int8", 16, 2, 3, 64, kv_cache_dtype="int4")
+    foreign = KVCompat("m", "int8", 16, 2, 3, 64, kv_cache_dtype="int8", scale_layout="per-block")
+    with pytest.raises(PoolError, match="scale layout 'per-block'"):  # a peer may say it; we never store it
+        foreign.check_pool(torch.zeros(4, 2, 2, 16, 3, 68, dtype=torch.int8))
+
+
+def test_different_kv_formats_are_refused_naming_both():
+    fp8 = KVCompat("m", "float8_e4m3fn", 16, 30, 3, 64, kv_cache_dtype="fp8")
+    int8 = KVCompat("m", "int8", 16, 30, 3, 64, kv_cache_dtype="int8")
+    with pytest.raises(IncompatiblePeerError) as e:
+        check_compatible(fp8, int8, peer="'decode-0'")
+    text = str(e.value)
+    assert "kv_cache_dtype: ours='fp8_e4m3' theirs='int8'" in text
+    assert "ours fp8_e4m3 (float8_e4m3fn, scales: unit)" in text
+    assert "theirs int8 (int8, scales: per-token-head:float32-after-head_dim)" in text
+    # a scale layout this version does not know is refused too, never reinterpreted
+    other = KVCompat("m", "int8", 16, 30, 3, 64, kv_cache_dtype="int8", scale_layout="per-block")
+    with pytest.raises(IncompatiblePeerError, match="scale_layout"):
+        check_compatible(int8, other)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_compat_describes_the_engines_pool_of_every_format(kv, model_dtype):
+    """compat.py keeps its own (torch-free) table of the formats: it must agree with the
+    engine's pool (engine/kv_pool.py, engine/kv_format.py) on dtype, shape and bytes."""
+    from engine.kv_pool import allocate_kv_pool, kv_block_bytes
+    from engine.models.config import ModelArgs
+
+    args = ModelArgs(vocab_size=32, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
+                     intermediate_size=64, norm_eps=1e-5, rope_theta=1e4,
+                     max_position_embeddings=64, tie_word_embeddings=True)
+    pool = allocate_kv_pool(3, args, 16, model_dtype, torch.device("cpu"), kv)
+    compat = KVCompat.for_pool(pool, "m", kv)
+    compat.check_pool(pool)
+    assert compat.head_dim == args.head_dim
+    assert compat.block_bytes == kv_block_bytes(args, 16, model_dtype, kv) == pool[0].nbytes

@@ -141,3 +141,61 @@ def test_vram_pools_same_code():
     finally:
         p.close()
         d.close()
+
+
+def _quantized(blocks, seed, storage):
+    """A pool as the engine stores it (engine/kv_format.py): int8 rows carry their scales."""
+    from engine import kv_format
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn((blocks, *SHAPE), generator=g) * torch.rand((blocks, *SHAPE[:-1], 1), generator=g) * 8
+    return kv_format.quantize(values, storage).contiguous()
+
+
+@pytest.mark.parametrize("kv_cache_dtype,storage", [
+    ("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_quantized_blocks_arrive_byte_identical_with_their_scales(kv_cache_dtype, storage):
+    """The scales live inside each block (int8: the last 4 bytes of every row), so a block
+    written over NIXL dequantizes on the decode side exactly as on the prefill side."""
+    from engine import kv_format
+
+    ppool, dpool = _quantized(12, 1, storage), torch.zeros_like(_quantized(20, 2, storage))
+    assert ppool.shape[-1] == (68 if storage == torch.int8 else 64)
+    backends = []
+    try:
+        for pool in (ppool, dpool):
+            b = NixlTransferBackend(KVTransferConfig(agent_name=f"local-{os.getpid()}-{next(_count)}"))
+            b.register_pool(pool, KVCompat.for_pool(pool, "m", kv_cache_dtype))
+            backends.append(b)
+        p, d = backends
+        assert d.metadata().block_bytes == ppool[0].numel()  # one byte per element, scales included
+        p.add_peer(d.metadata().to_bytes())
+        local, remote = [3, 0, 11, 7], [19, 4, 5, 12]
+        d.receiver.expect("q", remote, deadline=time.monotonic() + 10)
+        p.sender.send("q", d.agent_name, list(zip(local, remote)), final=True)
+        sent, recv = drive([p, d], {"q"}, {"q"})
+        assert sent["q"].status is TransferStatus.COMPLETE and recv["q"].status is TransferStatus.COMPLETE
+        assert torch.equal(dpool[remote].view(torch.uint8), ppool[local].view(torch.uint8))
+        assert torch.equal(kv_format.dequantize(dpool[remote], 64, torch.float32),
+                           kv_format.dequantize(ppool[local], 64, torch.float32))
+        assert not dpool[[0, 1, 2]].view(torch.uint8).any()  # untouched blocks untouched
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_a_peer_of_another_kv_format_is_refused_naming_both():
+    pools = (_quantized(4, 1, torch.float8_e4m3fn), _quantized(4, 2, torch.int8))
+    backends = []
+    try:
+        for pool, kv in zip(pools, ("fp8", "int8")):
+            b = NixlTransferBackend(KVTransferConfig(agent_name=f"local-{os.getpid()}-{next(_count)}"))
+            b.register_pool(pool, KVCompat.for_pool(pool, "m", kv))
+            backends.append(b)
+        p, d = backends
+        with pytest.raises(IncompatiblePeerError, match=r"ours fp8_e4m3 \(float8_e4m3fn.*theirs int8 \(int8"):
+            p.add_peer(d.metadata().to_bytes())
+        assert d.agent_name not in p.peers()
+    finally:
+        for b in backends:
+            b.close()

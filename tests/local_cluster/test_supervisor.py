@@ -173,6 +173,19 @@ def test_speculative_config_goes_to_decode_workers_only():
     assert not any("speculative" in a for a in sup.worker_command("decode"))
 
 
+def test_kv_cache_dtype_goes_to_workers_of_both_roles():
+    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
+                              worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
+                              kv_cache_dtype="int8")
+    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
+    for role in ("prefill", "decode"):
+        cmd = sup.worker_command(role)
+        i = cmd.index("--kv-cache-dtype")
+        assert cmd[i + 1] == "int8" and cmd[-1] == "--dtype=float32"  # --worker-arg after it
+    args.kv_cache_dtype = None  # not given: the workers' default (auto)
+    assert not any("kv-cache-dtype" in a for a in sup.worker_command("prefill"))
+
+
 def test_lora_flags_go_to_workers_of_both_roles():
     args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
                               worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
