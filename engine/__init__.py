@@ -16,6 +16,7 @@ _EXPORTS = {
     "EmbeddingOutput": "engine.outputs",
     "PoolingParams": "engine.pooling",
     "LoRARequest": "engine.lora.request",
+    "ModelRegistry": "engine.models.registry",
 }
 __all__ = list(_EXPORTS)
 

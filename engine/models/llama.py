@@ -7,6 +7,7 @@ this with the Triton attention backend) RMSNorm, RoPE and SiLU-and-mul run as Tr
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -161,6 +162,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos_sin", rope_cache(args), persistent=False)
         self.kernels = None  # the `kernels` package when fused Triton ops are on
 
+    @classmethod
+    def from_config(cls, config: dict) -> "Transformer":
+        """The model contract's constructor (engine/models/interface.py); parameters
+        uninitialised."""
+        return cls(ModelArgs.from_hf_config(config))
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """HF LLaMA tensors by name (q/k/v and gate/up fused here); layers past
+        `args.n_layers` are skipped. The loader's fast path does the same on a dict."""
+        from engine.models.loader import hf_llama_to_ours
+
+        self.load_state_dict(hf_llama_to_ours(dict(weights), self.args), strict=True, assign=True)
+
     def forward(
         self,
         input_ids: Tensor,
@@ -189,6 +203,10 @@ class Transformer(nn.Module):
         output."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.hidden(x, ctx, indices), head).float()
+
+    def compute_logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+        """vLLM's name for `logits`."""
+        return self.logits(x, ctx, indices)
 
     def hidden(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """The final-normed hidden state at rows `indices` (what pooling and the LM head

@@ -1,7 +1,13 @@
-"""Load a LLaMA model and its tokenizer from an HF-format directory or a GGUF file."""
+"""Load a model and its tokenizer from an HF-format directory or a GGUF file.
+
+The class comes from config.json's `architectures[0]` through the ModelRegistry (built in:
+LlamaForCausalLM; out-of-tree ones by plugin). The built-in LLaMA takes the fast path (fused
+state dict assigned in one go); any other class is built with `from_config` and fed the
+checkpoint's tensors through `load_weights`. A GGUF file is always LLaMA."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,8 +15,10 @@ import torch
 
 from engine.models.config import ModelArgs
 from engine.models.gguf_convert import ModelFileError, convert_gguf
+from engine.models.interface import CausalLM
 from engine.models.llama import Transformer, rope_cache
 from engine.models.prepare import default_model_dir
+from engine.models.registry import ModelRegistry
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "default"
@@ -18,7 +26,7 @@ DEFAULT_MODEL = "default"
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: Transformer
+    model: CausalLM  # Transformer for LLaMA checkpoints
     tokenizer: Tokenizer
     args: ModelArgs
     model_id: str  # what the OpenAI API reports; the directory or file name
@@ -35,19 +43,40 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
-def _hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def _safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def _hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = _safetensors_files(model_dir)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
     return state
 
 
-def _to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+def _iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, one file open at a time."""
+    from safetensors import safe_open
+
+    for f in _safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def architecture_of(config: dict) -> str:
+    """config.json's `architectures[0]` (LLaMA when absent, as older checkpoints have it)."""
+    archs = config.get("architectures") or ["LlamaForCausalLM"]
+    return archs[0]
+
+
+def hf_llama_to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF LLaMA names -> this module's names (q/k/v and gate/up fused)."""
     out = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
@@ -89,20 +118,36 @@ def load_model(
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ModelFileError(f"{path} is neither a GGUF file nor an HF model directory")
-        config = json.loads(config_file.read_text())
-        hf_state = _hf_state_dict(path)
+        config, hf_state = json.loads(config_file.read_text()), None
+    model_cls = Transformer if path.is_file() else ModelRegistry.resolve(architecture_of(config))
+    if not path.is_file():
         tokenizer = Tokenizer.from_dir(path)
     if num_layers is not None:
+        if "num_hidden_layers" not in config:
+            raise ModelFileError(f"{path}: num_layers needs num_hidden_layers in config.json")
         config = {**config, "num_hidden_layers": min(num_layers, config["num_hidden_layers"])}
+    if model_cls is Transformer:
+        net = _load_llama(path, config, _hf_state_dict(path) if hf_state is None else hf_state)
+    else:
+        net = model_cls.from_config(config)
+        try:
+            net.load_weights(_iter_weights(path))
+        except KeyError as exc:
+            raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
+    net = net.to(device=device, dtype=dtype)
+    if model_cls is Transformer:
+        net.rope_cos_sin = rope_cache(net.args).to(device)  # RoPE table stays fp32 whatever the dtype
+    net.eval().requires_grad_(False)
+    return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path)
+
+
+def _load_llama(path: Path, config: dict, hf_state: dict[str, torch.Tensor]) -> Transformer:
+    """The fast path: fused state dict assigned to uninitialised parameters."""
     args = ModelArgs.from_hf_config(config)
     try:
-        state = _to_ours(hf_state, args)
+        state = hf_llama_to_ours(hf_state, args)
     except KeyError as exc:
         raise ModelFileError(f"{path}: weight {exc} is missing") from exc
-
     net = Transformer(args)  # parameters are uninitialised until the state dict lands
     net.load_state_dict(state, strict=True, assign=True)
-    net = net.to(device=device, dtype=dtype)
-    net.rope_cos_sin = rope_cache(args).to(device)  # RoPE table stays fp32 whatever the dtype
-    net.eval().requires_grad_(False)
-    return LoadedModel(net, tokenizer, args, model_id=path.name, model_dir=path)
+    return net

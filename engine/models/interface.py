@@ -1,0 +1,99 @@
+"""The model contract: what the engine calls on a model, and a base class for out-of-tree ones.
+
+The engine runs one flattened ragged batch per step (`input_ids`/`positions` of T tokens from
+any mix of prefills, chunks and decodes) and splits the forward in two so that it can read the
+final hidden state (pooling) and the logits only at the rows it needs:
+
+    x = model.residual(input_ids, positions, ctx)      # [T, dim], before the final norm
+    h = model.hidden(x, ctx, rows)                     # final-normed, for pooling
+    logits = model.logits(x, ctx, rows)                # [len(rows), vocab] fp32
+
+Attention goes through the engine's paged attention layer — never a private KV cache:
+
+    o = ctx.backend.forward(q, k, v, ctx.kv_cache, layer, ctx.metadata, scale)
+
+with q [T, n_heads, head_dim], k/v [T, n_kv_heads, head_dim] (RoPE applied). The backend
+stores k/v in the engine's pool at `ctx.metadata.slot_mapping` and attends over each
+sequence's blocks, so prefix caching, chunked prefill, preemption and P/D KV transfer work
+for any model that follows this. The pool's shape comes from `args` (ModelArgs: n_layers,
+n_kv_heads, head_dim), the context length from `args.max_position_embeddings`.
+docs/models.md has the whole story.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from engine.models.config import ModelArgs
+
+if TYPE_CHECKING:
+    from engine.models.llama import ForwardContext
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the engine (runner, draft proposer, LoRA, KV pool sizing) calls on a model.
+    Implementations are `nn.Module`s; the loader moves them to the device and dtype."""
+
+    args: ModelArgs
+    """Sizes the engine reads: the KV pool (n_layers, n_kv_heads, head_dim), the vocabulary,
+    the context length, LoRA shapes (dim, n_heads, intermediate_size)."""
+    kernels: ModuleType | None
+    """The `kernels` package when fused Triton ops are on (LoRA reads it), else None."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "CausalLM":
+        """Build the module from the checkpoint's config.json (weights uninitialised or
+        random: `load_weights` replaces them)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Take the checkpoint's tensors, by their names in the checkpoint. Names of layers
+        past `args.n_layers` (the loader's `num_layers` cut) must be skipped."""
+
+    def residual(self, input_ids: Tensor, positions: Tensor, ctx: "ForwardContext",
+                 num_layers: int | None = None) -> Tensor:
+        """[T, dim] after the first `num_layers` (default all) layers, before the final norm."""
+
+    def hidden(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+        """The final-normed hidden state at rows `indices` of `x`, in the model's dtype."""
+
+    def logits(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+        """LM-head logits [len(indices) or T, vocab], fp32, at rows `indices` of `x`."""
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """The engine turns this on with the Triton attention backend; a model may ignore it."""
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, ctx: "ForwardContext",
+                 logits_indices: Tensor | None = None) -> Tensor:
+        """`logits(residual(input_ids, positions, ctx), ctx, logits_indices)`."""
+
+
+class CausalLMBase(nn.Module):
+    """A base for out-of-tree models: implement `from_config`, `load_weights`, `residual` and
+    `hidden`; `forward`, `logits` (the tied or separate LM head at `lm_head_weight()`) and
+    the vLLM-style names come from here."""
+
+    args: ModelArgs
+    kernels: ModuleType | None = None
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: "ForwardContext",
+                logits_indices: Tensor | None = None) -> Tensor:
+        """Logits at the rows asked for (all rows by default), fp32."""
+        return self.logits(self.residual(input_ids, positions, ctx), ctx, logits_indices)
+
+    def logits(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+        return nn.functional.linear(self.hidden(x, ctx, indices), self.lm_head_weight()).float()
+
+    def compute_logits(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+        """vLLM's name for `logits`."""
+        return self.logits(x, ctx, indices)
+
+    def lm_head_weight(self) -> Tensor:
+        raise NotImplementedError
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Plain torch ops whatever the backend (attention still runs in the backend)."""
+        self.kernels = None
