@@ -1,0 +1,66 @@
+"""Weights-lifecycle benchmark (issue: weights lifecycle), one engine: sleep and wake latency
+per level, the memory they free, and update_weights time for the full model. Prints numbers;
+asserts nothing.
+
+  python -m benchmarks.lifecycle_bench [--kv-cache-memory 1GiB] [--dtype auto]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import _size
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / (1 << 20)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-memory", type=_size, default=1 << 30)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine.models.prepare import default_model_dir
+
+    llm = LLM(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, enable_sleep_mode=True)
+    engine = llm.engine
+    engine.kv_cache.fill_(0)  # every page resident, as after real use
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    reference = llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0].token_ids
+    print(f"dtype {engine.dtype}, KV pool {args.kv_cache_memory / (1 << 20):.0f} MiB, "
+          f"{args.threads} thread(s); RSS awake {_rss_mib():.0f} MiB")
+    for level in (1, 2):
+        rss = _rss_mib()
+        slept = _timed(lambda: llm.sleep(level))
+        freed = rss - _rss_mib()
+        woke = _timed(llm.wake_up)
+        same = llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0].token_ids == reference
+        print(f"sleep({level}) {slept * 1000:8.1f} ms, freed {freed:7.0f} MiB; wake_up {woke * 1000:8.1f} ms"
+              f"{' (weights reloaded from the checkpoint)' if level == 2 else ''}; output unchanged: {same}")
+    from safetensors.torch import load_file
+
+    weights = load_file(str(default_model_dir() / "model.safetensors"))
+    n = sum(t.numel() for t in weights.values())
+    took = _timed(lambda: llm.update_weights(weights.items()))
+    print(f"update_weights: {len(weights)} tensors, {n / 1e6:.0f} M parameters in {took * 1000:.0f} ms "
+          f"(weights version {engine.weights_version})")
+    took = _timed(lambda: llm.update_weights(str(default_model_dir() / "model.safetensors")))
+    print(f"update_weights from a safetensors path: {took * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
