@@ -32,7 +32,8 @@ class UnknownArchitectureError(ValueError):
 class ModelRegistry:
     """Class-level registry (use the class, not instances)."""
 
-    _models: dict[str, type | str] = {"LlamaForCausalLM": "engine.models.llama:Transformer"}
+    BUILTIN: dict[str, type | str] = {"LlamaForCausalLM": "engine.models.llama:Transformer"}
+    _models: dict[str, type | str] = dict(BUILTIN)
     _plugins_loaded = False
     _failed_plugins: dict[str, str] = {}  # entry point name -> error, for the unknown-arch error
     _lock = threading.RLock()

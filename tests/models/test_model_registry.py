@@ -18,7 +18,8 @@ TEXTS = ["The quick brown fox jumps over the lazy dog, again and again and again
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
     """Each test sees the built-in table only, plugins not yet loaded; restored after."""
-    monkeypatch.setattr(ModelRegistry, "_models", dict(ModelRegistry._models))
+    # the built-in table only: another test in this process may have loaded the example plugin
+    monkeypatch.setattr(ModelRegistry, "_models", dict(ModelRegistry.BUILTIN))
     monkeypatch.setattr(ModelRegistry, "_failed_plugins", {})
     monkeypatch.setattr(ModelRegistry, "_plugins_loaded", False)
     monkeypatch.syspath_prepend(str(EXAMPLE_ROOT))
