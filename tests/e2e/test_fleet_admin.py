@@ -89,6 +89,39 @@ def test_sleep_refuses_then_wake_up_serves_the_same(cluster):
     assert _post(url, "/sleep?level=3").status_code == 400
 
 
+def _stream_then(url: str, max_tokens: int, path: str) -> tuple[list[str], httpx.Response]:
+    """Stream a completion; once its first chunk arrived (it is in flight), POST `path` from
+    another thread. Returns the stream's data lines and the admin call's response."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "default", "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True,
+            "max_tokens": max_tokens, "stream": True}
+    lines, admin = [], None
+    with ThreadPoolExecutor(1) as pool, httpx.stream(
+            "POST", url + "/v1/completions", json=body, timeout=120,
+            headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+                if admin is None:
+                    admin = pool.submit(_post, url, path)
+        return lines, admin.result(timeout=60)
+
+
+def test_sleep_drains_in_flight_requests_or_aborts_them(cluster):
+    url, _ = cluster
+    lines, r = _stream_then(url, 150, "/sleep")  # waits for the request to finish
+    assert r.status_code == 200 and r.json()["is_sleeping"], r.text
+    assert lines[-1] == "[DONE]" and '"finish_reason":"length"' in "".join(lines)
+    assert _post(url, "/wake_up").status_code == 200
+    lines, r = _stream_then(url, 5000, "/sleep?abort=true")  # does not wait for 5000 tokens
+    assert r.status_code == 200 and r.json()["is_sleeping"], r.text
+    assert len(lines) < 1000  # ended early (aborted), never hangs
+    assert _post(url, "/wake_up").status_code == 200
+    assert _tokens(url)  # serving again
+
+
 def test_update_weights_equals_an_engine_with_those_weights(cluster, model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
