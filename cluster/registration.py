@@ -57,6 +57,12 @@ class WorkerInfo:
     kv_cache_dtype: str = "auto"
     """How its pool stores K/V (normalized: auto, fp8_e4m3, fp8_e5m2, int8). A quantized one
     enters its prefix-cache block hashes, so the router hashes prompts with it."""
+    weights_version: int = 0
+    """Bumped by every weight update (Worker.UpdateWeights); part of its block hashes, so the
+    router hashes prompts with it, drops its KV-index entries of an older version, and pairs
+    a prefill with a decode worker only when their versions agree."""
+    sleeping: bool = False
+    """Its engine sleeps (Worker.Sleep): it refuses requests until woken up."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

@@ -75,6 +75,19 @@ class TransportBackend(KVTransferBackend):
             )
             return self._meta
 
+    def deregister_pool(self) -> None:
+        """Forget the registered pool before its memory is freed (a sleeping engine); a new
+        `register_pool` (the pool at its new address: new metadata) may follow. The pool
+        must be idle: transfers still in flight are failed."""
+        with self.lock:
+            self._check_open()
+            if self._meta is None:
+                return
+            self._sender.close()
+            self.transport.deregister()
+            self._pool = None
+            self._meta = None
+
     def metadata(self) -> PeerMetadata:
         if self._meta is None:
             raise PoolError("no KV pool registered yet: call register_pool first")

@@ -233,6 +233,12 @@ class KVTransferBackend(ABC):
         Raises PoolError if the tensor does not match `compat` or a pool is registered."""
 
     @abstractmethod
+    def deregister_pool(self) -> None:
+        """Forget the registered pool before its memory is freed (sleep mode); transfers
+        still in flight are cancelled. `register_pool` may then register it again at its new
+        address (new metadata, to be republished)."""
+
+    @abstractmethod
     def metadata(self) -> PeerMetadata:
         """Our metadata (publish `.to_bytes()`); PoolError before `register_pool`."""
 

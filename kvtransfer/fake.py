@@ -75,6 +75,9 @@ class FakeTransport(Transport):
         self.pool = kv_cache
         return b""
 
+    def deregister(self) -> None:
+        self.pool = None
+
     def connect(self, meta: PeerMetadata) -> None:
         peer = self._fabric.agents.get(meta.agent_name)
         if peer is not None and peer.pool is not None and peer.pool.data_ptr() != meta.base_addr:

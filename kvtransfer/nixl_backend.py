@@ -157,6 +157,14 @@ class NixlTransport(Transport):
             for msg in msgs
         ]
 
+    def deregister(self) -> None:
+        if self._local is not None:
+            self._local.release()
+            self._local = None
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
+
     def close(self) -> None:
         for name in list(self._remote):
             self.disconnect(name)

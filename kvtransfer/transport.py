@@ -44,6 +44,9 @@ class Transport(ABC):
     def register(self, kv_cache: Any, block_bytes: int) -> bytes:
         """Register the pool, one descriptor per block; return the opaque metadata blob."""
 
+    def deregister(self) -> None:
+        """Forget the registered pool (before its memory is freed); `register` may follow."""
+
     @abstractmethod
     def connect(self, meta: PeerMetadata) -> None:
         """Load a peer and start connecting (no waiting). MetadataError if unusable."""

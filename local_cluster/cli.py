@@ -101,6 +101,10 @@ def register(subparsers) -> None:
                    help="KV cache storage of every worker, both roles (vLLM's kv_cache_dtype): "
                         "auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8; a prefill worker "
                         "sends KV only to decode workers of the same format")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="sleep mode on every worker (both roles) and the router's fleet-wide "
+                        "admin endpoints (--enable-dev-endpoints: /sleep, /wake_up, "
+                        "/is_sleeping, /reset_prefix_cache, /collective_rpc, /update_weights)")
     g = p.add_argument_group("LoRA adapters (passed to the workers of both roles and the router)")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters; also enables the router's /v1/load_lora_adapter "

@@ -63,6 +63,7 @@ class Supervisor:
             role_args[:0] = ["--speculative-config", a.speculative_config]
         return [role, "--etcd", self.etcd, "--cluster", a.cluster, "--model", a.model,
                 "--num-threads", str(self._threads()), *kv_worker_args(a), *lora_worker_args(a),
+                *(["--enable-sleep-mode"] if getattr(a, "enable_sleep_mode", False) else []),
                 *a.worker_args, *role_args]
 
     def _threads(self) -> int:

@@ -74,6 +74,7 @@ def add_router(sup: Supervisor) -> str:
     url = f"http://{args.host}:{port}"
     cmd = ["router", "--etcd", sup.etcd, "--cluster", args.cluster, "--host", args.host,
            "--port", str(port), "--model", args.model, *_router_lora_args(args),
+           *(["--enable-dev-endpoints"] if getattr(args, "enable_sleep_mode", False) else []),
            *args.router_args]
     sup.add_slot("router", lambda: RouterProcess(cmd, sup.log_dir / "router.log", url), name="router")
     return url

@@ -338,3 +338,51 @@ class CachedBlocksResponse(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level", "abort")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    abort: bool
+    def __init__(self, level: _Optional[int] = ..., abort: _Optional[bool] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LifecycleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LifecycleResponse(_message.Message):
+    __slots__ = ("is_sleeping", "weights_version")
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    weights_version: int
+    def __init__(self, is_sleeping: _Optional[bool] = ..., weights_version: _Optional[int] = ...) -> None: ...
+
+class CollectiveRPCRequest(_message.Message):
+    __slots__ = ("method", "args_json", "kwargs_json")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    args_json: str
+    kwargs_json: str
+    def __init__(self, method: _Optional[str] = ..., args_json: _Optional[str] = ..., kwargs_json: _Optional[str] = ...) -> None: ...
+
+class CollectiveRPCResponse(_message.Message):
+    __slots__ = ("results_json",)
+    RESULTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    results_json: str
+    def __init__(self, results_json: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...

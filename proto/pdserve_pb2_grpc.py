@@ -26,8 +26,7 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """/ Calls every worker answers.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -65,11 +64,40 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.UnloadLoRARequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.LoRAResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/pdserve.v1.Worker/Sleep',
+                request_serializer=proto_dot_pdserve__pb2.SleepRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/pdserve.v1.Worker/WakeUp',
+                request_serializer=proto_dot_pdserve__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/pdserve.v1.Worker/IsSleeping',
+                request_serializer=proto_dot_pdserve__pb2.LifecycleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.v1.Worker/ResetPrefixCache',
+                request_serializer=proto_dot_pdserve__pb2.LifecycleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+                _registered_method=True)
+        self.CollectiveRPC = channel.unary_unary(
+                '/pdserve.v1.Worker/CollectiveRPC',
+                request_serializer=proto_dot_pdserve__pb2.CollectiveRPCRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.CollectiveRPCResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/pdserve.v1.Worker/UpdateWeights',
+                request_serializer=proto_dot_pdserve__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
-    """/ Calls every worker answers.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def Health(self, request, context):
         """/ Role, identity, draining flag and live capacity.
@@ -118,6 +146,56 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """/ Drain (wait for this worker's in-flight requests, bounded by its drain timeout; or
+        / abort them with abort = true), then sleep at `level`; the registration (sleeping, new
+        / KV metadata) is republished before the answer. While asleep, new requests are refused
+        / with UNAVAILABLE. FAILED_PRECONDITION without --enable-sleep-mode; DEADLINE_EXCEEDED
+        / when the drain did not finish in time (nothing is put to sleep then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """/ Restore what `tags` name (both by default); the KV pool comes back at a new address,
+        / re-registered with the transfer agent and republished. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """/ Whether the engine sleeps, and its weights version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """/ Drop every cached-free block (KV events report the removals).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectiveRPC(self, request, context):
+        """/ Call a method on the engine (or its worker extension) on the engine thread; arguments
+        / and results travel as JSON. INVALID_ARGUMENT for an unknown method or bad JSON.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """/ Load new weights from a safetensors path (drains first, like Sleep without abort):
+        / bumps the weights version (part of every block hash and of the registration) and
+        / resets the prefix cache; republished before the answer. NOT_FOUND for a missing path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +229,36 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=proto_dot_pdserve__pb2.UnloadLoRARequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.LoRAResponse.SerializeToString,
             ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=proto_dot_pdserve__pb2.SleepRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LifecycleResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=proto_dot_pdserve__pb2.WakeUpRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LifecycleResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=proto_dot_pdserve__pb2.LifecycleRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LifecycleResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_pdserve__pb2.LifecycleRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LifecycleResponse.SerializeToString,
+            ),
+            'CollectiveRPC': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectiveRPC,
+                    request_deserializer=proto_dot_pdserve__pb2.CollectiveRPCRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.CollectiveRPCResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=proto_dot_pdserve__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LifecycleResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.Worker', rpc_method_handlers)
@@ -160,8 +268,7 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """/ Calls every worker answers.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def Health(request,
@@ -315,6 +422,168 @@ class Worker:
             '/pdserve.v1.Worker/UnloadLoRAAdapter',
             proto_dot_pdserve__pb2.UnloadLoRARequest.SerializeToString,
             proto_dot_pdserve__pb2.LoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Sleep',
+            proto_dot_pdserve__pb2.SleepRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/WakeUp',
+            proto_dot_pdserve__pb2.WakeUpRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/IsSleeping',
+            proto_dot_pdserve__pb2.LifecycleRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/ResetPrefixCache',
+            proto_dot_pdserve__pb2.LifecycleRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectiveRPC(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/CollectiveRPC',
+            proto_dot_pdserve__pb2.CollectiveRPCRequest.SerializeToString,
+            proto_dot_pdserve__pb2.CollectiveRPCResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/UpdateWeights',
+            proto_dot_pdserve__pb2.UpdateWeightsRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LifecycleResponse.FromString,
             options,
             channel_credentials,
             insecure,

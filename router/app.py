@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
 from router.dashboard import add_dashboard_routes
 from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
               "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/dashboard",
-              "/dashboard/data", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+              "/dashboard/data", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+              *ADMIN_PATHS}
 _THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
@@ -84,6 +86,8 @@ def create_app(services: Services) -> FastAPI:
     add_embedding_routes(app, services)
     add_dashboard_routes(app, services)
     add_lora_routes(app, services.loras, runtime_updates_allowed(services.config.enable_lora))
+    if dev_endpoints_enabled(services.config.enable_dev_endpoints):
+        add_admin_routes(app, services.admin)
 
     @app.post("/v1/completions", **route_schema(CompletionRequest, CompletionResponse,
                                                 stream=CompletionStreamChunk,
@@ -111,6 +115,7 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
         prepared = prepare(kind, body, services.card, limit, adapters)
     if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
         await asyncio.to_thread(services.card.grammars.check, prepared.constraint)
+    await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
     base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
@@ -164,7 +169,7 @@ async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta]
 
 
 class _AuthAndCount:
-    """ASGI middleware: Bearer-key check on /v1/*, requests counted by endpoint and status
+    """ASGI middleware: Bearer-key check on /v1/* and the admin endpoints, requests counted by endpoint and status
     (499: the client went away first), and every response carries an `X-Request-Id` header:
     the request's own, or a fresh one."""
 
@@ -192,7 +197,8 @@ class _AuthAndCount:
 
         try:
             key = self.services.config.api_key
-            if key and path.startswith("/v1/") and not _authorized(scope, key):
+            guarded = path.startswith("/v1/") or path in ADMIN_PATHS
+            if key and guarded and not _authorized(scope, key):
                 err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await err.response()(scope, receive, counting_send)
                 return

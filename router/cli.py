@@ -41,6 +41,10 @@ def register(subparsers) -> None:
     p.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                    help="LoRA adapters served as model NAME from the start (workers load them "
                    "from PATH on first use)")
+    p.add_argument("--enable-dev-endpoints", action="store_true",
+                   help="fleet-wide admin endpoints (vLLM's dev mode: /sleep, /wake_up, "
+                        "/is_sleeping, /reset_prefix_cache, /collective_rpc; /update_weights); "
+                        "also VLLM_SERVER_DEV_MODE=1")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("placement")
@@ -117,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         stale_after_s=args.stale_after, max_n=args.max_n,
         generation_config=args.generation_config, enable_lora=args.enable_lora,
         lora_modules=tuple(args.lora_modules),
+        enable_dev_endpoints=args.enable_dev_endpoints,
     )
 
 

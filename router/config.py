@@ -103,6 +103,10 @@ class RouterConfig:
     """Allow loading and unloading LoRA adapters at run time (POST /v1/load_lora_adapter,
     /v1/unload_lora_adapter); also enabled by VLLM_ALLOW_RUNTIME_LORA_UPDATING=true."""
     lora_modules: tuple[str, ...] = ()
+    enable_dev_endpoints: bool = False
+    """Serve the fleet-wide admin endpoints (vLLM's dev-mode names: /sleep, /wake_up,
+    /is_sleeping, /reset_prefix_cache, /collective_rpc, plus /update_weights); also enabled
+    by VLLM_SERVER_DEV_MODE=1. Guarded by --api-key when set."""
     """`name=path` LoRA adapters served from the start (the workers load them on first use)."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,

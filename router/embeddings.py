@@ -234,6 +234,7 @@ def add_embedding_routes(app: FastAPI, services: Services) -> None:
         args = (body, services.card, embedder.max_model_len(), services.loras.served())
         prepared = (await asyncio.to_thread(prepare_embedding, *args)
                     if len(body) > _THREAD_TOKENIZE_BYTES else prepare_embedding(*args))
+        await services.admin.wait_awake()
         base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
         calls = [embedder.embed(PromptKey(ids, prepared.cache_salt), prepared)
                  for ids in prepared.prompts]

@@ -35,6 +35,11 @@ class KVSubscriptions:
             self._follow(info), name=f"kv-events-{info.worker_id}"
         )
 
+    def on_new_weights(self, info: WorkerInfo) -> None:
+        """The worker's blocks of its older weights version can never match again (the
+        version is in every hash): drop them; its stream goes on with the new ones."""
+        self.index.remove_worker(info.worker_id)
+
     def on_removed(self, info: WorkerInfo) -> None:
         task = self._tasks.pop(info.worker_id, None)
         if task is not None:

@@ -16,16 +16,17 @@ from engine.block_hash import BlockHash, compute_block_hashes
 
 def prompt_block_hashes(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-    lora_id: int | None = None, kv_cache_dtype: str = "auto",
+    lora_id: int | None = None, kv_cache_dtype: str = "auto", weights_version: int = 0,
 ) -> list[BlockHash]:
     """Hashes of the prompt blocks a worker can reuse: full blocks, leaving at least the last
     token to compute (the engine's prefix matching never reuses further). `lora_id`: the
     request's adapter (engine.lora_id_for(name)); it enters every hash, as in the engine.
     `kv_cache_dtype`: the worker's KV format (WorkerInfo.kv_cache_dtype, normalized); a
-    quantized one enters every hash too, so workers of one format share hashes."""
+    quantized one enters every hash too, so workers of one format share hashes.
+    `weights_version`: the worker's (WorkerInfo.weights_version), also in every hash."""
     usable = (len(token_ids) - 1) // block_size * block_size if token_ids else 0
     return compute_block_hashes(token_ids[:usable], block_size, cache_salt or None, lora_id,
-                                kv_cache_dtype)
+                                kv_cache_dtype, weights_version)
 
 
 class KVIndex:

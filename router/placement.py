@@ -17,7 +17,7 @@ from router.registry import WorkerRegistry, WorkerState
 @dataclass
 class PromptKey:
     """A prompt's identity for the prefix cache; its block hashes are computed once per
-    (block size, KV cache dtype) in use, however often the request is placed (queueing,
+    (block size, KV cache dtype, weights version) in use, however often the request is placed (queueing,
     retries)."""
 
     token_ids: list[int]
@@ -25,15 +25,17 @@ class PromptKey:
     lora: LoRARequest | None = None
     """The LoRA adapter it runs with: its id enters the block hashes; placement prefers
     workers that have it loaded."""
-    _hashes: dict[tuple[int, str], list[BlockHash]] = field(default_factory=dict, repr=False)
+    _hashes: dict[tuple[int, str, int], list[BlockHash]] = field(default_factory=dict, repr=False)
 
-    def hashes(self, block_size: int, kv_cache_dtype: str = "auto") -> list[BlockHash]:
-        key = (block_size, kv_cache_dtype)
+    def hashes(self, block_size: int, kv_cache_dtype: str = "auto",
+               weights_version: int = 0) -> list[BlockHash]:
+        key = (block_size, kv_cache_dtype, weights_version)
         h = self._hashes.get(key)
         if h is None:
             h = self._hashes[key] = prompt_block_hashes(
                 self.token_ids, block_size, self.cache_salt,
                 self.lora.lora_int_id if self.lora is not None else None, kv_cache_dtype,
+                weights_version,
             )
         return h
 
@@ -89,22 +91,25 @@ class Placer:
 
     def _candidates(self, prompt: PromptKey) -> Callable[[WorkerState], Candidate]:
         """WorkerState -> Candidate for this prompt (KV-index matches computed once per
-        (block size, KV cache dtype), the staleness clock read once)."""
+        (block size, KV cache dtype, weights version), the staleness clock read once). A
+        sleeping worker counts as draining (no new work); workers pair only when both their KV
+        layout (compat hash) and their weights version agree: KV computed by other weights
+        must not be joined."""
         now = self.registry.clock()
-        matches: dict[tuple[int, str], dict[str, int]] = {}
+        matches: dict[tuple[int, str, int], dict[str, int]] = {}
         adapter = prompt.lora.lora_name if prompt.lora is not None else None
 
         def candidate(state: WorkerState) -> Candidate:
             info = state.info
-            bs, kv = info.block_size, info.kv_cache_dtype
-            match = matches.get((bs, kv))
+            bs, kv, wv = info.block_size, info.kv_cache_dtype, info.weights_version
+            match = matches.get((bs, kv, wv))
             if match is None:
-                match = matches[bs, kv] = self.index.match(prompt.hashes(bs, kv))
+                match = matches[bs, kv, wv] = self.index.match(prompt.hashes(bs, kv, wv))
             return Candidate(
                 worker_id=info.worker_id, capacity=info.capacity, block_size=bs,
                 cached_tokens=match.get(info.worker_id, 0) * bs,
                 inflight=state.inflight, inflight_prefill_tokens=state.inflight_prefill_tokens,
-                compat=info.compat_hash, draining=info.draining,
+                compat=f"{info.compat_hash}/w{wv}", draining=info.draining or info.sleeping,
                 stale=self.registry.is_stale(state, now),
                 lora_missing=adapter is not None and adapter not in info.resident_loras,
             )

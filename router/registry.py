@@ -44,6 +44,7 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerState] = {}
         self._on_added: list[Listener] = []
         self._on_removed: list[Listener] = []
+        self._on_new_weights: list[Listener] = []
         self._changed = asyncio.Event()
         self._rejected: set[str] = set()
         self.synced = asyncio.Event()  # set once the first full listing was applied
@@ -51,6 +52,10 @@ class WorkerRegistry:
     def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
         self._on_added.append(on_added)
         self._on_removed.append(on_removed)
+
+    def add_weights_listener(self, on_new_weights: Listener) -> None:
+        """`on_new_weights(info)` when a registered worker republishes another weights version."""
+        self._on_new_weights.append(on_new_weights)
 
     def get(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
@@ -97,7 +102,13 @@ class WorkerRegistry:
         else:
             if info.updated_at != old.info.updated_at:  # republished, not merely re-listed
                 old.seen_at = self.clock()
+            new_weights = old.info.weights_version != info.weights_version
             old.info = info
+            if new_weights:
+                log.info("worker %s now runs weights version %d", info.worker_id,
+                         info.weights_version)
+                for listener in self._on_new_weights:
+                    listener(info)
         self.notify()
 
     def _warn_unpaired(self, info: WorkerInfo) -> None:

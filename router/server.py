@@ -21,6 +21,7 @@ from router.placement import Placer
 from router.policy import make_policy
 from router.registry import EtcdWatcher, WorkerRegistry
 from router.logprobs import TokenText
+from router.admin import FleetAdmin
 from router.loras import LoRAAdapters
 from router.validation import ModelCard
 
@@ -66,10 +67,12 @@ class RouterServices:
         self.channels = ChannelPool()
         self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
         self.registry.add_listener(self.kv_subscriptions.on_added, self._on_removed)
+        self.registry.add_weights_listener(self.kv_subscriptions.on_new_weights)
         self.placer = Placer(self.registry, self.index, make_policy(config.placement))
         self.dispatcher = Dispatcher(config, self.placer, self.channels, self.metrics)
         self.tokens = TokenText(card.tokenizer)
         self.loras = LoRAAdapters(self.registry, self.channels, config.lora_modules)
+        self.admin = FleetAdmin(self.registry, self.channels, config.queue_timeout_s)
         self._watch: asyncio.Task | None = None
 
     def max_model_len(self) -> int:

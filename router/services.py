@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.logprobs import TokenText
+from router.admin import FleetAdmin
 from router.loras import LoRAAdapters
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
@@ -23,6 +24,7 @@ class Services(Protocol):
     dispatcher: Dispatcher  # runs each prompt on the cluster
     tokens: TokenText  # token texts and bytes for responses
     loras: LoRAAdapters  # the LoRA adapters served (models beside the base), load / unload
+    admin: FleetAdmin  # fleet-wide sleep / wake up / weight updates; gates generation
 
     def max_model_len(self) -> int:
         """The longest prompt + output a decode worker holds now."""

@@ -18,6 +18,10 @@ class ResourceExhausted(RuntimeError):
     """No room for the request now (e.g. KV pool full); retry elsewhere or later."""
 
 
+class FailedPrecondition(RuntimeError):
+    """The worker is not in a state that allows the call (e.g. sleep mode not enabled)."""
+
+
 class NotFound(LookupError):
     """What the call names does not exist (e.g. a LoRA adapter's path)."""
 
@@ -33,6 +37,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, (TimeoutError,)):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, IncompatiblePeerError):

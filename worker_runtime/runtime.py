@@ -5,6 +5,7 @@ Life cycle of a worker process: build (load model, size pool, register the pool 
 -> start (engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at
 start is fatal) -> serve -> SIGTERM: mark draining (published at once; new work is refused
 with UNAVAILABLE), wait for in-flight requests (bounded), deregister, exit 0.
+Sleep / wake up and weight updates (the router's fleet-wide admin calls): lifecycle.py.
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from engine.lora.request import LoRARequest, lora_id_for
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferConfig
+from kvtransfer.metadata import PeerMetadata
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, Unavailable, grpc_errors
+from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -43,14 +46,18 @@ class WorkerRuntime:
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
         self.kv = NixlTransferBackend(KVTransferConfig(agent_name=self.worker_id))
-        compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id,
-                                   engine_config.kv_cache_dtype)
-        self.kv_cache_dtype = compat.kv_cache_dtype  # normalized: published, hashed by the router
-        self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, compat)
-        self.compat_hash = compat.hash()
+        self.compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id,
+                                        engine_config.kv_cache_dtype)
+        self.kv_cache_dtype = self.compat.kv_cache_dtype  # normalized: published, hashed by the router
+        self.kv_metadata: PeerMetadata | None = None  # None while the pool sleeps
+        self.register_pool()
+        self.compat_hash = self.compat.hash()
         self.metrics = WorkerMetrics(config.role, self.kv, self.engine.loaded.model_id,
                                      self.engine.num_speculative_tokens)
         self.draining = False
+        self.paused: str | None = None
+        """Why new requests are refused for a while (a sleep or weight update draining)."""
+        self.lifecycle = WorkerLifecycle(self)
         self.inflight = 0
         self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
         self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
@@ -104,10 +111,29 @@ class WorkerRuntime:
         future already resolved or cancelled is left alone)."""
         self.aio.call_soon_threadsafe(_settle, future, result, exc)
 
+    def register_pool(self) -> None:
+        """Register the engine's KV pool (where it lives now) with the transfer agent: at
+        start, and again after a wake-up reallocated it (engine thread then)."""
+        self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, self.compat)
+
+    def deregister_pool(self) -> None:
+        """Before the pool's memory is freed (sleep; engine thread): nothing is published
+        for it until `register_pool`."""
+        self.kv.deregister_pool()
+        self.kv_metadata = None
+
+    @property
+    def kv_pool_registered(self) -> bool:
+        return self.kv_metadata is not None
+
     def admit(self, request_id: str) -> None:
-        """Refuse new work while draining, and requests without an id."""
+        """Refuse new work while draining, paused or asleep, and requests without an id."""
         if self.draining:
             raise Unavailable("worker is draining")
+        if self.paused is not None:
+            raise Unavailable(f"worker is {self.paused}")
+        if self.lifecycle.sleeping:
+            raise Unavailable("worker is sleeping")
         if not request_id:
             raise ValueError("request_id is required")
 
@@ -137,7 +163,7 @@ class WorkerRuntime:
                              "unload it first")
         await asyncio.to_thread(self.engine.add_lora, LoRARequest(name, lora_id_for(name), path))
         self.loras[name] = path
-        await self._republish()
+        await self.republish()
 
     async def unload_lora(self, name: str) -> bool:
         """Stop serving an adapter and drop it from the engine (requests running with it
@@ -145,13 +171,13 @@ class WorkerRuntime:
         found = self.loras.pop(name, None) is not None
         lora_id = lora_id_for(name)
         await self.call(lambda e: e.remove_lora(lora_id), cancellable=False)
-        await self._republish()
+        await self.republish()
         return found
 
     def served_loras(self) -> list[pb.LoRAAdapter]:
         return [pb.LoRAAdapter(name=n, path=p) for n, p in sorted(self.loras.items())]
 
-    async def _republish(self) -> None:
+    async def republish(self) -> None:
         if self.registrar is not None:
             await self.registrar.publish_now()
 
@@ -166,7 +192,9 @@ class WorkerRuntime:
             model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
             block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.kv_cache_dtype,
-            kv_metadata=self.kv_metadata.to_bytes().decode("ascii"),
+            kv_metadata=(self.kv_metadata.to_bytes().decode("ascii")
+                         if self.kv_metadata is not None else ""),
+            sleeping=self.lifecycle.sleeping, weights_version=self.lifecycle.weights_version,
             metrics_address=self.metrics_address, draining=self.draining,
             loras=dict(self.loras),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
@@ -322,3 +350,39 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise ValueError("lora_name must not be empty")
         found = await self.rt.unload_lora(request.name)
         return pb.LoRAResponse(found=found, served=self.rt.served_loras())
+
+    # ---- weights lifecycle (lifecycle.py) ---------------------------------------------------
+    @grpc_errors
+    async def Sleep(self, request, context):
+        await self.rt.lifecycle.sleep(request.level or 1, request.abort)
+        return self._state()
+
+    @grpc_errors
+    async def WakeUp(self, request, context):
+        await self.rt.lifecycle.wake_up(list(request.tags))
+        return self._state()
+
+    @grpc_errors
+    async def IsSleeping(self, request, context):
+        return self._state()
+
+    @grpc_errors
+    async def ResetPrefixCache(self, request, context):
+        await self.rt.lifecycle.reset_prefix_cache()
+        return self._state()
+
+    @grpc_errors
+    async def CollectiveRPC(self, request, context):
+        if not request.method:
+            raise ValueError("method is required")
+        return pb.CollectiveRPCResponse(results_json=await self.rt.lifecycle.collective_rpc(
+            request.method, request.args_json, request.kwargs_json))
+
+    @grpc_errors
+    async def UpdateWeights(self, request, context):
+        await self.rt.lifecycle.update_weights(request.path)
+        return self._state()
+
+    def _state(self) -> pb.LifecycleResponse:
+        life = self.rt.lifecycle
+        return pb.LifecycleResponse(is_sleeping=life.sleeping, weights_version=life.weights_version)

@@ -22,6 +22,7 @@ from engine.engine_loop import EngineLoop
 from engine.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
+from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.runtime import WorkerRuntime
 
 BLOCK_SIZE = 4
@@ -122,6 +123,7 @@ class Harness:
         rt.kv_metadata = rt.kv.metadata()
         rt.metrics = mock.MagicMock()
         rt.draining, rt.inflight, rt.streams = False, 0, {}
+        rt.paused, rt.lifecycle = None, WorkerLifecycle(rt)
         rt.aio = asyncio.get_running_loop()
         rt.loop = EngineLoop(self.engine, rt.deliver)  # never started: see run_engine
         self.rt = rt

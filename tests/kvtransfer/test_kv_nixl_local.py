@@ -199,3 +199,27 @@ def test_a_peer_of_another_kv_format_is_refused_naming_both():
     finally:
         for b in backends:
             b.close()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_pool_freed_and_reallocated_is_registered_again(pd, side):
+    """Sleep mode: a worker deregisters its pool before the memory is freed and registers
+    the reallocated one (new address, new metadata); writes land in the new pool."""
+    p, ppool, d, dpool = pd
+    b, pool = (d, dpool) if side == "decode" else (p, ppool)
+    compat = b.metadata().compat
+    b.deregister_pool()
+    fresh = torch.randn_like(pool) if side == "prefill" else torch.zeros_like(pool)
+    meta = b.register_pool(fresh, compat)
+    assert meta.base_addr == fresh.data_ptr()
+    if side == "decode":
+        dpool = fresh
+        p.add_peer(meta.to_bytes())  # the next Prefill carries it: reconnect
+    else:
+        ppool = fresh
+    d.receiver.expect("r", [5, 9], deadline=time.monotonic() + 10)
+    p.sender.send("r", d.agent_name, [(1, 5), (2, 9)], final=True)
+    sent, recv = drive([p, d], {"r"}, {"r"})
+    assert sent["r"].status is TransferStatus.COMPLETE, sent["r"]
+    assert recv["r"].status is TransferStatus.COMPLETE, recv["r"]
+    assert torch.equal(dpool[5], ppool[1]) and torch.equal(dpool[9], ppool[2])

@@ -208,3 +208,25 @@ def test_wait_for_returns_every_result_and_backs_off(pd):
     for _ in range(4):
         backoff.sleep()
     assert time.monotonic() - t0 >= 0.001 + 0.002 + 0.004 + 0.004
+
+
+def test_a_pool_reallocated_after_sleep_is_registered_again(pd):
+    """Sleep mode: the decode worker deregisters its pool before freeing it and registers the
+    reallocated one (new address: new metadata); the prefill side reconnects on the new
+    metadata and writes land in the new pool."""
+    p, ppool, d, dpool = pd
+    old = d.metadata()
+    compat = old.compat
+    d.deregister_pool()
+    with pytest.raises(PoolError):
+        d.metadata()
+    d.deregister_pool()  # idempotent
+    fresh = torch.zeros_like(dpool)
+    meta = d.register_pool(fresh, compat)
+    assert meta.base_addr == fresh.data_ptr() != old.base_addr
+    assert p.add_peer(meta.to_bytes()) == "D"
+    d.receiver.expect("r1", [3, 4], deadline=time.monotonic() + 5)
+    p.sender.send("r1", "D", [(1, 3), (2, 4)], final=True)
+    results = step(p, d)
+    assert results[("recv", "r1")].status is S.COMPLETE
+    assert torch.equal(fresh[3], ppool[1]) and torch.equal(fresh[4], ppool[2])

@@ -200,3 +200,15 @@ def test_lora_flags_go_to_workers_of_both_roles():
         assert cmd[i:i + len(lora)] == lora and cmd[-1] == "--dtype=float32"  # --worker-arg wins
     args.enable_lora = False
     assert not any("lora" in a for a in sup.worker_command("decode"))
+
+
+def test_sleep_mode_goes_to_workers_of_both_roles():
+    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
+                              worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
+                              enable_sleep_mode=True)
+    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
+    for role in ("prefill", "decode"):
+        cmd = sup.worker_command(role)
+        assert "--enable-sleep-mode" in cmd and cmd[-1] == "--dtype=float32"
+    args.enable_sleep_mode = False
+    assert "--enable-sleep-mode" not in sup.worker_command("decode")

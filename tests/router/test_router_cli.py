@@ -31,11 +31,11 @@ def test_flags_reach_the_config():
         "--max-model-len", "100", "--served-model-name", "m", "--max-n", "4",
         "--host", "0.0.0.0", "--model", "/some/dir", "--generation-config", "vllm",
         "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--lora-weight", "0.25",
-        "--lora-load-time", "0.5",
+        "--lora-load-time", "0.5", "--enable-dev-endpoints",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig("round_robin", 2, 3, 5, 4, 6, 10, 7, 8, 9, 0.25, 0.5)
-    assert cfg.enable_lora and cfg.lora_modules == ("a=/x", "b=/y")
+    assert cfg.enable_lora and cfg.lora_modules == ("a=/x", "b=/y") and cfg.enable_dev_endpoints
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
             cfg.served_model_name, cfg.max_n, cfg.generation_config, cfg.max_migrations,

@@ -1,0 +1,76 @@
+"""The fleet admin's pieces without workers: the routes declare their schemas (when enabled),
+the gate holds generation requests while the fleet sleeps and answers 503 with Retry-After
+after the bound, and a partial failure names the workers that failed."""
+import asyncio
+
+import grpc
+import pytest
+from fastapi import FastAPI
+
+from cluster.registration import WorkerInfo
+from router.admin import FleetAdmin, WorkerResult, _checked
+from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
+from router.channels import ChannelPool
+from router.errors import APIError
+from router.openapi import install_openapi
+from router.registry import WorkerRegistry
+
+
+def info(wid, role="decode", sleeping=False):
+    return WorkerInfo(worker_id=wid, role=role, grpc_address=f"{wid}:1", model_id="m",
+                      compat_hash="c", block_size=16, sleeping=sleeping)
+
+
+def test_routes_declare_their_schemas():
+    app = FastAPI()
+    add_admin_routes(app, FleetAdmin(WorkerRegistry(), ChannelPool(), 0.1))
+    install_openapi(app)
+    paths = app.openapi()["paths"]
+    assert set(paths) == ADMIN_PATHS
+    for ops in paths.values():
+        for op in ops.values():
+            assert {"200", "400", "401", "404", "409", "502", "503"} <= set(op["responses"])
+    assert [p["name"] for p in paths["/sleep"]["post"]["parameters"]] == ["level", "abort"]
+
+
+def test_enabled_by_flag_or_vllm_env(monkeypatch):
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    assert not dev_endpoints_enabled(False) and dev_endpoints_enabled(True)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert dev_endpoints_enabled(False)
+
+
+def test_the_gate_waits_then_503s_while_every_decode_worker_sleeps():
+    async def main():
+        registry = WorkerRegistry()
+        admin = FleetAdmin(registry, ChannelPool(), wait_s=0.3)
+        registry.put(info("d1", sleeping=True))
+        registry.put(info("p", "prefill"))
+        with pytest.raises(APIError) as exc:
+            await admin.wait_awake()
+        assert exc.value.status == 503 and exc.value.headers["Retry-After"]
+        waiter = asyncio.create_task(admin.wait_awake())
+        await asyncio.sleep(0.05)
+        registry.put(info("d1"))  # woke up (another router, or a restart of this one)
+        await asyncio.wait_for(waiter, 1)
+
+    asyncio.run(main())
+
+
+class _Err(grpc.aio.AioRpcError):
+    def __init__(self, code, details):
+        super().__init__(code, None, None, details)
+
+
+def test_partial_failure_names_the_failed_workers():
+    ok = WorkerResult("p", reply=object())
+    bad = WorkerResult("d2", error=_Err(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    with pytest.raises(APIError) as exc:
+        _checked("sleep", [ok, bad])
+    assert exc.value.status == 502
+    assert exc.value.message == "sleep failed on 1 of 2 workers (d2: UNAVAILABLE: connection refused)"
+    refused = WorkerResult("d1", error=_Err(grpc.StatusCode.FAILED_PRECONDITION, "no sleep mode"))
+    with pytest.raises(APIError) as exc:
+        _checked("sleep", [ok, refused])
+    assert exc.value.status == 409
+    assert _checked("sleep", [ok]) == [ok]
