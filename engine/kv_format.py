@@ -51,4 +51,19 @@ def dequantize(stored: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch
     if stored.dtype == torch.int8:
         scale = stored[..., head_dim:].contiguous().view(torch.float32)
         return (stored[..., :head_dim].float() * scale).to(dtype)
+    if stored.dtype in _FP8_MAX:
+        return _fp8_to_fp16(stored).to(dtype)
     return stored.to(dtype)
+
+
+def _fp8_to_fp16(stored: torch.Tensor) -> torch.Tensor:
+    """fp8 -> float16 by moving bits (the CPU's fp8 cast is slow: 2.7 vs 1.2 ms for 800 k
+    e4m3 values here). e5m2 is the upper byte of a float16. e4m3's 4 exponent and 3
+    mantissa bits sit at float16's bit 7 upwards; x 2^8 fixes the exponent bias (7 vs 15),
+    subnormals included. e4m3's NaN pattern reads as +-480 (never written: quantize
+    saturates finite values; a NaN input is garbage either way)."""
+    bits = stored.view(torch.uint8).to(torch.int16)
+    if stored.dtype == torch.float8_e5m2:
+        return (bits << 8).view(torch.float16)
+    half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    return half.view(torch.float16) * 256.0

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from engine.models.llama import Transformer
 from engine.weights import apply_weights, read_weights
 
 if TYPE_CHECKING:
@@ -117,7 +118,13 @@ class Lifecycle:
             self._updated_while_dropped = True
         if isinstance(weights, (str, Path)):
             weights = read_weights(weights)
-        applied = apply_weights(engine.loaded.model, engine.loaded.args, weights)
+        model = engine.loaded.model
+        if isinstance(model, Transformer):
+            applied = apply_weights(model, engine.loaded.args, weights)
+        else:  # an out-of-tree architecture (engine/models/registry.py) knows its own names
+            weights = list(weights)
+            model.load_weights(weights)
+            applied = len(weights)
         engine.weights_version += 1
         engine.reset_prefix_cache()
         return applied
