@@ -1,8 +1,11 @@
-"""Weights-lifecycle benchmark (issue: weights lifecycle), one engine: sleep and wake latency
-per level, the memory they free, and update_weights time for the full model. Prints numbers;
-asserts nothing.
+"""Weights-lifecycle benchmark (issue: weights lifecycle). Prints numbers; asserts nothing.
 
   python -m benchmarks.lifecycle_bench [--kv-cache-memory 1GiB] [--dtype auto]
+  python -m benchmarks.lifecycle_bench --fleet [--prefill 1 --decode 2]
+
+One engine: sleep and wake latency per level, the memory they free, and update_weights time
+for the full model. `--fleet`: the same calls through a `pdserve up` cluster's admin endpoints
+(every worker of both pools; each call answers when all have applied it).
 """
 from __future__ import annotations
 
@@ -26,13 +29,54 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def fleet(prefill: int, decode: int, kv_cache_memory: int) -> None:
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    from engine.models.prepare import default_model_dir
+    from local_cluster.launcher import UpProcess
+
+    with tempfile.TemporaryDirectory() as home:
+        up = UpProcess(Path(home), "--prefill", str(prefill), "--decode", str(decode),
+                       "--enable-sleep-mode", f"--worker-arg=--kv-cache-memory={kv_cache_memory}")
+        try:
+            client = httpx.Client(base_url=up.url, timeout=600)
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello, my name is", "max_tokens": 16,
+                    "temperature": 0}
+            first = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            print(f"fleet: {prefill} prefill + {decode} decode workers, KV pool "
+                  f"{kv_cache_memory / (1 << 20):.0f} MiB each")
+            for call, params in (("/sleep", {"level": 1}), ("/wake_up", None), ("/sleep", {"level": 2}),
+                                 ("/wake_up", None)):
+                t0 = time.perf_counter()
+                r = client.post(call, params=params)
+                print(f"{call}{'?level=' + str(params['level']) if params else '':9s} "
+                      f"{(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})")
+            path = str(default_model_dir() / "model.safetensors")
+            t0 = time.perf_counter()
+            r = client.post("/update_weights", json={"path": path})
+            print(f"/update_weights  {(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})")
+            again = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            print(f"output unchanged after sleep/wake and reloading the same weights: {again == first}")
+        finally:
+            up.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", type=_size, default=1 << 30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fleet", action="store_true")
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.fleet:
+        fleet(args.prefill, args.decode, args.kv_cache_memory)
+        return
     torch.set_num_threads(args.threads)
     from engine.models.prepare import default_model_dir
 
