@@ -69,6 +69,8 @@ class Lifecycle:
                 p.data = p.data.to("cpu")
             self.asleep.add("weights")
         self.level = max(self.level, level)
+        if engine.device.type == "cpu":
+            _trim_heap()
 
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         tags = set(TAGS if tags is None else tags)
@@ -137,3 +139,17 @@ class Lifecycle:
         if fn is None or method.startswith("_"):
             raise ValueError(f"collective_rpc: no method {method!r} on the engine or its extension")
         return [fn(*args, **(kwargs or {}))]
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc keeps freed small blocks — most weight
+    matrices here are a few MiB — in its arenas; the pool is mmapped and returns anyway)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
