@@ -124,9 +124,12 @@ class ModelRunner:
         (engine/spec_decode/verify.py) plus the target's token."""
         with_q = {first: request for request, first in verify if request.spec.draft_probs is not None}
         q_rows = {first + j for first, r in with_q.items() for j in range(len(r.spec.drafts) + 1)}
-        plain = [i for i in range(len(rows)) if i not in q_rows]
-        tokens: list[SampledToken | None] = [None] * len(rows)
-        if plain:
+        tokens: list[SampledToken | None]
+        if not q_rows:  # the usual step: every row samples plainly (a view, no copy)
+            tokens = sample(logits, rows)
+        else:
+            plain = [i for i in range(len(rows)) if i not in q_rows]
+            tokens = [None] * len(rows)
             for i, token in zip(plain, sample(logits[plain], [rows[i] for i in plain])):
                 tokens[i] = token
         out: dict[str, list[SampledToken]] = {}
