@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 
@@ -43,6 +45,33 @@ class WorkerProcess(ServiceProcess):
 async def ahealth(address: str) -> pb.HealthResponse:
     async with grpc.aio.insecure_channel(address) as ch:
         return await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)
+
+
+@contextmanager
+def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...] = (),
+                           router_args: tuple[str, ...] = ()) -> Iterator[tuple[str, "WorkerProcess", "WorkerProcess"]]:
+    """etcd + one prefill and one decode worker (both given `worker_args`) + a router that
+    prefills every prompt on the prefill worker (`router_args` added). Yields (router URL,
+    prefill, decode) once the router sees both workers; stops them all by PID and checks that
+    each exited cleanly."""
+    from cluster.etcd_server import EtcdServer
+
+    with EtcdServer() as etcd:
+        prefill = WorkerProcess("prefill", etcd.endpoint, *worker_args, log_dir=logs, cluster=cluster)
+        decode = WorkerProcess("decode", etcd.endpoint, *worker_args, log_dir=logs, cluster=cluster)
+        port = free_port()
+        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", cluster,
+                                 "--port", str(port), "--local-prefill-threshold", "0",
+                                 "--log-level", "warning", *router_args], logs / "router.log")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            prefill.wait_ready()
+            decode.wait_ready()
+            wait_router_sees(url, router)
+            yield url, prefill, decode
+        finally:
+            codes = [p.terminate(30) for p in (router, decode, prefill)]
+    assert codes == [0, 0, 0]
 
 
 def wait_router_sees(url: str, router: ServiceProcess, prefill: int = 1, decode: int = 1,

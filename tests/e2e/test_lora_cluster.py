@@ -11,13 +11,10 @@ import httpx
 import openai
 import pytest
 
-from cluster.etcd_server import EtcdServer
-from cluster.net import free_port
 from engine import LLM, SamplingParams
 from engine.lora.request import LoRARequest, lora_id_for
-from local_cluster.launcher import ServiceProcess
 from lora_adapter import make_adapter
-from pd_cluster import NUM_LAYERS, WorkerProcess, metric, wait_all_blocks_free, wait_router_sees
+from pd_cluster import NUM_LAYERS, metric, remote_prefill_cluster, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow
 
@@ -37,25 +34,10 @@ def adapters(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("lora-logs")
-    with EtcdServer() as etcd:
-        prefill = WorkerProcess("prefill", etcd.endpoint, *LORA, log_dir=logs, cluster=CLUSTER)
-        decode = WorkerProcess("decode", etcd.endpoint, *LORA, log_dir=logs, cluster=CLUSTER)
-        port = free_port()
-        # every prompt is prefilled on the prefill worker
-        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", CLUSTER,
-                                 "--port", str(port), "--local-prefill-threshold", "0",
-                                 "--local-prefill-max-tokens", "0", "--enable-lora",
-                                 "--api-key", KEY, "--log-level", "warning"], logs / "router.log")
-        url = f"http://127.0.0.1:{port}"
-        try:
-            prefill.wait_ready()
-            decode.wait_ready()
-            wait_router_sees(url, router)
-            yield url, prefill, decode
-        finally:
-            codes = [p.terminate(30) for p in (router, decode, prefill)]
-    assert codes == [0, 0, 0]
+    router_args = ("--local-prefill-max-tokens", "0", "--enable-lora", "--api-key", KEY)
+    with remote_prefill_cluster(tmp_path_factory.mktemp("lora-logs"), CLUSTER, worker_args=LORA,
+                                router_args=router_args) as c:
+        yield c
 
 
 def _post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:

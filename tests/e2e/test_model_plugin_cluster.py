@@ -14,10 +14,7 @@ import sys
 import httpx
 import pytest
 
-from cluster.etcd_server import EtcdServer
-from cluster.net import free_port
-from local_cluster.launcher import ServiceProcess
-from pd_cluster import WorkerProcess, metric, wait_router_sees
+from pd_cluster import metric, remote_prefill_cluster
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from tiny_plugin import EXAMPLE_ROOT, write_entry_point_dist  # noqa: E402
@@ -44,25 +41,11 @@ def cluster(tmp_path_factory, checkpoint):
     logs = tmp_path_factory.mktemp("plugin-logs")
     site = write_entry_point_dist(tmp_path_factory.mktemp("plugin-site"))
     path = os.pathsep.join(filter(None, [str(site), str(EXAMPLE_ROOT), os.environ.get("PYTHONPATH")]))
-    with EtcdServer() as etcd, pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", path)  # read by the processes started below
         model = ("--model", str(checkpoint))
-        prefill = WorkerProcess("prefill", etcd.endpoint, *model, log_dir=logs, cluster=CLUSTER)
-        decode = WorkerProcess("decode", etcd.endpoint, *model, log_dir=logs, cluster=CLUSTER)
-        port = free_port()
-        # threshold 0: every prompt is prefilled on the prefill worker
-        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", CLUSTER, *model,
-                                 "--port", str(port), "--local-prefill-threshold", "0",
-                                 "--log-level", "warning"], logs / "router.log")
-        url = f"http://127.0.0.1:{port}"
-        try:
-            prefill.wait_ready()
-            decode.wait_ready()
-            wait_router_sees(url, router)
-            yield url, prefill, decode
-        finally:
-            codes = [p.terminate(30) for p in (router, decode, prefill)]
-    assert codes == [0, 0, 0]
+        with remote_prefill_cluster(logs, CLUSTER, worker_args=model, router_args=model) as c:
+            yield c
 
 
 def test_plugin_architecture_through_the_cluster_equals_offline(cluster, checkpoint):

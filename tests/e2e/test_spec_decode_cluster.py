@@ -11,12 +11,9 @@ import time
 import httpx
 import pytest
 
-from cluster.etcd_server import EtcdServer
-from cluster.net import free_port
 from engine import LLM, SamplingParams
-from local_cluster.launcher import ServiceProcess
 from metrics_catalog import documented, speculative_only, type_lines
-from pd_cluster import NUM_LAYERS, WorkerProcess, metric, wait_router_sees
+from pd_cluster import NUM_LAYERS, metric, remote_prefill_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -31,26 +28,9 @@ SEEDED = {"temperature": 0.8, "seed": 1234, "max_tokens": 32}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("spec-logs")
-    with EtcdServer() as etcd:
-        prefill = WorkerProcess("prefill", etcd.endpoint, "--speculative-config", SPEC,
-                                log_dir=logs, cluster=CLUSTER)
-        decode = WorkerProcess("decode", etcd.endpoint, "--speculative-config", SPEC,
-                               log_dir=logs, cluster=CLUSTER)
-        port = free_port()
-        # threshold 0: every prompt is prefilled on the prefill worker
-        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", CLUSTER,
-                                 "--port", str(port), "--local-prefill-threshold", "0",
-                                 "--log-level", "warning"], logs / "router.log")
-        url = f"http://127.0.0.1:{port}"
-        try:
-            prefill.wait_ready()
-            decode.wait_ready()
-            wait_router_sees(url, router)
-            yield url, prefill, decode
-        finally:
-            codes = [p.terminate(30) for p in (router, decode, prefill)]
-    assert codes == [0, 0, 0]
+    with remote_prefill_cluster(tmp_path_factory.mktemp("spec-logs"), CLUSTER,
+                                worker_args=("--speculative-config", SPEC)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
