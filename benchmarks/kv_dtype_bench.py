@@ -91,14 +91,16 @@ def transfer(context: int, block_size: int, reps: int) -> dict[str, tuple[float,
     return {k: (min(v), statistics.median(v)) for k, v in out.items()}
 
 
-def decode_tok_s(llm: Any, prompts: list[list[int]], steps: int) -> float:
-    """Tokens per second of the decode steps after every row has its first token."""
+def decode_tok_s(llm: Any, prompts: list, steps: int, loras: list | None = None) -> float:
+    """Tokens per second of the decode steps after every row has its first token (prefill
+    excluded). `loras`: a LoRARequest (or None) per prompt. Shared by benchmarks/lora_bench.py."""
     from engine import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params,
+                           lora_request=loras[i] if loras else None)
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     tokens, t0 = 0, time.perf_counter()

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from engine import LLM, LoRARequest, SamplingParams
+from benchmarks.kv_dtype_bench import decode_tok_s as batch_decode_tok_s
+from engine import LLM, LoRARequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -40,17 +40,8 @@ def make_adapters(model_dir: Path, count: int, rank: int, root: Path) -> list[Lo
 
 
 def decode_tok_s(llm: LLM, batch: int, steps: int, loras: list[LoRARequest | None]) -> float:
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", f"Story number {i}: once upon a time",
-                           params, lora_request=loras[i % len(loras)])
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
-        engine.step()
-    tokens, t0 = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        tokens += sum(len(d.token_ids) for d in engine.step())
-    return tokens / (time.perf_counter() - t0)
+    prompts = [f"Story number {i}: once upon a time" for i in range(batch)]
+    return batch_decode_tok_s(llm, prompts, steps, [loras[i % len(loras)] for i in range(batch)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,12 +19,3 @@ class SpecDecodeStats:
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verify step: accepted drafts plus the one the target always adds."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
