@@ -65,6 +65,13 @@ def test_decode_worker_counts_drafts_under_vllm_names(cluster, reference):
     while metric(address, "vllm:spec_decode_num_accepted_tokens_total") == 0:
         assert time.monotonic() < deadline, "no accepted draft tokens counted"
         time.sleep(0.2)
+    # ...and until the snapshot holds still: the reads below must see one state, not the
+    # request's last steps landing between them.
+    previous = None
+    while (now := metric(address, "vllm:spec_decode_num_draft_tokens_total")) != previous:
+        assert time.monotonic() < deadline + 10, "draft counters never settled"
+        previous = now
+        time.sleep(0.6)
     text = httpx.get(f"http://{address}/metrics", timeout=5).text
     types = type_lines(text)
     spec_rows = {n: t for n, (t, _) in documented().items() if speculative_only(n)}
