@@ -115,35 +115,47 @@ def bench_prefix(args) -> None:
 
 
 def bench_overhead(args) -> None:
+    """Wall time per step minus the wall time inside the model (`residual` + `logits`), at
+    `--threads` torch threads: the engine's own work (scheduling, batch building, sampling,
+    output processing) that a faster forward would not remove."""
+    torch.set_num_threads(args.threads)
     llm = LLM(args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory)
     engine = llm.engine
     model = engine.loaded.model
     forward_time = [0.0]
-    original_forward = model.forward
+    originals = {name: getattr(model, name) for name in ("residual", "logits")}
 
-    def timed_forward(*a, **k):
-        t0 = time.process_time()
-        out = original_forward(*a, **k)
-        forward_time[0] += time.process_time() - t0
-        return out
+    def timed(fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            forward_time[0] += time.perf_counter() - t0
+            return out
+        return wrapper
 
-    model.forward = timed_forward
-    print("\n== step overhead: CPU time per step outside the model forward ==")
+    for name, fn in originals.items():
+        setattr(model, name, timed(fn))
+    print(f"\n== step overhead: wall time per step outside the model forward ({args.threads} threads) ==")
     for batch in (1, 64):
-        for i, p in enumerate(_prompts(batch, 16, 16, seed=batch)):
-            engine.add_request(f"ovh-{batch}-{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
-        engine.step()  # prefill
-        forward_time[0] = 0.0
-        steps = 20
-        t0 = time.process_time()
-        for _ in range(steps):
-            engine.step()
-        total = time.process_time() - t0
-        print(f"{batch:3d} running: {(total - forward_time[0]) / steps * 1000:6.2f} ms/step outside "
-              f"forward, {forward_time[0] / steps * 1000:7.2f} ms/step in forward")
-        for i in range(batch):
-            engine.abort_request(f"ovh-{batch}-{i}")
-    model.forward = original_forward
+        for greedy in (False, True):
+            params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0 if greedy else 1.0)
+            for i, p in enumerate(_prompts(batch, 16, 16, seed=batch)):
+                engine.add_request(f"ovh-{batch}-{i}", p, params)
+            engine.step()  # prefill
+            engine.step()  # first decode step (warm-up)
+            forward_time[0] = 0.0
+            steps = 20
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            total = time.perf_counter() - t0
+            print(f"{batch:3d} running, {'greedy' if greedy else 'random'}: "
+                  f"{(total - forward_time[0]) / steps * 1000:6.2f} ms/step outside forward, "
+                  f"{forward_time[0] / steps * 1000:7.2f} ms/step in forward")
+            for i in range(batch):
+                engine.abort_request(f"ovh-{batch}-{i}")
+    for name, fn in originals.items():
+        setattr(model, name, fn)
 
 
 def main() -> None:
