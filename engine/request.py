@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.lora.adapter import LoRAAdapter
+from engine.penalties import PenaltyCounts
 from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
@@ -107,6 +108,9 @@ class Request:
     pooling: PoolingState | None = None
     """Set: a pooling (embedding) request — it never samples; it finishes ("stop") once its
     prompt is computed, with `pooling.embedding` set (engine/pooling.py)."""
+    penalty_counts: PenaltyCounts | None = None
+    """Set by the sampler for a request with penalties: its token counts, updated
+    incrementally (engine/penalties.py)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -3,16 +3,21 @@ top-k, top-p, min-p, seeded draws, logprobs (from the raw logits, before any of 
 vLLM's default `raw_logprobs`). Rows are independent of each other, so a request samples
 the same token whatever else is in the batch.
 
-Randomness for a row comes from a generator seeded by (request seed, completion index, output
-position): a prefill worker sampling the first token and a decode worker sampling the rest
-draw exactly what a single engine would."""
+Randomness for a row is a counter-based hash of (request seed, completion index, output
+position) (`row_uniforms`, vectorized over the batch): a prefill worker sampling the first
+token and a decode worker sampling the rest draw exactly what a single engine would.
+
+The hot path is batched: no per-row generators or kernels, one host transfer of the tokens
+per step; penalties come from incrementally maintained counts (engine/penalties.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.logits_masks import apply_masks
+from engine.penalties import apply_penalties
 from engine.request import Request
 from engine.scheduler import SampledToken
 
@@ -20,7 +25,7 @@ _MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def draw_seed(seed: int, completion_index: int, position: int) -> int:
-    """splitmix64 over the three numbers: well-spread 63-bit seeds for torch.Generator."""
+    """splitmix64 over the three numbers: a well-spread 63-bit seed for one row's draws."""
     x = (seed * 0x9E3779B97F4A7C15 + completion_index * 0xBF58476D1CE4E5B9 + position) & _MASK
     for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
         x = ((x ^ (x >> shift)) * mult) & _MASK
@@ -51,29 +56,13 @@ class SampleRow:
         return self.request.token_ids + list(self.drafts)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    vocab = logits.shape[-1]
-    for i, row in enumerate(rows):
-        p = row.request.sampling
-        if not p.has_penalties:
-            continue
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if (p.presence_penalty or p.frequency_penalty) and row.num_output_tokens:
-            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-
-
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p masks (to -inf), row by row settings."""
+    """Temperature (in place), then top-k / top-p / min-p masks (to -inf) where a row asks
+    for them; rows without them cost one in-place division."""
     params = [r.request.sampling for r in rows]
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps[:, None]
+    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None]  # noqa: E731
+    if any(p.temperature != 1.0 for p in params):
+        logits.div_(column([p.temperature for p in params]))
     if any(p.top_k for p in params):
         # By rank, not by value: exactly k tokens survive even when logits tie.
         vocab = logits.shape[-1]
@@ -82,38 +71,110 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         logits = logits.scatter(1, order, sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf")))
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+        top_p = column([p.top_p for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
-        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop = (probs.cumsum(-1) - probs) >= top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+        min_p = column([p.min_p for p in params])
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Request masks, then penalties, in place: what every draw sees before temperature."""
     apply_masks(logits, rows)
-    _apply_penalties(logits, rows)
+    apply_penalties(logits, rows)
 
 
-def row_generator(row: SampleRow, device: torch.device) -> torch.Generator:
-    """The row's own random stream: seeded by (request seed, completion index, position)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(draw_seed(row.request.seed, row.completion_index, row.num_output_tokens))
-    return g
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def row_uniforms(rows: list[SampleRow], count: int = 1) -> np.ndarray:
+    """[len(rows), count] float64 uniforms in [0, 1): row i's stream at its
+    (seed, completion index, output position), vectorized over the batch. Uniform k of a
+    row is splitmix64(draw_seed + k * golden gamma) scaled from its top 53 bits, so every
+    worker draws the same numbers for the same row."""
+    seeds = np.fromiter((draw_seed(r.request.seed, r.completion_index, r.num_output_tokens)
+                         for r in rows), dtype=np.uint64, count=len(rows))
+    gamma = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        steps = (np.arange(1, count + 1, dtype=np.uint64) * gamma)[None, :]
+        bits = _splitmix64(seeds[:, None] + steps)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+# Draws and argmaxes look at the vocabulary in chunks of this many tokens: a pass over the
+# chunk totals, then one chunk per row (no [rows, vocab] cumsum or argmax kernel).
+_CHUNK = 256
+
+
+def _chunk_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [rows, vocab] as ([rows, full chunks, _CHUNK] view, [rows, rest] or None)."""
+    rows, vocab = x.shape
+    full = vocab // _CHUNK * _CHUNK
+    body = x[:, :full].reshape(rows, vocab // _CHUNK, _CHUNK)
+    return body, (x[:, full:] if full < vocab else None)
+
+
+def _chunk_of(x: torch.Tensor, chunk: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns [rows, _CHUNK], values [rows, _CHUNK]) of chunk index `chunk` ([rows, 1]) of
+    each row; columns past the vocabulary hold `fill`."""
+    vocab = x.shape[-1]
+    cols = chunk * _CHUNK + torch.arange(_CHUNK, device=x.device)[None, :]
+    values = x.gather(1, cols.clamp(max=vocab - 1)).masked_fill(cols >= vocab, fill)
+    return cols, values
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for [rows, vocab] (the first index of the maximum), via the chunks'
+    maxima: torch's CPU argmax is ~10x slower than its max over a large row."""
+    body, rest = _chunk_view(x)
+    maxima = body.amax(-1)
+    if rest is not None:
+        maxima = torch.cat([maxima, rest.amax(-1, keepdim=True)], 1)
+    chunk = maxima.argmax(-1, keepdim=True)  # the first chunk holding the maximum
+    cols, values = _chunk_of(x, chunk, float("-inf"))
+    return cols.gather(1, values.argmax(-1, keepdim=True)).squeeze(1)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` ([rows, vocab], unnormalized is fine) for `uniforms`
-    ([rows, 1] in [0, 1)): the first index whose cdf exceeds u * total, always one with p > 0."""
-    cdf = probs.cumsum(-1)
-    drawn = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(1)
-    return drawn.clamp(max=probs.shape[-1] - 1)
+    ([rows, 1] in [0, 1)): the first index whose cdf exceeds u * total, always one with
+    p > 0. The cdf is taken over chunk totals, then inside the one chunk it lands in."""
+    body, rest = _chunk_view(probs)
+    totals = body.sum(-1)
+    if rest is not None:
+        totals = torch.cat([totals, rest.sum(-1, keepdim=True)], 1)
+    cdf = totals.cumsum(-1)
+    target = uniforms.to(probs.dtype) * cdf[:, -1:]
+    index = torch.arange(cdf.shape[1], device=probs.device)[None, :]
+    last_chunk = torch.where(totals > 0, index, 0).amax(-1, keepdim=True)
+    chunk = torch.searchsorted(cdf, target, right=True).minimum(last_chunk)  # rounding: u * total >= total
+    before = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0)
+    cols, values = _chunk_of(probs, chunk, 0.0)
+    inside = torch.searchsorted(values.cumsum(-1), target - before, right=True)
+    last_inside = torch.where(values > 0, torch.arange(_CHUNK, device=probs.device)[None, :], 0)
+    inside = inside.minimum(last_inside.amax(-1, keepdim=True))
+    return cols.gather(1, inside).squeeze(1)
+
+
+def softmax_(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim, written over `x` on CPU (bit-identical: the kernel reads
+    each element before it writes it; a test holds it to that): a fresh [rows, vocab]
+    output costs more in page faults than the softmax itself."""
+    if x.device.type != "cpu":
+        return x.softmax(-1)
+    return torch.ops.aten._softmax.out(x, -1, False, out=x)
 
 
 def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor | None]:
@@ -126,18 +187,23 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
     """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
     raw = raw_logprobs(logits, rows)
     adjust_logits(logits, rows)
-
-    greedy = [r.request.sampling.greedy for r in rows]
-    tokens = logits.argmax(-1)
-    random_idx = [i for i, g in enumerate(greedy) if not g]
-    if random_idx:
-        sub_rows = [rows[i] for i in random_idx]
-        probs = _filter(logits[random_idx], sub_rows).softmax(-1)
-        # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
-        uniforms = torch.empty(len(sub_rows), 1, dtype=probs.dtype, device=probs.device)
-        for j, row in enumerate(sub_rows):
-            uniforms[j].uniform_(generator=row_generator(row, probs.device))
-        tokens[random_idx] = inverse_cdf(probs, uniforms)
+    random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
+    if not random_idx:
+        return with_logprobs(argmax_rows(logits).tolist(), rows, raw)
+    greedy_idx = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    if greedy_idx:
+        tokens[greedy_idx] = argmax_rows(logits[greedy_idx])
+    whole = len(random_idx) == len(rows)
+    sub_rows = rows if whole else [rows[i] for i in random_idx]
+    probs = softmax_(_filter(logits if whole else logits[random_idx], sub_rows))
+    # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
+    uniforms = torch.from_numpy(row_uniforms(sub_rows)).to(probs.device)
+    drawn = inverse_cdf(probs, uniforms)
+    if whole:
+        tokens = drawn
+    else:
+        tokens[random_idx] = drawn
     return with_logprobs(tokens.tolist(), rows, raw)
 
 
@@ -150,7 +216,7 @@ def target_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     greedy = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
     random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
     if greedy:
-        probs[greedy] = probs[greedy].scatter(1, logits[greedy].argmax(-1, keepdim=True), 1.0)
+        probs[greedy] = probs[greedy].scatter(1, argmax_rows(logits[greedy])[:, None], 1.0)
     if random_idx:
         probs[random_idx] = _filter(logits[random_idx], [rows[i] for i in random_idx]).softmax(-1)
     return probs

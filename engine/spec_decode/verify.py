@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import SampleRow, inverse_cdf, row_generator
+from engine.sampler import SampleRow, inverse_cdf, row_uniforms
 
 
 def accepted_prefix(drawn: list[int], drafts: list[int]) -> int:
@@ -45,17 +45,18 @@ def rejection_sample(
     bonus row draws with its first uniform, as plain sampling would."""
     out: list[int] = []
     for j, token in enumerate(drafts):
-        g = row_generator(rows[j], p.device)
-        u_accept, u_residual = torch.rand(2, generator=g, device=p.device, dtype=p.dtype)
+        u_accept, u_residual = (float(u) for u in row_uniforms([rows[j]], 2)[0])
         if u_accept * q[j, token] < p[j, token]:
             out.append(token)
             continue
         residual = (p[j] - q[j]).clamp(min=0)
         if not bool(residual.sum() > 0):
             residual = p[j]  # p == q (up to rounding): the residual is empty
-        out.append(int(inverse_cdf(residual[None], u_residual.view(1, 1))))
+        out.append(_draw(residual, u_residual))
         return out
-    g = row_generator(rows[len(drafts)], p.device)
-    u = torch.empty(1, 1, dtype=p.dtype, device=p.device).uniform_(generator=g)
-    out.append(int(inverse_cdf(p[len(drafts)][None], u)))
+    out.append(_draw(p[len(drafts)], float(row_uniforms([rows[len(drafts)]])[0, 0])))
     return out
+
+
+def _draw(probs: torch.Tensor, u: float) -> int:
+    return int(inverse_cdf(probs[None], torch.tensor([[u]], dtype=probs.dtype, device=probs.device)))

@@ -108,10 +108,10 @@ def test_sampler_frequency_and_repetition_penalties_match_their_formulas():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
     row = _row(SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5,
                               repetition_penalty=2.0, logprobs=4), output=[0, 0, 2])
-    from engine.sampler import _apply_penalties
+    from engine.penalties import apply_penalties
 
     out = logits.clone()
-    _apply_penalties(out, [row])
+    apply_penalties(out, [row])
     # token 0: output twice: 2/2 - (2*1 + 0.5); token 2: -1*2 - (1 + 0.5);
     # token 3: prompt only: 0.5/2; token 1: untouched
     assert out.tolist() == [[2 / 2 - 2.5, 1.0, -1.0 * 2 - 1.5, 0.5 / 2]]

@@ -1,0 +1,139 @@
+"""The sampler's batched pieces against plain references: the chunked argmax and inverse CDF
+(torch.argmax / a float64 full-vocabulary cdf), the counter-based uniforms, and the
+incrementally maintained penalty counts (a from-scratch count of the whole context)."""
+import numpy as np
+import pytest
+import torch
+
+from engine.penalties import apply_penalties
+from engine.request import Request
+from engine.sampler import SampleRow, argmax_rows, inverse_cdf, row_uniforms, sample, softmax_
+from engine.sampling_params import SamplingParams
+
+
+def _row(params: SamplingParams, output=(), prompt=(3,), seed=0, index=0, drafts=()) -> SampleRow:
+    r = Request("r", list(prompt), params, seed=seed, eos_token_ids=frozenset(), max_tokens=64,
+                block_hashes=[])
+    for t in output:
+        r.append_token(t)
+    return SampleRow(r, index, tuple(drafts))
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152, 49155])
+def test_argmax_rows_is_torch_argmax_including_ties_and_masks(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = 0.0  # all tied: the first index
+    x[2, vocab // 2 :] = float("-inf")
+    x[3, -1] = 50.0  # the maximum in the tail chunk
+    x[4] = float("-inf")
+    x[4, vocab - 1] = 1.0
+    x[5, [0, vocab - 1]] = 99.0  # a tie between the first and the last chunk
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
+
+
+def _reference_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    cdf = probs.double().cumsum(-1)
+    return [int(torch.searchsorted(c, ui.double() * c[-1], right=True).clamp(max=len(c) - 1))
+            for c, ui in zip(cdf, u)]
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 49152, 4099])
+def test_inverse_cdf_matches_the_full_cdf_and_never_draws_a_zero(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=g) ** 4
+    probs[0, vocab // 3 :] = 0.0  # mass only at the start
+    probs[1, : vocab - 1] = 0.0  # a single token: the very last
+    probs[2, ::2] = 0.0
+    u = torch.rand(64, 1, generator=g)
+    u[3] = 0.0
+    u[4] = 1.0 - 2**-24  # rounds up to u * total == total in float32
+    drawn = inverse_cdf(probs, u).tolist()
+    assert all(probs[i, t] > 0 for i, t in enumerate(drawn))
+    reference = _reference_inverse_cdf(probs, u)
+    # Summation order differs (chunk totals vs one running sum): a draw may move only across a
+    # boundary the rounding straddles, i.e. to a neighbouring positive token.
+    mismatched = [i for i, (a, b) in enumerate(zip(drawn, reference)) if a != b]
+    assert len(mismatched) <= 2, mismatched
+    assert drawn[1] == vocab - 1 and drawn[3] == int((probs[3] > 0).nonzero()[0])
+
+
+def test_inverse_cdf_follows_the_distribution():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3] + [0.0] * 600])
+    u = torch.from_numpy((np.arange(10_000) + 0.5) / 10_000)[:, None]
+    drawn = inverse_cdf(probs.expand(10_000, -1).contiguous(), u)
+    freq = torch.bincount(drawn, minlength=4)[:4].double() / 10_000
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64), atol=1e-3)
+
+
+def test_row_uniforms_depend_only_on_seed_index_and_position():
+    params = SamplingParams(temperature=1.0)
+    rows = [_row(params, seed=s, index=i, output=[1] * p) for s in (0, 7) for i in (0, 1) for p in (0, 3)]
+    together = row_uniforms(rows, 2)
+    alone = np.concatenate([row_uniforms([r], 2) for r in rows])
+    assert np.array_equal(together, alone)
+    assert np.array_equal(row_uniforms(rows)[:, 0], together[:, 0])  # the first of a row's stream
+    assert len({float(u) for u in together.ravel()}) == together.size
+    # A draft counts as an output position: the row after one draft draws position 1.
+    assert row_uniforms([_row(params, drafts=(5,))])[0, 0] == row_uniforms([_row(params, output=[9])])[0, 0]
+    many = row_uniforms([_row(params, seed=3, output=[1] * p) for p in range(4000)])
+    assert ((many >= 0) & (many < 1)).all() and abs(many.mean() - 0.5) < 0.02
+    assert abs(np.histogram(many, bins=10, range=(0, 1))[0] / 4000 - 0.1).max() < 0.03
+
+
+def _from_scratch(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """The penalties' definition, recomputed over the row's whole history."""
+    p, out = row.request.sampling, logits.clone()
+    seen = sorted(set(row.token_ids))
+    vals = out[seen]
+    out[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=len(out)).float()
+    return out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def test_incremental_penalty_counts_equal_a_count_of_the_whole_context():
+    vocab = 50
+    g = torch.Generator().manual_seed(0)
+    penalized = SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4,
+                               presence_penalty=0.2)
+    plain = SamplingParams(temperature=1.0)
+    rows = [_row(penalized, prompt=[1, 2, 2, 40]), _row(plain), _row(penalized, prompt=[7])]
+    for step in range(6):
+        for k, row in enumerate(rows):
+            row.request.append_token(int(torch.randint(vocab, (1,), generator=g)) if step else 2 + k)
+        if step == 4:  # a stop string trims the last tokens: the counts are rebuilt
+            del rows[0].request.token_ids[-2:]
+        logits = torch.randn(len(rows), vocab, generator=g)
+        expected = torch.stack([_from_scratch(logits[0], rows[0]), logits[1], _from_scratch(logits[2], rows[2])])
+        apply_penalties(logits, rows)
+        assert torch.allclose(logits, expected, atol=1e-6), step
+    assert rows[1].request.penalty_counts is None  # no penalty: no counts kept
+    with_drafts = SampleRow(rows[2].request, 0, (4, 4, 9))
+    logits = torch.randn(1, vocab, generator=g)
+    expected = _from_scratch(logits[0], with_drafts)
+    apply_penalties(logits, [with_drafts])
+    assert torch.allclose(logits[0], expected, atol=1e-6)
+
+
+def test_mixed_batch_rows_sample_as_they_would_alone():
+    """Greedy, random, filtered and penalized rows in one call draw what each draws alone."""
+    g = torch.Generator().manual_seed(1)
+    rows = [
+        _row(SamplingParams(temperature=0.0), seed=1),
+        _row(SamplingParams(temperature=0.7), seed=2),
+        _row(SamplingParams(temperature=1.0, top_k=20, top_p=0.9), seed=3),
+        _row(SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.5), seed=4, output=[5, 6]),
+        _row(SamplingParams(temperature=1.0), seed=5, index=2),
+    ]
+    logits = torch.randn(len(rows), 4099, generator=g)
+    together = [t.token_id for t in sample(logits.clone(), rows)]
+    alone = [sample(logits[i : i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)]
+    assert together == alone
+    assert together[0] == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (1, 7), (3, 4099)])
+def test_softmax_in_place_is_bit_identical_to_softmax(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 5
+    expected = x.softmax(-1)
+    assert torch.equal(softmax_(x), expected) and torch.equal(x, expected)
