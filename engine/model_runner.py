@@ -11,6 +11,8 @@ request (engine/pooling.py) gets the final-normed hidden state, no logits, at th
 and never samples. Everyone else only gets logits where it samples."""
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -66,10 +68,15 @@ class ModelRunner:
             start = request.num_computed_tokens
             drafts = request.spec.drafts if request.spec is not None else []
             table = self.bm.block_table(request.request_id)
-            pos = np.arange(start, start + n)
-            input_ids.append(np.asarray(request.token_ids[start : start + n - len(drafts)] + drafts))
-            positions.append(pos)
-            slots.append(slots_of(table, pos, self.block_size))
+            if n == 1:  # a decode row: plain ints (no per-row arrays)
+                input_ids.append(request.token_ids[start : start + 1])
+                positions.append((start,))
+                slots.append((table[start // self.block_size] * self.block_size + start % self.block_size,))
+            else:
+                pos = np.arange(start, start + n)
+                input_ids.append(request.token_ids[start : start + n - len(drafts)] + drafts)
+                positions.append(pos)
+                slots.append(slots_of(table, pos, self.block_size))
             tables.append(table)
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -100,8 +107,8 @@ class ModelRunner:
         metadata = batch_metadata(self.device, slots, tables, query_lens, seq_lens)
         ctx = ForwardContext(self.backend, self.kv_cache, metadata, self._lora_batch(order))
         x = self.model.residual(
-            torch.from_numpy(np.concatenate(input_ids)).to(self.device),
-            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            torch.from_numpy(np.concatenate(input_ids).astype(np.int64, copy=False)).to(self.device),
+            torch.from_numpy(np.concatenate(positions).astype(np.int64, copy=False)).to(self.device),
             ctx,
         )
         if pool_spans:
@@ -180,10 +187,11 @@ def batch_metadata(
 ) -> AttentionMetadata:
     """AttentionMetadata of a ragged batch laid out sequence after sequence (one-token
     sequences first: the caller orders them so)."""
-    width = max(len(t) for t in tables)
-    block_tables = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = t
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    block_tables = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
+    # Row-major fill of each row's first len(table) columns (one pass, no per-row copy).
+    block_tables[np.arange(block_tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
+        chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     to = lambda a, dtype: torch.from_numpy(np.asarray(a, dtype=dtype)).to(device)  # noqa: E731
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
