@@ -34,10 +34,12 @@ POLL_WAIT_S = 0.001  # work in flight elsewhere (transfers): poll this often
 STEP_EWMA_WEIGHT = 0.1  # weight of the newest step in the step-timing means (~ the last 10-20)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StepTimings:
-    """Exponentially weighted means over recent steps of one kind. The first step of each
-    kind is left out (warm-up: first forwards allocate and tune); `steps` counts the rest."""
+    """Exponentially weighted means over recent steps of one kind. Immutable: the loop
+    thread swaps in a new one after each step, so another thread reading it sees one
+    consistent set. The first step of each kind is left out (warm-up: first forwards
+    allocate and tune); `steps` counts the rest."""
 
     seconds: float = 0.0
     """Wall time of one step."""
@@ -46,17 +48,17 @@ class StepTimings:
     prompt_tokens: float = 0.0
     """Of which prompt tokens."""
     steps: int = 0
-    _warm: bool = False
+    warm: bool = False
 
-    def add(self, seconds: float, tokens: int, prompt_tokens: int) -> None:
-        if not self._warm:
-            self._warm = True
-            return
+    def added(self, seconds: float, tokens: int, prompt_tokens: int) -> "StepTimings":
+        """These means with one more step folded in."""
+        if not self.warm:
+            return StepTimings(warm=True)
         w = STEP_EWMA_WEIGHT if self.steps else 1.0
-        self.seconds += w * (seconds - self.seconds)
-        self.tokens += w * (tokens - self.tokens)
-        self.prompt_tokens += w * (prompt_tokens - self.prompt_tokens)
-        self.steps += 1
+        return StepTimings(
+            self.seconds + w * (seconds - self.seconds), self.tokens + w * (tokens - self.tokens),
+            self.prompt_tokens + w * (prompt_tokens - self.prompt_tokens), self.steps + 1, True,
+        )
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -135,9 +137,9 @@ class EngineLoop:
                 prompt = engine.scheduler.stats.prompt_tokens - prompt_before
                 if prompt:
                     self.prefill_seconds += dt
-                    self.prefill_steps.add(dt, prompt + decoding, prompt)
+                    self.prefill_steps = self.prefill_steps.added(dt, prompt + decoding, prompt)
                 elif decoding:
-                    self.decode_steps.add(dt, decoding, 0)
+                    self.decode_steps = self.decode_steps.added(dt, decoding, 0)
                 stepped = True
                 if deltas:
                     self._on_deltas(deltas)

@@ -11,16 +11,15 @@ NUM_LAYERS = 2
 
 
 def test_step_timings_skip_warm_up_then_weight_recent_steps():
-    t = StepTimings()
-    t.add(5.0, 100, 90)  # warm-up: left out
+    t = StepTimings().added(5.0, 100, 90)  # warm-up: left out
     assert (t.steps, t.seconds, t.prompt_tokens_per_s) == (0, 0.0, 0.0)
-    t.add(0.2, 40, 32)
+    t = t.added(0.2, 40, 32)
     assert (t.steps, t.seconds, t.tokens, t.prompt_tokens) == (1, 0.2, 40, 32)
     assert t.prompt_tokens_per_s == pytest.approx(160.0)
-    t.add(0.4, 40, 32)
+    t = t.added(0.4, 40, 32)
     assert t.seconds == pytest.approx(0.2 + STEP_EWMA_WEIGHT * 0.2)
     for _ in range(200):
-        t.add(1.0, 10, 0)
+        t = t.added(1.0, 10, 0)
     assert (t.seconds, t.tokens, t.prompt_tokens) == pytest.approx((1.0, 10, 0), abs=1e-6)
 
 
