@@ -84,6 +84,7 @@ class EngineLoop:
         self.prefill_seconds = 0.0  # share of it in steps that computed prompt tokens
         self.prefill_steps = StepTimings()  # recent steps that computed prompt tokens
         self.decode_steps = StepTimings()  # recent steps that computed none
+
     def start(self) -> None:
         self._thread.start()
 
