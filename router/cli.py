@@ -63,8 +63,8 @@ def register(subparsers) -> None:
                    help="uncached prompt tokens below which the decode worker prefills locally")
     g.add_argument("--local-prefill-max-tokens", type=int, default=pd.local_prefill_max_tokens,
                    help="operator override: uncached prompt tokens above which the decode "
-                        "worker never prefills because its estimated TTFT is lower (0: never; "
-                        "default: no limit, the estimates decide for any length)")
+                        "worker never prefills on its estimated TTFT (0: never; unset: no "
+                        "limit, the estimates decide for any length)")
     g.add_argument("--itl-slo-ms", type=float, default=pd.itl_slo_ms,
                    help="inter-token latency the decode worker's running requests keep: it "
                         "prefills a prompt itself only if a step with the prompt's chunk is "
