@@ -100,9 +100,10 @@ def test_local_faster_when_the_decode_worker_beats_even_an_idle_pool():
 
 def test_its_own_queue_counts_against_the_decode_worker():
     pool = [prefill_worker(queued=6000)]  # 4.0 s
-    # 4096 tokens of local prompts queued before this one: 24 chunks -> 4.0 s.
-    d = policy().place(LONG, [decode_worker(inflight_prefill_tokens=4096)], pool)
+    # 6144 tokens of local prompts queued before this one: 32 chunks -> 5.4 s.
+    d = policy().place(LONG, [decode_worker(inflight_prefill_tokens=6144)], pool)
     assert d.reason is Reason.REMOTE
+    assert policy().place(LONG, [decode_worker()], pool).reason is Reason.LOCAL_BACKLOG
 
 
 def test_operator_cap_overrides_the_estimate():
