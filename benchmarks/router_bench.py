@@ -214,7 +214,8 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
                 requests = [t + [rng.randrange(1000, 40000) for _ in range(rng.randint(16, 48))]
                             for _ in range(args.questions) for t in rng.sample(tenants, len(tenants))]
                 router, url = _start_router(etcd.endpoint, policy, log_dir,
-                                            "--local-prefill-threshold", "0")
+                                            "--local-prefill-threshold", "0",
+                                            "--local-prefill-max-tokens", "0")
                 client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
                 hits0, queries0 = _prefix_cache_tokens(prefill_metrics)
                 t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from cluster.retry import reconnect_forever
@@ -27,12 +27,35 @@ class EtcdUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Capacity:
+    """A worker's load and speed as last measured. Every field has a default, so a document
+    from an older worker parses (its missing measurements read as "not measured", 0), and
+    `from_dict` ignores fields it does not know (a newer worker's)."""
+
     total_blocks: int = 0
     free_blocks: int = 0
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens admitted but not yet computed
-    prefill_tokens_per_s: float = 0.0  # measured; 0 until measured
+    prefill_tokens_per_s: float = 0.0
+    """Prompt tokens per second of the recent steps that computed prompt tokens (on a decode
+    worker: mixed with its decodes); 0 until measured."""
+    # Step timings (engine/engine_loop.py StepTimings): means over recent engine steps, 0
+    # until measured. Steps without prompt tokens ("decode steps") and with ("prefill steps");
+    # together they give the cost of a step of any size (router/ttft_estimate.py).
+    decode_step_s: float = 0.0
+    decode_step_tokens: float = 0.0
+    prefill_step_s: float = 0.0
+    prefill_step_tokens: float = 0.0
+    """Tokens computed in a prefill step: its prompt tokens + the decodes beside them."""
+    max_num_batched_tokens: int = 0
+    """The engine's token budget per step (0: not published)."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request computes per step (0: the budget only)."""
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "Capacity":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -70,7 +93,7 @@ class WorkerInfo:
     @classmethod
     def from_json(cls, data: bytes) -> "WorkerInfo":
         doc = json.loads(data)
-        doc["capacity"] = Capacity(**doc.get("capacity", {}))
+        doc["capacity"] = Capacity.from_dict(doc.get("capacity", {}))
         doc["resident_loras"] = tuple(doc.get("resident_loras", ()))
         info = cls(**doc)
         if info.role not in ROLES:

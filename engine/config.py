@@ -37,6 +37,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     """Off: a prompt is scheduled only when all of it fits the step's budget."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request computes in one step (vLLM's knob; 0: only the step
+    budget limits a chunk). On a decode worker that prefills long prompts itself, this keeps
+    each step short enough for the decodes sharing it (the router's --itl-slo-ms estimate
+    reads it from the worker's registration). Needs chunked prefill."""
     attention_backend: str = "auto"
     """torch | triton | auto (triton on CUDA, torch on CPU)."""
     num_layers: int | None = None
@@ -79,6 +84,9 @@ class EngineConfig:
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+            (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"),
+            (self.enable_chunked_prefill or not self.long_prefill_token_threshold,
+             "long_prefill_token_threshold", "needs enable_chunked_prefill"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "is not supported"),
             (self.device in ("auto", "cpu", "cuda"), "device", "must be cpu, cuda or auto"),
             (self.attention_backend in ("auto", "torch", "triton"), "attention_backend", "is unknown"),
@@ -126,6 +134,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d.enable_prefix_caching)
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill)
+    g.add_argument("--long-prefill-token-threshold", type=int,
+                   default=d.long_prefill_token_threshold,
+                   help="most prompt tokens one request computes per step (0: the step budget "
+                        "only); on decode workers it keeps decodes flowing beside long local "
+                        "prefills")
     g.add_argument("--attention-backend", default=d.attention_backend,
                    choices=["auto", "torch", "triton"])
     g.add_argument("--num-layers", type=int, default=None, help="load only the first N layers")

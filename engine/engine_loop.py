@@ -7,7 +7,12 @@ thread between steps and get a concurrent Future. (Only `engine.make_request` an
 thread; workers forward them to asyncio with call_soon_threadsafe). `after_step(engine)` runs
 after every step and while idle; it returns True while it has work in flight (e.g. KV
 transfers to poll), which keeps the loop polling with a short sleep instead of waiting for a
-command."""
+command.
+
+Step timings: every step's wall time is folded into exponentially weighted means over recent
+steps, one set for steps that computed prompt tokens and one for steps that did not
+(`StepTimings`); workers publish them so the router can estimate how soon each worker would
+answer a prompt (router/ttft_estimate.py)."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +20,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from engine.llm_engine import LLMEngine
@@ -25,6 +31,39 @@ T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often
 POLL_WAIT_S = 0.001  # work in flight elsewhere (transfers): poll this often
+STEP_EWMA_WEIGHT = 0.1  # weight of the newest step in the step-timing means (~ the last 10-20)
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimings:
+    """Exponentially weighted means over recent steps of one kind. Immutable: the loop
+    thread swaps in a new one after each step, so another thread reading it sees one
+    consistent set. The first step of each kind is left out (warm-up: first forwards
+    allocate and tune); `steps` counts the rest."""
+
+    seconds: float = 0.0
+    """Wall time of one step."""
+    tokens: float = 0.0
+    """Tokens computed in one step: prompt tokens + one per decoding request."""
+    prompt_tokens: float = 0.0
+    """Of which prompt tokens."""
+    steps: int = 0
+    warm: bool = False
+
+    def added(self, seconds: float, tokens: int, prompt_tokens: int) -> "StepTimings":
+        """These means with one more step folded in."""
+        if not self.warm:
+            return StepTimings(warm=True)
+        w = STEP_EWMA_WEIGHT if self.steps else 1.0
+        return StepTimings(
+            self.seconds + w * (seconds - self.seconds), self.tokens + w * (tokens - self.tokens),
+            self.prompt_tokens + w * (prompt_tokens - self.prompt_tokens), self.steps + 1, True,
+        )
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        """Prompt tokens computed per second of these steps (0 until measured)."""
+        return self.prompt_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class EngineLoop:
@@ -43,6 +82,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.step_seconds = 0.0  # wall time inside engine.step(), cumulative
         self.prefill_seconds = 0.0  # share of it in steps that computed prompt tokens
+        self.prefill_steps = StepTimings()  # recent steps that computed prompt tokens
+        self.decode_steps = StepTimings()  # recent steps that computed none
 
     def start(self) -> None:
         self._thread.start()
@@ -85,6 +126,7 @@ class EngineLoop:
             stepped = False
             if engine.has_schedulable_work():
                 prompt_before = engine.scheduler.stats.prompt_tokens
+                decoding = _num_decoding(engine)
                 t0 = time.perf_counter()
                 try:
                     deltas = engine.step()
@@ -93,11 +135,20 @@ class EngineLoop:
                     raise
                 dt = time.perf_counter() - t0
                 self.step_seconds += dt
-                if engine.scheduler.stats.prompt_tokens != prompt_before:
+                prompt = engine.scheduler.stats.prompt_tokens - prompt_before
+                if prompt:
                     self.prefill_seconds += dt
+                    self.prefill_steps = self.prefill_steps.added(dt, prompt + decoding, prompt)
+                elif decoding:
+                    self.decode_steps = self.decode_steps.added(dt, decoding, 0)
                 stepped = True
                 if deltas:
                     self._on_deltas(deltas)
             in_flight = self._after_step(engine) if self._after_step else False
             if not stepped:
                 self._wake.wait(POLL_WAIT_S if in_flight else IDLE_WAIT_S)
+
+
+def _num_decoding(engine: LLMEngine) -> int:
+    """Running requests past their prompt: one decode token each in the next step."""
+    return sum(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running)

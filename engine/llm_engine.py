@@ -75,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.enable_chunked_prefill,
-            config.max_loras if config.enable_lora else 0,
+            config.max_loras if config.enable_lora else 0, config.long_prefill_token_threshold,
         )
         self.lora_cache: LoRACache | None = None
         lora_slots = None

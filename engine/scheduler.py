@@ -2,6 +2,9 @@
 
 Each step gives every running request what it still lacks (one token when decoding, a chunk
 when prefilling), then admits waiting requests while budget, `max_num_seqs` and blocks last.
+A prefill chunk is also capped at `long_prefill_token_threshold` tokens when that is set
+(vLLM's knob): a long prompt then takes many small steps, so the decodes that share those
+steps keep their inter-token latency.
 Both queues are kept in (priority, arrival) order, lower first (vLLM's priority policy; with
 every priority 0 it is first come, first served). When a running request cannot get a block,
 the last running request in that order is preempted (its blocks freed; it is recomputed
@@ -31,8 +34,11 @@ class Scheduler(SpeculationScheduling):
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         max_loras: int = 0,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.bm = block_manager
+        self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+        """Most prompt tokens one request computes in one step (0: the step budget only)."""
         self.max_loras = max_loras  # distinct LoRA adapters per step (0: LoRA off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -75,7 +81,7 @@ class Scheduler(SpeculationScheduling):
             if not self._lora_fits(request, loras):
                 i += 1  # held back: its adapter would be one too many this step
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(self._chunk(request.num_tokens - request.num_computed_tokens), budget)
             k = self._num_drafts(request, budget) if n == 1 else 0
             n += k
             while not self.bm.append_slots(request, n):
@@ -115,7 +121,7 @@ class Scheduler(SpeculationScheduling):
                 j += 1
                 continue
             prefix = self.bm.match_prefix(request)
-            n = request.num_tokens - prefix.num_tokens
+            n = self._chunk(request.num_tokens - prefix.num_tokens)
             if n > budget:
                 if not self.chunked:
                     break
@@ -133,6 +139,12 @@ class Scheduler(SpeculationScheduling):
             budget -= n
 
         return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating)
+
+    def _chunk(self, num_new_tokens: int) -> int:
+        """A request's tokens this step before the budget: capped by the long-prefill
+        threshold (a decode's single token never is)."""
+        cap = self.long_prefill_token_threshold
+        return cap if 0 < cap < num_new_tokens else num_new_tokens
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         return (request.lora is None or request.lora.lora_int_id in loras

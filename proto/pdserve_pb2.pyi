@@ -264,20 +264,32 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "prefill_tokens_per_s")
+    __slots__ = ("total_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_s", "decode_step_tokens", "prefill_step_s", "prefill_step_tokens", "max_num_batched_tokens", "long_prefill_token_threshold")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     running: int
     waiting: int
     queued_prefill_tokens: int
     prefill_tokens_per_s: float
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    decode_step_s: float
+    decode_step_tokens: float
+    prefill_step_s: float
+    prefill_step_tokens: float
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_tokens: _Optional[float] = ..., prefill_step_s: _Optional[float] = ..., prefill_step_tokens: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("adapter",)

@@ -62,12 +62,18 @@ def register(subparsers) -> None:
     g.add_argument("--local-prefill-threshold", type=int, default=pd.local_prefill_threshold,
                    help="uncached prompt tokens below which the decode worker prefills locally")
     g.add_argument("--local-prefill-max-tokens", type=int, default=pd.local_prefill_max_tokens,
-                   help="uncached prompt tokens up to which the decode worker prefills locally "
-                        "when that is estimated to answer sooner than the prefill pool (0: never)")
+                   help="operator override: uncached prompt tokens above which the decode "
+                        "worker never prefills on its estimated TTFT (0: never; unset: no "
+                        "limit, the estimates decide for any length)")
+    g.add_argument("--itl-slo-ms", type=float, default=pd.itl_slo_ms,
+                   help="inter-token latency the decode worker's running requests keep: it "
+                        "prefills a prompt itself only if a step with the prompt's chunk is "
+                        "estimated within this (0: off)")
     g.add_argument("--prefill-queue-limit", type=int, default=pd.prefill_queue_limit,
                    help="queued prefill tokens above which a prefill worker is saturated")
     g.add_argument("--default-prefill-rate", type=float, default=pd.default_prefill_rate,
-                   help="prefill tokens/s assumed until a worker reports its measured rate")
+                   help="prefill tokens/s assumed until a worker reports its measured rate "
+                   "(and no peer's measured rate stands in)")
     g.add_argument("--max-waiting-per-worker", type=int, default=pd.max_waiting_per_worker,
                    help="a decode worker with more waiting requests takes no new ones")
     g.add_argument("--lora-weight", type=float, default=pd.lora_weight,
@@ -105,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy, prefix_weight=args.prefix_weight, load_weight=args.load_weight,
         kv_weight=args.kv_weight, load_scale=args.load_scale,
         local_prefill_threshold=args.local_prefill_threshold,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens, itl_slo_ms=args.itl_slo_ms,
         prefill_queue_limit=args.prefill_queue_limit,
         default_prefill_rate=args.default_prefill_rate,
         max_waiting_per_worker=args.max_waiting_per_worker,

@@ -30,13 +30,18 @@ class PlacementConfig:
     """Requests that cost `load_weight` of score: how many requests a full prefix hit is worth."""
     local_prefill_threshold: int = 128
     """Uncached prompt tokens (on the decode worker) below which it prefills locally."""
-    local_prefill_max_tokens: int = 512
-    """Uncached prompt tokens up to which the decode worker prefills locally when its own
-    estimated TTFT is lower than the best prefill worker's (0: never)."""
+    local_prefill_max_tokens: int | None = None
+    """Operator override: uncached prompt tokens above which the decode worker never
+    prefills a prompt because its estimated TTFT is lower (0: never on estimate; None: no
+    limit, the estimates decide for any length)."""
+    itl_slo_ms: float = 250.0
+    """Inter-token latency the decode worker's running requests must keep: it prefills a
+    prompt itself only if a step with the prompt's chunk is estimated within this (0: off)."""
     prefill_queue_limit: int = 16384
     """A prefill worker with more queued prefill tokens than this is saturated."""
     default_prefill_rate: float = 2000.0
-    """Prefill tokens/s assumed for a worker that has not measured its rate yet."""
+    """Prefill tokens/s assumed for a worker that has not measured its rate yet (and no
+    peer's measured rate stands in)."""
     max_waiting_per_worker: int = 64
     """A decode worker with more waiting requests than this has no capacity for new ones."""
     lora_weight: float = 0.5
@@ -54,7 +59,9 @@ class PlacementConfig:
             (self.load_scale > 0, "load_scale", "must be > 0"),
             (self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0"),
             (self.prefill_queue_limit >= 0, "prefill_queue_limit", "must be >= 0"),
-            (self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0"),
+            (self.local_prefill_max_tokens is None or self.local_prefill_max_tokens >= 0,
+             "local_prefill_max_tokens", "must be >= 0"),
+            (self.itl_slo_ms >= 0, "itl_slo_ms", "must be >= 0"),
             (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
             (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
             (self.lora_weight >= 0, "lora_weight", "must be >= 0"),

@@ -7,7 +7,8 @@ Life cycle of a request here:
    republished, a request finished) until `queue_timeout_s`, then 503 + Retry-After.
 2. Call Generate. This router's in-flight counts on both workers rise until the first token
    (prefill tokens) or the end (decode requests), so back-to-back placements see the load
-   before the workers' next capacity report does.
+   before the workers' next capacity report does. The first token's time since placement
+   teaches the policy what its TTFT estimate for that path missed (router/ttft_estimate.py).
 3. A failure before anything was yielded (RPC error, a completion ending in error/abort
    with no tokens, or no token within `first_token_timeout_s`) is retried on other workers,
    at most `max_retries` times; after that it raises `WorkerFailed(after_first_token=False)`
@@ -239,6 +240,8 @@ class Dispatcher:
         # A resumed call's first token is not the request's first: the stall timeout holds.
         first_timeout = (self.config.stall_timeout_s if resume is not None
                          else self.config.first_token_timeout_s)
+        placed_at = time.monotonic()
+        learn = resume is None and placement.decision.estimated_ttft_s is not None
         with InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
             try:
                 async with aclosing(self._call(decode.info.grpc_address, request,
@@ -249,6 +252,11 @@ class Dispatcher:
                             raise _failed_completion(decode, delta, yielded)
                         if delta.token_ids:
                             load.first_token()
+                            if learn:  # what the placement's TTFT estimate missed
+                                learn = False
+                                self.placer.policy.correction.observe(
+                                    placement.decision.path, placement.decision.estimated_ttft_s,
+                                    time.monotonic() - placed_at)
                         observer.on_delta(delta)
                         if delta.finish_reason is not None:
                             finished.add(delta.index)

@@ -10,8 +10,9 @@ from router.registry import WorkerRegistry, WorkerState
 class InFlight:
     """This router's own load on a placement's workers while its call runs, so back-to-back
     placements see it before the workers' next capacity report: the decode worker's request
-    count (and the running gauge) until the end; the prefill worker's share of the prompt
-    until the first token, or the end if none came. Leaving, however the call ended
+    count (and the running gauge) until the end; the prompt's uncached part as prefill work
+    on the worker that computes it (the prefill worker, or the decode worker prefilling
+    locally) until the first token, or the end if none came. Leaving, however the call ended
     (cancellation included), wakes the requests waiting for capacity."""
 
     __slots__ = ("decode", "prefill", "prefill_work", "metrics", "registry")
@@ -19,10 +20,11 @@ class InFlight:
     def __init__(self, placement: Placement, num_prompt: int, metrics: RouterMetrics,
                  registry: WorkerRegistry) -> None:
         self.decode: WorkerState = placement.decode
-        self.prefill: WorkerState | None = placement.prefill  # None once its part is done
-        # The prefill worker's extra work: the part of the prompt it does not hold.
-        self.prefill_work = num_prompt - (
-            placement.decision.prefill.cached_tokens if self.prefill is not None else 0)
+        decision = placement.decision
+        # Who computes the prompt; None once its part is done.
+        self.prefill: WorkerState | None = placement.prefill or placement.decode
+        # Its extra work: the part of the prompt it does not hold.
+        self.prefill_work = num_prompt - (decision.prefill or decision.decode).cached_tokens
         self.metrics = metrics
         self.registry = registry
 
@@ -34,7 +36,7 @@ class InFlight:
         return self
 
     def first_token(self) -> None:
-        """The prefill worker's part is done (later calls do nothing)."""
+        """The prompt's computation is done (later calls do nothing)."""
         if self.prefill is not None:
             self.prefill.inflight_prefill_tokens -= self.prefill_work
             self.prefill = None

@@ -1,6 +1,7 @@
 """Placement: which decode worker runs a request, and which prefill worker (if any) computes
 its prompt. Pure: no I/O, no clocks — callers pass snapshots (`Candidate`s) and get a
-`Decision`; a policy's only state is its rotation counter (tie-breaks and round-robin).
+`Decision`; a policy's only state is its rotation counter (tie-breaks and round-robin) and
+its learned TTFT correction (fed by the caller with observed TTFTs).
 
 Contract shared by every policy:
 - Draining or stale candidates never receive work.
@@ -10,9 +11,11 @@ Contract shared by every policy:
 - Conditional disaggregation: the chosen decode worker prefills locally when its uncached part
   of the prompt is below `local_prefill_threshold`, when no prefill worker is usable (usable:
   not draining, not stale, same KV compatibility hash), when every usable prefill worker
-  has more than `prefill_queue_limit` tokens queued, or when the uncached part is at most
-  `local_prefill_max_tokens` and the decode worker's own estimated TTFT beats the best prefill
-  worker's (a short prompt does not wait behind a long one queued on the prefill pool).
+  has more than `prefill_queue_limit` tokens queued, or when its own estimated TTFT beats the
+  best prefill worker's (router/ttft_estimate.py: live queues and measured step costs, each
+  path corrected by what it was observed to miss) without pushing its running decodes'
+  inter-token latency over `itl_slo_ms` — for any prompt length, unless the operator capped
+  it with `local_prefill_max_tokens`.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from typing import Callable, Sequence
 
 from cluster.registration import Capacity
 from router.config import PlacementConfig
+from router.ttft_estimate import (
+    LocalEstimate, Path, TTFTCorrection, local_prefill, queue_ttft_s, step_cost,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +75,8 @@ class Reason(str, enum.Enum):
     REMOTE = "remote"  # a prefill worker computes the prompt
     LOCAL_SHORT = "local_short"  # uncached part below the threshold
     LOCAL_SATURATED = "local_saturated"  # every prefill worker's queue is over the limit
-    LOCAL_FASTER = "local_faster"  # short enough, and the decode worker would answer sooner
+    LOCAL_FASTER = "local_faster"  # the decode worker answers sooner than even an idle pool
+    LOCAL_BACKLOG = "local_backlog"  # it answers sooner because the prefill pool is backed up
     LOCAL_NO_PREFILL = "local_no_prefill"  # no usable prefill worker
     NO_CAPACITY = "no_capacity"  # no decode worker has room (place returned None)
 
@@ -81,7 +88,12 @@ class Decision:
     reason: Reason
     predicted_cached_tokens: int
     """Prompt tokens expected to be found cached (the better of the two workers used)."""
-    estimated_ttft_s: float | None = None  # remote prefill only
+    estimated_ttft_s: float | None = None
+    """The chosen path's TTFT estimate, before correction (None: no estimate was needed)."""
+
+    @property
+    def path(self) -> Path:
+        return Path.LOCAL if self.prefill is None else Path.REMOTE
 
 
 class Policy:
@@ -92,6 +104,8 @@ class Policy:
     def __init__(self, config: PlacementConfig) -> None:
         self.config = config
         self._turn = 0
+        self.correction = TTFTCorrection()
+        """Learned per path; the dispatcher feeds it each request's observed TTFT."""
 
     def place(
         self, num_prompt_tokens: int, decode: Sequence[Candidate], prefill: Sequence[Candidate]
@@ -101,9 +115,9 @@ class Policy:
         if not rooms:
             return None
         d = self.pick_decode(num_prompt_tokens, rooms)
-        local = Decision(d, None, Reason.LOCAL_SHORT, d.cached_tokens)
-        if num_prompt_tokens - d.cached_tokens < self.config.local_prefill_threshold:
-            return local
+        uncached = num_prompt_tokens - d.cached_tokens
+        if uncached < self.config.local_prefill_threshold:
+            return Decision(d, None, Reason.LOCAL_SHORT, d.cached_tokens)
         usable = [c for c in prefill if c.usable and c.compat == d.compat]
         if not usable:
             return Decision(d, None, Reason.LOCAL_NO_PREFILL, d.cached_tokens)
@@ -111,13 +125,42 @@ class Policy:
         if not open_:
             return Decision(d, None, Reason.LOCAL_SATURATED, d.cached_tokens)
         p = self.pick_prefill(num_prompt_tokens, open_)
-        remote_ttft = self.estimated_ttft_s(num_prompt_tokens, p)
-        # A decode worker that has not measured its prefill rate is assumed as fast as p.
-        local_rate = d.capacity.prefill_tokens_per_s or p.capacity.prefill_tokens_per_s
-        if (num_prompt_tokens - d.cached_tokens <= self.config.local_prefill_max_tokens
-                and self.estimated_ttft_s(num_prompt_tokens, d, local_rate) < remote_ttft):
-            return Decision(d, None, Reason.LOCAL_FASTER, d.cached_tokens)
-        return Decision(d, p, Reason.REMOTE, max(d.cached_tokens, p.cached_tokens), remote_ttft)
+        remote_s = self.estimated_ttft_s(num_prompt_tokens, p)
+        remote = Decision(d, p, Reason.REMOTE, max(d.cached_tokens, p.cached_tokens), remote_s)
+        cap = self.config.local_prefill_max_tokens
+        if cap is not None and uncached > cap:
+            return remote
+        local = self.local_estimate(num_prompt_tokens, d, p)
+        if local is None or not self.keeps_itl(d, local):
+            return remote
+        fix = self.correction.corrected
+        local_s = fix(Path.LOCAL, local.ttft_s)
+        if local_s >= fix(Path.REMOTE, remote_s):
+            return remote
+        # Would the prefill pool have won with an empty queue? Then its backlog is why not.
+        idle_s = fix(Path.REMOTE, self.estimated_ttft_s(num_prompt_tokens, p, queued=0))
+        reason = Reason.LOCAL_BACKLOG if idle_s <= local_s else Reason.LOCAL_FASTER
+        return Decision(d, None, reason, d.cached_tokens, local.ttft_s)
+
+    def local_estimate(self, num_prompt_tokens: int, d: Candidate,
+                       p: Candidate) -> LocalEstimate | None:
+        """`d` prefilling the prompt itself, beside its running decodes (the more of its
+        published running count and this router's requests on it); `p`'s measured rate
+        stands in for d's speed until d has measured its own."""
+        cost = step_cost(d.capacity, p.capacity.prefill_tokens_per_s,
+                         self.config.default_prefill_rate)
+        decoding = max(d.capacity.running, d.inflight)
+        est = local_prefill(d.capacity, d.queued_prefill_tokens,
+                            num_prompt_tokens - d.cached_tokens, decoding, cost)
+        if est is None or not d.lora_missing:
+            return est
+        return LocalEstimate(est.ttft_s + self.config.lora_load_s, est.step_s)
+
+    def keeps_itl(self, d: Candidate, local: LocalEstimate) -> bool:
+        """Its running decodes keep their inter-token latency within the SLO while the
+        prompt's chunks run beside them (nothing running: nothing to protect)."""
+        slo_s = self.config.itl_slo_ms / 1000
+        return not slo_s or max(d.capacity.running, d.inflight) == 0 or local.step_s <= slo_s
 
     def place_prefill(self, num_prompt_tokens: int, prefill: Sequence[Candidate]) -> Candidate | None:
         """Prompt-only work (embeddings), which no decode worker takes: `pick_prefill` among
@@ -136,12 +179,16 @@ class Policy:
         needed = -(-(num_prompt_tokens + 1) // bs) - c.cached_tokens // bs
         return c.capacity.free_blocks >= needed
 
-    def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate, rate: float = 0.0) -> float:
-        """(queued prefill tokens + this request's uncached tokens there) / prefill rate; for
-        a prefill worker, or for a decode worker prefilling locally."""
-        rate = rate or p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
+    def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate,
+                         queued: int | None = None) -> float:
+        """A prefill worker's: (queued prefill tokens + this request's uncached tokens
+        there) / its measured prefill rate (the configured default until measured), plus
+        the time to load the request's LoRA adapter where it is missing. `queued`: instead
+        of its queue."""
+        rate = p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
         load_lora = self.config.lora_load_s if p.lora_missing else 0.0
-        return (p.queued_prefill_tokens + num_prompt_tokens - p.cached_tokens) / rate + load_lora
+        queued = p.queued_prefill_tokens if queued is None else queued
+        return queue_ttft_s(queued, num_prompt_tokens - p.cached_tokens, rate) + load_lora
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
         raise NotImplementedError

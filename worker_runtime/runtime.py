@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import asdict
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -183,10 +184,6 @@ class WorkerRuntime:
 
     # ---- registration ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        s = self.stats
-        prefill_rate = (
-            s.prompt_tokens / self.loop.prefill_seconds if self.loop.prefill_seconds > 0 else 0.0
-        )
         return WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
             model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
@@ -198,11 +195,23 @@ class WorkerRuntime:
             metrics_address=self.metrics_address, draining=self.draining,
             loras=dict(self.loras),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
-            capacity=Capacity(
-                total_blocks=s.num_blocks, free_blocks=s.num_free_blocks,
-                running=s.num_running + s.num_waiting_for_kv, waiting=s.num_waiting,
-                queued_prefill_tokens=s.queued_prefill_tokens, prefill_tokens_per_s=prefill_rate,
-            ),
+            capacity=self.capacity(),
+        )
+
+    def capacity(self) -> Capacity:
+        """Load (the latest stats snapshot) and speed (the engine loop's step timings:
+        measured, never assumed; 0 until measured)."""
+        s, loop, cfg = self.stats, self.loop, self.engine.config
+        prefill, decode = loop.prefill_steps, loop.decode_steps
+        return Capacity(
+            total_blocks=s.num_blocks, free_blocks=s.num_free_blocks,
+            running=s.num_running + s.num_waiting_for_kv, waiting=s.num_waiting,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            prefill_tokens_per_s=prefill.prompt_tokens_per_s,
+            decode_step_s=decode.seconds, decode_step_tokens=decode.tokens,
+            prefill_step_s=prefill.seconds, prefill_step_tokens=prefill.tokens,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            long_prefill_token_threshold=self.engine.scheduler.long_prefill_token_threshold,
         )
 
     async def _refresh_stats(self) -> None:
@@ -312,11 +321,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         c = info.capacity
         return pb.HealthResponse(
             role=info.role, worker_id=info.worker_id, model_id=info.model_id, draining=info.draining,
-            capacity=pb.Capacity(
-                total_blocks=c.total_blocks, free_blocks=c.free_blocks, running=c.running,
-                waiting=c.waiting, queued_prefill_tokens=c.queued_prefill_tokens,
-                prefill_tokens_per_s=c.prefill_tokens_per_s,
-            ),
+            capacity=pb.Capacity(**asdict(c)),
         )
 
     @grpc_errors

@@ -62,6 +62,7 @@ def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...
         port = free_port()
         router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", cluster,
                                  "--port", str(port), "--local-prefill-threshold", "0",
+                                 "--local-prefill-max-tokens", "0",
                                  "--log-level", "warning", *router_args], logs / "router.log")
         url = f"http://127.0.0.1:{port}"
         try:

@@ -57,6 +57,7 @@ def start_router(etcd: str, logs: Path, *flags: str, name: str = "router") -> It
     port = free_port()
     router = ServiceProcess(["router", "--etcd", etcd, "--cluster", CLUSTER, "--port", str(port),
                              "--api-key", KEY, "--local-prefill-threshold", "0",
+                             "--local-prefill-max-tokens", "0",
                              "--log-level", "warning", *flags], logs / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     try:

@@ -171,3 +171,36 @@ def test_failures_are_classified(messages, expected, after_first_token):
         assert _value(metrics, "pdserve_router_e2e_seconds_count") == 0
 
     asyncio.run(main())
+
+
+def test_a_local_prefill_is_prefill_work_on_the_decode_worker_and_teaches_the_policy():
+    """Placed locally, the prompt's uncached part counts as queued prefill on the decode
+    worker until its first token; that first token's time since placement is what the
+    local estimate is corrected by."""
+    from router.ttft_estimate import Path, TTFTCorrection
+
+    async def main():
+        call = FakeCall([_msg(), _msg([7], finish="length")])
+        correction = TTFTCorrection()
+        placer = SimpleNamespace(registry=WorkerRegistry(),
+                                 policy=SimpleNamespace(name="affinity", correction=correction))
+        dispatcher = Dispatcher(RouterConfig(etcd="unused:1"), placer, FakeChannels(call),
+                                RouterMetrics())
+        decision = Decision(decode=SimpleNamespace(cached_tokens=2), prefill=None,
+                            reason=Reason.LOCAL_BACKLOG, predicted_cached_tokens=2,
+                            estimated_ttft_s=10.0)
+        placement = Placement(decision, _worker("d"), None)
+        stream = dispatcher._run(placement, PROMPT, SamplingParams(max_tokens=1), 0.0, 0)
+        await anext(stream)  # no token yet
+        assert placement.decode.inflight_prefill_tokens == len(PROMPT.token_ids) - 2
+        assert correction.error_s(Path.LOCAL) == 0.0
+        await anext(stream)  # the first token
+        assert placement.decode.inflight_prefill_tokens == 0
+        # Observed within a second, estimated 10 s: the local path learned it overestimates.
+        assert -1.0 < correction.error_s(Path.LOCAL) < -0.9
+        assert correction.error_s(Path.REMOTE) == 0.0
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        assert placement.decode.inflight == 0
+
+    asyncio.run(main())

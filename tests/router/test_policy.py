@@ -24,6 +24,11 @@ def affinity(**cfg):
     return AffinityPolicy(PlacementConfig(**cfg))
 
 
+def remote_only(**cfg):
+    """Tests of prefill picking: the decode worker never prefills on estimate."""
+    return affinity(local_prefill_threshold=0, local_prefill_max_tokens=0, **cfg)
+
+
 def test_affinity_wins_when_load_is_balanced():
     d = affinity().place(PROMPT, [dec("a", running=3), dec("b", running=3, cached=768),
                                   dec("c", running=3, cached=256)], [])
@@ -55,7 +60,7 @@ def test_equal_workers_share_requests():
 
 
 def test_prefill_by_estimated_ttft():
-    policy = affinity(local_prefill_threshold=0)
+    policy = remote_only()
     # p1: 4000 queued at 1000 tok/s -> 5.0 s; p2: 0 queued at 250 tok/s -> 4.1 s; p3 hits 768
     # of the prompt: (3000 + 256) / 1000 = 3.3 s.
     prefill = [pre("p1", queued=4000), pre("p2", rate=250.0), pre("p3", queued=3000, cached=768)]
@@ -64,8 +69,7 @@ def test_prefill_by_estimated_ttft():
     assert d.estimated_ttft_s == pytest.approx(3.256)
     assert d.predicted_cached_tokens == 768
     # Unmeasured rate: the configured default applies.
-    d = affinity(default_prefill_rate=100.0, local_prefill_threshold=0).place(
-        PROMPT, [dec("d")], [pre("p", rate=0.0)])
+    d = remote_only(default_prefill_rate=100.0).place(PROMPT, [dec("d")], [pre("p", rate=0.0)])
     assert d.estimated_ttft_s == pytest.approx(PROMPT / 100.0)
 
 
@@ -84,7 +88,7 @@ def test_conditional_disaggregation_threshold(cached, threshold, reason):
 
 
 def test_saturated_or_missing_prefill_pool_prefills_locally():
-    policy = affinity(local_prefill_threshold=0, prefill_queue_limit=1000)
+    policy = remote_only(prefill_queue_limit=1000)
     d = policy.place(PROMPT, [dec("d")], [pre("p1", queued=1001), pre("p2", queued=5000)])
     assert d.reason is Reason.LOCAL_SATURATED and d.prefill is None
     d = policy.place(PROMPT, [dec("d")], [pre("p1", queued=1001), pre("p2", queued=1000)])
@@ -135,7 +139,8 @@ def test_round_robin_rotates_ignoring_caches_and_load():
 
 
 def test_least_loaded_picks_fewest_requests_and_shortest_queue():
-    policy = LeastLoadedPolicy(PlacementConfig(policy="least_loaded", local_prefill_threshold=0))
+    policy = LeastLoadedPolicy(PlacementConfig(policy="least_loaded", local_prefill_threshold=0,
+                                               local_prefill_max_tokens=0))
     d = policy.place(PROMPT, [dec("a", running=2, cached=1000), dec("b", running=1)],
                      [pre("p", queued=10, cached=1000), pre("q", queued=5)])
     assert (d.decode.worker_id, d.prefill.worker_id) == ("b", "q")
@@ -154,13 +159,15 @@ def test_make_policy_and_config_validation():
 
 
 def test_short_prompt_goes_local_when_the_prefill_pool_is_busy():
-    policy = affinity(local_prefill_threshold=0, local_prefill_max_tokens=512)
+    policy = affinity(local_prefill_threshold=0)
     busy = pre("p", queued=4000, rate=1000.0)  # ~4.3 s before a 300-token prompt is done there
     d = policy.place(300, [dec("d")], [busy])  # 0.3 s locally (assumed as fast as p)
-    assert d.reason is Reason.LOCAL_FASTER and d.prefill is None
+    assert d.reason is Reason.LOCAL_BACKLOG and d.prefill is None
+    assert d.estimated_ttft_s == pytest.approx(0.3)
     idle = pre("p", queued=0, rate=1000.0)  # equal estimates: the prefill pool takes it
     assert policy.place(300, [dec("d")], [idle]).reason is Reason.REMOTE
-    # Long prompts go to the prefill pool even when it is busy (that is its job).
-    assert policy.place(2000, [dec("d")], [busy]).reason is Reason.REMOTE
+    # The operator's cap overrides the estimate.
     assert affinity(local_prefill_threshold=0, local_prefill_max_tokens=0).place(
+        300, [dec("d")], [busy]).reason is Reason.REMOTE
+    assert affinity(local_prefill_threshold=0, local_prefill_max_tokens=299).place(
         300, [dec("d")], [busy]).reason is Reason.REMOTE

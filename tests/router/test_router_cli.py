@@ -24,7 +24,7 @@ def test_flags_reach_the_config():
         "router", "--etcd", "h:1", "--cluster", "c", "--port", "9", "--policy", "round_robin",
         "--api-key", "k", "--prefix-weight", "2", "--load-weight", "3", "--load-scale", "4",
         "--kv-weight", "5", "--local-prefill-threshold", "6", "--local-prefill-max-tokens", "10",
-        "--prefill-queue-limit", "7",
+        "--itl-slo-ms", "100", "--prefill-queue-limit", "7",
         "--default-prefill-rate", "8", "--max-waiting-per-worker", "9", "--queue-timeout", "1.5",
         "--max-queued-requests", "11", "--max-retries", "2", "--stale-after", "3.5",
         "--max-migrations", "5", "--first-token-timeout", "7.5", "--stall-timeout", "9.5",
@@ -34,7 +34,11 @@ def test_flags_reach_the_config():
         "--lora-load-time", "0.5", "--enable-dev-endpoints",
     ])
     cfg = config_from_args(args)
-    assert cfg.placement == PlacementConfig("round_robin", 2, 3, 5, 4, 6, 10, 7, 8, 9, 0.25, 0.5)
+    assert cfg.placement == PlacementConfig(
+        policy="round_robin", prefix_weight=2, load_weight=3, kv_weight=5, load_scale=4,
+        local_prefill_threshold=6, local_prefill_max_tokens=10, itl_slo_ms=100,
+        prefill_queue_limit=7, default_prefill_rate=8, max_waiting_per_worker=9, lora_weight=0.25,
+        lora_load_s=0.5)
     assert cfg.enable_lora and cfg.lora_modules == ("a=/x", "b=/y") and cfg.enable_dev_endpoints
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,

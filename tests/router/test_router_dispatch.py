@@ -120,7 +120,8 @@ def test_client_disconnect_cancels_the_worker_call(make_cluster, bg, stream):
 
 def test_draining_workers_get_no_new_requests(make_cluster, bg):
     c = make_cluster([("decode", "d1"), ("decode", "d2"), ("prefill", "p1"), ("prefill", "p2")],
-                     placement=PlacementConfig(local_prefill_threshold=0))
+                     placement=PlacementConfig(local_prefill_threshold=0,
+                                               local_prefill_max_tokens=0))
     c.workers["d1"].draining = True
     c.workers["p1"].draining = True
     reg = c.services.registry
