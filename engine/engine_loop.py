@@ -12,7 +12,9 @@ command.
 Step timings: every step's wall time is folded into exponentially weighted means over recent
 steps, one set for steps that computed prompt tokens and one for steps that did not
 (`StepTimings`); workers publish them so the router can estimate how soon each worker would
-answer a prompt (router/ttft_estimate.py)."""
+answer a prompt (router/ttft_estimate.py). With an inter-token latency target, the same
+timings size the prefill chunks that run beside decodes (`prompt_cap`, engine/step_cost.py),
+so a decode worker prefilling a long prompt itself keeps its decodes flowing."""
 from __future__ import annotations
 
 import logging
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from engine.llm_engine import LLMEngine
+from engine.step_cost import fitted_slope, prompt_token_cap, step_cost_from
 from engine.outputs import CompletionDelta
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,7 @@ T = TypeVar("T")
 
 IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often
 POLL_WAIT_S = 0.001  # work in flight elsewhere (transfers): poll this often
+INITIAL_PROMPT_CAP_BLOCKS = 4  # prefill chunk beside decodes before step costs are measured
 STEP_EWMA_WEIGHT = 0.1  # weight of the newest step in the step-timing means (~ the last 10-20)
 
 
@@ -72,8 +76,13 @@ class EngineLoop:
         engine: LLMEngine,
         on_deltas: Callable[[list[CompletionDelta]], None],
         after_step: Callable[[LLMEngine], bool] | None = None,
+        itl_target_s: float = 0.0,
     ) -> None:
         self.engine = engine
+        self.itl_target_s = itl_target_s
+        """> 0: while requests decode, prefill chunks are sized so a step's measured cost
+        stays within this (their inter-token latency); `prompt_cap` is that size."""
+        self.prompt_cap = 0
         self._on_deltas = on_deltas
         self._after_step = after_step
         self._commands: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
@@ -127,6 +136,9 @@ class EngineLoop:
             if engine.has_schedulable_work():
                 prompt_before = engine.scheduler.stats.prompt_tokens
                 decoding = _num_decoding(engine)
+                if self.itl_target_s > 0:
+                    self.prompt_cap = self._prompt_cap(max(decoding, 1))
+                    engine.scheduler.prompt_token_budget = self.prompt_cap if decoding else 0
                 t0 = time.perf_counter()
                 try:
                     deltas = engine.step()
@@ -147,6 +159,22 @@ class EngineLoop:
             in_flight = self._after_step(engine) if self._after_step else False
             if not stepped:
                 self._wake.wait(POLL_WAIT_S if in_flight else IDLE_WAIT_S)
+
+    def _prompt_cap(self, decoding: int) -> int:
+        """Prompt tokens per step that keep a step beside `decoding` decodes within the ITL
+        target, from this loop's measured step costs; before they can be fitted, the
+        measured prefill rate, and before anything is measured, `INITIAL_PROMPT_CAP_BLOCKS`."""
+        engine, d, p = self.engine, self.decode_steps, self.prefill_steps
+        timings = (d.seconds, d.tokens, p.seconds, p.tokens)
+        per_token = fitted_slope(*timings)
+        if per_token is None and p.prompt_tokens_per_s > 0:
+            per_token = 1.0 / p.prompt_tokens_per_s  # mixed steps: errs towards smaller chunks
+        block_size = engine.config.block_size
+        if per_token is None:
+            return INITIAL_PROMPT_CAP_BLOCKS * block_size
+        cost = step_cost_from(*timings, per_token)
+        return prompt_token_cap(cost, decoding, self.itl_target_s, block_size,
+                                engine.config.max_num_batched_tokens)
 
 
 def _num_decoding(engine: LLMEngine) -> int:

@@ -39,6 +39,10 @@ class Scheduler(SpeculationScheduling):
         self.bm = block_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
         """Most prompt tokens one request computes in one step (0: the step budget only)."""
+        self.prompt_token_budget = 0
+        """Most tokens all prefill chunks of the next step take together (0: the step budget
+        only). Set between steps by whoever paces the engine (engine/engine_loop.py keeps
+        steps beside running decodes within an inter-token latency target)."""
         self.max_loras = max_loras  # distinct LoRA adapters per step (0: LoRA off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,6 +73,8 @@ class Scheduler(SpeculationScheduling):
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        # Prefill chunks (more than one new token) also draw on this; decodes never do.
+        prompt_budget = self.prompt_token_budget if self.chunked and self.prompt_token_budget else budget
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         finished: list[Request] = []
@@ -81,8 +87,14 @@ class Scheduler(SpeculationScheduling):
             if not self._lora_fits(request, loras):
                 i += 1  # held back: its adapter would be one too many this step
                 continue
-            n = min(self._chunk(request.num_tokens - request.num_computed_tokens), budget)
-            k = self._num_drafts(request, budget) if n == 1 else 0
+            remaining = request.num_tokens - request.num_computed_tokens
+            n = min(self._chunk(remaining), budget)
+            if remaining > 1:  # a prefill chunk
+                n = min(n, prompt_budget)
+                if n <= 0:  # this step's prefill share is spent: it continues next step
+                    i += 1
+                    continue
+            k = self._num_drafts(request, budget) if n == 1 == remaining else 0
             n += k
             while not self.bm.append_slots(request, n):
                 if k:  # short of blocks: drafts go before anyone is preempted
@@ -106,6 +118,8 @@ class Scheduler(SpeculationScheduling):
                 self._use_lora(request, loras)
                 if k:
                     speculating.append((request, k))
+                elif remaining > 1:
+                    prompt_budget -= n
                 budget -= n
                 i += 1
                 continue
@@ -122,10 +136,11 @@ class Scheduler(SpeculationScheduling):
                 continue
             prefix = self.bm.match_prefix(request)
             n = self._chunk(request.num_tokens - prefix.num_tokens)
-            if n > budget:
-                if not self.chunked:
+            limit = min(budget, prompt_budget) if n > 1 else budget  # n > 1: a prefill chunk
+            if n > limit:
+                if not self.chunked or limit <= 0:
                     break
-                n = budget
+                n = limit
             if not self.bm.allocate(request, n, prefix):
                 break
             del self.waiting[j]
@@ -137,6 +152,8 @@ class Scheduler(SpeculationScheduling):
             insort(self.running, request, key=_order)
             scheduled.append((request, n))
             budget -= n
+            if n > 1:
+                prompt_budget -= n
 
         return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating)
 

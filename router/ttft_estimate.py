@@ -24,10 +24,8 @@ import enum
 from dataclasses import dataclass
 
 from cluster.registration import Capacity
+from engine.step_cost import StepCost, fitted_slope, step_cost_from
 
-MIN_FIT_SPREAD_TOKENS = 32.0
-"""Prefill and decode steps must differ by this many tokens on average before a slope is
-fitted through them (closer, timing noise dominates the slope)."""
 CORRECTION_WEIGHT = 0.1
 """Weight of the newest observation in a path's TTFT correction."""
 CORRECTION_DECAY = 0.98
@@ -35,32 +33,16 @@ CORRECTION_DECAY = 0.98
 error learned once is not kept forever by a path that stopped being chosen."""
 
 
-@dataclass(frozen=True, slots=True)
-class StepCost:
-    """Seconds of one engine step of `tokens` tokens: overhead_s + per_token_s * tokens."""
-
-    overhead_s: float
-    per_token_s: float
-
-    def seconds(self, tokens: float) -> float:
-        return self.overhead_s + self.per_token_s * tokens
-
-
 def step_cost(own: Capacity, peer_rate: float, default_rate: float) -> StepCost:
     """A worker's step cost from its published step timings. `peer_rate`: the measured
     prefill rate of the worker it is compared with (0: unmeasured); `default_rate`: the
     configured rate for when nothing is measured."""
-    t_d, x_d = own.decode_step_s, own.decode_step_tokens
-    t_p, x_p = own.prefill_step_s, own.prefill_step_tokens
-    measured_both = t_d > 0 and t_p > 0
-    if measured_both and x_p - x_d >= MIN_FIT_SPREAD_TOKENS and t_p > t_d:
-        per_token = (t_p - t_d) / (x_p - x_d)
-    else:
+    timings = (own.decode_step_s, own.decode_step_tokens, own.prefill_step_s, own.prefill_step_tokens)
+    per_token = fitted_slope(*timings)
+    if per_token is None:
         per_token = 1.0 / (peer_rate or own.prefill_tokens_per_s or default_rate)
-    # Overhead: what a measured step took beyond its tokens (decode steps first: they are
-    # the steps a local prefill's chunks join).
-    t, x = (t_d, x_d) if t_d > 0 else (t_p, x_p)
-    return StepCost(max(0.0, t - per_token * x), per_token)
+    # Overhead from decode steps first: they are the steps a local prefill's chunks join.
+    return step_cost_from(*timings, per_token)
 
 
 def queue_ttft_s(queued_tokens: int, uncached_tokens: int, rate: float) -> float:

@@ -30,6 +30,10 @@ class WorkerConfig:
     """On SIGTERM: longest wait for in-flight requests before exiting."""
     num_threads: int = 0
     """torch threads for this process (0: cores / 2, at least 1)."""
+    itl_target_ms: float = 200.0
+    """While requests decode, prefill chunks (prompts prefilled here) are sized from measured
+    step costs so a step stays within this; 0: only --max-num-batched-tokens and
+    --long-prefill-token-threshold size them."""
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +56,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds to finish in-flight work after SIGTERM")
     g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch threads (0 = half the cores, at least 1)")
+    g.add_argument("--itl-target-ms", type=float, default=d.itl_target_ms,
+                   help="while requests decode, size prefill chunks from measured step costs so "
+                        "a step stays within this many ms (0 = off)")
 
 
 def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
@@ -60,4 +67,5 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         metrics_port=args.metrics_port, worker_id=args.worker_id, advertise_host=args.advertise_host,
         kv_timeout_s=args.kv_timeout_s, strict_remote_prefill=args.strict_remote_prefill,
         drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,
+        itl_target_ms=args.itl_target_ms,
     )

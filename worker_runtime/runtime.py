@@ -64,7 +64,8 @@ class WorkerRuntime:
         self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
         self._role_after_step: Callable[[LLMEngine], bool] | None = None
         self._role_abort: Callable[[str], Awaitable[bool]] | None = None
-        self.loop = EngineLoop(self.engine, self.deliver, self._after_step)
+        self.loop = EngineLoop(self.engine, self.deliver, self._after_step,
+                               itl_target_s=config.itl_target_ms / 1000)
         self.stats: EngineStats = self.engine.stats()
         self.registrar: Registrar | None = None
         self.loras: dict[str, str] = dict(m.split("=", 1) for m in engine_config.lora_modules)
@@ -211,7 +212,9 @@ class WorkerRuntime:
             decode_step_s=decode.seconds, decode_step_tokens=decode.tokens,
             prefill_step_s=prefill.seconds, prefill_step_tokens=prefill.tokens,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            long_prefill_token_threshold=self.engine.scheduler.long_prefill_token_threshold,
+            long_prefill_token_threshold=min(
+                [c for c in (self.engine.scheduler.long_prefill_token_threshold, loop.prompt_cap) if c],
+                default=0),
         )
 
     async def _refresh_stats(self) -> None:

@@ -1,0 +1,47 @@
+"""What one engine step costs as a function of its size: `overhead + per_token * tokens`, a
+straight line through two measured kinds of step (without prompt tokens and with). The
+router uses it to estimate a decode worker's local prefill (router/ttft_estimate.py); the
+engine loop uses it to size prompt chunks beside running decodes (`prompt_token_cap`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_FIT_SPREAD_TOKENS = 32.0
+"""Prefill and decode steps must differ by this many tokens on average before a slope is
+fitted through them (closer, timing noise dominates the slope)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Seconds of one engine step of `tokens` tokens: overhead_s + per_token_s * tokens."""
+
+    overhead_s: float
+    per_token_s: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.overhead_s + self.per_token_s * tokens
+
+
+def fitted_slope(decode_s: float, decode_tokens: float, prefill_s: float,
+                 prefill_tokens: float) -> float | None:
+    """Seconds per token through the two measured step means; None when they are not
+    measured or too close to tell a slope from noise."""
+    if decode_s > 0 and prefill_s > decode_s and prefill_tokens - decode_tokens >= MIN_FIT_SPREAD_TOKENS:
+        return (prefill_s - decode_s) / (prefill_tokens - decode_tokens)
+    return None
+
+
+def step_cost_from(decode_s: float, decode_tokens: float, prefill_s: float, prefill_tokens: float,
+                   per_token_s: float) -> StepCost:
+    """The line with slope `per_token_s` through the measured decode step (or, not measured,
+    the prefill step): its overhead is what that step took beyond its tokens."""
+    t, x = (decode_s, decode_tokens) if decode_s > 0 else (prefill_s, prefill_tokens)
+    return StepCost(max(0.0, t - per_token_s * x), per_token_s)
+
+
+def prompt_token_cap(cost: StepCost, decoding: int, target_s: float, floor: int, budget: int) -> int:
+    """Most prompt tokens a step beside `decoding` running decodes may carry to stay within
+    `target_s`, between `floor` (prefill always progresses) and the step `budget`."""
+    room = target_s - cost.seconds(decoding)
+    tokens = int(room / cost.per_token_s) if cost.per_token_s > 0 else budget
+    return max(floor, min(budget, tokens))

@@ -1,0 +1,113 @@
+"""Prefill chunks paced beside running decodes: the scheduler's per-step prompt budget, the
+cap that keeps a step within an inter-token latency target (engine/step_cost.py), and the
+engine loop applying it from its own measured step costs."""
+import time
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from engine.step_cost import StepCost, fitted_slope, prompt_token_cap, step_cost_from
+from engine_factories import drain, make_request, step
+
+NUM_LAYERS = 2
+
+
+def _scheduler(budget: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(256, 4, True), max_num_seqs=16, max_num_batched_tokens=budget,
+                     max_model_len=1024)
+
+
+def test_prompt_budget_caps_all_chunks_of_a_step_together_and_never_a_decode():
+    s = _scheduler()
+    decodes = [make_request(4, max_tokens=40) for _ in range(3)]
+    for r in decodes:
+        s.add_request(r)
+    step(s)
+    s.prompt_token_budget = 12
+    a = make_request(list(range(1000, 1030)), max_tokens=2)
+    b = make_request(list(range(2000, 2030)), max_tokens=2)
+    s.add_request(a)
+    s.add_request(b)
+    seen = []
+    while b.num_output_tokens == 0:
+        out = step(s)
+        scheduled = {r.request_id: n for r, n in out.scheduled}
+        assert all(scheduled[r.request_id] == 1 for r in decodes)  # every decode, every step
+        chunk = lambda r: n if (n := scheduled.get(r.request_id, 0)) > 1 else 0  # noqa: E731
+        seen.append((chunk(a), chunk(b)))
+        assert sum(seen[-1]) <= 12
+    # a takes the whole budget until it is done, then b; b waits while a's chunks use it.
+    assert seen == [(12, 0), (12, 0), (6, 6), (0, 12), (0, 12)]
+    s.prompt_token_budget = 0  # off: the step budget alone
+    c = make_request(list(range(3000, 3100)), max_tokens=1)
+    s.add_request(c)
+    out = step(s)
+    decoding = [r for r, n in out.scheduled if r is not c]
+    assert all(n == 1 for r, n in out.scheduled if r is not c)
+    assert dict((r.request_id, n) for r, n in out.scheduled)[c.request_id] == 64 - len(decoding)
+    drain(s)
+
+
+def test_step_cost_fit_and_the_cap_it_gives():
+    assert fitted_slope(0.05, 8, 0.55, 108) == pytest.approx(0.005)
+    assert fitted_slope(0.05, 8, 0.06, 20) is None  # too close to tell a slope from noise
+    assert fitted_slope(0.0, 0, 0.5, 100) is None  # decode steps not measured
+    cost = step_cost_from(0.05, 8, 0.55, 108, 0.005)
+    assert cost == StepCost(pytest.approx(0.01), 0.005)
+    # 0.2 s target beside 8 decodes: (0.2 - 0.01 - 0.04) / 0.005 = 30 tokens.
+    assert prompt_token_cap(cost, 8, 0.2, floor=16, budget=512) == 30
+    assert prompt_token_cap(cost, 8, 0.02, floor=16, budget=512) == 16  # never below one block
+    assert prompt_token_cap(cost, 8, 60.0, floor=16, budget=512) == 512  # never past the budget
+
+
+def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
+    from engine.config import EngineConfig
+    from engine.engine_loop import INITIAL_PROMPT_CAP_BLOCKS, EngineLoop
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_layers=NUM_LAYERS, dtype="float32",
+                                    kv_cache_memory=64 << 20, max_num_batched_tokens=512))
+    chunks: list[tuple[int, int, int]] = []  # (prompt tokens, decodes, budget) of mixed steps
+    inner = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = inner()
+        prompt = sum(n for _, n in out.scheduled if n > 1)
+        decodes = sum(1 for _, n in out.scheduled if n == 1)
+        if prompt and decodes:
+            chunks.append((prompt, decodes, engine.scheduler.prompt_token_budget))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    loop = EngineLoop(engine, lambda deltas: None, itl_target_s=0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    loop.start()
+    try:
+        for i in range(4):
+            loop.call(lambda e, i=i: e.add_request(f"d{i}", [200 + i] * 8, params)).result(30)
+        time.sleep(0.5)  # the short prompts are decoding
+        for i in range(3):
+            prompt = [1000 + (i * 977 + j) % 9000 for j in range(600)]
+            loop.call(lambda e, i=i, p=prompt: e.add_request(
+                f"long{i}", p, SamplingParams(temperature=0.0, max_tokens=1))).result(30)
+        deadline = time.monotonic() + 120
+        while loop.call(lambda e: e.has_unfinished_requests()).result(30):
+            assert time.monotonic() < deadline, "requests did not finish in time"
+            time.sleep(0.05)
+    finally:
+        loop.stop()
+    assert chunks, "no step mixed a prompt chunk with decodes"
+    block = engine.config.block_size
+    # Every mixed step kept to the budget the loop set; the first one to the initial cap.
+    assert all(0 < prompt <= budget for prompt, _, budget in chunks)
+    assert chunks[0][2] == INITIAL_PROMPT_CAP_BLOCKS * block
+    # Once measured, the cap comes from the fitted step cost, not the initial guess.
+    d, p = loop.decode_steps, loop.prefill_steps
+    slope = fitted_slope(d.seconds, d.tokens, p.seconds, p.tokens)
+    assert slope is not None
+    expected = prompt_token_cap(step_cost_from(d.seconds, d.tokens, p.seconds, p.tokens, slope),
+                                1, 0.05, block, 512)
+    assert loop._prompt_cap(1) == expected
+    assert any(budget != chunks[0][2] for _, _, budget in chunks)
