@@ -9,11 +9,14 @@ one run against a baseline from the same run; asserts nothing.
   Also the share of allocated KV slots holding real tokens, sampled every step.
 - prefix: a 4,000-token shared prefix + 50 new tokens: prefill tokens computed, TTFT cached
   vs uncached.
-- overhead: CPU time per engine step outside the model forward, at 1 and 64 running sequences.
+- overhead: wall time per engine step outside the model forward, at 1 and 64 running sequences
+  (random and greedy rows; --profile adds a cProfile of the 64-sequence random steps).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import time
 
@@ -145,15 +148,23 @@ def bench_overhead(args) -> None:
             engine.step()  # first decode step (warm-up)
             forward_time[0] = 0.0
             steps = 20
+            profiler = cProfile.Profile() if args.profile and batch == 64 and not greedy else None
             t0 = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             for _ in range(steps):
                 engine.step()
+            if profiler is not None:
+                profiler.disable()
             total = time.perf_counter() - t0
             print(f"{batch:3d} running, {'greedy' if greedy else 'random'}: "
                   f"{(total - forward_time[0]) / steps * 1000:6.2f} ms/step outside forward, "
                   f"{forward_time[0] / steps * 1000:7.2f} ms/step in forward")
             for i in range(batch):
                 engine.abort_request(f"ovh-{batch}-{i}")
+            if profiler is not None:
+                print("   where the time goes (cProfile, 20 steps, by own time):")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     for name, fn in originals.items():
         setattr(model, name, fn)
 
@@ -170,6 +181,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, 4 layers: a smoke run")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="engine/HF dtypes to compare")
     parser.add_argument("--only", default="throughput,prefix,overhead")
+    parser.add_argument("--profile", action="store_true",
+                        help="overhead: also print a cProfile of the 64-sequence random steps")
     args = parser.parse_args()
     if args.quick:
         args.num_layers, args.num_prompts, args.output_len, args.prefix_len = 4, 8, 16, 500
