@@ -7,7 +7,7 @@ the same cores.
 
 offline: N random-token prompts of 128-512 tokens -> 128 output tokens each (ignore_eos), the
   offline API of each (`LLM.generate`), each at its default dtype unless --dtype; reports
-  output tokens/s, engine start-up and the ratio.
+  output tokens/s, engine start-up (with one short warm-up request) and the ratio.
 serve:   `pdserve up` (1 prefill + 1 decode worker; with --planner, the planner on) vs `vllm
   serve`, the same `pdserve bench` load against both (random 256-token prompts -> 64 tokens,
   Poisson at each rate, ignore_eos): TTFT p99, ITL p99 and goodput (TTFT <= 2 s and every
@@ -43,6 +43,8 @@ _OFFLINE = textwrap.dedent("""
         from vllm import LLM, SamplingParams
         llm = LLM(model, dtype=dtype, max_model_len=2048)
         inputs = [{"prompt_token_ids": p} for p in prompts]
+    # Warm-up (one short request; vLLM does its own inside LLM()): counted as start-up.
+    llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens), ignore_eos=True)
     t0 = time.perf_counter()
