@@ -17,7 +17,8 @@ Life cycle of a request here:
    final "abort" update per unfinished completion; a request whose KV is still on its way is
    dropped like a cancelled one.
 Without P (or n > 1, with prompt logprobs, or resumed after a migration) the prompt is
-prefilled here (`local`).
+prefilled here (`local`). A worker that serves the prefill role now refuses `Generate`
+(FAILED_PRECONDITION; UNAVAILABLE while switching roles: worker_runtime/roles.py).
 
 Steps 2-5 are the state machine of decode_node/remote_prefill.py (PARKED -> KV_LANDED /
 FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven only on the engine thread.
@@ -64,8 +65,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
         self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
-        runtime.set_role_hook(self._after_step)
-        runtime.set_abort_hook(self.abort)
+        runtime.add_step_hook(self._after_step)
+        runtime.add_abort_hook(self.abort)
 
     def _after_step(self, engine: LLMEngine) -> bool:  # engine thread
         self.remote.poll_kv(engine)
@@ -79,7 +80,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         rt = self.rt
-        rt.admit(request.request_id)
+        rt.admit(request.request_id, "decode")
         params = sampling_from_pb(request.sampling)
         rid = request.request_id
         engine = rt.engine

@@ -398,3 +398,19 @@ class UpdateWeightsRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role", "previous_role")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous_role: str
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ...) -> None: ...

@@ -94,6 +94,11 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.LifecycleResponse.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.Worker/SetRole',
+                request_serializer=proto_dot_pdserve__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -196,6 +201,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """/ Switch this worker between the prefill and decode roles without restarting its engine:
+        / idempotent for the current role; otherwise the current role drains (marked draining in
+        / etcd; in-flight calls finish, bounded by drain_timeout_s, then are aborted), the engine
+        / and its prefix cache are kept, and the registration moves to the new role's key (same
+        / lease) before the answer. INVALID_ARGUMENT for an unknown role; FAILED_PRECONDITION while
+        / sleeping or shutting down. Concurrent calls are serialized.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -258,6 +275,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=proto_dot_pdserve__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.LifecycleResponse.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=proto_dot_pdserve__pb2.SetRoleRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -584,6 +606,33 @@ class Worker:
             '/pdserve.v1.Worker/UpdateWeights',
             proto_dot_pdserve__pb2.UpdateWeightsRequest.SerializeToString,
             proto_dot_pdserve__pb2.LifecycleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/SetRole',
+            proto_dot_pdserve__pb2.SetRoleRequest.SerializeToString,
+            proto_dot_pdserve__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """The fleet-wide weights lifecycle: one admin call -> the same `Worker` RPC on every
 registered worker of both pools, concurrently; the call answers once all of them applied it,
-or names the workers that failed.
+or names the workers that failed. One per-worker call besides: `set_role` moves one worker
+between the prefill and decode pools (`Worker.SetRole`; its engine keeps running).
 
 The gate: while the fleet sleeps (or takes new weights), generation requests wait for it to
 wake up, at most `--queue-timeout`, then get 503 with `Retry-After`. The fleet sleeps when
@@ -117,6 +118,29 @@ class FleetAdmin:
             finally:
                 self._closed = before
         return _checked("update_weights", results)
+
+    async def set_role(self, worker_id: str, role: str, drain_timeout_s: float) -> WorkerResult:
+        """`Worker.SetRole` on one registered worker; answers once this router's registry
+        shows it in `role` (the worker moved its registration before answering). APIError
+        404 for a worker not registered here, 504 when its in-flight calls did not end in
+        time (it keeps its role), else as `_checked`."""
+        state = self.registry.get(worker_id)
+        if state is None:
+            raise APIError(404, f"No worker {worker_id!r} is registered here (GET "
+                           "/dashboard/data lists them).", param="worker_id",
+                           code="worker_not_found")
+        request = pb.SetRoleRequest(role=role, drain_timeout_s=drain_timeout_s)
+        # The worker may drain for drain_timeout_s (0: its own --drain-timeout) before it
+        # answers; RPC_TIMEOUT_S bounds the default case.
+        timeout_s = max(RPC_TIMEOUT_S, 2 * drain_timeout_s + 60.0)
+        async with self._lock:
+            result = await self._call(state.info, "SetRole", request, timeout_s)
+            if result.reply is not None:
+                await self._until(lambda info: info.worker_id != worker_id or info.role == role)
+        if result.error is not None and result.error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise APIError(504, f"set_role on {worker_id}: {result.error.details()}",
+                           code="worker_failed")
+        return _checked("set_role", [result])[0]
 
     # ---- fan-out ----------------------------------------------------------------------------------
     def _workers(self) -> list[WorkerInfo]:
