@@ -3,7 +3,8 @@
 Key: `/pdserve/<cluster>/workers/<role>/<worker_id>`, value: WorkerInfo as JSON, bound to a
 lease of a few seconds that the worker keeps alive. A worker that dies stops refreshing and
 its key disappears when the lease lapses; the router watches the prefix. Capacity is
-re-published several times per second (same key, same lease).
+re-published several times per second (same key, same lease). A worker that switches roles
+(`Worker.SetRole`) moves to the new role's key on the same lease: `Registrar.move`.
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ class Registrar:
         self._client = None
         self._lease = None
         self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()  # one put / delete sequence at a time
+        self._retired: set[bytes] = set()  # keys of earlier roles, deleted with every publish
         self.registered = asyncio.Event()
 
     async def start(self, timeout_s: float = 5.0) -> None:
@@ -149,9 +152,25 @@ class Registrar:
         self.registered.set()
 
     async def _publish(self) -> None:
-        info = replace(self.info(), updated_at=time.time())
-        key = worker_key(self.cluster, info.role, info.worker_id)
-        await self._client.put(key, info.to_json(), lease=self._lease)
+        async with self._lock:
+            info = replace(self.info(), updated_at=time.time())
+            key = worker_key(self.cluster, info.role, info.worker_id)
+            await self._client.put(key, info.to_json(), lease=self._lease)
+            self._retired.discard(key)  # switched back before the old key was deleted
+            for old in list(self._retired):
+                await self._client.delete(old)
+                self._retired.discard(old)
+
+    async def move(self, old_role: str) -> None:
+        """After a role change (`info().role` is the new one): put the new key, then delete
+        the old role's key, on the same lease — in that order, so that a watcher never sees
+        the worker absent. A delete that fails is retried with every publication (until
+        then the old key, on a live lease, still names the worker)."""
+        info = self.info()
+        old = worker_key(self.cluster, old_role, info.worker_id)
+        if old != worker_key(self.cluster, info.role, info.worker_id):
+            self._retired.add(old)
+            await self.publish_now()
 
     async def _keep_alive(self) -> None:
         await reconnect_forever(self._session, f"etcd registration at {self.endpoint}", log,

@@ -64,8 +64,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
         self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
-        runtime.set_role_hook(self._after_step)
-        runtime.set_abort_hook(self.abort)
+        runtime.add_step_hook(self._after_step)
+        runtime.add_abort_hook(self.abort)
 
     def _after_step(self, engine: LLMEngine) -> bool:  # engine thread
         self.remote.poll_kv(engine)
@@ -79,7 +79,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     @grpc_errors
     async def Generate(self, request: pb.GenerateRequest, context):
         rt = self.rt
-        rt.admit(request.request_id)
+        rt.admit(request.request_id, "decode")
         params = sampling_from_pb(request.sampling)
         rid = request.request_id
         engine = rt.engine

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.worker_main import register as register_workers
 
     register_workers(sub)
+    __import__("pdserve.role_cli").role_cli.register(sub)
     __import__("local_cluster.cli").cli.register(sub)
     __import__("router.cli").cli.register(sub)
     __import__("benchmarks.serving.cli").serving.cli.register(sub)

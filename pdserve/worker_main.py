@@ -1,6 +1,8 @@
 """Entry point shared by `pdserve prefill` and `pdserve decode`. It lives here, in the command
-line, because it is the one place above both roles: it picks `prefill_node` or `decode_node`,
-and neither they nor the runtime they share (`worker_runtime`) import it back."""
+line, because it is the one place above both roles: it puts both `prefill_node`'s and
+`decode_node`'s services on the worker (the command names the role served at start;
+`Worker.SetRole` switches it, worker_runtime/roles.py), and neither they nor the runtime they
+share (`worker_runtime`) import it back."""
 from __future__ import annotations
 
 import argparse
@@ -24,14 +26,17 @@ def run(role: str, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     config = worker_config_from_args(role, args)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
-    return asyncio.run(_serve(role, config, engine_config))
+    return asyncio.run(_serve(config, engine_config))
 
 
 def engine_config_for_role(role: str, engine_config: EngineConfig) -> EngineConfig:
     """Speculation runs on decode workers only: a prefill worker computes prompts and samples
     one token per request, so it would load a draft model it never uses. It drops a
     --speculative-config (users pass the same --worker-arg to both roles) with one warning;
-    the config is still parsed first, so a malformed one fails here as on a decode worker."""
+    the config is still parsed first, so a malformed one fails here as on a decode worker.
+    The engine is built once, for the role served at start: a worker started as prefill
+    decodes without speculation after a switch (outputs are the same; speculation only
+    changes speed), one started as decode keeps its drafter while it prefills."""
     if role != "prefill" or engine_config.speculative_config is None:
         return engine_config
     log.warning("prefill worker: ignoring --speculative-config (%s); speculative decoding runs "
@@ -39,23 +44,22 @@ def engine_config_for_role(role: str, engine_config: EngineConfig) -> EngineConf
     return dataclasses.replace(engine_config, speculative_config=None)
 
 
-async def _serve(role, config, engine_config) -> int:
+async def _serve(config, engine_config) -> int:
+    from decode_node.worker import DecodeWorker
+    from prefill_node.worker import PrefillWorker
     from proto import pdserve_pb2_grpc as pb_grpc
     from worker_runtime.runtime import WorkerRuntime
 
     runtime = WorkerRuntime(config, engine_config)
-    background = []
-    if role == "decode":
-        from decode_node.worker import DecodeWorker
+    # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
+    # prefill side, which aborts whatever the engine has under that id.
+    decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)
 
-        servicer = DecodeWorker(runtime)
-        add = lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)  # noqa: E731
-    else:
-        from prefill_node.worker import PrefillWorker
+    def add(server) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(decode, server)
+        pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
 
-        servicer = PrefillWorker(runtime)
-        add = lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)  # noqa: E731
-        background.append(asyncio.create_task(servicer.warm_peers()))
+    background = [asyncio.create_task(prefill.warm_peers())]
     try:
         return await runtime.serve(add)
     finally:
@@ -65,8 +69,10 @@ async def _serve(role, config, engine_config) -> int:
 
 
 _HELP = {
-    "prefill": "run a prefill worker (gRPC Prefill; streams KV blocks over NIXL; registers in etcd)",
-    "decode": "run a decode worker (gRPC Generate; receives KV over NIXL; registers in etcd)",
+    "prefill": "run a worker that starts in the prefill role (gRPC Prefill; streams KV blocks "
+               "over NIXL; registers in etcd; `pdserve role` switches it)",
+    "decode": "run a worker that starts in the decode role (gRPC Generate; receives KV over "
+              "NIXL; registers in etcd; `pdserve role` switches it)",
 }
 
 

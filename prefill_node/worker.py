@@ -52,14 +52,14 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         self.streamer = KVStreamer(runtime.kv.sender)
-        runtime.set_role_hook(self.streamer.after_step)
-        runtime.set_abort_hook(self.abort)
+        runtime.add_step_hook(self.streamer.after_step)
+        runtime.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
 
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context):
         rt = self.rt
-        rt.admit(request.request_id)
+        rt.admit(request.request_id, "prefill")
         params = sampling_from_pb(request.sampling)
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
@@ -117,7 +117,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     @grpc_errors
     async def Embed(self, request: pb.EmbedRequest, context):
         rt, rid = self.rt, request.request_id
-        rt.admit(rid)
+        rt.admit(rid, "prefill")
         if rid in rt.streams:
             raise ValueError(f"request_id {rid!r} is already live on this worker")
         pooling = PoolingParams(request.pooling_type or "last",
@@ -168,13 +168,15 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return found
 
     async def warm_peers(self) -> None:
-        """Add every decode worker in etcd as a transfer peer ahead of its first request."""
+        """Add every decode worker in etcd as a transfer peer ahead of its first request
+        (whatever role this worker serves now, so that a switch to prefill finds them known)."""
         known: set[str] = set()
         while True:
             try:
                 async with make_client(self.rt.config.etcd) as client:
                     for info in await list_workers(client, self.rt.config.cluster):
-                        if info.role == "decode" and info.kv_metadata and info.kv_metadata not in known:
+                        if (info.role == "decode" and info.kv_metadata and info.worker_id != self.rt.worker_id
+                                and info.kv_metadata not in known):
                             try:
                                 await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
                                 known.add(info.kv_metadata)

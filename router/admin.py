@@ -1,6 +1,7 @@
 """The fleet-wide weights lifecycle: one admin call -> the same `Worker` RPC on every
 registered worker of both pools, concurrently; the call answers once all of them applied it,
-or names the workers that failed.
+or names the workers that failed. One per-worker call besides: `set_role` moves one worker
+between the prefill and decode pools (`Worker.SetRole`; its engine keeps running).
 
 The gate: while the fleet sleeps (or takes new weights), generation requests wait for it to
 wake up, at most `--queue-timeout`, then get 503 with `Retry-After`. The fleet sleeps when
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 300.0
 """Per-worker bound of an admin RPC (a sleep drains first; a weight update reads a file)."""
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-           grpc.StatusCode.FAILED_PRECONDITION: 409}
+           grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,25 @@ class FleetAdmin:
             finally:
                 self._closed = before
         return _checked("update_weights", results)
+
+    async def set_role(self, worker_id: str, role: str, drain_timeout_s: float) -> WorkerResult:
+        """`Worker.SetRole` on one registered worker; answers once this router's registry
+        shows it in `role` (the worker moved its registration before answering). APIError
+        404 for a worker not registered here, else as `_checked`."""
+        state = self.registry.get(worker_id)
+        if state is None:
+            raise APIError(404, f"No worker {worker_id!r} is registered here (GET "
+                           "/dashboard/data lists them).", param="worker_id",
+                           code="worker_not_found")
+        request = pb.SetRoleRequest(role=role, drain_timeout_s=drain_timeout_s)
+        # The worker may drain for drain_timeout_s (0: its own --drain-timeout) before it
+        # answers; RPC_TIMEOUT_S bounds the default case.
+        timeout_s = max(RPC_TIMEOUT_S, 2 * drain_timeout_s + 60.0)
+        async with self._lock:
+            result = await self._call(state.info, "SetRole", request, timeout_s)
+            if result.reply is not None:
+                await self._until(lambda info: info.worker_id != worker_id or info.role == role)
+        return _checked("set_role", [result])[0]
 
     # ---- fan-out ----------------------------------------------------------------------------------
     def _workers(self) -> list[WorkerInfo]:

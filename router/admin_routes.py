@@ -9,6 +9,8 @@ exist: 404, as vLLM without dev mode), behind `--api-key` when one is set:
     POST /reset_prefix_cache
     POST /collective_rpc              {"method", "args", "kwargs", "timeout"} -> {"results"}
     POST /update_weights              {"path"}: a safetensors file or folder every worker reads
+    POST /set_role?worker_id=W&role=decode&drain_timeout=S
+                                      one worker switches pools (Worker.SetRole; engine kept)
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from cluster.registration import ROLES
 from router.admin import FleetAdmin, WorkerResult
 from router.errors import bad_request, from_validation_errors
 from router.openapi import route_schema
@@ -26,7 +29,7 @@ from router.protocol import _Body
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 ADMIN_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
-                         "/collective_rpc", "/update_weights"})
+                         "/collective_rpc", "/update_weights", "/set_role"})
 
 
 def dev_endpoints_enabled(flag: bool) -> bool:
@@ -67,10 +70,20 @@ class CollectiveRPCResponse(BaseModel):
     workers: list[str]
 
 
+class SetRoleResponse(BaseModel):
+    """POST /set_role: the worker's role before and after (equal: it served it already)."""
+
+    worker_id: str
+    role: str
+    previous_role: str
+
+
 _ERRORS = {400: "A malformed query or body, or the workers refused the arguments",
            401: "Missing or wrong API key (`--api-key`)",
-           404: "Dev endpoints not enabled, or a weights path a worker cannot find",
-           409: "A worker was not started with `--enable-sleep-mode`",
+           404: "Dev endpoints not enabled, a weights path a worker cannot find, or a "
+                "worker id not registered",
+           409: "A worker was not started with `--enable-sleep-mode`, or (set_role) it "
+                "sleeps or shuts down",
            500: "Internal error (fixed message; the detail goes to the router's log)",
            502: "Some workers failed; the message names each one with its error",
            503: "No worker is registered (`Retry-After` header)"}
@@ -79,6 +92,8 @@ _ERRORS = {400: "A malformed query or body, or the workers refused the arguments
 def _schema(request: type[BaseModel] | None, ok: type[BaseModel],
             query: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
     kw = route_schema(request, ok, errors=(400, 404, 500, 502, 503))
+    kw["responses"].setdefault(504, dict(kw["responses"][400]))["description"] = (
+        "set_role: the calls in flight did not end in time; the worker keeps its role")
     for status, text in _ERRORS.items():
         kw["responses"].setdefault(status, dict(kw["responses"][400]))["description"] = text
     if query:
@@ -159,3 +174,27 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
         if not req.path:
             raise bad_request("path must not be empty", "path")
         return _state(await admin.update_weights(req.path))
+
+    @app.post("/set_role", **_schema(None, SetRoleResponse, (
+        _query("worker_id", {"type": "string"}, "the worker to switch (required)"),
+        _query("role", {"type": "string", "enum": list(ROLES)}, "its new role (required)"),
+        _query("drain_timeout", {"type": "number", "minimum": 0, "default": 0},
+               "seconds its in-flight requests may take before they are aborted (decode: "
+               "migrated); 0 = the worker's --drain-timeout"))))
+    async def set_role(request: Request) -> JSONResponse:
+        q = request.query_params
+        worker_id, role = q.get("worker_id", ""), q.get("role", "")
+        if not worker_id:
+            raise bad_request("worker_id is required", "worker_id")
+        if role not in ROLES:
+            raise bad_request(f"role must be one of {', '.join(ROLES)}; got {role!r}", "role")
+        try:
+            drain_timeout = float(q.get("drain_timeout", "0"))
+        except ValueError:
+            drain_timeout = -1.0
+        if not 0 <= drain_timeout < float("inf"):
+            raise bad_request(f"drain_timeout must be a number >= 0, got "
+                              f"{q.get('drain_timeout')!r}", "drain_timeout")
+        reply = (await admin.set_role(worker_id, role, drain_timeout)).reply
+        return JSONResponse({"worker_id": worker_id, "role": reply.role,
+                             "previous_role": reply.previous_role})

@@ -6,6 +6,10 @@ on them.
 silence reconnect and re-list, so a router restart or an etcd outage ends in the same state.
 A worker disappears when its lease lapses (etcd deletes the key); a worker whose registration
 was not republished for `stale_after_s` stays listed but gets no new work (`stale`).
+A worker that switches roles (`Worker.SetRole`) moves from one role's key to the other's at
+the same address: it stays registered (its KV-index entries and this router's load on it are
+kept), and the delete of its old key — before or after the new key arrives — does not remove
+it under its new role.
 """
 from __future__ import annotations
 
@@ -87,9 +91,12 @@ class WorkerRegistry:
                             info.worker_id, info.model_id)
             return
         old = self._workers.get(info.worker_id)
-        if old is not None and (old.info.grpc_address, old.info.role) != (info.grpc_address, info.role):
+        if old is not None and old.info.grpc_address != info.grpc_address:
             self.delete(info.worker_id)  # restarted elsewhere: a new worker
             old = None
+        if old is not None and old.info.role != info.role:
+            log.info("worker %s switched from the %s role to the %s role", info.worker_id,
+                     old.info.role, info.role)
         if old is None:
             # First sight (possibly an old listing): as fresh as its publication time says.
             age = max(0.0, time.time() - info.updated_at) if info.updated_at else 0.0
@@ -122,8 +129,13 @@ class WorkerRegistry:
                         ", ".join(sorted({f"{o.worker_id}: KV {o.kv_cache_dtype}, block size "
                                           f"{o.block_size}" for o in other})))
 
-    def delete(self, worker_id: str) -> None:
-        state = self._workers.pop(worker_id, None)
+    def delete(self, worker_id: str, role: str | None = None) -> None:
+        """The worker left; with `role` (its key's), only if it is registered in that role
+        (the old key of a worker that switched roles is deleted after the new one is put)."""
+        state = self._workers.get(worker_id)
+        if state is not None and role is not None and state.info.role != role:
+            return
+        self._workers.pop(worker_id, None)
         self._rejected.discard(worker_id)
         if state is None:
             return
@@ -207,7 +219,7 @@ class EtcdWatcher:
         if parsed is None:
             return
         if event.kind == "DELETE":
-            self.registry.delete(parsed[1])
+            self.registry.delete(parsed[1], role=parsed[0])
             return
         try:
             self.registry.put(WorkerInfo.from_json(event.kv.value))

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class WorkerLifecycle:
-    """One per worker; the asyncio side. Calls are serialized (one lock)."""
+    """One per worker; the asyncio side. Calls are serialized (`lock`)."""
 
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
@@ -37,7 +37,9 @@ class WorkerLifecycle:
         """The engine sleeps (published in the registration; requests are refused)."""
         self.weights_version = 0
         """The engine's weights version (published; the router hashes prompts with it)."""
-        self._lock = asyncio.Lock()
+        self.lock = asyncio.Lock()
+        """Held through every change of the worker's state: sleep, wake-up, weight update,
+        and role switch (roles.py), so they never interleave."""
 
     async def sleep(self, level: int, abort: bool) -> None:
         rt = self.rt
@@ -45,7 +47,7 @@ class WorkerLifecycle:
             raise FailedPrecondition("sleep needs --enable-sleep-mode on the worker")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        async with self._lock, self._paused("going to sleep", abort):
+        async with self.lock, self._paused("going to sleep", abort):
             def go(e: LLMEngine) -> None:
                 if e.has_unfinished_requests():
                     raise TimeoutError("sleep: requests are still running after the drain")
@@ -58,7 +60,7 @@ class WorkerLifecycle:
 
     async def wake_up(self, tags: list[str] | None) -> None:
         rt = self.rt
-        async with self._lock:
+        async with self.lock:
             def go(e: LLMEngine) -> bool:
                 e.wake_up(tags or None)
                 if "kv_cache" not in e.lifecycle.asleep and not rt.kv_pool_registered:
@@ -77,7 +79,7 @@ class WorkerLifecycle:
         if not os.path.exists(path):
             raise NotFound(f"no weights at {path}")
         rt = self.rt
-        async with self._lock, self._paused("updating weights", abort=False):
+        async with self.lock, self._paused("updating weights", abort=False):
             def go(e: LLMEngine) -> int:
                 e.update_weights(path)
                 return e.weights_version
@@ -111,7 +113,7 @@ class _Pause:
         rt.paused = self.why
         try:
             if self.abort:
-                await _abort_all(rt)
+                await abort_all(rt)
             deadline = time.monotonic() + rt.config.drain_timeout_s
             while (rt.inflight or await rt.call(lambda e: e.has_unfinished_requests())):
                 if time.monotonic() >= deadline:
@@ -127,7 +129,8 @@ class _Pause:
         self.rt.paused = None
 
 
-async def _abort_all(rt: WorkerRuntime) -> None:
+async def abort_all(rt: WorkerRuntime) -> None:
+    """`Worker.Abort` every request this worker has: its streams and the engine's."""
     def live(e: LLMEngine) -> set[str]:
         s = e.scheduler
         return {r.group_id for r in (*s.running, *s.waiting, *s.waiting_for_kv)}

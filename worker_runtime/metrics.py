@@ -7,12 +7,17 @@ autoscalers written for vLLM work unchanged. The request latency histograms unde
 are observed by decode workers (where a completion request arrives and its tokens leave, like
 vLLM's engine); a prefill worker exports them empty. The speculative-decoding counters exist only
 on a worker whose engine speculates (a decode worker given --speculative-config), as vLLM
-registers them only when a speculative config is set."""
+registers them only when a speculative config is set.
+
+The `role` label of the engine gauges and counters is the role served now: after a switch
+(`Worker.SetRole`) the same series continue under the new role; `pdserve_worker_role` says
+which role is served and `pdserve_worker_role_switches_total` counts the switches."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from cluster.registration import ROLES
 from engine.llm_engine import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -113,6 +118,14 @@ class WorkerMetrics:
         # Exported by both roles (a decode worker's stays 0: embeddings are prefill-only).
         self.embeddings = Counter("pdserve_worker_embeddings", "Embedding requests served",
                                   labels, registry=self.registry).labels(role)
+        self.role_switches = Counter("pdserve_worker_role_switches", "Role switches "
+                                     "(Worker.SetRole), by the role left and the role taken",
+                                     ["from_role", "to_role"], registry=self.registry)
+
+    def set_role(self, role: str, previous: str) -> None:
+        """The worker switched from `previous` to `role`."""
+        self.role = role
+        self.role_switches.labels(previous, role).inc()
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -164,6 +177,11 @@ class WorkerMetrics:
         steps = CounterMetricFamily("pdserve_worker_engine_step_seconds", "Time in engine steps", labels=["role"])
         steps.add_metric(role, self._step_seconds)
         yield steps
+        served = GaugeMetricFamily("pdserve_worker_role", "1 for the role this worker serves "
+                                   "now, 0 for the other", labels=["role"])
+        for r in ROLES:
+            served.add_metric([r], 1.0 if r == self.role else 0.0)
+        yield served
         modes = CounterMetricFamily("pdserve_worker_prefill_mode", "Requests by prefill mode",
                                     labels=["role", "mode"])
         for mode, n in self.prefill_modes.items():

@@ -6,6 +6,8 @@ Life cycle of a worker process: build (load model, size pool, register the pool 
 start is fatal) -> serve -> SIGTERM: mark draining (published at once; new work is refused
 with UNAVAILABLE), wait for in-flight requests (bounded), deregister, exit 0.
 Sleep / wake up and weight updates (the router's fleet-wide admin calls): lifecycle.py.
+Both roles' services are on every worker; which one it serves now, and switching it
+(`Worker.SetRole`, the engine kept): roles.py.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, Unavailable, grpc_errors
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.roles import WorkerRoles
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,12 @@ class WorkerRuntime:
         self.paused: str | None = None
         """Why new requests are refused for a while (a sleep or weight update draining)."""
         self.lifecycle = WorkerLifecycle(self)
+        self.roles = WorkerRoles(self, config.role)
         self.inflight = 0
         self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
         self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
-        self._role_after_step: Callable[[LLMEngine], bool] | None = None
-        self._role_abort: Callable[[str], Awaitable[bool]] | None = None
+        self._step_hooks: list[Callable[[LLMEngine], bool]] = []
+        self._abort_hooks: list[Callable[[str], Awaitable[bool]]] = []
         self.loop = EngineLoop(self.engine, self.deliver, self._after_step)
         self.stats: EngineStats = self.engine.stats()
         self.registrar: Registrar | None = None
@@ -72,17 +76,21 @@ class WorkerRuntime:
         self.metrics_address = ""
 
     # ---- engine thread side ------------------------------------------------------------
-    def set_role_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
-        self._role_after_step = hook
+    def add_step_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
+        """`hook(engine)` runs after every step (engine thread), whatever role is served;
+        True = it has work in flight (the loop keeps polling)."""
+        self._step_hooks.append(hook)
 
-    def set_abort_hook(self, hook: Callable[[str], Awaitable[bool]]) -> None:
-        """`hook(request_id)` runs first on `Worker.Abort` (asyncio side); True = handled."""
-        self._role_abort = hook
+    def add_abort_hook(self, hook: Callable[[str], Awaitable[bool]]) -> None:
+        """`hook(request_id)` runs on `Worker.Abort` (asyncio side), in the order added,
+        until one returns True (handled)."""
+        self._abort_hooks.append(hook)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in any state; False if it was not (or no longer) known."""
-        if self._role_abort is not None and await self._role_abort(request_id):
-            return True
+        for hook in self._abort_hooks:
+            if await hook(request_id):
+                return True
         return bool(await self.call(lambda e: e.abort_request(request_id)))
 
     def deliver(self, deltas: list[CompletionDelta]) -> None:
@@ -104,7 +112,10 @@ class WorkerRuntime:
             )
             for q in list(self._kv_subscribers):
                 self.aio.call_soon_threadsafe(q.put_nowait, batch)
-        return self._role_after_step(engine) if self._role_after_step else False
+        busy = False
+        for hook in self._step_hooks:
+            busy = hook(engine) or busy
+        return busy
 
     def settle(self, future: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
         """From the engine thread: resolve an asyncio future on the worker's loop (once; a
@@ -126,10 +137,12 @@ class WorkerRuntime:
     def kv_pool_registered(self) -> bool:
         return self.kv_metadata is not None
 
-    def admit(self, request_id: str) -> None:
-        """Refuse new work while draining, paused or asleep, and requests without an id."""
+    def admit(self, request_id: str, role: str) -> None:
+        """Refuse new work while draining, for a role not served now, while paused or
+        asleep, and requests without an id."""
         if self.draining:
             raise Unavailable("worker is draining")
+        self.roles.admit(role)
         if self.paused is not None:
             raise Unavailable(f"worker is {self.paused}")
         if self.lifecycle.sleeping:
@@ -188,14 +201,14 @@ class WorkerRuntime:
             s.prompt_tokens / self.loop.prefill_seconds if self.loop.prefill_seconds > 0 else 0.0
         )
         return WorkerInfo(
-            worker_id=self.worker_id, role=self.config.role, grpc_address=self.grpc_address,
+            worker_id=self.worker_id, role=self.roles.role, grpc_address=self.grpc_address,
             model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
             block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_metadata=(self.kv_metadata.to_bytes().decode("ascii")
                          if self.kv_metadata is not None else ""),
             sleeping=self.lifecycle.sleeping, weights_version=self.lifecycle.weights_version,
-            metrics_address=self.metrics_address, draining=self.draining,
+            metrics_address=self.metrics_address, draining=self.draining or self.roles.switching,
             loras=dict(self.loras),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
             capacity=Capacity(
@@ -248,9 +261,9 @@ class WorkerRuntime:
             await server.stop(0)
             self.loop.stop()
             return 1
-        log.info("%s %s serving on %s (metrics %s)", cfg.role, self.worker_id,
+        log.info("%s %s serving on %s (metrics %s)", self.roles.role, self.worker_id,
                  self.grpc_address, self.metrics_address)
-        print(f"READY {cfg.role} {self.worker_id} grpc={self.grpc_address} "
+        print(f"READY {self.roles.role} {self.worker_id} grpc={self.grpc_address} "
               f"metrics={self.metrics_address}", flush=True)
 
         stop = asyncio.Event()
@@ -382,6 +395,11 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def UpdateWeights(self, request, context):
         await self.rt.lifecycle.update_weights(request.path)
         return self._state()
+
+    @grpc_errors
+    async def SetRole(self, request, context):
+        previous = await self.rt.roles.set_role(request.role, request.drain_timeout_s)
+        return pb.SetRoleResponse(role=self.rt.roles.role, previous_role=previous)
 
     def _state(self) -> pb.LifecycleResponse:
         life = self.rt.lifecycle

@@ -23,6 +23,7 @@ from engine.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from worker_runtime.lifecycle import WorkerLifecycle
+from worker_runtime.roles import WorkerRoles
 from worker_runtime.runtime import WorkerRuntime
 
 BLOCK_SIZE = 4
@@ -124,6 +125,8 @@ class Harness:
         rt.metrics = mock.MagicMock()
         rt.draining, rt.inflight, rt.streams = False, 0, {}
         rt.paused, rt.lifecycle = None, WorkerLifecycle(rt)
+        rt.roles = WorkerRoles(rt, "decode")
+        rt._step_hooks, rt._abort_hooks = [], []
         rt.aio = asyncio.get_running_loop()
         rt.loop = EngineLoop(self.engine, rt.deliver)  # never started: see run_engine
         self.rt = rt
@@ -159,7 +162,8 @@ class Harness:
     def run_engine(self) -> None:
         """One round of the engine thread: queued commands, then the after-step hook."""
         self.rt.loop._run_commands()
-        self.rt._role_after_step(self.engine)
+        for hook in self.rt._step_hooks:
+            hook(self.engine)
 
     async def spin(self, rounds: int = 20, engine: bool = True) -> None:
         """Let asyncio tasks run (and the engine thread, unless `engine` is False)."""

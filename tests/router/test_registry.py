@@ -87,3 +87,55 @@ def test_registry_replace_all_and_key_parsing():
     assert parse_key(prefix + b"decode/w-1", prefix) == ("decode", "w-1")
     assert parse_key(prefix + b"other/w-1", prefix) is None
     assert parse_key(prefix + b"decode/", prefix) is None
+
+
+def test_a_worker_switching_roles_moves_keys_without_leaving(etcd, bg, cluster_name):
+    """Registrar.move puts the new role's key, then deletes the old one (same lease): the
+    registry sees one worker change role in place — no leave, so its KV-index entries
+    (dropped only by the removal listener) and this router's load on it are kept."""
+    async def main():
+        from cluster.registration import list_workers, make_client
+
+        registry, task = _watch(etcd, cluster_name)
+        added, removed = [], []
+        registry.add_listener(lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id))
+        w = await FakeWorker("prefill", etcd.endpoint, cluster_name, "w1").start()
+        await wait_for(lambda: registry.get("w1") is not None)
+        registry.get("w1").inflight = 2
+        w.role = "decode"
+        await w.registrar.move("prefill")
+        await wait_for(lambda: registry.get("w1").info.role == "decode")
+        await asyncio.sleep(0.5)  # the old key's DELETE event, a few republications
+        state = registry.get("w1")
+        assert state is not None and state.info.role == "decode" and state.inflight == 2
+        assert [s.info.worker_id for s in registry.ready("decode")] == ["w1"]
+        assert registry.by_role("prefill") == [] and added == ["w1"] and removed == []
+        async with make_client(etcd.endpoint) as client:
+            keys = [kv.key for kv in await client.get_prefix(f"/pdserve/{cluster_name}/".encode())]
+            assert keys == [f"/pdserve/{cluster_name}/workers/decode/w1".encode()]
+            assert [i.role for i in await list_workers(client, cluster_name)] == ["decode"]
+        await w.stop()
+        await wait_for(lambda: registry.get("w1") is None)
+        assert removed == ["w1"]
+        task.cancel()
+
+    bg.run(main(), timeout=30)
+
+
+def test_the_old_key_deleted_in_either_order_never_removes_the_new_role():
+    async def main():
+        registry = WorkerRegistry()
+        removed = []
+        registry.add_listener(lambda i: None, lambda i: removed.append(i.worker_id))
+        info = lambda role, addr="a:1": WorkerInfo("w", role, addr, "m", "c", 16)  # noqa: E731
+        registry.put(info("prefill"))
+        registry.put(info("decode"))  # new key first (what Registrar.move does)
+        registry.delete("w", role="prefill")  # then the old key: not this registration
+        assert registry.get("w").info.role == "decode" and removed == []
+        registry.delete("w", role="decode")  # the old key first (another writer's order)
+        assert registry.get("w") is None and removed == ["w"]
+        registry.put(info("prefill"))
+        registry.put(info("decode", "a:2"))  # another address: a restart, a new worker
+        assert registry.get("w").info.grpc_address == "a:2" and removed == ["w", "w"]
+
+    asyncio.run(main())
