@@ -56,12 +56,13 @@ class Window:
         self._samples.clear()
 
     def snapshot(self, workers: list[WorkerInfo], quantile_q: float) -> Snapshot | None:
-        """The window's Snapshot; None until two scrapes lie a non-zero time apart."""
+        """The window's Snapshot; None until the scrapes cover the window (90% of it: rounds
+        drift by a few milliseconds), so a decision never rests on a few seconds of data."""
         if len(self._samples) < 2:
             return None
         old, new = self._samples[0], self._samples[-1]
         span = new.at - old.at
-        if span <= 0:
+        if span <= 0 or span < 0.9 * self.window_s:
             return None
         return snapshot(old, new, span, workers, quantile_q)
 

@@ -49,9 +49,11 @@ def test_router_metrics_text_gives_the_windows_figures():
     ttft = window_buckets(after, before, "pdserve_router_ttft_seconds")
     assert ttft[math.inf] == 4 and ttft[2.5] == 3
 
-    window = Window(window_s=10.0)
+    window = Window(window_s=8.0)
     window.add(Sample(0.0, before, {}))
     assert window.snapshot([], 0.9) is None
+    window.add(Sample(4.0, before, {}))
+    assert window.snapshot([], 0.9) is None  # half the window: not yet
     window.add(Sample(8.0, after, {}))
     s = window.snapshot([], 0.9)
     assert s.requests == 4 and s.arrival_rate == pytest.approx(0.5)
@@ -59,6 +61,18 @@ def test_router_metrics_text_gives_the_windows_figures():
     assert s.mean_output_tokens == 64
     assert 2.5 <= s.ttft_s <= 5.0  # the 3 s one is the 90th percentile
     assert 0.25 < s.itl_s <= 0.5
+
+
+def test_the_window_keeps_the_last_window_s_of_scrapes():
+    m = RouterMetrics()
+    window = Window(window_s=10.0)
+    for t in (0.0, 5.0, 10.0, 15.0):
+        window.add(Sample(t, Scrape.parse(m.render().decode()), {}))
+        m.ttft.observe(0.1)  # one request every 5 s
+    s = window.snapshot([], 0.9)
+    assert s.window_s == 10.0 and s.requests == 2 and s.arrival_rate == pytest.approx(0.2)
+    window.clear()
+    assert window.snapshot([], 0.9) is None
 
 
 def worker_text(step_s: float, tokens: int, role: str) -> str:
