@@ -22,10 +22,15 @@ draining, the window saw at least `min_requests` requests, and `cooldown_s` pass
 last move. The reverse of a move that paid off predicts a bottleneck higher by at least the
 hysteresis, so a steady load never flaps.
 
-One more rule, for interference the load model cannot see: with no prefill pool, inter-token
-gaps that miss the ITL SLO while the decode pool has headroom mean local prefills stall the
-decode steps; a decode worker then moves to prefill if the decode load predicted after the
-move stays below `high_load`.
+Two more rules, for interference the load model cannot see (without a prefill pool, long
+local prefills stall the decode steps of the sequences batched with them):
+- the last prefill worker moves to decode only when the decode pool is saturated (load at
+  least `high_load`), not on an SLO miss alone;
+- with no prefill pool, inter-token gaps that miss the ITL SLO while the decode pool has
+  headroom mean local prefills stall decode steps; a decode worker then moves to prefill if
+  the pool loads predicted after the move stay below `high_load`.
+The two agree: the decode load predicted for bringing the prefill pool back is the load that
+made it leave, so a steady load does not bounce between them.
 """
 from __future__ import annotations
 
@@ -159,9 +164,11 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
     if any(w.draining for w in snap.workers):
         return hold("draining", "a worker is draining (a role switch or scale-in in progress)")
     if snap.requests < config.min_requests:
-        return hold("no_signal", f"{snap.requests} requests in the window (< {config.min_requests}): too little signal")
+        return hold("no_signal", f"{snap.requests} requests in the window "
+                    f"(< {config.min_requests}): too little signal")
     if since_last_move_s is not None and since_last_move_s < config.cooldown_s:
-        return hold("cooldown", f"cooling down ({since_last_move_s:.0f}s of {config.cooldown_s:.0f}s since the last move)")
+        return hold("cooldown", f"cooling down ({since_last_move_s:.0f}s of "
+                    f"{config.cooldown_s:.0f}s since the last move)")
 
     ttft_miss = snap.ttft_s is not None and snap.ttft_s > config.ttft_slo_s
     itl_miss = snap.itl_s is not None and snap.itl_s > config.itl_slo_s
@@ -177,44 +184,63 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
     n_p, n_d = len(prefill), len(decode)
     can_to_decode = n_p > config.min_prefill and (config.max_decode is None or n_d < config.max_decode)
     can_to_prefill = n_d > config.min_decode and (config.max_prefill is None or n_p < config.max_prefill)
+    # The last prefill worker leaves only for a saturated decode pool: without a prefill pool,
+    # long local prefills stall decode steps (which the load model does not see), so an SLO
+    # miss at moderate decode load is no reason to give disaggregation up.
+    keep_last_prefill = n_p == 1 and loads.decode < config.high_load
+    to_decode = can_to_decode and not keep_last_prefill
 
     if decode_hot and not prefill_hot:
+        interference = _interference_move(config, work, decode, loads, slo, itl_miss, can_to_prefill)
         if not can_to_decode:
-            return _interference_move(snap, config, work, decode, loads, slo, itl_miss, can_to_prefill) \
-                or hold("at_limit", f"decode is the bottleneck ({slo}, decode load {loads.decode:.2f}) but the "
-                        f"prefill pool is at its minimum or decode at its maximum")
+            return interference or hold(
+                "at_limit", f"decode is the bottleneck ({slo}, decode load {loads.decode:.2f}) but "
+                f"the prefill pool is at its minimum or decode at its maximum")
+        if keep_last_prefill:
+            return hold("keep_prefill_pool", f"{slo}, but decode load {loads.decode:.2f} is below "
+                        f"{config.high_load:.2f}: keeping the last prefill worker")
         after = work.loads(n_p - 1, n_d + 1)
         if after.bottleneck <= loads.bottleneck - config.hysteresis:
-            donor = min(prefill, key=lambda w: (w.queued_prefill_tokens, w.worker_id))
-            return Decision("move_to_decode", f"decode is the bottleneck ({slo}, decode load {loads.decode:.2f}); "
-                            f"moving a prefill worker lowers it to {after.bottleneck:.2f}",
-                            loads, donor.worker_id, "prefill", "decode", after)
-        return _interference_move(snap, config, work, decode, loads, slo, itl_miss, can_to_prefill) \
-            or hold("no_gain", f"decode is hot ({slo}, decode load {loads.decode:.2f}) but moving a prefill "
-                    f"worker would only reach {after.bottleneck:.2f}")
+            return Decision("move_to_decode", f"decode is the bottleneck ({slo}, decode load "
+                            f"{loads.decode:.2f}); moving a prefill worker lowers it to "
+                            f"{after.bottleneck:.2f}", loads, _prefill_donor(prefill),
+                            "prefill", "decode", after)
+        return interference or hold(
+            "no_gain", f"decode is hot ({slo}, decode load {loads.decode:.2f}) but moving a "
+            f"prefill worker would only reach {after.bottleneck:.2f}")
 
-    candidates: list[tuple[float, Decision]] = []
+    candidates: list[Decision] = []
     if can_to_prefill:
         after = work.loads(n_p + 1, n_d - 1)
-        donor = min(decode, key=lambda w: (w.running + w.waiting, w.worker_id))
-        candidates.append((after.bottleneck, Decision(
-            "move_to_prefill", f"prefill is the bottleneck ({slo}, prefill load {_fmt(loads.prefill)}); moving a "
-            f"decode worker lowers it to {after.bottleneck:.2f}",
-            loads, donor.worker_id, "decode", "prefill", after)))
-    if decode_hot and can_to_decode:  # both hot: whichever move helps more
+        candidates.append(Decision(
+            "move_to_prefill", f"prefill is the bottleneck ({slo}, prefill load "
+            f"{_fmt(loads.prefill)}); moving a decode worker lowers it to {after.bottleneck:.2f}",
+            loads, _decode_donor(decode), "decode", "prefill", after))
+    if decode_hot and to_decode:  # both hot: whichever move helps more
         after = work.loads(n_p - 1, n_d + 1)
-        donor = min(prefill, key=lambda w: (w.queued_prefill_tokens, w.worker_id))
-        candidates.append((after.bottleneck, Decision(
-            "move_to_decode", f"both pools are hot ({slo}); moving a prefill worker lowers the bottleneck to "
-            f"{after.bottleneck:.2f}", loads, donor.worker_id, "prefill", "decode", after)))
+        candidates.append(Decision(
+            "move_to_decode", f"both pools are hot ({slo}); moving a prefill worker lowers the "
+            f"bottleneck to {after.bottleneck:.2f}", loads, _prefill_donor(prefill),
+            "prefill", "decode", after))
     if not candidates:
-        return hold("at_limit", f"prefill is the bottleneck ({slo}, prefill load {_fmt(loads.prefill)}) but the "
-                    f"decode pool is at its minimum or prefill at its maximum")
-    best_after, best = min(candidates, key=lambda c: (c[0], c[1].to_role or ""))
-    if best_after <= loads.bottleneck - config.hysteresis:
+        return hold("at_limit", f"prefill is the bottleneck ({slo}, prefill load "
+                    f"{_fmt(loads.prefill)}) but the decode pool is at its minimum or prefill "
+                    f"at its maximum")
+    best = min(candidates, key=lambda d: (d.predicted.bottleneck, d.to_role))  # type: ignore[union-attr]
+    if best.predicted.bottleneck <= loads.bottleneck - config.hysteresis:  # type: ignore[union-attr]
         return best
-    return hold("no_gain", f"prefill is hot ({slo}, prefill load {_fmt(loads.prefill)}) but no move lowers "
-                f"the bottleneck {loads.bottleneck:.2f} by {config.hysteresis:.2f}")
+    return hold("no_gain", f"prefill is hot ({slo}, prefill load {_fmt(loads.prefill)}) but no "
+                f"move lowers the bottleneck {loads.bottleneck:.2f} by {config.hysteresis:.2f}")
+
+
+def _prefill_donor(prefill: list[WorkerLoad]) -> str:
+    """The prefill worker with the least queued work (the shortest drain)."""
+    return min(prefill, key=lambda w: (w.queued_prefill_tokens, w.worker_id)).worker_id
+
+
+def _decode_donor(decode: list[WorkerLoad]) -> str:
+    """The decode worker with the fewest sequences (the fewest to finish or migrate)."""
+    return min(decode, key=lambda w: (w.running + w.waiting, w.worker_id)).worker_id
 
 
 @dataclass(frozen=True)
@@ -265,18 +291,19 @@ def _decode_load(w: WorkerLoad, config: PlannerConfig) -> float:
     return max(w.busy, itl_need, w.kv_used)
 
 
-def _interference_move(snap: Snapshot, config: PlannerConfig, work: _Work, decode: list[WorkerLoad],
+def _interference_move(config: PlannerConfig, work: _Work, decode: list[WorkerLoad],
                        loads: PoolLoads, slo: str, itl_miss: bool,
                        can_to_prefill: bool) -> Decision | None:
+    """No prefill pool, ITL missed, decode not saturated: local prefills stall decode steps;
+    bring a prefill pool back if the decode pool left keeps its load below high_load."""
     if not (itl_miss and loads.prefill is None and can_to_prefill and work.prefill is not None):
         return None
     after = work.loads(1, len(decode) - 1)
-    if after.decode >= config.high_load or after.bottleneck >= config.high_load:
+    if after.bottleneck >= config.high_load:
         return None
-    donor = min(decode, key=lambda w: (w.running + w.waiting, w.worker_id))
-    return Decision("move_to_prefill", f"{slo} with decode load {loads.decode:.2f}: local prefills stall decode "
-                    f"steps; a prefill pool leaves decode at {after.decode:.2f}",
-                    loads, donor.worker_id, "decode", "prefill", after)
+    return Decision("move_to_prefill", f"{slo} with decode load {loads.decode:.2f}: local "
+                    f"prefills stall decode steps; a prefill pool leaves decode at {after.decode:.2f}",
+                    loads, _decode_donor(decode), "decode", "prefill", after)
 
 
 def _slo_text(snap: Snapshot, config: PlannerConfig, ttft_miss: bool, itl_miss: bool) -> str:

@@ -74,6 +74,17 @@ def test_a_hot_pool_with_slos_met_is_still_relieved():
     assert d.outcome == "move_to_decode", d.reason
 
 
+def test_the_last_prefill_worker_leaves_only_a_saturated_decode_pool():
+    # ITL missed at decode load 0.5: not saturated; without a prefill pool local prefills
+    # would stall decode steps, so the prefill worker stays ...
+    half = decode(1, busy=0.5, running=1, tokens_per_busy_s=40.0)
+    d = decide(snap(prefill(1), half, itl=0.4), CONFIG, None)
+    assert not d.is_move and d.outcome == "keep_prefill_pool", d.reason
+    # ... while a second prefill worker may go (one prefill worker is left).
+    d = decide(snap(prefill(1), prefill(2), half, itl=0.4), CONFIG, None)
+    assert d.outcome == "move_to_decode" and d.predicted.prefill is not None, d.reason
+
+
 def test_cooldown_holds_after_a_move():
     s = snap(prefill(1), saturated_decode(1), itl=0.4)
     held = decide(s, CONFIG, since_last_move_s=10.0)
