@@ -10,8 +10,9 @@ The model, in "busy workers" (one worker fully busy = 1.0):
   or the time its queued prefill tokens take to clear over the TTFT SLO, whichever is larger.
 - decode work   W_d = sum over decode workers of the largest of: the share of the window spent
   in engine steps, the tokens/s its running sequences need to meet the ITL SLO (running /
-  ITL SLO) over the tokens it makes per busy second, and its KV usage. A decode pool's load
-  is W_d / n_decode. With no prefill pool the decode workers prefill locally, so W_d already
+  ITL SLO) over the tokens it makes per busy second, and its KV usage; or, if larger, arrival
+  rate x mean output tokens over one decode worker's tokens per busy second (this one sees an
+  overload beyond "busy all the time"). A decode pool's load is W_d / n_decode. With no prefill pool the decode workers prefill locally, so W_d already
   holds that prefill work.
 A move's prediction spreads the same work over the new pool sizes (work leaving or joining
 the decode pool with the last prefill worker, or the first). The bottleneck is the larger
@@ -281,6 +282,9 @@ def _work(snap: Snapshot, config: PlannerConfig, prefill: list[WorkerLoad],
         p_work = sum(w.busy for w in prefill) if prefill else None
         backlog = 0.0
     d_work = sum(_decode_load(w, config) for w in decode)
+    speeds = [w.tokens_per_busy_s for w in decode if w.tokens_per_busy_s > 0]
+    if speeds:  # output tokens asked for vs made per busy second: sees past busy = 1
+        d_work = max(d_work, snap.arrival_rate * snap.mean_output_tokens / (sum(speeds) / len(speeds)))
     return _Work(p_work, backlog, d_work, prefill_in_decode=not prefill)
 
 

@@ -26,22 +26,34 @@ def snap(*workers: WorkerLoad, ttft=0.5, itl=0.1, rate=1.0, prompt=100.0, cached
 
 
 def saturated_decode(i: int) -> WorkerLoad:
-    """Busy all window; 6 running sequences need 24 tokens/s, it makes 20 per busy second."""
+    """Busy all window; 6 running sequences need 24 tokens/s to meet the ITL SLO, it makes 20
+    per busy second (1.2); 1 request/s of 64 output tokens asks for 64/s (3.2)."""
     return decode(i, busy=1.0, running=6, tokens_per_busy_s=20.0, prefill_tokens_per_s=900.0)
 
 
 def idle_decode(i: int, running: int = 1) -> WorkerLoad:
-    return decode(i, busy=0.1, running=running, tokens_per_busy_s=40.0)
+    """Busy 0.1 of the window: 1 request/s of 64 output tokens at 640 per busy second."""
+    return decode(i, busy=0.1, running=running, tokens_per_busy_s=640.0)
 
 
 def test_decode_saturated_with_idle_prefill_moves_the_prefill_worker_to_decode():
     d = decide(snap(prefill(1), saturated_decode(1), itl=0.4), CONFIG, None)
     assert d.is_move and d.outcome == "move_to_decode", d.reason
     assert (d.worker_id, d.from_role, d.to_role) == ("p1", "prefill", "decode")
-    assert d.loads.decode == pytest.approx(1.2)  # 6 / 0.25 / 20
+    assert d.loads.decode == pytest.approx(3.2)  # 1 req/s x 64 tokens / 20 per busy second
     assert d.predicted.prefill is None  # no prefill pool left: decode workers prefill locally
-    assert d.predicted.decode == pytest.approx((1.2 + 0.1) / 2)  # 1 req/s x 100 tokens / 1000
+    assert d.predicted.decode == pytest.approx((3.2 + 0.1) / 2)  # 1 req/s x 100 tokens / 1000
     assert "decode is the bottleneck" in d.reason and "ITL p90 400 ms > 250" in d.reason
+
+
+def test_decode_load_is_the_largest_of_busy_itl_need_kv_and_throughput():
+    def load(worker, **kw):
+        return decide(snap(prefill(1), worker, **kw), CONFIG, None).loads.decode
+
+    assert load(decode(1, busy=0.3, running=1, tokens_per_busy_s=640.0)) == pytest.approx(0.3)
+    assert load(decode(1, busy=0.3, running=6, tokens_per_busy_s=40.0)) == pytest.approx(1.6)  # 64/40
+    assert load(decode(1, busy=0.3, running=6, tokens_per_busy_s=40.0), rate=0.1) == pytest.approx(0.6)
+    assert load(decode(1, busy=0.3, kv_used=0.7)) == pytest.approx(0.7)
 
 
 def test_the_least_loaded_prefill_worker_is_the_one_moved():
@@ -63,7 +75,7 @@ def test_prefill_backlog_with_idle_decode_moves_a_decode_worker_only_when_there_
 
 
 def test_within_slo_and_below_high_load_holds():
-    workers = (prefill(1, busy=0.2), decode(1, busy=0.5, running=2, tokens_per_busy_s=40.0))
+    workers = (prefill(1, busy=0.2), decode(1, busy=0.5, running=2, tokens_per_busy_s=160.0))
     d = decide(snap(*workers, ttft=0.4, itl=0.12), CONFIG, None)
     assert not d.is_move and d.outcome == "within_slo", d.reason
     assert "TTFT p90 400 ms <= 2000" in d.reason and "ITL p90 120 ms <= 250" in d.reason
@@ -77,7 +89,7 @@ def test_a_hot_pool_with_slos_met_is_still_relieved():
 def test_the_last_prefill_worker_leaves_only_a_saturated_decode_pool():
     # ITL missed at decode load 0.5: not saturated; without a prefill pool local prefills
     # would stall decode steps, so the prefill worker stays ...
-    half = decode(1, busy=0.5, running=1, tokens_per_busy_s=40.0)
+    half = decode(1, busy=0.5, running=1, tokens_per_busy_s=160.0)
     d = decide(snap(prefill(1), half, itl=0.4), CONFIG, None)
     assert not d.is_move and d.outcome == "keep_prefill_pool", d.reason
     # ... while a second prefill worker may go (one prefill worker is left).
@@ -95,7 +107,8 @@ def test_cooldown_holds_after_a_move():
 def test_a_move_that_helps_less_than_the_hysteresis_is_not_made():
     # Decode at 0.9, prefill busy with 0.7 of a worker: 0P+2D would put (0.9 + 0.7) / 2 = 0.8
     # on each decode worker, only 0.1 better.
-    workers = (prefill(1, prefill_tokens_per_s=1000.0), decode(1, busy=0.9, running=1, tokens_per_busy_s=40.0))
+    workers = (prefill(1, prefill_tokens_per_s=1000.0),
+               decode(1, busy=0.9, running=1, tokens_per_busy_s=80.0))
     d = decide(snap(*workers, prompt=700.0), CONFIG, None)
     assert not d.is_move and d.outcome == "no_gain", d.reason
     assert decide(snap(*workers, prompt=700.0), dataclasses.replace(CONFIG, hysteresis=0.05), None).is_move
