@@ -79,7 +79,7 @@ def _print_planner(planner: dict) -> None:
     pools, loads = planner["pools"], planner["loads"]
     load = {k: "-" if v is None else f"{v:.2f}" for k, v in loads.items()}
     print(f"planner: prefill {pools['prefill']} (load {load.get('prefill', '-')}), decode "
-          f"{pools['decode']} (load {load.get('decode', '-')}); {len(planner['moves'])} moves")
+          f"{pools['decode']} (load {load.get('decode', '-')}); {planner['move_count']} moves")
     if planner["last_decision"]:
         print(f"  last decision: {planner['last_decision']}")
     for m in planner["moves"][-5:]:

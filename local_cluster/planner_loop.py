@@ -12,9 +12,11 @@ control port's /metrics and summarised in its GET (`pdserve status`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -83,7 +85,10 @@ class PlannerState:
     last_decision: str = ""
     pools: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     loads: dict[str, float | None] = field(default_factory=dict)
-    moves: list[Move] = field(default_factory=list)
+    moves: deque[Move] = field(default_factory=lambda: deque(maxlen=20))
+    """The latest moves (and failed attempts)."""
+    move_count: int = 0
+    """Moves and failed attempts since start."""
 
 
 class Planner:
@@ -137,7 +142,7 @@ class Planner:
     def view(self) -> dict:
         s = self.state
         return {"pools": dict(s.pools), "loads": dict(s.loads), "last_decision": s.last_decision,
-                "moves": [m.__dict__ for m in s.moves[-20:]]}
+                "move_count": s.move_count, "moves": [dataclasses.asdict(m) for m in s.moves]}
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -147,7 +152,9 @@ class Planner:
                 self.round()
             except Exception as exc:  # a failed scrape or etcd read: try again next round
                 self._decisions.labels("error").inc()
-                self.sup.say(f"planner: round failed: {exc!r}")
+                if self._last_outcome != "error":  # once per outage, not every round
+                    self.sup.say(f"planner: round failed: {exc!r}")
+                self._last_outcome = "error"
 
     def round(self) -> Decision | None:
         """One measurement + decision (+ move); None while the window is still filling."""
@@ -211,6 +218,7 @@ class Planner:
             self._decisions.labels(decision.outcome).inc()
             self.sup.say(f"planner: {slot or worker.worker_id} serves {dst} now "
                          f"(switch took {time.monotonic() - started:.1f}s)")
+        self.state.move_count += 1
         self.state.moves.append(Move(time.time(), worker.worker_id, slot, src, dst, decision.reason,
                                      ok=not error, error=error))
 

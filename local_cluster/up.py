@@ -5,8 +5,8 @@ start the supervisor's monitor, which starts them -> wait until the router answe
 worker is ready and every worker either became ready or failed at least once (failed ones keep
 being restarted; `up` never exits because one worker did not start) -> with --planner, start
 the planner thread (planner_loop.py) -> serve the control port (and write the run file), print
-the URL -> supervise until Ctrl-C / SIGTERM (or the router is in
-a crash loop: exit 1) -> stop workers (they drain), router, etcd; remove temporary directories.
+the URL -> supervise until Ctrl-C / SIGTERM (or the router is in a crash loop: exit 1) -> stop
+the planner, then workers (they drain), router, etcd; remove temporary directories.
 """
 from __future__ import annotations
 

@@ -168,6 +168,7 @@ def test_a_round_moves_the_idle_prefill_worker_to_decode_and_its_slot_follows():
     assert decision.is_move and decision.worker_id == "p1", decision.reason
     assert cluster.switched == [("p1", "decode")]
     assert p_slot.role == "decode" and p_slot.name == "prefill-1"
+    assert planner.view()["move_count"] == 1
     move = planner.view()["moves"][0]
     assert (move["slot"], move["from_role"], move["to_role"], move["ok"]) == ("prefill-1", "prefill", "decode", True)
     text = planner.metrics_text().decode()
