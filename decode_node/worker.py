@@ -17,7 +17,8 @@ Life cycle of a request here:
    final "abort" update per unfinished completion; a request whose KV is still on its way is
    dropped like a cancelled one.
 Without P (or n > 1, with prompt logprobs, or resumed after a migration) the prompt is
-prefilled here (`local`).
+prefilled here (`local`). A worker that serves the prefill role now refuses `Generate`
+(FAILED_PRECONDITION; UNAVAILABLE while switching roles: worker_runtime/roles.py).
 
 Steps 2-5 are the state machine of decode_node/remote_prefill.py (PARKED -> KV_LANDED /
 FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven only on the engine thread.

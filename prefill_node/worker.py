@@ -22,6 +22,9 @@ Life cycle of a request here:
    the answer waits until no transfer of it is in flight — D releases the blocks it kept
    out of reuse on that answer, so it is the promise that no write of ours lands later.
 
+A worker that serves the decode role now refuses `Prefill` and `Embed` (FAILED_PRECONDITION;
+UNAVAILABLE while switching roles: worker_runtime/roles.py); its decode worker prefills locally.
+
 `Embed` (the router's /v1/embeddings) is a prompt-only request with no decode worker: the
 prompt runs in this engine like any other (batched, chunked, own prefix cache) as a pooling
 request (engine/pooling.py) and the call returns its embedding; no KV leaves the worker.
@@ -175,7 +178,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             try:
                 async with make_client(self.rt.config.etcd) as client:
                     for info in await list_workers(client, self.rt.config.cluster):
-                        if (info.role == "decode" and info.kv_metadata and info.worker_id != self.rt.worker_id
+                        ours = info.worker_id == self.rt.worker_id
+                        if (info.role == "decode" and info.kv_metadata and not ours
                                 and info.kv_metadata not in known):
                             try:
                                 await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))

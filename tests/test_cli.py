@@ -18,8 +18,8 @@ def test_generate_answers_the_capital_of_france():
 def test_help_lists_every_subcommand_without_loading_torch():
     out = _pdserve("--help")
     assert out.returncode == 0
-    for command in ("prepare-model", "generate", "prefill", "decode", "router", "up", "scale",
-                    "status", "bench"):
+    for command in ("prepare-model", "generate", "prefill", "decode", "role", "router", "up",
+                    "scale", "status", "bench"):
         assert command in out.stdout
     probe = subprocess.run(
         [sys.executable, "-c", "import sys, pdserve.cli as c; c.build_parser(); "
@@ -53,3 +53,15 @@ def test_prefill_role_drops_the_speculative_config_with_one_warning(caplog):
     assert prefill == EngineConfig(speculative_config=None)
     [record] = caplog.records
     assert "ignoring --speculative-config" in record.getMessage()
+
+
+def test_role_names_an_unreachable_worker_and_refuses_a_negative_drain_timeout():
+    from cluster.net import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    out = _pdserve("role", "--worker", address, "decode", "--timeout", "3")
+    assert out.returncode == 1 and f"pdserve role: {address}: UNAVAILABLE" in out.stderr
+    out = _pdserve("role", "--worker", address, "decode", "--drain-timeout", "-1")
+    assert out.returncode == 2 and "--drain-timeout must be >= 0" in out.stderr
+    out = _pdserve("role", "--worker", address, "both")
+    assert out.returncode == 2 and "invalid choice: 'both'" in out.stderr

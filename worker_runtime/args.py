@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str
-    """prefill | decode"""
+    """prefill | decode: the role served at start (Worker.SetRole switches it later)."""
     etcd: str
     """etcd endpoint host:port."""
     cluster: str = "default"
@@ -27,7 +27,8 @@ class WorkerConfig:
     strict_remote_prefill: bool = False
     """Decode: fail with UNAVAILABLE instead of prefilling locally when the prefill worker fails."""
     drain_timeout_s: float = 30.0
-    """On SIGTERM: longest wait for in-flight requests before exiting."""
+    """On SIGTERM: longest wait for in-flight requests before exiting; also a role switch's
+    drain when its SetRole gives none."""
     num_threads: int = 0
     """torch threads for this process (0: cores / 2, at least 1)."""
 
@@ -45,11 +46,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--advertise-host", default=d.advertise_host,
                    help="host others use to reach this worker (default: --host)")
     g.add_argument("--kv-timeout", dest="kv_timeout_s", type=float, default=d.kv_timeout_s,
-                   help="decode: seconds to wait for a prompt's KV from a prefill worker")
+                   help="decode role: seconds to wait for a prompt's KV from a prefill worker")
     g.add_argument("--strict-remote-prefill", action="store_true",
-                   help="decode: fail (UNAVAILABLE) rather than prefill locally when the prefill worker fails")
+                   help="decode role: fail (UNAVAILABLE) rather than prefill locally when the prefill worker fails")
     g.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=d.drain_timeout_s,
-                   help="seconds to finish in-flight work after SIGTERM")
+                   help="seconds to finish in-flight work after SIGTERM (and before a role "
+                        "switch that names no drain timeout of its own)")
     g.add_argument("--num-threads", type=int, default=d.num_threads,
                    help="torch threads (0 = half the cores, at least 1)")
 

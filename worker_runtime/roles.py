@@ -19,6 +19,9 @@ lifecycle lock):
    migrates it to another decode worker), a prefill call fails UNAVAILABLE (its decode
    worker prefills locally). Calls still in flight `ABORT_GRACE_S` after that fail the
    switch (DEADLINE_EXCEEDED): the worker goes on serving its old role, nothing moved.
+   (A call admitted just before the gate closed that had not counted itself in flight yet —
+   it was building its request off the event loop — runs on after the switch; the one
+   engine serves it to the end like any other.)
 4. The role changes; the engine, its KV pool and NIXL registration, its prefix cache, LoRA
    adapters and KV-event stream are untouched (no reload, no reset).
 5. The registration moves to the new role's key on the same lease: the new key is put

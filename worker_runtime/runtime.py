@@ -77,13 +77,11 @@ class WorkerRuntime:
 
     # ---- engine thread side ------------------------------------------------------------
     def add_step_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
-        """`hook(engine)` runs after every step (engine thread), whatever role is served;
-        True = it has work in flight (the loop keeps polling)."""
+        """Run `hook(engine)` after every step, whatever role is served (True: work in flight)."""
         self._step_hooks.append(hook)
 
     def add_abort_hook(self, hook: Callable[[str], Awaitable[bool]]) -> None:
-        """`hook(request_id)` runs on `Worker.Abort` (asyncio side), in the order added,
-        until one returns True (handled)."""
+        """`Worker.Abort` tries the hooks in the order added until one returns True (handled)."""
         self._abort_hooks.append(hook)
 
     async def abort(self, request_id: str) -> bool:
@@ -112,10 +110,7 @@ class WorkerRuntime:
             )
             for q in list(self._kv_subscribers):
                 self.aio.call_soon_threadsafe(q.put_nowait, batch)
-        busy = False
-        for hook in self._step_hooks:
-            busy = hook(engine) or busy
-        return busy
+        return any([hook(engine) for hook in self._step_hooks])  # every hook runs
 
     def settle(self, future: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
         """From the engine thread: resolve an asyncio future on the worker's loop (once; a
@@ -261,9 +256,9 @@ class WorkerRuntime:
             await server.stop(0)
             self.loop.stop()
             return 1
-        log.info("%s %s serving on %s (metrics %s)", self.roles.role, self.worker_id,
+        log.info("%s %s serving on %s (metrics %s)", cfg.role, self.worker_id,
                  self.grpc_address, self.metrics_address)
-        print(f"READY {self.roles.role} {self.worker_id} grpc={self.grpc_address} "
+        print(f"READY {cfg.role} {self.worker_id} grpc={self.grpc_address} "
               f"metrics={self.metrics_address}", flush=True)
 
         stop = asyncio.Event()

@@ -74,3 +74,23 @@ def test_partial_failure_names_the_failed_workers():
         _checked("sleep", [ok, refused])
     assert exc.value.status == 409
     assert _checked("sleep", [ok]) == [ok]
+
+
+def test_set_role_refuses_bad_input_in_openai_shape():
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+    app.add_exception_handler(APIError, lambda request, exc: exc.response())
+    registry = WorkerRegistry()
+    add_admin_routes(app, FleetAdmin(registry, ChannelPool(), 0.1))
+    client = TestClient(app)
+    for query, param in [({"role": "decode"}, "worker_id"),
+                         ({"worker_id": "w", "role": "both"}, "role"),
+                         ({"worker_id": "w", "role": "decode", "drain_timeout": "-1"}, "drain_timeout"),
+                         ({"worker_id": "w", "role": "decode", "drain_timeout": "soon"}, "drain_timeout")]:
+        r = client.post("/set_role", params=query)
+        assert r.status_code == 400, query
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/set_role", params={"worker_id": "w", "role": "decode"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
+    assert "'w'" in r.json()["error"]["message"]
