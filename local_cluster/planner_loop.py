@@ -109,6 +109,7 @@ class Planner:
         self.state = PlannerState()
         self._last_move_at: float | None = None
         self._last_outcome = ""
+        self._members: frozenset[tuple[str, str]] = frozenset()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
         self.registry = r = CollectorRegistry()
@@ -157,14 +158,22 @@ class Planner:
                 self._last_outcome = "error"
 
     def round(self) -> Decision | None:
-        """One measurement + decision (+ move); None while the window is still filling."""
+        """One measurement + decision (+ move). None without a decision: the window does not
+        cover `window_s` yet, or a worker slot is starting or restarting."""
         workers = self.read_workers()
         self.sup.follow_registrations(workers)
-        self.window.add(self._sample(workers))
         active = [w for w in workers if not w.draining]
+        members = frozenset((w.worker_id, w.role) for w in active)
+        if members != self._members:  # other pools: earlier measurements do not describe them
+            self.window.clear()
+            self._members = members
+        self.window.add(self._sample(workers))
         self.state.pools = {role: sum(w.role == role for w in active) for role in ("prefill", "decode")}
         for role, n in self.state.pools.items():
             self._pool.labels(role).set(n)
+        if self.sup.settling():  # a crashed worker comes back, or a scale-out starts one
+            self._note_hold("settling", "a worker is starting or restarting")
+            return None
         snap = self.window.snapshot(workers, self.config.quantile)
         if snap is None:
             return None
@@ -176,13 +185,19 @@ class Planner:
             self._load.labels(pool).set(-1 if load is None else load)
         if decision.is_move:
             self._move(decision, {w.worker_id: w for w in workers}[decision.worker_id or ""])
+            self._last_outcome = decision.outcome
+            self.state.last_decision = decision.reason
         else:
-            self._decisions.labels(decision.outcome).inc()
-            if decision.outcome != self._last_outcome:  # log a hold when its kind changes
-                self.sup.say(f"planner: hold: {decision.reason}")
-        self._last_outcome = decision.outcome
-        self.state.last_decision = decision.reason
+            self._note_hold(decision.outcome, decision.reason)
         return decision
+
+    def _note_hold(self, outcome: str, reason: str) -> None:
+        """Count a hold; log it when its kind changes."""
+        self._decisions.labels(outcome).inc()
+        if outcome != self._last_outcome:
+            self.sup.say(f"planner: hold: {reason}")
+        self._last_outcome = outcome
+        self.state.last_decision = reason
 
     def _sample(self, workers: list[WorkerInfo]) -> Sample:
         router = Scrape.parse(self.fetch(f"{self.router_url}/metrics"))

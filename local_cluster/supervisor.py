@@ -108,6 +108,13 @@ class Supervisor:
                 return slot
         return None
 
+    def settling(self) -> bool:
+        """A worker slot is starting or waiting out a restart backoff (the pools are about to
+        change; a crashed worker's registration may outlive it for a lease TTL)."""
+        with self.lock:
+            return any(s.role in WORKER_ROLES and s.state in (SlotState.STARTING, SlotState.RESTARTING)
+                       for s in self.slots)
+
     def states(self, role: str) -> list[SlotState]:
         with self.lock:
             return [s.state for s in self.slots if s.role == role]

@@ -3,7 +3,10 @@ the decode pool's ITL SLO (1 ms: no CPU decode step meets it, so decode is the b
 construction, whatever the machine's speed) while the prefill worker idles, the planner
 switches the prefill worker to decode in place (Worker.SetRole: same process, same PID), etcd
 then lists 0 prefill + 2 decode workers, the supervisor's slot takes the decode role, no
-request fails, and the planner does not move it back."""
+request fails, and the planner does not move it back; SIGKILLed, the switched worker is
+restarted as a decode worker."""
+import os
+import signal
 import time
 import urllib.request
 
@@ -46,6 +49,15 @@ def test_planner_moves_the_idle_prefill_worker_to_the_saturated_decode_pool(tmp_
         assert any("planner: moving prefill-1" in line for line in up.output)
         status = up.cli("status")
         assert "planner: prefill 0" in status and "decode 2" in status, status
+
+        # The switched worker crashes: its slot restarts it in the role it had, decode.
+        os.kill(prefill_pid, signal.SIGKILL)
+        slot = up.wait_slot("prefill-1", "ready", timeout=60, restarts=1)
+        assert slot["role"] == "decode" and slot["pid"] != prefill_pid
+        deadline = time.monotonic() + 20
+        while sorted(w.role for w in up.workers()) != ["decode", "decode"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert sorted(w.role for w in up.workers()) == ["decode", "decode"], "".join(up.output[-20:])
     finally:
         assert up.stop() == 0
     print("".join(line for line in up.output if "planner:" in line))

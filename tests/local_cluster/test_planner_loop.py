@@ -156,6 +156,7 @@ def test_a_round_moves_the_idle_prefill_worker_to_decode_and_its_slot_follows():
     sup.say = lambda msg: None
     p_slot, d_slot = sup.add_slot("prefill"), sup.add_slot("decode")
     p_slot.child, d_slot.child = FakeChild(1, "127.0.0.1:7001"), FakeChild(2, "127.0.0.1:7002")
+    p_slot.state = d_slot.state = SlotState.READY
     planner = Planner(sup, "http://router", PlannerConfig(cooldown_s=30.0), interval_s=5.0, window_s=10.0,
                       switch=cluster.set_role, read_workers=lambda: list(cluster.workers.values()),
                       fetch=cluster.fetch, clock=lambda: now[0])
@@ -201,7 +202,7 @@ def test_a_failed_switch_is_counted_and_the_slot_keeps_its_role():
     said = []
     sup.say = said.append
     slot = sup.add_slot("prefill")
-    slot.child = FakeChild(1, "127.0.0.1:7001")
+    slot.child, slot.state = FakeChild(1, "127.0.0.1:7001"), SlotState.READY
 
     def refuse(worker, role):
         raise RuntimeError("FAILED_PRECONDITION: sleeping")
@@ -218,6 +219,34 @@ def test_a_failed_switch_is_counted_and_the_slot_keeps_its_role():
     assert any("failed" in m for m in said)
     assert 'pdserve_planner_move_failures_total{from_role="prefill",to_role="decode"} 1.0' in \
         planner.metrics_text().decode()
+
+
+def test_no_decision_while_a_worker_restarts_or_after_the_pools_changed():
+    cluster, now = FakeCluster(), [0.0]
+    sup = make_supervisor([])
+    said = []
+    sup.say = said.append
+    slot = sup.add_slot("prefill")
+    slot.child, slot.state = FakeChild(1, "127.0.0.1:7001"), SlotState.RESTARTING
+    planner = Planner(sup, "http://router", PlannerConfig(), interval_s=5.0, window_s=10.0,
+                      switch=cluster.set_role, read_workers=lambda: list(cluster.workers.values()),
+                      fetch=cluster.fetch, clock=lambda: now[0])
+    planner.round()
+    cluster.advance(10)
+    now[0] = 10.0
+    assert planner.round() is None and cluster.switched == []
+    assert said == ["planner: hold: a worker is starting or restarting"]
+    assert 'pdserve_planner_decisions_total{outcome="settling"} 2.0' in planner.metrics_text().decode()
+
+    # Back, with one more decode worker registered: a new window starts.
+    slot.state = SlotState.READY
+    cluster.workers["d2"] = WorkerInfo("d2", "decode", "127.0.0.1:7003", "m", "h", 16)
+    cluster.advance(5)
+    now[0] = 15.0
+    assert planner.round() is None  # the 10 s before described other pools
+    cluster.advance(10)
+    now[0] = 25.0
+    assert planner.round() is not None
 
 
 def test_slots_follow_the_registered_role():
