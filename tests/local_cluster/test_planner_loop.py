@@ -277,3 +277,10 @@ def test_without_planner_the_pools_stay_pinned():
     assert config.min_decode == 1 and config.cooldown_s == 30.0
     with pytest.raises(ValueError, match="min_decode"):
         config_from_args(build_parser().parse_args(["up", "--planner", "--min-decode", "0"]))
+
+
+def test_bad_planner_flags_stop_up_before_it_starts_anything(capsys):
+    from pdserve.cli import main
+
+    assert main(["up", "--planner", "--min-prefill", "2", "--max-prefill", "1"]) == 2
+    assert "pdserve up: error: max_prefill (1) is below min_prefill (2)" in capsys.readouterr().err
