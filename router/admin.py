@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 300.0
 """Per-worker bound of an admin RPC (a sleep drains first; a weight update reads a file)."""
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-           grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+           grpc.StatusCode.FAILED_PRECONDITION: 409}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,8 @@ class FleetAdmin:
     async def set_role(self, worker_id: str, role: str, drain_timeout_s: float) -> WorkerResult:
         """`Worker.SetRole` on one registered worker; answers once this router's registry
         shows it in `role` (the worker moved its registration before answering). APIError
-        404 for a worker not registered here, else as `_checked`."""
+        404 for a worker not registered here, 504 when its in-flight calls did not end in
+        time (it keeps its role), else as `_checked`."""
         state = self.registry.get(worker_id)
         if state is None:
             raise APIError(404, f"No worker {worker_id!r} is registered here (GET "
@@ -136,6 +137,9 @@ class FleetAdmin:
             result = await self._call(state.info, "SetRole", request, timeout_s)
             if result.reply is not None:
                 await self._until(lambda info: info.worker_id != worker_id or info.role == role)
+        if result.error is not None and result.error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise APIError(504, f"set_role on {worker_id}: {result.error.details()}",
+                           code="worker_failed")
         return _checked("set_role", [result])[0]
 
     # ---- fan-out ----------------------------------------------------------------------------------

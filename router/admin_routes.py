@@ -92,8 +92,6 @@ _ERRORS = {400: "A malformed query or body, or the workers refused the arguments
 def _schema(request: type[BaseModel] | None, ok: type[BaseModel],
             query: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
     kw = route_schema(request, ok, errors=(400, 404, 500, 502, 503))
-    kw["responses"].setdefault(504, dict(kw["responses"][400]))["description"] = (
-        "set_role: the calls in flight did not end in time; the worker keeps its role")
     for status, text in _ERRORS.items():
         kw["responses"].setdefault(status, dict(kw["responses"][400]))["description"] = text
     if query:
@@ -175,12 +173,16 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
             raise bad_request("path must not be empty", "path")
         return _state(await admin.update_weights(req.path))
 
-    @app.post("/set_role", **_schema(None, SetRoleResponse, (
+    set_role_schema = _schema(None, SetRoleResponse, (
         _query("worker_id", {"type": "string"}, "the worker to switch (required)"),
         _query("role", {"type": "string", "enum": list(ROLES)}, "its new role (required)"),
         _query("drain_timeout", {"type": "number", "minimum": 0, "default": 0},
                "seconds its in-flight requests may take before they are aborted (decode: "
-               "migrated); 0 = the worker's --drain-timeout"))))
+               "migrated); 0 = the worker's --drain-timeout")))
+    set_role_schema["responses"][504] = dict(set_role_schema["responses"][400], description=(
+        "The worker's in-flight calls did not end in time; it keeps its role"))
+
+    @app.post("/set_role", **set_role_schema)
     async def set_role(request: Request) -> JSONResponse:
         q = request.query_params
         worker_id, role = q.get("worker_id", ""), q.get("role", "")

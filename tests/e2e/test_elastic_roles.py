@@ -4,7 +4,8 @@ worker exists). Greedy requests run through the router the whole time; P is swit
 decode (router `POST /set_role`: the cluster then has no prefill worker and prompts are
 prefilled locally) and back (`pdserve role`). Zero failed requests, every output equal to a
 single engine's; P's etcd key moved both times; P is the same process with its prefix cache
-(a prompt it prefilled before the switch hits its cache after it); finally the two swap
+(a prompt it prefilled before the switch hits its cache after it); a streamed request on a
+worker whose drain times out is migrated by the router and completes exactly; finally the two swap
 pools, so KV flows from the worker started as decode into the one started as prefill; no
 KV block leaked. Also:
 the role gate refuses the role not served, and a decode stream still running when the drain
@@ -37,21 +38,29 @@ TEXTS = ["The quick brown fox jumps over the lazy dog near the river bank, and t
          "The history of the printing press begins in the fifteenth century, when",
          "To make a good cup of tea, first boil fresh water, then warm the pot and"]
 MAX_TOKENS = 6
+LONG = {"temperature": 0.8, "top_p": 0.95, "seed": 7, "max_tokens": 300, "ignore_eos": True}
 
 
 class _Load(threading.Thread):
     """Greedy completions through the router, one after another, until stopped."""
 
-    def __init__(self, url: str, prompts: list[list[int]]) -> None:
+    def __init__(self, url: str, prompts: list[list[int]], start: int = 0) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompts = url, prompts
+        self.url, self.prompts, self.first = url, prompts, start
         self.stop = threading.Event()
+        self.paused = threading.Event()  # set by the test: send nothing for now
+        self.idle = threading.Event()  # set by the thread: paused, nothing in flight
         self.results: list[tuple[int, int, str]] = []  # (prompt index, HTTP status, text or error)
 
     def run(self) -> None:
-        i = 0
+        i = self.first
         with httpx.Client(timeout=120) as client:
             while not self.stop.is_set():
+                if self.paused.is_set():
+                    self.idle.set()
+                    time.sleep(0.02)
+                    continue
+                self.idle.clear()
                 k = i % len(self.prompts)
                 r = client.post(self.url + "/v1/completions", json={
                     "model": "SmolLM2-135M-Instruct", "prompt": self.prompts[k],
@@ -67,6 +76,34 @@ class _Load(threading.Thread):
         while len(self.results) < target:
             assert self.is_alive() and time.monotonic() < deadline, "load stalled"
             time.sleep(0.05)
+
+
+class _LongStream(threading.Thread):
+    """One streamed seeded completion through the router: its text, chunks and errors."""
+
+    def __init__(self, url: str, prompt: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt = url, prompt
+        self.text, self.errors, self.finish_reason = [], [], None
+
+    def run(self) -> None:
+        import json
+
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": self.prompt, "stream": True, **LONG}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.errors.append(event)
+                    elif event["choices"]:
+                        self.text.append(event["choices"][0]["text"])
+                        self.finish_reason = event["choices"][0]["finish_reason"] or self.finish_reason
+
+
+def _router_metric(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def _etcd_roles(endpoint: str) -> dict[str, list[str]]:
@@ -100,6 +137,8 @@ def test_switching_roles_keeps_serving_and_keeps_the_engine(model_dir, tmp_path)
     expected = [out.outputs[0].text for out in reference.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
         use_tqdm=False)]
+    [long_expected] = reference.generate([prompts[3]], SamplingParams(**LONG), use_tqdm=False)
+    long_expected = long_expected.outputs[0].text
     del reference
     with EtcdServer() as etcd:
         p = WorkerProcess("prefill", etcd.endpoint, log_dir=tmp_path, cluster=CLUSTER)
@@ -111,14 +150,16 @@ def test_switching_roles_keeps_serving_and_keeps_the_engine(model_dir, tmp_path)
                                  "--log-level", "warning"],
                                 tmp_path / "router.log")
         url = f"http://127.0.0.1:{port}"
-        load = None
+        load = background = None
         try:
             p.wait_ready()
             d.wait_ready()
             wait_router_sees(url, router, prefill=1, decode=1)
             pid = p.pid
-            load = _Load(url, prompts)
+            load = _Load(url, prompts)  # the test waits on this one's progress
+            background = _Load(url, prompts, start=2)  # two requests in flight at most
             load.start()
+            background.start()
             load.served_since(len(prompts))  # every prompt prefilled on P once
             assert metric(d.metrics_address, "pdserve_worker_prefill_mode_total", mode="remote") > 0
             with pytest.raises(grpc.RpcError) as refused:  # P does not serve Generate
@@ -171,6 +212,34 @@ def test_switching_roles_keeps_serving_and_keeps_the_engine(model_dir, tmp_path)
             assert out.returncode == 0 and "prefill -> decode" in out.stdout, out.stderr
             wait_router_sees(url, router, prefill=0, decode=2)
             load.served_since(len(prompts))
+
+            # A router stream still running on a worker whose drain times out is migrated to
+            # the other decode worker: the client's stream completes, exactly.
+            switches = {p.worker_id: 3, d.worker_id: 0}
+            for thread in (load, background):
+                thread.paused.set()
+            for thread in (load, background):
+                assert thread.idle.wait(60)
+            stream = _LongStream(url, prompts[3])
+            stream.start()
+            deadline = time.monotonic() + 60
+            while True:  # the stats snapshot (every 0.2 s) shows where the stream runs
+                busy = [w for w in (p, d) if health(w.address).capacity.running > 0]
+                if len(busy) == 1 and len(stream.text) >= 3:
+                    break
+                assert stream.is_alive() and time.monotonic() < deadline, "stream not seen"
+                time.sleep(0.05)
+            [victim] = busy
+            assert _set_role(victim.address, "prefill", 0.3).previous_role == "decode"
+            stream.join(300)
+            for thread in (load, background):
+                thread.paused.clear()
+            assert not stream.errors and stream.finish_reason == "length"
+            assert "".join(stream.text) == long_expected
+            assert _router_metric(url, "pdserve_router_migrations_total") >= 1
+            assert _set_role(victim.address, "decode").previous_role == "prefill"
+            switches[victim.worker_id] += 2
+            wait_router_sees(url, router, prefill=0, decode=2)
             out = subprocess.run([sys.executable, "-m", "pdserve", "role", "--worker", p.address,
                                   "prefill"], capture_output=True, text=True, timeout=120)
             assert out.returncode == 0 and "decode -> prefill" in out.stdout, out.stderr
@@ -189,25 +258,28 @@ def test_switching_roles_keeps_serving_and_keeps_the_engine(model_dir, tmp_path)
                 assert time.monotonic() < deadline, "no remote prefill from D into P"
                 load.served_since(1)
             load.served_since(len(prompts))
-            load.stop.set()
-            load.join(120)
+            for thread in (load, background):
+                thread.stop.set()
+                thread.join(120)
 
-            failed = [x for x in load.results if x[1] != 200]
+            results = load.results + background.results
+            failed = [x for x in results if x[1] != 200]
             assert not failed, failed[:3]
-            assert all(text == expected[k] for k, _, text in load.results)
+            assert all(text == expected[k] for k, _, text in results)
             assert p.pid == pid and p.alive()
             assert _etcd_roles(etcd.endpoint) == {p.worker_id: ["decode"], d.worker_id: ["prefill"]}
             assert metric(p.metrics_address, "pdserve_worker_role", role="decode") == 1
             assert metric(p.metrics_address, "pdserve_worker_role", role="prefill") == 0
-            assert metric(p.metrics_address, "pdserve_worker_role_switches_total") == 5
-            assert metric(d.metrics_address, "pdserve_worker_role_switches_total",
-                          from_role="decode", to_role="prefill") == 1
+            assert metric(p.metrics_address, "pdserve_worker_role_switches_total") == switches[p.worker_id] + 2
+            assert metric(d.metrics_address, "pdserve_worker_role_switches_total") == switches[d.worker_id] + 1
             for w in (p, d):
                 wait_all_blocks_free(w.address, timeout=10)
-            print(f"\n{len(load.results)} requests through 6 role switches, 0 failed")
+            print(f"\n{len(results)} requests + one migrated stream through "
+                  f"{sum(switches.values()) + 3} role switches, 0 failed")
         finally:
-            if load is not None:
-                load.stop.set()
-                load.join(120)
+            for thread in (load, background):
+                if thread is not None:
+                    thread.stop.set()
+                    thread.join(120)
             codes = [w.terminate(30) for w in (router, d, p)]
     assert codes == [0, 0, 0]

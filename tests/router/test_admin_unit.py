@@ -94,3 +94,37 @@ def test_set_role_refuses_bad_input_in_openai_shape():
     r = client.post("/set_role", params={"worker_id": "w", "role": "decode"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
     assert "'w'" in r.json()["error"]["message"]
+
+
+def test_set_role_maps_the_workers_answers():
+    """The reply once the registry shows the new role; the worker's refusals as 409 / 504."""
+    from proto import pdserve_pb2 as pb
+
+    async def main():
+        registry = WorkerRegistry()
+        registry.put(info("w", role="prefill"))
+        answers = []
+
+        async def set_role(request, timeout=None):
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            registry.put(info("w", role=request.role))  # the worker republished before answering
+            return answer
+
+        channels = type("Channels", (), {"worker": lambda self, address: type(
+            "Stub", (), {"SetRole": staticmethod(set_role)})()})()
+        admin = FleetAdmin(registry, channels, 0.1)
+        answers.append(pb.SetRoleResponse(role="decode", previous_role="prefill"))
+        result = await admin.set_role("w", "decode", 0.0)
+        assert result.reply.previous_role == "prefill" and registry.get("w").info.role == "decode"
+        for code, status in [(grpc.StatusCode.FAILED_PRECONDITION, 409),
+                             (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+                             (grpc.StatusCode.UNAVAILABLE, 502)]:
+            answers.append(_Err(code, "no"))
+            with pytest.raises(APIError) as exc:
+                await admin.set_role("w", "prefill", 1.0)
+            assert exc.value.status == status and "no" in exc.value.message
+        assert registry.get("w").info.role == "decode"
+
+    asyncio.run(main())
