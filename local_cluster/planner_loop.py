@@ -5,7 +5,7 @@ Every `interval_s`: read the registrations from etcd and the router's and each w
 /metrics -> measure.Window's Snapshot -> planner.decide -> on a move, `Worker.SetRole` on the
 chosen worker (it drains its role, keeps its engine and prefix cache and re-registers under the
 new role), then the supervisor's slot takes the new role (so a crash restarts it in that role)
-and the window starts afresh. Every decision that differs from the previous one is logged in
+and the window starts afresh. Every move, and every change in the kind of hold, is logged in
 `up`'s output; moves, failures, pool sizes and loads are exported in Prometheus text at the
 control port's /metrics and summarised in its GET (`pdserve status`).
 """
@@ -240,6 +240,12 @@ class Planner:
 
 def config_from_args(args) -> PlannerConfig:
     """`pdserve up`'s planner flags as a PlannerConfig (ValueError names a bad combination)."""
+    for flag, value in (("--planner-interval", args.planner_interval),
+                        ("--planner-window", args.planner_window)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value:g}")
+    if args.planner_drain_timeout < 0:
+        raise ValueError(f"--planner-drain-timeout must be >= 0, got {args.planner_drain_timeout:g}")
     return PlannerConfig(
         ttft_slo_s=args.ttft_slo_ms / 1000, itl_slo_s=args.itl_slo_ms / 1000,
         quantile=args.planner_quantile, min_prefill=args.min_prefill, max_prefill=args.max_prefill,

@@ -284,3 +284,5 @@ def test_bad_planner_flags_stop_up_before_it_starts_anything(capsys):
 
     assert main(["up", "--planner", "--min-prefill", "2", "--max-prefill", "1"]) == 2
     assert "pdserve up: error: max_prefill (1) is below min_prefill (2)" in capsys.readouterr().err
+    assert main(["up", "--planner", "--planner-interval", "0"]) == 2
+    assert "--planner-interval must be > 0" in capsys.readouterr().err
