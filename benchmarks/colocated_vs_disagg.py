@@ -1,8 +1,12 @@
 """Disaggregated (1 prefill + 1 decode worker) vs one colocated worker (the decode worker
-prefilling locally), same model, same 2 cores (taskset), under a mixed workload: a stream of
-short chats plus periodic 2-4k-token prompts, at several request rates.
+prefilling locally) vs disaggregated with the planner (`pdserve up --prefill 1 --decode 1
+--planner`: it may switch the prefill worker to decode, or back, docs/planner.md), same model,
+same 2 cores (taskset), under a mixed workload: a stream of short chats plus periodic
+2-4k-token prompts, at several request rates (one cluster per configuration serves the rates
+in the order given, so the planner carries its pools from one rate to the next).
 
   python -m benchmarks.colocated_vs_disagg [--rates 0.5,1,2] [--duration 60] [--cores 0,1]
+      [--modes colocated,disaggregated,planner]
 
 Reported for the short requests (what users of a chat service feel): TTFT p90, ITL p99 and
 goodput at the SLO given by --slo-ttft-ms / --slo-itl-ms. The expected gain is decode no
@@ -20,19 +24,26 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.request
 from pathlib import Path
 
 
-def _start_up(mode: str, cores: str, work: Path, model_flags: list[str]) -> tuple[subprocess.Popen, str]:
-    prefill = "1" if mode == "disaggregated" else "0"
-    threads = "1" if mode == "disaggregated" else str(len(cores.split(",")))
+MODES = ("colocated", "disaggregated", "planner")
+LABELS = {"colocated": "colocated", "disaggregated": "disaggregated", "planner": "disagg+planner"}
+
+
+def _start_up(mode: str, cores: str, work: Path, model_flags: list[str],
+              planner_flags: list[str]) -> tuple[subprocess.Popen, str]:
+    split = mode in ("disaggregated", "planner")
+    threads = "1" if split else str(len(cores.split(",")))
     env = {**os.environ, "PDSERVE_CACHE": str(work / f"cache-{mode}")}
     # The bundled model is prepared under the default cache; point this run at the same files.
     model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
                            text=True, check=True).stdout.strip()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve", "up", "--port", "0",
-           "--prefill", prefill, "--decode", "1", "--num-threads", threads, "--model", model,
-           "--log-dir", str(work / f"logs-{mode}"), *[f"--worker-arg={f}" for f in model_flags]]
+           "--prefill", "1" if split else "0", "--decode", "1", "--num-threads", threads,
+           "--model", model, "--log-dir", str(work / f"logs-{mode}"),
+           *[f"--worker-arg={f}" for f in model_flags], *(planner_flags if mode == "planner" else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     url: list[str] = []
@@ -49,6 +60,14 @@ def _start_up(mode: str, cores: str, work: Path, model_flags: list[str]) -> tupl
         os.killpg(proc.pid, signal.SIGKILL)
         raise RuntimeError(f"pdserve up ({mode}) did not start; logs in {work}")
     return proc, url[0]
+
+
+def _planner_pools(work: Path) -> str:
+    """The planner's pools now (from its `up`'s control port), e.g. "0P+2D"."""
+    run = json.loads((work / "cache-planner" / "run" / "current-cluster.json").read_text())
+    with urllib.request.urlopen(run["control"], timeout=5) as resp:
+        pools = json.loads(resp.read())["planner"]["pools"]
+    return f"{pools['prefill']}P+{pools['decode']}D"
 
 
 def _bench(url: str, out: Path, *flags: str) -> subprocess.Popen:
@@ -68,14 +87,24 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000)
     parser.add_argument("--slo-itl-ms", type=float, default=250)
     parser.add_argument("--num-layers", type=int, default=None, help="truncate the model (smoke runs)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="configurations to run, in order: colocated, disaggregated, planner")
+    parser.add_argument("--planner-arg", dest="planner_args", action="append", default=[],
+                        help="extra `pdserve up` flag for the planner configuration, e.g. "
+                             "--planner-arg=--planner-interval=2")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes: choose from {', '.join(MODES)}")
     model_flags = ["--kv-cache-memory=1GiB", "--max-num-batched-tokens=512"]
     if args.num_layers:
         model_flags.append(f"--num-layers={args.num_layers}")
+    planner_flags = ["--planner", f"--ttft-slo-ms={args.slo_ttft_ms}", f"--itl-slo-ms={args.slo_itl_ms}",
+                     *args.planner_args]
     work = Path(tempfile.mkdtemp(prefix="pdserve-colo-"))
     rows = []
-    for mode in ("colocated", "disaggregated"):
-        proc, url = _start_up(mode, args.cores, work, model_flags)
+    for mode in modes:
+        proc, url = _start_up(mode, args.cores, work, model_flags, planner_flags)
         try:
             for rate in (float(r) for r in args.rates.split(",")):
                 n_short = max(4, int(rate * args.duration))
@@ -92,22 +121,30 @@ def main() -> None:
                 longs.wait()
                 doc = json.loads(short_out.read_text())["summary"]
                 rows.append((mode, rate, doc))
-                print(f"{mode:13s} rate {rate:4.1f}/s: TTFT p90 {doc['ttft_ms']['p90']:8.0f} ms, "
+                pools = f", pools now {_planner_pools(work)}" if mode == "planner" else ""
+                print(f"{LABELS[mode]:14s} rate {rate:4.1f}/s: TTFT p90 {doc['ttft_ms']['p90']:8.0f} ms, "
                       f"ITL p99 {doc['itl_ms']['p99']:7.0f} ms, goodput {doc['goodput']:.2f} req/s "
-                      f"({doc['completed']}/{doc['num_requests']} done)", flush=True)
+                      f"({doc['completed']}/{doc['num_requests']} done){pools}", flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
     print(f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms and every ITL gap <= {args.slo_itl_ms:.0f} ms; "
           f"long prompts at {args.long_rate}/s alongside; cores {args.cores}")
     by = {(m, r): d for m, r, d in rows}
-    for rate in sorted({r for _, r, _ in rows}):
-        c, d = by[("colocated", rate)], by[("disaggregated", rate)]
-        ratio = d["goodput"] / c["goodput"] if c["goodput"] else float("inf")
-        print(f"rate {rate:4.1f}/s: goodput disaggregated/colocated {ratio:.2f}x, ITL p99 "
-              f"{c['itl_ms']['p99']:.0f} -> {d['itl_ms']['p99']:.0f} ms, TTFT p90 "
-              f"{c['ttft_ms']['p90']:.0f} -> {d['ttft_ms']['p90']:.0f} ms")
+    if "colocated" in modes and len(modes) > 1:
+        others = [m for m in modes if m != "colocated"]
+        print(f"\n{'rate':>8} | " + " | ".join(f"{LABELS[m] + '/colocated':>25}" for m in others)
+              + " | goodput " + " / ".join(LABELS[m] for m in modes))
+        for rate in sorted({r for _, r, _ in rows}):
+            c = by[("colocated", rate)]
+            ratios = [_ratio(by[(m, rate)]["goodput"], c["goodput"]) for m in others]
+            print(f"{rate:6.1f}/s | " + " | ".join(f"{r:>25}" for r in ratios) + " | "
+                  + " / ".join(f"{by[(m, rate)]['goodput']:.2f}" for m in modes))
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _ratio(goodput: float, colocated: float) -> str:
+    return f"{goodput / colocated:.2f}x" if colocated else ("inf" if goodput else "-")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import urllib.request
 
 from engine.config import KV_CACHE_DTYPES
@@ -54,10 +55,12 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _print_processes() -> None:
-    """The running `up`'s slots: role, pid, state, restarts, last exit code."""
+    """The running `up`'s slots: role, pid, state, restarts, last exit code; the planner's
+    state with --planner."""
     try:
         with urllib.request.urlopen(current()["control"], timeout=5) as resp:
-            slots = json.loads(resp.read())["slots"]
+            doc = json.loads(resp.read())
+            slots = doc["slots"]
     except OSError as exc:
         print(f"(the running `pdserve up` does not answer: {exc})\n")
         return
@@ -66,6 +69,23 @@ def _print_processes() -> None:
         pid = "-" if s["pid"] is None else s["pid"]
         code = "-" if s["last_exit"] is None else s["last_exit"]
         print(f"{s['name']:12} {s['role']:8} {pid:>8} {s['state']:11} {s['restarts']:>8} {code:>9}")
+    print()
+    if "planner" in doc:
+        _print_planner(doc["planner"])
+
+
+def _print_planner(planner: dict) -> None:
+    """Pool sizes and loads, the last decision and the latest moves of `up --planner`."""
+    pools, loads = planner["pools"], planner["loads"]
+    load = {k: "-" if v is None else f"{v:.2f}" for k, v in loads.items()}
+    print(f"planner: prefill {pools['prefill']} (load {load.get('prefill', '-')}), decode "
+          f"{pools['decode']} (load {load.get('decode', '-')}); {planner['move_count']} moves")
+    if planner["last_decision"]:
+        print(f"  last decision: {planner['last_decision']}")
+    for m in planner["moves"][-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(m["at"]))
+        outcome = "ok" if m["ok"] else f"failed: {m['error']}"
+        print(f"  {when} {m['slot'] or m['worker_id']} {m['from_role']} -> {m['to_role']} ({outcome})")
     print()
 
 
@@ -115,6 +135,38 @@ def register(subparsers) -> None:
                    help="adapters kept loaded on the CPU per worker")
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="adapters loaded at start, served as model NAME")
+    g = p.add_argument_group(
+        "planner (docs/planner.md): move workers between the pools from measured load and SLOs")
+    g.add_argument("--planner", action="store_true",
+                   help="switch workers between prefill and decode in place (Worker.SetRole) "
+                        "when a pool misses its SLO or is the bottleneck; without it the pools "
+                        "stay as --prefill / --decode (and `pdserve scale`) set them")
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                   help="time-to-first-token SLO the planner holds the window's quantile to")
+    g.add_argument("--itl-slo-ms", type=float, default=250.0,
+                   help="inter-token-gap SLO the planner holds the window's quantile to")
+    g.add_argument("--planner-quantile", type=float, default=0.9,
+                   help="quantile of the window's TTFTs and ITLs compared with the SLOs")
+    g.add_argument("--planner-interval", type=float, default=5.0,
+                   help="seconds between planner rounds (measure, decide, maybe move)")
+    g.add_argument("--planner-window", type=float, default=20.0,
+                   help="seconds of measurements each decision looks at")
+    g.add_argument("--planner-cooldown", type=float, default=30.0,
+                   help="seconds after a move before the next one")
+    g.add_argument("--planner-hysteresis", type=float, default=0.15,
+                   help="a move must lower the bottleneck pool's load (1 = saturated) by this much")
+    g.add_argument("--planner-high-load", type=float, default=0.85,
+                   help="a pool at this load is relieved even while its SLO holds")
+    g.add_argument("--planner-min-requests", type=int, default=3,
+                   help="fewer requests in the window: the planner does not act")
+    g.add_argument("--planner-drain-timeout", type=float, default=30.0,
+                   help="seconds a switching worker waits for its in-flight requests")
+    g.add_argument("--min-prefill", type=int, default=0,
+                   help="the planner keeps at least this many prefill workers (0: decode "
+                        "workers prefill locally)")
+    g.add_argument("--max-prefill", type=int, default=None, help="at most this many prefill workers")
+    g.add_argument("--min-decode", type=int, default=1, help="at least this many decode workers")
+    g.add_argument("--max-decode", type=int, default=None, help="at most this many decode workers")
     p.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--kv-cache-memory=1GiB")
     p.add_argument("--prefill-arg", dest="prefill_args", action="append", default=[],

@@ -1,7 +1,8 @@
 """How `pdserve scale` and `pdserve status` find and steer a running `pdserve up`: a loopback
 HTTP control server (GET: live child PIDs by role and every slot's state and restarts, see
-Supervisor.snapshot; POST /scale {"role", "delta"}: start workers, or drain and stop some) and
-the run file that records its address."""
+Supervisor.snapshot; GET /metrics: the planner's Prometheus metrics with `up --planner`, empty
+without; POST /scale {"role", "delta"}: start workers, or drain and stop some) and the run file
+that records its address."""
 from __future__ import annotations
 
 import json
@@ -63,6 +64,15 @@ def _control_server(supervisor: Supervisor) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def do_GET(self):  # noqa: N802
+            if self.path == "/metrics":
+                planner = supervisor.planner
+                data = planner.metrics_text() if planner is not None else b""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             self._reply(200, supervisor.snapshot())
 
         def do_POST(self):  # noqa: N802

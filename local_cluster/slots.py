@@ -1,6 +1,7 @@
 """One supervised child of `pdserve up` (a worker, the router or etcd): a slot that keeps its
-role across restarts, the restart policy (capped exponential backoff, crash-loop limit) and what
-`pdserve status` shows about it.
+role across restarts (a worker's role changes only when the worker switched roles in place,
+`up --planner`: it then restarts in the role it had when it died), the restart policy (capped
+exponential backoff, crash-loop limit) and what `pdserve status` shows about it.
 
 Life cycle of a slot: STARTING (no child yet: the supervisor's monitor spawns one; then waiting
 for it to be ready) -> READY -> the child exits without being asked (a crash) -> RESTARTING
@@ -79,7 +80,7 @@ class Slot:
     """Mutated only under the supervisor's lock."""
 
     name: str  # e.g. decode-2; its log is <log dir>/<name>.log across restarts
-    role: str  # prefill, decode, router, etcd
+    role: str  # prefill, decode, router, etcd; a worker's follows Worker.SetRole (planner)
     spawn: Callable[[], Child]
     state: SlotState = SlotState.STARTING
     child: Child | None = None

@@ -15,10 +15,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from local_cluster.launcher import ServiceProcess
 from local_cluster.slots import Child, RestartPolicy, Slot, SlotState
+
+if TYPE_CHECKING:
+    from cluster.registration import WorkerInfo
+    from local_cluster.planner_loop import Planner
 
 WORKER_ROLES = ("prefill", "decode")
 TICK_S = 0.2
@@ -36,16 +40,19 @@ class Supervisor:
         self._serial = 0
         self._halt = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="supervisor", daemon=True)
+        self.planner: Planner | None = None
+        """`up --planner`'s planner, shown by `snapshot` (it calls set_worker_role)."""
 
     # -- slots ------------------------------------------------------------------------------
 
     def add_slot(self, role: str, spawn: Callable[[], Child] | None = None, name: str = "") -> Slot:
-        """A new slot, started by the monitor on its next tick (slots start in the order added)."""
+        """A new slot, started by the monitor on its next tick (slots start in the order added).
+        A worker slot starts its child in the slot's role at the time (see set_worker_role)."""
         with self.lock:
             if not name:
                 self._serial += 1
                 name = f"{role}-{self._serial}"
-            slot = Slot(name, role, spawn or (lambda: self._spawn_worker(role, name)))
+            slot = Slot(name, role, spawn or (lambda: self._spawn_worker(slot.role, slot.name)))
             self.slots.append(slot)
         return slot
 
@@ -72,6 +79,41 @@ class Supervisor:
         with self.lock:
             total = len([s for s in self.slots if s.role in WORKER_ROLES and not s.state.stopping])
         return max(1, (os.cpu_count() or 2) // max(1, total))
+
+    def slot_of(self, grpc_address: str) -> str | None:
+        """The name of the worker slot whose current child serves at `grpc_address`."""
+        with self.lock:
+            slot = self._worker_slot(grpc_address)
+            return slot.name if slot is not None else None
+
+    def set_worker_role(self, grpc_address: str, role: str) -> None:
+        """The worker at `grpc_address` switched to `role` in place (Worker.SetRole): its slot
+        takes that role, so a crash restarts it as `pdserve <role>` — the role it had when it
+        died. The slot keeps its name (and log file)."""
+        with self.lock:
+            slot = self._worker_slot(grpc_address)
+            if slot is not None and slot.role != role:
+                slot.role = role
+
+    def follow_registrations(self, workers: Iterable[WorkerInfo]) -> None:
+        """Slots take the role their worker is registered under (a switch made by anyone)."""
+        for w in workers:
+            if not w.draining:
+                self.set_worker_role(w.grpc_address, w.role)
+
+    def _worker_slot(self, grpc_address: str) -> Slot | None:
+        for slot in self.slots:
+            if (slot.role in WORKER_ROLES and slot.child is not None and grpc_address
+                    and getattr(slot.child, "grpc_address", "") == grpc_address):
+                return slot
+        return None
+
+    def settling(self) -> bool:
+        """A worker slot is starting or waiting out a restart backoff (the pools are about to
+        change; a crashed worker's registration may outlive it for a lease TTL)."""
+        with self.lock:
+            return any(s.role in WORKER_ROLES and s.state in (SlotState.STARTING, SlotState.RESTARTING)
+                       for s in self.slots)
 
     def states(self, role: str) -> list[SlotState]:
         with self.lock:
@@ -180,14 +222,18 @@ class Supervisor:
         return self.snapshot()
 
     def snapshot(self) -> dict:
-        """{"pids": live child PIDs by role, "slots": one SlotView (as a dict) per slot}."""
+        """{"pids": live child PIDs by role, "slots": one SlotView (as a dict) per slot, and with
+        --planner "planner": Planner.view()}."""
         with self.lock:
             views = [s.view() for s in self.slots]
         pids: dict[str, list[int]] = {r: [] for r in (*WORKER_ROLES, "router", "etcd")}
         for v in views:
             if v.pid is not None:
                 pids[v.role].append(v.pid)
-        return {"pids": pids, "slots": [dataclasses.asdict(v) for v in views]}
+        doc = {"pids": pids, "slots": [dataclasses.asdict(v) for v in views]}
+        if self.planner is not None:
+            doc["planner"] = self.planner.view()
+        return doc
 
     # -- shutdown ---------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@
 Life cycle: add the slots (etcd unless --etcd, N prefill + M decode workers, the router) and
 start the supervisor's monitor, which starts them -> wait until the router answers, a decode
 worker is ready and every worker either became ready or failed at least once (failed ones keep
-being restarted; `up` never exits because one worker did not start) -> serve the control port
-(and write the run file), print the URL -> supervise until Ctrl-C / SIGTERM (or the router is in
-a crash loop: exit 1) -> stop workers (they drain), router, etcd; remove temporary directories.
+being restarted; `up` never exits because one worker did not start) -> with --planner, start
+the planner thread (planner_loop.py) -> serve the control port (and write the run file), print
+the URL -> supervise until Ctrl-C / SIGTERM (or the router is in a crash loop: exit 1) -> stop
+the planner, then workers (they drain), router, etcd; remove temporary directories.
 """
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ def up(args: argparse.Namespace) -> int:
     """Run a local cluster until Ctrl-C / SIGTERM; 1 if it could not serve at all."""
     from engine.models.loader import resolve_model_path
     from engine.spec_decode.config import SpeculativeConfig
+    from local_cluster.planner_loop import config_from_args, start_planner
 
     SpeculativeConfig.parse(args.speculative_config)  # a malformed one fails here, not N times
+    if getattr(args, "planner", False):
+        config_from_args(args)  # bad planner flags fail before anything starts
     args.model = str(resolve_model_path(args.model))  # prepare once, before N processes race
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
@@ -60,6 +64,8 @@ def up(args: argparse.Namespace) -> int:
         if problem:
             sup.say(f"error: {problem}")
             return 1
+        if getattr(args, "planner", False):
+            start_planner(sup, url)
         control = serve_control(sup, url)
         _print_banner(sup, url)
         return supervise(sup, stop)
@@ -124,10 +130,13 @@ def supervise(sup: Supervisor, stop: threading.Event) -> int:
 
 
 def stop_cluster(sup: Supervisor, control: ThreadingHTTPServer | None, run_dir: Path) -> None:
-    """Control port, then workers (they drain), router and etcd; run file, temp dirs."""
+    """Control port and planner, then workers (they drain), router and etcd; run file, temp
+    dirs."""
     print("stopping...", flush=True)
     if control is not None:
         control.shutdown()
+    if sup.planner is not None:
+        sup.planner.stop()  # no switch starts after this
     sup.stop_all()
     remove_run_file()
     shutil.rmtree(run_dir, ignore_errors=True)
