@@ -147,10 +147,12 @@ def _free_port() -> int:
 def _start_pdserve(args, model: str, work: Path) -> _Server:
     port = _free_port()
     argv = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--prefill", "1",
-            "--decode", "1", "--num-threads", "1", "--model", model, "--log-dir", str(work / "logs"),
+            "--decode", "1", "--num-threads", str(args.pdserve_threads), "--model", model, "--log-dir", str(work / "logs"),
             "--router-arg=--served-model-name=smollm2", "--worker-arg=--kv-cache-memory=1GiB"]
     if args.planner:
         argv.append("--planner")
+    argv += [f"--worker-arg={flag}" for flag in args.worker_arg]
+    argv += [f"--prefill-arg={flag}" for flag in args.prefill_arg]
     server = _Server(_pinned(args.cores, argv), {**os.environ, "PDSERVE_CACHE": str(work / "cache")},
                      work / "pdserve.log")
     server.wait_ready(f"http://127.0.0.1:{port}", 300)
@@ -168,12 +170,14 @@ def _start_vllm(args, model: str, work: Path) -> _Server:
     return server
 
 
-def _load(url: str, rate: float, args, out: Path) -> dict:
+def _load(url: str, rate: float, args, out: Path, seed: int, num_prompts: int = 0) -> dict:
+    """One `pdserve bench` run. Each run of a side gets its own `seed` (prompts no earlier
+    run sent, so no prefix-cache hits across runs); both sides get the same seeds."""
     subprocess.run(
         [sys.executable, "-m", "benchmarks.serving", "--url", url, "--endpoint", "completions",
-         "--model", "smollm2", "--no-progress", "--num-requests", str(args.num_prompts),
+         "--model", "smollm2", "--no-progress", "--num-requests", str(num_prompts or args.num_prompts),
          "--input-len", "256", "--output-len", "64", "--ignore-eos", "--tokenizer", "default",
-         "--request-rate", str(rate), "--seed", "1", "--slo-ttft-ms", "2000", "--slo-itl-ms", "250",
+         "--request-rate", str(rate), "--seed", str(seed), "--slo-ttft-ms", "2000", "--slo-itl-ms", "250",
          "--timeout", str(args.timeout), "--out", str(out)],
         check=True, stdout=subprocess.DEVNULL, cwd=Path(__file__).parents[1],
     )
@@ -189,9 +193,9 @@ def serve(args) -> None:
     for side, start in starters:
         server = start(args, model, work)
         try:
-            _load(server.url, rates[0], args, work / f"{side}-warmup.json")  # warm-up, not reported
-            for rate in rates:
-                doc = results[side, rate] = _load(server.url, rate, args, work / f"{side}-{rate}.json")
+            _load(server.url, 2.0, args, work / f"{side}-warmup.json", seed=0, num_prompts=8)  # not reported
+            for i, rate in enumerate(rates, start=1):
+                doc = results[side, rate] = _load(server.url, rate, args, work / f"{side}-{rate}.json", seed=i)
                 print(f"{side:8s} rate {rate:4.1f}/s: TTFT p99 {doc['ttft_ms']['p99']:8.0f} ms, ITL p99 "
                       f"{doc['itl_ms']['p99']:7.0f} ms, goodput {doc['goodput']:.2f} req/s, "
                       f"{doc['completed']}/{doc['num_requests']} done", flush=True)
@@ -230,6 +234,9 @@ def main() -> None:
     srv.add_argument("--num-prompts", type=int, default=48)
     srv.add_argument("--rates", default="0.5,1,2")
     srv.add_argument("--planner", action="store_true", help="pdserve up --planner")
+    srv.add_argument("--pdserve-threads", type=int, default=1, help="torch threads per pdserve worker")
+    srv.add_argument("--worker-arg", action="append", default=[], help="extra flag for every pdserve worker")
+    srv.add_argument("--prefill-arg", action="append", default=[], help="extra flag for pdserve's prefill workers")
     args = parser.parse_args()
     offline(args) if args.mode == "offline" else serve(args)
 

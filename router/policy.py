@@ -13,7 +13,8 @@ Contract shared by every policy:
   not draining, not stale, same KV compatibility hash), when every usable prefill worker
   has more than `prefill_queue_limit` tokens queued, or when its own estimated TTFT beats the
   best prefill worker's (router/ttft_estimate.py: live queues and measured step costs, each
-  path corrected by what it was observed to miss) without pushing its running decodes'
+  path corrected by what it was observed to miss) by more than the stall its chunks put on
+  each decode running there (the prompt's compute time), without pushing their
   inter-token latency over `itl_slo_ms` — for any prompt length, unless the operator capped
   it with `local_prefill_max_tokens`.
 """
@@ -134,12 +135,14 @@ class Policy:
         if local is None or not self.keeps_itl(d, local):
             return remote
         fix = self.correction.corrected
-        local_s = fix(Path.LOCAL, local.ttft_s)
-        if local_s >= fix(Path.REMOTE, remote_s):
+        # Local pays twice: this prompt's wait, and the stall its chunks put on each decode
+        # sharing their steps (remote costs the decodes nothing): only a clear win goes local.
+        local_cost_s = fix(Path.LOCAL, local.ttft_s) + local.decode_delay_s
+        if local_cost_s >= fix(Path.REMOTE, remote_s):
             return remote
         # Would the prefill pool have won with an empty queue? Then its backlog is why not.
         idle_s = fix(Path.REMOTE, self.estimated_ttft_s(num_prompt_tokens, p, queued=0))
-        reason = Reason.LOCAL_BACKLOG if idle_s <= local_s else Reason.LOCAL_FASTER
+        reason = Reason.LOCAL_BACKLOG if idle_s <= local_cost_s else Reason.LOCAL_FASTER
         return Decision(d, None, reason, d.cached_tokens, local.ttft_s)
 
     def local_estimate(self, num_prompt_tokens: int, d: Candidate,
@@ -154,7 +157,7 @@ class Policy:
                             num_prompt_tokens - d.cached_tokens, decoding, cost)
         if est is None or not d.lora_missing:
             return est
-        return LocalEstimate(est.ttft_s + self.config.lora_load_s, est.step_s)
+        return LocalEstimate(est.ttft_s + self.config.lora_load_s, est.step_s, est.decode_delay_s)
 
     def keeps_itl(self, d: Candidate, local: LocalEstimate) -> bool:
         """Its running decodes keep their inter-token latency within the SLO while the

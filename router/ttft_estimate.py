@@ -41,6 +41,10 @@ def step_cost(own: Capacity, peer_rate: float, default_rate: float) -> StepCost:
     per_token = fitted_slope(*timings)
     if per_token is None:
         per_token = 1.0 / (peer_rate or own.prefill_tokens_per_s or default_rate)
+    elif peer_rate:
+        # Decode steps of a few rows are memory-bound (flat in tokens), so the line through
+        # them understates what a big chunk costs; whole prompts on the peer measured it.
+        per_token = max(per_token, 1.0 / peer_rate)
     # Overhead from decode steps first: they are the steps a local prefill's chunks join.
     return step_cost_from(*timings, per_token)
 
@@ -56,6 +60,9 @@ class LocalEstimate:
     """Until the prompt's last chunk is computed (its first token is sampled then)."""
     step_s: float
     """One step while chunks of the queue run beside the decodes: their inter-token latency."""
+    decode_delay_s: float = 0.0
+    """How much later each running decode's stream ends because this prompt's chunks share
+    its steps: the prompt's compute time (0 with nothing decoding)."""
 
 
 def local_prefill(own: Capacity, queued_tokens: int, uncached_tokens: int, decoding: int,
@@ -65,7 +72,7 @@ def local_prefill(own: Capacity, queued_tokens: int, uncached_tokens: int, decod
     budget, so no prefill chunk fits."""
     work = queued_tokens + uncached_tokens
     if work <= 0:
-        return LocalEstimate(0.0, cost.seconds(decoding))
+        return LocalEstimate(0.0, cost.seconds(decoding), 0.0)
     budget = own.max_num_batched_tokens or decoding + work  # unpublished: no limit known
     chunk = min(work, budget - decoding, own.long_prefill_token_threshold or work)
     if chunk <= 0:
@@ -73,7 +80,7 @@ def local_prefill(own: Capacity, queued_tokens: int, uncached_tokens: int, decod
     full_steps, rest = divmod(work, chunk)
     step_s = cost.seconds(decoding + chunk)
     ttft = full_steps * step_s + (cost.seconds(decoding + rest) if rest else 0.0)
-    return LocalEstimate(ttft, step_s)
+    return LocalEstimate(ttft, step_s, cost.per_token_s * uncached_tokens if decoding else 0.0)
 
 
 class Path(str, enum.Enum):

@@ -81,21 +81,47 @@ def test_a_decode_worker_near_the_itl_slo_keeps_it_remote():
 
 
 def test_measured_rates_change_the_decision():
-    pool = [prefill_worker(queued=2000)]  # (2000 + 2048) / 2000 = 2.02 s
-    fast = decode_worker(per_token_s=0.0005)  # 1.34 s
-    slow = decode_worker(per_token_s=0.001, overhead_s=0.002)  # 8 * 0.266 = 2.13 s
+    pool = [prefill_worker(queued=4000)]  # (4000 + 2048) / 2000 = 3.02 s
+    # Local: its TTFT + the stall on each running decode (the prompt's compute time).
+    fast = decode_worker(per_token_s=0.0005)  # 1.34 s + 1.02 s = 2.37 s
+    slow = decode_worker(per_token_s=0.001, overhead_s=0.002)  # 8 * 0.266 + 2.05 = 4.18 s
     assert policy(itl_slo_ms=0).place(LONG, [fast], pool).reason is Reason.LOCAL_BACKLOG
     assert policy(itl_slo_ms=0).place(LONG, [slow], pool).reason is Reason.REMOTE
     # The prefill worker's measured rate moves it too: at 4000 tok/s the pool answers in
-    # 1.01 s even with its queue.
-    assert policy().place(LONG, [fast], [prefill_worker(queued=2000, rate=4000.0)]
+    # 1.51 s even with its queue.
+    assert policy().place(LONG, [fast], [prefill_worker(queued=4000, rate=4000.0)]
                           ).reason is Reason.REMOTE
 
 
+def test_a_small_gain_does_not_pay_for_stalling_the_decodes():
+    pool = [prefill_worker(queued=1000)]  # (1000 + 2048) / 2000 = 1.52 s
+    # Sooner locally (1.34 s), but its chunks hold up 8 running decodes by 1.02 s each.
+    d = policy().place(LONG, [decode_worker()], pool)
+    assert d.reason is Reason.REMOTE
+    assert policy().local_estimate(LONG, decode_worker(), pool[0]).decode_delay_s == \
+        pytest.approx(LONG * 0.0005)
+    # Nothing decoding there: nothing stalls, the sooner path wins.
+    idle = Candidate("d", replace(decode_worker().capacity, running=0))
+    assert policy().place(LONG, [idle], pool).prefill is None
+
+
 def test_local_faster_when_the_decode_worker_beats_even_an_idle_pool():
-    # A slow prefill worker (500 tok/s: 4.1 s idle) loses without any queue: not a backlog.
-    d = policy().place(LONG, [decode_worker()], [prefill_worker(rate=500.0)])
-    assert d.reason is Reason.LOCAL_FASTER
+    # An idle decode worker (nothing to stall) against an idle pool whose answers come 1 s
+    # after its estimate (the hand-off, learned): local wins without any queue.
+    p = policy()
+    for _ in range(50):
+        p.correction.observe(Path.REMOTE, estimated_s=1.0, observed_s=2.0)
+    idle = Candidate("d", replace(decode_worker().capacity, running=0))
+    assert p.place(LONG, [idle], [prefill_worker()]).reason is Reason.LOCAL_FASTER
+
+
+def test_a_decode_worker_is_never_assumed_faster_per_token_than_the_pool_measured():
+    # Its line through memory-bound decode steps says 0.5 ms a token; a slow pool measured
+    # 2 ms a token on whole prompts (500 tok/s): the local estimate uses the pool's figure.
+    d = decode_worker()
+    est = policy().local_estimate(LONG, d, prefill_worker(rate=500.0))
+    assert est.decode_delay_s == pytest.approx(LONG * 0.002)
+    assert policy().place(LONG, [d], [prefill_worker(rate=500.0)]).reason is Reason.REMOTE
 
 
 def test_its_own_queue_counts_against_the_decode_worker():
@@ -128,10 +154,12 @@ def test_unmeasured_workers_fall_back_to_the_peer_then_the_default():
 # ---- the estimates --------------------------------------------------------------------
 
 def test_step_cost_fits_the_measured_steps():
-    cost = step_cost(decode_worker().capacity, peer_rate=1.0, default_rate=1.0)
+    cost = step_cost(decode_worker().capacity, peer_rate=4000.0, default_rate=1.0)
     assert cost.overhead_s == pytest.approx(0.036)
-    assert cost.per_token_s == pytest.approx(0.0005)  # the fit, not the peer's rate
+    assert cost.per_token_s == pytest.approx(0.0005)  # the fit, not the faster peer's rate
     assert cost.seconds(100) == pytest.approx(0.086)
+    # A peer that measured whole prompts slower than the fit: its rate is the floor.
+    assert step_cost(decode_worker().capacity, 1000.0, 1.0).per_token_s == pytest.approx(0.001)
 
 
 def test_step_cost_fallbacks():
@@ -152,9 +180,11 @@ def test_step_cost_fallbacks():
 def test_local_prefill_chunks_by_budget_and_threshold():
     cost = StepCost(0.01, 0.001)
     cap = Capacity(max_num_batched_tokens=100, long_prefill_token_threshold=0)
-    # 250 tokens beside 20 decodes: chunks of 80 (the budget left) -> 3 x 0.11 + 0.04.
+    # 250 tokens beside 20 decodes: chunks of 80 (the budget left) -> 3 x 0.11 + 0.04; each
+    # decode is held up by the prompt's 250 tokens of compute.
     est = local_prefill(cap, 0, 250, 20, cost)
-    assert est == LocalEstimate(pytest.approx(3 * 0.11 + 0.04), pytest.approx(0.11))
+    assert est == LocalEstimate(pytest.approx(3 * 0.11 + 0.04), pytest.approx(0.11), pytest.approx(0.25))
+    assert local_prefill(cap, 0, 250, 0, cost).decode_delay_s == 0.0  # nothing decoding
     # The threshold caps the chunk: 50 -> 5 steps of 0.08.
     cap = Capacity(max_num_batched_tokens=100, long_prefill_token_threshold=50)
     assert local_prefill(cap, 0, 250, 20, cost).ttft_s == pytest.approx(5 * 0.08)
@@ -182,15 +212,15 @@ def test_correction_learns_each_path_and_forgets_the_unused_one():
 
 
 def test_learned_handoff_overhead_changes_the_decision():
-    p, d = policy(), decode_worker()  # 1.34 s locally
+    p, d = policy(), decode_worker()  # 1.34 s locally, + 1.02 s stall on its decodes
     pool = [prefill_worker(rate=4000.0)]  # an idle, fast pool: 0.51 s
     assert p.place(LONG, [d], pool).reason is Reason.REMOTE
-    # Remote answers turn out 1 s later than estimated (the KV hand-off): now local is sooner.
+    # Remote answers turn out 2 s later than estimated (the KV hand-off): now local pays.
     for _ in range(50):
-        p.correction.observe(Path.REMOTE, estimated_s=0.5, observed_s=1.5)
+        p.correction.observe(Path.REMOTE, estimated_s=0.5, observed_s=2.5)
     assert p.place(LONG, [d], pool).reason is Reason.LOCAL_FASTER
-    # A few local answers turn out 3 s later than estimated (local: 1.34 + 0.81 s) while the
-    # remote correction fades a little (0.51 + 0.94 s): the pool wins again.
+    # A few local answers turn out 3 s later than estimated (local: 1.34 + 0.81 + 1.02 s)
+    # while the remote correction fades a little (0.51 + 1.88 s): the pool wins again.
     for _ in range(3):
         p.correction.observe(Path.LOCAL, estimated_s=1.3, observed_s=4.3)
     assert p.place(LONG, [d], pool).reason is Reason.REMOTE
