@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=None, help="truncate the model (smoke runs)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="configurations to run, in order: colocated, disaggregated, planner")
+    parser.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
+                        help="extra flag for every worker in every configuration, "
+                             "e.g. --worker-arg=--itl-target-ms=0")
     parser.add_argument("--planner-arg", dest="planner_args", action="append", default=[],
                         help="extra `pdserve up` flag for the planner configuration, e.g. "
                              "--planner-arg=--planner-interval=2")
@@ -96,7 +99,7 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         parser.error(f"--modes: choose from {', '.join(MODES)}")
-    model_flags = ["--kv-cache-memory=1GiB", "--max-num-batched-tokens=512"]
+    model_flags = ["--kv-cache-memory=1GiB", "--max-num-batched-tokens=512", *args.worker_args]
     if args.num_layers:
         model_flags.append(f"--num-layers={args.num_layers}")
     planner_flags = ["--planner", f"--ttft-slo-ms={args.slo_ttft_ms}", f"--itl-slo-ms={args.slo_itl_ms}",
@@ -106,17 +109,19 @@ def main() -> None:
     for mode in modes:
         proc, url = _start_up(mode, args.cores, work, model_flags, planner_flags)
         try:
-            for rate in (float(r) for r in args.rates.split(",")):
+            # A seed pair per rate (the same in every mode): no rate re-sends an earlier rate's
+            # prompts, so prefix-cache hits never flatter a later run.
+            for i, rate in enumerate(float(r) for r in args.rates.split(",")):
                 n_short = max(4, int(rate * args.duration))
                 n_long = max(1, int(args.long_rate * args.duration))
                 short_out, long_out = work / f"{mode}-{rate}-short.json", work / f"{mode}-{rate}-long.json"
                 longs = _bench(url, long_out, "--num-requests", str(n_long), "--request-rate", str(args.long_rate),
-                               "--input-len-range", "2000,4000", "--output-len", "16", "--seed", "2",
+                               "--input-len-range", "2000,4000", "--output-len", "16", "--seed", str(2 * i + 2),
                                "--timeout", str(args.duration * 3))
                 shorts = _bench(url, short_out, "--num-requests", str(n_short), "--request-rate", str(rate),
                                 "--input-len-range", "32,128", "--output-len", "64", "--ignore-eos",
                                 "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
-                                "--seed", "1", "--timeout", str(args.duration * 3))
+                                "--seed", str(2 * i + 1), "--timeout", str(args.duration * 3))
                 shorts.wait()
                 longs.wait()
                 doc = json.loads(short_out.read_text())["summary"]

@@ -74,7 +74,11 @@ class Scheduler(SpeculationScheduling):
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         # Prefill chunks (more than one new token) also draw on this; decodes never do.
-        prompt_budget = self.prompt_token_budget if self.chunked and self.prompt_token_budget else budget
+        paced = self.chunked and self.prompt_token_budget > 0
+        prompt_budget = self.prompt_token_budget if paced else budget
+        # Paced, running prefills leave half of it to the prompts waiting behind them: a long
+        # prompt in progress must not hold up every short one that arrives meanwhile.
+        reserve = prompt_budget // 2 if paced and self.waiting else 0
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         finished: list[Request] = []
@@ -90,7 +94,7 @@ class Scheduler(SpeculationScheduling):
             remaining = request.num_tokens - request.num_computed_tokens
             n = min(self._chunk(remaining), budget)
             if remaining > 1:  # a prefill chunk
-                n = min(n, prompt_budget)
+                n = min(n, prompt_budget - reserve)
                 if n <= 0:  # this step's prefill share is spent: it continues next step
                     i += 1
                     continue

@@ -31,7 +31,7 @@ class WorkerConfig:
     drain when its SetRole gives none."""
     num_threads: int = 0
     """torch threads for this process (0: cores / 2, at least 1)."""
-    itl_target_ms: float = 200.0
+    itl_target_ms: float = 0.0
     """While requests decode, prefill chunks (prompts prefilled here) are sized from measured
     step costs so a step stays within this; 0: only --max-num-batched-tokens and
     --long-prefill-token-threshold size them."""
