@@ -38,7 +38,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog near the river bank, and t
          "The history of the printing press begins in the fifteenth century, when",
          "To make a good cup of tea, first boil fresh water, then warm the pot and"]
 MAX_TOKENS = 6
-LONG = {"temperature": 0.8, "top_p": 0.95, "seed": 7, "max_tokens": 300, "ignore_eos": True}
+LONG = {"temperature": 0.8, "top_p": 0.95, "seed": 7, "max_tokens": 600, "ignore_eos": True}
 
 
 class _Load(threading.Thread):
@@ -223,9 +223,14 @@ def test_switching_roles_keeps_serving_and_keeps_the_engine(model_dir, tmp_path)
             stream = _LongStream(url, prompts[3])
             stream.start()
             deadline = time.monotonic() + 60
-            while True:  # the stats snapshot (every 0.2 s) shows where the stream runs
-                busy = [w for w in (p, d) if health(w.address).capacity.running > 0]
-                if len(busy) == 1 and len(stream.text) >= 3:
+            seen, since = None, time.monotonic()
+            while True:  # the stats snapshot (every 0.2 s) shows where the stream runs: trust
+                # it once one worker alone has been busy across three refreshes (a stale
+                # snapshot of the paused load must not pick the wrong victim)
+                busy = tuple(w for w in (p, d) if health(w.address).capacity.running > 0)
+                if busy != seen:
+                    seen, since = busy, time.monotonic()
+                if len(busy) == 1 and time.monotonic() - since >= 0.6 and len(stream.text) >= 3:
                     break
                 assert stream.is_alive() and time.monotonic() < deadline, "stream not seen"
                 time.sleep(0.05)
