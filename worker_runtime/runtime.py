@@ -1,5 +1,6 @@
 """What a prefill and a decode worker share: the engine on its own thread, the KV transfer
-agent, etcd registration, KV-event fan-out, the `Worker` gRPC service, /metrics, draining.
+agent, etcd registration, KV-event fan-out, /metrics, draining; the `Worker` gRPC service
+in front of it is service.py.
 
 Life cycle of a worker process: build (load model, size pool, register the pool with NIXL)
 -> start (engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at
@@ -15,7 +16,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -31,10 +31,11 @@ from kvtransfer.metadata import PeerMetadata
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.args import WorkerConfig
-from worker_runtime.grpc_errors import NotFound, Unavailable, grpc_errors
+from worker_runtime.grpc_errors import NotFound, Unavailable
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.roles import WorkerRoles
+from worker_runtime.service import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -318,92 +319,3 @@ def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
         future.set_result(result)
     else:
         future.set_exception(exc)
-
-
-class WorkerService(pb_grpc.WorkerServicer):
-    """Calls every worker answers (thin: all work is in WorkerRuntime)."""
-
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self.rt = runtime
-
-    @grpc_errors
-    async def Health(self, request, context):
-        info = self.rt.info()
-        c = info.capacity
-        return pb.HealthResponse(
-            role=info.role, worker_id=info.worker_id, model_id=info.model_id, draining=info.draining,
-            capacity=pb.Capacity(**asdict(c)),
-        )
-
-    @grpc_errors
-    async def Abort(self, request, context):
-        if not request.request_id:
-            raise ValueError("request_id is required")
-        return pb.AbortResponse(found=await self.rt.abort(request.request_id))
-
-    @grpc_errors
-    async def SubscribeKVEvents(self, request, context):
-        await context.send_initial_metadata(())  # the subscriber knows it is subscribed
-        async for batch in self.rt.kv_events():
-            yield batch
-
-    @grpc_errors
-    async def GetCachedBlocks(self, request, context):
-        hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
-        return pb.CachedBlocksResponse(block_hashes=hashes)
-
-    @grpc_errors
-    async def LoadLoRAAdapter(self, request, context):
-        adapter = request.adapter
-        if not adapter.name:
-            raise ValueError("lora_name must not be empty")
-        await self.rt.load_lora(adapter.name, adapter.path)
-        return pb.LoRAResponse(found=True, served=self.rt.served_loras())
-
-    @grpc_errors
-    async def UnloadLoRAAdapter(self, request, context):
-        if not request.name:
-            raise ValueError("lora_name must not be empty")
-        found = await self.rt.unload_lora(request.name)
-        return pb.LoRAResponse(found=found, served=self.rt.served_loras())
-
-    # ---- weights lifecycle (lifecycle.py) ---------------------------------------------------
-    @grpc_errors
-    async def Sleep(self, request, context):
-        await self.rt.lifecycle.sleep(request.level or 1, request.abort)
-        return self._state()
-
-    @grpc_errors
-    async def WakeUp(self, request, context):
-        await self.rt.lifecycle.wake_up(list(request.tags))
-        return self._state()
-
-    @grpc_errors
-    async def IsSleeping(self, request, context):
-        return self._state()
-
-    @grpc_errors
-    async def ResetPrefixCache(self, request, context):
-        await self.rt.lifecycle.reset_prefix_cache()
-        return self._state()
-
-    @grpc_errors
-    async def CollectiveRPC(self, request, context):
-        if not request.method:
-            raise ValueError("method is required")
-        return pb.CollectiveRPCResponse(results_json=await self.rt.lifecycle.collective_rpc(
-            request.method, request.args_json, request.kwargs_json))
-
-    @grpc_errors
-    async def UpdateWeights(self, request, context):
-        await self.rt.lifecycle.update_weights(request.path)
-        return self._state()
-
-    @grpc_errors
-    async def SetRole(self, request, context):
-        previous = await self.rt.roles.set_role(request.role, request.drain_timeout_s)
-        return pb.SetRoleResponse(role=self.rt.roles.role, previous_role=previous)
-
-    def _state(self) -> pb.LifecycleResponse:
-        life = self.rt.lifecycle
-        return pb.LifecycleResponse(is_sleeping=life.sleeping, weights_version=life.weights_version)
