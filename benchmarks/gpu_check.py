@@ -1,272 +1,150 @@
-"""One-command GPU check of the Triton kernels (run through benchmarks/gpu_check.sh).
+"""The GPU check: every measurement that needs CUDA, in one command (benchmarks/gpu_check.sh).
 
-Steps, each printed as it finishes and collected into a JSON report:
-1. `pytest -m gpu tests/kernels`: the kernels against their torch references at realistic sizes.
-2. Device-to-device copy bandwidth (a torch copy of a large tensor): the practical memory roof.
-3. Decode attention (SmolLM2-135M shapes, one layer): bytes of KV read per second, with the
-   automatic split-KV choice, with splitting off and with a few launch-option variants, as a
-   fraction of the copy bandwidth; plus one prefill chunk's TFLOP/s for orientation.
-4. Engine offline throughput (128 prompts x 128 greedy tokens, default model) with the Triton vs
-   the torch attention backend, through `engine.LLM(attention_backend=...)` if the engine takes
-   it (directly or via **engine_args into EngineConfig); otherwise a TODO is reported.
+Steps, each printed as it finishes and collected into OUT/gpu_check.json (written after every
+step; a failing step is recorded and the others still run):
+1. pytest, the `gpu` tests: the kernels against their torch references at realistic sizes,
+   the engine's greedy tokens with the Triton backend == the torch backend == transformers
+   (fp32, full depth), the KV pool sized from gpu_memory_utilization, VRAM-to-VRAM NIXL.
+2. Device-to-device copy bandwidth (a torch copy of 1 GiB): the practical memory roof.
+3. Decode attention (SmolLM2-135M shapes, one layer): bytes of KV read per second with the
+   automatic split-KV choice and launch-option variants, as a fraction of the copy bandwidth;
+   one prefill chunk's TFLOP/s for orientation.
+4. Engine offline throughput (128 prompts x 128 greedy tokens) with the Triton vs the torch
+   attention backend, the KV pool `gpu_memory_utilization` gave each, and how far the two
+   backends' bf16 greedy tokens agree.
+5. NIXL/UCX KV block transfer between two processes on the one GPU, VRAM to VRAM
+   (benchmarks/kv_transfer.py --device cuda), against the device copy of step 2.
+6. Disaggregated vs local TTFT with one prefill and one decode worker on the same GPU, etcd and
+   gRPC on loopback (benchmarks/pd_bench.py --device cuda).
+
+The model: --model, else a random-weight copy of the default model's shape written from
+.gpu_bundle/model (benchmarks/gpu_bundle.py: the GPU machine has no network and cannot carry
+the real weights), else the bundled default model.
 
 --dry-run runs the same code on CPU under the Triton interpreter with tiny shapes (a test runs
-it), so the script is known to work before it meets a GPU. Needs no network; the whole GPU run
-is sized to finish well inside 5 minutes.
+it), so the script is known to work before it meets a GPU.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-# SmolLM2-135M attention shapes.
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-# (batch, context) decode cases; on GPU each reads ~200 MB of KV per call (bf16), several
-# times the L2 cache, so the numbers are DRAM bandwidth.
-GPU_DECODE_CASES = [(2, 131_072), (8, 32_768), (64, 4_096), (256, 1_024)]
-DRY_DECODE_CASES = [(2, 96)]
-# name -> plan_paged_attention keyword arguments. "auto" is what the engine gets; the others show
-# what splitting buys and whether the default launch options leave bandwidth on the table.
-GPU_VARIANTS = {
-    "auto": {},
-    "no-split": {"partition_size": 0},
-    "auto warps=8": {"num_warps": 8},
-    "auto stages=2": {"num_stages": 2},
-    "auto tile=32": {"tile_n": 32},
-    "auto w8 t32": {"num_warps": 8, "tile_n": 32},
-}
-DRY_VARIANTS = {"split=32": {"partition_size": 32}, "no-split": {"partition_size": 0},
-                "split=32 w8": {"partition_size": 32, "num_warps": 8, "num_stages": 2}}
-
-
-@dataclass
-class DecodeResult:
-    batch: int
-    context: int
-    variant: str  # a key of GPU_VARIANTS / DRY_VARIANTS
-    partitions: int
-    ms: float
-    kv_gbps: float  # bytes of K and V read per second / 1e9
-    fraction_of_copy: float
+BUNDLE_MODEL = REPO / ".gpu_bundle" / "model"
+GPU_TESTS = ["tests/kernels", "tests/engine/test_gpu_engine.py", "tests/kvtransfer/test_kv_nixl_local.py"]
+# Seconds a step needs at least; a step is skipped when less of the budget is left.
+NEEDS_S = {"engine": 60, "transfer": 45, "pd": 90}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU + Triton interpreter, tiny shapes (checks the script itself)")
-    p.add_argument("--skip-pytest", action="store_true", help="skip step 1")
-    p.add_argument("--skip-engine", action="store_true", help="skip step 4")
-    p.add_argument("--budget-s", type=float, default=270,
-                   help="wall-clock budget: the pytest timeout shrinks and the engine step is skipped to fit")
-    p.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "gpu_check.json",
-                   help="where to write the report")
+    p.add_argument("--model", default=None,
+                   help="model for steps 1, 4, 6 (default: random weights from .gpu_bundle/model, "
+                        "else the bundled model)")
+    p.add_argument("--random-from", type=Path, default=None,
+                   help="write random weights with this directory's config and tokenizer and use them")
+    for step in ("pytest", "engine", "transfer", "pd"):
+        p.add_argument(f"--skip-{step}", action="store_true", help=f"skip the {step} step")
+    p.add_argument("--budget-s", type=float, default=420,
+                   help="wall-clock budget: later steps are skipped (and pytest's timeout shrinks) to fit")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu",
+                   help="folder for gpu_check.json and the steps' logs")
     return p.parse_args(argv)
 
 
-def run_pytest(timeout: int) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+def resolve_model(args: argparse.Namespace) -> Path:
+    """--model; else random weights (from --random-from or .gpu_bundle/model); else the bundled model."""
+    if args.model:
+        return Path(args.model) if args.model != "default" else _default_model()
+    source = args.random_from or (BUNDLE_MODEL if (BUNDLE_MODEL / "config.json").is_file() else None)
+    if source is None:
+        return _default_model()
+    from engine.models.random_weights import write_random_model
+
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-gpu-check-model"
+    return write_random_model(source, out, seed=0, num_layers=2 if args.dry_run else None)
+
+
+def _default_model() -> Path:
+    from engine.models.prepare import default_model_dir
+
+    return default_model_dir()
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> dict:
+    """Run `cmd` from the repo root with its output in `log`; the tail comes back."""
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        code, lines = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        code, lines = f"timeout after {timeout} s", out.strip().splitlines()
-    # returncode 5 would mean nothing was selected; on CPU every gpu test is skipped (0).
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            code = f"timeout after {timeout:.0f} s"
+    lines = log.read_text(errors="replace").strip().splitlines()
     return {"command": " ".join(cmd), "returncode": code, "summary": lines[-1] if lines else "",
             "seconds": round(time.perf_counter() - start, 1), "output_tail": "\n".join(lines[-40:])}
 
 
-class Timer:
-    """Mean milliseconds per call: CUDA events on GPU, wall clock (one call) on CPU."""
-
-    def __init__(self, device):
-        import torch
-
-        self.torch, self.cuda = torch, device.type == "cuda"
-
-    def __call__(self, fn, warmup: int = 3, iters: int = 20) -> float:
-        if not self.cuda:
-            fn()  # compile / first-call work stays out of the timing, as on GPU
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        torch = self.torch
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
+def run_pytest(out: Path, model: Path, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", *GPU_TESTS, "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    # returncode 5 would mean nothing was selected; on CPU every gpu test is skipped (0).
+    return run_logged(cmd, out / "pytest.log", timeout, {"PDSERVE_GPU_MODEL": str(model)})
 
 
-def copy_bandwidth(device, timer, dry_run: bool) -> float:
-    """GB/s of a device-to-device copy, counting bytes read + written."""
-    import torch
-
-    nbytes = (8 << 20) if dry_run else (1 << 30)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def make_decode_batch(batch: int, context: int, dtype, device, num_layers: int = 1):
-    """A random pool holding `batch` sequences of `context` tokens in shuffled blocks, and one
-    query token per sequence (the last position)."""
-    import torch
-
-    blocks_per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * blocks_per_seq
-    kv_cache = torch.randn(num_blocks, num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                           dtype=dtype, device=device)
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
-    query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    return query, kv_cache, block_tables, query_start_loc, seq_lens
+def kv_transfer(out: Path, device, copy_gbps: float, dry_run: bool, timeout: float) -> dict:
+    """NIXL between two processes (VRAM pools on GPU) vs the device copy (bytes once)."""
+    result_file = out / "kv_transfer.json"
+    cmd = [sys.executable, "-m", "benchmarks.kv_transfer", "--device", device.type, "--json", str(result_file)]
+    if dry_run:
+        cmd += ["--quick", "--reps", "2"]
+    run = run_logged(cmd, out / "kv_transfer.log", timeout)
+    if run["returncode"] != 0:
+        raise RuntimeError(f"kv_transfer failed ({run['returncode']}):\n{run['output_tail']}")
+    rows = json.loads(result_file.read_text())["rows"]
+    copy_once = copy_gbps / 2  # step 2 counts bytes read + written; a transfer moves them once
+    summary = [{"block_tokens": r["block_tokens"], "total_mib": r["total_mib"],
+                "nixl_gbps": round(r["nixl_gbps_best"], 2),
+                "scattered_copy_gbps": round(max(r["memcpy_1t_gbps"], r["memcpy_all_gbps"]), 2),
+                "fraction_of_device_copy": round(r["nixl_gbps_best"] / copy_once, 3)} for r in rows]
+    for r in summary:
+        print(f"  {r['block_tokens']:4d}-token blocks {r['total_mib']:4d} MiB: NIXL {r['nixl_gbps']:8.2f} GB/s"
+              f" = {r['fraction_of_device_copy']:6.1%} of the device copy ({copy_once:.0f} GB/s)", flush=True)
+    big = [r["fraction_of_device_copy"] for r in summary if r["total_mib"] >= 64]
+    return {"rows": summary, "device_copy_gbps_once": round(copy_once, 1),
+            "worst_fraction_at_64mib_plus": min(big) if big else None, "log": run["summary"]}
 
 
-def decode_bandwidth(device, dtype, timer, copy_gbps: float, dry_run: bool) -> list[DecodeResult]:
-    import torch
-
-    from kernels import paged_attention, paged_attention_reference, plan_paged_attention
-
-    variants = DRY_VARIANTS if dry_run else GPU_VARIANTS
-    results = []
-    for batch, context in DRY_DECODE_CASES if dry_run else GPU_DECODE_CASES:
-        query, kv_cache, tables, qsl, seq_lens = make_decode_batch(batch, context, dtype, device)
-        kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * kv_cache.element_size()
-        outputs = {}
-        for name, plan_kwargs in variants.items():
-            plan = plan_paged_attention(device, batch, batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1,
-                                        context, **plan_kwargs)
-
-            def call(plan=plan):
-                return paged_attention(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5,
-                                       1, context, plan=plan)
-
-            outputs[name] = call()
-            ms = timer(call)
-            gbps = kv_bytes / (ms * 1e-3) / 1e9
-            results.append(DecodeResult(batch, context, name, plan.num_partitions, round(ms, 4),
-                                        round(gbps, 1), round(gbps / copy_gbps, 3)))
-            print(f"  decode batch={batch:4d} ctx={context:6d} {name:12s} partitions={plan.num_partitions:3d} "
-                  f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy", flush=True)
-        first, *others = outputs.values()
-        for other in others:
-            torch.testing.assert_close(other, first, atol=2e-2, rtol=2e-2)
-        if batch * context <= 8_192:  # the per-sequence reference is only cheap for small cases
-            ref = paged_attention_reference(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5)
-            torch.testing.assert_close(first, ref, atol=2e-2, rtol=2e-2)
-        del query, kv_cache, tables, outputs
-    return results
-
-
-def prefill_tflops(device, dtype, timer, dry_run: bool) -> dict:
-    """One chunk of q_len new tokens on top of `cached` cached tokens, one sequence."""
-    import torch
-
-    from kernels import paged_attention
-
-    cached, q_len = (32, 32) if dry_run else (4_096, 4_096)
-    total = cached + q_len
-    _, kv_cache, tables, _, _ = make_decode_batch(1, total, dtype, device)
-    query = torch.randn(q_len, NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
-    seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
-    ms = timer(lambda: paged_attention(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5,
-                                       q_len, total))
-    # QK^T and PV over the causal region: 2 matmuls x 2 flops x keys seen per query.
-    keys_seen = q_len * cached + q_len * (q_len + 1) / 2
-    tflops = 4 * NUM_Q_HEADS * HEAD_DIM * keys_seen / (ms * 1e-3) / 1e12
-    print(f"  prefill chunk q_len={q_len} on {cached} cached: {ms:.3f} ms  {tflops:.1f} TFLOP/s", flush=True)
-    return {"q_len": q_len, "cached": cached, "ms": round(ms, 4), "tflops": round(tflops, 2)}
-
-
-def _accepts(engine, name: str) -> bool:
-    """Does engine.LLM take keyword `name` (directly, or through **engine_args into EngineConfig)?"""
-    params = inspect.signature(engine.LLM).parameters
-    if name in params:
-        return True
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    config = getattr(engine, "EngineConfig", None)
-    return takes_kwargs and config is not None and name in getattr(config, "__dataclass_fields__", {})
-
-
-def engine_throughput(device, dry_run: bool) -> dict:
-    """Offline generation throughput with each attention backend."""
-    try:
-        import engine
-    except ImportError as exc:  # pragma: no cover - the package is part of the repo
-        return {"skipped": f"engine not importable: {exc}"}
-    if getattr(engine, "LLM", None) is None or not _accepts(engine, "attention_backend"):
-        # TODO(engine): expose `engine.LLM(model=..., attention_backend="triton" | "torch")` and
-        # `engine.SamplingParams`; this step then measures them with no change here.
-        return {"skipped": "TODO(engine): engine.LLM with an attention_backend argument is not there yet"}
-    results = {}
-    for backend in ("triton", "torch"):
-        results[backend] = _generate_tokens_per_s(engine, backend, device, dry_run)
-        print(f"  engine {backend:6s}: {results[backend]}", flush=True)
-    results["speedup"] = round(results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2)
-    return results
-
-
-def _generate_tokens_per_s(engine, backend: str, device, dry_run: bool) -> dict:
-    import gc
-
-    import torch
-
-    num_prompts, max_tokens = (1, 2) if dry_run else (128, 128)
-    wanted = {"attention_backend": backend, "device": device.type,
-              # Two engines live one after the other in this process: leave room for both.
-              "gpu_memory_utilization": 0.45,
-              # Dry run: a 2-layer model and a small pool keep the interpreter quick.
-              **({"num_layers": 2, "kv_cache_memory": 64 << 20} if dry_run else {})}
-    llm = engine.LLM(**{k: v for k, v in wanted.items() if _accepts(engine, k)})
-    params = engine.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    quiet = {"use_tqdm": False} if "use_tqdm" in inspect.signature(llm.generate).parameters else {}
-    prompts = [f"Write a short story about the number {i}." for i in range(num_prompts)]
-    # Warm-up on the same batch, shorter: compiles the kernel variants this batch shape needs
-    # (prefill tiles, mixed steps, decode) outside the timed run.
-    warm = engine.SamplingParams(max_tokens=min(8, max_tokens), temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, warm, **quiet)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, **quiet)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    del llm, outputs
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {"prompts": num_prompts, "max_tokens": max_tokens, "generated_tokens": generated,
-            "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1)}
+def pd_ttft(out: Path, model: Path, device, dry_run: bool, timeout: float) -> dict:
+    result_file = out / "pd_bench.json"
+    cmd = [sys.executable, "-m", "benchmarks.pd_bench", "--device", device.type, "--model", str(model),
+           "--json", str(result_file), "--log-dir", str(out / "pd_logs")]
+    if dry_run:
+        cmd += ["--lengths", "64", "--repeats", "1", "--kv-cache-memory", "64MiB"]
+    run = run_logged(cmd, out / "pd_bench.log", timeout)
+    if run["returncode"] != 0:
+        raise RuntimeError(f"pd_bench failed ({run['returncode']}):\n{run['output_tail']}")
+    print("\n".join("  " + line for line in run["output_tail"].splitlines()[-6:]), flush=True)
+    return json.loads(result_file.read_text())
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton/kernels are imported
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     sys.path.insert(0, str(REPO))
     import torch
+
+    from benchmarks import gpu_measure as gm
 
     if args.dry_run:
         device = torch.device("cpu")
@@ -276,58 +154,78 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda")
     dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
-    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-                    "torch": torch.__version__, "dtype": str(dtype)}
     import triton
 
-    report["triton"] = triton.__version__
+    report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
+                    "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype),
+                    "python": sys.version.split()[0]}
     print(f"gpu_check on {report['device']}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     deadline = time.monotonic() + args.budget_s
+    args.out.mkdir(parents=True, exist_ok=True)
     failed = False
 
-    def step(key: str, fn) -> None:
+    def step(key: str, fn, needs_s: float = 0) -> None:
         """Run one step into report[key]; an error is recorded, not fatal; save after each."""
         nonlocal failed
-        try:
-            report[key] = fn()
-        except Exception as exc:  # keep the other steps' numbers
-            traceback.print_exc()
-            report[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            failed = True
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        left = deadline - time.monotonic()
+        if needs_s and left < needs_s:
+            report[key] = {"skipped": f"time budget: {left:.0f} s left, needs {needs_s:.0f}"}
+        else:
+            start = time.perf_counter()
+            try:
+                report[key] = fn()
+            except Exception as exc:  # keep the other steps' numbers
+                traceback.print_exc()
+                report[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                failed = True
+            report.setdefault("seconds", {})[key] = round(time.perf_counter() - start, 1)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
 
+    model = resolve_model(args)
+    report["model"] = str(model)
+    print(f"model: {model}", flush=True)
+
+    print("[1/6] pytest -m gpu", flush=True)
     if args.skip_pytest:
         report["pytest"] = {"skipped": "--skip-pytest"}
     else:
-        print("[1/4] pytest -m gpu tests/kernels", flush=True)
-        timeout = 60 if args.dry_run else max(30, min(180, int(deadline - time.monotonic()) - 90))
-        step("pytest", lambda: run_pytest(timeout))
+        timeout = 120 if args.dry_run else max(60, min(240, deadline - time.monotonic() - 180))
+        step("pytest", lambda: run_pytest(args.out, model, timeout))
         res = report["pytest"]
         print(f"  rc={res.get('returncode')} {res.get('summary', '')} ({res.get('seconds')} s)", flush=True)
         if res.get("returncode") not in (0, 5):
             failed = True
             print(res.get("output_tail", ""), flush=True)
 
-    timer = Timer(device)
-    print("[2/4] device-to-device copy bandwidth", flush=True)
-    step("copy_gbps", lambda: round(copy_bandwidth(device, timer, args.dry_run), 1))
+    timer = gm.Timer(device)
+    print("[2/6] device-to-device copy bandwidth", flush=True)
+    step("copy_gbps", lambda: round(gm.copy_bandwidth(device, timer, args.dry_run), 1))
     copy_gbps = report["copy_gbps"] if isinstance(report["copy_gbps"], float) else float("nan")
     print(f"  copy: {copy_gbps:.1f} GB/s (read + write)", flush=True)
 
-    print(f"[3/4] paged attention, SmolLM2-135M shapes ({dtype})", flush=True)
-    step("decode", lambda: [asdict(r) for r in decode_bandwidth(device, dtype, timer, copy_gbps, args.dry_run)])
-    step("prefill", lambda: prefill_tflops(device, dtype, timer, args.dry_run))
+    print(f"[3/6] paged attention, SmolLM2-135M shapes ({dtype})", flush=True)
+    step("decode", lambda: [asdict(r) for r in gm.decode_bandwidth(device, dtype, timer, copy_gbps, args.dry_run)])
+    step("prefill", lambda: gm.prefill_tflops(device, dtype, timer, args.dry_run))
 
-    print("[4/4] engine offline throughput, triton vs torch attention", flush=True)
-    if args.skip_engine:
-        step("engine", lambda: {"skipped": "--skip-engine"})
-    elif deadline - time.monotonic() < 60:
-        step("engine", lambda: {"skipped": "time budget spent"})
-    else:
-        step("engine", lambda: engine_throughput(device, args.dry_run))
-    print(f"  {report['engine']}", flush=True)
-    print(f"report: {args.json}  {'FAILED' if failed else 'OK'}", flush=True)
+    def later(key: str, n: int, title: str, fn) -> None:
+        print(f"[{n}/6] {title}", flush=True)
+        if getattr(args, f"skip_{key}"):
+            report[key] = {"skipped": f"--skip-{key}"}
+        else:
+            step(key, fn, NEEDS_S[key])
+        if "error" not in report[key] and key == "engine":
+            print(f"  agreement: {report[key].get('greedy_agreement')}", flush=True)
+
+    def remaining() -> float:
+        return max(30.0, deadline - time.monotonic())
+
+    later("engine", 4, "engine offline throughput, triton vs torch attention",
+          lambda: gm.engine_throughput(model, device, args.dry_run))
+    later("transfer", 5, "NIXL KV transfer between two processes",
+          lambda: kv_transfer(args.out, device, copy_gbps, args.dry_run, remaining()))
+    later("pd", 6, "disaggregated vs local TTFT (1 prefill + 1 decode worker)",
+          lambda: pd_ttft(args.out, model, device, args.dry_run, remaining()))
+    print(f"report: {args.out / 'gpu_check.json'}  {'FAILED' if failed else 'OK'}", flush=True)
     return 1 if failed else 0
 
 

@@ -235,6 +235,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-thp", action="store_true",
                     help="plain 4 KiB pages for the pools (default: transparent huge pages)")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="where to write the results (default: benchmarks/results/kv_transfer*.json)")
     args = ap.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     # torch reads this at its first CPU allocation (here and in the spawned receiver): large
@@ -253,8 +255,8 @@ def main() -> None:
         print(f"worst ratio at >= 64 MiB: {min(r['ratio_vs_memcpy'] for r in big):.1%} "
               "(target >= 80%)")
     out["load_average"] = os.getloadavg()
-    path = RESULTS.with_name(f"kv_transfer{'_quick' if args.quick else ''}"
-                             f"{'_4k' if args.no_thp else ''}.json")
+    path = args.json or RESULTS.with_name(f"kv_transfer{'_quick' if args.quick else ''}"
+                                          f"{'_4k' if args.no_thp else ''}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"load average {out['load_average'][0]:.2f}; written to {path}")

@@ -2,6 +2,7 @@
 the decode worker, for 512 / 2k / 4k-token prompts. Real processes on loopback + real etcd.
 
   python -m benchmarks.pd_bench [--lengths 512,2048,4096] [--repeats 3] [--num-layers N]
+  python -m benchmarks.pd_bench --device cuda --model DIR    # 1P+1D on one GPU (VRAM pools)
 
 The added TTFT of disaggregation = TTFT(disaggregated) - TTFT(local): the transfer that is
 not hidden behind the prefill compute (the last chunk's blocks, the notification, the join
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import tempfile
@@ -39,21 +41,38 @@ async def _ttft(address: str, prompt: list[int], prefill: pb.WorkerRef | None) -
     raise RuntimeError("no response")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default="default", help="what both workers load (--model)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: both workers on the one GPU, KV moved VRAM to VRAM")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="each worker's KV pool")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="prefill chunk size on both workers")
-    args = parser.parse_args()
-    logs = Path(tempfile.mkdtemp(prefix="pdserve-pd-bench-"))
-    common = ["--kv-cache-memory", "1GiB", "--num-threads", "1", "--dtype", args.dtype,
+    parser.add_argument("--log-dir", type=Path, default=None, help="the workers' logs (default: a temp dir)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Start etcd, one prefill and one decode worker; median TTFTs per prompt length."""
+    logs = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-pd-bench-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    common = ["--model", args.model, "--device", args.device, "--kv-cache-memory", args.kv_cache_memory,
+              "--num-threads", "1", "--dtype", args.dtype,
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.num_layers:
         common += ["--num-layers", str(args.num_layers)]
     rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    rows = []
     with EtcdServer() as etcd:
         ports = {"prefill": free_port(), "decode": free_port()}
         procs = {
@@ -63,28 +82,42 @@ def main() -> None:
         }
         try:
             for p in procs.values():
-                p.wait_ready()
+                p.wait_ready(timeout=300)
             decode = f"127.0.0.1:{ports['decode']}"
             prefill = pb.WorkerRef(worker_id=procs["prefill"].worker_id, address=f"127.0.0.1:{ports['prefill']}")
-            asyncio.run(_ttft(decode, [rng.randrange(100, 40000) for _ in range(64)], prefill))  # warm-up
-            asyncio.run(_ttft(decode, [rng.randrange(100, 40000) for _ in range(64)], None))
+            # Warm-up: each path once per length (on a GPU the first call of a shape compiles kernels).
+            for n in (64, *(int(x) for x in args.lengths.split(","))):
+                asyncio.run(_ttft(decode, prompt(n), prefill))
+                asyncio.run(_ttft(decode, prompt(n), None))
             print(f"{'prompt':>7} {'local TTFT':>11} {'disagg TTFT':>12} {'added':>8} {'added %':>8}")
             for n in (int(x) for x in args.lengths.split(",")):
                 local, remote = [], []
                 for _ in range(args.repeats):
-                    t, mode = asyncio.run(_ttft(decode, [rng.randrange(100, 40000) for _ in range(n)], None))
+                    t, mode = asyncio.run(_ttft(decode, prompt(n), None))
                     assert mode == "local", mode
                     local.append(t)
-                    t, mode = asyncio.run(_ttft(decode, [rng.randrange(100, 40000) for _ in range(n)], prefill))
+                    t, mode = asyncio.run(_ttft(decode, prompt(n), prefill))
                     assert mode == "remote", mode
                     remote.append(t)
                 lo, re = statistics.median(local), statistics.median(remote)
-                print(f"{n:7d} {lo * 1000:9.0f}ms {re * 1000:10.0f}ms {(re - lo) * 1000:6.0f}ms "
-                      f"{(re - lo) / lo:8.1%}")
+                rows.append({"prompt_tokens": n, "local_ttft_ms": round(lo * 1e3, 2),
+                             "disagg_ttft_ms": round(re * 1e3, 2), "added_ms": round((re - lo) * 1e3, 2),
+                             "added_fraction": round((re - lo) / lo, 4)})
+                print(f"{n:7d} {lo * 1000:9.1f}ms {re * 1000:10.1f}ms {(re - lo) * 1000:6.1f}ms "
+                      f"{(re - lo) / lo:8.1%}", flush=True)
         finally:
             for p in procs.values():
                 p.terminate()
     print(f"(logs in {logs}; medians of {args.repeats} runs; target: added <= 15% at 2048)")
+    result = {"device": args.device, "model": args.model, "repeats": args.repeats, "rows": rows}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -98,7 +98,8 @@ def profile_peak(model, backend, config: EngineConfig, max_model_len: int, dtype
             torch.zeros(n, dtype=torch.long, device=device),
             torch.arange(n, device=device),
             ForwardContext(backend, pool, AttentionMetadata.single_sequence(0, n, bs, blocks, device)),
-            logits_indices=torch.tensor([n - 1], device=device),
+            # A full decode step samples max_num_seqs rows: their logits are part of the peak.
+            logits_indices=torch.arange(n - min(n, config.max_num_seqs), n, device=device),
         )
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - pool.numel() * pool.element_size()
