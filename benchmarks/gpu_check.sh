@@ -19,6 +19,10 @@ if [ -f .gpu_bundle/site.tar.xz ] && [ "$DRY" = 0 ]; then
     rm -rf "$SITE" && mkdir -p "$SITE"
     tar -xJf .gpu_bundle/site.tar.xz -C "$SITE"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    unset NIXL_PLUGIN_DIR  # when set, NIXL looks for its plugins only there
+    # UCX's CUDA memory hooks need libcudart: the one beside the image's torch, if any.
+    CUDART_DIR=$("$PYTHON" -c "import glob, os, site; print(next((os.path.dirname(p) for d in site.getsitepackages() for p in glob.glob(d + '/nvidia/**/libcudart.so.*', recursive=True)), ''))" 2>/dev/null || true)
+    if [ -n "$CUDART_DIR" ]; then export LD_LIBRARY_PATH="$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 exec timeout --signal=INT --kill-after=10 500 "$PYTHON" benchmarks/gpu_check.py "$@"
