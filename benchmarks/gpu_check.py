@@ -136,6 +136,42 @@ def pd_ttft(out: Path, model: Path, device, dry_run: bool, timeout: float) -> di
     return json.loads(result_file.read_text())
 
 
+def summary(report: dict) -> str:
+    """The targets' lines, for the end of the output (which comes back even when files do not).
+    A step that failed or was skipped shows its record instead of numbers."""
+    def section(key: str) -> dict:
+        value = report.get(key)
+        return value if isinstance(value, dict) else {}
+
+    lines = [f"summary ({report.get('device')}, torch {report.get('torch')}, triton {report.get('triton')}):",
+             f"- gpu tests: {section('pytest').get('summary', report.get('pytest'))}"]
+    decode = report.get("decode") if isinstance(report.get("decode"), list) else []
+    for r in decode:
+        if r["variant"] == decode[0]["variant"]:  # "auto": what the engine runs
+            lines.append(f"- decode attention {r['batch']} x {r['context']}: {r['kv_gbps']} GB/s = "
+                         f"{r['fraction_of_copy']:.0%} of the copy's {report.get('copy_gbps')} GB/s "
+                         "(target >= 70% at 64 x 2048)")
+    if not decode:
+        lines.append(f"- decode attention: {report.get('decode')}")
+    engine = section("engine")
+    if "speedup" in engine:
+        lines.append(f"- engine: triton {engine['triton']['tokens_per_s']} tok/s, torch "
+                     f"{engine['torch']['tokens_per_s']} tok/s ({engine['speedup']}x); KV pool "
+                     f"{engine['triton']['kv_pool']}; bf16 greedy agreement {engine['greedy_agreement']}")
+    else:
+        lines.append(f"- engine: {report.get('engine')}")
+    worst = section("transfer").get("worst_fraction_at_64mib_plus")
+    lines.append(f"- NIXL transfer: worst {worst:.0%} of the device copy at >= 64 MiB (target >= 80%)"
+                 if isinstance(worst, float) else f"- NIXL transfer: {report.get('transfer')}")
+    rows = section("pd").get("rows") or []
+    for row in rows:
+        lines.append(f"- TTFT {row['prompt_tokens']} tokens: local {row['local_ttft_ms']} ms, disaggregated "
+                     f"{row['disagg_ttft_ms']} ms, added {row['added_fraction']:.1%} (target <= 15% at 2048)")
+    if not rows:
+        lines.append(f"- TTFT: {report.get('pd')}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
@@ -225,6 +261,7 @@ def main(argv=None) -> int:
           lambda: kv_transfer(args.out, device, copy_gbps, args.dry_run, remaining()))
     later("pd", 6, "disaggregated vs local TTFT (1 prefill + 1 decode worker)",
           lambda: pd_ttft(args.out, model, device, args.dry_run, remaining()))
+    print(summary(report), flush=True)
     print(f"report: {args.out / 'gpu_check.json'}  {'FAILED' if failed else 'OK'}", flush=True)
     return 1 if failed else 0
 

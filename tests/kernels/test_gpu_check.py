@@ -40,6 +40,7 @@ def test_dry_run(tmp_path, model_dir):
     assert all(r["nixl_gbps"] > 0 for r in transfer["rows"]) and transfer["worst_fraction_at_64mib_plus"] > 0
     (row,) = report["pd"]["rows"]
     assert row["prompt_tokens"] == 64 and row["local_ttft_ms"] > 0 and row["disagg_ttft_ms"] > 0
+    assert "- NIXL transfer: worst" in proc.stdout and "- TTFT 64 tokens: local" in proc.stdout
     for name in ("pytest.log", "kv_transfer.json", "pd_bench.json", "pd_logs/prefill.log", "pd_logs/decode.log"):
         assert (out / name).is_file(), name
 

@@ -261,8 +261,8 @@ def test_max_model_len_comes_from_the_workers(etcd, bg):
             error(http.post("/v1/completions", json={"model": MODEL, "prompt": ids,
                                                      "max_tokens": 8150}), "max_tokens")
             c.workers["small"].max_model_len, c.workers["big"].max_model_len = 100, 1000
-            c.bg.run(wait_for(lambda: c.services.max_model_len() == 1000
-                              and len({w.info.max_model_len for w in c.services.registry.all()}) == 2))
+            # Both published (an unpublished 0 would mean "assumed to fit" and admit "small").
+            c.bg.run(wait_for(lambda: {w.info.max_model_len for w in c.services.registry.all()} == {100, 1000}))
             assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 1000
             for _ in range(4):  # never placed where it cannot fit
                 ok(http.post("/v1/completions", json={"model": MODEL, "prompt": ids,
