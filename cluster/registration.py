@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from cluster.retry import reconnect_forever
+from cluster.roles import ROLES
 
 log = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
 
 
 class EtcdUnavailable(RuntimeError):
