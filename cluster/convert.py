@@ -5,10 +5,9 @@ import json
 
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
-from engine.request import Logprob, Resume
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
 from engine.structured.params import StructuredOutputsParams
+from engine.tokens import Logprob, Resume, SampledToken
 from proto import pdserve_pb2 as pb
 
 

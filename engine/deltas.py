@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionDelta
-from engine.request import Logprob, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
+from engine.tokens import Logprob
 
 
 class Deltas:

@@ -25,13 +25,14 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
-from engine.request import Request, RequestStatus, Resume
+from engine.request import Request, RequestStatus
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
+from engine.tokens import Resume, SampledToken
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from engine.block_manager import BlockManager
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
 from engine.models.llama import ForwardContext, Transformer
-from engine.request import Logprob, Request
+from engine.request import Request
 from engine.sampler import SampleRow, raw_logprobs, sample, target_probs, token_ranks, with_logprobs
-from engine.scheduler import SampledToken, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
+from engine.tokens import Logprob, SampledToken
 
 
 class ModelRunner:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from engine.tokens import Logprob
 
-from engine.request import Logprob
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
 from engine.structured.state import GrammarState
+from engine.tokens import Logprob, Resume
 
 
 class RequestStatus(enum.IntEnum):
@@ -41,24 +42,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-
-@dataclass(slots=True)
-class Logprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
-    rank: int = 0  # 1-based rank of token_id (1 = most likely); 0 = not computed
-
-
-@dataclass(frozen=True, slots=True)
-class Resume:
-    """A request continued where another worker left it (the router migrating it off a
-    failed one): the outputs it already produced and how much of their text the caller
-    already has. Sampling continues at output position len(output_token_ids)."""
-
-    output_token_ids: tuple[int, ...]
-    num_text_chars: int  # characters of those outputs' text already streamed
 
 
 @dataclass(slots=True, eq=False)

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 from engine.block_hash import compute_block_hashes, hash_extras
 from engine.lora.adapter import LoRAAdapter
 from engine.pooling import PoolingParams, PoolingState
-from engine.request import Request, Resume
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tokens import Resume
 
 if TYPE_CHECKING:
     from engine.structured.compiler import GrammarCompiler

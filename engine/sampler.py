@@ -19,7 +19,7 @@ import torch
 from engine.logits_masks import apply_masks
 from engine.penalties import apply_penalties
 from engine.request import Request
-from engine.scheduler import SampledToken
+from engine.tokens import SampledToken
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 

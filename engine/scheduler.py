@@ -17,12 +17,13 @@ from bisect import insort
 
 from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
-from engine.request import Logprob, Request, RequestStatus
-from engine.scheduler_output import SampledToken, SchedulerOutput, SchedulerStats
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import SchedulerOutput, SchedulerStats
 from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
+from engine.tokens import Logprob, SampledToken
 
-__all__ = ["SampledToken", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 class Scheduler(SpeculationScheduling):

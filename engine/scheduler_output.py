@@ -21,14 +21,6 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-    rank: int = 0  # 1-based rank of token_id among the logprobs; 0 = not computed
-
-
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0

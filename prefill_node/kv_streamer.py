@@ -18,7 +18,7 @@ from typing import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.request import Request
-from engine.scheduler import SampledToken
+from engine.tokens import SampledToken
 from kvtransfer import KVSender, TransferResult, TransferStatus
 
 

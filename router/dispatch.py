@@ -38,9 +38,8 @@ from typing import AsyncIterator
 import grpc
 
 from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
-from engine.request import Logprob as TokenLogprob
-from engine.request import Resume
 from engine.sampling_params import SamplingParams
+from engine.tokens import Logprob as TokenLogprob, Resume
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
 from router.config import RouterConfig

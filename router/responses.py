@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from engine.tokens import Logprob
 from typing import Any
 
-from engine.request import Logprob
 from router.dispatch import Delta
 from router.logprobs import (TextOffsets, TokenText, chat_logprobs, completion_logprobs,
                              prompt_logprobs)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import SampledToken, SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
+from engine.tokens import SampledToken
 
 if TYPE_CHECKING:
     from engine.block_manager import BlockManager

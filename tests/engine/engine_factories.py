@@ -8,7 +8,8 @@ from engine.block_hash import compute_block_hashes, hash_extras
 from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokens import SampledToken
 
 _ids = itertools.count()
 

@@ -4,7 +4,7 @@ import pytest
 
 from engine.request import RequestStatus
 from engine.limits import RequestRejected
-from engine.scheduler import SampledToken
+from engine.tokens import SampledToken
 from engine_factories import drain, make_request, make_requests, make_scheduler, step
 
 

@@ -2,8 +2,8 @@
 tokens counted against the budget, drafts cut to max_tokens / max_model_len / the budget,
 rejected drafts rolled back (counters, slots, blocks) and never hashed."""
 from engine.block_hash import BlockHash
-from engine.scheduler import SampledToken
 from engine.spec_decode.state import SpecState
+from engine.tokens import SampledToken
 from engine_factories import fake_model_output, make_request, make_scheduler
 
 

@@ -5,7 +5,8 @@ from engine.block_hash import compute_block_hashes, hash_extras
 from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler
+from engine.scheduler import Scheduler
+from engine.tokens import SampledToken
 from router.kv_index import KVIndex, prompt_block_hashes
 
 BS = 4
