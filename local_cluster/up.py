@@ -28,7 +28,7 @@ from local_cluster.supervisor import Supervisor
 
 def up(args: argparse.Namespace) -> int:
     """Run a local cluster until Ctrl-C / SIGTERM; 1 if it could not serve at all."""
-    from engine.models.loader import resolve_model_path
+    from engine.models.prepare import resolve_model_path
     from engine.spec_decode.config import SpeculativeConfig
     from local_cluster.planner_loop import config_from_args, start_planner
 

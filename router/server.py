@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def load_model_card(config: RouterConfig) -> ModelCard:
     """Tokenizer, chat template and context length of the served model (no weights)."""
     from engine.generation_config import load_generation_config, sampling_defaults
-    from engine.models.loader import resolve_model_path
+    from engine.models.prepare import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     path = resolve_model_path(config.model)

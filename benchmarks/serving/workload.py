@@ -69,7 +69,7 @@ def word_source(tokenizer: str | None) -> WordSource:
     encode to a single token both at the start of a text and after a space."""
     if tokenizer is None:
         return WordSource(tuple(_WORDS), exact=False)
-    from engine.models.loader import resolve_model_path
+    from engine.models.prepare import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model_path(tokenizer))

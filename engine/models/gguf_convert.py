@@ -11,9 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-class ModelFileError(ValueError):
-    """A model file is missing, corrupt or of an unsupported kind."""
+from engine.models.errors import ModelFileError
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,13 @@ from pathlib import Path
 import torch
 
 from engine.models.config import ModelArgs
-from engine.models.gguf_convert import ModelFileError, convert_gguf
+from engine.models.errors import ModelFileError
+from engine.models.gguf_convert import convert_gguf
 from engine.models.interface import CausalLM
 from engine.models.llama import Transformer, rope_cache
-from engine.models.prepare import default_model_dir
+from engine.models.prepare import DEFAULT_MODEL, resolve_model_path
 from engine.models.registry import ModelRegistry
 from engine.tokenizer import Tokenizer
-
-DEFAULT_MODEL = "default"
-
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -31,16 +29,6 @@ class LoadedModel:
     args: ModelArgs
     model_id: str  # what the OpenAI API reports; the directory or file name
     model_dir: Path  # where it was loaded from (an HF directory or a GGUF file)
-
-
-def resolve_model_path(model: str | Path) -> Path:
-    """`default` (or empty) means the bundled SmolLM2, prepared on first use."""
-    if str(model) in ("", DEFAULT_MODEL):
-        return default_model_dir()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelFileError(f"model path does not exist: {path}")
-    return path
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

