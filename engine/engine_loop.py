@@ -14,7 +14,11 @@ steps, one set for steps that computed prompt tokens and one for steps that did 
 (`StepTimings`); workers publish them so the router can estimate how soon each worker would
 answer a prompt (router/ttft_estimate.py). With an inter-token latency target, the same
 timings size the prefill chunks that run beside decodes (`prompt_cap`, engine/step_cost.py),
-so a decode worker prefilling a long prompt itself keeps its decodes flowing."""
+so a decode worker prefilling a long prompt itself keeps its decodes flowing.
+
+A step that raises kills the loop (a bug must not be stepped over): every command queued
+then, and every later `call`, fails with `EngineLoopDied`, so nothing awaiting the engine
+waits forever, and the worker process exits for its supervisor to restart it."""
 from __future__ import annotations
 
 import logging
@@ -36,6 +40,10 @@ IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often
 POLL_WAIT_S = 0.001  # work in flight elsewhere (transfers): poll this often
 INITIAL_PROMPT_CAP_BLOCKS = 4  # prefill chunk beside decodes before step costs are measured
 STEP_EWMA_WEIGHT = 0.1  # weight of the newest step in the step-timing means (~ the last 10-20)
+
+
+class EngineLoopDied(RuntimeError):
+    """The loop thread has died (a step raised); no command runs any more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,8 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
+        self._death: BaseException | None = None  # what killed the loop thread
+        self._death_lock = threading.Lock()  # a command is queued before, or refused after
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.step_seconds = 0.0  # wall time inside engine.step(), cumulative
         self.prefill_seconds = 0.0  # share of it in steps that computed prompt tokens
@@ -105,14 +115,33 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         """False once the loop thread has died (a step raised): the process should exit."""
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._death is None
 
     def call(self, fn: Callable[[LLMEngine], T]) -> "Future[T]":
-        """Run `fn(engine)` on the loop thread before its next step."""
+        """Run `fn(engine)` on the loop thread before its next step; once the loop has died,
+        the future fails with EngineLoopDied."""
         future: Future = Future()
-        self._commands.put((fn, future))
-        self._wake.set()
+        with self._death_lock:
+            if self._death is None:
+                self._commands.put((fn, future))
+                self._wake.set()
+                return future
+        future.set_exception(self._died())
         return future
+
+    def _died(self) -> EngineLoopDied:
+        return EngineLoopDied(f"the engine loop died: {self._death!r}")
+
+    def _fail_commands(self, exc: BaseException) -> None:
+        with self._death_lock:
+            self._death = exc
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(self._died())
 
     def _run_commands(self) -> None:
         while True:
@@ -128,6 +157,13 @@ class EngineLoop:
                 future.set_exception(exc)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            self._fail_commands(exc)
+            raise
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stopping:
             self._wake.clear()

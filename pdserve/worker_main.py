@@ -50,7 +50,7 @@ async def _serve(config, engine_config) -> int:
     from proto import pdserve_pb2_grpc as pb_grpc
     from worker_runtime.runtime import WorkerRuntime
 
-    runtime = WorkerRuntime(config, engine_config)
+    runtime = WorkerRuntime.build(config, engine_config)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
     decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)

@@ -38,6 +38,7 @@ import time
 
 from cluster.convert import request_lora, sampled_to_pb, sampling_from_pb
 from cluster.registration import list_workers, make_client
+from cluster.roles import Role
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ from kvtransfer import IncompatiblePeerError, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker_runtime.grpc_errors import Unavailable, grpc_errors
+from worker_runtime.grpc_errors import Unavailable
 from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         runtime.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
 
-    @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context):
+        with self.rt.admission.admitted(Role.PREFILL, request.request_id):
+            return await self._prefill(request)
+
+    async def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
         rt = self.rt
-        rt.admit(request.request_id, "prefill")
         params = sampling_from_pb(request.sampling)
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
@@ -73,21 +76,18 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 f"destination covers {dest.num_skip_blocks} + {len(dest.block_ids)} blocks; "
                 f"the prompt has {prompt_blocks}"
             )
+        if not dest.transfer_id:
+            raise ValueError("destination.transfer_id is required")
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
-        args = (request.request_id, list(request.prompt_token_ids), params,
-                request.cache_salt or None, request.priority)
-        lora = request_lora(request)
         # A structured request compiles its grammar here (the first token obeys it), a LoRA
-        # request loads its adapter if needed (the decode worker's): off the loop.
-        req = (rt.engine.make_request(*args) if params.structured_outputs is None and lora is None
-               else await asyncio.to_thread(rt.engine.make_request, *args, lora_request=lora))
+        # request loads its adapter if needed (the decode worker's).
+        req = await rt.make_request(request.request_id, list(request.prompt_token_ids), params,
+                                    request.cache_salt, request.priority, request_lora(request))
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):
             rt.settle(done, (result, first_token))
 
-        if not dest.transfer_id:
-            raise ValueError("destination.transfer_id is required")
         out = Outgoing(
             request=req, transfer_id=dest.transfer_id, peer=peer, dest_blocks=list(dest.block_ids), num_skip=dest.num_skip_blocks,
             deadline=time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s), on_done=on_done,
@@ -97,16 +97,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             engine.submit(req)  # raises RequestRejected for prompts that can never fit
             self.streamer.add(out)
 
-        rt.inflight += 1
+        await rt.call(start)
         try:
-            await rt.call(start)
-            try:
-                result, first_token = await done
-            except asyncio.CancelledError:
-                await asyncio.shield(rt.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
-                raise
-        finally:
-            rt.inflight -= 1
+            result, first_token = await done
+        except asyncio.CancelledError:
+            await asyncio.shield(rt.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
+            raise
         if result.status is not TransferStatus.COMPLETE:
             raise Unavailable(
                 f"KV transfer to {peer} failed: {result.status.name.lower()} {result.error}".strip()
@@ -117,21 +113,19 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             num_blocks_sent=result.num_blocks,
         )
 
-    @grpc_errors
     async def Embed(self, request: pb.EmbedRequest, context):
+        with self.rt.admission.admitted(Role.PREFILL, request.request_id):
+            return await self._embed(request)
+
+    async def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
         rt, rid = self.rt, request.request_id
-        rt.admit(rid, "prefill")
-        if rid in rt.streams:
-            raise ValueError(f"request_id {rid!r} is already live on this worker")
         pooling = PoolingParams(request.pooling_type or "last",
                                 request.normalize if request.HasField("normalize") else True)
-        req = rt.engine.make_request(rid, list(request.prompt_token_ids), SamplingParams(max_tokens=1),
-                                     request.cache_salt or None, priority=request.priority,
-                                     pooling=pooling)
+        req = await rt.make_request(rid, list(request.prompt_token_ids), SamplingParams(max_tokens=1),
+                                    request.cache_salt, request.priority, pooling=pooling)
         rt.engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
-        queue: asyncio.Queue[CompletionDelta | None] = asyncio.Queue()
-        rt.streams[rid] = self._embeds[rid] = queue
-        rt.inflight += 1
+        queue = rt.open_stream(rid)
+        self._embeds[rid] = queue
         try:
             await rt.call(lambda e: e.submit(req))
             delta = await queue.get()
@@ -139,9 +133,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             await rt.call(lambda e: e.abort_request(rid), cancellable=False)
             raise
         finally:
-            rt.streams.pop(rid, None)
+            rt.close_stream(rid)
             self._embeds.pop(rid, None)
-            rt.inflight -= 1
         if delta is None or delta.embedding is None:
             raise Unavailable(f"request {rid} was aborted")
         rt.metrics.embeddings.inc()
@@ -179,7 +172,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 async with make_client(self.rt.config.etcd) as client:
                     for info in await list_workers(client, self.rt.config.cluster):
                         ours = info.worker_id == self.rt.worker_id
-                        if (info.role == "decode" and info.kv_metadata and not ours
+                        if (info.role == Role.DECODE and info.kv_metadata and not ours
                                 and info.kv_metadata not in known):
                             try:
                                 await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))

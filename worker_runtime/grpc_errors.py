@@ -1,9 +1,14 @@
-"""The one mapping from exceptions to gRPC status codes, applied to every servicer method."""
+"""The one mapping from exceptions to gRPC status codes, applied to every servicer method of
+a worker by one server interceptor (`StatusInterceptor`).
+
+Only what a caller can fix maps to INVALID_ARGUMENT (a `ValueError`: validation). Anything
+unexpected — a `TypeError` or `KeyError` from the engine is a bug, not bad input — is
+INTERNAL and logged with its traceback."""
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -27,24 +32,23 @@ class NotFound(LookupError):
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
+    from engine.engine_loop import EngineLoopDied
     from kvtransfer import IncompatiblePeerError, KVTransferError
 
     if isinstance(exc, NotFound):
         return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, (ValueError, TypeError, KeyError)):
+    if isinstance(exc, IncompatiblePeerError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, (KVTransferError, Unavailable, EngineLoopDied)):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, ResourceExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, (TimeoutError,)):
+    if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, IncompatiblePeerError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, KVTransferError):
-        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
@@ -53,31 +57,52 @@ def _message(exc: BaseException) -> str:
     return text.strip("'\"") if isinstance(exc, KeyError) else text
 
 
-async def _abort(context, exc: Exception, method_name: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("internal error in %s", method_name)
-    await context.abort(code, _message(exc))
+        log.exception("internal error in %s", method)
+        details = f"internal error in {method}: {type(exc).__name__}: {_message(exc)}"
+    else:
+        details = _message(exc)
+    await context.abort(code, details)
 
 
-def grpc_errors(method):
-    """Decorate an async servicer method (unary or server-streaming) so that exceptions end
-    the call with the mapped status code and the exception's message."""
-
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except Exception as exc:
-                await _abort(context, exc, method.__name__)
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
+def _unary(behaviour: Callable[..., Awaitable[Any]], method: str):
+    async def unary(request, context):
         try:
-            return await method(self, request, context)
+            return await behaviour(request, context)
         except Exception as exc:
-            await _abort(context, exc, method.__name__)
+            await _abort(context, exc, method)
     return unary
+
+
+def _stream(behaviour: Callable[..., AsyncIterator[Any]], method: str):
+    async def stream(request, context):
+        try:
+            async for item in behaviour(request, context):
+                yield item
+        except Exception as exc:
+            await _abort(context, exc, method)
+    return stream
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Ends every call whose servicer raised with the mapped status code and the exception's
+    message (unary and server-streaming methods: all a worker has)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler

@@ -4,24 +4,22 @@ registration in etcd that `Worker.SetRole` moves without restarting the engine.
 Every worker has both roles' services on its gRPC server (pdserve/worker_main.py): the KV
 transfer agent sends and receives over the one registered pool, and both roles' after-step
 and abort hooks stay installed whatever is served, so transfers of the old role still in
-flight finish normally after a switch. `WorkerRoles.admit` is the gate: a call for the role
-not served now is FAILED_PRECONDITION, a call while switching UNAVAILABLE — the callers'
+flight finish normally after a switch. The gate is `Admission` (admission.py): a call for the
+role not served now is FAILED_PRECONDITION, a call while switching UNAVAILABLE — the callers'
 fallbacks take over (a decode worker prefills locally, the router retries another worker).
 
-Life cycle of a switch (`set_role`; serialized with sleep / wake-up / weight updates by the
-lifecycle lock):
+Life cycle of a switch (`set_role`; serialized with sleep / wake-up / weight updates by
+`Admission.changing`):
 1. Same role: nothing happens (idempotent). Unknown role: INVALID_ARGUMENT. Sleeping, going
    to sleep, updating weights or shutting down: FAILED_PRECONDITION, nothing changes.
-2. SWITCHING: the gate closes for both roles and `draining` is published at once, so routers
-   stop placing work here.
-3. Drain: wait until no call is in flight, at most `drain_timeout_s` (0: `--drain-timeout`).
-   Then whatever is left is aborted: a decode stream ends with an "abort" update (the router
-   migrates it to another decode worker), a prefill call fails UNAVAILABLE (its decode
-   worker prefills locally). Calls still in flight `ABORT_GRACE_S` after that fail the
-   switch (DEADLINE_EXCEEDED): the worker goes on serving its old role, nothing moved.
-   (A call admitted just before the gate closed that had not counted itself in flight yet —
-   it was building its request off the event loop — runs on after the switch; the one
-   engine serves it to the end like any other.)
+2. SWITCHING_ROLE: the gate closes for both roles and `draining` is published at once, so
+   routers stop placing work here.
+3. Drain: wait until no call is in flight (counted from admission, request building
+   included), at most `drain_timeout_s` (0: `--drain-timeout`). Then whatever is left is
+   aborted: a decode stream ends with an "abort" update (the router migrates it to another
+   decode worker), a prefill call fails UNAVAILABLE (its decode worker prefills locally).
+   Calls still in flight `ABORT_GRACE_S` after that fail the switch (DEADLINE_EXCEEDED): the
+   worker goes on serving its old role, nothing moved.
 4. The role changes; the engine, its KV pool and NIXL registration, its prefix cache, LoRA
    adapters and KV-event stream are untouched (no reload, no reset).
 5. The registration moves to the new role's key on the same lease: the new key is put
@@ -30,18 +28,13 @@ lifecycle lock):
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-from cluster.registration import ROLES
-from worker_runtime.grpc_errors import FailedPrecondition, Unavailable
-from worker_runtime.lifecycle import abort_all
-
-if TYPE_CHECKING:
-    from worker_runtime.runtime import WorkerRuntime
+from cluster.roles import Role
+from worker_runtime.admission import Admission, WorkerPhase, check_role
+from worker_runtime.grpc_errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -50,84 +43,64 @@ ABORT_GRACE_S = 10.0
 
 
 class WorkerRoles:
-    """The role this worker serves now, the gate, and switching (asyncio side)."""
+    """Switching the role served (asyncio side); the role itself is `Admission.role`."""
 
-    def __init__(self, rt: WorkerRuntime, role: str) -> None:
-        _check_role(role)
-        self.rt = rt
-        self.role = role
-        """The role served now (published as `WorkerInfo.role`)."""
-        self.switching_to: str | None = None
-        """The role being switched to while the old one drains; None otherwise."""
+    def __init__(self, admission: Admission, publish: Callable[[], Awaitable[None]],
+                 move_registration: Callable[[str], Awaitable[None]],
+                 abort_all: Callable[[], Awaitable[None]],
+                 on_switched: Callable[[Role, Role], None], *, drain_timeout_s: float) -> None:
+        self._admission = admission
+        self._publish = publish
+        self._move_registration = move_registration
+        """Registrar.move(old_role): the registration follows `admission.role`."""
+        self._abort_all = abort_all
+        self._on_switched = on_switched
+        """(new role, previous role), once switched (the role gauge in /metrics)."""
+        self._drain_timeout_s = drain_timeout_s
 
-    @property
-    def switching(self) -> bool:
-        return self.switching_to is not None
-
-    def admit(self, role: str) -> None:
-        """Refuse a call for `role` unless this worker serves it now."""
-        if self.switching_to is not None:
-            raise Unavailable(f"worker is switching from the {self.role} role to the "
-                              f"{self.switching_to} role")
-        if role != self.role:
-            raise FailedPrecondition(f"worker serves the {self.role} role, not {role} "
-                                     "(Worker.SetRole switches it)")
-
-    async def set_role(self, role: str, drain_timeout_s: float = 0.0) -> str:
+    async def set_role(self, role: str, drain_timeout_s: float = 0.0) -> Role:
         """Serve `role` from now on (module docstring); returns the role served before."""
-        _check_role(role)
+        new = check_role(role)
         if not math.isfinite(drain_timeout_s) or drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
-        rt = self.rt
-        async with rt.lifecycle.lock:
-            previous = self.role
-            if role == previous:
+        admission = self._admission
+        async with admission.changing:
+            previous = admission.role
+            if new is previous:
                 return previous
-            self._check_switchable()
-            self.switching_to = role
+            _check_switchable(admission.phase)
+            admission.move(WorkerPhase.SWITCHING_ROLE, switching_to=new)
             try:
-                await rt.republish()  # draining: routers stop placing work here
-                await self._drain(drain_timeout_s or rt.config.drain_timeout_s)
+                await self._publish()  # draining: routers stop placing work here
+                await self._drain(drain_timeout_s or self._drain_timeout_s)
             except BaseException:
-                self.switching_to = None
-                await rt.republish()
+                admission.leave(WorkerPhase.SWITCHING_ROLE)
+                await self._publish()
                 raise
-            self.role, self.switching_to = role, None
-            rt.metrics.set_role(role, previous)
+            admission.switch_role()
+            self._on_switched(new, previous)
             log.info("switched from the %s role to the %s role (engine and prefix cache kept)",
-                     previous, role)
-            if rt.registrar is not None:
-                await rt.registrar.move(previous)
+                     previous, new)
+            await self._move_registration(previous)
         return previous
 
-    def _check_switchable(self) -> None:
-        rt = self.rt
-        if rt.draining:
-            raise FailedPrecondition("worker is shutting down")
-        if rt.lifecycle.sleeping:
-            raise FailedPrecondition("worker is sleeping: wake it up before switching roles")
-        if rt.paused is not None:
-            raise FailedPrecondition(f"worker is {rt.paused}")
-
     async def _drain(self, timeout_s: float) -> None:
-        rt = self.rt
-        deadline = time.monotonic() + timeout_s
-        while rt.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if not rt.inflight:
+        admission = self._admission
+        if await admission.wait_idle(timeout_s):
             return
         log.warning("role switch: %d calls still in flight after %g s; aborting them",
-                    rt.inflight, timeout_s)
-        await abort_all(rt)
-        deadline = time.monotonic() + ABORT_GRACE_S
-        while rt.inflight:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"role switch: {rt.inflight} calls still in flight "
-                                   f"{ABORT_GRACE_S:g} s after aborting them; still "
-                                   f"serving the {self.role} role")
-            await asyncio.sleep(0.02)
+                    admission.inflight, timeout_s)
+        await self._abort_all()
+        if not await admission.wait_idle(ABORT_GRACE_S):
+            raise TimeoutError(f"role switch: {admission.inflight} calls still in flight "
+                               f"{ABORT_GRACE_S:g} s after aborting them; still serving the "
+                               f"{admission.role} role")
 
 
-def _check_role(role: str) -> None:
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+def _check_switchable(phase: WorkerPhase) -> None:
+    if phase is WorkerPhase.SHUTTING_DOWN:
+        raise FailedPrecondition("worker is shutting down")
+    if phase is WorkerPhase.SLEEPING:
+        raise FailedPrecondition("worker is sleeping: wake it up before switching roles")
+    if phase is not WorkerPhase.SERVING:
+        raise FailedPrecondition(f"worker is {phase.value}")

@@ -4,79 +4,128 @@ in front of it is service.py.
 
 Life cycle of a worker process: build (load model, size pool, register the pool with NIXL)
 -> start (engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at
-start is fatal) -> serve -> SIGTERM: mark draining (published at once; new work is refused
-with UNAVAILABLE), wait for in-flight requests (bounded), deregister, exit 0.
-Sleep / wake up and weight updates (the router's fleet-wide admin calls): lifecycle.py.
-Both roles' services are on every worker; which one it serves now, and switching it
-(`Worker.SetRole`, the engine kept): roles.py.
+start is fatal) -> serve -> SIGTERM: SHUTTING_DOWN (published at once; new work is refused
+with UNAVAILABLE), wait for in-flight calls (bounded), deregister, exit 0. If the engine loop
+dies (a step raised), every engine command fails at once, the worker deregisters and the
+process exits 1, so its supervisor restarts it.
+The worker's phase, the role it serves and the calls in flight: admission.py. Sleep / wake
+up and weight updates (the router's fleet-wide admin calls): lifecycle.py. Both roles'
+services are on every worker; switching the role served (`Worker.SetRole`, the engine
+kept): roles.py.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
-import time
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from cluster.registration import Capacity, Registrar, WorkerInfo
-from engine.config import EngineConfig
+from cluster.registration import Capacity, WorkerInfo
 from engine.engine_loop import EngineLoop
-from engine.lora.request import LoRARequest, lora_id_for
 from engine.llm_engine import EngineStats, LLMEngine
+from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
-from kvtransfer import KVCompat, KVTransferConfig
-from kvtransfer.metadata import PeerMetadata
+from kvtransfer import KVCompat, KVTransferBackend
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
-from worker_runtime.grpc_errors import NotFound, Unavailable
+from worker_runtime.grpc_errors import NotFound, StatusInterceptor
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.pool import PoolRegistration
 from worker_runtime.roles import WorkerRoles
 from worker_runtime.service import WorkerService
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.pooling import PoolingParams
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.tokens import Resume
 
 log = logging.getLogger(__name__)
 
 
-class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, engine_config: EngineConfig) -> None:
-        import torch
-        from kvtransfer import NixlTransferBackend
+class Registration(Protocol):
+    """What the runtime needs of its etcd registration (cluster.registration.Registrar)."""
 
+    async def start(self) -> None: ...
+
+    async def publish_now(self) -> None: ...
+
+    async def move(self, old_role: str) -> None: ...
+
+    async def deregister(self) -> None: ...
+
+
+RegistrationFor = Callable[[Callable[[], WorkerInfo]], Registration]
+"""Makes the registration that publishes what the given callable describes."""
+
+
+class WorkerRuntime:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
+                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None,
+                 lora_modules: tuple[str, ...] = ()) -> None:
+        """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
+        the transfer agent the engine's pool is registered with here."""
         self.config = config
-        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
-        self.engine = LLMEngine(engine_config)
+        self.engine = engine
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
-        self.kv = NixlTransferBackend(KVTransferConfig(agent_name=self.worker_id))
-        self.compat = KVCompat.for_pool(self.engine.kv_cache, self.engine.loaded.model_id,
-                                        engine_config.kv_cache_dtype)
+        self.kv = kv
+        self.compat = KVCompat.for_pool(engine.kv_cache, engine.loaded.model_id,
+                                        engine.config.kv_cache_dtype)
         self.kv_cache_dtype = self.compat.kv_cache_dtype  # normalized: published, hashed by the router
-        self.kv_metadata: PeerMetadata | None = None  # None while the pool sleeps
-        self.register_pool()
         self.compat_hash = self.compat.hash()
-        self.metrics = WorkerMetrics(config.role, self.kv, self.engine.loaded.model_id,
-                                     self.engine.num_speculative_tokens)
-        self.draining = False
-        self.paused: str | None = None
-        """Why new requests are refused for a while (a sleep or weight update draining)."""
-        self.lifecycle = WorkerLifecycle(self)
-        self.roles = WorkerRoles(self, config.role)
-        self.inflight = 0
-        self.streams: dict[str, asyncio.Queue[CompletionDelta]] = {}
+        self.pool = PoolRegistration(kv, self.compat)
+        self.pool.register(engine)
+        self.metrics = metrics or WorkerMetrics(config.role, kv, engine.loaded.model_id,
+                                                engine.num_speculative_tokens)
+        self.admission = Admission(config.role)
+        self.registration = registration_for(self.info)
+        self.lifecycle = WorkerLifecycle(
+            self.admission, self.call, self.pool, self.republish, self.abort_all,
+            sleep_mode=engine.config.enable_sleep_mode, drain_timeout_s=config.drain_timeout_s)
+        self.roles = WorkerRoles(
+            self.admission, self.republish, self.registration.move, self.abort_all,
+            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s)
+        self.streams: dict[str, asyncio.Queue[Any]] = {}
+        """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
         self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
         self._step_hooks: list[Callable[[LLMEngine], bool]] = []
         self._abort_hooks: list[Callable[[str], Awaitable[bool]]] = []
-        self.loop = EngineLoop(self.engine, self.deliver, self._after_step,
+        self.loop = EngineLoop(engine, self.deliver, self._after_step,
                                itl_target_s=config.itl_target_ms / 1000)
-        self.stats: EngineStats = self.engine.stats()
-        self.registrar: Registrar | None = None
-        self.loras: dict[str, str] = dict(m.split("=", 1) for m in engine_config.lora_modules)
+        self.stats: EngineStats = engine.stats()
+        self.loras: dict[str, str] = dict(m.split("=", 1) for m in lora_modules)
         """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
         self.grpc_address = ""
         self.metrics_address = ""
+        self.aio: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def build(cls, config: WorkerConfig, engine_config: EngineConfig) -> WorkerRuntime:
+        """The production runtime: the engine, a NIXL agent, an etcd registration."""
+        import torch
+
+        from cluster.registration import Registrar
+        from kvtransfer import KVTransferConfig, NixlTransferBackend
+
+        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
+        engine = LLMEngine(engine_config)
+        kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
+        return cls(config, engine, kv,
+                   lambda info: Registrar(config.etcd, config.cluster, info),
+                   lora_modules=tuple(engine_config.lora_modules))
+
+    def attach(self, aio: asyncio.AbstractEventLoop) -> None:
+        """The asyncio loop this worker serves on: engine-thread results are handed there."""
+        self.aio = aio
 
     # ---- engine thread side ------------------------------------------------------------
     def add_step_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
@@ -86,13 +135,6 @@ class WorkerRuntime:
     def add_abort_hook(self, hook: Callable[[str], Awaitable[bool]]) -> None:
         """`Worker.Abort` tries the hooks in the order added until one returns True (handled)."""
         self._abort_hooks.append(hook)
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request in any state; False if it was not (or no longer) known."""
-        for hook in self._abort_hooks:
-            if await hook(request_id):
-                return True
-        return bool(await self.call(lambda e: e.abort_request(request_id)))
 
     def deliver(self, deltas: list[CompletionDelta]) -> None:
         """Hand deltas (engine thread) to the asyncio queues of their requests."""
@@ -120,36 +162,10 @@ class WorkerRuntime:
         future already resolved or cancelled is left alone)."""
         self.aio.call_soon_threadsafe(_settle, future, result, exc)
 
-    def register_pool(self) -> None:
-        """Register the engine's KV pool (where it lives now) with the transfer agent: at
-        start, and again after a wake-up reallocated it (engine thread then)."""
-        self.kv_metadata = self.kv.register_pool(self.engine.kv_cache, self.compat)
-
-    def deregister_pool(self) -> None:
-        """Before the pool's memory is freed (sleep; engine thread): nothing is published
-        for it until `register_pool`."""
-        self.kv.deregister_pool()
-        self.kv_metadata = None
-
-    @property
-    def kv_pool_registered(self) -> bool:
-        return self.kv_metadata is not None
-
-    def admit(self, request_id: str, role: str) -> None:
-        """Refuse new work while draining, for a role not served now, while paused or
-        asleep, and requests without an id."""
-        if self.draining:
-            raise Unavailable("worker is draining")
-        self.roles.admit(role)
-        if self.paused is not None:
-            raise Unavailable(f"worker is {self.paused}")
-        if self.lifecycle.sleeping:
-            raise Unavailable("worker is sleeping")
-        if not request_id:
-            raise ValueError("request_id is required")
-
+    # ---- asyncio side -------------------------------------------------------------------
     async def call(self, fn, *, cancellable: bool = True):
-        """Run fn(engine) on the engine thread; await its result.
+        """Run fn(engine) on the engine thread; await its result (EngineLoopDied once the
+        loop is dead).
 
         Cancelling the awaiting task before the engine thread took the command drops the
         command (the engine loop skips cancelled futures). Commands that record a fact the
@@ -157,6 +173,48 @@ class WorkerRuntime:
         they run whatever happens to the caller (who still sees CancelledError at once)."""
         future = asyncio.wrap_future(self.loop.call(fn))
         return await (future if cancellable else asyncio.shield(future))
+
+    async def make_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, cache_salt: str, priority: int,
+                           lora: LoRARequest | None = None, resume: Resume | None = None,
+                           pooling: PoolingParams | None = None) -> Request:
+        """The engine request for a call (both roles; ValueError for invalid input). A
+        structured request compiles its grammar, a LoRA request loads its adapter from disk:
+        those are built off the event loop (`make_request` reads no mutable engine state, so
+        it is safe off the engine thread)."""
+        build = functools.partial(self.engine.make_request, request_id, prompt_token_ids, params,
+                                  cache_salt or None, priority, resume=resume, pooling=pooling,
+                                  lora_request=lora)
+        if params.structured_outputs is None and lora is None:
+            return build()
+        return await asyncio.to_thread(build)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[Any]:
+        """The queue the engine's deltas for `request_id` arrive on (until `close_stream`);
+        ValueError if a call here already streams that request."""
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already live on this worker")
+        queue = self.streams[request_id] = asyncio.Queue()
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in any state; False if it was not (or no longer) known."""
+        for hook in self._abort_hooks:
+            if await hook(request_id):
+                return True
+        return bool(await self.call(lambda e: e.abort_request(request_id)))
+
+    async def abort_all(self) -> None:
+        """`Worker.Abort` every request this worker has: its streams and the engine's."""
+        def live(e: LLMEngine) -> set[str]:
+            s = e.scheduler
+            return {r.group_id for r in (*s.running, *s.waiting, *s.waiting_for_kv)}
+
+        ids = set(self.streams) | await self.call(live)
+        await asyncio.gather(*(self.abort(rid) for rid in ids), return_exceptions=True)
 
     # ---- LoRA adapters ---------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> None:
@@ -189,20 +247,20 @@ class WorkerRuntime:
         return [pb.LoRAAdapter(name=n, path=p) for n, p in sorted(self.loras.items())]
 
     async def republish(self) -> None:
-        if self.registrar is not None:
-            await self.registrar.publish_now()
+        await self.registration.publish_now()
 
     # ---- registration ------------------------------------------------------------------
     def info(self) -> WorkerInfo:
+        metadata = self.pool.metadata
         return WorkerInfo(
-            worker_id=self.worker_id, role=self.roles.role, grpc_address=self.grpc_address,
+            worker_id=self.worker_id, role=self.admission.role, grpc_address=self.grpc_address,
             model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
             block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.kv_cache_dtype,
-            kv_metadata=(self.kv_metadata.to_bytes().decode("ascii")
-                         if self.kv_metadata is not None else ""),
+            kv_metadata=metadata.to_bytes().decode("ascii") if metadata is not None else "",
             sleeping=self.lifecycle.sleeping, weights_version=self.lifecycle.weights_version,
-            metrics_address=self.metrics_address, draining=self.draining or self.roles.switching,
+            metrics_address=self.metrics_address,
+            draining=self.admission.phase.published_draining,
             loras=dict(self.loras),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
             capacity=self.capacity(),
@@ -227,7 +285,7 @@ class WorkerRuntime:
         )
 
     async def _refresh_stats(self) -> None:
-        while True:
+        while self.loop.alive:
             try:
                 self.stats = await self.call(lambda e: e.stats())
                 self.metrics.update(self.stats, self.loop)
@@ -237,15 +295,16 @@ class WorkerRuntime:
 
     # ---- process life cycle --------------------------------------------------------------
     async def serve(self, add_servicers: Callable[[grpc.aio.Server], None]) -> int:
-        """Run until SIGTERM/SIGINT; returns the exit code."""
+        """Run until SIGTERM/SIGINT (exit code 0) or the engine loop's death (1)."""
         import signal
 
         from cluster.net import free_port
 
-        self.aio = asyncio.get_running_loop()
+        self.attach(asyncio.get_running_loop())
         cfg = self.config
         host = cfg.advertise_host or cfg.host
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(interceptors=[StatusInterceptor()],
+                                 options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_WorkerServicer_to_server(WorkerService(self), server)
         add_servicers(server)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -261,11 +320,11 @@ class WorkerRuntime:
         self.loop.start()
         await server.start()
         refresher = asyncio.create_task(self._refresh_stats())
-        self.registrar = Registrar(cfg.etcd, cfg.cluster, self.info)
         try:
-            await self.registrar.start()
+            await self.registration.start()
         except Exception as exc:
             log.error("%s", exc)
+            refresher.cancel()
             await server.stop(0)
             self.loop.stop()
             return 1
@@ -277,30 +336,30 @@ class WorkerRuntime:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.aio.add_signal_handler(sig, stop.set)
-        while not stop.is_set():
+        while not stop.is_set() and self.loop.alive:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
-                if not self.loop.alive:
-                    log.error("engine loop died; exiting")
-                    return 1
-        await self.drain()
+                pass
+        code = 0 if self.loop.alive else 1
+        if code:
+            log.error("engine loop died; deregistering and exiting")
+            self.admission.move(WorkerPhase.SHUTTING_DOWN)
+        else:
+            await self.drain()
         refresher.cancel()
-        await self.registrar.deregister()
-        await server.stop(1.0)
+        await self.registration.deregister()
+        await server.stop(1.0 if code == 0 else 0)
         self.loop.stop()
         self.kv.close()
-        return 0
+        return code
 
     async def drain(self) -> None:
-        self.draining = True
-        if self.registrar is not None:
-            await self.registrar.publish_now()
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.inflight:
-            log.warning("drain timeout: %d requests still in flight", self.inflight)
+        """SHUTTING_DOWN (published at once), then wait for in-flight calls (bounded)."""
+        self.admission.move(WorkerPhase.SHUTTING_DOWN)
+        await self.republish()
+        if not await self.admission.wait_idle(self.config.drain_timeout_s):
+            log.warning("drain timeout: %d requests still in flight", self.admission.inflight)
 
     async def kv_events(self) -> AsyncIterator[pb.KVEventBatch]:
         queue: asyncio.Queue[pb.KVEventBatch] = asyncio.Queue()

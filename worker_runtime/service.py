@@ -1,7 +1,7 @@
 """The `Worker` gRPC service every worker answers, whatever role it serves: health and
 capacity, aborts, KV events, LoRA adapters, the weights lifecycle and role switching. Thin:
 the work is in WorkerRuntime (runtime.py), WorkerLifecycle (lifecycle.py) and WorkerRoles
-(roles.py)."""
+(roles.py); exceptions become status codes in one place (grpc_errors.StatusInterceptor)."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker_runtime.grpc_errors import grpc_errors
 
 if TYPE_CHECKING:
     from worker_runtime.runtime import WorkerRuntime
@@ -21,7 +20,6 @@ class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
 
-    @grpc_errors
     async def Health(self, request, context):
         info = self.rt.info()
         c = info.capacity
@@ -30,24 +28,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             capacity=pb.Capacity(**asdict(c)),
         )
 
-    @grpc_errors
     async def Abort(self, request, context):
         if not request.request_id:
             raise ValueError("request_id is required")
         return pb.AbortResponse(found=await self.rt.abort(request.request_id))
 
-    @grpc_errors
     async def SubscribeKVEvents(self, request, context):
         await context.send_initial_metadata(())  # the subscriber knows it is subscribed
         async for batch in self.rt.kv_events():
             yield batch
 
-    @grpc_errors
     async def GetCachedBlocks(self, request, context):
         hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
         return pb.CachedBlocksResponse(block_hashes=hashes)
 
-    @grpc_errors
     async def LoadLoRAAdapter(self, request, context):
         adapter = request.adapter
         if not adapter.name:
@@ -55,7 +49,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         await self.rt.load_lora(adapter.name, adapter.path)
         return pb.LoRAResponse(found=True, served=self.rt.served_loras())
 
-    @grpc_errors
     async def UnloadLoRAAdapter(self, request, context):
         if not request.name:
             raise ValueError("lora_name must not be empty")
@@ -63,41 +56,34 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.LoRAResponse(found=found, served=self.rt.served_loras())
 
     # ---- weights lifecycle (lifecycle.py) ---------------------------------------------------
-    @grpc_errors
     async def Sleep(self, request, context):
         await self.rt.lifecycle.sleep(request.level or 1, request.abort)
         return self._state()
 
-    @grpc_errors
     async def WakeUp(self, request, context):
         await self.rt.lifecycle.wake_up(list(request.tags))
         return self._state()
 
-    @grpc_errors
     async def IsSleeping(self, request, context):
         return self._state()
 
-    @grpc_errors
     async def ResetPrefixCache(self, request, context):
         await self.rt.lifecycle.reset_prefix_cache()
         return self._state()
 
-    @grpc_errors
     async def CollectiveRPC(self, request, context):
         if not request.method:
             raise ValueError("method is required")
         return pb.CollectiveRPCResponse(results_json=await self.rt.lifecycle.collective_rpc(
             request.method, request.args_json, request.kwargs_json))
 
-    @grpc_errors
     async def UpdateWeights(self, request, context):
         await self.rt.lifecycle.update_weights(request.path)
         return self._state()
 
-    @grpc_errors
     async def SetRole(self, request, context):
         previous = await self.rt.roles.set_role(request.role, request.drain_timeout_s)
-        return pb.SetRoleResponse(role=self.rt.roles.role, previous_role=previous)
+        return pb.SetRoleResponse(role=self.rt.admission.role.value, previous_role=previous.value)
 
     def _state(self) -> pb.LifecycleResponse:
         life = self.rt.lifecycle

@@ -1,4 +1,5 @@
-"""A decode worker on a fake runtime, driven step by step from the test's own thread.
+"""A decode worker on a real WorkerRuntime over fakes, driven step by step from the test's
+own thread.
 
 The engine loop is real but never started: `Harness.run_engine()` runs its queued commands
 and the worker's after-step hook in the test thread, so the test decides exactly where the
@@ -18,12 +19,10 @@ import grpc
 import torch
 
 from cluster.convert import sampling_from_pb
-from engine.engine_loop import EngineLoop
 from engine.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
-from worker_runtime.lifecycle import WorkerLifecycle
-from worker_runtime.roles import WorkerRoles
+from worker_runtime.args import WorkerConfig
 from worker_runtime.runtime import WorkerRuntime
 
 BLOCK_SIZE = 4
@@ -54,11 +53,17 @@ class FakeEngine:
     allocated: dict[str, list[int]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     next_block: int = 0
+    kv_cache: torch.Tensor = field(default_factory=lambda: torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4)))
 
     limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE))
+    loaded = SimpleNamespace(model_id="m")
+    config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False)
+
+    def stats(self):
+        return None
 
     def make_request(self, rid, prompt, params, cache_salt=None, priority=0, resume=None,
-                     lora_request=None):
+                     pooling=None, lora_request=None):
         outputs = len(resume.output_token_ids) if resume is not None else 0
         return SimpleNamespace(request_id=rid, prompt_token_ids=list(prompt), num_prompt_tokens=len(prompt),
                                num_tokens=len(prompt) + outputs, sampling=params, cache_salt=cache_salt,
@@ -90,6 +95,18 @@ class FakeEngine:
         return found
 
 
+class FakeRegistration:
+    """An etcd registration that publishes nowhere."""
+
+    async def start(self) -> None: ...
+
+    async def publish_now(self) -> None: ...
+
+    async def move(self, old_role: str) -> None: ...
+
+    async def deregister(self) -> None: ...
+
+
 class FakeCall:
     """A `Prefill` call the test ends by hand."""
 
@@ -114,31 +131,23 @@ class Harness:
         from decode_node.worker import DecodeWorker
 
         self.engine = FakeEngine()
-        rt = WorkerRuntime.__new__(WorkerRuntime)
-        rt.config = SimpleNamespace(kv_timeout_s=kv_timeout_s, strict_remote_prefill=False)
-        rt.engine = self.engine
         fabric = FakeFabric()
-        rt.kv = _backend(fabric, "D")
+        config = WorkerConfig(role="decode", etcd="unused:0", kv_timeout_s=kv_timeout_s)
+        rt = WorkerRuntime(config, self.engine, FakeTransferBackend(fabric, KVTransferConfig(agent_name="D")),
+                           lambda info: FakeRegistration(), metrics=mock.MagicMock())
+        rt.attach(asyncio.get_running_loop())
         self.p_kv = _backend(fabric, "P")  # the prefill worker's side, to land KV by hand
         self.p_kv.add_peer(rt.kv.metadata())
-        rt.kv_metadata = rt.kv.metadata()
-        rt.metrics = mock.MagicMock()
-        rt.draining, rt.inflight, rt.streams = False, 0, {}
-        rt.paused, rt.lifecycle = None, WorkerLifecycle(rt)
-        rt.roles = WorkerRoles(rt, "decode")
-        rt._step_hooks, rt._abort_hooks = [], []
-        rt.aio = asyncio.get_running_loop()
-        rt.loop = EngineLoop(self.engine, rt.deliver)  # never started: see run_engine
         self.rt = rt
         self.calls: list[FakeCall] = []
         self.aborts: list[str] = []
         self.abort_reply: asyncio.Future | None = None  # None: P answers Abort at once
         self.abort_error: Exception | None = None  # P's Abort fails with this
         stubs = {"PrefillWorkerStub": self._prefill_stub, "WorkerStub": self._worker_stub}
-        self._patch = mock.patch.multiple("decode_node.worker.pb_grpc", **stubs)
+        self._patch = mock.patch.multiple("decode_node.prefill_client.pb_grpc", **stubs)
         self._patch.start()
         self.worker = DecodeWorker(rt)
-        self.worker._channel = lambda address: None
+        self.worker.prefill._channel = lambda address: None
 
     def close(self) -> None:
         self._patch.stop()

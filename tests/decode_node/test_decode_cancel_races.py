@@ -52,7 +52,7 @@ async def _settled(h, task, cancel_first=True):
 def _nothing_left(h, rid="r"):
     assert h.held == []
     assert rid not in h.engine.allocated and rid not in h.engine.running
-    assert not h.worker.remote.in_flight and h.worker.remote.quarantined_blocks == 0
+    assert not h.worker.prefill.remote.in_flight and h.worker.prefill.remote.quarantined_blocks == 0
 
 
 def test_cancel_before_the_start_command_ran_releases_without_asking_p():
@@ -82,12 +82,12 @@ def test_cancel_while_p_may_write_quarantines_until_p_confirms(kv_landed):
             if kv_landed:
                 await h.land_kv(call)
                 await h.spin()
-                assert h.worker.remote.state(call.request.destination.transfer_id).name == "KV_LANDED"
+                assert h.worker.prefill.remote.state(call.request.destination.transfer_id).name == "KV_LANDED"
             h.abort_reply = asyncio.get_running_loop().create_future()  # P has not answered yet
             await _settled(h, task)
             assert call.cancelled and h.aborts == ["r"]
             assert h.held == blocks  # a late write cannot reach another request's KV
-            assert h.worker.remote.quarantined_blocks == len(blocks)
+            assert h.worker.prefill.remote.quarantined_blocks == len(blocks)
             h.abort_reply.set_result(None)  # P: its sender reported the transfer
             await h.spin()
             _nothing_left(h)
@@ -105,7 +105,7 @@ def test_cancel_after_the_first_token_while_waiting_for_kv_releases_at_once():
             await h.spin()
             h.calls[0].future.set_result(h.response())
             await h.spin()  # FIRST_TOKEN: P writes nothing more
-            assert h.worker.remote.state(h.calls[0].request.destination.transfer_id).name == "FIRST_TOKEN"
+            assert h.worker.prefill.remote.state(h.calls[0].request.destination.transfer_id).name == "FIRST_TOKEN"
             await _settled(h, task)
             assert h.aborts == []
             _nothing_left(h)
@@ -134,7 +134,7 @@ def test_kv_and_first_token_in_either_order_run_the_request(kv_first):
             responses = await asyncio.wait_for(task, 5)
             assert [(r.prefill_mode, list(r.token_ids), r.finish_reason) for r in responses] == [
                 ("remote", [42], "length")]
-            assert h.engine.running == ["r"] and h.held == [] and not h.worker.remote.in_flight
+            assert h.engine.running == ["r"] and h.held == [] and not h.worker.prefill.remote.in_flight
         finally:
             h.close()
 
@@ -175,7 +175,7 @@ def test_kv_timeout_keeps_the_blocks_until_ps_call_has_ended():
             assert h.held == blocks and "r" not in h.engine.allocated
             call.future.set_result(h.response())  # P answers late: its writes are done
             await h.spin()
-            assert task.done() and h.held == [] and not h.worker.remote.quarantined_blocks
+            assert task.done() and h.held == [] and not h.worker.prefill.remote.quarantined_blocks
             assert "did not arrive" in str(task.exception())
         finally:
             h.close()

@@ -2,6 +2,7 @@
 cluster.registration.Capacity via WorkerRuntime.capacity) are measured from its own steps:
 exponentially weighted means over recent steps of each kind, zero until measured."""
 import time
+from unittest import mock
 
 import pytest
 
@@ -25,9 +26,10 @@ def test_step_timings_skip_warm_up_then_weight_recent_steps():
 
 def test_a_worker_publishes_its_measured_step_timings(model_dir):
     from engine.config import EngineConfig
-    from engine.engine_loop import EngineLoop
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
+    from kvtransfer import FakeFabric, FakeTransferBackend, KVTransferConfig
+    from worker_runtime.args import WorkerConfig
     from worker_runtime.runtime import WorkerRuntime
 
     engine = LLMEngine(EngineConfig(
@@ -45,9 +47,10 @@ def test_a_worker_publishes_its_measured_step_timings(model_dir):
         return deltas
 
     engine.step = timed_step
-    loop = EngineLoop(engine, lambda deltas: None)
-    runtime = WorkerRuntime.__new__(WorkerRuntime)  # just what capacity() reads
-    runtime.engine, runtime.loop, runtime.stats = engine, loop, engine.stats()
+    runtime = WorkerRuntime(WorkerConfig(role="decode", etcd="unused:0"), engine,
+                            FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="w")),
+                            lambda info: mock.AsyncMock(), metrics=mock.MagicMock())
+    loop = runtime.loop
     fresh = runtime.capacity()
     assert (fresh.prefill_tokens_per_s, fresh.decode_step_s, fresh.prefill_step_s) == (0, 0, 0)
     assert (fresh.max_num_batched_tokens, fresh.long_prefill_token_threshold) == (64, 32)

@@ -1,0 +1,177 @@
+"""The decode worker's side of a remote prefill: park the request, call the prefill worker P,
+and drive the transfer attempt's state machine (remote_prefill.py) with what P and the KV
+receiver report, until the request runs here or its blocks are released.
+
+Every engine command that records what P did is uncancellable (`WorkerRuntime.call`): a
+cancel at any await here still ends the attempt in RUNNING or RELEASED. A dropped attempt's
+blocks stay quarantined until P confirmed it writes no more: its call returned, or its
+`Worker.Abort` answered (`_confirm_stopped`, retried until it does).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import replace
+from typing import NamedTuple
+
+import grpc
+
+from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
+from cluster.retry import Backoff
+from cluster.roles import PrefillPath
+from decode_node.remote_prefill import RemotePrefills
+from engine.llm_engine import LLMEngine
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.grpc_errors import Unavailable
+from worker_runtime.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+_GONE_AFTER = 3  # UNAVAILABLE answers in a row to an Abort: nothing serves at P's address
+
+
+class RemoteResult(NamedTuple):
+    """How a remote prefill ended, for the request's stream."""
+
+    path: PrefillPath
+    """REMOTE: the request runs here with P's KV; LOCAL: it could not be parked (no room for
+    the whole prompt now); LOCAL_FALLBACK: P failed and the parked request was dropped."""
+    remote_cached_tokens: int = 0
+    """Prompt tokens P found in its own prefix cache (REMOTE only)."""
+
+
+class PrefillClient:
+    """Remote prefills of one decode worker (asyncio side; `remote` on the engine thread)."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+        self.remote = RemotePrefills(runtime.kv.receiver, runtime.settle, runtime.deliver)
+        self._attempts = itertools.count()  # transfer ids: one per attempt
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task] = set()
+        runtime.add_step_hook(self._after_step)
+
+    def _after_step(self, engine: LLMEngine) -> bool:  # engine thread
+        self.remote.poll_kv(engine)
+        return self.remote.in_flight
+
+    def drop(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:  # engine thread
+        """Fail the request's live attempt, if any, and abort it in the engine."""
+        self.remote.fail_request(engine, request_id, exc)
+        engine.abort_request(request_id)
+
+    async def prefill(self, req: Request, worker: pb.WorkerRef) -> RemoteResult:
+        """Run the prompt on prefill worker `worker`; returns once the request runs here or
+        the prompt must be prefilled locally. Raises TimeoutError when the KV missed its
+        deadline, Unavailable when P failed and --strict-remote-prefill is set."""
+        rt, rid = self.rt, req.request_id
+        done = rt.aio.create_future()
+        tid = f"{rid}:{next(self._attempts)}"
+        kv_timeout_s = rt.config.kv_timeout_s
+        try:
+            attempt = await rt.call(lambda e: self.remote.start(e, req, tid, done, kv_timeout_s),
+                                    cancellable=False)
+        except asyncio.CancelledError:  # P was never called: nothing can land, release now
+            gone = Unavailable(f"request {rid} was cancelled before its prefill started")
+            await rt.call(lambda e: self.remote.writes_stopped(e, tid, gone), cancellable=False)
+            raise
+        if attempt is None:
+            return RemoteResult(PrefillPath.LOCAL)  # let the scheduler queue it
+        call = pb_grpc.PrefillWorkerStub(self._channel(worker.address)).Prefill(
+            self._prefill_request(req, tid, attempt.block_ids), timeout=kv_timeout_s)
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            return await self._failed(req, worker, tid, done, exc)
+        except BaseException:  # cancelled: the caller went away, or Worker.Abort
+            call.cancel()
+            self._confirm_stopped(worker, rid, tid, Unavailable(f"request {rid} was cancelled"))
+            raise
+        token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
+        await rt.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
+        await done  # raises if the KV failed or timed out
+        return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens)
+
+    def _prefill_request(self, req: Request, transfer_id: str, block_ids: list[int]) -> pb.PrefillRequest:
+        rt = self.rt
+        num_skip = rt.engine.limits.blocks_for(req.num_prompt_tokens) - len(block_ids)
+        return pb.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
+            priority=req.priority,
+            lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
+            destination=pb.KVDestination(
+                peer_metadata=rt.pool.metadata.to_bytes(), num_skip_blocks=num_skip,
+                # The prefill side stops writing before we stop waiting.
+                block_ids=block_ids, deadline_s=0.9 * rt.config.kv_timeout_s,
+                transfer_id=transfer_id,
+            ),
+        )
+
+    async def _failed(self, req: Request, worker: pb.WorkerRef, tid: str, done: asyncio.Future,
+                      exc: grpc.aio.AioRpcError) -> RemoteResult:
+        """P's call failed: drop the attempt (its blocks wait for P's word), then fail
+        clearly if the KV deadline passed, or fall back to local prefill."""
+        rt, rid = self.rt, req.request_id
+        failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
+                              f"{exc.code().name}: {exc.details()}")
+        self._confirm_stopped(worker, rid, tid, failure)
+        await rt.call(lambda e: self.remote.fail(e, tid, failure), cancellable=False)
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
+            done.done() and isinstance(done.exception(), TimeoutError)
+        ):
+            raise TimeoutError(f"KV for request {rid} did not arrive within "
+                               f"{rt.config.kv_timeout_s:g}s") from None
+        if rt.config.strict_remote_prefill:
+            raise failure
+        log.warning("%s; prefilling %s locally", failure, rid)
+        return RemoteResult(PrefillPath.LOCAL_FALLBACK)
+
+    def _confirm_stopped(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
+                         exc: Exception) -> None:
+        """In the background: wait until P writes nothing more for this attempt, then
+        release its blocks (`RemotePrefills.writes_stopped`)."""
+        task = self.rt.aio.create_task(self._abort_remote(worker, request_id, transfer_id, exc))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_remote(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
+                            exc: Exception) -> None:
+        """Abort the request on P. P's Abort answers once its sender reported the transfer:
+        no write of it can land any more. Retried until P answers; only when nothing serves
+        at P's address (UNAVAILABLE, `_GONE_AFTER` times in a row: a dead process writes
+        nothing) is P taken as stopped without its word."""
+        rt = self.rt
+        stub = pb_grpc.WorkerStub(self._channel(worker.address))
+        backoff, unavailable = Backoff(first_s=0.05, max_s=2.0), 0
+        while True:
+            try:
+                await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=rt.config.kv_timeout_s)
+                break
+            except grpc.aio.AioRpcError as err:
+                unavailable = unavailable + 1 if err.code() is grpc.StatusCode.UNAVAILABLE else 0
+                if unavailable >= _GONE_AFTER:
+                    break
+                log.info("abort of %s on %s: %s; retrying", request_id, worker.address, err.code().name)
+            await backoff.sleep()
+        await rt.call(lambda e: self.remote.writes_stopped(e, transfer_id, exc), cancellable=False)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return channel
+
+
+def _for_prefill(req: Request) -> SamplingParams:
+    """The prefill worker samples exactly the first token, with this request's seed and the
+    same masks a single engine would apply to it (min_tokens > 0 masks EOS and stop ids;
+    logit_bias, allowed_token_ids, bad_words and the structured-output grammar as given).
+    Whether that token ends the request is decided here, so stop strings stay behind."""
+    p = req.sampling
+    return replace(p, n=1, max_tokens=1, min_tokens=min(p.min_tokens, 1), stop=(),
+                   include_stop_str_in_output=False, prompt_logprobs=None,
+                   truncate_prompt_tokens=None, seed=req.seed)

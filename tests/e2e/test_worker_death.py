@@ -1,0 +1,55 @@
+"""A worker whose engine loop dies exits non-zero (for its supervisor to restart it) and
+leaves etcd at once, instead of hanging with its gRPC port closed while still registered.
+
+The engine is broken from outside the way issue 28 found it could be: `CollectiveRPC("sleep")`
+frees the KV pool behind the worker's back, and the next prompt's step raises."""
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cluster.etcd_server import EtcdServer
+from cluster.registration import list_workers, make_client
+from pd_cluster import WorkerProcess
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+
+async def _registered(etcd: str) -> list[str]:
+    async with make_client(etcd) as client:
+        return [w.worker_id for w in await list_workers(client, "default")]
+
+
+def test_a_dead_engine_loop_ends_the_process_and_its_registration(tmp_path):
+    with EtcdServer() as etcd:
+        worker = WorkerProcess("decode", etcd.endpoint, "--enable-sleep-mode", log_dir=tmp_path)
+        try:
+            worker.wait_ready()
+            assert asyncio.run(_registered(etcd.endpoint)) == [worker.worker_id]
+
+            async def break_the_engine() -> grpc.StatusCode:
+                async with grpc.aio.insecure_channel(worker.address) as ch:
+                    await pb_grpc.WorkerStub(ch).CollectiveRPC(
+                        pb.CollectiveRPCRequest(method="sleep"), timeout=10)
+                    request = pb.GenerateRequest(request_id="r", prompt_token_ids=list(range(100, 300)),
+                                                 sampling=pb.SamplingParams(max_tokens=4))
+                    try:
+                        async for _ in pb_grpc.DecodeWorkerStub(ch).Generate(request, timeout=30):
+                            pass
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+                    return grpc.StatusCode.OK
+
+            assert asyncio.run(break_the_engine()) is grpc.StatusCode.UNAVAILABLE
+            deadline = time.monotonic() + 20
+            while worker.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert worker.exit_code() == 1, "the worker did not exit after its engine loop died"
+            assert asyncio.run(_registered(etcd.endpoint)) == []  # deregistered, not lapsed
+            assert "engine loop died" in worker.log_path.read_text()
+        finally:
+            if worker.alive():
+                worker.kill()
