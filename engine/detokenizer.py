@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings, per completion (vLLM's rules).
 
-Text grows token by token (a window of recent tokens is re-decoded so multi-byte characters
-split across tokens come out whole). Stop strings are looked for only once more than
+Text grows token by token through `tokenizers`' own `DecodeStream` (it keeps the window of
+recent tokens, so multi-byte characters split across tokens come out whole; measured 7-18x
+faster per token than re-decoding that window here, with the same text: benchmarks/README.md). Stop strings are looked for only once more than
 `min_tokens` tokens are out, and must end in text that came after the min_tokens-th token
 (they may begin before it). The text is cut before the stop string, or right after it with
 `include_stop_str_in_output`. Streamed deltas hold back the last
@@ -9,6 +10,8 @@ split across tokens come out whole). Stop strings are looked for only once more 
 would be cut out (nothing is held back when stop strings stay in the text: a match always
 ends in new text, so nothing already sent is ever cut)."""
 from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
 
 from engine.tokenizer import Tokenizer
 
@@ -31,8 +34,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""
         self._num_tokens = 0  # output tokens seen, a left-out stop token included
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._sent = 0
 
     def append(self, token_id: int, stop_terminated: bool = False) -> str | None:
@@ -68,13 +70,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_id: int) -> None:
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset])
-        new_text = decode(self.ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return  # an incomplete character: wait for the next token
-        self.text += new_text[len(prefix_text) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        piece = self.tokenizer.stream_step(self._stream, token_id)
+        if piece is not None:  # None: an incomplete character, completed by a later token
+            self.text += piece
 
     def _cut_at_stop(self, new_from: int) -> str | None:
         """The first stop string (in `stop` order) ending after `new_from`; cuts the text."""

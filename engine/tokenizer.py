@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class ChatTemplateError(ValueError):
@@ -111,6 +112,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_step(self, stream: DecodeStream, token_id: int) -> str | None:
+        """The text `token_id` adds to what `stream` decoded so far; None while it ends in
+        an incomplete character."""
+        return stream.step(self._tok, token_id)
 
     def render_chat(
         self,
