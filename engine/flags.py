@@ -95,12 +95,11 @@ class _Spec:
         return dataclasses.MISSING
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, *, group: str | None = None,
-              description: str | None = None) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, *, group: str | None = None) -> None:
     """Add a flag for every field of config class `cls` (nested configs included), listed
     under `group` (a help group title; None: the parser's own list) unless a field names
     its own."""
-    _add(parser, cls, "", _group(parser, group, description) if group else parser)
+    _add(parser, cls, "", _group(parser, group) if group else parser)
 
 
 def from_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:
@@ -123,11 +122,6 @@ def to_argv(config: Any) -> list[str]:
         elif value != default or default is dataclasses.MISSING:
             out += _argv(spec, value)
     return out
-
-
-def flag_of(cls: type, name: str) -> str:
-    """The flag of field `name` of `cls` (for messages that tell the user what to change)."""
-    return next(s.option for s in _specs(cls) if s.name == name)
 
 
 # ---- reading the classes -------------------------------------------------------------------

@@ -20,7 +20,8 @@ def register(subparsers) -> None:
     )
     add_flags(p, RouterConfig)
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="the router process's logging level (not part of RouterConfig)")
     p.set_defaults(func=_run)
 
 
