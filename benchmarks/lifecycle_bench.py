@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import _size
+from engine.config import parse_size
 
 
 def _rss_mib() -> float:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-memory", type=_size, default=1 << 30)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fleet", action="store_true")
     parser.add_argument("--prefill", type=int, default=1)

@@ -97,8 +97,7 @@ class LLMEngine:
             normalize_kv_dtype(config.kv_cache_dtype),
         )
         self.deltas = Deltas(self.tokenizer, self.scheduler)
-        for module in config.lora_modules:
-            name, path = module.split("=", 1)
+        for name, path in config.lora_modules:
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
         self.proposer: Proposer | None = make_proposer(self)
         self.lifecycle = Lifecycle(self)

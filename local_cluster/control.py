@@ -37,7 +37,7 @@ def serve_control(supervisor: Supervisor, url: str) -> ThreadingHTTPServer:
     path = run_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "pid": os.getpid(), "url": url, "etcd": supervisor.etcd, "cluster": supervisor.args.cluster,
+        "pid": os.getpid(), "url": url, "etcd": supervisor.etcd, "cluster": supervisor.config.cluster,
         "control": f"http://127.0.0.1:{server.server_address[1]}", "logs": str(supervisor.log_dir),
     }))
     return server

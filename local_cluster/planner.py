@@ -36,47 +36,74 @@ made it leave, so a steady load does not bounce between them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Role = Literal["prefill", "decode"]
+from cluster.roles import Role
+from engine.checks import check_fields
+from engine.flags import option
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    ttft_slo_s: float = 2.0
-    """Time to first token a request should meet (at `quantile`)."""
-    itl_slo_s: float = 0.25
-    """Largest inter-token gap a request should see (at `quantile`)."""
-    quantile: float = 0.9
-    """Which quantile of the window's TTFTs and ITLs is held against the SLOs."""
+    """`pdserve up --planner`'s settings: the SLOs and limits `decide` holds the pools to, and
+    how often and over what window planner_loop.py measures."""
+
+    ttft_slo_ms: float = 2000.0
+    """Time-to-first-token SLO the planner holds the window's quantile to."""
+    itl_slo_ms: float = 250.0
+    """Inter-token-gap SLO the planner holds the window's quantile to."""
+    quantile: float = option(0.9, name="--planner-quantile")
+    """Quantile of the window's TTFTs and ITLs compared with the SLOs."""
     min_prefill: int = 0
-    """Smallest prefill pool (0 allowed: decode workers prefill locally)."""
+    """The planner keeps at least this many prefill workers (0: decode workers prefill
+    locally)."""
     max_prefill: int | None = None
-    """Largest prefill pool (None: no cap)."""
+    """At most this many prefill workers (default: no cap)."""
     min_decode: int = 1
-    """Smallest decode pool (at least 1: someone must decode)."""
+    """At least this many decode workers (at least 1: someone must decode)."""
     max_decode: int | None = None
-    """Largest decode pool (None: no cap)."""
-    cooldown_s: float = 30.0
-    """Seconds after a move before the next one may happen."""
-    hysteresis: float = 0.15
-    """A move must lower the bottleneck pool load by at least this much (loads are 0..~1)."""
-    high_load: float = 0.85
-    """A pool at or above this load is hot even while its SLO holds."""
-    min_requests: int = 3
-    """Fewer requests in the window: not enough signal to act on."""
+    """At most this many decode workers (default: no cap)."""
+    cooldown_s: float = option(30.0, name="--planner-cooldown")
+    """Seconds after a move before the next one."""
+    hysteresis: float = option(0.15, name="--planner-hysteresis")
+    """A move must lower the bottleneck pool's load (1 = saturated) by this much."""
+    high_load: float = option(0.85, name="--planner-high-load")
+    """A pool at this load is relieved even while its SLO holds."""
+    min_requests: int = option(3, name="--planner-min-requests")
+    """Fewer requests in the window: the planner does not act."""
+    interval_s: float = option(5.0, name="--planner-interval")
+    """Seconds between planner rounds (measure, decide, maybe move)."""
+    window_s: float = option(20.0, name="--planner-window")
+    """Seconds of measurements each decision looks at."""
+    drain_timeout_s: float = option(30.0, name="--planner-drain-timeout")
+    """Seconds a switching worker waits for its in-flight requests."""
 
     def __post_init__(self) -> None:
-        if self.min_decode < 1:
-            raise ValueError("min_decode must be at least 1")
-        if self.min_prefill < 0:
-            raise ValueError("min_prefill must be at least 0")
-        for low, high, pool in ((self.min_prefill, self.max_prefill, "prefill"),
-                                (self.min_decode, self.max_decode, "decode")):
-            if high is not None and high < low:
-                raise ValueError(f"max_{pool} ({high}) is below min_{pool} ({low})")
-        if not 0 < self.quantile < 1:
-            raise ValueError("quantile must be between 0 and 1")
+        check_fields(self, [
+            (self.ttft_slo_ms > 0, "ttft_slo_ms", "must be > 0"),
+            (self.itl_slo_ms > 0, "itl_slo_ms", "must be > 0"),
+            (0 < self.quantile < 1, "quantile", "must be between 0 and 1"),
+            (self.min_prefill >= 0, "min_prefill", "must be >= 0"),
+            (self.max_prefill is None or self.max_prefill >= self.min_prefill, "max_prefill",
+             f"must be >= min_prefill ({self.min_prefill})"),
+            (self.min_decode >= 1, "min_decode", "must be >= 1"),
+            (self.max_decode is None or self.max_decode >= self.min_decode, "max_decode",
+             f"must be >= min_decode ({self.min_decode})"),
+            (self.cooldown_s >= 0, "cooldown_s", "must be >= 0"),
+            (self.hysteresis >= 0, "hysteresis", "must be >= 0"),
+            (self.high_load > 0, "high_load", "must be > 0"),
+            (self.min_requests >= 0, "min_requests", "must be >= 0"),
+            (self.interval_s > 0, "interval_s", "must be > 0"),
+            (self.window_s > 0, "window_s", "must be > 0"),
+            (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
+        ])
+
+    @property
+    def ttft_slo_s(self) -> float:
+        return self.ttft_slo_ms / 1000
+
+    @property
+    def itl_slo_s(self) -> float:
+        return self.itl_slo_ms / 1000
 
 
 @dataclass(frozen=True)
@@ -152,8 +179,8 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
     """The move to make now (or a hold), with the reason. `since_last_move_s`: seconds since
     the last move (None: none yet)."""
     active = [w for w in snap.workers if not w.draining]
-    prefill = sorted((w for w in active if w.role == "prefill"), key=lambda w: w.worker_id)
-    decode = sorted((w for w in active if w.role == "decode"), key=lambda w: w.worker_id)
+    prefill = sorted((w for w in active if w.role == Role.PREFILL), key=lambda w: w.worker_id)
+    decode = sorted((w for w in active if w.role == Role.DECODE), key=lambda w: w.worker_id)
     work = _work(snap, config, prefill, decode)
     loads = work.loads(len(prefill), len(decode))
 
@@ -205,7 +232,7 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
             return Decision("move_to_decode", f"decode is the bottleneck ({slo}, decode load "
                             f"{loads.decode:.2f}); moving a prefill worker lowers it to "
                             f"{after.bottleneck:.2f}", loads, _prefill_donor(prefill),
-                            "prefill", "decode", after)
+                            Role.PREFILL, Role.DECODE, after)
         return interference or hold(
             "no_gain", f"decode is hot ({slo}, decode load {loads.decode:.2f}) but moving a "
             f"prefill worker would only reach {after.bottleneck:.2f}")
@@ -216,13 +243,13 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
         candidates.append(Decision(
             "move_to_prefill", f"prefill is the bottleneck ({slo}, prefill load "
             f"{_fmt(loads.prefill)}); moving a decode worker lowers it to {after.bottleneck:.2f}",
-            loads, _decode_donor(decode), "decode", "prefill", after))
+            loads, _decode_donor(decode), Role.DECODE, Role.PREFILL, after))
     if decode_hot and to_decode:  # both hot: whichever move helps more
         after = work.loads(n_p - 1, n_d + 1)
         candidates.append(Decision(
             "move_to_decode", f"both pools are hot ({slo}); moving a prefill worker lowers the "
             f"bottleneck to {after.bottleneck:.2f}", loads, _prefill_donor(prefill),
-            "prefill", "decode", after))
+            Role.PREFILL, Role.DECODE, after))
     if not candidates:
         return hold("at_limit", f"prefill is the bottleneck ({slo}, prefill load "
                     f"{_fmt(loads.prefill)}) but the decode pool is at its minimum or prefill "
@@ -307,7 +334,7 @@ def _interference_move(config: PlannerConfig, work: _Work, decode: list[WorkerLo
         return None
     return Decision("move_to_prefill", f"{slo} with decode load {loads.decode:.2f}: local "
                     f"prefills stall decode steps; a prefill pool leaves decode at {after.decode:.2f}",
-                    loads, _decode_donor(decode), "decode", "prefill", after)
+                    loads, _decode_donor(decode), Role.DECODE, Role.PREFILL, after)
 
 
 def _slo_text(snap: Snapshot, config: PlannerConfig, ttft_miss: bool, itl_miss: bool) -> str:

@@ -1,11 +1,11 @@
 """`pdserve up --planner`: a thread in the supervisor's process that moves workers between the
 prefill and decode pools without restarting them.
 
-Every `interval_s`: read the registrations from etcd and the router's and each worker's
-/metrics -> measure.Window's Snapshot -> planner.decide -> on a move, `Worker.SetRole` on the
-chosen worker (it drains its role, keeps its engine and prefix cache and re-registers under the
-new role), then the supervisor's slot takes the new role (so a crash restarts it in that role)
-and the window starts afresh. Every move, and every change in the kind of hold, is logged in
+Every `PlannerConfig.interval_s`: read the registrations from etcd and the router's and each
+worker's /metrics -> measure.Window's Snapshot -> planner.decide -> on a move, `Worker.SetRole`
+on the chosen worker (it drains its role, keeps its engine and prefix cache and re-registers
+under the new role), then the supervisor's slot takes the new role (so a crash restarts it in
+that role) and the window starts afresh. Every move, and every change in the kind of hold, is logged in
 `up`'s output; moves, failures, pool sizes and loads are exported in Prometheus text at the
 control port's /metrics and summarised in its GET (`pdserve status`).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import threading
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from cluster.registration import WorkerInfo, list_workers, make_client
+from cluster.roles import ROLES
 from local_cluster.measure import Sample, Window
 from local_cluster.metrics_text import Scrape
 from local_cluster.planner import Decision, PlannerConfig, decide
@@ -83,7 +85,7 @@ class PlannerState:
     """What the control port shows; mutated by the planner thread only."""
 
     last_decision: str = ""
-    pools: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    pools: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
     loads: dict[str, float | None] = field(default_factory=dict)
     moves: deque[Move] = field(default_factory=lambda: deque(maxlen=20))
     """The latest moves (and failed attempts)."""
@@ -93,19 +95,17 @@ class PlannerState:
 
 class Planner:
     def __init__(self, supervisor: Supervisor, router_url: str, config: PlannerConfig,
-                 interval_s: float, window_s: float, switch: RoleSwitch,
-                 read_workers: Callable[[], list[WorkerInfo]],
+                 switch: RoleSwitch, read_workers: Callable[[], list[WorkerInfo]],
                  fetch: Callable[[str], str] = http_text,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sup = supervisor
         self.router_url = router_url
         self.config = config
-        self.interval_s = interval_s
         self.switch = switch
         self.read_workers = read_workers
         self.fetch = fetch
         self.clock = clock
-        self.window = Window(window_s)
+        self.window = Window(config.window_s)
         self.state = PlannerState()
         self._last_move_at: float | None = None
         self._last_outcome = ""
@@ -124,7 +124,7 @@ class Planner:
                            ["role"], registry=r)
         self._load = Gauge("pdserve_planner_pool_load",
                            "Modelled pool load (1 = saturated; -1 = no such pool)", ["pool"], registry=r)
-        for a, b in (("prefill", "decode"), ("decode", "prefill")):
+        for a, b in itertools.permutations(ROLES, 2):
             self._moves.labels(a, b)
             self._failures.labels(a, b)
 
@@ -148,7 +148,7 @@ class Planner:
     # -- the loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._halt.wait(self.interval_s):
+        while not self._halt.wait(self.config.interval_s):
             try:
                 self.round()
             except Exception as exc:  # a failed scrape or etcd read: try again next round
@@ -159,7 +159,7 @@ class Planner:
 
     def round(self) -> Decision | None:
         """One measurement + decision (+ move). None without a decision: the window does not
-        cover `window_s` yet, or a worker slot is starting or restarting."""
+        cover the config's `window_s` yet, or a worker slot is starting or restarting."""
         workers = self.read_workers()
         self.sup.follow_registrations(workers)
         active = [w for w in workers if not w.draining]
@@ -168,7 +168,7 @@ class Planner:
             self.window.clear()
             self._members = members
         self.window.add(self._sample(workers))
-        self.state.pools = {role: sum(w.role == role for w in active) for role in ("prefill", "decode")}
+        self.state.pools = {role: sum(w.role == role for w in active) for role in ROLES}
         for role, n in self.state.pools.items():
             self._pool.labels(role).set(n)
         if self.sup.settling():  # a crashed worker comes back, or a scale-out starts one
@@ -238,32 +238,14 @@ class Planner:
                                      ok=not error, error=error))
 
 
-def config_from_args(args) -> PlannerConfig:
-    """`pdserve up`'s planner flags as a PlannerConfig (ValueError names a bad combination)."""
-    for flag, value in (("--planner-interval", args.planner_interval),
-                        ("--planner-window", args.planner_window)):
-        if not value > 0:
-            raise ValueError(f"{flag} must be > 0, got {value:g}")
-    if args.planner_drain_timeout < 0:
-        raise ValueError(f"--planner-drain-timeout must be >= 0, got {args.planner_drain_timeout:g}")
-    return PlannerConfig(
-        ttft_slo_s=args.ttft_slo_ms / 1000, itl_slo_s=args.itl_slo_ms / 1000,
-        quantile=args.planner_quantile, min_prefill=args.min_prefill, max_prefill=args.max_prefill,
-        min_decode=args.min_decode, max_decode=args.max_decode, cooldown_s=args.planner_cooldown,
-        hysteresis=args.planner_hysteresis, high_load=args.planner_high_load,
-        min_requests=args.planner_min_requests)
-
-
 def start_planner(sup: Supervisor, router_url: str) -> Planner:
     """`up --planner`: the planner thread against this cluster's etcd, router and workers."""
-    args = sup.args
-    planner = Planner(sup, router_url, config_from_args(args), interval_s=args.planner_interval,
-                      window_s=args.planner_window, switch=grpc_set_role(args.planner_drain_timeout),
-                      read_workers=etcd_workers(sup.etcd, args.cluster))
+    c = sup.config.planner_config
+    planner = Planner(sup, router_url, c, switch=grpc_set_role(c.drain_timeout_s),
+                      read_workers=etcd_workers(sup.etcd, sup.config.cluster))
     sup.planner = planner
     planner.start()
-    c = planner.config
-    sup.say(f"planner: on (TTFT <= {c.ttft_slo_s * 1000:.0f} ms, ITL <= {c.itl_slo_s * 1000:.0f} ms "
-            f"at p{round(c.quantile * 100)}; every {args.planner_interval:g}s over "
-            f"{args.planner_window:g}s windows; cooldown {c.cooldown_s:g}s)")
+    sup.say(f"planner: on (TTFT <= {c.ttft_slo_ms:.0f} ms, ITL <= {c.itl_slo_ms:.0f} ms "
+            f"at p{round(c.quantile * 100)}; every {c.interval_s:g}s over "
+            f"{c.window_s:g}s windows; cooldown {c.cooldown_s:g}s)")
     return planner

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable, Protocol
 
+from engine.checks import check_fields
+from engine.flags import option
+
 
 class Child(Protocol):
     """A started child process as the supervisor sees it."""
@@ -47,20 +50,35 @@ class SlotState(IntEnum):
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    backoff: float = 1.0
-    """Seconds before the first restart; doubled for each further crash within `window`."""
-    max_backoff: float = 30.0
-    """Cap of the doubling."""
+    """When the supervisor restarts a crashed child (`pdserve up`'s restart flags)."""
+
+    startup_timeout: float = option(300.0, name="--startup-timeout")
+    """Seconds a process may take to become ready before it counts as crashed (it is
+    killed); also how long `up` waits for workers still on their first start."""
+    backoff: float = option(1.0, name="--restart-backoff")
+    """Seconds before restarting a crashed process, doubled per further crash within
+    --restart-window (capped at 30 s)."""
+    max_backoff: float = option(30.0, cli=False)
+    """Cap of the doubling (never below `backoff`)."""
     max_restarts: int = 5
-    """Restarts allowed within `window`; one crash more is a crash loop. 0: never restart."""
-    window: float = 300.0
-    """Seconds a crash counts for: a child that stayed up this long starts from `backoff` again."""
-    startup_timeout: float = 300.0
-    """A child not ready this long after its start is killed (and counted as a crash)."""
+    """Restarts of one process allowed within --restart-window; one crash more is a crash
+    loop and it is not restarted again (0: never restart)."""
+    window: float = option(300.0, name="--restart-window")
+    """Seconds a crash counts towards --max-restarts and the backoff: a process that stayed
+    up this long starts from the first backoff again."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, [
+            (self.startup_timeout > 0, "startup_timeout", "must be > 0"),
+            (self.backoff >= 0, "backoff", "must be >= 0"),
+            (self.max_restarts >= 0, "max_restarts", "must be >= 0"),
+            (self.window > 0, "window", "must be > 0"),
+        ])
 
     def delay(self, recent_crashes: int) -> float:
         """Backoff before the restart after the `recent_crashes`-th crash within the window."""
-        return min(self.max_backoff, self.backoff * 2 ** max(0, recent_crashes - 1))
+        cap = max(self.max_backoff, self.backoff)
+        return min(cap, self.backoff * 2 ** max(0, recent_crashes - 1))
 
 
 @dataclass(slots=True)

@@ -9,7 +9,6 @@ other exit is a crash.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import threading
@@ -17,24 +16,26 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from cluster.roles import ROLES, Role
+from engine.flags import to_argv
+from local_cluster.config import UpConfig
 from local_cluster.launcher import ServiceProcess
-from local_cluster.slots import Child, RestartPolicy, Slot, SlotState
+from local_cluster.slots import Child, Slot, SlotState
+from worker_runtime.args import WorkerConfig
 
 if TYPE_CHECKING:
     from cluster.registration import WorkerInfo
     from local_cluster.planner_loop import Planner
 
-WORKER_ROLES = ("prefill", "decode")
 TICK_S = 0.2
 
 
 class Supervisor:
-    def __init__(self, args: argparse.Namespace, etcd_endpoint: str, log_dir: Path,
-                 policy: RestartPolicy) -> None:
-        self.args = args
+    def __init__(self, config: UpConfig, etcd_endpoint: str, log_dir: Path) -> None:
+        self.config = config
         self.etcd = etcd_endpoint
         self.log_dir = log_dir
-        self.policy = policy
+        self.policy = config.restart
         self.slots: list[Slot] = []
         self.lock = threading.Lock()
         self._serial = 0
@@ -56,28 +57,25 @@ class Supervisor:
             self.slots.append(slot)
         return slot
 
-    def _spawn_worker(self, role: str, name: str) -> ServiceProcess:
+    def _spawn_worker(self, role: Role, name: str) -> ServiceProcess:
         return ServiceProcess(self.worker_command(role), self.log_dir / f"{name}.log")
 
-    def worker_command(self, role: str) -> list[str]:
-        """`pdserve <role> ...`'s arguments: the cluster's, --kv-cache-dtype and the LoRA flags
-        (both roles: a prefill worker writes KV only into a pool of its own format),
-        --worker-arg's, then the role's own (--speculative-config for decode workers only,
-        then --prefill-arg / --decode-arg)."""
-        a = self.args
-        role_args = list(a.prefill_args if role == "prefill" else a.decode_args)
-        if role == "decode" and a.speculative_config:
-            role_args[:0] = ["--speculative-config", a.speculative_config]
-        return [role, "--etcd", self.etcd, "--cluster", a.cluster, "--model", a.model,
-                "--num-threads", str(self._threads()), *kv_worker_args(a), *lora_worker_args(a),
-                *(["--enable-sleep-mode"] if getattr(a, "enable_sleep_mode", False) else []),
-                *a.worker_args, *role_args]
+    def worker_command(self, role: Role) -> list[str]:
+        """`pdserve <role> ...`'s arguments: the worker's WorkerConfig (this cluster's etcd,
+        name and thread count) and `UpConfig.engine_for(role)` as flags (engine.flags.to_argv:
+        every field off its default), then --worker-arg's, then --prefill-arg's or
+        --decode-arg's (a later flag wins)."""
+        c = self.config
+        worker = WorkerConfig(role=role, etcd=self.etcd, cluster=c.cluster,
+                              num_threads=self._threads())
+        return [role, *to_argv(worker), *to_argv(c.engine_for(role)), *c.worker_args,
+                *c.role_args(role)]
 
     def _threads(self) -> int:
-        if self.args.num_threads:
-            return self.args.num_threads
+        if self.config.num_threads:
+            return self.config.num_threads
         with self.lock:
-            total = len([s for s in self.slots if s.role in WORKER_ROLES and not s.state.stopping])
+            total = len([s for s in self.slots if s.role in ROLES and not s.state.stopping])
         return max(1, (os.cpu_count() or 2) // max(1, total))
 
     def slot_of(self, grpc_address: str) -> str | None:
@@ -103,7 +101,7 @@ class Supervisor:
 
     def _worker_slot(self, grpc_address: str) -> Slot | None:
         for slot in self.slots:
-            if (slot.role in WORKER_ROLES and slot.child is not None and grpc_address
+            if (slot.role in ROLES and slot.child is not None and grpc_address
                     and getattr(slot.child, "grpc_address", "") == grpc_address):
                 return slot
         return None
@@ -112,7 +110,7 @@ class Supervisor:
         """A worker slot is starting or waiting out a restart backoff (the pools are about to
         change; a crashed worker's registration may outlive it for a lease TTL)."""
         with self.lock:
-            return any(s.role in WORKER_ROLES and s.state in (SlotState.STARTING, SlotState.RESTARTING)
+            return any(s.role in ROLES and s.state in (SlotState.STARTING, SlotState.RESTARTING)
                        for s in self.slots)
 
     def states(self, role: str) -> list[SlotState]:
@@ -200,7 +198,7 @@ class Supervisor:
     def scale(self, role: str, delta: int) -> dict:
         """+K: K new slots, waited for until ready or in a crash loop; -K: drain and stop K
         slots of `role` (broken ones first, then the newest ready ones)."""
-        if role not in WORKER_ROLES:
+        if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         if delta > 0:
             slots = [self.add_slot(role) for _ in range(delta)]
@@ -226,7 +224,7 @@ class Supervisor:
         --planner "planner": Planner.view()}."""
         with self.lock:
             views = [s.view() for s in self.slots]
-        pids: dict[str, list[int]] = {r: [] for r in (*WORKER_ROLES, "router", "etcd")}
+        pids: dict[str, list[int]] = {r: [] for r in (*ROLES, "router", "etcd")}
         for v in views:
             if v.pid is not None:
                 pids[v.role].append(v.pid)
@@ -247,7 +245,7 @@ class Supervisor:
             for slot in self.slots:
                 slot.state = SlotState.DRAINING
             slots = list(self.slots)
-        for roles in (WORKER_ROLES, ("router",), ("etcd",)):
+        for roles in (ROLES, ("router",), ("etcd",)):
             threads = [threading.Thread(target=s.child.terminate) for s in slots
                        if s.role in roles and s.child is not None]
             for t in threads:
@@ -259,23 +257,3 @@ class Supervisor:
                 slot.state = SlotState.STOPPED
             self.slots = []
 
-
-def kv_worker_args(args) -> list[str]:
-    """`pdserve up --kv-cache-dtype` as a worker's flag (both roles); none when not given."""
-    kv = getattr(args, "kv_cache_dtype", None)
-    return ["--kv-cache-dtype", kv] if kv else []
-
-
-def lora_worker_args(args) -> list[str]:
-    """`pdserve up`'s LoRA flags as a worker's (both roles: prefill and decode apply the same
-    adapter to a request)."""
-    if not getattr(args, "enable_lora", False):
-        return []
-    out = ["--enable-lora"]
-    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
-                        ("--max-cpu-loras", args.max_cpu_loras)):
-        if value is not None:
-            out += [flag, str(value)]
-    if args.lora_modules:
-        out += ["--lora-modules", *args.lora_modules]
-    return out

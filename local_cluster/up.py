@@ -10,7 +10,7 @@ the planner, then workers (they drain), router, etcd; remove temporary directori
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import shutil
 import signal
 import tempfile
@@ -20,40 +20,36 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from cluster.net import free_port
+from cluster.roles import ROLES, Role
 from local_cluster.children import EtcdChild, RouterProcess
+from local_cluster.config import UpConfig
 from local_cluster.control import remove_run_file, serve_control
-from local_cluster.slots import RestartPolicy, SlotState
+from local_cluster.slots import SlotState
 from local_cluster.supervisor import Supervisor
 
 
-def up(args: argparse.Namespace) -> int:
+def up(config: UpConfig) -> int:
     """Run a local cluster until Ctrl-C / SIGTERM; 1 if it could not serve at all."""
     from engine.models.prepare import resolve_model_path
-    from engine.spec_decode.config import SpeculativeConfig
-    from local_cluster.planner_loop import config_from_args, start_planner
+    from local_cluster.planner_loop import start_planner
 
-    SpeculativeConfig.parse(args.speculative_config)  # a malformed one fails here, not N times
-    if getattr(args, "planner", False):
-        config_from_args(args)  # bad planner flags fail before anything starts
-    args.model = str(resolve_model_path(args.model))  # prepare once, before N processes race
+    model = str(resolve_model_path(config.engine.model))  # prepare once, before N processes race
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
-    log_dir = Path(args.log_dir) if args.log_dir else run_dir / "logs"
+    log_dir = Path(config.log_dir) if config.log_dir else run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    policy = RestartPolicy(backoff=args.restart_backoff, max_backoff=max(args.restart_backoff, 30.0),
-                           max_restarts=args.max_restarts, window=args.restart_window,
-                           startup_timeout=args.startup_timeout)
     etcd_ports = (free_port(), free_port())
-    etcd = args.etcd or f"127.0.0.1:{etcd_ports[0]}"
-    sup = Supervisor(args, etcd, log_dir, policy)
+    etcd = config.etcd or f"127.0.0.1:{etcd_ports[0]}"
+    sup = Supervisor(config, etcd, log_dir)
     control = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        if args.etcd is None:
+        if config.etcd is None:
             sup.add_slot("etcd", lambda: EtcdChild(run_dir / "etcd-data", log_dir / "etcd.log",
                                                    *etcd_ports), name="etcd")
-        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for role, count in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
             for _ in range(count):
                 sup.add_slot(role)
         url = add_router(sup)
@@ -64,7 +60,7 @@ def up(args: argparse.Namespace) -> int:
         if problem:
             sup.say(f"error: {problem}")
             return 1
-        if getattr(args, "planner", False):
+        if config.planner:
             start_planner(sup, url)
         control = serve_control(sup, url)
         _print_banner(sup, url)
@@ -75,23 +71,37 @@ def up(args: argparse.Namespace) -> int:
 
 def add_router(sup: Supervisor) -> str:
     """The router's slot, on --port (0: a free one, kept across restarts); returns its URL."""
-    args = sup.args
-    port = args.port or free_port()
-    url = f"http://{args.host}:{port}"
-    cmd = ["router", "--etcd", sup.etcd, "--cluster", args.cluster, "--host", args.host,
-           "--port", str(port), "--model", args.model, *_router_lora_args(args),
-           *(["--enable-dev-endpoints"] if getattr(args, "enable_sleep_mode", False) else []),
-           *args.router_args]
+    port = sup.config.port or free_port()
+    url = f"http://{sup.config.host}:{port}"
+    cmd = ["router", *router_flags(sup.config, sup.etcd, port)]
     sup.add_slot("router", lambda: RouterProcess(cmd, sup.log_dir / "router.log", url), name="router")
     return url
+
+
+def router_flags(config: UpConfig, etcd: str, port: int) -> list[str]:
+    """`pdserve router`'s flags: this cluster's, the model, what the engine flags ask of the
+    router (--enable-lora and --lora-modules: it serves the adapters and may load more at run
+    time; --enable-sleep-mode: the fleet-wide admin endpoints), then --router-arg's. Written
+    out, since `local_cluster` never imports `router` (tests/test_imports.py); a test parses
+    them with the router's own parser."""
+    c, engine = config, config.engine
+    out = ["--etcd", etcd, "--cluster", c.cluster, "--host", c.host, "--port", str(port),
+           "--model", engine.model]
+    if engine.enable_lora:
+        out.append("--enable-lora")
+        if engine.lora_modules:
+            out += ["--lora-modules", *map(str, engine.lora_modules)]
+    if engine.enable_sleep_mode:
+        out.append("--enable-dev-endpoints")
+    return [*out, *c.router_args]
 
 
 def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:
     """Until the router is ready, a decode worker is ready and no worker is still on its first
     start; or, after --startup-timeout, the first two alone. A reason when it cannot serve."""
-    deadline = time.monotonic() + sup.args.startup_timeout
+    deadline = time.monotonic() + sup.policy.startup_timeout
     with sup.lock:
-        first_start = {s.name for s in sup.slots if s.role in ("prefill", "decode")}
+        first_start = {s.name for s in sup.slots if s.role in ROLES}
     while not stop.wait(0.2):
         with sup.lock:
             first_start -= {s.name for s in sup.slots if s.state is not SlotState.STARTING or s.restarts}
@@ -103,18 +113,18 @@ def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:
             if states and all(s is SlotState.CRASH_LOOP for s in states):
                 return f"every {role} is in a crash loop; see the logs in {sup.log_dir}"
         if time.monotonic() > deadline:
-            return f"the cluster did not come up within {sup.args.startup_timeout:.0f}s"
+            return f"the cluster did not come up within {sup.policy.startup_timeout:.0f}s"
     return None  # stopped (Ctrl-C) while starting
 
 
 def _print_banner(sup: Supervisor, url: str) -> None:
-    args = sup.args
-    ready = {r: sup.states(r).count(SlotState.READY) for r in ("prefill", "decode")}
-    print(f"pdserve is up: {url}  ({ready['prefill']}/{args.prefill} prefill + "
-          f"{ready['decode']}/{args.decode} decode ready, etcd {sup.etcd})")
+    c = sup.config
+    ready = {r: sup.states(r).count(SlotState.READY) for r in ROLES}
+    print(f"pdserve is up: {url}  ({ready['prefill']}/{c.prefill} prefill + "
+          f"{ready['decode']}/{c.decode} decode ready, etcd {sup.etcd})")
     print(f"logs: {sup.log_dir}")
     print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-        -d '{{"model": "{Path(args.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")
+        -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")
     print("Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker; `pdserve status` "
           "shows every process and its restarts.", flush=True)
 
@@ -141,10 +151,3 @@ def stop_cluster(sup: Supervisor, control: ThreadingHTTPServer | None, run_dir: 
     remove_run_file()
     shutil.rmtree(run_dir, ignore_errors=True)
 
-
-def _router_lora_args(args) -> list[str]:
-    """--enable-lora lets the router load / unload adapters at run time; --lora-modules
-    makes it serve them from the start."""
-    if not getattr(args, "enable_lora", False):
-        return []
-    return ["--enable-lora", *(["--lora-modules", *args.lora_modules] if args.lora_modules else [])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-ROLES = ("prefill", "decode")
+from cluster.roles import ROLES
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -11,25 +11,29 @@ import dataclasses
 import logging
 import sys
 
+from cluster.roles import Role
 from engine.config import EngineConfig, add_engine_args
-from worker_runtime.args import add_worker_args, worker_config_from_args
+from engine.flags import add_flags, from_args
+from worker_runtime.args import WorkerConfig
 
 log = logging.getLogger(__name__)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    add_worker_args(parser)
+    """WorkerConfig's flags (group "worker") and EngineConfig's (group "engine")."""
+    add_flags(parser, WorkerConfig, group="worker")
     add_engine_args(parser)
 
 
-def run(role: str, args: argparse.Namespace) -> int:
+def run(role: Role, args: argparse.Namespace) -> int:
+    """Both configs from the parsed flags (once), then serve until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
-    config = worker_config_from_args(role, args)
+    config = from_args(WorkerConfig, args, role=role)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
     return asyncio.run(_serve(config, engine_config))
 
 
-def engine_config_for_role(role: str, engine_config: EngineConfig) -> EngineConfig:
+def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineConfig:
     """Speculation runs on decode workers only: a prefill worker computes prompts and samples
     one token per request, so it would load a draft model it never uses. It drops a
     --speculative-config (users pass the same --worker-arg to both roles) with one warning;
@@ -37,7 +41,7 @@ def engine_config_for_role(role: str, engine_config: EngineConfig) -> EngineConf
     The engine is built once, for the role served at start: a worker started as prefill
     decodes without speculation after a switch (outputs are the same; speculation only
     changes speed), one started as decode keeps its drafter while it prefills."""
-    if role != "prefill" or engine_config.speculative_config is None:
+    if role != Role.PREFILL or engine_config.speculative_config is None:
         return engine_config
     log.warning("prefill worker: ignoring --speculative-config (%s); speculative decoding runs "
                 "on decode workers", engine_config.speculative_config.to_json())
@@ -69,9 +73,9 @@ async def _serve(config, engine_config) -> int:
 
 
 _HELP = {
-    "prefill": "run a worker that starts in the prefill role (gRPC Prefill; streams KV blocks "
+    Role.PREFILL: "run a worker that starts in the prefill role (gRPC Prefill; streams KV blocks "
                "over NIXL; registers in etcd; `pdserve role` switches it)",
-    "decode": "run a worker that starts in the decode role (gRPC Generate; receives KV over "
+    Role.DECODE: "run a worker that starts in the decode role (gRPC Generate; receives KV over "
               "NIXL; registers in etcd; `pdserve role` switches it)",
 }
 

@@ -1,25 +1,23 @@
-"""The router's configuration: one frozen tree, built once from the command line."""
+"""The router's configuration: one frozen tree, built once from the command line; its flags
+come from the fields (engine.flags; router/cli.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from engine.checks import check_fields
+from engine.config import LoRAModule
+from engine.flags import option
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
-
-
-def _check_fields(obj: object, rules: list[tuple[bool, str, str]]) -> None:
-    """engine.checks.check_fields, imported on first use: `import router.cli` loads no
-    engine package (tests/router/test_router_cli.py)."""
-    from engine.checks import check_fields
-
-    check_fields(obj, rules)
 
 
 @dataclass(frozen=True)
 class PlacementConfig:
     """Weights and thresholds of the placement policies (router/policy.py)."""
 
-    policy: str = "affinity"
-    """affinity (prefix cache + load + estimated TTFT) | round_robin | least_loaded."""
+    policy: str = option("affinity", choices=POLICIES)
+    """affinity (prefix cache + load + estimated TTFT); round_robin and least_loaded are
+    baselines."""
     prefix_weight: float = 1.0
     """Decode score gained per unit of prompt fraction found in the worker's own prefix cache."""
     load_weight: float = 1.0
@@ -46,12 +44,12 @@ class PlacementConfig:
     """A decode worker with more waiting requests than this has no capacity for new ones."""
     lora_weight: float = 0.5
     """Decode score lost when the request's LoRA adapter is not loaded on the worker."""
-    lora_load_s: float = 0.05
+    lora_load_s: float = option(0.05, name="--lora-load-time")
     """Seconds added to a worker's estimated TTFT when it must load the request's LoRA
     adapter first."""
 
     def __post_init__(self) -> None:
-        _check_fields(self, [
+        check_fields(self, [
             (self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}"),
             (self.prefix_weight >= 0, "prefix_weight", "must be >= 0"),
             (self.load_weight >= 0, "load_weight", "must be >= 0"),
@@ -71,12 +69,14 @@ class PlacementConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    etcd: str
+    etcd: str = option(metavar="HOST:PORT")
     """etcd endpoint, host:port."""
     cluster: str = "default"
     """Cluster name: workers are read from /pdserve/<cluster>/workers/."""
     host: str = "127.0.0.1"
+    """HTTP listen address."""
     port: int = 8000
+    """HTTP port."""
     model: str = "default"
     """Tokenizer / chat template / context length source: "default" or an HF directory."""
     served_model_name: str | None = None
@@ -85,43 +85,47 @@ class RouterConfig:
     """Longest prompt + output in tokens. Default: the model's max_position_embeddings."""
     api_key: str | None = None
     """When set, /v1/* require `Authorization: Bearer <api_key>`."""
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    queue_timeout_s: float = 10.0
+    placement: PlacementConfig = option(default_factory=PlacementConfig, group="placement")
+    """Weights and thresholds of the placement policies."""
+    queue_timeout_s: float = option(10.0, name="--queue-timeout", group="admission")
     """How long a request waits for a worker with capacity before a 503."""
-    max_queued_requests: int = 1024
+    max_queued_requests: int = option(1024, group="admission")
     """Requests waiting for capacity beyond this get a 503 at once."""
-    max_retries: int = 1
+    max_retries: int = option(1, group="admission")
     """Attempts on another decode worker when one fails before the first token."""
-    max_migrations: int = 3
+    max_migrations: int = option(3, group="fault tolerance")
     """Times one request may move to another decode worker after tokens were streamed (its
     worker failed or stalled); it resumes there from prompt + tokens sent. 0: never (the
     stream ends with an error event)."""
-    first_token_timeout_s: float = 0.0
+    first_token_timeout_s: float = option(0.0, name="--first-token-timeout",
+                                          group="fault tolerance")
     """A call that streams no token within this many seconds is cancelled and retried on
     another worker. 0: off (a request may legitimately queue behind others for long)."""
-    stall_timeout_s: float = 60.0
+    stall_timeout_s: float = option(60.0, name="--stall-timeout", group="fault tolerance")
     """A call that streamed tokens (or resumes a migrated request) and then streams nothing
     for this many seconds is cancelled and the request migrated. 0: off."""
-    stale_after_s: float = 2.0
+    stale_after_s: float = option(2.0, name="--stale-after", group="fault tolerance")
     """A worker whose registration was not republished for this long gets no new work."""
     max_n: int = 128
     """Largest `n` accepted."""
     enable_lora: bool = False
     """Allow loading and unloading LoRA adapters at run time (POST /v1/load_lora_adapter,
     /v1/unload_lora_adapter); also enabled by VLLM_ALLOW_RUNTIME_LORA_UPDATING=true."""
-    lora_modules: tuple[str, ...] = ()
+    lora_modules: tuple[LoRAModule, ...] = option((), type=str, metavar="NAME=PATH")
+    """LoRA adapters served as model NAME from the start (the workers load them from PATH on
+    first use)."""
     enable_dev_endpoints: bool = False
     """Serve the fleet-wide admin endpoints (vLLM's dev-mode names: /sleep, /wake_up,
     /is_sleeping, /reset_prefix_cache, /collective_rpc, plus /update_weights); also enabled
     by VLLM_SERVER_DEV_MODE=1. Guarded by --api-key when set."""
-    """`name=path` LoRA adapters served from the start (the workers load them on first use)."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
     "vllm" = none (built-in defaults), or a folder holding a generation_config.json."""
 
     def __post_init__(self) -> None:
-        _check_fields(self, [
+        object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))
+        check_fields(self, [
             (0 < self.port < 65536, "port", "must be in 1..65535"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
             (self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0"),
@@ -132,6 +136,4 @@ class RouterConfig:
             (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
-            (all("=" in m and m.split("=", 1)[0] and m.split("=", 1)[1] for m in self.lora_modules),
-             "lora_modules", "must be name=path"),
         ])

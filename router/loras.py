@@ -27,6 +27,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from cluster.registration import WorkerInfo
+from engine.config import LoRAModule
 from engine.lora.request import lora_id_for
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
@@ -52,10 +53,10 @@ class LoRAAdapters:
     """The adapters served (name -> path) and the cluster-wide load / unload."""
 
     def __init__(self, registry: WorkerRegistry, channels: ChannelPool,
-                 lora_modules: tuple[str, ...] = ()) -> None:
+                 lora_modules: tuple[LoRAModule, ...] = ()) -> None:
         self.registry = registry
         self.channels = channels
-        self._own: dict[str, str] = dict(m.split("=", 1) for m in lora_modules)
+        self._own: dict[str, str] = dict(lora_modules)
         self._removed: set[str] = set()  # unloaded here: ignored in registrations until gone
         self._lock = asyncio.Lock()
 

@@ -65,3 +65,17 @@ def test_role_names_an_unreachable_worker_and_refuses_a_negative_drain_timeout()
     assert out.returncode == 2 and "--drain-timeout must be >= 0" in out.stderr
     out = _pdserve("role", "--worker", address, "both")
     assert out.returncode == 2 and "invalid choice: 'both'" in out.stderr
+
+
+def test_every_config_flag_of_the_service_commands_says_what_it_does():
+    """Their flags come from config fields (engine.flags): a field without a docstring would be
+    a flag without help."""
+    import argparse
+
+    from pdserve.cli import build_parser
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for command in ("prefill", "decode", "router", "up"):
+        undocumented = [a.option_strings[0] for a in sub.choices[command]._actions
+                        if a.option_strings and a.dest != "help" and not a.help]
+        assert not undocumented, command

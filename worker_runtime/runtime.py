@@ -69,8 +69,7 @@ RegistrationFor = Callable[[Callable[[], WorkerInfo]], Registration]
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
-                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None,
-                 lora_modules: tuple[str, ...] = ()) -> None:
+                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
         the transfer agent the engine's pool is registered with here."""
         self.config = config
@@ -102,7 +101,7 @@ class WorkerRuntime:
         self.loop = EngineLoop(engine, self.deliver, self._after_step,
                                itl_target_s=config.itl_target_ms / 1000)
         self.stats: EngineStats = engine.stats()
-        self.loras: dict[str, str] = dict(m.split("=", 1) for m in lora_modules)
+        self.loras: dict[str, str] = dict(engine.config.lora_modules)
         """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
         self.grpc_address = ""
         self.metrics_address = ""
@@ -119,9 +118,7 @@ class WorkerRuntime:
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
         engine = LLMEngine(engine_config)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
-        return cls(config, engine, kv,
-                   lambda info: Registrar(config.etcd, config.cluster, info),
-                   lora_modules=tuple(engine_config.lora_modules))
+        return cls(config, engine, kv, lambda info: Registrar(config.etcd, config.cluster, info))
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""

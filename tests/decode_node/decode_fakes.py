@@ -57,7 +57,7 @@ class FakeEngine:
 
     limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE))
     loaded = SimpleNamespace(model_id="m")
-    config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False)
+    config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=())
 
     def stats(self):
         return None

@@ -2,7 +2,6 @@
 (router/metrics.py) parsed into a window's snapshot, histogram quantiles, one planner round
 against fake etcd / workers / SetRole moving a prefill worker to decode, the slot following
 the switch (a crash restarts it in the new role), and `up` without --planner pinning pools."""
-import argparse
 import math
 import time
 from pathlib import Path
@@ -12,8 +11,10 @@ import pytest
 from cluster.registration import Capacity, WorkerInfo
 from local_cluster.measure import Sample, Window
 from local_cluster.metrics_text import Scrape, increase, quantile, window_buckets
+from engine.flags import from_args
+from local_cluster.config import UpConfig
 from local_cluster.planner import PlannerConfig
-from local_cluster.planner_loop import Planner, config_from_args
+from local_cluster.planner_loop import Planner
 from local_cluster.slots import RestartPolicy, SlotState
 from local_cluster.supervisor import Supervisor
 from router.metrics import RouterMetrics
@@ -144,8 +145,8 @@ class FakeCluster:
 
 
 def make_supervisor(spawned: list) -> Supervisor:
-    sup = Supervisor(argparse.Namespace(num_threads=1, cluster="test"), "127.0.0.1:1",
-                     Path("/nonexistent-logs"), RestartPolicy(backoff=0.0))
+    sup = Supervisor(UpConfig(num_threads=1, cluster="test", restart=RestartPolicy(backoff=0.0)),
+                     "127.0.0.1:1", Path("/nonexistent-logs"))
     sup._spawn_worker = lambda role, name: spawned.append((role, name)) or FakeChild(len(spawned), "")
     return sup
 
@@ -157,7 +158,7 @@ def test_a_round_moves_the_idle_prefill_worker_to_decode_and_its_slot_follows():
     p_slot, d_slot = sup.add_slot("prefill"), sup.add_slot("decode")
     p_slot.child, d_slot.child = FakeChild(1, "127.0.0.1:7001"), FakeChild(2, "127.0.0.1:7002")
     p_slot.state = d_slot.state = SlotState.READY
-    planner = Planner(sup, "http://router", PlannerConfig(cooldown_s=30.0), interval_s=5.0, window_s=10.0,
+    planner = Planner(sup, "http://router", PlannerConfig(cooldown_s=30.0, window_s=10.0),
                       switch=cluster.set_role, read_workers=lambda: list(cluster.workers.values()),
                       fetch=cluster.fetch, clock=lambda: now[0])
     sup.planner = planner  # as start_planner does
@@ -207,7 +208,7 @@ def test_a_failed_switch_is_counted_and_the_slot_keeps_its_role():
     def refuse(worker, role):
         raise RuntimeError("FAILED_PRECONDITION: sleeping")
 
-    planner = Planner(sup, "http://router", PlannerConfig(), interval_s=5.0, window_s=10.0, switch=refuse,
+    planner = Planner(sup, "http://router", PlannerConfig(window_s=10.0), switch=refuse,
                       read_workers=lambda: list(cluster.workers.values()), fetch=cluster.fetch,
                       clock=lambda: now[0])
     planner.round()
@@ -228,7 +229,7 @@ def test_no_decision_while_a_worker_restarts_or_after_the_pools_changed():
     sup.say = said.append
     slot = sup.add_slot("prefill")
     slot.child, slot.state = FakeChild(1, "127.0.0.1:7001"), SlotState.RESTARTING
-    planner = Planner(sup, "http://router", PlannerConfig(), interval_s=5.0, window_s=10.0,
+    planner = Planner(sup, "http://router", PlannerConfig(window_s=10.0),
                       switch=cluster.set_role, read_workers=lambda: list(cluster.workers.values()),
                       fetch=cluster.fetch, clock=lambda: now[0])
     planner.round()
@@ -265,24 +266,28 @@ def test_slots_follow_the_registered_role():
 def test_without_planner_the_pools_stay_pinned():
     from pdserve.cli import build_parser
 
-    args = build_parser().parse_args(["up", "--prefill", "2", "--decode", "3"])
-    assert not args.planner
-    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
+    def parse(*flags: str) -> UpConfig:
+        return from_args(UpConfig, build_parser().parse_args(["up", *flags]))
+
+    config = parse("--prefill", "2", "--decode", "3")
+    assert not config.planner
+    sup = Supervisor(config, "127.0.0.1:1", Path("/nonexistent-logs"))
     assert sup.planner is None and "planner" not in sup.snapshot()
 
-    args = build_parser().parse_args(["up", "--planner", "--ttft-slo-ms", "1500", "--itl-slo-ms", "100",
-                                      "--min-prefill", "1", "--max-decode", "3"])
-    config = config_from_args(args)
-    assert (config.ttft_slo_s, config.itl_slo_s, config.min_prefill, config.max_decode) == (1.5, 0.1, 1, 3)
-    assert config.min_decode == 1 and config.cooldown_s == 30.0
-    with pytest.raises(ValueError, match="min_decode"):
-        config_from_args(build_parser().parse_args(["up", "--planner", "--min-decode", "0"]))
+    config = parse("--planner", "--ttft-slo-ms", "1500", "--itl-slo-ms", "100", "--min-prefill", "1",
+                   "--max-decode", "3", "--planner-interval", "2", "--planner-drain-timeout", "9")
+    c = config.planner_config
+    assert config.planner and (c.ttft_slo_s, c.itl_slo_s, c.min_prefill, c.max_decode) == (1.5, 0.1, 1, 3)
+    assert (c.min_decode, c.cooldown_s, c.interval_s, c.window_s, c.drain_timeout_s) == (1, 30.0, 2.0, 20.0, 9.0)
+    with pytest.raises(ValueError, match="--min-decode: min_decode must be >= 1"):
+        parse("--planner", "--min-decode", "0")
 
 
 def test_bad_planner_flags_stop_up_before_it_starts_anything(capsys):
     from pdserve.cli import main
 
     assert main(["up", "--planner", "--min-prefill", "2", "--max-prefill", "1"]) == 2
-    assert "pdserve up: error: max_prefill (1) is below min_prefill (2)" in capsys.readouterr().err
+    assert ("pdserve up: error: --max-prefill: max_prefill must be >= min_prefill (2), got 1"
+            in capsys.readouterr().err)
     assert main(["up", "--planner", "--planner-interval", "0"]) == 2
-    assert "--planner-interval must be > 0" in capsys.readouterr().err
+    assert "--planner-interval: interval_s must be > 0" in capsys.readouterr().err

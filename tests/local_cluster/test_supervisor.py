@@ -1,12 +1,12 @@
 """The supervisor's restart rules with fake children (no processes): backoff and crash loop,
 restarts off, a crash is only an exit nobody asked for, scale-in and shutdown during a backoff
 leave no child running and start none afterwards."""
-import argparse
 import itertools
 import threading
 import time
 from pathlib import Path
 
+from local_cluster.config import UpConfig
 from local_cluster.slots import RestartPolicy, Slot, SlotState
 from local_cluster.supervisor import Supervisor
 
@@ -56,8 +56,8 @@ class Spawner:
 
 
 def make_supervisor(**policy) -> Supervisor:
-    args = argparse.Namespace(num_threads=1, cluster="test")
-    return Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy(**{"backoff": 0.05, **policy}))
+    config = UpConfig(num_threads=1, cluster="test", restart=RestartPolicy(**{"backoff": 0.05, **policy}))
+    return Supervisor(config, "127.0.0.1:1", Path("/nonexistent-logs"))
 
 
 def wait_for(cond, timeout=10.0):
@@ -70,6 +70,7 @@ def wait_for(cond, timeout=10.0):
 def test_backoff_doubles_and_is_capped():
     policy = RestartPolicy(backoff=1.0, max_backoff=30.0)
     assert [policy.delay(k) for k in (1, 2, 3, 4, 5, 6, 7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert RestartPolicy(backoff=40.0).delay(3) == 40.0  # the cap never undercuts the first delay
 
 
 def test_crashes_outside_the_window_are_forgotten():
@@ -158,57 +159,3 @@ def test_stop_during_a_backoff_stops_every_child_and_starts_none():
     assert sup.snapshot()["slots"] == []
 
 
-def test_speculative_config_goes_to_decode_workers_only():
-    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
-    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=spec,
-                              worker_args=["--dtype=float32"], prefill_args=[],
-                              decode_args=["--kv-timeout=5"])
-    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
-    decode = sup.worker_command("decode")
-    assert decode[0] == "decode"
-    # after --worker-arg, before --decode-arg (so a --decode-arg of the same flag wins)
-    assert decode[-4:] == ["--dtype=float32", "--speculative-config", spec, "--kv-timeout=5"]
-    assert not any("speculative" in a for a in sup.worker_command("prefill"))
-    args.speculative_config = None
-    assert not any("speculative" in a for a in sup.worker_command("decode"))
-
-
-def test_kv_cache_dtype_goes_to_workers_of_both_roles():
-    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
-                              worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
-                              kv_cache_dtype="int8")
-    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
-    for role in ("prefill", "decode"):
-        cmd = sup.worker_command(role)
-        i = cmd.index("--kv-cache-dtype")
-        assert cmd[i + 1] == "int8" and cmd[-1] == "--dtype=float32"  # --worker-arg after it
-    args.kv_cache_dtype = None  # not given: the workers' default (auto)
-    assert not any("kv-cache-dtype" in a for a in sup.worker_command("prefill"))
-
-
-def test_lora_flags_go_to_workers_of_both_roles():
-    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
-                              worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
-                              enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=None,
-                              lora_modules=["a=/x", "b=/y"])
-    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
-    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-            "--lora-modules", "a=/x", "b=/y"]
-    for role in ("prefill", "decode"):
-        cmd = sup.worker_command(role)
-        i = cmd.index("--enable-lora")
-        assert cmd[i:i + len(lora)] == lora and cmd[-1] == "--dtype=float32"  # --worker-arg wins
-    args.enable_lora = False
-    assert not any("lora" in a for a in sup.worker_command("decode"))
-
-
-def test_sleep_mode_goes_to_workers_of_both_roles():
-    args = argparse.Namespace(num_threads=1, cluster="test", model="/m", speculative_config=None,
-                              worker_args=["--dtype=float32"], prefill_args=[], decode_args=[],
-                              enable_sleep_mode=True)
-    sup = Supervisor(args, "127.0.0.1:1", Path("/nonexistent-logs"), RestartPolicy())
-    for role in ("prefill", "decode"):
-        cmd = sup.worker_command(role)
-        assert "--enable-sleep-mode" in cmd and cmd[-1] == "--dtype=float32"
-    args.enable_sleep_mode = False
-    assert "--enable-sleep-mode" not in sup.worker_command("decode")

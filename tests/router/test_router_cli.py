@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import LoRAModule
+from engine.flags import to_argv
 from pdserve.cli import build_parser, main
 from router.cli import config_from_args
 from router.config import PlacementConfig, RouterConfig
@@ -13,9 +15,15 @@ from router.config import PlacementConfig, RouterConfig
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The engine's torch-free config modules the router's flags and config come from.
+ENGINE_CONFIG_MODULES = {"engine", "engine.checks", "engine.flags", "engine.config",
+                         "engine.spec_decode", "engine.spec_decode.config"}
+
+
 def test_importing_the_cli_loads_no_heavy_stack():
-    code = ("import sys, router.cli; heavy = [m for m in ('grpc', 'fastapi', 'uvicorn', 'torch', "
-            "'aetcd', 'engine') if m in sys.modules]; assert not heavy, heavy")
+    code = ("import sys, router.cli; heavy = [m for m in sys.modules if m.split('.')[0] in "
+            f"('grpc', 'fastapi', 'uvicorn', 'torch', 'aetcd') or (m.split('.')[0] == 'engine' "
+            f"and m not in {sorted(ENGINE_CONFIG_MODULES)})]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
@@ -39,7 +47,8 @@ def test_flags_reach_the_config():
         local_prefill_threshold=6, local_prefill_max_tokens=10, itl_slo_ms=100,
         prefill_queue_limit=7, default_prefill_rate=8, max_waiting_per_worker=9, lora_weight=0.25,
         lora_load_s=0.5)
-    assert cfg.enable_lora and cfg.lora_modules == ("a=/x", "b=/y") and cfg.enable_dev_endpoints
+    assert cfg.enable_lora and cfg.enable_dev_endpoints
+    assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
             cfg.served_model_name, cfg.max_n, cfg.generation_config, cfg.max_migrations,
@@ -54,6 +63,8 @@ def test_flags_reach_the_config():
             assert getattr(cfg, f.name) != getattr(default, f.name), f.name
     for f in dataclasses.fields(PlacementConfig):
         assert getattr(cfg.placement, f.name) != getattr(default.placement, f.name), f.name
+    # ... and the flags that reproduce a config give it back.
+    assert config_from_args(build_parser().parse_args(["router", *to_argv(cfg)])) == cfg
 
 
 def test_help_and_bad_values(capsys):
@@ -64,6 +75,8 @@ def test_help_and_bad_values(capsys):
     for flag in ("--etcd", "--policy", "--api-key", "--local-prefill-threshold", "--queue-timeout"):
         assert flag in out
     assert main(["router", "--etcd", "h:1", "--load-scale", "0"]) == 2
-    assert "load_scale must be > 0" in capsys.readouterr().err
+    assert "--load-scale: load_scale must be > 0, got 0.0" in capsys.readouterr().err
+    assert main(["router", "--etcd", "h:1", "--lora-modules", "nopath"]) == 2
+    assert "--lora-modules: lora_modules must be name=path, got 'nopath'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["router"])  # --etcd is required

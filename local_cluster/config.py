@@ -1,0 +1,81 @@
+"""`pdserve up`'s configuration: one frozen tree, parsed once (cli.py) and passed down. Its flags
+come from the fields (engine.flags), and the workers' and the router's command lines are built
+from configs of theirs (engine.flags.to_argv), so an engine flag reaches `up` and its workers
+without an edit here."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from cluster.roles import Role
+from engine.checks import check_fields
+from engine.config import EngineConfig
+from engine.flags import option
+from local_cluster.planner import PlannerConfig
+from local_cluster.slots import RestartPolicy
+
+PLANNER_GROUP = "planner (docs/planner.md): move workers between the pools from measured load and SLOs"
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    prefill: int = 1
+    """Prefill workers to start."""
+    decode: int = 1
+    """Decode workers to start."""
+    host: str = "127.0.0.1"
+    """Router listen address."""
+    port: int = 8000
+    """Router port (0: any free port, kept across restarts)."""
+    etcd: str | None = option(None, metavar="HOST:PORT")
+    """Use this etcd instead of starting one."""
+    cluster: str = "default"
+    """Cluster name in etcd."""
+    num_threads: int = 0
+    """torch threads per worker (0: cores / workers, at least 1)."""
+    log_dir: str | None = None
+    """Keep per-process logs here (default: a temp dir)."""
+    restart: RestartPolicy = option(default_factory=RestartPolicy)
+    """When a crashed process is restarted."""
+    engine: EngineConfig = option(default_factory=EngineConfig, group="engine")
+    """The engine of every worker, both roles (a prefill worker writes KV only into a decode
+    worker's pool of the same format and applies the same LoRA adapter); flags left at their
+    default are not passed. --speculative-config goes to decode workers only (prefill workers
+    never speculate). --enable-lora and --lora-modules also go to the router (it serves the
+    adapters as models and accepts /v1/load_lora_adapter and /v1/unload_lora_adapter);
+    --enable-sleep-mode also gives the router --enable-dev-endpoints (fleet-wide /sleep,
+    /wake_up, /is_sleeping, /reset_prefix_cache, /collective_rpc, /update_weights)."""
+    planner: bool = option(False, group=PLANNER_GROUP)
+    """Switch workers between prefill and decode in place (Worker.SetRole) when a pool misses
+    its SLO or is the bottleneck; without it the pools stay as --prefill / --decode (and
+    `pdserve scale`) set them."""
+    planner_config: PlannerConfig = option(default_factory=PlannerConfig, group=PLANNER_GROUP)
+    """The planner's SLOs, limits and timing."""
+    worker_args: tuple[str, ...] = option((), name="--worker-arg", repeat=True, metavar="FLAG")
+    """Extra flag for every worker, after the flags above, e.g.
+    --worker-arg=--kv-timeout=5."""
+    prefill_args: tuple[str, ...] = option((), name="--prefill-arg", repeat=True, metavar="FLAG")
+    """Extra flag for prefill workers only (after the --worker-arg ones)."""
+    decode_args: tuple[str, ...] = option((), name="--decode-arg", repeat=True, metavar="FLAG")
+    """Extra flag for decode workers only (after the --worker-arg ones)."""
+    router_args: tuple[str, ...] = option((), name="--router-arg", repeat=True, metavar="FLAG")
+    """Extra flag for the router, e.g. --router-arg=--policy=round_robin."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, [
+            (self.prefill >= 0, "prefill", "must be >= 0"),
+            (self.decode >= 0, "decode", "must be >= 0"),
+            (0 <= self.port < 65536, "port", "must be in 0..65535"),
+            (self.num_threads >= 0, "num_threads", "must be >= 0"),
+        ])
+
+    def engine_for(self, role: Role) -> EngineConfig:
+        """A `role` worker's engine: without speculation on a prefill worker (it computes
+        prompts and samples one token per request; a draft model would go unused)."""
+        if role == Role.PREFILL:
+            return dataclasses.replace(self.engine, speculative_config=None)
+        return self.engine
+
+    def role_args(self, role: Role) -> tuple[str, ...]:
+        """--prefill-arg's or --decode-arg's."""
+        return self.prefill_args if role == Role.PREFILL else self.decode_args

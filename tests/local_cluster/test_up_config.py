@@ -1,0 +1,137 @@
+"""`pdserve up`'s flags -> UpConfig -> the workers' and the router's command lines, checked by
+parsing those command lines with the workers' and the router's own parsers (no processes)."""
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.roles import ROLES, Role
+from engine.config import EngineConfig, LoRAModule
+from engine.flags import add_flags, from_args, option, to_argv
+from local_cluster.config import UpConfig
+from local_cluster.supervisor import Supervisor
+from local_cluster.up import router_flags
+from pdserve.cli import build_parser
+from router.cli import config_from_args as router_config
+from router.config import PlacementConfig, RouterConfig
+from worker_runtime.args import WorkerConfig
+
+ETCD = "127.0.0.1:1"
+ENGINE = EngineConfig(
+    model="/m", dtype="float32", device="cpu", block_size=32, kv_cache_memory=3 << 20,
+    gpu_memory_utilization=0.5, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
+    enable_prefix_caching=False, long_prefill_token_threshold=64, attention_backend="torch",
+    num_layers=2, seed=7, generation_config="vllm",
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3}, kv_cache_dtype="int8",
+    enable_sleep_mode=True, worker_extension_cls="m:C", enable_lora=True, max_loras=2,
+    max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"))
+ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
+                                       long_prefill_token_threshold=0)]
+"""Between them, every EngineConfig field off its default (the threshold needs chunked
+prefill on)."""
+
+
+def parse_up(*flags: str) -> UpConfig:
+    return from_args(UpConfig, build_parser().parse_args(["up", *flags]))
+
+
+def supervisor(config: UpConfig) -> Supervisor:
+    return Supervisor(config, ETCD, Path("/nonexistent-logs"))
+
+
+def started(cmd: list[str]) -> tuple[WorkerConfig, EngineConfig]:
+    """The configs a worker command line gives, parsed as `pdserve <role>` parses it."""
+    args = build_parser().parse_args(cmd)
+    return from_args(WorkerConfig, args, role=cmd[0]), EngineConfig.from_args(args)
+
+
+def test_every_engine_flag_of_up_reaches_the_workers_of_both_roles():
+    default = EngineConfig()
+    assert not [f.name for f in dataclasses.fields(EngineConfig)
+                if all(getattr(e, f.name) == getattr(default, f.name) for e in ENGINES)]
+    for engine in ENGINES:
+        config = parse_up(*to_argv(UpConfig(engine=engine)), "--cluster", "c", "--num-threads", "3")
+        assert config.engine == engine
+        for role in ROLES:
+            cmd = supervisor(config).worker_command(role)
+            assert cmd[0] == role
+            worker, got = started(cmd)
+            assert worker == WorkerConfig(role=role, etcd=ETCD, cluster="c", num_threads=3)
+            # Prefill workers never speculate: they are not even given the flag.
+            want = engine if role == Role.DECODE else dataclasses.replace(engine, speculative_config=None)
+            assert got == want
+            assert ("--speculative-config" in cmd) == (role == Role.DECODE)
+
+
+def test_defaults_are_not_passed_and_threads_are_shared_out():
+    sup = supervisor(parse_up("--cluster", "c"))
+    for role in ROLES:
+        sup.add_slot(role, spawn=lambda: None)
+    threads = str(max(1, (os.cpu_count() or 2) // 2))  # cores / workers
+    assert sup.worker_command(Role.DECODE) == ["decode", "--etcd", ETCD, "--cluster", "c",
+                                               "--num-threads", threads]
+
+
+def test_worker_args_then_role_args_come_last_so_they_win():
+    config = parse_up("--kv-cache-dtype", "int8", "--worker-arg=--kv-cache-dtype=fp8",
+                      "--worker-arg=--dtype=float32", "--decode-arg=--kv-cache-dtype=auto",
+                      "--prefill-arg=--kv-timeout=5")
+    sup = supervisor(config)
+    decode, prefill = sup.worker_command(Role.DECODE), sup.worker_command(Role.PREFILL)
+    assert decode[-3:] == ["--kv-cache-dtype=fp8", "--dtype=float32", "--kv-cache-dtype=auto"]
+    assert started(decode)[1].kv_cache_dtype == "auto"
+    assert prefill[-3:] == ["--kv-cache-dtype=fp8", "--dtype=float32", "--kv-timeout=5"]
+    worker, engine = started(prefill)
+    assert (engine.kv_cache_dtype, engine.dtype, worker.kv_timeout_s) == ("fp8", "float32", 5.0)
+
+
+def test_a_new_engine_flag_reaches_up_and_its_workers_without_an_edit_in_local_cluster():
+    @dataclass(frozen=True)
+    class NewEngineConfig(EngineConfig):
+        new_knob: int = 0
+        """A flag local_cluster has never heard of."""
+
+    @dataclass(frozen=True)
+    class NewUpConfig(UpConfig):
+        engine: NewEngineConfig = option(default_factory=NewEngineConfig, group="engine")
+
+    up_parser = argparse.ArgumentParser()
+    add_flags(up_parser, NewUpConfig)
+    config = from_args(NewUpConfig, up_parser.parse_args(["--new-knob", "7", "--seed", "3"]))
+    assert config.engine == NewEngineConfig(new_knob=7, seed=3)
+    worker_parser = argparse.ArgumentParser()
+    add_flags(worker_parser, WorkerConfig)
+    add_flags(worker_parser, NewEngineConfig)
+    for role in ROLES:
+        cmd = supervisor(config).worker_command(role)
+        assert cmd[cmd.index("--new-knob") + 1] == "7"
+        assert from_args(NewEngineConfig, worker_parser.parse_args(cmd[1:])) == config.engine
+
+
+def test_the_router_gets_the_cluster_the_model_and_what_the_engine_flags_ask_of_it():
+    def router(config: UpConfig) -> RouterConfig:
+        return router_config(build_parser().parse_args(["router", *router_flags(config, ETCD, 9000)]))
+
+    assert router(parse_up()) == RouterConfig(etcd=ETCD, port=9000)
+    config = parse_up("--cluster", "c", "--host", "0.0.0.0", "--model", "/m", "--enable-lora",
+                      "--lora-modules", "a=/x", "--max-loras", "2", "--enable-sleep-mode",
+                      "--router-arg=--policy=round_robin")
+    assert router(config) == RouterConfig(
+        etcd=ETCD, cluster="c", host="0.0.0.0", port=9000, model="/m", enable_lora=True,
+        lora_modules=(LoRAModule("a", "/x"),), enable_dev_endpoints=True,
+        placement=PlacementConfig(policy="round_robin"))
+    assert router(parse_up("--enable-lora")).enable_lora
+
+
+def test_bad_up_flags_are_refused_by_name_before_anything_starts(capsys):
+    from pdserve.cli import main
+
+    for flags, message in [
+        (["--lora-modules", "a=/x"], "--lora-modules: lora_modules needs enable_lora"),
+        (["--restart-window", "0"], "--restart-window: window must be > 0, got 0.0"),
+        (["--decode", "-1"], "--decode: decode must be >= 0, got -1"),
+        (["--kv-cache-memory", "0"], "--kv-cache-memory: kv_cache_memory must be > 0, got 0"),
+    ]:
+        assert main(["up", *flags]) == 2
+        assert f"pdserve up: error: {message}" in capsys.readouterr().err
