@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from cluster.registration import ROLES
+from cluster.roles import ROLES
 from router.admin import FleetAdmin, WorkerResult
 from router.errors import bad_request, from_validation_errors
 from router.openapi import route_schema

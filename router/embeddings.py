@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cluster.roles import Role
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
 from router.errors import APIError, bad_request, from_validation_errors
@@ -137,8 +138,8 @@ class Embedder:
     def max_model_len(self) -> int:
         """The longest input (+ 1) a prefill worker holds: the largest published by a ready
         prefill worker (else by any registered one), else the model card's."""
-        published = [w for w in self.registry.by_role("prefill") if w.info.max_model_len > 0]
-        live = [w for w in self.registry.ready("prefill") if w.info.max_model_len > 0]
+        published = [w for w in self.registry.by_role(Role.PREFILL) if w.info.max_model_len > 0]
+        live = [w for w in self.registry.ready(Role.PREFILL) if w.info.max_model_len > 0]
         return (max(w.info.max_model_len for w in live or published) if published
                 else self.card.max_model_len)
 
@@ -161,7 +162,7 @@ class Embedder:
         raise AssertionError("unreachable")
 
     async def _acquire(self, prompt: PromptKey, exclude: frozenset[str]) -> WorkerState:
-        if not self.registry.by_role("prefill"):
+        if not self.registry.by_role(Role.PREFILL):
             raise APIError(503, "no prefill worker is registered (embeddings run on the prefill "
                            "pool only)", code="no_prefill_workers")
         deadline = time.monotonic() + self.config.queue_timeout_s
