@@ -27,14 +27,15 @@ from typing import Any, Awaitable, Literal, Mapping, Union
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from cluster.roles import Role
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
-from router.errors import APIError, bad_request, from_validation_errors
+from router.errors import APIError, bad_request
 from router.openapi import GENERATE_ERRORS, route_schema
 from router.placement import PromptKey
+from router.protocol import parse_json
 from router.registry import WorkerState
 from router.response_models import EmbeddingResponse
 from router.services import Services
@@ -81,10 +82,7 @@ def prepare_embedding(body: bytes, card: ModelCard, limit: int,
                       adapters: Mapping[str, str] | None = None) -> PreparedEmbedding:
     """`limit`: the prefill workers' max_model_len (an input has fewer tokens). `adapters`:
     the LoRA adapters served (embeddings run on the base model only)."""
-    try:
-        req = EmbeddingRequest.model_validate_json(body or b"", strict=True)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
+    req = parse_json(EmbeddingRequest, body)
     if check_model(req.model, card, adapters) is not None:
         raise bad_request(f"Embeddings run on the base model only; {req.model!r} is a LoRA "
                           f"adapter (use {card.name!r})", "model")
