@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 from cluster.roles import ROLES
 
+KINDS = ("kill-prefill", "kill-decode", "stall-prefill", "stall-decode", "restart-etcd", "restart-router")
+"""Every fault kind, `<action>-<target>` (the target: a slot role of `pdserve up`)."""
+
 
 @dataclass(frozen=True)
 class Fault:
