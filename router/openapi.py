@@ -6,9 +6,10 @@ Handlers parse the raw body with `router.protocol.parse_json` rather than take a
 body parameter: FastAPI parses JSON only under a JSON Content-Type (curl's `-d` default is
 form-encoded), answers an empty body "Field required" instead of malformed JSON, lets lone
 surrogates (`"\\ud800"`) through to the tokenizer, validates in Python mode after `json.loads`
-and measured no faster (benchmarks/http_bench.py). So the request schema is published through
-`openapi_extra`, and responses through `responses=` — never `response_model`, which would
-re-serialize every body. A route declares both in one line:
+and costs more instructions per request (benchmarks/README.md, "Router HTTP layer"). So the
+request schema is published through `openapi_extra`, and responses through `responses=` —
+never `response_model`, which would re-serialize every body. A route declares both in one
+line:
 
     @app.post("/v1/embeddings", **route_schema(EmbeddingRequest, EmbeddingResponse,
                                                errors=GENERATE_ERRORS))
