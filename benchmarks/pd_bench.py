@@ -25,11 +25,13 @@ import grpc
 from cluster.etcd_server import EtcdServer
 from local_cluster.launcher import ServiceProcess
 from cluster.net import free_port
+from cluster.roles import PrefillPath, Role
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
 
-async def _ttft(address: str, prompt: list[int], prefill: pb.WorkerRef | None) -> tuple[float, str]:
+async def _ttft(address: str, prompt: list[int],
+                prefill: pb.WorkerRef | None) -> tuple[float, PrefillPath]:
     req = pb.GenerateRequest(request_id=f"bench-{random.getrandbits(48)}", prompt_token_ids=prompt,
                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=1))
     if prefill is not None:
@@ -37,7 +39,7 @@ async def _ttft(address: str, prompt: list[int], prefill: pb.WorkerRef | None) -
     async with grpc.aio.insecure_channel(address) as ch:
         t0 = time.perf_counter()
         async for response in pb_grpc.DecodeWorkerStub(ch).Generate(req, timeout=600):
-            return time.perf_counter() - t0, response.prefill_mode
+            return time.perf_counter() - t0, PrefillPath(response.prefill_mode)
     raise RuntimeError("no response")
 
 
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> dict:
 
     rows = []
     with EtcdServer() as etcd:
-        ports = {"prefill": free_port(), "decode": free_port()}
+        ports = {Role.PREFILL: free_port(), Role.DECODE: free_port()}
         procs = {
             role: ServiceProcess([role, "--etcd", etcd.endpoint, "--port", str(port), *common],
                                  logs / f"{role}.log")
@@ -83,8 +85,9 @@ def run(args: argparse.Namespace) -> dict:
         try:
             for p in procs.values():
                 p.wait_ready(timeout=300)
-            decode = f"127.0.0.1:{ports['decode']}"
-            prefill = pb.WorkerRef(worker_id=procs["prefill"].worker_id, address=f"127.0.0.1:{ports['prefill']}")
+            decode = f"127.0.0.1:{ports[Role.DECODE]}"
+            prefill = pb.WorkerRef(worker_id=procs[Role.PREFILL].worker_id,
+                                   address=f"127.0.0.1:{ports[Role.PREFILL]}")
             # Warm-up: each path once per length (on a GPU the first call of a shape compiles kernels).
             for n in (64, *(int(x) for x in args.lengths.split(","))):
                 asyncio.run(_ttft(decode, prompt(n), prefill))
@@ -94,10 +97,10 @@ def run(args: argparse.Namespace) -> dict:
                 local, remote = [], []
                 for _ in range(args.repeats):
                     t, mode = asyncio.run(_ttft(decode, prompt(n), None))
-                    assert mode == "local", mode
+                    assert mode is PrefillPath.LOCAL, mode
                     local.append(t)
                     t, mode = asyncio.run(_ttft(decode, prompt(n), prefill))
-                    assert mode == "remote", mode
+                    assert mode is PrefillPath.REMOTE, mode
                     remote.append(t)
                 lo, re = statistics.median(local), statistics.median(remote)
                 rows.append({"prompt_tokens": n, "local_ttft_ms": round(lo * 1e3, 2),

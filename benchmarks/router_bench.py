@@ -21,6 +21,7 @@ import statistics
 import time
 
 from cluster.registration import Capacity, WorkerInfo
+from cluster.roles import Role
 
 
 def pct(values: list[float], q: float) -> float:
@@ -44,8 +45,8 @@ def bench_decision(args: argparse.Namespace) -> None:
     rng = random.Random(0)
     bs = args.block_size
     n_prefill = args.workers // 4
-    infos = [WorkerInfo(f"{'prefill' if i < n_prefill else 'decode'}-{i}",
-                        "prefill" if i < n_prefill else "decode", f"10.0.0.{i}:5000", "m", "c", bs,
+    roles = [Role.PREFILL if i < n_prefill else Role.DECODE for i in range(args.workers)]
+    infos = [WorkerInfo(f"{roles[i]}-{i}", roles[i], f"10.0.0.{i}:5000", "m", "c", bs,
                         capacity=Capacity(total_blocks=100_000, free_blocks=rng.randint(1_000, 100_000),
                                           running=rng.randint(0, 32), waiting=rng.randint(0, 4),
                                           queued_prefill_tokens=rng.randint(0, 8_000),
@@ -194,7 +195,7 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
 
     log_dir = tempfile.mkdtemp(prefix="router-bench-")
     flags = ["--num-layers", str(args.num_layers), "--dtype", "float32", "--num-threads", "1"]
-    memory = {"prefill": args.prefill_kv_cache_memory, "decode": args.decode_kv_cache_memory}
+    memory = {Role.PREFILL: args.prefill_kv_cache_memory, Role.DECODE: args.decode_kv_cache_memory}
     rng = random.Random(1)
     with EtcdServer() as etcd:
         import sys
@@ -202,7 +203,7 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
         workers = [_Proc([sys.executable, "-m", "pdserve", role, "--etcd", etcd.endpoint, *flags,
                           "--kv-cache-memory", memory[role]],
                          f"{log_dir}/{role}-{i}.log")
-                   for i, role in enumerate(["prefill", "prefill", "decode"])]
+                   for i, role in enumerate([Role.PREFILL, Role.PREFILL, Role.DECODE])]
         try:
             addresses = [w.wait_ready() for w in workers]
             prefill_metrics = [m for _, m in addresses[:2]]

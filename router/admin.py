@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from cluster.registration import WorkerInfo
+from cluster.roles import Role
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
 from router.errors import APIError
@@ -56,7 +57,7 @@ class FleetAdmin:
         """Why generation requests must wait now, None when they need not."""
         if self._closed is not None:
             return self._closed
-        decode = self.registry.by_role("decode")
+        decode = self.registry.by_role(Role.DECODE)
         return "sleeping" if decode and all(s.info.sleeping for s in decode) else None
 
     async def wait_awake(self) -> None:
@@ -148,7 +149,7 @@ class FleetAdmin:
         if not workers:
             raise APIError(503, "No worker is registered; try again when workers are up.",
                            code="overloaded", headers={"Retry-After": "1"})
-        return sorted(workers, key=lambda w: (w.role != "prefill", w.worker_id))
+        return sorted(workers, key=lambda w: (w.role != Role.PREFILL, w.worker_id))
 
     async def _fan_out(self, method: str, request, timeout_s: float | None = None
                        ) -> list[WorkerResult]:

@@ -19,13 +19,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
-from cluster.registration import ROLES
+from cluster.roles import ROLES
 from router.admin import FleetAdmin, WorkerResult
-from router.errors import bad_request, from_validation_errors
+from router.errors import bad_request
 from router.openapi import route_schema
-from router.protocol import _Body
+from router.protocol import _Body, parse_json
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 ADMIN_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
@@ -110,13 +110,6 @@ def _state(results: list[WorkerResult]) -> JSONResponse:
                                              for r in results}})
 
 
-def _parse(model, body: bytes):
-    try:
-        return model.model_validate_json(body or b"", strict=True)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
-
-
 def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
     @app.post("/sleep", **_schema(None, FleetState, (
         _query("level", {"type": "integer", "enum": [1, 2], "default": 1},
@@ -156,7 +149,7 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
     async def collective_rpc(request: Request) -> JSONResponse:
         import json
 
-        req = _parse(CollectiveRPCRequest, await request.body())
+        req = parse_json(CollectiveRPCRequest, await request.body())
         if not req.method:
             raise bad_request("method must not be empty", "method")
         if req.timeout is not None and req.timeout <= 0:
@@ -168,7 +161,7 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
 
     @app.post("/update_weights", **_schema(UpdateWeightsRequest, FleetState))
     async def update_weights(request: Request) -> JSONResponse:
-        req = _parse(UpdateWeightsRequest, await request.body())
+        req = parse_json(UpdateWeightsRequest, await request.body())
         if not req.path:
             raise bad_request("path must not be empty", "path")
         return _state(await admin.update_weights(req.path))

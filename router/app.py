@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.roles import Role
 from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
 from router.dashboard import add_dashboard_routes
 from router.dispatch import Delta, WorkerFailed
@@ -68,11 +69,11 @@ def create_app(services: Services) -> FastAPI:
         200: {"model": HealthResponse, "description": "A decode worker is usable"},
         503: {"model": HealthResponse, "description": "No decode worker is usable"}})
     async def health() -> Response:
-        ready = {role: len(services.registry.ready(role)) for role in ("prefill", "decode")}
-        ok = ready["decode"] > 0
+        ready = {role: len(services.registry.ready(role)) for role in Role}
+        ok = ready[Role.DECODE] > 0
         return JSONResponse({"status": "ok" if ok else "no_decode_workers",
-                             "decode_workers": ready["decode"],
-                             "prefill_workers": ready["prefill"]},
+                             "decode_workers": ready[Role.DECODE],
+                             "prefill_workers": ready[Role.PREFILL]},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics", response_model=None, responses={200: {

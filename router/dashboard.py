@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
+from cluster.roles import Role
 from router.openapi import route_schema
 from router.response_models import DashboardData
 from router.registry import WorkerState
@@ -46,7 +47,7 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
     registry, metrics = services.registry, services.metrics
     now = registry.clock()
     workers = []
-    for w in sorted(registry.all(), key=lambda w: (w.info.role != "prefill", w.info.worker_id)):
+    for w in sorted(registry.all(), key=lambda w: (w.info.role != Role.PREFILL, w.info.worker_id)):
         c = w.info.capacity
         workers.append({
             "worker_id": w.info.worker_id, "role": w.info.role,

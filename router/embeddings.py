@@ -27,13 +27,15 @@ from typing import Any, Awaitable, Literal, Mapping, Union
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
+from cluster.roles import Role
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
-from router.errors import APIError, bad_request, from_validation_errors
+from router.errors import APIError, bad_request
 from router.openapi import GENERATE_ERRORS, route_schema
 from router.placement import PromptKey
+from router.protocol import parse_json
 from router.registry import WorkerState
 from router.response_models import EmbeddingResponse
 from router.services import Services
@@ -80,10 +82,7 @@ def prepare_embedding(body: bytes, card: ModelCard, limit: int,
                       adapters: Mapping[str, str] | None = None) -> PreparedEmbedding:
     """`limit`: the prefill workers' max_model_len (an input has fewer tokens). `adapters`:
     the LoRA adapters served (embeddings run on the base model only)."""
-    try:
-        req = EmbeddingRequest.model_validate_json(body or b"", strict=True)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
+    req = parse_json(EmbeddingRequest, body)
     if check_model(req.model, card, adapters) is not None:
         raise bad_request(f"Embeddings run on the base model only; {req.model!r} is a LoRA "
                           f"adapter (use {card.name!r})", "model")
@@ -137,8 +136,8 @@ class Embedder:
     def max_model_len(self) -> int:
         """The longest input (+ 1) a prefill worker holds: the largest published by a ready
         prefill worker (else by any registered one), else the model card's."""
-        published = [w for w in self.registry.by_role("prefill") if w.info.max_model_len > 0]
-        live = [w for w in self.registry.ready("prefill") if w.info.max_model_len > 0]
+        published = [w for w in self.registry.by_role(Role.PREFILL) if w.info.max_model_len > 0]
+        live = [w for w in self.registry.ready(Role.PREFILL) if w.info.max_model_len > 0]
         return (max(w.info.max_model_len for w in live or published) if published
                 else self.card.max_model_len)
 
@@ -161,7 +160,7 @@ class Embedder:
         raise AssertionError("unreachable")
 
     async def _acquire(self, prompt: PromptKey, exclude: frozenset[str]) -> WorkerState:
-        if not self.registry.by_role("prefill"):
+        if not self.registry.by_role(Role.PREFILL):
             raise APIError(503, "no prefill worker is registered (embeddings run on the prefill "
                            "pool only)", code="no_prefill_workers")
         deadline = time.monotonic() + self.config.queue_timeout_s

@@ -6,11 +6,10 @@ import importlib.metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 
-from router.errors import bad_request, from_validation_errors
+from router.errors import bad_request
 from router.openapi import SIDE_ERRORS, route_schema
-from router.protocol import DetokenizeRequest, TokenizeRequest
+from router.protocol import DetokenizeRequest, TokenizeRequest, parse_json
 from router.response_models import (DetokenizeResponse, ModelInfo, ModelList, TokenizeResponse,
                                     VersionResponse)
 from router.services import Services
@@ -22,13 +21,6 @@ def _version() -> str:
         return importlib.metadata.version("pdserve")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _parse(model, body: bytes):
-    try:
-        return model.model_validate_json(body or b"", strict=True)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
 
 
 def add_info_routes(app: FastAPI, services: Services) -> None:
@@ -59,7 +51,7 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
 
     @app.post("/tokenize", **route_schema(TokenizeRequest, TokenizeResponse, errors=SIDE_ERRORS))
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = _parse(TokenizeRequest, await request.body())
+        req = parse_json(TokenizeRequest, await request.body())
         check_model(req.model, card, services.loras.served())  # an adapter: the same tokenizer
         tok = card.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -81,7 +73,7 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
     @app.post("/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse,
                                             errors=SIDE_ERRORS))
     async def detokenize(request: Request) -> dict[str, str]:
-        req = _parse(DetokenizeRequest, await request.body())
+        req = parse_json(DetokenizeRequest, await request.body())
         check_model(req.model, card, services.loras.served())
         check_token_ids(req.tokens, card, "tokens")
         return {"prompt": card.tokenizer.decode(req.tokens)}

@@ -24,16 +24,15 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import ValidationError
 
 from cluster.registration import WorkerInfo
 from engine.config import LoRAModule
 from engine.lora.request import lora_id_for
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
-from router.errors import APIError, bad_request, from_validation_errors
+from router.errors import APIError, bad_request
 from router.openapi import route_schema
-from router.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from router.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_json
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -148,13 +147,6 @@ def _refusal(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> APIError:
                     "model_not_found" if status == 404 else "worker_failed" if status == 502 else None)
 
 
-def _parse(model, body: bytes):
-    try:
-        return model.model_validate_json(body or b"", strict=True)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
-
-
 _ERRORS = (400, 401, 404, 500, 502, 503)
 _DISABLED = ("Runtime LoRA updating is disabled: start the router with --enable-lora (or set "
              f"{RUNTIME_UPDATES_ENV}=true)")
@@ -177,7 +169,7 @@ def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, enabled: bool) -> None
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         if not enabled:
             raise APIError(404, _DISABLED)
-        req = _parse(LoadLoRAAdapterRequest, await request.body())
+        req = parse_json(LoadLoRAAdapterRequest, await request.body())
         if not req.lora_name or not req.lora_path:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.",
                               "lora_name" if not req.lora_name else "lora_path")
@@ -188,7 +180,7 @@ def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, enabled: bool) -> None
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         if not enabled:
             raise APIError(404, _DISABLED)
-        req = _parse(UnloadLoRAAdapterRequest, await request.body())
+        req = parse_json(UnloadLoRAAdapterRequest, await request.body())
         name = req.lora_name
         if not name and req.lora_int_id is not None:
             name = adapters.name_for_id(req.lora_int_id)

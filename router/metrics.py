@@ -7,6 +7,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cluster.roles import Role
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -62,7 +64,7 @@ class RouterMetrics:
             "pdserve_router_embedding_placements",
             "Embedding inputs sent to a worker, by the worker's role (prefill only, by design)",
             ["role"], registry=r)
-        for role in ("prefill", "decode"):
+        for role in Role:
             self.embedding_placements.labels(role)
         self.waiting = Gauge("pdserve_router_waiting_requests", "Requests waiting for capacity",
                              registry=r)

@@ -2,10 +2,14 @@
 pydantic models the router parses with (router/protocol.py) and the ones describing what it
 emits (router/response_models.py).
 
-Handlers keep reading the raw body (strict parsing, OpenAI-shaped 400s; a FastAPI body
-parameter would answer FastAPI's 422 instead), so the request schema is published through
-`openapi_extra`, and responses through `responses=` — never `response_model`, which would
-re-serialize every body. A route declares both in one line:
+Handlers parse the raw body with `router.protocol.parse_json` rather than take a FastAPI
+body parameter: FastAPI parses JSON only under a JSON Content-Type (curl's `-d` default is
+form-encoded), answers an empty body "Field required" instead of malformed JSON, lets lone
+surrogates (`"\\ud800"`) through to the tokenizer, validates in Python mode after `json.loads`
+and costs more instructions per request (benchmarks/README.md, "Router HTTP layer"). So the
+request schema is published through `openapi_extra`, and responses through `responses=` —
+never `response_model`, which would re-serialize every body. A route declares both in one
+line:
 
     @app.post("/v1/embeddings", **route_schema(EmbeddingRequest, EmbeddingResponse,
                                                errors=GENERATE_ERRORS))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cluster.registration import WorkerInfo
+from cluster.roles import Role
 from engine.block_hash import BlockHash
 from engine.lora.request import LoRARequest
 from router.kv_index import KVIndex, prompt_block_hashes
@@ -65,10 +66,10 @@ class Placer:
         num_tokens = len(prompt.token_ids)
         candidate = self._candidates(prompt)
         states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
-        decode = [candidate(s) for s in states.values() if s.info.role == "decode"
+        decode = [candidate(s) for s in states.values() if s.info.role == Role.DECODE
                   and (s.info.max_model_len == 0 or context <= s.info.max_model_len)]
         prefill = [candidate(s) for s in states.values()
-                   if s.info.role == "prefill" and remote_prefill]
+                   if s.info.role == Role.PREFILL and remote_prefill]
         decision = self.policy.place(num_tokens, decode, prefill)
         if decision is None:
             return None
@@ -83,7 +84,7 @@ class Placer:
         published max_model_len holds the prompt. None: no usable one."""
         candidate = self._candidates(prompt)
         num_tokens = len(prompt.token_ids)
-        states = {s.info.worker_id: s for s in self.registry.by_role("prefill")
+        states = {s.info.worker_id: s for s in self.registry.by_role(Role.PREFILL)
                   if s.info.worker_id not in exclude
                   and (s.info.max_model_len == 0 or num_tokens < s.info.max_model_len)}
         chosen = self.policy.place_prefill(num_tokens, [candidate(s) for s in states.values()])

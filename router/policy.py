@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cluster.registration import Capacity
+from cluster.roles import PrefillPath
 from router.config import PlacementConfig
 from router.ttft_estimate import (
-    LocalEstimate, Path, TTFTCorrection, local_prefill, queue_ttft_s, step_cost,
+    LocalEstimate, TTFTCorrection, local_prefill, queue_ttft_s, step_cost,
 )
 
 
@@ -93,8 +94,9 @@ class Decision:
     """The chosen path's TTFT estimate, before correction (None: no estimate was needed)."""
 
     @property
-    def path(self) -> Path:
-        return Path.LOCAL if self.prefill is None else Path.REMOTE
+    def path(self) -> PrefillPath:
+        """The planned path (one of `ttft_estimate.PLANNED_PATHS`)."""
+        return PrefillPath.LOCAL if self.prefill is None else PrefillPath.REMOTE
 
 
 class Policy:
@@ -137,11 +139,11 @@ class Policy:
         fix = self.correction.corrected
         # Local pays twice: this prompt's wait, and the stall its chunks put on each decode
         # sharing their steps (remote costs the decodes nothing): only a clear win goes local.
-        local_cost_s = fix(Path.LOCAL, local.ttft_s) + local.decode_delay_s
-        if local_cost_s >= fix(Path.REMOTE, remote_s):
+        local_cost_s = fix(PrefillPath.LOCAL, local.ttft_s) + local.decode_delay_s
+        if local_cost_s >= fix(PrefillPath.REMOTE, remote_s):
             return remote
         # Would the prefill pool have won with an empty queue? Then its backlog is why not.
-        idle_s = fix(Path.REMOTE, self.estimated_ttft_s(num_prompt_tokens, p, queued=0))
+        idle_s = fix(PrefillPath.REMOTE, self.estimated_ttft_s(num_prompt_tokens, p, queued=0))
         reason = Reason.LOCAL_BACKLOG if idle_s <= local_cost_s else Reason.LOCAL_FASTER
         return Decision(d, None, reason, d.cached_tokens, local.ttft_s)
 

@@ -2,15 +2,29 @@
 `model_extra`; router/validation.py refuses the vLLM ones whose effect pdserve lacks and
 ignores (with a warning) the rest, as vLLM ignores fields it does not know.
 
-Parsed strictly from JSON (`parse_body`): a string where a number belongs is a type error,
-never coerced; NaN and infinities are refused. Ranges are checked later, by
-`engine.SamplingParams` and router/validation.py.
+Every route with a JSON body parses it with `parse_json`: strictly (a string where a number
+belongs is a type error, never coerced; NaN and infinities are refused), whatever the
+Content-Type, and a refusal is the OpenAI-shaped 400 naming the field. Ranges are checked
+later, by `engine.SamplingParams` and router/validation.py.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from router.errors import from_validation_errors
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def parse_json(model: type[B], body: bytes) -> B:
+    """`body` as a `model`, strictly from JSON (an empty body is malformed JSON). Raises the
+    400 `APIError` of the first (most specific) error (router.errors.from_validation_errors)."""
+    try:
+        return model.model_validate_json(body or b"", strict=True)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
 
 
 class _Body(BaseModel):

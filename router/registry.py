@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.registration import ROLES, WorkerInfo, make_client, workers_prefix
+from cluster.registration import WorkerInfo, make_client, workers_prefix
 from cluster.retry import reconnect_forever
+from cluster.roles import ROLES, Role
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> WorkerState | None:
         return self._workers.get(worker_id)
 
-    def by_role(self, role: str) -> list[WorkerState]:
+    def by_role(self, role: Role) -> list[WorkerState]:
         return [w for w in self._workers.values() if w.info.role == role]
 
     def all(self) -> list[WorkerState]:
@@ -79,7 +80,7 @@ class WorkerRegistry:
             return "draining"
         return "stale" if self.is_stale(state, now) else "ready"
 
-    def ready(self, role: str) -> list[WorkerState]:
+    def ready(self, role: Role) -> list[WorkerState]:
         now = self.clock()
         return [w for w in self.by_role(role) if self.state_of(w, now) == "ready"]
 

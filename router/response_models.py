@@ -13,6 +13,8 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.roles import Role
+
 FinishReason = Literal["stop", "length"]
 StopReason = Union[str, int, None]
 
@@ -232,7 +234,7 @@ class DashboardWorker(_Out):
     """One registered worker as /dashboard shows it (from its latest etcd registration)."""
 
     worker_id: str
-    role: Literal["prefill", "decode"]
+    role: Role
     state: Literal["ready", "draining", "stale"]
     address: str
     kv_usage: float  # 1 - free/total blocks (0 when total is unknown)

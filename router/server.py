@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import AsyncIterator, Iterator
 
 from cluster.registration import WorkerInfo
+from cluster.roles import Role
 from router.channels import ChannelPool
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -78,8 +79,8 @@ class RouterServices:
     def max_model_len(self) -> int:
         """The longest prompt + output a decode worker holds: the largest published by a live
         decode worker (else by any registered one, draining or stale), else the model card's."""
-        decode = [w for w in self.registry.by_role("decode") if w.info.max_model_len > 0]
-        live = [w for w in self.registry.ready("decode") if w.info.max_model_len > 0]
+        decode = [w for w in self.registry.by_role(Role.DECODE) if w.info.max_model_len > 0]
+        live = [w for w in self.registry.ready(Role.DECODE) if w.info.max_model_len > 0]
         return max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
 
     def _serves(self, info: WorkerInfo) -> bool:
@@ -118,7 +119,7 @@ class RouterServices:
     def update_gauges(self) -> None:
         now = self.registry.clock()
         counts: dict[tuple[str, str], int] = {
-            (role, state): 0 for role in ("prefill", "decode")
+            (role, state): 0 for role in Role
             for state in ("ready", "draining", "stale")
         }
         for w in self.registry.all():

@@ -20,10 +20,10 @@ configured default; its overhead comes from whichever kind of step it measured.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from cluster.registration import Capacity
+from cluster.roles import PrefillPath
 from engine.step_cost import StepCost, fitted_slope, step_cost_from
 
 CORRECTION_WEIGHT = 0.1
@@ -83,9 +83,9 @@ def local_prefill(own: Capacity, queued_tokens: int, uncached_tokens: int, decod
     return LocalEstimate(ttft, step_s, cost.per_token_s * uncached_tokens if decoding else 0.0)
 
 
-class Path(str, enum.Enum):
-    REMOTE = "remote"
-    LOCAL = "local"
+PLANNED_PATHS = (PrefillPath.REMOTE, PrefillPath.LOCAL)
+"""The paths placement chooses between (`policy.Decision.path`). `LOCAL_FALLBACK` is never a
+plan, only what a decode worker reports after the prefill worker it was given failed."""
 
 
 class TTFTCorrection:
@@ -98,16 +98,16 @@ class TTFTCorrection:
     __slots__ = ("_error",)
 
     def __init__(self) -> None:
-        self._error = {path: 0.0 for path in Path}
+        self._error = {path: 0.0 for path in PLANNED_PATHS}
 
-    def error_s(self, path: Path) -> float:
+    def error_s(self, path: PrefillPath) -> float:
         return self._error[path]
 
-    def corrected(self, path: Path, estimate_s: float) -> float:
+    def corrected(self, path: PrefillPath, estimate_s: float) -> float:
         return max(0.0, estimate_s + self._error[path])
 
-    def observe(self, path: Path, estimated_s: float, observed_s: float) -> None:
+    def observe(self, path: PrefillPath, estimated_s: float, observed_s: float) -> None:
         self._error[path] += CORRECTION_WEIGHT * (observed_s - estimated_s - self._error[path])
-        for other in Path:
+        for other in PLANNED_PATHS:
             if other is not path:
                 self._error[other] *= CORRECTION_DECAY

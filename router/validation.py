@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from pydantic import ValidationError
 
 from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
-from router.errors import APIError, bad_request, from_validation_errors
-from router.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart
+from router.errors import APIError, bad_request
+from router.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart,
+                             parse_json)
 from router.structured import Constraint, Grammars, constraint
 from router.unsupported import refuse_unsupported
 
@@ -62,11 +62,7 @@ class Prepared:
 
 
 def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    try:
-        return model.model_validate_json(body or b"", strict=True)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
+    return parse_json(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
 
 
 def check_model(name: str | None, card: ModelCard,

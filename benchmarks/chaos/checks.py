@@ -5,12 +5,27 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import grpc
 
 from cluster.registration import WorkerInfo, list_workers, make_client
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Settled(Generic[T]):
+    """What a check read from the cluster, and who did not answer meanwhile."""
+
+    value: T
+    unsettled: dict[str, str]
+    """Who did not answer, and why: worker id -> the RPC's status (a worker killed late is
+    still registered until its lease lapses), "etcd": the workers could not be listed,
+    "router": its /metrics did not answer. Empty: every registered worker answered."""
 
 
 async def _workers(etcd: str, cluster: str) -> list[WorkerInfo] | None:
@@ -23,43 +38,78 @@ async def _workers(etcd: str, cluster: str) -> list[WorkerInfo] | None:
         return None
 
 
-async def leaked_blocks(etcd: str, cluster: str, timeout_s: float = 60.0) -> dict[str, int]:
-    """worker id -> blocks still in use (or requests still running/waiting) after waiting up
-    to `timeout_s` for the cluster to go idle; empty when nothing leaked ({"etcd": -1}: the
-    workers could not even be listed)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        workers = await _workers(etcd, cluster)
-        leaks = {"etcd": -1} if workers is None else {}
-        for w in workers or ():
-            try:
-                async with grpc.aio.insecure_channel(w.grpc_address) as ch:
-                    c = (await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5)).capacity
-            except grpc.aio.AioRpcError:
-                continue  # gone meanwhile: its pool went with it
-            if c.free_blocks != c.total_blocks or c.running or c.waiting:
-                leaks[w.worker_id] = c.total_blocks - c.free_blocks or c.running + c.waiting
-        if not leaks or time.monotonic() > deadline:
-            return leaks
-        await asyncio.sleep(0.5)
-
-
-async def index_mismatch(router_url: str, etcd: str, cluster: str, timeout_s: float = 15.0) -> int:
-    """|router's indexed block hashes - the union of the workers' cached hashes| once both
-    settled (0 when consistent; -1: the workers could not be listed)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        cached: set[bytes] = set()
-        workers = await _workers(etcd, cluster)
-        for w in workers or ():
+async def sweep(etcd: str, cluster: str,
+                call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]]) -> Settled[dict[str, Any]]:
+    """`call` on every registered worker: worker id -> its reply. A worker that refuses or
+    times out is unsettled, never an exception."""
+    workers = await _workers(etcd, cluster)
+    if workers is None:
+        return Settled({}, {"etcd": "the workers could not be listed"})
+    replies: dict[str, Any] = {}
+    unsettled: dict[str, str] = {}
+    for w in workers:
+        try:
             async with grpc.aio.insecure_channel(w.grpc_address) as ch:
-                reply = await pb_grpc.WorkerStub(ch).GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
-                cached.update(reply.block_hashes)
-        indexed = router_metric(router_url, "pdserve_router_kv_index_blocks")
-        diff = -1 if workers is None else abs(int(indexed) - len(cached))
-        if diff == 0 or time.monotonic() > deadline:
-            return diff
+                replies[w.worker_id] = await call(pb_grpc.WorkerStub(ch))
+        except grpc.aio.AioRpcError as exc:
+            unsettled[w.worker_id] = f"{exc.code().name}: {exc.details()}"
+    return Settled(replies, unsettled)
+
+
+async def settle(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+                 measure: Callable[[Settled[dict[str, Any]]], Settled[T]],
+                 ok: Callable[[T], bool], timeout_s: float) -> Settled[T]:
+    """`sweep` with `call` every 0.5 s and `measure` the replies, until every registered worker
+    answers (a dead one's registration lapses with its lease) and the value is `ok`, or
+    `timeout_s` ran out: the last measurement, with what had not settled."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check = measure(await sweep(etcd, cluster, call))
+        if (not check.unsettled and ok(check.value)) or time.monotonic() > deadline:
+            return check
         await asyncio.sleep(0.5)
+
+
+def _health(stub: pb_grpc.WorkerStub) -> Awaitable[pb.HealthResponse]:
+    return stub.Health(pb.HealthRequest(), timeout=5)
+
+
+def _cached_blocks(stub: pb_grpc.WorkerStub) -> Awaitable[pb.CachedBlocksResponse]:
+    return stub.GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
+
+
+async def leaked_blocks(etcd: str, cluster: str,
+                        timeout_s: float = 60.0) -> Settled[dict[str, int]]:
+    """worker id -> blocks still in use (or requests still running/waiting) once the cluster
+    went idle, waiting up to `timeout_s`; empty when nothing leaked."""
+    def leaks(s: Settled[dict[str, Any]]) -> Settled[dict[str, int]]:
+        held = {}
+        for worker_id, reply in s.value.items():
+            c = reply.capacity
+            if c.free_blocks != c.total_blocks or c.running or c.waiting:
+                held[worker_id] = c.total_blocks - c.free_blocks or c.running + c.waiting
+        return Settled(held, s.unsettled)
+
+    return await settle(etcd, cluster, _health, leaks, lambda held: not held, timeout_s)
+
+
+async def index_mismatch(router_url: str, etcd: str, cluster: str,
+                         timeout_s: float = 15.0) -> Settled[int]:
+    """|router's indexed block hashes - the union of the workers' cached hashes| once both
+    settled, waiting up to `timeout_s` (0 when consistent; -1: the workers could not be
+    listed, or the router's /metrics did not answer)."""
+    def mismatch(s: Settled[dict[str, Any]]) -> Settled[int]:
+        if "etcd" in s.unsettled:
+            return Settled(-1, s.unsettled)
+        try:
+            indexed = router_metric(router_url, "pdserve_router_kv_index_blocks")
+        except OSError as exc:  # the router restarting (a late restart-router fault)
+            return Settled(-1, {**s.unsettled, "router": repr(exc)})
+        cached = {h for reply in s.value.values() for h in reply.block_hashes}
+        return Settled(abs(int(indexed) - len(cached)), s.unsettled)
+
+    return await settle(etcd, cluster, _cached_blocks, mismatch, lambda diff: diff == 0,
+                        timeout_s)
 
 
 def router_metric(router_url: str, name: str, **labels: str) -> float:

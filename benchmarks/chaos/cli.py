@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-KINDS = ("kill-prefill", "kill-decode", "stall-prefill", "stall-decode", "restart-etcd", "restart-router")
+from benchmarks.chaos.faults import KINDS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,11 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from cluster.roles import ROLES
+
+KINDS = ("kill-prefill", "kill-decode", "stall-prefill", "stall-decode", "restart-etcd", "restart-router")
+"""Every fault kind, `<action>-<target>` (the target: a slot role of `pdserve up`)."""
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -42,7 +47,7 @@ class Injector:
         kind = self.rng.choice(self.kinds)
         action, _, role = kind.partition("-")
         ready = [s for s in self.slots() if s["role"] == role and s["state"] == "ready" and s["pid"]]
-        if role in ("prefill", "decode") and len(ready) < 2 and action == "kill":
+        if role in ROLES and len(ready) < 2 and action == "kill":
             return None  # keep one of each role serving: a kill is absorbed by its peers
         if not ready:
             return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from cluster.registration import Capacity, Registrar, WorkerInfo
+from cluster.roles import PrefillPath
 from engine.block_hash import compute_block_hashes
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -195,11 +196,11 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         hashes = compute_block_hashes(prompt, w.block_size, request.cache_salt or None)
         cached = w.cached_prefix_tokens(hashes, len(prompt))
-        mode = "local"
+        mode = PrefillPath.LOCAL
         if request.HasField("prefill_worker"):
             p = _LIVE.get(request.prefill_worker.worker_id)
             if p is not None:
-                mode = "remote"
+                mode = PrefillPath.REMOTE
                 cached = max(cached, p.cached_prefix_tokens(hashes, len(prompt)))
                 p.store(hashes)
         w.store(hashes)

@@ -109,27 +109,13 @@ def test_fuzz_real_cluster(e2e):
 
 
 async def _all_blocks_free(etcd: str, timeout: float = 10.0) -> None:
-    import grpc
-
+    from benchmarks.chaos.checks import leaked_blocks
     from cluster.registration import list_workers, make_client
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc as pb_grpc
 
-    client = make_client(etcd)
-    try:
-        workers = await list_workers(client, CLUSTER)
-    finally:
-        await client.close()
-    assert {w.role for w in workers} == {"prefill", "decode"}
-    deadline = asyncio.get_running_loop().time() + timeout
-    for w in workers:
-        async with grpc.aio.insecure_channel(w.grpc_address) as ch:
-            while True:
-                c = (await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=10)).capacity
-                if c.free_blocks == c.total_blocks and c.running == 0 and c.waiting == 0:
-                    break
-                assert asyncio.get_running_loop().time() < deadline, f"{w.worker_id}: {c}"
-                await asyncio.sleep(0.1)
+    async with make_client(etcd) as client:
+        assert {w.role for w in await list_workers(client, CLUSTER)} == {"prefill", "decode"}
+    leaks = await leaked_blocks(etcd, CLUSTER, timeout_s=timeout)
+    assert leaks.value == {} and leaks.unsettled == {}, leaks
 
 
 def _summary(stats) -> str:

@@ -177,7 +177,8 @@ def test_a_local_prefill_is_prefill_work_on_the_decode_worker_and_teaches_the_po
     """Placed locally, the prompt's uncached part counts as queued prefill on the decode
     worker until its first token; that first token's time since placement is what the
     local estimate is corrected by."""
-    from router.ttft_estimate import Path, TTFTCorrection
+    from cluster.roles import PrefillPath
+    from router.ttft_estimate import TTFTCorrection
 
     async def main():
         call = FakeCall([_msg(), _msg([7], finish="length")])
@@ -193,12 +194,12 @@ def test_a_local_prefill_is_prefill_work_on_the_decode_worker_and_teaches_the_po
         stream = dispatcher._run(placement, PROMPT, SamplingParams(max_tokens=1), 0.0, 0)
         await anext(stream)  # no token yet
         assert placement.decode.inflight_prefill_tokens == len(PROMPT.token_ids) - 2
-        assert correction.error_s(Path.LOCAL) == 0.0
+        assert correction.error_s(PrefillPath.LOCAL) == 0.0
         await anext(stream)  # the first token
         assert placement.decode.inflight_prefill_tokens == 0
         # Observed within a second, estimated 10 s: the local path learned it overestimates.
-        assert -1.0 < correction.error_s(Path.LOCAL) < -0.9
-        assert correction.error_s(Path.REMOTE) == 0.0
+        assert -1.0 < correction.error_s(PrefillPath.LOCAL) < -0.9
+        assert correction.error_s(PrefillPath.REMOTE) == 0.0
         with pytest.raises(StopAsyncIteration):
             await anext(stream)
         assert placement.decode.inflight == 0

@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 
 from cluster.registration import Capacity
+from cluster.roles import PrefillPath
 from router.config import PlacementConfig
 from router.policy import AffinityPolicy, Candidate, Reason
 from router.ttft_estimate import (
-    LocalEstimate, Path, StepCost, TTFTCorrection, local_prefill, step_cost,
+    LocalEstimate, StepCost, TTFTCorrection, local_prefill, step_cost,
 )
 
 LONG = 2048
@@ -49,7 +50,7 @@ def test_backed_up_prefill_pool_sends_a_long_prompt_to_the_decode_worker():
     d = policy().place(LONG, [decode_worker()], [prefill_worker(queued=6000)])
     assert d.reason is Reason.LOCAL_BACKLOG and d.prefill is None
     assert d.estimated_ttft_s == pytest.approx(8 * (0.036 + 0.0005 * 264))
-    assert d.path is Path.LOCAL
+    assert d.path is PrefillPath.LOCAL
 
 
 def test_idle_prefill_pool_keeps_it_remote():
@@ -57,7 +58,7 @@ def test_idle_prefill_pool_keeps_it_remote():
     d = policy().place(LONG, [decode_worker()], [prefill_worker()])
     assert d.reason is Reason.REMOTE and d.prefill.worker_id == "p"
     assert d.estimated_ttft_s == pytest.approx(LONG / 2000)
-    assert d.path is Path.REMOTE
+    assert d.path is PrefillPath.REMOTE
 
 
 def test_a_decode_worker_near_the_itl_slo_keeps_it_remote():
@@ -110,7 +111,7 @@ def test_local_faster_when_the_decode_worker_beats_even_an_idle_pool():
     # after its estimate (the hand-off, learned): local wins without any queue.
     p = policy()
     for _ in range(50):
-        p.correction.observe(Path.REMOTE, estimated_s=1.0, observed_s=2.0)
+        p.correction.observe(PrefillPath.REMOTE, estimated_s=1.0, observed_s=2.0)
     idle = Candidate("d", replace(decode_worker().capacity, running=0))
     assert p.place(LONG, [idle], [prefill_worker()]).reason is Reason.LOCAL_FASTER
 
@@ -201,14 +202,14 @@ def test_local_prefill_chunks_by_budget_and_threshold():
 def test_correction_learns_each_path_and_forgets_the_unused_one():
     c = TTFTCorrection()
     for _ in range(100):
-        c.observe(Path.REMOTE, estimated_s=1.0, observed_s=1.5)
-    assert c.error_s(Path.REMOTE) == pytest.approx(0.5, abs=1e-3)
-    assert c.corrected(Path.REMOTE, 1.0) == pytest.approx(1.5, abs=1e-3)
-    assert c.corrected(Path.LOCAL, 1.0) == 1.0
-    c.observe(Path.LOCAL, estimated_s=1.0, observed_s=0.5)
-    assert c.error_s(Path.LOCAL) == pytest.approx(-0.05)
-    assert c.error_s(Path.REMOTE) == pytest.approx(0.5 * 0.98, abs=1e-3)
-    assert c.corrected(Path.LOCAL, 0.01) == 0.0  # never below zero
+        c.observe(PrefillPath.REMOTE, estimated_s=1.0, observed_s=1.5)
+    assert c.error_s(PrefillPath.REMOTE) == pytest.approx(0.5, abs=1e-3)
+    assert c.corrected(PrefillPath.REMOTE, 1.0) == pytest.approx(1.5, abs=1e-3)
+    assert c.corrected(PrefillPath.LOCAL, 1.0) == 1.0
+    c.observe(PrefillPath.LOCAL, estimated_s=1.0, observed_s=0.5)
+    assert c.error_s(PrefillPath.LOCAL) == pytest.approx(-0.05)
+    assert c.error_s(PrefillPath.REMOTE) == pytest.approx(0.5 * 0.98, abs=1e-3)
+    assert c.corrected(PrefillPath.LOCAL, 0.01) == 0.0  # never below zero
 
 
 def test_learned_handoff_overhead_changes_the_decision():
@@ -217,10 +218,10 @@ def test_learned_handoff_overhead_changes_the_decision():
     assert p.place(LONG, [d], pool).reason is Reason.REMOTE
     # Remote answers turn out 2 s later than estimated (the KV hand-off): now local pays.
     for _ in range(50):
-        p.correction.observe(Path.REMOTE, estimated_s=0.5, observed_s=2.5)
+        p.correction.observe(PrefillPath.REMOTE, estimated_s=0.5, observed_s=2.5)
     assert p.place(LONG, [d], pool).reason is Reason.LOCAL_FASTER
     # A few local answers turn out 3 s later than estimated (local: 1.34 + 0.81 + 1.02 s)
     # while the remote correction fades a little (0.51 + 1.88 s): the pool wins again.
     for _ in range(3):
-        p.correction.observe(Path.LOCAL, estimated_s=1.3, observed_s=4.3)
+        p.correction.observe(PrefillPath.LOCAL, estimated_s=1.3, observed_s=4.3)
     assert p.place(LONG, [d], pool).reason is Reason.REMOTE

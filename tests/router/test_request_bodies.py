@@ -1,0 +1,83 @@
+"""Every route with a JSON body parses it the same way (router.protocol.parse_json): strictly,
+whatever the Content-Type, and a refusal is the OpenAI-shaped 400 naming the field. In
+process (httpx over ASGI): no worker, no etcd — each request is refused or answered before
+one would be needed."""
+import asyncio
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import RouterConfig
+from router.server import RouterServices, load_model_card
+
+# One body per route, with a field of the wrong type (a string where the model wants
+# something else: never coerced) and the param the 400 must name.
+WRONG_TYPE = [
+    ("/v1/completions", {"prompt": "hi", "n": "2"}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": "2"}, "max_tokens"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
+    ("/v1/embeddings", {"input": "hi", "priority": "1"}, "priority"),
+    ("/v1/load_lora_adapter", {"lora_name": 1, "lora_path": "/x"}, "lora_name"),
+    ("/v1/unload_lora_adapter", {"lora_int_id": "7"}, "lora_int_id"),
+    ("/collective_rpc", {"method": "m", "timeout": "1"}, "timeout"),
+    ("/update_weights", {"path": 5}, "path"),
+]
+
+
+@pytest.fixture(scope="module")
+def app():
+    config = RouterConfig(etcd="127.0.0.1:1", enable_lora=True, enable_dev_endpoints=True)
+    return create_app(RouterServices(config, load_model_card(config)))  # lifespan never runs
+
+
+def _post(app, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, content=content, headers=headers)
+    return asyncio.run(main())
+
+
+def _error(response: httpx.Response) -> dict:
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+    return body["error"]
+
+
+@pytest.mark.parametrize("path, body, param", WRONG_TYPE)
+def test_a_wrong_type_is_a_400_naming_the_field_on_every_route(app, path, body, param):
+    import json
+
+    err = _error(_post(app, path, json.dumps(body).encode(), {"Content-Type": "application/json"}))
+    assert err["param"] == param and err["code"] == "invalid_value"
+    assert param in err["message"]
+
+
+@pytest.mark.parametrize("path", sorted({path for path, _, _ in WRONG_TYPE}))
+@pytest.mark.parametrize("raw, message", [
+    (b"", "not valid JSON"),
+    (b"{not json", "not valid JSON"),
+    (b'{"prompt": "h\\ud800i"}', "not valid JSON"),  # a lone surrogate never reaches a tokenizer
+    (b"[1, 2]", "must be a JSON object"),
+])
+def test_a_malformed_body_is_a_400_on_every_route(app, path, raw, message):
+    err = _error(_post(app, path, raw, {"Content-Type": "application/json"}))
+    assert err["code"] == "invalid_json" and err["param"] is None
+    assert message in err["message"]
+
+
+@pytest.mark.parametrize("headers", [{}, {"Content-Type": "application/x-www-form-urlencoded"},
+                                     {"Content-Type": "text/plain"}])
+def test_the_body_is_json_whatever_the_content_type(app, headers):
+    """curl's `-d` sends form-encoded; no header at all is common from scripts."""
+    r = _post(app, "/tokenize", b'{"prompt": "hi"}', headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == 1
+    err = _error(_post(app, "/v1/completions", b'{"prompt": "hi", "temperature": Infinity}',
+                       headers))
+    assert err["param"] == "temperature"
