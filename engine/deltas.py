@@ -62,7 +62,7 @@ class Deltas:
                 num_output_tokens=request.num_output_tokens,
                 stop_reason=request.stop_reason,
                 prompt_logprobs=self._first_prompt_logprobs(request, tokens),
-                embedding=request.pooling.embedding if request.pooling is not None else None,
+                embedding=request.embedding,
             ))
             if finished:
                 self._forget(request)

@@ -86,7 +86,7 @@ def profile_peak(model, backend, config: EngineConfig, max_model_len: int, dtype
     """Peak CUDA memory of a forward over a full token budget (weights included, the
     temporary pool not)."""
     from engine.attention import AttentionMetadata
-    from engine.models.llama import ForwardContext
+    from engine.models.interface import ForwardContext
 
     args, bs = model.args, config.block_size
     n = min(config.max_num_batched_tokens, max_model_len)

@@ -1,4 +1,4 @@
-"""The engine: schedule -> execute -> update, plus detokenization and stop strings.
+"""The engine: schedule -> (draft) -> execute -> update, plus detokenization and stop strings.
 
 Not thread-safe: one thread drives `step()`; workers put their own queue in front of it
 (engine/engine_loop.py). Two exceptions, safe from any thread: `make_request` (tokenizer,
@@ -6,14 +6,14 @@ fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
-
+from typing import Any, Sequence
 
 from engine.attention.selector import make_attention_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.deltas import Deltas
 from engine.device import resolve_device_dtype
+from engine.extension import collective_rpc, load_extension
 from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_format import normalize as normalize_kv_dtype
 from engine.lifecycle import Lifecycle
@@ -28,7 +28,7 @@ from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
@@ -99,11 +99,19 @@ class LLMEngine:
         self.deltas = Deltas(self.tokenizer, self.scheduler)
         for name, path in config.lora_modules:
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
-        self.proposer: Proposer | None = make_proposer(self)
-        self.lifecycle = Lifecycle(self)
         spec = config.speculative_config
+        self.proposer: Proposer | None = make_proposer(
+            spec, self.loaded, self.runner, self.dtype, self.max_model_len, config.kv_cache_dtype)
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         """k: the most drafts a sequence verifies per step (0: no speculation)."""
+        self.lifecycle = Lifecycle(
+            self.loaded.model, self.kv_cache, self.scheduler, self.block_manager,
+            lambda: load_model(config.model, self.dtype, self.device, config.num_layers).model,
+            config.enable_sleep_mode,
+        )
+        self.extension = load_extension(config.worker_extension_cls, self)
+        """The worker extension (vLLM's `worker_extension_cls`, built as Class(engine) once the
+        engine is complete): `collective_rpc` calls its methods first."""
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -214,24 +222,15 @@ class LLMEngine:
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
         output = self.scheduler.schedule()
-        self.runner.copy_blocks(output.block_copies)
+        self.runner.prepare(output)
         if self.proposer is not None:
             self.proposer.copy_blocks(output.block_copies)
             if output.speculating:
-                self._draft(output)
-        sampled = self.runner.execute(output)
-        updated, finished = self.scheduler.update_from_output(output, sampled)
+                self.scheduler.apply_drafts(output, self.proposer.propose(output.speculating))
+        result = self.runner.execute(output)
+        updated, finished = self.scheduler.update_from_output(output, result)
         got_tokens = {id(r) for r, _ in updated}
         return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
-
-    def _draft(self, output: SchedulerOutput) -> None:
-        for (request, k), proposal in zip(output.speculating, self.proposer.propose(output.speculating)):
-            request.spec.drafts = proposal.token_ids[:k]
-            if request.grammar is not None:  # drafts the grammar forbids are never verified
-                del request.spec.drafts[request.grammar.valid_prefix(request.spec.drafts):]
-            if proposal.probs is not None:
-                request.spec.draft_probs = proposal.probs[: len(request.spec.drafts)]
-        self.scheduler.fit_drafts(output)
 
     def process_updates(self, updates: list[tuple[Request, int]]) -> list[CompletionDelta]:
         """The deltas of requests that got (n) new tokens or finished (0): engine/deltas.py."""
@@ -289,9 +288,12 @@ class LLMEngine:
         return self.lifecycle.level > 0
 
     def update_weights(self, weights) -> int:
-        """HF-named (name, tensor) pairs, or a safetensors file / directory; returns how
-        many weights were applied (engine/weights.py)."""
-        return self.lifecycle.update_weights(weights)
+        """Checkpoint-named (name, tensor) pairs, or a safetensors file / directory; returns
+        how many weights were applied. Bumps the weights version and resets the prefix cache."""
+        applied = self.lifecycle.update_weights(weights)
+        self.weights_version += 1
+        self.reset_prefix_cache()
+        return applied
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list:
-        return self.lifecycle.collective_rpc(method, args, kwargs)
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list:
+        return collective_rpc(self.extension, self, method, args, kwargs)

@@ -5,12 +5,9 @@ A row pays for these only when its request asks for one of them (`needs_masks`);
 where no row does costs one attribute check per row."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from engine.sampler import SampleRow
+from engine.sample_row import SampleRow
 
 _NEG_INF = float("-inf")
 

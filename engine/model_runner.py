@@ -6,9 +6,11 @@ rows first, see AttentionMetadata) and samples where a request has computed all 
 tokens.
 
 A request asking for prompt logprobs also gets logits at each prompt position it runs (chunk
-by chunk); the runner records them on the request (`Request.prompt_logprobs`). A pooling
-request (engine/pooling.py) gets the final-normed hidden state, no logits, at the rows it pools
-and never samples. Everyone else only gets logits where it samples."""
+by chunk). A pooling request (engine/pooling.py) gets the final-normed hidden state, no
+logits, at the rows it pools and never samples. Everyone else only gets logits where it
+samples. What a step computed comes back as one RunnerOutput; the runner never writes a
+request. What it keeps across steps (the sampler's penalty counts, mean-pooling sums) is
+keyed by request id and dropped when the scheduler says a request left (`prepare`)."""
 from __future__ import annotations
 
 from itertools import chain
@@ -20,10 +22,12 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
-from engine.models.llama import ForwardContext, Transformer
+from engine.models.interface import CausalLM, ForwardContext
+from engine.pooler import Pooler
 from engine.request import Request
-from engine.sampler import SampleRow, raw_logprobs, sample, target_probs, token_ranks, with_logprobs
-from engine.scheduler import SchedulerOutput
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler, raw_logprobs, token_ranks, with_logprobs
+from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
 from engine.tokens import Logprob, SampledToken
 
@@ -31,7 +35,7 @@ from engine.tokens import Logprob, SampledToken
 class ModelRunner:
     def __init__(
         self,
-        model: Transformer,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         block_manager: BlockManager,
@@ -44,17 +48,25 @@ class ModelRunner:
         self.bm = block_manager
         self.block_size = kv_cache.shape[3]
         self.device = kv_cache.device
+        self.sampler = Sampler()
+        self.pooler = Pooler()
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write copies the scheduler issued; run before anything writes this step."""
-        for src, dst in copies:
+    def prepare(self, output: SchedulerOutput) -> None:
+        """Before anything reads or writes this step's blocks (a proposer included): forget
+        the requests that left or were preempted, then run the copy-on-write copies."""
+        left = output.finished_req_ids + [r.request_id for r in output.preempted]
+        if left:
+            self.sampler.forget(left)
+            self.pooler.forget(left)
+        for src, dst in output.block_copies:
             self.kv_cache[dst].copy_(self.kv_cache[src])
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, list[SampledToken]]:
-        """The step's forward and draws. Block copies must already be done (copy_blocks)."""
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """The step's forward and draws (after `prepare`)."""
+        result = RunnerOutput()
         if not output.scheduled:
-            return {}
+            return result
         # One-token rows first: backends batch them (AttentionMetadata invariant).
         order = sorted(output.scheduled, key=lambda item: item[1] != 1)
         input_ids, positions, slots, tables = [], [], [], []
@@ -82,7 +94,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             if request.pooling is not None:
-                rows = request.pooling.rows(start, n, request.num_prompt_tokens)
+                rows = self.pooler.rows(request, start, n)
                 if rows:
                     pool_spans.append((request, len(rows)))
                     pool_rows.extend(range(row + rows.start - start, row + rows.stop - start))
@@ -115,37 +127,42 @@ class ModelRunner:
         if pool_spans:
             hidden = self.model.hidden(x, ctx, self._index(pool_rows)).float()
             for (request, _), part in zip(pool_spans, hidden.split([c for _, c in pool_spans])):
-                request.pooling.add(part, request.num_prompt_tokens)
+                embedding = self.pooler.add(request, part)
+                if embedding is not None:
+                    result.pooled[request.request_id] = embedding
         if not sample_at and not prompt_rows:
-            return {}  # prefill chunks and pooling only: the LM head is skipped
+            return result  # prefill chunks and pooling only: the LM head is skipped
         logits = self.model.logits(x, ctx, self._index(sample_at + prompt_rows))
         if prompt_spans:
-            _record_prompt_logprobs(logits[len(sample_at) :], prompt_spans)
-        if not sample_at:
-            return {}
-        return self._sample(logits[: len(sample_at)], sample_rows, verify)
+            result.prompt_logprobs = _prompt_logprobs(logits[len(sample_at) :], prompt_spans)
+        if sample_at:
+            result.sampled = self._sample(logits[: len(sample_at)], sample_rows, verify,
+                                          output.draft_probs)
+        return result
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[SampleRow], verify: list[tuple[Request, int]]
+        self, logits: torch.Tensor, rows: list[SampleRow], verify: list[tuple[Request, int]],
+        draft_probs: dict[str, torch.Tensor],
     ) -> dict[str, list[SampledToken]]:
         """Draw every row; a request with drafts keeps what verification accepts
         (engine/spec_decode/verify.py) plus the target's token."""
-        with_q = {first: request for request, first in verify if request.spec.draft_probs is not None}
+        with_q = {first: request for request, first in verify if request.request_id in draft_probs}
         q_rows = {first + j for first, r in with_q.items() for j in range(len(r.spec.drafts) + 1)}
         tokens: list[SampledToken | None]
         if not q_rows:  # the usual step: every row samples plainly (a view, no copy)
-            tokens = sample(logits, rows)
+            tokens = self.sampler.sample(logits, rows)
         else:
             plain = [i for i in range(len(rows)) if i not in q_rows]
             tokens = [None] * len(rows)
-            for i, token in zip(plain, sample(logits[plain], [rows[i] for i in plain])):
+            for i, token in zip(plain, self.sampler.sample(logits[plain], [rows[i] for i in plain])):
                 tokens[i] = token
         out: dict[str, list[SampledToken]] = {}
         for request, first in verify:
             drafts = request.spec.drafts
             span = slice(first, first + len(drafts) + 1)
             if first in with_q:
-                kept = _rejection_sample(logits[span], rows[span], request)
+                kept = self._rejection_sample(logits[span], rows[span], drafts,
+                                              draft_probs[request.request_id])
             else:
                 drawn = tokens[span]
                 kept = drawn[: accepted_prefix([t.token_id for t in drawn], drafts) + 1]
@@ -173,13 +190,13 @@ class ModelRunner:
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-def _rejection_sample(logits: torch.Tensor, rows: list[SampleRow], request: Request) -> list[SampledToken]:
-    """Drafts that came with their distributions: the standard min(1, p/q) rule."""
-    raw_idx, raw = raw_logprobs(logits, rows)
-    kept = rejection_sample(target_probs(logits, rows), request.spec.draft_probs,
-                            request.spec.drafts, rows)
-    n = len(kept)
-    return with_logprobs(kept, rows[:n], ([i for i in raw_idx if i < n], None if raw is None else raw[:n]))
+    def _rejection_sample(self, logits: torch.Tensor, rows: list[SampleRow], drafts: list[int],
+                          q: torch.Tensor) -> list[SampledToken]:
+        """Drafts that came with their distributions `q`: the standard min(1, p/q) rule."""
+        raw_idx, raw = raw_logprobs(logits, rows)
+        kept = rejection_sample(self.sampler.target_probs(logits, rows), q, drafts, rows)
+        n = len(kept)
+        return with_logprobs(kept, rows[:n], ([i for i in raw_idx if i < n], None if raw is None else raw[:n]))
 
 
 def batch_metadata(
@@ -215,9 +232,9 @@ def slots_of(table: list[int], positions: np.ndarray, block_size: int) -> np.nda
     return np.asarray(table)[positions // block_size] * block_size + positions % block_size
 
 
-def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> None:
+def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict[str, list[Logprob]]:
     """`logits`: one row per prompt position of `spans` (request, first, end), in order;
-    appends a Logprob for prompt tokens first + 1 .. end to each request."""
+    a Logprob for prompt tokens first + 1 .. end of each request, by request id."""
     logprobs = logits.log_softmax(-1)
     targets = [t for req, first, end in spans for t in req.prompt_token_ids[first + 1 : end + 1]]
     chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
@@ -225,10 +242,13 @@ def _record_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int
     chosen = chosen.squeeze(1).tolist()
     k = max(req.sampling.prompt_logprobs for req, _, _ in spans)
     top_vals, top_ids = (t.tolist() for t in logprobs.topk(k))
+    out: dict[str, list[Logprob]] = {}
     i = 0
     for req, first, end in spans:
         n = req.sampling.prompt_logprobs
+        entries = out[req.request_id] = []
         for _ in range(end - first):
             top = list(zip(top_ids[i][:n], top_vals[i][:n]))
-            req.prompt_logprobs.append(Logprob(targets[i], chosen[i], top, ranks[i]))
+            entries.append(Logprob(targets[i], chosen[i], top, ranks[i]))
             i += 1
+    return out

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.lora.adapter import LoRAAdapter
-from engine.penalties import PenaltyCounts
-from engine.pooling import PoolingState
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
 from engine.structured.state import GrammarState
@@ -73,8 +72,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
-    """sampling.prompt_logprobs set: prompt tokens 1.. so far (the model runner records them
-    as the prompt's chunks run; a recomputed position is not recorded twice)."""
+    """sampling.prompt_logprobs set: prompt tokens 1.. so far (the runner computes them as the
+    prompt's chunks run, the scheduler appends them; a recomputed position is not computed
+    twice)."""
     stop_reason: str | int | None = None  # FINISHED_STOPPED: stop string or stop token id
     block_table: list[int] = field(default_factory=list)
     """Set by the block manager on allocation (the same list it updates); kept after the
@@ -88,12 +88,11 @@ class Request:
     every token it keeps; engine/structured)."""
     spec: SpecState | None = None
     """Set when the engine speculates: this sequence's drafts and their policy."""
-    pooling: PoolingState | None = None
+    pooling: PoolingParams | None = None
     """Set: a pooling (embedding) request — it never samples; it finishes ("stop") once its
-    prompt is computed, with `pooling.embedding` set (engine/pooling.py)."""
-    penalty_counts: PenaltyCounts | None = None
-    """Set by the sampler for a request with penalties: its token counts, updated
-    incrementally (engine/penalties.py)."""
+    prompt is computed, with `embedding` set (engine/pooling.py)."""
+    embedding: list[float] | None = None
+    """A pooling request's result, set when its prompt is computed."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -128,7 +127,7 @@ class Request:
         """Needs a result at every prompt position (prompt logprobs, mean pooling): no
         prefix-cache hits."""
         return self.sampling.prompt_logprobs is not None or (
-            self.pooling is not None and self.pooling.params.needs_every_position)
+            self.pooling is not None and self.pooling.needs_every_position)
 
     @property
     def group_id(self) -> str:

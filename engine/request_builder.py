@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from engine.block_hash import compute_block_hashes, hash_extras
 from engine.lora.adapter import LoRAAdapter
-from engine.pooling import PoolingParams, PoolingState
+from engine.pooling import PoolingParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -124,7 +124,7 @@ class RequestBuilder:
             cache_salt=cache_salt,
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-            pooling=PoolingState(pooling) if pooling is not None else None,
+            pooling=pooling,
             grammar=grammar,
             lora=lora,
         )

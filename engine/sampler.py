@@ -8,17 +8,19 @@ position) (`row_uniforms`, vectorized over the batch): a prefill worker sampling
 token and a decode worker sampling the rest draw exactly what a single engine would.
 
 The hot path is batched: no per-row generators or kernels, one host transfer of the tokens
-per step; penalties come from incrementally maintained counts (engine/penalties.py)."""
+per step; penalties come from incrementally maintained counts (engine/penalties.py), the one
+per-request state a `Sampler` keeps (by request id; the model runner tells it which requests
+left)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from engine.logits_masks import apply_masks
-from engine.penalties import apply_penalties
-from engine.request import Request
+from engine.penalties import Penalties
+from engine.sample_row import SampleRow
 from engine.tokens import SampledToken
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -30,30 +32,6 @@ def draw_seed(seed: int, completion_index: int, position: int) -> int:
     for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
         x = ((x ^ (x >> shift)) * mult) & _MASK
     return (x ^ (x >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-@dataclass(slots=True)
-class SampleRow:
-    """One draw: for `request`'s completion `completion_index`, at the position after its
-    tokens plus `drafts` (speculative tokens taken as accepted before this position, so
-    masks, penalties and the seeded draw see the history this token would follow)."""
-
-    request: Request
-    completion_index: int  # which completion this draw is for (forks draw 0..n-1)
-    drafts: tuple[int, ...] = ()
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Output tokens before this draw: it draws output position `num_output_tokens`."""
-        return self.request.num_output_tokens + len(self.drafts)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + list(self.drafts)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.token_ids + list(self.drafts)
 
 
 def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -82,12 +60,6 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
-
-
-def adjust_logits(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Request masks, then penalties, in place: what every draw sees before temperature."""
-    apply_masks(logits, rows)
-    apply_penalties(logits, rows)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -183,43 +155,58 @@ def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int]
     return lp_idx, (logits[lp_idx].log_softmax(-1) if lp_idx else None)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-    """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
-    raw = raw_logprobs(logits, rows)
-    adjust_logits(logits, rows)
-    random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
-    if not random_idx:
-        return with_logprobs(argmax_rows(logits).tolist(), rows, raw)
-    greedy_idx = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    if greedy_idx:
-        tokens[greedy_idx] = argmax_rows(logits[greedy_idx])
-    whole = len(random_idx) == len(rows)
-    sub_rows = rows if whole else [rows[i] for i in random_idx]
-    probs = softmax_(_filter(logits if whole else logits[random_idx], sub_rows))
-    # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
-    uniforms = torch.from_numpy(row_uniforms(sub_rows)).to(probs.device)
-    drawn = inverse_cdf(probs, uniforms)
-    if whole:
-        tokens = drawn
-    else:
-        tokens[random_idx] = drawn
-    return with_logprobs(tokens.tolist(), rows, raw)
+class Sampler:
+    """Draws tokens from a step's logits, one per SampleRow; holds the penalty counts of the
+    requests it has sampled for, by request id, until `forget`."""
 
+    def __init__(self) -> None:
+        self.penalties = Penalties()
 
-def target_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """The distribution `sample` draws each row from ([rows, vocab]): masks, penalties,
-    then temperature / top-k / top-p / min-p; a point mass on the argmax for greedy rows.
-    `logits` is modified in place."""
-    adjust_logits(logits, rows)
-    probs = torch.zeros_like(logits)
-    greedy = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
-    random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
-    if greedy:
-        probs[greedy] = probs[greedy].scatter(1, argmax_rows(logits[greedy])[:, None], 1.0)
-    if random_idx:
-        probs[random_idx] = _filter(logits[random_idx], [rows[i] for i in random_idx]).softmax(-1)
-    return probs
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop what is kept for these requests (they finished, were aborted or preempted)."""
+        self.penalties.forget(request_ids)
+
+    def adjust_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        """Request masks, then penalties, in place: what every draw sees before temperature."""
+        apply_masks(logits, rows)
+        self.penalties.apply(logits, rows)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+        """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
+        raw = raw_logprobs(logits, rows)
+        self.adjust_logits(logits, rows)
+        random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
+        if not random_idx:
+            return with_logprobs(argmax_rows(logits).tolist(), rows, raw)
+        greedy_idx = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if greedy_idx:
+            tokens[greedy_idx] = argmax_rows(logits[greedy_idx])
+        whole = len(random_idx) == len(rows)
+        sub_rows = rows if whole else [rows[i] for i in random_idx]
+        probs = softmax_(_filter(logits if whole else logits[random_idx], sub_rows))
+        # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
+        uniforms = torch.from_numpy(row_uniforms(sub_rows)).to(probs.device)
+        drawn = inverse_cdf(probs, uniforms)
+        if whole:
+            tokens = drawn
+        else:
+            tokens[random_idx] = drawn
+        return with_logprobs(tokens.tolist(), rows, raw)
+
+    def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The distribution `sample` draws each row from ([rows, vocab]): masks, penalties,
+        then temperature / top-k / top-p / min-p; a point mass on the argmax for greedy rows.
+        `logits` is modified in place."""
+        self.adjust_logits(logits, rows)
+        probs = torch.zeros_like(logits)
+        greedy = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
+        random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
+        if greedy:
+            probs[greedy] = probs[greedy].scatter(1, argmax_rows(logits[greedy])[:, None], 1.0)
+        if random_idx:
+            probs[random_idx] = _filter(logits[random_idx], [rows[i] for i in random_idx]).softmax(-1)
+        return probs
 
 
 def with_logprobs(

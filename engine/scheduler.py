@@ -9,7 +9,8 @@ Both queues are kept in (priority, arrival) order, lower first (vLLM's priority 
 every priority 0 it is first come, first served). When a running request cannot get a block,
 the last running request in that order is preempted (its blocks freed; it is recomputed
 later, mostly from the prefix cache) and waits again in its place in that order. The
-scheduler never touches tensors.
+scheduler never touches tensors; it is the one writer of a running request's progress and
+results: the model runner's RunnerOutput comes back through `update_from_output`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from bisect import insort
 from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import SchedulerOutput, SchedulerStats
+from engine.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats
 from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.tokens import Logprob, SampledToken
@@ -55,6 +56,7 @@ class Scheduler(SpeculationScheduling):
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # since the last schedule (SchedulerOutput.finished_req_ids)
         self.stats = SchedulerStats()
         self.spec_stats = SpecDecodeStats()
 
@@ -160,7 +162,9 @@ class Scheduler(SpeculationScheduling):
             if n > 1:
                 prompt_budget -= n
 
-        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating)
+        left, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating,
+                               finished_req_ids=left)
 
     def _chunk(self, num_new_tokens: int) -> int:
         """A request's tokens this step before the budget: capped by the long-prefill
@@ -187,17 +191,19 @@ class Scheduler(SpeculationScheduling):
         insort(self.waiting, request, key=_order)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+        self, output: SchedulerOutput, result: RunnerOutput
     ) -> tuple[list[tuple[Request, int]], list[Request]]:
-        """Advance counters after a forward. `sampled` has, per request that completed its
-        known tokens, one token per completion (n of them when a fork is due) — or, for a
-        request that verified drafts, the tokens it keeps (accepted drafts, then the
-        target's own); a pooling request finishes once its prompt is computed (the runner
-        recorded its result). Returns ((request, new tokens) for requests that got tokens,
+        """Apply what the runner computed for `output`: counters advance, sampled tokens are
+        appended under the stop rules (a verify result keeps its accepted drafts), prompt
+        logprobs are appended, and a pooling request finishes with its embedding once its
+        prompt is computed. Returns ((request, new tokens) for requests that got tokens,
         including new forks; requests that finished, including those the scheduler stopped
         without a new token)."""
         updated: list[tuple[Request, int]] = []
         finished: list[Request] = list(output.finished)
+        sampled = result.sampled
+        for request_id, entries in result.prompt_logprobs.items():
+            self.requests[request_id].prompt_logprobs.extend(entries)
         for request, n in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile
@@ -213,6 +219,7 @@ class Scheduler(SpeculationScheduling):
             self.bm.cache_full_blocks(request)
             if request.pooling is not None:
                 if request.num_computed_tokens == request.num_tokens:  # pooled: done
+                    request.embedding = result.pooled[request.request_id]
                     self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                     finished.append(request)
                 continue
@@ -300,6 +307,7 @@ class Scheduler(SpeculationScheduling):
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._finished_ids.append(request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):

@@ -23,14 +23,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.lora.batch import LoRABatch
 from engine.models.config import ModelArgs
 
-if TYPE_CHECKING:
-    from engine.models.llama import ForwardContext
+
+class ForwardContext:
+    """Per-forward state every layer reads: attention backend, pool, batch metadata, the
+    step's LoRA adapters. The model fills in what its layers share (positions, RoPE tables,
+    the kernels module when fused) at the start of `residual`."""
+
+    __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels",
+                 "lora")
+
+    def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
+                 lora: LoRABatch | None = None):
+        self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
+        self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = None
+        self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
 
 
 @runtime_checkable
@@ -53,46 +67,57 @@ class CausalLM(Protocol):
         """Take the checkpoint's tensors, by their names in the checkpoint. Names of layers
         past `args.n_layers` (the loader's `num_layers` cut) must be skipped."""
 
-    def residual(self, input_ids: Tensor, positions: Tensor, ctx: "ForwardContext",
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """Copy checkpoint-named tensors (any subset, e.g. a trainer's new policy) into the
+        live parameters; returns how many were applied. Raises ValueError for a name or shape
+        that does not fit, before anything is copied."""
+
+    def residual(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
                  num_layers: int | None = None) -> Tensor:
         """[T, dim] after the first `num_layers` (default all) layers, before the final norm."""
 
-    def hidden(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+    def hidden(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """The final-normed hidden state at rows `indices` of `x`, in the model's dtype."""
 
-    def logits(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+    def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """LM-head logits [len(indices) or T, vocab], fp32, at rows `indices` of `x`."""
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """The engine turns this on with the Triton attention backend; a model may ignore it."""
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, ctx: "ForwardContext",
+    def __call__(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
                  logits_indices: Tensor | None = None) -> Tensor:
         """`logits(residual(input_ids, positions, ctx), ctx, logits_indices)`."""
 
 
 class CausalLMBase(nn.Module):
     """A base for out-of-tree models: implement `from_config`, `load_weights`, `residual` and
-    `hidden`; `forward`, `logits` (the tied or separate LM head at `lm_head_weight()`) and
-    the vLLM-style names come from here."""
+    `hidden`; `forward`, `logits` (the tied or separate LM head at `lm_head_weight()`),
+    `update_weights` (through `load_weights`) and the vLLM-style names come from here."""
 
     args: ModelArgs
     kernels: ModuleType | None = None
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: "ForwardContext",
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
                 logits_indices: Tensor | None = None) -> Tensor:
         """Logits at the rows asked for (all rows by default), fp32."""
         return self.logits(self.residual(input_ids, positions, ctx), ctx, logits_indices)
 
-    def logits(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+    def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         return nn.functional.linear(self.hidden(x, ctx, indices), self.lm_head_weight()).float()
 
-    def compute_logits(self, x: Tensor, ctx: "ForwardContext", indices: Tensor | None = None) -> Tensor:
+    def compute_logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """vLLM's name for `logits`."""
         return self.logits(x, ctx, indices)
 
     def lm_head_weight(self) -> Tensor:
         raise NotImplementedError
+
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """`load_weights` with what is given (it must accept a subset to update one)."""
+        weights = list(weights)
+        self.load_weights(weights)
+        return len(weights)
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Plain torch ops whatever the backend (attention still runs in the backend)."""

@@ -1,24 +1,24 @@
 """LLaMA architecture (RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings), gpt-fast style.
 
 The forward pass takes one flattened ragged batch: `input_ids`/`positions` of T tokens from
-any mix of sequences, the paged KV pool and the step's AttentionMetadata. Q/K/V and gate/up
-projections are fused into one matmul each. With `use_fused_kernels(True)` (the engine does
-this with the Triton attention backend) RMSNorm, RoPE and SiLU-and-mul run as Triton kernels.
+any mix of sequences and a ForwardContext (engine/models/interface.py: the paged KV pool and
+the step's AttentionMetadata). Q/K/V and gate/up projections are fused into one matmul each;
+the HF checkpoint's names map onto them here (`load_weights`, `update_weights`). With
+`use_fused_kernels(True)` (the engine does this with the Triton attention backend) RMSNorm,
+RoPE and SiLU-and-mul run as Triton kernels.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.config import ModelArgs
-
-if TYPE_CHECKING:
-    from engine.lora.batch import LoRABatch
+from engine.models.interface import CausalLMBase, ForwardContext
+from engine.weights import copy_weights
 
 
 class Linear(nn.Linear):
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         if ctx.kernels is not None:
             return ctx.kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, args.dim, bias=False)
         self.scale = args.head_dim**-0.5
 
-    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         if ctx.lora is not None:
@@ -107,7 +107,7 @@ class FeedForward(nn.Module):
         self.gate_up_proj = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if ctx.lora is not None:
             ctx.lora.add(gate_up, x, self.layer, (("gate_proj", 0), ("up_proj", self.inter)))
@@ -130,26 +130,12 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = FeedForward(args, layer)
 
-    def forward(self, x: Tensor, ctx: "ForwardContext") -> Tensor:
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
         return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
 
 
-class ForwardContext:
-    """Per-forward state every layer reads: attention backend, pool, batch metadata; the
-    Transformer fills in positions and RoPE tables, and the kernels module when fused."""
-
-    __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels",
-                 "lora")
-
-    def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
-                 lora: "LoRABatch | None" = None):
-        self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
-        self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = None
-        self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
-
-
-class Transformer(nn.Module):
+class Transformer(CausalLMBase):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
@@ -169,21 +155,21 @@ class Transformer(nn.Module):
         return cls(ModelArgs.from_hf_config(config))
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """HF LLaMA tensors by name (q/k/v and gate/up fused here); layers past
-        `args.n_layers` are skipped. The loader's fast path does the same on a dict."""
-        from engine.models.loader import hf_llama_to_ours
+        """HF LLaMA tensors by name, fused (q/k/v, gate/up) and assigned in one go; layers
+        past `args.n_layers` are skipped; KeyError names a missing tensor."""
+        self.load_state_dict(_fused_state_dict(dict(weights), self.args), strict=True, assign=True)
 
-        self.load_state_dict(hf_llama_to_ours(dict(weights), self.args), strict=True, assign=True)
+    def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """HF-named tensors copied in place, each into the parameter (or the row range of a
+        fused one) that holds it."""
+        return copy_weights(self._weight_target, weights)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        ctx: ForwardContext,
-        logits_indices: Tensor | None = None,
-    ) -> Tensor:
-        """Logits [len(logits_indices) or T, vocab] in fp32, only at the rows asked for."""
-        return self.logits(self.residual(input_ids, positions, ctx), ctx, logits_indices)
+    def _apply(self, fn, recurse=True):
+        # The RoPE table stays fp32 whatever the dtype: after any move or cast it is rebuilt
+        # (on the CPU, as at construction) and follows the parameters to their device.
+        super()._apply(fn, recurse)
+        self.rope_cos_sin = rope_cache(self.args).to(self.embed_tokens.weight.device)
+        return self
 
     def residual(
         self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, num_layers: int | None = None
@@ -198,15 +184,8 @@ class Transformer(nn.Module):
             x = layer(x, ctx)
         return x
 
-    def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
-        """LM-head logits [len(indices) or T, vocab] fp32 at rows `indices` of `residual`'s
-        output."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.hidden(x, ctx, indices), head).float()
-
-    def compute_logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
-        """vLLM's name for `logits`."""
-        return self.logits(x, ctx, indices)
+    def lm_head_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """The final-normed hidden state at rows `indices` (what pooling and the LM head
@@ -224,3 +203,61 @@ class Transformer(nn.Module):
             self.kernels = kernels
         else:
             self.kernels = None
+
+    def _weight_target(self, name: str) -> Tensor | None:
+        """The tensor (a row range of a fused one) that HF weight `name` lives in; None for a
+        layer this (truncated) model does not have; KeyError for a name it has no place for."""
+        args = self.args
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.weight
+        if name == "model.norm.weight":
+            return self.norm.weight
+        if name == "lm_head.weight":
+            return self.lm_head_weight()
+        m = _HF_LAYER.match(name)
+        if m is None:
+            raise KeyError(name)
+        layer_no, part, proj = int(m.group(1)), m.group(2), m.group(3)
+        if layer_no >= args.n_layers:
+            return None
+        layer = self.layers[layer_no]
+        if part in ("input_layernorm", "post_attention_layernorm") and proj is None:
+            return getattr(layer, part).weight
+        q, kv, inter = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.intermediate_size
+        rows = {("self_attn", "q_proj"): ("qkv_proj", 0, q), ("self_attn", "k_proj"): ("qkv_proj", q, kv),
+                ("self_attn", "v_proj"): ("qkv_proj", q + kv, kv), ("self_attn", "o_proj"): ("o_proj", 0, None),
+                ("mlp", "gate_proj"): ("gate_up_proj", 0, inter), ("mlp", "up_proj"): ("gate_up_proj", inter, inter),
+                ("mlp", "down_proj"): ("down_proj", 0, None)}
+        if (part, proj) not in rows:
+            raise KeyError(name)
+        param, start, length = rows[(part, proj)]
+        weight = getattr(layer.self_attn if part == "self_attn" else layer.mlp, param).weight
+        return weight if length is None else weight[start : start + length]
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)"
+                       r"(?:\.(\w+))?\.weight$")
+
+
+def _fused_state_dict(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """HF LLaMA names -> this module's names (q/k/v and gate/up fused)."""
+    out = {
+        "embed_tokens.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(args.n_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[f"layers.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
+        )
+        out[f"layers.{i}.self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
+        )
+        out[f"layers.{i}.mlp.down_proj.weight"] = hf[mlp + "down_proj.weight"]
+    return out

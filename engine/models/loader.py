@@ -1,9 +1,9 @@
 """Load a model and its tokenizer from an HF-format directory or a GGUF file.
 
 The class comes from config.json's `architectures[0]` through the ModelRegistry (built in:
-LlamaForCausalLM; out-of-tree ones by plugin). The built-in LLaMA takes the fast path (fused
-state dict assigned in one go); any other class is built with `from_config` and fed the
-checkpoint's tensors through `load_weights`. A GGUF file is always LLaMA."""
+LlamaForCausalLM; out-of-tree ones by plugin); every class is built with `from_config` and fed
+the checkpoint's tensors through `load_weights` (engine/models/interface.py) — the loader knows
+no architecture. A GGUF file is always LLaMA (its converted config says so)."""
 from __future__ import annotations
 
 import json
@@ -17,14 +17,13 @@ from engine.models.config import ModelArgs
 from engine.models.errors import ModelFileError
 from engine.models.gguf_convert import convert_gguf
 from engine.models.interface import CausalLM
-from engine.models.llama import Transformer, rope_cache
 from engine.models.prepare import DEFAULT_MODEL, resolve_model_path
 from engine.models.registry import ModelRegistry
 from engine.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: CausalLM  # Transformer for LLaMA checkpoints
+    model: CausalLM
     tokenizer: Tokenizer
     args: ModelArgs
     model_id: str  # what the OpenAI API reports; the directory or file name
@@ -36,16 +35,6 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ModelFileError(f"{model_dir} has no *.safetensors weights")
     return files
-
-
-def _hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = _safetensors_files(model_dir)
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
 
 
 def _iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,30 +51,6 @@ def architecture_of(config: dict) -> str:
     """config.json's `architectures[0]` (LLaMA when absent, as older checkpoints have it)."""
     archs = config.get("architectures") or ["LlamaForCausalLM"]
     return archs[0]
-
-
-def hf_llama_to_ours(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF LLaMA names -> this module's names (q/k/v and gate/up fused)."""
-    out = {
-        "embed_tokens.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-    }
-    if not args.tie_word_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(args.n_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        out[f"layers.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
-        )
-        out[f"layers.{i}.self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
-        )
-        out[f"layers.{i}.mlp.down_proj.weight"] = hf[mlp + "down_proj.weight"]
-    return out
 
 
 def load_model(
@@ -107,35 +72,17 @@ def load_model(
         if not config_file.is_file():
             raise ModelFileError(f"{path} is neither a GGUF file nor an HF model directory")
         config, hf_state = json.loads(config_file.read_text()), None
-    model_cls = Transformer if path.is_file() else ModelRegistry.resolve(architecture_of(config))
+    model_cls = ModelRegistry.resolve(architecture_of(config))
     if not path.is_file():
         tokenizer = Tokenizer.from_dir(path)
     if num_layers is not None:
         if "num_hidden_layers" not in config:
             raise ModelFileError(f"{path}: num_layers needs num_hidden_layers in config.json")
         config = {**config, "num_hidden_layers": min(num_layers, config["num_hidden_layers"])}
-    if model_cls is Transformer:
-        net = _load_llama(path, config, _hf_state_dict(path) if hf_state is None else hf_state)
-    else:
-        net = model_cls.from_config(config)
-        try:
-            net.load_weights(_iter_weights(path))
-        except KeyError as exc:
-            raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
-    net = net.to(device=device, dtype=dtype)
-    if model_cls is Transformer:
-        net.rope_cos_sin = rope_cache(net.args).to(device)  # RoPE table stays fp32 whatever the dtype
-    net.eval().requires_grad_(False)
-    return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path)
-
-
-def _load_llama(path: Path, config: dict, hf_state: dict[str, torch.Tensor]) -> Transformer:
-    """The fast path: fused state dict assigned to uninitialised parameters."""
-    args = ModelArgs.from_hf_config(config)
+    net = model_cls.from_config(config)
     try:
-        state = hf_llama_to_ours(hf_state, args)
+        net.load_weights(_iter_weights(path) if hf_state is None else hf_state.items())
     except KeyError as exc:
-        raise ModelFileError(f"{path}: weight {exc} is missing") from exc
-    net = Transformer(args)  # parameters are uninitialised until the state dict lands
-    net.load_state_dict(state, strict=True, assign=True)
-    return net
+        raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
+    net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path)

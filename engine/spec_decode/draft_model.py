@@ -9,7 +9,7 @@ Two kinds of drafter:
 - A separate model (same vocabulary): its own KV pool, indexed by the target's block ids
   (same block size and count), so the block manager's tables, copy-on-write and rollback
   serve both. Each sequence's draft KV catches up from `SpecState.num_draft_computed` on
-  its first proposal (the prompt, whether prefilled here or by a prefill worker: rebuilt on
+  its first proposal (the Proposal says how far it got) (the prompt, whether prefilled here or by a prefill worker: rebuilt on
   the decode worker, which keeps prefill workers and KV transfers unaware of drafting).
 
 Drafts see the request's masks and penalties (so a constrained or penalized request is not
@@ -22,25 +22,29 @@ import torch
 from engine.attention import AttentionBackend
 from engine.block_manager import BlockManager
 from engine.model_runner import batch_metadata, slots_of
-from engine.models.llama import ForwardContext, Transformer
+from engine.models.interface import CausalLM, ForwardContext
 from engine.request import Request
-from engine.sampler import SampleRow, adjust_logits
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler
 from engine.spec_decode.proposer import Proposal
 
 
 class DraftModelProposer:
     def __init__(
         self,
-        model: Transformer,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         block_manager: BlockManager,
+        sampler: Sampler,
         num_layers: int | None = None,
         owns_kv: bool = False,
     ) -> None:
-        """`num_layers`: run only the first N layers of `model` (self:N). `owns_kv`: the pool
-        is the drafter's own (a separate model), so each sequence catches up on it."""
+        """`sampler`: the target's (its masks and penalty counts). `num_layers`: run only the
+        first N layers of `model` (self:N). `owns_kv`: the pool is the drafter's own (a
+        separate model), so each sequence catches up on it."""
         self.model, self.kv_cache, self.backend, self.bm = model, kv_cache, backend, block_manager
+        self.sampler = sampler
         self.num_layers, self.owns_kv = num_layers, owns_kv
         self.block_size = kv_cache.shape[3]
 
@@ -65,12 +69,13 @@ class DraftModelProposer:
                     feeds.append((i, request.num_tokens - 1 + step, [drafts[i][-1]]))
             for i, token in zip([f[0] for f in feeds], self._next_tokens(feeds, batch, drafts)):
                 drafts[i].append(token)
-                if self.owns_kv:
-                    request = batch[i][0]
-                    request.spec.num_draft_computed = request.num_tokens - 1 + len(drafts[i])
             step += 1
             live = [i for i in live if len(drafts[i]) < batch[i][1]]
-        return [Proposal(d) for d in drafts]
+        if not self.owns_kv:
+            return [Proposal(d) for d in drafts]
+        # Draft KV now covers every input fed: the sequence's tokens and all drafts but the last.
+        return [Proposal(d, num_draft_computed=request.num_tokens - 1 + len(d) if d else None)
+                for (request, _), d in zip(batch, drafts)]
 
     def _next_tokens(self, feeds, batch, drafts) -> list[int]:
         """One forward over `feeds` (one-token rows first, as attention expects); the greedy
@@ -99,7 +104,7 @@ class DraftModelProposer:
         logits = self.model.logits(x, ctx, torch.tensor(last_rows, device=device))
         rows = [SampleRow(batch[feeds[j][0]][0], batch[feeds[j][0]][0].completion_index,
                           tuple(drafts[feeds[j][0]])) for j in order]
-        adjust_logits(logits, rows)
+        self.sampler.adjust_logits(logits, rows)
         tokens = logits.argmax(-1).tolist()
         out = [0] * len(feeds)
         for j, token in zip(order, tokens):

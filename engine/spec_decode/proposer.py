@@ -14,6 +14,11 @@ where that rule is exactly "accept while the target's own seeded draw equals the
 (engine/spec_decode/verify.py). The built-in proposers (ngram, draft_model, self:N) draft
 greedily; EAGLE/Medusa-style heads plug in here and may return probabilities.
 
+`Proposal.num_draft_computed`: a proposer with a KV pool of its own says how far the
+sequence's draft KV now reaches (`SpecState.num_draft_computed`, where it catches up from
+next time). A proposer reads requests and never writes them: the scheduler applies its
+proposals (`Scheduler.apply_drafts`).
+
 `copy_blocks(copies)`: copy-on-write block copies the scheduler issued this step, for a
 proposer that keeps KV of its own indexed by the target's block ids."""
 from __future__ import annotations
@@ -30,6 +35,7 @@ from engine.request import Request
 class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    num_draft_computed: int | None = None  # None: no KV of its own
 
 
 class Proposer(Protocol):

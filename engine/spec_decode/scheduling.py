@@ -1,6 +1,7 @@
 """The scheduler's speculation steps (a mixin of engine.scheduler.Scheduler, split out by
-role): how many drafts a decoding sequence may verify, sizing the step to the drafts it got,
-and applying a verify result — kept tokens under the stop rules, rejected drafts rolled back.
+role): how many drafts a decoding sequence may verify, taking the proposer's drafts and
+sizing the step to them, and applying a verify result — kept tokens under the stop rules,
+rejected drafts rolled back.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import SchedulerOutput
+from engine.spec_decode.proposer import Proposal
 from engine.tokens import SampledToken
 
 if TYPE_CHECKING:
@@ -25,12 +27,21 @@ class SpeculationScheduling:
 
         def finish_request(self, request_id: str, status: RequestStatus) -> Request | None: ...
 
-    def fit_drafts(self, output: SchedulerOutput) -> None:
-        """After the proposer: each speculating request computes its last token plus the
-        drafts it got; slots kept for drafts it did not get go back to the pool."""
+    def apply_drafts(self, output: SchedulerOutput, proposals: list[Proposal]) -> None:
+        """The proposer's drafts for `output.speculating` (same order): each request keeps
+        up to k of them (those its grammar allows) and computes its last token plus those;
+        slots kept for drafts it did not get go back to the pool."""
         sizes: dict[str, int] = {}
-        for request, k in output.speculating:
-            got = len(request.spec.drafts)
+        for (request, k), proposal in zip(output.speculating, proposals):
+            drafts = proposal.token_ids[:k]
+            if request.grammar is not None:  # drafts the grammar forbids are never verified
+                del drafts[request.grammar.valid_prefix(drafts):]
+            request.spec.drafts = drafts
+            if proposal.probs is not None:
+                output.draft_probs[request.request_id] = proposal.probs
+            if proposal.num_draft_computed is not None:
+                request.spec.num_draft_computed = proposal.num_draft_computed
+            got = len(drafts)
             sizes[request.request_id] = 1 + got
             if got < k:
                 self.bm.trim(request, request.num_tokens + got)
@@ -57,7 +68,7 @@ class SpeculationScheduling:
         proposed, accepted = len(spec.drafts), len(tokens) - 1
         spec.record(proposed, accepted)
         self.spec_stats.record(proposed, accepted, spec.max_k)
-        spec.drafts, spec.draft_probs = [], None
+        spec.drafts = []
         computed = request.num_computed_tokens
         kept, status = 0, None
         for token in tokens:

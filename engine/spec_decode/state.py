@@ -12,10 +12,6 @@ accepted reaches the full k after one step."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 LOW_ACCEPTANCE = 0.2  # p below this: stop drafting for a while
 MIN_KEEP_CHANCE = 0.15  # draft position j only while p**j >= this
@@ -31,12 +27,12 @@ class SpecState:
     adaptive: bool = True
     drafts: list[int] = field(default_factory=list)
     """Draft tokens being verified in the current step (after the request's tokens); set
-    between schedule and execute, cleared when the step's output is applied."""
-    draft_probs: torch.Tensor | None = None
-    """The drafts' distributions ([len(drafts), vocab]) when the proposer gave them."""
+    between schedule and execute (`Scheduler.apply_drafts`), cleared when the step's output
+    is applied."""
     num_draft_computed: int = 0
     """A separate draft model only: positions whose draft-model KV is in the draft pool
-    (the drafter catches up from here). Reset on preemption, cut back on rejection."""
+    (the drafter catches up from here; its Proposal says how far it got). Reset on
+    preemption, cut back on rejection."""
     acceptance: float = INITIAL  # p: estimated chance the next draft token is accepted
     cooldown: int = 0  # steps left without drafting
     backoff: int = 1  # the next cool-down's length

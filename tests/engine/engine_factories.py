@@ -8,7 +8,8 @@ from engine.block_hash import compute_block_hashes, hash_extras
 from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.tokens import SampledToken
 
 _ids = itertools.count()
@@ -55,7 +56,7 @@ def make_scheduler(
     return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
 
 
-def fake_model_output(output: SchedulerOutput, token: int = 7) -> dict[str, list[SampledToken]]:
+def fake_model_output(output: SchedulerOutput, token: int = 7) -> RunnerOutput:
     """What a model would sample: one token for each request that computed all its known
     tokens this step (n tokens when it is due to fork)."""
     sampled = {}
@@ -63,7 +64,7 @@ def fake_model_output(output: SchedulerOutput, token: int = 7) -> dict[str, list
         if request.num_computed_tokens + n == request.num_tokens:
             count = request.sampling.n if request.pending_forks else 1
             sampled[request.request_id] = [SampledToken(token)] * count
-    return sampled
+    return RunnerOutput(sampled)
 
 
 def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:

@@ -1,18 +1,23 @@
 """The sampler's batched pieces against plain references: the chunked argmax and inverse CDF
 (torch.argmax / a float64 full-vocabulary cdf), the counter-based uniforms, and the
 incrementally maintained penalty counts (a from-scratch count of the whole context)."""
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
-from engine.penalties import apply_penalties
+from engine.penalties import Penalties
 from engine.request import Request
-from engine.sampler import SampleRow, argmax_rows, inverse_cdf, row_uniforms, sample, softmax_
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler, argmax_rows, inverse_cdf, row_uniforms, softmax_
 from engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
 
 
 def _row(params: SamplingParams, output=(), prompt=(3,), seed=0, index=0, drafts=()) -> SampleRow:
-    r = Request("r", list(prompt), params, seed=seed, eos_token_ids=frozenset(), max_tokens=64,
+    r = Request(f"r{next(_ids)}", list(prompt), params, seed=seed, eos_token_ids=frozenset(), max_tokens=64,
                 block_hashes=[])
     for t in output:
         r.append_token(t)
@@ -98,6 +103,7 @@ def test_incremental_penalty_counts_equal_a_count_of_the_whole_context():
                                presence_penalty=0.2)
     plain = SamplingParams(temperature=1.0)
     rows = [_row(penalized, prompt=[1, 2, 2, 40]), _row(plain), _row(penalized, prompt=[7])]
+    penalties = Penalties()
     for step in range(6):
         for k, row in enumerate(rows):
             row.request.append_token(int(torch.randint(vocab, (1,), generator=g)) if step else 2 + k)
@@ -105,13 +111,13 @@ def test_incremental_penalty_counts_equal_a_count_of_the_whole_context():
             del rows[0].request.token_ids[-2:]
         logits = torch.randn(len(rows), vocab, generator=g)
         expected = torch.stack([_from_scratch(logits[0], rows[0]), logits[1], _from_scratch(logits[2], rows[2])])
-        apply_penalties(logits, rows)
+        penalties.apply(logits, rows)
         assert torch.allclose(logits, expected, atol=1e-6), step
-    assert rows[1].request.penalty_counts is None  # no penalty: no counts kept
+    assert rows[1].request.request_id not in penalties.counts  # no penalty: no counts kept
     with_drafts = SampleRow(rows[2].request, 0, (4, 4, 9))
     logits = torch.randn(1, vocab, generator=g)
     expected = _from_scratch(logits[0], with_drafts)
-    apply_penalties(logits, [with_drafts])
+    penalties.apply(logits, [with_drafts])
     assert torch.allclose(logits[0], expected, atol=1e-6)
 
 
@@ -126,8 +132,8 @@ def test_mixed_batch_rows_sample_as_they_would_alone():
         _row(SamplingParams(temperature=1.0), seed=5, index=2),
     ]
     logits = torch.randn(len(rows), 4099, generator=g)
-    together = [t.token_id for t in sample(logits.clone(), rows)]
-    alone = [sample(logits[i : i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)]
+    together = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
+    alone = [Sampler().sample(logits[i : i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)]
     assert together == alone
     assert together[0] == int(logits[0].argmax())
 

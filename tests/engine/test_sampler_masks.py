@@ -5,12 +5,17 @@ import math
 import torch
 
 from engine.request import Request
-from engine.sampler import SampleRow, sample
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 
 EOS, STOP = 2, 3
 # Token 0 is the clear favourite, then 1, 2 (eos), 3, ... 7.
 LOGITS = torch.tensor([[4.0, 3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0]])
+
+
+def sample(logits, rows):
+    return Sampler().sample(logits, rows)
 
 
 def _row(output=(), bad_words=(), **params) -> SampleRow:

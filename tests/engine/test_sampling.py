@@ -6,7 +6,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.request import Request
-from engine.sampler import SampleRow, draw_seed, sample
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler, draw_seed
 from engine.limits import RequestRejected
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the beginning", "Dear diary,"]
@@ -100,7 +101,7 @@ def test_sampler_filters_against_a_hand_computed_distribution():
         seen = set()
         for seed in range(200):
             row = _row(SamplingParams(**{**params.__dict__, "seed": seed}))
-            seen.add(sample(logits.clone(), [row])[0].token_id)
+            seen.add(Sampler().sample(logits.clone(), [row])[0].token_id)
         assert seen == allowed, params
 
 
@@ -108,14 +109,14 @@ def test_sampler_frequency_and_repetition_penalties_match_their_formulas():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
     row = _row(SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5,
                               repetition_penalty=2.0, logprobs=4), output=[0, 0, 2])
-    from engine.penalties import apply_penalties
+    from engine.penalties import Penalties
 
     out = logits.clone()
-    apply_penalties(out, [row])
+    Penalties().apply(out, [row])
     # token 0: output twice: 2/2 - (2*1 + 0.5); token 2: -1*2 - (1 + 0.5);
     # token 3: prompt only: 0.5/2; token 1: untouched
     assert out.tolist() == [[2 / 2 - 2.5, 1.0, -1.0 * 2 - 1.5, 0.5 / 2]]
-    token = sample(logits.clone(), [row])[0]
+    token = Sampler().sample(logits.clone(), [row])[0]
     assert token.token_id == 1
     assert token.logprob == pytest.approx(math.log(torch.softmax(logits[0], -1)[1].item()), abs=1e-6)
 

@@ -4,6 +4,7 @@ import pytest
 
 from engine.request import RequestStatus
 from engine.limits import RequestRejected
+from engine.scheduler_output import RunnerOutput
 from engine.tokens import SampledToken
 from engine_factories import drain, make_request, make_requests, make_scheduler, step
 
@@ -41,7 +42,7 @@ def test_chunked_prefill_off_waits_for_a_budget_that_fits_whole():
     s.add_request(b)
     out = s.schedule()  # b does not fit the remaining 6 tokens and is not chunked
     assert [(r.request_id, n) for r, n in out.scheduled] == [(a.request_id, 10)]
-    s.update_from_output(out, {a.request_id: [SampledToken(7)]})
+    s.update_from_output(out, RunnerOutput({a.request_id: [SampledToken(7)]}))
     drain(s)
 
 
@@ -138,7 +139,7 @@ def test_fork_for_n_completions_shares_the_prompt_blocks():
     assert len(first_blocks) == 1 and s.bm.blocks[first_blocks.pop()].ref_count == 3
     out = s.schedule()
     assert len(out.block_copies) == 2  # two of three diverge from the shared partial block
-    s.update_from_output(out, {x.request_id: [SampledToken(7)] for x, _ in out.scheduled})
+    s.update_from_output(out, RunnerOutput({x.request_id: [SampledToken(7)] for x, _ in out.scheduled}))
     drain(s)
     assert all(x.num_output_tokens == 4 for x in group)
 
@@ -242,3 +243,20 @@ def test_remote_kv_admission_respects_max_num_seqs():
     assert s.allocate_for_remote_kv(extra) is not None  # room again
     s.remote_kv_arrived(extra.request_id, SampledToken(7))
     drain(s)
+
+
+def test_requests_that_left_are_named_once_in_the_next_output():
+    """Finished (by the stop rules, an abort, or while waiting) requests are handed to the
+    runner once, in the next SchedulerOutput, so it drops what it keeps for them."""
+    s = make_scheduler()
+    done, aborted, waiting = make_request(4, max_tokens=1), make_request(4), make_request(4)
+    s.add_request(done)
+    s.add_request(aborted)
+    step(s)  # `done` samples its one token and finishes
+    s.finish_request(aborted.request_id, RequestStatus.FINISHED_ABORTED)
+    s.add_request(waiting)
+    s.finish_request(waiting.request_id, RequestStatus.FINISHED_ABORTED)
+    assert s.finish_request(waiting.request_id, RequestStatus.FINISHED_ABORTED) is None
+    out = s.schedule()
+    assert out.finished_req_ids == [done.request_id, aborted.request_id, waiting.request_id]
+    assert s.schedule().finished_req_ids == []

@@ -2,6 +2,8 @@
 tokens counted against the budget, drafts cut to max_tokens / max_model_len / the budget,
 rejected drafts rolled back (counters, slots, blocks) and never hashed."""
 from engine.block_hash import BlockHash
+from engine.scheduler_output import RunnerOutput
+from engine.spec_decode.proposer import Proposal
 from engine.spec_decode.state import SpecState
 from engine.tokens import SampledToken
 from engine_factories import fake_model_output, make_request, make_scheduler
@@ -19,9 +21,7 @@ def _decoding(scheduler, request, k=4):
 
 
 def _propose(scheduler, output, drafts):
-    for request, k in output.speculating:
-        request.spec.drafts = drafts[:k]
-    scheduler.fit_drafts(output)
+    scheduler.apply_drafts(output, [Proposal(list(drafts)) for _ in output.speculating])
 
 
 def _verify(scheduler, output, drafts, kept):
@@ -29,7 +29,7 @@ def _verify(scheduler, output, drafts, kept):
     keeps tokens `kept`."""
     _propose(scheduler, output, drafts)
     sampled = {r.request_id: [SampledToken(t) for t in kept] for r, _ in output.speculating}
-    return scheduler.update_from_output(output, sampled)
+    return scheduler.update_from_output(output, RunnerOutput(sampled))
 
 
 def test_budget_counts_k_plus_one_and_drafts_shrink_to_fit():

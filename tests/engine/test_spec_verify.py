@@ -5,7 +5,8 @@ test, so the test can fail."""
 import torch
 
 from engine.request import Request
-from engine.sampler import SampleRow, sample
+from engine.sample_row import SampleRow
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
 
@@ -67,7 +68,7 @@ def test_point_mass_drafts_keep_the_target_distribution_and_accept_with_p_of_the
     for seed in range(DRAWS):
         rows = _rows(seed)
         rows[1] = SampleRow(rows[0].request, 0, (1,))
-        drawn = [t.token_id for t in sample(logits.clone(), rows)]
+        drawn = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
         a = accepted_prefix(drawn, [1])
         accepted += a
         counts[drawn[0]] += 1  # the first output token is drawn[0] whether accepted or not

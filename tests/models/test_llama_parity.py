@@ -5,7 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, TorchAttentionBackend
-from engine.models.llama import ForwardContext
+from engine.models.interface import ForwardContext
 from engine.models.loader import load_model
 
 PROMPTS = [

@@ -84,16 +84,24 @@ def test_entry_points_of_an_installed_distribution(tmp_path, monkeypatch):
     assert ModelRegistry.is_supported("TinyForCausalLM")
 
 
-def test_llama_load_weights_equals_the_fast_path(model_dir):
-    from engine.models.loader import _hf_state_dict, load_model
-    from engine.models.llama import Transformer
+def test_llama_loads_through_the_contract_and_keeps_rope_in_fp32(model_dir):
+    """load_model (from_config, load_weights over the streamed files, .to) equals the module
+    fed the whole state dict at once; a bf16 load keeps the RoPE table fp32 (the loader does
+    not know the model: the model keeps it so)."""
+    from safetensors.torch import load_file
 
-    fast = load_model(model_dir, num_layers=1).model
+    from engine.models.loader import load_model
+    from engine.models.llama import Transformer, rope_cache
+
+    loaded = load_model(model_dir, num_layers=1).model
     config = json.loads((model_dir / "config.json").read_text())
-    slow = Transformer.from_config({**config, "num_hidden_layers": 1})
-    slow.load_weights(_hf_state_dict(model_dir).items())
-    a, b = fast.state_dict(), slow.state_dict()
+    whole = Transformer.from_config({**config, "num_hidden_layers": 1})
+    whole.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+    a, b = loaded.state_dict(), whole.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bf16 = load_model(model_dir, dtype=torch.bfloat16, num_layers=1).model
+    assert bf16.embed_tokens.weight.dtype == torch.bfloat16
+    assert bf16.rope_cos_sin.dtype == torch.float32 and torch.equal(bf16.rope_cos_sin, rope_cache(bf16.args))
 
 
 @pytest.fixture(scope="module")

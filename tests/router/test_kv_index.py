@@ -6,6 +6,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import RunnerOutput
 from engine.tokens import SampledToken
 from router.kv_index import KVIndex, prompt_block_hashes
 
@@ -96,10 +97,10 @@ def _run(scheduler, requests):
         scheduler.add_request(r)
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        scheduler.update_from_output(out, {
+        scheduler.update_from_output(out, RunnerOutput({
             r.request_id: [SampledToken(7)] for r, n in out.scheduled
             if r.num_computed_tokens + n == r.num_tokens
-        })
+        }))
 
 
 def test_index_fed_by_a_real_block_manager_predicts_its_prefix_hits():
