@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from cluster.roles import ROLES, Role
 from engine.flags import to_argv
@@ -25,7 +25,12 @@ from worker_runtime.args import WorkerConfig
 
 if TYPE_CHECKING:
     from cluster.registration import WorkerInfo
-    from local_cluster.planner_loop import Planner
+
+
+class PlannerView(Protocol):
+    """What the supervisor shows of `up --planner`'s planner (local_cluster/planner_loop.py)."""
+
+    def view(self) -> dict: ...
 
 TICK_S = 0.2
 
@@ -41,7 +46,7 @@ class Supervisor:
         self._serial = 0
         self._halt = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="supervisor", daemon=True)
-        self.planner: Planner | None = None
+        self.planner: PlannerView | None = None
         """`up --planner`'s planner, shown by `snapshot` (it calls set_worker_role)."""
 
     # -- slots ------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ async def _serve(config, engine_config) -> int:
     from prefill_node.worker import PrefillWorker
     from proto import pdserve_pb2_grpc as pb_grpc
     from worker_runtime.runtime import WorkerRuntime
+    from worker_runtime.service import WorkerService
 
     runtime = WorkerRuntime.build(config, engine_config)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
@@ -60,6 +61,7 @@ async def _serve(config, engine_config) -> int:
     decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)
 
     def add(server) -> None:
+        pb_grpc.add_WorkerServicer_to_server(WorkerService(runtime), server)
         pb_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
 

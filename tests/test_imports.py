@@ -127,14 +127,9 @@ def test_libraries_import_no_service(name: str) -> None:
 
 
 # Type-only imports (`if TYPE_CHECKING:`) allowed to close a cycle between modules, each with
-# the reason it is still there. None in the libraries: there a type lives in the module that
-# owns it, and a part gets the parts it uses rather than its owner.
-TYPE_ONLY_CYCLE_EDGES = {
-    ("worker_runtime.lifecycle", "worker_runtime.runtime"): "a part typed by its owner (WorkerRuntime)",
-    ("worker_runtime.roles", "worker_runtime.runtime"): "a part typed by its owner (WorkerRuntime)",
-    ("worker_runtime.service", "worker_runtime.runtime"): "a part typed by its owner (WorkerRuntime)",
-    ("local_cluster.planner_loop", "local_cluster.supervisor"): "the planner loop typed by its owner (Supervisor)",
-}
+# the reason it is the only way. None today: a type lives in the module that owns it, and a
+# part gets the parts it uses (or a Protocol of them) rather than its owner.
+TYPE_ONLY_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -1,6 +1,7 @@
 """What a prefill and a decode worker share: the engine on its own thread, the KV transfer
 agent, etcd registration, KV-event fan-out, /metrics, draining; the `Worker` gRPC service
-in front of it is service.py.
+in front of it is service.py (put on the server by the entry point, pdserve/worker_main.py,
+with both roles' services).
 
 Life cycle of a worker process: build (load model, size pool, register the pool with NIXL)
 -> start (engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at
@@ -31,7 +32,6 @@ from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
 from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, StatusInterceptor
@@ -39,7 +39,6 @@ from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.pool import PoolRegistration
 from worker_runtime.roles import WorkerRoles
-from worker_runtime.service import WorkerService
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -292,7 +291,9 @@ class WorkerRuntime:
 
     # ---- process life cycle --------------------------------------------------------------
     async def serve(self, add_servicers: Callable[[grpc.aio.Server], None]) -> int:
-        """Run until SIGTERM/SIGINT (exit code 0) or the engine loop's death (1)."""
+        """Run until SIGTERM/SIGINT (exit code 0) or the engine loop's death (1).
+        `add_servicers` puts the worker's services (the `Worker` service, service.py, and
+        both roles') on its gRPC server."""
         import signal
 
         from cluster.net import free_port
@@ -302,7 +303,6 @@ class WorkerRuntime:
         host = cfg.advertise_host or cfg.host
         server = grpc.aio.server(interceptors=[StatusInterceptor()],
                                  options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_WorkerServicer_to_server(WorkerService(self), server)
         add_servicers(server)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:

@@ -5,13 +5,9 @@ the work is in WorkerRuntime (runtime.py), WorkerLifecycle (lifecycle.py) and Wo
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
-
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from worker_runtime.runtime import WorkerRuntime
+from worker_runtime.runtime import WorkerRuntime
 
 
 class WorkerService(pb_grpc.WorkerServicer):
