@@ -76,6 +76,15 @@ class UpConfig:
             return dataclasses.replace(self.engine, speculative_config=None)
         return self.engine
 
+    @property
+    def runs_admin_rpcs(self) -> bool:
+        """Whether this cluster calls its workers' admin RPCs (--enable-admin-rpcs on every
+        worker): the planner switches roles, --enable-sleep-mode gives the router the
+        fleet-wide admin endpoints, --enable-lora its runtime adapter loading. Otherwise the
+        workers refuse them (`--worker-arg=--enable-admin-rpcs` turns them on, e.g. for
+        `pdserve role`)."""
+        return self.planner or self.engine.enable_sleep_mode or self.engine.enable_lora
+
     def role_args(self, role: Role) -> tuple[str, ...]:
         """--prefill-arg's or --decode-arg's."""
         return self.prefill_args if role == Role.PREFILL else self.decode_args

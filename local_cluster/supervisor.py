@@ -72,7 +72,8 @@ class Supervisor:
         --decode-arg's (a later flag wins)."""
         c = self.config
         worker = WorkerConfig(role=role, etcd=self.etcd, cluster=c.cluster,
-                              num_threads=self._threads())
+                              num_threads=self._threads(),
+                              enable_admin_rpcs=c.runs_admin_rpcs)
         return [role, *to_argv(worker), *to_argv(c.engine_for(role)), *c.worker_args,
                 *c.role_args(role)]
 

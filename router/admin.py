@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 300.0
 """Per-worker bound of an admin RPC (a sleep drains first; a weight update reads a file)."""
-_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-           grpc.StatusCode.FAILED_PRECONDITION: 409}
+_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.PERMISSION_DENIED: 403,
+           grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.FAILED_PRECONDITION: 409}
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +179,7 @@ class FleetAdmin:
 def _checked(call: str, results: list[WorkerResult]) -> list[WorkerResult]:
     """`results` when every worker applied the call; else an APIError naming the failed ones:
     the workers' own 4xx when they all refused alike (400 bad argument, 404 missing path,
-    409 sleep mode not enabled), else 502."""
+    403 admin RPCs not enabled, 409 sleep mode not enabled), else 502."""
     failed = [r for r in results if r.error is not None]
     if not failed:
         return results

@@ -38,6 +38,15 @@ class WorkerConfig:
     drain when its SetRole names none."""
     num_threads: int = 0
     """torch threads for this process (0: cores / 2, at least 1)."""
+    enable_admin_rpcs: bool = False
+    """Serve the admin RPCs — Sleep, WakeUp, ResetPrefixCache, UpdateWeights, CollectiveRPC,
+    LoadLoRAAdapter, UnloadLoRAAdapter, SetRole — to whoever can reach the gRPC port; without
+    it they are PERMISSION_DENIED (the router's fleet admin, `pdserve role` and `up --planner`
+    need it; `pdserve up` sets it when it runs them)."""
+    allowed_model_paths: tuple[str, ...] = option((), metavar="DIR")
+    """Directories that weights (UpdateWeights) and LoRA adapters (LoadLoRAAdapter, a
+    request's adapter) must lie under, symlinks resolved; a path outside is PERMISSION_DENIED
+    before it is opened. Empty: any path the worker's user can read."""
     itl_target_ms: float = 0.0
     """While requests decode, prefill chunks (prompts prefilled here) are sized from measured
     step costs so a step stays within this many ms; 0: only --max-num-batched-tokens and

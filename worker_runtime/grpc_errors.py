@@ -27,6 +27,10 @@ class FailedPrecondition(RuntimeError):
     """The worker is not in a state that allows the call (e.g. sleep mode not enabled)."""
 
 
+class PermissionDenied(RuntimeError):
+    """The worker does not serve this call to anyone (e.g. an admin RPC not enabled)."""
+
+
 class NotFound(LookupError):
     """What the call names does not exist (e.g. a LoRA adapter's path)."""
 
@@ -37,6 +41,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
     if isinstance(exc, NotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, IncompatiblePeerError):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, (KVTransferError, Unavailable, EngineLoopDied)):

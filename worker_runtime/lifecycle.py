@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.grpc_errors import FailedPrecondition, NotFound
+from worker_runtime.paths import AllowedPaths
 
 if TYPE_CHECKING:  # annotations only: the engine (torch) is the runtime's to import
     from engine.llm_engine import LLMEngine
@@ -60,12 +61,13 @@ class WorkerLifecycle:
 
     def __init__(self, admission: Admission, call: EngineCall, pool: KVPool,
                  publish: Callable[[], Awaitable[None]], abort_all: Callable[[], Awaitable[None]],
-                 *, sleep_mode: bool, drain_timeout_s: float) -> None:
+                 paths: AllowedPaths, *, sleep_mode: bool, drain_timeout_s: float) -> None:
         self._admission = admission
         self._call = call
         self._pool = pool
         self._publish = publish
         self._abort_all = abort_all
+        self._paths = paths
         self._sleep_mode = sleep_mode
         self._drain_timeout_s = drain_timeout_s
         self.weights_version = 0
@@ -121,6 +123,7 @@ class WorkerLifecycle:
     async def update_weights(self, path: str) -> None:
         if not path:
             raise ValueError("path must not be empty")
+        self._paths.check(path, "weights")  # before anything at the path is looked at
         if not os.path.exists(path):
             raise NotFound(f"no weights at {path}")
 
@@ -137,12 +140,22 @@ class WorkerLifecycle:
         await self._publish()
 
     async def collective_rpc(self, method: str, args_json: str, kwargs_json: str) -> str:
+        """Call a method of the worker extension (--worker-extension-cls) on the engine
+        thread. Only the extension's public methods: the engine's own (sleep, update_weights,
+        ...) change state behind the worker's back — their RPCs above drain first."""
         args = json.loads(args_json) if args_json else []
         kwargs = json.loads(kwargs_json) if kwargs_json else {}
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise ValueError("args must be a JSON array and kwargs a JSON object")
-        results = await self._call(lambda e: e.collective_rpc(method, tuple(args), kwargs),
-                                   cancellable=False)
+
+        def go(e: LLMEngine) -> list:
+            if method.startswith("_") or not callable(getattr(e.extension, method, None)):
+                raise ValueError(f"collective_rpc: {method!r} is not a method of the worker "
+                                 "extension (--worker-extension-cls); over the network "
+                                 "collective_rpc calls only those")
+            return e.collective_rpc(method, tuple(args), kwargs)
+
+        results = await self._call(go, cancellable=False)
         return json.dumps(results, default=repr)
 
     # ---- draining -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, StatusInterceptor
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
+from worker_runtime.paths import AllowedPaths
 from worker_runtime.pool import PoolRegistration
 from worker_runtime.roles import WorkerRoles
 
@@ -85,9 +86,10 @@ class WorkerRuntime:
         self.metrics = metrics or WorkerMetrics(config.role, kv, engine.loaded.model_id,
                                                 engine.num_speculative_tokens)
         self.admission = Admission(config.role)
+        self.paths = AllowedPaths(config.allowed_model_paths)
         self.registration = registration_for(self.info)
         self.lifecycle = WorkerLifecycle(
-            self.admission, self.call, self.pool, self.republish, self.abort_all,
+            self.admission, self.call, self.pool, self.republish, self.abort_all, self.paths,
             sleep_mode=engine.config.enable_sleep_mode, drain_timeout_s=config.drain_timeout_s)
         self.roles = WorkerRoles(
             self.admission, self.republish, self.registration.move, self.abort_all,
@@ -177,7 +179,10 @@ class WorkerRuntime:
         """The engine request for a call (both roles; ValueError for invalid input). A
         structured request compiles its grammar, a LoRA request loads its adapter from disk:
         those are built off the event loop (`make_request` reads no mutable engine state, so
-        it is safe off the engine thread)."""
+        it is safe off the engine thread). An adapter not served here already must lie under
+        --allowed-model-paths."""
+        if lora is not None and lora.lora_path not in self.loras.values():
+            self.paths.check(lora.lora_path, "LoRA adapter")
         build = functools.partial(self.engine.make_request, request_id, prompt_token_ids, params,
                                   cache_salt or None, priority, resume=resume, pooling=pooling,
                                   lora_request=lora)
@@ -219,6 +224,7 @@ class WorkerRuntime:
         returns, so the router sees the change as soon as it hears back."""
         if not path:
             raise ValueError("lora_path must not be empty")
+        self.paths.check(path, "LoRA adapter")  # before anything at the path is looked at
         if not os.path.isdir(path):
             raise NotFound(f"No adapter found for LoRA adapter {name!r}: {path} is not a "
                            "directory")

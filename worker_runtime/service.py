@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.grpc_errors import PermissionDenied
 from worker_runtime.runtime import WorkerRuntime
 
 
@@ -15,6 +16,14 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
+        self._admin = runtime.config.enable_admin_rpcs
+
+    def _require_admin(self, rpc: str) -> None:
+        """Admin RPCs change the worker's weights, memory, adapters or role: only served
+        when the worker was started with --enable-admin-rpcs."""
+        if not self._admin:
+            raise PermissionDenied(f"{rpc} is an admin RPC: start the worker with "
+                                   "--enable-admin-rpcs to serve it")
 
     async def Health(self, request, context):
         info = self.rt.info()
@@ -39,6 +48,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.CachedBlocksResponse(block_hashes=hashes)
 
     async def LoadLoRAAdapter(self, request, context):
+        self._require_admin("LoadLoRAAdapter")
         adapter = request.adapter
         if not adapter.name:
             raise ValueError("lora_name must not be empty")
@@ -46,6 +56,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.LoRAResponse(found=True, served=self.rt.served_loras())
 
     async def UnloadLoRAAdapter(self, request, context):
+        self._require_admin("UnloadLoRAAdapter")
         if not request.name:
             raise ValueError("lora_name must not be empty")
         found = await self.rt.unload_lora(request.name)
@@ -53,10 +64,12 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ---- weights lifecycle (lifecycle.py) ---------------------------------------------------
     async def Sleep(self, request, context):
+        self._require_admin("Sleep")
         await self.rt.lifecycle.sleep(request.level or 1, request.abort)
         return self._state()
 
     async def WakeUp(self, request, context):
+        self._require_admin("WakeUp")
         await self.rt.lifecycle.wake_up(list(request.tags))
         return self._state()
 
@@ -64,20 +77,24 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._state()
 
     async def ResetPrefixCache(self, request, context):
+        self._require_admin("ResetPrefixCache")
         await self.rt.lifecycle.reset_prefix_cache()
         return self._state()
 
     async def CollectiveRPC(self, request, context):
+        self._require_admin("CollectiveRPC")
         if not request.method:
             raise ValueError("method is required")
         return pb.CollectiveRPCResponse(results_json=await self.rt.lifecycle.collective_rpc(
             request.method, request.args_json, request.kwargs_json))
 
     async def UpdateWeights(self, request, context):
+        self._require_admin("UpdateWeights")
         await self.rt.lifecycle.update_weights(request.path)
         return self._state()
 
     async def SetRole(self, request, context):
+        self._require_admin("SetRole")
         previous = await self.rt.roles.set_role(request.role, request.drain_timeout_s)
         return pb.SetRoleResponse(role=self.rt.admission.role.value, previous_role=previous.value)
 

@@ -127,12 +127,13 @@ class FakeCall:
 class Harness:
     """A DecodeWorker on a fake runtime (see the module docstring)."""
 
-    def __init__(self, kv_timeout_s: float = 30.0) -> None:
+    def __init__(self, kv_timeout_s: float = 30.0, allowed_model_paths: tuple[str, ...] = ()) -> None:
         from decode_node.worker import DecodeWorker
 
         self.engine = FakeEngine()
         fabric = FakeFabric()
-        config = WorkerConfig(role="decode", etcd="unused:0", kv_timeout_s=kv_timeout_s)
+        config = WorkerConfig(role="decode", etcd="unused:0", kv_timeout_s=kv_timeout_s,
+                              allowed_model_paths=allowed_model_paths)
         rt = WorkerRuntime(config, self.engine, FakeTransferBackend(fabric, KVTransferConfig(agent_name="D")),
                            lambda info: FakeRegistration(), metrics=mock.MagicMock())
         rt.attach(asyncio.get_running_loop())
@@ -181,11 +182,11 @@ class Harness:
             if engine:
                 self.run_engine()
 
-    def generate(self, rid: str, num_tokens: int = 10) -> asyncio.Task:
+    def generate(self, rid: str, num_tokens: int = 10, lora: pb.LoRAAdapter | None = None) -> asyncio.Task:
         request = pb.GenerateRequest(
             request_id=rid, prompt_token_ids=list(range(1, num_tokens + 1)),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=3),
-            prefill_worker=pb.WorkerRef(worker_id="P", address="p:1"))
+            prefill_worker=pb.WorkerRef(worker_id="P", address="p:1"), lora=lora)
         assert sampling_from_pb(request.sampling).remote_prefill_ok
 
         async def consume():

@@ -141,8 +141,10 @@ def test_switching_roles_keeps_serving_and_keeps_the_engine(model_dir, tmp_path)
     long_expected = long_expected.outputs[0].text
     del reference
     with EtcdServer() as etcd:
-        p = WorkerProcess("prefill", etcd.endpoint, log_dir=tmp_path, cluster=CLUSTER)
-        d = WorkerProcess("decode", etcd.endpoint, log_dir=tmp_path, cluster=CLUSTER)
+        p = WorkerProcess("prefill", etcd.endpoint, "--enable-admin-rpcs", log_dir=tmp_path,
+                          cluster=CLUSTER)
+        d = WorkerProcess("decode", etcd.endpoint, "--enable-admin-rpcs", log_dir=tmp_path,
+                          cluster=CLUSTER)
         port = free_port()
         router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", CLUSTER,
                                  "--port", str(port), "--local-prefill-threshold", "0",

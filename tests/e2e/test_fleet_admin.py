@@ -1,5 +1,6 @@
 """The fleet-wide admin endpoints through a real cluster: etcd + `pdserve prefill` + two
-`pdserve decode` (all `--enable-sleep-mode`) + `pdserve router --enable-dev-endpoints
+`pdserve decode` (all `--enable-sleep-mode --enable-admin-rpcs`, with the test worker
+extension tests/e2e/admin_extension.py) + `pdserve router --enable-dev-endpoints
 --api-key`, every prompt prefilled on the prefill worker (`--strict-remote-prefill`: never locally).
 
 Sleep puts every worker to sleep (the KV pools freed and deregistered from NIXL); a request
@@ -7,11 +8,14 @@ meanwhile waits `--queue-timeout` and gets 503 with Retry-After; wake_up brings 
 pools re-registered at new addresses) and greedy output through a remote prefill is unchanged;
 update_weights from a safetensors path bumps every worker's weights version and the
 disaggregated output equals an offline engine loaded with those weights; collective_rpc
-answers once per worker; a worker that fails is named in the error."""
+(an extension method) answers once per worker; a worker that fails is named in the error."""
+import os
+
 import httpx
 import pytest
 import torch
 
+from admin_extension import EXTENSION_PATH, SPEC
 from cluster.etcd_server import EtcdServer
 from cluster.net import free_port
 from engine import LLM, SamplingParams
@@ -29,9 +33,11 @@ GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet-logs")
-    with EtcdServer() as etcd:
+    with EtcdServer() as etcd, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [EXTENSION_PATH, os.environ.get("PYTHONPATH")])))
         strict = {"prefill": (), "decode": ("--strict-remote-prefill",)}  # no local fallback
-        workers = [WorkerProcess(role, etcd.endpoint, "--enable-sleep-mode", *strict[role],
+        workers = [WorkerProcess(role, etcd.endpoint, "--enable-sleep-mode", "--enable-admin-rpcs",
+                                 "--worker-extension-cls", SPEC, *strict[role],
                                  log_dir=logs, cluster=CLUSTER)
                    for role in ("prefill", "decode", "decode")]
         port = free_port()

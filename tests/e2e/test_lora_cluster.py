@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 CLUSTER = "lora"
 KEY = "lora-key"
-LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--enable-admin-rpcs"]
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 

@@ -73,6 +73,10 @@ def test_partial_failure_names_the_failed_workers():
     with pytest.raises(APIError) as exc:
         _checked("sleep", [ok, refused])
     assert exc.value.status == 409
+    denied = WorkerResult("d1", error=_Err(grpc.StatusCode.PERMISSION_DENIED, "start it with --enable-admin-rpcs"))
+    with pytest.raises(APIError) as exc:
+        _checked("sleep", [ok, denied])
+    assert exc.value.status == 403 and "--enable-admin-rpcs" in exc.value.message
     assert _checked("sleep", [ok]) == [ok]
 
 

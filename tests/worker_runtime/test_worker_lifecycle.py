@@ -1,6 +1,7 @@
 """The weights lifecycle (worker_runtime/lifecycle.py) over a real Admission and a fake
 engine thread: a sleep drains then frees the pool, a drain that does not end goes back to
-serving, sleeping deeper and updating weights while asleep need no drain, shutdown wins."""
+serving, sleeping deeper and updating weights while asleep need no drain, shutdown wins;
+collective_rpc reaches only the worker extension's methods."""
 import asyncio
 from types import SimpleNamespace
 
@@ -8,8 +9,9 @@ import pytest
 
 from cluster.roles import Role
 from worker_runtime.admission import Admission, WorkerPhase
-from worker_runtime.grpc_errors import FailedPrecondition, Unavailable
+from worker_runtime.grpc_errors import FailedPrecondition, PermissionDenied, Unavailable
 from worker_runtime.lifecycle import WorkerLifecycle
+from worker_runtime.paths import AllowedPaths
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -20,6 +22,11 @@ class FakeEngine:
         self.unfinished = False
         self.weights_version = 0
         self.lifecycle = SimpleNamespace(asleep=set())
+        self.extension = None
+
+    def collective_rpc(self, method, args, kwargs):
+        target = self.extension if hasattr(self.extension, method) else self
+        return [getattr(target, method)(*args, **kwargs)]
 
     def has_unfinished_requests(self) -> bool:
         return self.unfinished
@@ -54,7 +61,7 @@ class FakePool:
         self.events.append("deregister")
 
 
-def make(drain_timeout_s: float = 5.0):
+def make(drain_timeout_s: float = 5.0, roots: tuple[str, ...] = ()):
     engine, pool, admission = FakeEngine(), FakePool(), Admission("decode")
     published: list[WorkerPhase] = []
 
@@ -67,8 +74,8 @@ def make(drain_timeout_s: float = 5.0):
     async def abort_all():
         engine.unfinished = False
 
-    life = WorkerLifecycle(admission, call, pool, publish, abort_all, sleep_mode=True,
-                           drain_timeout_s=drain_timeout_s)
+    life = WorkerLifecycle(admission, call, pool, publish, abort_all, AllowedPaths(roots),
+                           sleep_mode=True, drain_timeout_s=drain_timeout_s)
     return SimpleNamespace(engine=engine, pool=pool, admission=admission, life=life,
                            published=published)
 
@@ -125,5 +132,51 @@ def test_updating_weights_refuses_calls_then_serves_and_shutdown_refuses_changes
             with pytest.raises(FailedPrecondition, match="shutting down"):
                 await change
         assert w.life.weights_version == 1 and w.engine.level == 0
+
+    asyncio.run(main())
+
+
+def test_collective_rpc_calls_only_the_worker_extension():
+    class Extension:
+        def num_blocks(self, scale=1):
+            return 7 * scale
+
+        def _private(self):
+            raise AssertionError("reached")
+
+    async def main():
+        w = make()
+        for method in ("num_blocks", "sleep", "update_weights"):  # no extension: nothing
+            with pytest.raises(ValueError, match="not a method of the worker extension"):
+                await w.life.collective_rpc(method, "[]", "{}")
+        w.engine.extension = Extension()
+        assert await w.life.collective_rpc("num_blocks", "[2]", "{}") == "[14]"
+        for method in ("sleep", "_private", "__init__"):  # the engine's own, and private ones
+            with pytest.raises(ValueError, match="not a method of the worker extension"):
+                await w.life.collective_rpc(method, "[]", "{}")
+        assert w.engine.level == 0
+        with pytest.raises(ValueError, match="JSON array"):
+            await w.life.collective_rpc("num_blocks", "{}", "{}")
+
+    asyncio.run(main())
+
+
+def test_weights_outside_the_allowed_paths_are_refused_alike_whether_or_not_they_exist(tmp_path):
+    inside = tmp_path / "weights"
+    inside.mkdir()
+    (inside / "model.safetensors").write_bytes(b"")
+    (tmp_path / "link").symlink_to("/etc")
+
+    async def main():
+        w = make(roots=(str(inside),))
+        refusals = []
+        for path in ("/etc/passwd", "/no/such/file", str(tmp_path / "link" / "passwd"),
+                     str(inside / ".." / "weights2")):
+            with pytest.raises(PermissionDenied, match="outside --allowed-model-paths") as exc:
+                await w.life.update_weights(path)
+            refusals.append(str(exc.value).replace(path, "P"))
+        assert len(set(refusals)) == 1  # the same answer: nothing learnt about the path
+        await w.life.update_weights(str(inside / "model.safetensors"))
+        assert w.life.weights_version == 1
 
     asyncio.run(main())
