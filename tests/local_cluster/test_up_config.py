@@ -3,6 +3,8 @@ parsing those command lines with the workers' and the router's own parsers (no p
 import argparse
 import dataclasses
 import os
+
+import pytest
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +59,9 @@ def test_every_engine_flag_of_up_reaches_the_workers_of_both_roles():
             cmd = supervisor(config).worker_command(role)
             assert cmd[0] == role
             worker, got = started(cmd)
-            assert worker == WorkerConfig(role=role, etcd=ETCD, cluster="c", num_threads=3)
+            # enable_sleep_mode and enable_lora are on: the cluster calls the admin RPCs.
+            assert worker == WorkerConfig(role=role, etcd=ETCD, cluster="c", num_threads=3,
+                                          enable_admin_rpcs=True)
             # Prefill workers never speculate: they are not even given the flag.
             want = engine if role == Role.DECODE else dataclasses.replace(engine, speculative_config=None)
             assert got == want
@@ -71,6 +75,15 @@ def test_defaults_are_not_passed_and_threads_are_shared_out():
     threads = str(max(1, (os.cpu_count() or 2) // 2))  # cores / workers
     assert sup.worker_command(Role.DECODE) == ["decode", "--etcd", ETCD, "--cluster", "c",
                                                "--num-threads", threads]
+
+
+@pytest.mark.parametrize("flags, admin", [
+    ((), False), (("--planner",), True), (("--enable-sleep-mode",), True),
+    (("--enable-lora",), True), (("--worker-arg=--enable-admin-rpcs",), True)])
+def test_workers_serve_admin_rpcs_only_when_the_cluster_calls_them(flags, admin):
+    cmd = supervisor(parse_up(*flags)).worker_command(Role.PREFILL)
+    worker, _ = started(cmd)
+    assert worker.enable_admin_rpcs is admin
 
 
 def test_worker_args_then_role_args_come_last_so_they_win():
