@@ -24,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import urllib.request
 from pathlib import Path
+
+from local_cluster.run_file import control_request
 
 
 MODES = ("colocated", "disaggregated", "planner")
@@ -65,8 +66,7 @@ def _start_up(mode: str, cores: str, work: Path, model_flags: list[str],
 def _planner_pools(work: Path) -> str:
     """The planner's pools now (from its `up`'s control port), e.g. "0P+2D"."""
     run = json.loads((work / "cache-planner" / "run" / "current-cluster.json").read_text())
-    with urllib.request.urlopen(run["control"], timeout=5) as resp:
-        pools = json.loads(resp.read())["planner"]["pools"]
+    pools = json.loads(control_request(run))["planner"]["pools"]
     return f"{pools['prefill']}P+{pools['decode']}D"
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.request
 
 from cluster.roles import ROLES
 from engine.flags import add_flags, from_args
 from local_cluster.config import UpConfig
-from local_cluster.control import current
+from local_cluster.run_file import control_request, current
 from local_cluster.up import up
 
 
@@ -22,12 +21,9 @@ def scale(args: argparse.Namespace) -> int:
     if sign not in "+-" or not args.delta[1:].isdigit():
         raise ValueError(f"delta must look like +1 or -2, got {args.delta!r}")
     delta = int(args.delta)
-    req = urllib.request.Request(
-        current()["control"] + "/scale", data=json.dumps({"role": args.role, "delta": delta}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
-    )
-    with urllib.request.urlopen(req, timeout=900) as resp:  # up to --startup-timeout per worker
-        print(json.dumps(json.loads(resp.read()), indent=2))
+    reply = control_request(current(), "/scale", {"role": args.role, "delta": delta},
+                            timeout=900)  # up to --startup-timeout per worker
+    print(json.dumps(json.loads(reply), indent=2))
     return 0
 
 
@@ -61,9 +57,8 @@ def _print_processes() -> None:
     """The running `up`'s slots: role, pid, state, restarts, last exit code; the planner's
     state with --planner."""
     try:
-        with urllib.request.urlopen(current()["control"], timeout=5) as resp:
-            doc = json.loads(resp.read())
-            slots = doc["slots"]
+        doc = json.loads(control_request(current()))
+        slots = doc["slots"]
     except OSError as exc:
         print(f"(the running `pdserve up` does not answer: {exc})\n")
         return

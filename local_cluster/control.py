@@ -2,44 +2,49 @@
 HTTP control server (GET: live child PIDs by role and every slot's state and restarts, see
 Supervisor.snapshot; GET /metrics: the planner's Prometheus metrics with `up --planner`, empty
 without; POST /scale {"role", "delta"}: start workers, or drain and stop some) and the run file
-that records its address."""
+that records its address (read by the clients through run_file.py).
+
+Every request carries `Authorization: Bearer <token>`: a token made for this `up`, kept in
+the run file, which only its user can read (0600): another local user — or a web page
+posting to loopback — cannot scale or read the cluster (401). A scale asks for at most
+`MAX_SCALE_DELTA` workers at a time; bodies are at most `MAX_BODY_BYTES`."""
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from local_cluster.run_file import run_file
 
 if TYPE_CHECKING:
     from local_cluster.supervisor import Supervisor
 
-RUN_FILE = "current-cluster.json"
-
-
-def run_file() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve"
-    return Path(root) / "run" / RUN_FILE
-
-
-def current() -> dict:
-    """The run file of the running `pdserve up`: pid, url, etcd, cluster, control, logs."""
-    try:
-        return json.loads(run_file().read_text())
-    except (OSError, ValueError):
-        raise ValueError("no running `pdserve up` found (start one, or pass --etcd)") from None
+MAX_SCALE_DELTA = 64
+"""Most workers one `pdserve scale` may add or remove."""
+MAX_BODY_BYTES = 4096
 
 
 def serve_control(supervisor: Supervisor, url: str) -> ThreadingHTTPServer:
-    """Start the control server on a free loopback port and record it in the run file."""
-    server = _control_server(supervisor)
+    """Start the control server on a free loopback port and record it, with its token, in
+    the run file (created 0600: the token is the key to the cluster)."""
+    token = secrets.token_urlsafe(32)
+    server = _control_server(supervisor, token)
     path = run_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
+    doc = json.dumps({
         "pid": os.getpid(), "url": url, "etcd": supervisor.etcd, "cluster": supervisor.config.cluster,
-        "control": f"http://127.0.0.1:{server.server_address[1]}", "logs": str(supervisor.log_dir),
-    }))
+        "control": f"http://127.0.0.1:{server.server_address[1]}", "control_token": token,
+        "logs": str(supervisor.log_dir),
+    })
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(doc)
+    os.replace(tmp, path)  # never a moment with the token in a readable file
     return server
 
 
@@ -53,8 +58,17 @@ def remove_run_file() -> None:
         pass
 
 
-def _control_server(supervisor: Supervisor) -> ThreadingHTTPServer:
+def _control_server(supervisor: Supervisor, token: str) -> ThreadingHTTPServer:
+    expected = f"Bearer {token}".encode()
+
     class Handler(BaseHTTPRequestHandler):
+        def _authorized(self) -> bool:
+            given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
+            if hmac.compare_digest(given, expected):
+                return True
+            self._reply(401, {"error": "the control token (in the run file) is required"})
+            return False
+
         def _reply(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
@@ -64,6 +78,8 @@ def _control_server(supervisor: Supervisor) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def do_GET(self):  # noqa: N802
+            if not self._authorized():
+                return
             if self.path == "/metrics":
                 planner = supervisor.planner
                 data = planner.metrics_text() if planner is not None else b""
@@ -76,10 +92,18 @@ def _control_server(supervisor: Supervisor) -> ThreadingHTTPServer:
             self._reply(200, supervisor.snapshot())
 
         def do_POST(self):  # noqa: N802
+            if not self._authorized():
+                return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                self._reply(200, supervisor.scale(body["role"], int(body["delta"])))
-            except (ValueError, KeyError, RuntimeError) as exc:
+                length = int(self.headers.get("Content-Length", 0))
+                if not 0 <= length <= MAX_BODY_BYTES:
+                    raise ValueError(f"body of {length} bytes: at most {MAX_BODY_BYTES}")
+                body = json.loads(self.rfile.read(length))
+                delta = int(body["delta"])
+                if not -MAX_SCALE_DELTA <= delta <= MAX_SCALE_DELTA:
+                    raise ValueError(f"delta must be within +-{MAX_SCALE_DELTA}, got {delta}")
+                self._reply(200, supervisor.scale(body["role"], delta))
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
                 self._reply(400, {"error": str(exc)})
 
         def log_message(self, *args):

@@ -122,9 +122,10 @@ class UpProcess:
     def control(self) -> dict:
         """The control port's GET: {"pids": live child PIDs by role, "slots": [...]}."""
         import json
-        import urllib.request
 
-        return json.loads(urllib.request.urlopen(self.run["control"], timeout=5).read())
+        from local_cluster.run_file import control_request
+
+        return json.loads(control_request(self.run))
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -28,9 +28,12 @@ if TYPE_CHECKING:
 
 
 class PlannerView(Protocol):
-    """What the supervisor shows of `up --planner`'s planner (local_cluster/planner_loop.py)."""
+    """What the supervisor and its control server show of `up --planner`'s planner
+    (local_cluster/planner_loop.py)."""
 
     def view(self) -> dict: ...
+
+    def metrics_text(self) -> bytes: ...
 
 TICK_S = 0.2
 

@@ -15,10 +15,10 @@ import os
 import random
 import signal
 import time
-import urllib.request
 from dataclasses import dataclass
 
 from cluster.roles import ROLES
+from local_cluster.run_file import control_request
 
 KINDS = ("kill-prefill", "kill-decode", "stall-prefill", "stall-decode", "restart-etcd", "restart-router")
 """Every fault kind, `<action>-<target>` (the target: a slot role of `pdserve up`)."""
@@ -33,14 +33,14 @@ class Fault:
 
 
 class Injector:
-    def __init__(self, control_url: str, kinds: tuple[str, ...], stall_s: float, seed: int) -> None:
-        self.control_url = control_url
+    def __init__(self, run: dict, kinds: tuple[str, ...], stall_s: float, seed: int) -> None:
+        self.run = run  # the `up`'s run file: its control port and token
         self.kinds = kinds
         self.stall_s = stall_s
         self.rng = random.Random(seed)
 
     def slots(self) -> list[dict]:
-        return json.loads(urllib.request.urlopen(self.control_url, timeout=5).read())["slots"]
+        return json.loads(control_request(self.run))["slots"]
 
     def inject(self) -> Fault | None:
         """Apply one random fault to a ready target; None if no target is ready now."""

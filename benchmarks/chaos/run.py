@@ -70,7 +70,7 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
     load_task = asyncio.create_task(load.run())
     await asyncio.sleep(3.0)  # warm up before the baseline RSS sample
     rss_start = {pid: rss_bytes(pid) for pid in cluster.child_pids()}
-    injector = Injector(cluster.run["control"], kinds, args.stall, args.seed)
+    injector = Injector(cluster.run, kinds, args.stall, args.seed)
     faults: list[Fault] = []
     deadline = time.monotonic() + args.duration
     cluster_error = None

@@ -8,10 +8,11 @@ restarted as a decode worker."""
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 from up_cluster import Load, Up
+
+from local_cluster.run_file import control_request
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def test_planner_moves_the_idle_prefill_worker_to_the_saturated_decode_pool(tmp_
         assert [(m["slot"], m["from_role"], m["to_role"], m["ok"]) for m in planner["moves"]] == [
             ("prefill-1", "prefill", "decode", True)], planner
         assert planner["pools"] == {"prefill": 0, "decode": 2}
-        metrics = urllib.request.urlopen(up.run["control"] + "/metrics", timeout=5).read().decode()
+        metrics = control_request(up.run, "/metrics").decode()
         assert 'pdserve_planner_moves_total{from_role="prefill",to_role="decode"} 1.0' in metrics
         assert 'pdserve_planner_moves_total{from_role="decode",to_role="prefill"} 0.0' in metrics
         assert any("planner: moving prefill-1" in line for line in up.output)
