@@ -4,11 +4,12 @@ Life cycle of a request here:
 1. `Prefill` arrives from a decode worker D with the prompt, sampling settings (n = 1, seed
    set) and the destination: D's transfer identity and D's block ids for the prompt blocks
    D does not have yet.
-2. D's peer is added (compatibility check; a no-op for known peers — peers are also added
-   ahead of time as decode workers appear in etcd). A D whose KV layout differs (model, KV
-   cache dtype and scale layout, block shape) is refused: FAILED_PRECONDITION naming both
-   formats, nothing written; D then prefills locally (or fails with
-   --strict-remote-prefill). The prompt enters this engine (chunked
+2. D must be a registered worker: a registration in etcd must name its NIXL metadata
+   (PERMISSION_DENIED otherwise, nothing sent). D's peer is added (compatibility check; a
+   no-op for known peers — peers are also added ahead of time as decode workers appear in
+   etcd). A D whose KV layout differs (model, KV cache dtype and scale layout, block shape)
+   is refused: FAILED_PRECONDITION naming both formats, nothing written; D then prefills
+   locally (or fails with --strict-remote-prefill). The prompt enters this engine (chunked
    prefill, own prefix cache) with max_tokens = 1.
 3. After every engine step the KV streamer writes the blocks that became complete into D's
    blocks; when the first token is sampled, the rest goes out with the completion
@@ -37,7 +38,7 @@ import logging
 import time
 
 from cluster.convert import request_lora, sampled_to_pb, sampling_from_pb
-from cluster.registration import list_workers, make_client
+from cluster.registration import WorkerInfo, list_workers, make_client
 from cluster.roles import Role
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
@@ -46,7 +47,7 @@ from kvtransfer import IncompatiblePeerError, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker_runtime.grpc_errors import Unavailable
+from worker_runtime.grpc_errors import PermissionDenied, Unavailable
 from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         runtime.add_step_hook(self.streamer.after_step)
         runtime.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
+        self._registered: set[bytes] = set()
+        """KV agents (NIXL metadata) of the workers registered in etcd (warm_peers)."""
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         with self.rt.admission.admitted(Role.PREFILL, request.request_id):
@@ -78,6 +81,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             )
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
+        await self._check_destination(dest.peer_metadata)
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
         # A structured request compiles its grammar here (the first token obeys it), a LoRA
         # request loads its adapter if needed (the decode worker's).
@@ -164,26 +168,47 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return found
 
     async def warm_peers(self) -> None:
-        """Add every decode worker in etcd as a transfer peer ahead of its first request
-        (whatever role this worker serves now, so that a switch to prefill finds them known)."""
+        """Every second: learn the registered workers' KV agents (the only destinations a
+        Prefill may name) and add every decode worker in etcd as a transfer peer ahead of its
+        first request (whatever role this worker serves now, so that a switch to prefill
+        finds them known)."""
         known: set[str] = set()
         while True:
             try:
-                async with make_client(self.rt.config.etcd) as client:
-                    for info in await list_workers(client, self.rt.config.cluster):
-                        ours = info.worker_id == self.rt.worker_id
-                        if (info.role == Role.DECODE and info.kv_metadata and not ours
-                                and info.kv_metadata not in known):
-                            try:
-                                await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
-                                known.add(info.kv_metadata)
-                            except IncompatiblePeerError as exc:  # its KV format differs: say it once
-                                known.add(info.kv_metadata)
-                                log.warning("decode worker %s is not a KV peer: %s", info.worker_id, exc)
-                            except Exception as exc:
-                                log.warning("cannot add decode worker %s as a peer: %s", info.worker_id, exc)
+                for info in await self._refresh_registered():
+                    ours = info.worker_id == self.rt.worker_id
+                    if (info.role == Role.DECODE and info.kv_metadata and not ours
+                            and info.kv_metadata not in known):
+                        try:
+                            await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
+                            known.add(info.kv_metadata)
+                        except IncompatiblePeerError as exc:  # its KV format differs: say it once
+                            known.add(info.kv_metadata)
+                            log.warning("decode worker %s is not a KV peer: %s", info.worker_id, exc)
+                        except Exception as exc:
+                            log.warning("cannot add decode worker %s as a peer: %s", info.worker_id, exc)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.debug("peer warm-up: etcd not reachable (%r)", exc)
             await asyncio.sleep(1.0)
+
+    async def _refresh_registered(self) -> list[WorkerInfo]:
+        async with make_client(self.rt.config.etcd) as client:
+            workers = await list_workers(client, self.rt.config.cluster)
+        self._registered = {w.kv_metadata.encode("ascii") for w in workers if w.kv_metadata}
+        return workers
+
+    async def _check_destination(self, peer_metadata: bytes) -> None:
+        """KV is written only into a worker registered in this cluster: a destination whose
+        agent no registration names (after one fresh look at etcd: a decode worker that just
+        woke up publishes new metadata) is refused before anything is sent."""
+        if peer_metadata in self._registered:
+            return
+        try:
+            await self._refresh_registered()
+        except Exception as exc:
+            raise Unavailable(f"cannot check the destination against etcd: {exc!r}") from None
+        if peer_metadata not in self._registered:
+            raise PermissionDenied("destination.peer_metadata names no worker registered in "
+                                   f"cluster {self.rt.config.cluster!r}")

@@ -16,6 +16,7 @@ from pd_cluster import (
     NUM_LAYERS, WorkerProcess, ahealth, generate, metric, tokens_by_index, wait_all_blocks_free,
 )
 from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +162,38 @@ def test_invalid_requests_are_invalid_argument(workers, bad, message):
     assert message in err.value.details()
 
 
+def test_prefill_writes_only_into_registered_workers(workers, etcd):
+    """A Prefill whose destination names a KV agent no registration in etcd names is refused
+    before anything is sent (the registered decode worker's own metadata passes: every other
+    test here prefills through it)."""
+    prefill, decode = workers
+
+    async def decode_metadata() -> bytes:
+        async with make_client(etcd.endpoint) as client:
+            [info] = [i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id]
+        return info.kv_metadata.encode("ascii")
+
+    registered = asyncio.run(decode_metadata())
+
+    def prefill_to(metadata: bytes, rid: str):
+        request = pb.PrefillRequest(
+            request_id=rid, prompt_token_ids=list(range(100, 132)),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=1, seed=1),
+            destination=pb.KVDestination(peer_metadata=metadata, block_ids=[0, 1],
+                                         transfer_id=f"{rid}:0", deadline_s=5))
+
+        async def call():
+            async with grpc.aio.insecure_channel(prefill.address) as ch:
+                return await pb_grpc.PrefillWorkerStub(ch).Prefill(request, timeout=30)
+        return asyncio.run(call())
+
+    for forged in (registered[:-8] + b"AAAAAAAA", b"{}", b""):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            prefill_to(forged, "forged")
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        assert "names no worker registered" in err.value.details()
+
+
 def test_client_cancel_aborts_and_frees_within_a_second(workers):
     prefill, decode = workers
 
@@ -247,7 +280,8 @@ def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
 
 def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(etcd, tmp_path, workers, reference_llm):
     prefill, decode = workers
-    doomed = WorkerProcess("decode", etcd.endpoint, "--cluster", "doomed", log_dir=tmp_path).wait_ready()
+    # In the prefill worker's cluster: it writes only into registered workers.
+    doomed = WorkerProcess("decode", etcd.endpoint, log_dir=tmp_path).wait_ready()
     long_prompt = [random.Random(4).randrange(100, 40000) for _ in range(3000)]
 
     async def start_then_kill():

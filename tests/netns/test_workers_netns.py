@@ -37,8 +37,9 @@ def cluster(tmp_path_factory):
             decode = NetnsWorker(hosts.decode, "decode", etcd.endpoint, "--kv-timeout", "20",
                                  log_dir=logs)
             started.append(decode)
+            # In the prefill worker's cluster: it writes only into registered workers.
             hurried = NetnsWorker(hosts.decode, "decode", etcd.endpoint, "--kv-timeout", "1",
-                                  "--cluster", "hurried", log_dir=logs)
+                                  log_dir=logs)
             started.append(hurried)
             for w in (prefill, decode, hurried):
                 w.wait_ready()
