@@ -43,7 +43,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "role", help="show or switch the role (prefill / decode) of a running worker without "
                      "restarting it",
-        description="Without ROLE: print the worker's role. With ROLE: switch it. The old "
+        description="Without ROLE: print the worker's role. With ROLE: switch it (the worker "
+                    "must have been started with --enable-admin-rpcs). The old "
                     "role drains first (the worker is published as draining; in-flight "
                     "requests finish, and those left after --drain-timeout are aborted: "
                     "decode streams are migrated by the router, prefills are redone locally "
