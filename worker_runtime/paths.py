@@ -19,5 +19,5 @@ class AllowedPaths:
         if not self._roots:
             return
         real = os.path.realpath(path)
-        if not any(real == root or real.startswith(root + os.sep) for root in self._roots):
+        if not any(os.path.commonpath([real, root]) == root for root in self._roots):
             raise PermissionDenied(f"{what} {path!r} is outside --allowed-model-paths")
