@@ -2,7 +2,8 @@
 check every HTTP request passes before any route runs (`authorize`, from app.py's middleware).
 
 Keys. Inference keys come from the first source given: `--api-key K [K ...]` (vLLM's flag),
-`--api-key-file PATH` (one key per line), `PDSERVE_API_KEY`, `VLLM_API_KEY` (one key each).
+`--api-key-file PATH`, `PDSERVE_API_KEY`, `VLLM_API_KEY` (a file or a variable: one key per
+line; one trailing newline is not part of a key, so a Secret made from a key file works).
 Admin keys likewise from `--admin-api-key`, `--admin-api-key-file`, `PDSERVE_ADMIN_API_KEY`.
 An empty key, a known placeholder ("replace-me", ...), a key a client could not send in a
 header, an unreadable or empty file, or an admin key that is also an inference key is refused
@@ -197,23 +198,23 @@ def _resolve(flag: str, given: tuple[str, ...], path: str | None, envs: tuple[st
         return _checked(given, flag), flag
     if path is not None:
         source = f"{flag}-file {path}"
-        return _checked(_read_lines(path, source), source), source
+        try:
+            text = Path(path).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ValueError(f"{source}: cannot read it ({reason})") from None
+        if not text.strip("\r\n"):
+            raise ValueError(f"{source}: the file is empty")
+        return _checked(_lines(text), source), source
     for name in envs:
         if name in environ:
-            return _checked((environ[name],), name), name
+            return _checked(_lines(environ[name]), name), name
     return (), None
 
 
-def _read_lines(path: str, source: str) -> tuple[str, ...]:
+def _lines(text: str) -> tuple[str, ...]:
     """One key per line; one trailing newline (LF or CRLF) is not a line."""
-    try:
-        text = Path(path).read_text("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ValueError(f"{source}: cannot read it ({reason})") from None
     text = text.removesuffix("\n").removesuffix("\r")
-    if not text:
-        raise ValueError(f"{source}: the file is empty")
     return tuple(line.removesuffix("\r") for line in text.split("\n"))
 
 

@@ -197,7 +197,13 @@ def test_router_ready_on_health_and_key_from_secret(rendered):
     ref = _env(c)["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] in secrets, (name, ref, sorted(secrets))
     data = secrets[ref["name"]]["data"]
-    assert base64.b64decode(data[ref["key"]]).decode() == TEST_KEY + "\n", name  # the file's
+    value = base64.b64decode(data[ref["key"]]).decode()
+    assert value == TEST_KEY + "\n", name  # the file's bytes, its newline included ...
+    from router.auth import Keys, resolve_keys
+    from router.config import RouterConfig
+
+    resolved = resolve_keys(RouterConfig(etcd="etcd:2379"), {"PDSERVE_API_KEY": value})
+    assert resolved == Keys.of([TEST_KEY]), name  # ... which the router does not take as key
     for dname, d in deps.items():
         for cc in d["spec"]["template"]["spec"]["containers"]:
             for a in cc.get("args", []) + cc.get("command", []):

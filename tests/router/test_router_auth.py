@@ -43,6 +43,9 @@ def test_first_source_given_wins(tmp_path):
     assert keys({"VLLM_API_KEY": "from-vllm-env"}) == Keys.of(["from-vllm-env"])
     assert keys({}) == Keys()  # none: no key is needed (as vLLM)
     assert keys({"PDSERVE_ADMIN_API_KEY": "adm"}) == Keys.of([], ["adm"])
+    # A variable reads like the file: what a Kubernetes Secret made from a key file holds.
+    assert keys({"PDSERVE_API_KEY": "k1\n"}) == Keys.of(["k1"])
+    assert keys({"PDSERVE_API_KEY": "k1\r\nk2\n"}) == Keys.of(["k1", "k2"])
 
 
 def test_key_files(tmp_path):
