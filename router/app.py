@@ -207,4 +207,3 @@ class _AuthAndCount:
             await self.app(scope, receive, counting_send)
         finally:
             self.services.metrics.requests.labels(endpoint, str(status["code"])).inc()
-
