@@ -59,11 +59,12 @@ async def rate(client: httpx.AsyncClient, path: str, body: dict, status: int,
 
 async def run(seconds: float, repeats: int) -> dict[str, tuple[float, float]]:
     from router.app import create_app
+    from router.auth import Keys
     from router.config import RouterConfig
     from router.server import RouterServices, load_model_card
 
     config = RouterConfig(etcd="127.0.0.1:1")  # never contacted: the lifespan does not run
-    app = create_app(RouterServices(config, load_model_card(config)))
+    app = create_app(RouterServices(config, load_model_card(config), Keys()))  # no API key
     transport = httpx.ASGITransport(app=app)
     best: dict[str, tuple[float, float]] = {}
     async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:

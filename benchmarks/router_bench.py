@@ -134,7 +134,8 @@ def _start_router(etcd: str, policy: str, log_dir: str, *extra: str) -> tuple[_P
 
     port = free_port()
     proc = _Proc([sys.executable, "-m", "pdserve", "router", "--etcd", etcd, "--port", str(port),
-                  "--policy", policy, "--log-level", "warning", *extra],
+                  "--policy", policy, "--log-level", "warning",
+                  "--enable-prompt-tokens-details", *extra],  # usage.cached_tokens is measured
                  f"{log_dir}/router-{policy}.log")
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -1,7 +1,8 @@
 """The fleet-wide admin endpoints (vLLM's dev-mode names; router/admin.py does the work).
 
 Served only with `--enable-dev-endpoints` or VLLM_SERVER_DEV_MODE=1 (otherwise they do not
-exist: 404, as vLLM without dev mode), behind `--api-key` when one is set:
+exist: 404, as vLLM without dev mode), behind `--admin-api-key`, else `--api-key`, when one is
+set (router/auth.py):
 
     POST /sleep?level=1&abort=false   drain (or abort) every worker, then sleep
     POST /wake_up?tags=weights&tags=kv_cache
@@ -79,7 +80,8 @@ class SetRoleResponse(BaseModel):
 
 
 _ERRORS = {400: "A malformed query or body, or the workers refused the arguments",
-           401: "Missing or wrong API key (`--api-key`)",
+           401: "Missing or wrong API key (`--admin-api-key`, else `--api-key`)",
+           403: "An inference key: these need `--admin-api-key` when it is set",
            404: "Dev endpoints not enabled, a weights path a worker cannot find, or a "
                 "worker id not registered",
            409: "A worker was not started with `--enable-sleep-mode`, or (set_role) it "

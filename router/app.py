@@ -8,11 +8,11 @@ retry, 502) are real HTTP statuses; a failure later ends the stream with an erro
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from contextlib import aclosing
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.roles import Role
 from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
+from router.auth import authorize, effective_salt
 from router.dashboard import add_dashboard_routes
 from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
@@ -117,6 +118,7 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
     if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
         await asyncio.to_thread(services.card.grammars.check, prepared.constraint)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
+    prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
     base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
@@ -126,9 +128,10 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
                                      arrival, prepared.priority)
         for ids in prepared.prompts
     ])
+    details = services.config.enable_prompt_tokens_details
     try:
         if not prepared.stream:
-            collector = Collector(prepared, services.tokens, request_id)
+            collector = Collector(prepared, services.tokens, request_id, details)
             await until_disconnect(request, _collect(streams, collector))
             return JSONResponse(collector.response())
         first = await until_disconnect(request, anext(streams))
@@ -141,7 +144,7 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
     except BaseException:
         await streams.aclose()
         raise
-    writer = ChunkWriter(prepared, services.tokens, request_id)
+    writer = ChunkWriter(prepared, services.tokens, request_id, details)
     return StreamingResponse(_sse(prepared, writer, first, streams), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -170,9 +173,9 @@ async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta]
 
 
 class _AuthAndCount:
-    """ASGI middleware: Bearer-key check on /v1/* and the admin endpoints, requests counted by endpoint and status
-    (499: the client went away first), and every response carries an `X-Request-Id` header:
-    the request's own, or a fresh one."""
+    """ASGI middleware: the key check (router/auth.py: which paths need which key), requests
+    counted by endpoint and status (499: the client went away first), and every response
+    carries an `X-Request-Id` header: the request's own, or a fresh one."""
 
     def __init__(self, app, services: Services) -> None:
         self.app = app
@@ -197,19 +200,10 @@ class _AuthAndCount:
             await send(message)
 
         try:
-            key = self.services.config.api_key
-            guarded = path.startswith("/v1/") or path in ADMIN_PATHS
-            if key and guarded and not _authorized(scope, key):
-                err = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-                await err.response()(scope, receive, counting_send)
+            denied = authorize(self.services.keys, scope)
+            if denied is not None:
+                await denied.response()(scope, receive, counting_send)
                 return
             await self.app(scope, receive, counting_send)
         finally:
             self.services.metrics.requests.labels(endpoint, str(status["code"])).inc()
-
-
-def _authorized(scope, key: str) -> bool:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            return hmac.compare_digest(value, f"Bearer {key}".encode("latin-1"))
-    return False

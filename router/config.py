@@ -83,8 +83,28 @@ class RouterConfig:
     """Model name clients send and /v1/models lists. Default: the model directory's name."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens. Default: the model's max_position_embeddings."""
-    api_key: str | None = None
-    """When set, /v1/* require `Authorization: Bearer <api_key>`."""
+    # ---- authentication and tenant isolation (router/auth.py resolves the keys at start) ----
+    api_key: tuple[str, ...] = option((), group="security", metavar="KEY")
+    """Keys clients send as `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize
+    (vLLM's flag; several: one per tenant, or old and new during a rotation). Visible in
+    `ps`: prefer --api-key-file or PDSERVE_API_KEY. Not given: --api-key-file, else
+    PDSERVE_API_KEY, else VLLM_API_KEY, else no key is needed. Empty or placeholder keys
+    are refused."""
+    api_key_file: str | None = option(None, group="security", metavar="PATH")
+    """File holding the API keys, one per line (instead of --api-key)."""
+    admin_api_key: tuple[str, ...] = option((), group="security", metavar="KEY")
+    """Keys for the admin surface (the dev endpoints, LoRA load/unload, /dashboard/data); an
+    API key is then not enough there. Not given: --admin-api-key-file, else
+    PDSERVE_ADMIN_API_KEY, else the API keys guard the admin surface too."""
+    admin_api_key_file: str | None = option(None, group="security", metavar="PATH")
+    """File holding the admin keys, one per line (instead of --admin-api-key)."""
+    enable_prompt_tokens_details: bool = option(False, group="security")
+    """Report usage.prompt_tokens_details.cached_tokens (vLLM's flag). Off by default: the
+    count tells a client whether its prompt's prefix was cached, also by another client."""
+    cache_salt_from_api_key: bool = option(False, group="security")
+    """Salt every request's prefix-cache hashes with a hash of the API key it presented (and
+    its own cache_salt), so clients holding different keys never share cached blocks. Needs
+    an API key; with several, --admin-api-key too."""
     placement: PlacementConfig = option(default_factory=PlacementConfig, group="placement")
     """Weights and thresholds of the placement policies."""
     queue_timeout_s: float = option(10.0, name="--queue-timeout", group="admission")
@@ -117,7 +137,7 @@ class RouterConfig:
     enable_dev_endpoints: bool = False
     """Serve the fleet-wide admin endpoints (vLLM's dev-mode names: /sleep, /wake_up,
     /is_sleeping, /reset_prefix_cache, /collective_rpc, plus /update_weights); also enabled
-    by VLLM_SERVER_DEV_MODE=1. Guarded by --api-key when set."""
+    by VLLM_SERVER_DEV_MODE=1. Guarded by --admin-api-key, else --api-key, when set."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
@@ -125,6 +145,9 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))
+        for name in ("api_key", "admin_api_key"):  # one key may be given as a string
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
         check_fields(self, [
             (0 < self.port < 65536, "port", "must be in 1..65535"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),

@@ -1,6 +1,8 @@
 """The live cluster page: GET /dashboard (one static HTML file with inline CSS and JS, no
-external URLs) polls GET /dashboard/data every second. Like /health, neither needs the API
-key: the data is the registry's view of the workers and the router's own counters."""
+external URLs) polls GET /dashboard/data every second. The data (per-request routing
+decisions with their predicted cached tokens among it) needs the admin key, else the API key,
+when one is set (router/auth.py); the page holds no data and needs none: it sends the key
+given in its URL fragment (`/dashboard#key=...`, never sent to the server) or typed in."""
 from __future__ import annotations
 
 import asyncio
@@ -93,6 +95,6 @@ def add_dashboard_routes(app: FastAPI, services: Services) -> None:
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
-    @app.get("/dashboard/data", **route_schema(ok=DashboardData, errors=(500,)))
+    @app.get("/dashboard/data", **route_schema(ok=DashboardData, errors=(401, 403, 500)))
     async def data() -> dict[str, Any]:
         return dashboard_data(services, await kv_bytes_moved(services.registry.all()))

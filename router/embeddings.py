@@ -21,7 +21,7 @@ import base64
 import struct
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Literal, Mapping, Union
 
 import grpc
@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict
 from cluster.roles import Role
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
+from router.auth import effective_salt
 from router.errors import APIError, bad_request
 from router.openapi import GENERATE_ERRORS, route_schema
 from router.placement import PromptKey
@@ -234,6 +235,7 @@ def add_embedding_routes(app: FastAPI, services: Services) -> None:
         prepared = (await asyncio.to_thread(prepare_embedding, *args)
                     if len(body) > _THREAD_TOKENIZE_BYTES else prepare_embedding(*args))
         await services.admin.wait_awake()
+        prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
         base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
         calls = [embedder.embed(PromptKey(ids, prepared.cache_salt), prepared)
                  for ids in prepared.prompts]

@@ -1,5 +1,6 @@
 """The model-information endpoints beside generation (vLLM's): /v1/models[/{id}], /tokenize,
-/detokenize, /version. Like vLLM, only /v1/* need the API key."""
+/detokenize, /version. /v1/*, /tokenize and /detokenize need the API key when one is set
+(router/auth.py); /version does not (as vLLM)."""
 from __future__ import annotations
 
 import importlib.metadata

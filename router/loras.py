@@ -147,7 +147,7 @@ def _refusal(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> APIError:
                     "model_not_found" if status == 404 else "worker_failed" if status == 502 else None)
 
 
-_ERRORS = (400, 401, 404, 500, 502, 503)
+_ERRORS = (400, 401, 403, 404, 500, 502, 503)
 _DISABLED = ("Runtime LoRA updating is disabled: start the router with --enable-lora (or set "
              f"{RUNTIME_UPDATES_ENV}=true)")
 

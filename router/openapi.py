@@ -32,7 +32,8 @@ _ERROR_TEXT = {
     400: "Malformed JSON, a wrong type, an out-of-range value, a prompt that does not fit "
          "the context (`code: context_length_exceeded`) or an unsupported feature; `param` "
          "names the field",
-    401: "Missing or wrong API key (`--api-key`; /v1/* only)",
+    401: "Missing or wrong API key (`--api-key`)",
+    403: "An inference key on an admin endpoint: it needs `--admin-api-key`",
     404: "Unknown model",
     500: "Internal error (fixed message; the detail goes to the router's log)",
     502: "Workers failed before the first token, even after the retry",
@@ -42,8 +43,8 @@ STREAM_TEXT = ("; with `stream: true`, server-sent events: `data: <chunk JSON>` 
                "error body when the request fails after its first token, then `data: [DONE]`")
 GENERATE_ERRORS = (400, 401, 404, 500, 502, 503)
 """The statuses of a /v1 route that prepares a request and runs it on workers."""
-SIDE_ERRORS = (400, 404, 500)
-"""The statuses of /tokenize-like routes (no worker involved, no API key)."""
+SIDE_ERRORS = (400, 401, 404, 500)
+"""The statuses of /tokenize-like routes (no worker involved)."""
 
 
 def schema_ref(model: type[BaseModel]) -> dict[str, Any]:

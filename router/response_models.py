@@ -41,14 +41,14 @@ class ErrorResponse(_Out):
 
 # ---- shared -----------------------------------------------------------------------------------
 class PromptTokensDetails(_Out):
-    cached_tokens: int
+    cached_tokens: int  # prompt tokens served from a prefix cache
 
 
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: Union[PromptTokensDetails, None]  # null unless --enable-prompt-tokens-details
 
 
 class PromptLogprob(_Out):

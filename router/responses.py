@@ -1,6 +1,8 @@
 """OpenAI response bodies from `Delta`s: whole responses (`Collector`) and SSE chunks
 (`ChunkWriter`), for chat and text completions. Choice index = prompt index * n + completion
-index (completions accept a batch of prompts). Every choice carries vLLM's `stop_reason`."""
+index (completions accept a batch of prompts). Every choice carries vLLM's `stop_reason`.
+`usage.prompt_tokens_details` (cached tokens) only with --enable-prompt-tokens-details (vLLM's
+switch), else null: the count tells whether a prefix was cached, possibly by another client."""
 from __future__ import annotations
 
 import json
@@ -27,8 +29,10 @@ class _Choice:
 
 
 class _Base:
-    def __init__(self, prepared: Prepared, tokens: TokenText, request_id: str) -> None:
+    def __init__(self, prepared: Prepared, tokens: TokenText, request_id: str,
+                 prompt_tokens_details: bool = False) -> None:
         self.p = prepared
+        self.details = prompt_tokens_details
         self.tokens = tokens
         self.id = request_id
         self.created = int(time.time())
@@ -59,7 +63,8 @@ class _Base:
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
+                "prompt_tokens_details": ({"cached_tokens": sum(self.cached)} if self.details
+                                          else None)}
 
     def _chat_logprobs(self, lps: list[Logprob]) -> dict[str, Any] | None:
         if not self.p.chat_logprobs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import AsyncIterator, Iterator
@@ -23,6 +24,7 @@ from router.policy import make_policy
 from router.registry import EtcdWatcher, WorkerRegistry
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
+from router.auth import Keys, resolve_keys
 from router.loras import LoRAAdapters
 from router.validation import ModelCard
 
@@ -59,9 +61,10 @@ class RouterServices:
     """Everything a running router owns (the app sees it as `router.services.Services`).
     Background work starts in `start` (inside the event loop) and stops in `stop`."""
 
-    def __init__(self, config: RouterConfig, card: ModelCard) -> None:
+    def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys) -> None:
         self.config = config
         self.card = card
+        self.keys = keys
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config.stale_after_s, accept=self._serves)
         self.index = KVIndex()
@@ -149,8 +152,9 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
 
+    keys = resolve_keys(config, os.environ)  # a refused key stops the start (exit 2)
     card = load_model_card(config)
-    services = RouterServices(config, card)
+    services = RouterServices(config, card, keys)
     server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
                                     log_level=log_level, timeout_graceful_shutdown=5))
     log.info("router for %s on http://%s:%d (policy %s)", card.name, config.host, config.port,

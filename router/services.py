@@ -10,6 +10,7 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
+from router.auth import Keys
 from router.loras import LoRAAdapters
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
@@ -17,7 +18,8 @@ from router.validation import ModelCard
 
 
 class Services(Protocol):
-    config: RouterConfig  # api_key
+    config: RouterConfig
+    keys: Keys  # the API and admin keys (router/auth.py), resolved at start
     card: ModelCard  # tokenizer, names, the fallback context length
     registry: WorkerRegistry  # /health counts its ready workers
     metrics: RouterMetrics

@@ -1,6 +1,8 @@
 """compose/: the file is valid for docker-compose (no engine runs here, so `config` is the
-check) and has the topology the README promises."""
+check) and has the topology the README promises; the router publishes on the host's loopback
+only and gets its API key from PDSERVE_API_KEY (compose refuses to start without one)."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -10,18 +12,42 @@ import pytest
 import yaml
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+TEST_KEY = "compose-test-key-0123456789"
 
 
-def _config() -> dict:
+def _compose(*args: str, key: str | None = TEST_KEY) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (scripts/test.sh installs Debian's as root)")
-    quiet = subprocess.run([exe, "-f", "docker-compose.yml", "config", "-q"], cwd=COMPOSE,
-                           capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    if key is not None:
+        env["PDSERVE_API_KEY"] = key
+    return subprocess.run([exe, "-f", "docker-compose.yml", *args], cwd=COMPOSE, env=env,
+                          capture_output=True, text=True)
+
+
+def _config() -> dict:
+    quiet = _compose("config", "-q")
     assert quiet.returncode == 0, quiet.stderr
-    full = subprocess.run([exe, "-f", "docker-compose.yml", "config"], cwd=COMPOSE,
-                          capture_output=True, text=True, check=True)
+    full = _compose("config")
+    assert full.returncode == 0, full.stderr
     return yaml.safe_load(full.stdout)
+
+
+def _host_ip(port) -> str | None:
+    return port.get("host_ip") if isinstance(port, dict) else port.split(":")[0]
+
+
+def test_router_on_loopback_with_its_key_from_the_environment():
+    """Before: a keyless router published on every interface ("8000:8000")."""
+    router = _config()["services"]["router"]
+    [port] = router["ports"]
+    assert _host_ip(port) == "127.0.0.1"
+    assert router["environment"]["PDSERVE_API_KEY"] == TEST_KEY  # the router reads it itself
+    assert not any("api-key" in a or TEST_KEY in a for a in router["command"])
+    for empty in (None, ""):
+        refused = _compose("config", "-q", key=empty)
+        assert refused.returncode != 0 and "set PDSERVE_API_KEY" in refused.stderr, refused.stderr
 
 
 def test_compose_file_is_valid_and_only_the_router_is_published():
@@ -29,8 +55,7 @@ def test_compose_file_is_valid_and_only_the_router_is_published():
     assert set(services) == {"etcd", "router", "prefill", "decode", "prometheus", "grafana"}
     assert sorted(name for name, s in services.items() if s.get("ports")) == ["grafana", "router"]
     [grafana_port] = services["grafana"]["ports"]  # on the host's loopback only
-    assert (grafana_port.get("host_ip") if isinstance(grafana_port, dict)
-            else grafana_port.split(":")[0]) == "127.0.0.1"
+    assert _host_ip(grafana_port) == "127.0.0.1"
     for name in ("prefill", "decode"):  # scalable: no fixed names or host ports
         s = services[name]
         assert "container_name" not in s and "healthcheck" in s

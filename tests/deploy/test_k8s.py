@@ -2,13 +2,17 @@
 validates against the Kubernetes JSON schemas (kubernetes-validate, offline), plus checks of
 what the manifests promise: only the router is reachable from outside, workers drain within
 their grace period, GPUs go to workers only, separate prefill/decode Deployments and HPAs,
-the API key from a Secret. The base's files are also validated without kubectl."""
+the API key from a Secret the operator's own untracked file generates (never committed, never
+on argv). Overlays render from a copy of deploy/k8s/ holding a test key file. The base's files
+are also validated without kubectl."""
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,11 +27,21 @@ K8S_VERSION = "1.32.0"  # schemas checked against (strict: unknown fields are er
 KUBECTL = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH: cannot render the kustomize overlays")
 WORKERS = ("prefill", "decode")
+KEY_FILE = "base/api-key.txt"  # git-ignored: the operator creates it (docs/kubernetes.md)
+TEST_KEY = "test-key-0123456789abcdef"
+
+
+def _kustomize(root: Path, overlay: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KUBECTL, "kustomize", str(root / "overlays" / overlay)],
+                          capture_output=True, text=True, timeout=120)
 
 
 def render(overlay: str) -> list[dict]:
-    out = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "k8s"
+        shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("api-key.txt"))
+        (root / KEY_FILE).write_text(TEST_KEY + "\n")
+        out = _kustomize(root, overlay)
     assert out.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{out.stderr}"
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     assert docs, f"overlays/{overlay} rendered nothing"
@@ -178,19 +192,51 @@ def test_router_ready_on_health_and_key_from_secret(rendered):
     c = container(deps["router"])
     assert c["readinessProbe"]["httpGet"]["path"] == "/health", name
     secrets = of_kind(docs, "Secret")
-    args = _args(c)
-    m = re.fullmatch(r"\$\((\w+)\)", args.get("api-key", ""))
-    assert m, f"{name}: router --api-key is not read from an env var: {args.get('api-key')}"
-    ref = _env(c)[m.group(1)]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] in secrets and ref["key"] in secrets[ref["name"]].get("stringData", secrets[ref["name"]].get("data", {}))
-    # no literal key anywhere in a Deployment
+    # The router reads PDSERVE_API_KEY itself (router/auth.py): the key is in its environment
+    # from the Secret, never on its command line (visible in `ps`).
+    ref = _env(c)["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] in secrets, (name, ref, sorted(secrets))
+    data = secrets[ref["name"]]["data"]
+    value = base64.b64decode(data[ref["key"]]).decode()
+    assert value == TEST_KEY + "\n", name  # the file's bytes, its newline included ...
+    from router.auth import Keys, resolve_keys
+    from router.config import RouterConfig
+
+    resolved = resolve_keys(RouterConfig(etcd="etcd:2379"), {"PDSERVE_API_KEY": value})
+    assert resolved == Keys.of([TEST_KEY]), name  # ... which the router does not take as key
     for dname, d in deps.items():
         for cc in d["spec"]["template"]["spec"]["containers"]:
             for a in cc.get("args", []) + cc.get("command", []):
-                assert not (a.startswith("--api-key") and "$(" not in a), f"{name}/{dname}: literal API key"
+                assert "api-key" not in a and "API_KEY" not in a, f"{name}/{dname}: key on argv: {a}"
             for e in cc.get("env", []):
                 if "key" in e["name"].lower():
                     assert "value" not in e, f"{name}/{dname}: env {e['name']} is a literal"
+
+
+def test_the_repository_ships_no_key():
+    """No committed Secret value (the old base shipped `api-key: "replace-me"` and restored it
+    on every apply): the key file is git-ignored and no manifest holds a Secret's data."""
+    repo = K8S.parents[1]
+    tracked = subprocess.run(["git", "ls-files", "deploy/k8s"], cwd=repo, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert "deploy/k8s/" + KEY_FILE not in tracked
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/k8s/" + KEY_FILE], cwd=repo)
+    assert ignored.returncode == 0, f"deploy/k8s/{KEY_FILE} is not git-ignored"
+    for path in tracked:
+        if path.endswith(".yaml"):
+            for doc in yaml.safe_load_all((repo / path).read_text()):
+                if isinstance(doc, dict) and doc.get("kind") == "Secret":
+                    assert not doc.get("data") and not doc.get("stringData"), path
+    text = (K8S / "base" / "kustomization.yaml").read_text()
+    assert "api-key=api-key.txt" in text and "replace-me" not in text
+
+
+@needs_kubectl
+def test_rendering_without_the_key_file_fails_naming_it(tmp_path):
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("api-key.txt"))
+    out = _kustomize(root, "cpu")
+    assert out.returncode != 0 and "api-key.txt" in out.stderr, out.stderr
 
 
 def _selects(selector: dict, labels: dict) -> bool:

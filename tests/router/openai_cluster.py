@@ -56,7 +56,8 @@ def start_router(etcd: str, logs: Path, *flags: str, name: str = "router") -> It
     """A router process on the cluster; yields its URL once it sees both workers."""
     port = free_port()
     router = ServiceProcess(["router", "--etcd", etcd, "--cluster", CLUSTER, "--port", str(port),
-                             "--api-key", KEY, "--local-prefill-threshold", "0",
+                             "--api-key", KEY, "--enable-prompt-tokens-details",
+                             "--local-prefill-threshold", "0",
                              "--local-prefill-max-tokens", "0",
                              "--log-level", "warning", *flags], logs / f"{name}.log")
     url = f"http://127.0.0.1:{port}"

@@ -11,6 +11,7 @@ import uvicorn
 
 from cluster.net import free_port
 from router.app import create_app
+from router.auth import resolve_keys
 from router.config import PlacementConfig, RouterConfig
 from router.server import RouterServices, load_model_card
 from router_fakes import FakeWorker
@@ -56,7 +57,7 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
     key = (cfg.model, cfg.max_model_len, cfg.generation_config)
     if key not in _CARD:
         _CARD[key] = load_model_card(cfg)
-    services = RouterServices(cfg, _CARD[key])
+    services = RouterServices(cfg, _CARD[key], resolve_keys(cfg, {}))  # flags only, no environment
     server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
     task = asyncio.get_running_loop().create_task(server.serve())

@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from openai_cluster import CLUSTER, MODEL
+from openai_cluster import CLUSTER, KEY, MODEL
 from router.response_models import DashboardData
 
 pytestmark = pytest.mark.slow
@@ -54,14 +54,20 @@ def _requests(dom: str) -> int:
 def test_dashboard_in_browser(e2e, client, tmp_path):
     workers = asyncio.run(_worker_ids(e2e.etcd))
     assert sorted(workers.values()) == ["decode", "prefill"]
-    # The page and its data need no API key (like /health); the data matches its schema.
+    # The page holds no data and needs no key; its data needs the API key (the cluster has no
+    # admin key) and matches its schema.
     page = httpx.get(e2e.url + "/dashboard", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "http://" not in page.text and "https://" not in page.text  # no CDN
-    data = DashboardData.model_validate(httpx.get(e2e.url + "/dashboard/data", timeout=30).json())
+    assert httpx.get(e2e.url + "/dashboard/data", timeout=30).status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    data = DashboardData.model_validate(
+        httpx.get(e2e.url + "/dashboard/data", headers=auth, timeout=30).json())
     assert {w.worker_id: w.role for w in data.workers} == workers
 
-    url = e2e.url + "/dashboard"
+    keyless = _chromium(tmp_path, "--dump-dom", e2e.url + "/dashboard")
+    assert "(HTTP 401)" in keyless and not _rows(keyless)  # the page asks for the key
+    url = e2e.url + "/dashboard#key=" + KEY  # the fragment never reaches the server
     before = _chromium(tmp_path, "--dump-dom", url)
     assert _rows(before) == workers, before[-3000:]
     for worker_id, role in workers.items():
@@ -76,7 +82,8 @@ def test_dashboard_in_browser(e2e, client, tmp_path):
     assert re.search(r'data-reason="[a-z_]+">', after)  # a routing decision is listed
     # KV transfer throughput comes from the workers' own /metrics: both have moved KV bytes
     # (the completion was prefilled remotely) and the page has the column.
-    data = DashboardData.model_validate(httpx.get(e2e.url + "/dashboard/data", timeout=30).json())
+    data = DashboardData.model_validate(
+        httpx.get(e2e.url + "/dashboard/data", headers=auth, timeout=30).json())
     assert all(w.kv_bytes is not None and w.kv_bytes > 0 for w in data.workers), data.workers
     assert "KV transfer MB/s" in after
 

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from router.app import create_app
+from router.auth import Keys
 from router.config import RouterConfig
 from router.server import RouterServices, load_model_card
 
@@ -30,7 +31,8 @@ WRONG_TYPE = [
 @pytest.fixture(scope="module")
 def app():
     config = RouterConfig(etcd="127.0.0.1:1", enable_lora=True, enable_dev_endpoints=True)
-    return create_app(RouterServices(config, load_model_card(config)))  # lifespan never runs
+    # The lifespan never runs; no key is set.
+    return create_app(RouterServices(config, load_model_card(config), Keys()))
 
 
 def _post(app, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:

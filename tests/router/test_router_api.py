@@ -13,7 +13,8 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
     c = start_cluster(bg, etcd.endpoint, "api", [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")],
-                      PlacementConfig(local_prefill_threshold=0), api_key=KEY)
+                      PlacementConfig(local_prefill_threshold=0), api_key=KEY,
+                      enable_prompt_tokens_details=True)
     yield c
     c.stop()
 

@@ -40,6 +40,8 @@ def test_flags_reach_the_config():
         "--host", "0.0.0.0", "--model", "/some/dir", "--generation-config", "vllm",
         "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--lora-weight", "0.25",
         "--lora-load-time", "0.5", "--enable-dev-endpoints",
+        "--api-key-file", "/keys", "--admin-api-key", "a1", "a2", "--admin-api-key-file", "/admin",
+        "--enable-prompt-tokens-details", "--cache-salt-from-api-key",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -49,11 +51,14 @@ def test_flags_reach_the_config():
         lora_load_s=0.5)
     assert cfg.enable_lora and cfg.enable_dev_endpoints
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
+    assert (cfg.api_key_file, cfg.admin_api_key, cfg.admin_api_key_file) == (
+        "/keys", ("a1", "a2"), "/admin")
+    assert cfg.enable_prompt_tokens_details and cfg.cache_salt_from_api_key
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
             cfg.served_model_name, cfg.max_n, cfg.generation_config, cfg.max_migrations,
             cfg.first_token_timeout_s, cfg.stall_timeout_s) == (
-        "h:1", "c", 9, "k", 1.5, 11, 2, 3.5, 100, "m", 4, "vllm", 5, 7.5, 9.5)
+        "h:1", "c", 9, ("k",), 1.5, 11, 2, 3.5, 100, "m", 4, "vllm", 5, 7.5, 9.5)
     # Defaults on the command line are the dataclasses' defaults.
     default = config_from_args(build_parser().parse_args(["router", "--etcd", "h:1"]))
     assert default == RouterConfig(etcd="h:1")

@@ -67,10 +67,11 @@ import sys
 import pdserve.cli, router.app, router.cli, router.server
 from router.app import create_app
 from router.config import RouterConfig
+from router.auth import resolve_keys
 from router.server import RouterServices, load_model_card
 
 config = RouterConfig(etcd="127.0.0.1:1")
-create_app(RouterServices(config, load_model_card(config)))
+create_app(RouterServices(config, load_model_card(config), resolve_keys(config, {})))
 print(sorted(m for m in ("torch", "triton", "numpy") if m in sys.modules))
 """
 
