@@ -10,7 +10,7 @@ from local_cluster.launcher import ServiceProcess
 
 
 class RouterProcess(ServiceProcess):
-    """`pdserve router`: ready once `url`/v1/models answers."""
+    """`pdserve router`: ready once `url`/version answers (open whatever API keys are set)."""
 
     def __init__(self, args: list[str], log_path: Path, url: str) -> None:
         super().__init__(args, log_path)
@@ -20,7 +20,7 @@ class RouterProcess(ServiceProcess):
     def ready(self) -> bool:
         if not self._answered and self.alive():
             try:
-                urllib.request.urlopen(f"{self.url}/v1/models", timeout=1).close()
+                urllib.request.urlopen(f"{self.url}/version", timeout=1).close()
                 self._answered = True
             except Exception:
                 pass

@@ -59,10 +59,21 @@ class UpConfig:
     decode_args: tuple[str, ...] = option((), name="--decode-arg", repeat=True, metavar="FLAG")
     """Extra flag for decode workers only (after the --worker-arg ones)."""
     router_args: tuple[str, ...] = option((), name="--router-arg", repeat=True, metavar="FLAG")
-    """Extra flag for the router, e.g. --router-arg=--policy=round_robin."""
+    """Extra flag for the router, e.g. --router-arg=--policy=round_robin. Keys never go on a
+    command line (visible in `ps`): --api-key-file, or PDSERVE_API_KEY in the environment."""
+    api_key_file: str | None = option(None, metavar="PATH")
+    """The router's API keys, one per line (its --api-key-file); PDSERVE_API_KEY /
+    VLLM_API_KEY in `up`'s environment reach the router as well."""
+    admin_api_key_file: str | None = option(None, metavar="PATH")
+    """The router's admin keys (its --admin-api-key-file); or PDSERVE_ADMIN_API_KEY."""
 
     def __post_init__(self) -> None:
+        on_argv = [a for a in self.router_args
+                   if a.split("=", 1)[0] in ("--api-key", "--admin-api-key")]
         check_fields(self, [
+            (not on_argv, "router_args", f"{on_argv[0].split('=', 1)[0] if on_argv else ''} "
+             "would put a key on the router's command line (visible in `ps`): use "
+             "--api-key-file / --admin-api-key-file or PDSERVE_API_KEY"),
             (self.prefill >= 0, "prefill", "must be >= 0"),
             (self.decode >= 0, "decode", "must be >= 0"),
             (0 <= self.port < 65536, "port", "must be in 0..65535"),

@@ -11,6 +11,7 @@ the planner, then workers (they drain), router, etcd; remove temporary directori
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import signal
 import tempfile
@@ -93,6 +94,10 @@ def router_flags(config: UpConfig, etcd: str, port: int) -> list[str]:
             out += ["--lora-modules", *map(str, engine.lora_modules)]
     if engine.enable_sleep_mode:
         out.append("--enable-dev-endpoints")
+    for flag, path in (("--api-key-file", c.api_key_file),
+                       ("--admin-api-key-file", c.admin_api_key_file)):
+        if path:
+            out += [flag, str(Path(path).resolve())]
     return [*out, *c.router_args]
 
 
@@ -123,7 +128,12 @@ def _print_banner(sup: Supervisor, url: str) -> None:
     print(f"pdserve is up: {url}  ({ready['prefill']}/{c.prefill} prefill + "
           f"{ready['decode']}/{c.decode} decode ready, etcd {sup.etcd})")
     print(f"logs: {sup.log_dir}")
-    print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    auth = ""  # never the key itself: where the client finds it
+    if c.api_key_file:
+        auth = f" -H \"Authorization: Bearer $(head -n1 {Path(c.api_key_file).resolve()})\""
+    elif env := next((v for v in ("PDSERVE_API_KEY", "VLLM_API_KEY") if os.environ.get(v)), None):
+        auth = f' -H "Authorization: Bearer ${env}"'
+    print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
         -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")
     print("Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker; `pdserve status` "
           "shows every process and its restarts.", flush=True)

@@ -1,4 +1,5 @@
-"""`pdserve up` end to end with the official openai client: concurrent streaming chats,
+"""`pdserve up --api-key-file` end to end with the official openai client (the key in a
+file, never on a command line; a request without it is refused): concurrent streaming chats,
 scale-out and scale-in under load with zero failed requests, a decode worker SIGKILLed under
 load (replaced: the pool is restored), the router SIGKILLed (back on the same port), and
 nothing left running after SIGTERM."""
@@ -13,22 +14,36 @@ import pytest
 from up_cluster import Load, Up, alive, chat
 
 pytestmark = pytest.mark.slow
+KEY = "up-test-key-3f9c2a"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
-    up = Up(tmp_path, "--prefill", "1", "--decode", "1")
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    up = Up(tmp_path, "--prefill", "1", "--decode", "1", "--api-key-file", str(key_file))
     pids = set()
     try:
-        async def concurrent():
-            client = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key="none", max_retries=0)
+        async def concurrent(api_key: str = KEY):
+            client = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key=api_key, max_retries=0)
             return await asyncio.gather(*[chat(client, i) for i in range(6)])
 
         assert all(isinstance(t, str) and t for t in asyncio.run(concurrent()))
+        with pytest.raises(openai.AuthenticationError):
+            asyncio.run(concurrent("not-the-key"))
+        assert not any(KEY in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps)
         pids |= {p for ps in up.children().values() for p in ps}
         assert {"prefill", "decode", "router", "etcd"} <= {k for k, v in up.children().items() if v}
 
         # Scale out under load: the new decode worker starts receiving requests.
-        load = Load(up.url)
+        load = Load(up.url, api_key=KEY)
         time.sleep(2)
         up.cli("scale", "decode", "+1")
         pids |= {p for ps in up.children().values() for p in ps}
@@ -56,7 +71,7 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         # worker registers and serves.
         up.cli("scale", "decode", "+1")
         pids |= {p for ps in up.children().values() for p in ps}
-        load = Load(up.url)
+        load = Load(up.url, api_key=KEY)
         time.sleep(3)
         before = {w.worker_id for w in up.workers()}
         victim = up.children()["decode"][-1]

@@ -81,14 +81,15 @@ async def chat(client, i: int) -> str:
 class Load:
     """Streaming chats in a loop from a background thread; counts successes and failures."""
 
-    def __init__(self, url: str, concurrency: int = 4):
+    def __init__(self, url: str, concurrency: int = 4, api_key: str = "none"):
         self.ok, self.failed, self.errors = 0, 0, []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main(url, concurrency)), daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._main(url, concurrency, api_key)), daemon=True)
         self._thread.start()
 
-    async def _main(self, url, concurrency):
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    async def _main(self, url, concurrency, api_key):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
         async def worker(w):
             i = 0

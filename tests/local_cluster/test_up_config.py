@@ -135,6 +135,9 @@ def test_the_router_gets_the_cluster_the_model_and_what_the_engine_flags_ask_of_
         lora_modules=(LoRAModule("a", "/x"),), enable_dev_endpoints=True,
         placement=PlacementConfig(policy="round_robin"))
     assert router(parse_up("--enable-lora")).enable_lora
+    keyed = router(parse_up("--api-key-file", "k.txt", "--admin-api-key-file", "/a.txt"))
+    assert (keyed.api_key_file, keyed.admin_api_key_file) == (str(Path("k.txt").resolve()), "/a.txt")
+    assert keyed.api_key == ()  # the key itself is never on the router's command line
 
 
 def test_bad_up_flags_are_refused_by_name_before_anything_starts(capsys):
@@ -145,6 +148,8 @@ def test_bad_up_flags_are_refused_by_name_before_anything_starts(capsys):
         (["--restart-window", "0"], "--restart-window: window must be > 0, got 0.0"),
         (["--decode", "-1"], "--decode: decode must be >= 0, got -1"),
         (["--kv-cache-memory", "0"], "--kv-cache-memory: kv_cache_memory must be > 0, got 0"),
+        (["--router-arg=--api-key=secret"], "--router-arg: router_args --api-key would put a key"),
+        (["--router-arg=--admin-api-key"], "--router-arg: router_args --admin-api-key would put"),
     ]:
         assert main(["up", *flags]) == 2
         assert f"pdserve up: error: {message}" in capsys.readouterr().err
