@@ -12,6 +12,7 @@ import uvicorn
 from cluster.net import free_port
 from router.app import create_app
 from router.config import PlacementConfig, RouterConfig
+from router.limits import uvicorn_options
 from router.server import RouterServices, load_model_card
 from router_fakes import FakeWorker
 
@@ -58,7 +59,8 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
         _CARD[key] = load_model_card(cfg)
     services = RouterServices(cfg, _CARD[key])
     server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+                                           log_level="warning", lifespan="on",
+                                           **uvicorn_options(cfg.limits)))
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         if task.done():
