@@ -53,7 +53,11 @@ class _Child:
                                    name="pdserve-grammar")
         self.process.start()
         theirs.close()
-        if not self.conn.poll(_START_TIMEOUT_S) or self.conn.recv() != "ready":
+        try:
+            ready = self.conn.poll(_START_TIMEOUT_S) and self.conn.recv() == "ready"
+        except (EOFError, OSError):  # it died starting
+            ready = False
+        if not ready:
             self.kill()
             raise RuntimeError("the grammar compile process did not start")
 

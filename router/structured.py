@@ -149,7 +149,7 @@ class Grammars:
     def _get(self) -> CompileProcesses:
         with self._lock:
             if self._pool is None:
-                from engine.structured.compiler import vocabulary
+                from engine.structured.vocab import vocabulary
 
                 tok = self._tokenizer
                 self._pool = CompileProcesses(vocabulary(tok), max(self._vocab_size, tok.vocab_size),

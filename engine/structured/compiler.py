@@ -19,24 +19,18 @@ import xgrammar as xgr
 from engine.checks import FieldError
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.state import GrammarState
+from engine.structured.vocab import vocabulary
 from engine.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
 
 
-def vocabulary(tokenizer: Tokenizer) -> list[bytes]:
-    """Each token id's bytes, special tokens empty: what the compiler needs of a tokenizer
-    (a process without the tokenizer, the router's compile sandbox, is given this)."""
-    return [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i)
-            for i in range(tokenizer.vocab_size)]
-
-
 class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer | Sequence[bytes], vocab_size: int,
                  stop_token_ids: frozenset[int]) -> None:
-        """`tokenizer`: the tokenizer, or its `vocabulary`. `vocab_size`: the model's (logit
-        rows), at least the tokenizer's. Special tokens other than the stop tokens are never
-        allowed inside a constrained output."""
+        """`tokenizer`: the tokenizer, or its `vocabulary` (engine/structured/vocab.py).
+        `vocab_size`: the model's (logit rows), at least the tokenizer's. Special tokens
+        other than the stop tokens are never allowed inside a constrained output."""
         vocab = (vocabulary(tokenizer) if isinstance(tokenizer, Tokenizer) else list(tokenizer))
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=sorted(stop_token_ids))
