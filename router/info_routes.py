@@ -81,8 +81,12 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
 
     @app.post("/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse,
                                             errors=SIDE_ERRORS))
-    async def detokenize(request: Request) -> dict[str, str]:
-        req = parse_json(DetokenizeRequest, await request.body())
-        check_model(req.model, card, services.loras.served())
+    async def detokenize(request: Request) -> Response:
+        body = await request.body()
+        return await services.tokenizing(len(body), detokenize_body, body, services.loras.served())
+
+    def detokenize_body(body: bytes, adapters: dict[str, str]) -> Response:
+        req = parse_json(DetokenizeRequest, body)
+        check_model(req.model, card, adapters)
         check_token_ids(req.tokens, card, "tokens")
-        return {"prompt": card.tokenizer.decode(req.tokens)}
+        return JSONResponse({"prompt": card.tokenizer.decode(req.tokens)})

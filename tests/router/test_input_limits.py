@@ -137,6 +137,16 @@ def test_a_large_body_is_tokenized_on_the_tokenizer_threads(app, encoded):
     assert encoded == ["MainThread"]  # a small one stays on the loop: cheaper
 
 
+def test_a_large_detokenize_runs_on_the_tokenizer_threads(app, services, monkeypatch):
+    tok = services.card.tokenizer
+    threads = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=False: (
+        threads.append(threading.current_thread().name), real(ids, skip_special_tokens))[1])
+    r = _post(app, "/detokenize", {"tokens": [1000] * 10_000})
+    assert r.status_code == 200 and threads[0].startswith("tokenize"), threads
+
+
 def test_the_limits_have_flags():
     from engine.flags import add_flags, from_args
     import argparse
