@@ -7,7 +7,6 @@ retry, 502) are real HTTP statuses; a failure later ends the stream with an erro
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -28,6 +27,7 @@ from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
+from router.limits import RequestLimits
 from router.loras import add_lora_routes, runtime_updates_allowed
 from router.openapi import GENERATE_ERRORS, install_openapi, route_schema
 from router.placement import PromptKey
@@ -45,11 +45,11 @@ _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"
               "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/dashboard",
               "/dashboard/data", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
               *ADMIN_PATHS}
-_THREAD_TOKENIZE_BYTES = 16 << 10  # bodies larger than this are tokenized off the event loop
 
 
 def create_app(services: Services) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=services.lifespan)
+    app.add_middleware(RequestLimits, limits=services.config.limits)  # inside the next one
     app.add_middleware(_AuthAndCount, services=services)
     install_openapi(app)
 
@@ -109,14 +109,11 @@ def create_app(services: Services) -> FastAPI:
 async def _generate(services: Services, kind: Kind, request: Request) -> Response:
     arrival = time.monotonic()
     body = await request.body()
-    limit = services.max_model_len()
-    adapters = services.loras.served()
-    if len(body) > _THREAD_TOKENIZE_BYTES:
-        prepared = await asyncio.to_thread(prepare, kind, body, services.card, limit, adapters)
-    else:
-        prepared = prepare(kind, body, services.card, limit, adapters)
+    prepared = await services.tokenizing(len(body), prepare, kind, body, services.card,
+                                         services.max_model_len(), services.loras.served(),
+                                         services.config.limits)
     if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
-        await asyncio.to_thread(services.card.grammars.check, prepared.constraint)
+        await services.grammars.check(prepared.constraint)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.checks import check_fields
-from engine.config import LoRAModule
+from engine.config import LoRAModule, parse_size
 from engine.flags import option
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
@@ -65,6 +65,64 @@ class PlacementConfig:
             (self.lora_weight >= 0, "lora_weight", "must be >= 0"),
             (self.lora_load_s >= 0, "lora_load_s", "must be >= 0"),
         ])
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one client may ask of the router (docs/router.md, "Limits"): bounds on the HTTP
+    layer (router/limits.py) and on a request's inputs (router/validation.py,
+    router/structured.py), each refusal an OpenAI-shaped 4xx."""
+
+    max_request_body_bytes: int = option(16 << 20, type=parse_size, metavar="BYTES")
+    """Largest request body (e.g. 16MiB): a larger one is a 413, refused on its
+    Content-Length before it is read, or as soon as a chunked body passes the cap."""
+    request_header_timeout_s: float = option(10.0, name="--request-header-timeout")
+    """A connection whose request line and headers have not fully arrived this many seconds
+    after it opened (or after its previous response) is closed."""
+    request_body_timeout_s: float = option(30.0, name="--request-body-timeout")
+    """A request whose body has not fully arrived this many seconds after its headers is a
+    408."""
+    limit_concurrency: int = 2048
+    """Open connections (or requests in progress) beyond which a new request is a 503
+    (uvicorn's limit_concurrency; keep the open-files limit above it)."""
+    timeout_keep_alive_s: float = option(5.0, name="--timeout-keep-alive")
+    """An idle keep-alive connection is closed after this many seconds (uvicorn's)."""
+    max_prompt_chars: int | None = None
+    """Longest text one prompt (or chat conversation, /tokenize text, embedding input) may
+    have, checked before it is tokenized; longer is a 400. Default: the longest text that can
+    fit the context, max_model_len x the longest vocabulary entry (in characters)."""
+    max_prompts_per_request: int = 256
+    """Most prompts in one /v1/completions batch, or inputs in one /v1/embeddings request."""
+    max_choices_per_request: int = 512
+    """Most completions one request asks for: n x the number of prompts."""
+    max_stop_strings: int = 64
+    """Most `stop` strings in one request."""
+    max_bad_words: int = 128
+    """Most `bad_words` in one request."""
+    max_logit_bias: int = 1024
+    """Most `logit_bias` entries in one request."""
+    max_grammar_bytes: int = option(128 << 10, type=parse_size, metavar="BYTES")
+    """Largest structured-output constraint (a JSON schema as JSON, a regex, a grammar, the
+    choices, a structural tag); larger is a 400."""
+    grammar_compile_timeout_s: float = option(10.0, name="--grammar-compile-timeout")
+    """A constraint that does not compile within this many seconds is a 400 (the compile runs
+    in a child process that is killed then)."""
+    grammar_compile_processes: int = 1
+    """Child processes compiling constraints (each compiles one at a time)."""
+    tokenizer_threads: int = 2
+    """Threads tokenizing large prompts off the event loop."""
+
+    def __post_init__(self) -> None:
+        positive = ("max_request_body_bytes", "request_header_timeout_s",
+                    "request_body_timeout_s", "limit_concurrency", "timeout_keep_alive_s",
+                    "max_prompts_per_request", "max_choices_per_request", "max_grammar_bytes",
+                    "grammar_compile_timeout_s", "grammar_compile_processes",
+                    "tokenizer_threads")
+        check_fields(self, [(getattr(self, name) > 0, name, "must be > 0") for name in positive]
+                     + [(getattr(self, name) >= 0, name, "must be >= 0")
+                        for name in ("max_stop_strings", "max_bad_words", "max_logit_bias")]
+                     + [(self.max_prompt_chars is None or self.max_prompt_chars > 0,
+                         "max_prompt_chars", "must be > 0")])
 
 
 @dataclass(frozen=True)
@@ -142,6 +200,8 @@ class RouterConfig:
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
     "vllm" = none (built-in defaults), or a folder holding a generation_config.json."""
+    limits: LimitsConfig = option(default_factory=LimitsConfig, group="limits")
+    """Bounds on what one client may ask: body size, timeouts, batch sizes, grammars."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))

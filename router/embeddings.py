@@ -41,10 +41,11 @@ from router.registry import WorkerState
 from router.response_models import EmbeddingResponse
 from router.services import Services
 from router.streaming import ClientGone, until_disconnect
-from router.validation import ModelCard, check_model, check_token_ids
+from router.config import LimitsConfig
+from router.validation import (ModelCard, check_count, check_model, check_token_ids,
+                               encode_text, max_prompt_chars)
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
-_THREAD_TOKENIZE_BYTES = 16 << 10
 
 
 class EmbeddingRequest(BaseModel):
@@ -80,9 +81,12 @@ class PreparedEmbedding:
 
 
 def prepare_embedding(body: bytes, card: ModelCard, limit: int,
-                      adapters: Mapping[str, str] | None = None) -> PreparedEmbedding:
+                      adapters: Mapping[str, str] | None = None,
+                      limits: LimitsConfig | None = None) -> PreparedEmbedding:
     """`limit`: the prefill workers' max_model_len (an input has fewer tokens). `adapters`:
-    the LoRA adapters served (embeddings run on the base model only)."""
+    the LoRA adapters served (embeddings run on the base model only). `limits`: the caps on
+    the inputs (default: LimitsConfig's)."""
+    limits = limits or LimitsConfig()
     req = parse_json(EmbeddingRequest, body)
     if check_model(req.model, card, adapters) is not None:
         raise bad_request(f"Embeddings run on the base model only; {req.model!r} is a LoRA "
@@ -98,9 +102,11 @@ def prepare_embedding(body: bytes, card: ModelCard, limit: int,
     items: list = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
         raise bad_request("input must not be empty", "input")
+    check_count(items, limits.max_prompts_per_request, "input", "inputs")
+    max_chars = max_prompt_chars(card, limit, limits)
     prompts = []
     for item in items:
-        ids = (card.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+        ids = (encode_text(card.tokenizer, item, req.add_special_tokens, max_chars, "input")
                if isinstance(item, str) else list(item))
         if not ids:
             raise bad_request("input must not contain an empty string or token list", "input")
@@ -231,9 +237,9 @@ def add_embedding_routes(app: FastAPI, services: Services) -> None:
                                                errors=GENERATE_ERRORS))
     async def embeddings(request: Request) -> Response:
         body = await request.body()
-        args = (body, services.card, embedder.max_model_len(), services.loras.served())
-        prepared = (await asyncio.to_thread(prepare_embedding, *args)
-                    if len(body) > _THREAD_TOKENIZE_BYTES else prepare_embedding(*args))
+        prepared = await services.tokenizing(len(body), prepare_embedding, body, services.card,
+                                             embedder.max_model_len(), services.loras.served(),
+                                             services.config.limits)
         await services.admin.wait_awake()
         prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
         base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex

@@ -7,6 +7,7 @@ import importlib.metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from router.errors import bad_request
 from router.openapi import SIDE_ERRORS, route_schema
@@ -14,7 +15,8 @@ from router.protocol import DetokenizeRequest, TokenizeRequest, parse_json
 from router.response_models import (DetokenizeResponse, ModelInfo, ModelList, TokenizeResponse,
                                     VersionResponse)
 from router.services import Services
-from router.validation import check_model, check_token_ids, render_chat
+from router.validation import (check_model, check_token_ids, encode_text, max_prompt_chars,
+                               render_chat)
 
 
 def _version() -> str:
@@ -51,9 +53,16 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
         return {"version": version}
 
     @app.post("/tokenize", **route_schema(TokenizeRequest, TokenizeResponse, errors=SIDE_ERRORS))
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_json(TokenizeRequest, await request.body())
-        check_model(req.model, card, services.loras.served())  # an adapter: the same tokenizer
+    async def tokenize(request: Request) -> Response:
+        body = await request.body()
+        return await services.tokenizing(len(body), tokenize_body, body, services.max_model_len(),
+                                         services.loras.served())
+
+    def tokenize_body(body: bytes, limit: int, adapters: dict[str, str]) -> Response:
+        """The response, rendered here (off the loop for a large body: 100k token ids take
+        ~0.1 s to serialize)."""
+        req = parse_json(TokenizeRequest, body)
+        check_model(req.model, card, adapters)  # an adapter: the same tokenizer
         tok = card.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
@@ -64,17 +73,21 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
             special = bool(req.add_special_tokens)
         else:
             text, special = req.prompt, req.add_special_tokens is not False
-        ids = tok.encode(text, add_special_tokens=special)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": services.max_model_len(),
-                               "tokens": ids}
+        ids = encode_text(tok, text, special, max_prompt_chars(card, limit, services.config.limits),
+                          "messages" if req.messages is not None else "prompt")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [tok.token_str(t) for t in ids]
-        return out
+        return JSONResponse(out)
 
     @app.post("/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse,
                                             errors=SIDE_ERRORS))
-    async def detokenize(request: Request) -> dict[str, str]:
-        req = parse_json(DetokenizeRequest, await request.body())
-        check_model(req.model, card, services.loras.served())
+    async def detokenize(request: Request) -> Response:
+        body = await request.body()
+        return await services.tokenizing(len(body), detokenize_body, body, services.loras.served())
+
+    def detokenize_body(body: bytes, adapters: dict[str, str]) -> Response:
+        req = parse_json(DetokenizeRequest, body)
+        check_model(req.model, card, adapters)
         check_token_ids(req.tokens, card, "tokens")
-        return {"prompt": card.tokenizer.decode(req.tokens)}
+        return JSONResponse({"prompt": card.tokenizer.decode(req.tokens)})

@@ -3,8 +3,7 @@ pydantic models the router parses with (router/protocol.py) and the ones describ
 emits (router/response_models.py).
 
 Handlers parse the raw body with `router.protocol.parse_json` rather than take a FastAPI
-body parameter: FastAPI parses JSON only under a JSON Content-Type (curl's `-d` default is
-form-encoded), answers an empty body "Field required" instead of malformed JSON, lets lone
+body parameter: FastAPI answers an empty body "Field required" instead of malformed JSON, lets lone
 surrogates (`"\\ud800"`) through to the tokenizer, validates in Python mode after `json.loads`
 and costs more instructions per request (benchmarks/README.md, "Router HTTP layer"). So the
 request schema is published through `openapi_extra`, and responses through `responses=` —
@@ -38,7 +37,12 @@ _ERROR_TEXT = {
     500: "Internal error (fixed message; the detail goes to the router's log)",
     502: "Workers failed before the first token, even after the retry",
     503: "No worker had room within `--queue-timeout` (`Retry-After` header)",
+    408: "The body did not arrive within `--request-body-timeout`",
+    413: "The body is larger than `--max-request-body-bytes`",
+    415: "The body is not declared JSON (`Content-Type: application/json`)",
 }
+BODY_ERRORS = (408, 413, 415)
+"""The statuses of every route with a request body (router/limits.py), declared with it."""
 STREAM_TEXT = ("; with `stream: true`, server-sent events: `data: <chunk JSON>` each, or an "
                "error body when the request fails after its first token, then `data: [DONE]`")
 GENERATE_ERRORS = (400, 401, 404, 500, 502, 503)
@@ -61,7 +65,7 @@ def route_schema(request: type[BaseModel] | None = None, ok: type[BaseModel] | N
     """Keyword arguments for a FastAPI route decorator. `request`: the JSON body (required);
     `ok`: the 200 body; `stream`: one SSE `data:` event when the body asks for
     `stream: true` (200 as `text/event-stream`); `errors`: the statuses answered with an
-    OpenAI error body."""
+    OpenAI error body (with a request body, BODY_ERRORS too)."""
     responses: dict[int | str, dict[str, Any]] = {}
     if ok is not None:
         responses[200] = {"model": ok, "description": ok_description}
@@ -69,7 +73,7 @@ def route_schema(request: type[BaseModel] | None = None, ok: type[BaseModel] | N
         ok_response = responses.setdefault(200, {"description": ok_description})
         ok_response["description"] += STREAM_TEXT
         ok_response["content"] = {"text/event-stream": {"itemSchema": _sse_event(stream)}}
-    for status in errors:
+    for status in (*errors, *(BODY_ERRORS if request is not None else ())):
         responses[status] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
     out: dict[str, Any] = {"response_model": None, "responses": responses}
     if request is not None:

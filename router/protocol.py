@@ -3,8 +3,9 @@
 ignores (with a warning) the rest, as vLLM ignores fields it does not know.
 
 Every route with a JSON body parses it with `parse_json`: strictly (a string where a number
-belongs is a type error, never coerced; NaN and infinities are refused), whatever the
-Content-Type, and a refusal is the OpenAI-shaped 400 naming the field. Ranges are checked
+belongs is a type error, never coerced; NaN and infinities are refused), and a refusal is
+the OpenAI-shaped 400 naming the field. A body not declared JSON (Content-Type) never gets
+here: router/limits.py answers it 415. Ranges are checked
 later, by `engine.SamplingParams` and router/validation.py.
 """
 from __future__ import annotations

@@ -8,8 +8,9 @@ import json
 import logging
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
@@ -25,10 +26,14 @@ from router.registry import EtcdWatcher, WorkerRegistry
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
 from router.auth import Keys, resolve_keys
+from router.limits import uvicorn_options
 from router.loras import LoRAAdapters
+from router.structured import Grammars
 from router.validation import ModelCard
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+INLINE_BODY_BYTES = 16 << 10  # bodies up to this are parsed and tokenized on the event loop
 
 
 def load_model_card(config: RouterConfig) -> ModelCard:
@@ -77,7 +82,17 @@ class RouterServices:
         self.tokens = TokenText(card.tokenizer)
         self.loras = LoRAAdapters(self.registry, self.channels, config.lora_modules)
         self.admin = FleetAdmin(self.registry, self.channels, config.queue_timeout_s)
+        limits = config.limits
+        self.grammars = Grammars(card.tokenizer, card.vocab_size,
+                                 limits.grammar_compile_processes, limits.grammar_compile_timeout_s)
+        self._tokenizer_pool = ThreadPoolExecutor(limits.tokenizer_threads,
+                                                  thread_name_prefix="tokenize")
         self._watch: asyncio.Task | None = None
+
+    async def tokenizing(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        if size <= INLINE_BODY_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     def max_model_len(self) -> int:
         """The longest prompt + output a decode worker holds: the largest published by a live
@@ -110,6 +125,7 @@ class RouterServices:
                 await self._watch
         await self.kv_subscriptions.close()
         await self.channels.close_all()
+        self.grammars.close()
 
     @asynccontextmanager
     async def lifespan(self, app) -> AsyncIterator[None]:
@@ -156,7 +172,8 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
     card = load_model_card(config)
     services = RouterServices(config, card, keys)
     server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
-                                    log_level=log_level, timeout_graceful_shutdown=5))
+                                    log_level=log_level, timeout_graceful_shutdown=5,
+                                    **uvicorn_options(config.limits)))
     log.info("router for %s on http://%s:%d (policy %s)", card.name, config.host, config.port,
              config.placement.policy)
     asyncio.run(server.serve())

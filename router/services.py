@@ -4,7 +4,7 @@ way: server -> app -> services."""
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -14,7 +14,10 @@ from router.auth import Keys
 from router.loras import LoRAAdapters
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
+from router.structured import Grammars
 from router.validation import ModelCard
+
+T = TypeVar("T")
 
 
 class Services(Protocol):
@@ -27,6 +30,11 @@ class Services(Protocol):
     tokens: TokenText  # token texts and bytes for responses
     loras: LoRAAdapters  # the LoRA adapters served (models beside the base), load / unload
     admin: FleetAdmin  # fleet-wide sleep / wake up / weight updates; gates generation
+    grammars: Grammars  # structured-output constraints compile-checked (time-limited)
+
+    async def tokenizing(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (parsing and tokenizing a body of `size` bytes): on the tokenizer
+        threads when the body is large, inline (cheaper) when it is small."""
 
     def max_model_len(self) -> int:
         """The longest prompt + output a decode worker holds now."""

@@ -2,30 +2,34 @@
 client used — OpenAI's `response_format`, vLLM's `structured_outputs`, or vLLM's older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` / `structural_tag` — as
 one engine `StructuredOutputsParams`, checked by compiling it against the served vocabulary
-before any worker is tied up (`Grammars.check`, off the event loop: a compile takes
-milliseconds to seconds). Every refusal is a 400 naming the field the client used.
+before any worker is tied up (`Grammars.check`: in a child process, off the event loop, with
+a time limit; a compile takes milliseconds to seconds, a pathological one minutes). A
+constraint over the size limit is refused before any compile. Every refusal is a 400 naming
+the field the client used.
 
 `structured_outputs` may also carry only flags (`disable_any_whitespace`, ...) beside a
 constraint given another way; two constraints are refused, as vLLM refuses them."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.checks import FieldError
 from engine.structured.params import KINDS, StructuredOutputsParams
 from engine.tokenizer import Tokenizer
 from router.errors import bad_request
+from router.grammar_process import CompileProcesses, CompileTimeout
 from router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
-
-if TYPE_CHECKING:
-    from engine.structured.compiler import GrammarCompiler
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar", "structural_tag": "structural_tag"}
 _BACKENDS = ("xgrammar", "auto")
+CACHE_ENTRIES = 4096  # compile results remembered (constraint key -> refusal or None)
 # vLLM's backend options ("xgrammar:no-fallback,disable-any-whitespace") -> flags.
 _BACKEND_OPTIONS = {"no-fallback": "disable_fallback",
                     "disable-any-whitespace": "disable_any_whitespace",
@@ -39,10 +43,12 @@ class Constraint:
     """The request field the constraint came from: a 400 about it names this field."""
 
 
-def constraint(req: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
+def constraint(req: ChatCompletionRequest | CompletionRequest,
+               max_bytes: int | None = None) -> Constraint | None:
     """The request's structured-output constraint (None: unconstrained). Raises a 400
-    APIError for two constraints, an unknown backend, a whitespace pattern, or a malformed
-    constraint (compiling it is `Grammars.check`)."""
+    APIError for two constraints, an unknown backend, a whitespace pattern, a constraint
+    larger than `max_bytes` (`constraint_bytes`), or a malformed constraint (compiling it is
+    `Grammars.check`)."""
     found: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
     flags: dict[str, bool] = {}
     if req.response_format is not None and req.response_format.type != "text":
@@ -77,38 +83,86 @@ def constraint(req: ChatCompletionRequest | CompletionRequest) -> Constraint | N
         return None
     param, kwargs = found[0]
     try:
-        return Constraint(StructuredOutputsParams(**kwargs, **flags), param)
+        params = StructuredOutputsParams(**kwargs, **flags)
     except FieldError as exc:
         raise _invalid(exc, param) from None
+    if max_bytes is not None and (size := constraint_bytes(params)) > max_bytes:
+        raise bad_request(f"{param}: the {params.kind} constraint has {size} bytes, more than "
+                          f"the {max_bytes} this server compiles (--max-grammar-bytes)", param,
+                          "grammar_too_large")
+    return Constraint(params, param)
 
 
 class Grammars:
-    """Compiles constraints against the served vocabulary, as the workers will: a constraint
-    that does not compile is refused here, before placement. The compiler (xgrammar, cached
-    by content) is built on the first structured request; thread-safe."""
+    """Checks that constraints compile against the served vocabulary, as the workers will: a
+    constraint that does not compile is refused here, before placement. Compiles run in
+    `processes` child processes (router/grammar_process.py), each bounded by `timeout_s`
+    (killed past it: a 400), and awaited on their own threads, never on the event loop.
+    Results are cached by content, refusals too: a constraint refused once is refused at
+    once."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, processes: int = 1,
+                 timeout_s: float = 10.0) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._compiler: GrammarCompiler | None = None
+        self._processes = processes
+        self._timeout_s = timeout_s
+        self._pool: CompileProcesses | None = None
         self._lock = threading.Lock()
+        self._results: OrderedDict[tuple, str | None] = OrderedDict()  # key -> refusal
+        self._executor = ThreadPoolExecutor(processes, thread_name_prefix="grammar")
 
-    def check(self, c: Constraint) -> None:
-        """Blocks (milliseconds to seconds): call it off the event loop."""
-        try:
-            self._get().compile(c.params)
-        except FieldError as exc:
-            raise _invalid(exc, c.param) from None
+    async def check(self, c: Constraint) -> None:
+        """Raises the 400 APIError naming `c.param` if `c` does not compile in time."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._check, c)
 
-    def _get(self) -> GrammarCompiler:
+    def close(self) -> None:
         with self._lock:
-            if self._compiler is None:
-                from engine.structured.compiler import GrammarCompiler
+            if self._pool is not None:
+                self._pool.close()
+
+    def _check(self, c: Constraint) -> None:
+        key = c.params.key()
+        with self._lock:
+            known = key in self._results
+            refusal = self._results.get(key)
+        if not known:
+            refusal = self._compile(c.params)
+            with self._lock:
+                self._results[key] = refusal
+                while len(self._results) > CACHE_ENTRIES:
+                    self._results.popitem(last=False)
+        if refusal is not None:
+            raise _invalid(FieldError(c.params.kind, refusal), c.param)
+
+    def _compile(self, params: StructuredOutputsParams) -> str | None:
+        """None if `params` compiles within the time limit, else why not."""
+        try:
+            self._get().compile(params, self._timeout_s)
+        except FieldError as exc:
+            return str(exc)
+        except CompileTimeout:
+            return (f"{params.kind} did not compile within {self._timeout_s:g} s (the server's "
+                    "--grammar-compile-timeout); simplify it")
+        return None
+
+    def _get(self) -> CompileProcesses:
+        with self._lock:
+            if self._pool is None:
+                from engine.structured.vocab import vocabulary
 
                 tok = self._tokenizer
-                self._compiler = GrammarCompiler(tok, max(self._vocab_size, tok.vocab_size),
-                                                 tok.stop_token_ids)
-            return self._compiler
+                self._pool = CompileProcesses(vocabulary(tok), max(self._vocab_size, tok.vocab_size),
+                                              tok.stop_token_ids, self._processes)
+            return self._pool
+
+
+def constraint_bytes(params: StructuredOutputsParams) -> int:
+    """The constraint's size: its text (a schema as JSON), or the choices' total."""
+    value = params.key()[1]
+    if isinstance(value, tuple):
+        return sum(len(choice.encode()) for choice in value)
+    return len(value.encode()) if isinstance(value, str) else 0
 
 
 def _response_format(rf: ResponseFormat) -> dict[str, Any]:

@@ -11,10 +11,11 @@ from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from router.config import LimitsConfig
 from router.errors import APIError, bad_request
 from router.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart,
                              parse_json)
-from router.structured import Constraint, Grammars, constraint
+from router.structured import Constraint, constraint
 from router.unsupported import refuse_unsupported
 
 Kind = Literal["chat", "completion"]
@@ -35,11 +36,14 @@ class ModelCard:
     max_n: int = 128
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """SamplingParams field -> value for requests that omit it (engine.generation_config)."""
-    grammars: Grammars = field(init=False, repr=False, compare=False)
-    """Structured-output constraints compiled against this vocabulary (router/structured.py)."""
+    longest_token_chars: int = field(init=False, repr=False, compare=False)
+    """The longest vocabulary entry, in characters: a text longer than this x the context
+    has more tokens than the context holds."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "grammars", Grammars(self.tokenizer, self.vocab_size))
+        tok = self.tokenizer
+        object.__setattr__(self, "longest_token_chars",
+                           max(len(tok.token_str(i)) for i in range(tok.vocab_size)))
 
 
 @dataclass(frozen=True)
@@ -78,16 +82,21 @@ def check_model(name: str | None, card: ModelCard,
 
 
 def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
-            adapters: Mapping[str, str] | None = None) -> Prepared:
+            adapters: Mapping[str, str] | None = None,
+            limits: LimitsConfig | None = None) -> Prepared:
     """`limit`: the longest prompt + output a live worker holds (default: the model card's).
-    `adapters`: the LoRA adapters served now (name -> path); `model` may name one."""
+    `adapters`: the LoRA adapters served now (name -> path); `model` may name one. `limits`:
+    the caps on a request's inputs (default: LimitsConfig's), checked before tokenizing."""
     limit = limit or card.max_model_len
+    limits = limits or LimitsConfig()
     req = parse_body(kind, body)
     lora = check_model(req.model, card, adapters)
     refuse_unsupported(req)
+    _check_counts(req, limits)
+    max_chars = max_prompt_chars(card, limit, limits)
     echo = None  # completions with echo: each prompt's text
     if isinstance(req, ChatCompletionRequest):
-        prompts, prompt_param = [chat_prompt(req, card.tokenizer)], "messages"
+        prompts, prompt_param = [chat_prompt(req, card.tokenizer, max_chars)], "messages"
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
@@ -95,7 +104,9 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         logprobs_param = "top_logprobs"
     else:
-        prompts, prompt_param = _completion_prompts(req, card), "prompt"
+        raw = _raw_prompts(req)
+        _check_batch(len(raw), req.n, limits, "prompt")
+        prompts, prompt_param = _completion_prompts(req, raw, card, max_chars), "prompt"
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
         if max_tokens is None:
             max_tokens = COMPLETION_MAX_TOKENS
@@ -116,7 +127,7 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
         # The model's max_new_tokens stands in for an omitted chat max_tokens, within the
         # context (vLLM: min(context remainder, request or default max_tokens)).
         max_tokens = max(1, min(card.sampling_defaults["max_tokens"], limit - len(prompts[0])))
-    structured = constraint(req)
+    structured = constraint(req, limits.max_grammar_bytes)
     sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
                          {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
                          structured)
@@ -199,13 +210,55 @@ def render_chat(tok: Tokenizer, messages: list[ChatMessage], add_generation_prom
         raise bad_request(str(exc), "messages") from None
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, max_chars: int) -> list[int]:
     kwargs = dict(req.chat_template_kwargs or {})
     if req.documents is not None:
         kwargs["documents"] = req.documents
     text = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
                        kwargs, "add_generation_prompt" in req.model_fields_set)
-    return tok.encode(text, add_special_tokens=req.add_special_tokens)
+    return encode_text(tok, text, req.add_special_tokens, max_chars, "messages")
+
+
+def max_prompt_chars(card: ModelCard, limit: int, limits: LimitsConfig) -> int:
+    """The longest text tokenized for a context of `limit` tokens: --max-prompt-chars, else
+    the longest that can fit (limit x the longest vocabulary entry)."""
+    return limits.max_prompt_chars or limit * card.longest_token_chars
+
+
+def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool, max_chars: int,
+                param: str) -> list[int]:
+    """`text`'s token ids; a text over `max_chars` is a 400 naming `param`, never tokenized."""
+    if len(text) > max_chars:
+        raise bad_request(f"{param} has {len(text)} characters, more than the {max_chars} this "
+                          "server tokenizes (the context's tokens x the longest token, or "
+                          "--max-prompt-chars)", param, "context_length_exceeded")
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def check_count(items, most: int, param: str, what: str) -> None:
+    if items is not None and len(items) > most:
+        raise bad_request(f"{param} has {len(items)} {what}, more than the {most} this server "
+                          "accepts", param, "too_many_items")
+
+
+def _check_counts(req: ChatCompletionRequest | CompletionRequest, limits: LimitsConfig) -> None:
+    check_count([req.stop] if isinstance(req.stop, str) else req.stop, limits.max_stop_strings,
+                "stop", "strings")
+    check_count(req.bad_words, limits.max_bad_words, "bad_words", "words")
+    check_count(req.logit_bias, limits.max_logit_bias, "logit_bias", "entries")
+    _check_batch(1, req.n, limits, "n")
+
+
+def _check_batch(prompts: int, n: int, limits: LimitsConfig, param: str) -> None:
+    """At most max_prompts_per_request prompts and max_choices_per_request completions."""
+    if prompts > limits.max_prompts_per_request:
+        raise bad_request(f"{param} has {prompts} prompts, more than the "
+                          f"{limits.max_prompts_per_request} this server accepts in one "
+                          "request", param, "too_many_items")
+    if n * prompts > limits.max_choices_per_request:
+        raise bad_request(f"n x prompts = {n} x {prompts} = {n * prompts} completions, more than "
+                          f"the {limits.max_choices_per_request} this server generates for one "
+                          "request", "n", "too_many_items")
 
 
 def check_token_ids(ids, card: ModelCard, param: str) -> None:
@@ -215,19 +268,21 @@ def check_token_ids(ids, card: ModelCard, param: str) -> None:
                           param)
 
 
-def _completion_prompts(req: CompletionRequest, card: ModelCard) -> list[list[int]]:
+def _raw_prompts(req: CompletionRequest) -> list:
+    """The prompts of a completion request, as sent (texts or token-id lists)."""
     p = req.prompt
-    if isinstance(p, str):
-        raw: list = [p]
-    elif p and isinstance(p[0], int):
-        raw = [p]
-    else:
-        raw = list(p)
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]
+    return list(p)
+
+
+def _completion_prompts(req: CompletionRequest, raw: list, card: ModelCard,
+                        max_chars: int) -> list[list[int]]:
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
     out = []
     for item in raw:
-        ids = (card.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+        ids = (encode_text(card.tokenizer, item, req.add_special_tokens, max_chars, "prompt")
                if isinstance(item, str) else list(item))
         check_token_ids(ids, card, "prompt")
         out.append(ids)

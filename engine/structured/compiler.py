@@ -12,23 +12,26 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from typing import Sequence
 
 import xgrammar as xgr
 
 from engine.checks import FieldError
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.state import GrammarState
+from engine.structured.vocab import vocabulary
 from engine.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
-        """`vocab_size`: the model's (logit rows), at least the tokenizer's. Special tokens
+    def __init__(self, tokenizer: Tokenizer | Sequence[bytes], vocab_size: int,
+                 stop_token_ids: frozenset[int]) -> None:
+        """`tokenizer`: the tokenizer, or its `vocabulary` (engine/structured/vocab.py).
+        `vocab_size`: the model's (logit rows), at least the tokenizer's. Special tokens
         other than the stop tokens are never allowed inside a constrained output."""
-        vocab = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i)
-                 for i in range(tokenizer.vocab_size)]
+        vocab = (vocabulary(tokenizer) if isinstance(tokenizer, Tokenizer) else list(tokenizer))
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)

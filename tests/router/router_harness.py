@@ -13,6 +13,7 @@ from cluster.net import free_port
 from router.app import create_app
 from router.auth import resolve_keys
 from router.config import PlacementConfig, RouterConfig
+from router.limits import uvicorn_options
 from router.server import RouterServices, load_model_card
 from router_fakes import FakeWorker
 
@@ -59,7 +60,8 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
         _CARD[key] = load_model_card(cfg)
     services = RouterServices(cfg, _CARD[key], resolve_keys(cfg, {}))  # flags only, no environment
     server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+                                           log_level="warning", lifespan="on",
+                                           **uvicorn_options(cfg.limits)))
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         if task.done():

@@ -74,8 +74,9 @@ def test_fuzz_findings(cluster):
     assert post({"top_k": 1 << 33, "max_tokens": 2}).status_code == 200  # = every token
     r = post({"min_tokens": 1 << 33})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
-    r = httpx.post(cluster.router.url + "/v1/completions", headers={"Authorization": "Bearer k"},
-                   content=b'{"prompt": "hi", "temperature": Infinity}', timeout=30)
+    r = httpx.post(cluster.router.url + "/v1/completions", timeout=30,
+                   headers={"Authorization": "Bearer k", "Content-Type": "application/json"},
+                   content=b'{"prompt": "hi", "temperature": Infinity}')
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
 
 

@@ -1,5 +1,6 @@
 """Every route with a JSON body parses it the same way (router.protocol.parse_json): strictly,
-whatever the Content-Type, and a refusal is the OpenAI-shaped 400 naming the field. In
+a refusal the OpenAI-shaped 400 naming the field; a body not declared JSON is a 415
+(router/limits.py: no CSRF from a web page). In
 process (httpx over ASGI): no worker, no etcd — each request is refused or answered before
 one would be needed."""
 import asyncio
@@ -73,13 +74,42 @@ def test_a_malformed_body_is_a_400_on_every_route(app, path, raw, message):
     assert message in err["message"]
 
 
-@pytest.mark.parametrize("headers", [{}, {"Content-Type": "application/x-www-form-urlencoded"},
-                                     {"Content-Type": "text/plain"}])
-def test_the_body_is_json_whatever_the_content_type(app, headers):
-    """curl's `-d` sends form-encoded; no header at all is common from scripts."""
-    r = _post(app, "/tokenize", b'{"prompt": "hi"}', headers)
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
+                                          "Application/JSON", "application/vnd.api+json"])
+def test_a_json_content_type_is_parsed(app, content_type):
+    r = _post(app, "/tokenize", b'{"prompt": "hi"}', {"Content-Type": content_type})
     assert r.status_code == 200, r.text
     assert r.json()["count"] == 1
     err = _error(_post(app, "/v1/completions", b'{"prompt": "hi", "temperature": Infinity}',
-                       headers))
+                       {"Content-Type": content_type}))
     assert err["param"] == "temperature"
+
+
+# What a web page may POST cross-site without a CORS preflight (a "simple request"): form or
+# text bodies, a body without a type (fetch of a Blob), and any of them from a browser,
+# which sends Origin. None of them reaches a handler.
+NOT_JSON = [
+    ({"Content-Type": "application/x-www-form-urlencoded"}, b'{"prompt": "hi"}'),
+    ({"Content-Type": "text/plain"}, b'{"prompt": "hi"}'),
+    ({"Content-Type": "multipart/form-data; boundary=x"}, b"--x--"),
+    ({}, b'{"prompt": "hi"}'),
+    ({"Origin": "https://evil.example"}, b""),
+]
+
+
+@pytest.mark.parametrize("path", sorted({path for path, _, _ in WRONG_TYPE}) + ["/sleep"])
+@pytest.mark.parametrize("headers, body", NOT_JSON)
+def test_a_body_not_declared_json_is_a_415_on_every_route(app, path, headers, body):
+    r = _post(app, path, body, headers)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_media_type"
+    assert "application/json" in err["message"]
+
+
+def test_a_bodiless_post_from_a_script_needs_no_content_type(app):
+    """vLLM's `curl -X POST .../reset_prefix_cache`: no body, no Content-Type, no Origin (no
+    browser). It reaches the handler (here: 503, no worker registered)."""
+    r = _post(app, "/reset_prefix_cache", b"", {})
+    assert r.status_code == 503, r.text

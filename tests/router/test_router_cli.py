@@ -10,7 +10,7 @@ from engine.config import LoRAModule
 from engine.flags import to_argv
 from pdserve.cli import build_parser, main
 from router.cli import config_from_args
-from router.config import PlacementConfig, RouterConfig
+from router.config import LimitsConfig, PlacementConfig, RouterConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,12 @@ def test_flags_reach_the_config():
         "--lora-load-time", "0.5", "--enable-dev-endpoints",
         "--api-key-file", "/keys", "--admin-api-key", "a1", "a2", "--admin-api-key-file", "/admin",
         "--enable-prompt-tokens-details", "--cache-salt-from-api-key",
+        "--max-request-body-bytes", "2MiB", "--request-header-timeout", "1",
+        "--request-body-timeout", "2", "--limit-concurrency", "3", "--timeout-keep-alive", "4",
+        "--max-prompt-chars", "5", "--max-prompts-per-request", "6",
+        "--max-choices-per-request", "7", "--max-stop-strings", "8", "--max-bad-words", "9",
+        "--max-logit-bias", "10", "--max-grammar-bytes", "11", "--grammar-compile-timeout", "12",
+        "--grammar-compile-processes", "13", "--tokenizer-threads", "14",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -49,6 +55,12 @@ def test_flags_reach_the_config():
         local_prefill_threshold=6, local_prefill_max_tokens=10, itl_slo_ms=100,
         prefill_queue_limit=7, default_prefill_rate=8, max_waiting_per_worker=9, lora_weight=0.25,
         lora_load_s=0.5)
+    assert cfg.limits == LimitsConfig(
+        max_request_body_bytes=2 << 20, request_header_timeout_s=1, request_body_timeout_s=2,
+        limit_concurrency=3, timeout_keep_alive_s=4, max_prompt_chars=5,
+        max_prompts_per_request=6, max_choices_per_request=7, max_stop_strings=8,
+        max_bad_words=9, max_logit_bias=10, max_grammar_bytes=11, grammar_compile_timeout_s=12,
+        grammar_compile_processes=13, tokenizer_threads=14)
     assert cfg.enable_lora and cfg.enable_dev_endpoints
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
     assert (cfg.api_key_file, cfg.admin_api_key, cfg.admin_api_key_file) == (
@@ -64,10 +76,12 @@ def test_flags_reach_the_config():
     assert default == RouterConfig(etcd="h:1")
     # Every field has a flag: each one above moved its field off the default.
     for f in dataclasses.fields(RouterConfig):
-        if f.name not in ("etcd", "placement"):
+        if f.name not in ("etcd", "placement", "limits"):
             assert getattr(cfg, f.name) != getattr(default, f.name), f.name
     for f in dataclasses.fields(PlacementConfig):
         assert getattr(cfg.placement, f.name) != getattr(default.placement, f.name), f.name
+    for f in dataclasses.fields(LimitsConfig):
+        assert getattr(cfg.limits, f.name) != getattr(default.limits, f.name), f.name
     # ... and the flags that reproduce a config give it back.
     assert config_from_args(build_parser().parse_args(["router", *to_argv(cfg)])) == cfg
 

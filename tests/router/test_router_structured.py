@@ -130,9 +130,10 @@ def test_bad_constraints_are_a_400_naming_the_field(cluster, http, path, extra, 
 
 
 def test_compile_runs_off_the_event_loop(cluster, http, monkeypatch):
-    grammars = cluster.services.card.grammars
+    grammars = cluster.services.grammars
     threads = []
-    check = grammars.check
-    monkeypatch.setattr(grammars, "check", lambda c: (threads.append(threading.current_thread()), check(c)))
-    _sent(cluster, http, "/v1/completions", {**COMP, "guided_regex": "[0-9]+"})
-    assert threads and threads[0].name.startswith("asyncio_")  # the loop's default executor
+    compile_ = grammars._compile
+    monkeypatch.setattr(grammars, "_compile",
+                        lambda p: (threads.append(threading.current_thread()), compile_(p))[1])
+    _sent(cluster, http, "/v1/completions", {**COMP, "guided_regex": "[0-9]{3}"})
+    assert threads and threads[0].name.startswith("grammar")  # the compile threads
