@@ -2,11 +2,14 @@
 a temporary (or given) directory. Used by `pdserve up` and by tests."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 from cluster.net import free_port, wait_for_port
@@ -57,10 +60,25 @@ class EtcdServer:
             ],
             stdout=log, stderr=log, start_new_session=True,
         )
-        if not wait_for_port("127.0.0.1", self.client_port, timeout) or self.proc.poll() is not None:
+        deadline = time.monotonic() + timeout
+        if not (wait_for_port("127.0.0.1", self.client_port, timeout)
+                and self._wait_healthy(client_url, deadline)):
             self.stop()
             raise RuntimeError(f"etcd did not start on {self.endpoint}")
         return self
+
+    def _wait_healthy(self, client_url: str, deadline: float) -> bool:
+        """Until etcd serves (its /health says so: a leader is elected), not only listens: a
+        lease asked for before that times out (seen on a loaded 2-core machine)."""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return True
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -29,7 +29,7 @@ class RouterProcess(ServiceProcess):
 
 class EtcdChild:
     """etcd on fixed ports with a kept data directory, so a restart is the same etcd again
-    (workers re-register on their own when it comes back). Starting blocks until it listens."""
+    (workers re-register on their own when it comes back). Starting blocks until it serves."""
 
     def __init__(self, data_dir: Path, log_path: Path, client_port: int, peer_port: int) -> None:
         self.server = EtcdServer(data_dir=data_dir, log_path=log_path, client_port=client_port,
