@@ -9,13 +9,13 @@ from collections import Counter
 
 import grpc
 
+from cluster.grpc_options import CHANNEL_OPTIONS
 from proto import pdserve_pb2_grpc
 
 _OPTIONS = [
     # A cached-block snapshot is ~34 bytes per block: 1M blocks fit in well under 64 MiB.
     ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    *CHANNEL_OPTIONS,
 ]
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from cluster.grpc_options import SERVER_OPTIONS
 from cluster.registration import Capacity, WorkerInfo
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
@@ -308,7 +309,7 @@ class WorkerRuntime:
         cfg = self.config
         host = cfg.advertise_host or cfg.host
         server = grpc.aio.server(interceptors=[StatusInterceptor()],
-                                 options=[("grpc.so_reuseport", 0)])
+                                 options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
         add_servicers(server)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:

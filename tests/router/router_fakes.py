@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from cluster.grpc_options import SERVER_OPTIONS
 from cluster.registration import Capacity, Registrar, WorkerInfo
 from cluster.roles import PrefillPath
 from engine.block_hash import compute_block_hashes
@@ -77,7 +78,7 @@ class FakeWorker:
     # ---- life cycle -----------------------------------------------------------------------
     async def start(self, publish_interval_s: float = 0.1, register: bool = True,
                     port: int = 0) -> "FakeWorker":
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(_WorkerService(self), self._server)
         if self.role == "decode":
             pb_grpc.add_DecodeWorkerServicer_to_server(_DecodeService(self), self._server)
