@@ -27,6 +27,7 @@ from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
+from router.key_limits import LIMITED_PATHS, TENANT, TICKET, Ticket
 from router.limits import RequestLimits
 from router.loras import add_lora_routes, runtime_updates_allowed
 from router.openapi import GENERATE_ERRORS, install_openapi, route_schema
@@ -116,6 +117,9 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
         await services.grammars.check(prepared.constraint)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
+    ticket = request.scope.get(TICKET)  # the key's tokens: reserved here, reconciled at the end
+    services.key_limits.reserve(ticket, sum(map(len, prepared.prompts)),
+                                _completion_budget(prepared, services.max_model_len()))
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
     base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
@@ -125,6 +129,8 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
                                      arrival, prepared.priority)
         for ids in prepared.prompts
     ])
+    if ticket is not None:
+        streams = _counted(streams, ticket)
     details = services.config.enable_prompt_tokens_details
     try:
         if not prepared.stream:
@@ -144,6 +150,24 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
     writer = ChunkWriter(prepared, services.tokens, request_id, details)
     return StreamingResponse(_sse(prepared, writer, first, streams), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _completion_budget(prepared: Prepared, max_model_len: int) -> int:
+    """The most tokens a request may generate: max_tokens (else what the context leaves) x n,
+    for each prompt."""
+    sampling = prepared.sampling
+    return sum(sampling.n * (sampling.max_tokens if sampling.max_tokens is not None
+                             else max(0, max_model_len - len(ids)))
+               for ids in prepared.prompts)
+
+
+async def _counted(streams: AsyncIterator[tuple[int, Delta]],
+                   ticket: Ticket) -> AsyncIterator[tuple[int, Delta]]:
+    """`streams`, counting the tokens generated into the key's ticket."""
+    async with aclosing(streams):
+        async for item in streams:
+            ticket.generated += len(item[1].token_ids)
+            yield item
 
 
 async def _collect(streams: AsyncIterator[tuple[int, Delta]], collector: Collector) -> None:
@@ -170,9 +194,12 @@ async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta]
 
 
 class _AuthAndCount:
-    """ASGI middleware: the key check (router/auth.py: which paths need which key), requests
-    counted by endpoint and status (499: the client went away first), and every response
-    carries an `X-Request-Id` header: the request's own, or a fresh one."""
+    """ASGI middleware: the key check (router/auth.py: which paths need which key), the
+    per-key concurrency slot of a request to a worker path (router/key_limits.py: taken
+    before the body is read, released once the response is over — a stream's end, the client
+    gone, an error — which also reconciles the key's tokens), requests counted by endpoint
+    and status (499: the client went away first), and every response carries an
+    `X-Request-Id` header: the request's own, or a fresh one."""
 
     def __init__(self, app, services: Services) -> None:
         self.app = app
@@ -201,6 +228,16 @@ class _AuthAndCount:
             if denied is not None:
                 await denied.response()(scope, receive, counting_send)
                 return
-            await self.app(scope, receive, counting_send)
+            limits = self.services.key_limits
+            try:
+                ticket = limits.admit(scope.get(TENANT)) if path in LIMITED_PATHS else None
+            except APIError as refused:
+                await refused.response()(scope, receive, counting_send)
+                return
+            scope[TICKET] = ticket
+            try:
+                await self.app(scope, receive, counting_send)
+            finally:
+                limits.release(ticket, served=status["code"] < 500)
         finally:
             self.services.metrics.requests.labels(endpoint, str(status["code"])).inc()

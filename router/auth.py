@@ -24,6 +24,10 @@ Tenant cache salts (`--cache-salt-from-api-key`): a request's prefix-cache salt 
 from the key it presented (and its own `cache_salt`, if any), so clients holding different
 keys never share prefix-cache blocks: neither `cached_tokens` nor timing can tell one tenant
 what another one sent. The salt is a hash of the key, so every router replica derives the same.
+
+Per-key limits (router/key_limits.py): `authorize` names the tenant of a request that
+presented an inference key (its digest, `key_limits.TENANT`); admin keys are not limited, and
+the limits need inference keys (refused at start otherwise).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from typing import Iterable, Mapping
 from router.admin_routes import ADMIN_PATHS
 from router.config import RouterConfig
 from router.errors import APIError
+from router.key_limits import TENANT
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +116,8 @@ def effective_salt(scope: Mapping, given: str | None) -> str | None:
 
 def authorize(keys: Keys, scope: dict) -> APIError | None:
     """The 401/403 for this HTTP request, or None (then, with tenant salts, the salt of the
-    key it presented is in `scope[TENANT_SALT]`)."""
+    key it presented is in `scope[TENANT_SALT]`, and the digest of an inference key it
+    presented in `scope[TENANT]`, for the per-key limits)."""
     need = access_of(scope["path"])
     if need is Access.ADMIN and keys.admin:
         allowed = keys.admin
@@ -127,6 +133,8 @@ def authorize(keys: Keys, scope: dict) -> APIError | None:
         return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
     if presented in keys.salts:
         scope[TENANT_SALT] = keys.salts[presented]
+    if not _matches(presented, keys.admin):  # an inference key: limited per key (key_limits)
+        scope[TENANT] = presented
     return None
 
 
@@ -175,6 +183,7 @@ def resolve_keys(config: RouterConfig, environ: Mapping[str, str]) -> Keys:
             raise ValueError("--cache-salt-from-api-key with several API keys needs "
                              "--admin-api-key: otherwise every tenant's key reaches "
                              "/dashboard/data and the admin endpoints")
+    _check_key_limits(config, api)
     log.info("API keys: %s; admin keys: %s%s", _count(api, api_source),
              _count(admin, admin_source),
              "; tenant cache salts from the API key" if config.cache_salt_from_api_key else "")
@@ -182,6 +191,20 @@ def resolve_keys(config: RouterConfig, environ: Mapping[str, str]) -> Keys:
         log.warning("%d API keys and no --admin-api-key: every one of them reaches the admin "
                     "endpoints and /dashboard/data", len(api))
     return Keys.of(api, admin, salted=config.cache_salt_from_api_key)
+
+
+def _check_key_limits(config: RouterConfig, api: tuple[str, ...]) -> None:
+    """The per-key limits need keys: without them every client is the same tenant, and a
+    "per key" limit would silently be one limit shared by all."""
+    limits = config.limits
+    given = [flag for flag, value in (
+        ("--max-concurrent-requests-per-key", limits.max_concurrent_requests_per_key),
+        ("--max-tokens-per-minute-per-key", limits.max_tokens_per_minute_per_key)) if value]
+    if given and not api:
+        raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} API keys (--api-key-file, "
+                         "PDSERVE_API_KEY, VLLM_API_KEY or --api-key): requests are limited "
+                         "per key, and without keys no client can be told from another (for a "
+                         "cap on all requests: --limit-concurrency, --max-queued-requests)")
 
 
 def _count(keys: tuple[str, ...], source: str | None) -> str:

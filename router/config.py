@@ -111,6 +111,19 @@ class LimitsConfig:
     """Child processes compiling constraints (each compiles one at a time)."""
     tokenizer_threads: int = 2
     """Threads tokenizing large prompts off the event loop."""
+    max_concurrent_requests_per_key: int = option(0, metavar="N")
+    """Most requests one API key may have in progress on /v1/completions, /v1/chat/completions
+    and /v1/embeddings (a stream holds its slot until it ends or the client leaves); one more
+    is a 429 (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API keys; admin keys
+    are not limited."""
+    max_tokens_per_minute_per_key: int = option(0, metavar="TOKENS")
+    """Tokens one API key may spend per minute on those paths (a bucket of one minute's tokens,
+    refilled continuously): a request reserves its prompt tokens + max_tokens x n (no
+    max_tokens: what the context leaves) when it is dispatched, and gets back what it did not
+    generate when it ends; without enough tokens it is a 429 (rate_limit_exceeded,
+    Retry-After: the seconds until there are). A request above a whole minute's tokens waits
+    for a full bucket and overdraws it. 0: no limit. Needs API keys; admin keys are not
+    limited."""
 
     def __post_init__(self) -> None:
         positive = ("max_request_body_bytes", "request_header_timeout_s",
@@ -120,7 +133,9 @@ class LimitsConfig:
                     "tokenizer_threads")
         check_fields(self, [(getattr(self, name) > 0, name, "must be > 0") for name in positive]
                      + [(getattr(self, name) >= 0, name, "must be >= 0")
-                        for name in ("max_stop_strings", "max_bad_words", "max_logit_bias")]
+                        for name in ("max_stop_strings", "max_bad_words", "max_logit_bias",
+                                     "max_concurrent_requests_per_key",
+                                     "max_tokens_per_minute_per_key")]
                      + [(self.max_prompt_chars is None or self.max_prompt_chars > 0,
                          "max_prompt_chars", "must be > 0")])
 

@@ -33,6 +33,7 @@ from cluster.roles import Role
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
 from router.auth import effective_salt
+from router.key_limits import TICKET
 from router.errors import APIError, bad_request
 from router.openapi import GENERATE_ERRORS, route_schema
 from router.placement import PromptKey
@@ -242,6 +243,8 @@ def add_embedding_routes(app: FastAPI, services: Services) -> None:
                                              services.config.limits)
         await services.admin.wait_awake()
         prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
+        services.key_limits.reserve(request.scope.get(TICKET),  # the key's tokens (per minute)
+                                    sum(map(len, prepared.prompts)), 0)
         base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
         calls = [embedder.embed(PromptKey(ids, prepared.cache_salt), prepared)
                  for ids in prepared.prompts]

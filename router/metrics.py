@@ -66,6 +66,13 @@ class RouterMetrics:
             ["role"], registry=r)
         for role in Role:
             self.embedding_placements.labels(role)
+        self.rate_limited = Counter(
+            "pdserve_router_rate_limited_requests",
+            "Requests refused with 429 by the per-API-key limits, by reason (concurrency: "
+            "--max-concurrent-requests-per-key; tokens: --max-tokens-per-minute-per-key)",
+            ["reason"], registry=r)
+        for reason in ("concurrency", "tokens"):
+            self.rate_limited.labels(reason)
         self.waiting = Gauge("pdserve_router_waiting_requests", "Requests waiting for capacity",
                              registry=r)
         self.running = Gauge("pdserve_router_running_requests", "Requests on workers", registry=r)

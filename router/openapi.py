@@ -36,6 +36,8 @@ _ERROR_TEXT = {
     404: "Unknown model",
     500: "Internal error (fixed message; the detail goes to the router's log)",
     502: "Workers failed before the first token, even after the retry",
+    429: "This API key is at its per-key limit (`--max-concurrent-requests-per-key`, "
+         "`--max-tokens-per-minute-per-key`; `code: rate_limit_exceeded`, `Retry-After` header)",
     503: "No worker had room within `--queue-timeout` (`Retry-After` header)",
     408: "The body did not arrive within `--request-body-timeout`",
     413: "The body is larger than `--max-request-body-bytes`",
@@ -45,7 +47,7 @@ BODY_ERRORS = (408, 413, 415)
 """The statuses of every route with a request body (router/limits.py), declared with it."""
 STREAM_TEXT = ("; with `stream: true`, server-sent events: `data: <chunk JSON>` each, or an "
                "error body when the request fails after its first token, then `data: [DONE]`")
-GENERATE_ERRORS = (400, 401, 404, 500, 502, 503)
+GENERATE_ERRORS = (400, 401, 404, 429, 500, 502, 503)
 """The statuses of a /v1 route that prepares a request and runs it on workers."""
 SIDE_ERRORS = (400, 401, 404, 500)
 """The statuses of /tokenize-like routes (no worker involved)."""

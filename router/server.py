@@ -26,6 +26,7 @@ from router.registry import EtcdWatcher, WorkerRegistry
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
 from router.auth import Keys, resolve_keys
+from router.key_limits import KeyLimits
 from router.limits import uvicorn_options
 from router.loras import LoRAAdapters
 from router.structured import Grammars
@@ -83,6 +84,9 @@ class RouterServices:
         self.loras = LoRAAdapters(self.registry, self.channels, config.lora_modules)
         self.admin = FleetAdmin(self.registry, self.channels, config.queue_timeout_s)
         limits = config.limits
+        self.key_limits = KeyLimits(
+            limits.max_concurrent_requests_per_key, limits.max_tokens_per_minute_per_key,
+            on_refused=lambda reason: self.metrics.rate_limited.labels(reason.value).inc())
         self.grammars = Grammars(card.tokenizer, card.vocab_size,
                                  limits.grammar_compile_processes, limits.grammar_compile_timeout_s)
         self._tokenizer_pool = ThreadPoolExecutor(limits.tokenizer_threads,

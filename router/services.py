@@ -11,6 +11,7 @@ from router.dispatch import Dispatcher
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
 from router.auth import Keys
+from router.key_limits import KeyLimits
 from router.loras import LoRAAdapters
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
@@ -23,6 +24,7 @@ T = TypeVar("T")
 class Services(Protocol):
     config: RouterConfig
     keys: Keys  # the API and admin keys (router/auth.py), resolved at start
+    key_limits: KeyLimits  # per-API-key concurrency slots and token buckets
     card: ModelCard  # tokenizer, names, the fallback context length
     registry: WorkerRegistry  # /health counts its ready workers
     metrics: RouterMetrics

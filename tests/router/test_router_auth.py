@@ -105,6 +105,8 @@ def test_keys_are_never_logged_or_shown(caplog):
     (["--api-key=replace-me"], {}, "--api-key: 'replace-me' is a placeholder"),
     ([], {"PDSERVE_API_KEY": ""}, "PDSERVE_API_KEY: the API key is empty"),
     (["--api-key-file", "/nonexistent/key"], {}, "--api-key-file /nonexistent/key: cannot read"),
+    (["--max-concurrent-requests-per-key", "4"], {},
+     "--max-concurrent-requests-per-key needs API keys"),
 ])
 def test_pdserve_router_refuses_bad_keys_at_start(argv, env, message):
     """Exit 2 with the source named, before the model is loaded or a port is bound (today's

@@ -48,6 +48,7 @@ def test_flags_reach_the_config():
         "--max-choices-per-request", "7", "--max-stop-strings", "8", "--max-bad-words", "9",
         "--max-logit-bias", "10", "--max-grammar-bytes", "11", "--grammar-compile-timeout", "12",
         "--grammar-compile-processes", "13", "--tokenizer-threads", "14",
+        "--max-concurrent-requests-per-key", "15", "--max-tokens-per-minute-per-key", "16",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -60,7 +61,8 @@ def test_flags_reach_the_config():
         limit_concurrency=3, timeout_keep_alive_s=4, max_prompt_chars=5,
         max_prompts_per_request=6, max_choices_per_request=7, max_stop_strings=8,
         max_bad_words=9, max_logit_bias=10, max_grammar_bytes=11, grammar_compile_timeout_s=12,
-        grammar_compile_processes=13, tokenizer_threads=14)
+        grammar_compile_processes=13, tokenizer_threads=14, max_concurrent_requests_per_key=15,
+        max_tokens_per_minute_per_key=16)
     assert cfg.enable_lora and cfg.enable_dev_endpoints
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
     assert (cfg.api_key_file, cfg.admin_api_key, cfg.admin_api_key_file) == (
