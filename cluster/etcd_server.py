@@ -76,6 +76,7 @@ class EtcdServer:
         tls_flags = [] if self.tls is None else [
             "--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
             "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
+        auth_flags = [] if self.auth is None else ["--bcrypt-cost", str(self.auth.bcrypt_cost)]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [
@@ -83,6 +84,7 @@ class EtcdServer:
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", f"pdserve={peer_url}", "--log-level", "warn", *tls_flags,
+                *auth_flags,
             ],
             stdout=log, stderr=log, start_new_session=True,
         )

@@ -5,17 +5,16 @@ write, a restart on the same data keeps the users; TLS with a throwaway CA (open
 configuration errors, each naming its flag."""
 import asyncio
 import os
-import shutil
 import stat
-import subprocess
 from dataclasses import replace
 
 import pytest
 
 from cluster.etcd_auth import WORKER_USER, cluster_auth
 from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity
-from cluster.etcd_server import EtcdServer, ServerTls
+from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
+from cluster.throwaway_ca import openssl_available, throwaway_ca
 from engine.checks import FieldError
 
 CLUSTER = "sec"
@@ -104,24 +103,9 @@ def test_a_restart_on_the_same_data_keeps_the_users(tmp_path):
 
 # ---- TLS ----------------------------------------------------------------------------------
 
-def _throwaway_ca(where):
-    """A CA and one certificate for 127.0.0.1 (server and client use), by the openssl CLI."""
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl CLI to make a throwaway CA")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    (where / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n"
-                                   "extendedKeyUsage=serverAuth,clientAuth\n")
-    for cmd in (["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-                 "-subj", "/CN=pdserve-test-ca"],
-                ["req", *ec, "-keyout", "etcd.key", "-out", "etcd.csr", "-subj", "/CN=etcd"],
-                ["x509", "-req", "-in", "etcd.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", "etcd.pem", "-days", "1", "-extfile", "ext.cnf"]):
-        subprocess.run(["openssl", *cmd], cwd=where, check=True, capture_output=True)
-    return ServerTls(where / "etcd.pem", where / "etcd.key", where / "ca.pem")
-
-
+@pytest.mark.skipif(not openssl_available(), reason="no openssl CLI to make a throwaway CA")
 def test_tls_with_client_certificates_and_a_user(tmp_path):
-    tls = _throwaway_ca(tmp_path)
+    tls = throwaway_ca(tmp_path)
     users = cluster_auth(CLUSTER, tmp_path)
     with EtcdServer(auth=users.auth, tls=tls) as etcd:
         security = replace(users.worker, etcd_ca=str(tls.ca), etcd_cert=str(tls.cert),
