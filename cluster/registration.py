@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
+from cluster.etcd_client import make_client
+from cluster.etcd_security import EtcdCredentials
 from cluster.retry import reconnect_forever
 from cluster.roles import ROLES
 
@@ -109,20 +111,6 @@ def worker_key(cluster: str, role: str, worker_id: str) -> bytes:
     return workers_prefix(cluster) + f"{role}/{worker_id}".encode()
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.removeprefix("http://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"etcd endpoint must be host:port, got {endpoint!r}")
-    return host, int(port)
-
-
-def make_client(endpoint: str, timeout: float = 2.0):
-    import aetcd
-
-    host, port = parse_endpoint(endpoint)
-    return aetcd.Client(host, port, timeout=timeout)
-
-
 async def list_workers(client, cluster: str) -> list[WorkerInfo]:
     out = []
     for kv in await client.get_prefix(workers_prefix(cluster)):
@@ -144,8 +132,10 @@ class Registrar:
         info: Callable[[], WorkerInfo],
         ttl_s: int = 3,
         publish_interval_s: float = 0.25,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.credentials = credentials
         self.cluster = cluster
         self.info = info
         self.ttl_s = ttl_s
@@ -167,7 +157,7 @@ class Registrar:
         self._task = asyncio.create_task(self._keep_alive())
 
     async def _register(self) -> None:
-        self._client = make_client(self.endpoint)
+        self._client = make_client(self.endpoint, self.credentials)
         await self._client.connect()
         self._lease = await self._client.lease(self.ttl_s)
         await self._publish()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
+from cluster.etcd_auth import EtcdAuth
 from cluster.etcd_server import EtcdServer
 from local_cluster.launcher import ServiceProcess
 
@@ -29,11 +30,13 @@ class RouterProcess(ServiceProcess):
 
 class EtcdChild:
     """etcd on fixed ports with a kept data directory, so a restart is the same etcd again
-    (workers re-register on their own when it comes back). Starting blocks until it serves."""
+    (workers re-register on their own when it comes back), its users too (`auth`: created and
+    enabled on the first start). Starting blocks until it serves."""
 
-    def __init__(self, data_dir: Path, log_path: Path, client_port: int, peer_port: int) -> None:
+    def __init__(self, data_dir: Path, log_path: Path, client_port: int, peer_port: int,
+                 auth: EtcdAuth | None = None) -> None:
         self.server = EtcdServer(data_dir=data_dir, log_path=log_path, client_port=client_port,
-                                 peer_port=peer_port).start()
+                                 peer_port=peer_port, auth=auth).start()
         self.proc = self.server.proc
         self.pid = self.proc.pid
 

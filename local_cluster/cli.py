@@ -9,10 +9,12 @@ import argparse
 import json
 import time
 
+from cluster.etcd_security import GROUP as ETCD_GROUP
+from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES
 from engine.flags import add_flags, from_args
 from local_cluster.config import UpConfig
-from local_cluster.run_file import control_request, current
+from local_cluster.run_file import control_request, current, etcd_credentials
 from local_cluster.up import up
 
 
@@ -34,9 +36,11 @@ def status(args: argparse.Namespace) -> int:
 
     etcd = args.etcd or current()["etcd"]
     cluster = args.cluster or (current()["cluster"] if not args.etcd else "default")
+    credentials = (from_args(EtcdSecurity, args).resolve() if args.etcd
+                   else etcd_credentials(current()))
 
     async def fetch():
-        async with make_client(etcd) as client:
+        async with make_client(etcd, credentials) as client:
             return await list_workers(client, cluster)
 
     if not args.etcd:
@@ -101,4 +105,5 @@ def register(subparsers) -> None:
         "status", help="processes of the running `pdserve up` (state, restarts) and the registered workers")
     p.add_argument("--etcd", default=None, help="etcd host:port (default: the running `pdserve up`)")
     p.add_argument("--cluster", default=None)
+    add_flags(p, EtcdSecurity, group=ETCD_GROUP + "; with --etcd (else the running `up`'s)")
     p.set_defaults(func=status)

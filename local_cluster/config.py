@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cluster.etcd_security import GROUP as ETCD_GROUP
+from cluster.etcd_security import EtcdSecurity
 from cluster.roles import Role
-from engine.checks import check_fields
+from engine.checks import FieldError, check_fields
 from engine.config import EngineConfig
 from engine.flags import option
 from local_cluster.planner import PlannerConfig
@@ -28,7 +30,12 @@ class UpConfig:
     port: int = 8000
     """Router port (0: any free port, kept across restarts)."""
     etcd: str | None = option(None, metavar="HOST:PORT")
-    """Use this etcd instead of starting one."""
+    """Use this etcd instead of starting one. The etcd `up` starts has auth enabled: root, a
+    worker user that may write only this cluster's keys and a router user that may only read
+    them, their random passwords in 0600 files in up's run directory."""
+    etcd_security: EtcdSecurity = option(default_factory=EtcdSecurity, group=ETCD_GROUP)
+    """With --etcd: the user and TLS every process of the cluster (workers, router, planner)
+    authenticates to it with (the user must be able to write the cluster's keys)."""
     cluster: str = "default"
     """Cluster name in etcd."""
     num_threads: int = 0
@@ -70,6 +77,12 @@ class UpConfig:
     def __post_init__(self) -> None:
         on_argv = [a for a in self.router_args
                    if a.split("=", 1)[0] in ("--api-key", "--admin-api-key")]
+        given = [f"--{k.replace('_', '-')}" for k, v in
+                 dataclasses.asdict(self.etcd_security).items() if v is not None]
+        if given and self.etcd is None:
+            raise FieldError("etcd_security", f"{' '.join(given)} apply to an etcd given with "
+                             "--etcd; the etcd `up` starts gets users of its own (generated "
+                             "passwords in 0600 files)")
         check_fields(self, [
             (not on_argv, "router_args", f"{on_argv[0].split('=', 1)[0] if on_argv else ''} "
              "would put a key on the router's command line (visible in `ps`): use "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from cluster.etcd_security import EtcdCredentials
 from cluster.registration import WorkerInfo, list_workers, make_client
 from cluster.roles import ROLES
 from local_cluster.measure import Sample, Window
@@ -53,10 +54,11 @@ def grpc_set_role(drain_timeout_s: float) -> RoleSwitch:
     return set_role
 
 
-def etcd_workers(endpoint: str, cluster: str) -> Callable[[], list[WorkerInfo]]:
+def etcd_workers(endpoint: str, cluster: str,
+                 credentials: EtcdCredentials | None = None) -> Callable[[], list[WorkerInfo]]:
     def read() -> list[WorkerInfo]:
         async def fetch() -> list[WorkerInfo]:
-            async with make_client(endpoint) as client:
+            async with make_client(endpoint, credentials) as client:
                 return await list_workers(client, cluster)
         return asyncio.run(fetch())
 
@@ -242,7 +244,8 @@ def start_planner(sup: Supervisor, router_url: str) -> Planner:
     """`up --planner`: the planner thread against this cluster's etcd, router and workers."""
     c = sup.config.planner_config
     planner = Planner(sup, router_url, c, switch=grpc_set_role(c.drain_timeout_s),
-                      read_workers=etcd_workers(sup.etcd, sup.config.cluster))
+                      read_workers=etcd_workers(sup.etcd, sup.config.cluster,
+                                                sup.router_etcd.resolve()))
     sup.planner = planner
     planner.start()
     sup.say(f"planner: on (TTFT <= {c.ttft_slo_ms:.0f} ms, ITL <= {c.itl_slo_ms:.0f} ms "

@@ -1,13 +1,15 @@
 """Where a running `pdserve up` is found, and how its clients (`pdserve scale` / `status`,
 benchmarks, tests) talk to its control server (control.py): the run file
 `$PDSERVE_CACHE/run/current-cluster.json` (pid, url, etcd, cluster, control address and
-token, logs), readable by its user alone."""
+token, logs, where etcd's read-only user's password is), readable by its user alone."""
 from __future__ import annotations
 
 import json
 import os
 import urllib.request
 from pathlib import Path
+
+from cluster.etcd_security import EtcdCredentials, EtcdSecurity
 
 RUN_FILE = "current-cluster.json"
 
@@ -37,3 +39,9 @@ def control_request(run: dict, path: str = "", body: dict | None = None,
                                  method="POST" if body is not None else "GET")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.read()
+
+
+def etcd_credentials(run: dict) -> EtcdCredentials:
+    """How the `up` that wrote `run` lets its readers into etcd (`pdserve status`, the chaos
+    checks): its router's user (read only), resolved now."""
+    return EtcdSecurity(**run.get("etcd_security", {})).resolve()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
+from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES, Role
 from engine.flags import to_argv
 from local_cluster.config import UpConfig
@@ -39,9 +40,16 @@ TICK_S = 0.2
 
 
 class Supervisor:
-    def __init__(self, config: UpConfig, etcd_endpoint: str, log_dir: Path) -> None:
+    def __init__(self, config: UpConfig, etcd_endpoint: str, log_dir: Path,
+                 worker_etcd: EtcdSecurity = EtcdSecurity(),
+                 router_etcd: EtcdSecurity = EtcdSecurity()) -> None:
+        """`worker_etcd` / `router_etcd`: the etcd flags of the workers (a user that may write
+        the cluster's keys) and of the router, the planner and `status` (one that may read
+        them)."""
         self.config = config
         self.etcd = etcd_endpoint
+        self.worker_etcd = worker_etcd
+        self.router_etcd = router_etcd
         self.log_dir = log_dir
         self.policy = config.restart
         self.slots: list[Slot] = []
@@ -69,13 +77,13 @@ class Supervisor:
         return ServiceProcess(self.worker_command(role), self.log_dir / f"{name}.log")
 
     def worker_command(self, role: Role) -> list[str]:
-        """`pdserve <role> ...`'s arguments: the worker's WorkerConfig (this cluster's etcd,
-        name and thread count) and `UpConfig.engine_for(role)` as flags (engine.flags.to_argv:
+        """`pdserve <role> ...`'s arguments: the worker's WorkerConfig (this cluster's etcd and
+        the workers' etcd user, name and thread count) and `UpConfig.engine_for(role)` as flags (engine.flags.to_argv:
         every field off its default), then --worker-arg's, then --prefill-arg's or
         --decode-arg's (a later flag wins)."""
         c = self.config
-        worker = WorkerConfig(role=role, etcd=self.etcd, cluster=c.cluster,
-                              num_threads=self._threads(),
+        worker = WorkerConfig(role=role, etcd=self.etcd, etcd_security=self.worker_etcd,
+                              cluster=c.cluster, num_threads=self._threads(),
                               enable_admin_rpcs=c.runs_admin_rpcs)
         return [role, *to_argv(worker), *to_argv(c.engine_for(role)), *c.worker_args,
                 *c.role_args(role)]

@@ -20,13 +20,18 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from cluster.etcd_auth import cluster_auth
+from cluster.etcd_security import EtcdSecurity
 from cluster.net import free_port
 from cluster.roles import ROLES, Role
+from engine.flags import to_argv
 from local_cluster.children import EtcdChild, RouterProcess
 from local_cluster.config import UpConfig
 from local_cluster.control import remove_run_file, serve_control
 from local_cluster.slots import SlotState
 from local_cluster.supervisor import Supervisor
+
+LOOPBACK_CIDRS = ("127.0.0.0/8", "::1/128")
 
 
 def up(config: UpConfig) -> int:
@@ -34,6 +39,8 @@ def up(config: UpConfig) -> int:
     from engine.models.prepare import resolve_model_path
     from local_cluster.planner_loop import start_planner
 
+    if config.etcd is not None:  # a missing password or file stops the start (exit 2)
+        config.etcd_security.resolve()
     model = str(resolve_model_path(config.engine.model))  # prepare once, before N processes race
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
@@ -41,7 +48,12 @@ def up(config: UpConfig) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     etcd_ports = (free_port(), free_port())
     etcd = config.etcd or f"127.0.0.1:{etcd_ports[0]}"
-    sup = Supervisor(config, etcd, log_dir)
+    if config.etcd is None:  # our etcd, our users: passwords in 0600 files in the 0700 run_dir
+        users = cluster_auth(config.cluster, run_dir)
+        worker_etcd, router_etcd = users.worker, users.router
+    else:
+        worker_etcd = router_etcd = absolute_paths(config.etcd_security)
+    sup = Supervisor(config, etcd, log_dir, worker_etcd, router_etcd)
     control = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -49,7 +61,7 @@ def up(config: UpConfig) -> int:
     try:
         if config.etcd is None:
             sup.add_slot("etcd", lambda: EtcdChild(run_dir / "etcd-data", log_dir / "etcd.log",
-                                                   *etcd_ports), name="etcd")
+                                                   *etcd_ports, auth=users.auth), name="etcd")
         for role, count in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
             for _ in range(count):
                 sup.add_slot(role)
@@ -74,20 +86,22 @@ def add_router(sup: Supervisor) -> str:
     """The router's slot, on --port (0: a free one, kept across restarts); returns its URL."""
     port = sup.config.port or free_port()
     url = f"http://{sup.config.host}:{port}"
-    cmd = ["router", *router_flags(sup.config, sup.etcd, port)]
+    cmd = ["router", *router_flags(sup.config, sup.etcd, port, sup.router_etcd)]
     sup.add_slot("router", lambda: RouterProcess(cmd, sup.log_dir / "router.log", url), name="router")
     return url
 
 
-def router_flags(config: UpConfig, etcd: str, port: int) -> list[str]:
-    """`pdserve router`'s flags: this cluster's, the model, what the engine flags ask of the
+def router_flags(config: UpConfig, etcd: str, port: int,
+                 etcd_security: EtcdSecurity = EtcdSecurity()) -> list[str]:
+    """`pdserve router`'s flags: this cluster's, its etcd user, workers trusted on loopback
+    only (the workers `up` starts listen there), the model, what the engine flags ask of the
     router (--enable-lora and --lora-modules: it serves the adapters and may load more at run
     time; --enable-sleep-mode: the fleet-wide admin endpoints), then --router-arg's. Written
     out, since `local_cluster` never imports `router` (tests/test_imports.py); a test parses
     them with the router's own parser."""
     c, engine = config, config.engine
-    out = ["--etcd", etcd, "--cluster", c.cluster, "--host", c.host, "--port", str(port),
-           "--model", engine.model]
+    out = ["--etcd", etcd, *to_argv(etcd_security), "--cluster", c.cluster, "--host", c.host,
+           "--port", str(port), "--allowed-worker-cidrs", *LOOPBACK_CIDRS, "--model", engine.model]
     if engine.enable_lora:
         out.append("--enable-lora")
         if engine.lora_modules:
@@ -99,6 +113,13 @@ def router_flags(config: UpConfig, etcd: str, port: int) -> list[str]:
         if path:
             out += [flag, str(Path(path).resolve())]
     return [*out, *c.router_args]
+
+
+def absolute_paths(security: EtcdSecurity) -> EtcdSecurity:
+    """`security` with its files as absolute paths (the children may run elsewhere)."""
+    return dataclasses.replace(security, **{
+        k: str(Path(v).resolve()) for k, v in dataclasses.asdict(security).items()
+        if v is not None and k != "etcd_user"})
 
 
 def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:

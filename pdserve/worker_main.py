@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 
 from cluster.roles import Role
@@ -30,7 +31,8 @@ def run(role: Role, args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     config = from_args(WorkerConfig, args, role=role)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
-    return asyncio.run(_serve(config, engine_config))
+    etcd_credentials = config.etcd_security.resolve(os.environ)  # before any model loads
+    return asyncio.run(_serve(config, engine_config, etcd_credentials))
 
 
 def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineConfig:
@@ -48,14 +50,14 @@ def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineCon
     return dataclasses.replace(engine_config, speculative_config=None)
 
 
-async def _serve(config, engine_config) -> int:
+async def _serve(config, engine_config, etcd_credentials) -> int:
     from decode_node.worker import DecodeWorker
     from prefill_node.worker import PrefillWorker
     from proto import pdserve_pb2_grpc as pb_grpc
     from worker_runtime.runtime import WorkerRuntime
     from worker_runtime.service import WorkerService
 
-    runtime = WorkerRuntime.build(config, engine_config)
+    runtime = WorkerRuntime.build(config, engine_config, etcd_credentials)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
     decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)

@@ -194,7 +194,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             await asyncio.sleep(1.0)
 
     async def _refresh_registered(self) -> list[WorkerInfo]:
-        async with make_client(self.rt.config.etcd) as client:
+        async with make_client(self.rt.config.etcd, self.rt.etcd_credentials) as client:
             workers = await list_workers(client, self.rt.config.cluster)
         self._registered = {w.kv_metadata.encode("ascii") for w in workers if w.kv_metadata}
         return workers

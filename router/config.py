@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.etcd_security import GROUP as ETCD_GROUP
+from cluster.etcd_security import EtcdSecurity
 from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
+from router.allowed_workers import ANY, IPNetwork, parse_network
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 
@@ -144,6 +147,8 @@ class LimitsConfig:
 class RouterConfig:
     etcd: str = option(metavar="HOST:PORT")
     """etcd endpoint, host:port."""
+    etcd_security: EtcdSecurity = option(default_factory=EtcdSecurity, group=ETCD_GROUP)
+    """How the router authenticates to etcd: a user that may read the cluster's keys, TLS."""
     cluster: str = "default"
     """Cluster name: workers are read from /pdserve/<cluster>/workers/."""
     host: str = "127.0.0.1"
@@ -215,6 +220,12 @@ class RouterConfig:
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
     "vllm" = none (built-in defaults), or a folder holding a generation_config.json."""
+    allowed_worker_cidrs: tuple[IPNetwork, ...] = option(ANY, type=parse_network,
+                                                         group="security", metavar="CIDR")
+    """Networks a registration's gRPC and metrics addresses must lie in (IP addresses; a
+    host name is refused unless every address is allowed); others are ignored, with one
+    warning each, so a forged registration gets no prompts and no /metrics fetch. Default:
+    any address; `pdserve up` passes 127.0.0.0/8 ::1/128."""
     limits: LimitsConfig = option(default_factory=LimitsConfig, group="limits")
     """Bounds on what one client may ask: body size, timeouts, batch sizes, grammars."""
 
@@ -234,4 +245,5 @@ class RouterConfig:
             (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
+            (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
         ])

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from cluster.etcd_security import EtcdCredentials
 from cluster.registration import WorkerInfo, make_client, workers_prefix
 from cluster.retry import reconnect_forever
 from cluster.roles import ROLES, Role
@@ -40,11 +41,13 @@ class WorkerRegistry:
     def __init__(
         self,
         stale_after_s: float = 2.0,
-        accept: Callable[[WorkerInfo], bool] = lambda info: True,
+        refusal: Callable[[WorkerInfo], str | None] = lambda info: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`refusal(info)`: why a registration is ignored (another model, an address outside
+        --allowed-worker-cidrs), None to accept it."""
         self.stale_after_s = stale_after_s
-        self.accept = accept
+        self.refusal = refusal
         self.clock = clock
         self._workers: dict[str, WorkerState] = {}
         self._on_added: list[Listener] = []
@@ -85,11 +88,14 @@ class WorkerRegistry:
         return [w for w in self.by_role(role) if self.state_of(w, now) == "ready"]
 
     def put(self, info: WorkerInfo) -> None:
-        if not self.accept(info):
+        reason = self.refusal(info)
+        if reason is not None:
             if info.worker_id not in self._rejected:
                 self._rejected.add(info.worker_id)
-                log.warning("ignoring worker %s: model %r is not served here",
-                            info.worker_id, info.model_id)
+                log.warning("ignoring worker %s (%s): %s", info.worker_id, info.role, reason)
+            if info.worker_id in self._workers:  # its registration now names another place
+                self.delete(info.worker_id)
+                self._rejected.add(info.worker_id)
             return
         old = self._workers.get(info.worker_id)
         if old is not None and old.info.grpc_address != info.grpc_address:
@@ -178,9 +184,10 @@ class EtcdWatcher:
     """Keeps a WorkerRegistry equal to the registrations under the cluster's prefix."""
 
     def __init__(self, registry: WorkerRegistry, endpoint: str, cluster: str,
-                 resync_after_s: float = 5.0) -> None:
+                 resync_after_s: float = 5.0, credentials: EtcdCredentials | None = None) -> None:
         self.registry = registry
         self.endpoint = endpoint
+        self.credentials = credentials
         self.prefix = workers_prefix(cluster)
         self.resync_after_s = resync_after_s
 
@@ -188,7 +195,7 @@ class EtcdWatcher:
         await reconnect_forever(self._session, f"etcd watch at {self.endpoint}", log)
 
     async def _session(self) -> None:
-        async with make_client(self.endpoint) as client:
+        async with make_client(self.endpoint, self.credentials) as client:
             await self._sync_and_watch(client)
 
     async def _sync_and_watch(self, client) -> None:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
+from cluster.etcd_security import EtcdCredentials
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
 from router.channels import ChannelPool
@@ -25,6 +26,7 @@ from router.policy import make_policy
 from router.registry import EtcdWatcher, WorkerRegistry
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
+from router.allowed_workers import AllowedWorkers
 from router.auth import Keys, resolve_keys
 from router.key_limits import KeyLimits
 from router.limits import uvicorn_options
@@ -67,12 +69,15 @@ class RouterServices:
     """Everything a running router owns (the app sees it as `router.services.Services`).
     Background work starts in `start` (inside the event loop) and stops in `stop`."""
 
-    def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys) -> None:
+    def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys,
+                 etcd_credentials: EtcdCredentials | None = None) -> None:
         self.config = config
         self.card = card
         self.keys = keys
+        self.etcd_credentials = etcd_credentials
         self.metrics = RouterMetrics()
-        self.registry = WorkerRegistry(config.stale_after_s, accept=self._serves)
+        self._allowed = AllowedWorkers(config.allowed_worker_cidrs)
+        self.registry = WorkerRegistry(config.stale_after_s, refusal=self._refusal)
         self.index = KVIndex()
         self.channels = ChannelPool()
         self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
@@ -105,8 +110,10 @@ class RouterServices:
         live = [w for w in self.registry.ready(Role.DECODE) if w.info.max_model_len > 0]
         return max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
 
-    def _serves(self, info: WorkerInfo) -> bool:
-        return info.model_id in self.card.aliases or info.model_id == self.card.name
+    def _refusal(self, info: WorkerInfo) -> str | None:
+        if not (info.model_id in self.card.aliases or info.model_id == self.card.name):
+            return f"model {info.model_id!r} is not served here"
+        return self._allowed.refusal(info)
 
     def _on_removed(self, info: WorkerInfo) -> None:
         self.kv_subscriptions.on_removed(info)
@@ -114,7 +121,8 @@ class RouterServices:
             self.channels.retire(info.grpc_address)
 
     async def start(self, sync_timeout_s: float = 5.0) -> None:
-        watcher = EtcdWatcher(self.registry, self.config.etcd, self.config.cluster)
+        watcher = EtcdWatcher(self.registry, self.config.etcd, self.config.cluster,
+                              credentials=self.etcd_credentials)
         self._watch = asyncio.create_task(watcher.run(), name="etcd-watch")
         try:
             async with asyncio.timeout(sync_timeout_s):
@@ -173,8 +181,9 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
                     loop.remove_signal_handler(sig)
 
     keys = resolve_keys(config, os.environ)  # a refused key stops the start (exit 2)
+    etcd_credentials = config.etcd_security.resolve(os.environ)  # likewise
     card = load_model_card(config)
-    services = RouterServices(config, card, keys)
+    services = RouterServices(config, card, keys, etcd_credentials)
     server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
                                     log_level=log_level, timeout_graceful_shutdown=5,
                                     **uvicorn_options(config.limits)))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.etcd_security import GROUP as ETCD_GROUP
+from cluster.etcd_security import EtcdSecurity
 from cluster.roles import Role
 from engine.checks import check_fields
 from engine.flags import option
@@ -16,6 +18,8 @@ class WorkerConfig:
     later)."""
     etcd: str = option(metavar="HOST:PORT")
     """etcd endpoint host:port."""
+    etcd_security: EtcdSecurity = option(default_factory=EtcdSecurity, group=ETCD_GROUP)
+    """How the worker authenticates to etcd: a user that may write the cluster's keys, TLS."""
     cluster: str = "default"
     """Cluster name (etcd key prefix); router and workers of one cluster share it."""
     host: str = "127.0.0.1"

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.registration import Capacity, WorkerInfo
 from engine.engine_loop import EngineLoop
@@ -70,10 +71,14 @@ RegistrationFor = Callable[[Callable[[], WorkerInfo]], Registration]
 
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
-                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None) -> None:
+                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None,
+                 etcd_credentials: EtcdCredentials | None = None) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
-        the transfer agent the engine's pool is registered with here."""
+        the transfer agent the engine's pool is registered with here; `etcd_credentials`
+        (resolved from `config.etcd_security` at start) open every etcd client of this
+        worker."""
         self.config = config
+        self.etcd_credentials = etcd_credentials
         self.engine = engine
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
@@ -110,7 +115,8 @@ class WorkerRuntime:
         self.aio: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def build(cls, config: WorkerConfig, engine_config: EngineConfig) -> WorkerRuntime:
+    def build(cls, config: WorkerConfig, engine_config: EngineConfig,
+              etcd_credentials: EtcdCredentials | None = None) -> WorkerRuntime:
         """The production runtime: the engine, a NIXL agent, an etcd registration."""
         import torch
 
@@ -120,7 +126,10 @@ class WorkerRuntime:
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
         engine = LLMEngine(engine_config)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
-        return cls(config, engine, kv, lambda info: Registrar(config.etcd, config.cluster, info))
+        return cls(config, engine, kv,
+                   lambda info: Registrar(config.etcd, config.cluster, info,
+                                          credentials=etcd_credentials),
+                   etcd_credentials=etcd_credentials)
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""

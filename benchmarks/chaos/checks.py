@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import grpc
 
+from cluster.etcd_security import EtcdCredentials
 from cluster.registration import WorkerInfo, list_workers, make_client
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -28,21 +29,22 @@ class Settled(Generic[T]):
     "router": its /metrics did not answer. Empty: every registered worker answered."""
 
 
-async def _workers(etcd: str, cluster: str) -> list[WorkerInfo] | None:
+async def _workers(etcd: str, cluster: str,
+                   credentials: EtcdCredentials | None) -> list[WorkerInfo] | None:
     """The non-draining workers, or None while etcd is unreachable (a fault may have just
     restarted it): the callers poll until their deadline."""
     try:
-        async with make_client(etcd) as client:
+        async with make_client(etcd, credentials) as client:
             return [w for w in await list_workers(client, cluster) if not w.draining]
     except Exception:  # aetcd raises its own connection errors
         return None
 
 
-async def sweep(etcd: str, cluster: str,
-                call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]]) -> Settled[dict[str, Any]]:
+async def sweep(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+                credentials: EtcdCredentials | None = None) -> Settled[dict[str, Any]]:
     """`call` on every registered worker: worker id -> its reply. A worker that refuses or
     times out is unsettled, never an exception."""
-    workers = await _workers(etcd, cluster)
+    workers = await _workers(etcd, cluster, credentials)
     if workers is None:
         return Settled({}, {"etcd": "the workers could not be listed"})
     replies: dict[str, Any] = {}
@@ -58,13 +60,14 @@ async def sweep(etcd: str, cluster: str,
 
 async def settle(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
                  measure: Callable[[Settled[dict[str, Any]]], Settled[T]],
-                 ok: Callable[[T], bool], timeout_s: float) -> Settled[T]:
+                 ok: Callable[[T], bool], timeout_s: float,
+                 credentials: EtcdCredentials | None = None) -> Settled[T]:
     """`sweep` with `call` every 0.5 s and `measure` the replies, until every registered worker
     answers (a dead one's registration lapses with its lease) and the value is `ok`, or
     `timeout_s` ran out: the last measurement, with what had not settled."""
     deadline = time.monotonic() + timeout_s
     while True:
-        check = measure(await sweep(etcd, cluster, call))
+        check = measure(await sweep(etcd, cluster, call, credentials))
         if (not check.unsettled and ok(check.value)) or time.monotonic() > deadline:
             return check
         await asyncio.sleep(0.5)
@@ -78,8 +81,8 @@ def _cached_blocks(stub: pb_grpc.WorkerStub) -> Awaitable[pb.CachedBlocksRespons
     return stub.GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
 
 
-async def leaked_blocks(etcd: str, cluster: str,
-                        timeout_s: float = 60.0) -> Settled[dict[str, int]]:
+async def leaked_blocks(etcd: str, cluster: str, timeout_s: float = 60.0,
+                        credentials: EtcdCredentials | None = None) -> Settled[dict[str, int]]:
     """worker id -> blocks still in use (or requests still running/waiting) once the cluster
     went idle, waiting up to `timeout_s`; empty when nothing leaked."""
     def leaks(s: Settled[dict[str, Any]]) -> Settled[dict[str, int]]:
@@ -90,11 +93,12 @@ async def leaked_blocks(etcd: str, cluster: str,
                 held[worker_id] = c.total_blocks - c.free_blocks or c.running + c.waiting
         return Settled(held, s.unsettled)
 
-    return await settle(etcd, cluster, _health, leaks, lambda held: not held, timeout_s)
+    return await settle(etcd, cluster, _health, leaks, lambda held: not held, timeout_s,
+                        credentials)
 
 
-async def index_mismatch(router_url: str, etcd: str, cluster: str,
-                         timeout_s: float = 15.0) -> Settled[int]:
+async def index_mismatch(router_url: str, etcd: str, cluster: str, timeout_s: float = 15.0,
+                         credentials: EtcdCredentials | None = None) -> Settled[int]:
     """|router's indexed block hashes - the union of the workers' cached hashes| once both
     settled, waiting up to `timeout_s` (0 when consistent; -1: the workers could not be
     listed, or the router's /metrics did not answer)."""
@@ -109,7 +113,7 @@ async def index_mismatch(router_url: str, etcd: str, cluster: str,
         return Settled(abs(int(indexed) - len(cached)), s.unsettled)
 
     return await settle(etcd, cluster, _cached_blocks, mismatch, lambda diff: diff == 0,
-                        timeout_s)
+                        timeout_s, credentials)
 
 
 def router_metric(router_url: str, name: str, **labels: str) -> float:

@@ -1,17 +1,22 @@
 """`pdserve up --api-key-file` end to end with the official openai client (the key in a
-file, never on a command line; a request without it is refused): concurrent streaming chats,
+file, never on a command line; a request without it is refused; its etcd refuses anonymous
+clients, its password files are 0600): concurrent streaming chats,
 scale-out and scale-in under load with zero failed requests, a decode worker SIGKILLed under
 load (replaced: the pool is restored), the router SIGKILLed (back on the same port), and
 nothing left running after SIGTERM."""
 import asyncio
+import glob
 import os
 import signal
+import stat
 import time
 import urllib.request
 
 import openai
 import pytest
 from up_cluster import Load, Up, alive, chat
+
+from local_cluster.run_file import etcd_credentials
 
 pytestmark = pytest.mark.slow
 KEY = "up-test-key-3f9c2a"
@@ -23,6 +28,35 @@ def _cmdline(pid: int) -> list[str]:
             return f.read().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def _etcd_is_closed(up) -> None:
+    """up's etcd has auth on: an anonymous client cannot read the cluster's prefix; the
+    router's user can (`up.workers()` reads with it, as `pdserve status` does) but cannot
+    write; every password file is 0600 and no password is on a command line."""
+    from cluster.registration import make_client, worker_key
+
+    security = up.run["etcd_security"]
+    password_file = security["etcd_password_file"]
+    assert stat.S_IMODE(os.stat(password_file).st_mode) == 0o600
+    for path in glob.glob(os.path.join(os.path.dirname(password_file), "etcd-*.password")):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+        password = open(path).read().strip()
+        assert not any(password in " ".join(_cmdline(p))
+                       for ps in up.children().values() for p in ps)
+    assert len(glob.glob(os.path.join(os.path.dirname(password_file), "etcd-*.password"))) == 3
+    assert up.workers()  # the router's user reads the registrations
+
+    async def anonymous():
+        prefix = f"/pdserve/{up.run['cluster']}/".encode()
+        async with make_client(up.run["etcd"]) as client:
+            with pytest.raises(Exception, match="user name is empty"):
+                await client.get_prefix(prefix)
+        async with make_client(up.run["etcd"], etcd_credentials(up.run)) as client:
+            with pytest.raises(Exception, match="permission denied"):
+                await client.put(worker_key(up.run["cluster"], "decode", "forged"), b"{}")
+
+    asyncio.run(anonymous())
 
 
 def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
@@ -41,6 +75,7 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         assert not any(KEY in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps)
         pids |= {p for ps in up.children().values() for p in ps}
         assert {"prefill", "decode", "router", "etcd"} <= {k for k, v in up.children().items() if v}
+        _etcd_is_closed(up)
 
         # Scale out under load: the new decode worker starts receiving requests.
         load = Load(up.url, api_key=KEY)

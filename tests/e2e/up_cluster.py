@@ -12,6 +12,7 @@ import openai
 
 from cluster.registration import list_workers, make_client
 from local_cluster.launcher import UpProcess
+from local_cluster.run_file import etcd_credentials
 
 WORKER_FLAGS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
                 "--worker-arg=--dtype=float32"]
@@ -49,7 +50,7 @@ class Up(UpProcess):
 
     def workers(self):
         async def fetch():
-            async with make_client(self.run["etcd"]) as client:
+            async with make_client(self.run["etcd"], etcd_credentials(self.run)) as client:
                 return await list_workers(client, self.run["cluster"])
         return asyncio.run(fetch())
 

@@ -11,6 +11,7 @@ import pytest
 
 from local_cluster import control
 from local_cluster.control import MAX_SCALE_DELTA, serve_control
+from cluster.etcd_security import EtcdSecurity
 from local_cluster.run_file import control_request, current, run_file
 
 
@@ -19,6 +20,7 @@ class RecordingSupervisor:
     config = type("C", (), {"cluster": "c"})()
     log_dir = Path("/nonexistent-logs")
     planner = None
+    router_etcd = EtcdSecurity("pdserve-router", "/run/etcd-pdserve-router.password")
 
     def __init__(self) -> None:
         self.scaled: list[tuple[str, int]] = []
@@ -57,6 +59,7 @@ def _status(run: dict, path: str = "", body: bytes | None = None, token: str | N
 def test_the_run_file_is_private_and_requests_need_its_token(served):
     sup, run = served
     assert stat.S_IMODE(os.stat(run_file()).st_mode) == 0o600
+    assert EtcdSecurity(**current()["etcd_security"]) == RecordingSupervisor.router_etcd
     assert len(run["control_token"]) >= 32
     scale = json.dumps({"role": "decode", "delta": 1}).encode()
     for token in (None, "", "wrong", run["control_token"] + "x"):

@@ -6,8 +6,10 @@ import os
 
 import pytest
 from dataclasses import dataclass
+from ipaddress import ip_network
 from pathlib import Path
 
+from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES, Role
 from engine.config import EngineConfig, LoRAModule
 from engine.flags import add_flags, from_args, option, to_argv
@@ -126,14 +128,17 @@ def test_the_router_gets_the_cluster_the_model_and_what_the_engine_flags_ask_of_
     def router(config: UpConfig) -> RouterConfig:
         return router_config(build_parser().parse_args(["router", *router_flags(config, ETCD, 9000)]))
 
-    assert router(parse_up()) == RouterConfig(etcd=ETCD, port=9000)
+    loopback = (ip_network("127.0.0.0/8"), ip_network("::1/128"))
+    assert router(parse_up()) == RouterConfig(etcd=ETCD, port=9000, allowed_worker_cidrs=loopback)
     config = parse_up("--cluster", "c", "--host", "0.0.0.0", "--model", "/m", "--enable-lora",
                       "--lora-modules", "a=/x", "--max-loras", "2", "--enable-sleep-mode",
                       "--router-arg=--policy=round_robin")
     assert router(config) == RouterConfig(
         etcd=ETCD, cluster="c", host="0.0.0.0", port=9000, model="/m", enable_lora=True,
         lora_modules=(LoRAModule("a", "/x"),), enable_dev_endpoints=True,
-        placement=PlacementConfig(policy="round_robin"))
+        placement=PlacementConfig(policy="round_robin"), allowed_worker_cidrs=loopback)
+    wide = parse_up("--router-arg=--allowed-worker-cidrs", "--router-arg=10.0.0.0/8")
+    assert router(wide).allowed_worker_cidrs == (ip_network("10.0.0.0/8"),)  # a later flag wins
     assert router(parse_up("--enable-lora")).enable_lora
     keyed = router(parse_up("--api-key-file", "k.txt", "--admin-api-key-file", "/a.txt"))
     assert (keyed.api_key_file, keyed.admin_api_key_file) == (str(Path("k.txt").resolve()), "/a.txt")
@@ -150,6 +155,31 @@ def test_bad_up_flags_are_refused_by_name_before_anything_starts(capsys):
         (["--kv-cache-memory", "0"], "--kv-cache-memory: kv_cache_memory must be > 0, got 0"),
         (["--router-arg=--api-key=secret"], "--router-arg: router_args --api-key would put a key"),
         (["--router-arg=--admin-api-key"], "--router-arg: router_args --admin-api-key would put"),
+        (["--etcd-user", "u"], "--etcd-user apply to an etcd given with --etcd"),
+        (["--etcd", ETCD, "--etcd-password-file", "p"],
+         "--etcd-password-file: etcd_password_file needs --etcd-user"),
+        (["--etcd", ETCD, "--etcd-key", "k"], "--etcd-key: etcd_key needs --etcd-cert"),
+        (["--etcd", ETCD, "--etcd-cert", "c", "--etcd-key", "k"],
+         "--etcd-cert: etcd_cert needs --etcd-ca"),
+        (["--etcd", ETCD, "--etcd-user", ""], "--etcd-user: etcd_user must not be empty"),
+        (["--etcd", ETCD, "--etcd-user", "u"], "--etcd-user u needs its password: "
+         "--etcd-password-file or PDSERVE_ETCD_PASSWORD"),
     ]:
         assert main(["up", *flags]) == 2
         assert f"pdserve up: error: {message}" in capsys.readouterr().err
+
+
+def test_the_etcd_users_reach_the_workers_and_the_router_as_paths():
+    """`up` hands its workers one etcd user and its router another, as flags naming 0600
+    password files (never the password); with --etcd, the given flags go to every process,
+    and without it they are refused by name (its own etcd has generated users)."""
+    worker, router = (EtcdSecurity("w", "/run/w.password"),
+                      EtcdSecurity("r", "/run/r.password", etcd_ca="/ca.pem"))
+    sup = Supervisor(parse_up(), ETCD, Path("/nonexistent-logs"), worker, router)
+    for role in ROLES:
+        assert started(sup.worker_command(role))[0].etcd_security == worker
+    flags = router_flags(sup.config, ETCD, 9000, router)
+    parsed = router_config(build_parser().parse_args(["router", *flags]))
+    assert parsed.etcd_security == router
+    given = parse_up("--etcd", ETCD, "--etcd-user", "u", "--etcd-password-file", "p")
+    assert given.etcd_security == EtcdSecurity("u", "p")

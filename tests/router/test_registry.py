@@ -63,7 +63,7 @@ def test_restart_rebuilds_from_etcd_and_ignores_other_models(etcd, bg, cluster_n
                    for role, wid in [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")]]
         other = await FakeWorker("decode", etcd.endpoint, cluster_name, "x", model_id="other").start()
         registry, task = _watch(etcd, cluster_name,
-                                accept=lambda info: info.model_id != "other")
+                                refusal=lambda info: "other model" if info.model_id == "other" else None)
         await wait_for(lambda: registry.synced.is_set())
         assert sorted(w.info.worker_id for w in registry.all()) == ["d1", "d2", "p1"]
         task.cancel()

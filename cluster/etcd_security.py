@@ -1,0 +1,113 @@
+"""How a process authenticates to etcd: `EtcdSecurity`, the flags (a nested config of
+WorkerConfig, RouterConfig and UpConfig), and `EtcdCredentials`, what `resolve` reads from
+them once at start (the password, the TLS files' bytes) and every etcd client is made with
+(cluster/etcd_client.py `make_client`).
+
+Torch-free and stdlib-only: the router and `pdserve --help` import it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from engine.checks import FieldError
+from engine.flags import option
+
+PASSWORD_ENV = "PDSERVE_ETCD_PASSWORD"
+GROUP = "etcd security (docs/security.md)"
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS material, read: the CA that signs etcd's certificate, and this client's own
+    certificate and key (both or neither)."""
+
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """What an etcd client is made with; the default is anonymous over plain gRPC."""
+
+    user: str | None = None
+    password: str | None = None
+    tls: EtcdTls | None = None
+
+    def __repr__(self) -> str:  # never the password, in a log or a traceback
+        return f"EtcdCredentials(user={self.user!r}, tls={self.tls is not None})"
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """etcd's user and TLS (etcdctl's --user, --cacert, --cert, --key)."""
+
+    etcd_user: str | None = option(None, group=GROUP, metavar="NAME")
+    """etcd user to authenticate as (needs --etcd-password-file or PDSERVE_ETCD_PASSWORD).
+    Default: none; an etcd with auth enabled then refuses every request."""
+    etcd_password_file: str | None = option(None, group=GROUP, metavar="PATH")
+    """File whose first line is the --etcd-user's password (else PDSERVE_ETCD_PASSWORD;
+    never a flag: it would show in `ps`)."""
+    etcd_ca: str | None = option(None, group=GROUP, metavar="PATH")
+    """CA certificate (PEM) that etcd's server certificate must chain to: talk to etcd over
+    TLS, the endpoint's host checked against the certificate. Default: plain gRPC."""
+    etcd_cert: str | None = option(None, group=GROUP, metavar="PATH")
+    """Client certificate (PEM) presented to etcd (etcd's --client-cert-auth); needs
+    --etcd-key and --etcd-ca."""
+    etcd_key: str | None = option(None, group=GROUP, metavar="PATH")
+    """Private key (PEM) of --etcd-cert."""
+
+    def __post_init__(self) -> None:
+        for name in ("etcd_user", "etcd_password_file", "etcd_ca", "etcd_cert", "etcd_key"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise FieldError(name, f"{name} must not be empty")
+        if self.etcd_password_file and not self.etcd_user:
+            raise FieldError("etcd_password_file", "etcd_password_file needs --etcd-user "
+                             "(whose password it holds)")
+        if (self.etcd_cert is None) != (self.etcd_key is None):
+            given, missing = (("etcd_cert", "--etcd-key") if self.etcd_key is None
+                              else ("etcd_key", "--etcd-cert"))
+            raise FieldError(given, f"{given} needs {missing} (a client certificate and its "
+                             "key go together)")
+        if self.etcd_cert and not self.etcd_ca:
+            raise FieldError("etcd_cert", "etcd_cert needs --etcd-ca (the CA that etcd's own "
+                             "certificate is checked against)")
+
+    def resolve(self, environ: Mapping[str, str] = os.environ) -> EtcdCredentials:
+        """Read the password and the TLS files, once, at start. Raises ValueError naming the
+        flag (or PDSERVE_ETCD_PASSWORD) of anything missing, unreadable or empty."""
+        password = None
+        if self.etcd_user:
+            if self.etcd_password_file:
+                text = _read("--etcd-password-file", self.etcd_password_file).decode()
+                password = text.splitlines()[0].strip()
+                if not password:
+                    raise ValueError(f"--etcd-password-file {self.etcd_password_file}: the "
+                                     "first line is empty")
+            elif environ.get(PASSWORD_ENV):
+                password = environ[PASSWORD_ENV]
+            else:
+                raise ValueError(f"--etcd-user {self.etcd_user} needs its password: "
+                                 f"--etcd-password-file or {PASSWORD_ENV}")
+        elif environ.get(PASSWORD_ENV):
+            raise ValueError(f"{PASSWORD_ENV} is set but --etcd-user is not: say whose "
+                             "password it is")
+        tls = None
+        if self.etcd_ca:
+            tls = EtcdTls(_read("--etcd-ca", self.etcd_ca),
+                          self.etcd_cert and _read("--etcd-cert", self.etcd_cert),
+                          self.etcd_key and _read("--etcd-key", self.etcd_key))
+        return EtcdCredentials(self.etcd_user, password, tls)
+
+
+def _read(flag: str, path: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+    if not data.strip():
+        raise ValueError(f"{flag} {path}: the file is empty")
+    return data
