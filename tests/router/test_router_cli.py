@@ -1,11 +1,13 @@
 """`pdserve router`: cheap to import, every config field has a flag, help is true to the code."""
 import dataclasses
 import subprocess
+from ipaddress import ip_network
 import sys
 from pathlib import Path
 
 import pytest
 
+from cluster.etcd_security import EtcdSecurity
 from engine.config import LoRAModule
 from engine.flags import to_argv
 from pdserve.cli import build_parser, main
@@ -49,6 +51,8 @@ def test_flags_reach_the_config():
         "--max-logit-bias", "10", "--max-grammar-bytes", "11", "--grammar-compile-timeout", "12",
         "--grammar-compile-processes", "13", "--tokenizer-threads", "14",
         "--max-concurrent-requests-per-key", "15", "--max-tokens-per-minute-per-key", "16",
+        "--allowed-worker-cidrs", "10.0.0.0/8", "::1", "--etcd-user", "u",
+        "--etcd-password-file", "/pw", "--etcd-ca", "/ca", "--etcd-cert", "/c", "--etcd-key", "/k",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -63,6 +67,8 @@ def test_flags_reach_the_config():
         max_bad_words=9, max_logit_bias=10, max_grammar_bytes=11, grammar_compile_timeout_s=12,
         grammar_compile_processes=13, tokenizer_threads=14, max_concurrent_requests_per_key=15,
         max_tokens_per_minute_per_key=16)
+    assert cfg.etcd_security == EtcdSecurity("u", "/pw", "/ca", "/c", "/k")
+    assert cfg.allowed_worker_cidrs == (ip_network("10.0.0.0/8"), ip_network("::1/128"))
     assert cfg.enable_lora and cfg.enable_dev_endpoints
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
     assert (cfg.api_key_file, cfg.admin_api_key, cfg.admin_api_key_file) == (
@@ -78,10 +84,12 @@ def test_flags_reach_the_config():
     assert default == RouterConfig(etcd="h:1")
     # Every field has a flag: each one above moved its field off the default.
     for f in dataclasses.fields(RouterConfig):
-        if f.name not in ("etcd", "placement", "limits"):
+        if f.name not in ("etcd", "placement", "limits", "etcd_security"):
             assert getattr(cfg, f.name) != getattr(default, f.name), f.name
     for f in dataclasses.fields(PlacementConfig):
         assert getattr(cfg.placement, f.name) != getattr(default.placement, f.name), f.name
+    for f in dataclasses.fields(EtcdSecurity):
+        assert getattr(cfg.etcd_security, f.name) != getattr(default.etcd_security, f.name), f.name
     for f in dataclasses.fields(LimitsConfig):
         assert getattr(cfg.limits, f.name) != getattr(default.limits, f.name), f.name
     # ... and the flags that reproduce a config give it back.
