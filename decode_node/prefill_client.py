@@ -18,6 +18,7 @@ from typing import NamedTuple
 import grpc
 
 from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
+from cluster.grpc_auth import aio_channel
 from cluster.retry import Backoff
 from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
@@ -162,7 +163,7 @@ class PrefillClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = aio_channel(address, self.rt.auth)
         return channel
 
 

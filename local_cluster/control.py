@@ -10,6 +10,7 @@ posting to loopback — cannot scale or read the cluster (401). A scale asks for
 `MAX_SCALE_DELTA` workers at a time; bodies are at most `MAX_BODY_BYTES`."""
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import os
@@ -39,6 +40,7 @@ def serve_control(supervisor: Supervisor, url: str) -> ThreadingHTTPServer:
         "pid": os.getpid(), "url": url, "etcd": supervisor.etcd, "cluster": supervisor.config.cluster,
         "control": f"http://127.0.0.1:{server.server_address[1]}", "control_token": token,
         "logs": str(supervisor.log_dir),
+        "grpc_security": dataclasses.asdict(supervisor.config.grpc_security),
     })
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

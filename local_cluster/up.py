@@ -20,8 +20,10 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from cluster.grpc_security import ClusterAuth, resolve, write_token_file
 from cluster.net import free_port
 from cluster.roles import ROLES, Role
+from engine.flags import to_argv
 from local_cluster.children import EtcdChild, RouterProcess
 from local_cluster.config import UpConfig
 from local_cluster.control import remove_run_file, serve_control
@@ -34,9 +36,11 @@ def up(config: UpConfig) -> int:
     from engine.models.prepare import resolve_model_path
     from local_cluster.planner_loop import start_planner
 
+    resolve(config.grpc_security, os.environ)  # a refused token or TLS file: exit 2 at once
     model = str(resolve_model_path(config.engine.model))  # prepare once, before N processes race
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    config, auth = cluster_security(config, run_dir)
     log_dir = Path(config.log_dir) if config.log_dir else run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     etcd_ports = (free_port(), free_port())
@@ -62,12 +66,26 @@ def up(config: UpConfig) -> int:
             sup.say(f"error: {problem}")
             return 1
         if config.planner:
-            start_planner(sup, url)
+            start_planner(sup, url, auth)
         control = serve_control(sup, url)
         _print_banner(sup, url)
         return supervise(sup, stop)
     finally:
         stop_cluster(sup, control, run_dir)
+
+
+def cluster_security(config: UpConfig, run_dir: Path) -> tuple[UpConfig, ClusterAuth]:
+    """The cluster's gRPC security, by absolute path, and what it resolves to: the user's
+    --cluster-token-file, else PDSERVE_CLUSTER_TOKEN (the children inherit it), else a random
+    token made for this cluster in `run_dir`/cluster-token (0600; removed with `run_dir` when
+    `up` stops). --tls-* files pass through as given."""
+    security = config.grpc_security.absolute()
+    auth = resolve(security, os.environ)
+    if auth.token is None:
+        path = write_token_file(run_dir / "cluster-token")
+        security = dataclasses.replace(security, cluster_token_file=str(path))
+        auth = resolve(security, os.environ)
+    return dataclasses.replace(config, grpc_security=security), auth
 
 
 def add_router(sup: Supervisor) -> str:
@@ -98,6 +116,7 @@ def router_flags(config: UpConfig, etcd: str, port: int) -> list[str]:
                        ("--admin-api-key-file", c.admin_api_key_file)):
         if path:
             out += [flag, str(Path(path).resolve())]
+    out += to_argv(c.grpc_security.absolute())  # file paths: no secret on the command line
     return [*out, *c.router_args]
 
 
@@ -128,6 +147,9 @@ def _print_banner(sup: Supervisor, url: str) -> None:
     print(f"pdserve is up: {url}  ({ready['prefill']}/{c.prefill} prefill + "
           f"{ready['decode']}/{c.decode} decode ready, etcd {sup.etcd})")
     print(f"logs: {sup.log_dir}")
+    if c.grpc_security.cluster_token_file:
+        print(f"gRPC cluster token: {c.grpc_security.cluster_token_file} (e.g. `pdserve role "
+              f"--worker HOST:PORT --cluster-token-file {c.grpc_security.cluster_token_file}`)")
     auth = ""  # never the key itself: where the client finds it
     if c.api_key_file:
         auth = f" -H \"Authorization: Bearer $(head -n1 {Path(c.api_key_file).resolve()})\""

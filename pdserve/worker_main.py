@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 
+from cluster.grpc_security import resolve
 from cluster.roles import Role
 from engine.config import EngineConfig, add_engine_args
 from engine.flags import add_flags, from_args
@@ -26,11 +28,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(role: Role, args: argparse.Namespace) -> int:
-    """Both configs from the parsed flags (once), then serve until SIGTERM."""
+    """Both configs from the parsed flags (once) and the cluster token / TLS files they name
+    (a refused one stops the start: exit 2), then serve until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     config = from_args(WorkerConfig, args, role=role)
+    auth = resolve(config.grpc_security, os.environ)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
-    return asyncio.run(_serve(config, engine_config))
+    return asyncio.run(_serve(config, engine_config, auth))
 
 
 def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineConfig:
@@ -48,14 +52,14 @@ def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineCon
     return dataclasses.replace(engine_config, speculative_config=None)
 
 
-async def _serve(config, engine_config) -> int:
+async def _serve(config, engine_config, auth) -> int:
     from decode_node.worker import DecodeWorker
     from prefill_node.worker import PrefillWorker
     from proto import pdserve_pb2_grpc as pb_grpc
     from worker_runtime.runtime import WorkerRuntime
     from worker_runtime.service import WorkerService
 
-    runtime = WorkerRuntime.build(config, engine_config)
+    runtime = WorkerRuntime.build(config, engine_config, auth)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
     decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
+from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
 from router.channels import ChannelPool
@@ -66,14 +67,17 @@ class RouterServices:
     """Everything a running router owns (the app sees it as `router.services.Services`).
     Background work starts in `start` (inside the event loop) and stops in `stop`."""
 
-    def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys) -> None:
+    def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys,
+                 auth: ClusterAuth = OPEN) -> None:
+        """`auth`: what the channels to the workers present, resolved from
+        `config.grpc_security` at start (`serve`); open for workers that ask for nothing."""
         self.config = config
         self.card = card
         self.keys = keys
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(config.stale_after_s, accept=self._serves)
         self.index = KVIndex()
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(auth)
         self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
         self.registry.add_listener(self.kv_subscriptions.on_added, self._on_removed)
         self.registry.add_weights_listener(self.kv_subscriptions.on_new_weights)
@@ -169,8 +173,10 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
                     loop.remove_signal_handler(sig)
 
     keys = resolve_keys(config, os.environ)  # a refused key stops the start (exit 2)
+    auth = resolve(config.grpc_security, os.environ)  # likewise a refused token or TLS file
+    log.info("gRPC to the workers presents: %s", auth.describe())
     card = load_model_card(config)
-    services = RouterServices(config, card, keys)
+    services = RouterServices(config, card, keys, auth)
     server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
                                     log_level=log_level, timeout_graceful_shutdown=5,
                                     **uvicorn_options(config.limits)))

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from cluster.grpc_auth import add_port, server_interceptors
+from cluster.grpc_security import ClusterAuth
 from cluster.registration import Capacity, WorkerInfo
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
@@ -67,12 +69,23 @@ RegistrationFor = Callable[[Callable[[], WorkerInfo]], Registration]
 """Makes the registration that publishes what the given callable describes."""
 
 
+def make_grpc_server(auth: ClusterAuth) -> grpc.aio.Server:
+    """A worker's gRPC server: the cluster-token check first (when `auth` has a token: a call
+    without it never reaches a servicer), then the exception -> status mapping."""
+    return grpc.aio.server(interceptors=[*server_interceptors(auth), StatusInterceptor()],
+                           options=[("grpc.so_reuseport", 0)])
+
+
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
-                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None) -> None:
+                 registration_for: RegistrationFor, *, auth: ClusterAuth,
+                 metrics: WorkerMetrics | None = None) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
-        the transfer agent the engine's pool is registered with here."""
+        the transfer agent the engine's pool is registered with here; `auth` (resolved from
+        `config.grpc_security` at start) guards its gRPC port and the channels it opens to
+        other workers."""
         self.config = config
+        self.auth = auth
         self.engine = engine
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
@@ -109,7 +122,8 @@ class WorkerRuntime:
         self.aio: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def build(cls, config: WorkerConfig, engine_config: EngineConfig) -> WorkerRuntime:
+    def build(cls, config: WorkerConfig, engine_config: EngineConfig,
+              auth: ClusterAuth) -> WorkerRuntime:
         """The production runtime: the engine, a NIXL agent, an etcd registration."""
         import torch
 
@@ -119,7 +133,8 @@ class WorkerRuntime:
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
         engine = LLMEngine(engine_config)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
-        return cls(config, engine, kv, lambda info: Registrar(config.etcd, config.cluster, info))
+        return cls(config, engine, kv, lambda info: Registrar(config.etcd, config.cluster, info),
+                   auth=auth)
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""
@@ -307,13 +322,19 @@ class WorkerRuntime:
         self.attach(asyncio.get_running_loop())
         cfg = self.config
         host = cfg.advertise_host or cfg.host
-        server = grpc.aio.server(interceptors=[StatusInterceptor()],
-                                 options=[("grpc.so_reuseport", 0)])
+        server = make_grpc_server(self.auth)
         add_servicers(server)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(server, f"{cfg.host}:{cfg.port}", self.auth)
         if port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
         self.grpc_address = f"{host}:{port}"
+        if not self.auth.authenticated:
+            log.warning("the gRPC port %s is unauthenticated: whoever reaches it can Generate, "
+                        "Prefill, Abort, Embed and read cached blocks (give --cluster-token-file "
+                        "or PDSERVE_CLUSTER_TOKEN, or --tls-cert/--tls-key/--tls-ca; "
+                        "docs/security.md)", self.grpc_address)
+        else:
+            log.info("gRPC callers must present: %s", self.auth.describe())
         if not self.worker_id:
             self.worker_id = f"{cfg.role}-{host}-{port}"
         metrics_port = cfg.metrics_port or free_port(cfg.host)

@@ -10,6 +10,8 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import grpc
 
+from cluster.grpc_auth import aio_channel
+from cluster.grpc_security import ClusterAuth
 from cluster.registration import WorkerInfo, list_workers, make_client
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -38,10 +40,10 @@ async def _workers(etcd: str, cluster: str) -> list[WorkerInfo] | None:
         return None
 
 
-async def sweep(etcd: str, cluster: str,
+async def sweep(etcd: str, cluster: str, auth: ClusterAuth,
                 call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]]) -> Settled[dict[str, Any]]:
-    """`call` on every registered worker: worker id -> its reply. A worker that refuses or
-    times out is unsettled, never an exception."""
+    """`call` on every registered worker (presenting `auth`): worker id -> its reply. A worker
+    that refuses or times out is unsettled, never an exception."""
     workers = await _workers(etcd, cluster)
     if workers is None:
         return Settled({}, {"etcd": "the workers could not be listed"})
@@ -49,14 +51,15 @@ async def sweep(etcd: str, cluster: str,
     unsettled: dict[str, str] = {}
     for w in workers:
         try:
-            async with grpc.aio.insecure_channel(w.grpc_address) as ch:
+            async with aio_channel(w.grpc_address, auth) as ch:
                 replies[w.worker_id] = await call(pb_grpc.WorkerStub(ch))
         except grpc.aio.AioRpcError as exc:
             unsettled[w.worker_id] = f"{exc.code().name}: {exc.details()}"
     return Settled(replies, unsettled)
 
 
-async def settle(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+async def settle(etcd: str, cluster: str, auth: ClusterAuth,
+                 call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
                  measure: Callable[[Settled[dict[str, Any]]], Settled[T]],
                  ok: Callable[[T], bool], timeout_s: float) -> Settled[T]:
     """`sweep` with `call` every 0.5 s and `measure` the replies, until every registered worker
@@ -64,7 +67,7 @@ async def settle(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], A
     `timeout_s` ran out: the last measurement, with what had not settled."""
     deadline = time.monotonic() + timeout_s
     while True:
-        check = measure(await sweep(etcd, cluster, call))
+        check = measure(await sweep(etcd, cluster, auth, call))
         if (not check.unsettled and ok(check.value)) or time.monotonic() > deadline:
             return check
         await asyncio.sleep(0.5)
@@ -78,7 +81,7 @@ def _cached_blocks(stub: pb_grpc.WorkerStub) -> Awaitable[pb.CachedBlocksRespons
     return stub.GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
 
 
-async def leaked_blocks(etcd: str, cluster: str,
+async def leaked_blocks(etcd: str, cluster: str, auth: ClusterAuth,
                         timeout_s: float = 60.0) -> Settled[dict[str, int]]:
     """worker id -> blocks still in use (or requests still running/waiting) once the cluster
     went idle, waiting up to `timeout_s`; empty when nothing leaked."""
@@ -90,10 +93,10 @@ async def leaked_blocks(etcd: str, cluster: str,
                 held[worker_id] = c.total_blocks - c.free_blocks or c.running + c.waiting
         return Settled(held, s.unsettled)
 
-    return await settle(etcd, cluster, _health, leaks, lambda held: not held, timeout_s)
+    return await settle(etcd, cluster, auth, _health, leaks, lambda held: not held, timeout_s)
 
 
-async def index_mismatch(router_url: str, etcd: str, cluster: str,
+async def index_mismatch(router_url: str, etcd: str, cluster: str, auth: ClusterAuth,
                          timeout_s: float = 15.0) -> Settled[int]:
     """|router's indexed block hashes - the union of the workers' cached hashes| once both
     settled, waiting up to `timeout_s` (0 when consistent; -1: the workers could not be
@@ -108,7 +111,7 @@ async def index_mismatch(router_url: str, etcd: str, cluster: str,
         cached = {h for reply in s.value.values() for h in reply.block_hashes}
         return Settled(abs(int(indexed) - len(cached)), s.unsettled)
 
-    return await settle(etcd, cluster, _cached_blocks, mismatch, lambda diff: diff == 0,
+    return await settle(etcd, cluster, auth, _cached_blocks, mismatch, lambda diff: diff == 0,
                         timeout_s)
 
 
