@@ -4,15 +4,15 @@ its resolution at start: grpc_security.py). Every worker server is built with
 (the router's, a decode worker's to its prefill workers, `pdserve role`, the planner,
 benchmarks) comes from `aio_channel` or `channel`.
 
-A token travels as `authorization: Bearer <token>`: as call credentials on a TLS channel,
-added by a client interceptor on a plain one (gRPC sends call credentials over TLS only).
+A token travels as `authorization: Bearer <token>` metadata that every stub method of the
+channel adds, on plain and TLS channels alike (cheaper than a client interceptor or, on TLS,
+call credentials: benchmarks/README.md, "gRPC authentication").
 """
 from __future__ import annotations
 
 import hmac
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -82,34 +82,31 @@ def _refusal(handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.R
     return grpc.unary_unary_rpc_method_handler(refuse, **kw)
 
 
-# ---- channels ------------------------------------------------------------------------------
+# ---- channels ----------------------------------------------------------------------------
 
 def aio_channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -> grpc.aio.Channel:
-    """An asyncio channel to a worker that presents what `auth` holds: TLS (and the token as
-    call credentials) when configured, else a plain channel, with the token added by a client
-    interceptor when there is one."""
+    """An asyncio channel to a worker that presents what `auth` holds: mutual TLS when
+    configured (else a plain channel), and the token on every call when there is one."""
     if auth.tls is not None:
-        return grpc.aio.secure_channel(address, _credentials(auth), options=_options(auth, options))
-    interceptors = ([_AioUnaryToken(auth.token), _AioStreamToken(auth.token)]
-                    if auth.token is not None else None)
-    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+        ch = grpc.aio.secure_channel(address, _credentials(auth), options=_options(auth, options))
+    else:
+        ch = grpc.aio.insecure_channel(address, options=list(options))
+    return _AioTokenChannel(ch, _header(auth.token)) if auth.token is not None else ch
 
 
 def channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -> grpc.Channel:
     """The blocking twin of `aio_channel` (`pdserve role`, the planner, benchmarks)."""
     if auth.tls is not None:
-        return grpc.secure_channel(address, _credentials(auth), options=_options(auth, options))
-    plain = grpc.insecure_channel(address, options=list(options))
-    return grpc.intercept_channel(plain, _SyncToken(auth.token)) if auth.token is not None else plain
+        ch = grpc.secure_channel(address, _credentials(auth), options=_options(auth, options))
+    else:
+        ch = grpc.insecure_channel(address, options=list(options))
+    return _TokenChannel(ch, _header(auth.token)) if auth.token is not None else ch
 
 
 def _credentials(auth: ClusterAuth) -> grpc.ChannelCredentials:
     tls = auth.tls
-    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                         certificate_chain=tls.cert)
-    if auth.token is None:
-        return creds
-    return grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(auth.token))
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                        certificate_chain=tls.cert)
 
 
 def _options(auth: ClusterAuth, options: ChannelOptions) -> list[tuple[str, Any]]:
@@ -117,51 +114,89 @@ def _options(auth: ClusterAuth, options: ChannelOptions) -> list[tuple[str, Any]
     return [*options, *([("grpc.ssl_target_name_override", name)] if name else [])]
 
 
-class _AioToken:
-    """Adds the token to the calls of a plain asyncio channel (grpc.aio files an interceptor
-    under one call kind only: one subclass per kind)."""
-
-    def __init__(self, token: str) -> None:
-        self._header = (_HEADER, f"Bearer {token}")
-
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*tuple(details.metadata or ()), self._header)
-        return details._replace(metadata=metadata)
+Header = tuple[str, str]
 
 
-class _AioUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
+def _header(token: str) -> Header:
+    return (_HEADER, f"Bearer {token}")
 
 
-class _AioStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._with_token(client_call_details), request)
+class _WithToken:
+    """A stub method whose every call carries the token header beside the caller's metadata.
+    The token goes on the call itself: a client interceptor would also do it, but grpc.aio
+    then relays every streamed message through Python (+20% CPU per 16-message Generate), and
+    call credentials cost as much on TLS; this costs one Python call per RPC."""
+
+    __slots__ = ("_method", "_header")
+
+    def __init__(self, method: Any, header: Header) -> None:
+        self._method, self._header = method, header
+
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._method(*args, metadata=(*(metadata or ()), self._header), **kwargs)
+
+    def with_call(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._method.with_call(*args, metadata=(*(metadata or ()), self._header), **kwargs)
+
+    def future(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._method.future(*args, metadata=(*(metadata or ()), self._header), **kwargs)
 
 
-@dataclass(frozen=True)
-class _SyncDetails(grpc.ClientCallDetails):
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: Any
-    wait_for_ready: bool | None
-    compression: Any
+class _StubMethodsWithToken:
+    """The stub-method factories of a channel wrapper: each method carries the token."""
+
+    def __init__(self, channel: Any, header: Header) -> None:
+        self._channel, self._header = channel, header
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> _WithToken:
+        return _WithToken(self._channel.unary_unary(*args, **kwargs), self._header)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> _WithToken:
+        return _WithToken(self._channel.unary_stream(*args, **kwargs), self._header)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> _WithToken:
+        return _WithToken(self._channel.stream_unary(*args, **kwargs), self._header)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> _WithToken:
+        return _WithToken(self._channel.stream_stream(*args, **kwargs), self._header)
 
 
-class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds the token to every unary and server-streaming call of a plain blocking channel."""
+class _AioTokenChannel(_StubMethodsWithToken, grpc.aio.Channel):
+    """A plain asyncio channel whose stub methods all carry the token (`_WithToken`)."""
 
-    def __init__(self, token: str) -> None:
-        self._header = (_HEADER, f"Bearer {token}")
+    async def __aenter__(self) -> "_AioTokenChannel":
+        return self
 
-    def _with_token(self, d) -> _SyncDetails:
-        return _SyncDetails(d.method, d.timeout, [*(d.metadata or ()), self._header],
-                            d.credentials, getattr(d, "wait_for_ready", None),
-                            getattr(d, "compression", None))
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._channel.close(None)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._with_token(client_call_details), request)
+    async def close(self, grace: float | None = None) -> None:
+        await self._channel.close(grace)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._with_token(client_call_details), request)
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
+
+
+class _TokenChannel(_StubMethodsWithToken, grpc.Channel):
+    """A plain blocking channel whose stub methods all carry the token (`_WithToken`)."""
+
+    def __enter__(self) -> "_TokenChannel":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._channel.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
+        self._channel.subscribe(callback, try_to_connect)
+
+    def unsubscribe(self, callback: Any) -> None:
+        self._channel.unsubscribe(callback)

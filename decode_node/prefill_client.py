@@ -144,7 +144,9 @@ class PrefillClient:
         """Abort the request on P. P's Abort answers once its sender reported the transfer:
         no write of it can land any more. Retried until P answers; only when nothing serves
         at P's address (UNAVAILABLE, `_GONE_AFTER` times in a row: a dead process writes
-        nothing) is P taken as stopped without its word."""
+        nothing) is P taken as stopped without its word, or when P refuses our cluster token
+        (UNAUTHENTICATED: a process's token is fixed for its life, so the process serving
+        there never ran this attempt's Prefill; the one that did is gone)."""
         rt = self.rt
         stub = pb_grpc.WorkerStub(self._channel(worker.address))
         backoff, unavailable = Backoff(first_s=0.05, max_s=2.0), 0
@@ -154,7 +156,7 @@ class PrefillClient:
                 break
             except grpc.aio.AioRpcError as err:
                 unavailable = unavailable + 1 if err.code() is grpc.StatusCode.UNAVAILABLE else 0
-                if unavailable >= _GONE_AFTER:
+                if unavailable >= _GONE_AFTER or err.code() is grpc.StatusCode.UNAUTHENTICATED:
                     break
                 log.info("abort of %s on %s: %s; retrying", request_id, worker.address, err.code().name)
             await backoff.sleep()

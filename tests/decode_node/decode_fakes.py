@@ -217,6 +217,11 @@ def unavailable() -> grpc.aio.AioRpcError:
                                 details="connection refused")
 
 
+def unauthenticated() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), details="wrong cluster token: ...")
+
+
 def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:
     backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
     pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
