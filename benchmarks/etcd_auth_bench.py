@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.etcd_auth import cluster_auth
+from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo
@@ -68,7 +68,7 @@ def main() -> None:
                         help="etcd's --bcrypt-cost (pdserve up: 4; etcd's default: 10)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        users = cluster_auth(CLUSTER, Path(tmp))
+        users = etcd_users(CLUSTER, Path(tmp))
         users = replace(users, auth=replace(users.auth, bcrypt_cost=args.bcrypt_cost))
         tls = throwaway_ca(Path(tmp)) if openssl_available() else None
         servers = {"open": EtcdServer(), "users": EtcdServer(auth=users.auth)}

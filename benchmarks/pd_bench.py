@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from cluster.etcd_server import EtcdServer
+from cluster.grpc_auth import aio_channel
+from cluster.grpc_security import ClusterAuth, GrpcSecurity, resolve, write_token_file
 from local_cluster.launcher import ServiceProcess
 from cluster.net import free_port
 from cluster.roles import PrefillPath, Role
@@ -30,13 +31,13 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
 
-async def _ttft(address: str, prompt: list[int],
+async def _ttft(address: str, auth: ClusterAuth, prompt: list[int],
                 prefill: pb.WorkerRef | None) -> tuple[float, PrefillPath]:
     req = pb.GenerateRequest(request_id=f"bench-{random.getrandbits(48)}", prompt_token_ids=prompt,
                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=1))
     if prefill is not None:
         req.prefill_worker.CopyFrom(prefill)
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with aio_channel(address, auth) as ch:
         t0 = time.perf_counter()
         async for response in pb_grpc.DecodeWorkerStub(ch).Generate(req, timeout=600):
             return time.perf_counter() - t0, PrefillPath(response.prefill_mode)
@@ -64,8 +65,10 @@ def run(args: argparse.Namespace) -> dict:
     """Start etcd, one prefill and one decode worker; median TTFTs per prompt length."""
     logs = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-pd-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
+    token_file = write_token_file(logs / f"cluster-token-{os.getpid()}")  # as `pdserve up` does
+    auth = resolve(GrpcSecurity(cluster_token_file=str(token_file)), {})
     common = ["--model", args.model, "--device", args.device, "--kv-cache-memory", args.kv_cache_memory,
-              "--num-threads", "1", "--dtype", args.dtype,
+              "--cluster-token-file", str(token_file), "--num-threads", "1", "--dtype", args.dtype,
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.num_layers:
         common += ["--num-layers", str(args.num_layers)]
@@ -90,16 +93,16 @@ def run(args: argparse.Namespace) -> dict:
                                    address=f"127.0.0.1:{ports[Role.PREFILL]}")
             # Warm-up: each path once per length (on a GPU the first call of a shape compiles kernels).
             for n in (64, *(int(x) for x in args.lengths.split(","))):
-                asyncio.run(_ttft(decode, prompt(n), prefill))
-                asyncio.run(_ttft(decode, prompt(n), None))
+                asyncio.run(_ttft(decode, auth, prompt(n), prefill))
+                asyncio.run(_ttft(decode, auth, prompt(n), None))
             print(f"{'prompt':>7} {'local TTFT':>11} {'disagg TTFT':>12} {'added':>8} {'added %':>8}")
             for n in (int(x) for x in args.lengths.split(",")):
                 local, remote = [], []
                 for _ in range(args.repeats):
-                    t, mode = asyncio.run(_ttft(decode, prompt(n), None))
+                    t, mode = asyncio.run(_ttft(decode, auth, prompt(n), None))
                     assert mode is PrefillPath.LOCAL, mode
                     local.append(t)
-                    t, mode = asyncio.run(_ttft(decode, prompt(n), prefill))
+                    t, mode = asyncio.run(_ttft(decode, auth, prompt(n), prefill))
                     assert mode is PrefillPath.REMOTE, mode
                     remote.append(t)
                 lo, re = statistics.median(local), statistics.median(remote)

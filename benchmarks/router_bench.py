@@ -7,7 +7,9 @@ of the placement decision (index match + candidates + policy), and of both toget
 `cluster`: a multi-tenant shared-prefix workload over real processes (etcd + 2 prefill + 1
 decode + router), once per policy (affinity, round_robin, least_loaded): prefix-cache hit rate
 and TTFT p50/p90; then router overhead (TTFT through the router vs calling the decode worker
-directly). Small model (--num-layers) and short prompts by default, sized for a CPU.
+directly). Small model (--num-layers) and short prompts by default, sized for a CPU. The
+cluster runs with a cluster token, as `pdserve up` does (its cost alone:
+benchmarks/grpc_auth_bench.py).
 
     .venv/bin/python -m benchmarks.router_bench decision
     .venv/bin/python -m benchmarks.router_bench cluster --tenants 8 --system-tokens 1024
@@ -19,6 +21,7 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 from cluster.registration import Capacity, WorkerInfo
 from cluster.roles import Role
@@ -125,7 +128,8 @@ class _Proc:
             self.proc.kill()
 
 
-def _start_router(etcd: str, policy: str, log_dir: str, *extra: str) -> tuple[_Proc, str]:
+def _start_router(etcd: str, policy: str, log_dir: str, token_file: str,
+                  *extra: str) -> tuple[_Proc, str]:
     import sys
 
     import httpx
@@ -134,7 +138,7 @@ def _start_router(etcd: str, policy: str, log_dir: str, *extra: str) -> tuple[_P
 
     port = free_port()
     proc = _Proc([sys.executable, "-m", "pdserve", "router", "--etcd", etcd, "--port", str(port),
-                  "--policy", policy, "--log-level", "warning",
+                  "--policy", policy, "--log-level", "warning", "--cluster-token-file", token_file,
                   "--enable-prompt-tokens-details", *extra],  # usage.cached_tokens is measured
                  f"{log_dir}/router-{policy}.log")
     url = f"http://127.0.0.1:{port}"
@@ -194,8 +198,12 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
 
     from cluster.etcd_server import EtcdServer
 
+    from cluster.grpc_security import write_token_file
+
     log_dir = tempfile.mkdtemp(prefix="router-bench-")
-    flags = ["--num-layers", str(args.num_layers), "--dtype", "float32", "--num-threads", "1"]
+    token_file = str(write_token_file(Path(log_dir) / "cluster-token"))  # as `pdserve up` does
+    flags = ["--num-layers", str(args.num_layers), "--dtype", "float32", "--num-threads", "1",
+             "--cluster-token-file", token_file]
     memory = {Role.PREFILL: args.prefill_kv_cache_memory, Role.DECODE: args.decode_kv_cache_memory}
     rng = random.Random(1)
     with EtcdServer() as etcd:
@@ -215,7 +223,7 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
                            for _ in range(args.tenants)]
                 requests = [t + [rng.randrange(1000, 40000) for _ in range(rng.randint(16, 48))]
                             for _ in range(args.questions) for t in rng.sample(tenants, len(tenants))]
-                router, url = _start_router(etcd.endpoint, policy, log_dir,
+                router, url = _start_router(etcd.endpoint, policy, log_dir, token_file,
                                             "--local-prefill-threshold", "0",
                                             "--local-prefill-max-tokens", "0")
                 client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
@@ -236,23 +244,26 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
                       f"router predicted {predicted:.0f} cached tokens, workers reported "
                       f"{reported_tokens:.0f})")
             if args.overhead_requests > 0:
-                _router_overhead(etcd.endpoint, addresses[2][0], log_dir, args, rng)
+                _router_overhead(etcd.endpoint, addresses[2][0], log_dir, token_file, args, rng)
         finally:
             for w in reversed(workers):
                 w.stop()
 
 
-def _router_overhead(etcd: str, decode_address: str, log_dir: str, args, rng) -> None:
+def _router_overhead(etcd: str, decode_address: str, log_dir: str, token_file: str, args,
+                     rng) -> None:
     """TTFT of short prompts through the router vs Generate on the decode worker directly."""
-    import grpc
     import openai
 
+    from cluster.grpc_auth import channel
+    from cluster.grpc_security import GrpcSecurity, resolve
     from proto import pdserve_pb2 as pb
     from proto import pdserve_pb2_grpc as pb_grpc
 
-    router, url = _start_router(etcd, "affinity", log_dir)
+    router, url = _start_router(etcd, "affinity", log_dir, token_file)
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
-    stub = pb_grpc.DecodeWorkerStub(grpc.insecure_channel(decode_address))
+    auth = resolve(GrpcSecurity(cluster_token_file=token_file), {})
+    stub = pb_grpc.DecodeWorkerStub(channel(decode_address, auth))
     direct, routed = [], []
     for i in range(args.overhead_requests + 5):
         prompt = [rng.randrange(1000, 40000) for _ in range(8)]  # under a block: no cache effects

@@ -1,6 +1,6 @@
 """Users and roles of an etcd that pdserve starts itself (`pdserve up`, benchmarks, tests):
 `EtcdAuth` says who exists, `enable_auth` creates them and turns etcd's auth on, and
-`cluster_auth` is `pdserve up`'s plan — root, a worker user that may write only the cluster's
+`etcd_users` is `pdserve up`'s plan — root, a worker user that may write only the cluster's
 keys and a router user that may only read them, each password random, in a 0600 file.
 
 Done with etcd's Auth RPCs (the stubs aetcd ships) over a synchronous gRPC channel, so it
@@ -43,7 +43,7 @@ class EtcdAuth:
     bcrypt_cost: int = 10
     """etcd's --bcrypt-cost for the stored password hashes: every client connection pays one
     bcrypt check (~100 ms at etcd's default 10 on a 2-core EPYC, ~2 ms at 4).
-    `cluster_auth`'s passwords are random 192-bit tokens, which key stretching cannot make
+    `etcd_users`'s passwords are random 192-bit tokens, which key stretching cannot make
     stronger, so it uses the minimum, 4."""
 
     def __repr__(self) -> str:
@@ -131,7 +131,7 @@ def write_secret(path: Path, text: str) -> Path:
 
 
 @dataclass(frozen=True)
-class ClusterAuth:
+class EtcdUsers:
     """`pdserve up`'s etcd users: the plan its etcd is started with, and the flags each
     kind of process gets (paths to 0600 password files, never the passwords)."""
 
@@ -144,7 +144,7 @@ class ClusterAuth:
     status`."""
 
 
-def cluster_auth(cluster: str, secrets_dir: Path) -> ClusterAuth:
+def etcd_users(cluster: str, secrets_dir: Path) -> EtcdUsers:
     """Random passwords for root, the worker user and the router user, each written to a 0600
     file in `secrets_dir`; the workers' and router's users see `/pdserve/<cluster>/` only."""
     prefix = f"/pdserve/{cluster}/".encode()
@@ -154,5 +154,5 @@ def cluster_auth(cluster: str, secrets_dir: Path) -> ClusterAuth:
         for name, password in passwords.items()}
     users = (EtcdUser(WORKER_USER, passwords[WORKER_USER], prefix, write=True),
              EtcdUser(ROUTER_USER, passwords[ROUTER_USER], prefix, write=False))
-    return ClusterAuth(EtcdAuth(passwords[ROOT], users, bcrypt_cost=4), flags[ROOT],
+    return EtcdUsers(EtcdAuth(passwords[ROOT], users, bcrypt_cost=4), flags[ROOT],
                        flags[WORKER_USER], flags[ROUTER_USER])

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import grpc
 
 from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
+from cluster.grpc_auth import aio_channel
 from cluster.retry import Backoff
 from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
@@ -143,7 +144,9 @@ class PrefillClient:
         """Abort the request on P. P's Abort answers once its sender reported the transfer:
         no write of it can land any more. Retried until P answers; only when nothing serves
         at P's address (UNAVAILABLE, `_GONE_AFTER` times in a row: a dead process writes
-        nothing) is P taken as stopped without its word."""
+        nothing) is P taken as stopped without its word, or when P refuses our cluster token
+        (UNAUTHENTICATED: a process's token is fixed for its life, so the process serving
+        there never ran this attempt's Prefill; the one that did is gone)."""
         rt = self.rt
         stub = pb_grpc.WorkerStub(self._channel(worker.address))
         backoff, unavailable = Backoff(first_s=0.05, max_s=2.0), 0
@@ -153,7 +156,7 @@ class PrefillClient:
                 break
             except grpc.aio.AioRpcError as err:
                 unavailable = unavailable + 1 if err.code() is grpc.StatusCode.UNAVAILABLE else 0
-                if unavailable >= _GONE_AFTER:
+                if unavailable >= _GONE_AFTER or err.code() is grpc.StatusCode.UNAUTHENTICATED:
                     break
                 log.info("abort of %s on %s: %s; retrying", request_id, worker.address, err.code().name)
             await backoff.sleep()
@@ -162,7 +165,7 @@ class PrefillClient:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = aio_channel(address, self.rt.auth)
         return channel
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
 from cluster.roles import Role
 from engine.checks import FieldError, check_fields
 from engine.config import EngineConfig
@@ -73,6 +74,12 @@ class UpConfig:
     VLLM_API_KEY in `up`'s environment reach the router as well."""
     admin_api_key_file: str | None = option(None, metavar="PATH")
     """The router's admin keys (its --admin-api-key-file); or PDSERVE_ADMIN_API_KEY."""
+    grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
+    """The cluster plane's authentication, given to the router, every worker and the planner.
+    Without --cluster-token-file or PDSERVE_CLUSTER_TOKEN, `up` makes a random token for this
+    cluster in a 0600 file of its run directory (named in the banner and the run file), so
+    the workers' gRPC ports always need it. --tls-*: mutual TLS too (one certificate for
+    every process: it must name the host the workers listen on, or --tls-server-name)."""
 
     def __post_init__(self) -> None:
         on_argv = [a for a in self.router_args

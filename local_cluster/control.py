@@ -41,6 +41,7 @@ def serve_control(supervisor: Supervisor, url: str) -> ThreadingHTTPServer:
         "control": f"http://127.0.0.1:{server.server_address[1]}", "control_token": token,
         "logs": str(supervisor.log_dir),
         "etcd_security": dataclasses.asdict(supervisor.router_etcd),  # paths, no password
+        "grpc_security": dataclasses.asdict(supervisor.config.grpc_security),
     })
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

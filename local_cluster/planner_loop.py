@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from cluster.etcd_security import EtcdCredentials
+from cluster.grpc_security import ClusterAuth
 from cluster.registration import WorkerInfo, list_workers, make_client
 from cluster.roles import ROLES
 from local_cluster.measure import Sample, Window
@@ -37,16 +38,16 @@ RoleSwitch = Callable[[WorkerInfo, str], None]
 """Switches one worker to a role; returns once it serves the new role, raises if it could not."""
 
 
-def grpc_set_role(drain_timeout_s: float) -> RoleSwitch:
-    """The real switch: `Worker.SetRole` over gRPC, waiting out the worker's drain."""
+def grpc_set_role(drain_timeout_s: float, auth: ClusterAuth) -> RoleSwitch:
+    """The real switch: `Worker.SetRole` over gRPC (presenting `auth`), waiting out the
+    worker's drain."""
 
     def set_role(worker: WorkerInfo, role: str) -> None:
-        import grpc
-
+        from cluster.grpc_auth import channel as grpc_channel
         from proto import pdserve_pb2 as pb
         from proto import pdserve_pb2_grpc
 
-        with grpc.insecure_channel(worker.grpc_address) as channel:
+        with grpc_channel(worker.grpc_address, auth) as channel:
             pdserve_pb2_grpc.WorkerStub(channel).SetRole(
                 pb.SetRoleRequest(role=role, drain_timeout_s=drain_timeout_s),
                 timeout=drain_timeout_s + 30.0)
@@ -240,10 +241,11 @@ class Planner:
                                      ok=not error, error=error))
 
 
-def start_planner(sup: Supervisor, router_url: str) -> Planner:
-    """`up --planner`: the planner thread against this cluster's etcd, router and workers."""
+def start_planner(sup: Supervisor, router_url: str, auth: ClusterAuth) -> Planner:
+    """`up --planner`: the planner thread against this cluster's etcd, router and workers
+    (its channels present `auth`, the cluster's token and TLS)."""
     c = sup.config.planner_config
-    planner = Planner(sup, router_url, c, switch=grpc_set_role(c.drain_timeout_s),
+    planner = Planner(sup, router_url, c, switch=grpc_set_role(c.drain_timeout_s, auth),
                       read_workers=etcd_workers(sup.etcd, sup.config.cluster,
                                                 sup.router_etcd.resolve()))
     sup.planner = planner

@@ -1,7 +1,8 @@
 """Where a running `pdserve up` is found, and how its clients (`pdserve scale` / `status`,
 benchmarks, tests) talk to its control server (control.py): the run file
 `$PDSERVE_CACHE/run/current-cluster.json` (pid, url, etcd, cluster, control address and
-token, logs, where etcd's read-only user's password is), readable by its user alone."""
+token, logs, where etcd's read-only user's password is, the gRPC security files), readable by
+its user alone."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from cluster.etcd_security import EtcdCredentials, EtcdSecurity
+from cluster.grpc_security import ClusterAuth, GrpcSecurity, resolve
 
 RUN_FILE = "current-cluster.json"
 
@@ -25,6 +27,12 @@ def current() -> dict:
         return json.loads(run_file().read_text())
     except (OSError, ValueError):
         raise ValueError("no running `pdserve up` found (start one, or pass --etcd)") from None
+
+
+def cluster_auth(run: dict) -> ClusterAuth:
+    """What a client of the `up` that wrote `run` presents to its workers' gRPC ports: the
+    token file (and TLS files) that `up` gave them, else PDSERVE_CLUSTER_TOKEN."""
+    return resolve(GrpcSecurity(**run.get("grpc_security", {})), os.environ)
 
 
 def control_request(run: dict, path: str = "", body: dict | None = None,

@@ -78,13 +78,15 @@ class Supervisor:
 
     def worker_command(self, role: Role) -> list[str]:
         """`pdserve <role> ...`'s arguments: the worker's WorkerConfig (this cluster's etcd and
-        the workers' etcd user, name and thread count) and `UpConfig.engine_for(role)` as flags (engine.flags.to_argv:
-        every field off its default), then --worker-arg's, then --prefill-arg's or
-        --decode-arg's (a later flag wins)."""
+        the workers' etcd user, name, thread count and gRPC security) and
+        `UpConfig.engine_for(role)` as flags (engine.flags.to_argv: every field off its
+        default), then --worker-arg's, then --prefill-arg's or --decode-arg's (a later flag
+        wins)."""
         c = self.config
         worker = WorkerConfig(role=role, etcd=self.etcd, etcd_security=self.worker_etcd,
                               cluster=c.cluster, num_threads=self._threads(),
-                              enable_admin_rpcs=c.runs_admin_rpcs)
+                              enable_admin_rpcs=c.runs_admin_rpcs,
+                              grpc_security=c.grpc_security)
         return [role, *to_argv(worker), *to_argv(c.engine_for(role)), *c.worker_args,
                 *c.role_args(role)]
 

@@ -20,8 +20,9 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from cluster.etcd_auth import cluster_auth
+from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdSecurity
+from cluster.grpc_security import ClusterAuth, resolve, write_token_file
 from cluster.net import free_port
 from cluster.roles import ROLES, Role
 from engine.flags import to_argv
@@ -41,15 +42,17 @@ def up(config: UpConfig) -> int:
 
     if config.etcd is not None:  # a missing password or file stops the start (exit 2)
         config.etcd_security.resolve()
+    resolve(config.grpc_security, os.environ)  # a refused token or TLS file: exit 2 at once
     model = str(resolve_model_path(config.engine.model))  # prepare once, before N processes race
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+    config, auth = cluster_security(config, run_dir)
     log_dir = Path(config.log_dir) if config.log_dir else run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     etcd_ports = (free_port(), free_port())
     etcd = config.etcd or f"127.0.0.1:{etcd_ports[0]}"
     if config.etcd is None:  # our etcd, our users: passwords in 0600 files in the 0700 run_dir
-        users = cluster_auth(config.cluster, run_dir)
+        users = etcd_users(config.cluster, run_dir)
         worker_etcd, router_etcd = users.worker, users.router
     else:
         worker_etcd = router_etcd = absolute_paths(config.etcd_security)
@@ -74,12 +77,26 @@ def up(config: UpConfig) -> int:
             sup.say(f"error: {problem}")
             return 1
         if config.planner:
-            start_planner(sup, url)
+            start_planner(sup, url, auth)
         control = serve_control(sup, url)
         _print_banner(sup, url)
         return supervise(sup, stop)
     finally:
         stop_cluster(sup, control, run_dir)
+
+
+def cluster_security(config: UpConfig, run_dir: Path) -> tuple[UpConfig, ClusterAuth]:
+    """The cluster's gRPC security, by absolute path, and what it resolves to: the user's
+    --cluster-token-file, else PDSERVE_CLUSTER_TOKEN (the children inherit it), else a random
+    token made for this cluster in `run_dir`/cluster-token (0600; removed with `run_dir` when
+    `up` stops). --tls-* files pass through as given."""
+    security = config.grpc_security.absolute()
+    auth = resolve(security, os.environ)
+    if auth.token is None:
+        path = write_token_file(run_dir / "cluster-token")
+        security = dataclasses.replace(security, cluster_token_file=str(path))
+        auth = resolve(security, os.environ)
+    return dataclasses.replace(config, grpc_security=security), auth
 
 
 def add_router(sup: Supervisor) -> str:
@@ -112,6 +129,7 @@ def router_flags(config: UpConfig, etcd: str, port: int,
                        ("--admin-api-key-file", c.admin_api_key_file)):
         if path:
             out += [flag, str(Path(path).resolve())]
+    out += to_argv(c.grpc_security.absolute())  # file paths: no secret on the command line
     return [*out, *c.router_args]
 
 
@@ -149,6 +167,9 @@ def _print_banner(sup: Supervisor, url: str) -> None:
     print(f"pdserve is up: {url}  ({ready['prefill']}/{c.prefill} prefill + "
           f"{ready['decode']}/{c.decode} decode ready, etcd {sup.etcd})")
     print(f"logs: {sup.log_dir}")
+    if c.grpc_security.cluster_token_file:
+        print(f"gRPC cluster token: {c.grpc_security.cluster_token_file} (e.g. `pdserve role "
+              f"--worker HOST:PORT --cluster-token-file {c.grpc_security.cluster_token_file}`)")
     auth = ""  # never the key itself: where the client finds it
     if c.api_key_file:
         auth = f" -H \"Authorization: Bearer $(head -n1 {Path(c.api_key_file).resolve()})\""

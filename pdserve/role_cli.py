@@ -1,23 +1,31 @@
 """`pdserve role --worker HOST:PORT [prefill|decode]`: show or switch the role a running worker
 serves (`Worker.SetRole`: the old role drains, the engine and its prefix cache are kept, the
-etcd registration moves to the new role's key; worker_runtime/roles.py)."""
+etcd registration moves to the new role's key; worker_runtime/roles.py). It presents the
+cluster token (--cluster-token-file or PDSERVE_CLUSTER_TOKEN; `pdserve up` prints its file)
+and TLS identity the worker asks for."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity, resolve
 from cluster.roles import ROLES
+from engine.flags import add_flags, from_args
 
 
 def _run(args: argparse.Namespace) -> int:
+    import os
+
     import grpc
 
+    from cluster.grpc_auth import channel as grpc_channel
     from proto import pdserve_pb2 as pb
     from proto import pdserve_pb2_grpc as pb_grpc
 
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout:g}")
-    with grpc.insecure_channel(args.worker) as channel:
+    auth = resolve(from_args(GrpcSecurity, args), os.environ)
+    with grpc_channel(args.worker, auth) as channel:
         stub = pb_grpc.WorkerStub(channel)
         try:
             if args.role is None:
@@ -59,4 +67,5 @@ def register(subparsers) -> None:
                         "(0 = the worker's own --drain-timeout)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the worker's answer")
+    add_flags(p, GrpcSecurity, group=GRPC_SECURITY_GROUP)  # what the worker's port asks for
     p.set_defaults(func=_run)

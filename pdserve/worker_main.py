@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from cluster.grpc_security import resolve
 from cluster.roles import Role
 from engine.config import EngineConfig, add_engine_args
 from engine.flags import add_flags, from_args
@@ -27,12 +28,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(role: Role, args: argparse.Namespace) -> int:
-    """Both configs from the parsed flags (once), then serve until SIGTERM."""
+    """Both configs from the parsed flags (once) and the cluster token / TLS files they name
+    (a refused one stops the start: exit 2), then serve until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     config = from_args(WorkerConfig, args, role=role)
+    auth = resolve(config.grpc_security, os.environ)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
     etcd_credentials = config.etcd_security.resolve(os.environ)  # before any model loads
-    return asyncio.run(_serve(config, engine_config, etcd_credentials))
+    return asyncio.run(_serve(config, engine_config, auth, etcd_credentials))
 
 
 def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineConfig:
@@ -50,14 +53,14 @@ def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineCon
     return dataclasses.replace(engine_config, speculative_config=None)
 
 
-async def _serve(config, engine_config, etcd_credentials) -> int:
+async def _serve(config, engine_config, auth, etcd_credentials) -> int:
     from decode_node.worker import DecodeWorker
     from prefill_node.worker import PrefillWorker
     from proto import pdserve_pb2_grpc as pb_grpc
     from worker_runtime.runtime import WorkerRuntime
     from worker_runtime.service import WorkerService
 
-    runtime = WorkerRuntime.build(config, engine_config, etcd_credentials)
+    runtime = WorkerRuntime.build(config, engine_config, auth, etcd_credentials)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
     decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)

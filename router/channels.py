@@ -9,7 +9,9 @@ from collections import Counter
 
 import grpc
 
+from cluster.grpc_auth import aio_channel
 from cluster.grpc_options import CHANNEL_OPTIONS
+from cluster.grpc_security import ClusterAuth
 from proto import pdserve_pb2_grpc
 
 _OPTIONS = [
@@ -20,7 +22,9 @@ _OPTIONS = [
 
 
 class ChannelPool:
-    def __init__(self) -> None:
+    def __init__(self, auth: ClusterAuth) -> None:
+        """`auth`: what every channel presents to the workers (the cluster token, TLS)."""
+        self.auth = auth
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._users: Counter[str] = Counter()
         self._retiring: set[str] = set()
@@ -29,7 +33,7 @@ class ChannelPool:
         self._retiring.discard(address)  # a worker (re)appeared at this address
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            ch = self._channels[address] = aio_channel(address, self.auth, _OPTIONS)
         return ch
 
     def worker(self, address: str) -> pdserve_pb2_grpc.WorkerStub:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
 from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
@@ -228,6 +229,9 @@ class RouterConfig:
     any address; `pdserve up` passes 127.0.0.0/8 ::1/128."""
     limits: LimitsConfig = option(default_factory=LimitsConfig, group="limits")
     """Bounds on what one client may ask: body size, timeouts, batch sizes, grammars."""
+    grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
+    """What the router presents to the workers' gRPC ports (and their KV-event streams): the
+    cluster token and/or a mutual-TLS identity, as the workers of the cluster expect."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from cluster.etcd_security import EtcdCredentials
+from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
 from router.channels import ChannelPool
@@ -70,7 +71,11 @@ class RouterServices:
     Background work starts in `start` (inside the event loop) and stops in `stop`."""
 
     def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys,
-                 etcd_credentials: EtcdCredentials | None = None) -> None:
+                 etcd_credentials: EtcdCredentials | None = None,
+                 auth: ClusterAuth = OPEN) -> None:
+        """`etcd_credentials` open the registry's etcd watch; `auth`: what the channels to the
+        workers present. Both are resolved from the config at start (`serve`); None / open for
+        a cluster that asks for nothing."""
         self.config = config
         self.card = card
         self.keys = keys
@@ -79,7 +84,7 @@ class RouterServices:
         self._allowed = AllowedWorkers(config.allowed_worker_cidrs)
         self.registry = WorkerRegistry(config.stale_after_s, refusal=self._refusal)
         self.index = KVIndex()
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(auth)
         self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
         self.registry.add_listener(self.kv_subscriptions.on_added, self._on_removed)
         self.registry.add_weights_listener(self.kv_subscriptions.on_new_weights)
@@ -182,8 +187,10 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
 
     keys = resolve_keys(config, os.environ)  # a refused key stops the start (exit 2)
     etcd_credentials = config.etcd_security.resolve(os.environ)  # likewise
+    auth = resolve(config.grpc_security, os.environ)  # likewise a refused token or TLS file
+    log.info("gRPC to the workers presents: %s", auth.describe())
     card = load_model_card(config)
-    services = RouterServices(config, card, keys, etcd_credentials)
+    services = RouterServices(config, card, keys, etcd_credentials, auth)
     server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
                                     log_level=log_level, timeout_graceful_shutdown=5,
                                     **uvicorn_options(config.limits)))

@@ -1,6 +1,7 @@
 """compose/: the file is valid for docker-compose (no engine runs here, so `config` is the
 check) and has the topology the README promises; the router publishes on the host's loopback
-only and gets its API key from PDSERVE_API_KEY (compose refuses to start without one)."""
+only and gets its API key from PDSERVE_API_KEY, and the router and every worker the cluster
+token from PDSERVE_CLUSTER_TOKEN (compose refuses to start without either)."""
 import json
 import os
 import re
@@ -13,15 +14,19 @@ import yaml
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
 TEST_KEY = "compose-test-key-0123456789"
+TEST_TOKEN = "compose-test-cluster-token-0123456789"
 
 
-def _compose(*args: str, key: str | None = TEST_KEY) -> subprocess.CompletedProcess:
+def _compose(*args: str, key: str | None = TEST_KEY,
+             token: str | None = TEST_TOKEN) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (scripts/test.sh installs Debian's as root)")
-    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
-    if key is not None:
-        env["PDSERVE_API_KEY"] = key
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN")}
+    for name, value in (("PDSERVE_API_KEY", key), ("PDSERVE_CLUSTER_TOKEN", token)):
+        if value is not None:
+            env[name] = value
     return subprocess.run([exe, "-f", "docker-compose.yml", *args], cwd=COMPOSE, env=env,
                           capture_output=True, text=True)
 
@@ -48,6 +53,17 @@ def test_router_on_loopback_with_its_key_from_the_environment():
     for empty in (None, ""):
         refused = _compose("config", "-q", key=empty)
         assert refused.returncode != 0 and "set PDSERVE_API_KEY" in refused.stderr, refused.stderr
+
+
+def test_the_router_and_every_worker_get_the_cluster_token_from_the_environment():
+    services = _config()["services"]
+    for name in ("router", "prefill", "decode"):
+        assert services[name]["environment"]["PDSERVE_CLUSTER_TOKEN"] == TEST_TOKEN
+        assert not any("cluster-token" in a or TEST_TOKEN in a for a in services[name]["command"])
+    for empty in (None, ""):
+        refused = _compose("config", "-q", token=empty)
+        assert (refused.returncode != 0
+                and "set PDSERVE_CLUSTER_TOKEN" in refused.stderr), refused.stderr
 
 
 def test_compose_file_is_valid_and_only_the_router_is_published():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
 from cluster.roles import Role
 from engine.checks import check_fields
 from engine.flags import option
@@ -55,6 +56,10 @@ class WorkerConfig:
     """While requests decode, prefill chunks (prompts prefilled here) are sized from measured
     step costs so a step stays within this many ms; 0: only --max-num-batched-tokens and
     --long-prefill-token-threshold size them."""
+    grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
+    """Who may call this worker's gRPC port (and what it presents to other workers): the
+    cluster token and/or mutual TLS, as the router and every worker of the cluster
+    (docs/security.md). Neither: the port is open to whoever reaches it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))

@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from cluster.etcd_security import EtcdCredentials
+from cluster.grpc_auth import add_port, server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
+from cluster.grpc_security import ClusterAuth
 from cluster.registration import Capacity, WorkerInfo
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
@@ -69,15 +71,25 @@ RegistrationFor = Callable[[Callable[[], WorkerInfo]], Registration]
 """Makes the registration that publishes what the given callable describes."""
 
 
+def make_grpc_server(auth: ClusterAuth) -> grpc.aio.Server:
+    """A worker's gRPC server: the cluster-token check first (when `auth` has a token: a call
+    without it never reaches a servicer), then the exception -> status mapping."""
+    return grpc.aio.server(interceptors=[*server_interceptors(auth), StatusInterceptor()],
+                           options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
+
+
 class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
-                 registration_for: RegistrationFor, metrics: WorkerMetrics | None = None,
+                 registration_for: RegistrationFor, *, auth: ClusterAuth,
+                 metrics: WorkerMetrics | None = None,
                  etcd_credentials: EtcdCredentials | None = None) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
-        the transfer agent the engine's pool is registered with here; `etcd_credentials`
-        (resolved from `config.etcd_security` at start) open every etcd client of this
-        worker."""
+        the transfer agent the engine's pool is registered with here; `auth` (resolved from
+        `config.grpc_security` at start) guards its gRPC port and the channels it opens to
+        other workers; `etcd_credentials` (resolved from `config.etcd_security` at start)
+        open every etcd client of this worker."""
         self.config = config
+        self.auth = auth
         self.etcd_credentials = etcd_credentials
         self.engine = engine
         self.engine.block_manager.record_events = True
@@ -116,7 +128,8 @@ class WorkerRuntime:
 
     @classmethod
     def build(cls, config: WorkerConfig, engine_config: EngineConfig,
-              etcd_credentials: EtcdCredentials | None = None) -> WorkerRuntime:
+              auth: ClusterAuth, etcd_credentials: EtcdCredentials | None = None
+              ) -> WorkerRuntime:
         """The production runtime: the engine, a NIXL agent, an etcd registration."""
         import torch
 
@@ -129,7 +142,7 @@ class WorkerRuntime:
         return cls(config, engine, kv,
                    lambda info: Registrar(config.etcd, config.cluster, info,
                                           credentials=etcd_credentials),
-                   etcd_credentials=etcd_credentials)
+                   auth=auth, etcd_credentials=etcd_credentials)
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""
@@ -317,13 +330,19 @@ class WorkerRuntime:
         self.attach(asyncio.get_running_loop())
         cfg = self.config
         host = cfg.advertise_host or cfg.host
-        server = grpc.aio.server(interceptors=[StatusInterceptor()],
-                                 options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
+        server = make_grpc_server(self.auth)
         add_servicers(server)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(server, f"{cfg.host}:{cfg.port}", self.auth)
         if port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
         self.grpc_address = f"{host}:{port}"
+        if not self.auth.authenticated:
+            log.warning("the gRPC port %s is unauthenticated: whoever reaches it can Generate, "
+                        "Prefill, Abort, Embed and read cached blocks (give --cluster-token-file "
+                        "or PDSERVE_CLUSTER_TOKEN, or --tls-cert/--tls-key/--tls-ca; "
+                        "docs/security.md)", self.grpc_address)
+        else:
+            log.info("gRPC callers must present: %s", self.auth.describe())
         if not self.worker_id:
             self.worker_id = f"{cfg.role}-{host}-{port}"
         metrics_port = cfg.metrics_port or free_port(cfg.host)

@@ -11,6 +11,8 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 import grpc
 
 from cluster.etcd_security import EtcdCredentials
+from cluster.grpc_auth import aio_channel
+from cluster.grpc_security import ClusterAuth
 from cluster.registration import WorkerInfo, list_workers, make_client
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -40,10 +42,11 @@ async def _workers(etcd: str, cluster: str,
         return None
 
 
-async def sweep(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+async def sweep(etcd: str, cluster: str, auth: ClusterAuth,
+                call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
                 credentials: EtcdCredentials | None = None) -> Settled[dict[str, Any]]:
-    """`call` on every registered worker: worker id -> its reply. A worker that refuses or
-    times out is unsettled, never an exception."""
+    """`call` on every registered worker (presenting `auth`): worker id -> its reply. A worker
+    that refuses or times out is unsettled, never an exception."""
     workers = await _workers(etcd, cluster, credentials)
     if workers is None:
         return Settled({}, {"etcd": "the workers could not be listed"})
@@ -51,14 +54,15 @@ async def sweep(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Aw
     unsettled: dict[str, str] = {}
     for w in workers:
         try:
-            async with grpc.aio.insecure_channel(w.grpc_address) as ch:
+            async with aio_channel(w.grpc_address, auth) as ch:
                 replies[w.worker_id] = await call(pb_grpc.WorkerStub(ch))
         except grpc.aio.AioRpcError as exc:
             unsettled[w.worker_id] = f"{exc.code().name}: {exc.details()}"
     return Settled(replies, unsettled)
 
 
-async def settle(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+async def settle(etcd: str, cluster: str, auth: ClusterAuth,
+                 call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
                  measure: Callable[[Settled[dict[str, Any]]], Settled[T]],
                  ok: Callable[[T], bool], timeout_s: float,
                  credentials: EtcdCredentials | None = None) -> Settled[T]:
@@ -67,7 +71,7 @@ async def settle(etcd: str, cluster: str, call: Callable[[pb_grpc.WorkerStub], A
     `timeout_s` ran out: the last measurement, with what had not settled."""
     deadline = time.monotonic() + timeout_s
     while True:
-        check = measure(await sweep(etcd, cluster, call, credentials))
+        check = measure(await sweep(etcd, cluster, auth, call, credentials))
         if (not check.unsettled and ok(check.value)) or time.monotonic() > deadline:
             return check
         await asyncio.sleep(0.5)
@@ -81,7 +85,7 @@ def _cached_blocks(stub: pb_grpc.WorkerStub) -> Awaitable[pb.CachedBlocksRespons
     return stub.GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
 
 
-async def leaked_blocks(etcd: str, cluster: str, timeout_s: float = 60.0,
+async def leaked_blocks(etcd: str, cluster: str, auth: ClusterAuth, timeout_s: float = 60.0,
                         credentials: EtcdCredentials | None = None) -> Settled[dict[str, int]]:
     """worker id -> blocks still in use (or requests still running/waiting) once the cluster
     went idle, waiting up to `timeout_s`; empty when nothing leaked."""
@@ -93,11 +97,12 @@ async def leaked_blocks(etcd: str, cluster: str, timeout_s: float = 60.0,
                 held[worker_id] = c.total_blocks - c.free_blocks or c.running + c.waiting
         return Settled(held, s.unsettled)
 
-    return await settle(etcd, cluster, _health, leaks, lambda held: not held, timeout_s,
+    return await settle(etcd, cluster, auth, _health, leaks, lambda held: not held, timeout_s,
                         credentials)
 
 
-async def index_mismatch(router_url: str, etcd: str, cluster: str, timeout_s: float = 15.0,
+async def index_mismatch(router_url: str, etcd: str, cluster: str, auth: ClusterAuth,
+                         timeout_s: float = 15.0,
                          credentials: EtcdCredentials | None = None) -> Settled[int]:
     """|router's indexed block hashes - the union of the workers' cached hashes| once both
     settled, waiting up to `timeout_s` (0 when consistent; -1: the workers could not be
@@ -112,7 +117,7 @@ async def index_mismatch(router_url: str, etcd: str, cluster: str, timeout_s: fl
         cached = {h for reply in s.value.values() for h in reply.block_hashes}
         return Settled(abs(int(indexed) - len(cached)), s.unsettled)
 
-    return await settle(etcd, cluster, _cached_blocks, mismatch, lambda diff: diff == 0,
+    return await settle(etcd, cluster, auth, _cached_blocks, mismatch, lambda diff: diff == 0,
                         timeout_s, credentials)
 
 

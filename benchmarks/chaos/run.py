@@ -24,7 +24,7 @@ from benchmarks.chaos.checks import index_mismatch, leaked_blocks, router_metric
 from benchmarks.chaos.faults import KINDS, Fault, Injector
 from benchmarks.chaos.load import Load
 from local_cluster.launcher import UpProcess
-from local_cluster.run_file import etcd_credentials
+from local_cluster.run_file import cluster_auth, etcd_credentials
 
 # Test-sized workers (2 layers, fp32) unless --full-model.
 SMALL_WORKERS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
@@ -93,8 +93,9 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
                 "requests": dict(stats.outcomes), "failures": stats.failures[:20]}
     etcd, name = cluster.run["etcd"], cluster.run["cluster"]
     credentials = etcd_credentials(cluster.run)
-    leaks = await leaked_blocks(etcd, name, credentials=credentials)
-    mismatch = await index_mismatch(cluster.url, etcd, name, credentials=credentials)
+    auth = cluster_auth(cluster.run)  # the token `up` gave its workers
+    leaks = await leaked_blocks(etcd, name, auth, credentials=credentials)
+    mismatch = await index_mismatch(cluster.url, etcd, name, auth, credentials=credentials)
     unsettled = {**leaks.unsettled, **mismatch.unsettled}
     # Processes that lived through the whole run (a killed one is a new pid).
     rss_end = {pid: rss_bytes(pid) for pid in cluster.child_pids() if rss_start.get(pid)}

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.chaos.checks import index_mismatch, leaked_blocks
 from cluster.etcd_server import EtcdServer
+from cluster.grpc_security import OPEN
 from cluster.net import free_port
 from cluster.registration import WorkerInfo, make_client, worker_key
 from proto import pdserve_pb2 as pb
@@ -88,9 +89,9 @@ async def _with_cluster(etcd: str, body, dead_lease_s: int | None):
 def test_the_checks_wait_for_a_dead_workers_registration_to_lapse(etcd, router_url):
     async def body():
         t0 = time.monotonic()
-        mismatch = await index_mismatch(router_url, etcd, CLUSTER, timeout_s=20)
+        mismatch = await index_mismatch(router_url, etcd, CLUSTER, OPEN, timeout_s=20)
         waited = time.monotonic() - t0
-        leaks = await leaked_blocks(etcd, CLUSTER, timeout_s=5)
+        leaks = await leaked_blocks(etcd, CLUSTER, OPEN, timeout_s=5)
         return mismatch, waited, leaks
 
     mismatch, waited, leaks = asyncio.run(_with_cluster(etcd, body, dead_lease_s=2))
@@ -102,8 +103,8 @@ def test_the_checks_wait_for_a_dead_workers_registration_to_lapse(etcd, router_u
 def test_a_worker_that_never_settles_is_reported_not_raised(etcd, router_url):
     async def body():
         t0 = time.monotonic()
-        mismatch = await index_mismatch(router_url, etcd, CLUSTER, timeout_s=1.5)
-        leaks = await leaked_blocks(etcd, CLUSTER, timeout_s=1.5)
+        mismatch = await index_mismatch(router_url, etcd, CLUSTER, OPEN, timeout_s=1.5)
+        leaks = await leaked_blocks(etcd, CLUSTER, OPEN, timeout_s=1.5)
         return mismatch, leaks, time.monotonic() - t0
 
     mismatch, leaks, took = asyncio.run(_with_cluster(etcd, body, dead_lease_s=None))
@@ -117,10 +118,10 @@ def test_a_worker_that_never_settles_is_reported_not_raised(etcd, router_url):
 
 def test_an_unreachable_router_or_etcd_is_reported_not_raised(etcd):
     async def body():
-        return await index_mismatch(f"http://127.0.0.1:{free_port()}", etcd, CLUSTER,
+        return await index_mismatch(f"http://127.0.0.1:{free_port()}", etcd, CLUSTER, OPEN,
                                     timeout_s=0.5)
 
     mismatch = asyncio.run(_with_cluster(etcd, body, dead_lease_s=None))
     assert mismatch.value == -1 and {"dead", "router"} == set(mismatch.unsettled)
-    gone = asyncio.run(leaked_blocks(f"127.0.0.1:{free_port()}", CLUSTER, timeout_s=0.5))
+    gone = asyncio.run(leaked_blocks(f"127.0.0.1:{free_port()}", CLUSTER, OPEN, timeout_s=0.5))
     assert gone.value == {} and set(gone.unsettled) == {"etcd"}

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.etcd_auth import WORKER_USER, cluster_auth
+from cluster.etcd_auth import WORKER_USER, etcd_users
 from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
@@ -27,7 +27,7 @@ def _info() -> WorkerInfo:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     """An etcd started as `pdserve up` starts its own: root, worker and router users."""
-    users = cluster_auth(CLUSTER, tmp_path_factory.mktemp("secrets"))
+    users = etcd_users(CLUSTER, tmp_path_factory.mktemp("secrets"))
     with EtcdServer(auth=users.auth) as etcd:
         yield etcd, users
 
@@ -83,7 +83,7 @@ def test_the_worker_user_registers_and_the_router_user_only_reads(secured):
 
 
 def test_a_restart_on_the_same_data_keeps_the_users(tmp_path):
-    users = cluster_auth(CLUSTER, tmp_path)
+    users = etcd_users(CLUSTER, tmp_path)
     data = tmp_path / "data"
     first = EtcdServer(data_dir=data, auth=users.auth).start()
     ports = first.client_port, first.peer_port
@@ -106,7 +106,7 @@ def test_a_restart_on_the_same_data_keeps_the_users(tmp_path):
 @pytest.mark.skipif(not openssl_available(), reason="no openssl CLI to make a throwaway CA")
 def test_tls_with_client_certificates_and_a_user(tmp_path):
     tls = throwaway_ca(tmp_path)
-    users = cluster_auth(CLUSTER, tmp_path)
+    users = etcd_users(CLUSTER, tmp_path)
     with EtcdServer(auth=users.auth, tls=tls) as etcd:
         security = replace(users.worker, etcd_ca=str(tls.ca), etcd_cert=str(tls.cert),
                            etcd_key=str(tls.key))

@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from cluster.convert import sampling_from_pb
+from cluster.grpc_security import OPEN
 from engine.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
@@ -135,7 +136,8 @@ class Harness:
         config = WorkerConfig(role="decode", etcd="unused:0", kv_timeout_s=kv_timeout_s,
                               allowed_model_paths=allowed_model_paths)
         rt = WorkerRuntime(config, self.engine, FakeTransferBackend(fabric, KVTransferConfig(agent_name="D")),
-                           lambda info: FakeRegistration(), metrics=mock.MagicMock())
+                           lambda info: FakeRegistration(), auth=OPEN,
+                           metrics=mock.MagicMock())
         rt.attach(asyncio.get_running_loop())
         self.p_kv = _backend(fabric, "P")  # the prefill worker's side, to land KV by hand
         self.p_kv.add_peer(rt.kv.metadata())
@@ -213,6 +215,11 @@ class Harness:
 def unavailable() -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 details="connection refused")
+
+
+def unauthenticated() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), details="wrong cluster token: ...")
 
 
 def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:

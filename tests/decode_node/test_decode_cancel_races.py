@@ -183,22 +183,27 @@ def test_kv_timeout_keeps_the_blocks_until_ps_call_has_ended():
     run(main())
 
 
-def test_unreachable_prefill_worker_falls_back_and_releases_once_nothing_serves_there():
+@pytest.mark.parametrize("refusal, asked", [("unavailable", 3), ("unauthenticated", 1)])
+def test_a_prefill_worker_that_fails_falls_back_and_releases_once_it_cannot_write(refusal, asked):
+    """Nothing serves at P's address (UNAVAILABLE): released once nothing answered three times
+    in a row. P's interceptor refuses our token (UNAUTHENTICATED, a token rotation rolling
+    out): P never started the attempt, so released on the first refused Abort."""
     async def main():
-        from decode_fakes import unavailable
+        import decode_fakes
 
+        error = getattr(decode_fakes, refusal)
         h = Harness()
         try:
             task = h.generate("r")
             await h.spin()
-            h.abort_error = unavailable()
-            h.calls[0].future.set_exception(unavailable())
+            h.abort_error = error()
+            h.calls[0].future.set_exception(error())
             deadline = asyncio.get_running_loop().time() + 5
-            while h.held or len(h.aborts) < 3:
+            while h.held or len(h.aborts) < asked or not h.engine.running:
                 assert asyncio.get_running_loop().time() < deadline, h.held
                 await asyncio.sleep(0.01)
                 h.run_engine()
-            assert len(h.aborts) == 3  # asked until nothing answered three times in a row
+            assert h.aborts == ["r"] * asked
             assert h.engine.running == ["r"]  # prefilled here instead
             task.cancel()
             await h.spin()

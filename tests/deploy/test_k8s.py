@@ -2,9 +2,9 @@
 validates against the Kubernetes JSON schemas (kubernetes-validate, offline), plus checks of
 what the manifests promise: only the router is reachable from outside, workers drain within
 their grace period, GPUs go to workers only, separate prefill/decode Deployments and HPAs,
-the API key from a Secret the operator's own untracked file generates (never committed, never
-on argv). Overlays render from a copy of deploy/k8s/ holding a test key file. The base's files
-are also validated without kubectl."""
+the API key and the cluster token from Secrets the operator's own untracked files generate
+(never committed, never on argv). Overlays render from a copy of deploy/k8s/ holding test key
+and token files. The base's files are also validated without kubectl."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH:
 WORKERS = ("prefill", "decode")
 KEY_FILE = "base/api-key.txt"  # git-ignored: the operator creates it (docs/kubernetes.md)
 TEST_KEY = "test-key-0123456789abcdef"
+TOKEN_FILE = "base/cluster-token.txt"  # likewise
+TEST_TOKEN = "test-cluster-token-0123456789abcdef"
+OPERATOR_FILES = ("api-key.txt", "cluster-token.txt")
 
 
 def _kustomize(root: Path, overlay: str) -> subprocess.CompletedProcess:
@@ -39,8 +42,9 @@ def _kustomize(root: Path, overlay: str) -> subprocess.CompletedProcess:
 def render(overlay: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "k8s"
-        shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("api-key.txt"))
+        shutil.copytree(K8S, root, ignore=shutil.ignore_patterns(*OPERATOR_FILES))
         (root / KEY_FILE).write_text(TEST_KEY + "\n")
+        (root / TOKEN_FILE).write_text(TEST_TOKEN + "\n")
         out = _kustomize(root, overlay)
     assert out.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{out.stderr}"
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -213,15 +217,36 @@ def test_router_ready_on_health_and_key_from_secret(rendered):
                     assert "value" not in e, f"{name}/{dname}: env {e['name']} is a literal"
 
 
+@needs_kubectl
+def test_the_router_and_every_worker_get_the_cluster_token_from_one_secret(rendered):
+    from cluster.grpc_security import GrpcSecurity, resolve
+
+    name, docs = rendered
+    deps, secrets = of_kind(docs, "Deployment"), of_kind(docs, "Secret")
+    refs = set()
+    for dname in ("router", *WORKERS):
+        c = container(deps[dname])
+        ref = _env(c)["PDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        refs.add((ref["name"], ref["key"]))
+        assert not any("cluster-token" in a or "CLUSTER_TOKEN" in a
+                       for a in c.get("args", []) + c.get("command", [])), (name, dname)
+    [(secret, key)] = refs  # one token for the whole cluster
+    value = base64.b64decode(secrets[secret]["data"][key]).decode()
+    assert value == TEST_TOKEN + "\n", name  # the file's bytes; its newline is not the token's
+    assert resolve(GrpcSecurity(), {"PDSERVE_CLUSTER_TOKEN": value}).token == TEST_TOKEN
+
+
 def test_the_repository_ships_no_key():
     """No committed Secret value (the old base shipped `api-key: "replace-me"` and restored it
-    on every apply): the key file is git-ignored and no manifest holds a Secret's data."""
+    on every apply): the key and token files are git-ignored and no manifest holds a Secret's
+    data."""
     repo = K8S.parents[1]
     tracked = subprocess.run(["git", "ls-files", "deploy/k8s"], cwd=repo, capture_output=True,
                              text=True, check=True).stdout.split()
-    assert "deploy/k8s/" + KEY_FILE not in tracked
-    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/k8s/" + KEY_FILE], cwd=repo)
-    assert ignored.returncode == 0, f"deploy/k8s/{KEY_FILE} is not git-ignored"
+    for operators in (KEY_FILE, TOKEN_FILE):
+        assert "deploy/k8s/" + operators not in tracked
+        ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/k8s/" + operators], cwd=repo)
+        assert ignored.returncode == 0, f"deploy/k8s/{operators} is not git-ignored"
     for path in tracked:
         if path.endswith(".yaml"):
             for doc in yaml.safe_load_all((repo / path).read_text()):
@@ -229,14 +254,19 @@ def test_the_repository_ships_no_key():
                     assert not doc.get("data") and not doc.get("stringData"), path
     text = (K8S / "base" / "kustomization.yaml").read_text()
     assert "api-key=api-key.txt" in text and "replace-me" not in text
+    assert "cluster-token=cluster-token.txt" in text
 
 
 @needs_kubectl
-def test_rendering_without_the_key_file_fails_naming_it(tmp_path):
+@pytest.mark.parametrize("missing", OPERATOR_FILES)
+def test_rendering_without_the_key_or_token_file_fails_naming_it(tmp_path, missing):
     root = tmp_path / "k8s"
-    shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("api-key.txt"))
+    shutil.copytree(K8S, root, ignore=shutil.ignore_patterns(*OPERATOR_FILES))
+    for present in OPERATOR_FILES:
+        if present != missing:
+            (root / "base" / present).write_text("0123456789abcdef0123456789abcdef\n")
     out = _kustomize(root, "cpu")
-    assert out.returncode != 0 and "api-key.txt" in out.stderr, out.stderr
+    assert out.returncode != 0 and missing in out.stderr, out.stderr
 
 
 def _selects(selector: dict, labels: dict) -> bool:

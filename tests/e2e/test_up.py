@@ -1,6 +1,7 @@
 """`pdserve up --api-key-file` end to end with the official openai client (the key in a
 file, never on a command line; a request without it is refused; its etcd refuses anonymous
-clients, its password files are 0600): concurrent streaming chats,
+clients, its password files are 0600; the workers' gRPC ports need the cluster token `up`
+made, in a 0600 file, never on a command line): concurrent streaming chats,
 scale-out and scale-in under load with zero failed requests, a decode worker SIGKILLed under
 load (replaced: the pool is restored), the router SIGKILLed (back on the same port), and
 nothing left running after SIGTERM."""
@@ -12,11 +13,16 @@ import stat
 import time
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from up_cluster import Load, Up, alive, chat
 
-from local_cluster.run_file import etcd_credentials
+from cluster.grpc_auth import aio_channel
+from cluster.grpc_security import OPEN, ClusterAuth
+from local_cluster.run_file import cluster_auth, etcd_credentials
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 KEY = "up-test-key-3f9c2a"
@@ -59,11 +65,25 @@ def _etcd_is_closed(up) -> None:
     asyncio.run(anonymous())
 
 
+async def _direct_generate(address: str, auth: ClusterAuth) -> grpc.StatusCode:
+    """A one-token Generate straight to a decode worker (bypassing the router)."""
+    req = pb.GenerateRequest(request_id="direct", prompt_token_ids=[1, 2, 3],
+                             sampling=pb.SamplingParams(temperature=0, max_tokens=1))
+    async with aio_channel(address, auth) as ch:
+        try:
+            async for _ in pb_grpc.DecodeWorkerStub(ch).Generate(req, timeout=60):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
 def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
     key_file = tmp_path / "api-key"
     key_file.write_text(KEY + "\n")
     up = Up(tmp_path, "--prefill", "1", "--decode", "1", "--api-key-file", str(key_file))
     pids = set()
+    token_file = ""
     try:
         async def concurrent(api_key: str = KEY):
             client = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key=api_key, max_retries=0)
@@ -73,6 +93,17 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         with pytest.raises(openai.AuthenticationError):
             asyncio.run(concurrent("not-the-key"))
         assert not any(KEY in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps)
+        # The workers' gRPC ports need the cluster token `up` made (0600, named in the run
+        # file); it is on no command line either.
+        token_file = up.run["grpc_security"]["cluster_token_file"]
+        assert os.stat(token_file).st_mode & 0o777 == 0o600
+        auth = cluster_auth(up.run)
+        assert not any(auth.token in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps)
+        decode = next(w for w in up.workers() if w.role == "decode")
+        assert asyncio.run(_direct_generate(decode.grpc_address, OPEN)) is grpc.StatusCode.UNAUTHENTICATED
+        wrong = ClusterAuth(token="not-the-cluster-token-0123456789")
+        assert asyncio.run(_direct_generate(decode.grpc_address, wrong)) is grpc.StatusCode.UNAUTHENTICATED
+        assert asyncio.run(_direct_generate(decode.grpc_address, auth)) is grpc.StatusCode.OK
         pids |= {p for ps in up.children().values() for p in ps}
         assert {"prefill", "decode", "router", "etcd"} <= {k for k, v in up.children().items() if v}
         _etcd_is_closed(up)
@@ -143,3 +174,4 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         time.sleep(0.2)
     assert not [p for p in pids if alive(p)], "pdserve up left processes behind"
     assert not (tmp_path / "cache" / "run" / "current-cluster.json").exists()
+    assert token_file and not os.path.exists(token_file)  # went with `up`'s run directory

@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 
+from cluster.grpc_security import OPEN
 from engine.engine_loop import STEP_EWMA_WEIGHT, StepTimings
 
 NUM_LAYERS = 2
@@ -49,7 +50,8 @@ def test_a_worker_publishes_its_measured_step_timings(model_dir):
     engine.step = timed_step
     runtime = WorkerRuntime(WorkerConfig(role="decode", etcd="unused:0"), engine,
                             FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="w")),
-                            lambda info: mock.AsyncMock(), metrics=mock.MagicMock())
+                            lambda info: mock.AsyncMock(), auth=OPEN,
+                            metrics=mock.MagicMock())
     loop = runtime.loop
     fresh = runtime.capacity()
     assert (fresh.prefill_tokens_per_s, fresh.decode_step_s, fresh.prefill_step_s) == (0, 0, 0)

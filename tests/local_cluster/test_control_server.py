@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster.grpc_security import GrpcSecurity
 from local_cluster import control
+from local_cluster.config import UpConfig
 from local_cluster.control import MAX_SCALE_DELTA, serve_control
 from cluster.etcd_security import EtcdSecurity
 from local_cluster.run_file import control_request, current, run_file
@@ -17,7 +19,7 @@ from local_cluster.run_file import control_request, current, run_file
 
 class RecordingSupervisor:
     etcd = "127.0.0.1:1"
-    config = type("C", (), {"cluster": "c"})()
+    config = UpConfig(cluster="c", grpc_security=GrpcSecurity(cluster_token_file="/run/t"))
     log_dir = Path("/nonexistent-logs")
     planner = None
     router_etcd = EtcdSecurity("pdserve-router", "/run/etcd-pdserve-router.password")
@@ -61,6 +63,7 @@ def test_the_run_file_is_private_and_requests_need_its_token(served):
     assert stat.S_IMODE(os.stat(run_file()).st_mode) == 0o600
     assert EtcdSecurity(**current()["etcd_security"]) == RecordingSupervisor.router_etcd
     assert len(run["control_token"]) >= 32
+    assert run["grpc_security"]["cluster_token_file"] == "/run/t"  # where clients find it
     scale = json.dumps({"role": "decode", "delta": 1}).encode()
     for token in (None, "", "wrong", run["control_token"] + "x"):
         assert _status(run, token=token) == 401

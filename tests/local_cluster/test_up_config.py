@@ -183,3 +183,53 @@ def test_the_etcd_users_reach_the_workers_and_the_router_as_paths():
     assert parsed.etcd_security == router
     given = parse_up("--etcd", ETCD, "--etcd-user", "u", "--etcd-password-file", "p")
     assert given.etcd_security == EtcdSecurity("u", "p")
+
+
+def test_the_cluster_token_reaches_every_worker_and_the_router_as_a_file(tmp_path, monkeypatch):
+    from cluster.grpc_security import TOKEN_ENV, GrpcSecurity
+    from local_cluster.up import cluster_security
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    # No token given: `up` makes one for this cluster, 0600, in its run directory.
+    config, auth = cluster_security(parse_up(), tmp_path)
+    made = tmp_path / "cluster-token"
+    assert config.grpc_security == GrpcSecurity(cluster_token_file=str(made))
+    assert made.stat().st_mode & 0o777 == 0o600
+    assert auth.token == made.read_text().strip() and len(auth.token) >= 32
+    for role in ROLES:
+        cmd = supervisor(config).worker_command(role)
+        assert started(cmd)[0].grpc_security == config.grpc_security
+        assert auth.token not in " ".join(cmd)
+    router = router_config(build_parser().parse_args(["router", *router_flags(config, ETCD, 9000)]))
+    assert router.grpc_security == config.grpc_security
+
+    # The user's file (and TLS files), by absolute path; no token is made.
+    user = tmp_path / "mine"
+    user.write_text("user-token-0123456789abcdef\n")
+    pem = {}
+    for name in ("cert", "key", "ca"):
+        pem[name] = tmp_path / f"{name}.pem"
+        pem[name].write_text(f"-----BEGIN {name}-----\n")
+    given = parse_up("--cluster-token-file", os.path.relpath(user), "--tls-server-name", "w",
+                     *(a for n, p in pem.items() for a in (f"--tls-{n}", os.path.relpath(p))))
+    config, auth = cluster_security(given, tmp_path / "unused")
+    assert config.grpc_security == GrpcSecurity(
+        cluster_token_file=str(user), tls_cert=str(pem["cert"]), tls_key=str(pem["key"]),
+        tls_ca=str(pem["ca"]), tls_server_name="w")
+    assert auth.token == "user-token-0123456789abcdef" and auth.tls.server_name == "w"
+    cmd = supervisor(config).worker_command(Role.DECODE)
+    assert started(cmd)[0].grpc_security == config.grpc_security
+    # PDSERVE_CLUSTER_TOKEN in `up`'s environment: the children inherit it; no file is made.
+    monkeypatch.setenv(TOKEN_ENV, "env-token-0123456789abcdef")
+    config, auth = cluster_security(parse_up(), tmp_path / "unused")
+    assert config.grpc_security == GrpcSecurity() and auth.source == TOKEN_ENV
+    assert not (tmp_path / "unused").exists()
+
+
+def test_a_bad_cluster_token_file_stops_up_before_anything_starts(tmp_path, capsys):
+    from pdserve.cli import main
+
+    empty = tmp_path / "token"
+    empty.write_text("")
+    assert main(["up", "--cluster-token-file", str(empty)]) == 2
+    assert f"pdserve up: error: --cluster-token-file {empty}: the file is empty" in capsys.readouterr().err

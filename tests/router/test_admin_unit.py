@@ -7,6 +7,7 @@ import grpc
 import pytest
 from fastapi import FastAPI
 
+from cluster.grpc_security import OPEN
 from cluster.registration import WorkerInfo
 from router.admin import FleetAdmin, WorkerResult, _checked
 from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
@@ -23,7 +24,7 @@ def info(wid, role="decode", sleeping=False):
 
 def test_routes_declare_their_schemas():
     app = FastAPI()
-    add_admin_routes(app, FleetAdmin(WorkerRegistry(), ChannelPool(), 0.1))
+    add_admin_routes(app, FleetAdmin(WorkerRegistry(), ChannelPool(OPEN), 0.1))
     install_openapi(app)
     paths = app.openapi()["paths"]
     assert set(paths) == ADMIN_PATHS
@@ -43,7 +44,7 @@ def test_enabled_by_flag_or_vllm_env(monkeypatch):
 def test_the_gate_waits_then_503s_while_every_decode_worker_sleeps():
     async def main():
         registry = WorkerRegistry()
-        admin = FleetAdmin(registry, ChannelPool(), wait_s=0.3)
+        admin = FleetAdmin(registry, ChannelPool(OPEN), wait_s=0.3)
         registry.put(info("d1", sleeping=True))
         registry.put(info("p", "prefill"))
         with pytest.raises(APIError) as exc:
@@ -86,7 +87,7 @@ def test_set_role_refuses_bad_input_in_openai_shape():
     app = FastAPI()
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     registry = WorkerRegistry()
-    add_admin_routes(app, FleetAdmin(registry, ChannelPool(), 0.1))
+    add_admin_routes(app, FleetAdmin(registry, ChannelPool(OPEN), 0.1))
     client = TestClient(app)
     for query, param in [({"role": "decode"}, "worker_id"),
                          ({"worker_id": "w", "role": "both"}, "role"),

@@ -2,6 +2,7 @@
 its entries; a fresh router (restart) rebuilds the index from snapshots."""
 import asyncio
 
+from cluster.grpc_security import OPEN
 from engine.block_hash import compute_block_hashes
 from router.channels import ChannelPool
 from router.kv_events import KVSubscriptions
@@ -13,7 +14,7 @@ H = compute_block_hashes(list(range(160)), 16)  # 10 blocks
 
 
 async def _subscribed(worker):
-    index, channels = KVIndex(), ChannelPool()
+    index, channels = KVIndex(), ChannelPool(OPEN)
     subs = KVSubscriptions(index, channels)
     subs.on_added(worker.info())
     await asyncio.wait_for(subs.synced[worker.worker_id].wait(), 5)
@@ -50,7 +51,7 @@ def test_restart_rebuilds_from_snapshots(bg):
             await subs.close()
             await channels.close_all()
         a.evict(H[6:])  # changes while no router listens
-        index, channels = KVIndex(), ChannelPool()
+        index, channels = KVIndex(), ChannelPool(OPEN)
         subs = KVSubscriptions(index, channels)
         for w in (a, b):
             subs.on_added(w.info())

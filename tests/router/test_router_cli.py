@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster.etcd_security import EtcdSecurity
+from cluster.grpc_security import GrpcSecurity
 from engine.config import LoRAModule
 from engine.flags import to_argv
 from pdserve.cli import build_parser, main
@@ -53,6 +54,8 @@ def test_flags_reach_the_config():
         "--max-concurrent-requests-per-key", "15", "--max-tokens-per-minute-per-key", "16",
         "--allowed-worker-cidrs", "10.0.0.0/8", "::1", "--etcd-user", "u",
         "--etcd-password-file", "/pw", "--etcd-ca", "/ca", "--etcd-cert", "/c", "--etcd-key", "/k",
+        "--cluster-token-file", "/t", "--tls-cert", "/tc", "--tls-key", "/tk", "--tls-ca", "/ta",
+        "--tls-server-name", "w",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -68,6 +71,7 @@ def test_flags_reach_the_config():
         grammar_compile_processes=13, tokenizer_threads=14, max_concurrent_requests_per_key=15,
         max_tokens_per_minute_per_key=16)
     assert cfg.etcd_security == EtcdSecurity("u", "/pw", "/ca", "/c", "/k")
+    assert cfg.grpc_security == GrpcSecurity("/t", "/tc", "/tk", "/ta", "w")
     assert cfg.allowed_worker_cidrs == (ip_network("10.0.0.0/8"), ip_network("::1/128"))
     assert cfg.enable_lora and cfg.enable_dev_endpoints
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
@@ -84,12 +88,15 @@ def test_flags_reach_the_config():
     assert default == RouterConfig(etcd="h:1")
     # Every field has a flag: each one above moved its field off the default.
     for f in dataclasses.fields(RouterConfig):
-        if f.name not in ("etcd", "placement", "limits", "etcd_security"):
+        if f.name not in ("etcd", "placement", "limits", "etcd_security",
+                          "grpc_security"):
             assert getattr(cfg, f.name) != getattr(default, f.name), f.name
     for f in dataclasses.fields(PlacementConfig):
         assert getattr(cfg.placement, f.name) != getattr(default.placement, f.name), f.name
-    for f in dataclasses.fields(EtcdSecurity):
-        assert getattr(cfg.etcd_security, f.name) != getattr(default.etcd_security, f.name), f.name
+    for nested, config_class in (("etcd_security", EtcdSecurity), ("grpc_security", GrpcSecurity)):
+        for f in dataclasses.fields(config_class):
+            assert (getattr(getattr(cfg, nested), f.name)
+                    != getattr(getattr(default, nested), f.name)), (nested, f.name)
     for f in dataclasses.fields(LimitsConfig):
         assert getattr(cfg.limits, f.name) != getattr(default.limits, f.name), f.name
     # ... and the flags that reproduce a config give it back.
