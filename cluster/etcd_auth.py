@@ -8,12 +8,12 @@ runs in a plain thread and needs no etcdctl (benchmarks/gpu_bundle.py leaves etc
 """
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.etcd_security import EtcdSecurity
+from cluster.secret_files import write_secret_file
 
 ROOT = "root"
 WORKER_USER = "pdserve-worker"
@@ -121,15 +121,6 @@ def _prefix_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
-def write_secret(path: Path, text: str) -> Path:
-    """Write `text` to `path`, created 0600 (never readable by others, not even for a
-    moment)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text + "\n")
-    return path
-
-
 @dataclass(frozen=True)
 class EtcdUsers:
     """`pdserve up`'s etcd users: the plan its etcd is started with, and the flags each
@@ -150,7 +141,7 @@ def etcd_users(cluster: str, secrets_dir: Path) -> EtcdUsers:
     prefix = f"/pdserve/{cluster}/".encode()
     passwords = {name: secrets.token_urlsafe(24) for name in (ROOT, WORKER_USER, ROUTER_USER)}
     flags = {name: EtcdSecurity(etcd_user=name, etcd_password_file=str(
-        write_secret(secrets_dir / f"etcd-{name}.password", password)))
+        write_secret_file(secrets_dir / f"etcd-{name}.password", password)))
         for name, password in passwords.items()}
     users = (EtcdUser(WORKER_USER, passwords[WORKER_USER], prefix, write=True),
              EtcdUser(ROUTER_USER, passwords[ROUTER_USER], prefix, write=False))

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
+from cluster.secret_files import read_secret_file
 from engine.checks import FieldError
 from engine.flags import option
 
@@ -104,10 +104,4 @@ class EtcdSecurity:
 
 
 def _read(flag: str, path: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
-    if not data.strip():
-        raise ValueError(f"{flag} {path}: the file is empty")
-    return data
+    return read_secret_file(f"{flag} {path}", path)

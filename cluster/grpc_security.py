@@ -20,12 +20,12 @@ Stdlib only (no grpc, no torch): every command's flags, and `pdserve --help`, im
 """
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from cluster.secret_files import read_secret_file, write_secret_file
 from engine.flags import option
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
@@ -98,10 +98,7 @@ OPEN = ClusterAuth()
 def write_token_file(path: Path) -> Path:
     """A new random cluster token in a new file `path`, readable by its owner alone (0600;
     an existing file is never overwritten). Returns `path`."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    return path
+    return write_secret_file(path, secrets.token_urlsafe(32), exclusive=True)
 
 
 def resolve(config: GrpcSecurity, environ: Mapping[str, str]) -> ClusterAuth:
@@ -110,21 +107,13 @@ def resolve(config: GrpcSecurity, environ: Mapping[str, str]) -> ClusterAuth:
     token, source = None, "none"
     if config.cluster_token_file is not None:
         source = f"--cluster-token-file {config.cluster_token_file}"
-        token = _token(_read(source, config.cluster_token_file).decode("utf-8", "replace"), source)
+        text = read_secret_file(source, config.cluster_token_file).decode("utf-8", "replace")
+        token = _token(text, source)
     elif environ.get(TOKEN_ENV) is not None:
         source = TOKEN_ENV
         token = _token(environ[TOKEN_ENV], source)
     return ClusterAuth(token, _tls(config), source)
 
-
-def _read(source: str, path: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{source}: cannot read it ({exc.strerror})") from None
-    if not data.strip():
-        raise ValueError(f"{source}: the file is empty")
-    return data
 
 
 def _token(text: str, source: str) -> str:
@@ -156,7 +145,7 @@ def _tls(config: GrpcSecurity) -> TlsMaterial | None:
                          "(this process's certificate, its key, and the CA peers chain to)")
     pems = []
     for flag, path in files.items():
-        pem = _read(f"{flag} {path}", path)
+        pem = read_secret_file(f"{flag} {path}", path)
         if b"-----BEGIN " not in pem:
             raise ValueError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
         pems.append(pem)
