@@ -162,7 +162,7 @@ class _StubMethodsWithToken:
 
 
 class _AioTokenChannel(_StubMethodsWithToken, grpc.aio.Channel):
-    """A plain asyncio channel whose stub methods all carry the token (`_WithToken`)."""
+    """An asyncio channel (plain or TLS) whose stub methods all carry the token (`_WithToken`)."""
 
     async def __aenter__(self) -> "_AioTokenChannel":
         return self
@@ -184,7 +184,7 @@ class _AioTokenChannel(_StubMethodsWithToken, grpc.aio.Channel):
 
 
 class _TokenChannel(_StubMethodsWithToken, grpc.Channel):
-    """A plain blocking channel whose stub methods all carry the token (`_WithToken`)."""
+    """A blocking channel (plain or TLS) whose stub methods all carry the token (`_WithToken`)."""
 
     def __enter__(self) -> "_TokenChannel":
         return self

@@ -1,5 +1,8 @@
 """A real cluster for the OpenAI-client tests: etcd + `pdserve prefill` + `pdserve decode`
 (2 layers, float32, 1 thread) + `pdserve router`, on free loopback ports, stopped by PID.
+It runs authenticated as `pdserve up` runs: etcd with users (workers write, the router and
+the tests read with the router's user) and a cluster token on every worker's gRPC port, so
+the fuzz and conformance suites run with auth on.
 
 Started once per session (tests/router/conftest.py) and shared by every module that asks for
 it; a test may add routers of its own against the same etcd (`start_router`)."""
@@ -15,7 +18,12 @@ from typing import Iterator
 
 import httpx
 
+from cluster.etcd_auth import etcd_users
+from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
+from cluster.grpc_security import ClusterAuth, GrpcSecurity, resolve, write_token_file
+from cluster.registration import WorkerInfo, list_workers, make_client
+from engine.flags import to_argv
 from local_cluster.launcher import ServiceProcess
 from cluster.net import free_port
 
@@ -32,6 +40,16 @@ class Cluster:
     url: str  # the router's base URL
     etcd: str  # etcd endpoint
     logs: Path
+    router_security: tuple[str, ...]
+    """A router's flags for this cluster's etcd user and cluster token (`start_router`)."""
+    etcd_credentials: EtcdCredentials
+    """The router's etcd user: reads the registrations."""
+    auth: ClusterAuth
+    """What a direct gRPC call to a worker presents."""
+
+    async def workers(self) -> list[WorkerInfo]:
+        async with make_client(self.etcd, self.etcd_credentials) as client:
+            return await list_workers(client, CLUSTER)
 
 
 def workers_unavailable() -> str | None:
@@ -52,10 +70,13 @@ def reference_output(reference, token_ids: list[int], **sampling):
 
 
 @contextmanager
-def start_router(etcd: str, logs: Path, *flags: str, name: str = "router") -> Iterator[str]:
-    """A router process on the cluster; yields its URL once it sees both workers."""
+def start_router(etcd: str, logs: Path, *flags: str, security: tuple[str, ...],
+                 name: str = "router") -> Iterator[str]:
+    """A router process on the cluster (`security`: Cluster.router_security); yields its URL
+    once it sees both workers."""
     port = free_port()
-    router = ServiceProcess(["router", "--etcd", etcd, "--cluster", CLUSTER, "--port", str(port),
+    router = ServiceProcess(["router", "--etcd", etcd, *security, "--cluster", CLUSTER,
+                             "--port", str(port),
                              "--api-key", KEY, "--enable-prompt-tokens-details",
                              "--local-prefill-threshold", "0",
                              "--local-prefill-max-tokens", "0",
@@ -81,8 +102,11 @@ def start_router(etcd: str, logs: Path, *flags: str, name: str = "router") -> It
 
 @contextmanager
 def start_cluster(logs: Path) -> Iterator[Cluster]:
-    with EtcdServer() as etcd:
-        common = ["--etcd", etcd.endpoint, "--cluster", CLUSTER]
+    users = etcd_users(CLUSTER, logs)
+    token = GrpcSecurity(cluster_token_file=str(write_token_file(logs / "cluster-token")))
+    with EtcdServer(auth=users.auth) as etcd:
+        common = ["--etcd", etcd.endpoint, *to_argv(users.worker), *to_argv(token),
+                  "--cluster", CLUSTER]
         # float32 on both sides: `auto` is bfloat16 on CPUs with native bf16, and the
         # reference engine must compute exactly what the workers compute.
         worker_flags = ["--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "64MiB",
@@ -93,8 +117,10 @@ def start_cluster(logs: Path) -> Iterator[Cluster]:
         try:
             for w in workers.values():
                 w.wait_ready()
-            with start_router(etcd.endpoint, logs) as url:
-                yield Cluster(url, etcd.endpoint, logs)
+            router_security = (*to_argv(users.router), *to_argv(token))
+            with start_router(etcd.endpoint, logs, security=router_security) as url:
+                yield Cluster(url, etcd.endpoint, logs, router_security,
+                              users.router.resolve(), resolve(token, {}))
         finally:
             codes = {role: w.terminate(30) for role, w in workers.items()}
         assert codes == {"prefill": 0, "decode": 0}, codes

@@ -109,16 +109,15 @@ def test_fuzz_real_cluster(e2e):
     r = httpx.post(e2e.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    asyncio.run(_all_blocks_free(e2e.etcd))
+    asyncio.run(_all_blocks_free(e2e))
 
 
-async def _all_blocks_free(etcd: str, timeout: float = 10.0) -> None:
+async def _all_blocks_free(e2e, timeout: float = 10.0) -> None:
     from benchmarks.chaos.checks import leaked_blocks
-    from cluster.registration import list_workers, make_client
 
-    async with make_client(etcd) as client:
-        assert {w.role for w in await list_workers(client, CLUSTER)} == {"prefill", "decode"}
-    leaks = await leaked_blocks(etcd, CLUSTER, timeout_s=timeout)
+    assert {w.role for w in await e2e.workers()} == {"prefill", "decode"}
+    leaks = await leaked_blocks(e2e.etcd, CLUSTER, e2e.auth, timeout_s=timeout,
+                                credentials=e2e.etcd_credentials)
     assert leaks.value == {} and leaks.unsettled == {}, leaks
 
 

@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from openai_cluster import CLUSTER, KEY, MODEL
+from openai_cluster import KEY, MODEL
 from router.response_models import DashboardData
 
 pytestmark = pytest.mark.slow
@@ -32,14 +32,8 @@ def _chromium(tmp_path, *args: str) -> str:
     return out.stdout.split("<script>")[0]  # the rendered document, not the page's own code
 
 
-async def _worker_ids(etcd: str) -> dict[str, str]:
-    from cluster.registration import list_workers, make_client
-
-    client = make_client(etcd)
-    try:
-        return {w.worker_id: w.role for w in await list_workers(client, CLUSTER)}
-    finally:
-        await client.close()
+async def _worker_ids(e2e) -> dict[str, str]:
+    return {w.worker_id: w.role for w in await e2e.workers()}
 
 
 def _rows(dom: str) -> dict[str, str]:
@@ -52,7 +46,7 @@ def _requests(dom: str) -> int:
 
 
 def test_dashboard_in_browser(e2e, client, tmp_path):
-    workers = asyncio.run(_worker_ids(e2e.etcd))
+    workers = asyncio.run(_worker_ids(e2e))
     assert sorted(workers.values()) == ["decode", "prefill"]
     # The page holds no data and needs no key; its data needs the API key (the cluster has no
     # admin key) and matches its schema.

@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from cluster.registration import list_workers, make_client
-from openai_cluster import CLUSTER, MODEL
+from openai_cluster import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -18,8 +17,7 @@ def test_workers_publish_measured_step_timings(e2e, client):
                                   max_tokens=6, temperature=0)
 
     async def capacities():
-        async with make_client(e2e.etcd) as etcd:
-            return {w.role: w.capacity for w in await list_workers(etcd, CLUSTER)}
+        return {w.role: w.capacity for w in await e2e.workers()}
 
     deadline = time.monotonic() + 10  # republished every 0.25 s
     caps = asyncio.run(capacities())

@@ -11,8 +11,7 @@ import openai
 import pytest
 import torch
 
-from cluster.registration import list_workers, make_client
-from openai_cluster import CLUSTER, MODEL, NUM_LAYERS, WORKER_MAX_MODEL_LEN
+from openai_cluster import MODEL, NUM_LAYERS, WORKER_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
@@ -112,8 +111,7 @@ def test_decode_workers_serve_no_embeddings(e2e, client):
     client.embeddings.create(model=MODEL, input=TEXTS)
 
     async def workers():
-        async with make_client(e2e.etcd) as etcd:
-            return await list_workers(etcd, CLUSTER)
+        return await e2e.workers()
 
     served = {w.role: _metric(w.metrics_address, "pdserve_worker_embeddings_total")
               for w in asyncio.run(workers())}

@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.registration import list_workers, make_client
-from openai_cluster import CLUSTER, MODEL
+from openai_cluster import MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: metrics_catalog
 from metrics_catalog import documented, speculative_only, type_lines  # noqa: E402
@@ -39,8 +38,7 @@ def test_every_documented_metric_is_exported_by_real_processes(e2e, client):
     assert chunks
 
     async def workers():
-        async with make_client(e2e.etcd) as etcd:
-            return await list_workers(etcd, CLUSTER)
+        return await e2e.workers()
 
     scrapes = {w.role: _scrape(w.metrics_address) for w in asyncio.run(workers())}
     scrapes["router"] = _scrape(e2e.url.removeprefix("http://"))

@@ -141,7 +141,8 @@ def test_generation_config_defaults_apply_when_omitted(e2e, reference, tmp_path)
     messages = [{"role": "user", "content": "Hi"}]
     chat_ids = reference.tokenizer.encode_chat(messages)
     chat_greedy = reference_output(reference, chat_ids, temperature=0.0, max_tokens=3, ignore_eos=True).outputs[0].text
-    with start_router(e2e.etcd, e2e.logs, "--generation-config", str(folder), name="router-genconf") as url:
+    with start_router(e2e.etcd, e2e.logs, "--generation-config", str(folder),
+                      security=e2e.router_security, name="router-genconf") as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         # temperature from the model's config; completions keep OpenAI's max_tokens default (16).
         r = c.completions.create(model=MODEL, prompt=ids, max_tokens=3, extra_body={"ignore_eos": True})

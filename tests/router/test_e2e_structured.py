@@ -9,13 +9,13 @@ import asyncio
 import json
 import re
 
-import grpc
 import jsonschema
 import openai
 import pytest
 
-from cluster.registration import list_workers, make_client
-from openai_cluster import CLUSTER, MODEL
+from cluster.grpc_auth import aio_channel
+from cluster.grpc_security import ClusterAuth
+from openai_cluster import MODEL
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -171,13 +171,13 @@ def test_invalid_constraints_are_a_400(client, extra, param):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
-async def _workers(etcd: str) -> dict[str, str]:
-    async with make_client(etcd) as c:
-        return {w.role: w.grpc_address for w in await list_workers(c, CLUSTER)}
+async def _workers(e2e) -> dict[str, str]:
+    return {w.role: w.grpc_address for w in await e2e.workers()}
 
 
-async def _generate(address: str, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def _generate(address: str, request: pb.GenerateRequest,
+                    auth: ClusterAuth) -> list[pb.GenerateResponse]:
+    async with aio_channel(address, auth) as ch:
         return [r async for r in pb_grpc.DecodeWorkerStub(ch).Generate(request, timeout=120)]
 
 
@@ -192,13 +192,13 @@ def test_first_token_sampled_on_the_prefill_worker_obeys_the_grammar(e2e, refere
     ids = tok.encode_chat(MESSAGES)
     [free] = reference.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert not any(c.startswith(free.outputs[0].text) for c in choices)  # the test means something
-    addresses = asyncio.run(_workers(e2e.etcd))
+    addresses = asyncio.run(_workers(e2e))
     request = pb.GenerateRequest(
         request_id="structured-first-token", prompt_token_ids=ids, sampling=pb.SamplingParams(
             temperature=0, max_tokens=10, structured_outputs=pb.StructuredOutputs(
                 choice=pb.Choices(values=choices))),
         prefill_worker=pb.WorkerRef(worker_id="p", address=addresses["prefill"]))
-    responses = asyncio.run(_generate(addresses["decode"], request))
+    responses = asyncio.run(_generate(addresses["decode"], request, e2e.auth))
     assert {r.prefill_mode for r in responses} == {"remote"}
     first = next(t for r in responses for t in r.token_ids)
     assert any(c.startswith(tok.decode([first])) for c in choices), tok.decode([first])
