@@ -17,7 +17,7 @@ from typing import Callable
 
 from cluster.etcd_client import make_client
 from cluster.etcd_security import EtcdCredentials
-from cluster.retry import reconnect_forever
+from cluster.retry import Backoff, reconnect_forever
 from cluster.roles import ROLES
 
 log = logging.getLogger(__name__)
@@ -147,13 +147,25 @@ class Registrar:
         self._retired: set[bytes] = set()  # keys of earlier roles, deleted with every publish
         self.registered = asyncio.Event()
 
-    async def start(self, timeout_s: float = 5.0) -> None:
-        """First registration; raises EtcdUnavailable if etcd cannot be reached in time."""
-        try:
-            await asyncio.wait_for(self._register(), timeout_s)
-        except Exception as exc:
-            await self._drop_client()
-            raise EtcdUnavailable(f"cannot register with etcd at {self.endpoint}: {exc!r}") from exc
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """First registration, tried again (with backoff) until it succeeds or `timeout_s`
+        has passed: one etcd call that times out on a loaded machine (a just-started etcd,
+        a slow lease grant) is not a failed start. Raises EtcdUnavailable with the last error
+        when etcd could not be reached in time."""
+        deadline = time.monotonic() + timeout_s
+        backoff = Backoff(first_s=0.1, max_s=1.0)
+        while True:
+            try:
+                await asyncio.wait_for(self._register(), deadline - time.monotonic())
+                break
+            except Exception as exc:
+                await self._drop_client()
+                if time.monotonic() + backoff.delay_s >= deadline:
+                    raise EtcdUnavailable(
+                        f"cannot register with etcd at {self.endpoint}: {exc!r}") from exc
+                log.warning("registering with etcd at %s failed (%r); trying again",
+                            self.endpoint, exc)
+                await backoff.sleep()
         self._task = asyncio.create_task(self._keep_alive())
 
     async def _register(self) -> None:

@@ -53,6 +53,26 @@ def test_unreachable_etcd_is_a_clear_error():
     asyncio.run(main())
 
 
+def test_the_first_registration_waits_for_an_etcd_that_comes_up_late():
+    """A worker starting beside a slow etcd (its first calls fail or time out) registers once
+    etcd answers, within the start's deadline, instead of failing its start."""
+    from cluster.net import free_port
+
+    async def main():
+        port = free_port()
+        reg = Registrar(f"127.0.0.1:{port}", "t", _info, ttl_s=2)
+        starting = asyncio.create_task(reg.start(timeout_s=30))
+        await asyncio.sleep(1.0)
+        assert not starting.done()  # still trying, not failed
+        with EtcdServer(client_port=port) as etcd:
+            await starting
+            async with make_client(etcd.endpoint) as c:
+                assert [w.worker_id for w in await list_workers(c, "t")] == ["w1"]
+            await reg.deregister()
+
+    asyncio.run(main())
+
+
 def test_registration_round_trips_as_json():
     info = _info(draining=True)
     assert WorkerInfo.from_json(info.to_json()) == info
