@@ -1,7 +1,9 @@
-"""Users and roles of an etcd that pdserve starts itself (`pdserve up`, benchmarks, tests):
-`EtcdAuth` says who exists, `enable_auth` creates them and turns etcd's auth on, and
-`etcd_users` is `pdserve up`'s plan — root, a worker user that may write only the cluster's
-keys and a router user that may only read them, each password random, in a 0600 file.
+"""Users and roles of pdserve's etcd: `EtcdAuth` says who exists; `enable_auth` creates them
+and turns etcd's auth on (an etcd that pdserve starts itself: `pdserve up`, benchmarks,
+tests); `set_up_auth` does the same on any etcd and, when auth is on already, signs in as
+root and sets right what differs (`pdserve etcd-users`); `etcd_users` is `pdserve up`'s plan
+— root, a worker user that may write only the cluster's keys and a router user that may only
+read them, each password random, in a 0600 file.
 
 Done with etcd's Auth RPCs (the stubs aetcd ships) over a synchronous gRPC channel, so it
 runs in a plain thread and needs no etcdctl (benchmarks/gpu_bundle.py leaves etcdctl out).
@@ -9,8 +11,10 @@ runs in a plain thread and needs no etcdctl (benchmarks/gpu_bundle.py leaves etc
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Iterator
 
 from cluster.etcd_security import EtcdSecurity
 from cluster.secret_files import write_secret_file
@@ -18,6 +22,9 @@ from cluster.secret_files import write_secret_file
 ROOT = "root"
 WORKER_USER = "pdserve-worker"
 ROUTER_USER = "pdserve-router"
+MIN_PASSWORD_CHARS = 16
+"""The shortest password `set_up_auth` sets (`pdserve etcd-users`): a guard against
+`changeme`, not a measure of randomness."""
 
 
 @dataclass(frozen=True)
@@ -50,64 +57,211 @@ class EtcdAuth:
         return f"EtcdAuth(users={[u.name for u in self.users]})"
 
 
+class RootRefused(RuntimeError):
+    """etcd has auth on and refuses root with the password given."""
+
+
+@dataclass(frozen=True)
+class AuthSetup:
+    """What `set_up_auth` did."""
+
+    enabled_now: bool
+    """Auth was off: the users were created and auth turned on (else it was on already)."""
+    changes: tuple[str, ...] = ()
+    """With auth on already: what differed from the plan and was set right (a password, a
+    permission, a role); empty when the users were as planned."""
+
+
 def enable_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
                 timeout_s: float = 5.0) -> bool:
     """Create `auth`'s users and roles and enable auth, unless auth is on already (a
     restarted etcd on the same data directory keeps them). True when it enabled it.
 
     `channel_credentials`: grpc channel credentials for an etcd serving TLS."""
+    with _auth_calls(endpoint, channel_credentials, timeout_s) as call:
+        if _enabled(call):
+            return False
+        _enable(call, auth)
+    return True
+
+
+def set_up_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
+                timeout_s: float = 5.0) -> AuthSetup:
+    """`auth` on any etcd, idempotently (`pdserve etcd-users`). Auth off: as `enable_auth`.
+    Auth on: sign in as root with `auth.root_password` (RootRefused when etcd refuses it)
+    and make each of `auth.users` exactly as planned: its password, its one role, the role's
+    one permission (others are revoked). Every password it sets must have at least
+    MIN_PASSWORD_CHARS characters (ValueError, before anything changes)."""
+    for user in auth.users:
+        _check_new_password(user.name, user.password)
+    with _auth_calls(endpoint, channel_credentials, timeout_s) as call:
+        if not _enabled(call):
+            _check_new_password(ROOT, auth.root_password)
+            _enable(call, auth)
+            return AuthSetup(enabled_now=True)
+        token = _authenticate(call, ROOT, auth.root_password)
+        if token is None:
+            raise RootRefused(f"etcd at {endpoint} has auth on and refuses {ROOT} with the "
+                              "password given: it is not root's password there")
+        as_root = replace(call, metadata=(("token", token),))
+        changes = [change for user in auth.users for change in _converge(as_root, user)]
+    return AuthSetup(enabled_now=False, changes=tuple(changes))
+
+
+def _check_new_password(name: str, password: str) -> None:
+    if len(password) < MIN_PASSWORD_CHARS:
+        raise ValueError(f"{name}'s password has {len(password)} characters; use at least "
+                         f"{MIN_PASSWORD_CHARS}, e.g. `openssl rand -hex 32`")
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """etcd's Auth RPCs with one timeout, and root's token once it has signed in."""
+
+    stub: Any
+    timeout_s: float
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    def __call__(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=self.timeout_s,
+                                          metadata=self.metadata)
+
+
+@contextmanager
+def _auth_calls(endpoint: str, channel_credentials, timeout_s: float) -> Iterator[_Calls]:
     import grpc
     from aetcd import rpc
 
     channel = (grpc.secure_channel(endpoint, channel_credentials) if channel_credentials
                else grpc.insecure_channel(endpoint))
     with channel:
-        stub = rpc.AuthStub(channel)
-        try:
-            stub.AuthStatus(rpc.AuthStatusRequest(), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            if "user name is empty" in (exc.details() or ""):
-                return False  # on already: an anonymous caller is refused
-            raise
-        _add_user(stub, ROOT, auth.root_password, timeout_s)
-        stub.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=ROOT, role=ROOT), timeout=timeout_s)
-        for user in auth.users:
-            _add_role(stub, user.name, timeout_s)
-            kind = rpc.Permission.READWRITE if user.write else rpc.Permission.READ
-            stub.RoleGrantPermission(rpc.AuthRoleGrantPermissionRequest(
-                name=user.name, perm=rpc.Permission(permType=kind, key=user.prefix,
-                                                    range_end=_prefix_end(user.prefix))),
-                timeout=timeout_s)
-            _add_user(stub, user.name, user.password, timeout_s)
-            stub.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=user.name, role=user.name),
-                               timeout=timeout_s)
-        stub.AuthEnable(rpc.AuthEnableRequest(), timeout=timeout_s)
-    return True
+        yield _Calls(rpc.AuthStub(channel), timeout_s)
 
 
-def _add_user(stub, name: str, password: str, timeout_s: float) -> None:
-    """Add the user, or set its password if an earlier, interrupted setup added it."""
+def _enabled(call: _Calls) -> bool:
     import grpc
     from aetcd import rpc
 
     try:
-        stub.UserAdd(rpc.AuthUserAddRequest(name=name, password=password), timeout=timeout_s)
+        return call("AuthStatus", rpc.AuthStatusRequest()).enabled
     except grpc.RpcError as exc:
-        if "already exists" not in (exc.details() or ""):
-            raise
-        stub.UserChangePassword(rpc.AuthUserChangePasswordRequest(name=name, password=password),
-                                timeout=timeout_s)
+        if "user name is empty" in (exc.details() or ""):
+            return True  # on: an anonymous caller is refused
+        raise
 
 
-def _add_role(stub, name: str, timeout_s: float) -> None:
+def _enable(call: _Calls, auth: EtcdAuth) -> None:
+    """With auth off (every call allowed): root, the users, then auth on. Also finishes a
+    setup that was interrupted before."""
+    from aetcd import rpc
+
+    _set_password(call, ROOT, auth.root_password, exists=_roles_of(call, ROOT) is not None)
+    call("UserGrantRole", rpc.AuthUserGrantRoleRequest(user=ROOT, role=ROOT))
+    for user in auth.users:
+        _converge(call, user, check_password=False)
+    call("AuthEnable", rpc.AuthEnableRequest())
+
+
+def _converge(call: _Calls, user: EtcdUser, check_password: bool = True) -> list[str]:
+    """Make `user` as planned; what was changed. `check_password`: keep a password that
+    already signs in (with auth off nothing can sign in: it is set)."""
+    from aetcd import rpc
+
+    changes = []
+    kind = rpc.Permission.READWRITE if user.write else rpc.Permission.READ
+    wanted = rpc.Permission(permType=kind, key=user.prefix, range_end=_prefix_end(user.prefix))
+    perms = _perms_of(call, user.name)
+    if perms is None:
+        call("RoleAdd", rpc.AuthRoleAddRequest(name=user.name))
+        changes.append(f"role {user.name} added")
+        perms = []
+    for perm in perms:
+        if perm != wanted:
+            call("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
+                role=user.name, key=perm.key, range_end=perm.range_end))
+            changes.append(f"role {user.name}: revoked {_describe(perm)}")
+    if wanted not in perms:
+        call("RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(name=user.name,
+                                                                       perm=wanted))
+        changes.append(f"role {user.name}: granted {_describe(wanted)}")
+    roles = _roles_of(call, user.name)
+    if roles is None or not check_password or _authenticate(call, user.name,
+                                                            user.password) is None:
+        _set_password(call, user.name, user.password, exists=roles is not None)
+        changes.append(f"user {user.name} added" if roles is None
+                       else f"user {user.name}: password set")
+    for role in roles or ():
+        if role != user.name:
+            call("UserRevokeRole", rpc.AuthUserRevokeRoleRequest(name=user.name, role=role))
+            changes.append(f"user {user.name}: role {role} revoked")
+    if user.name not in (roles or ()):
+        call("UserGrantRole", rpc.AuthUserGrantRoleRequest(user=user.name, role=user.name))
+        changes.append(f"user {user.name}: role {user.name} granted")
+    return changes
+
+
+def _set_password(call: _Calls, name: str, password: str, exists: bool) -> None:
+    from aetcd import rpc
+
+    if exists:
+        call("UserChangePassword", rpc.AuthUserChangePasswordRequest(name=name,
+                                                                     password=password))
+    else:
+        call("UserAdd", rpc.AuthUserAddRequest(name=name, password=password))
+
+
+def _authenticate(call: _Calls, name: str, password: str) -> str | None:
+    """The token etcd gives `name` for `password`; None when it refuses them."""
     import grpc
     from aetcd import rpc
 
     try:
-        stub.RoleAdd(rpc.AuthRoleAddRequest(name=name), timeout=timeout_s)
+        return call("Authenticate", rpc.AuthenticateRequest(name=name, password=password)).token
     except grpc.RpcError as exc:
-        if "already exists" not in (exc.details() or ""):
-            raise
+        if "authentication failed" in (exc.details() or ""):
+            return None
+        raise
+
+
+def _roles_of(call: _Calls, name: str) -> list[str] | None:
+    """The user's roles; None when there is no such user."""
+    from aetcd import rpc
+
+    reply = _unless_not_found(call, "UserGet", rpc.AuthUserGetRequest(name=name))
+    return None if reply is None else list(reply.roles)
+
+
+def _perms_of(call: _Calls, role: str) -> list[Any] | None:
+    """The role's permissions; None when there is no such role."""
+    from aetcd import rpc
+
+    reply = _unless_not_found(call, "RoleGet", rpc.AuthRoleGetRequest(role=role))
+    return None if reply is None else list(reply.perm)
+
+
+def _unless_not_found(call: _Calls, method: str, request: Any) -> Any:
+    import grpc
+
+    try:
+        return call(method, request)
+    except grpc.RpcError as exc:
+        if "not found" in (exc.details() or ""):
+            return None
+        raise
+
+
+def _describe(perm: Any) -> str:
+    """`read /pdserve/c/*`, `read and write every key from /`, ..."""
+    from aetcd import rpc
+
+    kind = "read and write" if perm.permType == rpc.Permission.READWRITE else (
+        "read" if perm.permType == rpc.Permission.READ else "write")
+    key, end = (b.decode(errors="replace") for b in (perm.key, perm.range_end))
+    if perm.range_end == _prefix_end(perm.key):
+        return f"{kind} {key}*"
+    if perm.range_end == b"\0":
+        return f"{kind} every key from {key}"
+    return f"{kind} {key}" if not end else f"{kind} [{key}, {end})"
 
 
 def _prefix_end(prefix: bytes) -> bytes:

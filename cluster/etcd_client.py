@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from cluster.etcd_security import EtcdCredentials
+from cluster.etcd_security import EtcdCredentials, EtcdTls
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -35,10 +35,17 @@ def make_client(endpoint: str, credentials: EtcdCredentials | None = None,
     return _tls_client_class()(host, port, tls=creds.tls, **kwargs)
 
 
+def channel_credentials(tls: EtcdTls):
+    """grpc channel credentials of a client of an etcd serving TLS."""
+    import grpc
+
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                        certificate_chain=tls.cert)
+
+
 @functools.cache
 def _tls_client_class():
     import aetcd
-    import grpc
     from aetcd import rpc, watcher
     from aetcd.client import _handle_errors
 
@@ -48,8 +55,7 @@ def _tls_client_class():
 
         def __init__(self, host: str, port: int, *, tls, **kwargs) -> None:
             super().__init__(host, port, **kwargs)
-            self._channel_credentials = grpc.ssl_channel_credentials(
-                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+            self._channel_credentials = channel_credentials(tls)
 
         @_handle_errors
         async def connect(self) -> None:

@@ -1,7 +1,8 @@
 """How a process authenticates to etcd: `EtcdSecurity`, the flags (a nested config of
-WorkerConfig, RouterConfig and UpConfig), and `EtcdCredentials`, what `resolve` reads from
-them once at start (the password, the TLS files' bytes) and every etcd client is made with
-(cluster/etcd_client.py `make_client`).
+WorkerConfig, RouterConfig and UpConfig; its TLS part, `EtcdTlsFiles`, also of `pdserve
+etcd-users`), and `EtcdCredentials`, what `resolve` reads from them once at start (the
+password, the TLS files' bytes) and every etcd client is made with (cluster/etcd_client.py
+`make_client`). `read_password` is the one rule for a password in a file or a variable.
 
 Torch-free and stdlib-only: the router and `pdserve --help` import it.
 """
@@ -41,16 +42,12 @@ class EtcdCredentials:
         return f"EtcdCredentials(user={self.user!r}, tls={self.tls is not None})"
 
 
-@dataclass(frozen=True)
-class EtcdSecurity:
-    """etcd's user and TLS (etcdctl's --user, --cacert, --cert, --key)."""
+@dataclass(frozen=True, kw_only=True)
+class EtcdTlsFiles:
+    """etcd's TLS files (etcdctl's --cacert, --cert, --key): the flags of every process that
+    talks to etcd, `pdserve etcd-users` too. Keyword-only, so that `EtcdSecurity`'s user and
+    password file stay its first positional fields."""
 
-    etcd_user: str | None = option(None, group=GROUP, metavar="NAME")
-    """etcd user to authenticate as (needs --etcd-password-file or PDSERVE_ETCD_PASSWORD).
-    Default: none; an etcd with auth enabled then refuses every request."""
-    etcd_password_file: str | None = option(None, group=GROUP, metavar="PATH")
-    """File whose first line is the --etcd-user's password (else PDSERVE_ETCD_PASSWORD;
-    never a flag: it would show in `ps`)."""
     etcd_ca: str | None = option(None, group=GROUP, metavar="PATH")
     """CA certificate (PEM) that etcd's server certificate must chain to: talk to etcd over
     TLS, the endpoint's host checked against the certificate. Default: plain gRPC."""
@@ -61,12 +58,8 @@ class EtcdSecurity:
     """Private key (PEM) of --etcd-cert."""
 
     def __post_init__(self) -> None:
-        for name in ("etcd_user", "etcd_password_file", "etcd_ca", "etcd_cert", "etcd_key"):
-            if getattr(self, name) is not None and not getattr(self, name).strip():
-                raise FieldError(name, f"{name} must not be empty")
-        if self.etcd_password_file and not self.etcd_user:
-            raise FieldError("etcd_password_file", "etcd_password_file needs --etcd-user "
-                             "(whose password it holds)")
+        for name in ("etcd_ca", "etcd_cert", "etcd_key"):
+            _not_blank(self, name)
         if (self.etcd_cert is None) != (self.etcd_key is None):
             given, missing = (("etcd_cert", "--etcd-key") if self.etcd_key is None
                               else ("etcd_key", "--etcd-cert"))
@@ -76,31 +69,73 @@ class EtcdSecurity:
             raise FieldError("etcd_cert", "etcd_cert needs --etcd-ca (the CA that etcd's own "
                              "certificate is checked against)")
 
+    def read_tls(self) -> EtcdTls | None:
+        """The TLS files' bytes (None: plain gRPC). Raises ValueError naming the flag of a
+        file that is unreadable or empty."""
+        if not self.etcd_ca:
+            return None
+        return EtcdTls(_read("--etcd-ca", self.etcd_ca),
+                       self.etcd_cert and _read("--etcd-cert", self.etcd_cert),
+                       self.etcd_key and _read("--etcd-key", self.etcd_key))
+
+
+@dataclass(frozen=True)
+class EtcdSecurity(EtcdTlsFiles):
+    """etcd's user and TLS (etcdctl's --user, --cacert, --cert, --key)."""
+
+    etcd_user: str | None = option(None, group=GROUP, metavar="NAME")
+    """etcd user to authenticate as (needs --etcd-password-file or PDSERVE_ETCD_PASSWORD).
+    Default: none; an etcd with auth enabled then refuses every request."""
+    etcd_password_file: str | None = option(None, group=GROUP, metavar="PATH")
+    """File whose first line is the --etcd-user's password (else PDSERVE_ETCD_PASSWORD;
+    never a flag: it would show in `ps`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("etcd_user", "etcd_password_file"):
+            _not_blank(self, name)
+        super().__post_init__()
+        if self.etcd_password_file and not self.etcd_user:
+            raise FieldError("etcd_password_file", "etcd_password_file needs --etcd-user "
+                             "(whose password it holds)")
+
     def resolve(self, environ: Mapping[str, str] = os.environ) -> EtcdCredentials:
         """Read the password and the TLS files, once, at start. Raises ValueError naming the
         flag (or PDSERVE_ETCD_PASSWORD) of anything missing, unreadable or empty."""
         password = None
         if self.etcd_user:
-            if self.etcd_password_file:
-                text = _read("--etcd-password-file", self.etcd_password_file).decode()
-                password = text.splitlines()[0].strip()
-                if not password:
-                    raise ValueError(f"--etcd-password-file {self.etcd_password_file}: the "
-                                     "first line is empty")
-            elif environ.get(PASSWORD_ENV):
-                password = environ[PASSWORD_ENV]
-            else:
+            password = read_password("--etcd-password-file", self.etcd_password_file,
+                                     PASSWORD_ENV, environ)
+            if password is None:
                 raise ValueError(f"--etcd-user {self.etcd_user} needs its password: "
                                  f"--etcd-password-file or {PASSWORD_ENV}")
         elif environ.get(PASSWORD_ENV):
             raise ValueError(f"{PASSWORD_ENV} is set but --etcd-user is not: say whose "
                              "password it is")
-        tls = None
-        if self.etcd_ca:
-            tls = EtcdTls(_read("--etcd-ca", self.etcd_ca),
-                          self.etcd_cert and _read("--etcd-cert", self.etcd_cert),
-                          self.etcd_key and _read("--etcd-key", self.etcd_key))
-        return EtcdCredentials(self.etcd_user, password, tls)
+        return EtcdCredentials(self.etcd_user, password, self.read_tls())
+
+
+def read_password(flag: str, path: str | None, env: str,
+                  environ: Mapping[str, str]) -> str | None:
+    """A password from the file `path` (given as `flag`), else from the variable `env`; None
+    when neither is given. Either way the password is the first line, without the white space
+    around it (a Kubernetes Secret made from a file keeps the file's newline). Raises
+    ValueError naming the flag or variable when that line is empty or the file unreadable."""
+    if path is not None:
+        source, text = f"{flag} {path}", _read(flag, path).decode()
+    elif environ.get(env):
+        source, text = env, environ[env]
+    else:
+        return None
+    password = text.splitlines()[0].strip() if text.strip() else ""
+    if not password:
+        raise ValueError(f"{source}: the first line is empty")
+    return password
+
+
+def _not_blank(config: object, name: str) -> None:
+    value = getattr(config, name)
+    if value is not None and not value.strip():
+        raise FieldError(name, f"{name} must not be empty")
 
 
 def _read(flag: str, path: str) -> bytes:

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_workers(sub)
     __import__("pdserve.role_cli").role_cli.register(sub)
+    __import__("pdserve.etcd_users_cli").etcd_users_cli.register(sub)
     __import__("local_cluster.cli").cli.register(sub)
     __import__("router.cli").cli.register(sub)
     __import__("benchmarks.serving.cli").serving.cli.register(sub)

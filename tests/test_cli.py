@@ -18,8 +18,8 @@ def test_generate_answers_the_capital_of_france():
 def test_help_lists_every_subcommand_without_loading_torch():
     out = _pdserve("--help")
     assert out.returncode == 0
-    for command in ("prepare-model", "generate", "prefill", "decode", "role", "router", "up",
-                    "scale", "status", "bench"):
+    for command in ("prepare-model", "generate", "prefill", "decode", "role", "etcd-users",
+                    "router", "up", "scale", "status", "bench"):
         assert command in out.stdout
     probe = subprocess.run(
         [sys.executable, "-c", "import sys, pdserve.cli as c; c.build_parser(); "
@@ -75,7 +75,7 @@ def test_every_config_flag_of_the_service_commands_says_what_it_does():
     from pdserve.cli import build_parser
 
     [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    for command in ("prefill", "decode", "router", "up"):
+    for command in ("prefill", "decode", "router", "up", "etcd-users"):
         undocumented = [a.option_strings[0] for a in sub.choices[command]._actions
                         if a.option_strings and a.dest != "help" and not a.help]
         assert not undocumented, command

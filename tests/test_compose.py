@@ -1,12 +1,15 @@
 """compose/: the file is valid for docker-compose (no engine runs here, so `config` is the
 check) and has the topology the README promises; the router publishes on the host's loopback
 only and gets its API key from PDSERVE_API_KEY, and the router and every worker the cluster
-token from PDSERVE_CLUSTER_TOKEN (compose refuses to start without either)."""
+token from PDSERVE_CLUSTER_TOKEN; etcd runs with users, made by the one-shot etcd-users
+service before the router and the workers start, each of which gets its own etcd user and
+password from the environment (compose refuses to start without any of these)."""
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +18,21 @@ import yaml
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
 TEST_KEY = "compose-test-key-0123456789"
 TEST_TOKEN = "compose-test-cluster-token-0123456789"
+ETCD_PASSWORDS = {"PDSERVE_ETCD_ROOT_PASSWORD": "compose-test-etcd-root-0123456789",
+                  "PDSERVE_ETCD_WORKER_PASSWORD": "compose-test-etcd-worker-0123456789",
+                  "PDSERVE_ETCD_ROUTER_PASSWORD": "compose-test-etcd-router-0123456789"}
+SECRETS = ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN", *ETCD_PASSWORDS)
 
 
-def _compose(*args: str, key: str | None = TEST_KEY,
-             token: str | None = TEST_TOKEN) -> subprocess.CompletedProcess:
+def _compose(*args: str, key: str | None = TEST_KEY, token: str | None = TEST_TOKEN,
+             **etcd_passwords: str | None) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (scripts/test.sh installs Debian's as root)")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN")}
-    for name, value in (("PDSERVE_API_KEY", key), ("PDSERVE_CLUSTER_TOKEN", token)):
-        if value is not None:
-            env[name] = value
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    given = {"PDSERVE_API_KEY": key, "PDSERVE_CLUSTER_TOKEN": token,
+             **ETCD_PASSWORDS, **etcd_passwords}
+    env.update({name: value for name, value in given.items() if value is not None})
     return subprocess.run([exe, "-f", "docker-compose.yml", *args], cwd=COMPOSE, env=env,
                           capture_output=True, text=True)
 
@@ -66,9 +72,65 @@ def test_the_router_and_every_worker_get_the_cluster_token_from_the_environment(
                 and "set PDSERVE_CLUSTER_TOKEN" in refused.stderr), refused.stderr
 
 
+def _argv(service: dict) -> str:
+    command = service.get("command", [])
+    return command if isinstance(command, str) else " ".join(command)
+
+
+def test_etcd_users_runs_once_etcd_is_healthy_and_before_the_router_and_workers():
+    services = _config()["services"]
+    init = services["etcd-users"]
+    assert init["command"][:2] == ["pdserve", "etcd-users"]
+    assert "--etcd etcd:2379 --cluster default" in _argv(init)
+    assert init["depends_on"] == {"etcd": {"condition": "service_healthy"}}
+    assert init.get("restart") == "no"  # one-shot: not restarted after it exits 0
+    assert init["environment"] == ETCD_PASSWORDS  # root's password reaches it alone
+    for name in ("router", "prefill", "decode"):
+        assert services[name]["depends_on"] == {
+            "etcd-users": {"condition": "service_completed_successfully"}}, name
+    assert "--bcrypt-cost=10" in services["etcd"]["command"]  # etcd's default, for your passwords
+
+
+def test_the_router_and_every_worker_get_their_own_etcd_user_from_the_environment():
+    services = _config()["services"]
+    users = {"router": ("pdserve-router", "PDSERVE_ETCD_ROUTER_PASSWORD"),
+             "prefill": ("pdserve-worker", "PDSERVE_ETCD_WORKER_PASSWORD"),
+             "decode": ("pdserve-worker", "PDSERVE_ETCD_WORKER_PASSWORD")}
+    for name, (user, variable) in users.items():
+        env = services[name]["environment"]
+        assert f"--etcd-user {user}" in _argv(services[name]), name
+        assert env["PDSERVE_ETCD_PASSWORD"] == ETCD_PASSWORDS[variable], name
+        assert not set(ETCD_PASSWORDS) & set(env), name  # no one else's password
+    for name, service in services.items():  # no password on a command line
+        argv = _argv(service) + json.dumps(service.get("healthcheck", {}))
+        assert "password" not in argv.lower(), name
+        assert not any(p in argv for p in ETCD_PASSWORDS.values()), name
+    for variable in ETCD_PASSWORDS:
+        for empty in (None, ""):
+            refused = _compose("config", "-q", **{variable: empty})
+            assert refused.returncode != 0 and f"set {variable}" in refused.stderr, refused.stderr
+
+
+def test_the_etcd_healthcheck_passes_on_an_etcd_with_auth_on(tmp_path):
+    """The healthcheck's own command, pointed at an etcd with users: /health needs none."""
+    from cluster.etcd_auth import etcd_users
+    from cluster.etcd_server import EtcdServer
+
+    [kind, python, flag, code] = _config()["services"]["etcd"]["healthcheck"]["test"]
+    assert (kind, python, flag) == ("CMD", "python", "-c") and "127.0.0.1:2379" in code
+    with EtcdServer(auth=etcd_users("default", tmp_path).auth) as etcd:
+        probe = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:2379", etcd.endpoint)],
+                               capture_output=True, text=True, timeout=30)
+        assert probe.returncode == 0, probe.stderr
+    stopped = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:2379", etcd.endpoint)],
+                             capture_output=True, text=True, timeout=30)
+    assert stopped.returncode != 0
+
+
 def test_compose_file_is_valid_and_only_the_router_is_published():
     services = _config()["services"]
-    assert set(services) == {"etcd", "router", "prefill", "decode", "prometheus", "grafana"}
+    assert set(services) == {"etcd", "etcd-users", "router", "prefill", "decode", "prometheus",
+                             "grafana"}
     assert sorted(name for name, s in services.items() if s.get("ports")) == ["grafana", "router"]
     [grafana_port] = services["grafana"]["ports"]  # on the host's loopback only
     assert _host_ip(grafana_port) == "127.0.0.1"

@@ -138,6 +138,8 @@ def test_configuration_errors_name_the_flag(tmp_path):
     blank_first.write_text("\npassword\n")
     assert EtcdSecurity("u", str(password)).resolve({}) == EtcdCredentials("u", "s3cret")
     assert EtcdSecurity("u").resolve({PASSWORD_ENV: "env"}) == EtcdCredentials("u", "env")
+    # a variable from a Kubernetes Secret keeps its file's newline: not part of the password
+    assert EtcdSecurity("u").resolve({PASSWORD_ENV: "env\n"}) == EtcdCredentials("u", "env")
     assert EtcdSecurity().resolve({}) == EtcdCredentials()
     assert "s3cret" not in repr(EtcdSecurity("u", str(password)).resolve({}))
     for security, environ, message in [

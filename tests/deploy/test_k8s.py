@@ -2,12 +2,15 @@
 validates against the Kubernetes JSON schemas (kubernetes-validate, offline), plus checks of
 what the manifests promise: only the router is reachable from outside, workers drain within
 their grace period, GPUs go to workers only, separate prefill/decode Deployments and HPAs,
-the API key and the cluster token from Secrets the operator's own untracked files generate
-(never committed, never on argv). Overlays render from a copy of deploy/k8s/ holding test key
-and token files. The base's files are also validated without kubectl."""
+the API key, the cluster token and etcd's passwords from Secrets the operator's own untracked
+files generate (never committed, never on argv), etcd's users made by a Job (`pdserve
+etcd-users`), the router and the workers each with its own etcd user. Overlays render from a
+copy of deploy/k8s/ holding test key, token and password files. The base's files are also
+validated without kubectl."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import re
 import shutil
@@ -31,7 +34,13 @@ KEY_FILE = "base/api-key.txt"  # git-ignored: the operator creates it (docs/kube
 TEST_KEY = "test-key-0123456789abcdef"
 TOKEN_FILE = "base/cluster-token.txt"  # likewise
 TEST_TOKEN = "test-cluster-token-0123456789abcdef"
-OPERATOR_FILES = ("api-key.txt", "cluster-token.txt")
+ETCD_PASSWORD_FILES = {  # likewise: etcd user -> (file, test password)
+    "root": ("base/etcd-root-password.txt", "test-etcd-root-0123456789abcdef"),
+    "pdserve-worker": ("base/etcd-worker-password.txt", "test-etcd-worker-0123456789abcdef"),
+    "pdserve-router": ("base/etcd-router-password.txt", "test-etcd-router-0123456789abcdef"),
+}
+OPERATOR_FILES = ("api-key.txt", "cluster-token.txt",
+                  *(Path(f).name for f, _ in ETCD_PASSWORD_FILES.values()))
 
 
 def _kustomize(root: Path, overlay: str) -> subprocess.CompletedProcess:
@@ -45,6 +54,8 @@ def render(overlay: str) -> list[dict]:
         shutil.copytree(K8S, root, ignore=shutil.ignore_patterns(*OPERATOR_FILES))
         (root / KEY_FILE).write_text(TEST_KEY + "\n")
         (root / TOKEN_FILE).write_text(TEST_TOKEN + "\n")
+        for path, password in ETCD_PASSWORD_FILES.values():
+            (root / path).write_text(password + "\n")
         out = _kustomize(root, overlay)
     assert out.returncode == 0, f"kubectl kustomize overlays/{overlay} failed:\n{out.stderr}"
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -236,6 +247,75 @@ def test_the_router_and_every_worker_get_the_cluster_token_from_one_secret(rende
     assert resolve(GrpcSecurity(), {"PDSERVE_CLUSTER_TOKEN": value}).token == TEST_TOKEN
 
 
+def _secret_value(docs: list[dict], ref: dict) -> str:
+    secrets = of_kind(docs, "Secret")
+    assert ref["name"] in secrets, (ref, sorted(secrets))
+    return base64.b64decode(secrets[ref["name"]]["data"][ref["key"]]).decode()
+
+
+@needs_kubectl
+def test_a_job_makes_etcds_users_with_every_password_from_a_secret(rendered):
+    """`pdserve etcd-users` against the cluster's etcd (the bundled one or yours), before
+    which the router's and the workers' users do not exist."""
+    from cluster.etcd_users_config import (ROOT_PASSWORD_ENV, ROUTER_PASSWORD_ENV,
+                                           WORKER_PASSWORD_ENV, EtcdUsersConfig)
+    from engine.flags import add_flags, from_args
+
+    name, docs = rendered
+    job = of_kind(docs, "Job")["etcd-users"]
+    spec = job["spec"]["template"]["spec"]
+    [c] = spec["containers"]
+    assert c["command"] == ["pdserve", "etcd-users"], name
+    assert _args(c) == {"etcd": "$(PDSERVE_ETCD)", "cluster": "$(PDSERVE_CLUSTER)"}, name
+    parser = argparse.ArgumentParser()  # the command's own parser takes the arguments
+    add_flags(parser, EtcdUsersConfig)
+    config = from_args(EtcdUsersConfig, parser.parse_args(
+        [a.replace("$(PDSERVE_ETCD)", "etcd:2379") for a in c["args"]]))
+    env = _env(c)
+    plan = config.plan({variable: _secret_value(docs, env[variable]["valueFrom"]["secretKeyRef"])
+                        for variable in (ROOT_PASSWORD_ENV, WORKER_PASSWORD_ENV,
+                                         ROUTER_PASSWORD_ENV)})
+    passwords = {u.name: u.password for u in plan.users} | {"root": plan.root_password}
+    assert passwords == {user: pw for user, (_, pw) in ETCD_PASSWORD_FILES.items()}, name
+    assert spec["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] >= 5, name
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve"
+    assert any(r.get("configMapRef", {}).get("name") == "pdserve-config" for r in c["envFrom"])
+    assert "password" not in " ".join(c["command"] + c["args"]).lower(), name
+
+
+@needs_kubectl
+def test_the_router_and_every_worker_get_their_own_etcd_user_from_a_secret(rendered):
+    from cluster.etcd_security import PASSWORD_ENV, EtcdSecurity
+
+    name, docs = rendered
+    deps = of_kind(docs, "Deployment")
+    root_secret = _env(container(of_kind(docs, "Job")["etcd-users"]))[
+        "PDSERVE_ETCD_ROOT_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"]
+    for dname, user in (("router", "pdserve-router"), ("prefill", "pdserve-worker"),
+                        ("decode", "pdserve-worker")):
+        c = container(deps[dname])
+        assert _args(c).get("etcd-user") == user, (name, dname)
+        ref = _env(c)[PASSWORD_ENV]["valueFrom"]["secretKeyRef"]
+        value = _secret_value(docs, ref)
+        assert value == ETCD_PASSWORD_FILES[user][1] + "\n", (name, dname)  # the file's bytes
+        credentials = EtcdSecurity(user).resolve({PASSWORD_ENV: value})
+        assert credentials.password == ETCD_PASSWORD_FILES[user][1], (name, dname)
+        assert ref["name"] != root_secret, (name, dname)
+        assert not any("password" in a.lower() for a in c.get("args", []) + c["command"]), dname
+    for kind in ("Deployment", "StatefulSet"):  # root's password reaches the Job alone
+        for dname, d in of_kind(docs, kind).items():
+            for cc in d["spec"]["template"]["spec"]["containers"]:
+                refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in cc.get("env", [])
+                        if "secretKeyRef" in e.get("valueFrom", {})]
+                assert root_secret not in refs, (name, dname)
+    sts = of_kind(docs, "StatefulSet").get("etcd")
+    if sts is not None:  # the bundled etcd: the hashes' cost from the ConfigMap (10)
+        [etcd] = sts["spec"]["template"]["spec"]["containers"]
+        assert "--bcrypt-cost=$(PDSERVE_ETCD_BCRYPT_COST)" in etcd["command"], name
+        assert of_kind(docs, "ConfigMap")["pdserve-config"]["data"][
+            "PDSERVE_ETCD_BCRYPT_COST"] == "10", name
+
+
 def test_the_repository_ships_no_key():
     """No committed Secret value (the old base shipped `api-key: "replace-me"` and restored it
     on every apply): the key and token files are git-ignored and no manifest holds a Secret's
@@ -243,7 +323,7 @@ def test_the_repository_ships_no_key():
     repo = K8S.parents[1]
     tracked = subprocess.run(["git", "ls-files", "deploy/k8s"], cwd=repo, capture_output=True,
                              text=True, check=True).stdout.split()
-    for operators in (KEY_FILE, TOKEN_FILE):
+    for operators in (KEY_FILE, TOKEN_FILE, *(f for f, _ in ETCD_PASSWORD_FILES.values())):
         assert "deploy/k8s/" + operators not in tracked
         ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/k8s/" + operators], cwd=repo)
         assert ignored.returncode == 0, f"deploy/k8s/{operators} is not git-ignored"
@@ -255,6 +335,8 @@ def test_the_repository_ships_no_key():
     text = (K8S / "base" / "kustomization.yaml").read_text()
     assert "api-key=api-key.txt" in text and "replace-me" not in text
     assert "cluster-token=cluster-token.txt" in text
+    for path, _ in ETCD_PASSWORD_FILES.values():
+        assert f"password={Path(path).name}" in text
 
 
 @needs_kubectl

@@ -70,7 +70,8 @@ def test_flags_reach_the_config():
         max_bad_words=9, max_logit_bias=10, max_grammar_bytes=11, grammar_compile_timeout_s=12,
         grammar_compile_processes=13, tokenizer_threads=14, max_concurrent_requests_per_key=15,
         max_tokens_per_minute_per_key=16)
-    assert cfg.etcd_security == EtcdSecurity("u", "/pw", "/ca", "/c", "/k")
+    assert cfg.etcd_security == EtcdSecurity("u", "/pw", etcd_ca="/ca", etcd_cert="/c",
+                                             etcd_key="/k")
     assert cfg.grpc_security == GrpcSecurity("/t", "/tc", "/tk", "/ta", "w")
     assert cfg.allowed_worker_cidrs == (ip_network("10.0.0.0/8"), ip_network("::1/128"))
     assert cfg.enable_lora and cfg.enable_dev_endpoints
