@@ -34,6 +34,7 @@ Cancelling the call or `Worker.Abort` aborts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -62,6 +63,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
         self._registered: set[bytes] = set()
         """KV agents (NIXL metadata) of the workers registered in etcd (warm_peers)."""
+        self._etcd = None
+        """One etcd client for every look at the registrations, kept while it works: a new
+        client per look would sign in to etcd every second (a bcrypt check there each time,
+        ~0.1 s of etcd's CPU at its default cost)."""
+        self._etcd_lock = asyncio.Lock()
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         with self.rt.admission.admitted(Role.PREFILL, request.request_id):
@@ -173,6 +179,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         first request (whatever role this worker serves now, so that a switch to prefill
         finds them known)."""
         known: set[str] = set()
+        try:
+            await self._warm_peers_forever(known)
+        finally:
+            await self._drop_etcd()
+
+    async def _warm_peers_forever(self, known: set[str]) -> None:
         while True:
             try:
                 for info in await self._refresh_registered():
@@ -194,10 +206,28 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             await asyncio.sleep(1.0)
 
     async def _refresh_registered(self) -> list[WorkerInfo]:
-        async with make_client(self.rt.config.etcd, self.rt.etcd_credentials) as client:
+        async with self._etcd_lock:
+            if self._etcd is None:
+                client = make_client(self.rt.config.etcd, self.rt.etcd_credentials)
+                await client.connect()
+                self._etcd = client
+            client = self._etcd
+        try:
             workers = await list_workers(client, self.rt.config.cluster)
+        except Exception:
+            await self._drop_etcd(client)  # the next look connects afresh
+            raise
         self._registered = {w.kv_metadata.encode("ascii") for w in workers if w.kv_metadata}
         return workers
+
+    async def _drop_etcd(self, client=None) -> None:
+        """Close the etcd client (`client`: only if it is still the current one)."""
+        async with self._etcd_lock:
+            if self._etcd is None or (client is not None and client is not self._etcd):
+                return
+            client, self._etcd = self._etcd, None
+        with contextlib.suppress(Exception):
+            await client.close()
 
     async def _check_destination(self, peer_metadata: bytes) -> None:
         """KV is written only into a worker registered in this cluster: a destination whose
