@@ -3,6 +3,7 @@ never loads gRPC or etcd and the worker commands never load the HTTP stack."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -38,10 +39,15 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from engine.config import add_engine_args
 
+    # No abbreviated flags (as vLLM's parser): `--cluster-token S` must not pass for
+    # --cluster-token-file, nor `--etcd-password P` for --etcd-password-file (a secret taken
+    # as a path would also be printed in the error).
     parser = argparse.ArgumentParser(
-        prog="pdserve", description="Disaggregated prefill/decode LLM serving."
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving.", allow_abbrev=False
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command", required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
 
     p = sub.add_parser(
         "prepare-model",

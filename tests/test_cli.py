@@ -79,3 +79,20 @@ def test_every_config_flag_of_the_service_commands_says_what_it_does():
         undocumented = [a.option_strings[0] for a in sub.choices[command]._actions
                         if a.option_strings and a.dest != "help" and not a.help]
         assert not undocumented, command
+
+
+def test_abbreviated_flags_are_refused_so_a_secret_is_never_taken_for_a_path(capsys):
+    """`--cluster-token S` is not `--cluster-token-file S`, nor `--etcd-password P`
+    `--etcd-password-file P`: abbreviations are off in every subcommand (as in vLLM)."""
+    import pytest
+
+    from pdserve.cli import build_parser
+
+    for argv in (["router", "--etcd", "h:1", "--cluster-token", "s3cret-token-value"],
+                 ["decode", "--etcd", "h:1", "--etcd-user", "u", "--etcd-password", "pw"],
+                 ["up", "--cluster-token", "s3cret-token-value"],
+                 ["router", "--etcd", "h:1", "--max-concurrent-requests", "3"]):
+        with pytest.raises(SystemExit) as refused:
+            build_parser().parse_args(argv)
+        assert refused.value.code == 2, argv
+        assert "unrecognized arguments" in capsys.readouterr().err
