@@ -29,7 +29,8 @@ ENGINE = EngineConfig(
     num_layers=2, seed=7, generation_config="vllm",
     speculative_config={"method": "ngram", "num_speculative_tokens": 3}, kv_cache_dtype="int8",
     enable_sleep_mode=True, worker_extension_cls="m:C", enable_lora=True, max_loras=2,
-    max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"))
+    max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"), max_grammar_bytes=4096,
+    grammar_compile_timeout_s=2.5, grammar_compile_processes=2)
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
                                        long_prefill_token_threshold=0)]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
