@@ -13,7 +13,7 @@ xgrammar nor torch, so the router stays free of both) and replaced after a kill.
 
 Life cycle of a child: started on a slot's first use -> "ready" -> one (params, want grammar)
 at a time -> killed at the time limit (its slot starts a fresh one next time), or stopped by
-`close`, or it exits when its parent's end of the pipe closes.
+`close`, or it exits when its parent's end of the socket closes.
 """
 from __future__ import annotations
 
