@@ -119,6 +119,19 @@ class EngineConfig:
     lora_modules: tuple[LoRAModule, ...] = option((), type=str, metavar="NAME=PATH")
     """Adapters loaded at start, served as model NAME (vLLM's --lora-modules; `name=path`
     strings are accepted and parsed here)."""
+    max_grammar_bytes: int = option(128 << 10, type=parse_size, metavar="BYTES")
+    """Largest structured-output constraint (a JSON schema as JSON, a regex, a grammar, the
+    choices, a structural tag) a request may bring; larger is refused before any compile
+    (INVALID_ARGUMENT on a worker, naming the field). The router's flag of the same name
+    refuses it first for requests that come through it."""
+    grammar_compile_timeout_s: float = option(10.0, name="--grammar-compile-timeout")
+    """A constraint that does not compile within this many seconds is refused (the compile
+    runs in a child process, killed then; INVALID_ARGUMENT on a worker, naming the field). 0:
+    compile in the request's thread without a limit (no child process; for offline use: a
+    worker would give a thread to a pathological constraint for as long as it compiles)."""
+    grammar_compile_processes: int = 1
+    """Child processes compiling constraints, each one at a time; started on the first
+    structured request that misses the compile cache."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))
@@ -146,6 +159,9 @@ class EngineConfig:
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
              "must be >= max_loras"),
             (self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora"),
+            (self.max_grammar_bytes > 0, "max_grammar_bytes", "must be > 0"),
+            (self.grammar_compile_timeout_s >= 0, "grammar_compile_timeout_s", "must be >= 0"),
+            (self.grammar_compile_processes >= 1, "grammar_compile_processes", "must be >= 1"),
         ])
 
     @classmethod

@@ -32,6 +32,7 @@ from engine.scheduler import Scheduler
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
+from engine.structured.compile_process import CompileLimits
 from engine.tokens import Resume, SampledToken
 
 
@@ -95,6 +96,8 @@ class LLMEngine:
         self._builder = RequestBuilder(
             self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed,
             normalize_kv_dtype(config.kv_cache_dtype),
+            CompileLimits(config.grammar_compile_timeout_s, config.grammar_compile_processes,
+                          config.max_grammar_bytes),
         )
         self.deltas = Deltas(self.tokenizer, self.scheduler)
         for name, path in config.lora_modules:

@@ -16,6 +16,7 @@ from engine.lora.adapter import LoRAAdapter
 from engine.pooling import PoolingParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured.compile_process import CompileLimits
 from engine.tokenizer import Tokenizer
 from engine.tokens import Resume
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 class RequestBuilder:
     def __init__(
         self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, seed: int,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", grammar_limits: CompileLimits = CompileLimits(),
     ) -> None:
         self.tokenizer = tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # normalized; enters the block hashes
@@ -36,19 +37,21 @@ class RequestBuilder:
         self.block_size = block_size
         self._seed_rng = random.Random(seed)  # seeds for requests that bring none
         self._seed_lock = threading.Lock()  # build() runs on worker asyncio threads too
+        self._grammar_limits = grammar_limits
         self._grammars: GrammarCompiler | None = None  # on the first structured request
         self._grammars_lock = threading.Lock()
 
     @property
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this vocabulary (built once, on first use:
-        importing and indexing the vocabulary takes a moment)."""
+        importing and indexing the vocabulary takes a moment), within `grammar_limits` (size,
+        compile time: engine/structured/compiler.py)."""
         with self._grammars_lock:
             if self._grammars is None:
                 from engine.structured.compiler import GrammarCompiler
 
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                                 self.tokenizer.stop_token_ids)
+                                                 self.tokenizer.stop_token_ids, self._grammar_limits)
             return self._grammars
 
     def build(

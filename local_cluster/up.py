@@ -25,6 +25,7 @@ from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import ClusterAuth, resolve, write_token_file
 from cluster.net import free_port
 from cluster.roles import ROLES, Role
+from engine.config import EngineConfig
 from engine.flags import to_argv
 from local_cluster.children import EtcdChild, RouterProcess
 from local_cluster.config import UpConfig
@@ -113,7 +114,8 @@ def router_flags(config: UpConfig, etcd: str, port: int,
     """`pdserve router`'s flags: this cluster's, its etcd user, workers trusted on loopback
     only (the workers `up` starts listen there), the model, what the engine flags ask of the
     router (--enable-lora and --lora-modules: it serves the adapters and may load more at run
-    time; --enable-sleep-mode: the fleet-wide admin endpoints), then --router-arg's. Written
+    time; --enable-sleep-mode: the fleet-wide admin endpoints; the grammar size and compile time
+limits, so that the router refuses what the workers would), then --router-arg's. Written
     out, since `local_cluster` never imports `router` (tests/test_imports.py); a test parses
     them with the router's own parser."""
     c, engine = config, config.engine
@@ -125,6 +127,11 @@ def router_flags(config: UpConfig, etcd: str, port: int,
             out += ["--lora-modules", *map(str, engine.lora_modules)]
     if engine.enable_sleep_mode:
         out.append("--enable-dev-endpoints")
+    default = EngineConfig()
+    if engine.max_grammar_bytes != default.max_grammar_bytes:
+        out += ["--max-grammar-bytes", str(engine.max_grammar_bytes)]
+    if engine.grammar_compile_timeout_s not in (0, default.grammar_compile_timeout_s):
+        out += ["--grammar-compile-timeout", repr(engine.grammar_compile_timeout_s)]
     for flag, path in (("--api-key-file", c.api_key_file),
                        ("--admin-api-key-file", c.admin_api_key_file)):
         if path:

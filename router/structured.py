@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.checks import FieldError
+from engine.structured.compile_process import CompileProcesses, CompileTimeout, timeout_error
 from engine.structured.params import KINDS, StructuredOutputsParams
 from engine.tokenizer import Tokenizer
 from router.errors import bad_request
-from router.grammar_process import CompileProcesses, CompileTimeout
 from router.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -47,7 +47,7 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
                max_bytes: int | None = None) -> Constraint | None:
     """The request's structured-output constraint (None: unconstrained). Raises a 400
     APIError for two constraints, an unknown backend, a whitespace pattern, a constraint
-    larger than `max_bytes` (`constraint_bytes`), or a malformed constraint (compiling it is
+    larger than `max_bytes` (`StructuredOutputsParams.num_bytes`), or a malformed constraint (compiling it is
     `Grammars.check`)."""
     found: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
     flags: dict[str, bool] = {}
@@ -86,7 +86,7 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
         params = StructuredOutputsParams(**kwargs, **flags)
     except FieldError as exc:
         raise _invalid(exc, param) from None
-    if max_bytes is not None and (size := constraint_bytes(params)) > max_bytes:
+    if max_bytes is not None and (size := params.num_bytes()) > max_bytes:
         raise bad_request(f"{param}: the {params.kind} constraint has {size} bytes, more than "
                           f"the {max_bytes} this server compiles (--max-grammar-bytes)", param,
                           "grammar_too_large")
@@ -96,7 +96,8 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
 class Grammars:
     """Checks that constraints compile against the served vocabulary, as the workers will: a
     constraint that does not compile is refused here, before placement. Compiles run in
-    `processes` child processes (router/grammar_process.py), each bounded by `timeout_s`
+    `processes` child processes (engine/structured/compile_process.py, the workers' too), each
+    bounded by `timeout_s`
     (killed past it: a 400), and awaited on their own threads, never on the event loop.
     Results are cached by content, refusals too: a constraint refused once is refused at
     once."""
@@ -138,12 +139,11 @@ class Grammars:
     def _compile(self, params: StructuredOutputsParams) -> str | None:
         """None if `params` compiles within the time limit, else why not."""
         try:
-            self._get().compile(params, self._timeout_s)
+            self._get().check(params, self._timeout_s)
         except FieldError as exc:
             return str(exc)
         except CompileTimeout:
-            return (f"{params.kind} did not compile within {self._timeout_s:g} s (the server's "
-                    "--grammar-compile-timeout); simplify it")
+            return str(timeout_error(params, self._timeout_s))
         return None
 
     def _get(self) -> CompileProcesses:
@@ -155,14 +155,6 @@ class Grammars:
                 self._pool = CompileProcesses(vocabulary(tok), max(self._vocab_size, tok.vocab_size),
                                               tok.stop_token_ids, self._processes)
             return self._pool
-
-
-def constraint_bytes(params: StructuredOutputsParams) -> int:
-    """The constraint's size: its text (a schema as JSON), or the choices' total."""
-    value = params.key()[1]
-    if isinstance(value, tuple):
-        return sum(len(choice.encode()) for choice in value)
-    return len(value.encode()) if isinstance(value, str) else 0
 
 
 def _response_format(rf: ResponseFormat) -> dict[str, Any]:

@@ -1,22 +1,28 @@
-"""The grammar backend: xgrammar (vLLM's and SGLang's default), compiled against this
-tokenizer's vocabulary. Chosen by measurement against llguidance (docs/structured_outputs.md):
-mask fill + advance 0.006 ms vs 0.058 ms per token on a nested schema, the grammar dialect
-vLLM users already write (EBNF), and it needs nothing this project does not already install
-except its small FFI runtime.
+"""Compiling a request's constraint against this tokenizer's vocabulary (the backend, xgrammar:
+engine/structured/backend.py), cached by content.
+
+Where a compile runs: with a time limit (workers, `pdserve generate`, `LLM`: the default), in
+a child process that is killed at the limit (engine/structured/compile_process.py), which
+sends the compiled grammar back serialized; without one (limit 0), in the caller's thread.
+Either way the grammar a matcher gets is the same (tests/engine/test_grammar_processes.py).
 
 Thread-safe: workers compile on their request threads, never on the engine thread; equal
-constraints compile once (cached by content)."""
+constraints compile once (cached by content, refusals too; a caller asking for a constraint
+another thread is compiling waits for that compile)."""
 from __future__ import annotations
 
-import json
-import re
 import threading
+import weakref
 from collections import OrderedDict
-from typing import Sequence
+from concurrent.futures import Future
+from typing import NamedTuple, Sequence
 
 import xgrammar as xgr
 
 from engine.checks import FieldError
+from engine.structured.backend import compile_params, tokenizer_info, xgrammar_compiler
+from engine.structured.compile_process import (CompileLimits, CompileProcesses, CompileTimeout,
+                                               timeout_error)
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.state import GrammarState
 from engine.structured.vocab import vocabulary
@@ -25,81 +31,93 @@ from engine.tokenizer import Tokenizer
 CACHE_ENTRIES = 1024
 
 
+class _Refusal(NamedTuple):
+    """A constraint that does not compile (or not in time): refused again at once."""
+    field: str
+    message: str
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer | Sequence[bytes], vocab_size: int,
-                 stop_token_ids: frozenset[int]) -> None:
+                 stop_token_ids: frozenset[int], limits: CompileLimits = CompileLimits()) -> None:
         """`tokenizer`: the tokenizer, or its `vocabulary` (engine/structured/vocab.py).
         `vocab_size`: the model's (logit rows), at least the tokenizer's. Special tokens
-        other than the stop tokens are never allowed inside a constrained output."""
+        other than the stop tokens are never allowed inside a constrained output. `limits`:
+        the size and time limits, and the child processes compiles run in."""
         vocab = (vocabulary(tokenizer) if isinstance(tokenizer, Tokenizer) else list(tokenizer))
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
+        self._info = tokenizer_info(vocab, vocab_size, stop_token_ids)
+        self._limits = limits
+        self._processes: CompileProcesses | None = None
+        self._compiler: xgr.GrammarCompiler | None = None
+        if limits.timeout_s > 0:
+            self._processes = CompileProcesses(vocab, vocab_size, stop_token_ids, limits.processes)
+            weakref.finalize(self, self._processes.close)  # its children go with it
+        else:
+            self._compiler = xgrammar_compiler(self._info)
+        self._cache: OrderedDict[tuple, xgr.CompiledGrammar | _Refusal] = OrderedDict()
+        self._compiling: dict[tuple, Future] = {}
         self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher at the start of `params`' grammar. Raises FieldError naming the
-        constraint's field if it does not compile."""
+        constraint's field if it does not compile (or not in time, or is too large)."""
         return GrammarState(xgr.GrammarMatcher(self.compile(params)))
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """`params` compiled (cached by content). Raises FieldError naming its field."""
+        max_bytes = self._limits.max_bytes
+        if max_bytes and (size := params.num_bytes()) > max_bytes:
+            raise FieldError(params.kind, f"{params.kind}: the constraint has {size} bytes, more "
+                             f"than the {max_bytes} this server compiles (--max-grammar-bytes)")
         key = params.key()
         with self._lock:
-            if key in self._cache:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+            pending = self._compiling.get(key) if entry is None else None
+            mine = entry is None and pending is None
+            if mine:
+                pending = self._compiling[key] = Future()
+        if mine:
+            entry = self._compile_for_all(key, params, pending)
+        elif entry is None:
+            entry = pending.result()  # another thread compiles it
+        if isinstance(entry, _Refusal):
+            raise FieldError(entry.field, entry.message)
+        return entry
+
+    def close(self) -> None:
+        """Stops the compile processes (a later compile starts new ones)."""
+        if self._processes is not None:
+            self._processes.close()
+
+    def _compile_for_all(self, key: tuple, params: StructuredOutputsParams,
+                         pending: Future) -> xgr.CompiledGrammar | _Refusal:
+        """Compile a cache miss; cache it and hand it to the threads waiting on `pending`."""
         try:
-            compiled = self._compile(params)
-        except FieldError:
+            entry = self._compile_miss(params)
+        except BaseException as exc:  # not the constraint's fault (no child started): not cached
+            with self._lock:
+                del self._compiling[key]
+            pending.set_exception(exc)
             raise
-        except Exception as e:  # xgrammar reports a bad schema / regex / grammar as RuntimeError
-            raise FieldError(params.kind, f"{params.kind} is not valid: {_first_line(e)}") from None
         with self._lock:
-            self._cache[key] = compiled
+            del self._compiling[key]
+            self._cache[key] = entry
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-        return compiled
+        pending.set_result(entry)
+        return entry
 
-    def _compile(self, p: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        c = self._compiler
-        if p.json is not None:
-            try:
-                schema = json.loads(p.json) if isinstance(p.json, str) else p.json
-            except json.JSONDecodeError as e:
-                raise FieldError("json", f"json is not a JSON schema: {e}") from None
-            if p.disable_additional_properties:
-                schema = _no_additional_properties(schema)
-            # strict_mode (xgrammar's default, as vLLM calls it): an object schema without
-            # "additionalProperties" allows no properties beyond the listed ones.
-            return c.compile_json_schema(json.dumps(schema), any_whitespace=not p.disable_any_whitespace)
-        if p.json_object:  # any object: extra properties allowed (not strict)
-            return c.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                         any_whitespace=not p.disable_any_whitespace)
-        if p.regex is not None:
-            return c.compile_regex(p.regex)
-        if p.choice is not None:
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in p.choice))
-        if p.grammar is not None:
-            return c.compile_grammar(p.grammar)
-        return c.compile_structural_tag(p.structural_tag)
-
-
-def _no_additional_properties(schema):
-    """`schema` with `"additionalProperties": false` on every object schema that lists
-    properties (vLLM's disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [_no_additional_properties(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
-    if "properties" in out:
-        out["additionalProperties"] = False
-    return out
-
-
-def _first_line(e: Exception) -> str:
-    """The message's first line, without xgrammar's `[time] file.cc:line: ` log prefix."""
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)
+    def _compile_miss(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | _Refusal:
+        try:
+            if self._compiler is not None:
+                return compile_params(self._compiler, params)
+            assert self._processes is not None
+            text = self._processes.compile(params, self._limits.timeout_s)
+        except FieldError as exc:
+            return _Refusal(exc.field, str(exc))
+        except CompileTimeout:
+            exc = timeout_error(params, self._limits.timeout_s)
+            return _Refusal(exc.field, str(exc))
+        return xgr.CompiledGrammar.deserialize_json(text, self._info)

@@ -54,3 +54,11 @@ class StructuredOutputsParams:
         if isinstance(value, dict):  # key order kept: properties are generated in it
             value = json.dumps(value)
         return (self.kind, value, self.disable_any_whitespace, self.disable_additional_properties)
+
+    def num_bytes(self) -> int:
+        """The constraint's size, as the --max-grammar-bytes limits check it: its text (a
+        schema as JSON), or the choices' total."""
+        value = self.key()[1]
+        if isinstance(value, tuple):
+            return sum(len(choice.encode()) for choice in value)
+        return len(value.encode()) if isinstance(value, str) else 0

@@ -29,7 +29,8 @@ ENGINE = EngineConfig(
     num_layers=2, seed=7, generation_config="vllm",
     speculative_config={"method": "ngram", "num_speculative_tokens": 3}, kv_cache_dtype="int8",
     enable_sleep_mode=True, worker_extension_cls="m:C", enable_lora=True, max_loras=2,
-    max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"))
+    max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"), max_grammar_bytes=4096,
+    grammar_compile_timeout_s=2.5, grammar_compile_processes=2)
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
                                        long_prefill_token_threshold=0)]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
@@ -140,6 +141,9 @@ def test_the_router_gets_the_cluster_the_model_and_what_the_engine_flags_ask_of_
     wide = parse_up("--router-arg=--allowed-worker-cidrs", "--router-arg=10.0.0.0/8")
     assert router(wide).allowed_worker_cidrs == (ip_network("10.0.0.0/8"),)  # a later flag wins
     assert router(parse_up("--enable-lora")).enable_lora
+    limited = router(parse_up("--grammar-compile-timeout", "2.5", "--max-grammar-bytes", "4KiB")).limits
+    assert (limited.grammar_compile_timeout_s, limited.max_grammar_bytes) == (2.5, 4096)
+    assert router(parse_up("--grammar-compile-timeout", "0")).limits.grammar_compile_timeout_s == 10
     keyed = router(parse_up("--api-key-file", "k.txt", "--admin-api-key-file", "/a.txt"))
     assert (keyed.api_key_file, keyed.admin_api_key_file) == (str(Path("k.txt").resolve()), "/a.txt")
     assert keyed.api_key == ()  # the key itself is never on the router's command line
