@@ -137,7 +137,13 @@ class Supervisor:
             return [s.state for s in self.slots if s.role == role]
 
     def say(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+        """A line on stdout. A closed stdout (the terminal or the process reading it gone)
+        never stops the cluster's work: a failed write here once left every child running
+        after `up` exited."""
+        try:
+            print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+        except OSError:
+            pass
 
     # -- the monitor ------------------------------------------------------------------------
 

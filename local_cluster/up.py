@@ -201,12 +201,14 @@ def supervise(sup: Supervisor, stop: threading.Event) -> int:
 def stop_cluster(sup: Supervisor, control: ThreadingHTTPServer | None, run_dir: Path) -> None:
     """Control port and planner, then workers (they drain), router and etcd; run file, temp
     dirs."""
-    print("stopping...", flush=True)
-    if control is not None:
-        control.shutdown()
-    if sup.planner is not None:
-        sup.planner.stop()  # no switch starts after this
-    sup.stop_all()
-    remove_run_file()
-    shutil.rmtree(run_dir, ignore_errors=True)
+    sup.say("stopping...")
+    try:
+        if control is not None:
+            control.shutdown()
+        if sup.planner is not None:
+            sup.planner.stop()  # no switch starts after this
+    finally:  # whatever failed above, no child outlives `up` and no secret stays on disk
+        sup.stop_all()
+        remove_run_file()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
