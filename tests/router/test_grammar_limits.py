@@ -1,6 +1,7 @@
-"""A constraint that compiles for too long (router/structured.py Grammars, in a child process:
-router/grammar_process.py) is a 400 at the compile time limit: its process is killed, the
-next constraint compiles in a fresh one, and the same constraint again is refused at once."""
+"""A constraint that compiles for too long (router/structured.py Grammars, in a child
+process: engine/structured/compile_process.py) is a 400 at the compile time limit: its process
+is killed, the next constraint compiles in a fresh one, and the same constraint again is
+refused at once."""
 import asyncio
 import time
 
