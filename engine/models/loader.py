@@ -1,9 +1,9 @@
 """Load a model and its tokenizer from an HF-format directory or a GGUF file.
 
 The class comes from config.json's `architectures[0]` through the ModelRegistry (built in:
-LlamaForCausalLM; out-of-tree ones by plugin); every class is built with `from_config` and fed
-the checkpoint's tensors through `load_weights` (engine/models/interface.py) — the loader knows
-no architecture. A GGUF file is always LLaMA (its converted config says so)."""
+LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; out-of-tree ones by plugin); every class
+is built with `from_config` and fed the checkpoint's tensors through `load_weights`
+(engine/models/interface.py) — the loader knows no architecture. A GGUF file is always LLaMA (its converted config says so)."""
 from __future__ import annotations
 
 import json

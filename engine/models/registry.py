@@ -1,6 +1,7 @@
 """Model registry: architecture name (config.json `architectures[0]`) -> model class.
 
-Built in: `LlamaForCausalLM` (engine/models/llama.py). Out-of-tree architectures register with
+Built in: `LlamaForCausalLM` (engine/models/llama.py), `Qwen2ForCausalLM` and
+`Qwen3ForCausalLM` (engine/models/qwen.py). Out-of-tree architectures register with
 `ModelRegistry.register_model("MyForCausalLM", MyModel)` or a lazily imported
 `"my_pkg.model:MyModel"`. So that every process (the offline engine, each prefill and decode
 worker) knows them without code changes, plugins are discovered on first use: every entry
@@ -32,7 +33,11 @@ class UnknownArchitectureError(ValueError):
 class ModelRegistry:
     """Class-level registry (use the class, not instances)."""
 
-    BUILTIN: dict[str, type | str] = {"LlamaForCausalLM": "engine.models.llama:Transformer"}
+    BUILTIN: dict[str, type | str] = {
+        "LlamaForCausalLM": "engine.models.llama:Transformer",
+        "Qwen2ForCausalLM": "engine.models.qwen:Qwen2ForCausalLM",
+        "Qwen3ForCausalLM": "engine.models.qwen:Qwen3ForCausalLM",
+    }
     _models: dict[str, type | str] = dict(BUILTIN)
     _plugins_loaded = False
     _failed_plugins: dict[str, str] = {}  # entry point name -> error, for the unknown-arch error

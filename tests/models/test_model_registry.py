@@ -34,8 +34,13 @@ def test_builtin_llama_resolves_lazily(monkeypatch):
     _no_plugins(monkeypatch)
     from engine.models.llama import Transformer
 
+    from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
     assert ModelRegistry.resolve("LlamaForCausalLM") is Transformer
-    assert ModelRegistry.get_supported_archs() == ["LlamaForCausalLM"]
+    assert ModelRegistry.resolve("Qwen2ForCausalLM") is Qwen2ForCausalLM
+    assert ModelRegistry.resolve("Qwen3ForCausalLM") is Qwen3ForCausalLM
+    assert ModelRegistry.get_supported_archs() == ["LlamaForCausalLM", "Qwen2ForCausalLM",
+                                                   "Qwen3ForCausalLM"]
 
 
 def test_register_by_class_and_by_string(monkeypatch):
@@ -64,7 +69,8 @@ def test_unknown_architecture_lists_supported(monkeypatch, tmp_path):
     from engine.models.loader import load_model
 
     with pytest.raises(UnknownArchitectureError,
-                       match=r"'NopeForCausalLM' is not supported; supported: LlamaForCausalLM"):
+                       match=r"'NopeForCausalLM' is not supported; supported: LlamaForCausalLM, "
+                             r"Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(tmp_path)
 
 
@@ -91,7 +97,8 @@ def test_llama_loads_through_the_contract_and_keeps_rope_in_fp32(model_dir):
     from safetensors.torch import load_file
 
     from engine.models.loader import load_model
-    from engine.models.llama import Transformer, rope_cache
+    from engine.models.layers import rope_cache
+    from engine.models.llama import Transformer
 
     loaded = load_model(model_dir, num_layers=1).model
     config = json.loads((model_dir / "config.json").read_text())
