@@ -21,7 +21,7 @@ from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo
-from cluster.throwaway_ca import openssl_available, throwaway_ca
+from benchmarks.throwaway_pki import etcd_tls, openssl_available
 from router.registry import EtcdWatcher, WorkerRegistry
 
 CLUSTER = "bench"
@@ -70,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         users = etcd_users(CLUSTER, Path(tmp))
         users = replace(users, auth=replace(users.auth, bcrypt_cost=args.bcrypt_cost))
-        tls = throwaway_ca(Path(tmp)) if openssl_available() else None
+        tls = etcd_tls(Path(tmp)) if openssl_available() else None
         servers = {"open": EtcdServer(), "users": EtcdServer(auth=users.auth)}
         if tls is not None:
             servers["users + TLS"] = EtcdServer(auth=users.auth, tls=tls)

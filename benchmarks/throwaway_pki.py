@@ -48,3 +48,12 @@ def make_pki(directory: Path, name: str = "pdserve",
 
 def _openssl(*args: object) -> None:
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+
+def etcd_tls(directory: Path) -> "ServerTls":
+    """A throwaway CA and a certificate for an etcd on 127.0.0.1 (`EtcdServer(tls=...)`); the
+    same certificate serves a client presenting one (etcd's --client-cert-auth)."""
+    from cluster.etcd_server import ServerTls
+
+    pki = make_pki(directory, name="etcd", hosts=("127.0.0.1",))
+    return ServerTls(pki.cert, pki.key, pki.ca)

@@ -14,7 +14,7 @@ from cluster.etcd_auth import WORKER_USER, etcd_users
 from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
-from cluster.throwaway_ca import openssl_available, throwaway_ca
+from benchmarks.throwaway_pki import etcd_tls, openssl_available
 from engine.checks import FieldError
 
 CLUSTER = "sec"
@@ -105,7 +105,7 @@ def test_a_restart_on_the_same_data_keeps_the_users(tmp_path):
 
 @pytest.mark.skipif(not openssl_available(), reason="no openssl CLI to make a throwaway CA")
 def test_tls_with_client_certificates_and_a_user(tmp_path):
-    tls = throwaway_ca(tmp_path)
+    tls = etcd_tls(tmp_path)
     users = etcd_users(CLUSTER, tmp_path)
     with EtcdServer(auth=users.auth, tls=tls) as etcd:
         security = replace(users.worker, etcd_ca=str(tls.ca), etcd_cert=str(tls.cert),

@@ -15,7 +15,7 @@ from cluster.etcd_server import EtcdServer
 from cluster.etcd_users_config import (ROOT_PASSWORD_ENV, ROUTER_PASSWORD_ENV,
                                        WORKER_PASSWORD_ENV, EtcdUsersConfig)
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
-from cluster.throwaway_ca import openssl_available, throwaway_ca
+from benchmarks.throwaway_pki import etcd_tls, openssl_available
 from engine.checks import FieldError
 from pdserve.cli import build_parser, main
 
@@ -147,7 +147,7 @@ def test_a_wrong_root_password_on_an_authenticated_etcd_stops_it(passwords, monk
 
 @pytest.mark.skipif(not openssl_available(), reason="no openssl CLI to make a throwaway CA")
 def test_over_tls_with_a_client_certificate(passwords, tmp_path, capsys):
-    tls = throwaway_ca(tmp_path)
+    tls = etcd_tls(tmp_path)
     files = dict(etcd_ca=str(tls.ca), etcd_cert=str(tls.cert), etcd_key=str(tls.key))
     with EtcdServer(tls=tls) as etcd:
         assert main(_etcd_users(etcd.endpoint, *passwords, "--etcd-ca", files["etcd_ca"],
