@@ -167,5 +167,6 @@ def test_the_default_etcd_server_stays_open():
         async def main():
             async with make_client(etcd.endpoint) as client:
                 await client.put(b"/pdserve/x", b"1")
+                assert (await client.get(b"/pdserve/x")).value == b"1"
 
         asyncio.run(main())

@@ -1,4 +1,4 @@
-"""Qwen2 and Qwen3 against transformers' own classes on tiny random 2-layer checkpoints (fp32,
+"""Qwen2, Qwen3 and LLaMA with attention biases against transformers' own classes on tiny random 2-layer checkpoints (fp32,
 GQA; Qwen3 with head_dim != hidden / heads): prefill logits and greedy continuations through
 the engine. The bundled model lends its tokenizer; the weights are drawn here, biases and
 norm weights included (transformers initialises those to 0 and 1, which would hide a
@@ -35,6 +35,15 @@ def _qwen3():
                                         rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
 
 
+def _llama_with_biases():
+    """LLaMA with `attention_bias` (q/k/v and o biases): the engine used to drop them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default",
+                                                         "rope_theta": 1e4}))
+
+
 def _write(hf, model_dir, out):
     torch.manual_seed(0)
     with torch.no_grad():
@@ -58,12 +67,14 @@ def _our_logits(loaded, ids):
     return loaded.model(torch.tensor(ids), torch.arange(n), ForwardContext(TorchAttentionBackend(), kv, meta))
 
 
-@pytest.mark.parametrize("build, head_dim", [(_qwen2, 16), (_qwen3, 32)], ids=["qwen2", "qwen3"])
-def test_matches_transformers(build, head_dim, model_dir, tmp_path):
+@pytest.mark.parametrize("build, head_dim, ours_class", [
+    (_qwen2, 16, "Qwen2ForCausalLM"), (_qwen3, 32, "Qwen3ForCausalLM"),
+    (_llama_with_biases, 16, "Transformer")], ids=["qwen2", "qwen3", "llama-attention-bias"])
+def test_matches_transformers(build, head_dim, ours_class, model_dir, tmp_path):
     hf = build().eval()
     out = _write(hf, model_dir, tmp_path / "model")
     ours = load_model(out)
-    assert type(ours.model).__name__ == type(hf).__name__
+    assert type(ours.model).__name__ == ours_class
     assert ours.args.head_dim == head_dim  # Qwen3's config.json head_dim, not 64 // 4
     llm = LLM(str(out), kv_cache_memory=16 << 20, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
