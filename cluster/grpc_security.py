@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.secret_files import read_secret_file, write_secret_file
+from cluster.secret_files import read_secret_file, with_absolute_paths, write_secret_file
 from engine.flags import option
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
@@ -54,9 +54,7 @@ class GrpcSecurity:
 
     def absolute(self) -> GrpcSecurity:
         """The same files by absolute path (for a child process started elsewhere)."""
-        return replace(self, **{f.name: str(Path(getattr(self, f.name)).resolve())
-                                for f in fields(self)
-                                if f.name != "tls_server_name" and getattr(self, f.name)})
+        return with_absolute_paths(self, "tls_server_name")
 
 
 @dataclass(frozen=True)

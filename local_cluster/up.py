@@ -24,6 +24,7 @@ from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import ClusterAuth, resolve, write_token_file
 from cluster.net import free_port
+from cluster.secret_files import with_absolute_paths
 from cluster.roles import ROLES, Role
 from engine.config import EngineConfig
 from engine.flags import to_argv
@@ -56,7 +57,7 @@ def up(config: UpConfig) -> int:
         users = etcd_users(config.cluster, run_dir)
         worker_etcd, router_etcd = users.worker, users.router
     else:
-        worker_etcd = router_etcd = absolute_paths(config.etcd_security)
+        worker_etcd = router_etcd = with_absolute_paths(config.etcd_security, "etcd_user")
     sup = Supervisor(config, etcd, log_dir, worker_etcd, router_etcd)
     control = None
     stop = threading.Event()
@@ -138,13 +139,6 @@ limits, so that the router refuses what the workers would), then --router-arg's.
             out += [flag, str(Path(path).resolve())]
     out += to_argv(c.grpc_security.absolute())  # file paths: no secret on the command line
     return [*out, *c.router_args]
-
-
-def absolute_paths(security: EtcdSecurity) -> EtcdSecurity:
-    """`security` with its files as absolute paths (the children may run elsewhere)."""
-    return dataclasses.replace(security, **{
-        k: str(Path(v).resolve()) for k, v in dataclasses.asdict(security).items()
-        if v is not None and k != "etcd_user"})
 
 
 def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:
