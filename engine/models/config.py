@@ -1,11 +1,43 @@
-"""Model hyper-parameters read from an HF `config.json` (the LLaMA, Qwen2 and Qwen3 layouts)."""
+"""Model hyper-parameters read from an HF `config.json`.
+
+`ModelArgs` holds what every built-in decoder shares (sizes, RoPE, norms) plus the options
+the architectures differ in (engine/models/layers.py reads them). `from_hf_config` reads the
+fields all the HF layouts name alike; each model file (llama.py, qwen.py, mistral.py,
+gemma.py, phi3.py, moe_models.py) passes the options its architecture implies. A config
+field that changes the math and that these layers cannot run is refused by name.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-#: The built-in architectures and the `model_type` their configs carry.
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+from engine.models.rope import RopeSpec
+
+#: The built-in architectures and the `model_type`s their configs carry.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama",),
+    "Qwen2ForCausalLM": ("qwen2",),
+    "Qwen3ForCausalLM": ("qwen3",),
+    "MistralForCausalLM": ("mistral",),
+    "Gemma2ForCausalLM": ("gemma2",),
+    "Gemma3ForCausalLM": ("gemma3_text",),
+    "Phi3ForCausalLM": ("phi3",),
+}
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A mixture-of-experts MLP (Mixtral, Qwen3-MoE) on the layers `sparse_layers` names."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    """Re-normalise the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE with
+    `norm_topk_prob`)."""
+    sparse_layers: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -16,7 +48,7 @@ class ModelArgs:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    """The config's `head_dim` when given (Qwen3: not dim // n_heads), else dim // n_heads."""
+    """The config's `head_dim` when given (Qwen3, Gemma: not dim // n_heads), else dim // n_heads."""
     intermediate_size: int
     norm_eps: float
     rope_theta: float
@@ -27,38 +59,102 @@ class ModelArgs:
     o_bias: bool = False
     """A bias on o_proj (LLaMA and Qwen3 with `attention_bias`; never Qwen2)."""
     qk_norm: bool = False
-    """RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)."""
+    """RMSNorm over head_dim on each q and k head, before RoPE (Qwen3, Gemma 3)."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, `sliding_attention` or `full_attention` (HF's `layer_types`); empty: all full."""
+    sliding_window: int | None = None
+    """The window of the sliding layers: a query at position p sees keys p - W + 1 .. p."""
+    rope: RopeSpec | None = None
+    """The layers' RoPE (engine/models/rope.py); None: plain RoPE of `rope_theta` over head_dim."""
+    local_rope: RopeSpec | None = None
+    """The sliding layers' RoPE when it differs (Gemma 3: its own base, no scaling)."""
+    attn_scale: float | None = None
+    """Softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_softcap: float | None = None
+    """Attention scores become c * tanh(s / c) (Gemma 2 `attn_logit_softcapping`)."""
+    final_softcap: float | None = None
+    """Logits become c * tanh(l / c) (Gemma 2/3 `final_logit_softcapping`)."""
+    norm_unit_offset: bool = False
+    """RMSNorm scales by (1 + w) in fp32 before the cast back (Gemma)."""
+    sandwich_norms: bool = False
+    """Norms after attention and around the MLP too (Gemma 2/3: post_attention,
+    pre_feedforward and post_feedforward layernorms)."""
+    embed_scale: float | None = None
+    """Embeddings are multiplied by this (Gemma: sqrt(hidden_size), in the model's dtype)."""
+    hidden_act: str = "silu"
+    """The gated MLP's activation: `silu` (SwiGLU) or `gelu_pytorch_tanh` (GeGLU, Gemma)."""
+    moe: MoEArgs | None = None
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    def rope_spec(self, layer: int) -> RopeSpec:
+        if self.local_rope is not None and self.window(layer) is not None:
+            return self.local_rope
+        if self.rope is not None:
+            return self.rope
+        return RopeSpec(head_dim=self.head_dim, rotary_dim=self.head_dim, theta=self.rope_theta,
+                        max_position_embeddings=self.max_position_embeddings)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], **options: bool) -> "ModelArgs":
-        """The fields every built-in architecture shares; `options` (qkv_bias, o_bias, qk_norm)
-        come from the model class that knows its architecture. ValueError for what the built-in
-        layers cannot run."""
+    def from_hf_config(cls, cfg: dict[str, Any], **options: Any) -> "ModelArgs":
+        """The fields every built-in architecture shares; `options` come from the model class
+        that knows its architecture. ValueError for what the built-in layers cannot run."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         model_type = cfg.get("model_type", "llama")
-        if HF_ARCHITECTURES.get(archs[0]) != model_type:
+        if model_type not in HF_ARCHITECTURES.get(archs[0], ()):
             raise ValueError(f"unsupported architecture {archs} with model_type {model_type!r} "
                              f"(built in: {', '.join(HF_ARCHITECTURES)})")
-        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
-            raise ValueError(f"{archs[0]}: use_sliding_window (sliding-window attention) is not "
-                             "supported yet")
         if cfg.get("mlp_bias"):
             raise ValueError(f"{archs[0]}: mlp_bias is not supported")
-        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta in here
-        if cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_scaling {cfg.get('rope_scaling') or rope!r} is not supported yet")
-        n_heads = cfg["num_attention_heads"]
-        return cls(
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{archs[0]}: use_bidirectional_attention (an encoder) is not supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"{archs[0]}: hidden activation {act!r} is not supported "
+                             "(silu, gelu_pytorch_tanh)")
+        n_heads, n_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        rope = options.pop("rope", None) or RopeSpec.from_hf_config(cfg, head_dim=head_dim)
+        fields: dict[str, Any] = dict(
             vocab_size=cfg["vocab_size"],
             dim=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_theta=rope.theta,
+            rope=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            **options,
+            hidden_act=act,
         )
+        fields.update(options)
+        args = cls(**fields)
+        if args.layer_types and len(args.layer_types) < n_layers:
+            raise ValueError(f"{archs[0]}: layer_types names {len(args.layer_types)} layers, "
+                             f"the model has {n_layers}")
+        if args.layer_types and not set(args.layer_types) <= {SLIDING, FULL}:
+            raise ValueError(f"{archs[0]}: layer_types {sorted(set(args.layer_types))} "
+                             f"(supported: {SLIDING}, {FULL})")
+        if SLIDING in args.layer_types and not args.sliding_window:
+            raise ValueError(f"{archs[0]}: sliding layers without a sliding_window")
+        return args
+
+
+def hf_layer_types(cfg: dict[str, Any], n_layers: int, window: int | None,
+                   default_sliding: Any = None) -> tuple[str, ...]:
+    """The config's `layer_types`, else the architecture's rule (`default_sliding(i)` ->
+    whether layer i slides), else every layer sliding when there is a window."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])[:n_layers]
+    if not window:
+        return ()
+    if default_sliding is None:
+        return (SLIDING,) * n_layers
+    return tuple(SLIDING if default_sliding(i) else FULL for i in range(n_layers))

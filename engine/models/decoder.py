@@ -1,14 +1,16 @@
-"""A decoder-only model in the HF checkpoint layout shared by LLaMA, Qwen2 and Qwen3:
+"""A decoder-only model in the HF checkpoint layout the built-in architectures share:
 `model.embed_tokens`, `model.layers.N.{input_layernorm, self_attn, post_attention_layernorm,
-mlp}`, `model.norm`, `lm_head` (absent when tied). The architectures differ only in options
-of ModelArgs (engine/models/layers.py); each model file (llama.py, qwen.py) is a subclass
-whose `from_config` sets them.
+mlp}` (Gemma adds `pre_feedforward_layernorm` and `post_feedforward_layernorm`), `model.norm`,
+`lm_head` (absent when tied). The architectures differ only in options of ModelArgs
+(engine/models/config.py, read by engine/models/layers.py); each model file is a subclass
+whose `from_config` sets them, and may rename a checkpoint's module (`HF_ALIASES`, e.g.
+Mixtral's `block_sparse_moe` is the `mlp`) or build another MLP (`make_mlp`).
 
 The forward pass takes one flattened ragged batch: `input_ids`/`positions` of T tokens from
 any mix of sequences and a ForwardContext (engine/models/interface.py: the paged KV pool and
 the step's AttentionMetadata). Q/K/V and gate/up projections are fused into one matmul each;
-the checkpoint's names map onto them here (`load_weights`, `update_weights`), projection
-biases and Qwen3's `q_norm`/`k_norm` included when the options have them.
+every checkpoint name maps onto the tensor (or row range of a fused one) that holds it through
+the modules' `weight_target`, for a whole load and for in-place updates alike.
 """
 from __future__ import annotations
 
@@ -20,21 +22,40 @@ from torch import Tensor, nn
 
 from engine.models.config import ModelArgs
 from engine.models.interface import CausalLMBase, ForwardContext
-from engine.models.layers import Embedding, Linear, RMSNorm, TransformerBlock, rope_cache
+from engine.models.layers import (
+    Embedding,
+    FeedForward,
+    Linear,
+    RMSNorm,
+    TransformerBlock,
+)
+from engine.models.rope import rope_cache
 from engine.weights import copy_weights
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+#: Checkpoint tensors that hold nothing the model needs (older exports save RoPE tables).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 class DecoderLM(CausalLMBase):
+    HF_ALIASES: dict[str, str] = {}
+    """Checkpoint module name -> this model's, below `model.layers.N.`."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # One RoPE table per distinct spec the layers use (Gemma 3: local and global).
+        specs = list(dict.fromkeys(args.rope_spec(i) for i in range(args.n_layers)))
+        self._rope_specs = specs or [args.rope_spec(0)]
+        self.layers = nn.ModuleList(
+            TransformerBlock(args, i, self.make_mlp(args, i), specs.index(args.rope_spec(i)))
+            for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
         self.lm_head = (
             None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size, bias=False)
         )
-        self.register_buffer("rope_cos_sin", rope_cache(args), persistent=False)
+        self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
 
     @classmethod
@@ -43,21 +64,52 @@ class DecoderLM(CausalLMBase):
         uninitialised."""
         return cls(ModelArgs.from_hf_config(config))
 
+    def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
+        """The MLP of `layer` (a mixture-of-experts model overrides this)."""
+        return FeedForward(args, layer)
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """HF tensors by name, fused (q/k/v, gate/up) and assigned in one go; layers
-        past `args.n_layers` are skipped; KeyError names a missing tensor."""
-        self.load_state_dict(_fused_state_dict(dict(weights), self.args), strict=True, assign=True)
+        """HF tensors by name, each into the parameter (or row range of a fused one) that
+        holds it: a tensor that is a whole parameter becomes it (no copy; the loader casts
+        afterwards), parts of fused ones are copied in. Layers past `args.n_layers` are
+        skipped; KeyError names an unknown or misshapen tensor, or a parameter no tensor
+        filled."""
+        by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self.named_parameters()}
+        filled: dict[str, int] = {}
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self._weight_target(name)
+                if target is None:
+                    continue
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise KeyError(f"{name} has shape {tuple(tensor.shape)}, the model's is "
+                                   f"{tuple(target.shape)}")
+                pname, param = by_storage[target.untyped_storage().data_ptr()]
+                if target.numel() == param.numel():
+                    param.data = tensor
+                    by_storage[tensor.untyped_storage().data_ptr()] = (pname, param)
+                else:
+                    target.copy_(tensor)
+                filled[pname] = filled.get(pname, 0) + target.numel()
+        for name, param in self.named_parameters():
+            if filled.get(name, 0) < param.numel():
+                raise KeyError(f"no checkpoint tensor for {name}")
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """HF-named tensors copied in place, each into the parameter (or the row range of a
         fused one) that holds it."""
         return copy_weights(self._weight_target, weights)
 
+    def _rope_tables(self) -> list[Tensor]:
+        """The fp32 `cos | sin` table of each RoPE spec the layers use."""
+        return [rope_cache(spec) for spec in self._rope_specs]
+
     def _apply(self, fn, recurse=True):
-        # The RoPE table stays fp32 whatever the dtype: after any move or cast it is rebuilt
-        # (on the CPU, as at construction) and follows the parameters to their device.
+        # The RoPE tables stay fp32 whatever the dtype: after any move or cast they are rebuilt
+        # (on the CPU, as at construction) and follow the parameters to their device.
         super()._apply(fn, recurse)
-        self.rope_cos_sin = rope_cache(self.args).to(self.embed_tokens.weight.device)
+        device = self.embed_tokens.weight.device
+        self.rope_tables = [t.to(device) for t in self._rope_tables()]
         return self
 
     def residual(
@@ -65,16 +117,23 @@ class DecoderLM(CausalLMBase):
     ) -> Tensor:
         """The residual stream after the last layer, [T, dim] (before the final norm).
         `num_layers`: stop after the first N layers (a layer-skip self-draft)."""
-        ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_cos_sin, self.kernels
+        ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_tables, self.kernels
         if self.kernels is None:
-            ctx.cos_sin = self.rope_cos_sin[positions]
+            ctx.cos_sin = [table[positions] for table in self.rope_tables]
         x = self.embed_tokens(input_ids)
+        if self.args.embed_scale is not None:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         for layer in self.layers[:num_layers]:
             x = layer(x, ctx)
         return x
 
     def lm_head_weight(self) -> Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+        logits = super().logits(x, ctx, indices)
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def hidden(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """The final-normed hidden state at rows `indices` (what pooling and the LM head
@@ -95,72 +154,25 @@ class DecoderLM(CausalLMBase):
 
     def _weight_target(self, name: str) -> Tensor | None:
         """The tensor (a row range of a fused one) that HF weight `name` lives in; None for a
-        layer this (truncated) model does not have; KeyError for a name it has no place for."""
-        args = self.args
+        layer this (truncated) model does not have or a tensor it does not need; KeyError for
+        a name it has no place for."""
         if name == "model.embed_tokens.weight":
             return self.embed_tokens.weight
         if name == "model.norm.weight":
             return self.norm.weight
         if name == "lm_head.weight":
             return self.lm_head_weight()
+        if _IGNORED.search(name):
+            return None
         m = _HF_LAYER.match(name)
         if m is None:
             raise KeyError(name)
-        layer_no, part, proj, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-        if layer_no >= args.n_layers:
+        layer_no, rest = int(m.group(1)), m.group(2)
+        if layer_no >= self.args.n_layers:
             return None
-        layer = self.layers[layer_no]
-        if part in ("input_layernorm", "post_attention_layernorm") and proj is None and kind == "weight":
-            return getattr(layer, part).weight
-        if part == "self_attn" and proj in ("q_norm", "k_norm") and kind == "weight" and args.qk_norm:
-            return getattr(layer.self_attn, proj).weight
-        q, kv, inter = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.intermediate_size
-        rows = {("self_attn", "q_proj"): ("qkv_proj", 0, q), ("self_attn", "k_proj"): ("qkv_proj", q, kv),
-                ("self_attn", "v_proj"): ("qkv_proj", q + kv, kv), ("self_attn", "o_proj"): ("o_proj", 0, None),
-                ("mlp", "gate_proj"): ("gate_up_proj", 0, inter), ("mlp", "up_proj"): ("gate_up_proj", inter, inter),
-                ("mlp", "down_proj"): ("down_proj", 0, None)}
-        if (part, proj) not in rows:
-            raise KeyError(name)
-        param, start, length = rows[(part, proj)]
-        tensor = getattr(getattr(layer.self_attn if part == "self_attn" else layer.mlp, param), kind)
-        if tensor is None:  # a bias this architecture does not have
-            raise KeyError(name)
-        return tensor if length is None else tensor[start : start + length]
-
-
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)"
-                       r"(?:\.(\w+))?\.(weight|bias)$")
-
-
-def _fused_state_dict(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """HF names -> this module's names (q/k/v and gate/up fused); the biases and q/k norms
-    only where `args` has them."""
-    out = {
-        "embed_tokens.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
-    }
-    if not args.tie_word_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
-    for i in range(args.n_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        out[f"layers.{i}.input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
-        out[f"layers.{i}.post_attention_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
-        )
-        out[f"layers.{i}.self_attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
-        if args.qkv_bias:
-            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                [hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]]
-            )
-        if args.o_bias:
-            out[f"layers.{i}.self_attn.o_proj.bias"] = hf[attn + "o_proj.bias"]
-        if args.qk_norm:
-            out[f"layers.{i}.self_attn.q_norm.weight"] = hf[attn + "q_norm.weight"]
-            out[f"layers.{i}.self_attn.k_norm.weight"] = hf[attn + "k_norm.weight"]
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-            [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
-        )
-        out[f"layers.{i}.mlp.down_proj.weight"] = hf[mlp + "down_proj.weight"]
-    return out
+        part, dot, tail = rest.partition(".")
+        rest = self.HF_ALIASES.get(part, part) + dot + tail
+        try:
+            return self.layers[layer_no].weight_target(rest)
+        except KeyError:
+            raise KeyError(name) from None

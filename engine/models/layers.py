@@ -1,9 +1,14 @@
-"""The building blocks of HF-layout decoder models (LLaMA, Qwen2, Qwen3), gpt-fast style:
-RMSNorm, RoPE, GQA attention through the engine's paged attention backend, SwiGLU MLP and the
-pre-norm decoder block. Per-architecture options come from ModelArgs: `qkv_bias`, `o_bias`
-(projection biases), `qk_norm` (per-head RMSNorm on q and k before RoPE) and `head_dim`
-(which may differ from dim // n_heads). With `ctx.kernels` set (the Triton attention backend)
-RMSNorm, RoPE and SiLU-and-mul run as Triton kernels.
+"""The building blocks of HF-layout decoder models, gpt-fast style: RMSNorm, RoPE, GQA
+attention through the engine's paged attention backend, the gated MLP and the decoder block.
+Per-architecture options come from ModelArgs (engine/models/config.py): projection biases,
+per-head q/k norms, an explicit head_dim, per-layer sliding windows and RoPE bases, the
+softmax scale and score soft-capping, Gemma's (1 + w) norms and "sandwich" norms, the MLP's
+activation. With `ctx.kernels` set (the Triton attention backend) RMSNorm, RoPE and
+SiLU-and-mul run as Triton kernels.
+
+Each module maps the checkpoint's names below it onto its (fused) parameters with
+`weight_target(name)`: the tensor, or the row range of a fused one, that an HF tensor fills —
+the model's `load_weights` and `update_weights` both go through it.
 """
 from __future__ import annotations
 
@@ -28,12 +33,19 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """LLaMA's RMSNorm (w * normed, cast first); with `unit_offset` Gemma's ((1 + w) *
+    normed in fp32, cast last)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        if self.unit_offset:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         if ctx.kernels is not None:
             return ctx.kernels.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
@@ -41,38 +53,41 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cache(args: ModelArgs, device: torch.device | None = None) -> Tensor:
-    """[max_position_embeddings, head_dim] fp32: cos(pos * f_i) | sin(pos * f_i)."""
-    half = args.head_dim // 2
-    inv_freq = 1.0 / (
-        args.rope_theta ** (torch.arange(0, half, dtype=torch.int64, device=device).float() / half)
-    )
-    t = torch.arange(args.max_position_embeddings, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-
-
 def apply_rope(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos_sin: [T, D] (cos | sin). Non-interleaved halves (HF convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    """x: [T, H, D]; cos_sin: [T, R] (cos | sin), R <= D: the first R dims rotate, in
+    non-interleaved halves (HF convention); the rest pass through."""
+    rot = cos_sin.shape[-1]
+    half = rot // 2
+    x1, x2 = x[..., :half].float(), x[..., half:rot].float()
     cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return rotated if rot == x.shape[-1] else torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def _rows(tensor: Tensor | None, start: int, length: int | None, name: str) -> Tensor:
+    if tensor is None:  # e.g. a bias this architecture does not have
+        raise KeyError(name)
+    return tensor if length is None else tensor[start : start + length]
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    def __init__(self, args: ModelArgs, layer: int, rope_index: int = 0) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.rope_index = layer, rope_index
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
         self.qkv_proj = Linear(args.dim, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = Linear(self.q_size, args.dim, bias=args.o_bias)
-        self.scale = args.head_dim**-0.5
-        # Qwen3: RMSNorm over each head's head_dim, before RoPE.
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
+        # Only the options a layer has reach the backend (none for plain LLaMA).
+        self.options = {k: v for k, v in (("sliding_window", args.window(layer)),
+                                          ("logits_soft_cap", args.attn_softcap)) if v is not None}
+        # Qwen3, Gemma 3: RMSNorm over each head's head_dim, before RoPE.
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         T = x.shape[0]
@@ -87,22 +102,41 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         if ctx.kernels is not None:
-            ctx.kernels.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin)  # in place
+            ctx.kernels.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
         else:
-            q, k = apply_rope(q, ctx.cos_sin), apply_rope(k, ctx.cos_sin)
-        o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.layer, ctx.metadata, self.scale)
+            cos_sin = ctx.cos_sin[self.rope_index]
+            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+        o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.layer, ctx.metadata, self.scale,
+                                **self.options)
         o = o.reshape(T, self.q_size)
         out = self.o_proj(o)
         if ctx.lora is not None:
             ctx.lora.add(out, o, self.layer, (("o_proj", 0),))
         return out
 
+    def weight_target(self, name: str) -> Tensor:
+        """`q_proj.weight`, `qkv_proj.bias` (Phi-3's fused name), `q_norm.weight`, ..."""
+        proj, _, kind = name.partition(".")
+        if proj in ("q_norm", "k_norm") and kind == "weight" and self.q_norm is not None:
+            return getattr(self, proj).weight
+        q, kv = self.q_size, self.kv_size
+        rows = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+                "v_proj": ("qkv_proj", q + kv, kv), "qkv_proj": ("qkv_proj", 0, None),
+                "o_proj": ("o_proj", 0, None)}
+        if proj not in rows or kind not in ("weight", "bias"):
+            raise KeyError(name)
+        param, start, length = rows[proj]
+        return _rows(getattr(getattr(self, param), kind), start, length, name)
+
 
 class FeedForward(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul."""
+
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.inter = args.intermediate_size
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.dim, bias=False)
 
@@ -110,7 +144,10 @@ class FeedForward(nn.Module):
         gate_up = self.gate_up_proj(x)
         if ctx.lora is not None:
             ctx.lora.add(gate_up, x, self.layer, (("gate_proj", 0), ("up_proj", self.inter)))
-        if ctx.kernels is not None:
+        if self.gelu:
+            gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        elif ctx.kernels is not None:
             h = ctx.kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split([self.inter, self.inter], dim=-1)
@@ -120,15 +157,52 @@ class FeedForward(nn.Module):
             ctx.lora.add(out, h, self.layer, (("down_proj", 0),))
         return out
 
+    def weight_target(self, name: str) -> Tensor:
+        """`gate_proj.weight`, `up_proj.weight`, `down_proj.weight`, or Phi-3's fused
+        `gate_up_proj.weight`."""
+        rows = {"gate_proj.weight": ("gate_up_proj", 0, self.inter),
+                "up_proj.weight": ("gate_up_proj", self.inter, self.inter),
+                "gate_up_proj.weight": ("gate_up_proj", 0, None),
+                "down_proj.weight": ("down_proj", 0, None)}
+        if name not in rows:
+            raise KeyError(name)
+        param, start, length = rows[name]
+        return _rows(getattr(self, param).weight, start, length, name)
+
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int) -> None:
+    """Pre-norm: x + attn(norm(x)), then h + mlp(norm(h)). With `sandwich_norms` (Gemma) the
+    attention and MLP outputs are normed too before each residual add."""
+
+    def __init__(self, args: ModelArgs, layer: int, mlp: nn.Module, rope_index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.self_attn = Attention(args, layer)
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args, layer)
+        eps, offset = args.norm_eps, args.norm_unit_offset
+        self.input_layernorm = RMSNorm(args.dim, eps, offset)
+        self.self_attn = Attention(args, layer, rope_index)
+        self.post_attention_layernorm = RMSNorm(args.dim, eps, offset)
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(args.dim, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(args.dim, eps, offset)
+        self.mlp = mlp
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
+        if not self.sandwich:
+            h = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
+            return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
+        a = self.self_attn(self.input_layernorm(x, ctx), ctx)
+        h = x + self.post_attention_layernorm(a, ctx)
+        m = self.mlp(self.pre_feedforward_layernorm(h, ctx), ctx)
+        return h + self.post_feedforward_layernorm(m, ctx)
+
+    def weight_target(self, name: str) -> Tensor:
+        """A name below `model.layers.N.`: a norm's weight, `self_attn.*` or `mlp.*`."""
+        part, _, rest = name.partition(".")
+        if part == "self_attn":
+            return self.self_attn.weight_target(rest)
+        if part == "mlp":
+            return self.mlp.weight_target(rest)
+        norm = getattr(self, part, None) if part.endswith("layernorm") else None
+        if isinstance(norm, RMSNorm) and rest == "weight":
+            return norm.weight
+        raise KeyError(name)

@@ -4,23 +4,33 @@
 - Qwen3: RMSNorm over head_dim on each q and k head before RoPE (`q_norm`, `k_norm`); q/k/v
   and o biases only with `attention_bias`; an explicit `head_dim` that may differ from
   hidden_size // num_attention_heads.
-
-Sliding-window attention (`use_sliding_window`) is refused by ModelArgs.from_hf_config.
+- Both: with `use_sliding_window`, layers from `max_window_layers` on attend within
+  `sliding_window` (or as the config's `layer_types` says).
 """
 from __future__ import annotations
 
-from engine.models.config import ModelArgs
+from typing import Any
+
+from engine.models.config import ModelArgs, hf_layer_types
 from engine.models.decoder import DecoderLM
+
+
+def qwen_windows(config: dict) -> dict[str, Any]:
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    first = config.get("max_window_layers", 0)
+    types = hf_layer_types(config, config["num_hidden_layers"], window, lambda i: i >= first)
+    return {"layer_types": types, "sliding_window": window}
 
 
 class Qwen2ForCausalLM(DecoderLM):
     @classmethod
     def from_config(cls, config: dict) -> "Qwen2ForCausalLM":
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=True, o_bias=False))
+        return cls(ModelArgs.from_hf_config(config, qkv_bias=True, o_bias=False, **qwen_windows(config)))
 
 
 class Qwen3ForCausalLM(DecoderLM):
     @classmethod
     def from_config(cls, config: dict) -> "Qwen3ForCausalLM":
         bias = bool(config.get("attention_bias", False))
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True))
+        return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                                            **qwen_windows(config)))

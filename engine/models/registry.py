@@ -1,7 +1,8 @@
 """Model registry: architecture name (config.json `architectures[0]`) -> model class.
 
 Built in: `LlamaForCausalLM` (engine/models/llama.py), `Qwen2ForCausalLM` and
-`Qwen3ForCausalLM` (engine/models/qwen.py). Out-of-tree architectures register with
+`Qwen3ForCausalLM` (engine/models/qwen.py), `MistralForCausalLM` (mistral.py),
+`Gemma2ForCausalLM` and `Gemma3ForCausalLM` (gemma.py), `Phi3ForCausalLM` (phi3.py). Out-of-tree architectures register with
 `ModelRegistry.register_model("MyForCausalLM", MyModel)` or a lazily imported
 `"my_pkg.model:MyModel"`. So that every process (the offline engine, each prefill and decode
 worker) knows them without code changes, plugins are discovered on first use: every entry
@@ -37,6 +38,10 @@ class ModelRegistry:
         "LlamaForCausalLM": "engine.models.llama:Transformer",
         "Qwen2ForCausalLM": "engine.models.qwen:Qwen2ForCausalLM",
         "Qwen3ForCausalLM": "engine.models.qwen:Qwen3ForCausalLM",
+        "MistralForCausalLM": "engine.models.mistral:MistralForCausalLM",
+        "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
+        "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
+        "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
     }
     _models: dict[str, type | str] = dict(BUILTIN)
     _plugins_loaded = False

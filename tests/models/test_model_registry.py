@@ -39,8 +39,9 @@ def test_builtin_llama_resolves_lazily(monkeypatch):
     assert ModelRegistry.resolve("LlamaForCausalLM") is Transformer
     assert ModelRegistry.resolve("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert ModelRegistry.resolve("Qwen3ForCausalLM") is Qwen3ForCausalLM
-    assert ModelRegistry.get_supported_archs() == ["LlamaForCausalLM", "Qwen2ForCausalLM",
-                                                   "Qwen3ForCausalLM"]
+    assert ModelRegistry.get_supported_archs() == [
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+        "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
 def test_register_by_class_and_by_string(monkeypatch):
@@ -69,8 +70,9 @@ def test_unknown_architecture_lists_supported(monkeypatch, tmp_path):
     from engine.models.loader import load_model
 
     with pytest.raises(UnknownArchitectureError,
-                       match=r"'NopeForCausalLM' is not supported; supported: LlamaForCausalLM, "
-                             r"Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                       match=r"'NopeForCausalLM' is not supported; supported: Gemma2ForCausalLM, "
+                             r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+                             r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(tmp_path)
 
 
@@ -97,7 +99,7 @@ def test_llama_loads_through_the_contract_and_keeps_rope_in_fp32(model_dir):
     from safetensors.torch import load_file
 
     from engine.models.loader import load_model
-    from engine.models.layers import rope_cache
+    from engine.models.rope import rope_cache
     from engine.models.llama import Transformer
 
     loaded = load_model(model_dir, num_layers=1).model
@@ -108,7 +110,8 @@ def test_llama_loads_through_the_contract_and_keeps_rope_in_fp32(model_dir):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     bf16 = load_model(model_dir, dtype=torch.bfloat16, num_layers=1).model
     assert bf16.embed_tokens.weight.dtype == torch.bfloat16
-    assert bf16.rope_cos_sin.dtype == torch.float32 and torch.equal(bf16.rope_cos_sin, rope_cache(bf16.args))
+    (table,) = bf16.rope_tables
+    assert table.dtype == torch.float32 and torch.equal(table, rope_cache(bf16.args.rope_spec(0)))
 
 
 @pytest.fixture(scope="module")

@@ -87,17 +87,3 @@ def test_matches_transformers(build, head_dim, ours_class, model_dir, tmp_path):
         assert diff <= 1e-4, f"{prompt!r}: max |logit diff| {diff}"
         [res] = llm.generate([ids], params, use_tqdm=False)
         assert res.outputs[0].token_ids == ref.tolist(), prompt
-
-
-def test_sliding_window_is_refused_by_name(model_dir, tmp_path):
-    from transformers import Qwen2Config
-
-    out = tmp_path / "model"
-    out.mkdir()
-    Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16,
-                architectures=["Qwen2ForCausalLM"]).save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(model_dir / name, out / name)
-    assert json.loads((out / "config.json").read_text())["use_sliding_window"] is True
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM: use_sliding_window .* not supported yet"):
-        load_model(out)

@@ -10,7 +10,6 @@ import torch
 
 from engine.models.config import ModelArgs
 from engine.models.layers import apply_rope
-from engine.models.layers import rope_cache as default_rope_cache
 from engine.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec, rope_cache
 
 ATOL = 1e-6
@@ -218,5 +217,8 @@ def test_default_equals_todays_table():
     cfg = {**SMALL, "max_position_embeddings": 512, "rope_theta": 5e5, "rms_norm_eps": 1e-6}
     spec = RopeSpec.from_hf_config(cfg)
     assert spec.max_positions == 512
-    today = default_rope_cache(ModelArgs.from_hf_config(cfg))
-    assert torch.equal(rope_cache(spec), today)
+    half = spec.head_dim // 2  # the table the engine built before rope.py, inline
+    inv_freq = 1.0 / (5e5 ** (torch.arange(0, half, dtype=torch.int64).float() / half))
+    freqs = torch.outer(torch.arange(512, dtype=torch.float32), inv_freq)
+    assert torch.equal(rope_cache(spec), torch.cat((freqs.cos(), freqs.sin()), dim=-1))
+    assert ModelArgs.from_hf_config(cfg).rope_spec(0) == spec

@@ -1,0 +1,181 @@
+"""Every built-in architecture against transformers' own class, on tiny random 2-layer
+checkpoints in float32: prefill logits, and greedy tokens and their logprobs through the
+engine with chunked prefill (16-token chunks), a pool small enough to preempt, prompts longer
+than the sliding window (8 tokens) and prefix-cache hits on a second pass.
+
+The bundled model lends its tokenizer; the weights are drawn here, biases and norm weights
+included (transformers initialises those to 0 and 1, which would hide a mapping mistake)."""
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, TorchAttentionBackend
+from engine.kv_pool import kv_block_bytes
+from engine.models.interface import ForwardContext
+from engine.models.loader import load_model
+
+SHARED = "You are a careful assistant. Answer briefly and never invent facts. The user asks:"
+PROMPTS = ["Hi there", f"{SHARED} What is 2+2?", f"{SHARED} Name a color of the sky.",
+           f"{SHARED} Who wrote Hamlet?"]
+MAX_TOKENS = 10
+WINDOW = 8
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False))
+
+
+def _qwen2_sliding():
+    """Qwen2's rule: layers from max_window_layers on slide (here layer 1 only)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=1, tie_word_embeddings=True))
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(Gemma2Config(**{**COMMON, "num_attention_heads": 4}, head_dim=32,
+                                          query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
+
+
+def _gemma3():
+    """Local and global layers with their own RoPE: the global one linearly scaled (4B+)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    return Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=32,
+                                              sliding_window=WINDOW, rope_parameters=rope,
+                                              layer_types=["sliding_attention", "full_attention"]))
+
+
+def _phi3():
+    """Fused qkv/gate_up checkpoint tensors, partial rotary and longrope factors."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    half = int(16 * 0.5) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    return Phi3ForCausalLM(Phi3Config(**COMMON, original_max_position_embeddings=64,
+                                      rope_parameters=rope, tie_word_embeddings=False))
+
+
+def _llama_yarn():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 1e4}
+    return LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope, tie_word_embeddings=True))
+
+
+def _llama3_rope():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 5e5}
+    return LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope, tie_word_embeddings=True))
+
+
+ARCHS = {
+    "mistral": (_mistral, "MistralForCausalLM"),
+    "qwen2-sliding": (_qwen2_sliding, "Qwen2ForCausalLM"),
+    "gemma2": (_gemma2, "Gemma2ForCausalLM"),
+    "gemma3": (_gemma3, "Gemma3ForCausalLM"),
+    "phi3": (_phi3, "Phi3ForCausalLM"),
+    "llama-yarn": (_llama_yarn, "Transformer"),
+    "llama-llama3-rope": (_llama3_rope, "Transformer"),
+}
+
+
+def write_checkpoint(hf, model_dir, out):
+    """Randomise biases and norm weights, save with the bundled tokenizer's files."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.copy_(p + 0.1 * torch.randn_like(p))
+    hf.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(model_dir / name, out / name)
+    return out
+
+
+@torch.inference_mode()
+def our_logits(loaded, ids):
+    args, n = loaded.args, len(ids)
+    num_blocks = -(-n // 16)
+    kv = torch.zeros(num_blocks, args.n_layers, 2, 16, args.n_kv_heads, args.head_dim)
+    meta = AttentionMetadata.single_sequence(0, n, 16, num_blocks)
+    return loaded.model(torch.tensor(ids), torch.arange(n),
+                        ForwardContext(TorchAttentionBackend(), kv, meta))
+
+
+@torch.inference_mode()
+def hf_greedy(hf, ids):
+    """transformers' greedy continuation and the logprob of each chosen token."""
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                      output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_matches_transformers(arch, model_dir, tmp_path):
+    build, class_name = ARCHS[arch]
+    hf = build().eval()
+    out = write_checkpoint(hf, model_dir, tmp_path / "model")
+    ours = load_model(out)
+    assert type(ours.model).__name__ == class_name
+    prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
+    assert max(map(len, prompts)) > 2 * WINDOW
+    refs = [hf_greedy(hf, ids) for ids in prompts]
+    for ids in prompts:
+        with torch.inference_mode():
+            ref_logits = hf(torch.tensor([ids])).logits[0]
+        diff = (our_logits(ours, ids) - ref_logits).abs().max().item()
+        assert diff <= 1e-4, f"{arch}: max |logit diff| {diff}"
+
+    # Four blocks for three sequences of three blocks each: someone is preempted.
+    block = kv_block_bytes(ours.args, 16, torch.float32)
+    llm = LLM(str(out), kv_cache_memory=4 * block, dtype="float32", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for attempt in ("cold", "cached"):
+        results = llm.generate(prompts, params, use_tqdm=False)
+        for res, (tokens, logprobs) in zip(results, refs):
+            got = res.outputs[0]
+            assert got.token_ids == tokens, f"{arch} ({attempt})"
+            ours_lp = [lp.logprob for lp in got.logprobs]
+            assert ours_lp == pytest.approx(logprobs, abs=1e-3), f"{arch} ({attempt})"
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0, arch
+    assert stats.prefix_cache_hits > 0, arch
+
+
+def test_unsupported_config_is_refused_by_name(model_dir, tmp_path):
+    from transformers import LlamaConfig
+
+    out = tmp_path / "model"
+    out.mkdir()
+    LlamaConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                           "mrope_section": [2, 3, 3]},
+                architectures=["LlamaForCausalLM"]).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(model_dir / name, out / name)
+    with pytest.raises(ValueError, match="unsupported rope type 'mrope'"):
+        load_model(out)
