@@ -1,0 +1,180 @@
+"""The sparse mixture-of-experts MLP of Mixtral and Qwen3-MoE, and where its checkpoint
+tensors go.
+
+Routing is transformers' (5.x MixtralTopKRouter / Qwen3MoeTopKRouter): router logits in the
+model dtype, softmax in fp32, top-k, the k weights re-normalised to sum 1 when `renormalize`
+(Mixtral always, Qwen3-MoE with `norm_topk_prob`); Qwen3-MoE then rounds them to the model
+dtype, Mixtral keeps them fp32 (`round_routing_weights`). Each expert is a SwiGLU MLP; the
+experts are stacked: `w13` [E, 2I, D] (each expert's gate rows, then its up rows) and `w2`
+[E, D, I]. Expert outputs are scaled in fp32 and summed over top-k in fp32, rounded once.
+
+Two paths, same contract:
+  * torch (CPU): the T * top_k (token, expert) assignments sorted by expert; one matmul pair
+    per expert that has tokens, over its contiguous slice; one `index_add_` back.
+  * `ctx.kernels` set: kernels.fused_moe (grouped Triton GEMMs, no host sync).
+No LoRA on experts: the model refuses adapters that target them, so `ctx.lora` is not read.
+
+Checkpoint names, relative to the MoE block (`model.layers.L.block_sparse_moe.` in Mixtral
+checkpoints, `model.layers.L.mlp.` in Qwen3-MoE ones and in transformers 5's own layout;
+`split_moe_name` strips either):
+    gate.weight                                  -> gate.weight            [E, D]
+    experts.N.w1.weight | experts.N.gate_proj.weight -> w13[N, :I]
+    experts.N.w3.weight | experts.N.up_proj.weight   -> w13[N, I:]
+    experts.N.w2.weight | experts.N.down_proj.weight -> w2[N]
+    experts.gate_up_proj                         -> w13 (all experts; transformers 5 in memory)
+    experts.down_proj                            -> w2
+transformers 5.24's `save_pretrained` writes the per-expert names (Mixtral under
+`block_sparse_moe` with w1/w2/w3; Qwen3-MoE under `mlp` with gate/up/down_proj), as published
+checkpoints have them; the fused names appear only with `save_original_format=False`.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.models.interface import ForwardContext
+from engine.models.layers import Linear
+
+_MOE_NAME = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.((?:gate|experts)\..+)$")
+_EXPERT_NAME = re.compile(r"^experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+
+
+class WeightSlot(NamedTuple):
+    """Where a checkpoint tensor of the MoE block lives."""
+
+    param: str
+    """"gate" (the router), "w13" or "w2"."""
+    expert: int | None
+    """The expert's index in the stack; None: the whole parameter."""
+    rows: slice | None
+    """Rows of w13[expert]: the gate half [0, I) or the up half [I, 2I); None: all rows."""
+
+
+def split_moe_name(name: str) -> tuple[int, str] | None:
+    """(layer, name relative to the MoE block) for a full checkpoint name of a router or
+    expert tensor; None for any other name (attention, norms, a dense layer's mlp.*_proj)."""
+    m = _MOE_NAME.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
+def expert_weight_slot(local_name: str, moe_intermediate_size: int) -> WeightSlot:
+    """The slot of a block-relative checkpoint name (table in the module docstring);
+    KeyError for a name the block has no place for."""
+    if local_name == "gate.weight":
+        return WeightSlot("gate", None, None)
+    if local_name == "experts.gate_up_proj":
+        return WeightSlot("w13", None, None)
+    if local_name == "experts.down_proj":
+        return WeightSlot("w2", None, None)
+    m = _EXPERT_NAME.match(local_name)
+    if m is None:
+        raise KeyError(local_name)
+    expert, part, inter = int(m.group(1)), _PART[m.group(2)], moe_intermediate_size
+    if part == "down":
+        return WeightSlot("w2", expert, None)
+    return WeightSlot("w13", expert, slice(0, inter) if part == "gate" else slice(inter, 2 * inter))
+
+
+def route(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """transformers' top-k router on logits [T, E]: (weights [T, top_k], expert ids [T, top_k]).
+    Weights are fp32, or rounded to `dtype` when given (Qwen3-MoE)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if dtype is None else weights.to(dtype)), ids
+
+
+def grouped_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+    """The experts in torch, grouped by expert (kernels.fused_moe's contract, x [T, D] ->
+    [T, D]). One host read of the per-expert counts; a Python loop over experts with tokens."""
+    num_tokens, top_k = ids.shape
+    inter = w2.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignment numbers t * top_k + k, by expert
+    tokens = order // top_k
+    xs = x[tokens]
+    ys = torch.empty((order.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=w13.shape[0]).tolist()):
+        if n:
+            gate, up = (xs[start : start + n] @ w13[e].T).split([inter, inter], dim=-1)
+            ys[start : start + n] = (F.silu(gate) * up) @ w2[e].T
+            start += n
+    scaled = ys.float() * weights.reshape(-1)[order, None].float()
+    out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, scaled).to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Router + stacked SwiGLU experts of one decoder layer. Parameters: `gate` (Linear
+    dim -> E, no bias), `w13` [E, 2I, dim], `w2` [E, dim, I]; all uninitialised until loaded.
+    Activation is SiLU (`hidden_act: silu` in both architectures)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, moe_intermediate_size: int,
+                 renormalize: bool, layer: int, round_routing_weights: bool = False) -> None:
+        super().__init__()
+        self.layer, self.num_experts, self.top_k = layer, num_experts, top_k
+        self.inter, self.renormalize = moe_intermediate_size, renormalize
+        self.round_routing_weights = round_routing_weights  # Qwen3-MoE: True; Mixtral: False
+        self.gate = Linear(dim, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, moe_intermediate_size))
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize,
+                             x.dtype if self.round_routing_weights else None)
+        if ctx.kernels is not None:
+            return ctx.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        return grouped_moe(x, self.w13, self.w2, weights, ids)
+
+    def weight_target(self, local_name: str) -> Tensor:
+        """The view of the parameter (an expert, a row range of one) that block-relative
+        checkpoint tensor `local_name` is copied into; KeyError for a name with no place."""
+        slot = expert_weight_slot(local_name, self.inter)
+        target = {"gate": self.gate.weight, "w13": self.w13, "w2": self.w2}[slot.param]
+        if slot.expert is not None:
+            if slot.expert >= self.num_experts:
+                raise KeyError(local_name)
+            target = target[slot.expert]
+        return target if slot.rows is None else target[slot.rows]
+
+    def load_hf(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """A full load of this block from (block-relative name, tensor) pairs in either naming;
+        KeyError for a name with no place or for rows no tensor covered, ValueError for a
+        shape that does not fit."""
+        E = self.num_experts
+        missing = {("gate", None, None)} | {(p, e, h) for e in range(E)
+                                             for p, h in (("w13", "gate"), ("w13", "up"), ("w2", None))}
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self.weight_target(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"layer {self.layer} MoE {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the model's is {tuple(target.shape)}")
+                target.copy_(tensor)
+                missing -= _pieces(expert_weight_slot(name, self.inter), E)
+        if missing:
+            param, e, half = min(missing, key=lambda p: (p[1] if p[1] is not None else -1, p[0], str(p[2])))
+            what = "gate.weight" if param == "gate" else f"experts.{e}.{_HF_PARTS[(param, half)]}.weight"
+            raise KeyError(f"layer {self.layer} MoE {what}")
+
+
+_HF_PARTS = {("w13", "gate"): "w1|gate_proj", ("w13", "up"): "w3|up_proj", ("w2", None): "w2|down_proj"}
+
+
+def _pieces(slot: WeightSlot, num_experts: int) -> set[tuple[str, int | None, str | None]]:
+    """The (param, expert, half) pieces a slot fills: what `load_hf` checks coverage by."""
+    if slot.param == "gate":
+        return {("gate", None, None)}
+    experts = range(num_experts) if slot.expert is None else (slot.expert,)
+    if slot.param == "w2":
+        return {("w2", e, None) for e in experts}
+    halves = ("gate", "up") if slot.rows is None else ("gate" if slot.rows.start == 0 else "up",)
+    return {("w13", e, h) for e in experts for h in halves}
