@@ -22,6 +22,8 @@ HF_ARCHITECTURES = {
     "Gemma2ForCausalLM": ("gemma2",),
     "Gemma3ForCausalLM": ("gemma3_text",),
     "Phi3ForCausalLM": ("phi3",),
+    "MixtralForCausalLM": ("mixtral",),
+    "Qwen3MoeForCausalLM": ("qwen3_moe",),
 }
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -37,6 +39,8 @@ class MoEArgs:
     renormalize: bool
     """Re-normalise the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE with
     `norm_topk_prob`)."""
+    round_routing_weights: bool
+    """Round the routing weights to the model dtype (Qwen3-MoE) or keep them fp32 (Mixtral)."""
     sparse_layers: frozenset[int]
 
 

@@ -29,6 +29,7 @@ from engine.models.layers import (
     RMSNorm,
     TransformerBlock,
 )
+from engine.models.moe import SparseMoE
 from engine.models.rope import rope_cache
 from engine.weights import copy_weights
 
@@ -65,8 +66,12 @@ class DecoderLM(CausalLMBase):
         return cls(ModelArgs.from_hf_config(config))
 
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
-        """The MLP of `layer` (a mixture-of-experts model overrides this)."""
-        return FeedForward(args, layer)
+        """The MLP of `layer`: the experts on a mixture-of-experts model's sparse layers."""
+        moe = args.moe
+        if moe is None or layer not in moe.sparse_layers:
+            return FeedForward(args, layer)
+        return SparseMoE(args.dim, moe.num_experts, moe.top_k, moe.intermediate_size,
+                         moe.renormalize, layer, moe.round_routing_weights)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """HF tensors by name, each into the parameter (or row range of a fused one) that
@@ -85,7 +90,7 @@ class DecoderLM(CausalLMBase):
                     raise KeyError(f"{name} has shape {tuple(tensor.shape)}, the model's is "
                                    f"{tuple(target.shape)}")
                 pname, param = by_storage[target.untyped_storage().data_ptr()]
-                if target.numel() == param.numel():
+                if target.shape == param.shape:
                     param.data = tensor
                     by_storage[tensor.untyped_storage().data_ptr()] = (pname, param)
                 else:

@@ -1,8 +1,10 @@
 """Mistral: LLaMA's layout with an optional `sliding_window` on every layer (Mistral 7B
-v0.1: 4096; later versions: none)."""
+v0.1: 4096; later versions: none). Mixtral: Mistral with a sparse mixture of experts
+(engine/models/moe.py) as every layer's MLP, checkpoint module `block_sparse_moe`; top-k
+routing weights always re-normalised."""
 from __future__ import annotations
 
-from engine.models.config import ModelArgs, hf_layer_types
+from engine.models.config import ModelArgs, MoEArgs, hf_layer_types
 from engine.models.decoder import DecoderLM
 
 
@@ -14,3 +16,17 @@ class MistralForCausalLM(DecoderLM):
         bias = bool(config.get("attention_bias", False))
         return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, layer_types=types,
                                             sliding_window=window))
+
+
+class MixtralForCausalLM(DecoderLM):
+    HF_ALIASES = {"block_sparse_moe": "mlp"}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MixtralForCausalLM":
+        window = config.get("sliding_window")
+        n = config["num_hidden_layers"]
+        moe = MoEArgs(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
+                      intermediate_size=config["intermediate_size"], renormalize=True,
+                      round_routing_weights=False, sparse_layers=frozenset(range(n)))
+        return cls(ModelArgs.from_hf_config(config, layer_types=hf_layer_types(config, n, window),
+                                            sliding_window=window, moe=moe))

@@ -1,8 +1,9 @@
 """Model registry: architecture name (config.json `architectures[0]`) -> model class.
 
 Built in: `LlamaForCausalLM` (engine/models/llama.py), `Qwen2ForCausalLM` and
-`Qwen3ForCausalLM` (engine/models/qwen.py), `MistralForCausalLM` (mistral.py),
-`Gemma2ForCausalLM` and `Gemma3ForCausalLM` (gemma.py), `Phi3ForCausalLM` (phi3.py). Out-of-tree architectures register with
+`Qwen3ForCausalLM`, `Qwen3MoeForCausalLM` (engine/models/qwen.py), `MistralForCausalLM`
+and `MixtralForCausalLM` (mistral.py), `Gemma2ForCausalLM` and `Gemma3ForCausalLM`
+(gemma.py), `Phi3ForCausalLM` (phi3.py). Out-of-tree architectures register with
 `ModelRegistry.register_model("MyForCausalLM", MyModel)` or a lazily imported
 `"my_pkg.model:MyModel"`. So that every process (the offline engine, each prefill and decode
 worker) knows them without code changes, plugins are discovered on first use: every entry
@@ -42,6 +43,8 @@ class ModelRegistry:
         "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
         "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
+        "MixtralForCausalLM": "engine.models.mistral:MixtralForCausalLM",
+        "Qwen3MoeForCausalLM": "engine.models.qwen:Qwen3MoeForCausalLM",
     }
     _models: dict[str, type | str] = dict(BUILTIN)
     _plugins_loaded = False

@@ -88,6 +88,23 @@ def _llama3_rope():
     return LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters=rope, tie_word_embeddings=True))
 
 
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                            tie_word_embeddings=False))
+
+
+def _qwen3_moe():
+    """Sparse every second layer: layer 0 dense, layer 1 experts (renormalised top-k)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=32,
+                                              decoder_sparse_step=2, norm_topk_prob=True,
+                                              tie_word_embeddings=True))
+
+
 ARCHS = {
     "mistral": (_mistral, "MistralForCausalLM"),
     "qwen2-sliding": (_qwen2_sliding, "Qwen2ForCausalLM"),
@@ -96,6 +113,8 @@ ARCHS = {
     "phi3": (_phi3, "Phi3ForCausalLM"),
     "llama-yarn": (_llama_yarn, "Transformer"),
     "llama-llama3-rope": (_llama3_rope, "Transformer"),
+    "mixtral": (_mixtral, "MixtralForCausalLM"),
+    "qwen3-moe": (_qwen3_moe, "Qwen3MoeForCausalLM"),
 }
 
 

@@ -41,7 +41,8 @@ def test_builtin_llama_resolves_lazily(monkeypatch):
     assert ModelRegistry.resolve("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert ModelRegistry.get_supported_archs() == [
         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-        "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+        "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM"]
 
 
 def test_register_by_class_and_by_string(monkeypatch):
@@ -72,7 +73,8 @@ def test_unknown_architecture_lists_supported(monkeypatch, tmp_path):
     with pytest.raises(UnknownArchitectureError,
                        match=r"'NopeForCausalLM' is not supported; supported: Gemma2ForCausalLM, "
                              r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-                             r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                             r"MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+                             r"Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         load_model(tmp_path)
 
 
