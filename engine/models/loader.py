@@ -3,7 +3,8 @@
 The class comes from config.json's `architectures[0]` through the ModelRegistry (built in:
 LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; out-of-tree ones by plugin); every class
 is built with `from_config` and fed the checkpoint's tensors through `load_weights`
-(engine/models/interface.py) — the loader knows no architecture. A GGUF file is always LLaMA (its converted config says so)."""
+(engine/models/interface.py) — the loader knows no architecture. A GGUF file's converted
+config names its family (engine/models/gguf_families.py)."""
 from __future__ import annotations
 
 import json

