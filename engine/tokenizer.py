@@ -3,6 +3,7 @@ the model). Stateless after construction; safe to share between threads."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,9 @@ class SpecialTokens:
     eos: str | None
     pad: str | None
     unk: str | None
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class Tokenizer:
@@ -65,9 +69,12 @@ class Tokenizer:
         self._template = (
             _environment().from_string(self.chat_template) if self.chat_template else None
         )
-        decoder = (json.loads(tokenizer_json).get("decoder") or {})
+        spec = json.loads(tokenizer_json)
+        decoder = spec.get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel" or any(
             d.get("type") == "ByteLevel" for d in decoder.get("decoders", ()))
+        # SentencePiece-style BPE (Gemma, LLaMA 2): `<0xE2>` tokens are raw bytes, `▁` a space.
+        self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "Tokenizer":
@@ -99,9 +106,16 @@ class Tokenizer:
         """The bytes `token_id` stands for. A byte-level BPE token can hold part of a
         multi-byte character (`decode([id])` then gives U+FFFD); these are its real bytes, so
         the bytes of a sequence's tokens, joined, are the UTF-8 of its decoded text."""
-        if not self._byte_level or token_id in self._added_ids:  # added tokens: plain text
+        if token_id in self._added_ids:  # added tokens: plain text
             return self.decode([token_id]).encode()
-        return bytes(_UNICODE_TO_BYTE[c] for c in self.token_str(token_id))
+        if self._byte_level:
+            return bytes(_UNICODE_TO_BYTE[c] for c in self.token_str(token_id))
+        if self._byte_fallback:
+            token = self.token_str(token_id)
+            if _BYTE_TOKEN.fullmatch(token):
+                return bytes([int(token[3:5], 16)])
+            return token.replace("\u2581", " ").encode()
+        return self.decode([token_id]).encode()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text (e.g. `<|im_start|>`) maps to its id.

@@ -17,7 +17,8 @@ import torch
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelArgs
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", *MLP_TARGETS)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -75,6 +76,10 @@ def load_adapter(request: LoRARequest, args: ModelArgs, max_rank: int) -> LoRAAd
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
         if layer >= args.n_layers:
             continue  # the base model was loaded with fewer layers (tests): not needed
+        if args.moe is not None and layer in args.moe.sparse_layers and target in MLP_TARGETS:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: layer {layer} {target}: the "
+                            "layer's MLP is a mixture of experts, and LoRA on experts is not "
+                            "supported")
         parts.setdefault((layer, target), {})[ab] = tensor.float()
     weights = {}
     for (layer, target), ab in parts.items():

