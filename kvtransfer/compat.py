@@ -97,6 +97,12 @@ class KVCompat:
     (see the module docstring). Published, compared and hashed like every field."""
     layout: str = BLOCK_MAJOR_LAYOUT
     """Dimension order of the pool tensor; see the module docstring."""
+    architecture: str = ""
+    """config.json's `architectures[0]`: two architectures' KV never mixes, whatever the
+    model directories are called."""
+    layer_windows: str = ""
+    """Each layer's attention span, comma-separated: `full` or the sliding window in tokens
+    (`window_layers` builds it); which blocks a layer reads depends on it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
@@ -168,7 +174,8 @@ class KVCompat:
             raise MetadataError(f"invalid compat descriptor: {e}") from e
 
     @classmethod
-    def for_pool(cls, kv_cache: Any, model_id: str, kv_cache_dtype: str = "auto") -> KVCompat:
+    def for_pool(cls, kv_cache: Any, model_id: str, kv_cache_dtype: str = "auto",
+                 architecture: str = "", layer_windows: str = "") -> KVCompat:
         """The descriptor of an existing pool tensor holding `kv_cache_dtype` KV (the engine's
         EngineConfig.kv_cache_dtype). PoolError if it is not 6-D or not of that format."""
         shape = tuple(kv_cache.shape)
@@ -182,7 +189,8 @@ class KVCompat:
         head_dim = stored - (_KV_FORMATS[kv][1] if kv in _KV_FORMATS else 0)
         try:
             return cls(model_id, normalize_dtype(kv_cache.dtype), block_size, layers, heads,
-                       head_dim, kv_cache_dtype=kv)
+                       head_dim, kv_cache_dtype=kv, architecture=architecture,
+                       layer_windows=layer_windows)
         except ValueError as e:
             raise PoolError(f"KV pool of shape {list(shape)} and dtype {kv_cache.dtype} is not "
                             f"a {kv} KV cache: {e}") from e
@@ -205,6 +213,11 @@ class KVCompat:
             raise PoolError("KV pool must be contiguous (one block = one contiguous region)")
         if shape[0] <= 0:
             raise PoolError("KV pool has no blocks")
+
+
+def window_layers(windows: Any) -> str:
+    """`layer_windows` of per-layer windows (None = full attention): '8,full,8,full'."""
+    return ",".join("full" if w is None else str(int(w)) for w in windows)
 
 
 def check_compatible(local: KVCompat, remote: KVCompat, peer: str = "peer") -> None:

@@ -35,6 +35,7 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
+from kvtransfer.compat import window_layers
 from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
@@ -95,8 +96,11 @@ class WorkerRuntime:
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
         self.kv = kv
-        self.compat = KVCompat.for_pool(engine.kv_cache, engine.loaded.model_id,
-                                        engine.config.kv_cache_dtype)
+        args = engine.loaded.args
+        self.compat = KVCompat.for_pool(
+            engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
+            architecture=engine.loaded.architecture,
+            layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
         self.kv_cache_dtype = self.compat.kv_cache_dtype  # normalized: published, hashed by the router
         self.compat_hash = self.compat.hash()
         self.pool = PoolRegistration(kv, self.compat)

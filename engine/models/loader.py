@@ -29,6 +29,7 @@ class LoadedModel:
     args: ModelArgs
     model_id: str  # what the OpenAI API reports; the directory or file name
     model_dir: Path  # where it was loaded from (an HF directory or a GGUF file)
+    architecture: str = "LlamaForCausalLM"  # config.json's architectures[0]
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -86,4 +87,5 @@ def load_model(
     except KeyError as exc:
         raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path)
+    return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path,
+                       architecture=architecture_of(config))

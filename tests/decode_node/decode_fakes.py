@@ -57,7 +57,8 @@ class FakeEngine:
     kv_cache: torch.Tensor = field(default_factory=lambda: torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4)))
 
     limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE))
-    loaded = SimpleNamespace(model_id="m")
+    loaded = SimpleNamespace(model_id="m", architecture="LlamaForCausalLM",
+                             args=SimpleNamespace(n_layers=1, window=lambda layer: None))
     config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=())
 
     def stats(self):
@@ -225,7 +226,8 @@ def unauthenticated() -> grpc.aio.AioRpcError:
 def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:
     backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
     pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
-    backend.register_pool(pool, KVCompat.for_pool(pool, "m"))
+    backend.register_pool(pool, KVCompat.for_pool(pool, "m", architecture="LlamaForCausalLM",
+                                                  layer_windows="full"))
     return backend
 
 

@@ -13,6 +13,7 @@ from kvtransfer import (
     PoolError,
     check_compatible,
 )
+from kvtransfer.compat import window_layers
 from kvtransfer.protocol import HELLO, BatchNotice, decode
 
 pytestmark = pytest.mark.timeout(30)
@@ -217,3 +218,22 @@ def test_compat_describes_the_engines_pool_of_every_format(kv, model_dtype):
     compat.check_pool(pool)
     assert compat.head_dim == args.head_dim
     assert compat.block_bytes == kv_block_bytes(args, 16, model_dtype, kv) == pool[0].nbytes
+
+
+def test_different_architectures_or_windows_are_refused_by_name():
+    """Same pool shape, same directory name: a Mistral and a LLaMA checkpoint, or the same
+    architecture with another sliding window, still never share KV."""
+    pool = torch.zeros(4, 2, 2, 16, 2, 16)
+    llama = KVCompat.for_pool(pool, "m", architecture="LlamaForCausalLM",
+                              layer_windows=window_layers([None, None]))
+    mistral = KVCompat.for_pool(pool, "m", architecture="MistralForCausalLM",
+                                layer_windows=window_layers([8, 8]))
+    assert mistral.layer_windows == "8,8" and llama.layer_windows == "full,full"
+    with pytest.raises(IncompatiblePeerError, match="architecture: ours='LlamaForCausalLM' "
+                                                    "theirs='MistralForCausalLM'"):
+        check_compatible(llama, mistral)
+    narrower = KVCompat.for_pool(pool, "m", architecture="MistralForCausalLM",
+                                 layer_windows=window_layers([4, 4]))
+    with pytest.raises(IncompatiblePeerError, match="layer_windows: ours='8,8' theirs='4,4'"):
+        check_compatible(mistral, narrower)
+    assert mistral.hash() != narrower.hash() != llama.hash()
