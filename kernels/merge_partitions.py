@@ -6,7 +6,8 @@ Partial buffers, fp32 and contiguous, for T tokens, H query heads, P partitions:
     part_max [T, H, P]            m_p, running max of the base-2 scores (EMPTY_MAX if no key)
     part_sum [T, H, P]            l_p = sum_j exp2(s_j - m_p)  (0 if no key)
 out = sum_p acc_p * 2^(m_p - M) / sum_p l_p * 2^(m_p - M),  M = max_p m_p.
-Partition 0 always holds key 0, which every query sees, so the denominator is positive.
+Some partition holds the query's own key, which it always sees, so the denominator is positive
+(partitions without a visible key have weight 2^(EMPTY_MAX - M) = 0).
 """
 import torch
 import triton

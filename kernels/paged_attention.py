@@ -13,6 +13,13 @@ Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (t
 - seq_lens [S]: context length of each sequence INCLUDING this step's queries. Sequence s's
   q_len queries sit at positions seq_lens[s] - q_len .. seq_lens[s] - 1 and each attends to
   keys 0 .. its own position.
+- sliding_window W (None = off; transformers' sliding-window causal mask): the query at
+  position p attends to keys j with p - W < j <= p, i.e. to at most W keys, itself included.
+  Keys before seq_lens[s] - q_len - W + 1 (the first key any query of the sequence sees) are
+  never read, nor are the block-table entries of blocks that lie wholly before it: those
+  blocks may already be released and their entries stale.
+- logits_soft_cap c (None = off; Gemma 2): scores = c * tanh(q.k * scale / c), applied before
+  the mask and the softmax.
 - GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
 Returns [T, num_q_heads, head_dim] in query's dtype (the model dtype, also for a quantized pool);
 softmax statistics are fp32.
@@ -97,21 +104,41 @@ class AttentionPlan:
     tile_n: int  # keys per inner-loop step
     num_tiles: int  # grid axis 0: T // block_q + S (tiles without queries exit at once)
     partition_size: int  # keys per split-KV partition; 0 = no split
-    num_partitions: int  # grid axis 2
+    num_partitions: int  # grid axis 2: cdiv(keys one tile can see, partition_size)
     num_warps: int = 4
     num_stages: int | None = None  # None: Triton's default for the device
+
+
+def _check_window(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    check(sliding_window is None or sliding_window >= 1,
+          f"sliding_window must be None or >= 1, got {sliding_window}")
+    check(logits_soft_cap is None or logits_soft_cap > 0,
+          f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
+
+
+def _kv_span(max_seq_len: int, max_query_len: int, block_q: int, sliding_window: int | None) -> int:
+    """Most keys one query tile can see: the whole context, or with a window W the window of
+    its first query plus its other queries (see paged_attention_kernel's doc)."""
+    if sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, sliding_window + min(max_query_len, block_q) - 1)
 
 
 def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, num_q_heads: int,
                          num_kv_heads: int, head_dim: int, max_query_len: int, max_seq_len: int, *,
                          partition_size: int | None = None, tile_n: int | None = None,
-                         num_warps: int = 4, num_stages: int | None = None) -> AttentionPlan:
+                         num_warps: int = 4, num_stages: int | None = None,
+                         sliding_window: int | None = None) -> AttentionPlan:
     """Tile sizes and the split-KV decision for a batch of T tokens from S sequences.
 
     partition_size: KV partition length in tokens for split-KV (flash-decoding); None picks
     automatically (splits when the batch is too small to fill the GPU), 0 never splits.
     tile_n: keys per inner-loop step (power of two >= 16); None picks by head_dim.
-    num_warps / num_stages: Triton launch options (for tuning)."""
+    num_warps / num_stages: Triton launch options (for tuning).
+    sliding_window: the layer's window (None = none). A windowed tile walks at most
+    W + block_q - 1 keys, which is what split-KV partitions; a plan made without a window also
+    serves windowed layers (with partitions to spare), not the other way round."""
+    _check_window(sliding_window, None)
     check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
           f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
@@ -124,35 +151,41 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
     check(tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n must be a power of two >= 16, got {tile_n}")
     num_tiles = num_tokens // block_q + num_seqs
     busy_tiles = num_seqs if max_query_len <= block_q else num_tiles
+    kv_span = _kv_span(max_seq_len, max_query_len, block_q, sliding_window)
     if partition_size is None:
-        partition_size = _auto_partition_size(device, busy_tiles * num_kv_heads, max_seq_len, tile_n)
+        partition_size = _auto_partition_size(device, busy_tiles * num_kv_heads, kv_span, tile_n)
     check(partition_size >= 0, f"partition_size must be >= 0, got {partition_size}")
-    num_partitions = triton.cdiv(max_seq_len, partition_size) if partition_size > 0 else 1
+    num_partitions = triton.cdiv(kv_span, partition_size) if partition_size > 0 else 1
     return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions,
                          num_warps, num_stages)
 
 
 def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, queries_per_kv: int,
-                max_seq_len: int) -> None:
+                max_query_len: int, max_seq_len: int, sliding_window: int | None) -> None:
+    kv_span = _kv_span(max_seq_len, max_query_len, plan.block_q, sliding_window)
     check(plan.group_pad >= queries_per_kv and plan.block_m == plan.block_q * plan.group_pad
           and plan.num_tiles == num_tokens // plan.block_q + num_seqs
-          and plan.partition_size * plan.num_partitions >= (max_seq_len if plan.partition_size else 0),
+          and plan.partition_size * plan.num_partitions >= (kv_span if plan.partition_size else 0),
           f"{plan} was not made for this batch (T={num_tokens}, S={num_seqs}, "
-          f"max_seq_len={max_seq_len}); use plan_paged_attention")
+          f"max_seq_len={max_seq_len}, sliding_window={sliding_window}); use plan_paged_attention")
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                    max_seq_len: int | None = None, *, plan: AttentionPlan | None = None) -> torch.Tensor:
+                    max_seq_len: int | None = None, *, plan: AttentionPlan | None = None,
+                    sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """Triton paged attention (module doc has the contract).
 
     max_query_len / max_seq_len: host-side maxima of the batch; pass them (the model runner
     knows them) — when None they are read from the device, which synchronises.
     plan: from `plan_paged_attention` for this batch (once per step, shared by all layers), or
-    None to plan here with the defaults.
+    None to plan here with the defaults. A plan made for another sliding_window may not have
+    enough split-KV partitions for this one (rejected).
     """
     _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
+    _check_window(sliding_window, logits_soft_cap)
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -168,8 +201,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
           f"{block_tables.shape[1]} blocks x {block_size}")
     if plan is None:
         plan = plan_paged_attention(query.device, num_tokens, num_seqs, num_q_heads, num_kv_heads,
-                                    head_dim, max_query_len, max_seq_len)
-    _check_plan(plan, num_tokens, num_seqs, num_q_heads // num_kv_heads, max_seq_len)
+                                    head_dim, max_query_len, max_seq_len, sliding_window=sliding_window)
+    _check_plan(plan, num_tokens, num_seqs, num_q_heads // num_kv_heads, max_query_len, max_seq_len,
+                sliding_window)
     partition_size, num_partitions = plan.partition_size, plan.num_partitions
     if partition_size > 0:
         part_max = torch.empty((num_tokens, num_q_heads, num_partitions), dtype=torch.float32,
@@ -183,7 +217,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     paged_attention_kernel[(plan.num_tiles, num_kv_heads, num_partitions)](
         out, part_acc, part_max, part_sum,
         query, kernel_view(kv_cache), block_tables, query_start_loc, seq_lens,
-        scale * LOG2E, num_seqs, num_q_heads, num_partitions, partition_size, layer * kv_cache.stride(1),
+        scale * LOG2E, (logits_soft_cap or 1.0) * LOG2E, sliding_window or 0,
+        num_seqs, num_q_heads, num_partitions, partition_size, layer * kv_cache.stride(1),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0),
@@ -194,6 +229,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=query.dtype == torch.bfloat16 and _INTERPRETED,
         KV_FORMAT=format_code(kv_cache),
+        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
         num_warps=plan.num_warps,
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )
@@ -205,11 +241,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
 def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                               block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                               seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                              max_seq_len: int | None = None) -> torch.Tensor:
+                              max_seq_len: int | None = None, *, sliding_window: int | None = None,
+                              logits_soft_cap: float | None = None) -> torch.Tensor:
     """Plain-torch paged attention, one sequence at a time, fp32 math over the dequantized pool
-    (`dequantize_kv_reference`; same contract).
+    (`dequantize_kv_reference`; same contract: with a window it reads only the blocks from the
+    one holding the sequence's first visible key).
     max_query_len / max_seq_len are accepted for interface parity and ignored."""
     _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
+    _check_window(sliding_window, logits_soft_cap)
     num_tokens, num_q_heads, head_dim = query.shape
     _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_q_heads // num_kv_heads
@@ -224,14 +263,22 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer
         check(0 <= q_len <= seq_len, f"sequence {s}: q_len {q_len} > seq_len {seq_len}")
         if q_len == 0:
             continue
-        blocks = block_tables[s, : triton.cdiv(seq_len, block_size)].long()
-        k = dequantize_kv_reference(kv_cache[blocks, layer, 0].flatten(0, 1)[:seq_len])
-        v = dequantize_kv_reference(kv_cache[blocks, layer, 1].flatten(0, 1)[:seq_len])
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_dim]
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        first_block = first // block_size  # keys from first_block * block_size on
+        blocks = block_tables[s, first_block : triton.cdiv(seq_len, block_size)].long()
+        num_keys = seq_len - first_block * block_size
+        k = dequantize_kv_reference(kv_cache[blocks, layer, 0].flatten(0, 1)[:num_keys])
+        v = dequantize_kv_reference(kv_cache[blocks, layer, 1].flatten(0, 1)[:num_keys])
+        k = k.repeat_interleave(group, dim=1)  # [num_keys, num_q_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if logits_soft_cap is not None:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None, :, None]
+        k_pos = torch.arange(first_block * block_size, seq_len, device=query.device)[None, None, :]
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

@@ -16,6 +16,14 @@ Work decomposition (grid = (query tiles, kv heads, KV partitions)):
   with its running max and sum; `merge_partitions_kernel` combines them. A long decode context
   is thus spread over many programs instead of one serial walk. partition_size is a runtime
   argument so that a size chosen per step does not trigger a recompilation.
+- USE_WINDOW (sliding window W = `sliding_window`): a query at position p sees keys j with
+  p - W < j <= p. The tile's KV walk starts at kv_first = max(0, p0 - W + 1), p0 the position of
+  its first query: whole KV tiles (and pool blocks) before the window are never visited, their
+  block-table entries never read; rows whose window starts later are masked within the walk.
+  Partitions (SPLIT_KV) are counted from kv_first, so a windowed launch needs only
+  cdiv(W + BLOCK_Q - 1, partition_size) of them.
+- USE_SOFT_CAP: scores become c * tanh(scores / c) before the mask (Gemma 2). `soft_cap` is c in
+  the base-2 units of the scores (c * log2(e)), which leaves the result unchanged.
 
 KV_FORMAT (kernels/kv_quant.py): AUTO reads K/V in the query dtype. FP8_E4M3 / FP8_E5M2 read the
 pool as bytes and decode them exactly to the query dtype (fp8 fits fp16/bf16 exactly; e4m3 by
@@ -56,6 +64,13 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh through exp2 (libdevice.tanh does not run under the interpreter); saturates
+    cleanly to +-1 when exp2 overflows or underflows."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
 def _kv_for_dot(x, dot_dtype: tl.constexpr, KV_FORMAT: tl.constexpr):
     """Loaded K/V as stored -> the dot operand dtype (exact: fp8 and int8 values fit)."""
     if KV_FORMAT == FP8_E4M3:
@@ -69,13 +84,15 @@ def _kv_for_dot(x, dot_dtype: tl.constexpr, KV_FORMAT: tl.constexpr):
 def paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, num_seqs, num_q_heads, num_partitions, partition_size, layer_offset,
+    qk_scale, soft_cap, sliding_window, num_seqs, num_q_heads, num_partitions, partition_size,
+    layer_offset,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FORMAT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,13 +121,19 @@ def paged_attention_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # Keys this tile can see: 0 .. position of its last query.
+    # Keys this tile can see: kv_first .. position of its last query. With a window, kv_first
+    # is where the first query's window starts; nothing before it is loaded (its blocks may be
+    # released, their table entries stale).
     kv_stop = context_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    if USE_WINDOW:
+        kv_first = tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0)
+    else:
+        kv_first = 0
     if SPLIT_KV:
-        kv_lo = part * partition_size
+        kv_lo = kv_first + part * partition_size
         kv_hi = tl.minimum(kv_stop, kv_lo + partition_size)
     else:
-        kv_lo = 0
+        kv_lo = kv_first
         kv_hi = kv_stop
 
     m_i = tl.full([BLOCK_M], EMPTY_MAX, tl.float32)
@@ -131,7 +154,12 @@ def paged_attention_kernel(
             k_scale = tl.load((k_base + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
                               mask=n_ok, other=0.0)
             s = s * k_scale[None, :]
-        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -156,7 +184,7 @@ def paged_attention_kernel(
         tl.store(part_sum_ptr + stat, l_i, mask=row_ok)
         tl.store(part_acc_ptr + stat[:, None] * HEAD_DIM + d[None, :], acc, mask=io_mask)
     else:
-        # Every real row saw key 0, so l_i > 0 there; padded rows are not stored.
+        # Every real row saw its own key, so l_i > 0 there; padded rows are not stored.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)

@@ -16,6 +16,15 @@ class AttentionBackend(ABC):
     to `metadata.slot_mapping` of `layer`, then returns `[T, num_q_heads, head_dim]`: each query
     attends causally (see AttentionMetadata) with GQA (q head h reads kv head
     h // (num_q_heads // num_kv_heads)) and softmax scale `scale`.
+
+    Per-layer options (None = off, the plain causal attention above):
+    - sliding_window W: the query at position p attends to keys j with p - W < j <= p (at most
+      W keys, itself included; transformers' sliding-window causal mask). A backend never reads
+      a key before seq_len - query_len - W + 1 (the first key any query of the sequence sees)
+      nor the block-table entries of blocks wholly before it: the block manager may have
+      released those blocks, so their entries can be stale.
+    - logits_soft_cap c: scores = c * tanh(q.k * scale / c), before the mask and the softmax
+      (Gemma 2's attn_logit_softcapping).
     """
 
     name: str
@@ -30,4 +39,7 @@ class AttentionBackend(ABC):
         layer: int,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...

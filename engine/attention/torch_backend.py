@@ -60,6 +60,34 @@ def gather_kv(
     return k, v
 
 
+def _attend(q, k, v, mask, scale, soft_cap: float | None, causal: bool = False) -> torch.Tensor:
+    """Attention of q [..., R, D] over k/v [..., L, D] (same leading dims) under the boolean
+    mask (broadcastable to [..., R, L]; True = visible). SDPA, or with soft-capping the same in
+    explicit fp32 math (SDPA has no soft-cap)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def _first_key(seq_len: int, q_len: int, window: int | None) -> int:
+    """The first key any of the sequence's queries sees (AttentionBackend's window contract)."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+
+def _window_tables(block_tables, first_key, seq_lens, num_blocks: int, block_size: int):
+    """Per sequence, the num_blocks table entries from the block holding first_key [S] on, and
+    the position of each one's first key [S]. Entries past a sequence's last block repeat that
+    block (masked out by position): no entry before the window or past the end is read."""
+    first_block = first_key // block_size
+    last_block = (seq_lens - 1) // block_size
+    idx = first_block[:, None] + torch.arange(num_blocks, device=block_tables.device)
+    idx = torch.minimum(idx, last_block[:, None])
+    return block_tables.gather(1, idx.to(torch.int64)), first_block * block_size
+
+
 SHORT_QUERY = 16
 """Sequences with at most this many query rows after a cached context (verify rows of
 speculating sequences) are batched in one padded call, like decodes."""
@@ -76,46 +104,69 @@ def _leading_short(metadata: AttentionMetadata, first: int) -> int:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes batched in one padded SDPA call; prefill chunks one SDPA call per sequence."""
+    """Decodes batched in one padded SDPA call; prefill chunks one SDPA call per sequence.
+    With a sliding window each sequence gathers only the blocks from its window's first one."""
 
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale):
+    def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale, *,
+                sliding_window=None, logits_soft_cap=None):
         store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping)
+        win, cap = sliding_window, logits_soft_cap
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:
-            out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale)
-        block_size = kv_cache.shape[3]
+            out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale, win, cap)
         start = nd  # decode rows are one token each
         short = _leading_short(metadata, nd)
         if short > nd:  # verify rows of speculating sequences: one padded call
             rows = sum(metadata.query_lens_cpu[nd:short])
             out[start : start + rows] = self._short(query[start : start + rows], kv_cache, layer,
-                                                    metadata, nd, short, scale)
+                                                    metadata, nd, short, scale, win, cap)
             start += rows
         for s in range(short, metadata.num_seqs):
-            q_len, seq_len = metadata.query_lens_cpu[s], metadata.seq_lens_cpu[s]
-            num_blocks = -(-seq_len // block_size)
-            k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, :num_blocks], query)
-            k, v = k[:seq_len].transpose(0, 1), v[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-            q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-            if q_len == seq_len:
-                mask, causal = None, True
-            else:
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-                causal = False
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-            )
-            out[start : start + q_len] = o[0].transpose(0, 1)
+            q_len = metadata.query_lens_cpu[s]
+            out[start : start + q_len] = self._prefill(query[start : start + q_len], kv_cache,
+                                                       layer, metadata, s, scale, win, cap)
             start += q_len
         return out
 
     @staticmethod
-    def _short(query, kv_cache, layer, metadata: AttentionMetadata, first: int, end: int, scale):
+    def _prefill(query, kv_cache, layer, metadata: AttentionMetadata, s: int, scale, win, cap):
+        """Sequence s's q_len queries (a whole prompt or a chunk after a cached context)."""
+        block_size = kv_cache.shape[3]
+        q_len, seq_len = metadata.query_lens_cpu[s], metadata.seq_lens_cpu[s]
+        first = _first_key(seq_len, q_len, win)
+        first_block, num_blocks = first // block_size, -(-seq_len // block_size)
+        k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, first_block:num_blocks], query)
+        lo, hi = first - first_block * block_size, seq_len - first_block * block_size
+        k, v = k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1)  # [Hkv, L, D], keys first..
+        q = query.transpose(0, 1)  # [Hq, q_len, D]
+        if q_len == seq_len and win is None and cap is None:
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(first, seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if win is not None:
+                mask &= k_pos > q_pos - win
+            causal = False
+        if cap is None:
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+            )[0]
+        else:  # query heads of one kv head stacked as rows: [Hkv, group * q_len, D]
+            num_kv_heads, head_dim = k.shape[0], k.shape[-1]
+            group = q.shape[0] // num_kv_heads
+            o = _attend(q.reshape(num_kv_heads, group * q_len, head_dim), k, v,
+                        mask.repeat(group, 1), scale, cap)
+            o = o.view(q.shape)
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _short(query, kv_cache, layer, metadata: AttentionMetadata, first: int, end: int, scale,
+               win=None, cap=None):
         """Sequences first..end-1, each a few query rows after a cached context (a
         speculating sequence's last token and drafts): padded to the longest, one SDPA
         call, query heads grouped per kv head as in `_decode`."""
@@ -123,8 +174,19 @@ class TorchAttentionBackend(AttentionBackend):
         ns, q_max = end - first, max(q_lens)
         block_size = kv_cache.shape[3]
         seq_lens = metadata.seq_lens[first:end]
-        num_blocks = -(-max(metadata.seq_lens_cpu[first:end]) // block_size)
-        k, v = gather_kv(kv_cache, layer, metadata.block_tables[first:end, :num_blocks], query)
+        q_len_t = torch.tensor(q_lens, device=query.device)
+        if win is None:
+            num_blocks = -(-max(metadata.seq_lens_cpu[first:end]) // block_size)
+            tables, key0 = metadata.block_tables[first:end, :num_blocks], None
+        else:
+            firsts = [_first_key(n, q, win) for n, q in zip(metadata.seq_lens_cpu[first:end], q_lens)]
+            num_blocks = max((n - 1) // block_size - f // block_size + 1
+                             for n, f in zip(metadata.seq_lens_cpu[first:end], firsts))
+            first_key = (seq_lens - q_len_t - win + 1).clamp(min=0)
+            tables, key0 = _window_tables(metadata.block_tables[first:end], first_key, seq_lens,
+                                          num_blocks, block_size)
+            key0 = key0[:, None, None]
+        k, v = gather_kv(kv_cache, layer, tables, query)
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
         group = query.shape[1] // num_kv_heads
         padded = query.new_zeros(ns, q_max, *query.shape[1:])
@@ -134,33 +196,43 @@ class TorchAttentionBackend(AttentionBackend):
         # [ns, Hkv, q_max * group, D]: row t * group + g is query token t, head g of the group.
         grouped = padded.view(ns, q_max, num_kv_heads, group, head_dim).transpose(1, 2)
         grouped = grouped.reshape(ns, num_kv_heads, q_max * group, head_dim)
-        # Token t of sequence i sits at position seq_len - q_len + t; padding rows see the
-        # whole context (their output is dropped).
-        q_len_t = torch.tensor(q_lens, device=query.device)
+        # Token t of sequence i sits at position seq_len - q_len + t; padding rows see what
+        # the last real row sees (their output is dropped).
         t = torch.arange(q_max, device=query.device)
         q_pos = (seq_lens - q_len_t)[:, None] + torch.minimum(t[None, :], q_len_t[:, None] - 1)
-        keys = torch.arange(num_blocks * block_size, device=query.device)
-        mask = keys[None, None, :] <= q_pos[:, :, None]  # [ns, q_max, L]
+        keys = torch.arange(num_blocks * block_size, device=query.device)[None, None, :]
+        if key0 is not None:
+            keys = keys + key0
+        mask = keys <= q_pos[:, :, None]  # [ns, q_max, L]
+        if win is not None:
+            mask &= keys > q_pos[:, :, None] - win
         mask = mask.repeat_interleave(group, dim=1)[:, None]  # [ns, 1, q_max * group, L]
-        o = F.scaled_dot_product_attention(
-            grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-        )
+        o = _attend(grouped, k.transpose(1, 2), v.transpose(1, 2), mask, scale, cap)
         o = o.view(ns, num_kv_heads, q_max, group, head_dim).transpose(1, 2)
         return o.reshape(ns * q_max, *query.shape[1:])[row_of]
 
     @staticmethod
-    def _decode(query, kv_cache, layer, metadata: AttentionMetadata, scale):
+    def _decode(query, kv_cache, layer, metadata: AttentionMetadata, scale, win=None, cap=None):
         nd = query.shape[0]
         block_size = kv_cache.shape[3]
-        num_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
-        k, v = gather_kv(kv_cache, layer, metadata.block_tables[:nd, :num_blocks], query)
-        positions = torch.arange(num_blocks * block_size, device=query.device)
-        mask = (positions[None, :] < metadata.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        seq_lens = metadata.seq_lens[:nd]
+        if win is None:
+            num_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
+            k, v = gather_kv(kv_cache, layer, metadata.block_tables[:nd, :num_blocks], query)
+            positions = torch.arange(num_blocks * block_size, device=query.device)
+            mask = (positions[None, :] < seq_lens[:, None]).view(nd, 1, 1, -1)
+        else:  # keys seq_len - win .. seq_len - 1, from the block holding the first one
+            num_blocks = max((n - 1) // block_size - max(0, n - win) // block_size + 1
+                             for n in metadata.seq_lens_cpu[:nd])
+            tables, key0 = _window_tables(metadata.block_tables[:nd], (seq_lens - win).clamp(min=0),
+                                          seq_lens, num_blocks, block_size)
+            k, v = gather_kv(kv_cache, layer, tables, query)
+            positions = torch.arange(num_blocks * block_size, device=query.device) + key0[:, None]
+            mask = (positions < seq_lens[:, None]) & (positions >= seq_lens[:, None] - win)
+            mask = mask.view(nd, 1, 1, -1)
         # The query heads sharing a kv head ride in SDPA's query-length dimension: no GQA
         # expansion of K/V (measured 8x faster in bf16 on CPU than enable_gqa).
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
         grouped = query.view(nd, num_kv_heads, -1, head_dim)  # [nd, Hkv, Hq/Hkv, D]
-        o = F.scaled_dot_product_attention(
-            grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-        )
+        o = _attend(grouped, k.transpose(1, 2), v.transpose(1, 2), mask, scale, cap)
         return o.reshape(query.shape)

@@ -97,7 +97,7 @@ def record_launches() -> list:
         return torch.zeros(8, 2, 2, block_size, kv_heads, d_stored, dtype=dtype)
 
     def attention(dtype, q_lens, seq_lens, partition_size, gqa=3, kv_heads=3, head_dim=64, kv_dtype=None,
-                  **launch):
+                  sliding_window=None, logits_soft_cap=None, **launch):
         cache = pool(kv_dtype or dtype, kv_heads=kv_heads, head_dim=head_dim)
         query = torch.zeros(sum(q_lens), kv_heads * gqa, head_dim, dtype=dtype)
         tables = torch.zeros(len(q_lens), 8, dtype=torch.int32)
@@ -105,8 +105,9 @@ def record_launches() -> list:
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         plan = plan_paged_attention(query.device, query.shape[0], len(q_lens), query.shape[1], kv_heads,
                                     head_dim, max(q_lens), max(seq_lens), partition_size=partition_size,
-                                    **launch)
-        paged_attention(query, cache, 1, tables, qsl, lens, 0.125, max(q_lens), max(seq_lens), plan=plan)
+                                    sliding_window=sliding_window, **launch)
+        paged_attention(query, cache, 1, tables, qsl, lens, 0.125, max(q_lens), max(seq_lens), plan=plan,
+                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         attention(dtype, [1, 1], [100, 30], partition_size=32)  # split-KV decode + merge
@@ -114,6 +115,11 @@ def record_launches() -> list:
     attention(torch.bfloat16, [40], [100], partition_size=0, gqa=1)
     attention(torch.bfloat16, [1, 1], [100, 30], partition_size=32, num_warps=8, num_stages=2)
     attention(torch.bfloat16, [1, 1], [100, 30], partition_size=0, head_dim=128, kv_heads=2, gqa=4)
+    for dtype in (torch.bfloat16, torch.float16):  # sliding window + soft-cap (Gemma 2 / Mistral)
+        attention(dtype, [1, 1], [100, 30], partition_size=32, sliding_window=40, logits_soft_cap=50.0)
+        attention(dtype, [64, 1], [100, 30], partition_size=0, sliding_window=40, logits_soft_cap=50.0)
+    attention(torch.bfloat16, [64, 1], [100, 30], partition_size=0, sliding_window=40,
+              kv_dtype=torch.int8)
     for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):  # quantized pools
         attention(torch.bfloat16, [1, 1], [100, 30], partition_size=32, kv_dtype=kv_dtype)
         attention(torch.bfloat16, [64, 1], [100, 30], partition_size=0, kv_dtype=kv_dtype)
@@ -167,7 +173,7 @@ def main(argv=None) -> int:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
         shown = {k: v for k, v in kwargs.items()
                  if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "SPLIT_K", "BLOCK_R", "KV_FORMAT",
-                               "num_warps", "num_stages")}
+                               "USE_WINDOW", "USE_SOFT_CAP", "num_warps", "num_stages")}
         dtype = signature[params[0]] if params else ""
         print(f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "
               f"{_resource_usage(compiled.asm['cubin'])} ({time.perf_counter() - start:.1f} s)", flush=True)

@@ -87,12 +87,19 @@ def make_logical(specs, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
     return LogicalBatch(tuple(specs), query, keys, values)
 
 
+def poison_value(kv_dtype: torch.dtype):
+    """What fills a pool slot so that reading it gives NaN (int8: -1 bytes make a NaN scale)."""
+    return -1 if kv_dtype == torch.int8 else float("nan")
+
+
 def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, layer: int = 1,
             spare_blocks: int = 3, unused_entry: int = -1, seed: int = 1,
-            kv_dtype: torch.dtype | None = None) -> PagedBatch:
+            kv_dtype: torch.dtype | None = None, poison: bool = True) -> PagedBatch:
     """Place the logical batch in a fresh NaN-filled pool with shuffled block ids. kv_dtype: the
     pool's dtype (default the query's; fp8 / int8 make a quantized pool, int8 with head_dim + 4
-    bytes per row, filled with -1 bytes so that an unwritten scale reads as NaN)."""
+    bytes per row, filled with -1 bytes so that an unwritten scale reads as NaN). poison=False
+    fills the pool with zeros instead, for readers that load (and mask) the unwritten tail of a
+    sequence's last block, as the torch backend's batched paths do."""
     specs = logical.specs
     _, num_kv_heads, head_dim = logical.keys[0].shape
     blocks_per_seq = [-(-s.seq_len // block_size) for s in specs]
@@ -104,7 +111,7 @@ def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, laye
     kv_dtype = kv_dtype or logical.query.dtype
     d_stored = head_dim + 4 if kv_dtype == torch.int8 else head_dim
     kv_cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, d_stored),
-                          -1 if kv_dtype == torch.int8 else float("nan"), dtype=kv_dtype, device=device)
+                          poison_value(kv_dtype) if poison else 0, dtype=kv_dtype, device=device)
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = torch.full((len(specs), max(blocks_per_seq) + 2), unused_entry, dtype=torch.int32)
     slots, keys, values = [], [], []
@@ -122,9 +129,11 @@ def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, laye
     return PagedBatch(logical, kv_cache, layer, tables.to(device))
 
 
-def dense_causal_attention(logical: LogicalBatch, scale: float) -> torch.Tensor:
+def dense_causal_attention(logical: LogicalBatch, scale: float, *, sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """Independent oracle: each sequence's contiguous K/V through torch SDPA with an explicit
-    causal mask for its last q_len positions."""
+    causal mask for its last q_len positions; with a window the mask also hides keys j with
+    p - j >= sliding_window; with a soft-cap, explicit fp32 scores c * tanh(s / c) instead."""
     out = torch.empty_like(logical.query, dtype=torch.float32)
     num_q_heads = logical.query.shape[1]
     start = 0
@@ -136,8 +145,15 @@ def dense_causal_attention(logical: LogicalBatch, scale: float) -> torch.Tensor:
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, n, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         q_pos = torch.arange(spec.seq_len - spec.q_len, spec.seq_len, device=q.device)
-        mask = torch.arange(spec.seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        k_pos = torch.arange(spec.seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= q_pos[:, None] - k_pos < sliding_window
+        if logits_soft_cap is None:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            scores = logits_soft_cap * torch.tanh(q @ k.transpose(1, 2) * scale / logits_soft_cap)
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         out[start:start + spec.q_len] = o.transpose(0, 1)
         start += spec.q_len
     return out

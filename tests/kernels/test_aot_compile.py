@@ -22,6 +22,7 @@ def test_kernels_compile_for_nvidia(arch):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = proc.stdout.splitlines()
     assert sum("paged_attention_kernel" in line for line in compiled) >= 6
+    assert sum("'USE_WINDOW': True, 'USE_SOFT_CAP': True" in line for line in compiled) >= 4
     for kv_format in (1, 2, 3):  # quantized pools: fp8_e4m3, fp8_e5m2, int8
         assert sum(f"'KV_FORMAT': {kv_format}" in line for line in compiled) >= 4, kv_format
     # Serving dtypes must not spill registers (fp32 is a test dtype; its prefill tile does spill).

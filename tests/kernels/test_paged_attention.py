@@ -9,7 +9,7 @@ import torch
 
 from kernels import (dequantize_kv_reference, paged_attention, paged_attention_reference, plan_paged_attention,
                      quantize_kv_reference)
-from paged_batch import MIXED, SeqSpec, dense_causal_attention, lay_out, make_logical
+from paged_batch import MIXED, SeqSpec, dense_causal_attention, lay_out, make_logical, poison_value
 
 # The package re-exports the function under the module's name; this is the module.
 pa = importlib.import_module("kernels.paged_attention")
@@ -286,10 +286,7 @@ def test_launcher_rejects_bad_arguments(mutate, message, device):
         paged_attention(**args)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("partition_size", [None, 0, 512])
-def test_gpu_realistic_batch(dtype, partition_size):
+def _realistic_specs():
     gen = torch.Generator().manual_seed(0)
     specs = []
     for i in range(48):  # SmolLM2-135M shapes: 9 q heads, 3 kv heads, head_dim 64
@@ -298,9 +295,29 @@ def test_gpu_realistic_batch(dtype, partition_size):
         specs.append(SeqSpec(seq_len, q_len))
     specs.append(SeqSpec(16_384, 1))
     specs.append(SeqSpec(2048 + 100, 100, share_from=len(specs) - 1, shared_tokens=2048))
-    batch = _batch(specs, dtype=dtype, device="cuda")
+    return specs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [None, 0, 512])
+def test_gpu_realistic_batch(dtype, partition_size):
+    batch = _batch(_realistic_specs(), dtype=dtype, device="cuda")
     out = _run(batch, partition_size=partition_size)
     torch.testing.assert_close(out, _run(batch, paged_attention_reference), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,cap", [(1000, None), (4096, 50.0)])
+@pytest.mark.parametrize("partition_size", [None, 0, 256])
+def test_gpu_window_and_soft_cap(window, cap, partition_size):
+    batch = _batch(_realistic_specs(), dtype=torch.bfloat16, device="cuda")
+    out = _windowed(batch=batch, window=window, cap=cap, partition_size=partition_size)
+    torch.testing.assert_close(out, _windowed(paged_attention_reference, batch, window=window, cap=cap),
+                               **TOL[torch.bfloat16])
+    _poison_stale_blocks(batch, window)
+    torch.testing.assert_close(_windowed(batch=batch, window=window, cap=cap, partition_size=partition_size),
+                               out, atol=0, rtol=0)
 
 
 @pytest.mark.gpu
@@ -317,3 +334,123 @@ def test_gpu_quantized_batch(kv_dtype, partition_size):
 def test_interpreter_detected_on_cpu():
     # The bf16 dot workaround keys on this; it must be on exactly when triton interprets.
     assert pa._INTERPRETED == (not torch.cuda.is_available())
+
+
+# Sliding window (a query at p sees keys j with p - W < j <= p) and logit soft-capping.
+# Windows: one key, not a multiple of the block size, exactly one block, larger than a block,
+# and larger than every context (then the same as no window).
+WINDOWS = (1, 7, 16, 37, 500)
+
+
+def _windowed(fn=paged_attention, batch=None, *, window=None, cap=None, scale=SCALE, **plan_kw):
+    lb = batch.logical
+    plan = fn is paged_attention and plan_kw
+    extra = {"plan": _plan(batch, sliding_window=window, **plan_kw)} if plan else {}
+    return fn(*batch.args(), scale, lb.max_query_len, lb.max_seq_len, sliding_window=window,
+              logits_soft_cap=cap, **extra)
+
+
+def _poison_stale_blocks(batch, window):
+    """Point every block-table entry wholly before its sequence's window (and past its last
+    block) at a NaN block, and fill every block no entry still names with NaN: what the block
+    manager may leave once it releases blocks outside every window."""
+    lb, table, pool = batch.logical, batch.block_tables, batch.kv_cache
+    block_size = pool.shape[3]
+    keep = torch.zeros(table.shape, dtype=torch.bool)
+    stale = 0
+    for s, spec in enumerate(lb.specs):
+        first = max(0, spec.seq_len - spec.q_len - window + 1)
+        keep[s, first // block_size : -(-spec.seq_len // block_size)] = True
+        stale += first // block_size
+    assert stale, "no block lies wholly before a window: the test would test nothing"
+    live = set(table[keep.to(table.device)].tolist())
+    dead = [b for b in range(pool.shape[0]) if b not in live]
+    assert dead, "the layout needs a spare block"
+    table[~keep.to(table.device)] = dead[0]
+    pool[dead] = poison_value(pool.dtype)
+    return batch
+
+
+@pytest.mark.parametrize("cap", [None, 1.5])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_window_and_soft_cap_match_dense(window, cap, device):
+    batch = _batch(device=device)
+    torch.testing.assert_close(_windowed(paged_attention_reference, batch, window=window, cap=cap),
+                               dense_causal_attention(batch.logical, SCALE, sliding_window=window,
+                                                      logits_soft_cap=cap), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,cap", [(1, None), (7, 1.5), (16, None), (37, 1.5), (500, None), (None, 1.5)])
+def test_kernel_window_and_soft_cap(window, cap, device):
+    batch = _batch(device=device)
+    out = _windowed(batch=batch, window=window, cap=cap)
+    expected = dense_causal_attention(batch.logical, SCALE, sliding_window=window, logits_soft_cap=cap)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    if window == 500:  # wider than every context: exactly the unwindowed kernel
+        torch.testing.assert_close(out, _run(batch), atol=0, rtol=0)
+
+
+def test_window_and_soft_cap_change_the_result(device):
+    batch = _batch(device=device)
+    plain = _run(batch, paged_attention_reference)
+    assert not torch.allclose(plain, _windowed(paged_attention_reference, batch, window=16), atol=1e-3)
+    assert not torch.allclose(plain, _windowed(paged_attention_reference, batch, cap=1.5), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_window_low_precision(dtype, device):
+    batch = _batch(dtype=dtype, block_size=32, device=device)
+    torch.testing.assert_close(_windowed(batch=batch, window=24, cap=2.0),
+                               _windowed(paged_attention_reference, batch, window=24, cap=2.0), **TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_kernel_window_and_soft_cap(kv_dtype, device):
+    batch = _batch(device=device, kv_dtype=kv_dtype)
+    out = _windowed(batch=batch, window=20, cap=3.0)
+    torch.testing.assert_close(out, _windowed(paged_attention_reference, batch, window=20, cap=3.0),
+                               **TOL[torch.float32])
+    expected = dense_causal_attention(_dequantized(batch.logical, kv_dtype), SCALE, sliding_window=20,
+                                      logits_soft_cap=3.0)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("specs,window,partition_size,parts", [
+    (DECODE, 40, 16, 3),  # partitions cover the 40-key window, not the 301-key context
+    (MIXED[:4], 24, 16, 4),  # 32-query tiles (gqa 2) see up to 24 + 31 keys
+])
+def test_split_kv_window(monkeypatch, specs, window, partition_size, parts, device):
+    spy = _MergeSpy(monkeypatch)
+    batch = _batch(specs, gqa=2, num_kv_heads=2, device=device)
+    out = _windowed(batch=batch, window=window, cap=2.0, partition_size=partition_size)
+    assert spy.calls == [parts]
+    torch.testing.assert_close(out, dense_causal_attention(batch.logical, SCALE, sliding_window=window,
+                                                           logits_soft_cap=2.0), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("specs,window,block_size,partition_size,kv_dtype", [
+    (MIXED, 7, 16, 0, None), (DECODE, 40, 16, 16, None), (MIXED, 20, 32, 0, torch.int8),
+])
+def test_blocks_before_the_window_are_never_read(specs, window, block_size, partition_size, kv_dtype,
+                                                 device):
+    batch = _batch(specs, gqa=2, num_kv_heads=2, block_size=block_size, device=device, kv_dtype=kv_dtype)
+    before = {fn: _windowed(fn, batch, window=window, cap=2.0, partition_size=partition_size)
+              for fn in (paged_attention, paged_attention_reference)}
+    _poison_stale_blocks(batch, window)
+    for fn, out in before.items():
+        after = _windowed(fn, batch, window=window, cap=2.0, partition_size=partition_size)
+        assert after.isfinite().all()
+        torch.testing.assert_close(after, out, atol=0, rtol=0)
+
+
+def test_plan_without_enough_partitions_for_the_window_is_rejected(device):
+    batch = _batch(DECODE, device=device)
+    lb = batch.logical
+    windowed = _plan(batch, partition_size=16, sliding_window=40)
+    assert windowed.num_partitions == 3
+    with pytest.raises(ValueError, match="was not made for this batch"):
+        paged_attention(*batch.args(), SCALE, lb.max_query_len, lb.max_seq_len, plan=windowed)
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        _windowed(batch=batch, window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be"):
+        _windowed(batch=batch, cap=0.0)
