@@ -10,7 +10,8 @@ final hidden state (pooling) and the logits only at the rows it needs:
 
 Attention goes through the engine's paged attention layer — never a private KV cache:
 
-    o = ctx.backend.forward(q, k, v, ctx.kv_cache, layer, ctx.metadata, scale)
+    o = ctx.backend.forward(q, k, v, ctx.kv_cache, layer, ctx.metadata, scale,
+                            sliding_window=None, logits_soft_cap=None)  # per-layer options
 
 with q [T, n_heads, head_dim], k/v [T, n_kv_heads, head_dim] (RoPE applied). The backend
 stores k/v in the engine's pool at `ctx.metadata.slot_mapping` and attends over each
@@ -34,8 +35,9 @@ from engine.models.config import ModelArgs
 
 class ForwardContext:
     """Per-forward state every layer reads: attention backend, pool, batch metadata, the
-    step's LoRA adapters. The model fills in what its layers share (positions, RoPE tables,
-    the kernels module when fused) at the start of `residual`."""
+    step's LoRA adapters. The model fills in what its layers share (positions, its RoPE
+    tables and their rows at `positions` — one per RoPE spec the layers use —, the kernels
+    module when fused) at the start of `residual`."""
 
     __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels",
                  "lora")

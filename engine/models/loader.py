@@ -1,7 +1,7 @@
 """Load a model and its tokenizer from an HF-format directory or a GGUF file.
 
-The class comes from config.json's `architectures[0]` through the ModelRegistry (built in:
-LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; out-of-tree ones by plugin); every class
+The class comes from config.json's `architectures[0]` through the ModelRegistry (the built-in
+architectures of engine/models/registry.py; out-of-tree ones by plugin); every class
 is built with `from_config` and fed the checkpoint's tensors through `load_weights`
 (engine/models/interface.py) — the loader knows no architecture. A GGUF file's converted
 config names its family (engine/models/gguf_families.py)."""
