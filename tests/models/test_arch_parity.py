@@ -27,6 +27,29 @@ COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidde
               rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+
+
+def _qwen3():
+    """head_dim 32, not hidden / heads = 16: config.json's head_dim rules."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+
+
+def _llama_with_biases():
+    """LLaMA with `attention_bias` (q/k/v and o biases): the engine used to drop them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+
+
 def _mistral():
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -106,6 +129,9 @@ def _qwen3_moe():
 
 
 ARCHS = {
+    "qwen2": (_qwen2, "Qwen2ForCausalLM"),
+    "qwen3": (_qwen3, "Qwen3ForCausalLM"),
+    "llama-attention-bias": (_llama_with_biases, "Transformer"),
     "mistral": (_mistral, "MistralForCausalLM"),
     "qwen2-sliding": (_qwen2_sliding, "Qwen2ForCausalLM"),
     "gemma2": (_gemma2, "Gemma2ForCausalLM"),
@@ -161,6 +187,7 @@ def test_matches_transformers(arch, model_dir, tmp_path):
     out = write_checkpoint(hf, model_dir, tmp_path / "model")
     ours = load_model(out)
     assert type(ours.model).__name__ == class_name
+    assert ours.args.head_dim == (getattr(hf.config, "head_dim", None) or 64 // 4)
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
     assert max(map(len, prompts)) > 2 * WINDOW
     refs = [hf_greedy(hf, ids) for ids in prompts]
