@@ -8,6 +8,14 @@ Invariants:
   reusable (a prefix hit takes it back off the free list) until it is evicted for reuse.
 - Only full blocks whose tokens are computed carry a hash; nothing ever writes into a block
   with a hash (writes go to positions >= num_computed_tokens, which are past every full one).
+- Sliding window (`sliding_window` W set: every layer of the model attends to at most W
+  keys): a query at position p reads keys p - W + 1 .. p, and no query of a request is ever
+  again earlier than its num_computed_tokens. So the leading table entries of blocks wholly
+  before num_computed_tokens - W + 1 are released as the request advances (or never taken:
+  a prefix hit's early blocks, a remote prompt's early blocks) and read RELEASED. RELEASED
+  entries are always a leading run of the table; nothing reads them (the attention backends
+  never read blocks before a window). A request may pin a suffix of its table
+  (`Request.keep_blocks_from`: a prefill worker streaming those blocks out).
 """
 from __future__ import annotations
 
@@ -17,6 +25,10 @@ from typing import NamedTuple
 
 from engine.block_hash import BlockHash, extend_block_hashes
 from engine.request import Request
+
+
+RELEASED = -1
+"""A table entry whose block slid out of every window and went back to the pool."""
 
 
 @dataclass(slots=True)
@@ -48,6 +60,8 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     record_events: bool = False  # keep KVEvents for a subscriber (workers -> router index)
+    sliding_window: int | None = None
+    """W when every layer attends to at most W keys: blocks that slid out are released."""
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -58,6 +72,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # per request: leading blocks already cached
+        self._num_released: dict[str, int] = {}  # per request: leading RELEASED entries
         self._copies: list[tuple[int, int]] = []
         self._events: list[KVEvent] = []
 
@@ -108,30 +123,62 @@ class BlockManager:
             ids.append(block_id)
         return PrefixMatch(ids, len(ids) * self.block_size)
 
-    def can_allocate(self, num_new_blocks: int, prefix: PrefixMatch | None = None) -> bool:
-        revived = sum(1 for b in prefix.block_ids if self.blocks[b].ref_count == 0) if prefix else 0
-        return num_new_blocks + revived <= len(self._free)
-
-    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch,
+                 first_query: int | None = None) -> bool:
         """First allocation for `request`: take the prefix hit's blocks and enough new ones
-        for `num_new_tokens` more. False (and no change) if the pool cannot hold it now."""
+        for `num_new_tokens` more. `first_query`: the first position this worker computes
+        (default: right after the hit; a remote prompt's KV arrives, so its first query
+        follows the prompt) — with a sliding window the blocks wholly before its window are
+        neither taken nor allocated. False (and no change) if the pool cannot hold it now."""
         assert request.request_id not in self._tables, request.request_id
-        needed = self.blocks_for(prefix.num_tokens + num_new_tokens) - len(prefix.block_ids)
-        if not self.can_allocate(needed, prefix):
+        total = self.blocks_for(prefix.num_tokens + num_new_tokens)
+        skip = self._first_needed(request, prefix.num_tokens if first_query is None else first_query)
+        skip = min(skip, total)
+        hits = prefix.block_ids[skip:]
+        needed = total - max(skip, len(prefix.block_ids))
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if needed + revived > len(self._free):
             return False
-        for block_id in prefix.block_ids:
+        for block_id in hits:
             self._take(block_id)
-        table = list(prefix.block_ids) + [self._pop_free() for _ in range(needed)]
+        table = [RELEASED] * skip + hits + [self._pop_free() for _ in range(needed)]
         self._tables[request.request_id] = request.block_table = table
         self._num_hashed[request.request_id] = len(prefix.block_ids)
+        self._num_released[request.request_id] = skip
         self.stats.queries += request.num_tokens
         self.stats.hits += prefix.num_tokens
         return True
+
+    def num_released(self, request: Request) -> int:
+        """Leading table entries of `request` that are RELEASED."""
+        return self._num_released[request.request_id]
+
+    def _first_needed(self, request: Request, first_query: int) -> int:
+        """Table index of the first block a query at `first_query` or later can read."""
+        if self.sliding_window is None:
+            return 0
+        first = max(0, first_query - self.sliding_window + 1) // self.block_size
+        keep = request.keep_blocks_from
+        return first if keep is None else min(first, keep)
+
+    def release_slid_out(self, request: Request) -> None:
+        """Release the blocks wholly before the window of the request's next query."""
+        rid = request.request_id
+        table, done = self._tables[rid], self._num_released[rid]
+        upto = self._first_needed(request, request.num_computed_tokens)
+        if upto <= done:
+            return
+        for i in range(done, upto):
+            self.release([table[i]])
+            table[i] = RELEASED
+        self._num_released[rid] = upto
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Room for `num_new_tokens` more tokens of a request that already has blocks: grows
         the table lazily and copies a shared partial block before it is written. False (and
         no change) if the pool is out of blocks."""
+        if self.sliding_window is not None:
+            self.release_slid_out(request)
         table = self._tables[request.request_id]
         start = request.num_computed_tokens
         needed = max(0, self.blocks_for(start + num_new_tokens) - len(table))
@@ -162,9 +209,11 @@ class BlockManager:
         """`child` shares every block of `parent` (copy-on-write on the first divergent write)."""
         table = list(self._tables[parent.request_id])
         for block_id in table:
-            self.blocks[block_id].ref_count += 1
+            if block_id != RELEASED:
+                self.blocks[block_id].ref_count += 1
         self._tables[child.request_id] = child.block_table = table
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
+        self._num_released[child.request_id] = self._num_released[parent.request_id]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Give hashes to the request's blocks that are now full and computed."""
@@ -181,6 +230,8 @@ class BlockManager:
                 self.block_size, request.hash_extras,
             )
         for i in range(start, num_full):
+            if table[i] == RELEASED:  # never held here (a remote prompt's early blocks)
+                continue
             h, block = request.block_hashes[i], self.blocks[table[i]]
             if block.block_hash is None and h not in self._cached:
                 block.block_hash = h
@@ -190,9 +241,10 @@ class BlockManager:
         self._num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        table = self._tables.pop(request.request_id, None)
+        table = self._tables.pop(request.request_id, None) or []
         self._num_hashed.pop(request.request_id, None)
-        self.release(list(reversed(table or [])))  # leaves before roots on the free list
+        released = self._num_released.pop(request.request_id, 0)
+        self.release(list(reversed(table[released:])))  # leaves before roots on the free list
 
     def pin(self, block_ids: list[int]) -> None:
         """Hold blocks beyond their requests (e.g. while a KV transfer reads them). Valid for

@@ -18,9 +18,20 @@ class EngineLimits:
     num_blocks: int
     max_num_batched_tokens: int
     chunked_prefill: bool
+    sliding_window: int | None = None
+    """The block manager releases what slid out of every layer's window (BlockManager)."""
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request computing `num_tokens` (and one more) ever holds: all of
+        them, or with a sliding window and chunked prefill those one chunk's queries read (a
+        window, a chunk and a partial block on either side)."""
+        whole = self.blocks_for(num_tokens + 1)
+        if self.sliding_window is None or not self.chunked_prefill:
+            return whole
+        return min(whole, self.blocks_for(self.sliding_window - 1 + self.max_num_batched_tokens) + 1)
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise RequestRejected if a request that must prefill `num_tokens` (its prompt, plus
@@ -33,9 +44,9 @@ class EngineLimits:
                 f"the prompt has {n} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens (prompt + at least one output token)"
             )
-        if self.blocks_for(n + 1) > self.num_blocks:
+        if self.blocks_held(n) > self.num_blocks:
             raise RequestRejected(
-                f"the prompt needs {self.blocks_for(n + 1)} KV blocks but the whole pool "
+                f"the prompt needs {self.blocks_held(n)} KV blocks but the whole pool "
                 f"has {self.num_blocks}"
             )
         if not self.chunked_prefill and n > self.max_num_batched_tokens:

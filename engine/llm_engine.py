@@ -22,6 +22,7 @@ from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.lora.slots import LoRACache, LoRASlots
 from engine.model_runner import ModelRunner
+from engine.models.config import ModelArgs
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
@@ -73,7 +74,8 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
                                          config.kv_cache_dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          sliding_window=_releasable_window(args, config))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.enable_chunked_prefill,
@@ -300,3 +302,15 @@ class LLMEngine:
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list:
         return collective_rpc(self.extension, self, method, args, kwargs)
+
+
+def _releasable_window(args: ModelArgs, config: EngineConfig) -> int | None:
+    """The window past which blocks can be released: when every layer slides (the widest
+    window counts). None when any layer attends to everything, or when a separate draft
+    model reads the same block ids with attention of its own."""
+    windows = {args.window(i) for i in range(args.n_layers)}
+    spec = config.speculative_config
+    if None in windows or (spec is not None and spec.method != "ngram"
+                           and spec.self_draft_layers is None):
+        return None
+    return max(windows)

@@ -77,6 +77,10 @@ class Request:
     twice)."""
     stop_reason: str | int | None = None  # FINISHED_STOPPED: stop string or stop token id
     block_table: list[int] = field(default_factory=list)
+    keep_blocks_from: int | None = None
+    """Table index from which a sliding-window engine keeps every block until the request
+    ends (a prefill worker streams them to a decode worker); None: release as the window
+    moves."""
     """Set by the block manager on allocation (the same list it updates); kept after the
     request is freed, so callers can still see which blocks it used."""
     resume: Resume | None = None

@@ -51,7 +51,8 @@ class Scheduler(SpeculationScheduling):
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
         self.limits = EngineLimits(max_model_len, block_manager.block_size, block_manager.num_blocks,
-                                   max_num_batched_tokens, enable_chunked_prefill)
+                                   max_num_batched_tokens, enable_chunked_prefill,
+                                   block_manager.sliding_window)
         self.waiting: list[Request] = []  # both in _order
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -321,9 +322,9 @@ class Scheduler(SpeculationScheduling):
 
     # ---- decode worker: KV computed elsewhere -------------------------------------------
     def allocate_for_remote_kv(self, request: Request) -> list[int] | None:
-        """Allocate all of a prompt's blocks, reusing local prefix hits, and park the request
-        as WAITING_FOR_KV. Returns the block ids a prefill worker must fill (those after the
-        local hit), or None if `max_num_seqs` requests are already running or parked or the
+        """Allocate a prompt's blocks, reusing local prefix hits, and park the request as
+        WAITING_FOR_KV. Returns the block ids a prefill worker must fill (those after the
+        local hit; with a sliding window only those the first decode step can read), or None if `max_num_seqs` requests are already running or parked or the
         pool cannot hold the prompt now (nothing changed)."""
         self.check_fits(request)
         if request.request_id in self.requests:
@@ -331,13 +332,16 @@ class Scheduler(SpeculationScheduling):
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return None
         prefix = self.bm.match_prefix(request)
-        if not self.bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix):
+        if not self.bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix,
+                                first_query=request.num_tokens):
             return None
         request.num_cached_tokens = prefix.num_tokens
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
-        return self.bm.block_table(request.request_id)[len(prefix.block_ids) :]
+        # Neither the local hit nor blocks before the first decode query's window need KV.
+        skip = max(len(prefix.block_ids), self.bm.num_released(request))
+        return self.bm.block_table(request.request_id)[skip:]
 
     def remote_kv_arrived(self, request_id: str, first_token: SampledToken) -> Request:
         """All of the prompt's KV has landed and the prefill worker sampled `first_token`:

@@ -93,6 +93,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         # request loads its adapter if needed (the decode worker's).
         req = await rt.make_request(request.request_id, list(request.prompt_token_ids), params,
                                     request.cache_salt, request.priority, request_lora(request))
+        req.keep_blocks_from = dest.num_skip_blocks  # streamed out: kept whatever the window
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):

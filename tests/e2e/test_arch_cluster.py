@@ -6,9 +6,11 @@ worker and its KV sent over NIXL into the decode worker's pool. Three clusters:
   over the window), both workers `--enable-lora` with one PEFT adapter on q/v/o_proj loaded at
   start: base completions equal the offline engine's and transformers' greedy tokens; the
   adapter's equal PEFT's greedy tokens on the HF model, and differ from the base;
-- a tiny random Qwen3-MoE (layer 1 mixture of experts), the decode worker speculating with a
-  layer-skip draft (`self:1`, always k=3): completions equal the offline engine's without
-  speculation and transformers', and the decode worker counts drafts;
+- a tiny random Mixtral (mixture of experts and a sliding window of 8 on every layer, so both
+  workers release the blocks behind the window: the decode worker asks only for the blocks its
+  first step reads, the prefill worker keeps the ones it streams), the decode worker
+  speculating with a layer-skip draft (`self:1`, always k=3): completions equal the offline
+  engine's without speculation and transformers', and the decode worker counts drafts;
 - the bundled Gemma 3 270M (sliding window 512), all its layers, a ~600-token prompt:
   8 greedy tokens equal the offline engine's.
 
@@ -26,7 +28,7 @@ import torch
 from pd_cluster import metric, remote_prefill_cluster
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from test_arch_parity import (MAX_TOKENS, WINDOW, _gemma3, _qwen3_moe, hf_greedy,  # noqa: E402
+from test_arch_parity import (MAX_TOKENS, WINDOW, _gemma3, _mixtral, hf_greedy,  # noqa: E402
                               write_checkpoint)
 
 pytestmark = pytest.mark.slow
@@ -137,11 +139,11 @@ def test_lora_adapter_on_gemma_equals_peft(gemma, gemma_cluster, prompts):
     assert _remote(decode) >= before + len(prompts)
 
 
-# ---- mixture of experts (Qwen3-MoE) + speculative decoding -----------------------------------
+# ---- mixture of experts and windows released (Mixtral) + speculative decoding ---------------
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory, model_dir):
-    hf = _qwen3_moe().eval()
-    return write_checkpoint(hf, model_dir, tmp_path_factory.mktemp("moe") / "tiny-qwen3-moe"), hf
+    hf = _mixtral().eval()
+    return write_checkpoint(hf, model_dir, tmp_path_factory.mktemp("moe") / "tiny-mixtral"), hf
 
 
 @pytest.fixture(scope="module")
