@@ -23,6 +23,8 @@ HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma3_text",),
     "Phi3ForCausalLM": ("phi3",),
     "MixtralForCausalLM": ("mixtral",),
+    "GraniteForCausalLM": ("granite",),
+    "Olmo2ForCausalLM": ("olmo2",),
     "Qwen3MoeForCausalLM": ("qwen3_moe",),
 }
 
@@ -80,11 +82,19 @@ class ModelArgs:
     """Logits become c * tanh(l / c) (Gemma 2/3 `final_logit_softcapping`)."""
     norm_unit_offset: bool = False
     """RMSNorm scales by (1 + w) in fp32 before the cast back (Gemma)."""
-    sandwich_norms: bool = False
-    """Norms after attention and around the MLP too (Gemma 2/3: post_attention,
-    pre_feedforward and post_feedforward layernorms)."""
+    norm_layout: str = "pre"
+    """Where a block's norms sit: `pre` (LLaMA: before attention and MLP), `sandwich` (Gemma
+    2/3: before and after each), `post` (OLMo 2: after each, on the branch output)."""
+    qk_norm_whole: bool = False
+    """With qk_norm: one RMSNorm over all of q's (and k's) heads together (OLMo 2), not per head."""
     embed_scale: float | None = None
-    """Embeddings are multiplied by this (Gemma: sqrt(hidden_size), in the model's dtype)."""
+    """Embeddings are multiplied by this (Gemma: sqrt(hidden_size), in the model's dtype;
+    Granite: `embedding_multiplier`)."""
+    residual_scale: float | None = None
+    """Each block's attention and MLP outputs are multiplied by this before the residual add
+    (Granite `residual_multiplier`)."""
+    logits_divisor: float | None = None
+    """Logits are divided by this (Granite `logits_scaling`)."""
     hidden_act: str = "silu"
     """The gated MLP's activation: `silu` (SwiGLU) or `gelu_pytorch_tanh` (GeGLU, Gemma)."""
     moe: MoEArgs | None = None

@@ -137,6 +137,8 @@ class DecoderLM(CausalLMBase):
 
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         logits = super().logits(x, ctx, indices)
+        if self.args.logits_divisor is not None:
+            logits = logits / self.args.logits_divisor
         cap = self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -27,7 +27,7 @@ def _gemma_options(config: dict, default_sliding) -> dict[str, Any]:
         attn_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
         final_softcap=config.get("final_logit_softcapping"),
         norm_unit_offset=True,
-        sandwich_norms=True,
+        norm_layout="sandwich",
         embed_scale=float(config["hidden_size"]) ** 0.5,
         qkv_bias=bool(config.get("attention_bias", False)),
         o_bias=bool(config.get("attention_bias", False)),

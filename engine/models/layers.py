@@ -2,8 +2,8 @@
 attention through the engine's paged attention backend, the gated MLP and the decoder block.
 Per-architecture options come from ModelArgs (engine/models/config.py): projection biases,
 per-head q/k norms, an explicit head_dim, per-layer sliding windows and RoPE bases, the
-softmax scale and score soft-capping, Gemma's (1 + w) norms and "sandwich" norms, the MLP's
-activation. With `ctx.kernels` set (the Triton attention backend) RMSNorm, RoPE and
+softmax scale and score soft-capping, Gemma's (1 + w) norms, where a block's norms sit (pre,
+Gemma's "sandwich", OLMo 2's post), Granite's residual multiplier, the MLP's activation. With `ctx.kernels` set (the Triton attention backend) RMSNorm, RoPE and
 SiLU-and-mul run as Triton kernels.
 
 Each module maps the checkpoint's names below it onto its (fused) parameters with
@@ -83,11 +83,14 @@ class Attention(nn.Module):
         # Only the options a layer has reach the backend (none for plain LLaMA).
         self.options = {k: v for k, v in (("sliding_window", args.window(layer)),
                                           ("logits_soft_cap", args.attn_softcap)) if v is not None}
-        # Qwen3, Gemma 3: RMSNorm over each head's head_dim, before RoPE.
+        # Qwen3, Gemma 3: RMSNorm over each head's head_dim, before RoPE; OLMo 2: over all
+        # of q's (k's) heads at once.
         self.q_norm = self.k_norm = None
+        self.qk_norm_whole = args.qk_norm_whole
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
+            q_dim, k_dim = (self.q_size, self.kv_size) if args.qk_norm_whole else (args.head_dim,) * 2
+            self.q_norm = RMSNorm(q_dim, args.norm_eps, args.norm_unit_offset)
+            self.k_norm = RMSNorm(k_dim, args.norm_eps, args.norm_unit_offset)
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         T = x.shape[0]
@@ -96,10 +99,12 @@ class Attention(nn.Module):
             ctx.lora.add(qkv, x, self.layer, (("q_proj", 0), ("k_proj", self.q_size),
                                               ("v_proj", self.q_size + self.kv_size)))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         if ctx.kernels is not None:
             ctx.kernels.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
@@ -171,25 +176,33 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm: x + attn(norm(x)), then h + mlp(norm(h)). With `sandwich_norms` (Gemma) the
-    attention and MLP outputs are normed too before each residual add."""
+    """x + attn(.), then h + mlp(.), with norms as `norm_layout` says: `pre` (LLaMA) norms
+    each branch's input, `sandwich` (Gemma) its input and output, `post` (OLMo 2) its output.
+    Granite scales each branch's output by `residual_scale`."""
 
     def __init__(self, args: ModelArgs, layer: int, mlp: nn.Module, rope_index: int = 0) -> None:
         super().__init__()
         eps, offset = args.norm_eps, args.norm_unit_offset
-        self.input_layernorm = RMSNorm(args.dim, eps, offset)
+        self.layout, self.residual_scale = args.norm_layout, args.residual_scale
+        if self.layout != "post":
+            self.input_layernorm = RMSNorm(args.dim, eps, offset)
         self.self_attn = Attention(args, layer, rope_index)
         self.post_attention_layernorm = RMSNorm(args.dim, eps, offset)
-        self.sandwich = args.sandwich_norms
-        if self.sandwich:
+        if self.layout == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(args.dim, eps, offset)
+        if self.layout != "pre":
             self.post_feedforward_layernorm = RMSNorm(args.dim, eps, offset)
         self.mlp = mlp
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        if not self.sandwich:
-            h = x + self.self_attn(self.input_layernorm(x, ctx), ctx)
-            return h + self.mlp(self.post_attention_layernorm(h, ctx), ctx)
+        if self.layout == "pre":
+            a = self.self_attn(self.input_layernorm(x, ctx), ctx)
+            h = x + (a if self.residual_scale is None else a * self.residual_scale)
+            m = self.mlp(self.post_attention_layernorm(h, ctx), ctx)
+            return h + (m if self.residual_scale is None else m * self.residual_scale)
+        if self.layout == "post":
+            h = x + self.post_attention_layernorm(self.self_attn(x, ctx), ctx)
+            return h + self.post_feedforward_layernorm(self.mlp(h, ctx), ctx)
         a = self.self_attn(self.input_layernorm(x, ctx), ctx)
         h = x + self.post_attention_layernorm(a, ctx)
         m = self.mlp(self.pre_feedforward_layernorm(h, ctx), ctx)

@@ -3,7 +3,8 @@
 Built in: `LlamaForCausalLM` (engine/models/llama.py), `Qwen2ForCausalLM` and
 `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM` (engine/models/qwen.py), `MistralForCausalLM`
 and `MixtralForCausalLM` (mistral.py), `Gemma2ForCausalLM` and `Gemma3ForCausalLM`
-(gemma.py), `Phi3ForCausalLM` (phi3.py). Out-of-tree architectures register with
+(gemma.py), `Phi3ForCausalLM` (phi3.py), `GraniteForCausalLM` (granite.py),
+`Olmo2ForCausalLM` (olmo2.py). Out-of-tree architectures register with
 `ModelRegistry.register_model("MyForCausalLM", MyModel)` or a lazily imported
 `"my_pkg.model:MyModel"`. So that every process (the offline engine, each prefill and decode
 worker) knows them without code changes, plugins are discovered on first use: every entry
@@ -45,6 +46,8 @@ class ModelRegistry:
         "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
         "MixtralForCausalLM": "engine.models.mistral:MixtralForCausalLM",
         "Qwen3MoeForCausalLM": "engine.models.qwen:Qwen3MoeForCausalLM",
+        "GraniteForCausalLM": "engine.models.granite:GraniteForCausalLM",
+        "Olmo2ForCausalLM": "engine.models.olmo2:Olmo2ForCausalLM",
     }
     _models: dict[str, type | str] = dict(BUILTIN)
     _plugins_loaded = False

@@ -130,6 +130,20 @@ def _qwen3_moe():
                                               tie_word_embeddings=True))
 
 
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(**COMMON, embedding_multiplier=6.0,
+                                            attention_multiplier=0.2, residual_multiplier=0.5,
+                                            logits_scaling=4.0, tie_word_embeddings=True))
+
+
+def _olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**COMMON, tie_word_embeddings=False))
+
+
 ARCHS = {
     "qwen2": (_qwen2, "Qwen2ForCausalLM"),
     "qwen3": (_qwen3, "Qwen3ForCausalLM"),
@@ -143,6 +157,8 @@ ARCHS = {
     "llama-llama3-rope": (_llama3_rope, "Transformer"),
     "mixtral": (_mixtral, "MixtralForCausalLM"),
     "qwen3-moe": (_qwen3_moe, "Qwen3MoeForCausalLM"),
+    "granite": (_granite, "GraniteForCausalLM"),
+    "olmo2": (_olmo2, "Olmo2ForCausalLM"),
 }
 
 

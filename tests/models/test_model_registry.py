@@ -40,9 +40,9 @@ def test_builtin_llama_resolves_lazily(monkeypatch):
     assert ModelRegistry.resolve("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert ModelRegistry.resolve("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert ModelRegistry.get_supported_archs() == [
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-        "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM"]
+        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
+        "MistralForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
+        "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 
 
 def test_register_by_class_and_by_string(monkeypatch):
@@ -72,9 +72,10 @@ def test_unknown_architecture_lists_supported(monkeypatch, tmp_path):
 
     with pytest.raises(UnknownArchitectureError,
                        match=r"'NopeForCausalLM' is not supported; supported: Gemma2ForCausalLM, "
-                             r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
-                             r"MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
-                             r"Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+                             r"Gemma3ForCausalLM, GraniteForCausalLM, LlamaForCausalLM, "
+                             r"MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, "
+                             r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                             r"Qwen3MoeForCausalLM"):
         load_model(tmp_path)
 
 
