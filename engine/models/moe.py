@@ -15,8 +15,9 @@ Two paths, same contract:
 No LoRA on experts: the model refuses adapters that target them, so `ctx.lora` is not read.
 
 Checkpoint names, relative to the MoE block (`model.layers.L.block_sparse_moe.` in Mixtral
-checkpoints, `model.layers.L.mlp.` in Qwen3-MoE ones and in transformers 5's own layout;
-`split_moe_name` strips either):
+checkpoints — the model maps that module name onto `mlp` —, `model.layers.L.mlp.` in
+Qwen3-MoE ones and in transformers 5's own layout), through `SparseMoE.weight_target` (the
+model's `load_weights` and `update_weights` both use it):
     gate.weight                                  -> gate.weight            [E, D]
     experts.N.w1.weight | experts.N.gate_proj.weight -> w13[N, :I]
     experts.N.w3.weight | experts.N.up_proj.weight   -> w13[N, I:]
@@ -30,7 +31,6 @@ checkpoints have them; the fused names appear only with `save_original_format=Fa
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from engine.models.interface import ForwardContext
 from engine.models.layers import Linear
 
-_MOE_NAME = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.((?:gate|experts)\..+)$")
 _EXPERT_NAME = re.compile(r"^experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
@@ -54,13 +53,6 @@ class WeightSlot(NamedTuple):
     """The expert's index in the stack; None: the whole parameter."""
     rows: slice | None
     """Rows of w13[expert]: the gate half [0, I) or the up half [I, 2I); None: all rows."""
-
-
-def split_moe_name(name: str) -> tuple[int, str] | None:
-    """(layer, name relative to the MoE block) for a full checkpoint name of a router or
-    expert tensor; None for any other name (attention, norms, a dense layer's mlp.*_proj)."""
-    m = _MOE_NAME.match(name)
-    return None if m is None else (int(m.group(1)), m.group(2))
 
 
 def expert_weight_slot(local_name: str, moe_intermediate_size: int) -> WeightSlot:
@@ -145,36 +137,3 @@ class SparseMoE(nn.Module):
             target = target[slot.expert]
         return target if slot.rows is None else target[slot.rows]
 
-    def load_hf(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """A full load of this block from (block-relative name, tensor) pairs in either naming;
-        KeyError for a name with no place or for rows no tensor covered, ValueError for a
-        shape that does not fit."""
-        E = self.num_experts
-        missing = {("gate", None, None)} | {(p, e, h) for e in range(E)
-                                             for p, h in (("w13", "gate"), ("w13", "up"), ("w2", None))}
-        with torch.no_grad():
-            for name, tensor in weights:
-                target = self.weight_target(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"layer {self.layer} MoE {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the model's is {tuple(target.shape)}")
-                target.copy_(tensor)
-                missing -= _pieces(expert_weight_slot(name, self.inter), E)
-        if missing:
-            param, e, half = min(missing, key=lambda p: (p[1] if p[1] is not None else -1, p[0], str(p[2])))
-            what = "gate.weight" if param == "gate" else f"experts.{e}.{_HF_PARTS[(param, half)]}.weight"
-            raise KeyError(f"layer {self.layer} MoE {what}")
-
-
-_HF_PARTS = {("w13", "gate"): "w1|gate_proj", ("w13", "up"): "w3|up_proj", ("w2", None): "w2|down_proj"}
-
-
-def _pieces(slot: WeightSlot, num_experts: int) -> set[tuple[str, int | None, str | None]]:
-    """The (param, expert, half) pieces a slot fills: what `load_hf` checks coverage by."""
-    if slot.param == "gate":
-        return {("gate", None, None)}
-    experts = range(num_experts) if slot.expert is None else (slot.expert,)
-    if slot.param == "w2":
-        return {("w2", e, None) for e in experts}
-    halves = ("gate", "up") if slot.rows is None else ("gate" if slot.rows.start == 0 else "up",)
-    return {("w13", e, h) for e in experts for h in halves}

@@ -10,7 +10,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 import kernels
 from engine.models.interface import ForwardContext
-from engine.models.moe import SparseMoE, expert_weight_slot, split_moe_name
+from engine.models.moe import SparseMoE, expert_weight_slot
+from engine.models.registry import ModelRegistry
 
 DIM, EXPERTS, TOP_K, INTER = 32, 4, 2, 24
 
@@ -51,7 +52,9 @@ def _ours(arch: str, norm_topk_prob: bool, hf_block) -> SparseMoE:
     moe = SparseMoE(DIM, EXPERTS, TOP_K, INTER, renormalize=arch == "mixtral" or norm_topk_prob, layer=0,
                     round_routing_weights=arch == "qwen3_moe")
     # transformers 5 keeps the experts stacked in memory: the fused names.
-    moe.load_hf(hf_block.state_dict().items())
+    with torch.no_grad():
+        for name, tensor in hf_block.state_dict().items():
+            moe.weight_target(name).copy_(tensor)
     return moe
 
 
@@ -132,16 +135,13 @@ def _saved(tmp_path, arch, **save_kw):
     return model, load_file(str(tmp_path / "model.safetensors"))
 
 
-def _load_layers(tensors, num_layers):
-    moes = [SparseMoE(DIM, EXPERTS, TOP_K, INTER, True, layer) for layer in range(num_layers)]
-    per_layer = [[] for _ in moes]
-    for name, tensor in tensors.items():
-        split = split_moe_name(name)
-        if split is not None and split[0] < num_layers:  # a truncated model skips the rest
-            per_layer[split[0]].append((split[1], tensor))
-    for moe, items in zip(moes, per_layer):
-        moe.load_hf(items)
-    return moes
+def _engine_model(model, tensors):
+    """The engine's class for the transformers model, loaded from its saved tensors (the
+    path every checkpoint takes: DecoderLM.load_weights -> SparseMoE.weight_target)."""
+    config = {**model.config.to_dict(), "architectures": [type(model).__name__]}
+    ours = ModelRegistry.resolve(config["architectures"][0]).from_config(config)
+    ours.load_weights(tensors.items())
+    return ours
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -157,31 +157,28 @@ def test_saved_checkpoint_round_trips(tmp_path, arch, original_format):
     else:
         assert f"model.layers.1.{block}.experts.gate_up_proj" in names
     assert f"model.layers.0.{block}.gate.weight" in names
-    moes = _load_layers(tensors, 2)
-    for layer, moe in enumerate(moes):
-        hf = model.model.layers[layer].mlp
+    ours = _engine_model(model, tensors)
+    for layer, block in enumerate(ours.layers):
+        moe, hf = block.mlp, model.model.layers[layer].mlp
         assert torch.equal(moe.gate.weight, hf.gate.weight)
         assert torch.equal(moe.w13, hf.experts.gate_up_proj)
         assert torch.equal(moe.w2, hf.experts.down_proj)
 
 
 def test_update_one_expert_in_place(tmp_path):
-    _, tensors = _saved(tmp_path, "mixtral")
-    moe = _load_layers(tensors, 1)[0]
+    model, tensors = _saved(tmp_path, "mixtral")
+    ours = _engine_model(model, tensors)
+    moe = ours.layers[0].mlp
     before = moe.w13.detach().clone()
     target = moe.weight_target("experts.2.w3.weight")  # Mixtral w3 = up rows of expert 2
     assert target.data_ptr() == moe.w13[2, INTER].data_ptr() and target.shape == (INTER, DIM)
-    with torch.no_grad():
-        target.copy_(torch.ones(INTER, DIM))
+    name = "model.layers.0.block_sparse_moe.experts.2.w3.weight"
+    assert ours.update_weights([(name, torch.ones(INTER, DIM))]) == 1
     assert (moe.w13[2, INTER:] == 1).all()
     assert torch.equal(moe.w13[2, :INTER], before[2, :INTER]) and torch.equal(moe.w13[:2], before[:2])
 
 
 def test_names_and_slots():
-    assert split_moe_name("model.layers.3.block_sparse_moe.experts.7.w1.weight") == (3, "experts.7.w1.weight")
-    assert split_moe_name("model.layers.0.mlp.gate.weight") == (0, "gate.weight")
-    assert split_moe_name("model.layers.0.mlp.gate_proj.weight") is None  # a dense layer's MLP
-    assert split_moe_name("model.layers.0.self_attn.q_proj.weight") is None
     assert expert_weight_slot("experts.5.gate_proj.weight", 8) == ("w13", 5, slice(0, 8))
     assert expert_weight_slot("experts.5.w3.weight", 8) == ("w13", 5, slice(8, 16))
     assert expert_weight_slot("experts.5.down_proj.weight", 8) == ("w2", 5, None)
@@ -191,14 +188,18 @@ def test_names_and_slots():
 
 
 def test_load_refuses_missing_unknown_and_misshapen(tmp_path):
-    _, tensors = _saved(tmp_path, "qwen3_moe")
-    items = [(split[1], t) for n, t in tensors.items() if (split := split_moe_name(n)) and split[0] == 0]
-    moe = SparseMoE(DIM, EXPERTS, TOP_K, INTER, True, 0)
-    with pytest.raises(KeyError, match=r"experts\.3\.w3\|up_proj"):
-        moe.load_hf([(n, t) for n, t in items if n != "experts.3.up_proj.weight"])
-    with pytest.raises(KeyError, match="gate.weight"):
-        moe.load_hf([(n, t) for n, t in items if n != "gate.weight"])
-    with pytest.raises(KeyError):
-        moe.load_hf([*items, ("experts.4.up_proj.weight", torch.zeros(INTER, DIM))])  # E = 4
-    with pytest.raises(ValueError, match="shape"):
-        moe.load_hf([*items, ("experts.0.up_proj.weight", torch.zeros(INTER + 1, DIM))])
+    model, tensors = _saved(tmp_path, "qwen3_moe")
+    up = "model.layers.0.mlp.experts.3.up_proj.weight"
+
+    def load(changed):
+        config = {**model.config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+        ModelRegistry.resolve("Qwen3MoeForCausalLM").from_config(config).load_weights(changed.items())
+
+    with pytest.raises(KeyError, match=r"no checkpoint tensor for layers\.0\.mlp\.w13"):
+        load({n: t for n, t in tensors.items() if n != up})
+    with pytest.raises(KeyError, match=r"no checkpoint tensor for layers\.0\.mlp\.gate"):
+        load({n: t for n, t in tensors.items() if n != "model.layers.0.mlp.gate.weight"})
+    with pytest.raises(KeyError, match=r"experts\.4\.up_proj"):  # E = 4
+        load({**tensors, "model.layers.0.mlp.experts.4.up_proj.weight": torch.zeros(INTER, DIM)})
+    with pytest.raises(KeyError, match="has shape"):
+        load({**tensors, up: torch.zeros(INTER + 1, DIM)})
