@@ -98,7 +98,8 @@ class PrefillClient:
 
     def _prefill_request(self, req: Request, transfer_id: str, block_ids: list[int]) -> pb.PrefillRequest:
         rt = self.rt
-        num_skip = rt.engine.limits.blocks_for(req.num_prompt_tokens) - len(block_ids)
+        limits = rt.engine.limits  # block_ids: every KV group's blocks after the skip
+        num_skip = limits.blocks_for(req.num_prompt_tokens) - len(block_ids) // limits.kv_groups
         return pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",

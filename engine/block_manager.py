@@ -1,21 +1,27 @@
 """KV block manager: free list, block tables, ref counts, copy-on-write, prefix cache.
 
+A request has one block table per KV group (engine/kv_groups.py: the layers that attend
+alike; one group of all layers for most models). Table index i of every group covers the
+request's positions i * block_size .. (i + 1) * block_size - 1; all groups draw their blocks
+from one free list.
+
 Invariants:
 - A block is in `_free` iff its ref count is 0. `_free` is the eviction order, front first:
   never-cached blocks go to the front (reused first), cached blocks to the back in reverse
   table order, so the least recently freed prefixes go first and leaves before their roots.
-- `_cached[h] == b` implies `blocks[b].block_hash == h`; a cached block with ref count 0 is
-  reusable (a prefix hit takes it back off the free list) until it is evicted for reuse.
+- `_cached[g][h] == b` implies `blocks[b].block_hash == h` and `blocks[b].group == g`; a
+  cached block with ref count 0 is reusable (a prefix hit takes it back off the free list)
+  until it is evicted for reuse.
 - Only full blocks whose tokens are computed carry a hash; nothing ever writes into a block
   with a hash (writes go to positions >= num_computed_tokens, which are past every full one).
-- Sliding window (`sliding_window` W set: every layer of the model attends to at most W
-  keys): a query at position p reads keys p - W + 1 .. p, and no query of a request is ever
-  again earlier than its num_computed_tokens. So the leading table entries of blocks wholly
-  before num_computed_tokens - W + 1 are released as the request advances (or never taken:
-  a prefix hit's early blocks, a remote prompt's early blocks) and read RELEASED. RELEASED
-  entries are always a leading run of the table; nothing reads them (the attention backends
-  never read blocks before a window). A request may pin a suffix of its table
-  (`Request.keep_blocks_from`: a prefill worker streaming those blocks out).
+- Sliding windows: a group with window W serves queries at position p from keys
+  p - W + 1 .. p, and no query of a request is ever again earlier than its
+  num_computed_tokens. So that group's leading table entries of blocks wholly before
+  num_computed_tokens - W + 1 are released as the request advances (or never taken: a prefix
+  hit's early blocks, a remote prompt's early blocks) and read RELEASED. RELEASED entries are
+  always a leading run of a table; nothing reads them (the attention backends never read
+  blocks before a window). `Request.keep_blocks_from` pins a suffix of every table (a
+  prefill worker streaming those blocks out).
 """
 from __future__ import annotations
 
@@ -26,9 +32,8 @@ from typing import NamedTuple
 from engine.block_hash import BlockHash, extend_block_hashes
 from engine.request import Request
 
-
 RELEASED = -1
-"""A table entry whose block slid out of every window and went back to the pool."""
+"""A table entry whose block slid out of its group's window and went back to the pool."""
 
 
 @dataclass(slots=True)
@@ -36,10 +41,12 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the KV group whose table holds it (meaningful while hashed or in use)
 
 
 class PrefixMatch(NamedTuple):
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """Per group: the cached blocks of the hit (RELEASED before a sliding group's window)."""
     num_tokens: int
 
 
@@ -60,8 +67,9 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     record_events: bool = False  # keep KVEvents for a subscriber (workers -> router index)
-    sliding_window: int | None = None
-    """W when every layer attends to at most W keys: blocks that slid out are released."""
+    group_windows: tuple[int | None, ...] = (None,)
+    """Each KV group's sliding window (None: full attention; engine/kv_groups.py). A group
+    with a window gives back the blocks that slid out of it."""
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
@@ -69,14 +77,26 @@ class BlockManager:
             raise ValueError("the KV pool has no blocks: raise the KV cache memory budget")
         self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
-        self._cached: dict[BlockHash, int] = {}
-        self._tables: dict[str, list[int]] = {}
+        self._groups = range(len(self.group_windows))
+        self._cached: list[dict[BlockHash, int]] = [{} for _ in self._groups]
+        self._tables: dict[str, list[list[int]]] = {}
         self._num_hashed: dict[str, int] = {}  # per request: leading blocks already cached
-        self._num_released: dict[str, int] = {}  # per request: leading RELEASED entries
+        self._num_released: dict[str, list[int]] = {}  # per request and group: RELEASED entries
         self._copies: list[tuple[int, int]] = []
         self._events: list[KVEvent] = []
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every group slides (the widest), else None."""
+        if None in self.group_windows:
+            return None
+        return max(self.group_windows)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -86,16 +106,23 @@ class BlockManager:
         return 1.0 - len(self._free) / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
+        """Table entries (per group) that `num_tokens` positions take."""
         return -(-num_tokens // self.block_size)
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's table of every group."""
         return self._tables[request_id]
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Group 0's table (the only one of a model whose layers all attend alike)."""
+        return self._tables[request_id][0]
 
     def has_table(self, request_id: str) -> bool:
         return request_id in self._tables
 
     def cached_hashes(self) -> list[BlockHash]:
-        return list(self._cached)
+        """Hashes of group 0's cached blocks (what KV events report)."""
+        return list(self._cached[0])
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -106,121 +133,159 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def num_released(self, request: Request) -> int:
+        """Leading table entries RELEASED in every group of `request` (a table's skip)."""
+        return min(self._num_released[request.request_id])
+
     # ---- allocation ----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
-        """Longest run of cached full blocks at the start of the request. At least the last
-        token is always left to compute (its logits are needed). No hit for a request that
-        needs every position (prompt logprobs, mean pooling): it computes its whole prompt
-        (vLLM)."""
+        """Longest run of cached full blocks at the start of the request that every group can
+        serve: full-attention groups hold each of its blocks, sliding groups those the first
+        query after it reads. At least the last token is always left to compute (its logits
+        are needed). No hit for a request that needs every position (prompt logprobs, mean
+        pooling): it computes its whole prompt (vLLM)."""
+        empty = PrefixMatch([[] for _ in self._groups], 0)
         if not self.enable_prefix_caching or request.computes_whole_prompt:
-            return PrefixMatch([], 0)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        ids: list[int] = []
-        for h in request.block_hashes[:max_blocks]:
-            block_id = self._cached.get(h)
-            if block_id is None:
+            return empty
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        full = [g for g in self._groups if self.group_windows[g] is None]
+        k = len(hashes)
+        for i, h in enumerate(hashes):
+            if any(h not in self._cached[g] for g in full):
+                k = i
                 break
-            ids.append(block_id)
-        return PrefixMatch(ids, len(ids) * self.block_size)
+        while k > 0 and not all(self._window_cached(request, g, hashes, k) for g in self._groups
+                                if self.group_windows[g] is not None):
+            k -= 1
+        if k == 0:
+            return empty
+        ids = []
+        for g in self._groups:
+            first = self._skip(request, g, k * self.block_size)
+            ids.append([RELEASED] * first + [self._cached[g][h] for h in hashes[first:k]])
+        return PrefixMatch(ids, k * self.block_size)
+
+    def _window_cached(self, request: Request, g: int, hashes: list[BlockHash], k: int) -> bool:
+        """Group g holds the blocks before position k * block_size that the request still
+        needs there: those in the window of a query at it, and those it keeps."""
+        first = self._skip(request, g, k * self.block_size)
+        return all(h in self._cached[g] for h in hashes[first:k])
+
+    def _first_in_window(self, g: int, first_query: int) -> int:
+        """Table index of group g's first block a query at `first_query` or later reads."""
+        window = self.group_windows[g]
+        if window is None:
+            return 0
+        return max(0, first_query - window + 1) // self.block_size
 
     def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch,
-                 first_query: int | None = None) -> bool:
+                 first_query: int | None = None, keep_from: int | None = None) -> bool:
         """First allocation for `request`: take the prefix hit's blocks and enough new ones
-        for `num_new_tokens` more. `first_query`: the first position this worker computes
-        (default: right after the hit; a remote prompt's KV arrives, so its first query
-        follows the prompt) — with a sliding window the blocks wholly before its window are
-        neither taken nor allocated. False (and no change) if the pool cannot hold it now."""
-        assert request.request_id not in self._tables, request.request_id
+        for `num_new_tokens` more, in every group. `first_query`: the first position this
+        worker computes (default: right after the hit; a remote prompt's KV arrives, so its
+        first query follows the prompt) — a sliding group neither takes nor allocates the
+        blocks wholly before its window, except from `keep_from` on. False (and no change)
+        if the pool cannot hold it now."""
+        rid = request.request_id
+        assert rid not in self._tables, rid
         total = self.blocks_for(prefix.num_tokens + num_new_tokens)
-        skip = self._first_needed(request, prefix.num_tokens if first_query is None else first_query)
-        skip = min(skip, total)
-        hits = prefix.block_ids[skip:]
-        needed = total - max(skip, len(prefix.block_ids))
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if needed + revived > len(self._free):
+        hit = prefix.num_tokens // self.block_size
+        query = prefix.num_tokens if first_query is None else first_query
+        plan = []  # per group: (skip, hit blocks to take, new blocks)
+        for g in self._groups:
+            skip = min(self._skip(request, g, query), total)
+            if keep_from is not None:
+                skip = min(skip, keep_from)
+            taken = prefix.block_ids[g][skip:hit]  # never RELEASED: skip is past the hit's own
+            plan.append((skip, taken, total - max(skip, hit)))
+        revived = sum(1 for _, taken, _ in plan for b in taken if self.blocks[b].ref_count == 0)
+        if sum(new for _, _, new in plan) + revived > len(self._free):
             return False
-        for block_id in hits:
-            self._take(block_id)
-        table = [RELEASED] * skip + hits + [self._pop_free() for _ in range(needed)]
-        self._tables[request.request_id] = request.block_table = table
-        self._num_hashed[request.request_id] = len(prefix.block_ids)
-        self._num_released[request.request_id] = skip
+        tables = []
+        for g, (skip, taken, new) in enumerate(plan):
+            for block_id in taken:
+                self._take(block_id)
+            tables.append([RELEASED] * skip + taken + [self._pop_free(g) for _ in range(new)])
+        self._tables[rid] = request.block_tables = tables
+        self._num_hashed[rid] = hit
+        self._num_released[rid] = [skip for skip, _, _ in plan]
         self.stats.queries += request.num_tokens
         self.stats.hits += prefix.num_tokens
         return True
 
-    def num_released(self, request: Request) -> int:
-        """Leading table entries of `request` that are RELEASED."""
-        return self._num_released[request.request_id]
-
-    def _first_needed(self, request: Request, first_query: int) -> int:
-        """Table index of the first block a query at `first_query` or later can read."""
-        if self.sliding_window is None:
-            return 0
-        first = max(0, first_query - self.sliding_window + 1) // self.block_size
+    def _skip(self, request: Request, g: int, first_query: int) -> int:
+        """Group g's blocks before the window of a query at `first_query`, short of those
+        the request keeps (Request.keep_blocks_from)."""
+        first = self._first_in_window(g, first_query)
         keep = request.keep_blocks_from
         return first if keep is None else min(first, keep)
 
     def release_slid_out(self, request: Request) -> None:
-        """Release the blocks wholly before the window of the request's next query."""
+        """Release each sliding group's blocks wholly before the window of the request's
+        next query."""
         rid = request.request_id
-        table, done = self._tables[rid], self._num_released[rid]
-        upto = self._first_needed(request, request.num_computed_tokens)
-        if upto <= done:
-            return
-        for i in range(done, upto):
-            self.release([table[i]])
-            table[i] = RELEASED
-        self._num_released[rid] = upto
+        tables, released = self._tables[rid], self._num_released[rid]
+        for g in self._groups:
+            if self.group_windows[g] is None:
+                continue
+            upto = self._skip(request, g, request.num_computed_tokens)
+            table = tables[g]
+            for i in range(released[g], upto):
+                self.release([table[i]])
+                table[i] = RELEASED
+            released[g] = max(released[g], upto)
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Room for `num_new_tokens` more tokens of a request that already has blocks: grows
-        the table lazily and copies a shared partial block before it is written. False (and
-        no change) if the pool is out of blocks."""
-        if self.sliding_window is not None:
-            self.release_slid_out(request)
-        table = self._tables[request.request_id]
+        every table lazily and copies a shared partial block before it is written (after
+        releasing what slid out of the windows). False (and no change but the release) if
+        the pool is out of blocks."""
+        self.release_slid_out(request)
+        tables = self._tables[request.request_id]
         start = request.num_computed_tokens
-        needed = max(0, self.blocks_for(start + num_new_tokens) - len(table))
+        needed = max(0, self.blocks_for(start + num_new_tokens) - len(tables[0]))
         write_block = start // self.block_size
-        cow = write_block < len(table) and self.blocks[table[write_block]].ref_count > 1
-        if needed + cow > len(self._free):
+        cows = [g for g in self._groups
+                if write_block < len(tables[g]) and self.blocks[tables[g][write_block]].ref_count > 1]
+        if needed * self.num_groups + len(cows) > len(self._free):
             return False
-        if cow:
-            old = table[write_block]
-            table[write_block] = self._pop_free()
+        for g in cows:
+            old = tables[g][write_block]
+            tables[g][write_block] = self._pop_free(g)
             self.blocks[old].ref_count -= 1  # still shared: > 0
-            self._copies.append((old, table[write_block]))
-        table.extend(self._pop_free() for _ in range(needed))
+            self._copies.append((old, tables[g][write_block]))
+        for g in self._groups:
+            tables[g].extend(self._pop_free(g) for _ in range(needed))
         return True
 
     def trim(self, request: Request, num_tokens: int) -> None:
-        """Return the blocks past the first `num_tokens` positions of a request's table
+        """Return the blocks past the first `num_tokens` positions of a request's tables
         (slots of rejected draft tokens). Those blocks were never computed into, so they
         carry no hash and go to the front of the free list."""
-        table = self._tables[request.request_id]
         keep = self.blocks_for(num_tokens)
-        if len(table) > keep:
-            surplus = table[keep:]
-            del table[keep:]
-            self.release(list(reversed(surplus)))
+        for table in self._tables[request.request_id]:
+            if len(table) > keep:
+                surplus = table[keep:]
+                del table[keep:]
+                self.release(list(reversed(surplus)))
 
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares every block of `parent` (copy-on-write on the first divergent write)."""
-        table = list(self._tables[parent.request_id])
-        for block_id in table:
-            if block_id != RELEASED:
-                self.blocks[block_id].ref_count += 1
-        self._tables[child.request_id] = child.block_table = table
+        tables = [list(table) for table in self._tables[parent.request_id]]
+        for table in tables:
+            for block_id in table:
+                if block_id != RELEASED:
+                    self.blocks[block_id].ref_count += 1
+        self._tables[child.request_id] = child.block_tables = tables
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
-        self._num_released[child.request_id] = self._num_released[parent.request_id]
+        self._num_released[child.request_id] = list(self._num_released[parent.request_id])
 
     def cache_full_blocks(self, request: Request) -> None:
         """Give hashes to the request's blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
-        table = self._tables[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        tables = self._tables[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(tables[0]))
         start = self._num_hashed[request.request_id]
         if num_full <= start:
             return
@@ -229,22 +294,26 @@ class BlockManager:
                 request.block_hashes, request.token_ids[: num_full * self.block_size],
                 self.block_size, request.hash_extras,
             )
-        for i in range(start, num_full):
-            if table[i] == RELEASED:  # never held here (a remote prompt's early blocks)
-                continue
-            h, block = request.block_hashes[i], self.blocks[table[i]]
-            if block.block_hash is None and h not in self._cached:
-                block.block_hash = h
-                self._cached[h] = block.block_id
-                if self.record_events:
-                    self._events.append(KVEvent(True, h))
+        for g in self._groups:
+            cached, table = self._cached[g], tables[g]
+            for i in range(start, num_full):
+                if table[i] == RELEASED:  # never held here (a remote prompt's early blocks)
+                    continue
+                h, block = request.block_hashes[i], self.blocks[table[i]]
+                if block.block_hash is None and h not in cached:
+                    block.block_hash = h
+                    cached[h] = block.block_id
+                    if self.record_events and g == 0:
+                        self._events.append(KVEvent(True, h))
         self._num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        table = self._tables.pop(request.request_id, None) or []
+        tables = self._tables.pop(request.request_id, None) or []
         self._num_hashed.pop(request.request_id, None)
-        released = self._num_released.pop(request.request_id, 0)
-        self.release(list(reversed(table[released:])))  # leaves before roots on the free list
+        released = self._num_released.pop(request.request_id, None)
+        for g, table in enumerate(tables):
+            # Leaves before roots on the free list.
+            self.release(list(reversed(table[released[g]:])))
 
     def pin(self, block_ids: list[int]) -> None:
         """Hold blocks beyond their requests (e.g. while a KV transfer reads them). Valid for
@@ -265,11 +334,12 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents, not their identity)."""
-        for h, block_id in self._cached.items():
-            self.blocks[block_id].block_hash = None
-            if self.record_events:
-                self._events.append(KVEvent(False, h))
-        self._cached.clear()
+        for g, cached in enumerate(self._cached):
+            for h, block_id in cached.items():
+                self.blocks[block_id].block_hash = None
+                if self.record_events and g == 0:
+                    self._events.append(KVEvent(False, h))
+            cached.clear()
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
@@ -278,13 +348,14 @@ class BlockManager:
             del self._free[block_id]
         block.ref_count += 1
 
-    def _pop_free(self) -> int:
+    def _pop_free(self, group: int = 0) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: the cached contents are about to change
-            del self._cached[block.block_hash]
-            if self.record_events:
+            del self._cached[block.group][block.block_hash]
+            if self.record_events and block.group == 0:
                 self._events.append(KVEvent(False, block.block_hash))
             block.block_hash = None
         block.ref_count = 1
+        block.group = group
         return block_id

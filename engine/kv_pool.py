@@ -12,9 +12,10 @@ DEFAULT_CPU_KV_MEMORY = 2 * GiB
 
 
 def kv_block_shape(args: ModelArgs, block_size: int, kv_cache_dtype: str = "auto") -> tuple[int, ...]:
-    """One block: [layers, K/V, tokens, kv heads, stored head dim] (head_dim + 4 for int8:
-    the per-token scales live in the block, engine/kv_format.py)."""
-    return (args.n_layers, 2, block_size, args.n_kv_heads,
+    """One block: [layers of a KV group, K/V, tokens, kv heads, stored head dim] (all the
+    layers when they attend alike, engine/kv_groups.py; head_dim + 4 for int8: the per-token
+    scales live in the block, engine/kv_format.py)."""
+    return (args.kv_groups().group_size, 2, block_size, args.n_kv_heads,
             kv_format.stored_head_dim(kv_cache_dtype, args.head_dim))
 
 
@@ -55,7 +56,8 @@ def allocate_kv_pool(
     num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], zero-filled. On CPU
+    """[num_blocks, layers per block (engine/kv_groups.py), 2, block_size, num_kv_heads,
+    head_dim], zero-filled. On CPU
     the pool asks for transparent huge pages before its pages are first touched: KV
     transfers (NIXL/CMA pins the receiver's pages) run about twice as fast on them."""
     pool = torch.empty((num_blocks, *kv_block_shape(args, block_size, kv_cache_dtype)),
@@ -90,14 +92,15 @@ def profile_peak(model, backend, config: EngineConfig, max_model_len: int, dtype
 
     args, bs = model.args, config.block_size
     n = min(config.max_num_batched_tokens, max_model_len)
-    blocks = -(-n // bs)
-    pool = allocate_kv_pool(blocks, args, bs, dtype, device, config.kv_cache_dtype)
+    blocks, groups = -(-n // bs), args.kv_groups().num_groups
+    pool = allocate_kv_pool(blocks * groups, args, bs, dtype, device, config.kv_cache_dtype)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
         model(
             torch.zeros(n, dtype=torch.long, device=device),
             torch.arange(n, device=device),
-            ForwardContext(backend, pool, AttentionMetadata.single_sequence(0, n, bs, blocks, device)),
+            ForwardContext.for_groups(backend, pool, AttentionMetadata.single_sequence_groups(
+                0, n, bs, blocks, groups, device)),
             # A full decode step samples max_num_seqs rows: their logits are part of the peak.
             logits_indices=torch.arange(n - min(n, config.max_num_seqs), n, device=device),
         )

@@ -18,20 +18,30 @@ class EngineLimits:
     num_blocks: int
     max_num_batched_tokens: int
     chunked_prefill: bool
-    sliding_window: int | None = None
-    """The block manager releases what slid out of every layer's window (BlockManager)."""
+    group_windows: tuple[int | None, ...] = (None,)
+    """Each KV group's window: the block manager releases what slid out of it."""
+
+    @property
+    def kv_groups(self) -> int:
+        """Block tables per request (engine/kv_groups.py)."""
+        return len(self.group_windows)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def blocks_held(self, num_tokens: int) -> int:
-        """The most blocks a request computing `num_tokens` (and one more) ever holds: all of
-        them, or with a sliding window and chunked prefill those one chunk's queries read (a
-        window, a chunk and a partial block on either side)."""
+        """The most blocks a request computing `num_tokens` (and one more) ever holds, over
+        all KV groups: a full-attention group all of its positions' blocks, a sliding one
+        with chunked prefill those one chunk's queries read (a window, a chunk and a partial
+        block on either side)."""
         whole = self.blocks_for(num_tokens + 1)
-        if self.sliding_window is None or not self.chunked_prefill:
-            return whole
-        return min(whole, self.blocks_for(self.sliding_window - 1 + self.max_num_batched_tokens) + 1)
+        held = 0
+        for window in self.group_windows:
+            if window is None or not self.chunked_prefill:
+                held += whole
+            else:
+                held += min(whole, self.blocks_for(window - 1 + self.max_num_batched_tokens) + 1)
+        return held
 
     def check_fits(self, num_tokens: int) -> None:
         """Raise RequestRejected if a request that must prefill `num_tokens` (its prompt, plus

@@ -75,7 +75,7 @@ class LLMEngine:
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
                                          config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          sliding_window=_releasable_window(args, config))
+                                          group_windows=_group_windows(args, config))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.enable_chunked_prefill,
@@ -304,13 +304,13 @@ class LLMEngine:
         return collective_rpc(self.extension, self, method, args, kwargs)
 
 
-def _releasable_window(args: ModelArgs, config: EngineConfig) -> int | None:
-    """The window past which blocks can be released: when every layer slides (the widest
-    window counts). None when any layer attends to everything, or when a separate draft
-    model reads the same block ids with attention of its own."""
-    windows = {args.window(i) for i in range(args.n_layers)}
+def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, ...]:
+    """Each KV group's window, past which its blocks are released (engine/kv_groups.py) —
+    none released (one full group) when a separate draft model reads the same block ids
+    with attention of its own (make_proposer refuses that with several groups)."""
+    groups = args.kv_groups()
     spec = config.speculative_config
-    if None in windows or (spec is not None and spec.method != "ngram"
-                           and spec.self_draft_layers is None):
-        return None
-    return max(windows)
+    if groups.num_groups == 1 and spec is not None and spec.method != "ngram" \
+            and spec.self_draft_layers is None:
+        return (None,)
+    return groups.windows

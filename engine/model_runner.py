@@ -69,7 +69,10 @@ class ModelRunner:
             return result
         # One-token rows first: backends batch them (AttentionMetadata invariant).
         order = sorted(output.scheduled, key=lambda item: item[1] != 1)
-        input_ids, positions, slots, tables = [], [], [], []
+        groups = range(self.bm.num_groups)
+        input_ids, positions = [], []
+        slots: list[list] = [[] for _ in groups]  # per KV group, per request
+        tables: list[list[list[int]]] = [[] for _ in groups]
         query_lens, seq_lens, sample_at, sample_rows = [], [], [], []
         prompt_spans: list[tuple[Request, int, int]] = []  # (request, first position, end)
         prompt_rows: list[int] = []
@@ -80,17 +83,21 @@ class ModelRunner:
         for request, n in order:
             start = request.num_computed_tokens
             drafts = request.spec.drafts if request.spec is not None else []
-            table = self.bm.block_table(request.request_id)
+            group_tables = self.bm.block_tables(request.request_id)
             if n == 1:  # a decode row: plain ints (no per-row arrays)
                 input_ids.append(request.token_ids[start : start + 1])
                 positions.append((start,))
-                slots.append((table[start // self.block_size] * self.block_size + start % self.block_size,))
+                block, offset = divmod(start, self.block_size)
+                for g in groups:
+                    slots[g].append((group_tables[g][block] * self.block_size + offset,))
             else:
                 pos = np.arange(start, start + n)
                 input_ids.append(request.token_ids[start : start + n - len(drafts)] + drafts)
                 positions.append(pos)
-                slots.append(slots_of(table, pos, self.block_size))
-            tables.append(table)
+                for g in groups:
+                    slots[g].append(slots_of(group_tables[g], pos, self.block_size))
+            for g in groups:
+                tables[g].append(group_tables[g])
             query_lens.append(n)
             seq_lens.append(start + n)
             if request.pooling is not None:
@@ -117,8 +124,10 @@ class ModelRunner:
                     sample_at.append(row - 1)
                     sample_rows.append(SampleRow(request, index or request.completion_index))
 
-        metadata = batch_metadata(self.device, slots, tables, query_lens, seq_lens)
-        ctx = ForwardContext(self.backend, self.kv_cache, metadata, self._lora_batch(order))
+        ctx = ForwardContext.for_groups(
+            self.backend, self.kv_cache,
+            [batch_metadata(self.device, slots[g], tables[g], query_lens, seq_lens) for g in groups],
+            self._lora_batch(order))
         x = self.model.residual(
             torch.from_numpy(np.concatenate(input_ids).astype(np.int64, copy=False)).to(self.device),
             torch.from_numpy(np.concatenate(positions).astype(np.int64, copy=False)).to(self.device),

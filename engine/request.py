@@ -76,7 +76,8 @@ class Request:
     prompt's chunks run, the scheduler appends them; a recomputed position is not computed
     twice)."""
     stop_reason: str | int | None = None  # FINISHED_STOPPED: stop string or stop token id
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    """One block table per KV group (engine/kv_groups.py), set by the block manager."""
     keep_blocks_from: int | None = None
     """Table index from which a sliding-window engine keeps every block until the request
     ends (a prefill worker streams them to a decode worker); None: release as the window

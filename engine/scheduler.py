@@ -52,7 +52,7 @@ class Scheduler(SpeculationScheduling):
         self.chunked = enable_chunked_prefill
         self.limits = EngineLimits(max_model_len, block_manager.block_size, block_manager.num_blocks,
                                    max_num_batched_tokens, enable_chunked_prefill,
-                                   block_manager.sliding_window)
+                                   block_manager.group_windows)
         self.waiting: list[Request] = []  # both in _order
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -332,16 +332,22 @@ class Scheduler(SpeculationScheduling):
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return None
         prefix = self.bm.match_prefix(request)
+        # One skip for every group (the prefill worker fills each group's blocks after it):
+        # the local hit, or when every group slides also what the first decode step no longer
+        # reads.
+        hit = prefix.num_tokens // self.bm.block_size
+        skip = hit
+        if self.bm.sliding_window is not None:
+            skip = max(hit, min(self.bm.blocks_for(request.num_tokens) - 1,
+                                (request.num_tokens - self.bm.sliding_window + 1) // self.bm.block_size))
         if not self.bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix,
-                                first_query=request.num_tokens):
+                                first_query=request.num_tokens, keep_from=skip):
             return None
         request.num_cached_tokens = prefix.num_tokens
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
-        # Neither the local hit nor blocks before the first decode query's window need KV.
-        skip = max(len(prefix.block_ids), self.bm.num_released(request))
-        return self.bm.block_table(request.request_id)[skip:]
+        return [b for table in self.bm.block_tables(request.request_id) for b in table[skip:]]
 
     def remote_kv_arrived(self, request_id: str, first_token: SampledToken) -> Request:
         """All of the prompt's KV has landed and the prefill worker sampled `first_token`:

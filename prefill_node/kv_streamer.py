@@ -79,7 +79,7 @@ class KVStreamer:
         bm = engine.block_manager
         for out in list(self.active.values()):
             req = out.request
-            if out.final_sent or not req.block_table:
+            if out.final_sent or not req.block_tables:
                 continue  # all sent, or not admitted yet
             if req.status.is_finished and req.num_output_tokens == 0:  # aborted in the engine
                 self._stop(engine, out)
@@ -88,7 +88,10 @@ class KVStreamer:
             final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
             upto = prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
             start = max(out.sent, out.num_skip)
-            pairs = [(req.block_table[i], out.dest_blocks[i - out.num_skip]) for i in range(start, upto)]
+            # The destination lists each KV group's blocks after the skip, group after group.
+            per_group = prompt_blocks - out.num_skip
+            pairs = [(table[i], out.dest_blocks[g * per_group + i - out.num_skip])
+                     for g, table in enumerate(req.block_tables) for i in range(start, upto)]
             if not pairs and not final:
                 continue
             blocks = [local for local, _ in pairs]

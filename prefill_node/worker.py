@@ -79,11 +79,14 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
         dest = request.destination
-        prompt_blocks = rt.engine.limits.blocks_for(len(request.prompt_token_ids))
-        if dest.num_skip_blocks + len(dest.block_ids) != prompt_blocks:
+        limits = rt.engine.limits
+        prompt_blocks = limits.blocks_for(len(request.prompt_token_ids))
+        # block_ids: each KV group's blocks after the skip, group after group.
+        if not 0 <= dest.num_skip_blocks <= prompt_blocks or \
+                len(dest.block_ids) != limits.kv_groups * (prompt_blocks - dest.num_skip_blocks):
             raise ValueError(
-                f"destination covers {dest.num_skip_blocks} + {len(dest.block_ids)} blocks; "
-                f"the prompt has {prompt_blocks}"
+                f"destination covers {dest.num_skip_blocks} skipped + {len(dest.block_ids)} "
+                f"blocks; the prompt has {prompt_blocks} in each of {limits.kv_groups} KV groups"
             )
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")

@@ -52,3 +52,18 @@ class AttentionMetadata:
             max_query_len=num_new,
             max_seq_len=seq_len,
         )
+
+    @classmethod
+    def single_sequence_groups(
+        cls, start: int, num_new: int, block_size: int, num_blocks: int, num_groups: int,
+        device: torch.device | str = "cpu",
+    ) -> list["AttentionMetadata"]:
+        """`single_sequence` for each of `num_groups` KV groups, group g in blocks
+        g * num_blocks .. (g + 1) * num_blocks - 1 (a pool of num_groups * num_blocks)."""
+        out = []
+        for g in range(num_groups):
+            m = cls.single_sequence(start, num_new, block_size, num_blocks, device)
+            m.slot_mapping += g * num_blocks * block_size
+            m.block_tables += g * num_blocks
+            out.append(m)
+        return out

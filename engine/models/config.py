@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.kv_groups import KVGroups
 from engine.models.rope import RopeSpec
 
 #: The built-in architectures and the `model_type`s their configs carry.
@@ -104,6 +105,10 @@ class ModelArgs:
         if self.layer_types and self.layer_types[layer] == SLIDING:
             return self.sliding_window
         return None
+
+    def kv_groups(self) -> KVGroups:
+        """How the layers share the KV pool's blocks (engine/kv_groups.py)."""
+        return KVGroups.from_windows([self.window(i) for i in range(self.n_layers)])
 
     def rope_spec(self, layer: int) -> RopeSpec:
         if self.local_rope is not None and self.window(layer) is not None:

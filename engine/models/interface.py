@@ -37,16 +37,32 @@ class ForwardContext:
     """Per-forward state every layer reads: attention backend, pool, batch metadata, the
     step's LoRA adapters. The model fills in what its layers share (positions, its RoPE
     tables and their rows at `positions` — one per RoPE spec the layers use —, the kernels
-    module when fused) at the start of `residual`."""
+    module when fused) at the start of `residual`.
 
-    __slots__ = ("backend", "kv_cache", "metadata", "positions", "rope_cos_sin", "cos_sin", "kernels",
-                 "lora")
+    KV groups (engine/kv_groups.py): when the model's layers share the pool's blocks in
+    several groups, `group_metadata[g]` is group g's metadata (its slots and block tables;
+    `metadata` is group 0's) and a layer attends with `layer_metadata(group)` at its slot in
+    the group's blocks. With one group, `group_metadata` is None."""
+
+    __slots__ = ("backend", "kv_cache", "metadata", "group_metadata", "positions", "rope_cos_sin",
+                 "cos_sin", "kernels", "lora")
 
     def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
-                 lora: LoRABatch | None = None):
+                 lora: LoRABatch | None = None,
+                 group_metadata: list[AttentionMetadata] | None = None):
         self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
+        self.group_metadata = group_metadata
         self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = None
         self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
+
+    @classmethod
+    def for_groups(cls, backend: AttentionBackend, kv_cache: Tensor,
+                   metadata: list[AttentionMetadata], lora: LoRABatch | None = None) -> "ForwardContext":
+        """A context over one metadata per KV group."""
+        return cls(backend, kv_cache, metadata[0], lora, metadata if len(metadata) > 1 else None)
+
+    def layer_metadata(self, group: int) -> AttentionMetadata:
+        return self.metadata if self.group_metadata is None else self.group_metadata[group]
 
 
 @runtime_checkable

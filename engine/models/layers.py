@@ -74,6 +74,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, rope_index: int = 0) -> None:
         super().__init__()
         self.layer, self.rope_index = layer, rope_index
+        # Where this layer's K/V live: its KV group's blocks, at its slot in them.
+        self.kv_group, self.kv_slot = args.kv_groups().place(layer)
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
@@ -111,8 +113,8 @@ class Attention(nn.Module):
         else:
             cos_sin = ctx.cos_sin[self.rope_index]
             q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-        o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.layer, ctx.metadata, self.scale,
-                                **self.options)
+        o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.kv_slot,
+                                ctx.layer_metadata(self.kv_group), self.scale, **self.options)
         o = o.reshape(T, self.q_size)
         out = self.o_proj(o)
         if ctx.lora is not None:

@@ -81,23 +81,28 @@ class DraftModelProposer:
         """One forward over `feeds` (one-token rows first, as attention expects); the greedy
         draft after each feed's last row, in `feeds` order."""
         order = sorted(range(len(feeds)), key=lambda j: len(feeds[j][2]) != 1)
-        input_ids, positions, slots, tables, query_lens, seq_lens, last_rows = [], [], [], [], [], [], []
+        groups = range(self.bm.num_groups)
+        input_ids, positions, query_lens, seq_lens, last_rows = [], [], [], [], []
+        slots: list[list] = [[] for _ in groups]  # per KV group, per feed
+        tables: list[list[list[int]]] = [[] for _ in groups]
         row = 0
         for j in order:
             i, start, tokens = feeds[j]
-            table = self.bm.block_table(batch[i][0].request_id)
+            group_tables = self.bm.block_tables(batch[i][0].request_id)
             pos = np.arange(start, start + len(tokens))
             input_ids.append(np.asarray(tokens))
             positions.append(pos)
-            slots.append(slots_of(table, pos, self.block_size))
-            tables.append(table)
+            for g in groups:
+                slots[g].append(slots_of(group_tables[g], pos, self.block_size))
+                tables[g].append(group_tables[g])
             query_lens.append(len(tokens))
             seq_lens.append(start + len(tokens))
             row += len(tokens)
             last_rows.append(row - 1)
         device = self.kv_cache.device
-        ctx = ForwardContext(self.backend, self.kv_cache,
-                             batch_metadata(device, slots, tables, query_lens, seq_lens))
+        ctx = ForwardContext.for_groups(
+            self.backend, self.kv_cache,
+            [batch_metadata(device, slots[g], tables[g], query_lens, seq_lens) for g in groups])
         x = self.model.residual(torch.from_numpy(np.concatenate(input_ids)).to(device),
                                 torch.from_numpy(np.concatenate(positions)).to(device), ctx,
                                 self.num_layers)

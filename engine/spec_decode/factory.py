@@ -32,6 +32,10 @@ def make_proposer(spec: SpeculativeConfig | None, target: LoadedModel, runner: M
                                       f"layers than the target's {target.args.n_layers}")
         return DraftModelProposer(target.model, runner.kv_cache, runner.backend, runner.bm,
                                   runner.sampler, num_layers=layers)
+    if runner.bm.num_groups > 1:
+        raise FieldError("model", f"speculative_config model {spec.model!r}: a separate draft "
+                                  "model is not supported for a target whose layers mix sliding "
+                                  "and full attention (use self:N or ngram)")
     draft = load_model(spec.model, dtype, runner.device)
     if (draft.args.vocab_size != target.args.vocab_size
             or draft.tokenizer.encode(_PROBE_TEXT) != target.tokenizer.encode(_PROBE_TEXT)):

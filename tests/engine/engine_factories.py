@@ -51,9 +51,9 @@ def make_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
-    sliding_window: int | None = None,
+    group_windows: tuple[int | None, ...] = (None,),
 ) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching, sliding_window=sliding_window)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching, group_windows=group_windows)
     return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
 
 

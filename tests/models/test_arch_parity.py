@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, TorchAttentionBackend
-from engine.kv_pool import kv_block_bytes
+from engine.kv_pool import allocate_kv_pool, kv_block_bytes
 from engine.models.interface import ForwardContext
 from engine.models.loader import load_model
 
@@ -177,14 +177,20 @@ def write_checkpoint(hf, model_dir, out):
     return out
 
 
+def one_sequence(args, n, backend):
+    """A zeroed pool and a context for one sequence of n tokens (every KV group its own
+    blocks)."""
+    groups, num_blocks = args.kv_groups().num_groups, -(-n // 16)
+    kv = allocate_kv_pool(num_blocks * groups, args, 16, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata.single_sequence_groups(0, n, 16, num_blocks, groups)
+    return ForwardContext.for_groups(backend, kv, meta)
+
+
 @torch.inference_mode()
 def our_logits(loaded, ids):
-    args, n = loaded.args, len(ids)
-    num_blocks = -(-n // 16)
-    kv = torch.zeros(num_blocks, args.n_layers, 2, 16, args.n_kv_heads, args.head_dim)
-    meta = AttentionMetadata.single_sequence(0, n, 16, num_blocks)
+    n = len(ids)
     return loaded.model(torch.tensor(ids), torch.arange(n),
-                        ForwardContext(TorchAttentionBackend(), kv, meta))
+                        one_sequence(loaded.args, n, TorchAttentionBackend()))
 
 
 @torch.inference_mode()
@@ -217,7 +223,8 @@ def test_matches_transformers(arch, model_dir, tmp_path):
 
     # Four blocks for three sequences of three blocks each: someone is preempted (unless
     # every layer slides: then blocks behind the window go back to the pool).
-    block = kv_block_bytes(ours.args, 16, torch.float32)
+    # A block holds one KV group's layers: four token blocks take four blocks per group.
+    block = kv_block_bytes(ours.args, 16, torch.float32) * ours.args.kv_groups().num_groups
     llm = LLM(str(out), kv_cache_memory=4 * block, dtype="float32", max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     for attempt in ("cold", "cached"):
@@ -260,12 +267,10 @@ def test_triton_path_matches_transformers(arch, model_dir, tmp_path):
     ours = load_model(out)
     ours.model.use_fused_kernels(True)
     ids = ours.tokenizer.encode(PROMPTS[1])
-    n, args = len(ids), ours.args
-    kv = torch.zeros(-(-n // 16), args.n_layers, 2, 16, args.n_kv_heads, args.head_dim)
-    meta = AttentionMetadata.single_sequence(0, n, 16, kv.shape[0])
+    n = len(ids)
     with torch.inference_mode():
         logits = ours.model(torch.tensor(ids), torch.arange(n),
-                            ForwardContext(TritonAttentionBackend(), kv, meta))
+                            one_sequence(ours.args, n, TritonAttentionBackend()))
         diff = (logits - hf(torch.tensor([ids])).logits[0]).abs().max().item()
     assert diff <= 1e-4, f"{arch}: max |logit diff| {diff}"
 
