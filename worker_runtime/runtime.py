@@ -300,8 +300,11 @@ class WorkerRuntime:
         measured, never assumed; 0 until measured)."""
         s, loop, cfg = self.stats, self.loop, self.engine.config
         prefill, decode = loop.prefill_steps, loop.decode_steps
+        # In token blocks (what the router sizes a prompt in): a token block takes a block in
+        # each KV group (engine/kv_groups.py) — at most; sliding groups give theirs back.
+        groups = self.engine.limits.kv_groups
         return Capacity(
-            total_blocks=s.num_blocks, free_blocks=s.num_free_blocks,
+            total_blocks=s.num_blocks // groups, free_blocks=s.num_free_blocks // groups,
             running=s.num_running + s.num_waiting_for_kv, waiting=s.num_waiting,
             queued_prefill_tokens=s.queued_prefill_tokens,
             prefill_tokens_per_s=prefill.prompt_tokens_per_s,

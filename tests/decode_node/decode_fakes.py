@@ -56,7 +56,8 @@ class FakeEngine:
     next_block: int = 0
     kv_cache: torch.Tensor = field(default_factory=lambda: torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4)))
 
-    limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE))
+    limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE),
+                             kv_groups=1)
     loaded = SimpleNamespace(model_id="m", architecture="LlamaForCausalLM",
                              args=SimpleNamespace(n_layers=1, window=lambda layer: None))
     config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=())
