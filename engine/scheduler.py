@@ -323,9 +323,11 @@ class Scheduler(SpeculationScheduling):
     # ---- decode worker: KV computed elsewhere -------------------------------------------
     def allocate_for_remote_kv(self, request: Request) -> list[int] | None:
         """Allocate a prompt's blocks, reusing local prefix hits, and park the request as
-        WAITING_FOR_KV. Returns the block ids a prefill worker must fill (those after the
-        local hit; with a sliding window only those the first decode step can read), or None if `max_num_seqs` requests are already running or parked or the
-        pool cannot hold the prompt now (nothing changed)."""
+        WAITING_FOR_KV. Returns the block ids a prefill worker must fill: every KV group's
+        after the local hit (when every group slides, only those the first decode step
+        reads), group after group. None if `max_num_seqs` requests are already running or
+        parked or the pool cannot hold the prompt now (nothing changed; the decode worker
+        then prefills it itself, releasing as it goes)."""
         self.check_fits(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
