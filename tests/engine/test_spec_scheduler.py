@@ -43,7 +43,7 @@ def test_budget_counts_k_plus_one_and_drafts_shrink_to_fit():
     assert out.num_batched_tokens == 7
     _propose(s, out, [])  # no drafts proposed: plain decodes, slots handed back
     assert out.scheduled == [(a, 1), (b, 1)]
-    assert len(a.block_table) == s.bm.blocks_for(a.num_tokens)
+    assert len(a.block_tables[0]) == s.bm.blocks_for(a.num_tokens)
     s.update_from_output(out, fake_model_output(out))
     for r in (a, b):
         s.finish_request(r.request_id, r.status.FINISHED_ABORTED)
@@ -74,14 +74,14 @@ def test_rejected_drafts_roll_back_counters_slots_and_hashes():
     assert updated == [(r, 2)] and not finished
     assert r.output_token_ids[-2:] == [11, 20]
     assert r.num_computed_tokens == r.num_tokens - 1 == 9  # positions 7 (last) and 8 (11)
-    assert len(r.block_table) == 3 and s.bm.num_free_blocks == free_before - 1
-    hashed = [s.bm.blocks[b].block_hash for b in r.block_table]
+    assert len(r.block_tables[0]) == 3 and s.bm.num_free_blocks == free_before - 1
+    hashed = [s.bm.blocks[b].block_hash for b in r.block_tables[0]]
     assert all(isinstance(h, BlockHash) for h in hashed[:2]) and hashed[2] is None
     assert s.spec_stats.num_draft_tokens == 4 and s.spec_stats.accepted_per_pos == [1, 0, 0, 0]
     # All rejected: the third block is still needed (position 10 is the next input).
     out = s.schedule()
     _verify(s, out, [1, 2, 3, 4], [5])
-    assert r.num_computed_tokens == 10 and len(r.block_table) == 3
+    assert r.num_computed_tokens == 10 and len(r.block_tables[0]) == 3
     s.finish_request(r.request_id, r.status.FINISHED_ABORTED)
     assert s.bm.num_free_blocks == s.bm.num_blocks
 
