@@ -60,7 +60,7 @@ def test_source_blocks_stay_pinned_until_an_uncancellable_write_is_released(how)
     fabric.stall("D")
     fabric.hold_releases("P")
     engine, streamer = _Engine(), KVStreamer(p.sender)
-    req = SimpleNamespace(request_id="r", block_table=[5, 6, 7], num_prompt_tokens=3 * BLOCK,
+    req = SimpleNamespace(request_id="r", block_tables=[[5, 6, 7]], num_prompt_tokens=3 * BLOCK,
                           num_computed_tokens=2 * BLOCK, num_output_tokens=0,
                           status=RequestStatus.RUNNING, output_token_ids=[], logprobs=[])
     ended = []
