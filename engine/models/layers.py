@@ -3,8 +3,9 @@ attention through the engine's paged attention backend, the gated MLP and the de
 Per-architecture options come from ModelArgs (engine/models/config.py): projection biases,
 per-head q/k norms, an explicit head_dim, per-layer sliding windows and RoPE bases, the
 softmax scale and score soft-capping, Gemma's (1 + w) norms, where a block's norms sit (pre,
-Gemma's "sandwich", OLMo 2's post), Granite's residual multiplier, the MLP's activation. With `ctx.kernels` set (the Triton attention backend) RMSNorm, RoPE and
-SiLU-and-mul run as Triton kernels.
+Gemma's "sandwich", OLMo 2's post), Granite's residual multiplier, the MLP's activation, and
+where a layer's K/V live (its KV group's blocks, engine/kv_groups.py). With `ctx.kernels` set
+(the Triton attention backend) RMSNorm, RoPE and SiLU-and-mul run as Triton kernels.
 
 Each module maps the checkpoint's names below it onto its (fused) parameters with
 `weight_target(name)`: the tensor, or the row range of a fused one, that an HF tensor fills —
