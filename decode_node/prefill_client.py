@@ -98,15 +98,15 @@ class PrefillClient:
 
     def _prefill_request(self, req: Request, transfer_id: str, block_ids: list[int]) -> pb.PrefillRequest:
         rt = self.rt
-        limits = rt.engine.limits  # block_ids: every KV group's blocks after the skip
-        num_skip = limits.blocks_for(req.num_prompt_tokens) - len(block_ids) // limits.kv_groups
+        skips = req.remote_skip_blocks  # per KV group; block_ids: each group's after its skip
         return pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
             priority=req.priority,
             lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
             destination=pb.KVDestination(
-                peer_metadata=rt.pool.metadata.to_bytes(), num_skip_blocks=num_skip,
+                peer_metadata=rt.pool.metadata.to_bytes(), num_skip_blocks=min(skips),
+                group_skip_blocks=skips,
                 # The prefill side stops writing before we stop waiting.
                 block_ids=block_ids, deadline_s=0.9 * rt.config.kv_timeout_s,
                 transfer_id=transfer_id,

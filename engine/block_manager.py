@@ -20,7 +20,7 @@ Invariants:
   num_computed_tokens - W + 1 are released as the request advances (or never taken: a prefix
   hit's early blocks, a remote prompt's early blocks) and read RELEASED. RELEASED entries are
   always a leading run of a table; nothing reads them (the attention backends never read
-  blocks before a window). `Request.keep_blocks_from` pins a suffix of every table (a
+  blocks before a window). `Request.keep_blocks_from` pins a suffix of each table (a
   prefill worker streaming those blocks out).
 """
 from __future__ import annotations
@@ -179,13 +179,13 @@ class BlockManager:
         return max(0, first_query - window + 1) // self.block_size
 
     def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch,
-                 first_query: int | None = None, keep_from: int | None = None) -> bool:
+                 first_query: int | None = None, keep_from: list[int] | None = None) -> bool:
         """First allocation for `request`: take the prefix hit's blocks and enough new ones
         for `num_new_tokens` more, in every group. `first_query`: the first position this
         worker computes (default: right after the hit; a remote prompt's KV arrives, so its
         first query follows the prompt) — a sliding group neither takes nor allocates the
-        blocks wholly before its window, except from `keep_from` on. False (and no change)
-        if the pool cannot hold it now."""
+        blocks wholly before its window, except from `keep_from[g]` on. False (and no
+        change) if the pool cannot hold it now."""
         rid = request.request_id
         assert rid not in self._tables, rid
         total = self.blocks_for(prefix.num_tokens + num_new_tokens)
@@ -195,7 +195,7 @@ class BlockManager:
         for g in self._groups:
             skip = min(self._skip(request, g, query), total)
             if keep_from is not None:
-                skip = min(skip, keep_from)
+                skip = min(skip, keep_from[g])
             taken = prefix.block_ids[g][skip:hit]  # never RELEASED: skip is past the hit's own
             plan.append((skip, taken, total - max(skip, hit)))
         revived = sum(1 for _, taken, _ in plan for b in taken if self.blocks[b].ref_count == 0)
@@ -218,7 +218,7 @@ class BlockManager:
         the request keeps (Request.keep_blocks_from)."""
         first = self._first_in_window(g, first_query)
         keep = request.keep_blocks_from
-        return first if keep is None else min(first, keep)
+        return first if keep is None else min(first, keep[g])
 
     def release_slid_out(self, request: Request) -> None:
         """Release each sliding group's blocks wholly before the window of the request's

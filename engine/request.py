@@ -78,10 +78,13 @@ class Request:
     stop_reason: str | int | None = None  # FINISHED_STOPPED: stop string or stop token id
     block_tables: list[list[int]] = field(default_factory=list)
     """One block table per KV group (engine/kv_groups.py), set by the block manager."""
-    keep_blocks_from: int | None = None
-    """Table index from which a sliding-window engine keeps every block until the request
-    ends (a prefill worker streams them to a decode worker); None: release as the window
-    moves."""
+    keep_blocks_from: list[int] | None = None
+    """Per KV group, the table index from which every block is kept until the request ends
+    (a prefill worker streams them to a decode worker); None: release as the windows move."""
+    remote_skip_blocks: list[int] | None = None
+    """Decode worker, KV computed elsewhere: per KV group, the leading prompt blocks the
+    prefill worker does not fill (the local hit; a sliding group's blocks the first decode
+    step no longer reads). Set by Scheduler.allocate_for_remote_kv."""
     """Set by the block manager on allocation (the same list it updates); kept after the
     request is freed, so callers can still see which blocks it used."""
     resume: Resume | None = None

@@ -324,8 +324,8 @@ class Scheduler(SpeculationScheduling):
     def allocate_for_remote_kv(self, request: Request) -> list[int] | None:
         """Allocate a prompt's blocks, reusing local prefix hits, and park the request as
         WAITING_FOR_KV. Returns the block ids a prefill worker must fill: every KV group's
-        after the local hit (when every group slides, only those the first decode step
-        reads), group after group. None if `max_num_seqs` requests are already running or
+        after its `Request.remote_skip_blocks` (the local hit; for a sliding group only the
+        blocks the first decode step reads), group after group. None if `max_num_seqs` requests are already running or
         parked or the pool cannot hold the prompt now (nothing changed; the decode worker
         then prefills it itself, releasing as it goes)."""
         self.check_fits(request)
@@ -334,22 +334,22 @@ class Scheduler(SpeculationScheduling):
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return None
         prefix = self.bm.match_prefix(request)
-        # One skip for every group (the prefill worker fills each group's blocks after it):
-        # the local hit, or when every group slides also what the first decode step no longer
-        # reads.
-        hit = prefix.num_tokens // self.bm.block_size
-        skip = hit
-        if self.bm.sliding_window is not None:
-            skip = max(hit, min(self.bm.blocks_for(request.num_tokens) - 1,
-                                (request.num_tokens - self.bm.sliding_window + 1) // self.bm.block_size))
-        if not self.bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix,
-                                first_query=request.num_tokens, keep_from=skip):
+        # Per group, what the prefill worker does not fill: the local hit, and for a sliding
+        # group also what the first decode step (at num_tokens) no longer reads.
+        bs, n = self.bm.block_size, request.num_tokens
+        hit = prefix.num_tokens // bs
+        skips = [hit if w is None else max(hit, min(self.bm.blocks_for(n) - 1, (n - w + 1) // bs))
+                 for w in self.bm.group_windows]
+        if not self.bm.allocate(request, n - prefix.num_tokens, prefix, first_query=n,
+                                keep_from=skips):
             return None
+        request.remote_skip_blocks = skips
         request.num_cached_tokens = prefix.num_tokens
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
-        return [b for table in self.bm.block_tables(request.request_id) for b in table[skip:]]
+        tables = self.bm.block_tables(request.request_id)
+        return [b for table, skip in zip(tables, skips) for b in table[skip:]]
 
     def remote_kv_arrived(self, request_id: str, first_token: SampledToken) -> Request:
         """All of the prompt's KV has landed and the prefill worker sampled `first_token`:

@@ -29,8 +29,8 @@ class Outgoing:
     request: Request
     transfer_id: str  # what the decode worker's receiver expects
     peer: str
-    dest_blocks: list[int]  # decode-side block ids for prompt blocks num_skip..
-    num_skip: int  # leading prompt blocks the decode worker already has
+    dest_blocks: list[int]  # decode-side ids: each KV group's prompt blocks after its skip
+    group_skips: list[int]  # per KV group: leading prompt blocks the decode worker does not need
     deadline: float
     on_done: Callable[[TransferResult, SampledToken | None], None]
     sent: int = 0  # prompt blocks handled so far (sent or skipped)
@@ -87,11 +87,12 @@ class KVStreamer:
             prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
             final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
             upto = prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
-            start = max(out.sent, out.num_skip)
-            # The destination lists each KV group's blocks after the skip, group after group.
-            per_group = prompt_blocks - out.num_skip
-            pairs = [(table[i], out.dest_blocks[g * per_group + i - out.num_skip])
-                     for g, table in enumerate(req.block_tables) for i in range(start, upto)]
+            # The destination lists each KV group's blocks after its skip, group after group.
+            pairs, base = [], 0
+            for table, skip in zip(req.block_tables, out.group_skips):
+                pairs += [(table[i], out.dest_blocks[base + i - skip])
+                          for i in range(max(out.sent, skip), upto)]
+                base += prompt_blocks - skip
             if not pairs and not final:
                 continue
             blocks = [local for local, _ in pairs]

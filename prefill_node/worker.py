@@ -81,12 +81,13 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         dest = request.destination
         limits = rt.engine.limits
         prompt_blocks = limits.blocks_for(len(request.prompt_token_ids))
-        # block_ids: each KV group's blocks after the skip, group after group.
-        if not 0 <= dest.num_skip_blocks <= prompt_blocks or \
-                len(dest.block_ids) != limits.kv_groups * (prompt_blocks - dest.num_skip_blocks):
+        # block_ids: each KV group's blocks after its skip, group after group.
+        skips = list(dest.group_skip_blocks) or [dest.num_skip_blocks] * limits.kv_groups
+        if len(skips) != limits.kv_groups or not all(0 <= s <= prompt_blocks for s in skips) \
+                or len(dest.block_ids) != sum(prompt_blocks - s for s in skips):
             raise ValueError(
-                f"destination covers {dest.num_skip_blocks} skipped + {len(dest.block_ids)} "
-                f"blocks; the prompt has {prompt_blocks} in each of {limits.kv_groups} KV groups"
+                f"destination skips {skips} and covers {len(dest.block_ids)} blocks; the prompt "
+                f"has {prompt_blocks} in each of {limits.kv_groups} KV groups"
             )
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
@@ -96,14 +97,14 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         # request loads its adapter if needed (the decode worker's).
         req = await rt.make_request(request.request_id, list(request.prompt_token_ids), params,
                                     request.cache_salt, request.priority, request_lora(request))
-        req.keep_blocks_from = dest.num_skip_blocks  # streamed out: kept whatever the window
+        req.keep_blocks_from = skips  # streamed out: kept whatever the windows
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):
             rt.settle(done, (result, first_token))
 
         out = Outgoing(
-            request=req, transfer_id=dest.transfer_id, peer=peer, dest_blocks=list(dest.block_ids), num_skip=dest.num_skip_blocks,
+            request=req, transfer_id=dest.transfer_id, peer=peer, dest_blocks=list(dest.block_ids), group_skips=skips,
             deadline=time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s), on_done=on_done,
         )
 

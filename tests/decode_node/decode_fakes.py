@@ -78,6 +78,7 @@ class FakeEngine:
         blocks = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         self.allocated[req.request_id] = blocks
+        req.remote_skip_blocks = [0]  # one KV group, no local hit
         return blocks
 
     def finish_remote_prefill(self, rid, token):

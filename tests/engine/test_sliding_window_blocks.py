@@ -85,7 +85,7 @@ def test_forks_share_held_blocks_and_free_everything():
 def test_a_streaming_prefill_keeps_its_blocks_from_keep_blocks_from():
     bm = BlockManager(32, BS, group_windows=(W,))
     r = make_request(40, BS)
-    r.keep_blocks_from = 2
+    r.keep_blocks_from = [2]
     assert bm.allocate(r, 16, bm.match_prefix(r))
     r.num_computed_tokens = 16
     assert bm.append_slots(r, 16)
@@ -102,7 +102,7 @@ def test_remote_prompt_needs_only_the_first_decode_window():
     first = (30 - W + 1) // BS  # the first decode query (position 30) reads keys 23..30
     table = s.bm.block_table(r.request_id)
     assert table[:first] == [RELEASED] * first and needed == table[first:]
-    assert s.limits.blocks_for(30) - len(needed) == first  # the prefill worker's num_skip
+    assert r.remote_skip_blocks == [first]  # what the prefill worker does not send
     s.remote_kv_arrived(r.request_id, SampledToken(42))
     drain(s)
     assert s.bm.num_free_blocks == 16
@@ -184,15 +184,16 @@ def test_a_hybrid_prefix_hit_needs_only_the_sliding_groups_window():
     assert bm.match_prefix(make_request(list(range(1, 26)), BS)).num_tokens < 24
 
 
-def test_a_hybrid_remote_prompt_fills_every_group_after_the_local_hit():
+def test_a_hybrid_remote_prompt_gets_each_groups_blocks_after_its_own_skip():
     s = make_scheduler(num_blocks=32, block_size=BS, group_windows=(None, W))
     r = make_request(list(range(100, 130)), BS)  # 30 tokens: 8 blocks per group
     needed = s.allocate_for_remote_kv(r)
     full, sliding = s.bm.block_tables(r.request_id)
-    assert needed == full + sliding  # group after group, nothing skipped (no local hit)
-    assert s.limits.kv_groups == 2 and s.limits.blocks_for(30) - len(needed) // 2 == 0
+    first = (30 - W + 1) // BS  # the first decode query (position 30) reads keys 23..30
+    assert r.remote_skip_blocks == [0, first]  # the full group needs the whole prompt
+    assert RELEASED not in full and sliding[:first] == [RELEASED] * first
+    assert needed == full + sliding[first:]  # group after group
+    assert s.bm.num_free_blocks == 32 - 8 - (8 - first)
     s.remote_kv_arrived(r.request_id, SampledToken(42))
-    step(s)  # the first decode step releases what its window no longer reads
-    assert s.bm.block_tables(r.request_id)[1][: (30 - W + 1) // BS] == [RELEASED] * ((30 - W + 1) // BS)
     drain(s)
     assert s.bm.num_free_blocks == 32

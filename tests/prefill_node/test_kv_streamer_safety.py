@@ -64,7 +64,7 @@ def test_source_blocks_stay_pinned_until_an_uncancellable_write_is_released(how)
                           num_computed_tokens=2 * BLOCK, num_output_tokens=0,
                           status=RequestStatus.RUNNING, output_token_ids=[], logprobs=[])
     ended = []
-    out = Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=[1, 2, 3], num_skip=0,
+    out = Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=[1, 2, 3], group_skips=[0],
                    deadline=time.monotonic() + 30, on_done=lambda result, first: ended.append(result))
     streamer.add(out)
     streamer.after_step(engine)  # chunk 1 (two full blocks) is written: in flight
