@@ -78,6 +78,9 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self._groups = range(len(self.group_windows))
+        # Groups that release as requests advance (none for full-attention models: the
+        # per-step check in append_slots is then free).
+        self._sliding = [g for g in self._groups if self.group_windows[g] is not None]
         self._cached: list[dict[BlockHash, int]] = [{} for _ in self._groups]
         self._tables: dict[str, list[list[int]]] = {}
         self._num_hashed: dict[str, int] = {}  # per request: leading blocks already cached
@@ -89,13 +92,6 @@ class BlockManager:
     @property
     def num_groups(self) -> int:
         return len(self.group_windows)
-
-    @property
-    def sliding_window(self) -> int | None:
-        """The window when every group slides (the widest), else None."""
-        if None in self.group_windows:
-            return None
-        return max(self.group_windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,10 +129,6 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def num_released(self, request: Request) -> int:
-        """Leading table entries RELEASED in every group of `request` (a table's skip)."""
-        return min(self._num_released[request.request_id])
-
     # ---- allocation ----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of cached full blocks at the start of the request that every group can
@@ -154,8 +146,7 @@ class BlockManager:
             if any(h not in self._cached[g] for g in full):
                 k = i
                 break
-        while k > 0 and not all(self._window_cached(request, g, hashes, k) for g in self._groups
-                                if self.group_windows[g] is not None):
+        while k > 0 and not all(self._window_cached(request, g, hashes, k) for g in self._sliding):
             k -= 1
         if k == 0:
             return empty
@@ -225,9 +216,7 @@ class BlockManager:
         next query."""
         rid = request.request_id
         tables, released = self._tables[rid], self._num_released[rid]
-        for g in self._groups:
-            if self.group_windows[g] is None:
-                continue
+        for g in self._sliding:
             upto = self._skip(request, g, request.num_computed_tokens)
             table = tables[g]
             for i in range(released[g], upto):
@@ -240,7 +229,8 @@ class BlockManager:
         every table lazily and copies a shared partial block before it is written (after
         releasing what slid out of the windows). False (and no change but the release) if
         the pool is out of blocks."""
-        self.release_slid_out(request)
+        if self._sliding:
+            self.release_slid_out(request)
         tables = self._tables[request.request_id]
         start = request.num_computed_tokens
         needed = max(0, self.blocks_for(start + num_new_tokens) - len(tables[0]))

@@ -8,7 +8,7 @@ field that changes the math and that these layers cannot run is refused by name.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine.kv_groups import KVGroups

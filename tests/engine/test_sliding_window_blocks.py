@@ -1,5 +1,5 @@
 """Blocks that slid out of every layer's window go back to the pool (BlockManager with
-`sliding_window`): a long sequence holds about a window's blocks, a prefix hit and a remote
+`group_windows`): a long sequence holds about a window's blocks, a prefix hit and a remote
 prompt never take the early ones, a prefill worker keeps what it streams, and everything
 comes back when the request ends. Greedy parity of such a model with transformers, in a pool
 too small for its history, is in tests/models/test_arch_parity.py."""
