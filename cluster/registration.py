@@ -193,7 +193,11 @@ class Registrar:
         info = self.info()
         old = worker_key(self.cluster, old_role, info.worker_id)
         if old != worker_key(self.cluster, info.role, info.worker_id):
-            self._retired.add(old)
+            # Under the lock: a publication already in flight read the old role before the
+            # switch and re-puts the old key; retiring it only after that publication ends
+            # keeps it from taking the retirement back as a "switch back".
+            async with self._lock:
+                self._retired.add(old)
             await self.publish_now()
 
     async def _keep_alive(self) -> None:

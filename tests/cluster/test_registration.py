@@ -1,5 +1,6 @@
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -78,3 +79,41 @@ def test_registration_round_trips_as_json():
     assert WorkerInfo.from_json(info.to_json()) == info
     with pytest.raises(ValueError, match="role"):
         WorkerInfo.from_json(info.to_json().replace(b'"decode"', b'"other"'))
+
+
+class _SlowPutClient:
+    """In-process stand-in for an etcd client whose put waits for a gate (only for this test)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, bytes] = {}
+        self.gate = asyncio.Event()
+        self.put_started = asyncio.Event()
+
+    async def put(self, key, value, lease=None):
+        self.put_started.set()
+        await self.gate.wait()
+        self.keys[key] = value
+
+    async def delete(self, key):
+        self.keys.pop(key, None)
+
+
+def test_a_role_move_during_a_publication_of_the_old_role_still_deletes_the_old_key():
+    """The race CI hit: a periodic publication reads role=prefill, the role switches and
+    move() retires the prefill key while that put is in flight; the stale publication must
+    not take the retirement back, or the prefill key stays on the live lease for good."""
+    async def main():
+        role = {"now": "prefill"}
+        reg = Registrar("unused:0", "t", lambda: replace(_info(), role=role["now"]))
+        client = _SlowPutClient()
+        reg._client = client
+        stale = asyncio.create_task(reg._publish())  # reads role=prefill, waits in put
+        await client.put_started.wait()
+        role["now"] = "decode"
+        mover = asyncio.create_task(reg.move("prefill"))
+        await asyncio.sleep(0.01)
+        client.gate.set()
+        await asyncio.gather(stale, mover)
+        assert list(client.keys) == [b"/pdserve/t/workers/decode/w1"]
+
+    asyncio.run(main())
