@@ -217,6 +217,22 @@ class RouterConfig:
     """Serve the fleet-wide admin endpoints (vLLM's dev-mode names: /sleep, /wake_up,
     /is_sleeping, /reset_prefix_cache, /collective_rpc, plus /update_weights); also enabled
     by VLLM_SERVER_DEV_MODE=1. Guarded by --admin-api-key, else --api-key, when set."""
+    chat_template: str | None = option(None, group="chat", metavar="FILE_OR_TEMPLATE")
+    """The chat template (a Jinja file, or the template itself) instead of the model's own
+    (vLLM's flag): e.g. one that renders `tools` for a model whose template does not
+    (examples/tool_chat_template_chatml.jinja for ChatML models such as SmolLM2)."""
+    enable_auto_tool_choice: bool = option(False, group="chat")
+    """Let the model decide to call tools (`tool_choice: "auto"`, the default when a
+    request has tools): its text is parsed with --tool-call-parser (vLLM's flag)."""
+    tool_call_parser: str | None = option(None, group="chat", metavar="NAME")
+    """How the model writes tool calls: hermes (also Qwen2.5/Qwen3), llama3_json, mistral,
+    pythonic, granite, or a name a --tool-parser-plugin registers."""
+    tool_parser_plugin: str | None = option(None, group="chat", metavar="FILE")
+    """A Python file whose classes register more tool parsers
+    (`router.tools.parser.register_tool_parser`)."""
+    reasoning_parser: str | None = option(None, group="chat", metavar="NAME")
+    """Split a reasoning model's thinking into `reasoning_content`: deepseek_r1 or qwen3.
+    Structured outputs and tool parsing then apply to the answer only."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
@@ -250,4 +266,6 @@ class RouterConfig:
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
             (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
+            (not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+             "enable_auto_tool_choice", "needs --tool-call-parser (how to read the calls)"),
         ])
