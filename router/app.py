@@ -115,6 +115,7 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
                                          services.config.limits)
     if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
         await services.grammars.check(prepared.constraint)
+    _count_chat_features(services, prepared)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
     ticket = request.scope.get(TICKET)  # the key's tokens: reserved here, reconciled at the end
@@ -136,7 +137,9 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
         if not prepared.stream:
             collector = Collector(prepared, services.tokens, request_id, details)
             await until_disconnect(request, _collect(streams, collector))
-            return JSONResponse(collector.response())
+            body = collector.response()
+            _count_tool_calls(services, prepared, collector.num_tool_calls())
+            return JSONResponse(body)
         first = await until_disconnect(request, anext(streams))
     except ClientGone:
         await streams.aclose()
@@ -148,7 +151,8 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
         await streams.aclose()
         raise
     writer = ChunkWriter(prepared, services.tokens, request_id, details)
-    return StreamingResponse(_sse(prepared, writer, first, streams), media_type="text/event-stream",
+    return StreamingResponse(_sse(services, prepared, writer, first, streams),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -176,8 +180,34 @@ async def _collect(streams: AsyncIterator[tuple[int, Delta]], collector: Collect
             collector.add(prompt_idx, delta)
 
 
-async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta],
+def _count_chat_features(services: Services, prepared: Prepared) -> None:
+    output = prepared.output
+    if output is None:
+        return
+    if output.tools:
+        services.metrics.tool_requests.labels(output.tool_choice).inc()
+    if output.reasoning is not None:
+        services.metrics.reasoning_requests.inc()
+
+
+def _count_tool_calls(services: Services, prepared: Prepared, calls: int) -> None:
+    if calls and prepared.output is not None:
+        services.metrics.tool_calls.labels(prepared.output.tool_choice).inc(calls)
+
+
+async def _sse(services: Services, prepared: Prepared, writer: ChunkWriter,
+               first: tuple[int, Delta],
                streams: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
+    try:
+        async with aclosing(_chunks(prepared, writer, first, streams)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        _count_tool_calls(services, prepared, writer.num_tool_calls())
+
+
+async def _chunks(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta],
+                  streams: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
     async with aclosing(streams):
         yield writer.opening() + writer.chunk(*first)
         try:

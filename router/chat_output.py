@@ -67,6 +67,11 @@ class MessageParser:
     def called_tools(self) -> bool:
         return self._num_calls > 0
 
+    @property
+    def num_calls(self) -> int:
+        """Calls announced so far."""
+        return self._num_calls
+
     def feed(self, text: str) -> ParsedDelta:
         if self._reasoning is None:
             return self._answer(text, final=False)

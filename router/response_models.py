@@ -306,6 +306,9 @@ class DashboardData(_Out):
     prompt_tokens: int
     generation_tokens: int
     prefix_hit_tokens: int  # prompt tokens the workers found cached
+    tool_requests: int  # chat requests that declared tools
+    tool_calls: int  # tool calls returned
+    reasoning_requests: int  # chat requests read with the reasoning parser
     ttft_s: list[float]
     itl_s: list[float]
     recent_decisions: list[DashboardDecision]

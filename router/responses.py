@@ -63,6 +63,10 @@ class _Base:
             self.prompt_lps[prompt_idx] = delta.prompt_logprobs
         return c
 
+    def num_tool_calls(self) -> int:
+        """Tool calls read from the choices so far."""
+        return sum(c.parser.num_calls for c in self.choices if c.parser is not None)
+
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.p.prompts)
         completion = sum(c.num_tokens for c in self.choices)

@@ -202,3 +202,19 @@ def test_a_template_without_tools_is_refused_naming_the_missing_piece(etcd, bg):
                 assert "--chat-template" in error["message"]
     finally:
         c.stop()
+
+
+def test_tool_requests_and_calls_are_counted(cluster, http):
+    def sample(name, **labels):
+        return cluster.router.services.metrics.registry.get_sample_value(name, labels) or 0
+
+    before = (sample("pdserve_router_tool_requests_total", tool_choice="required"),
+              sample("pdserve_router_tool_calls_total", tool_choice="required"))
+    _say(cluster, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    _chat(http, tools=[WEATHER], tool_choice="required")
+    _stream(http, tools=[WEATHER], tool_choice="required")
+    after = (sample("pdserve_router_tool_requests_total", tool_choice="required"),
+             sample("pdserve_router_tool_calls_total", tool_choice="required"))
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
+    data = http.get("/dashboard/data").json()
+    assert data["tool_requests"] >= 2 and data["tool_calls"] >= 2
