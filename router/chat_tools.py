@@ -22,7 +22,7 @@ from engine.structured.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer
 from router.chat_output import ChatOptions, OutputSetup, required_calls_schema
 from router.errors import bad_request
-from router.protocol import ChatCompletionRequest, NamedToolChoice
+from router.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from router.structured import Constraint
 from router.tools.types import FunctionTool
 
@@ -50,7 +50,7 @@ def read_tools(req: ChatCompletionRequest, options: ChatOptions, tok: Tokenizer)
         return ChatTools(base if reasoning is not None else None, None, {})
     if not req.tools:
         raise bad_request("tools must not be an empty array", "tools")
-    tools = _function_tools(req)
+    tools = function_tools(req.tools)
     choice, named = _choice(req, tools, options)
     parallel = req.parallel_tool_calls is not False
     if choice != "none" and not tok.template_mentions("tools"):
@@ -64,9 +64,10 @@ def read_tools(req: ChatCompletionRequest, options: ChatOptions, tok: Tokenizer)
     return ChatTools(setup, _constraint(setup), {"tools": [t.to_openai() for t in tools]})
 
 
-def _function_tools(req: ChatCompletionRequest) -> list[FunctionTool]:
+def function_tools(declared: list[ChatTool]) -> list[FunctionTool]:
+    """A request's `tools`, checked: function tools, each name once, object schemas."""
     tools, seen = [], set()
-    for i, tool in enumerate(req.tools or ()):
+    for i, tool in enumerate(declared):
         if tool.type != "function":
             raise bad_request(f"tools.{i}.type: {tool.type!r} tools are not supported (only "
                               "function tools)", f"tools.{i}.type")
