@@ -90,4 +90,4 @@ def load_tool_parser_plugin(path: str) -> None:
 
 def _load_builtins() -> None:
     """The built-in parsers register on import."""
-    import router.tools.builtin  # noqa: F401
+    importlib.import_module("router.tools.builtin")
