@@ -6,12 +6,16 @@ Contract, for every parser (as for tool parsers, router/tools/parser.py): `feed(
 returns what `text` adds, `finish()` what was held back; feeding the same text in any pieces
 gives the same split; only a possible marker prefix is held back. `prompt_ends_reasoning`:
 the rendered prompt already closed the reasoning (e.g. Qwen3 with `enable_thinking: false`
-writes an empty `<think></think>`), so the whole output is answer. `start` / `end`: the
+writes an empty `<think></think>`), so the whole output is answer; `prompt_starts_reasoning`:
+the rendered prompt ends inside an open `<think>` (DeepSeek-R1's template, Qwen3.5's and the
+Qwen3 2507 thinking models'), so the output begins as reasoning (`for_prompt` tells both
+from the prompt's text). `start` / `end`: the
 marker texts, which the router turns into token ids for the engine, whose structured-output
 grammar then applies to the answer only (after the end marker).
 """
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
@@ -23,8 +27,18 @@ class ReasoningParser(ABC):
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
 
-    def __init__(self, prompt_ends_reasoning: bool = False) -> None:
+    def __init__(self, prompt_ends_reasoning: bool = False,
+                 prompt_starts_reasoning: bool = False) -> None:
         self.prompt_ends_reasoning = prompt_ends_reasoning
+        self.prompt_starts_reasoning = prompt_starts_reasoning
+
+    @classmethod
+    def for_prompt(cls, prompt: str) -> "ReasoningParser":
+        """A parser for the output that follows the rendered `prompt`, whose end may have
+        closed (`end`) or opened (`start`) the reasoning already."""
+        tail = prompt.rstrip()
+        return cls(prompt_ends_reasoning=tail.endswith(cls.end),
+                   prompt_starts_reasoning=tail.endswith(cls.start))
 
     @abstractmethod
     def feed(self, text: str) -> ParsedDelta:
@@ -67,4 +81,4 @@ def reasoning_parser_names() -> list[str]:
 
 
 def _load_builtins() -> None:
-    import router.reasoning_parsers  # noqa: F401  (registers the built-ins)
+    importlib.import_module("router.reasoning_parsers")  # registers the built-ins
