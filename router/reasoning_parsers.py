@@ -1,4 +1,4 @@
-"""The built-in reasoning parsers (router/reasoning.py), by vLLM's names:
+"""The built-in reasoning parsers (router/reasoning_base.py), by vLLM's names:
 
 - `deepseek_r1`: the output begins inside the reasoning (the template already wrote
   `<think>`; a `<think>` the model writes first anyway is dropped). Everything up to
@@ -16,7 +16,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from router.markers import held_prefix
-from router.reasoning import ReasoningParser, register_reasoning_parser
+from router.reasoning_base import ReasoningParser, register_reasoning_parser
 from router.tools.types import ParsedDelta
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.tools.parser import register_tool_parser
+from router.tools.base import register_tool_parser
 from router.tools.stream import Gen, StreamingToolParser
 from router.tools.tags import quoted, tag, triggered_tags
 from router.tools.types import FunctionTool

@@ -12,7 +12,7 @@ import ast
 import json
 import re
 
-from router.tools.parser import register_tool_parser
+from router.tools.base import register_tool_parser
 from router.tools.stream import WS, Gen, StreamingToolParser
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*|")

@@ -2,7 +2,7 @@
 that reads the text as if it were all there (`yield from self.literal(...)`, ...) and
 pauses inside the helpers below wherever the decision needs text that has not come yet. So a
 decision never depends on where the pieces were cut, which is the contract's "any pieces
-give the same result" (router/tools/parser.py).
+give the same result" (router/tools/base.py).
 
 Life of the text here: `feed` appends to `buf` and resumes `parse()`. Outside calls,
 `text_until` sends content at once and holds back only a possible marker prefix. At a
@@ -22,7 +22,7 @@ from typing import ClassVar, Generator, TypeVar
 
 from router.markers import held_prefix
 from router.tools.json_prefix import JsonPrefix
-from router.tools.parser import ToolParser
+from router.tools.base import ToolParser
 from router.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, new_call_id
 
 T = TypeVar("T")

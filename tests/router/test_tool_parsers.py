@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from router.tools import parser as parser_module
+from router.tools import base
 from router.tools.json_prefix import valid_prefix
 from router.tools.parser import load_tool_parser_plugin, tool_parser, tool_parser_names
 from router.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, assemble
@@ -247,9 +247,25 @@ def test_plugin_registers_a_parser(tmp_path):
         assert cls.__name__ == "Mine" and cls([]).feed("ab").content == "AB"
         assert "test_plugin_parser" in tool_parser_names()
     finally:
-        parser_module._PARSERS.pop("test_plugin_parser", None)
+        base._PARSERS.pop("test_plugin_parser", None)
     with pytest.raises(ValueError, match="no such file"):
         load_tool_parser_plugin(str(tmp_path / "absent.py"))
+
+
+def test_a_plugin_replaces_a_built_in(tmp_path):
+    plugin = tmp_path / "my_hermes.py"
+    plugin.write_text("from router.tools.parser import register_tool_parser\n"
+                      "from router.tools.hermes import HermesToolParser\n\n"
+                      "@register_tool_parser('hermes')\n"
+                      "class MyHermes(HermesToolParser):\n"
+                      "    pass\n")
+    built_in = tool_parser("hermes")
+    try:
+        load_tool_parser_plugin(str(plugin))
+        assert tool_parser("hermes").__name__ == "MyHermes"
+    finally:
+        base.register_tool_parser("hermes")(built_in)
+    assert tool_parser("hermes") is built_in
 
 
 def test_unknown_parser_name_lists_the_known_ones():
