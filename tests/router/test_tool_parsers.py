@@ -3,8 +3,7 @@ several calls, calls inside text, unknown tools, escapes and unicode) parse to t
 content and calls; feeding any fixture in pieces (char by char, random cuts, 3-char
 "tokens") gives what feeding it whole gives; a parser holds back no more than a marker
 prefix; streamed arguments are always a valid JSON prefix and a complete call's are a JSON
-object; the structural tags compile with xgrammar, accept text in the format and reject
-arguments that break the tool's schema; plugins and unknown names."""
+object; plugins and unknown names. The structural tags: test_tool_structural_tags.py."""
 import json
 import random
 
