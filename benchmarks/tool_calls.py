@@ -3,7 +3,8 @@
   python -m benchmarks.tool_calls [--batch 16] [--steps 24] [--reps 2] [--prompts 24]
 
 1. Constrained tool calls per decode step: a batch decodes `--steps` steps (prefill
-   excluded) unconstrained, under tool_choice "required" (the JSON array of calls), and under
+   excluded; time per token made x batch, as a row whose grammar completes leaves early)
+   unconstrained, under tool_choice "required" (the JSON array of calls), and under
    "auto" with the hermes parser's structural tag (free text until `<tool_call>`), interleaved
    in one run; the ratio to unconstrained is what the constraint costs per step.
 2. How often "auto" yields a call that parses, on the bundled model with the ChatML tool
@@ -55,21 +56,26 @@ def _constraints() -> dict[str, dict | None]:
 
 
 def _step_time(llm: LLM, prompt: list[int], batch: int, steps: int, constraint) -> float:
+    """Seconds per decode step of a full batch: the measured steps' time over the tokens they
+    made, times the batch (a row whose grammar completes leaves the batch early)."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=steps + 2,
-                            ignore_eos=constraint is None, structured_outputs=constraint)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=steps + 2, ignore_eos=True,
+                            structured_outputs=constraint)
     for i in range(batch):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", prompt, params)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+    requests = list(engine.scheduler.requests.values())
+    while any(r.num_output_tokens == 0 for r in requests):
         engine.step()
+    before = sum(r.num_output_tokens for r in requests)
     t0, done = time.perf_counter(), 0
     while engine.has_unfinished_requests() and done < steps:
         engine.step()
         done += 1
     elapsed = time.perf_counter() - t0
+    made = sum(r.num_output_tokens for r in requests) - before
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed / max(done, 1)
+    return elapsed / max(made, 1) * batch
 
 
 def _auto_share(llm: LLM, prompts: list[list[int]], tag: dict | None) -> tuple[int, int, int]:
@@ -117,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
 
     constraints = _constraints()
     prompt = render(_prompts(1)[0])
-    _step_time(llm, prompt, 2, 2, constraints["required"])  # warm-up: compiles, first forwards
-    _step_time(llm, prompt, 2, 2, constraints["auto (hermes tag)"])
+    for c in constraints.values():  # warm-up: compiles, first forwards at this batch
+        _step_time(llm, prompt, args.batch, 4, c)
     print(f"dtype {llm.engine.dtype}, {args.threads} thread(s), batch {args.batch}, "
           f"{args.steps} decode steps per run, {args.reps} interleaved reps")
     times: dict[str, list[float]] = {name: [] for name in constraints}
