@@ -35,16 +35,17 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.response_models import (ChatCompletionResponse, ChatCompletionStreamChunk,
                                     CompletionResponse, CompletionStreamChunk, HealthResponse)
 from router.responses import ChunkWriter, Collector, sse
+from router.responses_api.routes import add_responses_routes
 from router.services import Services
 from router.streaming import ClientGone
 from router.validation import Kind, Prepared, prepare
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/dashboard",
-              "/dashboard/data", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-              *ADMIN_PATHS}
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+              "/health", "/metrics", "/tokenize", "/detokenize", "/version", "/v1/embeddings",
+              "/dashboard", "/dashboard/data", "/v1/load_lora_adapter",
+              "/v1/unload_lora_adapter", *ADMIN_PATHS}
 
 
 def create_app(services: Services) -> FastAPI:
@@ -87,6 +88,7 @@ def create_app(services: Services) -> FastAPI:
     add_info_routes(app, services)
     add_embedding_routes(app, services)
     add_dashboard_routes(app, services)
+    add_responses_routes(app, services)
     add_lora_routes(app, services.loras, runtime_updates_allowed(services.config.enable_lora))
     if dev_endpoints_enabled(services.config.enable_dev_endpoints):
         add_admin_routes(app, services.admin)
