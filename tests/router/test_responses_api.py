@@ -482,3 +482,22 @@ def test_openai_client(cluster):
         text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         final = events.get_final_response()
     assert text == final.output_text == response.output_text and final.status == "completed"
+
+
+def test_route_stream_failing_after_the_first_token(cluster, http):
+    """Workers failing mid-stream (no other worker to migrate to): `response.failed`, with the
+    output so far; nothing is stored."""
+    behavior = cluster.workers["d1"].behavior
+    behavior.fail_after_tokens = 2
+    try:
+        events = stream(http, {"model": MODEL, "input": "Fail", "max_output_tokens": 5})
+    finally:
+        behavior.fail_after_tokens = None
+    name, data = events[-1]
+    failed = ResponsesResponse.model_validate(data["response"])
+    assert name == "response.failed" and failed.status == "failed"
+    assert failed.error.code == "server_error" and failed.usage.output_tokens == 2
+    assert failed.output[0].content[0].text == "".join(
+        d["delta"] for n, d in events if n == "response.output_text.delta")
+    r = http.post("/v1/responses", json={"input": "x", "previous_response_id": failed.id})
+    assert r.status_code == 404
