@@ -2,6 +2,7 @@
 the model). Stateless after construction; safe to share between threads."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -75,6 +76,24 @@ class Tokenizer:
             d.get("type") == "ByteLevel" for d in decoder.get("decoders", ()))
         # SentencePiece-style BPE (Gemma, LLaMA 2): `<0xE2>` tokens are raw bytes, `▁` a space.
         self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` instead of the model's own (the router's --chat-template). Raises
+        ChatTemplateError when it is not valid Jinja."""
+        try:
+            compiled = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"chat template: {exc}") from None
+        self.chat_template, self._template = template, compiled
+
+    def template_mentions(self, name: str) -> bool:
+        """Whether the chat template reads `name` at all: as a variable (`tools`), an
+        attribute or key (`message.tool_calls`, `message['tool_call_id']`) or a compared
+        string (`message.role == 'tool'`). What a template never mentions it cannot render,
+        so a request that needs it is refused instead of rendered differently."""
+        if self.chat_template is None:
+            return False
+        return name in _template_names(self.chat_template)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "Tokenizer":
@@ -201,6 +220,21 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...} form of tokenizer_config.json
         return value.get("content")
     return value
+
+
+@functools.lru_cache(maxsize=8)
+def _template_names(template: str) -> frozenset[str]:
+    """Every variable, attribute, constant key and string constant in a template's syntax."""
+    from jinja2 import nodes
+
+    names = set()
+    for node in _environment().parse(template).find_all((nodes.Name, nodes.Getattr,
+                                                         nodes.Const)):
+        value = (node.name if isinstance(node, nodes.Name) else
+                 node.attr if isinstance(node, nodes.Getattr) else node.value)
+        if isinstance(value, str):
+            names.add(value)
+    return frozenset(names)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -26,7 +26,7 @@ from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
-from router.generation import collect, dispatch, settle
+from router.generation import collect, count_tool_calls, dispatch, settle
 from router.key_limits import LIMITED_PATHS, TENANT, TICKET
 from router.limits import RequestLimits
 from router.loras import add_lora_routes, runtime_updates_allowed
@@ -123,17 +123,31 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
         if not prepared.stream:
             collector = Collector(prepared, services.tokens, request_id, details)
             await settle(request, streams, collect(streams, collector.add))
-            return JSONResponse(collector.response())
+            body = collector.response()
+            count_tool_calls(services, prepared, collector.num_tool_calls())
+            return JSONResponse(body)
         first = await settle(request, streams, anext(streams))
     except ClientGone:
         return Response(status_code=499)
     writer = ChunkWriter(prepared, services.tokens, request_id, details)
-    return StreamingResponse(_sse(prepared, writer, first, streams), media_type="text/event-stream",
+    return StreamingResponse(_sse(services, prepared, writer, first, streams),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _sse(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta],
+async def _sse(services: Services, prepared: Prepared, writer: ChunkWriter,
+               first: tuple[int, Delta],
                streams: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
+    try:
+        async with aclosing(_chunks(prepared, writer, first, streams)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        count_tool_calls(services, prepared, writer.num_tool_calls())
+
+
+async def _chunks(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta],
+                  streams: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
     async with aclosing(streams):
         yield writer.opening() + writer.chunk(*first)
         try:

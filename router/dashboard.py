@@ -81,6 +81,11 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
         "prompt_tokens": value("pdserve_router_prompt_tokens_total"),
         "generation_tokens": value("pdserve_router_generation_tokens_total"),
         "prefix_hit_tokens": value("pdserve_router_prefix_hit_tokens_total", source="reported"),
+        "tool_requests": sum(value("pdserve_router_tool_requests_total", tool_choice=c)
+                             for c in ("none", "auto", "required", "function")),
+        "tool_calls": sum(value("pdserve_router_tool_calls_total", tool_choice=c)
+                          for c in ("none", "auto", "required", "function")),
+        "reasoning_requests": value("pdserve_router_reasoning_requests_total"),
         "ttft_s": list(metrics.recent_ttft), "itl_s": list(metrics.recent_itl),
         "recent_decisions": list(metrics.recent_decisions)[::-1],
     }

@@ -3,7 +3,8 @@ completions and chat, router/responses_api/routes.py) between a `Prepared` reque
 body it answers with.
 
 1. `dispatch`: compile-check the request's constraint (one that does not compile never
-   reaches a worker), wait (bounded) for a sleeping fleet, apply the key's cache salt,
+   reaches a worker), count its chat features (tools, reasoning) in the metrics, wait
+   (bounded) for a sleeping fleet, apply the key's cache salt,
    reserve the key's tokens (router/key_limits.py), start each prompt on the cluster; the
    merged stream counts what it generates into the key's ticket.
 2. `settle`: wait on that stream (the whole of it, or its first update) only while the
@@ -35,6 +36,7 @@ async def dispatch(services: Services, request: Request, prepared: Prepared,
                    arrival: float) -> Updates:
     if prepared.constraint is not None:
         await services.grammars.check(prepared.constraint)
+    _count_chat_features(services, prepared)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     salt = effective_salt(request.scope, prepared.cache_salt)
     ticket = request.scope.get(TICKET)  # the key's tokens: reserved here, reconciled at the end
@@ -73,6 +75,22 @@ def completion_budget(prepared: Prepared, max_model_len: int) -> int:
     return sum(sampling.n * (sampling.max_tokens if sampling.max_tokens is not None
                              else max(0, max_model_len - len(ids)))
                for ids in prepared.prompts)
+
+
+def _count_chat_features(services: Services, prepared: Prepared) -> None:
+    output = prepared.output
+    if output is None:
+        return
+    if output.tools:
+        services.metrics.tool_requests.labels(output.tool_choice).inc()
+    if output.reasoning is not None:
+        services.metrics.reasoning_requests.inc()
+
+
+def count_tool_calls(services: Services, prepared: Prepared, calls: int) -> None:
+    """The tool calls a finished (or ended) response made, into the metrics."""
+    if calls and prepared.output is not None:
+        services.metrics.tool_calls.labels(prepared.output.tool_choice).inc(calls)
 
 
 async def _counted(streams: Updates, ticket: Ticket) -> Updates:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from router.chat_tools import function_tools
 from router.errors import bad_request
 from router.openapi import SIDE_ERRORS, route_schema
 from router.protocol import DetokenizeRequest, TokenizeRequest, parse_json
@@ -67,8 +68,11 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools:  # as a chat request with these tools renders them (vLLM's field)
+                kwargs["tools"] = [t.to_openai() for t in function_tools(req.tools)]
             text = render_chat(tok, req.messages, req.add_generation_prompt,
-                               req.continue_final_message, req.chat_template_kwargs,
+                               req.continue_final_message, kwargs,
                                "add_generation_prompt" in req.model_fields_set)
             special = bool(req.add_special_tokens)
         else:

@@ -73,6 +73,19 @@ class RouterMetrics:
             ["reason"], registry=r)
         for reason in ("concurrency", "tokens"):
             self.rate_limited.labels(reason)
+        self.tool_requests = Counter(
+            "pdserve_router_tool_requests",
+            "Chat requests that declared tools, by tool_choice (function: a named function)",
+            ["tool_choice"], registry=r)
+        self.tool_calls = Counter("pdserve_router_tool_calls",
+                                  "Tool calls returned to clients, by tool_choice",
+                                  ["tool_choice"], registry=r)
+        self.reasoning_requests = Counter(
+            "pdserve_router_reasoning_requests",
+            "Chat requests whose output the reasoning parser split", registry=r)
+        for choice in ("none", "auto", "required", "function"):
+            self.tool_requests.labels(choice)
+            self.tool_calls.labels(choice)
         self.waiting = Gauge("pdserve_router_waiting_requests", "Requests waiting for capacity",
                              registry=r)
         self.running = Gauge("pdserve_router_running_requests", "Requests on workers", registry=r)

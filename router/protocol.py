@@ -142,10 +142,53 @@ class OtherPart(_Body):
     type: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+    """JSON text of the arguments object (as the model wrote it)."""
+
+
+class MessageToolCall(_Body):
+    """A call an earlier assistant turn made (`messages[i].tool_calls[j]`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Union[TextPart, OtherPart]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
+    reasoning_content: str | None = None  # assistant turns of a reasoning model (vLLM)
+    reasoning: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    """One entry of `tools` (OpenAI: function tools only)."""
+
+    type: str
+    function: FunctionDefinition | None = None
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -158,8 +201,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict | None = None
     documents: list[dict] | None = None
     add_special_tokens: bool = False
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True
 
@@ -173,6 +216,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    tools: list[ChatTool] | None = None  # rendered as a chat request's tools are
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     return_token_strs: bool = False
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from cluster.roles import Role
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 StopReason = Union[str, int, None]
 
 
@@ -124,9 +124,26 @@ class ChatLogprobs(_Out):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(_Out):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments object")
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatCompletionMessage(_Out):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the message only calls tools")
+    tool_calls: list[ToolCallOut] | None = Field(default=None, description="present when the model "
+                                          "called tools")
+    reasoning_content: str | None = Field(default=None, description="with --reasoning-parser: "
+                                          "the model's reasoning (vLLM's name)")
+    reasoning: str | None = Field(default=None, description="the same as reasoning_content "
+                                  "(vLLM's newer name)")
 
 
 class ChatChoice(_Out):
@@ -147,9 +164,27 @@ class ChatCompletionResponse(_Out):
     prompt_logprobs: PromptLogprobs | None
 
 
+class FunctionCallDelta(_Out):
+    name: str | None = None  # the call's first piece
+    arguments: str | None = None  # more of the arguments' JSON text
+
+
+class ToolCallDeltaOut(_Out):
+    """A piece of a call: the first carries `id`, `type` and `function.name`; the others
+    more `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatStreamChoice(_Out):
@@ -271,6 +306,9 @@ class DashboardData(_Out):
     prompt_tokens: int
     generation_tokens: int
     prefix_hit_tokens: int  # prompt tokens the workers found cached
+    tool_requests: int  # chat requests that declared tools
+    tool_calls: int  # tool calls returned
+    reasoning_requests: int  # chat requests read with the reasoning parser
     ttft_s: list[float]
     itl_s: list[float]
     recent_decisions: list[DashboardDecision]

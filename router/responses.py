@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from engine.tokens import Logprob
 from typing import Any
 
+from router.chat_output import MessageParser
 from router.dispatch import Delta
+from router.tools.types import assemble
 from router.logprobs import (TextOffsets, TokenText, chat_logprobs, completion_logprobs,
                              prompt_logprobs)
 from router.validation import Prepared
@@ -26,6 +28,7 @@ class _Choice:
     stop_reason: str | int | None = None
     offsets: TextOffsets = field(default_factory=TextOffsets)  # completions: text_offset
     echoed: bool = False  # streamed completions: the prompt went out already
+    parser: MessageParser | None = None  # chat with tools / reasoning: reads the text
 
 
 class _Base:
@@ -37,7 +40,9 @@ class _Base:
         self.id = request_id
         self.created = int(time.time())
         n = prepared.sampling.n
-        self.choices = [_Choice() for _ in range(n * len(prepared.prompts))]
+        output = prepared.output
+        self.choices = [_Choice(parser=MessageParser(output) if output is not None else None)
+                        for _ in range(n * len(prepared.prompts))]
         self.cached = [0] * len(prepared.prompts)
         self.prompt_lps: list[list[Logprob] | None] = [None] * len(prepared.prompts)
 
@@ -57,6 +62,10 @@ class _Base:
         if delta.prompt_logprobs is not None:
             self.prompt_lps[prompt_idx] = delta.prompt_logprobs
         return c
+
+    def num_tool_calls(self) -> int:
+        """Tool calls read from the choices so far."""
+        return sum(c.parser.num_calls for c in self.choices if c.parser is not None)
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.p.prompts)
@@ -112,9 +121,9 @@ class Collector(_Base):
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                choices.append({"index": i, "message": self._message(c, text),
                                 "logprobs": self._chat_logprobs(c.logprobs),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason})
             else:
                 text, lp = self._completion(i // n, c, text, c.logprobs)
                 choices.append({"index": i, "text": text, "logprobs": lp,
@@ -126,6 +135,38 @@ class Collector(_Base):
         if self.chat:
             body["prompt_logprobs"] = self._prompt_logprobs(0)
         return body
+
+    def _message(self, c: _Choice, text: str) -> dict[str, Any]:
+        if c.parser is None:
+            return {"role": "assistant", "content": text}
+        parsed = c.parser.feed(text).extend(c.parser.finish())
+        calls = assemble(parsed.tool_calls)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": parsed.content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        if c.parser.setup.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
+        return message
+
+
+def _finish_reason(c: _Choice) -> str | None:
+    return c.finish_reason if c.parser is None else c.parser.finish_reason(c.finish_reason)
+
+
+def _parsed_delta(parser: MessageParser, delta: Delta) -> dict[str, Any]:
+    """A streamed chat delta's fields: answer text, reasoning, pieces of tool calls."""
+    parsed = parser.feed(delta.text)
+    if delta.finish_reason:
+        parsed.extend(parser.finish())
+    d: dict[str, Any] = {}
+    if parsed.reasoning:
+        d["reasoning_content"] = d["reasoning"] = parsed.reasoning
+    if parsed.content:
+        d["content"] = parsed.content
+    if parsed.tool_calls:
+        d["tool_calls"] = [piece.to_openai() for piece in parsed.tool_calls]
+    return d
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -161,10 +202,15 @@ class ChunkWriter(_Base):
         if not (delta.text or delta.logprobs or delta.finish_reason or echo_due):
             return b""
         if self.chat:
-            d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            if c.parser is None:
+                d = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            else:
+                d = _parsed_delta(c.parser, delta)
+                if not (d or delta.logprobs or delta.finish_reason):
+                    return b""  # the parser holds the text back (a call marker may begin)
             return self._chunk([{"index": i, "delta": d,
                                  "logprobs": self._chat_logprobs(delta.logprobs),
-                                 "finish_reason": delta.finish_reason,
+                                 "finish_reason": _finish_reason(c),
                                  "stop_reason": delta.stop_reason}])
         text, lp = self._completion(prompt_idx, c, delta.text, delta.logprobs)
         return self._chunk([{"index": i, "text": text, "logprobs": lp,

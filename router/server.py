@@ -10,6 +10,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager, suppress
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from cluster.etcd_security import EtcdCredentials
@@ -33,6 +34,7 @@ from router.key_limits import KeyLimits
 from router.limits import uvicorn_options
 from router.loras import LoRAAdapters
 from router.structured import Grammars
+from router.chat_output import ChatOptions
 from router.validation import ModelCard
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ def load_model_card(config: RouterConfig) -> ModelCard:
         raise ValueError(f"--model must be an HF-format directory with tokenizer.json: {path}")
     hf = json.loads((path / "config.json").read_text())
     tok = Tokenizer.from_dir(path)
+    if config.chat_template is not None:
+        tok.set_chat_template(_template_text(config.chat_template))
     max_len = config.max_model_len or int(hf.get("max_position_embeddings", 2048))
     name = config.served_model_name or path.name
     defaults = sampling_defaults(load_generation_config(config.generation_config,
@@ -62,8 +66,33 @@ def load_model_card(config: RouterConfig) -> ModelCard:
         name=name, tokenizer=tok, max_model_len=max_len,
         vocab_size=int(hf.get("vocab_size", tok.vocab_size)),
         aliases=frozenset({config.model, path.name, str(path)}), max_n=config.max_n,
-        sampling_defaults=defaults,
+        sampling_defaults=defaults, chat=chat_options(config),
     )
+
+
+def _template_text(value: str) -> str:
+    """--chat-template: a file's text, or the template itself (vLLM accepts both)."""
+    file = Path(value)
+    if file.is_file():
+        return file.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file (nor a Jinja template)")
+
+
+def chat_options(config: RouterConfig) -> ChatOptions:
+    """The parsers the chat flags name; an unknown name is an error at start, listing the
+    known ones."""
+    from router.reasoning import reasoning_parser
+    from router.tools.parser import load_tool_parser_plugin, tool_parser
+
+    if config.tool_parser_plugin is not None:
+        load_tool_parser_plugin(config.tool_parser_plugin)
+    return ChatOptions(
+        auto_tool_choice=config.enable_auto_tool_choice,
+        tool_parser=tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
+        reasoning_parser=(reasoning_parser(config.reasoning_parser)
+                          if config.reasoning_parser else None))
 
 
 class RouterServices:

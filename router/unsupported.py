@@ -54,12 +54,6 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
     else:
-        if req.tools is not None:
-            raise bad_request("tools must not be an empty array" if not req.tools
-                              else "tools are not supported", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice requires tools, which are not supported",
-                              "tool_choice")
         if (req.model_extra or {}).get("echo"):
             raise bad_request("echo is not supported for chat completions", "echo")
     for name, value in (req.model_extra or {}).items():

@@ -3,7 +3,8 @@ tokenize, apply defaults (OpenAI's, then the model's generation config), check t
 length. Every refusal is a 400 `APIError` naming the field."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
 
@@ -11,6 +12,8 @@ from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from router.chat_output import ChatOptions, OutputSetup
+from router.chat_tools import ChatTools, combine, read_tools
 from router.config import LimitsConfig
 from router.errors import APIError, bad_request
 from router.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart,
@@ -36,6 +39,8 @@ class ModelCard:
     max_n: int = 128
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     """SamplingParams field -> value for requests that omit it (engine.generation_config)."""
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    """How chat output is read: tool calls, reasoning (the router's flags)."""
     longest_token_chars: int = field(init=False, repr=False, compare=False)
     """The longest vocabulary entry, in characters: a text longer than this x the context
     has more tokens than the context holds."""
@@ -63,6 +68,7 @@ class Prepared:
     request_id: str | None = None  # the client's (body) request id
     constraint: Constraint | None = None  # structured outputs: compile-check before dispatch
     lora: LoRARequest | None = None  # the LoRA adapter `model` named (None: the base model)
+    output: OutputSetup | None = None  # chat: reasoning / tool calls to read (None: plain text)
 
 
 def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
@@ -87,16 +93,33 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
     """`limit`: the longest prompt + output a live worker holds (default: the model card's).
     `adapters`: the LoRA adapters served now (name -> path); `model` may name one. `limits`:
     the caps on a request's inputs (default: LimitsConfig's), checked before tokenizing."""
+    return prepare_request(kind, parse_body(kind, body), card, limit, adapters, limits)
+
+
+def prepare_chat(req: ChatCompletionRequest, card: ModelCard, limit: int | None = None,
+                 adapters: Mapping[str, str] | None = None,
+                 limits: LimitsConfig | None = None) -> Prepared:
+    """`prepare` for a chat request parsed already (the Responses API builds one)."""
+    return prepare_request("chat", req, card, limit, adapters, limits)
+
+
+def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
+                    card: ModelCard, limit: int | None = None,
+                    adapters: Mapping[str, str] | None = None,
+                    limits: LimitsConfig | None = None) -> Prepared:
     limit = limit or card.max_model_len
     limits = limits or LimitsConfig()
-    req = parse_body(kind, body)
     lora = check_model(req.model, card, adapters)
     refuse_unsupported(req)
     _check_counts(req, limits)
     max_chars = max_prompt_chars(card, limit, limits)
     echo = None  # completions with echo: each prompt's text
+    tools, text = ChatTools(None, None, {}), ""
     if isinstance(req, ChatCompletionRequest):
-        prompts, prompt_param = [chat_prompt(req, card.tokenizer, max_chars)], "messages"
+        tools = read_tools(req, card.chat, card.tokenizer)
+        text = chat_text(req, card.tokenizer, tools.template_kwargs)
+        prompts, prompt_param = [encode_text(card.tokenizer, text, req.add_special_tokens,
+                                             max_chars, "messages")], "messages"
         max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
@@ -127,7 +150,7 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
         # The model's max_new_tokens stands in for an omitted chat max_tokens, within the
         # context (vLLM: min(context remainder, request or default max_tokens)).
         max_tokens = max(1, min(card.sampling_defaults["max_tokens"], limit - len(prompts[0])))
-    structured = constraint(req, limits.max_grammar_bytes)
+    structured = combine(tools, constraint(req, limits.max_grammar_bytes))
     sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
                          {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
                          structured)
@@ -149,7 +172,17 @@ def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
         chat_logprobs=kind == "chat" and logprobs is not None, priority=req.priority,
         echo=echo, tokens_as_ids=bool(req.return_tokens_as_token_ids),
         request_id=req.request_id, constraint=structured, lora=lora,
+        output=_with_prompt(tools.setup, text) if kind == "chat" else None,
     )
+
+
+def _with_prompt(setup: OutputSetup | None, prompt_text: str) -> OutputSetup | None:
+    """`setup`, knowing whether the rendered prompt closed the reasoning already (Qwen3's
+    template with thinking off writes an empty think block)."""
+    if setup is None or setup.reasoning is None:
+        return setup
+    r = setup.reasoning
+    return replace(setup, prompt_ends_reasoning=prompt_text.rfind(r.end) > prompt_text.rfind(r.start))
 
 
 def _truncation(k: int, max_input: int) -> int:
@@ -173,7 +206,8 @@ def _echo_texts(req: CompletionRequest, prompts: list[list[int]], truncated: boo
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The chat template's input: text parts joined with newlines (vLLM's string content
-    format); `name` kept."""
+    format); `name`, `tool_call_id` and reasoning kept; tool calls' arguments as objects (as
+    templates write them: `arguments | tojson`)."""
     out = []
     for i, m in enumerate(messages):
         if m.content is None or isinstance(m.content, str):
@@ -190,6 +224,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         message = {"role": m.role, "content": text}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         out.append(message)
     return out
 
@@ -210,13 +251,26 @@ def render_chat(tok: Tokenizer, messages: list[ChatMessage], add_generation_prom
         raise bad_request(str(exc), "messages") from None
 
 
-def chat_prompt(req: ChatCompletionRequest, tok: Tokenizer, max_chars: int) -> list[int]:
-    kwargs = dict(req.chat_template_kwargs or {})
+def _template_call(i: int, j: int, call) -> dict[str, Any]:
+    where = f"messages.{i}.tool_calls.{j}.function.arguments"
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise bad_request(f"{where} must be JSON text of an object", where) from None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where} must be JSON text of an object", where)
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def chat_text(req: ChatCompletionRequest, tok: Tokenizer,
+              extra: Mapping[str, Any] | None = None) -> str:
+    """The rendered conversation. `extra`: template variables the router adds (`tools`)."""
+    kwargs = {**(req.chat_template_kwargs or {}), **(extra or {})}
     if req.documents is not None:
         kwargs["documents"] = req.documents
-    text = render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+    return render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
                        kwargs, "add_generation_prompt" in req.model_fields_set)
-    return encode_text(tok, text, req.add_special_tokens, max_chars, "messages")
 
 
 def max_prompt_chars(card: ModelCard, limit: int, limits: LimitsConfig) -> int:

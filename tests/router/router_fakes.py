@@ -46,6 +46,8 @@ class Behavior:
     default_max_tokens: int = 32
     script: list[tuple[int, str]] | None = None
     """Tokens (id, text delta) every completion emits instead of the fake ones."""
+    script_finish: str = "length"
+    """The finish reason of the script's last token ("stop": as if it were the model's EOS)."""
 
 
 @dataclass
@@ -232,6 +234,8 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
                     tok, text = (b.script[k] if b.script is not None
                                  else (fake_token(prompt, i, k), f" w{fake_token(prompt, i, k)}"))
                     finish = "length" if k == max_tokens - 1 else ""
+                    if finish and b.script is not None and k == len(b.script) - 1:
+                        finish = b.script_finish
                     stop = _first_stop(texts[i] + text, list(s.stop))
                     if stop is not None:
                         cut, stop_str = stop

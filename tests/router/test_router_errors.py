@@ -85,7 +85,7 @@ _DROP = object()
     ("comp", _with(COMP, prompt=[1, 10**7]), "prompt"),
     ("comp", _with(COMP, stop_token_ids=[-1]), "stop_token_ids"),
     # not supported here
-    ("chat", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat", _with(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     ("chat", _with(CHAT, response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nope"}}}), "response_format"),
     ("chat", _with(CHAT, logit_bias={"99999999": 1.0}), "logit_bias"),

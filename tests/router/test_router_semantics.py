@@ -115,7 +115,7 @@ def test_truncate_prompt_tokens_keeps_the_last_k(cluster, http):
      "response_format.json_schema.name"),
     ("chat", {"response_format": {"type": "structural_tag"}}, "response_format"),
     ("chat", {"tools": []}, "tools"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),

@@ -171,8 +171,10 @@ CASES: list[Case] = [
          _chat(max_tokens=1, guided_json={"type": "object"}, guided_whitespace_pattern=" *"),
          status=400, param="guided_whitespace_pattern",
          why="xgrammar (pdserve's only backend) has no whitespace pattern"),
-    Case("tools are refused", CHAT, _chat(max_tokens=1, tools=[{"type": "function", "function": {"name": "f"}}]),
-         status=400, param="tools"),
+    Case("auto tool choice needs the server's flags", CHAT,
+         _chat(max_tokens=1, tools=[{"type": "function", "function": {"name": "f"}}]),
+         status=400, param="tool_choice",
+         why="tools default to tool_choice auto, which needs --enable-auto-tool-choice"),
     Case("use_beam_search is refused", COMPLETIONS, _c(max_tokens=1, use_beam_search=True),
          status=400, param="use_beam_search"),
 ]

@@ -1,0 +1,129 @@
+"""Tool calling on the real cluster (prefill + decode workers, SmolLM2 cut to 2 layers: its
+text is noise, which is the point — only the constraints make its calls valid), driven by the
+official `openai` client and by the OpenAI Agents SDK, through a router started with the
+ChatML tool template, --enable-auto-tool-choice and --tool-call-parser hermes."""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from openai_cluster import KEY, MODEL, REPO, start_router
+
+TEMPLATE = str(REPO / "examples" / "tool_chat_template_chatml.jinja")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "hours": {"type": "integer", "minimum": 0, "maximum": 23}}, "required": ["hours"]}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_url(e2e):
+    with start_router(e2e.etcd, e2e.logs, "--chat-template", TEMPLATE,
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      security=e2e.router_security, name="tools-router") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tc(tools_url):
+    return openai.OpenAI(base_url=tools_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _valid(calls, names) -> list[tuple[str, dict]]:
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        out.append((call.function.name, arguments))
+    return out
+
+
+def _streamed(stream) -> dict[int, dict]:
+    """choice index -> {"calls": {index: {id, name, arguments}}, "finish": reason}."""
+    choices: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            state = choices.setdefault(c.index, {"calls": {}, "finish": None, "content": ""})
+            state["content"] += c.delta.content or ""
+            for piece in c.delta.tool_calls or []:
+                call = state["calls"].setdefault(piece.index, {"arguments": ""})
+                if piece.id:
+                    call["id"], call["name"] = piece.id, piece.function.name
+                call["arguments"] += piece.function.arguments or ""
+            state["finish"] = c.finish_reason or state["finish"]
+    return choices
+
+
+SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 7}]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_required_calls_always_parse_and_follow_their_schemas(tc, sampling):
+    r = tc.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                   tool_choice="required", n=2, max_tokens=120, **sampling)
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert _valid(choice.message.tool_calls, SCHEMAS)
+    stream = tc.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                        tool_choice="required", n=2, max_tokens=120,
+                                        stream=True, **sampling)
+    for i, state in _streamed(stream).items():
+        assert state["finish"] == "tool_calls"
+        calls = [state["calls"][k] for k in sorted(state["calls"])]
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        if sampling["temperature"] == 0:  # greedy: streamed == whole
+            assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+                _valid(r.choices[i].message.tool_calls, SCHEMAS)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_a_named_function_always_parses(tc, sampling):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = tc.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                   tool_choice=named, n=2, max_tokens=60, **sampling)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        [(name, _)] = _valid(choice.message.tool_calls, {"get_time"})
+    stream = tc.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                        tool_choice=named, max_tokens=60, stream=True, **sampling)
+    [state] = _streamed(stream).values()
+    [call] = state["calls"].values()
+    assert call["name"] == "get_time"
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS["get_time"])
+
+
+def test_a_two_turn_tool_loop(tc):
+    first = tc.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=80, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = first.choices[0].message.tool_calls
+    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = tc.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                        tool_choice="none", max_tokens=8, temperature=0)
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    # The call and its result were rendered into the second prompt (the template's format).
+    rendered = tc.post("/tokenize", cast_to=object, body={"model": MODEL, "messages": history,
+                                                          "tools": [WEATHER]})
+    assert second.usage.prompt_tokens == rendered["count"]
+
+
+def test_an_uncompilable_tool_schema_is_a_400(tc):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(("}}}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        tc.chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required",
+                                   max_tokens=4)
+    assert exc.value.body["param"] == "tools"
