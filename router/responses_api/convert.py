@@ -3,12 +3,14 @@ tools, tool choice and text format in chat's shapes. The chat pipeline then prep
 (router/validation.py), so both APIs share one template, tokenizer, tool and structured-output
 path; a refusal there is renamed to the Responses field (`renamed`).
 
-Input items -> chat messages:
-- a message: its role and text (parts as chat's text parts: the template joins them);
-- `function_call` items: `tool_calls` of one assistant message (the preceding assistant
-  message when the calls follow it, as a turn's output lists its text, then its calls);
-- `function_call_output`: a `tool` message answering `call_id`;
-- `reasoning`: left out (chat templates drop earlier turns' reasoning).
+Input items -> chat messages, one assistant message per turn as a turn's output lists it
+(reasoning, then text, then calls):
+- `reasoning`: an assistant message's `reasoning_content` (its content parts' text, else its
+  summary's); the chat template decides whether earlier turns' reasoning is shown;
+- a message: its role and text (parts as chat's text parts: the template joins them); an
+  assistant message right after reasoning is that message's content;
+- `function_call` items: `tool_calls` of the assistant message they follow (or a new one);
+- `function_call_output`: a `tool` message answering `call_id`.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from pydantic import TypeAdapter
 
 from router.errors import APIError
 from router.responses_api.protocol import (FunctionCallItem, FunctionCallOutputItem, InputItem,
-                                           MessageItem, ResponsesRequest, TextFormatJsonObject,
-                                           TextFormatJsonSchema)
+                                           MessageItem, ReasoningItem, ResponsesRequest,
+                                           TextFormatJsonObject, TextFormatJsonSchema)
 
 _OUTPUT_AS_INPUT = TypeAdapter(list[InputItem])
 _PASSED = ("temperature", "top_p", "user", "parallel_tool_calls", "top_k", "seed", "stop",
@@ -34,19 +36,28 @@ def input_messages(input: str | list) -> list[dict[str, Any]]:
         return [{"role": "user", "content": input}]
     out: list[dict[str, Any]] = []
     for item in input:
+        last = out[-1] if out and out[-1]["role"] == "assistant" else None
         if isinstance(item, MessageItem):
             content = item.content if isinstance(item.content, str) else [
                 {"type": "text", "text": part.text} for part in item.content]
-            out.append({"role": item.role, "content": content})
+            if (item.role == "assistant" and last is not None and last["content"] is None
+                    and "tool_calls" not in last):
+                last["content"] = content  # the answer after this turn's reasoning
+            else:
+                out.append({"role": item.role, "content": content})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
+            if last is not None:
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        elif isinstance(item, ReasoningItem):
+            parts = item.content if item.content else item.summary
+            out.append({"role": "assistant", "content": None,
+                        "reasoning_content": "".join(part.text for part in parts)})
     return out
 
 

@@ -75,8 +75,8 @@ class ReasoningText(_Strict):
 
 
 class ReasoningItem(_Strict):
-    """Reasoning of an earlier turn sent back: accepted and left out of the prompt (chat
-    templates drop earlier turns' reasoning too)."""
+    """Reasoning of an earlier turn sent back: the `reasoning_content` of that turn's
+    assistant message (its template decides whether to show it)."""
 
     type: Literal["reasoning"]
     id: str | None = None

@@ -1,30 +1,31 @@
 """POST /v1/responses: the route (its life cycle: router/responses_api/__init__.py)."""
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from router.config import LimitsConfig
 from router.dispatch import Delta, WorkerFailed
-from router.errors import APIError, bad_request
-from router.generation import Updates, collect, dispatch, settle
+from router.errors import APIError, bad_request, from_validation_errors
+from router.generation import Updates, collect, count_tool_calls, dispatch, settle
 from router.key_limits import TENANT
 from router.openapi import GENERATE_ERRORS, route_schema
+from router.protocol import ChatCompletionRequest
 from router.response_models import ResponsesResponse, ResponseStreamEvent
 from router.responses_api.convert import chat_body, input_messages, output_messages, renamed
 from router.responses_api.protocol import ResponsesRequest, check, parse_request
-from router.responses_api.run import ResponseRun, message_parser
+from router.responses_api.run import ResponseRun
 from router.responses_api.store import ResponseStore
 from router.services import Services
 from router.streaming import ClientGone
-from router.validation import ModelCard, Prepared, prepare
+from router.validation import ModelCard, Prepared, prepare_chat
 
 STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 
@@ -58,11 +59,14 @@ async def _respond(services: Services, store: ResponseStore | None, request: Req
                                          services.loras.served(), services.config.limits)
     streams = await dispatch(services, request, prepared, arrival)
     keep = store is not None and req.store is not False
-    run = ResponseRun(req, prepared, message_parser(prepared), f"resp_{uuid.uuid4().hex}",
-                      keep, services.config.enable_prompt_tokens_details)
+    run = ResponseRun(req, prepared, f"resp_{uuid.uuid4().hex}", keep,
+                      services.config.enable_prompt_tokens_details)
 
-    def finished() -> None:
-        if keep:
+    def finished(completed: bool = True) -> None:
+        """The response ended (`completed`: not failed): its calls counted, it kept (before
+        the client reads its end, so that it can continue it at once)."""
+        count_tool_calls(services, prepared, run.parser.num_calls)
+        if keep and completed:
             store.put(tenant, run.id, conversation + output_messages(run.output()))
 
     try:
@@ -98,13 +102,16 @@ def _prepare(chat: dict[str, Any], card: ModelCard, limit: int, adapters: Mappin
     """The chat request prepared as /v1/chat/completions prepares it; a refusal names the
     Responses field."""
     try:
-        return prepare("chat", json.dumps(chat).encode(), card, limit, adapters, limits)
+        req = ChatCompletionRequest.model_validate(chat)
+        return prepare_chat(req, card, limit, adapters, limits)
+    except ValidationError as exc:  # chat's own checks (e.g. a tool name's characters)
+        raise renamed(from_validation_errors(exc.errors())) from None
     except APIError as exc:
         raise renamed(exc) from None
 
 
 async def _events(run: ResponseRun, first: tuple[int, Delta], streams: Updates,
-                  finished) -> AsyncIterator[bytes]:
+                  finished: Callable[[bool], None]) -> AsyncIterator[bytes]:
     async with aclosing(streams):
         run.add(*first)
         yield run.opening() + run.take()
@@ -115,7 +122,8 @@ async def _events(run: ResponseRun, first: tuple[int, Delta], streams: Updates,
                 if chunk:
                     yield chunk
         except (WorkerFailed, APIError) as exc:
+            finished(False)
             yield run.failed(str(exc))
             return
-    finished()
+    finished(True)
     yield run.closing()

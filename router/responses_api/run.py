@@ -2,6 +2,9 @@
 parser of model text (answer, reasoning, tool calls) into the output items (output.py), the
 usage, and the response object around them, whole or as server-sent events.
 
+The text is read as chat reads it (router/chat_output.py's `MessageParser`, with the request's
+tools, tool_choice and the server's parsers), so both APIs find the same calls and reasoning.
+
 A stream: `response.created`, `response.in_progress` (the response, `in_progress`, no output
 yet), the items' events, then `response.completed` (or `response.incomplete`, cut off by
 max_output_tokens) with the whole response; or, when the workers fail after the first token,
@@ -15,44 +18,22 @@ import json
 import time
 from typing import Any
 
+from router.chat_output import MessageParser, OutputSetup
 from router.dispatch import Delta
 from router.responses_api.output import OutputWriter
 from router.responses_api.protocol import ResponsesRequest
-from router.tools.types import ParsedDelta
 from router.validation import Prepared
 
 
-class PlainText:
-    """A completion's text as answer only: the parser of a request without tools or a
-    reasoning parser (router/chat_output.py's `MessageParser` parses the others)."""
-
-    called_tools = False
-
-    def feed(self, text: str) -> ParsedDelta:
-        return ParsedDelta(content=text)
-
-    def finish(self) -> ParsedDelta:
-        return ParsedDelta()
-
-
-def message_parser(prepared: Prepared):
-    """Chat's parser of one completion's text for `prepared` (its `output` setup; None:
-    plain text)."""
-    setup = getattr(prepared, "output", None)  # Prepared.output: the chat pipeline's seam
-    if setup is None:
-        return PlainText()
-    from router.chat_output import MessageParser
-    return MessageParser(setup)
-
-
 class ResponseRun:
-    def __init__(self, req: ResponsesRequest, prepared: Prepared, parser, response_id: str,
+    def __init__(self, req: ResponsesRequest, prepared: Prepared, response_id: str,
                  stored: bool, cached_tokens_details: bool) -> None:
-        """`parser`: feed(text) / finish() -> ParsedDelta (`message_parser`). `stored`: the
-        response will be kept for previous_response_id. `cached_tokens_details`: report
-        cached prompt tokens (--enable-prompt-tokens-details; else 0)."""
+        """`stored`: the response will be kept for previous_response_id.
+        `cached_tokens_details`: report cached prompt tokens (--enable-prompt-tokens-details;
+        else 0)."""
         self.p = prepared
-        self.parser = parser
+        # chat's reading of the text: reasoning, tool calls (no setup: all of it is answer)
+        self.parser = MessageParser(prepared.output or OutputSetup())
         self.writer = OutputWriter(events=prepared.stream)
         self.id = response_id
         self.details = cached_tokens_details

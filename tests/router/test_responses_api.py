@@ -3,13 +3,16 @@ the output items and streaming events built from parsed pieces of model text (ha
 `ParsedDelta`s), the response store, the refusals, and the route through a router with fake
 workers, streamed and not, every body and event validated against router/response_models.py."""
 import json
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
+from router.chat_output import OutputSetup
 from router.dispatch import Delta
+from router.reasoning import ReasoningParser
 from router.errors import APIError
 from router.protocol import ChatCompletionRequest
 from router.response_models import ResponsesResponse, ResponseStreamEvent
@@ -25,6 +28,12 @@ from router_fakes import fake_token
 from router_harness import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
+TEMPLATE = str(Path(__file__).resolve().parents[2] / "examples" / "tool_chat_template_chatml.jinja")
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+TIME = {"type": "function", "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}
 
 
 def request(**body):
@@ -79,8 +88,8 @@ def test_function_calls_and_their_outputs():
          "tool_calls": [call("call_a", "Paris"), call("call_b", "Rome")]},
         {"role": "tool", "tool_call_id": "call_a", "content": "sun"},
         {"role": "tool", "tool_call_id": "call_b", "content": "rain"},
-        # reasoning left out; a call after a tool message opens an assistant message
-        {"role": "assistant", "content": None, "tool_calls": [
+        # reasoning opens the next turn; its call joins it
+        {"role": "assistant", "content": None, "reasoning_content": "hmm", "tool_calls": [
             {"id": "call_c", "type": "function", "function": {"name": "time", "arguments": "{}"}}]}]
 
 
@@ -121,7 +130,7 @@ def test_output_becomes_an_assistant_turn():
     w.add(ParsedDelta(tool_calls=[ToolCallDelta(0, "call_1", "f", '{"x": 1}')]))
     w.close()
     assert output_messages(w.output()) == [{"role": "assistant", "content": [
-        {"type": "text", "text": "Sure."}], "tool_calls": [
+        {"type": "text", "text": "Sure."}], "reasoning_content": "think", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
 
 
@@ -277,6 +286,8 @@ def test_items_are_the_same_without_events():
 class Scripted:
     """A parser returning hand-made pieces, one per text fed (what chat's parser would)."""
 
+    num_calls = 0
+
     def __init__(self, pieces):
         self.pieces = list(pieces)
 
@@ -287,10 +298,16 @@ class Scripted:
         return ParsedDelta()
 
 
-def prepared(stream):
+def prepared(stream, output=None):
     return Prepared(kind="chat", model=MODEL, prompts=[[1, 2, 3, 4]],
                     sampling=SamplingParams(max_tokens=4, temperature=0.5), cache_salt=None,
-                    stream=stream, include_usage=False)
+                    stream=stream, include_usage=False, output=output)
+
+
+def scripted_run(req, stream, pieces, response_id, stored, details):
+    run = ResponseRun(req, prepared(stream), response_id, stored, details)
+    run.parser = Scripted(pieces)
+    return run
 
 
 def sse_events(raw: bytes):
@@ -308,7 +325,7 @@ def test_run_streams_valid_events_and_counts_reasoning_tokens():
                   tools=[{"type": "function", "name": "f"}], stream=True)
     pieces = [ParsedDelta(reasoning="hmm"), ParsedDelta(), ParsedDelta(content="ok"),
               ParsedDelta(tool_calls=[ToolCallDelta(0, "call_1", "f", "{}")])]
-    run = ResponseRun(req, prepared(True), Scripted(pieces), "resp_1", True, False)
+    run = scripted_run(req, True, pieces, "resp_1", True, False)
     deltas = [Delta(0, [9], t, [], None, 2) for t in "abc"] + [Delta(0, [9], "d", [], "length", 2)]
     run.add(0, deltas[0])
     raw = run.opening() + run.take()
@@ -338,8 +355,8 @@ def test_run_streams_valid_events_and_counts_reasoning_tokens():
 
 
 def test_run_failure_event():
-    run = ResponseRun(request(input="x"), prepared(True), Scripted([ParsedDelta(content="a")]),
-                      "resp_2", False, True)
+    run = scripted_run(request(input="x"), True, [ParsedDelta(content="a")], "resp_2", False,
+                       True)
     run.add(0, Delta(0, [5], "a", [], None, 3))
     events = sse_events(run.opening() + run.take() + run.failed("workers failed"))
     name, data = events[-1]
@@ -381,7 +398,7 @@ def test_store_bounds_the_bytes():
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
     c = start_cluster(bg, etcd.endpoint, "responses", [("decode", "d1")],
-                      enable_response_store=True)
+                      enable_response_store=True, chat_template=TEMPLATE)
     yield c
     c.stop()
 
@@ -501,3 +518,156 @@ def test_route_stream_failing_after_the_first_token(cluster, http):
         d["delta"] for n, d in events if n == "response.output_text.delta")
     r = http.post("/v1/responses", json={"input": "x", "previous_response_id": failed.id})
     assert r.status_code == 404
+
+
+# ---- through chat's parser: tool calls (fake workers), reasoning ---------------------------
+@pytest.fixture
+def say(cluster):
+    """Makes the fake worker write `text` (in 3-character tokens, ending as the model's EOS)."""
+    behavior = cluster.workers["d1"].behavior
+
+    def say(text: str) -> None:
+        behavior.script = [(100 + i, text[i:i + 3]) for i in range(0, len(text), 3)]
+        behavior.script_finish, behavior.default_max_tokens = "stop", len(behavior.script)
+    yield say
+    behavior.script, behavior.script_finish, behavior.default_max_tokens = None, "length", 32
+
+
+def calls_of(body: ResponsesResponse):
+    return [(i.name, json.loads(i.arguments)) for i in body.output if i.type == "function_call"]
+
+
+def test_a_named_function_call(cluster, http, say):
+    say('{"city": "Paris"}')
+    body = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    whole = post(http, body)
+    [call] = whole.output
+    assert (call.type, call.name, call.arguments, call.status) == (
+        "function_call", "get_weather", '{"city": "Paris"}', "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert whole.status == "completed" and whole.tool_choice.name == "get_weather"
+    assert [t.name for t in whole.tools] == ["get_weather", "get_time"]
+    so = cluster.workers["d1"].requests[-1].sampling.structured_outputs
+    assert json.loads(so.json) == WEATHER["parameters"]  # chat's constraint for a named call
+    events = stream(http, body)
+    kinds = [n.removeprefix("response.") for n, _ in events]
+    assert kinds == ["created", "in_progress", "output_item.added"] + \
+        ["function_call_arguments.delta"] * 6 + ["function_call_arguments.done",
+                                                 "output_item.done", "completed"]
+    done = next(d for n, d in events if n == "response.function_call_arguments.done")
+    assert "".join(d["delta"] for n, d in events if n.endswith("arguments.delta")) == \
+        done["arguments"] == '{"city": "Paris"}' and done["name"] == "get_weather"
+
+
+def test_required_calls_counted(cluster, http, say):
+    def sample(name):
+        return cluster.router.services.metrics.registry.get_sample_value(
+            name, {"tool_choice": "required"}) or 0
+
+    before = sample("pdserve_router_tool_requests_total"), sample("pdserve_router_tool_calls_total")
+    say('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+        '{"name": "get_time", "parameters": {"tz": "CET"}}]')
+    body = {"model": MODEL, "input": "Weather and time?", "tools": [WEATHER, TIME],
+            "tool_choice": "required"}
+    expected = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert calls_of(post(http, body)) == expected
+    events = stream(http, body)
+    final = ResponsesResponse.model_validate(events[-1][1]["response"])
+    assert calls_of(final) == expected and final.status == "completed"
+    assert [d["output_index"] for n, d in events if n == "response.output_item.added"] == [0, 1]
+    after = sample("pdserve_router_tool_requests_total"), sample("pdserve_router_tool_calls_total")
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 4)
+
+
+def test_a_call_and_its_output_continue_the_conversation(cluster, http, say):
+    """Turn 1 calls a function; turn 2 sends its output with previous_response_id: the
+    prompt renders the call and the result through the template."""
+    say('{"city": "Paris"}')
+    first = post(http, {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER],
+                        "tool_choice": {"type": "function", "name": "get_weather"}})
+    [call] = first.output
+    say("It is sunny.")
+    second = post(http, {"model": MODEL, "previous_response_id": first.id, "tools": [WEATHER],
+                         "tool_choice": "none", "input": [
+                             {"type": "function_call_output", "call_id": call.call_id,
+                              "output": "sunny, 21 C"}]})
+    assert second.output[0].content[0].text == "It is sunny."
+    tok = cluster.services.card.tokenizer
+    prompt = tok.decode(list(cluster.workers["d1"].requests[-1].prompt_token_ids))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' \
+        in prompt and "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+    # the same turn with the call sent back as input instead: the same prompt
+    post(http, {"model": MODEL, "tools": [WEATHER], "tool_choice": "none", "input": [
+        {"role": "user", "content": "Weather in Paris?"}, call.model_dump(),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]})
+    assert tok.decode(list(cluster.workers["d1"].requests[-1].prompt_token_ids)) == prompt
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"tools": [WEATHER]}, "tool_choice", "--enable-auto-tool-choice"),  # auto by default
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "'nope'"),
+    ({"tools": [{"type": "function", "name": "bad name!"}], "tool_choice": "none"},
+     "tools.0.name", "tools.0.name"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools.1.name", "twice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "text.format", "text.format"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+     "input", "object"),
+])
+def test_chat_refusals_name_the_responses_field(cluster, http, extra, param, words):
+    before = len(cluster.workers["d1"].requests)
+    r = http.post("/v1/responses", json={"model": MODEL, "input": "x", **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert len(cluster.workers["d1"].requests) == before  # no worker saw it
+
+
+class ThinkParser(ReasoningParser):
+    """A minimal <think>...</think> reader for the test (held back: a possible end marker)."""
+
+    def __init__(self, prompt_ends_reasoning=False):
+        super().__init__(prompt_ends_reasoning)
+        self.done, self.held = prompt_ends_reasoning, ""
+
+    @property
+    def in_answer(self):
+        return self.done
+
+    def feed(self, text):
+        if self.done:
+            return ParsedDelta(content=text)
+        text = (self.held + text).removeprefix(self.start)
+        if self.end in text:
+            self.done, self.held = True, ""
+            reasoning, answer = text.split(self.end, 1)
+            return ParsedDelta(reasoning=reasoning, content=answer)
+        keep = next((k for k in range(len(self.end) - 1, 0, -1) if text.endswith(self.end[:k])), 0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return ParsedDelta(reasoning=text[:len(text) - keep])
+
+    def finish(self):
+        held, self.held = self.held, ""
+        return ParsedDelta(reasoning=held)
+
+
+def test_reasoning_through_chats_parser():
+    """The run reads text with chat's MessageParser (Prepared.output): reasoning then answer,
+    split wherever the pieces fall; reasoning tokens are those whose text was reasoning."""
+    req = request(input="x", stream=True)
+    run = ResponseRun(req, prepared(True, OutputSetup(reasoning=ThinkParser)), "resp_3", False,
+                      False)
+    texts = ["<think>Let", " me</th", "ink>The ans", "wer."]
+    run.add(0, Delta(0, [1], texts[0], [], None, 0))
+    raw = run.opening() + run.take()
+    for i, text in enumerate(texts[1:]):
+        run.add(0, Delta(0, [2 + i], text, [], "stop" if i == 2 else None, 0))
+        raw += run.take()
+    events = sse_events(raw + run.closing())
+    body = ResponsesResponse.model_validate(events[-1][1]["response"])
+    reasoning, message = body.output
+    assert reasoning.content[0].text == "Let me" and message.content[0].text == "The answer."
+    assert "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta") == "Let me"
+    assert body.usage.output_tokens_details.reasoning_tokens == 2
