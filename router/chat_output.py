@@ -45,7 +45,8 @@ class OutputSetup:
     parallel_tool_calls: bool = True
     parser: type[ToolParser] | None = None  # tool_choice "auto"
     reasoning: type[ReasoningParser] | None = None
-    prompt_ends_reasoning: bool = False
+    prompt_ends_reasoning: bool = False  # the rendered prompt closed the reasoning
+    prompt_starts_reasoning: bool = False  # the rendered prompt opened it (output thinks first)
     include_reasoning: bool = True
 
     @property
@@ -58,7 +59,8 @@ class OutputSetup:
 class MessageParser:
     def __init__(self, setup: OutputSetup) -> None:
         self.setup = setup
-        self._reasoning = (setup.reasoning(setup.prompt_ends_reasoning)
+        self._reasoning = (setup.reasoning(setup.prompt_ends_reasoning,
+                                           setup.prompt_starts_reasoning)
                            if setup.reasoning is not None else None)
         self._calls = _call_reader(setup)
         self._num_calls = 0

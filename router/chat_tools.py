@@ -24,6 +24,7 @@ from router.chat_output import ChatOptions, OutputSetup, required_calls_schema
 from router.errors import bad_request
 from router.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
 from router.structured import Constraint
+from router.tools.parser import ToolParser
 from router.tools.types import FunctionTool
 
 _TEMPLATE_HINT = ("pass a chat template that does with --chat-template "
@@ -38,6 +39,7 @@ class ChatTools:
     setup: OutputSetup | None
     constraint: Constraint | None
     template_kwargs: dict[str, Any]
+    keep_special_tokens: bool = False  # the parser's markers are special tokens
 
 
 def read_tools(req: ChatCompletionRequest, options: ChatOptions, tok: Tokenizer) -> ChatTools:
@@ -57,11 +59,27 @@ def read_tools(req: ChatCompletionRequest, options: ChatOptions, tok: Tokenizer)
         raise bad_request(f"the model's chat template does not render tools; {_TEMPLATE_HINT}",
                           "tools")
     _check_history(req, tok, parallel)
+    parser = options.tool_parser if choice == "auto" else None
+    special = parser is not None and special_markers(parser, tok)
     setup = OutputSetup(tools=tuple(tools), tool_choice=choice, named=named,
-                        parallel_tool_calls=parallel,
-                        parser=options.tool_parser if choice == "auto" else None,
+                        parallel_tool_calls=parallel, parser=parser,
                         reasoning=reasoning, include_reasoning=req.include_reasoning)
-    return ChatTools(setup, _constraint(setup), {"tools": [t.to_openai() for t in tools]})
+    return ChatTools(setup, _constraint(setup, tag=not special),
+                     {"tools": [t.to_openai() for t in tools]}, keep_special_tokens=special)
+
+
+def special_markers(parser: type[ToolParser], tok: Tokenizer) -> bool:
+    """Whether the parser's call markers are special tokens of this vocabulary (Mistral's
+    `[TOOL_CALLS]`, Granite's `<|tool_call|>`): the text must then keep special tokens for
+    the parser to see them (vLLM does the same), and no grammar may carry them (grammars
+    never emit special tokens), so such a format's calls are parsed, not constrained."""
+    for marker in getattr(parser, "MARKERS", ()):
+        try:
+            if tok.is_special(tok.token_id(marker)):
+                return True
+        except KeyError:
+            pass
+    return False
 
 
 def function_tools(declared: list[ChatTool]) -> list[FunctionTool]:
@@ -101,7 +119,7 @@ def _choice(req: ChatCompletionRequest, tools: list[FunctionTool],
     return choice, None
 
 
-def _constraint(setup: OutputSetup) -> Constraint | None:
+def _constraint(setup: OutputSetup, tag: bool) -> Constraint | None:
     tools = list(setup.tools)
     if setup.tool_choice == "function":
         tool = next(t for t in tools if t.name == setup.named)
@@ -110,7 +128,7 @@ def _constraint(setup: OutputSetup) -> Constraint | None:
     if setup.tool_choice == "required":
         schema = required_calls_schema(tools, setup.parallel_tool_calls)
         return Constraint(StructuredOutputsParams(json=schema), "tools")
-    if setup.tool_choice == "auto" and setup.parser is not None:
+    if setup.tool_choice == "auto" and setup.parser is not None and tag:
         tag = setup.parser.structural_tag(tools)
         if tag is not None:
             return Constraint(StructuredOutputsParams(structural_tag=json.dumps(tag)), "tools")

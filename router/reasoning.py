@@ -1,59 +1,18 @@
-"""Reasoning output (vLLM's `--reasoning-parser NAME`): a reasoning model writes its thinking
-between markers (`<think>` ... `</think>`) before the answer; the parser splits one
-completion's text into `reasoning` and `content` as it streams.
-
-Contract, for every parser (as for tool parsers, router/tools/parser.py): `feed(text)`
-returns what `text` adds, `finish()` what was held back; feeding the same text in any pieces
-gives the same split; only a possible marker prefix is held back. `prompt_ends_reasoning`:
-the rendered prompt already closed the reasoning (e.g. Qwen3 with `enable_thinking: false`
-writes an empty `<think></think>`), so the whole output is answer. `start` / `end`: the
-marker texts, which the router turns into token ids for the engine, whose structured-output
-grammar then applies to the answer only (after the end marker).
-"""
+"""Choosing a reasoning parser by name (vLLM's `--reasoning-parser NAME`). The contract every
+parser keeps is ReasoningParser's (router/reasoning_base.py, re-exported here with
+`register_reasoning_parser`); the built-ins (router/reasoning_parsers.py) are registered on
+import of this module."""
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from router import reasoning_parsers
+from router.reasoning_base import _PARSERS, ReasoningParser, register_reasoning_parser
 
-from router.tools.types import ParsedDelta
-
-
-class ReasoningParser(ABC):
-    name: ClassVar[str]
-    start: ClassVar[str] = "<think>"
-    end: ClassVar[str] = "</think>"
-
-    def __init__(self, prompt_ends_reasoning: bool = False) -> None:
-        self.prompt_ends_reasoning = prompt_ends_reasoning
-
-    @abstractmethod
-    def feed(self, text: str) -> ParsedDelta:
-        """What `text` adds: `reasoning` and/or `content` (never tool calls)."""
-
-    @abstractmethod
-    def finish(self) -> ParsedDelta:
-        """The end of the output: what was held back."""
-
-    @property
-    @abstractmethod
-    def in_answer(self) -> bool:
-        """The reasoning is over: text fed from now on is answer."""
-
-
-_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]],
-                                                     type[ReasoningParser]]:
-    def add(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return add
+del reasoning_parsers  # imported for its effect: the built-in parsers registered themselves
+__all__ = ["ReasoningParser", "reasoning_parser", "reasoning_parser_names",
+           "register_reasoning_parser"]
 
 
 def reasoning_parser(name: str) -> type[ReasoningParser]:
-    _load_builtins()
     try:
         return _PARSERS[name]
     except KeyError:
@@ -62,9 +21,4 @@ def reasoning_parser(name: str) -> type[ReasoningParser]:
 
 
 def reasoning_parser_names() -> list[str]:
-    _load_builtins()
     return sorted(_PARSERS)
-
-
-def _load_builtins() -> None:
-    import router.reasoning_parsers  # noqa: F401  (registers the built-ins)

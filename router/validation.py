@@ -154,6 +154,8 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
                          {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
                          structured)
+    if tools.keep_special_tokens:
+        sampling = replace(sampling, skip_special_tokens=False)
     for ids in prompts:
         _check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
         if sampling.max_tokens is None and sampling.min_tokens > limit - len(ids):
@@ -178,11 +180,12 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
 
 def _with_prompt(setup: OutputSetup | None, prompt_text: str) -> OutputSetup | None:
     """`setup`, knowing whether the rendered prompt closed the reasoning already (Qwen3's
-    template with thinking off writes an empty think block)."""
+    template with thinking off writes an empty think block) or opened it (DeepSeek-R1's)."""
     if setup is None or setup.reasoning is None:
         return setup
-    r = setup.reasoning
-    return replace(setup, prompt_ends_reasoning=prompt_text.rfind(r.end) > prompt_text.rfind(r.start))
+    r, tail = setup.reasoning, prompt_text.rstrip()
+    return replace(setup, prompt_ends_reasoning=tail.endswith(r.end),
+                   prompt_starts_reasoning=tail.endswith(r.start))
 
 
 def _truncation(k: int, max_input: int) -> int:

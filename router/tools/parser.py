@@ -1,69 +1,23 @@
-"""The tool-call parser contract and registry (vLLM's `--tool-call-parser NAME`,
-`--tool-parser-plugin FILE`).
+"""Choosing a tool-call parser by name (vLLM's `--tool-call-parser NAME`) and loading plugin
+parsers (`--tool-parser-plugin FILE`). The contract every parser keeps is ToolParser's
+(router/tools/base.py, re-exported here with `register_tool_parser`, which plugins use).
 
-A parser reads one completion's answer text as it streams and splits it into plain content
-and function calls, in the model family's own format. Contract, for every parser:
-- `feed(text)` returns what `text` adds; `finish()` (once, at the end) what was still held.
-  The non-streamed result is `feed(whole text)` then `finish()`, and feeding the same text in
-  any pieces gives the same content and the same calls (tests/router/test_tool_parsers.py
-  checks every parser this way).
-- It holds back only text that may still turn out to be part of a call (a marker's prefix,
-  an unfinished call); everything else goes out as content at once.
-- It never announces a call it would later take back: a call's `id` and `name` go out once
-  the name is complete and names one of the request's tools; then its arguments, in pieces,
-  only while they are a valid prefix of a JSON object. Text that only looked like a call
-  (a name that is no tool, malformed JSON before the name) goes out as content. A call whose
-  arguments break off (the output ended, or the text stops being JSON) is finished as far as
-  it was valid; `broken` then says so (the response's calls are what the model wrote).
-- `structural_tag(tools)`: the xgrammar structural tag (a dict) that makes this format's
-  calls valid by construction under `tool_choice` "auto": text is free until a call marker,
-  then the call follows the named tool's schema. None when the format has no such marker.
-"""
+The built-in parsers are registered on import of this module, before any plugin can be
+loaded, so a plugin's class for a built-in's name replaces the built-in."""
 from __future__ import annotations
 
 import importlib.util
-from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, ClassVar
 
-from router.tools.types import FunctionTool, ParsedDelta
+from router.tools import builtin
+from router.tools.base import _PARSERS, ToolParser, register_tool_parser
 
-
-class ToolParser(ABC):
-    name: ClassVar[str]
-
-    def __init__(self, tools: list[FunctionTool]) -> None:
-        self.tools = {t.name: t for t in tools}
-        self.broken = False  # a call's text stopped being valid before it ended
-
-    @abstractmethod
-    def feed(self, text: str) -> ParsedDelta:
-        """What `text` (the next piece of the answer) adds: content and call pieces."""
-
-    @abstractmethod
-    def finish(self) -> ParsedDelta:
-        """The end of the output: what was held back (content, or the end of a call)."""
-
-    @classmethod
-    def structural_tag(cls, tools: list[FunctionTool]) -> dict[str, Any] | None:
-        return None
-
-
-_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: `--tool-call-parser name` selects the class (a plugin file uses this
-    too). A second class for a name replaces the first (a plugin may override a built-in)."""
-    def add(cls: type[ToolParser]) -> type[ToolParser]:
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return add
+del builtin  # imported for its effect: the built-in parsers registered themselves
+__all__ = ["ToolParser", "load_tool_parser_plugin", "register_tool_parser", "tool_parser",
+           "tool_parser_names"]
 
 
 def tool_parser(name: str) -> type[ToolParser]:
-    _load_builtins()
     try:
         return _PARSERS[name]
     except KeyError:
@@ -72,7 +26,6 @@ def tool_parser(name: str) -> type[ToolParser]:
 
 
 def tool_parser_names() -> list[str]:
-    _load_builtins()
     return sorted(_PARSERS)
 
 
@@ -86,8 +39,3 @@ def load_tool_parser_plugin(path: str) -> None:
         raise ValueError(f"--tool-parser-plugin {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-
-
-def _load_builtins() -> None:
-    """The built-in parsers register on import."""
-    import router.tools.builtin  # noqa: F401

@@ -28,7 +28,8 @@ def _script(text: str, piece: int = 3) -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "tools", [("decode", "d1")], chat_template=TEMPLATE)
+    c = start_cluster(bg, etcd.endpoint, "tools", [("decode", "d1")], chat_template=TEMPLATE,
+                      enable_auto_tool_choice=True, tool_call_parser="hermes")
     yield c
     c.stop()
 
@@ -148,8 +149,6 @@ def test_a_two_turn_conversation_renders_calls_and_results_through_the_template(
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [WEATHER]}, "tool_choice", "--enable-auto-tool-choice"),  # auto by default
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -189,6 +188,8 @@ def test_a_template_without_tools_is_refused_naming_the_missing_piece(etcd, bg):
         with httpx.Client(base_url=c.router.url, timeout=60) as http:
             for extra, param, piece in [
                 ({"tools": [WEATHER], "tool_choice": "required"}, "tools", "render tools"),
+                ({"tools": [WEATHER]}, "tool_choice", "--enable-auto-tool-choice"),  # the default
+                ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
                 ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
                     {"id": "c", "type": "function",
                      "function": {"name": "get_weather", "arguments": "{}"}}]}]},
@@ -199,7 +200,7 @@ def test_a_template_without_tools_is_refused_naming_the_missing_piece(etcd, bg):
                 assert r.status_code == 400, r.text
                 error = r.json()["error"]
                 assert error["param"] == param and piece in error["message"]
-                assert "--chat-template" in error["message"]
+                assert param == "tool_choice" or "--chat-template" in error["message"]
     finally:
         c.stop()
 
@@ -218,3 +219,51 @@ def test_tool_requests_and_calls_are_counted(cluster, http):
     assert (after[0] - before[0], after[1] - before[1]) == (2, 2)
     data = http.get("/dashboard/data").json()
     assert data["tool_requests"] >= 2 and data["tool_calls"] >= 2
+
+
+HERMES_TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}'
+               '\n</tool_call>')
+
+
+def test_auto_reads_the_model_format_and_is_constrained_after_the_marker(cluster, http):
+    _say(cluster, HERMES_TEXT)
+    body = _chat(http, tools=[WEATHER, TIME])  # tool_choice auto by default
+    sent = _worker_constraint(cluster)
+    assert sent["kind"] == "structural_tag"
+    assert sent["value"]["format"]["triggers"] == ["<tool_call>"]
+    [choice] = body["choices"]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"]["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert choice["message"]["content"] == "Let me check. "
+    assert choice["finish_reason"] == "tool_calls"
+    _, streamed = _stream(http, tools=[WEATHER, TIME], tool_choice="auto")
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"]] == calls
+    assert streamed["content"] == "Let me check. " and streamed["finish_reason"] == "tool_calls"
+
+
+def test_auto_without_a_call_is_content_that_finishes_with_stop(cluster, http):
+    _say(cluster, "No tool needed: <tool is a word> here.")
+    body = _chat(http, tools=[WEATHER], tool_choice="auto")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant",
+                                 "content": "No tool needed: <tool is a word> here."}
+    assert choice["finish_reason"] == "stop"
+    chunks, streamed = _stream(http, tools=[WEATHER], tool_choice="auto")
+    assert streamed == {"content": "No tool needed: <tool is a word> here.", "calls": [],
+                        "finish_reason": "stop"}
+
+
+def test_a_call_cut_by_max_tokens_finishes_with_length(cluster, http):
+    cut = HERMES_TEXT.index("Paris") + 2  # inside the arguments
+    _say(cluster, HERMES_TEXT[:cut], finish="length")
+    body = _chat(http, tools=[WEATHER, TIME])
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "length"
+    [call] = choice["message"]["tool_calls"]  # as far as the model wrote it
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    _say(cluster, HERMES_TEXT[:HERMES_TEXT.index("arguments")], finish="length")
+    [choice] = _chat(http, tools=[WEATHER, TIME])["choices"]  # cut before the arguments: text
+    assert "tool_calls" not in choice["message"]
+    assert choice["message"]["content"] == HERMES_TEXT[:HERMES_TEXT.index("arguments")]
