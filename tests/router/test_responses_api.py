@@ -12,7 +12,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from router.chat_output import OutputSetup
 from router.dispatch import Delta
-from router.reasoning import ReasoningParser
+from router.reasoning import reasoning_parser
 from router.errors import APIError
 from router.protocol import ChatCompletionRequest
 from router.response_models import ResponsesResponse, ResponseStreamEvent
@@ -398,7 +398,9 @@ def test_store_bounds_the_bytes():
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
     c = start_cluster(bg, etcd.endpoint, "responses", [("decode", "d1")],
-                      enable_response_store=True, chat_template=TEMPLATE)
+                      enable_response_store=True, chat_template=TEMPLATE,
+                      enable_auto_tool_choice=True, tool_call_parser="hermes",
+                      reasoning_parser="qwen3")
     yield c
     c.stop()
 
@@ -605,7 +607,7 @@ def test_a_call_and_its_output_continue_the_conversation(cluster, http, say):
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [WEATHER]}, "tool_choice", "--enable-auto-tool-choice"),  # auto by default
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "'nope'"),
     ({"tools": [{"type": "function", "name": "bad name!"}], "tool_choice": "none"},
@@ -625,40 +627,12 @@ def test_chat_refusals_name_the_responses_field(cluster, http, extra, param, wor
     assert len(cluster.workers["d1"].requests) == before  # no worker saw it
 
 
-class ThinkParser(ReasoningParser):
-    """A minimal <think>...</think> reader for the test (held back: a possible end marker)."""
-
-    def __init__(self, prompt_ends_reasoning=False):
-        super().__init__(prompt_ends_reasoning)
-        self.done, self.held = prompt_ends_reasoning, ""
-
-    @property
-    def in_answer(self):
-        return self.done
-
-    def feed(self, text):
-        if self.done:
-            return ParsedDelta(content=text)
-        text = (self.held + text).removeprefix(self.start)
-        if self.end in text:
-            self.done, self.held = True, ""
-            reasoning, answer = text.split(self.end, 1)
-            return ParsedDelta(reasoning=reasoning, content=answer)
-        keep = next((k for k in range(len(self.end) - 1, 0, -1) if text.endswith(self.end[:k])), 0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return ParsedDelta(reasoning=text[:len(text) - keep])
-
-    def finish(self):
-        held, self.held = self.held, ""
-        return ParsedDelta(reasoning=held)
-
-
 def test_reasoning_through_chats_parser():
     """The run reads text with chat's MessageParser (Prepared.output): reasoning then answer,
     split wherever the pieces fall; reasoning tokens are those whose text was reasoning."""
     req = request(input="x", stream=True)
-    run = ResponseRun(req, prepared(True, OutputSetup(reasoning=ThinkParser)), "resp_3", False,
-                      False)
+    run = ResponseRun(req, prepared(True, OutputSetup(reasoning=reasoning_parser("qwen3"))),
+                      "resp_3", False, False)
     texts = ["<think>Let", " me</th", "ink>The ans", "wer."]
     run.add(0, Delta(0, [1], texts[0], [], None, 0))
     raw = run.opening() + run.take()
@@ -671,3 +645,32 @@ def test_reasoning_through_chats_parser():
     assert reasoning.content[0].text == "Let me" and message.content[0].text == "The answer."
     assert "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta") == "Let me"
     assert body.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_auto_reasoning_text_and_calls_in_the_models_format(cluster, http, say):
+    """qwen3 reasoning, then answer text, then two hermes calls: one item each, in order,
+    whole and streamed the same."""
+    say("<think>Two cities.</think>Let me check. <tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
+    body = {"model": MODEL, "input": "Weather and time?", "tools": [WEATHER, TIME]}  # auto
+    whole = post(http, body)
+    assert [i.type for i in whole.output] == ["reasoning", "message", "function_call",
+                                              "function_call"]
+    assert whole.output[0].content[0].text == "Two cities."
+    assert whole.output[1].content[0].text == "Let me check. "
+    assert calls_of(whole) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+    assert whole.status == "completed" and whole.usage.output_tokens_details.reasoning_tokens > 0
+    events = stream(http, body)
+    final = ResponsesResponse.model_validate(events[-1][1]["response"])
+    strip = lambda r: [i.model_dump(exclude={"id", "call_id"}) for i in r.output]
+    assert strip(final) == strip(whole) and final.usage == whole.usage
+    text = lambda kind: "".join(d["delta"] for n, d in events if n == f"response.{kind}.delta")
+    assert text("reasoning_text") == "Two cities." and text("output_text") == "Let me check. "
+    # the turn sent back: reasoning, text and calls are one assistant message
+    assert output_messages([i.model_dump() for i in whole.output]) == [{
+        "role": "assistant", "content": [{"type": "text", "text": "Let me check. "}],
+        "reasoning_content": "Two cities.", "tool_calls": [
+            {"id": c.call_id, "type": "function", "function": {"name": c.name,
+                                                               "arguments": c.arguments}}
+            for c in whole.output[2:]]}]
