@@ -149,17 +149,26 @@ def _check_body(path: str, body, response, cap: int, where: str) -> None:
         assert usage.completion_tokens <= n_choices * _max_tokens(path, body, cap), where
 
 
-def _response_events(text: str, where: str):
-    """A Responses stream: `event:` + `data:` each, named as its `type`, numbered from 0,
-    ending with the whole response (completed or incomplete); its usage."""
-    events = [e.split("\n") for e in text.split("\n\n") if e]
-    for i, (name, data) in enumerate(events):
+def response_events(text: str, where: str = "") -> list[tuple[str, dict]]:
+    """A /v1/responses stream's events as (name, data): each `event: <name>` + `data: <JSON>`,
+    valid against ResponseStreamEvent, named as its `type`, numbered 0, 1, ..."""
+    out = []
+    for i, block in enumerate(b for b in text.split("\n\n") if b):
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), where
         event = ResponseStreamEvent.model_validate_json(data[len("data: "):]).root
         assert name == f"event: {event.type}" and event.sequence_number == i, where
-    if event.type == "response.failed":
-        raise AssertionError(f"stream failed: {data}\n{where}")
-    assert event.type in ("response.completed", "response.incomplete"), where
-    return event.response.usage
+        out.append((event.type, json.loads(data[len("data: "):])))
+    return out
+
+
+def _response_events(text: str, where: str):
+    """A stream ending with the whole response (completed or incomplete): its usage."""
+    name, last = response_events(text, where)[-1]
+    if name == "response.failed":
+        raise AssertionError(f"stream failed: {last}\n{where}")
+    assert name in ("response.completed", "response.incomplete"), where
+    return ResponseStreamEvent.model_validate(last).root.response.usage
 
 
 def _num_prompts(body: dict) -> int:
