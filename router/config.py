@@ -117,9 +117,9 @@ class LimitsConfig:
     """Threads tokenizing large prompts off the event loop."""
     max_concurrent_requests_per_key: int = option(0, metavar="N")
     """Most requests one API key may have in progress on /v1/completions, /v1/chat/completions,
-    /v1/responses and /v1/embeddings (a stream holds its slot until it ends or the client leaves); one more
-    is a 429 (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API keys; admin keys
-    are not limited."""
+    /v1/responses and /v1/embeddings (a stream holds its slot until it ends or the client
+    leaves); one more is a 429 (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API
+    keys; admin keys are not limited."""
     max_tokens_per_minute_per_key: int = option(0, metavar="TOKENS")
     """Tokens one API key may spend per minute on those paths (a bucket of one minute's tokens,
     refilled continuously): a request reserves its prompt tokens + max_tokens x n (no
