@@ -62,6 +62,7 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
 
 
 _FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+_MARKERS = ("reasoning_start", "reasoning_end")  # token ids; empty on the wire: None
 
 
 def structured_from_pb(m: pb.StructuredOutputs) -> StructuredOutputsParams:
@@ -72,11 +73,13 @@ def structured_from_pb(m: pb.StructuredOutputs) -> StructuredOutputsParams:
     if kind == "choice":
         value = tuple(value.values)
     kwargs = {kind: value} if kind else {}
-    return StructuredOutputsParams(**kwargs, **{f: getattr(m, f) for f in _FLAGS})
+    markers = {f: tuple(getattr(m, f)) or None for f in _MARKERS}
+    return StructuredOutputsParams(**kwargs, **{f: getattr(m, f) for f in _FLAGS}, **markers)
 
 
 def structured_to_pb(p: StructuredOutputsParams) -> pb.StructuredOutputs:
-    m = pb.StructuredOutputs(**{f: getattr(p, f) for f in _FLAGS})
+    m = pb.StructuredOutputs(**{f: getattr(p, f) for f in _FLAGS},
+                             **{f: getattr(p, f) or () for f in _MARKERS})
     kind, value = p.kind, getattr(p, p.kind)
     if kind == "choice":
         m.choice.values.extend(value)

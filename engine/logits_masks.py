@@ -24,7 +24,8 @@ def needs_masks(row: SampleRow) -> bool:
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """Structured outputs: rows of constrained requests keep only the tokens their grammar
-    allows next (after the row's drafts, for a speculating sequence). One batched bitmask."""
+    allows next (after the row's drafts, for a speculating sequence), once their reasoning
+    has ended. One batched bitmask."""
     constrained = [i for i, row in enumerate(rows) if row.request.grammar is not None]
     if not constrained:
         return

@@ -77,11 +77,14 @@ class RequestBuilder:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             token_ids = [int(t) for t in prompt]
+        so = params.structured_outputs
         for name, ids in (
             ("prompt", token_ids),
             ("logit_bias", params.logit_bias or ()),
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("resume_output_token_ids", resume.output_token_ids if resume else ()),
+            ("reasoning_start", so.reasoning_start or () if so else ()),
+            ("reasoning_end", so.reasoning_end or () if so else ()),
         ):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -105,7 +108,8 @@ class RequestBuilder:
         version = self.weights_version  # read once: an update may land meanwhile
         grammar = None
         if params.structured_outputs is not None and pooling is None:
-            grammar = self.grammars.matcher(params.structured_outputs)
+            # The gate follows from the prompt, then from the replayed outputs.
+            grammar = self.grammars.matcher(params.structured_outputs, token_ids)
             if grammar.valid_prefix(outputs) != len(outputs):
                 raise ValueError("resume_output_token_ids: the outputs do not follow the "
                                  "request's structured_outputs")

@@ -64,7 +64,7 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+    __slots__ = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace", "disable_additional_properties", "disable_fallback", "reasoning_start", "reasoning_end")
     JSON_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class StructuredOutputs(_message.Message):
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     DISABLE_ADDITIONAL_PROPERTIES_FIELD_NUMBER: _ClassVar[int]
     DISABLE_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    REASONING_START_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_FIELD_NUMBER: _ClassVar[int]
     json: str
     regex: str
     choice: Choices
@@ -83,7 +85,9 @@ class StructuredOutputs(_message.Message):
     disable_any_whitespace: bool
     disable_additional_properties: bool
     disable_fallback: bool
-    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., disable_additional_properties: _Optional[bool] = ..., disable_fallback: _Optional[bool] = ...) -> None: ...
+    reasoning_start: _containers.RepeatedScalarFieldContainer[int]
+    reasoning_end: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, json: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., disable_any_whitespace: _Optional[bool] = ..., disable_additional_properties: _Optional[bool] = ..., disable_fallback: _Optional[bool] = ..., reasoning_start: _Optional[_Iterable[int]] = ..., reasoning_end: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("values",)

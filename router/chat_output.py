@@ -15,12 +15,12 @@ answer after it is read for calls.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Literal
 
 from router.reasoning import ReasoningParser
 from router.tools.parser import ToolParser
+from router.tools.stream import Gen, StreamingToolParser
 from router.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, new_call_id
 
 ToolChoice = Literal["none", "auto", "required", "function"]
@@ -138,44 +138,15 @@ class NamedCallReader(ToolParser):
         return self.feed("") if not self._announced else ParsedDelta()
 
 
-class RequiredCallsReader(ToolParser):
+class RequiredCallsReader(StreamingToolParser):
     """tool_choice "required": the answer is a JSON array of {"name", "parameters"} objects
-    (the constraint, `required_calls_schema`, guarantees it). Each call goes out once its
-    object is complete."""
+    (the constraint, `required_calls_schema`, makes it one), read as the other JSON formats
+    are: each call announced once its parameters begin, then streamed."""
 
-    name = "required"
+    MARKERS = ("[",)
 
-    def __init__(self, tools: list[FunctionTool]) -> None:
-        super().__init__(tools)
-        self._text = ""
-        self._decoder = json.JSONDecoder()
-        self._at = 0  # where the next element (or the array's start) is read from
-        self._index = 0
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._text += text
-        out = ParsedDelta()
-        while True:
-            rest = self._text[self._at:]
-            stripped = rest.lstrip(" \t\n\r[,")
-            if not stripped or stripped.startswith("]"):
-                return out
-            start = self._at + len(rest) - len(stripped)
-            try:
-                element, end = self._decoder.raw_decode(self._text, start)
-            except json.JSONDecodeError:
-                return out  # the element is not complete yet
-            self._at = end
-            if not isinstance(element, dict) or "name" not in element:
-                self.broken = True
-                continue
-            arguments = json.dumps(element.get("parameters", {}), ensure_ascii=False)
-            out.tool_calls.append(ToolCallDelta(self._index, new_call_id(),
-                                                str(element["name"]), arguments))
-            self._index += 1
-
-    def finish(self) -> ParsedDelta:
-        return ParsedDelta()
+    def block(self, mark: int) -> Gen[bool | None]:
+        return (yield from self.call_list(mark))
 
 
 def required_calls_schema(tools: list[FunctionTool], parallel: bool) -> dict:

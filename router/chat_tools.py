@@ -4,7 +4,8 @@ calls valid, what the chat template gets. Every refusal is a 400 naming the fiel
 
 - `tool_choice` defaults to "auto" when `tools` are given (OpenAI's rule), which needs the
   server's --enable-auto-tool-choice and --tool-call-parser (vLLM's rule).
-- "required" and a named function are constrained (a JSON schema of the calls), "auto" is
+- "required" and a named function are constrained (a JSON schema of the calls, compact: a
+  model cannot stall in optional whitespace), "auto" is
   constrained after the parser's call marker when the format has one (the parser's
   structural tag): calls are valid against their tool's schema by construction. None of these
   combines with another structured-output constraint (two constraints cannot both hold).
@@ -123,11 +124,12 @@ def _constraint(setup: OutputSetup, tag: bool) -> Constraint | None:
     tools = list(setup.tools)
     if setup.tool_choice == "function":
         tool = next(t for t in tools if t.name == setup.named)
-        return Constraint(StructuredOutputsParams(json=tool.parameters or {"type": "object"}),
-                          "tool_choice")
+        return Constraint(StructuredOutputsParams(json=tool.parameters or {"type": "object"},
+                                                  disable_any_whitespace=True), "tool_choice")
     if setup.tool_choice == "required":
         schema = required_calls_schema(tools, setup.parallel_tool_calls)
-        return Constraint(StructuredOutputsParams(json=schema), "tools")
+        return Constraint(StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                          "tools")
     if setup.tool_choice == "auto" and setup.parser is not None and tag:
         tag = setup.parser.structural_tag(tools)
         if tag is not None:

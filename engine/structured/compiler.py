@@ -23,6 +23,7 @@ from engine.checks import FieldError
 from engine.structured.backend import compile_params, tokenizer_info, xgrammar_compiler
 from engine.structured.compile_process import (CompileLimits, CompileProcesses, CompileTimeout,
                                                timeout_error)
+from engine.structured.gate import ReasoningGate
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.state import GrammarState
 from engine.structured.vocab import vocabulary
@@ -58,10 +59,13 @@ class GrammarCompiler:
         self._compiling: dict[tuple, Future] = {}
         self._lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
-        """A fresh matcher at the start of `params`' grammar. Raises FieldError naming the
-        constraint's field if it does not compile (or not in time, or is too large)."""
-        return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+    def matcher(self, params: StructuredOutputsParams, prompt: Sequence[int] = ()) -> GrammarState:
+        """A fresh matcher for the first output token after `prompt`: at the start of
+        `params`' grammar, behind the reasoning gate that `prompt` leaves (gate.py). Raises
+        FieldError naming the constraint's field if it does not compile (or not in time, or
+        is too large)."""
+        gate = ReasoningGate.for_prompt(params.reasoning_start, params.reasoning_end, prompt)
+        return GrammarState(xgr.GrammarMatcher(self.compile(params)), gate)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """`params` compiled (cached by content). Raises FieldError naming its field."""

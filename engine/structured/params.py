@@ -32,6 +32,12 @@ class StructuredOutputsParams:
     allows them)."""
     disable_fallback: bool = False
     """Accepted for vLLM compatibility: there is one backend, nothing to fall back to."""
+    reasoning_start: tuple[int, ...] | None = None
+    """A reasoning model's start-of-thinking marker (`<think>`), as token ids: with
+    `reasoning_end`, the constraint applies to the answer only (engine/structured/gate.py)."""
+    reasoning_end: tuple[int, ...] | None = None
+    """Its end-of-thinking marker (`</think>`), as token ids: the grammar starts on the token
+    after it. Both markers or neither."""
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -43,13 +49,25 @@ class StructuredOutputsParams:
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
             raise FieldError("choice", "choice must be a non-empty list of non-empty strings")
+        for name in ("reasoning_start", "reasoning_end"):
+            ids = getattr(self, name)
+            if ids is not None:
+                ids = tuple(ids)
+                object.__setattr__(self, name, ids)
+                if not ids or not all(type(t) is int and t >= 0 for t in ids):
+                    raise FieldError(name, f"{name} must be a non-empty list of token ids, "
+                                     f"got {list(ids)}")
+        if (self.reasoning_start is None) != (self.reasoning_end is None):
+            raise FieldError("reasoning_end" if self.reasoning_end is None else "reasoning_start",
+                             "reasoning_start and reasoning_end go together: both or neither")
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple:
-        """Content identity (the compile cache's key): equal constraints compile once."""
+        """Content identity (the compile cache's key): equal constraints compile once. The
+        reasoning markers are not in it: they gate the grammar, they do not change it."""
         value = getattr(self, self.kind)
         if isinstance(value, dict):  # key order kept: properties are generated in it
             value = json.dumps(value)

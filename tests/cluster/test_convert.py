@@ -1,10 +1,10 @@
 """cluster/convert.py: SamplingParams survive the wire both ways (structured outputs included:
-a JSON schema travels as JSON text)."""
+a JSON schema travels as JSON text; reasoning markers as token ids, absent as None)."""
 import json
 
 import pytest
 
-from cluster.convert import sampling_from_pb, sampling_to_pb, structured_from_pb
+from cluster.convert import sampling_from_pb, sampling_to_pb, structured_from_pb, structured_to_pb
 from engine.checks import FieldError
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams as S
@@ -27,6 +27,7 @@ def test_plain_sampling_round_trips():
     S(json_object=True), S(json=json.dumps(SCHEMA), disable_any_whitespace=True),
     S(structural_tag='{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'),
     S(regex="a", disable_additional_properties=True, disable_fallback=True),
+    S(choice=("yes", "no"), reasoning_start=(151667,), reasoning_end=(198, 151668)),
 ])
 def test_structured_outputs_round_trip(so):
     p = SamplingParams(max_tokens=4, structured_outputs=so)
@@ -47,3 +48,17 @@ def test_a_schema_object_travels_as_json_text():
 def test_no_constraint_on_the_wire_is_invalid():
     with pytest.raises(FieldError):
         structured_from_pb(pb.StructuredOutputs(disable_any_whitespace=True))
+
+
+def test_reasoning_markers_travel_as_token_ids():
+    so = S(regex="[0-9]+", reasoning_start=(7,), reasoning_end=(8, 9))
+    m = sampling_to_pb(SamplingParams(structured_outputs=so)).structured_outputs
+    assert (list(m.reasoning_start), list(m.reasoning_end)) == ([7], [8, 9])
+    back = structured_from_pb(m)
+    assert (back.reasoning_start, back.reasoning_end) == ((7,), (8, 9))
+    plain = structured_from_pb(structured_to_pb(S(regex="[0-9]+")))
+    assert (plain.reasoning_start, plain.reasoning_end) == (None, None)
+    del m.reasoning_start[:]  # one marker without the other is invalid
+    with pytest.raises(FieldError) as err:
+        structured_from_pb(m)
+    assert err.value.field == "reasoning_start"

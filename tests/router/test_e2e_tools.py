@@ -3,10 +3,13 @@ text is noise, which is the point — only the constraints make its calls valid)
 official `openai` client and by the OpenAI Agents SDK, through a router started with the
 ChatML tool template, --enable-auto-tool-choice and --tool-call-parser hermes."""
 import json
+from typing import Annotated
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import Field
 
 from openai_cluster import KEY, MODEL, REPO, start_router
 
@@ -69,15 +72,17 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 7}]
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
 def test_required_calls_always_parse_and_follow_their_schemas(tc, sampling):
+    # One call each (parallel_tool_calls false): a noise model would go on adding calls.
     r = tc.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                   tool_choice="required", n=2, max_tokens=120, **sampling)
+                                   tool_choice="required", n=2, max_tokens=120,
+                                   parallel_tool_calls=False, **sampling)
     assert len(r.choices) == 2
     for choice in r.choices:
         assert choice.finish_reason == "tool_calls", choice
         assert _valid(choice.message.tool_calls, SCHEMAS)
     stream = tc.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
                                         tool_choice="required", n=2, max_tokens=120,
-                                        stream=True, **sampling)
+                                        parallel_tool_calls=False, stream=True, **sampling)
     for i, state in _streamed(stream).items():
         assert state["finish"] == "tool_calls"
         calls = [state["calls"][k] for k in sorted(state["calls"])]
@@ -104,7 +109,7 @@ def test_a_named_function_always_parses(tc, sampling):
     jsonschema.validate(json.loads(call["arguments"]), SCHEMAS["get_time"])
 
 
-def test_a_two_turn_tool_loop(tc):
+def test_a_two_turn_tool_loop(tc, tools_url):
     first = tc.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=80, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -115,9 +120,11 @@ def test_a_two_turn_tool_loop(tc):
                                         tool_choice="none", max_tokens=8, temperature=0)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
     # The call and its result were rendered into the second prompt (the template's format).
-    rendered = tc.post("/tokenize", cast_to=object, body={"model": MODEL, "messages": history,
-                                                          "tools": [WEATHER]})
+    rendered = httpx.post(tools_url + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": MODEL, "messages": history, "tools": [WEATHER],
+                                "return_token_strs": True}).json()
     assert second.usage.prompt_tokens == rendered["count"]
+    assert "response" in "".join(rendered["token_strs"])  # <tool_response> was rendered
 
 
 def test_an_uncompilable_tool_schema_is_a_400(tc):
@@ -127,3 +134,30 @@ def test_an_uncompilable_tool_schema_is_a_400(tc):
         tc.chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required",
                                    max_tokens=4)
     assert exc.value.body["param"] == "tools"
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop_through_chat_completions(tools_url):
+    """An agent framework's own client: the SDK calls the model with its tool (required on
+    the first turn), runs the tool, sends the result back, and gets an answer."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    ran = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
+        """Current weather in a city."""
+        ran.append(city)
+        return "sunny, 21 C"
+
+    client = AsyncOpenAI(base_url=tools_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            parallel_tool_calls=False,
+                                            max_tokens=80))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(ran) >= 1 and all(isinstance(city, str) for city in ran)
+    assert isinstance(result.final_output, str)
