@@ -33,6 +33,9 @@ class ChatOptions:
     auto_tool_choice: bool = False
     tool_parser: type[ToolParser] | None = None
     reasoning_parser: type[ReasoningParser] | None = None
+    reasoning_markers: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """The reasoning parser's start and end markers as token ids: a structured-output
+    constraint binds the answer only, after the end marker (engine/structured/gate.py)."""
 
 
 @dataclass(frozen=True)

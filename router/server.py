@@ -34,6 +34,7 @@ from router.key_limits import KeyLimits
 from router.limits import uvicorn_options
 from router.loras import LoRAAdapters
 from router.structured import Grammars
+from engine.tokenizer import Tokenizer
 from router.chat_output import ChatOptions
 from router.validation import ModelCard
 
@@ -46,7 +47,6 @@ def load_model_card(config: RouterConfig) -> ModelCard:
     """Tokenizer, chat template and context length of the served model (no weights)."""
     from engine.generation_config import load_generation_config, sampling_defaults
     from engine.models.prepare import resolve_model_path
-    from engine.tokenizer import Tokenizer
 
     path = resolve_model_path(config.model)
     if not (path / "tokenizer.json").is_file():
@@ -66,7 +66,7 @@ def load_model_card(config: RouterConfig) -> ModelCard:
         name=name, tokenizer=tok, max_model_len=max_len,
         vocab_size=int(hf.get("vocab_size", tok.vocab_size)),
         aliases=frozenset({config.model, path.name, str(path)}), max_n=config.max_n,
-        sampling_defaults=defaults, chat=chat_options(config),
+        sampling_defaults=defaults, chat=chat_options(config, tok),
     )
 
 
@@ -80,7 +80,7 @@ def _template_text(value: str) -> str:
     raise ValueError(f"--chat-template {value}: no such file (nor a Jinja template)")
 
 
-def chat_options(config: RouterConfig) -> ChatOptions:
+def chat_options(config: RouterConfig, tok: Tokenizer) -> ChatOptions:
     """The parsers the chat flags name; an unknown name is an error at start, listing the
     known ones."""
     from router.reasoning import reasoning_parser
@@ -88,11 +88,15 @@ def chat_options(config: RouterConfig) -> ChatOptions:
 
     if config.tool_parser_plugin is not None:
         load_tool_parser_plugin(config.tool_parser_plugin)
+    reasoning = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+    markers = None
+    if reasoning is not None:
+        markers = tuple(tuple(tok.encode(m, add_special_tokens=False))
+                        for m in (reasoning.start, reasoning.end))
     return ChatOptions(
         auto_tool_choice=config.enable_auto_tool_choice,
         tool_parser=tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
-        reasoning_parser=(reasoning_parser(config.reasoning_parser)
-                          if config.reasoning_parser else None))
+        reasoning_parser=reasoning, reasoning_markers=markers)
 
 
 class RouterServices:

@@ -151,6 +151,10 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
         # context (vLLM: min(context remainder, request or default max_tokens)).
         max_tokens = max(1, min(card.sampling_defaults["max_tokens"], limit - len(prompts[0])))
     structured = combine(tools, constraint(req, limits.max_grammar_bytes))
+    if structured is not None and tools.setup is not None and card.chat.reasoning_markers:
+        start, end = card.chat.reasoning_markers  # the constraint binds the answer only
+        structured = Constraint(replace(structured.params, reasoning_start=start,
+                                        reasoning_end=end), structured.param)
     sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
                          {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
                          structured)
