@@ -11,7 +11,6 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -21,31 +20,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.roles import Role
 from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
-from router.auth import authorize, effective_salt
+from router.auth import authorize
 from router.dashboard import add_dashboard_routes
 from router.dispatch import Delta, WorkerFailed
 from router.embeddings import add_embedding_routes
 from router.errors import APIError
 from router.info_routes import add_info_routes
-from router.key_limits import LIMITED_PATHS, TENANT, TICKET, Ticket
+from router.generation import collect, count_tool_calls, dispatch, settle
+from router.key_limits import LIMITED_PATHS, TENANT, TICKET
 from router.limits import RequestLimits
 from router.loras import add_lora_routes, runtime_updates_allowed
 from router.openapi import GENERATE_ERRORS, install_openapi, route_schema
-from router.placement import PromptKey
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.response_models import (ChatCompletionResponse, ChatCompletionStreamChunk,
                                     CompletionResponse, CompletionStreamChunk, HealthResponse)
 from router.responses import ChunkWriter, Collector, sse
+from router.responses_api.routes import add_responses_routes
 from router.services import Services
-from router.streaming import ClientGone, merge, until_disconnect
+from router.streaming import ClientGone
 from router.validation import Kind, Prepared, prepare
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-              "/tokenize", "/detokenize", "/version", "/v1/embeddings", "/dashboard",
-              "/dashboard/data", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-              *ADMIN_PATHS}
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+              "/health", "/metrics", "/tokenize", "/detokenize", "/version", "/v1/embeddings",
+              "/dashboard", "/dashboard/data", "/v1/load_lora_adapter",
+              "/v1/unload_lora_adapter", *ADMIN_PATHS}
 
 
 def create_app(services: Services) -> FastAPI:
@@ -88,6 +88,7 @@ def create_app(services: Services) -> FastAPI:
     add_info_routes(app, services)
     add_embedding_routes(app, services)
     add_dashboard_routes(app, services)
+    add_responses_routes(app, services)
     add_lora_routes(app, services.loras, runtime_updates_allowed(services.config.enable_lora))
     if dev_endpoints_enabled(services.config.enable_dev_endpoints):
         add_admin_routes(app, services.admin)
@@ -113,86 +114,25 @@ async def _generate(services: Services, kind: Kind, request: Request) -> Respons
     prepared = await services.tokenizing(len(body), prepare, kind, body, services.card,
                                          services.max_model_len(), services.loras.served(),
                                          services.config.limits)
-    if prepared.constraint is not None:  # a constraint that does not compile never reaches a worker
-        await services.grammars.check(prepared.constraint)
-    _count_chat_features(services, prepared)
-    await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
-    prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
-    ticket = request.scope.get(TICKET)  # the key's tokens: reserved here, reconciled at the end
-    services.key_limits.reserve(ticket, sum(map(len, prepared.prompts)),
-                                _completion_budget(prepared, services.max_model_len()))
+    streams = await dispatch(services, request, prepared, arrival)
     # As vLLM: the client's X-Request-Id header, else the body's request_id, else a fresh one.
     base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
-    streams = merge([
-        services.dispatcher.generate(PromptKey(ids, prepared.cache_salt, prepared.lora),
-                                     prepared.sampling,
-                                     arrival, prepared.priority)
-        for ids in prepared.prompts
-    ])
-    if ticket is not None:
-        streams = _counted(streams, ticket)
     details = services.config.enable_prompt_tokens_details
     try:
         if not prepared.stream:
             collector = Collector(prepared, services.tokens, request_id, details)
-            await until_disconnect(request, _collect(streams, collector))
+            await settle(request, streams, collect(streams, collector.add))
             body = collector.response()
-            _count_tool_calls(services, prepared, collector.num_tool_calls())
+            count_tool_calls(services, prepared, collector.num_tool_calls())
             return JSONResponse(body)
-        first = await until_disconnect(request, anext(streams))
+        first = await settle(request, streams, anext(streams))
     except ClientGone:
-        await streams.aclose()
         return Response(status_code=499)
-    except WorkerFailed as exc:
-        await streams.aclose()
-        raise APIError(502, str(exc), code="worker_failed") from None
-    except BaseException:
-        await streams.aclose()
-        raise
     writer = ChunkWriter(prepared, services.tokens, request_id, details)
     return StreamingResponse(_sse(services, prepared, writer, first, streams),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _completion_budget(prepared: Prepared, max_model_len: int) -> int:
-    """The most tokens a request may generate: max_tokens (else what the context leaves) x n,
-    for each prompt."""
-    sampling = prepared.sampling
-    return sum(sampling.n * (sampling.max_tokens if sampling.max_tokens is not None
-                             else max(0, max_model_len - len(ids)))
-               for ids in prepared.prompts)
-
-
-async def _counted(streams: AsyncIterator[tuple[int, Delta]],
-                   ticket: Ticket) -> AsyncIterator[tuple[int, Delta]]:
-    """`streams`, counting the tokens generated into the key's ticket."""
-    async with aclosing(streams):
-        async for item in streams:
-            ticket.generated += len(item[1].token_ids)
-            yield item
-
-
-async def _collect(streams: AsyncIterator[tuple[int, Delta]], collector: Collector) -> None:
-    async with aclosing(streams):
-        async for prompt_idx, delta in streams:
-            collector.add(prompt_idx, delta)
-
-
-def _count_chat_features(services: Services, prepared: Prepared) -> None:
-    output = prepared.output
-    if output is None:
-        return
-    if output.tools:
-        services.metrics.tool_requests.labels(output.tool_choice).inc()
-    if output.reasoning is not None:
-        services.metrics.reasoning_requests.inc()
-
-
-def _count_tool_calls(services: Services, prepared: Prepared, calls: int) -> None:
-    if calls and prepared.output is not None:
-        services.metrics.tool_calls.labels(prepared.output.tool_choice).inc(calls)
 
 
 async def _sse(services: Services, prepared: Prepared, writer: ChunkWriter,
@@ -203,7 +143,7 @@ async def _sse(services: Services, prepared: Prepared, writer: ChunkWriter,
             async for chunk in chunks:
                 yield chunk
     finally:
-        _count_tool_calls(services, prepared, writer.num_tool_calls())
+        count_tool_calls(services, prepared, writer.num_tool_calls())
 
 
 async def _chunks(prepared: Prepared, writer: ChunkWriter, first: tuple[int, Delta],

@@ -116,10 +116,10 @@ class LimitsConfig:
     tokenizer_threads: int = 2
     """Threads tokenizing large prompts off the event loop."""
     max_concurrent_requests_per_key: int = option(0, metavar="N")
-    """Most requests one API key may have in progress on /v1/completions, /v1/chat/completions
-    and /v1/embeddings (a stream holds its slot until it ends or the client leaves); one more
-    is a 429 (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API keys; admin keys
-    are not limited."""
+    """Most requests one API key may have in progress on /v1/completions, /v1/chat/completions,
+    /v1/responses and /v1/embeddings (a stream holds its slot until it ends or the client
+    leaves); one more is a 429 (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API
+    keys; admin keys are not limited."""
     max_tokens_per_minute_per_key: int = option(0, metavar="TOKENS")
     """Tokens one API key may spend per minute on those paths (a bucket of one minute's tokens,
     refilled continuously): a request reserves its prompt tokens + max_tokens x n (no
@@ -233,6 +233,18 @@ class RouterConfig:
     reasoning_parser: str | None = option(None, group="chat", metavar="NAME")
     """Split a reasoning model's thinking into `reasoning_content`: deepseek_r1 or qwen3.
     Structured outputs and tool parsing then apply to the answer only."""
+    enable_response_store: bool = option(False, group="responses API")
+    """Keep finished /v1/responses responses in memory, so that a later request continues one
+    with `previous_response_id` (OpenAI's `store`, true unless a request says false); also
+    enabled by VLLM_ENABLE_RESPONSES_API_STORE=1 (vLLM's switch). Off: previous_response_id
+    is a 400. The store is this router process's: a client continues a response on the
+    router that answered it."""
+    response_store_max_entries: int = option(1024, group="responses API", metavar="N")
+    """Most responses kept; past it, the least recently used goes first."""
+    response_store_max_bytes: int = option(256 << 20, type=parse_size, metavar="BYTES",
+                                           group="responses API")
+    """Most conversation text kept, as JSON, summed over the responses kept (e.g. 256MiB);
+    past it, the least recently used go first."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
@@ -265,6 +277,8 @@ class RouterConfig:
             (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
             (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
             (self.max_n >= 1, "max_n", "must be >= 1"),
+            (self.response_store_max_entries >= 1, "response_store_max_entries", "must be >= 1"),
+            (self.response_store_max_bytes >= 1, "response_store_max_bytes", "must be >= 1"),
             (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
             (not self.enable_auto_tool_choice or self.tool_call_parser is not None,
              "enable_auto_tool_choice", "needs --tool-call-parser (how to read the calls)"),

@@ -56,7 +56,8 @@ TENANT = "pdserve.tenant"
 """The ASGI scope entry router/auth.py sets to the digest of the inference key presented."""
 TICKET = "pdserve.key_ticket"
 """The ASGI scope entry holding a limited request's `Ticket` (set by `admit`'s caller)."""
-LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                           "/v1/embeddings"})
 """The paths whose requests run on workers: the ones limited per key."""
 
 

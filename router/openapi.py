@@ -47,6 +47,10 @@ BODY_ERRORS = (408, 413, 415)
 """The statuses of every route with a request body (router/limits.py), declared with it."""
 STREAM_TEXT = ("; with `stream: true`, server-sent events: `data: <chunk JSON>` each, or an "
                "error body when the request fails after its first token, then `data: [DONE]`")
+TYPED_STREAM_TEXT = ("; with `stream: true`, server-sent events: `event: <type>` and "
+                     "`data: <event JSON>` each (its `type` and `sequence_number` inside), "
+                     "ending with response.completed, response.incomplete or "
+                     "response.failed; no `[DONE]`")
 GENERATE_ERRORS = (400, 401, 404, 429, 500, 502, 503)
 """The statuses of a /v1 route that prepares a request and runs it on workers."""
 SIDE_ERRORS = (400, 401, 404, 500)
@@ -62,19 +66,21 @@ def schema_ref(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def route_schema(request: type[BaseModel] | None = None, ok: type[BaseModel] | None = None, *,
-                 stream: type[BaseModel] | None = None, errors: Iterable[int] = (),
-                 ok_description: str = "Success") -> dict[str, Any]:
+                 stream: type[BaseModel] | None = None, typed_events: bool = False,
+                 errors: Iterable[int] = (), ok_description: str = "Success") -> dict[str, Any]:
     """Keyword arguments for a FastAPI route decorator. `request`: the JSON body (required);
     `ok`: the 200 body; `stream`: one SSE `data:` event when the body asks for
-    `stream: true` (200 as `text/event-stream`); `errors`: the statuses answered with an
-    OpenAI error body (with a request body, BODY_ERRORS too)."""
+    `stream: true` (200 as `text/event-stream`); `typed_events`: the stream is the Responses
+    API's (each event named by an `event:` line, no `[DONE]`, failures as events); `errors`:
+    the statuses answered with an OpenAI error body (with a request body, BODY_ERRORS too)."""
     responses: dict[int | str, dict[str, Any]] = {}
     if ok is not None:
         responses[200] = {"model": ok, "description": ok_description}
     if stream is not None:
         ok_response = responses.setdefault(200, {"description": ok_description})
-        ok_response["description"] += STREAM_TEXT
-        ok_response["content"] = {"text/event-stream": {"itemSchema": _sse_event(stream)}}
+        ok_response["description"] += TYPED_STREAM_TEXT if typed_events else STREAM_TEXT
+        item = _typed_event(stream) if typed_events else _sse_event(stream)
+        ok_response["content"] = {"text/event-stream": {"itemSchema": item}}
     for status in (*errors, *(BODY_ERRORS if request is not None else ())):
         responses[status] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
     out: dict[str, Any] = {"response_model": None, "responses": responses}
@@ -91,6 +97,14 @@ def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
                  "contentSchema": {"anyOf": [schema_ref(chunk), schema_ref(ErrorResponse)]}}
     return {"type": "object", "required": ["data"],
             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
+
+
+def _typed_event(event: type[BaseModel]) -> dict[str, Any]:
+    """An event named by its `event:` line, whose `data` is an `event` as JSON."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": schema_ref(event)}
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"type": "string"}, "data": json_data}}
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -4,15 +4,16 @@ Python API: one hypothesis run per operation and generation mode, so the counts 
 Every generated request must get: no 5xx; a status, content type and body the schema
 declares (schemathesis's checks); negative (schema-violating) data refused with a 4xx; every
 error in OpenAI's shape; every 200 body and SSE event valid against router/response_models.py
-(the models the schema is built from), a stream ending in `data: [DONE]`; no more completion
-tokens than max_tokens allows, within `request_timeout` seconds.
+(the models the schema is built from), a stream ending in `data: [DONE]` (a /v1/responses
+stream: events named and numbered in order, ending with the whole response); no more
+completion tokens than max_tokens allows, within `request_timeout` seconds.
 
-Cost bound (`cap`): max_tokens / max_completion_tokens / n above `cap` are lowered to it
-before the call (never a schema violation: the schema sets no maximum), and with
-`fill_max_tokens` a generation request without either gets max_tokens = cap (a chat request
-otherwise runs to the end of the context on a real worker). A positive generation request
-that leaves `stream` out gets true or false in turn (the generator rarely makes a streamed
-request that is valid all through).
+Cost bound (`cap`): max_tokens / max_completion_tokens / max_output_tokens / n above `cap`
+are lowered to it before the call (never a schema violation: the schema sets no maximum), and
+with `fill_max_tokens` a generation request without any gets max_tokens (/v1/responses:
+max_output_tokens) = cap (a chat request otherwise runs to the end of the context on a real
+worker). A positive generation request that leaves `stream` out gets true or false in turn
+(the generator rarely makes a streamed request that is valid all through).
 """
 from __future__ import annotations
 
@@ -32,10 +33,13 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                status_code_conformance)
 
 from router.response_models import (ChatCompletionResponse, ChatCompletionStreamChunk,
-                                    CompletionResponse, CompletionStreamChunk, ErrorResponse)
+                                    CompletionResponse, CompletionStreamChunk, ErrorResponse,
+                                    ResponsesResponse, ResponseStreamEvent)
 
 GENERATE = {"/v1/completions": (CompletionResponse, CompletionStreamChunk),
-            "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamChunk)}
+            "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamChunk),
+            "/v1/responses": (ResponsesResponse, ResponseStreamEvent)}
+MAX_TOKENS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 
@@ -107,12 +111,12 @@ def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats,
 def _bound_cost(path: str, body, cap: int, fill: bool) -> None:
     if path not in GENERATE or not isinstance(body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens", "n"):
+    for name in (*MAX_TOKENS, "n"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[name] = cap
-    if fill and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = cap
+    if fill and all(body.get(name) is None for name in MAX_TOKENS):
+        body["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = cap
 
 
 def _check_body(path: str, body, response, cap: int, where: str) -> None:
@@ -123,7 +127,13 @@ def _check_body(path: str, body, response, cap: int, where: str) -> None:
     if path not in GENERATE or status != 200:
         return
     whole, chunk = GENERATE[path]
-    if response.headers["content-type"][0].startswith("text/event-stream"):
+    stream = response.headers["content-type"][0].startswith("text/event-stream")
+    if path == "/v1/responses":
+        usage = (_response_events(response.text, where) if stream
+                 else whole.model_validate_json(response.content).usage)
+        assert usage.output_tokens <= _max_tokens(path, body, cap), where
+        return
+    if stream:
         events = [e[len("data: "):] for e in response.text.split("\n\n") if e]
         assert events and events[-1] == "[DONE]", where
         usage = None
@@ -139,13 +149,35 @@ def _check_body(path: str, body, response, cap: int, where: str) -> None:
         assert usage.completion_tokens <= n_choices * _max_tokens(path, body, cap), where
 
 
+def response_events(text: str, where: str = "") -> list[tuple[str, dict]]:
+    """A /v1/responses stream's events as (name, data): each `event: <name>` + `data: <JSON>`,
+    valid against ResponseStreamEvent, named as its `type`, numbered 0, 1, ..."""
+    out = []
+    for i, block in enumerate(b for b in text.split("\n\n") if b):
+        name, data = block.split("\n")
+        assert name.startswith("event: ") and data.startswith("data: "), where
+        event = ResponseStreamEvent.model_validate_json(data[len("data: "):]).root
+        assert name == f"event: {event.type}" and event.sequence_number == i, where
+        out.append((event.type, json.loads(data[len("data: "):])))
+    return out
+
+
+def _response_events(text: str, where: str):
+    """A stream ending with the whole response (completed or incomplete): its usage."""
+    name, last = response_events(text, where)[-1]
+    if name == "response.failed":
+        raise AssertionError(f"stream failed: {last}\n{where}")
+    assert name in ("response.completed", "response.incomplete"), where
+    return ResponseStreamEvent.model_validate(last).root.response.usage
+
+
 def _num_prompts(body: dict) -> int:
     p = body.get("prompt")
     return len(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else 1
 
 
 def _max_tokens(path: str, body: dict, cap: int) -> int:
-    chosen = next((body[k] for k in ("max_completion_tokens", "max_tokens")
+    chosen = next((body[k] for k in ("max_output_tokens", "max_completion_tokens", "max_tokens")
                    if body.get(k) is not None), None)
     if chosen is None:  # completions: 16; chat: up to the context (the fake worker: 32)
         return 16 if path == "/v1/completions" else 8192

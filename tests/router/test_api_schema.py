@@ -18,7 +18,7 @@ _UNDECLARED = {"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
     c = start_cluster(bg, etcd.endpoint, "api-schema", [("decode", "d1"), ("prefill", "p1")],
-                      api_key="k")
+                      api_key="k", enable_response_store=True)
     yield c
     c.stop()
 
@@ -33,7 +33,7 @@ def test_every_route_declares_its_schemas(cluster, doc):
     routes = {(r.path.replace(":path", ""), m.lower()) for r in app.routes
               if r.path not in _UNDECLARED for m in getattr(r, "methods", ()) if m != "HEAD"}
     declared = {(p, m) for p, ops in doc["paths"].items() for m in ops}
-    assert routes == declared and len(routes) == 14
+    assert routes == declared and len(routes) == 15
     components = doc["components"]["schemas"]
     for path, method in routes:
         op = doc["paths"][path][method]
@@ -50,10 +50,25 @@ def test_every_route_declares_its_schemas(cluster, doc):
             assert "401" in op["responses"], path
         if access_of(path) is Access.ADMIN:
             assert "403" in op["responses"], path
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = doc["paths"][path]["post"]["responses"]
         assert {"400", "404", "500", "502", "503"} <= set(responses)
         assert "text/event-stream" in responses["200"]["content"]
+    # /v1/responses: its own request and response models; named events, no [DONE]
+    op = doc["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ResponsesRequest")
+    assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ResponsesResponse")
+    event = op["responses"]["200"]["content"]["text/event-stream"]["itemSchema"]
+    assert event["required"] == ["event", "data"] and "[DONE]" not in str(event)
+    assert event["properties"]["data"]["contentSchema"]["$ref"].endswith("/ResponseStreamEvent")
+    request = components["ResponsesRequest"]
+    assert request["additionalProperties"] is False  # unknown fields are refused
+    assert {"input", "instructions", "tools", "tool_choice", "text", "previous_response_id",
+            "max_output_tokens", "store", "metadata"} <= set(request["properties"])
+    assert {"ResponseStreamEvent", "OutputMessage", "FunctionCallOutput",
+            "ReasoningOutput"} <= set(components)
     # vLLM's extras are in the published request schema.
     chat = components["ChatCompletionRequest"]["properties"]
     assert {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt",
@@ -90,9 +105,10 @@ def test_fuzz_fake_workers(cluster):
     print(f"schemathesis (fake workers): {total} requests, {_summary(stats)}")
     assert total >= 1000
     ok = {(path, kind) for (mode, path, status, kind) in stats if status == 200}
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                 "/detokenize"):
         assert (path, "json") in ok, f"no request to {path} succeeded"
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         assert (path, "sse") in ok, f"no streamed request to {path} succeeded"
     workers = cluster.workers.values()
     assert all(not w.active for w in workers)

@@ -55,7 +55,10 @@ def test_flags_reach_the_config():
         "--allowed-worker-cidrs", "10.0.0.0/8", "::1", "--etcd-user", "u",
         "--etcd-password-file", "/pw", "--etcd-ca", "/ca", "--etcd-cert", "/c", "--etcd-key", "/k",
         "--cluster-token-file", "/t", "--tls-cert", "/tc", "--tls-key", "/tk", "--tls-ca", "/ta",
-        "--tls-server-name", "w",
+        "--tls-server-name", "w", "--enable-response-store", "--response-store-max-entries", "17",
+        "--response-store-max-bytes", "1MiB", "--chat-template", "/t.jinja",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-parser-plugin",
+        "/p.py", "--reasoning-parser", "qwen3",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -79,6 +82,11 @@ def test_flags_reach_the_config():
     assert (cfg.api_key_file, cfg.admin_api_key, cfg.admin_api_key_file) == (
         "/keys", ("a1", "a2"), "/admin")
     assert cfg.enable_prompt_tokens_details and cfg.cache_salt_from_api_key
+    assert (cfg.enable_response_store, cfg.response_store_max_entries,
+            cfg.response_store_max_bytes) == (True, 17, 1 << 20)
+    assert (cfg.chat_template, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+            cfg.tool_parser_plugin, cfg.reasoning_parser) == (
+        "/t.jinja", True, "hermes", "/p.py", "qwen3")
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,
             cfg.served_model_name, cfg.max_n, cfg.generation_config, cfg.max_migrations,
