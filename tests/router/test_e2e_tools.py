@@ -161,3 +161,60 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_through_chat_completions(tools_u
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert len(ran) >= 1 and all(isinstance(city, str) for city in ran)
     assert isinstance(result.final_output, str)
+
+
+RESPONSES_TOOL = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_with_a_function_tool_whole_and_streamed(tc):
+    r = tc.responses.create(model=MODEL, input="What is the weather in Paris?",
+                            instructions="Use the tool.", tools=[RESPONSES_TOOL],
+                            tool_choice="required", parallel_tool_calls=False,
+                            max_output_tokens=80, temperature=0)
+    assert r.status == "completed"
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    events = list(tc.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                      instructions="Use the tool.", tools=[RESPONSES_TOOL],
+                                      tool_choice="required", parallel_tool_calls=False,
+                                      max_output_tokens=80, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(pieces) == json.loads(call.arguments)  # greedy: streamed == whole
+    # A follow-up turn: the call's output goes back as input; the answer is text.
+    answer = tc.responses.create(
+        model=MODEL, tools=[RESPONSES_TOOL], tool_choice="none", max_output_tokens=8,
+        temperature=0, input=[{"role": "user", "content": "What is the weather in Paris?"},
+                              {"type": "function_call", "call_id": call.call_id,
+                               "name": call.name, "arguments": call.arguments},
+                              {"type": "function_call_output", "call_id": call.call_id,
+                               "output": "sunny, 21 C"}])
+    assert answer.output_text and answer.usage.output_tokens > 0
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop_through_responses(tools_url):
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    ran = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
+        """Current weather in a city."""
+        ran.append(city)
+        return "sunny, 21 C"
+
+    client = AsyncOpenAI(base_url=tools_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            parallel_tool_calls=False, max_tokens=80),
+        # The tool's result is the answer: a 2-layer model's free text would run into
+        # max_tokens, which the SDK treats as a failed (incomplete) response.
+        tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(ran) == 1 and result.final_output == "sunny, 21 C"
