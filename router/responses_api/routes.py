@@ -18,7 +18,7 @@ from router.generation import Updates, collect, count_tool_calls, dispatch, sett
 from router.key_limits import TENANT
 from router.openapi import GENERATE_ERRORS, route_schema
 from router.protocol import ChatCompletionRequest
-from router.response_models import ResponsesResponse, ResponseStreamEvent
+from router.responses_api.models import ResponsesResponse, ResponseStreamEvent
 from router.responses_api.convert import chat_body, input_messages, output_messages, renamed
 from router.responses_api.protocol import ResponsesRequest, check, parse_request
 from router.responses_api.run import ResponseRun

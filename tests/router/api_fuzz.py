@@ -33,8 +33,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                status_code_conformance)
 
 from router.response_models import (ChatCompletionResponse, ChatCompletionStreamChunk,
-                                    CompletionResponse, CompletionStreamChunk, ErrorResponse,
-                                    ResponsesResponse, ResponseStreamEvent)
+                                    CompletionResponse, CompletionStreamChunk, ErrorResponse)
+from router.responses_api.models import ResponsesResponse, ResponseStreamEvent
 
 GENERATE = {"/v1/completions": (CompletionResponse, CompletionStreamChunk),
             "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamChunk),

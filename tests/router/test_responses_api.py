@@ -13,7 +13,7 @@ from router.dispatch import Delta
 from router.errors import APIError
 from router.protocol import ChatCompletionRequest
 from router.reasoning import reasoning_parser
-from router.response_models import ResponsesResponse, ResponseStreamEvent
+from router.responses_api.models import ResponsesResponse, ResponseStreamEvent
 from router.responses_api.convert import chat_body, input_messages, output_messages, renamed
 from router.responses_api.output import OutputWriter
 from router.responses_api.protocol import check, parse_request

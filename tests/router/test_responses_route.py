@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from api_fuzz import response_events
-from router.response_models import ResponsesResponse
+from router.responses_api.models import ResponsesResponse
 from router.responses_api.convert import output_messages
 from router_fakes import fake_token
 from router_harness import start_cluster
