@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cluster.chat_config import GROUP as CHAT_GROUP
+from cluster.chat_config import ChatConfig
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
@@ -66,6 +68,8 @@ class UpConfig:
     """Extra flag for prefill workers only (after the --worker-arg ones)."""
     decode_args: tuple[str, ...] = option((), name="--decode-arg", repeat=True, metavar="FLAG")
     """Extra flag for decode workers only (after the --worker-arg ones)."""
+    chat: ChatConfig = option(default_factory=ChatConfig, group=CHAT_GROUP)
+    """The router's chat flags (vLLM's): chat template, tool calling, reasoning."""
     router_args: tuple[str, ...] = option((), name="--router-arg", repeat=True, metavar="FLAG")
     """Extra flag for the router, e.g. --router-arg=--policy=round_robin. Keys never go on a
     command line (visible in `ps`): --api-key-file, or PDSERVE_API_KEY in the environment."""

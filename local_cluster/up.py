@@ -116,9 +116,9 @@ def router_flags(config: UpConfig, etcd: str, port: int,
     only (the workers `up` starts listen there), the model, what the engine flags ask of the
     router (--enable-lora and --lora-modules: it serves the adapters and may load more at run
     time; --enable-sleep-mode: the fleet-wide admin endpoints; the grammar size and compile time
-limits, so that the router refuses what the workers would), then --router-arg's. Written
-    out, since `local_cluster` never imports `router` (tests/test_imports.py); a test parses
-    them with the router's own parser."""
+    limits, so that the router refuses what the workers would), the chat flags, then
+    --router-arg's. Written out, since `local_cluster` never imports `router`
+    (tests/test_imports.py); a test parses them with the router's own parser."""
     c, engine = config, config.engine
     out = ["--etcd", etcd, *to_argv(etcd_security), "--cluster", c.cluster, "--host", c.host,
            "--port", str(port), "--allowed-worker-cidrs", *LOOPBACK_CIDRS, "--model", engine.model]
@@ -138,6 +138,7 @@ limits, so that the router refuses what the workers would), then --router-arg's.
         if path:
             out += [flag, str(Path(path).resolve())]
     out += to_argv(c.grpc_security.absolute())  # file paths: no secret on the command line
+    out += to_argv(c.chat.absolute())
     return [*out, *c.router_args]
 
 

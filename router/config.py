@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.chat_config import GROUP as CHAT_GROUP
+from cluster.chat_config import ChatConfig
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
@@ -217,22 +219,8 @@ class RouterConfig:
     """Serve the fleet-wide admin endpoints (vLLM's dev-mode names: /sleep, /wake_up,
     /is_sleeping, /reset_prefix_cache, /collective_rpc, plus /update_weights); also enabled
     by VLLM_SERVER_DEV_MODE=1. Guarded by --admin-api-key, else --api-key, when set."""
-    chat_template: str | None = option(None, group="chat", metavar="FILE_OR_TEMPLATE")
-    """The chat template (a Jinja file, or the template itself) instead of the model's own
-    (vLLM's flag): e.g. one that renders `tools` for a model whose template does not
-    (examples/tool_chat_template_chatml.jinja for ChatML models such as SmolLM2)."""
-    enable_auto_tool_choice: bool = option(False, group="chat")
-    """Let the model decide to call tools (`tool_choice: "auto"`, the default when a
-    request has tools): its text is parsed with --tool-call-parser (vLLM's flag)."""
-    tool_call_parser: str | None = option(None, group="chat", metavar="NAME")
-    """How the model writes tool calls: hermes (also Qwen2.5/Qwen3), llama3_json, mistral,
-    pythonic, granite, or a name a --tool-parser-plugin registers."""
-    tool_parser_plugin: str | None = option(None, group="chat", metavar="FILE")
-    """A Python file whose classes register more tool parsers
-    (`router.tools.parser.register_tool_parser`)."""
-    reasoning_parser: str | None = option(None, group="chat", metavar="NAME")
-    """Split a reasoning model's thinking into `reasoning_content`: deepseek_r1 or qwen3.
-    Structured outputs and tool parsing then apply to the answer only."""
+    chat: ChatConfig = option(default_factory=ChatConfig, group=CHAT_GROUP)
+    """The chat template, tool calling and reasoning (vLLM's flags)."""
     enable_response_store: bool = option(False, group="responses API")
     """Keep finished /v1/responses responses in memory, so that a later request continues one
     with `previous_response_id` (OpenAI's `store`, true unless a request says false); also
@@ -280,6 +268,4 @@ class RouterConfig:
             (self.response_store_max_entries >= 1, "response_store_max_entries", "must be >= 1"),
             (self.response_store_max_bytes >= 1, "response_store_max_bytes", "must be >= 1"),
             (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
-            (not self.enable_auto_tool_choice or self.tool_call_parser is not None,
-             "enable_auto_tool_choice", "needs --tool-call-parser (how to read the calls)"),
         ])

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
+from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.registration import WorkerInfo
@@ -53,8 +54,8 @@ def load_model_card(config: RouterConfig) -> ModelCard:
         raise ValueError(f"--model must be an HF-format directory with tokenizer.json: {path}")
     hf = json.loads((path / "config.json").read_text())
     tok = Tokenizer.from_dir(path)
-    if config.chat_template is not None:
-        tok.set_chat_template(_template_text(config.chat_template))
+    if config.chat.chat_template is not None:
+        tok.set_chat_template(_template_text(config.chat.chat_template))
     max_len = config.max_model_len or int(hf.get("max_position_embeddings", 2048))
     name = config.served_model_name or path.name
     defaults = sampling_defaults(load_generation_config(config.generation_config,
@@ -66,7 +67,7 @@ def load_model_card(config: RouterConfig) -> ModelCard:
         name=name, tokenizer=tok, max_model_len=max_len,
         vocab_size=int(hf.get("vocab_size", tok.vocab_size)),
         aliases=frozenset({config.model, path.name, str(path)}), max_n=config.max_n,
-        sampling_defaults=defaults, chat=chat_options(config, tok),
+        sampling_defaults=defaults, chat=chat_options(config.chat, tok),
     )
 
 
@@ -80,7 +81,7 @@ def _template_text(value: str) -> str:
     raise ValueError(f"--chat-template {value}: no such file (nor a Jinja template)")
 
 
-def chat_options(config: RouterConfig, tok: Tokenizer) -> ChatOptions:
+def chat_options(config: ChatConfig, tok: Tokenizer) -> ChatOptions:
     """The parsers the chat flags name; an unknown name is an error at start, listing the
     known ones."""
     from router.reasoning import reasoning_parser

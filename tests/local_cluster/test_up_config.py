@@ -16,6 +16,7 @@ from engine.flags import add_flags, from_args, option, to_argv
 from local_cluster.config import UpConfig
 from local_cluster.supervisor import Supervisor
 from local_cluster.up import router_flags
+from cluster.chat_config import ChatConfig
 from pdserve.cli import build_parser
 from router.cli import config_from_args as router_config
 from router.config import PlacementConfig, RouterConfig
@@ -147,6 +148,12 @@ def test_the_router_gets_the_cluster_the_model_and_what_the_engine_flags_ask_of_
     keyed = router(parse_up("--api-key-file", "k.txt", "--admin-api-key-file", "/a.txt"))
     assert (keyed.api_key_file, keyed.admin_api_key_file) == (str(Path("k.txt").resolve()), "/a.txt")
     assert keyed.api_key == ()  # the key itself is never on the router's command line
+    chat = router(parse_up("--chat-template", "examples/tool_chat_template_chatml.jinja",
+                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                           "--reasoning-parser", "qwen3")).chat
+    assert chat == ChatConfig(
+        chat_template=str(Path("examples/tool_chat_template_chatml.jinja").resolve()),
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
 
 
 def test_bad_up_flags_are_refused_by_name_before_anything_starts(capsys):
@@ -156,6 +163,8 @@ def test_bad_up_flags_are_refused_by_name_before_anything_starts(capsys):
         (["--lora-modules", "a=/x"], "--lora-modules: lora_modules needs enable_lora"),
         (["--restart-window", "0"], "--restart-window: window must be > 0, got 0.0"),
         (["--decode", "-1"], "--decode: decode must be >= 0, got -1"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: enable_auto_tool_choice "
+         "needs --tool-call-parser"),
         (["--kv-cache-memory", "0"], "--kv-cache-memory: kv_cache_memory must be > 0, got 0"),
         (["--router-arg=--api-key=secret"], "--router-arg: router_args --api-key would put a key"),
         (["--router-arg=--admin-api-key"], "--router-arg: router_args --admin-api-key would put"),

@@ -55,8 +55,7 @@ async def start_router(etcd: str, cluster: str, placement: PlacementConfig | Non
     port = free_port()
     cfg = RouterConfig(etcd=etcd, cluster=cluster, port=port,
                        placement=placement or PlacementConfig(), **config)
-    key = (cfg.model, cfg.max_model_len, cfg.generation_config, cfg.chat_template,
-           cfg.enable_auto_tool_choice, cfg.tool_call_parser, cfg.reasoning_parser)
+    key = (cfg.model, cfg.max_model_len, cfg.generation_config, cfg.chat)
     if key not in _CARD:
         _CARD[key] = load_model_card(cfg)
     services = RouterServices(cfg, _CARD[key], resolve_keys(cfg, {}))  # flags only, no environment

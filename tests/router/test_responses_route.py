@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from cluster.chat_config import ChatConfig
+
 from api_fuzz import response_events
 from router.responses_api.models import ResponsesResponse
 from router.responses_api.convert import output_messages
@@ -27,9 +29,9 @@ TIME = {"type": "function", "name": "get_time",
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
     c = start_cluster(bg, etcd.endpoint, "responses", [("decode", "d1")],
-                      enable_response_store=True, chat_template=TEMPLATE,
-                      enable_auto_tool_choice=True, tool_call_parser="hermes",
-                      reasoning_parser="qwen3")
+                      enable_response_store=True, chat=ChatConfig(
+                          chat_template=TEMPLATE, enable_auto_tool_choice=True,
+                          tool_call_parser="hermes", reasoning_parser="qwen3"))
     yield c
     c.stop()
 

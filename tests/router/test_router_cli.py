@@ -84,8 +84,8 @@ def test_flags_reach_the_config():
     assert cfg.enable_prompt_tokens_details and cfg.cache_salt_from_api_key
     assert (cfg.enable_response_store, cfg.response_store_max_entries,
             cfg.response_store_max_bytes) == (True, 17, 1 << 20)
-    assert (cfg.chat_template, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
-            cfg.tool_parser_plugin, cfg.reasoning_parser) == (
+    assert (cfg.chat.chat_template, cfg.chat.enable_auto_tool_choice, cfg.chat.tool_call_parser,
+            cfg.chat.tool_parser_plugin, cfg.chat.reasoning_parser) == (
         "/t.jinja", True, "hermes", "/p.py", "qwen3")
     assert (cfg.etcd, cfg.cluster, cfg.port, cfg.api_key, cfg.queue_timeout_s,
             cfg.max_queued_requests, cfg.max_retries, cfg.stale_after_s, cfg.max_model_len,

@@ -8,6 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cluster.chat_config import ChatConfig
+
 from router.response_models import ChatCompletionResponse, ChatCompletionStreamChunk
 from router_harness import start_cluster
 
@@ -20,9 +22,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "reasoning", [("decode", "d1")], chat_template=TEMPLATE,
-                      reasoning_parser="qwen3", enable_auto_tool_choice=True,
-                      tool_call_parser="hermes")
+    c = start_cluster(bg, etcd.endpoint, "reasoning", [("decode", "d1")], chat=ChatConfig(
+        chat_template=TEMPLATE, reasoning_parser="qwen3", enable_auto_tool_choice=True,
+        tool_call_parser="hermes"))
     yield c
     c.stop()
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cluster.chat_config import ChatConfig
+
 from router.response_models import ChatCompletionResponse, ChatCompletionStreamChunk
 from router_harness import start_cluster
 
@@ -28,8 +30,8 @@ def _script(text: str, piece: int = 3) -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "tools", [("decode", "d1")], chat_template=TEMPLATE,
-                      enable_auto_tool_choice=True, tool_call_parser="hermes")
+    c = start_cluster(bg, etcd.endpoint, "tools", [("decode", "d1")], chat=ChatConfig(
+        chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes"))
     yield c
     c.stop()
 
