@@ -136,14 +136,14 @@ def test_an_uncompilable_tool_schema_is_a_400(tc):
     assert exc.value.body["param"] == "tools"
 
 
-def test_the_openai_agents_sdk_runs_a_tool_loop_through_chat_completions(tools_url):
-    """An agent framework's own client: the SDK calls the model with its tool (required on
-    the first turn), runs the tool, sends the result back, and gets an answer."""
+def _weather_agent(tools_url: str, model_class: str, **agent_options):
+    """An OpenAI Agents SDK agent on the tools router whose one tool records its calls:
+    (agent, the cities the tool was called with)."""
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
-    ran = []
+    ran: list[str] = []
 
     @agents.function_tool
     def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
@@ -154,10 +154,20 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_through_chat_completions(tools_u
     client = AsyncOpenAI(base_url=tools_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     agent = agents.Agent(
         name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-        model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model=getattr(agents, model_class)(model=MODEL, openai_client=client),
+        # One call on the first turn (a noise model would go on adding calls).
         model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                            parallel_tool_calls=False,
-                                            max_tokens=80))
+                                            parallel_tool_calls=False, max_tokens=80),
+        **agent_options)
+    return agent, ran
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop_through_chat_completions(tools_url):
+    """An agent framework's own client: the SDK calls the model with its tool (required on
+    the first turn), runs the tool, sends the result back, and gets an answer."""
+    import agents
+
+    agent, ran = _weather_agent(tools_url, "OpenAIChatCompletionsModel")
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert len(ran) >= 1 and all(isinstance(city, str) for city in ran)
     assert isinstance(result.final_output, str)
@@ -195,26 +205,11 @@ def test_responses_with_a_function_tool_whole_and_streamed(tc):
 
 
 def test_the_openai_agents_sdk_runs_a_tool_loop_through_responses(tools_url):
-    agents = pytest.importorskip("agents")
-    from openai import AsyncOpenAI
+    import agents
 
-    agents.set_tracing_disabled(True)
-    ran = []
-
-    @agents.function_tool
-    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
-        """Current weather in a city."""
-        ran.append(city)
-        return "sunny, 21 C"
-
-    client = AsyncOpenAI(base_url=tools_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    agent = agents.Agent(
-        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                            parallel_tool_calls=False, max_tokens=80),
-        # The tool's result is the answer: a 2-layer model's free text would run into
-        # max_tokens, which the SDK treats as a failed (incomplete) response.
-        tool_use_behavior="stop_on_first_tool")
+    # The tool's result is the answer: a 2-layer model's free text would run into
+    # max_tokens, which the SDK treats as a failed (incomplete) response.
+    agent, ran = _weather_agent(tools_url, "OpenAIResponsesModel",
+                                tool_use_behavior="stop_on_first_tool")
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert len(ran) == 1 and result.final_output == "sunny, 21 C"
