@@ -329,3 +329,21 @@ def test_tier_off_is_unchanged(tiny_llama):
     assert llm.engine.config == EngineConfig(model=tiny_llama, dtype="float32", block_size=BLOCK,
                                              kv_cache_memory=7 * _block_bytes(tiny_llama), max_num_seqs=1)
     assert llm.engine.stats().kv_offload_blocks == 0
+
+
+def test_a_hit_in_one_group_is_never_popped_for_another():
+    """Tier off: allocate takes every group's hit blocks before it pops new ones (before, a
+    group's new blocks could be popped from another group's hit, which then sat in two
+    tables)."""
+    bm = BlockManager(16, BS, group_windows=(None, None))
+    a = make_request(list(range(100, 109)), BS)  # 2 cached blocks per group
+    run_once(bm, a)
+    run_once(bm, make_request(list(range(300, 317)), BS))  # cached after a's: evicted later
+    b = make_request(list(range(100, 108)) + list(range(900, 917)), BS)
+    prefix = bm.match_prefix(b)
+    assert prefix.num_tokens == 8
+    assert bm.allocate(b, b.num_tokens - 8, prefix)  # 5 new per group + a's 4 hit blocks
+    used = [x for table in bm.block_tables(b.request_id) for x in table]
+    assert len(used) == len(set(used)) == 14
+    assert bm.block_tables(b.request_id)[1][:2] == prefix.block_ids[1]
+    bm.free(b)
