@@ -22,6 +22,11 @@ Invariants:
   always a leading run of a table; nothing reads them (the attention backends never read
   blocks before a window). `Request.keep_blocks_from` pins a suffix of each table (a
   prefill worker streaming those blocks out).
+- Second tier (`tier`, engine/kv_tier.py; None: off): a cached block evicted for reuse is
+  demoted there (its bytes copied out before `_pop_free` returns it), and a prefix hit may end
+  in blocks held there (TIER in PrefixMatch), which `allocate` promotes into fresh pool blocks.
+  (g, h) is in `_cached[g]` or in the tier, never both; group 0's hashes in either are what
+  this worker announces as held (KV events, `cached_hashes`).
 """
 from __future__ import annotations
 
@@ -30,10 +35,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.block_hash import BlockHash, extend_block_hashes
+from engine.kv_tier import KVTier
 from engine.request import Request
 
 RELEASED = -1
 """A table entry whose block slid out of its group's window and went back to the pool."""
+TIER = -2
+"""A PrefixMatch entry whose block is held by the second tier (promoted by `allocate`)."""
 
 
 @dataclass(slots=True)
@@ -46,13 +54,15 @@ class KVBlock:
 
 class PrefixMatch(NamedTuple):
     block_ids: list[list[int]]
-    """Per group: the cached blocks of the hit (RELEASED before a sliding group's window)."""
+    """Per group: the cached blocks of the hit (RELEASED before a sliding group's window,
+    TIER where the second tier holds it)."""
     num_tokens: int
 
 
 class KVEvent(NamedTuple):
-    stored: bool  # True: block hash now cached here; False: evicted
+    stored: bool  # True: block hash now held here (pool or tier); False: held nowhere here
     block_hash: BlockHash
+    tier: int = 0  # where a stored block now is: 0 the pool, 1 the offloading tier
 
 
 @dataclass
@@ -71,6 +81,8 @@ class BlockManager:
     """Each KV group's sliding window (None: full attention; engine/kv_groups.py). A group
     with a window gives back the blocks that slid out of it."""
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    tier: KVTier | None = None
+    """The second tier evicted cached blocks are demoted to (None: they are dropped)."""
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -117,8 +129,13 @@ class BlockManager:
         return request_id in self._tables
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Hashes of group 0's cached blocks (what KV events report)."""
-        return list(self._cached[0])
+        """Hashes of group 0's blocks held in the pool or the tier (what KV events report)."""
+        tiered = [h for g, h in self.tier.keys() if g == 0] if self.tier is not None else []
+        return list(self._cached[0]) + tiered
+
+    def _has(self, g: int, h: BlockHash) -> bool:
+        """Group g holds block hash h in its prefix cache or the tier."""
+        return h in self._cached[g] or (self.tier is not None and (g, h) in self.tier)
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -143,7 +160,7 @@ class BlockManager:
         full = [g for g in self._groups if self.group_windows[g] is None]
         k = len(hashes)
         for i, h in enumerate(hashes):
-            if any(h not in self._cached[g] for g in full):
+            if not all(self._has(g, h) for g in full):
                 k = i
                 break
         while k > 0 and not all(self._window_cached(request, g, hashes, k) for g in self._sliding):
@@ -153,14 +170,18 @@ class BlockManager:
         ids = []
         for g in self._groups:
             first = self._skip(request, g, k * self.block_size)
-            ids.append([RELEASED] * first + [self._cached[g][h] for h in hashes[first:k]])
+            ids.append([RELEASED] * first + [self._cached[g].get(h, TIER) for h in hashes[first:k]])
+            if self.tier is not None:
+                for h in hashes[first:k]:
+                    if (g, h) in self.tier:
+                        self.tier.touch((g, h))
         return PrefixMatch(ids, k * self.block_size)
 
     def _window_cached(self, request: Request, g: int, hashes: list[BlockHash], k: int) -> bool:
         """Group g holds the blocks before position k * block_size that the request still
         needs there: those in the window of a query at it, and those it keeps."""
         first = self._skip(request, g, k * self.block_size)
-        return all(h in self._cached[g] for h in hashes[first:k])
+        return all(self._has(g, h) for h in hashes[first:k])
 
     def _first_in_window(self, g: int, first_query: int) -> int:
         """Table index of group g's first block a query at `first_query` or later reads."""
@@ -189,14 +210,33 @@ class BlockManager:
                 skip = min(skip, keep_from[g])
             taken = prefix.block_ids[g][skip:hit]  # never RELEASED: skip is past the hit's own
             plan.append((skip, taken, total - max(skip, hit)))
-        revived = sum(1 for _, taken, _ in plan for b in taken if self.blocks[b].ref_count == 0)
+        revived = sum(1 for _, taken, _ in plan for b in taken
+                      if b == TIER or self.blocks[b].ref_count == 0)
         if sum(new for _, _, new in plan) + revived > len(self._free):
             return False
-        tables = []
-        for g, (skip, taken, new) in enumerate(plan):
+        # Every group's pool hits are taken before anything is popped (a pop may evict any
+        # cached free block), and the tier's are taken out of it (a pop may demote into it).
+        for _, taken, _ in plan:
             for block_id in taken:
-                self._take(block_id)
-            tables.append([RELEASED] * skip + taken + [self._pop_free(g) for _ in range(new)])
+                if block_id != TIER:
+                    self._take(block_id)
+        hashes = request.block_hashes
+        promote = [(g, skip + i, self.tier.take((g, hashes[skip + i])))
+                   for g, (skip, taken, _) in enumerate(plan)
+                   for i, b in enumerate(taken) if b == TIER]
+        tables = [[RELEASED] * skip + taken for skip, taken, _ in plan]
+        for g, i, slot in promote:
+            block_id = tables[g][i] = self._pop_free(g)
+            self.tier.load(slot, block_id)
+            block = self.blocks[block_id]
+            block.block_hash = hashes[i]
+            self._cached[g][hashes[i]] = block_id
+            if self.record_events and g == 0:
+                self._events.append(KVEvent(True, hashes[i], tier=0))
+        if promote:
+            self.tier.stats.hit_tokens += (hit - min(i for _, i, _ in promote)) * self.block_size
+        for g, (_, _, new) in enumerate(plan):
+            tables[g].extend(self._pop_free(g) for _ in range(new))
         self._tables[rid] = request.block_tables = tables
         self._num_hashed[rid] = hit
         self._num_released[rid] = [skip for skip, _, _ in plan]
@@ -293,6 +333,8 @@ class BlockManager:
                 if block.block_hash is None and h not in cached:
                     block.block_hash = h
                     cached[h] = block.block_id
+                    if self.tier is not None and (g, h) in self.tier:
+                        self.tier.discard((g, h))  # computed again: the pool's copy serves
                     if self.record_events and g == 0:
                         self._events.append(KVEvent(True, h))
         self._num_hashed[request.request_id] = num_full
@@ -330,6 +372,10 @@ class BlockManager:
                 if self.record_events and g == 0:
                     self._events.append(KVEvent(False, h))
             cached.clear()
+        if self.tier is not None:
+            for g, h in self.tier.clear():
+                if self.record_events and g == 0:
+                    self._events.append(KVEvent(False, h))
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:
@@ -342,10 +388,18 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: the cached contents are about to change
-            del self._cached[block.group][block.block_hash]
-            if self.record_events and block.group == 0:
-                self._events.append(KVEvent(False, block.block_hash))
-            block.block_hash = None
+            self._evict(block)
         block.ref_count = 1
         block.group = group
         return block_id
+
+    def _evict(self, block: KVBlock) -> None:
+        """Drop a cached free block's hash; with a tier, its bytes are demoted there first."""
+        g, h = block.group, block.block_hash
+        del self._cached[g][h]
+        block.block_hash = None
+        kept, dropped = (False, []) if self.tier is None else self.tier.demote((g, h), block.block_id)
+        if self.record_events:
+            if g == 0:
+                self._events.append(KVEvent(True, h, tier=1) if kept else KVEvent(False, h))
+            self._events.extend(KVEvent(False, old) for group, old in dropped if group == 0)

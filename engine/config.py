@@ -29,6 +29,23 @@ def parse_size(text: str) -> int:
     return int(float(low))
 
 
+def parse_offloading_size(text: str) -> int:
+    """Bytes from vLLM's --kv-offloading-size: a plain number is GiB (vLLM's unit, e.g.
+    '64' or '0.5'); with a unit it is what parse_size reads ('512MiB'), 'B' for bytes."""
+    low = text.strip().lower()
+    if low.endswith("b") and low[:-1].replace(".", "", 1).isdigit():
+        return int(float(low[:-1]))
+    try:
+        return int(float(low) * GiB)
+    except ValueError:
+        return parse_size(text)
+
+
+def format_offloading_size(size: int) -> str:
+    """The inverse of parse_offloading_size (exact: in bytes)."""
+    return f"{size}B"
+
+
 class LoRAModule(NamedTuple):
     """One `--lora-modules` entry, vLLM's `name=path`: a LoRA adapter served as model `name`.
     `dict(config.lora_modules)` is name -> path."""
@@ -102,6 +119,15 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES)
     """How K/V are stored (vLLM's): auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2, or int8
     (per-token, per-head scales inside the block). See engine.kv_format."""
+    kv_offloading_size: int = option(0, type=parse_offloading_size,
+                                     format=format_offloading_size, metavar="SIZE")
+    """Capacity of the KV cache's second tier (vLLM's flag; a plain number is GiB, or say
+    512MiB, 4GiB): cached blocks evicted from the KV pool are copied there instead of dropped,
+    and a prefix hit there is copied back instead of recomputed (engine/kv_tier.py;
+    docs/kv_offloading.md). 0: off."""
+    kv_offloading_path: str | None = option(None, metavar="PATH")
+    """Back the second tier by this file (mapped shared; scratch space, overwritten, never
+    read back after a restart) instead of anonymous host memory. Needs kv_offloading_size."""
     enable_sleep_mode: bool = False
     """Allow `sleep(level)` / `wake_up()` (vLLM's): free the KV pool (level 1; weights stay, on
     the CPU) or also drop the weights (level 2)."""
@@ -154,6 +180,11 @@ class EngineConfig:
             (self.attention_backend in ATTENTION_BACKENDS, "attention_backend", "is unknown"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
              f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
+            (self.kv_offloading_size >= 0, "kv_offloading_size", "must be >= 0"),
+            (self.enable_prefix_caching or not self.kv_offloading_size, "kv_offloading_size",
+             "needs enable_prefix_caching (the tier holds prefix-cache blocks)"),
+            (self.kv_offloading_path is None or self.kv_offloading_size > 0,
+             "kv_offloading_path", "needs kv_offloading_size > 0"),
             (self.max_loras >= 1, "max_loras", "must be >= 1"),
             (1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",

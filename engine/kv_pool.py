@@ -63,11 +63,11 @@ def allocate_kv_pool(
     pool = torch.empty((num_blocks, *kv_block_shape(args, block_size, kv_cache_dtype)),
                        dtype=kv_format.storage_dtype(kv_cache_dtype, dtype), device=device)
     if pool.device.type == "cpu":
-        _advise_huge_pages(pool)
+        advise_huge_pages(pool)
     return pool.zero_()
 
 
-def _advise_huge_pages(t: torch.Tensor) -> None:
+def advise_huge_pages(t: torch.Tensor) -> None:
     """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned interior of `t` (best effort: Linux
     with THP in `madvise` or `always` mode; silently nothing elsewhere)."""
     import ctypes

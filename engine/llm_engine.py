@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from engine.attention.selector import make_attention_backend
 from engine.block_manager import BlockManager
+from engine.checks import FieldError
 from engine.config import EngineConfig
 from engine.deltas import Deltas
 from engine.device import resolve_device_dtype
@@ -17,7 +18,8 @@ from engine.extension import collective_rpc, load_extension
 from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_format import normalize as normalize_kv_dtype
 from engine.lifecycle import Lifecycle
-from engine.kv_pool import allocate_kv_pool, num_blocks_for_budget, profile_peak
+from engine.kv_pool import allocate_kv_pool, kv_block_bytes, num_blocks_for_budget, profile_peak
+from engine.kv_tier import HostTierStorage, KVTier, tier_slots
 from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.lora.slots import LoRACache, LoRASlots
@@ -55,6 +57,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts by position 0..k-1
+    kv_offload_blocks: int = 0  # blocks the second tier holds at most (0: off)
+    kv_offload_blocks_used: int = 0
+    kv_offload_hits: int = 0  # prompt tokens promoted from the tier (part of prefix_cache_hits)
+    kv_offload_demotions: int = 0  # blocks copied pool -> tier
+    kv_offload_promotions: int = 0  # blocks copied tier -> pool
+    kv_offload_evictions: int = 0  # blocks the full tier dropped
 
 
 class LLMEngine:
@@ -75,7 +83,8 @@ class LLMEngine:
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
                                          config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          group_windows=_group_windows(args, config))
+                                          group_windows=_group_windows(args, config),
+                                          tier=self._make_tier(args))
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, config.enable_chunked_prefill,
@@ -107,6 +116,10 @@ class LLMEngine:
         spec = config.speculative_config
         self.proposer: Proposer | None = make_proposer(
             spec, self.loaded, self.runner, self.dtype, self.max_model_len, config.kv_cache_dtype)
+        if config.kv_offloading_size and getattr(self.proposer, "owns_kv", False):
+            raise FieldError("kv_offloading_size", "kv_offloading_size: not supported with a "
+                             "separate draft model (its own KV pool is not offloaded); use "
+                             "speculative_config self:N or ngram")
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         """k: the most drafts a sequence verifies per step (0: no speculation)."""
         self.lifecycle = Lifecycle(
@@ -117,6 +130,18 @@ class LLMEngine:
         self.extension = load_extension(config.worker_extension_cls, self)
         """The worker extension (vLLM's `worker_extension_cls`, built as Class(engine) once the
         engine is complete): `collective_rpc` calls its methods first."""
+
+    def _make_tier(self, args: ModelArgs) -> KVTier | None:
+        """The second KV tier `kv_offloading_size` asks for (None: off)."""
+        config = self.config
+        if not config.kv_offloading_size:
+            return None
+        block_bytes = kv_block_bytes(args, config.block_size, self.dtype, config.kv_cache_dtype)
+        slots = tier_slots(config.kv_offloading_size, block_bytes)
+        if slots < 1:
+            raise FieldError("kv_offloading_size", f"kv_offloading_size ({config.kv_offloading_size}"
+                             f" bytes) holds no {block_bytes}-byte KV block")
+        return KVTier(HostTierStorage(self.kv_cache, slots, config.kv_offloading_path))
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -268,6 +293,7 @@ class LLMEngine:
             spec_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(sched.spec_stats.accepted_per_pos)
             + (0,) * (self.num_speculative_tokens - len(sched.spec_stats.accepted_per_pos)),
+            **_tier_stats(bm.tier),
         )
 
     def reset_prefix_cache(self) -> None:
@@ -302,6 +328,15 @@ class LLMEngine:
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list:
         return collective_rpc(self.extension, self, method, args, kwargs)
+
+
+def _tier_stats(tier: KVTier | None) -> dict[str, int]:
+    if tier is None:
+        return {}
+    s = tier.stats
+    return dict(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
+                kv_offload_hits=s.hit_tokens, kv_offload_demotions=s.demotions,
+                kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions)
 
 
 def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, ...]:

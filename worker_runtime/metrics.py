@@ -149,6 +149,9 @@ class WorkerMetrics:
                 ("kv_blocks_total", "KV blocks in the pool", s.num_blocks),
                 ("kv_blocks_free", "KV blocks free (incl. cached-free)", s.num_free_blocks),
                 ("queued_prefill_tokens", "Prompt tokens admitted, not yet computed", s.queued_prefill_tokens),
+                ("kv_offload_blocks_total", "KV blocks the offloading tier holds at most (0: off)",
+                 s.kv_offload_blocks),
+                ("kv_offload_blocks_used", "KV blocks held in the offloading tier", s.kv_offload_blocks_used),
             ]:
                 g = GaugeMetricFamily(f"pdserve_worker_{name}", doc, labels=["role"])
                 g.add_metric(role, value)
@@ -159,6 +162,13 @@ class WorkerMetrics:
                 ("preemptions", "Requests preempted", s.num_preemptions),
                 ("prompt_tokens", "Prompt tokens computed", s.prompt_tokens),
                 ("generation_tokens", "Tokens generated", s.generation_tokens),
+                ("kv_offload_hits_tokens", "Prompt tokens promoted from the offloading tier "
+                 "(part of the prefix cache hits)", s.kv_offload_hits),
+                ("kv_offload_demotions", "KV blocks copied from the pool into the offloading tier",
+                 s.kv_offload_demotions),
+                ("kv_offload_promotions", "KV blocks copied from the offloading tier back into the pool",
+                 s.kv_offload_promotions),
+                ("kv_offload_evictions", "KV blocks the full offloading tier dropped", s.kv_offload_evictions),
             ]:
                 c = CounterMetricFamily(f"pdserve_worker_{name}", doc, labels=["role"])
                 c.add_metric(role, value)
