@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ipaddress import ip_network
 from pathlib import Path
 
+from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES, Role
 from engine.config import EngineConfig, LoRAModule
@@ -16,7 +17,6 @@ from engine.flags import add_flags, from_args, option, to_argv
 from local_cluster.config import UpConfig
 from local_cluster.supervisor import Supervisor
 from local_cluster.up import router_flags
-from cluster.chat_config import ChatConfig
 from pdserve.cli import build_parser
 from router.cli import config_from_args as router_config
 from router.config import PlacementConfig, RouterConfig
@@ -33,9 +33,11 @@ ENGINE = EngineConfig(
     max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"), max_grammar_bytes=4096,
     grammar_compile_timeout_s=2.5, grammar_compile_processes=2)
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
-                                       long_prefill_token_threshold=0)]
+                                       long_prefill_token_threshold=0, enable_prefix_caching=True,
+                                       kv_offloading_size=1 << 20,
+                                       kv_offloading_path="/nonexistent-tier")]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
-prefill on)."""
+prefill on, the KV offloading tier prefix caching)."""
 
 
 def parse_up(*flags: str) -> UpConfig:
