@@ -11,8 +11,10 @@ worker and its KV sent over NIXL into the decode worker's pool. Three clusters:
   first step reads, the prefill worker keeps the ones it streams), the decode worker
   speculating with a layer-skip draft (`self:1`, always k=3): completions equal the offline
   engine's without speculation and transformers', and the decode worker counts drafts;
-- the bundled Gemma 3 270M (sliding window 512), all its layers, a ~600-token prompt:
-  8 greedy tokens equal the offline engine's.
+- the bundled Gemma 3 270M (sliding window 512) cut to its first 6 layers (5 sliding, then
+  the first full-attention one: both kinds of KV cross; tests/models/test_gemma3_270m.py
+  checks all 18 against transformers), a ~600-token prompt: 8 greedy tokens equal the
+  offline engine's with the same layers.
 
 Tokens come back through the router as ids (`return_tokens_as_token_ids`), so each
 comparison is of token ids, not of their text."""
@@ -181,10 +183,14 @@ def gemma_270m():
     return resolve_model_path("gemma-3-270m")
 
 
+GEMMA_270M_LAYERS = 6
+
+
 @pytest.fixture(scope="module")
 def gemma_270m_cluster(tmp_path_factory, gemma_270m):
-    layers = json.loads((gemma_270m / "config.json").read_text())["num_hidden_layers"]
-    workers = ("--model", "gemma-3-270m", "--num-layers", str(layers),  # all of them
+    layer_types = json.loads((gemma_270m / "config.json").read_text())["layer_types"]
+    assert set(layer_types[:GEMMA_270M_LAYERS]) == {"sliding_attention", "full_attention"}
+    workers = ("--model", "gemma-3-270m", "--num-layers", str(GEMMA_270M_LAYERS),
                "--kv-cache-memory", "128MiB", "--num-threads", "2")
     with remote_prefill_cluster(tmp_path_factory.mktemp("270m-logs"), "arch-270m",
                                 worker_args=workers, router_args=("--model", "gemma-3-270m")) as c:
@@ -192,16 +198,18 @@ def gemma_270m_cluster(tmp_path_factory, gemma_270m):
 
 
 def test_gemma_3_270m_over_its_window_equals_offline(gemma_270m, gemma_270m_cluster):
-    from engine.tokenizer import Tokenizer
+    from engine import LLM, SamplingParams
 
     url, _, decode = gemma_270m_cluster
     window = json.loads((gemma_270m / "config.json").read_text())["sliding_window"]
+    offline = LLM(str(gemma_270m), dtype="float32", kv_cache_memory=128 << 20,
+                  num_layers=GEMMA_270M_LAYERS)
     paragraph = ("Disaggregated serving runs the prompt on one worker and the decoding on "
                  "another; the keys and values computed for the prompt travel between them. ")
-    ids = Tokenizer.from_dir(gemma_270m).encode(paragraph * 22, add_special_tokens=True)
+    ids = offline.tokenizer.encode(paragraph * 22, add_special_tokens=True)
     assert window < len(ids) < window + 200
     sampling = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
     before = _remote(decode)
-    [expected] = _offline(gemma_270m, [ids], sampling, kv=128 << 20)
-    assert _complete(url, gemma_270m.name, ids, sampling) == expected
+    [out] = offline.generate([ids], SamplingParams(**sampling), use_tqdm=False)
+    assert _complete(url, gemma_270m.name, ids, sampling) == list(out.outputs[0].token_ids)
     assert _remote(decode) >= before + 1

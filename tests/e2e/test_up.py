@@ -126,7 +126,11 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
 
         # Scale in under load: the drained worker finishes its requests; nothing fails.
         up.cli("scale", "decode", "-1")
-        time.sleep(6)
+        deadline = time.monotonic() + 60  # the load runs on until the drained worker is gone
+        while len([w for w in up.workers() if w.role == "decode"]) > 1:
+            assert time.monotonic() < deadline, "the drained decode worker never deregistered"
+            time.sleep(0.5)
+        time.sleep(1)
         load.stop()
         assert load.failed == 0, load.errors[:3]
         assert load.ok > 0

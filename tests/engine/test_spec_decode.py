@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 NUM_LAYERS = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 SELF_DRAFT = {"method": "draft_model", "model": "self:2", "num_speculative_tokens": 3}
+DRAFT_LAYERS = 2  # the separate draft model: cheaper than the target, as drafts are meant to be
 REPEATING = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
     "Copy this list: red, green, blue, yellow, purple, orange. Again: red, green, blue,",
@@ -49,11 +50,26 @@ def reference(model_dir):
     return _llm(model_dir)
 
 
+@pytest.fixture(scope="module")
+def draft_dir(model_dir, tmp_path_factory):
+    """A separate draft model: the default model's first DRAFT_LAYERS layers as a directory of
+    its own (its config says so; the weights file is the same, layers past it are skipped)."""
+    out = tmp_path_factory.mktemp("draft")
+    config = json.loads((model_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DRAFT_LAYERS}))
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    return out
+
+
 @pytest.fixture(scope="module", params=["ngram", "self_draft", "draft_model"])
 def spec_llm(request, model_dir):
-    spec = {"ngram": NGRAM, "self_draft": SELF_DRAFT,
-            "draft_model": {"method": "draft_model", "model": str(model_dir),
-                            "num_speculative_tokens": 3}}[request.param]
+    if request.param == "draft_model":
+        draft = request.getfixturevalue("draft_dir")
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    else:
+        spec = {"ngram": NGRAM, "self_draft": SELF_DRAFT}[request.param]
     return _llm(model_dir, spec)
 
 
@@ -61,19 +77,32 @@ def _accepted(llm) -> int:
     return llm.engine.stats().spec_num_accepted_tokens
 
 
-def test_greedy_output_is_identical_with_speculation(reference, spec_llm):
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+SEEDED_PROMPTS = REPEATING + FREE[:1]
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=20,
+                         frequency_penalty=0.3, presence_penalty=0.2, min_tokens=5, logprobs=1)
+          for i in range(len(SEEDED_PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def greedy_expected(reference):
+    """The reference's outputs, computed once for every proposer."""
+    return _outputs(reference, PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def seeded_expected(reference):
+    return _outputs(reference, SEEDED_PROMPTS, SEEDED)
+
+
+def test_greedy_output_is_identical_with_speculation(greedy_expected, spec_llm):
     before = _accepted(spec_llm)
-    assert _outputs(spec_llm, PROMPTS, params) == _outputs(reference, PROMPTS, params)
+    assert _outputs(spec_llm, PROMPTS, GREEDY) == greedy_expected
     assert _accepted(spec_llm) > before  # drafts were verified and kept, not just skipped
 
 
-def test_seeded_sampling_is_identical_with_speculation(reference, spec_llm):
-    prompts = REPEATING + FREE[:1]
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=20,
-                             frequency_penalty=0.3, presence_penalty=0.2, min_tokens=5, logprobs=1)
-              for i in range(len(prompts))]
-    assert _outputs(spec_llm, prompts, params) == _outputs(reference, prompts, params)
+def test_seeded_sampling_is_identical_with_speculation(seeded_expected, spec_llm):
+    assert _outputs(spec_llm, SEEDED_PROMPTS, SEEDED) == seeded_expected
 
 
 def test_stop_rules_hold_at_any_acceptance_length(reference, model_dir):
@@ -92,9 +121,19 @@ def test_stop_rules_hold_at_any_acceptance_length(reference, model_dir):
               for i in (2, 6)]
     cases += [SamplingParams(temperature=0.0, max_tokens=30, min_tokens=8,
                              stop_token_ids=[text.token_ids[2]])]
-    for params in cases:
-        assert _outputs(spec_llm, [prompt], params) == _outputs(reference, [prompt], params), params
+    # one batch of every case (each sequence drafts, and is cut, on its own)
+    ours, expected = (_outputs(llm, [prompt] * len(cases), cases) for llm in (spec_llm, reference))
+    for params, a, b in zip(cases, ours, expected):
+        assert a == b, params
     assert _accepted(spec_llm) > 0
+
+
+@pytest.fixture(scope="module")
+def reference_40(reference):
+    """(prompts, params, the reference's outputs) for the engine settings below."""
+    prompts = PROMPTS + [p + " Again:" for p in REPEATING]  # shared prefixes
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    return prompts, params, _outputs(reference, prompts, params)
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -102,11 +141,10 @@ def test_stop_rules_hold_at_any_acceptance_length(reference, model_dir):
     {"kv_cache_memory": 12 * 4 * 2 * 16 * 3 * 64 * 4, "max_num_seqs": 6},  # 12 blocks: preempts
     {"enable_prefix_caching": True},
 ], ids=["chunked", "preemption", "prefix_cache"])
-def test_identical_under_chunked_prefill_preemption_and_prefix_caching(reference, model_dir, engine_args):
+def test_identical_under_chunked_prefill_preemption_and_prefix_caching(reference_40, model_dir,
+                                                                      engine_args):
     llm = _llm(model_dir, NGRAM, **engine_args)
-    prompts = PROMPTS + [p + " Again:" for p in REPEATING]  # shared prefixes
-    params = SamplingParams(temperature=0.0, max_tokens=40)
-    expected = _outputs(reference, prompts, params)
+    prompts, params, expected = reference_40
     assert _outputs(llm, prompts, params) == expected
     if "max_num_seqs" in engine_args:
         assert llm.engine.stats().num_preemptions > 0

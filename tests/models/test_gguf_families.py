@@ -2,6 +2,8 @@
 (`load_gguf_checkpoint`): the real Gemma 3 270M (skipped where its package is missing), and
 tiny Qwen2/Qwen3/Gemma 2/Gemma 3 files written here with gguf's GGUFWriter."""
 import json
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -59,11 +61,33 @@ def gemma_dir():
     return resolve_model_path(GEMMA)
 
 
+@contextmanager
+def _parsed_once(path):
+    """Within the block, every `gguf.GGUFReader(path)` is one reader, parsed once.
+    transformers builds a fresh reader for each config, tensor and tokenizer load, and parsing
+    the metadata of Gemma 3 (262k vocabulary strings and scores) in Python is most of a load's
+    time; the reader is read-only, so sharing it changes no result."""
+    import gguf
+
+    real = gguf.GGUFReader
+    reader = real(path)
+
+    def reader_for(p, *args, **kwargs):
+        same = Path(p).resolve() == Path(path).resolve() and not args and not kwargs
+        return reader if same else real(p, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader_for)
+        yield
+
+
 @pytest.fixture(scope="module")
 def gemma_gguf(gemma_dir):
     from engine.models.prepare import bundled_gguf_path
 
-    return bundled_gguf_path(GEMMA)
+    path = bundled_gguf_path(GEMMA)
+    with _parsed_once(path):
+        yield path
 
 
 def test_gemma3_270m_weights_and_config_equal_transformers(gemma_dir, gemma_gguf):

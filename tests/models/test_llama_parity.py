@@ -36,8 +36,8 @@ def _our_logits(loaded, ids):
 
 
 def _check(model_dir, num_layers, prompts):
-    ours = load_model(model_dir, num_layers=num_layers)
     llm = LLM(str(model_dir), num_layers=num_layers, kv_cache_memory=64 << 20, dtype="float32")
+    ours = llm.engine.loaded  # the engine's model, called directly for logits (no second load)
     hf = _hf(model_dir, num_layers)
     for prompt in prompts:
         ids = ours.tokenizer.encode(prompt)
