@@ -138,7 +138,7 @@ class NamedCallReader(ToolParser):
         return ParsedDelta(tool_calls=[ToolCallDelta(0, new_call_id(), self.function, text)])
 
     def finish(self) -> ParsedDelta:
-        return self.feed("") if not self._announced else ParsedDelta()
+        return ParsedDelta()  # no text at all: no call (an empty arguments string is none)
 
 
 class RequiredCallsReader(StreamingToolParser):

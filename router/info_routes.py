@@ -16,8 +16,8 @@ from router.protocol import DetokenizeRequest, TokenizeRequest, parse_json
 from router.response_models import (DetokenizeResponse, ModelInfo, ModelList, TokenizeResponse,
                                     VersionResponse)
 from router.services import Services
-from router.validation import (check_model, check_token_ids, encode_text, max_prompt_chars,
-                               render_chat)
+from router.chat_render import render_chat
+from router.validation import check_model, check_token_ids, encode_text, max_prompt_chars
 
 
 def _version() -> str:

@@ -1,9 +1,8 @@
-"""From an HTTP body to a `Prepared` request: parse, check ranges, apply the chat template,
-tokenize, apply defaults (OpenAI's, then the model's generation config), check the context
-length. Every refusal is a 400 `APIError` naming the field."""
+"""From an HTTP body to a `Prepared` request: parse, check ranges, apply the chat template
+(router/chat_render.py), tokenize, apply defaults (OpenAI's, then the model's generation
+config), check the context length. Every refusal is a 400 `APIError` naming the field."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
@@ -11,13 +10,13 @@ from typing import Any, Literal, Mapping
 from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.tokenizer import Tokenizer
 from router.chat_output import ChatOptions, OutputSetup
+from router.chat_render import chat_text
 from router.chat_tools import ChatTools, combine, read_tools
 from router.config import LimitsConfig
 from router.errors import APIError, bad_request
-from router.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart,
-                             parse_json)
+from router.protocol import ChatCompletionRequest, CompletionRequest, parse_json
 from router.structured import Constraint, constraint
 from router.unsupported import refuse_unsupported
 
@@ -209,75 +208,6 @@ def _echo_texts(req: CompletionRequest, prompts: list[list[int]], truncated: boo
         else [req.prompt]
     return [p if isinstance(p, str) and not truncated else tok.decode(ids)
             for p, ids in zip(raw, prompts)]
-
-
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The chat template's input: text parts joined with newlines (vLLM's string content
-    format); `name`, `tool_call_id` and reasoning kept; tool calls' arguments as objects (as
-    templates write them: `arguments | tojson`)."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.content is None or isinstance(m.content, str):
-            text = m.content or ""
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                if not isinstance(part, TextPart):
-                    where = f"messages.{i}.content.{j}.type"
-                    raise bad_request(f"{where}: content part type {part.type!r} is not "
-                                      "supported (only text)", where)
-                parts.append(part.text)
-            text = "\n".join(parts)
-        message = {"role": m.role, "content": text}
-        if m.name is not None:
-            message["name"] = m.name
-        if m.tool_calls:
-            message["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(m.tool_calls)]
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        out.append(message)
-    return out
-
-
-def render_chat(tok: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, kwargs: dict | None, explicit_agp: bool) -> str:
-    """`explicit_agp`: add_generation_prompt was set in the request (its default, true, yields
-    to continue_final_message)."""
-    if continue_final_message:
-        if add_generation_prompt and explicit_agp:
-            raise bad_request("continue_final_message and add_generation_prompt cannot both "
-                              "be true", "continue_final_message")
-        add_generation_prompt = False
-    try:
-        return tok.render_chat(chat_messages(messages), add_generation_prompt,
-                               continue_final_message, **(kwargs or {}))
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
-
-
-def _template_call(i: int, j: int, call) -> dict[str, Any]:
-    where = f"messages.{i}.tool_calls.{j}.function.arguments"
-    try:
-        arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
-        raise bad_request(f"{where} must be JSON text of an object", where) from None
-    if not isinstance(arguments, dict):
-        raise bad_request(f"{where} must be JSON text of an object", where)
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.function.name, "arguments": arguments}}
-
-
-def chat_text(req: ChatCompletionRequest, tok: Tokenizer,
-              extra: Mapping[str, Any] | None = None) -> str:
-    """The rendered conversation. `extra`: template variables the router adds (`tools`)."""
-    kwargs = {**(req.chat_template_kwargs or {}), **(extra or {})}
-    if req.documents is not None:
-        kwargs["documents"] = req.documents
-    return render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
-                       kwargs, "add_generation_prompt" in req.model_fields_set)
 
 
 def max_prompt_chars(card: ModelCard, limit: int, limits: LimitsConfig) -> int:
