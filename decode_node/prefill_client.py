@@ -18,8 +18,6 @@ from typing import NamedTuple
 import grpc
 
 from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
-from cluster.grpc_auth import aio_channel
-from cluster.retry import Backoff
 from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
 from engine.llm_engine import LLMEngine
@@ -28,10 +26,10 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.grpc_errors import Unavailable
+from worker_runtime.peer_calls import PeerChannels, confirm_stopped
 from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
-_GONE_AFTER = 3  # UNAVAILABLE answers in a row to an Abort: nothing serves at P's address
 
 
 class RemoteResult(NamedTuple):
@@ -49,9 +47,9 @@ class PrefillClient:
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self.remote = RemotePrefills(runtime.kv.receiver, runtime.settle, runtime.deliver)
+        self.remote = RemotePrefills(runtime.receiver, runtime.settle, runtime.deliver)
         self._attempts = itertools.count()  # transfer ids: one per attempt
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = PeerChannels(runtime.auth)
         self._background: set[asyncio.Task] = set()
         runtime.add_step_hook(self._after_step)
 
@@ -64,13 +62,15 @@ class PrefillClient:
         self.remote.fail_request(engine, request_id, exc)
         engine.abort_request(request_id)
 
-    async def prefill(self, req: Request, worker: pb.WorkerRef) -> RemoteResult:
-        """Run the prompt on prefill worker `worker`; returns once the request runs here or
+    async def prefill(self, req: Request, worker: pb.WorkerRef,
+                      source: pb.KVSource | None = None) -> RemoteResult:
+        """Run the prompt on prefill worker `worker` (which first pulls what `source`
+        holds); returns once the request runs here or
         the prompt must be prefilled locally. Raises TimeoutError when the KV missed its
         deadline, Unavailable when P failed and --strict-remote-prefill is set."""
         rt, rid = self.rt, req.request_id
         done = rt.aio.create_future()
-        tid = f"{rid}:{next(self._attempts)}"
+        tid = f"push:{rid}:{next(self._attempts)}"
         kv_timeout_s = rt.config.kv_timeout_s
         try:
             attempt = await rt.call(lambda e: self.remote.start(e, req, tid, done, kv_timeout_s),
@@ -81,8 +81,8 @@ class PrefillClient:
             raise
         if attempt is None:
             return RemoteResult(PrefillPath.LOCAL)  # let the scheduler queue it
-        call = pb_grpc.PrefillWorkerStub(self._channel(worker.address)).Prefill(
-            self._prefill_request(req, tid, attempt.block_ids), timeout=kv_timeout_s)
+        call = pb_grpc.PrefillWorkerStub(self._channels.get(worker.address)).Prefill(
+            self._prefill_request(req, tid, attempt.block_ids, source), timeout=kv_timeout_s)
         try:
             response = await call
         except grpc.aio.AioRpcError as exc:
@@ -96,7 +96,8 @@ class PrefillClient:
         await done  # raises if the KV failed or timed out
         return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens)
 
-    def _prefill_request(self, req: Request, transfer_id: str, block_ids: list[int]) -> pb.PrefillRequest:
+    def _prefill_request(self, req: Request, transfer_id: str, block_ids: list[int],
+                         source: pb.KVSource | None) -> pb.PrefillRequest:
         rt = self.rt
         skips = req.remote_skip_blocks  # per KV group; block_ids: each group's after its skip
         return pb.PrefillRequest(
@@ -104,6 +105,7 @@ class PrefillClient:
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
             priority=req.priority,
             lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
+            kv_source=source,
             destination=pb.KVDestination(
                 peer_metadata=rt.pool.metadata.to_bytes(), num_skip_blocks=min(skips),
                 group_skip_blocks=skips,
@@ -142,32 +144,11 @@ class PrefillClient:
 
     async def _abort_remote(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
                             exc: Exception) -> None:
-        """Abort the request on P. P's Abort answers once its sender reported the transfer:
-        no write of it can land any more. Retried until P answers; only when nothing serves
-        at P's address (UNAVAILABLE, `_GONE_AFTER` times in a row: a dead process writes
-        nothing) is P taken as stopped without its word, or when P refuses our cluster token
-        (UNAUTHENTICATED: a process's token is fixed for its life, so the process serving
-        there never ran this attempt's Prefill; the one that did is gone)."""
+        """Wait for P's word that it writes nothing more for this attempt
+        (worker_runtime/peer_calls.py), then release the attempt's blocks."""
         rt = self.rt
-        stub = pb_grpc.WorkerStub(self._channel(worker.address))
-        backoff, unavailable = Backoff(first_s=0.05, max_s=2.0), 0
-        while True:
-            try:
-                await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=rt.config.kv_timeout_s)
-                break
-            except grpc.aio.AioRpcError as err:
-                unavailable = unavailable + 1 if err.code() is grpc.StatusCode.UNAVAILABLE else 0
-                if unavailable >= _GONE_AFTER or err.code() is grpc.StatusCode.UNAUTHENTICATED:
-                    break
-                log.info("abort of %s on %s: %s; retrying", request_id, worker.address, err.code().name)
-            await backoff.sleep()
+        await confirm_stopped(self._channels.get(worker.address), request_id, rt.config.kv_timeout_s)
         await rt.call(lambda e: self.remote.writes_stopped(e, transfer_id, exc), cancellable=False)
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = aio_channel(address, self.rt.auth)
-        return channel
 
 
 def _for_prefill(req: Request) -> SamplingParams:

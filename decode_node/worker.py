@@ -17,7 +17,9 @@ Life cycle of a request here:
    final "abort" update per unfinished completion; a request whose KV is still on its way is
    dropped like a cancelled one.
 Without P (or n > 1, with prompt logprobs, or resumed after a migration) the prompt is
-prefilled here (`PrefillPath.LOCAL`). A worker that serves the prefill role now refuses `Generate`
+prefilled here (`PrefillPath.LOCAL`). A `kv_source` (a peer holding more of the prompt's
+leading blocks) is passed to P, or, prefilling here, pulled first (worker_runtime/kv_pull.py;
+a failed pull just means computing those blocks). A worker that serves the prefill role now refuses `Generate`
 (FAILED_PRECONDITION; UNAVAILABLE while switching roles: worker_runtime/roles.py).
 
 Steps 2-4 are prefill_client.py, over the state machine of remote_prefill.py (PARKED ->
@@ -41,6 +43,7 @@ from engine.request import Request
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.grpc_errors import Unavailable
+from worker_runtime.kv_pull import KVPuller
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.runtime import WorkerRuntime
 
@@ -53,8 +56,9 @@ class RequestAborted(Exception):
 
 
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, puller: KVPuller) -> None:
         self.rt = runtime
+        self.puller = puller
         self.prefill = PrefillClient(runtime)
         self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
         runtime.add_abort_hook(self.abort)
@@ -98,13 +102,16 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     async def _start(self, req: Request, request: pb.GenerateRequest,
                      new_request: Callable[[], Awaitable[Request]]) -> _Started:
         """Get the request running here: its prompt prefilled on the prefill worker named
-        (KV pushed into our blocks), or here."""
+        (KV pushed into our blocks), or here — after pulling the leading blocks the router
+        named a holder of (kv_source) into whichever of the two computes it."""
+        source = request.kv_source if request.HasField("kv_source") else None
         result = RemoteResult(PrefillPath.LOCAL)
         if request.HasField("prefill_worker") and req.remote_prefill_ok:
-            result = await self.prefill.prefill(req, request.prefill_worker)
+            result = await self.prefill.prefill(req, request.prefill_worker, source)
         if result.path is PrefillPath.LOCAL_FALLBACK:  # the parked request was dropped
             req = await new_request()
         if result.path is not PrefillPath.REMOTE:
+            await self.puller.pull(req, source)
             await self.rt.call(lambda e: e.submit(req))
         self.rt.metrics.count_prefill_mode(result.path)
         return _Started(req, result.path, result.remote_cached_tokens)

@@ -403,3 +403,62 @@ class BlockManager:
             if g == 0:
                 self._events.append(KVEvent(True, h, tier=1) if kept else KVEvent(False, h))
             self._events.extend(KVEvent(False, old) for group, old in dropped if group == 0)
+
+    # ---- KV exchanged with peer workers (worker_runtime/kv_pull.py, kv_export.py) ---------
+    def hold_cached(self, hashes: list[BlockHash]) -> list[int] | None:
+        """Pin the pool blocks that hold `hashes` (a peer reads them), promoting those the
+        tier holds into fresh pool blocks; `release` lets them go. None, with nothing
+        pinned, if one is held nowhere here or the pool has no room for the promotions."""
+        self._check_one_group()
+        cached, found = self._cached[0], []
+        for h in hashes:
+            if h not in cached and not (self.tier is not None and (0, h) in self.tier):
+                return None
+        for h in hashes:  # pool hits first: a pop below may evict any cached free block
+            if h in cached:
+                self._take(cached[h])
+        promote = [i for i, h in enumerate(hashes) if h not in cached]
+        if len(promote) > len(self._free):
+            self.release([cached[h] for h in hashes if h in cached])
+            return None
+        slots = {i: self.tier.take((0, hashes[i])) for i in promote}  # before any demotion
+        for i, h in enumerate(hashes):
+            if i in slots:
+                block_id = self._pop_free(0)
+                self.tier.load(slots[i], block_id)
+                self.blocks[block_id].block_hash = h
+                cached[h] = block_id
+                if self.record_events:
+                    self._events.append(KVEvent(True, h, tier=0))
+            found.append(cached[h])
+        return found
+
+    def reserve(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` fresh blocks held outside any table (a peer writes into them), or
+        None if the pool has not that many free now. `adopt` or `release` them."""
+        self._check_one_group()
+        if num_blocks > len(self._free):
+            return None
+        return [self._pop_free(0) for _ in range(num_blocks)]
+
+    def adopt(self, hashes: list[BlockHash], block_ids: list[int]) -> int:
+        """Blocks from `reserve` now hold the KV of `hashes` (a prefix chain, in order): they
+        join the prefix cache as reusable free blocks (leaves evicted before roots), except
+        where the pool or tier already holds that hash (the spare block is just freed).
+        Returns how many joined."""
+        cached, joined = self._cached[0], 0
+        for h, block_id in zip(hashes, block_ids, strict=True):
+            if h in cached or (self.tier is not None and (0, h) in self.tier):
+                continue
+            self.blocks[block_id].block_hash = h
+            cached[h] = block_id
+            joined += 1
+            if self.record_events:
+                self._events.append(KVEvent(True, h))
+        self.release(list(reversed(block_ids)))
+        return joined
+
+    def _check_one_group(self) -> None:
+        if self.num_groups != 1:
+            raise ValueError("KV is exchanged with peers only for models whose layers all "
+                             f"attend alike (this one has {self.num_groups} KV groups)")

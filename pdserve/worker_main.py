@@ -57,20 +57,25 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
     from decode_node.worker import DecodeWorker
     from prefill_node.worker import PrefillWorker
     from proto import pdserve_pb2_grpc as pb_grpc
+    from worker_runtime.kv_export import KVExporter
+    from worker_runtime.kv_pull import KVPuller
+    from worker_runtime.peers import RegisteredPeers
     from worker_runtime.runtime import WorkerRuntime
     from worker_runtime.service import WorkerService
 
     runtime = WorkerRuntime.build(config, engine_config, auth, etcd_credentials)
+    peers, puller = RegisteredPeers(runtime), KVPuller(runtime)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
-    decode, prefill = DecodeWorker(runtime), PrefillWorker(runtime)
+    decode, prefill = DecodeWorker(runtime, puller), PrefillWorker(runtime, peers, puller)
+    exporter = KVExporter(runtime, peers)
 
     def add(server) -> None:
-        pb_grpc.add_WorkerServicer_to_server(WorkerService(runtime), server)
+        pb_grpc.add_WorkerServicer_to_server(WorkerService(runtime, exporter), server)
         pb_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
 
-    background = [asyncio.create_task(prefill.warm_peers())]
+    background = [asyncio.create_task(peers.warm_forever())]
     try:
         return await runtime.serve(add)
     finally:

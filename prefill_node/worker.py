@@ -9,8 +9,10 @@ Life cycle of a request here:
    no-op for known peers — peers are also added ahead of time as decode workers appear in
    etcd). A D whose KV layout differs (model, KV cache dtype and scale layout, block shape)
    is refused: FAILED_PRECONDITION naming both formats, nothing written; D then prefills
-   locally (or fails with --strict-remote-prefill). The prompt enters this engine (chunked
-   prefill, own prefix cache) with max_tokens = 1.
+   locally (or fails with --strict-remote-prefill). With a `kv_source` (a peer holding more
+   of the prompt's leading blocks than this worker), those are pulled into the prefix cache
+   first (worker_runtime/kv_pull.py; a failed pull only means computing them). The prompt
+   enters this engine (chunked prefill, own prefix cache) with max_tokens = 1.
 3. After every engine step the KV streamer writes the blocks that became complete into D's
    blocks; when the first token is sampled, the rest goes out with the completion
    notification. The engine request is finished at that point: its blocks are only pinned
@@ -34,40 +36,35 @@ Cancelling the call or `Worker.Abort` aborts it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from cluster.convert import request_lora, sampled_to_pb, sampling_from_pb
-from cluster.registration import WorkerInfo, list_workers, make_client
 from cluster.roles import Role
 from engine.outputs import CompletionDelta
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
-from kvtransfer import IncompatiblePeerError, TransferStatus
+from kvtransfer import TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker_runtime.grpc_errors import PermissionDenied, Unavailable
+from worker_runtime.grpc_errors import Unavailable
+from worker_runtime.kv_pull import KVPuller
+from worker_runtime.peers import RegisteredPeers
 from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, peers: RegisteredPeers, puller: KVPuller) -> None:
         self.rt = runtime
-        self.streamer = KVStreamer(runtime.kv.sender)
+        self.peers = peers
+        self.puller = puller
+        self.streamer = KVStreamer(runtime.sender)
         runtime.add_step_hook(self.streamer.after_step)
         runtime.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
-        self._registered: set[bytes] = set()
-        """KV agents (NIXL metadata) of the workers registered in etcd (warm_peers)."""
-        self._etcd = None
-        """One etcd client for every look at the registrations, kept while it works: a new
-        client per look would sign in to etcd every second (a bcrypt check there each time,
-        ~0.1 s of etcd's CPU at its default cost)."""
-        self._etcd_lock = asyncio.Lock()
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         with self.rt.admission.admitted(Role.PREFILL, request.request_id):
@@ -91,13 +88,15 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             )
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
-        await self._check_destination(dest.peer_metadata)
+        await self.peers.check(dest.peer_metadata)
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
         # A structured request compiles its grammar here (the first token obeys it), a LoRA
         # request loads its adapter if needed (the decode worker's).
         req = await rt.make_request(request.request_id, list(request.prompt_token_ids), params,
                                     request.cache_salt, request.priority, request_lora(request))
         req.keep_blocks_from = skips  # streamed out: kept whatever the windows
+        if request.HasField("kv_source"):  # a peer holds more of the prompt: pull, then compute
+            await self.puller.pull(req, request.kv_source)
         done: asyncio.Future = rt.aio.create_future()
 
         def on_done(result, first_token):
@@ -177,73 +176,3 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if embed is not None:  # aborted in the engine above: its Embed call ends
             embed.put_nowait(None)
         return found
-
-    async def warm_peers(self) -> None:
-        """Every second: learn the registered workers' KV agents (the only destinations a
-        Prefill may name) and add every decode worker in etcd as a transfer peer ahead of its
-        first request (whatever role this worker serves now, so that a switch to prefill
-        finds them known)."""
-        known: set[str] = set()
-        try:
-            await self._warm_peers_forever(known)
-        finally:
-            await self._drop_etcd()
-
-    async def _warm_peers_forever(self, known: set[str]) -> None:
-        while True:
-            try:
-                for info in await self._refresh_registered():
-                    ours = info.worker_id == self.rt.worker_id
-                    if (info.role == Role.DECODE and info.kv_metadata and not ours
-                            and info.kv_metadata not in known):
-                        try:
-                            await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
-                            known.add(info.kv_metadata)
-                        except IncompatiblePeerError as exc:  # its KV format differs: say it once
-                            known.add(info.kv_metadata)
-                            log.warning("decode worker %s is not a KV peer: %s", info.worker_id, exc)
-                        except Exception as exc:
-                            log.warning("cannot add decode worker %s as a peer: %s", info.worker_id, exc)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("peer warm-up: etcd not reachable (%r)", exc)
-            await asyncio.sleep(1.0)
-
-    async def _refresh_registered(self) -> list[WorkerInfo]:
-        async with self._etcd_lock:
-            if self._etcd is None:
-                client = make_client(self.rt.config.etcd, self.rt.etcd_credentials)
-                await client.connect()
-                self._etcd = client
-            client = self._etcd
-        try:
-            workers = await list_workers(client, self.rt.config.cluster)
-        except Exception:
-            await self._drop_etcd(client)  # the next look connects afresh
-            raise
-        self._registered = {w.kv_metadata.encode("ascii") for w in workers if w.kv_metadata}
-        return workers
-
-    async def _drop_etcd(self, client=None) -> None:
-        """Close the etcd client (`client`: only if it is still the current one)."""
-        async with self._etcd_lock:
-            if self._etcd is None or (client is not None and client is not self._etcd):
-                return
-            client, self._etcd = self._etcd, None
-        with contextlib.suppress(Exception):
-            await client.close()
-
-    async def _check_destination(self, peer_metadata: bytes) -> None:
-        """KV is written only into a worker registered in this cluster: a destination whose
-        agent no registration names (after one fresh look at etcd: a decode worker that just
-        woke up publishes new metadata) is refused before anything is sent."""
-        if peer_metadata in self._registered:
-            return
-        try:
-            await self._refresh_registered()
-        except Exception as exc:
-            raise Unavailable(f"cannot check the destination against etcd: {exc!r}") from None
-        if peer_metadata not in self._registered:
-            raise PermissionDenied("destination.peer_metadata names no worker registered in "
-                                   f"cluster {self.rt.config.cluster!r}")

@@ -104,7 +104,7 @@ class WorkerRef(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill_worker", "priority", "resume_output_token_ids", "resume_text_chars", "lora")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "prefill_worker", "priority", "resume_output_token_ids", "resume_text_chars", "lora", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class GenerateRequest(_message.Message):
     RESUME_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -123,7 +124,18 @@ class GenerateRequest(_message.Message):
     resume_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text_chars: int
     lora: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill_worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., priority: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., prefill_worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., priority: _Optional[int] = ..., resume_output_token_ids: _Optional[_Iterable[int]] = ..., resume_text_chars: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("worker_id", "address", "num_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    num_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path")
@@ -204,7 +216,7 @@ class KVDestination(_message.Message):
     def __init__(self, peer_metadata: _Optional[bytes] = ..., num_skip_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., group_skip_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "priority", "lora")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "priority", "lora", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +224,7 @@ class PrefillRequest(_message.Message):
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -219,7 +232,22 @@ class PrefillRequest(_message.Message):
     destination: KVDestination
     priority: int
     lora: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., priority: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., priority: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class SendBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "destination")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    destination: KVDestination
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+
+class SendBlocksResponse(_message.Message):
+    __slots__ = ("num_blocks_sent",)
+    NUM_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_sent: int
+    def __init__(self, num_blocks_sent: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens", "num_blocks_sent")

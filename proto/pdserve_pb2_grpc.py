@@ -99,6 +99,11 @@ class WorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.SendBlocks = channel.unary_unary(
+                '/pdserve.v1.Worker/SendBlocks',
+                request_serializer=proto_dot_pdserve__pb2.SendBlocksRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.SendBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -213,6 +218,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendBlocks(self, request, context):
+        """/ Write the blocks holding these hashes (pool or second tier) into the caller's blocks
+        / over the KV transfer; answers once every write completed (the caller may then use them).
+        / The destination must be a registered worker (PERMISSION_DENIED). FAILED_PRECONDITION when
+        / a hash is no longer held here (nothing sent). Cancelling the call, or Abort with the
+        / transfer id, stops the writes; Abort answers once none can still land.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +296,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=proto_dot_pdserve__pb2.SetRoleRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'SendBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendBlocks,
+                    request_deserializer=proto_dot_pdserve__pb2.SendBlocksRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.SendBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -633,6 +654,33 @@ class Worker:
             '/pdserve.v1.Worker/SetRole',
             proto_dot_pdserve__pb2.SetRoleRequest.SerializeToString,
             proto_dot_pdserve__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/SendBlocks',
+            proto_dot_pdserve__pb2.SendBlocksRequest.SerializeToString,
+            proto_dot_pdserve__pb2.SendBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -316,6 +316,11 @@ def _generate_request(placement: Placement, prompt: PromptKey, sampling: Samplin
     if placement.prefill is not None:
         request.prefill_worker.worker_id = placement.prefill.info.worker_id
         request.prefill_worker.address = placement.prefill.info.grpc_address
+    source = placement.kv_source  # relative to the worker that computes the prompt
+    if source is not None:
+        request.kv_source.worker_id = source.holder.info.worker_id
+        request.kv_source.address = source.holder.info.grpc_address
+        request.kv_source.num_blocks = source.num_blocks
     return request
 
 

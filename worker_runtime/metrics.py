@@ -118,6 +118,21 @@ class WorkerMetrics:
         # Exported by both roles (a decode worker's stays 0: embeddings are prefill-only).
         self.embeddings = Counter("pdserve_worker_embeddings", "Embedding requests served",
                                   labels, registry=self.registry).labels(role)
+        # KV pulled from peers (kv_pull.py) and sent to them (kv_export.py), whatever the role.
+        self.kv_pulls = Counter("pdserve_worker_kv_pulls", "Pulls of prompt blocks from a peer "
+                                "the router named, by outcome (pulled; failed: computed "
+                                "instead; skipped: nothing to pull or no room)", ["outcome"],
+                                registry=self.registry)
+        self.kv_pull_blocks = Counter("pdserve_worker_kv_pull_blocks", "Blocks pulled from "
+                                      "peers into the prefix cache", registry=self.registry)
+        self.kv_pull_seconds = Histogram("pdserve_worker_kv_pull_seconds", "Time of a "
+                                         "completed pull, call to adoption",
+                                         registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.kv_exports = Counter("pdserve_worker_kv_exports", "Block sends to a pulling peer, "
+                                  "by outcome (sent; missing: a block no longer held here; "
+                                  "failed)", ["outcome"], registry=self.registry)
+        self.kv_export_blocks = Counter("pdserve_worker_kv_export_blocks", "Blocks sent to "
+                                        "pulling peers", registry=self.registry)
         self.role_switches = Counter("pdserve_worker_role_switches", "Role switches "
                                      "(Worker.SetRole), by the role left and the role taken",
                                      ["from_role", "to_role"], registry=self.registry)

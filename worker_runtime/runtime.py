@@ -36,6 +36,7 @@ from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
 from kvtransfer.compat import window_layers
+from kvtransfer.poll_split import split_receiver, split_sender
 from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
     from engine.tokens import Resume
 
 log = logging.getLogger(__name__)
+
+PULL_PREFIX = "pull:"
+"""Transfer ids of peer pulls (kv_pull.py) start with this: `pull_sender` and
+`pull_receiver` see exactly those, `sender` and `receiver` every other."""
 
 
 class Registration(Protocol):
@@ -105,6 +110,10 @@ class WorkerRuntime:
         self.compat_hash = self.compat.hash()
         self.pool = PoolRegistration(kv, self.compat)
         self.pool.register(engine)
+        # Peer pulls (kv_pull.py, kv_export.py) share the sender and receiver with the prompt
+        # push: each side polls its own view, told apart by transfer id.
+        self.sender, self.pull_sender = split_sender(kv.sender, PULL_PREFIX)
+        self.receiver, self.pull_receiver = split_receiver(kv.receiver, PULL_PREFIX)
         self.metrics = metrics or WorkerMetrics(config.role, kv, engine.loaded.model_id,
                                                 engine.num_speculative_tokens)
         self.admission = Admission(config.role)

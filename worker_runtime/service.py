@@ -1,5 +1,5 @@
 """The `Worker` gRPC service every worker answers, whatever role it serves: health and
-capacity, aborts, KV events, LoRA adapters, the weights lifecycle and role switching. Thin:
+capacity, aborts, KV events, blocks a peer pulls (kv_export.py), LoRA adapters, the weights lifecycle and role switching. Thin:
 the work is in WorkerRuntime (runtime.py), WorkerLifecycle (lifecycle.py) and WorkerRoles
 (roles.py); exceptions become status codes in one place (grpc_errors.StatusInterceptor)."""
 from __future__ import annotations
@@ -8,14 +8,16 @@ from dataclasses import asdict
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.grpc_errors import PermissionDenied
+from worker_runtime.kv_export import KVExporter
 from worker_runtime.runtime import WorkerRuntime
 
 
 class WorkerService(pb_grpc.WorkerServicer):
     """Calls every worker answers (thin: all work is in WorkerRuntime)."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, exporter: KVExporter) -> None:
         self.rt = runtime
+        self.exporter = exporter
         self._admin = runtime.config.enable_admin_rpcs
 
     def _require_admin(self, rpc: str) -> None:
@@ -46,6 +48,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def GetCachedBlocks(self, request, context):
         hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
         return pb.CachedBlocksResponse(block_hashes=hashes)
+
+    async def SendBlocks(self, request, context):
+        return await self.exporter.send_blocks(request)
 
     async def LoadLoRAAdapter(self, request, context):
         self._require_admin("LoadLoRAAdapter")

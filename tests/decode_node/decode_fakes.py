@@ -133,6 +133,7 @@ class Harness:
 
     def __init__(self, kv_timeout_s: float = 30.0, allowed_model_paths: tuple[str, ...] = ()) -> None:
         from decode_node.worker import DecodeWorker
+        from worker_runtime.kv_pull import KVPuller
 
         self.engine = FakeEngine()
         fabric = FakeFabric()
@@ -150,10 +151,12 @@ class Harness:
         self.abort_reply: asyncio.Future | None = None  # None: P answers Abort at once
         self.abort_error: Exception | None = None  # P's Abort fails with this
         stubs = {"PrefillWorkerStub": self._prefill_stub, "WorkerStub": self._worker_stub}
-        self._patch = mock.patch.multiple("decode_node.prefill_client.pb_grpc", **stubs)
+        # The generated module itself: prefill_client calls Prefill through it, and
+        # worker_runtime.peer_calls.confirm_stopped calls Abort.
+        self._patch = mock.patch.multiple("proto.pdserve_pb2_grpc", **stubs)
         self._patch.start()
-        self.worker = DecodeWorker(rt)
-        self.worker.prefill._channel = lambda address: None
+        self.worker = DecodeWorker(rt, KVPuller(rt))
+        self.worker.prefill._channels.get = lambda address: None
 
     def close(self) -> None:
         self._patch.stop()

@@ -55,7 +55,7 @@ class RecordingRuntime:
 async def _call_all(enable: bool) -> tuple[dict[str, grpc.StatusCode], list[str]]:
     rt = RecordingRuntime(enable)
     server = grpc.aio.server(interceptors=[StatusInterceptor()])
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(rt), server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(rt, exporter=None), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     codes = {}

@@ -1,0 +1,137 @@
+"""The holder's side of a peer pull (`Worker.SendBlocks`): send the blocks a peer asks for by
+hash into the blocks it reserved (worker_runtime/kv_pull.py has the puller's side).
+
+Life cycle of a send here:
+1. The destination must be a registered worker of this cluster (RegisteredPeers.check) with
+   a compatible KV layout (`add_peer`'s check): refused before anything is read otherwise.
+2. Engine thread: the blocks holding the hashes are pinned — pool blocks as they are, tier
+   blocks promoted into the pool first (BlockManager.hold_cached). A hash held nowhere here
+   any more (evicted since the router looked) fails the call with FAILED_PRECONDITION and
+   nothing is sent: the puller computes instead.
+3. One batch of writes with the completion notification. Each step the sender is polled; when
+   it reports the transfer, the pins are dropped (the blocks are cached-free again) and the
+   call answers: from then on nothing of ours lands in the puller's blocks.
+4. The caller cancelling, or `Worker.Abort` with the transfer id (the puller after losing
+   its call), cancels the writes; Abort answers once the sender reported the transfer.
+The blocks are pinned only for the copy, exactly like a prefill worker's streamed blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine
+from kvtransfer import TransferResult, TransferStatus
+from proto import pdserve_pb2 as pb
+from worker_runtime.grpc_errors import FailedPrecondition, Unavailable
+from worker_runtime.peers import RegisteredPeers
+from worker_runtime.runtime import WorkerRuntime
+
+
+@dataclass(slots=True)
+class _Send:
+    transfer_id: str
+    pinned: list[int]
+    done: asyncio.Future
+    """Settled with the sender's TransferResult once it reported the transfer."""
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+
+class KVExporter:
+    def __init__(self, runtime: WorkerRuntime, peers: RegisteredPeers) -> None:
+        self.rt = runtime
+        self.peers = peers
+        self._active: dict[str, _Send] = {}  # engine thread: by transfer id
+        runtime.add_step_hook(self._after_step)
+        runtime.add_abort_hook(self.abort)
+
+    async def send_blocks(self, request: pb.SendBlocksRequest) -> pb.SendBlocksResponse:
+        rt, dest = self.rt, request.destination
+        tid = dest.transfer_id
+        if not tid:
+            raise ValueError("destination.transfer_id is required")
+        if len(dest.block_ids) != len(request.block_hashes):
+            raise ValueError(f"{len(request.block_hashes)} block hashes but "
+                             f"{len(dest.block_ids)} destination blocks")
+        if not request.block_hashes:
+            raise ValueError("block_hashes must not be empty")
+        await self.peers.check(dest.peer_metadata)
+        peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
+        done = rt.aio.create_future()
+        deadline = time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s)
+        hashes, targets = list(request.block_hashes), list(dest.block_ids)
+
+        def start(engine: LLMEngine) -> int:
+            if tid in self._active:
+                raise ValueError(f"transfer {tid!r} is already being sent")
+            pinned = engine.block_manager.hold_cached(hashes)
+            if pinned is None:
+                return 0
+            send = self._active[tid] = _Send(tid, pinned, done)
+            try:
+                rt.pull_sender.send(tid, peer, list(zip(pinned, targets)), final=True,
+                                    deadline=deadline)
+            except Exception as exc:  # refused before posting
+                self._finish(engine, send, TransferResult(tid, TransferStatus.ERROR, peer,
+                                                          0, 0, 0.0, str(exc)))
+            return len(pinned)
+
+        if not await rt.call(start):
+            rt.metrics.kv_exports.labels("missing").inc()
+            raise FailedPrecondition("this worker no longer holds every block asked for "
+                                     "(evicted since it was placed): compute them")
+        try:
+            result: TransferResult = await done
+        except asyncio.CancelledError:
+            await asyncio.shield(rt.call(lambda e: self._cancel(e, tid)))
+            raise
+        if result.status is not TransferStatus.COMPLETE:
+            rt.metrics.kv_exports.labels("failed").inc()
+            raise Unavailable(f"sending blocks to {peer} failed: "
+                              f"{result.status.name.lower()} {result.error}".strip())
+        rt.metrics.kv_exports.labels("sent").inc()
+        rt.metrics.kv_export_blocks.inc(result.num_blocks)
+        return pb.SendBlocksResponse(num_blocks_sent=result.num_blocks)
+
+    async def abort(self, request_id: str) -> bool:
+        """`Worker.Abort` for a send in flight: cancel it and answer once none of its writes
+        can still land (the sender reported it). False if no send has that id."""
+        ended = self.rt.aio.create_future()
+
+        def stop(engine: LLMEngine) -> bool:
+            send = self._active.get(request_id)
+            if send is None:
+                return False
+            send.waiters.append(ended)
+            self._cancel(engine, request_id)
+            return True
+
+        if not await self.rt.call(stop, cancellable=False):
+            return False
+        await ended
+        return True
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _cancel(self, engine: LLMEngine, tid: str) -> None:
+        send = self._active.get(tid)
+        if send is not None and not self.rt.pull_sender.cancel(tid) \
+                and self.rt.pull_sender.status(tid) is None:
+            # The sender never heard of it (nothing posted): finish it here; otherwise its
+            # poll reports it once none of its writes can still read our blocks.
+            self._finish(engine, send, TransferResult(tid, TransferStatus.CANCELLED, None,
+                                                      0, 0, 0.0, "cancelled"))
+
+    def _after_step(self, engine: LLMEngine) -> bool:
+        for result in self.rt.pull_sender.poll():
+            send = self._active.get(result.request_id)
+            if send is not None:
+                self._finish(engine, send, result)
+        return bool(self._active)
+
+    def _finish(self, engine: LLMEngine, send: _Send, result: TransferResult) -> None:
+        del self._active[send.transfer_id]
+        engine.block_manager.release(send.pinned)
+        self.rt.settle(send.done, result)
+        for waiter in send.waiters:
+            self.rt.settle(waiter)
