@@ -12,13 +12,16 @@ Life cycle of a send here:
    it reports the transfer, the pins are dropped (the blocks are cached-free again) and the
    call answers: from then on nothing of ours lands in the puller's blocks.
 4. The caller cancelling, or `Worker.Abort` with the transfer id (the puller after losing
-   its call), cancels the writes; Abort answers once the sender reported the transfer.
+   its call), cancels the writes; Abort answers once the sender reported the transfer. An
+   Abort that overtakes its SendBlocks (the call still queued here) leaves the transfer id
+   refused for good, so no write of it can start after the puller was told none would.
 The blocks are pinned only for the copy, exactly like a prefill worker's streamed blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
@@ -26,7 +29,9 @@ from kvtransfer import TransferResult, TransferStatus
 from proto import pdserve_pb2 as pb
 from worker_runtime.grpc_errors import FailedPrecondition, Unavailable
 from worker_runtime.peers import RegisteredPeers
-from worker_runtime.runtime import WorkerRuntime
+from worker_runtime.runtime import PULL_PREFIX, WorkerRuntime
+
+_REFUSED_IDS = 4096  # aborted-before-start transfer ids remembered (oldest forgotten first)
 
 
 @dataclass(slots=True)
@@ -43,6 +48,7 @@ class KVExporter:
         self.rt = runtime
         self.peers = peers
         self._active: dict[str, _Send] = {}  # engine thread: by transfer id
+        self._refused: OrderedDict[str, None] = OrderedDict()  # engine thread: aborted early
         runtime.add_step_hook(self._after_step)
         runtime.add_abort_hook(self.abort)
 
@@ -63,8 +69,8 @@ class KVExporter:
         hashes, targets = list(request.block_hashes), list(dest.block_ids)
 
         def start(engine: LLMEngine) -> int:
-            if tid in self._active:
-                raise ValueError(f"transfer {tid!r} is already being sent")
+            if tid in self._active or tid in self._refused:
+                raise ValueError(f"transfer {tid!r} is already being sent, or was aborted")
             pinned = engine.block_manager.hold_cached(hashes)
             if pinned is None:
                 return 0
@@ -102,6 +108,10 @@ class KVExporter:
         def stop(engine: LLMEngine) -> bool:
             send = self._active.get(request_id)
             if send is None:
+                if request_id.startswith(PULL_PREFIX):  # its SendBlocks may still be queued
+                    self._refused[request_id] = None
+                    while len(self._refused) > _REFUSED_IDS:
+                        self._refused.popitem(last=False)
                 return False
             send.waiters.append(ended)
             self._cancel(engine, request_id)

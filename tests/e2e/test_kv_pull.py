@@ -5,7 +5,10 @@ Outputs must equal a single engine's whether the KV was computed or pulled; a pu
 cannot happen (the holder lost the blocks, or is gone) falls back to computing, and the
 request completes; no block stays in use on any side afterwards."""
 import asyncio
+import os
 import random
+import signal
+import time
 
 import grpc
 import pytest
@@ -13,7 +16,7 @@ import pytest
 from cluster.etcd_server import EtcdServer
 from engine import LLM, SamplingParams
 from pd_cluster import (
-    NUM_LAYERS, WorkerProcess, generate, metric, tokens_by_index, wait_all_blocks_free,
+    NUM_LAYERS, WorkerProcess, generate, health, metric, tokens_by_index, wait_all_blocks_free,
 )
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -154,6 +157,30 @@ def test_a_pull_the_holder_cannot_serve_falls_back_to_computing(workers, referen
         _assert_same(responses, _expected(reference_llm, prompt))
         assert metric(decode.metrics_address, "pdserve_worker_kv_pulls_total",
                       outcome="failed") == failed + 1
+
+
+def test_a_stalled_holder_delays_the_request_little_and_strands_nothing(workers, reference_llm):
+    """The holder stops answering mid-pull (SIGSTOP): the pull misses its deadline (what
+    computing those tokens takes here) and the request is computed, right. The reserved
+    blocks stay out of reuse while the holder might still write into them — no timer frees
+    them — and come back once it answers again (its Abort reply)."""
+    prefill, decode = workers
+    shared = _prompt(31, 96)
+    asyncio.run(generate(decode.address, _request("stall-warm", shared + [1], prefill)))
+    asyncio.run(generate(decode.address, _request("rate", _prompt(32, 96))))  # D measures its prefill rate
+    asyncio.run(_reset_prefix_cache(decode))
+    os.kill(prefill.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        responses = asyncio.run(generate(decode.address, _request(
+            "stalled", shared + [2, 3], source=prefill, num_blocks=6)))
+        assert time.monotonic() - started < 10  # far below --kv-timeout 20
+        _assert_same(responses, _expected(reference_llm, shared + [2, 3]))
+        c = health(decode.address).capacity
+        assert c.total_blocks - c.free_blocks == 6  # the pull's blocks, quarantined
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    wait_all_blocks_free(decode.address, timeout=30)  # released on the holder's word
 
 
 def test_send_blocks_refuses_unregistered_destinations(workers):
