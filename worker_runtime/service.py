@@ -44,8 +44,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             yield batch
 
     async def GetCachedBlocks(self, request, context):
-        hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
-        return pb.CachedBlocksResponse(block_hashes=hashes)
+        return await self.rt.cached_blocks()
 
     async def LoadLoRAAdapter(self, request, context):
         self._require_admin("LoadLoRAAdapter")

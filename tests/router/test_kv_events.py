@@ -13,6 +13,10 @@ from router_harness import wait_for
 H = compute_block_hashes(list(range(160)), 16)  # 10 blocks
 
 
+def blocks(match):
+    return {w: hit.blocks for w, hit in match.items()}
+
+
 async def _subscribed(worker):
     index, channels = KVIndex(), ChannelPool(OPEN)
     subs = KVSubscriptions(index, channels)
@@ -26,13 +30,13 @@ def test_snapshot_then_events_then_removal(bg):
         w = await FakeWorker("prefill", "", "", "p1").start(register=False)
         w.store(H[:4])  # cached before the router subscribed: must come from the snapshot
         index, channels, subs = await _subscribed(w)
-        assert index.match(H) == {"p1": 4}
+        assert blocks(index.match(H)) == {"p1": 4}
         w.store(H[4:8])
-        await wait_for(lambda: index.match(H) == {"p1": 8})
+        await wait_for(lambda: blocks(index.match(H)) == {"p1": 8})
         w.evict([H[2]])
-        await wait_for(lambda: index.match(H) == {"p1": 2})
+        await wait_for(lambda: blocks(index.match(H)) == {"p1": 2})
         subs.on_removed(w.info())
-        assert index.match(H) == {} and len(index) == 0
+        assert blocks(index.match(H)) == {} and len(index) == 0
         await subs.close()
         await channels.close_all()
         await w.stop()
@@ -56,7 +60,7 @@ def test_restart_rebuilds_from_snapshots(bg):
         for w in (a, b):
             subs.on_added(w.info())
         await asyncio.wait_for(asyncio.gather(*(subs.synced[i].wait() for i in ("pa", "db"))), 5)
-        assert index.match(H) == {"pa": 6, "db": 3}
+        assert blocks(index.match(H)) == {"pa": 6, "db": 3}
         await subs.close()
         await channels.close_all()
         await a.stop()
@@ -72,11 +76,11 @@ def test_worker_restart_resubscribes(bg):
         index, channels, subs = await _subscribed(w)
         port = w.address.rsplit(":", 1)[1]
         await w.stop()  # the stream breaks: entries dropped, retries begin
-        await wait_for(lambda: index.match(H) == {})
+        await wait_for(lambda: blocks(index.match(H)) == {})
         w2 = FakeWorker("decode", "", "", "d1")  # same id and address: a restarted worker
         w2.cached = list(H[:2])
         await w2.start(register=False, port=int(port))
-        await wait_for(lambda: index.match(H) == {"d1": 2}, timeout=8)
+        await wait_for(lambda: blocks(index.match(H)) == {"d1": 2}, timeout=8)
         await subs.close()
         await channels.close_all()
         await w2.stop()

@@ -1,0 +1,61 @@
+"""KV events and snapshots carry the tier (worker_runtime/runtime.py kv_event_batch,
+kv_snapshot): a router index fed by a real block manager with a second tier — its stream
+and its snapshot — knows which blocks sit in the pool and which in the tier."""
+from engine.block_manager import BlockManager, KVEvent
+from engine.kv_tier import FakeTierStorage, KVTier
+from proto import pdserve_pb2 as pb
+from router.kv_index import KVIndex
+from tests.engine.engine_factories import make_request
+from worker_runtime.runtime import kv_event_batch, kv_snapshot
+
+BS = 4
+
+
+def _run_once(bm: BlockManager, request) -> None:
+    prefix = bm.match_prefix(request)
+    assert bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix)
+    request.num_computed_tokens = request.num_tokens
+    bm.cache_full_blocks(request)
+    bm.free(request)
+
+
+def _apply(index: KVIndex, batch: pb.KVEventBatch) -> None:
+    """As router/kv_events.py applies a batch, through the wire format."""
+    batch = pb.KVEventBatch.FromString(batch.SerializeToString())
+    index.removed("w", batch.removed)
+    index.stored("w", batch.stored, batch.stored_tiers)
+
+
+def _truth(bm: BlockManager) -> dict[bytes, int]:
+    pool, tier = bm.held_hashes()
+    return {**{h: 0 for h in pool}, **{h: 1 for h in tier}}
+
+
+def test_one_batch_keeps_each_hashs_last_event_and_sends_tiers_only_when_needed():
+    batch = kv_event_batch([KVEvent(True, b"a"), KVEvent(True, b"a", tier=1), KVEvent(True, b"b"),
+                            KVEvent(False, b"c"), KVEvent(True, b"c", tier=1)])
+    assert list(batch.stored) == [b"a", b"b", b"c"] and list(batch.stored_tiers) == [1, 0, 1]
+    batch = kv_event_batch([KVEvent(True, b"a", tier=1), KVEvent(False, b"a"), KVEvent(True, b"b")])
+    assert list(batch.removed) == [b"a"] and list(batch.stored) == [b"b"]
+    assert not batch.stored_tiers  # all in the pool: the same bytes as a worker before tiers
+
+
+def test_index_follows_demotions_promotions_and_tier_evictions():
+    bm = BlockManager(6, BS, tier=KVTier(FakeTierStorage(4)), record_events=True)
+    index = KVIndex()
+    prompts = [list(range(base, base + 4 * BS + 1)) for base in (0, 100, 200, 0, 300, 100)]
+    saw_tier = saw_promotion = False
+    for tokens in prompts:
+        _run_once(bm, make_request(tokens, BS))
+        events = bm.take_events()
+        saw_tier |= any(e.stored and e.tier for e in events)
+        saw_promotion |= any(e.stored and not e.tier and bm.tier.stats.promotions for e in events)
+        _apply(index, kv_event_batch(events))
+        truth = _truth(bm)
+        assert index._blocks["w"] == truth
+        snapshot = pb.CachedBlocksResponse.FromString(kv_snapshot(*bm.held_hashes()).SerializeToString())
+        rebuilt = KVIndex()
+        rebuilt.reset("w", snapshot.block_hashes, snapshot.tiers)
+        assert rebuilt._blocks["w"] == truth
+    assert saw_tier and saw_promotion and bm.tier.stats.evictions  # every path was taken
+    assert bm.tier.stats.promote_s > 0  # promotions are timed (Capacity.kv_promote_s_per_block)
