@@ -44,6 +44,24 @@ def test_snapshot_then_events_then_removal(bg):
     bg.run(main())
 
 
+def test_tiers_arrive_with_events_and_snapshots(bg):
+    async def main():
+        w = await FakeWorker("decode", "", "", "d1").start(register=False)
+        w.store(H[:6])
+        w.demote(H[4:6])  # before the router subscribed: the snapshot's tiers say so
+        index, channels, subs = await _subscribed(w)
+        assert index.match(H) == {"d1": (6, 2)}
+        w.demote(H[2:4])
+        await wait_for(lambda: index.match(H) == {"d1": (6, 4)})
+        w.evict(H[5:6])
+        await wait_for(lambda: index.match(H) == {"d1": (5, 3)})
+        await subs.close()
+        await channels.close_all()
+        await w.stop()
+
+    bg.run(main())
+
+
 def test_restart_rebuilds_from_snapshots(bg):
     async def main():
         a = await FakeWorker("prefill", "", "", "pa").start(register=False)

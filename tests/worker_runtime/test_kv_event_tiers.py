@@ -6,17 +6,10 @@ from engine.kv_tier import FakeTierStorage, KVTier
 from proto import pdserve_pb2 as pb
 from router.kv_index import KVIndex
 from tests.engine.engine_factories import make_request
+from tests.engine.test_kv_offload import run_once
 from worker_runtime.runtime import kv_event_batch, kv_snapshot
 
 BS = 4
-
-
-def _run_once(bm: BlockManager, request) -> None:
-    prefix = bm.match_prefix(request)
-    assert bm.allocate(request, request.num_tokens - prefix.num_tokens, prefix)
-    request.num_computed_tokens = request.num_tokens
-    bm.cache_full_blocks(request)
-    bm.free(request)
 
 
 def _apply(index: KVIndex, batch: pb.KVEventBatch) -> None:
@@ -46,7 +39,7 @@ def test_index_follows_demotions_promotions_and_tier_evictions():
     prompts = [list(range(base, base + 4 * BS + 1)) for base in (0, 100, 200, 0, 300, 100)]
     saw_tier = saw_promotion = False
     for tokens in prompts:
-        _run_once(bm, make_request(tokens, BS))
+        run_once(bm, make_request(tokens, BS))
         events = bm.take_events()
         saw_tier |= any(e.stored and e.tier for e in events)
         saw_promotion |= any(e.stored and not e.tier and bm.tier.stats.promotions for e in events)
