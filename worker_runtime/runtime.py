@@ -296,7 +296,8 @@ class WorkerRuntime:
         s, loop, cfg = self.stats, self.loop, self.engine.config
         prefill, decode = loop.prefill_steps, loop.decode_steps
         # In token blocks (what the router sizes a prompt in): a token block takes a block in
-        # each KV group (engine/kv_groups.py) — at most; sliding groups give theirs back.
+        # each KV group (engine/kv_groups.py) — at most; sliding groups give theirs back. The
+        # second tier too: it holds one slot per (group, block).
         groups = self.engine.limits.kv_groups
         return Capacity(
             total_blocks=s.num_blocks // groups, free_blocks=s.num_free_blocks // groups,
@@ -309,7 +310,8 @@ class WorkerRuntime:
             long_prefill_token_threshold=min(
                 [c for c in (self.engine.scheduler.long_prefill_token_threshold, loop.prompt_cap) if c],
                 default=0),
-            kv_offload_total_blocks=s.kv_offload_blocks, kv_offload_used_blocks=s.kv_offload_blocks_used,
+            kv_offload_total_blocks=s.kv_offload_blocks // groups,
+            kv_offload_used_blocks=s.kv_offload_blocks_used // groups,
             kv_promote_s_per_block=s.kv_offload_promote_s,
         )
 

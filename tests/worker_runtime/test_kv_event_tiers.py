@@ -52,3 +52,30 @@ def test_index_follows_demotions_promotions_and_tier_evictions():
         assert rebuilt._blocks["w"] == truth
     assert saw_tier and saw_promotion and bm.tier.stats.evictions  # every path was taken
     assert bm.tier.stats.promote_s > 0  # promotions are timed (Capacity.kv_promote_s_per_block)
+
+
+def test_the_worker_publishes_its_tier_in_its_capacity(model_dir):
+    import dataclasses
+    from unittest import mock
+
+    from cluster.grpc_security import OPEN
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from kvtransfer import FakeFabric, FakeTransferBackend, KVTransferConfig
+    from worker_runtime.args import WorkerConfig
+    from worker_runtime.runtime import WorkerRuntime
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_layers=2, dtype="float32",
+                                    kv_cache_memory=8 << 20, kv_offloading_size=4 << 20))
+    runtime = WorkerRuntime(WorkerConfig(role="decode", etcd="unused:0"), engine,
+                            FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="w")),
+                            lambda info: mock.AsyncMock(), auth=OPEN, metrics=mock.MagicMock())
+    slots = engine.block_manager.tier.num_slots
+    cap = runtime.capacity()
+    assert (cap.kv_offload_total_blocks, cap.kv_offload_used_blocks) == (slots, 0) and slots > 0
+    assert cap.kv_promote_s_per_block == 0 and cap.kv_pull_blocks_per_s == 0  # not measured
+    runtime.stats = dataclasses.replace(runtime.stats, kv_offload_blocks_used=5,
+                                        kv_offload_promote_s=2e-4)
+    cap = runtime.capacity()
+    assert (cap.kv_offload_used_blocks, cap.kv_promote_s_per_block) == (5, 2e-4)
+    assert pb.Capacity(**dataclasses.asdict(cap)).kv_offload_total_blocks == slots
