@@ -25,6 +25,13 @@ async def _subscribed(worker):
     return index, channels, subs
 
 
+async def _close(subs, channels, *workers):
+    await subs.close()
+    await channels.close_all()
+    for w in workers:
+        await w.stop()
+
+
 def test_snapshot_then_events_then_removal(bg):
     async def main():
         w = await FakeWorker("prefill", "", "", "p1").start(register=False)
@@ -37,9 +44,7 @@ def test_snapshot_then_events_then_removal(bg):
         await wait_for(lambda: blocks(index.match(H)) == {"p1": 2})
         subs.on_removed(w.info())
         assert blocks(index.match(H)) == {} and len(index) == 0
-        await subs.close()
-        await channels.close_all()
-        await w.stop()
+        await _close(subs, channels, w)
 
     bg.run(main())
 
@@ -55,9 +60,7 @@ def test_tiers_arrive_with_events_and_snapshots(bg):
         await wait_for(lambda: index.match(H) == {"d1": (6, 4)})
         w.evict(H[5:6])
         await wait_for(lambda: index.match(H) == {"d1": (5, 3)})
-        await subs.close()
-        await channels.close_all()
-        await w.stop()
+        await _close(subs, channels, w)
 
     bg.run(main())
 
