@@ -53,6 +53,14 @@ class Capacity:
     """The engine's token budget per step (0: not published)."""
     long_prefill_token_threshold: int = 0
     """Most prompt tokens one request computes per step (0: the budget only)."""
+    kv_offload_total_blocks: int = 0
+    """Blocks its second KV tier (--kv-offloading-size) holds at most (0: no tier)."""
+    kv_offload_used_blocks: int = 0
+    """Blocks its second KV tier holds now."""
+    kv_promote_s_per_block: float = 0.0
+    """Mean seconds to promote one block from its second tier into its pool; 0 until measured."""
+    kv_pull_blocks_per_s: float = 0.0
+    """Blocks per second this worker measured pulling from peers; 0 until measured."""
 
     @classmethod
     def from_dict(cls, doc: dict) -> "Capacity":

@@ -133,6 +133,11 @@ class BlockManager:
         tiered = [h for g, h in self.tier.keys() if g == 0] if self.tier is not None else []
         return list(self._cached[0]) + tiered
 
+    def held_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """`cached_hashes` by where they are: (in the pool, in the tier)."""
+        tiered = [h for g, h in self.tier.keys() if g == 0] if self.tier is not None else []
+        return list(self._cached[0]), tiered
+
     def _has(self, g: int, h: BlockHash) -> bool:
         """Group g holds block hash h in its prefix cache or the tier."""
         return h in self._cached[g] or (self.tier is not None and (g, h) in self.tier)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -110,6 +111,7 @@ class TierStats:
     promotions: int = 0  # blocks copied back into the pool (prefix hits in the tier)
     evictions: int = 0  # blocks dropped to make room (the tier's own LRU)
     hit_tokens: int = 0  # prompt tokens served from the tier (part of the prefix cache hits)
+    promote_s: float = 0.0  # seconds one promotion's copy took, a running mean (0: none yet)
 
 
 class KVTier:
@@ -169,9 +171,13 @@ class KVTier:
 
     def load(self, slot: int, block_id: int) -> None:
         """Copy a taken slot into pool block `block_id`, freeing the slot."""
+        start = time.perf_counter()
         self.storage.load(slot, block_id)
         self._free.append(slot)
-        self.stats.promotions += 1
+        s = self.stats
+        s.promotions += 1
+        # Exponentially weighted (~ the last 20 promotions), the first one as it came.
+        s.promote_s += (time.perf_counter() - start - s.promote_s) / min(s.promotions, 20)
 
     def discard(self, key: TierKey) -> None:
         """Forget `key` (the pool now holds the same block)."""

@@ -63,6 +63,7 @@ class EngineStats:
     kv_offload_demotions: int = 0  # blocks copied pool -> tier
     kv_offload_promotions: int = 0  # blocks copied tier -> pool
     kv_offload_evictions: int = 0  # blocks the full tier dropped
+    kv_offload_promote_s: float = 0.0  # mean seconds to promote one block (0: none yet)
 
 
 class LLMEngine:
@@ -330,13 +331,14 @@ class LLMEngine:
         return collective_rpc(self.extension, self, method, args, kwargs)
 
 
-def _tier_stats(tier: KVTier | None) -> dict[str, int]:
+def _tier_stats(tier: KVTier | None) -> dict[str, float]:
     if tier is None:
         return {}
     s = tier.stats
     return dict(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
                 kv_offload_hits=s.hit_tokens, kv_offload_demotions=s.demotions,
-                kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions)
+                kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions,
+                kv_offload_promote_s=s.promote_s)
 
 
 def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, ...]:

@@ -1,13 +1,14 @@
 """The `pdserve up`, `pdserve scale` and `pdserve status` subcommands. `up` parses its flags
 into an UpConfig once (config.py; the flags come from its fields) and runs the supervisor
 (up.py); `scale` asks the running `up` over its control port, and `status` lists its processes
-(state, restarts) and the workers registered in etcd (control.py says where both find the
-running `up`)."""
+(state, restarts) and the workers registered in etcd with their load and KV use, second tier
+included (control.py says where both find the running `up`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
@@ -16,6 +17,9 @@ from engine.flags import add_flags, from_args
 from local_cluster.config import UpConfig
 from local_cluster.run_file import control_request, current, etcd_credentials
 from local_cluster.up import up
+
+if TYPE_CHECKING:
+    from cluster.registration import WorkerInfo
 
 
 def scale(args: argparse.Namespace) -> int:
@@ -46,15 +50,26 @@ def status(args: argparse.Namespace) -> int:
     if not args.etcd:
         _print_processes()
     workers = sorted(asyncio.run(fetch()), key=lambda w: (w.role, w.worker_id))
-    print(f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
-          f"{'running':>8} {'waiting':>8} {'queued prefill':>15}")
-    for w in workers:
-        c = w.capacity
-        print(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {'draining' if w.draining else 'ready':9} "
-              f"{c.free_blocks:>8}/{c.total_blocks:<9} {c.running:>8} {c.waiting:>8} {c.queued_prefill_tokens:>15}")
+    print("\n".join(worker_table(workers)))
     if not workers:
         print(f"(no workers registered in cluster {cluster!r} at {etcd})")
     return 0
+
+
+def worker_table(workers: list[WorkerInfo]) -> list[str]:
+    """`pdserve status`'s lines for the registered workers: a header, then one per worker
+    (its second KV tier's used/total blocks, `-` without a tier)."""
+    lines = [f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
+             f"{'KV tier used/total':>19} {'running':>8} {'waiting':>8} {'queued prefill':>15}"]
+    for w in workers:
+        c = w.capacity
+        tier = (f"{c.kv_offload_used_blocks:>9}/{c.kv_offload_total_blocks:<9}"
+                if c.kv_offload_total_blocks else f"{'-':>9} {'':9}")
+        lines.append(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} "
+                     f"{'draining' if w.draining else 'ready':9} "
+                     f"{c.free_blocks:>8}/{c.total_blocks:<9} {tier} {c.running:>8} "
+                     f"{c.waiting:>8} {c.queued_prefill_tokens:>15}")
+    return lines
 
 
 def _print_processes() -> None:

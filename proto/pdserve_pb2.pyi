@@ -298,7 +298,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_s", "decode_step_tokens", "prefill_step_s", "prefill_step_tokens", "max_num_batched_tokens", "long_prefill_token_threshold")
+    __slots__ = ("total_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_s", "decode_step_tokens", "prefill_step_s", "prefill_step_tokens", "max_num_batched_tokens", "long_prefill_token_threshold", "kv_offload_total_blocks", "kv_offload_used_blocks", "kv_promote_s_per_block", "kv_pull_blocks_per_s")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,10 @@ class Capacity(_message.Message):
     PREFILL_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_PROMOTE_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_BLOCKS_PER_S_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     running: int
@@ -323,7 +327,11 @@ class Capacity(_message.Message):
     prefill_step_tokens: float
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_tokens: _Optional[float] = ..., prefill_step_s: _Optional[float] = ..., prefill_step_tokens: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ...) -> None: ...
+    kv_offload_total_blocks: int
+    kv_offload_used_blocks: int
+    kv_promote_s_per_block: float
+    kv_pull_blocks_per_s: float
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_tokens: _Optional[float] = ..., prefill_step_s: _Optional[float] = ..., prefill_step_tokens: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., kv_offload_total_blocks: _Optional[int] = ..., kv_offload_used_blocks: _Optional[int] = ..., kv_promote_s_per_block: _Optional[float] = ..., kv_pull_blocks_per_s: _Optional[float] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("adapter",)
@@ -368,22 +376,26 @@ class KVEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("stored", "removed")
+    __slots__ = ("stored", "removed", "stored_tiers")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    STORED_TIERS_FIELD_NUMBER: _ClassVar[int]
     stored: _containers.RepeatedScalarFieldContainer[bytes]
     removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    stored_tiers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., stored_tiers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CachedBlocksRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CachedBlocksResponse(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tiers")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tiers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., tiers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level", "abort")

@@ -53,6 +53,16 @@ class PlacementConfig:
     lora_load_s: float = option(0.05, name="--lora-load-time")
     """Seconds added to a worker's estimated TTFT when it must load the request's LoRA
     adapter first."""
+    kv_pull: bool = True
+    """Let the worker that computes a prompt pull the prompt's blocks another worker holds
+    beyond its own prefix hit (over the KV transfer) when that is estimated faster than
+    computing them."""
+    default_kv_pull_rate: float = 2000.0
+    """KV blocks per second a worker is assumed to pull from a peer until it has measured
+    its own rate."""
+    default_kv_promote_s: float = option(0.0001, name="--default-kv-promote-time")
+    """Seconds one block's promotion from a worker's second KV tier is assumed to take until
+    the worker has measured it."""
 
     def __post_init__(self) -> None:
         check_fields(self, [
@@ -70,6 +80,8 @@ class PlacementConfig:
             (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
             (self.lora_weight >= 0, "lora_weight", "must be >= 0"),
             (self.lora_load_s >= 0, "lora_load_s", "must be >= 0"),
+            (self.default_kv_pull_rate > 0, "default_kv_pull_rate", "must be > 0"),
+            (self.default_kv_promote_s >= 0, "default_kv_promote_s", "must be >= 0"),
         ])
 
 

@@ -3,8 +3,10 @@
 Per worker, for as long as it is registered: open `SubscribeKVEvents`, wait (briefly) until
 the worker acknowledges the subscription with its initial metadata, take the
 `GetCachedBlocks` snapshot, replace the worker's index entries with it, then apply each event
-batch (removals, then stores) as it arrives. Events that happened before the snapshot are
-replayed on top of it; each hash ends in the state of its last event, so the result is exact.
+batch (removals, then stores) as it arrives. Snapshot and stores say where each block is (the
+pool or the second tier; a worker that says nothing: the pool). Events that happened before
+the snapshot are replayed on top of it; each hash ends in the state of its last event, so the
+result is exact.
 On any stream error the worker's entries are dropped and the loop starts over after a backoff.
 """
 from __future__ import annotations
@@ -75,11 +77,11 @@ class KVSubscriptions:
             except TimeoutError:
                 pass  # the worker sends no early metadata: a small window of missed events
             snapshot = await stub.GetCachedBlocks(pdserve_pb2.CachedBlocksRequest(), timeout=10)
-            self.index.reset(info.worker_id, snapshot.block_hashes)
+            self.index.reset(info.worker_id, snapshot.block_hashes, snapshot.tiers)
             self.synced[info.worker_id].set()
             log.debug("KV index: %d blocks from %s", len(snapshot.block_hashes), info.worker_id)
             async for batch in call:
                 self.index.removed(info.worker_id, batch.removed)
-                self.index.stored(info.worker_id, batch.stored)
+                self.index.stored(info.worker_id, batch.stored, batch.stored_tiers)
         finally:
             call.cancel()

@@ -1,15 +1,20 @@
-"""Which workers hold which KV blocks: block hash -> set of workers, kept from the workers'
-KV-event streams (stored / removed) and rebuilt from their cached-block snapshots.
+"""Which workers hold which KV blocks, and where: block hash -> the workers holding it, and
+those of them holding it in their second KV tier (docs/kv_offloading.md), kept from the
+workers' KV-event streams (stored with a tier / removed) and rebuilt from their cached-block
+snapshots. A block a worker demotes to its tier or promotes back is stored again with its new
+tier; it is removed when the worker holds it in neither.
 
 Hashes come from `engine.block_hash.compute_block_hashes` — the engine's own function — so a
 prompt's hashes here equal the hashes a worker's prefix cache stores, by construction.
 
 Holders of a block are a bit set (an int, one bit per worker slot): matching a prompt against
-every worker is one dict lookup and one AND per block, whatever the number of workers.
+every worker is one dict lookup and one AND per block, whatever the number of workers (plus
+one more AND, and a count per holder, for the blocks someone holds in a tier).
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from itertools import chain, repeat
+from typing import Iterable, NamedTuple, Sequence
 
 from engine.block_hash import BlockHash, compute_block_hashes
 
@@ -29,14 +34,23 @@ def prompt_block_hashes(
                                 kv_cache_dtype, weights_version)
 
 
+class PrefixHit(NamedTuple):
+    """A worker's part of a prompt: its leading blocks held, and how many of those sit in its
+    second tier (promoted into its pool before they are used; the rest are in the pool)."""
+
+    blocks: int
+    tier_blocks: int = 0
+
+
 class KVIndex:
-    """Block hash -> workers. Not thread-safe; one event loop owns it."""
+    """Block hash -> workers (and their tier). Not thread-safe; one event loop owns it."""
 
     def __init__(self) -> None:
         self._holders: dict[BlockHash, int] = {}  # hash -> bit set of worker slots
+        self._tiered: dict[BlockHash, int] = {}  # hash -> the holders' slots where it is in a tier
         self._slot: dict[str, int] = {}  # worker id -> slot
         self._owner: list[str | None] = []  # slot -> worker id
-        self._blocks: dict[str, set[BlockHash]] = {}  # worker id -> its hashes
+        self._blocks: dict[str, dict[BlockHash, int]] = {}  # worker id -> its hashes -> tier
 
     def __len__(self) -> int:
         """Distinct block hashes indexed."""
@@ -48,59 +62,85 @@ class KVIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
-    def stored(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
-        bit = 1 << self._add_worker(worker_id)
+    def stored(self, worker_id: str, hashes: Iterable[BlockHash],
+               tiers: Sequence[int] = ()) -> None:
+        """The worker now holds `hashes`; `tiers[i]`: where hashes[i] is (0 the pool, else
+        the second tier; missing: the pool). A hash held already moves to its new tier."""
+        slot = self._add_worker(worker_id)
+        bit, keep = 1 << slot, ~(1 << slot)
         mine = self._blocks[worker_id]
-        holders = self._holders
-        for h in hashes:
-            if h not in mine:
-                mine.add(h)
+        holders, tiered = self._holders, self._tiered
+        for h, tier in zip(hashes, chain(tiers, repeat(0))):
+            tier = 1 if tier else 0
+            old = mine.get(h)
+            if old == tier:
+                continue
+            mine[h] = tier
+            if old is None:
                 holders[h] = holders.get(h, 0) | bit
+            if tier:
+                tiered[h] = tiered.get(h, 0) | bit
+            elif old:
+                _clear(tiered, h, keep)
 
     def removed(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slot.get(worker_id)
         if slot is None:
             return
         mine = self._blocks[worker_id]
+        keep = ~(1 << slot)
         for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                self._clear(h, ~(1 << slot))
+            old = mine.pop(h, None)
+            if old is not None:
+                _clear(self._holders, h, keep)
+                if old:
+                    _clear(self._tiered, h, keep)
 
-    def reset(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
-        """Replace everything known about a worker with a snapshot."""
+    def reset(self, worker_id: str, hashes: Iterable[BlockHash], tiers: Sequence[int] = ()) -> None:
+        """Replace everything known about a worker with a snapshot (`tiers` as in `stored`)."""
         self.remove_worker(worker_id)
-        self.stored(worker_id, hashes)
+        self.stored(worker_id, hashes, tiers)
 
     def remove_worker(self, worker_id: str) -> None:
         slot = self._slot.pop(worker_id, None)
         if slot is None:
             return
         keep = ~(1 << slot)
-        for h in self._blocks.pop(worker_id):
-            self._clear(h, keep)
+        for h, tier in self._blocks.pop(worker_id).items():
+            _clear(self._holders, h, keep)
+            if tier:
+                _clear(self._tiered, h, keep)
         self._owner[slot] = None
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Leading blocks of `hashes` each worker holds, for workers holding at least one."""
-        holders = self._holders
+    def match(self, hashes: Sequence[BlockHash]) -> dict[str, PrefixHit]:
+        """Leading blocks of `hashes` each worker holds (and how many of those in its tier),
+        for workers holding at least one."""
+        holders, tiered = self._holders, self._tiered
         alive = holders.get(hashes[0], 0) if hashes else 0
-        out: dict[str, int] = {}
-        depth = 0
+        slow: dict[int, int] = {}  # slot -> tier blocks among its leading blocks so far
+        out: dict[str, PrefixHit] = {}
         for depth, h in enumerate(hashes):
             still = alive & holders.get(h, 0)
-            self._record(alive & ~still, depth, out)
+            self._record(alive & ~still, depth, slow, out)
             alive = still
             if not alive:
                 return out
-        self._record(alive, len(hashes), out)
+            in_tier = still & tiered.get(h, 0)
+            while in_tier:
+                low = in_tier & -in_tier
+                slot = low.bit_length() - 1
+                slow[slot] = slow.get(slot, 0) + 1
+                in_tier ^= low
+        self._record(alive, len(hashes), slow, out)
         return out
 
-    def _record(self, bits: int, depth: int, out: dict[str, int]) -> None:
+    def _record(self, bits: int, depth: int, slow: dict[int, int],
+                out: dict[str, PrefixHit]) -> None:
         while bits:
             low = bits & -bits
             if depth:
-                out[self._owner[low.bit_length() - 1]] = depth  # type: ignore[index]
+                slot = low.bit_length() - 1
+                out[self._owner[slot]] = PrefixHit(depth, slow.get(slot, 0))  # type: ignore[index]
             bits ^= low
 
     def _add_worker(self, worker_id: str) -> int:
@@ -113,12 +153,14 @@ class KVIndex:
                 slot = len(self._owner)
                 self._owner.append(worker_id)
             self._slot[worker_id] = slot
-            self._blocks[worker_id] = set()
+            self._blocks[worker_id] = {}
         return slot
 
-    def _clear(self, h: BlockHash, keep: int) -> None:
-        bits = self._holders.get(h, 0) & keep
-        if bits:
-            self._holders[h] = bits
-        else:
-            self._holders.pop(h, None)
+
+def _clear(bitsets: dict[BlockHash, int], h: BlockHash, keep: int) -> None:
+    """Keep only the `keep` bits of h's set; an empty set is dropped."""
+    bits = bitsets.get(h, 0) & keep
+    if bits:
+        bitsets[h] = bits
+    else:
+        bitsets.pop(h, None)

@@ -35,6 +35,13 @@ class RouterMetrics:
         self.decisions = Counter("pdserve_router_routing_decisions",
                                  "Placement decisions by policy and reason", ["policy", "reason"],
                                  registry=r)
+        self.kv_pull_decisions = Counter(
+            "pdserve_router_kv_pull_decisions",
+            "Placements where another worker held more of the prompt than the worker computing "
+            "it, by outcome (pull: pull those blocks first; recompute: computing them was "
+            "estimated faster)", ["outcome"], registry=r)
+        for outcome in ("pull", "recompute"):
+            self.kv_pull_decisions.labels(outcome)
         self.retries = Counter("pdserve_router_retries", "Requests retried on another worker",
                                registry=r)
         self.migrations = Counter("pdserve_router_migrations",

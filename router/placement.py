@@ -1,6 +1,8 @@
 """Glue between live state and the pure policy: builds `Candidate`s from the registry (load,
 staleness, this router's in-flight work) and the KV index (each worker's cached prefix of
-this prompt), asks the policy, and returns the workers' registrations with its decision."""
+this prompt, and how much of it sits in its second tier), asks the policy, and returns the
+workers' registrations with its decision — and, when the worker computing the prompt should
+pull blocks a peer holds, that peer (`KVSource`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,9 +12,12 @@ from cluster.registration import WorkerInfo
 from cluster.roles import Role
 from engine.block_hash import BlockHash
 from engine.lora.request import LoRARequest
-from router.kv_index import KVIndex, prompt_block_hashes
+from router.kv_index import KVIndex, PrefixHit, prompt_block_hashes
+from router.metrics import RouterMetrics
 from router.policy import Candidate, Decision, Policy
 from router.registry import WorkerRegistry, WorkerState
+
+_NO_HIT = PrefixHit(0, 0)
 
 
 @dataclass
@@ -42,10 +47,25 @@ class PromptKey:
 
 
 @dataclass(frozen=True, slots=True)
+class KVSource:
+    """Where the worker computing a prompt pulls its leading blocks from first."""
+
+    holder: WorkerState
+    """The worker to pull from."""
+    num_blocks: int
+    """Leading prompt blocks to pull (counted from block 0; the puller skips what it has)."""
+    num_tier_blocks: int
+    """How many of those sit in the holder's second tier."""
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     decision: Decision
     decode: WorkerState
     prefill: WorkerState | None
+    kv_source: KVSource | None = None
+    """Blocks the computing worker (`prefill` if set, else `decode`) pulls first; None: it
+    reuses only its own cache."""
 
     @property
     def decode_info(self) -> WorkerInfo:
@@ -53,10 +73,13 @@ class Placement:
 
 
 class Placer:
-    def __init__(self, registry: WorkerRegistry, index: KVIndex, policy: Policy) -> None:
+    def __init__(self, registry: WorkerRegistry, index: KVIndex, policy: Policy,
+                 metrics: RouterMetrics | None = None) -> None:
+        """`metrics`: where pull decisions are counted (None: not counted)."""
         self.registry = registry
         self.index = index
         self.policy = policy
+        self.metrics = metrics
 
     def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
               remote_prefill: bool = True, context: int = 0) -> Placement | None:
@@ -66,16 +89,22 @@ class Placer:
         num_tokens = len(prompt.token_ids)
         candidate = self._candidates(prompt)
         states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
-        decode = [candidate(s) for s in states.values() if s.info.role == Role.DECODE
+        cands = {wid: candidate(s) for wid, s in states.items()}
+        decode = [cands[wid] for wid, s in states.items() if s.info.role == Role.DECODE
                   and (s.info.max_model_len == 0 or context <= s.info.max_model_len)]
-        prefill = [candidate(s) for s in states.values()
+        prefill = [cands[wid] for wid, s in states.items()
                    if s.info.role == Role.PREFILL and remote_prefill]
-        decision = self.policy.place(num_tokens, decode, prefill)
+        peers = [c for c in cands.values() if c.cached_tokens > 0]  # any role: they hold KV
+        decision = self.policy.place(num_tokens, decode, prefill, peers)
         if decision is None:
             return None
-        p = decision.prefill
+        p, plan = decision.prefill, decision.kv_pull
+        if self.metrics is not None and decision.compute.pull is not None:
+            self.metrics.kv_pull_decisions.labels("pull" if plan else "recompute").inc()
+        source = None if plan is None else KVSource(
+            states[plan.holder.worker_id], plan.num_blocks, plan.num_tier_blocks)
         return Placement(decision, states[decision.decode.worker_id],
-                         states[p.worker_id] if p is not None else None)
+                         states[p.worker_id] if p is not None else None, source)
 
     def place_prefill(self, prompt: PromptKey, exclude: frozenset[str] = frozenset()
                       ) -> WorkerState | None:
@@ -97,7 +126,7 @@ class Placer:
         layout (compat hash) and their weights version agree: KV computed by other weights
         must not be joined."""
         now = self.registry.clock()
-        matches: dict[tuple[int, str, int], dict[str, int]] = {}
+        matches: dict[tuple[int, str, int], dict[str, PrefixHit]] = {}
         adapter = prompt.lora.lora_name if prompt.lora is not None else None
 
         def candidate(state: WorkerState) -> Candidate:
@@ -106,9 +135,10 @@ class Placer:
             match = matches.get((bs, kv, wv))
             if match is None:
                 match = matches[bs, kv, wv] = self.index.match(prompt.hashes(bs, kv, wv))
+            hit = match.get(info.worker_id, _NO_HIT)
             return Candidate(
                 worker_id=info.worker_id, capacity=info.capacity, block_size=bs,
-                cached_tokens=match.get(info.worker_id, 0) * bs,
+                cached_tokens=hit.blocks * bs, cached_tier_blocks=hit.tier_blocks,
                 inflight=state.inflight, inflight_prefill_tokens=state.inflight_prefill_tokens,
                 compat=f"{info.compat_hash}/w{wv}", draining=info.draining or info.sleeping,
                 stale=self.registry.is_stale(state, now),

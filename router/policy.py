@@ -17,58 +17,28 @@ Contract shared by every policy:
   each decode running there (the prompt's compute time), without pushing their
   inter-token latency over `itl_slo_ms` — for any prompt length, unless the operator capped
   it with `local_prefill_max_tokens`.
+- KV reuse (router/kv_reuse.py): a worker's own hit counts at its cost — pool blocks free,
+  second-tier blocks their measured promotion time. Given `peers` (every worker that may
+  hold this prompt's blocks), the worker that computes the prompt pulls the blocks a usable
+  peer of its KV layout holds beyond its own hit when that is estimated faster than computing
+  them (`Decision.kv_pull`); what it pulls is not computed, in the TTFT estimates and the
+  local-vs-remote choice alike. The decode choice weighs a worker's own cache only.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from cluster.registration import Capacity
 from cluster.roles import PrefillPath
+from router.candidate import Candidate, PullPlan
 from router.config import PlacementConfig
+from router.kv_reuse import (
+    best_pull, effective_cached_tokens, found_tokens, prefill_rate, pulled, reuse_s,
+)
 from router.ttft_estimate import (
     LocalEstimate, TTFTCorrection, local_prefill, queue_ttft_s, step_cost,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One worker as placement sees it for one request."""
-
-    worker_id: str
-    capacity: Capacity
-    block_size: int = 16
-    cached_tokens: int = 0
-    """Longest prefix of this request's prompt in the worker's cache (from the KV index)."""
-    inflight: int = 0
-    """Requests this router has running on it (covers capacity reports that lag)."""
-    inflight_prefill_tokens: int = 0
-    """Prompt tokens this router sent it that have not produced their first token yet."""
-    compat: str = ""
-    """KV compatibility hash: a prefill worker serves only decode workers with the same one."""
-    draining: bool = False
-    stale: bool = False
-    """Registration not republished recently: capacity unknown, no new work."""
-    lora_missing: bool = False
-    """The request's LoRA adapter is not loaded there (it would load it from disk first)."""
-
-    @property
-    def usable(self) -> bool:
-        return not (self.draining or self.stale)
-
-    @property
-    def load(self) -> int:
-        return max(self.capacity.running + self.capacity.waiting, self.inflight)
-
-    @property
-    def kv_usage(self) -> float:
-        total = self.capacity.total_blocks
-        return 1.0 - self.capacity.free_blocks / total if total > 0 else 0.0
-
-    @property
-    def queued_prefill_tokens(self) -> int:
-        return max(self.capacity.queued_prefill_tokens, self.inflight_prefill_tokens)
 
 
 class Reason(str, enum.Enum):
@@ -98,6 +68,22 @@ class Decision:
         """The planned path (one of `ttft_estimate.PLANNED_PATHS`)."""
         return PrefillPath.LOCAL if self.prefill is None else PrefillPath.REMOTE
 
+    @property
+    def compute(self) -> Candidate:
+        """The worker that computes the prompt: the prefill worker, else the decode worker."""
+        return self.decode if self.prefill is None else self.prefill
+
+    @property
+    def kv_pull(self) -> PullPlan | None:
+        """Blocks the computing worker pulls from a peer first (None: it pulls nothing)."""
+        return pulled(self.compute)
+
+    @property
+    def kv_pull_declined(self) -> bool:
+        """A peer held more of the prompt, but computing it was estimated faster."""
+        plan = self.compute.pull
+        return plan is not None and not plan.worth
+
 
 class Policy:
     """Base: filtering and conditional disaggregation; subclasses pick among candidates."""
@@ -111,20 +97,24 @@ class Policy:
         """Learned per path; the dispatcher feeds it each request's observed TTFT."""
 
     def place(
-        self, num_prompt_tokens: int, decode: Sequence[Candidate], prefill: Sequence[Candidate]
+        self, num_prompt_tokens: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
+        peers: Sequence[Candidate] = (),
     ) -> Decision | None:
+        """`peers`: workers (any role) whose blocks of the prompt the computing worker may
+        pull (none: no pulls)."""
         self._turn += 1
         rooms = [c for c in decode if self.has_room(c, num_prompt_tokens)]
         if not rooms:
             return None
-        d = self.pick_decode(num_prompt_tokens, rooms)
-        uncached = num_prompt_tokens - d.cached_tokens
+        d = self.with_pull(self.pick_decode(num_prompt_tokens, rooms), peers)
+        uncached = num_prompt_tokens - effective_cached_tokens(d, self.config)
         if uncached < self.config.local_prefill_threshold:
             return Decision(d, None, Reason.LOCAL_SHORT, d.cached_tokens)
         usable = [c for c in prefill if c.usable and c.compat == d.compat]
         if not usable:
             return Decision(d, None, Reason.LOCAL_NO_PREFILL, d.cached_tokens)
-        open_ = [c for c in usable if c.queued_prefill_tokens <= self.config.prefill_queue_limit]
+        open_ = [self.with_pull(c, peers) for c in usable
+                 if c.queued_prefill_tokens <= self.config.prefill_queue_limit]
         if not open_:
             return Decision(d, None, Reason.LOCAL_SATURATED, d.cached_tokens)
         p = self.pick_prefill(num_prompt_tokens, open_)
@@ -147,19 +137,26 @@ class Policy:
         reason = Reason.LOCAL_BACKLOG if idle_s <= local_cost_s else Reason.LOCAL_FASTER
         return Decision(d, None, reason, d.cached_tokens, local.ttft_s)
 
+    def with_pull(self, c: Candidate, peers: Sequence[Candidate]) -> Candidate:
+        """`c` with the best plan to pull more of the prompt from one of `peers`, if any."""
+        plan = best_pull(c, peers, self.config) if peers else None
+        return c if plan is None else replace(c, pull=plan)
+
     def local_estimate(self, num_prompt_tokens: int, d: Candidate,
                        p: Candidate) -> LocalEstimate | None:
         """`d` prefilling the prompt itself, beside its running decodes (the more of its
         published running count and this router's requests on it); `p`'s measured rate
-        stands in for d's speed until d has measured its own."""
+        stands in for d's speed until d has measured its own. Its reused KV (promoted, pulled)
+        and a LoRA adapter to load come first."""
         cost = step_cost(d.capacity, p.capacity.prefill_tokens_per_s,
                          self.config.default_prefill_rate)
         decoding = max(d.capacity.running, d.inflight)
         est = local_prefill(d.capacity, d.queued_prefill_tokens,
-                            num_prompt_tokens - d.cached_tokens, decoding, cost)
-        if est is None or not d.lora_missing:
+                            num_prompt_tokens - found_tokens(d), decoding, cost)
+        before_s = reuse_s(d, self.config) + (self.config.lora_load_s if d.lora_missing else 0.0)
+        if est is None or not before_s:
             return est
-        return LocalEstimate(est.ttft_s + self.config.lora_load_s, est.step_s, est.decode_delay_s)
+        return LocalEstimate(est.ttft_s + before_s, est.step_s, est.decode_delay_s)
 
     def keeps_itl(self, d: Candidate, local: LocalEstimate) -> bool:
         """Its running decodes keep their inter-token latency within the SLO while the
@@ -181,19 +178,21 @@ class Policy:
         if c.capacity.total_blocks <= 0:  # pool size not reported: assume room
             return True
         bs = c.block_size
-        needed = -(-(num_prompt_tokens + 1) // bs) - c.cached_tokens // bs
+        # Only pool hits are blocks it holds; promoted (and pulled) blocks take free ones.
+        needed = -(-(num_prompt_tokens + 1) // bs) - (c.cached_tokens // bs - c.cached_tier_blocks)
         return c.capacity.free_blocks >= needed
 
     def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate,
                          queued: int | None = None) -> float:
-        """A prefill worker's: (queued prefill tokens + this request's uncached tokens
-        there) / its measured prefill rate (the configured default until measured), plus
-        the time to load the request's LoRA adapter where it is missing. `queued`: instead
-        of its queue."""
-        rate = p.capacity.prefill_tokens_per_s or self.config.default_prefill_rate
-        load_lora = self.config.lora_load_s if p.lora_missing else 0.0
+        """A prefill worker's: (queued prefill tokens + this request's tokens it neither
+        holds nor pulls) / its measured prefill rate (the configured default until measured),
+        plus its reuse time (promotions, the pull) and the time to load the request's LoRA
+        adapter where it is missing. `queued`: instead of its queue."""
+        cfg = self.config
+        load_lora = cfg.lora_load_s if p.lora_missing else 0.0
         queued = p.queued_prefill_tokens if queued is None else queued
-        return queue_ttft_s(queued, num_prompt_tokens - p.cached_tokens, rate) + load_lora
+        return queue_ttft_s(queued, num_prompt_tokens - found_tokens(p), prefill_rate(p, cfg),
+                            reuse_s(p, cfg) + load_lora)
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
         raise NotImplementedError
@@ -222,7 +221,8 @@ class AffinityPolicy(Policy):
 
     def decode_score(self, num_prompt_tokens: int, c: Candidate) -> float:
         cfg = self.config
-        hit = c.cached_tokens / num_prompt_tokens if num_prompt_tokens else 0.0
+        saved = effective_cached_tokens(c, cfg, own_only=True)
+        hit = saved / num_prompt_tokens if num_prompt_tokens else 0.0
         return (
             cfg.prefix_weight * hit - cfg.load_weight * c.load / cfg.load_scale
             - cfg.kv_weight * c.kv_usage - cfg.lora_weight * c.lora_missing

@@ -122,7 +122,8 @@ class RouterServices:
         self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
         self.registry.add_listener(self.kv_subscriptions.on_added, self._on_removed)
         self.registry.add_weights_listener(self.kv_subscriptions.on_new_weights)
-        self.placer = Placer(self.registry, self.index, make_policy(config.placement))
+        self.placer = Placer(self.registry, self.index, make_policy(config.placement),
+                             self.metrics)
         self.dispatcher = Dispatcher(config, self.placer, self.channels, self.metrics)
         self.tokens = TokenText(card.tokenizer)
         self.loras = LoRAAdapters(self.registry, self.channels, config.lora_modules)

@@ -3,7 +3,9 @@ measured speeds (cluster.registration.Capacity). Pure: snapshots in, seconds out
 state is `TTFTCorrection`, fed by the caller with observed TTFTs.
 
 Remote (a prefill worker): its queued prefill tokens + this prompt's uncached tokens there,
-over its measured prefill rate.
+over its measured prefill rate. "Uncached" leaves out what the computing worker reuses: its
+own hit and blocks it pulls from a peer (router/kv_reuse.py); getting those (promotions from
+its second tier, the pull) adds its own time.
 
 Local (the decode worker prefills the prompt itself, chunked beside its running decodes):
 one engine step costs `overhead + per_token * tokens` (`StepCost`, a straight line through
@@ -49,9 +51,11 @@ def step_cost(own: Capacity, peer_rate: float, default_rate: float) -> StepCost:
     return step_cost_from(*timings, per_token)
 
 
-def queue_ttft_s(queued_tokens: int, uncached_tokens: int, rate: float) -> float:
-    """A prefill worker: its queue, then this prompt, at `rate` tokens/s."""
-    return (queued_tokens + uncached_tokens) / rate
+def queue_ttft_s(queued_tokens: int, uncached_tokens: int, rate: float,
+                 before_s: float = 0.0) -> float:
+    """A prefill worker: its queue, then this prompt, at `rate` tokens/s; `before_s`: what
+    this prompt waits for besides (reused KV promoted or pulled first, an adapter loaded)."""
+    return (queued_tokens + uncached_tokens) / rate + before_s
 
 
 @dataclass(frozen=True, slots=True)

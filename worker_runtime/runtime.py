@@ -30,6 +30,7 @@ from cluster.grpc_auth import add_port, server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
 from cluster.registration import Capacity, WorkerInfo
+from engine.block_manager import KVEvent
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest, lora_id_for
@@ -180,13 +181,7 @@ class WorkerRuntime:
     def _after_step(self, engine: LLMEngine) -> bool:
         events = engine.block_manager.take_events()
         if events and self._kv_subscribers:
-            final: dict[bytes, bool] = {}  # one batch is unordered: keep each hash's last state
-            for e in events:
-                final[e.block_hash] = e.stored
-            batch = pb.KVEventBatch(
-                stored=[h for h, stored in final.items() if stored],
-                removed=[h for h, stored in final.items() if not stored],
-            )
+            batch = kv_event_batch(events)
             for q in list(self._kv_subscribers):
                 self.aio.call_soon_threadsafe(q.put_nowait, batch)
         return any([hook(engine) for hook in self._step_hooks])  # every hook runs
@@ -310,7 +305,8 @@ class WorkerRuntime:
         s, loop, cfg = self.stats, self.loop, self.engine.config
         prefill, decode = loop.prefill_steps, loop.decode_steps
         # In token blocks (what the router sizes a prompt in): a token block takes a block in
-        # each KV group (engine/kv_groups.py) — at most; sliding groups give theirs back.
+        # each KV group (engine/kv_groups.py) — at most; sliding groups give theirs back. The
+        # second tier too: it holds one slot per (group, block).
         groups = self.engine.limits.kv_groups
         return Capacity(
             total_blocks=s.num_blocks // groups, free_blocks=s.num_free_blocks // groups,
@@ -323,6 +319,9 @@ class WorkerRuntime:
             long_prefill_token_threshold=min(
                 [c for c in (self.engine.scheduler.long_prefill_token_threshold, loop.prompt_cap) if c],
                 default=0),
+            kv_offload_total_blocks=s.kv_offload_blocks // groups,
+            kv_offload_used_blocks=s.kv_offload_blocks_used // groups,
+            kv_promote_s_per_block=s.kv_offload_promote_s,
         )
 
     async def _refresh_stats(self) -> None:
@@ -409,6 +408,10 @@ class WorkerRuntime:
         if not await self.admission.wait_idle(self.config.drain_timeout_s):
             log.warning("drain timeout: %d requests still in flight", self.admission.inflight)
 
+    async def cached_blocks(self) -> pb.CachedBlocksResponse:
+        """Every block hash held now, pool and second tier (`GetCachedBlocks`)."""
+        return kv_snapshot(*await self.call(lambda e: e.block_manager.held_hashes()))
+
     async def kv_events(self) -> AsyncIterator[pb.KVEventBatch]:
         queue: asyncio.Queue[pb.KVEventBatch] = asyncio.Queue()
         self._kv_subscribers.add(queue)
@@ -417,6 +420,26 @@ class WorkerRuntime:
                 yield await queue.get()
         finally:
             self._kv_subscribers.discard(queue)
+
+
+def kv_event_batch(events: list[KVEvent]) -> pb.KVEventBatch:
+    """One step's KV events as one batch. A batch is unordered (the router applies its
+    removals, then its stores), so each hash appears once, in the state of its last event;
+    `stored_tiers` is sent only when some stored hash sits in the second tier (empty: all in
+    the pool)."""
+    final: dict[bytes, KVEvent] = {e.block_hash: e for e in events}
+    stored = [e for e in final.values() if e.stored]
+    tiers = [e.tier for e in stored]
+    return pb.KVEventBatch(stored=[e.block_hash for e in stored],
+                           removed=[e.block_hash for e in final.values() if not e.stored],
+                           stored_tiers=tiers if any(tiers) else [])
+
+
+def kv_snapshot(pool: list[bytes], tier: list[bytes]) -> pb.CachedBlocksResponse:
+    """A `GetCachedBlocks` answer: the hashes held in the pool, then those in the second tier
+    (`tiers` only when there are some: empty reads as all in the pool)."""
+    return pb.CachedBlocksResponse(block_hashes=pool + tier,
+                                   tiers=[0] * len(pool) + [1] * len(tier) if tier else [])
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

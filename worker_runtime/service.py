@@ -46,8 +46,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             yield batch
 
     async def GetCachedBlocks(self, request, context):
-        hashes = await self.rt.call(lambda e: e.block_manager.cached_hashes())
-        return pb.CachedBlocksResponse(block_hashes=hashes)
+        return await self.rt.cached_blocks()
 
     async def SendBlocks(self, request, context):
         return await self.exporter.send_blocks(request)

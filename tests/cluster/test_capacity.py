@@ -36,3 +36,13 @@ def test_a_newer_workers_unknown_capacity_fields_are_ignored():
     doc = json.loads(_info(MEASURED).to_json())
     doc["capacity"]["some_future_measurement"] = 1.5
     assert WorkerInfo.from_json(json.dumps(doc).encode()).capacity == MEASURED
+
+
+def test_the_dataclass_and_the_proto_message_have_the_same_fields():
+    """Health answers `pb.Capacity(**asdict(capacity))`: a field added to one only breaks it."""
+    from dataclasses import asdict, fields
+
+    from proto import pdserve_pb2 as pb
+
+    assert {f.name for f in fields(Capacity)} == set(pb.Capacity.DESCRIPTOR.fields_by_name)
+    assert pb.Capacity(**asdict(MEASURED)).prefill_tokens_per_s == MEASURED.prefill_tokens_per_s

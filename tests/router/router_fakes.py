@@ -69,6 +69,7 @@ class FakeWorker:
 
     def __post_init__(self) -> None:
         self.cached: list[bytes] = []  # prefix cache, insertion order
+        self.tiered: set[bytes] = set()  # those of them in the second KV tier
         self.requests: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
         self.active: set[str] = set()
@@ -122,9 +123,16 @@ class FakeWorker:
         self.cached.extend(new)
         self._publish(pb.KVEventBatch(stored=new))
 
+    def demote(self, hashes: list[bytes]) -> None:
+        """Cached blocks move to the second tier: stored again, with tier 1."""
+        moved = [h for h in hashes if h in self.cached and h not in self.tiered]
+        self.tiered.update(moved)
+        self._publish(pb.KVEventBatch(stored=moved, stored_tiers=[1] * len(moved)))
+
     def evict(self, hashes: list[bytes]) -> None:
         gone = [h for h in hashes if h in self.cached]
         self.cached = [h for h in self.cached if h not in gone]
+        self.tiered.difference_update(gone)
         self._publish(pb.KVEventBatch(removed=gone))
 
     def cached_prefix_tokens(self, hashes: list[bytes], num_prompt: int) -> int:
@@ -166,7 +174,9 @@ class _WorkerService(pb_grpc.WorkerServicer):
             self.w._subscribers.discard(queue)
 
     async def GetCachedBlocks(self, request, context):
-        return pb.CachedBlocksResponse(block_hashes=list(self.w.cached))
+        cached, tiered = self.w.cached, self.w.tiered
+        return pb.CachedBlocksResponse(block_hashes=list(cached),
+                                       tiers=[int(h in tiered) for h in cached] if tiered else [])
 
     async def LoadLoRAAdapter(self, request, context):
         """Prefill workers refuse paths containing "bad" (INVALID_ARGUMENT), as a real worker

@@ -13,6 +13,10 @@ from router_harness import wait_for
 H = compute_block_hashes(list(range(160)), 16)  # 10 blocks
 
 
+def blocks(match):
+    return {w: hit.blocks for w, hit in match.items()}
+
+
 async def _subscribed(worker):
     index, channels = KVIndex(), ChannelPool(OPEN)
     subs = KVSubscriptions(index, channels)
@@ -21,21 +25,42 @@ async def _subscribed(worker):
     return index, channels, subs
 
 
+async def _close(subs, channels, *workers):
+    await subs.close()
+    await channels.close_all()
+    for w in workers:
+        await w.stop()
+
+
 def test_snapshot_then_events_then_removal(bg):
     async def main():
         w = await FakeWorker("prefill", "", "", "p1").start(register=False)
         w.store(H[:4])  # cached before the router subscribed: must come from the snapshot
         index, channels, subs = await _subscribed(w)
-        assert index.match(H) == {"p1": 4}
+        assert blocks(index.match(H)) == {"p1": 4}
         w.store(H[4:8])
-        await wait_for(lambda: index.match(H) == {"p1": 8})
+        await wait_for(lambda: blocks(index.match(H)) == {"p1": 8})
         w.evict([H[2]])
-        await wait_for(lambda: index.match(H) == {"p1": 2})
+        await wait_for(lambda: blocks(index.match(H)) == {"p1": 2})
         subs.on_removed(w.info())
-        assert index.match(H) == {} and len(index) == 0
-        await subs.close()
-        await channels.close_all()
-        await w.stop()
+        assert blocks(index.match(H)) == {} and len(index) == 0
+        await _close(subs, channels, w)
+
+    bg.run(main())
+
+
+def test_tiers_arrive_with_events_and_snapshots(bg):
+    async def main():
+        w = await FakeWorker("decode", "", "", "d1").start(register=False)
+        w.store(H[:6])
+        w.demote(H[4:6])  # before the router subscribed: the snapshot's tiers say so
+        index, channels, subs = await _subscribed(w)
+        assert index.match(H) == {"d1": (6, 2)}
+        w.demote(H[2:4])
+        await wait_for(lambda: index.match(H) == {"d1": (6, 4)})
+        w.evict(H[5:6])
+        await wait_for(lambda: index.match(H) == {"d1": (5, 3)})
+        await _close(subs, channels, w)
 
     bg.run(main())
 
@@ -56,7 +81,7 @@ def test_restart_rebuilds_from_snapshots(bg):
         for w in (a, b):
             subs.on_added(w.info())
         await asyncio.wait_for(asyncio.gather(*(subs.synced[i].wait() for i in ("pa", "db"))), 5)
-        assert index.match(H) == {"pa": 6, "db": 3}
+        assert blocks(index.match(H)) == {"pa": 6, "db": 3}
         await subs.close()
         await channels.close_all()
         await a.stop()
@@ -72,11 +97,11 @@ def test_worker_restart_resubscribes(bg):
         index, channels, subs = await _subscribed(w)
         port = w.address.rsplit(":", 1)[1]
         await w.stop()  # the stream breaks: entries dropped, retries begin
-        await wait_for(lambda: index.match(H) == {})
+        await wait_for(lambda: blocks(index.match(H)) == {})
         w2 = FakeWorker("decode", "", "", "d1")  # same id and address: a restarted worker
         w2.cached = list(H[:2])
         await w2.start(register=False, port=int(port))
-        await wait_for(lambda: index.match(H) == {"d1": 2}, timeout=8)
+        await wait_for(lambda: blocks(index.match(H)) == {"d1": 2}, timeout=8)
         await subs.close()
         await channels.close_all()
         await w2.stop()
