@@ -64,9 +64,6 @@ class KVPuller:
 
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self.blocks_per_s = 0.0
-        """Blocks per second of the pulls that completed here (0 until one did), call to
-        adoption; published so that the router can weigh pulling against computing."""
         self._ids = itertools.count()
         self._channels = PeerChannels(runtime.auth)
         self._held: dict[str, list[int]] = {}  # engine thread: reserved blocks by transfer id
@@ -115,8 +112,10 @@ class KVPuller:
         await self.rt.call(lambda e: self._adopt(e, plan), cancellable=False)
         elapsed = time.monotonic() - started
         rate = len(plan.block_ids) / max(elapsed, 1e-6)
-        self.blocks_per_s = rate if not self.blocks_per_s else (
-            _RATE_WEIGHT * rate + (1 - _RATE_WEIGHT) * self.blocks_per_s)
+        # Published (Capacity.kv_pull_blocks_per_s): the router weighs pulling against
+        # computing with it. Call to adoption, so the round trip is in it.
+        old = self.rt.kv_pull_blocks_per_s
+        self.rt.kv_pull_blocks_per_s = rate if not old else _RATE_WEIGHT * rate + (1 - _RATE_WEIGHT) * old
         metrics.kv_pulls.labels("pulled").inc()
         metrics.kv_pull_blocks.inc(len(plan.block_ids))
         metrics.kv_pull_seconds.observe(elapsed)

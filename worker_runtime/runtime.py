@@ -136,6 +136,8 @@ class WorkerRuntime:
         self.stats: EngineStats = engine.stats()
         self.loras: dict[str, str] = dict(engine.config.lora_modules)
         """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
+        self.kv_pull_blocks_per_s = 0.0
+        """Measured by this worker's peer pulls (kv_pull.py; 0 until one completed)."""
         self.grpc_address = ""
         self.metrics_address = ""
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -322,6 +324,7 @@ class WorkerRuntime:
             kv_offload_total_blocks=s.kv_offload_blocks // groups,
             kv_offload_used_blocks=s.kv_offload_blocks_used // groups,
             kv_promote_s_per_block=s.kv_offload_promote_s,
+            kv_pull_blocks_per_s=self.kv_pull_blocks_per_s,
         )
 
     async def _refresh_stats(self) -> None:
