@@ -32,6 +32,7 @@ def scale(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     import asyncio
 
+    from cluster.block_hash_agreement import REASON, probe_refusal
     from cluster.registration import list_workers, make_client
 
     etcd = args.etcd or current()["etcd"]
@@ -48,10 +49,15 @@ def status(args: argparse.Namespace) -> int:
     workers = sorted(asyncio.run(fetch()), key=lambda w: (w.role, w.worker_id))
     print(f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
           f"{'running':>8} {'waiting':>8} {'queued prefill':>15}")
+    refused = {w.worker_id: probe_refusal(w) for w in workers}
     for w in workers:
         c = w.capacity
-        print(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {'draining' if w.draining else 'ready':9} "
+        state = "refused" if refused[w.worker_id] else "draining" if w.draining else "ready"
+        print(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {state:9} "
               f"{c.free_blocks:>8}/{c.total_blocks:<9} {c.running:>8} {c.waiting:>8} {c.queued_prefill_tokens:>15}")
+    for worker_id, why in refused.items():
+        if why:
+            print(f"refused {worker_id} ({REASON}): {why}")
     if not workers:
         print(f"(no workers registered in cluster {cluster!r} at {etcd})")
     return 0
