@@ -27,6 +27,10 @@ class EtcdUnavailable(RuntimeError):
     """etcd could not be reached."""
 
 
+class RegistrationRefused(RuntimeError):
+    """The startup check refused this worker's registration (not retried: exit code 2)."""
+
+
 @dataclass(frozen=True)
 class Capacity:
     """A worker's load and speed as last measured. Every field has a default, so a document
@@ -96,6 +100,10 @@ class WorkerInfo:
     a prefill with a decode worker only when their versions agree."""
     sleeping: bool = False
     """Its engine sleeps (Worker.Sleep): it refuses requests until woken up."""
+    block_hash_probe: str = ""
+    """`engine.block_hash.block_hash_probe` of its block size, KV cache dtype and weights
+    version, computed by its own code; "" from workers older than the probe. A worker whose
+    probe differs from the router's is refused (cluster/block_hash_agreement.py)."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -141,7 +149,11 @@ class Registrar:
         ttl_s: int = 3,
         publish_interval_s: float = 0.25,
         credentials: EtcdCredentials | None = None,
+        startup_check: Callable[[WorkerInfo, list[WorkerInfo]], None] | None = None,
     ) -> None:
+        """`startup_check(own, registered)`: run once, at the first registration, on the
+        workers already registered; it raises RegistrationRefused to refuse the start."""
+        self.startup_check = startup_check
         self.endpoint = endpoint
         self.credentials = credentials
         self.cluster = cluster
@@ -159,13 +171,17 @@ class Registrar:
         """First registration, tried again (with backoff) until it succeeds or `timeout_s`
         has passed: one etcd call that times out on a loaded machine (a just-started etcd,
         a slow lease grant) is not a failed start. Raises EtcdUnavailable with the last error
-        when etcd could not be reached in time."""
+        when etcd could not be reached in time, and the startup check's RegistrationRefused
+        at once (nothing registered)."""
         deadline = time.monotonic() + timeout_s
         backoff = Backoff(first_s=0.1, max_s=1.0)
         while True:
             try:
-                await asyncio.wait_for(self._register(), deadline - time.monotonic())
+                await asyncio.wait_for(self._register(check=True), deadline - time.monotonic())
                 break
+            except RegistrationRefused:
+                await self._drop_client()
+                raise
             except Exception as exc:
                 await self._drop_client()
                 if time.monotonic() + backoff.delay_s >= deadline:
@@ -176,9 +192,11 @@ class Registrar:
                 await backoff.sleep()
         self._task = asyncio.create_task(self._keep_alive())
 
-    async def _register(self) -> None:
+    async def _register(self, check: bool = False) -> None:
         self._client = make_client(self.endpoint, self.credentials)
         await self._client.connect()
+        if check and self.startup_check is not None:
+            self.startup_check(self.info(), await list_workers(self._client, self.cluster))
         self._lease = await self._client.lease(self.ttl_s)
         await self._publish()
         self.registered.set()

@@ -5,9 +5,12 @@ hash(block i) = sha256(hash(block i-1) || extras || token ids of block i as litt
 Extras (cache_salt for tenant isolation, LoRA id, a quantized KV dtype) enter every block's hash, so equal tokens under
 different salts never share blocks. The router imports `compute_block_hashes` to predict which
 workers hold a prompt's prefix: the same bytes in, the same hashes out, in any process.
+`block_hash_probe` is a short fingerprint of this hashing that workers publish, so that a
+process hashing the same tokens differently is found at start (cluster/block_hash_agreement.py).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from typing import Sequence
@@ -64,3 +67,19 @@ def extend_block_hashes(
     for begin in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[begin : begin + block_size], extras)
         hashes.append(parent)
+
+
+_PROBE_SALT, _PROBE_LORA_ID = "pdserve-probe", 7
+
+
+@functools.lru_cache(maxsize=64)
+def block_hash_probe(block_size: int, kv_cache_dtype: str = "auto", weights_version: int = 0) -> str:
+    """A fingerprint (16 hex digits) of how this code hashes blocks under these settings: the
+    last chained hash of a fixed two-block token sequence, without extras and with a salt and
+    a LoRA id, digested together. Two processes that publish different probes for the same
+    (block size, KV cache dtype, weights version) would never find each other's blocks."""
+    tokens = [(i * 7919 + 13) % 30011 for i in range(2 * block_size)]
+    plain = compute_block_hashes(tokens, block_size, None, None, kv_cache_dtype, weights_version)
+    salted = compute_block_hashes(tokens, block_size, _PROBE_SALT, _PROBE_LORA_ID, kv_cache_dtype,
+                                  weights_version)
+    return hashlib.sha256(plain[-1] + salted[-1]).hexdigest()[:16]

@@ -36,6 +36,7 @@ def scale(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     import asyncio
 
+    from cluster.block_hash_agreement import REASON, probe_refusal
     from cluster.registration import list_workers, make_client
 
     etcd = args.etcd or current()["etcd"]
@@ -51,6 +52,10 @@ def status(args: argparse.Namespace) -> int:
         _print_processes()
     workers = sorted(asyncio.run(fetch()), key=lambda w: (w.role, w.worker_id))
     print("\n".join(worker_table(workers)))
+    for w in workers:
+        why = probe_refusal(w)
+        if why:
+            print(f"refused {w.worker_id} ({REASON}): {why}")
     if not workers:
         print(f"(no workers registered in cluster {cluster!r} at {etcd})")
     return 0
@@ -59,14 +64,16 @@ def status(args: argparse.Namespace) -> int:
 def worker_table(workers: list[WorkerInfo]) -> list[str]:
     """`pdserve status`'s lines for the registered workers: a header, then one per worker
     (its second KV tier's used/total blocks, `-` without a tier)."""
+    from cluster.block_hash_agreement import probe_refusal
+
     lines = [f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
              f"{'KV tier used/total':>19} {'running':>8} {'waiting':>8} {'queued prefill':>15}"]
     for w in workers:
         c = w.capacity
         tier = (f"{c.kv_offload_used_blocks:>9}/{c.kv_offload_total_blocks:<9}"
                 if c.kv_offload_total_blocks else f"{'-':>9} {'':9}")
-        lines.append(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} "
-                     f"{'draining' if w.draining else 'ready':9} "
+        state = "refused" if probe_refusal(w) else "draining" if w.draining else "ready"
+        lines.append(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {state:9} "
                      f"{c.free_blocks:>8}/{c.total_blocks:<9} {tier} {c.running:>8} "
                      f"{c.waiting:>8} {c.queued_prefill_tokens:>15}")
     return lines

@@ -98,6 +98,11 @@ class RouterMetrics:
         self.running = Gauge("pdserve_router_running_requests", "Requests on workers", registry=r)
         self.workers = Gauge("pdserve_router_workers", "Registered workers by role and state",
                              ["role", "state"], registry=r)
+        self.workers_refused = Gauge(
+            "pdserve_router_workers_refused",
+            "Registrations ignored now, by reason (block_hash_mismatch: the worker hashes blocks "
+            "differently from this router; model: another model; address: outside "
+            "--allowed-worker-cidrs)", ["reason"], registry=r)
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "Distinct block hashes in the KV index", registry=r)
 

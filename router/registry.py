@@ -10,6 +10,10 @@ A worker that switches roles (`Worker.SetRole`) moves from one role's key to the
 the same address: it stays registered (its KV-index entries and this router's load on it are
 kept), and the delete of its old key — before or after the new key arrives — does not remove
 it under its new role.
+A registration can be refused (`refused`, by reason): one whose block-hash probe disagrees with
+this router's hashing (cluster/block_hash_agreement.py), and whatever the router's `refusal`
+says (another model, an address outside --allowed-worker-cidrs). A refused worker is not
+listed: it gets no request and no KV-index subscription.
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
+from cluster.block_hash_agreement import REASON as BLOCK_HASH_MISMATCH
+from cluster.block_hash_agreement import probe_refusal
 from cluster.etcd_security import EtcdCredentials
 from cluster.registration import WorkerInfo, make_client, workers_prefix
 from cluster.retry import reconnect_forever
@@ -27,6 +33,15 @@ from cluster.roles import ROLES, Role
 log = logging.getLogger(__name__)
 
 Listener = Callable[[WorkerInfo], None]
+
+
+class Refusal(NamedTuple):
+    """Why a registration is ignored."""
+
+    reason: str
+    """Short, for the metric label: block_hash_mismatch, or what the router's check says."""
+    detail: str
+    """For the log: what exactly disagrees."""
 
 
 @dataclass(slots=True)
@@ -41,11 +56,12 @@ class WorkerRegistry:
     def __init__(
         self,
         stale_after_s: float = 2.0,
-        refusal: Callable[[WorkerInfo], str | None] = lambda info: None,
+        refusal: Callable[[WorkerInfo], Refusal | str | None] = lambda info: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`refusal(info)`: why a registration is ignored (another model, an address outside
-        --allowed-worker-cidrs), None to accept it."""
+        --allowed-worker-cidrs; a plain string has the reason "refused"), None to accept it.
+        A registration whose block-hash probe disagrees is refused before it is asked."""
         self.stale_after_s = stale_after_s
         self.refusal = refusal
         self.clock = clock
@@ -54,7 +70,8 @@ class WorkerRegistry:
         self._on_removed: list[Listener] = []
         self._on_new_weights: list[Listener] = []
         self._changed = asyncio.Event()
-        self._rejected: set[str] = set()
+        self.refused: dict[str, Refusal] = {}
+        """Worker id -> why its registration is ignored (logged once per worker)."""
         self.synced = asyncio.Event()  # set once the first full listing was applied
 
     def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
@@ -87,16 +104,24 @@ class WorkerRegistry:
         now = self.clock()
         return [w for w in self.by_role(role) if self.state_of(w, now) == "ready"]
 
+    def _refusal_of(self, info: WorkerInfo) -> Refusal | None:
+        detail = probe_refusal(info)
+        if detail is not None:
+            return Refusal(BLOCK_HASH_MISMATCH, detail)
+        refusal = self.refusal(info)
+        return Refusal("refused", refusal) if isinstance(refusal, str) else refusal
+
     def put(self, info: WorkerInfo) -> None:
-        reason = self.refusal(info)
-        if reason is not None:
-            if info.worker_id not in self._rejected:
-                self._rejected.add(info.worker_id)
-                log.warning("ignoring worker %s (%s): %s", info.worker_id, info.role, reason)
-            if info.worker_id in self._workers:  # its registration now names another place
+        refusal = self._refusal_of(info)
+        if refusal is not None:
+            if info.worker_id in self._workers:  # its registration changed: no longer accepted
                 self.delete(info.worker_id)
-                self._rejected.add(info.worker_id)
+            if info.worker_id not in self.refused:
+                log.warning("ignoring worker %s (%s): %s", info.worker_id, info.role,
+                            refusal.detail)
+            self.refused[info.worker_id] = refusal
             return
+        self.refused.pop(info.worker_id, None)
         old = self._workers.get(info.worker_id)
         if old is not None and old.info.grpc_address != info.grpc_address:
             self.delete(info.worker_id)  # restarted elsewhere: a new worker
@@ -143,7 +168,7 @@ class WorkerRegistry:
         if state is not None and role is not None and state.info.role != role:
             return
         self._workers.pop(worker_id, None)
-        self._rejected.discard(worker_id)
+        self.refused.pop(worker_id, None)
         if state is None:
             return
         log.info("worker %s (%s) left", worker_id, state.info.role)
@@ -156,6 +181,8 @@ class WorkerRegistry:
         present = {i.worker_id for i in infos}
         for worker_id in [w for w in self._workers if w not in present]:
             self.delete(worker_id)
+        for worker_id in [w for w in self.refused if w not in present]:
+            del self.refused[worker_id]
         for info in infos:
             self.put(info)
         self.synced.set()

@@ -26,7 +26,7 @@ from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import make_policy
-from router.registry import EtcdWatcher, WorkerRegistry
+from router.registry import EtcdWatcher, Refusal, WorkerRegistry
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
 from router.allowed_workers import AllowedWorkers
@@ -150,10 +150,11 @@ class RouterServices:
         live = [w for w in self.registry.ready(Role.DECODE) if w.info.max_model_len > 0]
         return max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
 
-    def _refusal(self, info: WorkerInfo) -> str | None:
+    def _refusal(self, info: WorkerInfo) -> Refusal | None:
         if not (info.model_id in self.card.aliases or info.model_id == self.card.name):
-            return f"model {info.model_id!r} is not served here"
-        return self._allowed.refusal(info)
+            return Refusal("model", f"model {info.model_id!r} is not served here")
+        address = self._allowed.refusal(info)
+        return Refusal("address", address) if address is not None else None
 
     def _on_removed(self, info: WorkerInfo) -> None:
         self.kv_subscriptions.on_removed(info)
@@ -197,6 +198,11 @@ class RouterServices:
             counts[(w.info.role, self.registry.state_of(w, now))] += 1
         for (role, state), n in counts.items():
             self.metrics.workers.labels(role, state).set(n)
+        refused = dict.fromkeys(("block_hash_mismatch", "model", "address"), 0)
+        for refusal in self.registry.refused.values():
+            refused[refusal.reason] = refused.get(refusal.reason, 0) + 1
+        for reason, n in refused.items():
+            self.metrics.workers_refused.labels(reason).set(n)
         self.metrics.kv_index_blocks.set(len(self.index))
 
 

@@ -5,10 +5,11 @@ with both roles' services).
 
 Life cycle of a worker process: build (load model, size pool, register the pool with NIXL)
 -> start (engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at
-start is fatal) -> serve -> SIGTERM: SHUTTING_DOWN (published at once; new work is refused
-with UNAVAILABLE), wait for in-flight calls (bounded), deregister, exit 0. If the engine loop
-dies (a step raised), every engine command fails at once, the worker deregisters and the
-process exits 1, so its supervisor restarts it.
+start is fatal, and so, with exit code 2, is a registered worker of this KV layout that hashes
+blocks differently: cluster/block_hash_agreement.py) -> serve -> SIGTERM: SHUTTING_DOWN
+(published at once; new work is refused with UNAVAILABLE), wait for in-flight calls
+(bounded), deregister, exit 0. If the engine loop dies (a step raised), every engine command
+fails at once, the worker deregisters and the process exits 1, so its supervisor restarts it.
 The worker's phase, the role it serves and the calls in flight: admission.py. Sleep / wake
 up and weight updates (the router's fleet-wide admin calls): lifecycle.py. Both roles'
 services are on every worker; switching the role served (`Worker.SetRole`, the engine
@@ -29,7 +30,8 @@ from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_auth import add_port, server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
-from cluster.registration import Capacity, WorkerInfo
+from cluster.registration import Capacity, RegistrationRefused, WorkerInfo
+from engine.block_hash import block_hash_probe
 from engine.block_manager import KVEvent
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
@@ -149,6 +151,7 @@ class WorkerRuntime:
         """The production runtime: the engine, a NIXL agent, an etcd registration."""
         import torch
 
+        from cluster.block_hash_agreement import check_peers
         from cluster.registration import Registrar
         from kvtransfer import KVTransferConfig, NixlTransferBackend
 
@@ -157,7 +160,8 @@ class WorkerRuntime:
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
         return cls(config, engine, kv,
                    lambda info: Registrar(config.etcd, config.cluster, info,
-                                          credentials=etcd_credentials),
+                                          credentials=etcd_credentials,
+                                          startup_check=check_peers),
                    auth=auth, etcd_credentials=etcd_credentials)
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
@@ -299,6 +303,8 @@ class WorkerRuntime:
             loras=dict(self.loras),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
             capacity=self.capacity(),
+            block_hash_probe=block_hash_probe(self.engine.config.block_size, self.kv_cache_dtype,
+                                              self.lifecycle.weights_version),
         )
 
     def capacity(self) -> Capacity:
@@ -377,7 +383,7 @@ class WorkerRuntime:
             refresher.cancel()
             await server.stop(0)
             self.loop.stop()
-            return 1
+            return 2 if isinstance(exc, RegistrationRefused) else 1
         log.info("%s %s serving on %s (metrics %s)", cfg.role, self.worker_id,
                  self.grpc_address, self.metrics_address)
         print(f"READY {cfg.role} {self.worker_id} grpc={self.grpc_address} "

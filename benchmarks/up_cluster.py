@@ -1,0 +1,114 @@
+"""A `pdserve up` cluster as a child process for benchmarks, and the checks around it: the flags
+of its command line against the `--help` of the programs they go to (`unknown_flags`), the
+workers' /metrics summed (`Cluster.worker_metrics`), the CPU's ISA for the record (`cpu_isa`).
+The cluster runs on 127.0.0.1 with free ports and its own PDSERVE_CACHE, and is stopped by its
+PID (SIGTERM: `up` drains and stops its children; SIGKILL of its process group after 60 s)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def known_flags(*command: str) -> set[str]:
+    """The long options in `pdserve <command> --help`."""
+    out = subprocess.run([sys.executable, "-m", "pdserve", *command, "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"--[a-z0-9][a-z0-9-]*", out))
+
+
+def unknown_flags(args: list[str], up: set[str], router: set[str], worker: set[str]) -> list[str]:
+    """The flags in `pdserve up` arguments that their program does not know: `--router-arg=F`
+    is the router's, `--worker-arg=F` (and the per-role ones) the workers', others up's."""
+    nested = {"--router-arg": router, "--worker-arg": worker, "--prefill-arg": worker,
+              "--decode-arg": worker}
+    bad = []
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        name, _, value = arg.partition("=")
+        if name in nested and value.startswith("--"):
+            if value.partition("=")[0] not in nested[name]:
+                bad.append(arg)
+        elif name not in up:
+            bad.append(arg)
+    return bad
+
+
+class Cluster:
+    """`pdserve up` as a child process (its own session), until `stop`."""
+
+    def __init__(self, args: list[str], work: Path, prefill: int = 1, decode: int = 2,
+                 start_timeout_s: float = 600.0) -> None:
+        """Start it and wait for "pdserve is up" (RuntimeError with its output if it exits or
+        times out first). `args`: more `pdserve up` arguments; logs go to `work`/logs."""
+        self.work = work
+        env = {**os.environ, "PDSERVE_CACHE": str(work / "cache")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", "up", "--host", "127.0.0.1", "--port", "0",
+             "--prefill", str(prefill), "--decode", str(decode), "--log-dir", str(work / "logs"),
+             *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        self.url = ""
+        self.output: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.output.append(line)
+                if line.startswith("pdserve is up: "):
+                    self.url = line.split()[3]
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"pdserve up {' '.join(args)} did not start; its output:\n"
+                                   + "".join(self.output[-30:]) + f"\nlogs: {work / 'logs'}")
+
+    def worker_metrics(self) -> dict[str, float]:
+        """Summed over the workers' /metrics (addresses from their READY lines)."""
+        import httpx
+
+        names = {"prefix_cache_queries": "vllm:prefix_cache_queries_total",
+                 "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+                 "tier_hit_tokens": "pdserve_worker_kv_offload_hits_tokens_total"}
+        totals = dict.fromkeys(names, 0.0)
+        for log in (self.work / "logs").glob("*.log"):
+            for address in re.findall(r"^READY \S+ \S+ grpc=\S+ metrics=(\S+)", log.read_text(),
+                                      re.M)[-1:]:
+                text = httpx.get(f"http://{address}/metrics", timeout=10).text
+                for key, metric in names.items():
+                    for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", text, re.M):
+                        totals[key] += float(m.group(1))
+        return totals
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def cpu_isa() -> str:
+    """E.g. "AVX-512+AVX512-BF16 (no AMX)", from /proc/cpuinfo's first flags line."""
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86-64"
+    if "avx512_bf16" in flags:
+        isa += "+AVX512-BF16"
+    return isa + ("+AMX" if "amx_tile" in flags else " (no AMX)")
