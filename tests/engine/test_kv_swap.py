@@ -12,7 +12,10 @@ from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from engine.swap_policy import SwapPolicy
 from tests.engine.engine_factories import make_request, step
-from tests.engine.test_kv_offload import BLOCK, _block_bytes, tiny_llama  # noqa: F401 (fixture)
+from tests.engine import test_kv_offload
+from tests.engine.test_kv_offload import BLOCK, _block_bytes
+
+tiny_llama = test_kv_offload.tiny_llama  # the fixture: a tiny random LLaMA checkpoint
 
 BS = 4
 
@@ -157,7 +160,7 @@ def _same(got, ref) -> None:
     SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=0),
     SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True, logprobs=0),
 ], ids=["greedy", "seeded"])
-def test_swapped_recomputed_and_unpreempted_outputs_agree(tiny_llama, params, monkeypatch):  # noqa: F811
+def test_swapped_recomputed_and_unpreempted_outputs_agree(tiny_llama, params, monkeypatch):
     ref = _run(_llm(tiny_llama, pool_blocks=64), params)
 
     _always_swap(monkeypatch)
@@ -178,7 +181,7 @@ def test_swapped_recomputed_and_unpreempted_outputs_agree(tiny_llama, params, mo
     _same(got, ref)
 
 
-def test_abort_while_swapped_out_leaves_nothing_held(tiny_llama, monkeypatch):  # noqa: F811
+def test_abort_while_swapped_out_leaves_nothing_held(tiny_llama, monkeypatch):
     _always_swap(monkeypatch)
     llm = _llm(tiny_llama, pool_blocks=7, tier_blocks=32)
     engine = llm.engine
@@ -197,7 +200,7 @@ def test_abort_while_swapped_out_leaves_nothing_held(tiny_llama, monkeypatch):  
     assert engine.stats().kv_offload_swap_ins == 0
 
 
-def test_the_engine_measures_its_rates(tiny_llama):  # noqa: F811
+def test_the_engine_measures_its_rates(tiny_llama):
     llm = _llm(tiny_llama, pool_blocks=64, tier_blocks=8)
     policy = llm.engine.scheduler.swap_policy
     assert policy.copy_times.store_s > 0 and policy.copy_times.load_s > 0  # measured at start
