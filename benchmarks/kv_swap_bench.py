@@ -198,5 +198,9 @@ def swap_vs_recompute(args) -> None:
 
 
 def swap_benchmarks(args) -> None:
+    from benchmarks.kv_offload_bench import cpu_isa
+
+    print(f"CPU: {cpu_isa()}; model {args.model} layers={args.num_layers or 'all'} "
+          f"block_size={args.block_size}")
     swap_vs_recompute(args)
     decode_on_vs_off(args)
