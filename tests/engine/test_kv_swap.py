@@ -107,6 +107,31 @@ def test_swap_is_not_used_when_its_full_blocks_are_gone_and_abort_frees_it():
     _no_leaks(bm)
 
 
+def test_sliding_groups_swap_their_partial_blocks_too():
+    """Two groups (full + window 4): each group's partial block is swapped out and back into
+    the resumed request's next table entry; the sliding group keeps only its window."""
+    tier = KVTier(FakeTierStorage(32))
+    bm = BlockManager(16, BS, tier=tier, group_windows=(None, 4))
+    r = make_request(list(range(100, 115)), BS)  # 3 full blocks + 3 tokens
+    assert bm.allocate(r, 15, bm.match_prefix(r))
+    r.num_computed_tokens = 15
+    bm.cache_full_blocks(r)
+    bm.release_slid_out(r)
+    partial_blocks = [table[3] for table in bm.block_tables(r.request_id)]
+    assert bm.swap_out(r)
+    assert {blk for op, _, blk in tier.storage.copies if op == "store"} == set(partial_blocks)
+    prefix = bm.match_prefix(r)
+    assert (prefix.num_tokens, prefix.swapped) == (15, 3)
+    assert bm.allocate(r, 1, prefix)
+    tables = bm.block_tables(r.request_id)
+    loads = [(slot, blk) for op, slot, blk in tier.storage.copies if op == "load"]
+    assert sorted(blk for _, blk in loads) == sorted(table[3] for table in tables)
+    assert tables[1][:3] == [-1] * 3  # a query at 15 with window 4 reads positions 12.. only
+    assert tier.stats.swap_ins == 1
+    bm.free(r)
+    _no_leaks(bm)
+
+
 def test_a_steps_copies_run_as_one_gathered_store_and_one_load():
     storage = FakeTierStorage(16)
     tier = KVTier(storage)
