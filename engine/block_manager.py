@@ -28,8 +28,9 @@ Invariants:
   (g, h) is in `_cached[g]` or in the tier, never both; group 0's hashes in either are what
   this worker announces as held (KV events, `cached_hashes`).
 - Swap on preemption (`swap_out`): a preempted request's full blocks go the usual way (cached,
-  demoted when evicted); each group's partial last block is copied to the tier under
-  (group, request id) and `_swapped[rid]` records its computed tokens. A prefix match that
+  demoted when evicted; pinned against the tier's LRU meanwhile); each group's partial last
+  block is copied to the tier under (group, request id) and `_swapped[rid]` records its
+  computed tokens. A prefix match that
   covers exactly its full blocks again ends in that block (PrefixMatch.swapped), which
   `allocate` swaps into a fresh pool block; `allocate` and `free` drop an unused one.
 """
@@ -107,6 +108,7 @@ class BlockManager:
         self._num_hashed: dict[str, int] = {}  # per request: leading blocks already cached
         self._num_released: dict[str, list[int]] = {}  # per request and group: RELEASED entries
         self._swapped: dict[str, int] = {}  # swapped-out request -> its computed tokens then
+        self._swap_pins: dict[str, list[tuple[int, BlockHash]]] = {}  # -> tier entries pinned
         self._copies: list[tuple[int, int]] = []
         self._events: list[KVEvent] = []
 
@@ -398,6 +400,11 @@ class BlockManager:
                     break
         if kept:
             self._swapped[rid] = computed
+            # The blocks it resumes after (every group's, a sliding one's window) stay put.
+            pins = self._swap_pins[rid] = [
+                (g, h) for g in self._groups
+                for h in request.block_hashes[self._skip(request, g, full * self.block_size):full]]
+            self.tier.pin(pins)
             self.tier.stats.swap_outs += 1
         return kept
 
@@ -406,6 +413,7 @@ class BlockManager:
         if self.tier is not None:
             for g in self._groups:
                 self.tier.drop_swapped((g, rid))
+            self.tier.unpin(self._swap_pins.pop(rid, []))
 
     def pin(self, block_ids: list[int]) -> None:
         """Hold blocks beyond their requests (e.g. while a KV transfer reads them). Valid for

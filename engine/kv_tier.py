@@ -13,7 +13,9 @@ Life cycle of a block here (engine/block_manager.py drives it):
 - swap: a preempted request's partial last block (computed tokens past its last full one, no
   hash) is copied in under (group, request id) by `swap_out`, held outside the LRU (never
   evicted) until `swap_in` loads it back into the resumed request's block or `drop_swapped`
-  forgets it (the request finished, or resumed without it).
+  forgets it (the request finished, or resumed without it). The (group, hash) entries it
+  resumes after are `pin`ned meanwhile: the LRU evicts around them (they may still be
+  promoted by a hit, and demoted again).
 
 Copies run in the engine thread, before the forward that reads a promoted block or writes an
 evicted one, and before a decode worker hands a block to a KV transfer. Outside `batch()` each
@@ -81,6 +83,7 @@ class KVTier:
         self.storage = storage
         self._lru: OrderedDict[TierKey, int] = OrderedDict()  # least recent first
         self._swapped: dict[SwapKey, int] = {}  # held outside the LRU until swapped in
+        self._pinned: dict[TierKey, int] = {}  # key -> swapped-out requests resuming after it
         self._free = list(range(storage.num_slots))[::-1]  # pop() takes slot 0 first
         self._stores: dict[int, int] = {}  # queued: slot -> pool block (the latest per slot)
         self._loads: list[tuple[int, int]] = []  # queued: (slot, pool block)
@@ -143,15 +146,26 @@ class KVTier:
         if slot is not None:
             self._free.append(slot)
 
+    def pin(self, keys: list[TierKey]) -> None:
+        """Keep these entries (now or once demoted) from LRU eviction until `unpin`."""
+        for key in keys:
+            self._pinned[key] = self._pinned.get(key, 0) + 1
+
+    def unpin(self, keys: list[TierKey]) -> None:
+        for key in keys:
+            n = self._pinned.pop(key, 0) - 1
+            if n > 0:
+                self._pinned[key] = n
+
     def _claim(self) -> tuple[int | None, list[TierKey]]:
-        """A free slot, evicting the least recent LRU entry if none is (None: every slot is
-        held by a promotion in progress or a swap)."""
+        """A free slot, evicting the least recent unpinned LRU entry if none is (None: every
+        slot is held by a promotion in progress, a swap or a pinned entry)."""
         evicted = []
         if not self._free:
-            if not self._lru:
+            old = next((key for key in self._lru if key not in self._pinned), None)
+            if old is None:
                 return None, evicted
-            old, slot = self._lru.popitem(last=False)
-            self._free.append(slot)
+            self._free.append(self._lru.pop(old))
             self.stats.evictions += 1
             evicted.append(old)
         return self._free.pop(), evicted

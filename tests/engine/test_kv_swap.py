@@ -107,6 +107,28 @@ def test_swap_is_not_used_when_its_full_blocks_are_gone_and_abort_frees_it():
     _no_leaks(bm)
 
 
+def test_a_swapped_requests_full_blocks_outlive_the_tiers_lru():
+    """Its full blocks, demoted while it waits, are pinned: the full tier evicts other
+    entries (they were older and would go first), and it resumes by swap-in."""
+    tier = KVTier(FakeTierStorage(4))
+    bm = BlockManager(3, BS, tier=tier)
+    r = make_request(list(range(100, 109)), BS)  # 2 full blocks + 1 token
+    assert bm.allocate(r, 9, bm.match_prefix(r))
+    r.num_computed_tokens = 9
+    bm.cache_full_blocks(r)
+    assert bm.swap_out(r)
+    for i in range(4):  # each takes the pool: demotes what is there, then the tier is full
+        test_kv_offload.run_once(bm, make_request(list(range(300 + 20 * i, 309 + 20 * i)), BS))
+    assert {(0, h) for h in r.block_hashes[:2]} <= set(tier.keys())
+    assert tier.stats.evictions > 0
+    prefix = bm.match_prefix(r)
+    assert (prefix.num_tokens, prefix.swapped) == (9, 1)
+    assert bm.allocate(r, 1, prefix)
+    assert tier.stats.swap_ins == 1 and not tier._pinned
+    bm.free(r)
+    _no_leaks(bm)
+
+
 def test_sliding_groups_swap_their_partial_blocks_too():
     """Two groups (full + window 4): each group's partial block is swapped out and back into
     the resumed request's next table entry; the sliding group keeps only its window."""
