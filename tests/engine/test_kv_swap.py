@@ -82,14 +82,20 @@ def test_swap_out_and_in_through_the_scheduler(monkeypatch):
     _no_leaks(bm)
 
 
+def _swapped_out(bm: BlockManager, tokens: list[int]):
+    """A request whose prompt is computed, then preempted with swap."""
+    r = make_request(tokens, BS)
+    assert bm.allocate(r, len(tokens), bm.match_prefix(r))
+    r.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(r)
+    assert bm.swap_out(r)
+    return r
+
+
 def test_swap_is_not_used_when_its_full_blocks_are_gone_and_abort_frees_it():
     tier = KVTier(FakeTierStorage(4))
     bm = BlockManager(8, BS, tier=tier)
-    r = make_request(list(range(100, 111)), BS)  # 2 full blocks + 3 tokens
-    assert bm.allocate(r, 11, bm.match_prefix(r))
-    r.num_computed_tokens = 11
-    bm.cache_full_blocks(r)
-    assert bm.swap_out(r)
+    r = _swapped_out(bm, list(range(100, 111)))  # 2 full blocks + 3 tokens
     assert tier.num_used == 1 and tier.stats.swap_outs == 1
     prefix = bm.match_prefix(r)
     assert (prefix.num_tokens, prefix.swapped) == (11, 3)  # every block still cached
@@ -98,11 +104,7 @@ def test_swap_is_not_used_when_its_full_blocks_are_gone_and_abort_frees_it():
     assert not bm._swapped and tier.num_used == 0  # reset drops swaps too (new weights)
     assert bm.match_prefix(r).num_tokens == 0
 
-    r2 = make_request(list(range(200, 211)), BS)
-    assert bm.allocate(r2, 11, bm.match_prefix(r2))
-    r2.num_computed_tokens = 11
-    bm.cache_full_blocks(r2)
-    assert bm.swap_out(r2)
+    r2 = _swapped_out(bm, list(range(200, 211)))
     bm.free(r2)  # finished (aborted) while swapped out
     _no_leaks(bm)
 
@@ -112,11 +114,7 @@ def test_a_swapped_requests_full_blocks_outlive_the_tiers_lru():
     entries (they were older and would go first), and it resumes by swap-in."""
     tier = KVTier(FakeTierStorage(4))
     bm = BlockManager(3, BS, tier=tier)
-    r = make_request(list(range(100, 109)), BS)  # 2 full blocks + 1 token
-    assert bm.allocate(r, 9, bm.match_prefix(r))
-    r.num_computed_tokens = 9
-    bm.cache_full_blocks(r)
-    assert bm.swap_out(r)
+    r = _swapped_out(bm, list(range(100, 109)))  # 2 full blocks + 1 token
     for i in range(4):  # each takes the pool: demotes what is there, then the tier is full
         test_kv_offload.run_once(bm, make_request(list(range(300 + 20 * i, 309 + 20 * i)), BS))
     assert {(0, h) for h in r.block_hashes[:2]} <= set(tier.keys())
