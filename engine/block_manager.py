@@ -30,9 +30,9 @@ Invariants:
 - Swap on preemption (`swap_out`): a preempted request's full blocks go the usual way (cached,
   demoted when evicted; pinned against the tier's LRU meanwhile); each group's partial last
   block is copied to the tier under (group, request id) and `_swapped[rid]` records its
-  computed tokens. A prefix match that
-  covers exactly its full blocks again ends in that block (PrefixMatch.swapped), which
-  `allocate` swaps into a fresh pool block; `allocate` and `free` drop an unused one.
+  computed tokens. A prefix match that covers exactly its full blocks again ends in that
+  block (PrefixMatch.swapped), which `allocate` swaps into a fresh pool block; `allocate` and
+  `free` drop an unused one.
 """
 from __future__ import annotations
 
@@ -379,9 +379,9 @@ class BlockManager:
         """Free a preempted request, first copying each group's partial last block (its
         computed tokens past the last full block) to the tier, so that it resumes from
         `num_computed_tokens` (match_prefix, allocate) if its full blocks are still cached
-        (pool or tier) then. False (freed, nothing kept) without a tier, without a partial
-        block, or when the tier has no slot left for one (every slot swapped or being
-        promoted)."""
+        (pool or tier) then; those are pinned in the tier until then. False (freed, nothing
+        kept) without a tier, without a partial block, or when the tier has no slot left for
+        one (every slot swapped, pinned or being promoted)."""
         rid = request.request_id
         computed = request.num_computed_tokens
         full, partial = divmod(computed, self.block_size)

@@ -23,9 +23,10 @@ class SwapPolicy:
     copy_times: CopyTimes | None = None
     """The tier's measured copy times (None: no tier, never swap)."""
     prefill_s_per_token: float = 0.0
-    """Seconds per token of recent steps that computed prompt tokens (step wall time /
+    """Seconds per token of recent steps that computed prompt tokens (the runner's wall time /
     tokens computed; 0.0 until measured). Counting the step's fixed cost as per-token cost
-    leans towards swapping, which costs no forward."""
+    leans towards swapping, which costs no forward; on CUDA a step that samples nothing may
+    return before its kernels finish, which leans towards recomputing."""
     _warm: bool = False  # the first prefill step (first forwards allocate) is not counted
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
