@@ -1,6 +1,8 @@
 """The KV offloading tier (engine/kv_tier.py, --kv-offloading-size): the time to get a
 prefix's KV back by promoting its blocks from the tier vs recomputing them, measured in the
-same run on the same engine. Prints numbers; asserts nothing.
+same run on the same engine; decode step time with the tier on vs off; a preempted request
+swapped back in vs recomputed; gathered vs per-block copies and copies overlapped with a
+forward. Prints numbers; asserts nothing.
 
     python -m benchmarks.kv_offload_bench                 # default model, 1024-token prefix
     python -m benchmarks.kv_offload_bench --quick         # 4 layers, 256 tokens, 2 reps
@@ -10,6 +12,9 @@ token), a filler as long as the pool (which holds one prompt) pushes all its blo
 (demotions), and the prompt is sent again (promote: its time to first token, which copies its
 blocks back and computes only its last token). Also the copies alone: per-block demote and
 promote time and bandwidth (the storage's store/load, timed in place). Median of --reps.
+
+Then (benchmarks/kv_swap_bench.py): decode steps with the tier on vs off, a preempted
+--swap-tokens request resumed by swap vs by recompute, and the copy variants.
 """
 from __future__ import annotations
 
@@ -34,24 +39,24 @@ def cpu_isa() -> str:
 
 
 class Timed:
-    """Wraps a TierStorage: the seconds and calls of its store (demote) and load (promote)."""
+    """Wraps a TierStorage: the seconds and blocks of its stores (demote) and loads (promote)."""
 
     def __init__(self, storage) -> None:
         self.inner, self.num_slots = storage, storage.num_slots
         self.seconds = {"store": 0.0, "load": 0.0}
-        self.calls = {"store": 0, "load": 0}
+        self.calls = {"store": 0, "load": 0}  # blocks copied
 
-    def _timed(self, op: str, slot: int, block_id: int) -> None:
+    def _timed(self, op: str, slots: list[int], block_ids: list[int]) -> None:
         t = time.perf_counter()
-        getattr(self.inner, op)(slot, block_id)
+        getattr(self.inner, f"{op}_many")(slots, block_ids)
         self.seconds[op] += time.perf_counter() - t
-        self.calls[op] += 1
+        self.calls[op] += len(slots)
 
-    def store(self, slot: int, block_id: int) -> None:
-        self._timed("store", slot, block_id)
+    def store_many(self, slots: list[int], block_ids: list[int]) -> None:
+        self._timed("store", slots, block_ids)
 
-    def load(self, slot: int, block_id: int) -> None:
-        self._timed("load", slot, block_id)
+    def load_many(self, slots: list[int], block_ids: list[int]) -> None:
+        self._timed("load", slots, block_ids)
 
 
 def main() -> None:
@@ -62,10 +67,21 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--swap-tokens", type=int, default=2048, help="the preempted request's prompt")
+    ap.add_argument("--decode-steps", type=int, default=64, help="per engine, tier on / off")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only-swap", action="store_true", help="skip promote vs recompute")
     args = ap.parse_args()
     if args.quick:
         args.num_layers, args.prefix_tokens, args.reps = args.num_layers or 4, 256, 2
+    if not args.only_swap:
+        promote_vs_recompute(args)
+    from benchmarks.kv_swap_bench import swap_benchmarks
+
+    swap_benchmarks(args)
+
+
+def promote_vs_recompute(args) -> None:
 
     from engine import LLM, SamplingParams
     from engine.kv_pool import kv_block_bytes

@@ -27,12 +27,19 @@ Invariants:
   in blocks held there (TIER in PrefixMatch), which `allocate` promotes into fresh pool blocks.
   (g, h) is in `_cached[g]` or in the tier, never both; group 0's hashes in either are what
   this worker announces as held (KV events, `cached_hashes`).
+- Swap on preemption (`swap_out`): a preempted request's full blocks go the usual way (cached,
+  demoted when evicted; pinned against the tier's LRU meanwhile); each group's partial last
+  block is copied to the tier under (group, request id) and `_swapped[rid]` records its
+  computed tokens. A prefix match that covers exactly its full blocks again ends in that
+  block (PrefixMatch.swapped), which `allocate` swaps into a fresh pool block; `allocate` and
+  `free` drop an unused one.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ContextManager, NamedTuple
 
 from engine.block_hash import BlockHash, extend_block_hashes
 from engine.kv_tier import KVTier
@@ -57,6 +64,9 @@ class PrefixMatch(NamedTuple):
     """Per group: the cached blocks of the hit (RELEASED before a sliding group's window,
     TIER where the second tier holds it)."""
     num_tokens: int
+    swapped: int = 0
+    """Of num_tokens, those past the full blocks: the request's swapped-out partial block
+    (`BlockManager.swap_out`), the next table entry of every group."""
 
 
 class KVEvent(NamedTuple):
@@ -97,6 +107,8 @@ class BlockManager:
         self._tables: dict[str, list[list[int]]] = {}
         self._num_hashed: dict[str, int] = {}  # per request: leading blocks already cached
         self._num_released: dict[str, list[int]] = {}  # per request and group: RELEASED entries
+        self._swapped: dict[str, int] = {}  # swapped-out request -> its computed tokens then
+        self._swap_pins: dict[str, list[tuple[int, BlockHash]]] = {}  # -> tier entries pinned
         self._copies: list[tuple[int, int]] = []
         self._events: list[KVEvent] = []
 
@@ -151,6 +163,12 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def copies_batched(self) -> ContextManager:
+        """Inside, the tier's copies (demotions, promotions, swaps) are queued and run as one
+        gathered store and one gathered load on exit (engine/kv_tier.py); without a tier,
+        nothing. Whoever writes or reads the blocks allocated inside does so after exit."""
+        return self.tier.batch() if self.tier is not None else nullcontext()
+
     # ---- allocation ----------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of cached full blocks at the start of the request that every group can
@@ -161,6 +179,7 @@ class BlockManager:
         empty = PrefixMatch([[] for _ in self._groups], 0)
         if not self.enable_prefix_caching or request.computes_whole_prompt:
             return empty
+        swapped = self._swapped.get(request.request_id, 0)
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
         full = [g for g in self._groups if self.group_windows[g] is None]
         k = len(hashes)
@@ -170,7 +189,9 @@ class BlockManager:
                 break
         while k > 0 and not all(self._window_cached(request, g, hashes, k) for g in self._sliding):
             k -= 1
-        if k == 0:
+        # A swapped-out partial block resumes only right after the very blocks it followed.
+        swapped = swapped - k * self.block_size if k == swapped // self.block_size else 0
+        if k == 0 and not swapped:
             return empty
         ids = []
         for g in self._groups:
@@ -180,7 +201,7 @@ class BlockManager:
                 for h in hashes[first:k]:
                     if (g, h) in self.tier:
                         self.tier.touch((g, h))
-        return PrefixMatch(ids, k * self.block_size)
+        return PrefixMatch(ids, k * self.block_size + swapped, swapped)
 
     def _window_cached(self, request: Request, g: int, hashes: list[BlockHash], k: int) -> bool:
         """Group g holds the blocks before position k * block_size that the request still
@@ -242,11 +263,16 @@ class BlockManager:
             self.tier.stats.hit_tokens += (hit - min(i for _, i, _ in promote)) * self.block_size
         for g, (_, _, new) in enumerate(plan):
             tables[g].extend(self._pop_free(g) for _ in range(new))
+        if prefix.swapped:
+            for g in self._groups:
+                self.tier.swap_in((g, rid), tables[g][hit])
+            self.tier.stats.swap_ins += 1
+        self._drop_swapped(rid)  # resumed without it, or just loaded
         self._tables[rid] = request.block_tables = tables
         self._num_hashed[rid] = hit
         self._num_released[rid] = [skip for skip, _, _ in plan]
         self.stats.queries += request.num_tokens
-        self.stats.hits += prefix.num_tokens
+        self.stats.hits += prefix.num_tokens - prefix.swapped
         return True
 
     def _skip(self, request: Request, g: int, first_query: int) -> int:
@@ -345,12 +371,54 @@ class BlockManager:
         self._num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
+        """Give back the request's blocks (and drop what it has swapped out, if anything)."""
         tables = self._tables.pop(request.request_id, None) or []
         self._num_hashed.pop(request.request_id, None)
         released = self._num_released.pop(request.request_id, None)
         for g, table in enumerate(tables):
             # Leaves before roots on the free list.
             self.release(list(reversed(table[released[g]:])))
+        self._drop_swapped(request.request_id)
+
+    def swap_out(self, request: Request) -> bool:
+        """Free a preempted request, first copying each group's partial last block (its
+        computed tokens past the last full block) to the tier, so that it resumes from
+        `num_computed_tokens` (match_prefix, allocate) if its full blocks are still cached
+        (pool or tier) then; those are pinned in the tier until then. False (freed, nothing
+        kept) without a tier, without a partial block, or when the tier has no slot left for
+        one (every slot swapped, pinned or being promoted)."""
+        rid = request.request_id
+        computed = request.num_computed_tokens
+        full, partial = divmod(computed, self.block_size)
+        tables = self._tables[rid]
+        # Freed first: the partial blocks (no hash) wait on the free list, intact until popped,
+        # and nothing is popped before they are copied out.
+        self.free(request)
+        kept = self.tier is not None and partial > 0
+        if kept:
+            for g in self._groups:
+                kept, dropped = self.tier.swap_out((g, rid), tables[g][full])
+                if self.record_events:  # LRU entries dropped to make room: held nowhere now
+                    self._events.extend(KVEvent(False, h) for group, h in dropped if group == 0)
+                if not kept:
+                    self._drop_swapped(rid)  # the groups already copied
+                    break
+        if kept:
+            self._swapped[rid] = computed
+            # The blocks it resumes after (every group's, a sliding one's window) stay put.
+            pins = self._swap_pins[rid] = [
+                (g, h) for g in self._groups
+                for h in request.block_hashes[self._skip(request, g, full * self.block_size):full]]
+            self.tier.pin(pins)
+            self.tier.stats.swap_outs += 1
+        return kept
+
+    def _drop_swapped(self, rid: str) -> None:
+        self._swapped.pop(rid, None)
+        if self.tier is not None:
+            for g in self._groups:
+                self.tier.drop_swapped((g, rid))
+            self.tier.unpin(self._swap_pins.pop(rid, []))
 
     def pin(self, block_ids: list[int]) -> None:
         """Hold blocks beyond their requests (e.g. while a KV transfer reads them). Valid for
@@ -381,6 +449,8 @@ class BlockManager:
             for g, h in self.tier.clear():
                 if self.record_events and g == 0:
                     self._events.append(KVEvent(False, h))
+            for rid in list(self._swapped):  # computed by the weights being replaced
+                self._drop_swapped(rid)
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block_id: int) -> None:

@@ -5,6 +5,7 @@ Not thread-safe: one thread drives `step()`; workers put their own queue in fron
 fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission check)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -64,6 +65,8 @@ class EngineStats:
     kv_offload_promotions: int = 0  # blocks copied tier -> pool
     kv_offload_evictions: int = 0  # blocks the full tier dropped
     kv_offload_promote_s: float = 0.0  # mean seconds to promote one block (0: none yet)
+    kv_offload_swap_outs: int = 0  # preempted requests whose partial blocks went to the tier
+    kv_offload_swap_ins: int = 0  # resumed from them (those tokens not recomputed)
 
 
 class LLMEngine:
@@ -142,7 +145,9 @@ class LLMEngine:
         if slots < 1:
             raise FieldError("kv_offloading_size", f"kv_offloading_size ({config.kv_offloading_size}"
                              f" bytes) holds no {block_bytes}-byte KV block")
-        return KVTier(HostTierStorage(self.kv_cache, slots, config.kv_offloading_path))
+        tier = KVTier(HostTierStorage(self.kv_cache, slots, config.kv_offloading_path))
+        tier.measure()  # copy times for the swap-or-recompute choice (engine/swap_policy.py)
+        return tier
 
     # ---- requests ------------------------------------------------------------------------
     def make_request(
@@ -237,7 +242,8 @@ class LLMEngine:
         if not request.remote_prefill_ok:
             return None
         self._attach_spec(request)
-        block_ids = self.scheduler.allocate_for_remote_kv(request)
+        with self.block_manager.copies_batched():
+            block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:
             self.deltas.track(request)
         return block_ids
@@ -252,13 +258,18 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
-        output = self.scheduler.schedule()
+        with self.block_manager.copies_batched():  # the step's tier copies: one gathered each way
+            output = self.scheduler.schedule()
         self.runner.prepare(output)
         if self.proposer is not None:
             self.proposer.copy_blocks(output.block_copies)
             if output.speculating:
                 self.scheduler.apply_drafts(output, self.proposer.propose(output.speculating))
+        t0 = time.perf_counter()
         result = self.runner.execute(output)
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in output.scheduled):
+            self.scheduler.swap_policy.observe_prefill(time.perf_counter() - t0,
+                                                       output.num_batched_tokens)
         updated, finished = self.scheduler.update_from_output(output, result)
         got_tokens = {id(r) for r, _ in updated}
         return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
@@ -338,7 +349,8 @@ def _tier_stats(tier: KVTier | None) -> dict[str, float]:
     return dict(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
                 kv_offload_hits=s.hit_tokens, kv_offload_demotions=s.demotions,
                 kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions,
-                kv_offload_promote_s=s.promote_s)
+                kv_offload_swap_outs=s.swap_outs, kv_offload_swap_ins=s.swap_ins,
+                kv_offload_promote_s=tier.copy_times.load_s)
 
 
 def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, ...]:

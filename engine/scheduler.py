@@ -8,7 +8,8 @@ steps keep their inter-token latency.
 Both queues are kept in (priority, arrival) order, lower first (vLLM's priority policy; with
 every priority 0 it is first come, first served). When a running request cannot get a block,
 the last running request in that order is preempted (its blocks freed; it is recomputed
-later, mostly from the prefix cache) and waits again in its place in that order. The
+later, mostly from the prefix cache; with a KV tier its partial last block may be swapped
+out and back instead, engine/swap_policy.py) and waits again in its place in that order. The
 scheduler never touches tensors; it is the one writer of a running request's progress and
 results: the model runner's RunnerOutput comes back through `update_from_output`.
 """
@@ -20,6 +21,7 @@ from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats
+from engine.swap_policy import SwapPolicy
 from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.tokens import Logprob, SampledToken
@@ -60,6 +62,10 @@ class Scheduler(SpeculationScheduling):
         self._finished_ids: list[str] = []  # since the last schedule (SchedulerOutput.finished_req_ids)
         self.stats = SchedulerStats()
         self.spec_stats = SpecDecodeStats()
+        tier = block_manager.tier
+        self.swap_policy = SwapPolicy(tier.copy_times if tier is not None else None)
+        """Whether a preempted request's partial block is swapped out (its rates are fed by
+        the engine)."""
 
     # ---- admission -----------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -183,7 +189,15 @@ class Scheduler(SpeculationScheduling):
             loras.add(request.lora.lora_int_id)
 
     def _preempt(self, request: Request) -> None:
-        self.bm.free(request)
+        """Free the request to wait again; it recomputes from its longest cached prefix, or
+        from where it was if its partial block was swapped out (not for requests that need
+        every position computed: prompt logprobs, pooling)."""
+        partial = request.num_computed_tokens % self.bm.block_size
+        if (request.pooling is None and not request.computes_whole_prompt
+                and self.swap_policy.swap(partial, self.bm.num_groups)):
+            self.bm.swap_out(request)
+        else:
+            self.bm.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         if request.spec is not None:
@@ -316,8 +330,7 @@ class Scheduler(SpeculationScheduling):
         elif request.status is RequestStatus.WAITING_FOR_KV:
             del self.waiting_for_kv[request_id]
         request.status = status
-        if self.bm.has_table(request_id):
-            self.bm.free(request)
+        self.bm.free(request)  # its blocks, or what it swapped out while preempted
         return request
 
     # ---- decode worker: KV computed elsewhere -------------------------------------------

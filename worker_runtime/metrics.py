@@ -184,6 +184,10 @@ class WorkerMetrics:
                 ("kv_offload_promotions", "KV blocks copied from the offloading tier back into the pool",
                  s.kv_offload_promotions),
                 ("kv_offload_evictions", "KV blocks the full offloading tier dropped", s.kv_offload_evictions),
+                ("kv_offload_swap_outs", "Preempted requests whose partial KV blocks were swapped "
+                 "out to the offloading tier", s.kv_offload_swap_outs),
+                ("kv_offload_swap_ins", "Preempted requests resumed from their swapped-out KV "
+                 "instead of recomputing it", s.kv_offload_swap_ins),
             ]:
                 c = CounterMetricFamily(f"pdserve_worker_{name}", doc, labels=["role"])
                 c.add_metric(role, value)
