@@ -1,5 +1,6 @@
-"""What must hold once a chaos run is idle: no worker holds a KV block, the router's KV index
-agrees with what the workers have cached, and no long-lived process grew (RSS)."""
+"""What must hold once a chaos run is idle: no worker holds a KV block, no second-tier slot is
+held beyond the blocks its worker announces, the router's KV index agrees with what the
+workers have cached (pools and tiers), and no long-lived process grew (RSS)."""
 from __future__ import annotations
 
 import asyncio
@@ -101,6 +102,28 @@ async def leaked_blocks(etcd: str, cluster: str, auth: ClusterAuth, timeout_s: f
                         credentials)
 
 
+async def stranded_tier_blocks(etcd: str, cluster: str, auth: ClusterAuth,
+                               timeout_s: float = 15.0,
+                               credentials: EtcdCredentials | None = None
+                               ) -> Settled[dict[str, int]]:
+    """worker id -> second-tier slots held beyond the tier blocks it announces (KV events,
+    GetCachedBlocks), once idle, waiting up to `timeout_s`; empty when every tier holds
+    exactly what its worker announces (a slot held by nothing would be lost capacity)."""
+    async def both(stub: pb_grpc.WorkerStub) -> tuple[pb.HealthResponse, pb.CachedBlocksResponse]:
+        return await _health(stub), await _cached_blocks(stub)
+
+    def stranded(s: Settled[dict[str, Any]]) -> Settled[dict[str, int]]:
+        held = {}
+        for worker_id, (health, cached) in s.value.items():
+            extra = health.capacity.kv_offload_used_blocks - sum(cached.tiers)
+            if extra:
+                held[worker_id] = extra
+        return Settled(held, s.unsettled)
+
+    return await settle(etcd, cluster, auth, both, stranded, lambda held: not held, timeout_s,
+                        credentials)
+
+
 async def index_mismatch(router_url: str, etcd: str, cluster: str, auth: ClusterAuth,
                          timeout_s: float = 15.0,
                          credentials: EtcdCredentials | None = None) -> Settled[int]:
@@ -122,13 +145,26 @@ async def index_mismatch(router_url: str, etcd: str, cluster: str, auth: Cluster
 
 
 def router_metric(router_url: str, name: str, **labels: str) -> float:
-    """Sum of a metric's samples (matching `labels`) on the router's /metrics."""
+    """Sum of a metric's samples (matching `labels`) on the router's (or any) /metrics."""
     text = urllib.request.urlopen(router_url + "/metrics", timeout=5).read().decode()
     total = 0.0
     for line in text.splitlines():
         if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
                 f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def workers_metric(etcd: str, cluster: str, name: str,
+                         credentials: EtcdCredentials | None = None, **labels: str) -> float:
+    """Sum of a metric over the registered workers' /metrics (each since its own start: a
+    restarted worker counts from 0); unreachable ones count 0."""
+    total = 0.0
+    for w in await _workers(etcd, cluster, credentials) or []:
+        try:
+            total += router_metric(f"http://{w.metrics_address}", name, **labels)
+        except OSError:
+            pass
     return total
 
 

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
-PROMPTS = [f"Story {i}: once upon a time in a land far away there lived" for i in range(8)]
+# Several KV blocks each (16 tokens a block): repeated prompts are prefix-cache hits, on the
+# worker that served them before or pulled from it (the KV fabric), and evicted blocks go to a
+# worker's second tier when it has one.
+PROMPTS = [f"Story {i}: once upon a time in a land far away, beyond seven rivers and seven "
+           "mountains, where the winters were long and the summers short, there lived an old "
+           "miller with three sons, a grey cat and a mill that had not turned for many years"
+           for i in range(8)]
 
 
 @dataclass

@@ -20,7 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.chaos.checks import index_mismatch, leaked_blocks, router_metric, rss_bytes
+from benchmarks.chaos.checks import (
+    index_mismatch, leaked_blocks, router_metric, rss_bytes, stranded_tier_blocks, workers_metric,
+)
 from benchmarks.chaos.faults import KINDS, Fault, Injector
 from benchmarks.chaos.load import Load
 from local_cluster.launcher import UpProcess
@@ -95,8 +97,15 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
     credentials = etcd_credentials(cluster.run)
     auth = cluster_auth(cluster.run)  # the token `up` gave its workers
     leaks = await leaked_blocks(etcd, name, auth, credentials=credentials)
+    tiers = await stranded_tier_blocks(etcd, name, auth, credentials=credentials)
     mismatch = await index_mismatch(cluster.url, etcd, name, auth, credentials=credentials)
-    unsettled = {**leaks.unsettled, **mismatch.unsettled}
+    unsettled = {**leaks.unsettled, **tiers.unsettled, **mismatch.unsettled}
+    # What the KV fabric did: the workers alive at the end, each counted since its start.
+    fabric = {key: await workers_metric(etcd, name, f"pdserve_worker_{key}_total", credentials,
+                                        **labels)
+              for key, labels in (("kv_offload_demotions", {}), ("kv_offload_promotions", {}),
+                                  ("kv_pulls", {"outcome": "pulled"}),
+                                  ("kv_exports", {"outcome": "sent"}))}
     # Processes that lived through the whole run (a killed one is a new pid).
     rss_end = {pid: rss_bytes(pid) for pid in cluster.child_pids() if rss_start.get(pid)}
     growths = {pid: (end - rss_start[pid]) / rss_start[pid] for pid, end in rss_end.items() if end}
@@ -110,13 +119,16 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
         # Counters of the router now running (a restart-router fault resets them).
         "migrations_since_router_start": _router_metric_or_none(cluster.url,
                                                                 "pdserve_router_migrations_total"),
-        "leaked_blocks": leaks.value, "kv_index_mismatch": mismatch.value,
+        "fabric": fabric,
+        "leaked_blocks": leaks.value, "stranded_tier_blocks": tiers.value,
+        "kv_index_mismatch": mismatch.value,
         "unsettled": unsettled,
         "rss_growth_max": growth, "rss_processes_lived_through": len(growths),
         "seam_s": {"p50": _pct(seams, 0.5), "p99": _pct(seams, 0.99), "max": seams[-1] if seams else None},
     }
     report["passed"] = (not stats.outcomes.get("failed") and not stats.diverged
-                        and not leaks.value and mismatch.value == 0 and not unsettled
+                        and not leaks.value and not tiers.value and mismatch.value == 0
+                        and not unsettled
                         and (growth is None or growth <= args.max_rss_growth)
                         and stats.outcomes.get("completed", 0) > 0)
     return report
