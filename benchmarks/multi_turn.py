@@ -2,12 +2,14 @@
 (issue 31) with it off and on, under the router's default placement and round-robin.
 
   python -m benchmarks.multi_turn [--conversations 8] [--turns 4] [--max-tokens 32]
+      [--first-words 1000,1500] [--user-words 40,120]
       [--concurrency 4] [--policies affinity,round_robin] [--configs off,on]
       [--off-args "..."] [--on-args "..."] [--base-args "..."] [--json OUT]
   (the issue's size: --conversations 32 --turns 6)
 
 Each conversation is a chat: turn t sends every earlier user message and the model's actual
-answer to it, then a new user message (random common words, `--user-words` of them), over
+answer to it, then a new user message (random common words: `--first-words` of them in the
+first, a long opening context, `--user-words` in the later, short ones), over
 /v1/chat/completions, streaming. Turns of one conversation are sequential; `--concurrency`
 conversations run at once. So turn t >= 2 repeats a prefix the cluster has computed before —
 on some worker, in its pool or (fabric on) its second tier — and histories grow to 1-3k
@@ -66,15 +68,19 @@ class Conversation:
         return [*chat, {"role": "user", "content": self.user_messages[len(self.answers)]}]
 
 
-def build_conversations(n: int, turns: int, words: tuple[int, int], seed: int = 0
-                        ) -> list[Conversation]:
-    """`n` conversations of `turns` user messages of words[0]..words[1] random words each; a
-    message opens with its conversation and turn, so no two conversations share a prefix past
-    the chat template's own."""
+def build_conversations(n: int, turns: int, words: tuple[int, int], seed: int = 0,
+                        first_words: tuple[int, int] | None = None) -> list[Conversation]:
+    """`n` conversations of `turns` user messages of words[0]..words[1] random words each (the
+    first one first_words[0]..[1], default the same: a chat that opens with a document or a
+    long instruction, then goes on in short messages); a message opens with its conversation
+    and turn, so no two conversations share a prefix past the chat template's own."""
     rng = random.Random(seed)
-    return [Conversation(c, tuple(
-        f"Conversation {c}, message {t + 1}: " + " ".join(rng.choices(_WORDS, k=rng.randint(*words)))
-        for t in range(turns))) for c in range(n)]
+
+    def message(c: int, t: int) -> str:
+        k = rng.randint(*(first_words if t == 0 and first_words else words))
+        return f"Conversation {c}, message {t + 1}: " + " ".join(rng.choices(_WORDS, k=k))
+
+    return [Conversation(c, tuple(message(c, t) for t in range(turns))) for c in range(n)]
 
 
 # ---- results and statistics ------------------------------------------------------------------
@@ -203,7 +209,8 @@ def run_one(config: str, policy: str, args: list[str], model: str, opts: argpars
     print(f"[{config} / {policy}] pdserve up {' '.join(up_args)}", flush=True)
     cluster = Cluster(up_args, work / f"{config}-{policy}")
     try:
-        convs = build_conversations(opts.conversations, opts.turns, opts.user_words, opts.seed)
+        convs = build_conversations(opts.conversations, opts.turns, opts.user_words, opts.seed,
+                                    opts.first_words)
         t0 = time.perf_counter()
         results = asyncio.run(run_conversations(cluster.url, model, convs, opts.max_tokens,
                                                 opts.concurrency))
@@ -264,8 +271,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")
     p.add_argument("--concurrency", type=int, default=4, help="conversations at once")
-    p.add_argument("--user-words", type=_words, default=(300, 500), metavar="MIN,MAX",
-                   help="words per user message (about one token each)")
+    p.add_argument("--first-words", type=_words, default=(1000, 1500), metavar="MIN,MAX",
+                   help="words of a conversation's first user message (about one token each)")
+    p.add_argument("--user-words", type=_words, default=(40, 120), metavar="MIN,MAX",
+                   help="words per later user message")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="default", help="as `pdserve up --model`")
     p.add_argument("--policies", default="affinity,round_robin", help="router --policy values")
