@@ -239,13 +239,15 @@ def _x(x: float | None) -> str:
 
 def table(runs: list[RunResult]) -> str:
     lines = [f"{'config':7} {'placement':12} {'turns>=2':>8} {'TTFT p50 ms':>11} {'p99 ms':>8} "
-             f"{'hit rate':>9} {'worker hits':>11} {'tier hit tok':>12} {'errors':>6} {'wall s':>7}"]
+             f"{'hit rate':>9} {'worker hits':>11} {'tier hit tok':>12} {'pulled blk':>10} {'errors':>6} "
+             f"{'wall s':>7}"]
     for r in runs:
         s, w = r.summary, r.worker
         whr = w["prefix_cache_hits"] / w["prefix_cache_queries"] if w["prefix_cache_queries"] else None
         lines.append(f"{r.config:7} {r.policy:12} {s.turns:>8} {_ms(s.ttft_p50_ms):>11} "
                      f"{_ms(s.ttft_p99_ms):>8} {_pct(s.hit_rate):>9} {_pct(whr):>11} "
-                     f"{w['tier_hit_tokens']:>12.0f} {s.errors:>6} {r.wall_s:>7.1f}")
+                     f"{w['tier_hit_tokens']:>12.0f} {w.get('pulled_blocks', 0):>10.0f} {s.errors:>6} "
+                     f"{r.wall_s:>7.1f}")
     for policy, on, off in _pairs(runs):
         lines.append(f"on/off, {policy}: TTFT p50 {_x(ratio(on.ttft_p50_ms, off.ttft_p50_ms))}, "
                      f"p99 {_x(ratio(on.ttft_p99_ms, off.ttft_p99_ms))}, hit rate "

@@ -80,7 +80,8 @@ class Cluster:
 
         names = {"prefix_cache_queries": "vllm:prefix_cache_queries_total",
                  "prefix_cache_hits": "vllm:prefix_cache_hits_total",
-                 "tier_hit_tokens": "pdserve_worker_kv_offload_hits_tokens_total"}
+                 "tier_hit_tokens": "pdserve_worker_kv_offload_hits_tokens_total",
+                 "pulled_blocks": "pdserve_worker_kv_pull_blocks_total"}
         totals = dict.fromkeys(names, 0.0)
         for log in (self.work / "logs").glob("*.log"):
             for address in re.findall(r"^READY \S+ \S+ grpc=\S+ metrics=(\S+)", log.read_text(),
