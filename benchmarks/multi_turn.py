@@ -1,5 +1,6 @@
-"""Multi-turn chat against a `pdserve up --prefill 1 --decode 2` cluster: the cluster KV fabric
-(issue 31) with it off and on, under the router's default placement and round-robin.
+"""Multi-turn chat against a `pdserve up --prefill 1 --decode 2` cluster (`--prefill`,
+`--decode`): the cluster KV fabric (issue 31) with it off and on, under the router's default
+placement and round-robin.
 
   python -m benchmarks.multi_turn [--conversations 8] [--turns 4] [--max-tokens 32]
       [--first-words 1000,1500] [--user-words 40,120]
@@ -207,7 +208,7 @@ def run_one(config: str, policy: str, args: list[str], model: str, opts: argpars
     up_args = ["--model", model, "--router-arg=--enable-prompt-tokens-details",
                f"--router-arg=--policy={policy}", *args]
     print(f"[{config} / {policy}] pdserve up {' '.join(up_args)}", flush=True)
-    cluster = Cluster(up_args, work / f"{config}-{policy}")
+    cluster = Cluster(up_args, work / f"{config}-{policy}", opts.prefill, opts.decode)
     try:
         convs = build_conversations(opts.conversations, opts.turns, opts.user_words, opts.seed,
                                     opts.first_words)
@@ -278,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--user-words", type=_words, default=(40, 120), metavar="MIN,MAX",
                    help="words per later user message")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=2, help="decode workers")
     p.add_argument("--model", default="default", help="as `pdserve up --model`")
     p.add_argument("--policies", default="affinity,round_robin", help="router --policy values")
     p.add_argument("--configs", default="off,on")
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     isa = cpu_isa()
-    print(f"{opts.conversations} conversations x {opts.turns} turns, max_tokens "
+    print(f"{opts.prefill}P+{opts.decode}D; {opts.conversations} conversations x {opts.turns} "
+          f"turns, max_tokens "
           f"{opts.max_tokens}, concurrency {opts.concurrency}; {os.cpu_count()} cores, {isa}; "
           f"peer pull {'in' if '--kv-pull' in router else 'NOT in'} this checkout", flush=True)
     runs = []
