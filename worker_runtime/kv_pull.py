@@ -104,6 +104,8 @@ class KVPuller:
             self._release_when_stopped(source, tid)
             raise
         except Exception as exc:  # refused, failed, or too slow: compute instead
+            if landed.done() and not landed.cancelled():
+                landed.exception()  # retrieved: the call's failure is the one reported
             log.info("pull of %d blocks for %s from %s failed (%s); computing them",
                      len(plan.block_ids), req.request_id, source.worker_id, _describe(exc))
             self._release_when_stopped(source, tid)
