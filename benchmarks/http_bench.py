@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
-import re
 import time
-from pathlib import Path
 
 import httpx
+
+from benchmarks.cpu_info import cpu_isa
 
 CASES = {
     "tokenize": ("/tokenize", {"prompt": "The quick brown fox jumps over the lazy dog."}, 200),
@@ -27,18 +26,6 @@ CASES = {
                                {"prompt": list(range(1000, 5000)), "max_tokens": 2,
                                 "temperature": -1}, 400),
 }
-
-
-def cpu_isa() -> str:
-    """The widest x86 vector ISA the CPU reports (what the numbers depend on)."""
-    try:
-        flags = set(re.findall(r"\w+", Path("/proc/cpuinfo").read_text()))
-    except OSError:
-        return platform.machine()
-    for isa in ("avx512_bf16", "avx512f", "avx2"):
-        if isa in flags:
-            return isa
-    return platform.machine()
 
 
 async def rate(client: httpx.AsyncClient, path: str, body: dict, status: int,

@@ -19,23 +19,10 @@ Then (benchmarks/kv_swap_bench.py): decode steps with the tier on vs off, a pree
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
-from pathlib import Path
 
-
-def cpu_isa() -> str:
-    """The widest x86 vector ISA the CPU reports (lscpu flags), and its model name."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = set(re.findall(r"\w+", text))
-    isa = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags),
-               "no AVX2")
-    model = re.search(r"model name\s*:\s*(.+)", text)
-    return f"{isa} ({model.group(1).strip() if model else 'unknown CPU'})"
+from benchmarks.cpu_info import cpu_isa
 
 
 class Timed:

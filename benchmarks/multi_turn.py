@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.serving.client import parse_sse_line
-from benchmarks.up_cluster import Cluster, cpu_isa, known_flags, unknown_flags
+from benchmarks.cpu_info import cpu_isa
+from benchmarks.up_cluster import Cluster, known_flags, unknown_flags
 from benchmarks.serving.workload import _WORDS
 
 BASE_ARGS = "--kv-cache-memory=128MiB"

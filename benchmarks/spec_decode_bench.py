@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engine import LLM, SamplingParams
+from benchmarks.cpu_info import cpu_isa
 
 PARAGRAPHS = (
     "The old lighthouse stood at the edge of the cliff for more then two hundred years. Every "
@@ -190,20 +191,6 @@ def run(llm: LLM, case: Case, tag: str) -> RunResult:
         draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
         accepted=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
     )
-
-
-def cpu_isa() -> str:
-    """The CPU's name and the vector extensions that decide bf16 speed here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "CPU unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), "CPU")
-    flags = next((line.split() for line in info.splitlines() if line.startswith("flags")), [])
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(isa) or 'no AVX2'})"
 
 
 def first_mismatch(reference: list[list[int]], got: list[list[int]]) -> str | None:

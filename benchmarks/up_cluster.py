@@ -1,6 +1,6 @@
 """A `pdserve up` cluster as a child process for benchmarks, and the checks around it: the flags
 of its command line against the `--help` of the programs they go to (`unknown_flags`), the
-workers' /metrics summed (`Cluster.worker_metrics`), the CPU's ISA for the record (`cpu_isa`).
+workers' /metrics summed (`Cluster.worker_metrics`).
 The cluster runs on 127.0.0.1 with free ports and its own PDSERVE_CACHE, and is stopped by its
 PID (SIGTERM: `up` drains and stops its children; SIGKILL of its process group after 60 s)."""
 from __future__ import annotations
@@ -102,14 +102,3 @@ class Cluster:
                 self.proc.wait()
 
 
-def cpu_isa() -> str:
-    """E.g. "AVX-512+AVX512-BF16 (no AMX)", from /proc/cpuinfo's first flags line."""
-    flags: set[str] = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "x86-64"
-    if "avx512_bf16" in flags:
-        isa += "+AVX512-BF16"
-    return isa + ("+AMX" if "amx_tile" in flags else " (no AMX)")

@@ -56,6 +56,9 @@ class NixlTransport(Transport):
     def __init__(self, agent_name: str, config: KVTransferConfig) -> None:
         if config.ucx_net_devices is not None:
             os.environ.setdefault("UCX_NET_DEVICES", config.ucx_net_devices)
+        # UCX logs to stdout unless told otherwise; a worker's stdout carries its READY line
+        # (local_cluster/launcher.py), which a log line written mid-line would garble.
+        os.environ.setdefault("UCX_LOG_FILE", "stderr")
         from nixl import _bindings
         from nixl._api import nixl_agent, nixl_agent_config
 

@@ -134,7 +134,7 @@ def test_prefill_worker_of_another_kv_format_is_refused_by_name(cluster, etcd):
     wait_all_blocks_free(p_int8.address)
     # P's peer warm-up (etcd listing every second) said so once, not every second
     warm = [line for line in p_int8.log_path.read_text().splitlines()
-            if f"decode worker {d_fp8.worker_id} is not a KV peer" in line]
+            if f"worker {d_fp8.worker_id} is not a KV peer" in line]
     assert len(warm) == 1 and "KV cache formats differ" in warm[0]
 
 
