@@ -81,15 +81,20 @@ class Cluster:
         names = {"prefix_cache_queries": "vllm:prefix_cache_queries_total",
                  "prefix_cache_hits": "vllm:prefix_cache_hits_total",
                  "tier_hit_tokens": "pdserve_worker_kv_offload_hits_tokens_total",
-                 "pulled_blocks": "pdserve_worker_kv_pull_blocks_total"}
+                 "pulled_blocks": "pdserve_worker_kv_pull_blocks_total",
+                 "pulls": "pdserve_worker_kv_pulls_total"}  # by outcome, below
         totals = dict.fromkeys(names, 0.0)
         for log in (self.work / "logs").glob("*.log"):
             for address in re.findall(r"^READY \S+ \S+ grpc=\S+ metrics=(\S+)", log.read_text(),
                                       re.M)[-1:]:
                 text = httpx.get(f"http://{address}/metrics", timeout=10).text
                 for key, metric in names.items():
-                    for m in re.finditer(rf"^{re.escape(metric)}(?:{{[^}}]*}})? (\S+)$", text, re.M):
-                        totals[key] += float(m.group(1))
+                    for m in re.finditer(rf"^{re.escape(metric)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+                        totals[key] += float(m.group(2))
+                        outcome = re.search(r'outcome="(\w+)"', m.group(1) or "")
+                        if outcome:
+                            sub = f"{key}_{outcome.group(1)}"
+                            totals[sub] = totals.get(sub, 0.0) + float(m.group(2))
         return totals
 
     def stop(self) -> None:

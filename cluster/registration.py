@@ -64,7 +64,11 @@ class Capacity:
     kv_promote_s_per_block: float = 0.0
     """Mean seconds to promote one block from its second tier into its pool; 0 until measured."""
     kv_pull_blocks_per_s: float = 0.0
-    """Blocks per second this worker measured pulling from peers; 0 until measured."""
+    """Blocks per second of its pulls from peers beyond their fixed part (worker_runtime/
+    pull_cost.py); 0 until measured."""
+    kv_pull_overhead_s: float = 0.0
+    """Seconds one pull takes whatever its size (calls, the holder's step, adoption); 0 until
+    measured."""
 
     @classmethod
     def from_dict(cls, doc: dict) -> "Capacity":

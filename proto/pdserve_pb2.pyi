@@ -298,7 +298,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_s", "decode_step_tokens", "prefill_step_s", "prefill_step_tokens", "max_num_batched_tokens", "long_prefill_token_threshold", "kv_offload_total_blocks", "kv_offload_used_blocks", "kv_promote_s_per_block", "kv_pull_blocks_per_s")
+    __slots__ = ("total_blocks", "free_blocks", "running", "waiting", "queued_prefill_tokens", "prefill_tokens_per_s", "decode_step_s", "decode_step_tokens", "prefill_step_s", "prefill_step_tokens", "max_num_batched_tokens", "long_prefill_token_threshold", "kv_offload_total_blocks", "kv_offload_used_blocks", "kv_promote_s_per_block", "kv_pull_blocks_per_s", "kv_pull_overhead_s")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class Capacity(_message.Message):
     KV_OFFLOAD_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_PROMOTE_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_BLOCKS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     running: int
@@ -331,7 +332,8 @@ class Capacity(_message.Message):
     kv_offload_used_blocks: int
     kv_promote_s_per_block: float
     kv_pull_blocks_per_s: float
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_tokens: _Optional[float] = ..., prefill_step_s: _Optional[float] = ..., prefill_step_tokens: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., kv_offload_total_blocks: _Optional[int] = ..., kv_offload_used_blocks: _Optional[int] = ..., kv_promote_s_per_block: _Optional[float] = ..., kv_pull_blocks_per_s: _Optional[float] = ...) -> None: ...
+    kv_pull_overhead_s: float
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_tokens: _Optional[float] = ..., prefill_step_s: _Optional[float] = ..., prefill_step_tokens: _Optional[float] = ..., max_num_batched_tokens: _Optional[int] = ..., long_prefill_token_threshold: _Optional[int] = ..., kv_offload_total_blocks: _Optional[int] = ..., kv_offload_used_blocks: _Optional[int] = ..., kv_promote_s_per_block: _Optional[float] = ..., kv_pull_blocks_per_s: _Optional[float] = ..., kv_pull_overhead_s: _Optional[float] = ...) -> None: ...
 
 class LoadLoRARequest(_message.Message):
     __slots__ = ("adapter",)

@@ -60,6 +60,9 @@ class PlacementConfig:
     default_kv_pull_rate: float = 2000.0
     """KV blocks per second a worker is assumed to pull from a peer until it has measured
     its own rate."""
+    default_kv_pull_overhead_s: float = option(0.01, name="--default-kv-pull-overhead")
+    """Seconds one pull is assumed to take whatever its size (calls, the holder finishing
+    its step, adoption) until the worker has measured its own."""
     default_kv_promote_s: float = option(0.0001, name="--default-kv-promote-time")
     """Seconds one block's promotion from a worker's second KV tier is assumed to take until
     the worker has measured it."""
@@ -82,6 +85,7 @@ class PlacementConfig:
             (self.lora_load_s >= 0, "lora_load_s", "must be >= 0"),
             (self.default_kv_pull_rate > 0, "default_kv_pull_rate", "must be > 0"),
             (self.default_kv_promote_s >= 0, "default_kv_promote_s", "must be >= 0"),
+            (self.default_kv_pull_overhead_s >= 0, "default_kv_pull_overhead_s", "must be >= 0"),
         ])
 
 

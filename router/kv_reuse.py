@@ -1,8 +1,9 @@
 """What reusing KV costs the worker that computes a prompt, instead of computing it: blocks in
 its own pool are free; blocks in its second tier cost their promotion (the worker's measured
 seconds per block, `Capacity.kv_promote_s_per_block`); blocks a peer holds beyond its own hit
-cost their pull (the worker's measured pull rate, `Capacity.kv_pull_blocks_per_s`) plus the
-holder's promotion of those in the holder's tier. Unmeasured, each rate is the configured
+cost their pull (the worker's measured fixed cost per pull and rate per block,
+`Capacity.kv_pull_overhead_s` and `kv_pull_blocks_per_s`) plus the holder's promotion of those
+in the holder's tier. Unmeasured, each rate is the configured
 default. Pure: candidates and config in, seconds and plans out (router/policy.py decides).
 
 A pull is worth it when it is estimated faster than computing the same tokens at the worker's
@@ -42,6 +43,7 @@ def best_pull(c: Candidate, peers: Sequence[Candidate], config: PlacementConfig)
     bs = c.block_size
     own = c.cached_tokens // bs
     rate = c.capacity.kv_pull_blocks_per_s or config.default_kv_pull_rate
+    overhead = c.capacity.kv_pull_overhead_s or config.default_kv_pull_overhead_s
     compute_rate = prefill_rate(c, config)
     best: PullPlan | None = None
     for h in peers:
@@ -52,7 +54,8 @@ def best_pull(c: Candidate, peers: Sequence[Candidate], config: PlacementConfig)
         # so they are counted among the extra blocks first: the costlier estimate.
         tier = min(h.cached_tier_blocks, extra)
         plan = PullPlan(h, own + extra, h.cached_tier_blocks, extra * bs,
-                        extra / rate + tier * promote_s(h, config), extra * bs / compute_rate)
+                        overhead + extra / rate + tier * promote_s(h, config),
+                        extra * bs / compute_rate)
         if best is None or _gain(plan) > _gain(best):
             best = plan
     return best

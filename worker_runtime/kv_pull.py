@@ -44,7 +44,6 @@ from worker_runtime.runtime import PULL_PREFIX, WorkerRuntime
 log = logging.getLogger(__name__)
 
 _CALL_ALLOWANCE_S = 0.1
-_RATE_WEIGHT = 0.3  # weight of the newest pull in the measured rate
 
 
 class PullFailed(Exception):
@@ -113,11 +112,9 @@ class KVPuller:
             return 0
         await self.rt.call(lambda e: self._adopt(e, plan), cancellable=False)
         elapsed = time.monotonic() - started
-        rate = len(plan.block_ids) / max(elapsed, 1e-6)
-        # Published (Capacity.kv_pull_blocks_per_s): the router weighs pulling against
-        # computing with it. Call to adoption, so the round trip is in it.
-        old = self.rt.kv_pull_blocks_per_s
-        self.rt.kv_pull_blocks_per_s = rate if not old else _RATE_WEIGHT * rate + (1 - _RATE_WEIGHT) * old
+        # Published (Capacity.kv_pull_*): the router weighs pulling against computing with
+        # it. Call to adoption, so the round trip and the holder's wait are in it.
+        self.rt.pull_cost.observe(len(plan.block_ids), elapsed)
         metrics.kv_pulls.labels("pulled").inc()
         metrics.kv_pull_blocks.inc(len(plan.block_ids))
         metrics.kv_pull_seconds.observe(elapsed)

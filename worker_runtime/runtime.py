@@ -48,6 +48,7 @@ from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.paths import AllowedPaths
 from worker_runtime.pool import PoolRegistration
+from worker_runtime.pull_cost import PullCost
 from worker_runtime.roles import WorkerRoles
 
 if TYPE_CHECKING:
@@ -138,8 +139,8 @@ class WorkerRuntime:
         self.stats: EngineStats = engine.stats()
         self.loras: dict[str, str] = dict(engine.config.lora_modules)
         """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
-        self.kv_pull_blocks_per_s = 0.0
-        """Measured by this worker's peer pulls (kv_pull.py; 0 until one completed)."""
+        self.pull_cost = PullCost()
+        """What this worker's peer pulls cost (kv_pull.py measures; published)."""
         self.grpc_address = ""
         self.metrics_address = ""
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -330,7 +331,8 @@ class WorkerRuntime:
             kv_offload_total_blocks=s.kv_offload_blocks // groups,
             kv_offload_used_blocks=s.kv_offload_blocks_used // groups,
             kv_promote_s_per_block=s.kv_offload_promote_s,
-            kv_pull_blocks_per_s=self.kv_pull_blocks_per_s,
+            kv_pull_blocks_per_s=self.pull_cost.blocks_per_s,
+            kv_pull_overhead_s=self.pull_cost.overhead_s,
         )
 
     async def _refresh_stats(self) -> None:

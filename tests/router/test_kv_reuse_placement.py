@@ -9,12 +9,14 @@ import pytest
 from cluster.registration import Capacity, WorkerInfo
 from router.config import PlacementConfig
 from router.kv_index import KVIndex
+from router.kv_reuse import best_pull
 from router.metrics import RouterMetrics
 from router.placement import KVSource, Placer, PromptKey
 from router.policy import AffinityPolicy, Candidate, Reason
 
 PROMPT = 1024  # 64 blocks of 16; the last is never reused (its last token is computed): 63
 HELD = 63 * 16
+OVERHEAD = 0.01  # --default-kv-pull-overhead: a pull's fixed cost until the worker measured it
 
 
 def cand(wid, cached=0, tier=0, rate=2000.0, queued=0, free=1000, **cap):
@@ -60,7 +62,7 @@ def test_a_prefix_the_decode_worker_can_pull_makes_the_prompt_short_to_prefill_l
     assert decision.reason is Reason.LOCAL_SHORT and decision.prefill is None
     plan = decision.kv_pull
     assert plan.holder.worker_id == "p" and plan.num_blocks == 63 and plan.num_tier_blocks == 0
-    assert plan.extra_tokens == HELD and plan.seconds == pytest.approx(63 / 2000)
+    assert plan.extra_tokens == HELD and plan.seconds == pytest.approx(OVERHEAD + 63 / 2000)
     assert decision.predicted_cached_tokens == 0  # tokens found in its own cache
 
 
@@ -79,7 +81,7 @@ def test_the_measured_rates_decide_between_pulling_and_computing():
     assert decision.kv_pull is None and decision.kv_pull_declined
     fast_tier = cand("h", HELD, tier=63, kv_promote_s_per_block=0.0001)
     plan = policy().place(PROMPT, [cand("d")], [], peers=[fast_tier]).kv_pull
-    assert plan.num_tier_blocks == 63 and plan.seconds == pytest.approx(63 / 2000 + 63 * 0.0001)
+    assert plan.num_tier_blocks == 63 and plan.seconds == pytest.approx(OVERHEAD + 63 / 2000 + 63 * 0.0001)
 
 
 def test_only_what_the_puller_lacks_is_priced_and_the_best_holder_wins():
@@ -87,7 +89,7 @@ def test_only_what_the_puller_lacks_is_priced_and_the_best_holder_wins():
     far, near = cand("far", HELD, kv_pull_blocks_per_s=1.0), cand("near", 40 * 16)
     plan = policy().place(PROMPT, [d], [], peers=[near, far, d]).kv_pull
     assert plan.holder.worker_id == "far" and plan.num_blocks == 63
-    assert plan.extra_tokens == 31 * 16 and plan.seconds == pytest.approx(31 / 2000)
+    assert plan.extra_tokens == 31 * 16 and plan.seconds == pytest.approx(OVERHEAD + 31 / 2000)
     assert policy().place(PROMPT, [cand("d", HELD)], [], peers=[far]).kv_pull is None
 
 
@@ -112,7 +114,7 @@ def test_the_prefill_worker_pulls_what_the_decode_worker_holds():
     assert decision.reason is Reason.REMOTE and decision.compute.worker_id == "p"
     assert decision.kv_pull.holder.worker_id == "d" and decision.kv_pull.num_blocks == 40
     # ... and its TTFT estimate computes only the rest, after the pull.
-    assert decision.estimated_ttft_s == pytest.approx((PROMPT - 640) / 1000 + 40 / 2000)
+    assert decision.estimated_ttft_s == pytest.approx((PROMPT - 640) / 1000 + OVERHEAD + 40 / 2000)
 
 
 def info(wid, role, **cap):
@@ -149,3 +151,14 @@ def test_placer_names_the_holder_and_counts_the_decision():
     placement = placer.place(key)
     assert placement.kv_source is None and placement.prefill.info.worker_id == "p"
     assert (count("pull"), count("recompute")) == (1, 1)
+
+
+def test_a_measured_fixed_cost_per_pull_decides_small_pulls():
+    """Two blocks at 20000 blocks/s are 0.1 ms of copy, but a pull's measured fixed cost of
+    0.1 s is more than computing those 32 tokens (16 ms at 2000 tokens/s): not pulled."""
+    measured = dict(kv_pull_overhead_s=0.1, kv_pull_blocks_per_s=20000.0)
+    puller = cand("d", 61 * 16, **measured)
+    plan = best_pull(puller, [cand("h", HELD)], PlacementConfig())
+    assert plan.seconds == pytest.approx(0.1 + 2 / 20000) and not plan.worth
+    far = cand("d", 0, **measured)  # all 63 blocks: 0.103 s against 0.5 s of computing
+    assert best_pull(far, [cand("h", HELD)], PlacementConfig()).worth

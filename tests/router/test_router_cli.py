@@ -43,7 +43,8 @@ def test_flags_reach_the_config():
         "--host", "0.0.0.0", "--model", "/some/dir", "--generation-config", "vllm",
         "--enable-lora", "--lora-modules", "a=/x", "b=/y", "--lora-weight", "0.25",
         "--lora-load-time", "0.5", "--no-kv-pull", "--default-kv-pull-rate", "300",
-        "--default-kv-promote-time", "0.002", "--enable-dev-endpoints",
+        "--default-kv-pull-overhead", "0.02", "--default-kv-promote-time", "0.002",
+        "--enable-dev-endpoints",
         "--api-key-file", "/keys", "--admin-api-key", "a1", "a2", "--admin-api-key-file", "/admin",
         "--enable-prompt-tokens-details", "--cache-salt-from-api-key",
         "--max-request-body-bytes", "2MiB", "--request-header-timeout", "1",
@@ -66,7 +67,8 @@ def test_flags_reach_the_config():
         policy="round_robin", prefix_weight=2, load_weight=3, kv_weight=5, load_scale=4,
         local_prefill_threshold=6, local_prefill_max_tokens=10, itl_slo_ms=100,
         prefill_queue_limit=7, default_prefill_rate=8, max_waiting_per_worker=9, lora_weight=0.25,
-        lora_load_s=0.5, kv_pull=False, default_kv_pull_rate=300, default_kv_promote_s=0.002)
+        lora_load_s=0.5, kv_pull=False, default_kv_pull_rate=300,
+        default_kv_pull_overhead_s=0.02, default_kv_promote_s=0.002)
     assert cfg.limits == LimitsConfig(
         max_request_body_bytes=2 << 20, request_header_timeout_s=1, request_body_timeout_s=2,
         limit_concurrency=3, timeout_keep_alive_s=4, max_prompt_chars=5,
