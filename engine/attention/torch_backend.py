@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_format import dequantize, quantize
@@ -105,9 +106,16 @@ def _leading_short(metadata: AttentionMetadata, first: int) -> int:
 
 class TorchAttentionBackend(AttentionBackend):
     """Decodes batched in one padded SDPA call; prefill chunks one SDPA call per sequence.
-    With a sliding window each sequence gathers only the blocks from its window's first one."""
+    With a sliding window each sequence gathers only the blocks from its window's first one.
+
+    On the CPU, decode rows over a pool in the model's dtype go to the C++ kernel that reads
+    K/V in place (engine/attention/cpu_kernels.py) when it builds; `cpu_kernels=False` keeps
+    the gather + SDPA path everywhere (the reference the kernel is tested against)."""
 
     name = "torch"
+
+    def __init__(self, cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels
 
     def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale, *,
                 sliding_window=None, logits_soft_cap=None):
@@ -116,7 +124,12 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = metadata.num_decodes
         if nd:
-            out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale, win, cap)
+            q = query[:nd]
+            if self.cpu_kernels and cpu_kernels.fits(q, kv_cache) and cpu_kernels.load():
+                out[:nd] = cpu_kernels.paged_decode(q, kv_cache, layer, metadata.block_tables[:nd],
+                                                    metadata.seq_lens[:nd], scale, win, cap)
+            else:
+                out[:nd] = self._decode(q, kv_cache, layer, metadata, scale, win, cap)
         start = nd  # decode rows are one token each
         short = _leading_short(metadata, nd)
         if short > nd:  # verify rows of speculating sequences: one padded call
