@@ -9,7 +9,8 @@ detokenizing). Asserts nothing.
 
 `--compare VARIANT` measures each case with the change off (baseline) and on, alternating
 `--reps` times in the same process, and prints the step time ratio on/off (< 1 = faster).
-Variants: `cpu_attention` (the C++ paged decode kernel vs gather + SDPA).
+Variants: `cpu_attention` (the C++ paged decode kernel vs gather + SDPA), `packed_linears`
+(bf16 projections and LM head from oneDNN-packed weights vs F.linear), `both`.
 
 Contexts are drawn in [--min-context, --max-context] per sequence (seeded); every sequence
 is prefilled first, then `--steps` decode steps are timed after two warm-up steps. Timers
@@ -125,7 +126,18 @@ def _cpu_attention(engine, on: bool) -> None:
     engine.runner.backend.cpu_kernels = on
 
 
-VARIANTS = {"cpu_attention": _cpu_attention}
+def _packed_linears(engine, on: bool) -> None:
+    from engine.models.layers import pack_linears
+
+    pack_linears(engine.loaded.model, on)
+
+
+def _both(engine, on: bool) -> None:
+    _cpu_attention(engine, on)
+    _packed_linears(engine, on)
+
+
+VARIANTS = {"cpu_attention": _cpu_attention, "packed_linears": _packed_linears, "both": _both}
 
 
 def compare(engine, variant: str, steps: int, reps: int) -> tuple[float, float, dict, dict]:
