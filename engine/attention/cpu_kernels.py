@@ -43,7 +43,7 @@ def _cpu_flags() -> str:
 def _build(out: Path) -> None:
     from torch.utils import cpp_extension
 
-    cmd = ["g++", "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC",
+    cmd = ["g++", "-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in cpp_extension.include_paths()],
            f"-I{sysconfig.get_paths()['include']}",
