@@ -1,7 +1,7 @@
 """The CPU attention kernels in C++ (engine/attention/cpu/*.cpp): built on first use with the
 system's g++ against the installed torch, cached, loaded as `torch.ops.pdserve_cpu`.
 
-The build is keyed by the source, the torch version and this CPU's flags (it is compiled
+The build is keyed by the source, the compiler flags, the torch version and this CPU's flags (it is compiled
 with -march=native), so a cached library never runs on a CPU or torch it was not built
 for. It lands in `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/cpu_kernels); concurrent
 builds (pytest workers) serialise on a lock file. Without a compiler, or with
@@ -40,11 +40,15 @@ def _cpu_flags() -> str:
         return ""
 
 
+# -fopenmp: ATen's parallel_for is OpenMP pragmas in the headers (serial without it); the
+# library's libgomp.so.1 resolves to the one torch already loaded.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
+
+
 def _build(out: Path) -> None:
     from torch.utils import cpp_extension
 
-    cmd = ["g++", "-O3", "-march=native", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    cmd = ["g++", *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in cpp_extension.include_paths()],
            f"-I{sysconfig.get_paths()['include']}",
            *map(str, _SOURCES), "-o", str(out),
@@ -62,6 +66,7 @@ def load() -> bool:
     key = hashlib.sha256()
     for src in _SOURCES:
         key.update(src.read_bytes())
+    key.update(" ".join(_FLAGS).encode())
     key.update(torch.__version__.encode())
     key.update(_cpu_flags().encode())
     cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels"))

@@ -76,3 +76,17 @@ def test_a_block_id_outside_the_pool_raises():
     md.block_tables[1, 0] = pool.shape[0] + 2
     with pytest.raises(RuntimeError, match="outside the pool"):
         cpu_kernels.paged_decode(query, pool, 0, md.block_tables, md.seq_lens, 0.125)
+
+
+def test_same_bits_at_any_thread_count():
+    """Each (sequence, kv head) is one thread's work: no reduction across threads."""
+    query, pool, md = _decode_batch([900, 3, 250, 64, 511, 17, 128], 16, 9, 3, 64, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(cpu_kernels.paged_decode(query, pool, 0, md.block_tables, md.seq_lens, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
