@@ -63,15 +63,15 @@ def load() -> bool:
     be (no compiler, a failed build, PDSERVE_CPU_KERNELS=0)."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return False
-    key = hashlib.sha256()
-    for src in _SOURCES:
-        key.update(src.read_bytes())
-    key.update(" ".join(_FLAGS).encode())
-    key.update(torch.__version__.encode())
-    key.update(_cpu_flags().encode())
-    cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels"))
-    lib = cache / key.hexdigest()[:16] / "pdserve_cpu.so"
     try:
+        key = hashlib.sha256()
+        for src in _SOURCES:  # absent from an install that left out the package's .cpp files
+            key.update(src.read_bytes())
+        key.update(" ".join(_FLAGS).encode())
+        key.update(torch.__version__.encode())
+        key.update(_cpu_flags().encode())
+        cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels"))
+        lib = cache / key.hexdigest()[:16] / "pdserve_cpu.so"
         lib.parent.mkdir(parents=True, exist_ok=True)
         with open(lib.parent / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -74,6 +74,18 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   return total;
 }
 
+// Softmax numerators of each query head's `len` scores in place; returns 1 / their sums.
+inline std::vector<float> softmax_numerators(float* scores, int64_t G, int64_t len) {
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    inv[g] = 1.f / exp_sub_sum(sg, len, *std::max_element(sg, sg + len));
+  }
+  return inv;
+}
+
+inline float capped(float score, float cap) { return cap > 0.f ? cap * std::tanh(score / cap) : score; }
+
 #ifdef __AVX512F__
 // 16 lanes of a row as fp32.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -117,17 +129,11 @@ void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, 
       for (int64_t g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
         for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc);
-        float sc = _mm512_reduce_add_ps(acc) * scale;
-        if (cap > 0.f) sc = cap * std::tanh(sc / cap);
-        scores[g * len + (pos - first)] = sc;
+        scores[g * len + (pos - first)] = capped(_mm512_reduce_add_ps(acc) * scale, cap);
       }
     }
   }
-  std::vector<float> inv(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * len;
-    inv[g] = 1.f / exp_sub_sum(sg, len, *std::max_element(sg, sg + len));
-  }
+  const std::vector<float> inv = softmax_numerators(scores, G, len);
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[V];
     for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
@@ -164,17 +170,11 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
     for (; pos < stop; ++pos) {
       load_row(k_page + (pos % B) * row, buf.data(), D);
       for (int64_t g = 0; g < G; ++g) {
-        float sc = dot(qf + g * D, buf.data(), D) * scale;
-        if (cap > 0.f) sc = cap * std::tanh(sc / cap);
-        scores[g * len + (pos - first)] = sc;
+        scores[g * len + (pos - first)] = capped(dot(qf + g * D, buf.data(), D) * scale, cap);
       }
     }
   }
-  std::vector<float> inv(G);
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * len;
-    inv[g] = 1.f / exp_sub_sum(sg, len, *std::max_element(sg, sg + len));
-  }
+  const std::vector<float> inv = softmax_numerators(scores, G, len);
   std::fill(out, out + G * D, 0.f);
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
