@@ -28,6 +28,10 @@ extern "C" __m512 _ZGVeN16v_expf(__m512);
 namespace {
 
 constexpr int64_t kLanes = 16;
+#ifndef PDSERVE_PREFETCH_BLOCKS
+#define PDSERVE_PREFETCH_BLOCKS 1
+#endif
+constexpr int64_t kPrefetchBlocks = PDSERVE_PREFETCH_BLOCKS;  // how far ahead the next rows are asked for
 
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
@@ -118,8 +122,8 @@ void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, 
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
     const T* k_page = kv + ((blk * L + layer) * 2) * page + h * D;
-    if (stop < n) {
-      const int64_t next = table[stop / B];
+    if (stop + (kPrefetchBlocks - 1) * B < n) {
+      const int64_t next = table[stop / B + kPrefetchBlocks - 1];
       if (next >= 0 && next < N) prefetch_rows(kv + ((next * L + layer) * 2) * page + h * D, B, row, D);
     }
     for (; pos < stop; ++pos) {
@@ -141,8 +145,8 @@ void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, 
     for (int64_t pos = first; pos < n;) {
       const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
       const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * D;
-      if (stop < n)
-        prefetch_rows(kv + ((table[stop / B] * L + layer) * 2 + 1) * page + h * D, B, row, D);
+      if (stop + (kPrefetchBlocks - 1) * B < n)
+        prefetch_rows(kv + ((table[stop / B + kPrefetchBlocks - 1] * L + layer) * 2 + 1) * page + h * D, B, row, D);
       for (; pos < stop; ++pos) {
         const __m512 p = _mm512_set1_ps(sg[pos - first]);
         const T* vr = v_page + (pos % B) * row;
