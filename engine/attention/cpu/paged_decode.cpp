@@ -29,9 +29,9 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 #ifndef PDSERVE_PREFETCH_BLOCKS
-#define PDSERVE_PREFETCH_BLOCKS 1
+#define PDSERVE_PREFETCH_BLOCKS 2
 #endif
-constexpr int64_t kPrefetchBlocks = PDSERVE_PREFETCH_BLOCKS;  // how far ahead the next rows are asked for
+constexpr int64_t kPrefetchBlocks = PDSERVE_PREFETCH_BLOCKS;  // see prefetch_rows
 
 inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
@@ -101,13 +101,15 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Asks for the next block's rows of this head (K or V page) while the current one is read:
-// blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at each one.
+// Asks (into L2) for the rows of this head in the block kPrefetchBlocks ahead (K or V page)
+// while the current one is read: blocks sit anywhere in the pool, so the hardware prefetcher
+// loses the stream at each one. Cold-cache microbenchmark, batch 16, bf16: no prefetch 2.07,
+// next block into L1 1.66, two blocks ahead into L2 1.59 ms per layer.
 template <typename T>
 inline void prefetch_rows(const T* page_head, int64_t B, int64_t row, int64_t D) {
   for (int64_t t = 0; t < B; ++t)
     for (int64_t b = 0; b < static_cast<int64_t>(D * sizeof(T)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(page_head + t * row) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(page_head + t * row) + b, _MM_HINT_T1);
 }
 
 // One (sequence, kv head) item with head_dim = 16 * V (V <= 8) and G query heads, in
