@@ -23,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
 from engine.models.interface import CausalLM, ForwardContext
+from engine.models.layers import pack_linears
 from engine.pooler import Pooler
 from engine.request import Request
 from engine.sample_row import SampleRow
@@ -42,6 +43,7 @@ class ModelRunner:
         lora_slots: LoRASlots | None = None,
     ) -> None:
         self.model = model
+        pack_linears(model)  # bf16 on the CPU: decode-sized projections from packed weights
         self.lora_slots = lora_slots
         self.kv_cache = kv_cache
         self.backend = backend

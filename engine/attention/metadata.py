@@ -29,6 +29,7 @@ class AttentionMetadata:
     num_decodes: int  # leading sequences with exactly one query token
     max_query_len: int
     max_seq_len: int
+    store_plan: tuple | None = None  # the torch backend's per-step cache (torch_backend.py)
 
     @property
     def num_seqs(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_format import dequantize, quantize
@@ -29,18 +30,31 @@ def store_kv_torch(
     kv_cache: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    metadata: AttentionMetadata | None = None,
 ) -> None:
+    """Writes key/value [T, Hkv, D] at `slot_mapping` (-1 = skip) of `layer`. With
+    `metadata` (whose slot_mapping this is), the rows and the skip filter are worked out once
+    per step and cached on it (every layer of a step stores at the same slots)."""
     num_layers, block_size = kv_cache.shape[1], kv_cache.shape[3]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    plan = metadata.store_plan if metadata is not None else None
+    if plan is None or plan[0] != kv_cache.shape[1:4]:
+        valid = slot_mapping >= 0
+        keep = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        slots = slot_mapping if keep is None else slot_mapping[keep]
+        # Row of layer 0's K in the row view: ((block * L + 0) * 2 + 0) * B + offset.
+        base = (slots // block_size) * num_layers * 2 * block_size + slots % block_size
+        plan = (kv_cache.shape[1:4], base, keep)
+        if metadata is not None:
+            metadata.store_plan = plan
+    _, base, keep = plan
+    if keep is not None:
+        key, value = key[keep], value[keep]
     rows = kv_cache.view(-1, *kv_cache.shape[4:])  # one row per (page, offset)
-    base = ((slot_mapping // block_size) * num_layers + layer) * 2 * block_size
-    offset = slot_mapping % block_size
+    k_rows = base + layer * 2 * block_size
     # Byte views: index_copy_ has no fp8 kernel on CPU (and bytes are what moves anyway).
     raw = _bytes(rows)
-    raw.index_copy_(0, base + offset, _bytes(quantize(key, kv_cache.dtype)))
-    raw.index_copy_(0, base + block_size + offset, _bytes(quantize(value, kv_cache.dtype)))
+    raw.index_copy_(0, k_rows, _bytes(quantize(key, kv_cache.dtype)))
+    raw.index_copy_(0, k_rows + block_size, _bytes(quantize(value, kv_cache.dtype)))
 
 
 def gather_kv(
@@ -105,17 +119,31 @@ def _leading_short(metadata: AttentionMetadata, first: int) -> int:
 
 class TorchAttentionBackend(AttentionBackend):
     """Decodes batched in one padded SDPA call; prefill chunks one SDPA call per sequence.
-    With a sliding window each sequence gathers only the blocks from its window's first one."""
+    With a sliding window each sequence gathers only the blocks from its window's first one.
+
+    On the CPU, decode rows over a pool in the model's dtype go to the C++ kernel that reads
+    K/V in place (engine/attention/cpu_kernels.py) when it builds; `cpu_kernels=False` keeps
+    the gather + SDPA path everywhere (the reference the kernel is tested against)."""
 
     name = "torch"
 
+    def __init__(self, cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels
+
     def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale, *,
                 sliding_window=None, logits_soft_cap=None):
-        store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping)
+        store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping, metadata)
         win, cap = sliding_window, logits_soft_cap
-        out = torch.empty_like(query)
         nd = metadata.num_decodes
-        if nd:
+        in_place = nd and self.cpu_kernels and cpu_kernels.fits(query, kv_cache) and cpu_kernels.load()
+        if in_place and nd == query.shape[0]:  # decodes only: the kernel's output is the result
+            return cpu_kernels.paged_decode(query, kv_cache, layer, metadata.block_tables[:nd],
+                                            metadata.seq_lens[:nd], scale, win, cap)
+        out = torch.empty_like(query)
+        if in_place:
+            out[:nd] = cpu_kernels.paged_decode(query[:nd], kv_cache, layer, metadata.block_tables[:nd],
+                                                metadata.seq_lens[:nd], scale, win, cap)
+        elif nd:
             out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale, win, cap)
         start = nd  # decode rows are one token each
         short = _leading_short(metadata, nd)

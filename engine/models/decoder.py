@@ -26,8 +26,11 @@ from engine.models.layers import (
     Embedding,
     FeedForward,
     Linear,
+    PackedWeight,
     RMSNorm,
     TransformerBlock,
+    linear,
+    rope_rows,
 )
 from engine.models.moe import SparseMoE
 from engine.models.rope import rope_cache
@@ -58,6 +61,7 @@ class DecoderLM(CausalLMBase):
         )
         self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
+        self.lm_head_packed: PackedWeight | None = None  # layers.pack_linears sets it
 
     @classmethod
     def from_config(cls, config: dict) -> "DecoderLM":
@@ -124,7 +128,7 @@ class DecoderLM(CausalLMBase):
         `num_layers`: stop after the first N layers (a layer-skip self-draft)."""
         ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_tables, self.kernels
         if self.kernels is None:
-            ctx.cos_sin = [table[positions] for table in self.rope_tables]
+            ctx.cos_sin = [rope_rows(table, positions) for table in self.rope_tables]
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale is not None:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
@@ -136,7 +140,8 @@ class DecoderLM(CausalLMBase):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
-        logits = super().logits(x, ctx, indices)
+        logits = linear(self.hidden(x, ctx, indices), self.lm_head_weight(), None,
+                        self.lm_head_packed).float()
         if self.args.logits_divisor is not None:
             logits = logits / self.args.logits_divisor
         cap = self.args.final_softcap

@@ -13,6 +13,8 @@ the model's `load_weights` and `update_weights` both go through it.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,11 +23,71 @@ from engine.models.config import ModelArgs
 from engine.models.interface import ForwardContext
 
 
+PACKED_MAX_ROWS = 32
+"""bf16 projections on the CPU with at most this many input rows (decode batches) run from a
+weight prepacked once into oneDNN's blocked layout (`pack_linears`): F.linear reorders the
+weight on every call. Bit-identical to F.linear for 1-32 rows (checked on every projection
+shape of the default model, 1 and 2 threads); larger inputs (prefill) keep F.linear, where
+packing measured no faster and the kernels round differently."""
+
+
+class PackedWeight:
+    """A weight's oneDNN-packed copy, rebuilt whenever the weight changes (moved, replaced,
+    or updated in place: its storage pointer or version counter moved)."""
+
+    __slots__ = ("key", "packed")
+
+    def __init__(self) -> None:
+        self.key, self.packed = None, None
+
+    def get(self, weight: Tensor) -> Tensor | None:
+        """The packed copy of `weight`; None for an inference tensor (no version counter to
+        notice an in-place update by)."""
+        if weight.is_inference():
+            return None
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
+        if key != self.key:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            self.key = key
+        return self.packed
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
+    """F.linear, from the packed weight where `pack_linears` set one and `x` fits."""
+    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
+        w = packed.get(weight)
+        if w is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linears(model: nn.Module, enabled: bool = True) -> bool:
+    """Turn packed weights on (or off) for the model's Linear layers and its LM head (where it
+    has a `lm_head_packed` slot); on only for a bf16 model on the CPU with oneDNN, and unless
+    PDSERVE_PACKED_LINEARS=0. Returns whether they are on. The packed copies double the
+    projections' memory."""
+    weight = next(model.parameters(), None)
+    enabled = (enabled and os.environ.get("PDSERVE_PACKED_LINEARS", "1") != "0"
+               and weight is not None and weight.device.type == "cpu"
+               and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available())
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed = PackedWeight() if enabled else None
+    if hasattr(model, "lm_head_packed"):
+        model.lm_head_packed = PackedWeight() if enabled else None
+    return enabled
+
+
 class Linear(nn.Linear):
     """nn.Linear without random init: weights always come from a checkpoint."""
 
+    packed: PackedWeight | None = None
+
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class Embedding(nn.Embedding):
@@ -54,14 +116,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def apply_rope(x: Tensor, cos_sin: Tensor) -> Tensor:
-    """x: [T, H, D]; cos_sin: [T, R] (cos | sin), R <= D: the first R dims rotate, in
-    non-interleaved halves (HF convention); the rest pass through."""
-    rot = cos_sin.shape[-1]
+def rope_rows(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """A RoPE table's (cos | sin, engine/models/rope.py) rows at `positions` as the two
+    factors `apply_rope` multiplies by: [T, 1, R] each, (cos | cos) and (-sin | sin). Built
+    once per forward, shared by every layer."""
+    cos, sin = table[positions, None].chunk(2, dim=-1)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def apply_rope(x: Tensor, rows: tuple[Tensor, Tensor]) -> Tensor:
+    """x: [T, H, D]; rows: `rope_rows` ([T, 1, R], R <= D): the first R dims rotate, in
+    non-interleaved halves (HF convention); the rest pass through. In fp32: x * (cos | cos) +
+    (x2 | x1) * (-sin | sin) gives, element by element, the same products and sums as HF's
+    x1 * cos - x2 * sin | x2 * cos + x1 * sin (a - b == a + -b exactly)."""
+    cos2, sin2 = rows
+    rot = cos2.shape[-1]
     half = rot // 2
-    x1, x2 = x[..., :half].float(), x[..., half:rot].float()
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    xr = x[..., :rot].float()
+    swapped = torch.cat((xr[..., half:], xr[..., :half]), dim=-1)
+    rotated = (xr * cos2 + swapped * sin2).to(x.dtype)
     return rotated if rot == x.shape[-1] else torch.cat((rotated, x[..., rot:]), dim=-1)
 
 
@@ -101,6 +174,13 @@ class Attention(nn.Module):
         if ctx.lora is not None:
             ctx.lora.add(qkv, x, self.layer, (("q_proj", 0), ("k_proj", self.q_size),
                                               ("v_proj", self.q_size + self.kv_size)))
+        if self.q_norm is None and ctx.kernels is None:
+            # q and k side by side in qkv: one RoPE over their heads (same values as two).
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim),
+                            ctx.cos_sin[self.rope_index])
+            q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv_heads, self.head_dim)
+            return self._attend(q, k, v, ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
@@ -112,8 +192,13 @@ class Attention(nn.Module):
         if ctx.kernels is not None:
             ctx.kernels.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
         else:
-            cos_sin = ctx.cos_sin[self.rope_index]
-            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
+            rows = ctx.cos_sin[self.rope_index]
+            q, k = apply_rope(q, rows), apply_rope(k, rows)
+        return self._attend(q, k, v, ctx)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
+        """Attention over the pool, then o_proj (+ its LoRA)."""
+        T = q.shape[0]
         o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.kv_slot,
                                 ctx.layer_metadata(self.kv_group), self.scale, **self.options)
         o = o.reshape(T, self.q_size)

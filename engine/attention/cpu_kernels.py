@@ -1,0 +1,102 @@
+"""The CPU attention kernels in C++ (engine/attention/cpu/*.cpp): built on first use with the
+system's g++ against the installed torch, cached, loaded as `torch.ops.pdserve_cpu`.
+
+The build is keyed by the source, the compiler flags, the torch version and this CPU's flags (it is compiled
+with -march=native), so a cached library never runs on a CPU or torch it was not built
+for. It lands in `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/cpu_kernels); concurrent
+builds (pytest workers) serialise on a lock file. Without a compiler, or with
+PDSERVE_CPU_KERNELS=0, `load()` returns False and the torch backend keeps its plain-torch
+paths — same results to rounding, slower.
+
+`paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap)`:
+decode rows (one query token per sequence) attending over the pool in place, for pools in
+the model's dtype. query [S, Hq, D] (unit last stride), kv_cache the engine's contiguous
+`[N, L, 2, B, Hkv, D]` pool in query's dtype, block_tables int32 [S, >= blocks], seq_lens
+int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else keys
+seq_len-window..seq_len-1; no table entry before the window's first block is read),
+soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32."""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+_SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+# -fopenmp: ATen's parallel_for is OpenMP pragmas in the headers (serial without it); the
+# library's libgomp.so.1 resolves to the one torch already loaded.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
+
+
+def _build(out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    cmd = ["g++", *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *[f"-I{p}" for p in cpp_extension.include_paths()],
+           f"-I{sysconfig.get_paths()['include']}",
+           *map(str, _SOURCES), "-o", str(out),
+           *[f"-L{p}" for p in cpp_extension.library_paths()],
+           "-lc10", "-ltorch_cpu", "-lmvec"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per source / torch / CPU) and load the kernels; False where they cannot
+    be (no compiler, a failed build, PDSERVE_CPU_KERNELS=0)."""
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        key = hashlib.sha256()
+        for src in _SOURCES:  # absent from an install that left out the package's .cpp files
+            key.update(src.read_bytes())
+        key.update(" ".join(_FLAGS).encode())
+        key.update(torch.__version__.encode())
+        key.update(_cpu_flags().encode())
+        cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels"))
+        lib = cache / key.hexdigest()[:16] / "pdserve_cpu.so"
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with open(lib.parent / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not lib.exists():
+                tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+                _build(tmp)
+                os.replace(tmp, lib)
+        torch.ops.load_library(str(lib))
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        log.warning("CPU attention kernels unavailable (plain torch instead): %s %s", exc, detail[-2000:])
+        return False
+    return True
+
+
+def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                 soft_cap: float | None = None) -> torch.Tensor:
+    """See the module docstring; `load()` must have returned True."""
+    return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, layer, block_tables, seq_lens,
+                                              scale, window or 0, soft_cap or 0.0)
+
+
+def fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode` serves this query and pool (CPU, the pool in query's dtype)."""
+    return (query.device.type == "cpu" and kv_cache.dtype == query.dtype
+            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kv_cache.shape[-1] == query.shape[-1] and query.stride(-1) == 1)
