@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.models.config import ModelArgs
-from engine.models.layers import apply_rope
+from engine.models.layers import apply_rope, rope_rows
 from engine.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec, rope_cache
 
 ATOL = 1e-6
@@ -144,7 +144,8 @@ def test_partial_rotary_layout_is_apply_rope_on_the_leading_slice():
     expected, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None])
     x = q[0].transpose(0, 1)  # [T, H, D] as the engine
     rd = spec.rotary_dim
-    ours = torch.cat((apply_rope(x[..., :rd], table[positions]), x[..., rd:]), dim=-1)
+    rows = rope_rows(table, torch.tensor(positions))
+    ours = torch.cat((apply_rope(x[..., :rd], rows), x[..., rd:]), dim=-1)
     torch.testing.assert_close(ours, expected[0].transpose(0, 1), rtol=0, atol=1e-5)
 
 
