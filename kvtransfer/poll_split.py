@@ -3,9 +3,11 @@
 `poll()` reports a finished request exactly once, so two components polling the same sender
 (the prefill streamer and the holder side of a peer pull) would take each other's results.
 `split_sender` / `split_receiver` give each owner a view: every call but `poll` goes to the
-shared object; `poll` on either view polls it once and keeps the other owner's results for
-that owner's next `poll`. Owners are told apart by transfer id: ids that start with `prefix`
-belong to the second view, every other id to the first.
+shared object; `poll` on either view hands out what the shared object reported for that owner.
+The shared object is polled once per round — when the calling owner already took its share of
+the last poll — so two owners polling after every engine step cost one poll, not two. Owners
+are told apart by transfer id: ids that start with `prefix` belong to the second view, every
+other id to the first.
 """
 from __future__ import annotations
 
@@ -25,10 +27,14 @@ class _Split(Generic[S]):
         self.source = source
         self.prefix = prefix
         self.pending: tuple[list[TransferResult], list[TransferResult]] = ([], [])
+        self.taken = [True, True]  # per owner: took its share of the last source poll
 
     def poll(self, owner: int) -> list[TransferResult]:
-        for result in self.source.poll():
-            self.pending[int(result.request_id.startswith(self.prefix))].append(result)
+        if self.taken[owner]:  # a new round: poll the shared object
+            for result in self.source.poll():
+                self.pending[int(result.request_id.startswith(self.prefix))].append(result)
+            self.taken = [False, False]
+        self.taken[owner] = True
         taken = list(self.pending[owner])
         self.pending[owner].clear()
         return taken

@@ -133,6 +133,8 @@ class KVExporter:
                                                       0, 0, 0.0, "cancelled"))
 
     def _after_step(self, engine: LLMEngine) -> bool:
+        if not self._active:
+            return False  # nothing sent: no sender result can be ours
         for result in self.rt.pull_sender.poll():
             send = self._active.get(result.request_id)
             if send is not None:

@@ -163,6 +163,8 @@ class KVPuller:
             engine.block_manager.release(block_ids)
 
     def _after_step(self, engine: LLMEngine) -> bool:
+        if not self._landed:
+            return bool(self._held)  # nothing expected: no receiver result can be ours
         for result in self.rt.pull_receiver.poll():
             landed = self._landed.pop(result.request_id, None)
             if landed is None:

@@ -30,3 +30,22 @@ def test_each_owner_gets_only_its_own_results_once():
     # Everything else is the shared object's.
     assert pull_recv.num_active == push_recv.num_active == d.receiver.num_active == 0
     assert pull_send.metrics is p.sender.metrics
+
+
+def test_two_owners_polling_every_step_poll_the_shared_object_once():
+    class Counting:
+        polls = 0
+
+        def poll(self):
+            self.polls += 1
+            return []
+
+    source = Counting()
+    first, second = split_receiver(source, "pull:")  # type: ignore[arg-type]
+    for _ in range(5):  # an engine step: both owners poll
+        first.poll()
+        second.poll()
+    assert source.polls == 5
+    for _ in range(3):  # only one owner polls (the other has nothing in flight)
+        first.poll()
+    assert source.polls == 8
