@@ -252,13 +252,7 @@ class BlockManager:
                    for i, b in enumerate(taken) if b == TIER]
         tables = [[RELEASED] * skip + taken for skip, taken, _ in plan]
         for g, i, slot in promote:
-            block_id = tables[g][i] = self._pop_free(g)
-            self.tier.load(slot, block_id)
-            block = self.blocks[block_id]
-            block.block_hash = hashes[i]
-            self._cached[g][hashes[i]] = block_id
-            if self.record_events and g == 0:
-                self._events.append(KVEvent(True, hashes[i], tier=0))
+            tables[g][i] = self._promote(g, hashes[i], slot)
         if promote:
             self.tier.stats.hit_tokens += (hit - min(i for _, i, _ in promote)) * self.block_size
         for g, (_, _, new) in enumerate(plan):
@@ -362,12 +356,9 @@ class BlockManager:
                     continue
                 h, block = request.block_hashes[i], self.blocks[table[i]]
                 if block.block_hash is None and h not in cached:
-                    block.block_hash = h
-                    cached[h] = block.block_id
                     if self.tier is not None and (g, h) in self.tier:
                         self.tier.discard((g, h))  # computed again: the pool's copy serves
-                    if self.record_events and g == 0:
-                        self._events.append(KVEvent(True, h))
+                    self._cache(g, h, block.block_id)
         self._num_hashed[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -468,6 +459,21 @@ class BlockManager:
         block.group = group
         return block_id
 
+    def _cache(self, g: int, h: BlockHash, block_id: int) -> None:
+        """Block `block_id` holds group g's KV of hash h: it joins the prefix cache (the
+        caller made sure neither the pool nor the tier holds h)."""
+        self.blocks[block_id].block_hash = h
+        self._cached[g][h] = block_id
+        if self.record_events and g == 0:
+            self._events.append(KVEvent(True, h))
+
+    def _promote(self, g: int, h: BlockHash, slot: int) -> int:
+        """Copy a tier slot taken for (g, h) into a fresh pool block, cached under h."""
+        block_id = self._pop_free(g)
+        self.tier.load(slot, block_id)
+        self._cache(g, h, block_id)
+        return block_id
+
     def _evict(self, block: KVBlock) -> None:
         """Drop a cached free block's hash; with a tier, its bytes are demoted there first."""
         g, h = block.group, block.block_hash
@@ -485,28 +491,16 @@ class BlockManager:
         tier holds into fresh pool blocks; `release` lets them go. None, with nothing
         pinned, if one is held nowhere here or the pool has no room for the promotions."""
         self._check_one_group()
-        cached, found = self._cached[0], []
-        for h in hashes:
-            if h not in cached and not (self.tier is not None and (0, h) in self.tier):
-                return None
-        for h in hashes:  # pool hits first: a pop below may evict any cached free block
-            if h in cached:
-                self._take(cached[h])
-        promote = [i for i, h in enumerate(hashes) if h not in cached]
-        if len(promote) > len(self._free):
-            self.release([cached[h] for h in hashes if h in cached])
+        cached = self._cached[0]
+        if not all(self._has(0, h) for h in hashes):
             return None
-        slots = {i: self.tier.take((0, hashes[i])) for i in promote}  # before any demotion
-        for i, h in enumerate(hashes):
-            if i in slots:
-                block_id = self._pop_free(0)
-                self.tier.load(slots[i], block_id)
-                self.blocks[block_id].block_hash = h
-                cached[h] = block_id
-                if self.record_events:
-                    self._events.append(KVEvent(True, h, tier=0))
-            found.append(cached[h])
-        return found
+        in_pool = [cached[h] for h in hashes if h in cached]
+        in_tier = [h for h in hashes if h not in cached]
+        if len(in_tier) > len(self._free) - sum(self.blocks[b].ref_count == 0 for b in in_pool):
+            return None
+        self.pin(in_pool)  # before any pop: a pop may evict any cached free block
+        slots = {h: self.tier.take((0, h)) for h in in_tier}  # before any demotion
+        return [cached[h] if h in cached else self._promote(0, h, slots[h]) for h in hashes]
 
     def reserve(self, num_blocks: int) -> list[int] | None:
         """`num_blocks` fresh blocks held outside any table (a peer writes into them), or
@@ -521,15 +515,11 @@ class BlockManager:
         join the prefix cache as reusable free blocks (leaves evicted before roots), except
         where the pool or tier already holds that hash (the spare block is just freed).
         Returns how many joined."""
-        cached, joined = self._cached[0], 0
+        joined = 0
         for h, block_id in zip(hashes, block_ids, strict=True):
-            if h in cached or (self.tier is not None and (0, h) in self.tier):
-                continue
-            self.blocks[block_id].block_hash = h
-            cached[h] = block_id
-            joined += 1
-            if self.record_events:
-                self._events.append(KVEvent(True, h))
+            if not self._has(0, h):
+                self._cache(0, h, block_id)
+                joined += 1
         self.release(list(reversed(block_ids)))
         return joined
 

@@ -167,7 +167,8 @@ def test_a_stalled_holder_delays_the_request_little_and_strands_nothing(workers,
     prefill, decode = workers
     shared = _prompt(31, 96)
     asyncio.run(generate(decode.address, _request("stall-warm", shared + [1], prefill)))
-    asyncio.run(generate(decode.address, _request("rate", _prompt(32, 96))))  # D measures its prefill rate
+    for seed in (32, 33):  # D measures its prefill rate (its first prompt step is a warm-up)
+        asyncio.run(generate(decode.address, _request(f"rate-{seed}", _prompt(seed, 96))))
     asyncio.run(_reset_prefix_cache(decode))
     os.kill(prefill.pid, signal.SIGSTOP)
     try:
@@ -177,7 +178,11 @@ def test_a_stalled_holder_delays_the_request_little_and_strands_nothing(workers,
         assert time.monotonic() - started < 10  # far below --kv-timeout 20
         _assert_same(responses, _expected(reference_llm, shared + [2, 3]))
         c = health(decode.address).capacity
-        assert c.total_blocks - c.free_blocks == 6  # the pull's blocks, quarantined
+        deadline = time.monotonic() + 5
+        while c.running and time.monotonic() < deadline:  # capacity is a 0.2 s snapshot
+            time.sleep(0.1)
+            c = health(decode.address).capacity
+        assert c.running == 0 and c.total_blocks - c.free_blocks == 6  # the pull's, quarantined
     finally:
         os.kill(prefill.pid, signal.SIGCONT)
     wait_all_blocks_free(decode.address, timeout=30)  # released on the holder's word
