@@ -21,7 +21,7 @@ import asyncio
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -32,7 +32,6 @@ from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
 from cluster.registration import Capacity, RegistrationRefused, WorkerInfo
 from engine.block_hash import block_hash_probe
-from engine.block_manager import KVEvent
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest, lora_id_for
@@ -44,6 +43,7 @@ from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, StatusInterceptor
+from worker_runtime.kv_events import KVEventFanout, kv_snapshot
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.paths import AllowedPaths
@@ -131,7 +131,8 @@ class WorkerRuntime:
             self.metrics.set_role, drain_timeout_s=config.drain_timeout_s)
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
-        self._kv_subscribers: set[asyncio.Queue[pb.KVEventBatch]] = set()
+        self.kv_events = KVEventFanout()
+        """The KV-event streams (`SubscribeKVEvents`), fed after every engine step."""
         self._step_hooks: list[Callable[[LLMEngine], bool]] = []
         self._abort_hooks: list[Callable[[str], Awaitable[bool]]] = []
         self.loop = EngineLoop(engine, self.deliver, self._after_step,
@@ -186,11 +187,7 @@ class WorkerRuntime:
                 self.aio.call_soon_threadsafe(queue.put_nowait, delta)
 
     def _after_step(self, engine: LLMEngine) -> bool:
-        events = engine.block_manager.take_events()
-        if events and self._kv_subscribers:
-            batch = kv_event_batch(events)
-            for q in list(self._kv_subscribers):
-                self.aio.call_soon_threadsafe(q.put_nowait, batch)
+        self.kv_events.publish(self.aio, engine.block_manager.take_events())
         return any([hook(engine) for hook in self._step_hooks])  # every hook runs
 
     def settle(self, future: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
@@ -423,34 +420,6 @@ class WorkerRuntime:
         """Every block hash held now, pool and second tier (`GetCachedBlocks`)."""
         return kv_snapshot(*await self.call(lambda e: e.block_manager.held_hashes()))
 
-    async def kv_events(self) -> AsyncIterator[pb.KVEventBatch]:
-        queue: asyncio.Queue[pb.KVEventBatch] = asyncio.Queue()
-        self._kv_subscribers.add(queue)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self._kv_subscribers.discard(queue)
-
-
-def kv_event_batch(events: list[KVEvent]) -> pb.KVEventBatch:
-    """One step's KV events as one batch. A batch is unordered (the router applies its
-    removals, then its stores), so each hash appears once, in the state of its last event;
-    `stored_tiers` is sent only when some stored hash sits in the second tier (empty: all in
-    the pool)."""
-    final: dict[bytes, KVEvent] = {e.block_hash: e for e in events}
-    stored = [e for e in final.values() if e.stored]
-    tiers = [e.tier for e in stored]
-    return pb.KVEventBatch(stored=[e.block_hash for e in stored],
-                           removed=[e.block_hash for e in final.values() if not e.stored],
-                           stored_tiers=tiers if any(tiers) else [])
-
-
-def kv_snapshot(pool: list[bytes], tier: list[bytes]) -> pb.CachedBlocksResponse:
-    """A `GetCachedBlocks` answer: the hashes held in the pool, then those in the second tier
-    (`tiers` only when there are some: empty reads as all in the pool)."""
-    return pb.CachedBlocksResponse(block_hashes=pool + tier,
-                                   tiers=[0] * len(pool) + [1] * len(tier) if tier else [])
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

@@ -42,7 +42,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def SubscribeKVEvents(self, request, context):
         await context.send_initial_metadata(())  # the subscriber knows it is subscribed
-        async for batch in self.rt.kv_events():
+        async for batch in self.rt.kv_events.subscribe():
             yield batch
 
     async def GetCachedBlocks(self, request, context):

@@ -1,4 +1,4 @@
-"""KV events and snapshots carry the tier (worker_runtime/runtime.py kv_event_batch,
+"""KV events and snapshots carry the tier (worker_runtime/kv_events.py kv_event_batch,
 kv_snapshot): a router index fed by a real block manager with a second tier — its stream
 and its snapshot — knows which blocks sit in the pool and which in the tier."""
 from engine.block_manager import BlockManager, KVEvent
@@ -7,7 +7,7 @@ from proto import pdserve_pb2 as pb
 from router.kv_index import KVIndex
 from tests.engine.engine_factories import make_request
 from tests.engine.test_kv_offload import run_once
-from worker_runtime.runtime import kv_event_batch, kv_snapshot
+from worker_runtime.kv_events import kv_event_batch, kv_snapshot
 
 BS = 4
 
