@@ -62,6 +62,9 @@ class KVExporter:
                              f"{len(dest.block_ids)} destination blocks")
         if not request.block_hashes:
             raise ValueError("block_hashes must not be empty")
+        if dest.num_skip_blocks or dest.group_skip_blocks:
+            raise ValueError("destination.num_skip_blocks / group_skip_blocks are for Prefill; "
+                             "SendBlocks sends every block it names")
         await self.peers.check(dest.peer_metadata)
         peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
         done = rt.aio.create_future()

@@ -200,6 +200,12 @@ def test_send_blocks_refuses_unregistered_destinations(workers):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(call())
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+    # Prefill's skip fields mean nothing here: refused by name, not ignored.
+    request.destination.num_skip_blocks = 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(call())
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_skip_blocks" in err.value.details()
 
 
 async def _reset_prefix_cache(worker) -> None:
