@@ -142,8 +142,8 @@ class BlockManager:
 
     def cached_hashes(self) -> list[BlockHash]:
         """Hashes of group 0's blocks held in the pool or the tier (what KV events report)."""
-        tiered = [h for g, h in self.tier.keys() if g == 0] if self.tier is not None else []
-        return list(self._cached[0]) + tiered
+        pool, tier = self.held_hashes()
+        return pool + tier
 
     def held_hashes(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """`cached_hashes` by where they are: (in the pool, in the tier)."""

@@ -99,7 +99,7 @@ class Placer:
         if decision is None:
             return None
         p, plan = decision.prefill, decision.kv_pull
-        if self.metrics is not None and decision.compute.pull is not None:
+        if self.metrics is not None and (plan is not None or decision.kv_pull_declined):
             self.metrics.kv_pull_decisions.labels("pull" if plan else "recompute").inc()
         source = None if plan is None else KVSource(
             states[plan.holder.worker_id], plan.num_blocks, plan.num_tier_blocks)
