@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.step_cost import fitted_slope, prompt_token_cap, step_cost_from
@@ -40,6 +40,17 @@ IDLE_WAIT_S = 0.5  # nothing to do: wake at least this often
 POLL_WAIT_S = 0.001  # work in flight elsewhere (transfers): poll this often
 INITIAL_PROMPT_CAP_BLOCKS = 4  # prefill chunk beside decodes before step costs are measured
 STEP_EWMA_WEIGHT = 0.1  # weight of the newest step in the step-timing means (~ the last 10-20)
+
+
+class StepThreads(Protocol):
+    """Sizes each step's intra-op threads (worker_runtime/host_cores.py: workers on one host
+    lend each other their idle cores)."""
+
+    def begin_step(self) -> int:
+        """A step is about to run: apply and return its thread count."""
+
+    def end_busy(self) -> None:
+        """The engine has no work until the next `begin_step`."""
 
 
 class EngineLoopDied(RuntimeError):
@@ -85,8 +96,10 @@ class EngineLoop:
         on_deltas: Callable[[list[CompletionDelta]], None],
         after_step: Callable[[LLMEngine], bool] | None = None,
         itl_target_s: float = 0.0,
+        step_threads: StepThreads | None = None,
     ) -> None:
         self.engine = engine
+        self.step_threads = step_threads
         self.itl_target_s = itl_target_s
         """> 0: while requests decode, prefill chunks are sized so a step's measured cost
         stays within this (their inter-token latency); `prompt_cap` is that size."""
@@ -175,6 +188,8 @@ class EngineLoop:
                 if self.itl_target_s > 0:
                     self.prompt_cap = self._prompt_cap(max(decoding, 1))
                     engine.scheduler.prompt_token_budget = self.prompt_cap if decoding else 0
+                if self.step_threads is not None:
+                    self.step_threads.begin_step()
                 t0 = time.perf_counter()
                 try:
                     deltas = engine.step()
@@ -194,6 +209,8 @@ class EngineLoop:
                     self._on_deltas(deltas)
             in_flight = self._after_step(engine) if self._after_step else False
             if not stepped:
+                if self.step_threads is not None:
+                    self.step_threads.end_busy()
                 self._wake.wait(POLL_WAIT_S if in_flight else IDLE_WAIT_S)
 
     def _prompt_cap(self, decoding: int) -> int:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from engine.attention.selector import make_attention_backend
+from engine.attention.selector import fused_kernels, make_attention_backend
 from engine.block_manager import BlockManager
 from engine.checks import FieldError
 from engine.config import EngineConfig
@@ -80,7 +80,7 @@ class LLMEngine:
             config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
         )
         self.backend = make_attention_backend(config.attention_backend, self.device)
-        self.loaded.model.use_fused_kernels(self.backend.name == "triton")
+        self.loaded.model.use_fused_kernels(fused_kernels(self.backend.name, self.device))
         peak = profile_peak(self.loaded.model, self.backend, config, self.max_model_len,
                             self.dtype, self.device) if self.device.type == "cuda" else None
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 
 from cluster.grpc_security import resolve
 from cluster.roles import Role
@@ -31,11 +32,24 @@ def run(role: Role, args: argparse.Namespace) -> int:
     """Both configs from the parsed flags (once) and the cluster token / TLS files they name
     (a refused one stops the start: exit 2), then serve until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    passive_openmp_waits(os.environ)  # before anything imports torch
     config = from_args(WorkerConfig, args, role=role)
     auth = resolve(config.grpc_security, os.environ)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
     etcd_credentials = config.etcd_security.resolve(os.environ)  # before any model loads
     return asyncio.run(_serve(config, engine_config, auth, etcd_credentials))
+
+
+def passive_openmp_waits(env: MutableMapping[str, str]) -> None:
+    """OpenMP threads that wait by sleeping, not spinning (`OMP_WAIT_POLICY=PASSIVE`), unless
+    the environment names a policy. A worker shares its host with the router, its own gRPC
+    threads and other workers (whose idle cores it borrows, worker_runtime/host_cores.py);
+    with spinning waits, a step whose threads lose a core for a moment waits for the
+    descheduled one at each of a step's ~300 parallel regions (benchmarks/profiles/
+    decode_step.md: 15-20x slower steps). libgomp reads it when torch loads, so this runs
+    first."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineConfig:

@@ -42,7 +42,12 @@ class WorkerConfig:
     """On SIGTERM: seconds to finish in-flight requests before exiting; also a role switch's
     drain when its SetRole names none."""
     num_threads: int = 0
-    """torch threads for this process (0: cores / 2, at least 1)."""
+    """torch threads for this process (0: cores / 2, at least 1): its own share of the host's
+    cores."""
+    share_host_cores: bool = True
+    """Workers on one host lend each other their idle cores: a step uses this worker's
+    --num-threads plus the threads of the host's workers that have no work at the time
+    (worker_runtime/host_cores.py); --no-share-host-cores keeps --num-threads fixed."""
     enable_admin_rpcs: bool = False
     """Serve the admin RPCs — Sleep, WakeUp, ResetPrefixCache, UpdateWeights, CollectiveRPC,
     LoadLoRAAdapter, UnloadLoRAAdapter, SetRole — to whoever can reach the gRPC port; without

@@ -43,6 +43,7 @@ from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, StatusInterceptor
+from worker_runtime.host_cores import HostCoreShare, host_cores
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
@@ -92,12 +93,14 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
                  registration_for: RegistrationFor, *, auth: ClusterAuth,
                  metrics: WorkerMetrics | None = None,
-                 etcd_credentials: EtcdCredentials | None = None) -> None:
+                 etcd_credentials: EtcdCredentials | None = None,
+                 step_threads: HostCoreShare | None = None) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
         the transfer agent the engine's pool is registered with here; `auth` (resolved from
         `config.grpc_security` at start) guards its gRPC port and the channels it opens to
         other workers; `etcd_credentials` (resolved from `config.etcd_security` at start)
-        open every etcd client of this worker."""
+        open every etcd client of this worker; `step_threads` sizes each step's threads from
+        the host's idle cores (None: the thread count stays as set)."""
         self.config = config
         self.auth = auth
         self.etcd_credentials = etcd_credentials
@@ -135,8 +138,10 @@ class WorkerRuntime:
         """The KV-event streams (`SubscribeKVEvents`), fed after every engine step."""
         self._step_hooks: list[Callable[[LLMEngine], bool]] = []
         self._abort_hooks: list[Callable[[str], Awaitable[bool]]] = []
+        self.step_threads = step_threads
         self.loop = EngineLoop(engine, self.deliver, self._after_step,
-                               itl_target_s=config.itl_target_ms / 1000)
+                               itl_target_s=config.itl_target_ms / 1000,
+                               step_threads=step_threads)
         self.stats: EngineStats = engine.stats()
         self.loras: dict[str, str] = dict(engine.config.lora_modules)
         """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
@@ -157,14 +162,16 @@ class WorkerRuntime:
         from cluster.registration import Registrar
         from kvtransfer import KVTransferConfig, NixlTransferBackend
 
-        torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 2) // 2))
+        threads = config.num_threads or max(1, host_cores() // 2)
+        torch.set_num_threads(threads)
         engine = LLMEngine(engine_config)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
         return cls(config, engine, kv,
                    lambda info: Registrar(config.etcd, config.cluster, info,
                                           credentials=etcd_credentials,
                                           startup_check=check_peers),
-                   auth=auth, etcd_credentials=etcd_credentials)
+                   auth=auth, etcd_credentials=etcd_credentials,
+                   step_threads=HostCoreShare(threads) if config.share_host_cores else None)
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""
@@ -406,6 +413,8 @@ class WorkerRuntime:
         await self.registration.deregister()
         await server.stop(1.0 if code == 0 else 0)
         self.loop.stop()
+        if self.step_threads is not None:
+            self.step_threads.close()
         self.kv.close()
         return code
 

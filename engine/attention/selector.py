@@ -19,3 +19,14 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r} (torch, triton or auto)")
+
+
+def fused_kernels(backend_name: str, device: torch.device) -> str | None:
+    """The fused layer kernels that go with a backend (a model's `use_fused_kernels`):
+    "triton" with the Triton backend, "cpu" on the CPU where the C++ ops build (not with
+    PDSERVE_CPU_KERNELS=0), else None (plain torch)."""
+    from engine import cpu_kernels
+
+    if backend_name == "triton":
+        return "triton"
+    return "cpu" if device.type == "cpu" and cpu_kernels.load() else None

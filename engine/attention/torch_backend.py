@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_format import dequantize, quantize
@@ -122,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
     With a sliding window each sequence gathers only the blocks from its window's first one.
 
     On the CPU, decode rows over a pool in the model's dtype go to the C++ kernel that reads
-    K/V in place (engine/attention/cpu_kernels.py) when it builds; `cpu_kernels=False` keeps
+    K/V in place (engine/cpu_kernels) when it builds; `cpu_kernels=False` keeps
     the gather + SDPA path everywhere (the reference the kernel is tested against)."""
 
     name = "torch"

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.models.config import ModelArgs
-from engine.models.interface import CausalLMBase, ForwardContext
+from engine.models.interface import CausalLMBase, ForwardContext, FusedKernels
 from engine.models.layers import (
     Embedding,
     FeedForward,
@@ -61,6 +61,7 @@ class DecoderLM(CausalLMBase):
         )
         self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
+        self.layer_ops = None  # RMSNorm / RoPE / SiLU-and-mul kernels: Triton's or the CPU's
         self.lm_head_packed: PackedWeight | None = None  # layers.pack_linears sets it
 
     @classmethod
@@ -126,8 +127,9 @@ class DecoderLM(CausalLMBase):
     ) -> Tensor:
         """The residual stream after the last layer, [T, dim] (before the final norm).
         `num_layers`: stop after the first N layers (a layer-skip self-draft)."""
-        ctx.positions, ctx.rope_cos_sin, ctx.kernels = positions, self.rope_tables, self.kernels
-        if self.kernels is None:
+        ctx.positions, ctx.rope_cos_sin = positions, self.rope_tables
+        ctx.kernels, ctx.layer_ops = self.kernels, self.layer_ops
+        if self.layer_ops is None:
             ctx.cos_sin = [rope_rows(table, positions) for table in self.rope_tables]
         x = self.embed_tokens(input_ids)
         if self.args.embed_scale is not None:
@@ -154,15 +156,19 @@ class DecoderLM(CausalLMBase):
             x = x[indices]
         return self.norm(x, ctx)
 
-    def use_fused_kernels(self, enabled: bool) -> None:
-        """Route RMSNorm, RoPE and SiLU-and-mul through the Triton kernels (CUDA, or CPU under
-        TRITON_INTERPRET=1)."""
-        if enabled:
+    def use_fused_kernels(self, kind: FusedKernels) -> None:
+        """Route RMSNorm, RoPE and SiLU-and-mul through the Triton kernels ("triton": CUDA, or
+        CPU under TRITON_INTERPRET=1; MoE and LoRA too) or the CPU's C++ ops ("cpu",
+        engine/cpu_kernels: they must have loaded); None: plain torch."""
+        self.kernels = self.layer_ops = None
+        if kind == "triton":
             import kernels
 
-            self.kernels = kernels
-        else:
-            self.kernels = None
+            self.kernels = self.layer_ops = kernels
+        elif kind == "cpu":
+            from engine.cpu_kernels import LAYER_OPS
+
+            self.layer_ops = LAYER_OPS
 
     def _weight_target(self, name: str) -> Tensor | None:
         """The tensor (a row range of a fused one) that HF weight `name` lives in; None for a

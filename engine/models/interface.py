@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -32,12 +32,17 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.lora.batch import LoRABatch
 from engine.models.config import ModelArgs
 
+FusedKernels = Literal["triton", "cpu"] | None
+"""Which fused layer kernels a model runs (`use_fused_kernels`)."""
+
 
 class ForwardContext:
     """Per-forward state every layer reads: attention backend, pool, batch metadata, the
     step's LoRA adapters. The model fills in what its layers share (positions, its RoPE
-    tables and their rows at `positions` — one per RoPE spec the layers use —, the kernels
-    module when fused) at the start of `residual`.
+    tables and their rows at `positions` — one per RoPE spec the layers use —, the fused
+    kernels) at the start of `residual`: `layer_ops` (RMSNorm, RoPE, SiLU-and-mul: the Triton
+    package, or the CPU's C++ ops, engine/cpu_kernels) and `kernels` (the Triton package,
+    for MoE and LoRA; None on the CPU).
 
     KV groups (engine/kv_groups.py): when the model's layers share the pool's blocks in
     several groups, `group_metadata[g]` is group g's metadata (its slots and block tables;
@@ -45,14 +50,14 @@ class ForwardContext:
     the group's blocks. With one group, `group_metadata` is None."""
 
     __slots__ = ("backend", "kv_cache", "metadata", "group_metadata", "positions", "rope_cos_sin",
-                 "cos_sin", "kernels", "lora")
+                 "cos_sin", "kernels", "layer_ops", "lora")
 
     def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
                  lora: LoRABatch | None = None,
                  group_metadata: list[AttentionMetadata] | None = None):
         self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
         self.group_metadata = group_metadata
-        self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = None
+        self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = self.layer_ops = None
         self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
 
     @classmethod
@@ -100,8 +105,9 @@ class CausalLM(Protocol):
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """LM-head logits [len(indices) or T, vocab], fp32, at rows `indices` of `x`."""
 
-    def use_fused_kernels(self, enabled: bool) -> None:
-        """The engine turns this on with the Triton attention backend; a model may ignore it."""
+    def use_fused_kernels(self, kind: FusedKernels) -> None:
+        """The engine asks for "triton" with the Triton attention backend, "cpu" on the CPU
+        where the C++ ops build, None for plain torch; a model may ignore it."""
 
     def __call__(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
                  logits_indices: Tensor | None = None) -> Tensor:
@@ -137,6 +143,6 @@ class CausalLMBase(nn.Module):
         self.load_weights(weights)
         return len(weights)
 
-    def use_fused_kernels(self, enabled: bool) -> None:
+    def use_fused_kernels(self, kind: FusedKernels) -> None:
         """Plain torch ops whatever the backend (attention still runs in the backend)."""
         self.kernels = None

@@ -4,8 +4,9 @@ Per-architecture options come from ModelArgs (engine/models/config.py): projecti
 per-head q/k norms, an explicit head_dim, per-layer sliding windows and RoPE bases, the
 softmax scale and score soft-capping, Gemma's (1 + w) norms, where a block's norms sit (pre,
 Gemma's "sandwich", OLMo 2's post), Granite's residual multiplier, the MLP's activation, and
-where a layer's K/V live (its KV group's blocks, engine/kv_groups.py). With `ctx.kernels` set
-(the Triton attention backend) RMSNorm, RoPE and SiLU-and-mul run as Triton kernels.
+where a layer's K/V live (its KV group's blocks, engine/kv_groups.py). With `ctx.layer_ops` set
+RMSNorm (with the residual add before it), RoPE and SiLU-and-mul run as fused kernels: Triton's
+with the Triton attention backend, the C++ ones on the CPU (engine/cpu_kernels).
 
 Each module maps the checkpoint's names below it onto its (fused) parameters with
 `weight_target(name)`: the tensor, or the row range of a fused one, that an HF tensor fills —
@@ -109,11 +110,18 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-        if ctx.kernels is not None:
-            return ctx.kernels.rms_norm(x, self.weight, self.eps)
+        if ctx.layer_ops is not None:
+            return ctx.layer_ops.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """(self(x + residual), x + residual): one fused pass where `ctx.layer_ops` has one."""
+        if ctx.layer_ops is not None and not self.unit_offset:
+            return ctx.layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return self(summed, ctx), summed
 
 
 def rope_rows(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -174,7 +182,7 @@ class Attention(nn.Module):
         if ctx.lora is not None:
             ctx.lora.add(qkv, x, self.layer, (("q_proj", 0), ("k_proj", self.q_size),
                                               ("v_proj", self.q_size + self.kv_size)))
-        if self.q_norm is None and ctx.kernels is None:
+        if self.q_norm is None and ctx.layer_ops is None:
             # q and k side by side in qkv: one RoPE over their heads (same values as two).
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim),
                             ctx.cos_sin[self.rope_index])
@@ -189,8 +197,8 @@ class Attention(nn.Module):
         v = v.view(T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
-        if ctx.kernels is not None:
-            ctx.kernels.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
+        if ctx.layer_ops is not None:
+            ctx.layer_ops.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
         else:
             rows = ctx.cos_sin[self.rope_index]
             q, k = apply_rope(q, rows), apply_rope(k, rows)
@@ -240,8 +248,8 @@ class FeedForward(nn.Module):
         if self.gelu:
             gate, up = gate_up.split([self.inter, self.inter], dim=-1)
             h = F.gelu(gate, approximate="tanh") * up
-        elif ctx.kernels is not None:
-            h = ctx.kernels.silu_and_mul(gate_up)
+        elif ctx.layer_ops is not None:
+            h = ctx.layer_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split([self.inter, self.inter], dim=-1)
             h = F.silu(gate) * up
@@ -285,8 +293,9 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         if self.layout == "pre":
             a = self.self_attn(self.input_layernorm(x, ctx), ctx)
-            h = x + (a if self.residual_scale is None else a * self.residual_scale)
-            m = self.mlp(self.post_attention_layernorm(h, ctx), ctx)
+            normed, h = self.post_attention_layernorm.add_and_norm(
+                a if self.residual_scale is None else a * self.residual_scale, x, ctx)
+            m = self.mlp(normed, ctx)
             return h + (m if self.residual_scale is None else m * self.residual_scale)
         if self.layout == "post":
             h = x + self.post_attention_layernorm(self.self_attn(x, ctx), ctx)

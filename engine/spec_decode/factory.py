@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.selector import fused_kernels
 from engine.checks import FieldError
 from engine.kv_pool import allocate_kv_pool
 from engine.model_runner import ModelRunner
@@ -46,7 +47,7 @@ def make_proposer(spec: SpeculativeConfig | None, target: LoadedModel, runner: M
         raise FieldError("model", f"speculative_config model {spec.model!r} handles "
                                   f"{draft.args.max_position_embeddings} positions, fewer than "
                                   f"max_model_len {max_model_len}")
-    draft.model.use_fused_kernels(runner.backend.name == "triton")
+    draft.model.use_fused_kernels(fused_kernels(runner.backend.name, runner.device))
     pool = allocate_kv_pool(runner.bm.num_blocks, draft.args, runner.block_size, dtype,
                             runner.device, kv_cache_dtype)
     return DraftModelProposer(draft.model, pool, runner.backend, runner.bm, runner.sampler,

@@ -1,10 +1,10 @@
-"""The C++ paged decode kernel (engine/attention/cpu_kernels.py) against the torch backend's
+"""The C++ paged decode kernel (engine/cpu_kernels) against the torch backend's
 gather + SDPA decode path: ragged contexts over shuffled blocks, block sizes 16 and 32, GQA
 groups, a head_dim that is not a multiple of 16, sliding windows, soft-capping, bf16."""
 import pytest
 import torch
 
-from engine.attention import cpu_kernels
+from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 

@@ -23,7 +23,7 @@ SPECS = (
     SeqSpec(45, 45),  # a whole prompt
     SeqSpec(90, 30, share_from=0, shared_tokens=32),  # a prefill chunk after a cached context
 )
-# "torch": decodes through the C++ kernel where it builds (engine/attention/cpu_kernels.py);
+# "torch": decodes through the C++ kernel where it builds (engine/cpu_kernels);
 # "torch_gather": the gather + SDPA path everywhere.
 BACKENDS = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend,
             "torch_gather": functools.partial(TorchAttentionBackend, cpu_kernels=False)}

@@ -265,7 +265,7 @@ def test_triton_path_matches_transformers(arch, model_dir, tmp_path):
     hf = build().eval()
     out = write_checkpoint(hf, model_dir, tmp_path / "model")
     ours = load_model(out)
-    ours.model.use_fused_kernels(True)
+    ours.model.use_fused_kernels("triton")
     ids = ours.tokenizer.encode(PROMPTS[1])
     n = len(ids)
     with torch.inference_mode():

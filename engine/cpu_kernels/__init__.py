@@ -1,12 +1,12 @@
-"""The CPU attention kernels in C++ (engine/attention/cpu/*.cpp): built on first use with the
+"""The engine's CPU kernels in C++ (engine/cpu_kernels/*.cpp): built on first use with the
 system's g++ against the installed torch, cached, loaded as `torch.ops.pdserve_cpu`.
 
 The build is keyed by the source, the compiler flags, the torch version and this CPU's flags (it is compiled
 with -march=native), so a cached library never runs on a CPU or torch it was not built
 for. It lands in `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/cpu_kernels); concurrent
 builds (pytest workers) serialise on a lock file. Without a compiler, or with
-PDSERVE_CPU_KERNELS=0, `load()` returns False and the torch backend keeps its plain-torch
-paths — same results to rounding, slower.
+PDSERVE_CPU_KERNELS=0, `load()` returns False and the torch backend and the model layers
+keep their plain-torch paths — same results to rounding, slower.
 
 `paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap)`:
 decode rows (one query token per sequence) attending over the pool in place, for pools in
@@ -14,7 +14,11 @@ the model's dtype. query [S, Hq, D] (unit last stride), kv_cache the engine's co
 `[N, L, 2, B, Hkv, D]` pool in query's dtype, block_tables int32 [S, >= blocks], seq_lens
 int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else keys
 seq_len-window..seq_len-1; no table entry before the window's first block is read),
-soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32."""
+soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32.
+
+`LAYER_OPS`: RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-mul (layer_ops.cpp),
+with the contracts of the Triton kernels of the same names (`kernels`), so a model's layers
+call either set through `ctx.kernels` (engine/models/layers.py)."""
 from __future__ import annotations
 
 import fcntl
@@ -29,7 +33,9 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
+_DIR = Path(__file__).parent
+_SOURCES = (_DIR / "paged_decode.cpp", _DIR / "layer_ops.cpp")
+_HEADERS = (_DIR / "vec16.h",)
 
 
 def _cpu_flags() -> str:
@@ -65,7 +71,7 @@ def load() -> bool:
         return False
     try:
         key = hashlib.sha256()
-        for src in _SOURCES:  # absent from an install that left out the package's .cpp files
+        for src in (*_SOURCES, *_HEADERS):  # absent from an install that left out the sources
             key.update(src.read_bytes())
         key.update(" ".join(_FLAGS).encode())
         key.update(torch.__version__.encode())
@@ -82,7 +88,7 @@ def load() -> bool:
         torch.ops.load_library(str(lib))
     except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
         detail = getattr(exc, "stderr", "") or ""
-        log.warning("CPU attention kernels unavailable (plain torch instead): %s %s", exc, detail[-2000:])
+        log.warning("CPU kernels unavailable (plain torch instead): %s %s", exc, detail[-2000:])
         return False
     return True
 
@@ -100,3 +106,35 @@ def fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (query.device.type == "cpu" and kv_cache.dtype == query.dtype
             and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and kv_cache.shape[-1] == query.shape[-1] and query.stride(-1) == 1)
+
+
+class LayerOps:
+    """The layer kernels for `ctx.kernels` on the CPU (the Triton package's names and
+    contracts: kernels/rms_norm.py, rope.py, silu_and_mul.py). `load()` must have returned
+    True."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Over x's last dim; x may be a strided view (Qwen3's per-head q/k norms read views
+        of the fused qkv): it is read through a contiguous copy then."""
+        return torch.ops.pdserve_cpu.rms_norm(x.contiguous(), weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
+        return torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
+    def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> None:
+        """q [T, Hq, D], k [T, Hk, D] (strided views allowed) rotated in place at `positions`
+        by the fp32 `cos | sin` table [P, R]; dims past R pass through."""
+        torch.ops.pdserve_cpu.rope_(q, k, positions.to(torch.int64), cos_sin_cache)
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.silu_and_mul(x)
+
+
+LAYER_OPS = LayerOps()

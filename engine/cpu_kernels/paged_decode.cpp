@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec16.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 extern "C" __m512 _ZGVeN16v_expf(__m512);
@@ -91,15 +93,7 @@ inline std::vector<float> softmax_numerators(float* scores, int64_t G, int64_t l
 inline float capped(float score, float cap) { return cap > 0.f ? cap * std::tanh(score / cap) : score; }
 
 #ifdef __AVX512F__
-// 16 lanes of a row as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using pdserve_vec::load16;
 
 // Asks (into L2) for the rows of this head in the block kPrefetchBlocks ahead (K or V page)
 // while the current one is read: blocks sit anywhere in the pool, so the hardware prefetcher

@@ -1,0 +1,232 @@
+// A decoder layer's small ops on the CPU, one pass each: RMSNorm (optionally fused with the
+// residual add before it), RoPE in place on q and k, SiLU-and-mul.
+//
+// Contracts and references: the Triton kernels of the same names (kernels/rms_norm.py,
+// kernels/rope.py, kernels/silu_and_mul.py) and their plain-torch references; wrappers in
+// engine/cpu_kernels/__init__.py. Each replaces 4-10 ATen ops whose cost at decode sizes is
+// dispatch, not arithmetic (benchmarks/profiles/decode_step.md).
+//
+// Numerics follow the torch path they replace (engine/models/layers.py): statistics and
+// products in fp32, rounded to the model's dtype at the same points (the normalised value
+// before the weight multiply, silu before the multiply by up, the residual sum before its
+// norm). Sums run in another order than ATen's, so fp32 results differ in the last bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "vec16.h"
+
+#ifdef __AVX512F__
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+using pdserve_vec::load16;
+using pdserve_vec::round16;
+using pdserve_vec::store16;
+#endif
+
+// RoPE's rotate-and-add must round as the torch path does (a product, then the sum), not as
+// one fused multiply-add.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 16;  // rows per parallel task: decode batches run serially
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T cast(float v) { return static_cast<T>(v); }
+
+// out[r] = T(T(x[r] * inv_rms) * w): HF LlamaRMSNorm.
+template <typename T>
+void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
+  int64_t i = 0;
+  float ss = 0.f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= H; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < H; ++i) ss += f32(x[i]) * f32(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= H; i += 16)
+    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(x + i), iv)), load16(w + i)));
+#endif
+  for (; i < H; ++i) out[i] = cast<T>(f32(cast<T>(f32(x[i]) * inv)) * f32(w[i]));
+}
+
+// sum[i] = T(x[i] + r[i])
+template <typename T>
+void add_row(const T* x, const T* r, T* sum, int64_t H) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= H; i += 16) store16(sum + i, _mm512_add_ps(load16(x + i), load16(r + i)));
+#endif
+  for (; i < H; ++i) sum[i] = cast<T>(f32(x[i]) + f32(r[i]));
+}
+
+at::Tensor rows_of(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), name, ": contiguous [..., hidden]");
+  return x.view({-1, x.size(-1)});
+}
+
+void check_weight(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1), "weight: [hidden], contiguous");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "weight: x's dtype");
+}
+
+template <typename F>
+void for_each_dtype(const at::Tensor& x, const char* op, F&& body) {
+  switch (x.scalar_type()) {
+    case at::kFloat: body(float{}); break;
+    case at::kBFloat16: body(c10::BFloat16{}); break;
+    case at::kHalf: body(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16");
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor rows = rows_of(x, "x");
+  check_weight(x, weight);
+  at::Tensor out = at::empty_like(x);
+  const int64_t R = rows.size(0), H = rows.size(1);
+  for_each_dtype(x, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = rows.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, R, kRowsPerTask, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) norm_row(xp + r * H, wp, op + r * H, H, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  const at::Tensor rows = rows_of(x, "x"), res = rows_of(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual: x's shape and dtype");
+  check_weight(x, weight);
+  at::Tensor out = at::empty_like(x), summed = at::empty_like(x);
+  const int64_t R = rows.size(0), H = rows.size(1);
+  for_each_dtype(x, "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = rows.data_ptr<T>();
+    const T* rp = res.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    T* sp = summed.data_ptr<T>();
+    at::parallel_for(0, R, kRowsPerTask, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        add_row(xp + r * H, rp + r * H, sp + r * H, H);
+        norm_row(sp + r * H, wp, op + r * H, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, summed};
+}
+
+// x[..half) and x[half..2 half) of each head rotate: x1 c - x2 s | x2 c + x1 s.
+template <typename T>
+inline void rotate_heads(T* x, int64_t heads, int64_t head_stride, const float* cs, int64_t half) {
+  const float* sn = cs + half;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* p = x + h * head_stride;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = f32(p[i]), x2 = f32(p[i + half]);
+      const float a = x1 * cs[i], b = x2 * -sn[i], c = x2 * cs[i], d = x1 * sn[i];
+      p[i] = cast<T>(a + b);
+      p[i + half] = cast<T>(c + d);
+    }
+  }
+}
+
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cos_sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "q, k: [T, heads, head_dim] with unit last stride");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.scalar_type() == k.scalar_type(),
+              "q, k: the same tokens, head_dim and dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q.size(0) && positions.is_contiguous() &&
+              positions.scalar_type() == at::kLong, "positions: int64 [T], contiguous");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.scalar_type() == at::kFloat &&
+              cos_sin.size(1) % 2 == 0 && cos_sin.size(1) <= q.size(2),
+              "cos_sin: fp32 [positions, rotary_dim], contiguous, rotary_dim even and <= head_dim");
+  const int64_t T_ = q.size(0), half = cos_sin.size(1) / 2, P = cos_sin.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* table = cos_sin.data_ptr<float>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table of ", P);
+  for_each_dtype(q, "rope", [&](auto tag) {
+    using T = decltype(tag);
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    at::parallel_for(0, T_, kRowsPerTask, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float* cs = table + pos[t] * 2 * half;
+        rotate_heads(qp + t * q.stride(0), q.size(1), q.stride(1), cs, half);
+        rotate_heads(kp + t * k.stride(0), k.size(1), k.stride(1), cs, half);
+      }
+    });
+  });
+}
+
+template <typename T>
+inline float silu(float g) { return f32(cast<T>(g / (1.f + std::exp(-g)))); }
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16(gate + i);
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e))), load16(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = cast<T>(silu<T>(f32(gate[i])) * f32(up[i]));
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const at::Tensor rows = rows_of(x, "x");
+  TORCH_CHECK(rows.size(1) % 2 == 0, "x: an even last dim (gate | up)");
+  const int64_t R = rows.size(0), W = rows.size(1) / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = W;
+  at::Tensor out = at::empty(shape, x.options());
+  for_each_dtype(x, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = rows.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, R, kRowsPerTask, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) silu_mul_row(xp + r * 2 * W, xp + r * 2 * W + W, op + r * W, W);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
