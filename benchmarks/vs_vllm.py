@@ -17,9 +17,11 @@ Without --vllm-python only pdserve's side runs (its numbers, no ratios)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -116,8 +118,9 @@ class _Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited (rc {self.proc.returncode}); log: {self.log.name}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            try:  # ready = serves a completion (a router answers /v1/models before its workers)
+                if httpx.post(f"{url}/v1/completions", timeout=30, json={
+                        "model": "smollm2", "prompt": "Hello", "max_tokens": 1}).status_code == 200:
                     self.url = url
                     return
             except httpx.HTTPError:
@@ -144,17 +147,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_pdserve(args, model: str, work: Path) -> _Server:
+def _start_pdserve(args, model: str, work: Path, name: str = "pdserve", up_flags: tuple[str, ...] = ()
+                   ) -> _Server:
+    """`pdserve up` with `up_flags` (default: --prefill 1 --decode 1 --num-threads
+    --pdserve-threads)."""
     port = _free_port()
-    argv = [sys.executable, "-m", "pdserve", "up", "--port", str(port), "--prefill", "1",
-            "--decode", "1", "--num-threads", str(args.pdserve_threads), "--model", model, "--log-dir", str(work / "logs"),
+    pools = list(up_flags) or ["--prefill", "1", "--decode", "1", "--num-threads", str(args.pdserve_threads)]
+    argv = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *pools, "--model", model,
+            "--log-dir", str(work / f"logs-{name}"),
             "--router-arg=--served-model-name=smollm2", "--worker-arg=--kv-cache-memory=1GiB"]
     if args.planner:
         argv.append("--planner")
     argv += [f"--worker-arg={flag}" for flag in args.worker_arg]
     argv += [f"--prefill-arg={flag}" for flag in args.prefill_arg]
     server = _Server(_pinned(args.cores, argv), {**os.environ, "PDSERVE_CACHE": str(work / "cache")},
-                     work / "pdserve.log")
+                     work / f"{name}.log")
     server.wait_ready(f"http://127.0.0.1:{port}", 300)
     return server
 
@@ -188,7 +195,12 @@ def serve(args) -> None:
     model = _model_dir()
     rates = [float(r) for r in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="pdserve-vs-vllm-"))
-    starters = [("pdserve", _start_pdserve)] + ([("vllm", _start_vllm)] if args.vllm_python else [])
+    starters = [("pdserve", _start_pdserve)]
+    for variant in args.variant:  # NAME=UP FLAGS: more pdserve clusters, same load
+        name, _, flags = variant.partition("=")
+        starters.append((name, functools.partial(_start_pdserve, name=name, up_flags=tuple(shlex.split(flags)))))
+    if args.vllm_python:
+        starters.append(("vllm", _start_vllm))
     results: dict[tuple[str, float], dict] = {}
     for side, start in starters:
         server = start(args, model, work)
@@ -196,23 +208,25 @@ def serve(args) -> None:
             _load(server.url, 2.0, args, work / f"{side}-warmup.json", seed=0, num_prompts=8)  # not reported
             for i, rate in enumerate(rates, start=1):
                 doc = results[side, rate] = _load(server.url, rate, args, work / f"{side}-{rate}.json", seed=i)
-                print(f"{side:8s} rate {rate:4.1f}/s: TTFT p99 {doc['ttft_ms']['p99']:8.0f} ms, ITL p99 "
-                      f"{doc['itl_ms']['p99']:7.0f} ms, goodput {doc['goodput']:.2f} req/s, "
-                      f"{doc['completed']}/{doc['num_requests']} done", flush=True)
+                print(f"{side:14s} rate {rate:4.1f}/s: TTFT p50/p99 {doc['ttft_ms']['p50']:6.0f} / "
+                      f"{doc['ttft_ms']['p99']:6.0f} ms, ITL p50/p99 {doc['itl_ms']['p50']:5.0f} / "
+                      f"{doc['itl_ms']['p99']:5.0f} ms, {doc['request_throughput']:.2f} req/s, goodput "
+                      f"{doc['goodput']:.2f} req/s, {doc['completed']}/{doc['num_requests']} done", flush=True)
         finally:
             server.stop()
     print(f"\n== served: random 256 -> 64 tokens, {args.num_prompts} requests per rate, SLO TTFT <= 2 s "
           f"and every gap <= 250 ms (cores {args.cores or 'all'}; pdserve 1P+1D"
-          f"{' + planner' if args.planner else ''}) ==")
-    for rate in rates:
-        p = results["pdserve", rate]
-        if ("vllm", rate) not in results:
-            continue
-        v = results["vllm", rate]
-        ratio = lambda a, b: a / b if b else float("inf")  # noqa: E731
-        print(f"rate {rate:4.1f}/s: TTFT p99 {ratio(p['ttft_ms']['p99'], v['ttft_ms']['p99']):.2f}x vLLM's, "
-              f"ITL p99 {ratio(p['itl_ms']['p99'], v['itl_ms']['p99']):.2f}x, "
-              f"goodput {ratio(p['goodput'], v['goodput']):.2f}x")
+          f"{' + planner' if args.planner else ''}), ratios to vLLM ==")
+    for side, _ in starters[:-1] if args.vllm_python else []:
+        for rate in rates:
+            p, v = results[side, rate], results["vllm", rate]
+            ratio = lambda a, b: a / b if b else float("inf")  # noqa: E731
+            print(f"{side:14s} rate {rate:4.1f}/s: TTFT p50 {ratio(p['ttft_ms']['p50'], v['ttft_ms']['p50']):.2f}x "
+                  f"p99 {ratio(p['ttft_ms']['p99'], v['ttft_ms']['p99']):.2f}x, "
+                  f"ITL p50 {ratio(p['itl_ms']['p50'], v['itl_ms']['p50']):.2f}x "
+                  f"p99 {ratio(p['itl_ms']['p99'], v['itl_ms']['p99']):.2f}x, "
+                  f"req/s {ratio(p['request_throughput'], v['request_throughput']):.2f}x, "
+                  f"goodput {ratio(p['goodput'], v['goodput']):.2f}x")
     print(f"raw results: {work}")
 
 
@@ -234,6 +248,9 @@ def main() -> None:
     srv.add_argument("--num-prompts", type=int, default=48)
     srv.add_argument("--rates", default="0.5,1,2")
     srv.add_argument("--planner", action="store_true", help="pdserve up --planner")
+    srv.add_argument("--variant", action="append", default=[], metavar="NAME=UP_FLAGS",
+                     help="also measure `pdserve up UP_FLAGS` under NAME, e.g. "
+                          "'colocated=--prefill 0 --decode 1 --num-threads 2' (repeatable)")
     srv.add_argument("--pdserve-threads", type=int, default=1, help="torch threads per pdserve worker")
     srv.add_argument("--worker-arg", action="append", default=[], help="extra flag for every pdserve worker")
     srv.add_argument("--prefill-arg", action="append", default=[], help="extra flag for pdserve's prefill workers")

@@ -32,7 +32,7 @@ def run(role: Role, args: argparse.Namespace) -> int:
     """Both configs from the parsed flags (once) and the cluster token / TLS files they name
     (a refused one stops the start: exit 2), then serve until SIGTERM."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
-    passive_openmp_waits(os.environ)  # before anything imports torch
+    bounded_openmp_spinning(os.environ)  # before anything imports torch
     config = from_args(WorkerConfig, args, role=role)
     auth = resolve(config.grpc_security, os.environ)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
@@ -40,16 +40,26 @@ def run(role: Role, args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, engine_config, auth, etcd_credentials))
 
 
-def passive_openmp_waits(env: MutableMapping[str, str]) -> None:
-    """OpenMP threads that wait by sleeping, not spinning (`OMP_WAIT_POLICY=PASSIVE`), unless
-    the environment names a policy. A worker shares its host with the router, its own gRPC
-    threads and other workers (whose idle cores it borrows, worker_runtime/host_cores.py);
-    with spinning waits, a step whose threads lose a core for a moment waits for the
-    descheduled one at each of a step's ~300 parallel regions (benchmarks/profiles/
-    decode_step.md: 15-20x slower steps). libgomp reads it when torch loads, so this runs
+OPENMP_SPIN_COUNT = "10000"
+"""libgomp's GOMP_SPINCOUNT for workers: how long an idle OpenMP thread spins before it sleeps."""
+
+
+def bounded_openmp_spinning(env: MutableMapping[str, str]) -> None:
+    """OpenMP threads that spin briefly, then sleep, at the end of a parallel region
+    (`GOMP_SPINCOUNT=10000`), unless the environment names a policy (`OMP_WAIT_POLICY` or
+    `GOMP_SPINCOUNT`). A worker shares its host with the router, its own gRPC threads and
+    other workers (whose idle cores it borrows, worker_runtime/host_cores.py). With libgomp's
+    default (long spins), a step whose threads lose a core for a moment waits for the
+    descheduled one at each of a step's ~300 parallel regions: 13x slower decode steps beside
+    one busy process; passive waits (sleep at once) cost nothing then but forfeit the second
+    thread on an idle host (a KVM guest wakes a sleeping vCPU slowly). Measured (SmolLM2, bf16,
+    2 threads, ITL at batch 1): quiet 25 ms (spin), 25 (10000), 37 (passive), 1 thread 35;
+    beside a busy process 510 (spin), 78 (10000), 42 (passive), 1 thread 39 — and core sharing
+    drops a worker to its own share whenever another worker is busy
+    (benchmarks/profiles/decode_step.md). libgomp reads it when torch loads, so this runs
     first."""
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
 
 
 def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineConfig:

@@ -43,7 +43,7 @@ from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, StatusInterceptor
-from worker_runtime.host_cores import HostCoreShare, host_cores
+from worker_runtime.host_cores import HostCoreShare, host_cores, release_openmp_threads
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
@@ -165,6 +165,7 @@ class WorkerRuntime:
         threads = config.num_threads or max(1, host_cores() // 2)
         torch.set_num_threads(threads)
         engine = LLMEngine(engine_config)
+        release_openmp_threads()  # only the engine thread keeps a team (host_cores.py)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
         return cls(config, engine, kv,
                    lambda info: Registrar(config.etcd, config.cluster, info,

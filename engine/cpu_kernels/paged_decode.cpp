@@ -106,6 +106,101 @@ inline void prefetch_rows(const T* page_head, int64_t B, int64_t row, int64_t D)
       _mm_prefetch(reinterpret_cast<const char*>(page_head + t * row) + b, _MM_HINT_T1);
 }
 
+// The four sums of a, b, c and d's lanes, in that order.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3), the same for c and d.
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // Per 128-bit lane: partial sums of a, b, c, d.
+  const __m512 abcd = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// scores[g][key] = q[g] . k[key] * scale (soft-capped) for GB query heads of one kv head.
+// Four keys at a time: each key row is loaded (and widened to fp32) once for all GB heads, and
+// the 4 * GB dot products are reduced across lanes together (sum4), not one by one.
+template <typename T, int V, int GB>
+inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t first, int64_t n,
+                     int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page, int64_t row,
+                     int64_t h, float scale, float cap, float* scores) {
+  constexpr int64_t D = 16 * V;
+  const int64_t len = n - first;
+  auto key_row = [&](int64_t pos) -> const T* {
+    const int64_t blk = table[pos / B];
+    TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
+    if (pos % B == 0 && pos + kPrefetchBlocks * B < n) {
+      const int64_t ahead = table[pos / B + kPrefetchBlocks];
+      if (ahead >= 0 && ahead < N) prefetch_rows(kv + ((ahead * L + layer) * 2) * page + h * D, B, row, D);
+    }
+    return kv + ((blk * L + layer) * 2) * page + h * D + (pos % B) * row;
+  };
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t pos = first;
+  for (; pos + 4 <= n; pos += 4) {
+    __m512 acc[GB][4];
+    for (int j = 0; j < 4; ++j) {
+      const T* k = key_row(pos + j);
+      __m512 kr[V];
+      for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
+      for (int g = 0; g < GB; ++g) {
+        acc[g][j] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
+        for (int v = 1; v < V; ++v) acc[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc[g][j]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      float* dst = scores + g * len + (pos - first);
+      _mm_storeu_ps(dst, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), scale4));
+      if (cap > 0.f)
+        for (int j = 0; j < 4; ++j) dst[j] = capped(dst[j], cap);
+    }
+  }
+  for (; pos < n; ++pos) {
+    const T* k = key_row(pos);
+    __m512 kr[V];
+    for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
+    for (int g = 0; g < GB; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
+      for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc);
+      scores[g * len + (pos - first)] = capped(_mm512_reduce_add_ps(acc) * scale, cap);
+    }
+  }
+}
+
+// out[g] = sum over keys of p[g][key] * v[key], for GB query heads of one kv head at once: each
+// value row is loaded (and widened to fp32) once for all of them; GB * V accumulators and the
+// row stay in zmm registers.
+template <typename T, int V, int GB>
+inline void value_pass(const float* probs, int64_t len, const float* inv, const T* kv, const int32_t* table,
+                       int64_t first, int64_t n, int64_t B, int64_t L, int64_t layer, int64_t page,
+                       int64_t row, int64_t h, float* out) {
+  constexpr int64_t D = 16 * V;
+  __m512 acc[GB][V];
+  for (int g = 0; g < GB; ++g)
+    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t pos = first; pos < n;) {
+    const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
+    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * D;
+    if (stop + (kPrefetchBlocks - 1) * B < n)
+      prefetch_rows(kv + ((table[stop / B + kPrefetchBlocks - 1] * L + layer) * 2 + 1) * page + h * D, B, row, D);
+    for (; pos < stop; ++pos) {
+      const T* vr = v_page + (pos % B) * row;
+      __m512 vrow[V];
+      for (int v = 0; v < V; ++v) vrow[v] = load16(vr + 16 * v);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * len + pos - first]);
+        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, vrow[v], acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const __m512 iv = _mm512_set1_ps(inv[g]);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], iv));
+  }
+}
+
 // One (sequence, kv head) item with head_dim = 16 * V (V <= 8) and G query heads, in
 // registers: the group's queries (fp32) and output accumulators stay in zmm registers.
 template <typename T, int V>
@@ -114,43 +209,23 @@ void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, 
                  int64_t row, int64_t h, float scale, float cap, float* scores, float* out) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
-  for (int64_t pos = first; pos < n;) {
-    const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-    TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
-    const T* k_page = kv + ((blk * L + layer) * 2) * page + h * D;
-    if (stop + (kPrefetchBlocks - 1) * B < n) {
-      const int64_t next = table[stop / B + kPrefetchBlocks - 1];
-      if (next >= 0 && next < N) prefetch_rows(kv + ((next * L + layer) * 2) * page + h * D, B, row, D);
-    }
-    for (; pos < stop; ++pos) {
-      const T* k = k_page + (pos % B) * row;
-      __m512 kr[V];
-      for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
-        for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc);
-        scores[g * len + (pos - first)] = capped(_mm512_reduce_add_ps(acc) * scale, cap);
-      }
-    }
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) key_pass<T, V, 4>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len);
+  switch (G - g) {
+    case 1: key_pass<T, V, 1>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len); break;
+    case 2: key_pass<T, V, 2>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len); break;
+    case 3: key_pass<T, V, 3>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len); break;
+    default: break;
   }
   const std::vector<float> inv = softmax_numerators(scores, G, len);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 acc[V];
-    for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-    const float* sg = scores + g * len;
-    for (int64_t pos = first; pos < n;) {
-      const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-      const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * D;
-      if (stop + (kPrefetchBlocks - 1) * B < n)
-        prefetch_rows(kv + ((table[stop / B + kPrefetchBlocks - 1] * L + layer) * 2 + 1) * page + h * D, B, row, D);
-      for (; pos < stop; ++pos) {
-        const __m512 p = _mm512_set1_ps(sg[pos - first]);
-        const T* vr = v_page + (pos % B) * row;
-        for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, load16(vr + 16 * v), acc[v]);
-      }
-    }
-    const __m512 iv = _mm512_set1_ps(inv[g]);
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[v], iv));
+  constexpr int kHeads = V <= 4 ? 4 : 2;  // kHeads * V accumulators + V row registers <= 32
+  g = 0;
+  for (; g + kHeads <= G; g += kHeads) value_pass<T, V, kHeads>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D);
+  switch (G - g) {
+    case 1: value_pass<T, V, 1>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D); break;
+    case 2: value_pass<T, V, 2>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D); break;
+    case 3: value_pass<T, V, 3>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D); break;
+    default: break;
   }
 }
 #endif
