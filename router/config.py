@@ -13,6 +13,7 @@ from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
 from router.allowed_workers import ANY, IPNetwork, parse_network
+from router.picker_config import GROUP as PICKER_GROUP, EndpointPickerConfig
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 
@@ -261,6 +262,9 @@ class RouterConfig:
     any address; `pdserve up` passes 127.0.0.0/8 ::1/128."""
     limits: LimitsConfig = option(default_factory=LimitsConfig, group="limits")
     """Bounds on what one client may ask: body size, timeouts, batch sizes, grammars."""
+    endpoint_picker: EndpointPickerConfig = option(default_factory=EndpointPickerConfig,
+                                                   group=PICKER_GROUP)
+    """The Gateway API Inference Extension endpoint picker this router can also serve."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
     """What the router presents to the workers' gRPC ports (and their KV-event streams): the
     cluster token and/or a mutual-TLS identity, as the workers of the cluster expect."""

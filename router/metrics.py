@@ -103,6 +103,37 @@ class RouterMetrics:
             "Registrations ignored now, by reason (block_hash_mismatch: the worker hashes blocks "
             "differently from this router; model: another model; address: outside "
             "--allowed-worker-cidrs)", ["reason"], registry=r)
+        self.placement_hints = Counter(
+            "pdserve_router_placement_hints",
+            "Requests that carried the endpoint picker's placement, by outcome (followed; "
+            "overridden: those workers could not take it any more)", ["outcome"], registry=r)
+        self.endpoint_picks = Counter(
+            "pdserve_router_endpoint_picks",
+            "Endpoint picker (ext_proc) answers, by outcome (placed: workers chosen; "
+            "unplaced: forwarded for the router to place; refused: an immediate 4xx/5xx)",
+            ["outcome"], registry=r)
+        for outcome in ("followed", "overridden"):
+            self.placement_hints.labels(outcome)
+        for outcome in ("placed", "unplaced", "refused"):
+            self.endpoint_picks.labels(outcome)
+        self.endpoint_pick_seconds = Histogram(
+            "pdserve_router_endpoint_pick_seconds",
+            "Endpoint picker: the request body complete to the answer (parse, tokenize, place)",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r)
+        # Autoscaling signals (docs/kubernetes.md, "What scales on what"), pool-wide as this
+        # router sees the registry: every router exports the same values.
+        self.prefill_backlog_seconds = Gauge(
+            "pdserve_router_prefill_backlog_seconds",
+            "Seconds the usable prefill workers need for the prompt tokens queued on them: "
+            "queued prefill tokens / their measured prefill rate, summed over the pool", registry=r)
+        self.decode_kv_usage = Gauge(
+            "pdserve_router_decode_kv_usage",
+            "KV pool usage (0..1) of the usable decode workers, blocks used / blocks", registry=r)
+        self.decode_waiting = Gauge(
+            "pdserve_router_decode_waiting_requests",
+            "Requests waiting on the usable decode workers + those this router holds for lack "
+            "of capacity", registry=r)
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "Distinct block hashes in the KV index", registry=r)
 
