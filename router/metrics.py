@@ -132,8 +132,7 @@ class RouterMetrics:
             "KV pool usage (0..1) of the usable decode workers, blocks used / blocks", registry=r)
         self.decode_waiting = Gauge(
             "pdserve_router_decode_waiting_requests",
-            "Requests waiting on the usable decode workers + those this router holds for lack "
-            "of capacity", registry=r)
+            "Requests waiting on the usable decode workers (their reports)", registry=r)
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "Distinct block hashes in the KV index", registry=r)
 

@@ -19,18 +19,18 @@ class PoolSignals:
     decode_kv_usage: float
     """Blocks used / blocks, over the usable decode workers (0 without any)."""
     decode_waiting: int
-    """Requests waiting on the usable decode workers + `held` (waiting in this router)."""
+    """Requests waiting on the usable decode workers (what the routers hold for lack of
+    capacity is their own `pdserve_router_waiting_requests`)."""
 
 
-def pool_signals(registry: WorkerRegistry, default_prefill_rate: float,
-                 held: int = 0) -> PoolSignals:
+def pool_signals(registry: WorkerRegistry, default_prefill_rate: float) -> PoolSignals:
     tokens = rate = 0.0
     for w in registry.ready(Role.PREFILL):
         cap = w.info.capacity
         tokens += max(cap.queued_prefill_tokens, w.inflight_prefill_tokens)
         rate += cap.prefill_tokens_per_s or default_prefill_rate
     used = total = 0
-    waiting = held
+    waiting = 0
     for w in registry.ready(Role.DECODE):
         cap = w.info.capacity
         used += cap.total_blocks - cap.free_blocks

@@ -236,8 +236,7 @@ class RouterServices:
         for reason, n in refused.items():
             self.metrics.workers_refused.labels(reason).set(n)
         self.metrics.kv_index_blocks.set(len(self.index))
-        signals = pool_signals(self.registry, self.config.placement.default_prefill_rate,
-                               self.dispatcher.num_waiting)
+        signals = pool_signals(self.registry, self.config.placement.default_prefill_rate)
         self.metrics.prefill_backlog_seconds.set(signals.prefill_backlog_s)
         self.metrics.decode_kv_usage.set(signals.decode_kv_usage)
         self.metrics.decode_waiting.set(signals.decode_waiting)
