@@ -13,7 +13,7 @@ from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
 from router.allowed_workers import ANY, IPNetwork, parse_network
-from router.picker_config import GROUP as PICKER_GROUP, EndpointPickerConfig
+from router.picker_config import GROUP as PICKER_GROUP, WILDCARD_HOSTS, EndpointPickerConfig
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 
@@ -288,4 +288,8 @@ class RouterConfig:
             (self.response_store_max_entries >= 1, "response_store_max_entries", "must be >= 1"),
             (self.response_store_max_bytes >= 1, "response_store_max_bytes", "must be >= 1"),
             (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
+            (not self.endpoint_picker.port or self.endpoint_picker.endpoint is not None
+             or self.host not in WILDCARD_HOSTS, "endpoint_picker",
+             "needs --endpoint-picker-endpoint when --host is a wildcard address (the gateway "
+             "must be told an address it can reach)"),
         ])

@@ -8,6 +8,8 @@ from engine.checks import check_fields
 from engine.flags import option
 
 GROUP = "endpoint picker (Gateway API Inference Extension)"
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]"})
+"""Listen addresses that are no address to send requests to."""
 
 
 @dataclass(frozen=True)

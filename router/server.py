@@ -184,10 +184,7 @@ class RouterServices:
         from router.ext_proc import set_serving, start_picker_server
 
         cfg = self.config
-        endpoint = cfg.endpoint_picker.endpoint or f"{cfg.host}:{cfg.port}"
-        if endpoint.rpartition(":")[0] in ("0.0.0.0", "::", "[::]"):
-            raise ValueError("--endpoint-picker-endpoint is needed when --host is a wildcard "
-                             "address: the gateway must be told an address it can reach")
+        endpoint = cfg.endpoint_picker.endpoint or f"{cfg.host}:{cfg.port}"  # (config.py checks)
         self._picker, checks = await start_picker_server(
             EndpointPicker(self, endpoint), cfg.host, cfg.endpoint_picker.port,
             cfg.limits.max_request_body_bytes)
