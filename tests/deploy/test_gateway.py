@@ -124,3 +124,21 @@ def test_the_vendored_schemas_are_pinned_and_refuse_broken_resources():
     assert crd_schemas.errors(bad_mode)
     with pytest.raises(KeyError):
         crd_schemas.load("inference.networking.x-k8s.io/v1alpha2", "InferencePool")
+
+
+def test_custom_resources_as_written_validate_without_kubectl():
+    """The pure-Python path for the custom resources' files (the overlays render them too)."""
+    import yaml
+
+    from test_k8s import K8S
+
+    files = [K8S / "overlays" / "gateway" / "inferencepool.yaml",
+             K8S / "overlays" / "gateway" / "httproute.yaml",
+             K8S / "overlays" / "lws" / "leaderworkersets.yaml",
+             K8S / "components" / "keda" / "scaledobjects.yaml"]
+    kinds = []
+    for path in files:
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert crd_schemas.errors(doc) == [], path
+            kinds.append(doc["kind"])
+    assert sorted(set(kinds)) == ["HTTPRoute", "InferencePool", "LeaderWorkerSet", "ScaledObject"]

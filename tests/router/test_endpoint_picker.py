@@ -173,3 +173,18 @@ def test_health_and_decision_latency(gw):
           f"p50 {q(chat, 50):.3f} ms p99 {q(chat, 99):.3f} ms; placer.place p50 {q(direct, 50):.3f} ms "
           f"p99 {q(direct, 99):.3f} ms")
     assert q(through, 50) < 100  # a loose bound: 2 shared cores
+
+
+def test_the_pool_gauges_reach_metrics(gw):
+    """The autoscaling signals (router/pool_signals.py) as KEDA reads them from /metrics."""
+    from router_harness import wait_for
+
+    gw.workers["p1"].set_capacity(queued_prefill_tokens=4000, prefill_tokens_per_s=2000.0)
+    gw.workers["d1"].set_capacity(total_blocks=1000, free_blocks=500, waiting=3)
+    registry = gw.services.registry
+    gw.bg.run(wait_for(lambda: registry.get("p1").info.capacity.queued_prefill_tokens == 4000
+                       and registry.get("d1").info.capacity.waiting == 3))
+    text = httpx.get(gw.router.url + "/metrics", timeout=10).text
+    assert "pdserve_router_prefill_backlog_seconds 2.0" in text
+    assert "pdserve_router_decode_kv_usage 0.25" in text  # 500 of 2000 blocks
+    assert "pdserve_router_decode_waiting_requests 3.0" in text
