@@ -117,6 +117,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             log.exception("endpoint picker failed on %s", ex.path)
             return [ep.ProcessingResponse(immediate_response=immediate(
                 APIError(500, "internal server error")))]
+        log.debug("%s -> %s, %s (%s)", ex.path, pick.endpoint, pick.hint, pick.reason)
         common = ep.CommonResponse(header_mutation=_mutation(pick), clear_route_cache=True)
         metadata = _metadata(pick.endpoint)
         if not body_follows:
