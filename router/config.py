@@ -13,6 +13,7 @@ from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
 from router.allowed_workers import ANY, IPNetwork, parse_network
+from router.picker_config import GROUP as PICKER_GROUP, WILDCARD_HOSTS, EndpointPickerConfig
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 
@@ -261,6 +262,9 @@ class RouterConfig:
     any address; `pdserve up` passes 127.0.0.0/8 ::1/128."""
     limits: LimitsConfig = option(default_factory=LimitsConfig, group="limits")
     """Bounds on what one client may ask: body size, timeouts, batch sizes, grammars."""
+    endpoint_picker: EndpointPickerConfig = option(default_factory=EndpointPickerConfig,
+                                                   group=PICKER_GROUP)
+    """The Gateway API Inference Extension endpoint picker this router can also serve."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
     """What the router presents to the workers' gRPC ports (and their KV-event streams): the
     cluster token and/or a mutual-TLS identity, as the workers of the cluster expect."""
@@ -284,4 +288,8 @@ class RouterConfig:
             (self.response_store_max_entries >= 1, "response_store_max_entries", "must be >= 1"),
             (self.response_store_max_bytes >= 1, "response_store_max_bytes", "must be >= 1"),
             (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
+            (not self.endpoint_picker.port or self.endpoint_picker.endpoint is not None
+             or self.host not in WILDCARD_HOSTS, "endpoint_picker",
+             "needs --endpoint-picker-endpoint when --host is a wildcard address (the gateway "
+             "must be told an address it can reach)"),
         ])

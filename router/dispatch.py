@@ -47,6 +47,7 @@ from router.errors import APIError
 from router.inflight import InFlight
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, PromptKey
+from router.placement_hint import PlacementHint
 from router.policy import Reason
 from router.registry import WorkerState
 
@@ -71,7 +72,7 @@ class Delta:
     # prompt token after the first
 
 
-def _context_needed(prompt: PromptKey, sampling: SamplingParams) -> int:
+def context_needed(prompt: PromptKey, sampling: SamplingParams) -> int:
     return len(prompt.token_ids) + (sampling.max_tokens or 1)
 
 
@@ -134,10 +135,20 @@ class Dispatcher:
         self.num_waiting = 0
 
     async def acquire(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
-                      remote_prefill: bool = True, context: int = 0) -> Placement:
-        """`context`: the tokens (prompt + output) the decode worker must be able to hold."""
+                      remote_prefill: bool = True, context: int = 0,
+                      hint: PlacementHint | None = None) -> Placement:
+        """`context`: the tokens (prompt + output) the decode worker must be able to hold.
+        `hint`: the endpoint picker's choice, followed if those workers can take it now
+        (router/placement_hint.py)."""
         policy = self.placer.policy.name
-        placement = self.placer.place(prompt, exclude, remote_prefill, context)
+        placement = None
+        if hint is not None:
+            placement = self.placer.place(prompt, exclude | hint.exclusion(self.registry.all()),
+                                          remote_prefill, context)
+            self.metrics.placement_hints.labels(
+                "followed" if placement is not None else "overridden").inc()
+        if placement is None:
+            placement = self.placer.place(prompt, exclude, remote_prefill, context)
         if placement is None:
             if self.num_waiting >= self.config.max_queued_requests:
                 raise self._busy(policy, "too many requests are waiting for capacity")
@@ -170,9 +181,11 @@ class Dispatcher:
         return APIError(503, message, code="overloaded", headers={"Retry-After": retry_after})
 
     async def generate(self, prompt: PromptKey, sampling: SamplingParams,
-                       arrival: float, priority: int = 0) -> AsyncIterator[Delta]:
+                       arrival: float, priority: int = 0,
+                       hint: PlacementHint | None = None) -> AsyncIterator[Delta]:
         """Deltas of every completion of one prompt, until each has finished; failures are
-        retried or migrated (module docstring, 3 and 4)."""
+        retried or migrated (module docstring, 3 and 4). `hint`: followed on the first attempt
+        only."""
         if sampling.seed is None:  # (seed, position) then makes a migration seamless
             sampling = replace(sampling, seed=_SEEDS.getrandbits(63))
         exclude: set[str] = set()
@@ -187,7 +200,8 @@ class Dispatcher:
                 placement = await self.acquire(
                     prompt, frozenset(exclude),
                     remote_prefill=sampling.remote_prefill_ok and resume is None,
-                    context=_context_needed(prompt, sampling))
+                    context=context_needed(prompt, sampling),
+                    hint=hint if not exclude and resume is None else None)
             except APIError:
                 if resume is not None:
                     self.metrics.migration_failures.labels("no_worker").inc()

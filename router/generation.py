@@ -23,6 +23,7 @@ from router.dispatch import Delta, WorkerFailed
 from router.errors import APIError
 from router.key_limits import TICKET, Ticket
 from router.placement import PromptKey
+from router.placement_hint import PlacementHint
 from router.services import Services
 from router.streaming import merge, until_disconnect
 from router.validation import Prepared
@@ -42,9 +43,12 @@ async def dispatch(services: Services, request: Request, prepared: Prepared,
     ticket = request.scope.get(TICKET)  # the key's tokens: reserved here, reconciled at the end
     services.key_limits.reserve(ticket, sum(map(len, prepared.prompts)),
                                 completion_budget(prepared, services.max_model_len()))
+    # Behind the endpoint picker, a one-prompt request may carry its placement.
+    hint = (PlacementHint.from_headers(request.headers)
+            if services.config.endpoint_picker.port and len(prepared.prompts) == 1 else None)
     streams = merge([
         services.dispatcher.generate(PromptKey(ids, salt, prepared.lora), prepared.sampling,
-                                     arrival, prepared.priority)
+                                     arrival, prepared.priority, hint)
         for ids in prepared.prompts
     ])
     return streams if ticket is None else _counted(streams, ticket)

@@ -38,6 +38,24 @@ def is_json(content_type: bytes) -> bool:
                                             and media.endswith(b"+json"))
 
 
+def head_refusal(method: str, headers: dict[bytes, bytes], cap: int) -> APIError | None:
+    """The refusal a request's head alone earns (the Content-Type rule; a Content-Length
+    over `cap`), or None. `headers`: lower-case names (ASGI). The endpoint picker applies it
+    too (router/endpoint_picker.py)."""
+    length = headers.get(b"content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        return too_large(cap)
+    if method not in _BODY_METHODS:
+        return None
+    content_type = headers.get(b"content-type")
+    if content_type is not None:
+        return None if is_json(content_type) else _not_json(content_type)
+    bodiless = (length in (None, b"0") and b"transfer-encoding" not in headers)
+    if bodiless and b"origin" not in headers:
+        return None
+    return _not_json(None)
+
+
 class RequestLimits:
     """ASGI middleware: the Content-Type rule, the body cap and the body timeout (module
     docstring). Refusals are OpenAI-shaped; one found while the body streams is raised from
@@ -60,18 +78,7 @@ class RequestLimits:
         await self.app(scope, self._receive(receive), send)
 
     def _refusal(self, method: str, headers: dict[bytes, bytes]) -> APIError | None:
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.cap:
-            return _too_large(self.cap)
-        if method not in _BODY_METHODS:
-            return None
-        content_type = headers.get(b"content-type")
-        if content_type is not None:
-            return None if is_json(content_type) else _not_json(content_type)
-        bodiless = (length in (None, b"0") and b"transfer-encoding" not in headers)
-        if bodiless and b"origin" not in headers:
-            return None
-        return _not_json(None)
+        return head_refusal(method, headers, self.cap)
 
     def _receive(self, receive):
         loop = asyncio.get_running_loop()
@@ -91,7 +98,7 @@ class RequestLimits:
             if message["type"] == "http.request":
                 state["read"] += len(message.get("body", b""))
                 if state["read"] > self.cap:
-                    raise _too_large(self.cap)
+                    raise too_large(self.cap)
                 state["done"] = not message.get("more_body", False)
             else:
                 state["done"] = True
@@ -100,7 +107,7 @@ class RequestLimits:
         return limited
 
 
-def _too_large(cap: int) -> APIError:
+def too_large(cap: int) -> APIError:
     return APIError(413, f"the request body is larger than this server accepts ({cap} bytes; "
                     "--max-request-body-bytes)", code="request_too_large",
                     headers={"Connection": "close"})

@@ -13,6 +13,15 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+def _counter(name: str, documentation: str, label: str, values: tuple[str, ...],
+             registry: CollectorRegistry) -> Counter:
+    """A counter with one label whose `values` are exported (at 0) from the start."""
+    counter = Counter(name, documentation, [label], registry=registry)
+    for value in values:
+        counter.labels(value)
+    return counter
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -73,13 +82,11 @@ class RouterMetrics:
             ["role"], registry=r)
         for role in Role:
             self.embedding_placements.labels(role)
-        self.rate_limited = Counter(
+        self.rate_limited = _counter(
             "pdserve_router_rate_limited_requests",
             "Requests refused with 429 by the per-API-key limits, by reason (concurrency: "
             "--max-concurrent-requests-per-key; tokens: --max-tokens-per-minute-per-key)",
-            ["reason"], registry=r)
-        for reason in ("concurrency", "tokens"):
-            self.rate_limited.labels(reason)
+            "reason", ("concurrency", "tokens"), r)
         self.tool_requests = Counter(
             "pdserve_router_tool_requests",
             "Chat requests that declared tools, by tool_choice (function: a named function)",
@@ -103,6 +110,33 @@ class RouterMetrics:
             "Registrations ignored now, by reason (block_hash_mismatch: the worker hashes blocks "
             "differently from this router; model: another model; address: outside "
             "--allowed-worker-cidrs)", ["reason"], registry=r)
+        self.placement_hints = _counter(
+            "pdserve_router_placement_hints",
+            "Requests that carried the endpoint picker's placement, by outcome (followed; "
+            "overridden: those workers could not take it any more)",
+            "outcome", ("followed", "overridden"), r)
+        self.endpoint_picks = _counter(
+            "pdserve_router_endpoint_picks",
+            "Endpoint picker (ext_proc) answers, by outcome (placed: workers chosen; "
+            "unplaced: forwarded for the router to place; refused: an immediate 4xx/5xx)",
+            "outcome", ("placed", "unplaced", "refused"), r)
+        self.endpoint_pick_seconds = Histogram(
+            "pdserve_router_endpoint_pick_seconds",
+            "Endpoint picker: the request body complete to the answer (parse, tokenize, place)",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r)
+        # Autoscaling signals (docs/kubernetes.md, "What scales on what"), pool-wide as this
+        # router sees the registry: every router exports the same values.
+        self.prefill_backlog_seconds = Gauge(
+            "pdserve_router_prefill_backlog_seconds",
+            "Seconds the usable prefill workers need for the prompt tokens queued on them: "
+            "queued prefill tokens / their measured prefill rate, summed over the pool", registry=r)
+        self.decode_kv_usage = Gauge(
+            "pdserve_router_decode_kv_usage",
+            "KV pool usage (0..1) of the usable decode workers, blocks used / blocks", registry=r)
+        self.decode_waiting = Gauge(
+            "pdserve_router_decode_waiting_requests",
+            "Requests waiting on the usable decode workers (their reports)", registry=r)
         self.kv_index_blocks = Gauge("pdserve_router_kv_index_blocks",
                                      "Distinct block hashes in the KV index", registry=r)
 

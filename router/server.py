@@ -13,6 +13,8 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
+import grpc
+
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_security import OPEN, ClusterAuth, resolve
@@ -26,6 +28,7 @@ from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.placement import Placer
 from router.policy import make_policy
+from router.pool_signals import pool_signals
 from router.registry import EtcdWatcher, Refusal, WorkerRegistry
 from router.logprobs import TokenText
 from router.admin import FleetAdmin
@@ -137,6 +140,7 @@ class RouterServices:
         self._tokenizer_pool = ThreadPoolExecutor(limits.tokenizer_threads,
                                                   thread_name_prefix="tokenize")
         self._watch: asyncio.Task | None = None
+        self._picker: grpc.aio.Server | None = None
 
     async def tokenizing(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         if size <= INLINE_BODY_BYTES:
@@ -170,8 +174,33 @@ class RouterServices:
                 await self.registry.synced.wait()
         except TimeoutError:
             log.warning("etcd at %s not reachable yet; serving 503s until it is", self.config.etcd)
+        if self.config.endpoint_picker.port:
+            await self._start_picker()
+
+    async def _start_picker(self) -> None:
+        """The endpoint picker (router/ext_proc.py) beside the HTTP API, over this router's
+        registry, KV index and placement; ready (gRPC health) once etcd has synced."""
+        from router.endpoint_picker import EndpointPicker
+        from router.ext_proc import set_serving, start_picker_server
+
+        cfg = self.config
+        endpoint = cfg.endpoint_picker.endpoint or f"{cfg.host}:{cfg.port}"  # (config.py checks)
+        self._picker, checks = await start_picker_server(
+            EndpointPicker(self, endpoint), cfg.host, cfg.endpoint_picker.port,
+            cfg.limits.max_request_body_bytes)
+        log.info("endpoint picker (ext_proc) on %s:%d, answering %s", cfg.host,
+                 cfg.endpoint_picker.port, endpoint)
+
+        async def ready() -> None:
+            await self.registry.synced.wait()
+            await set_serving(checks)
+
+        self._picker_ready = asyncio.create_task(ready(), name="picker-ready")
 
     async def stop(self) -> None:
+        if self._picker is not None:
+            self._picker_ready.cancel()
+            await self._picker.stop(1.0)
         if self._watch is not None:
             self._watch.cancel()
             with suppress(asyncio.CancelledError):
@@ -204,6 +233,10 @@ class RouterServices:
         for reason, n in refused.items():
             self.metrics.workers_refused.labels(reason).set(n)
         self.metrics.kv_index_blocks.set(len(self.index))
+        signals = pool_signals(self.registry, self.config.placement.default_prefill_rate)
+        self.metrics.prefill_backlog_seconds.set(signals.prefill_backlog_s)
+        self.metrics.decode_kv_usage.set(signals.decode_kv_usage)
+        self.metrics.decode_waiting.set(signals.decode_waiting)
 
 
 def serve(config: RouterConfig, log_level: str = "info") -> int:

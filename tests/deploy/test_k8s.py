@@ -21,13 +21,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+import crd_schemas
+
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e .[test])")
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+ALL_OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir()
+                      if (p / "kustomization.yaml").exists())
+LWS_OVERLAYS = {"lws"}  # workers as LeaderWorkerSets, not Deployments: tests/deploy/test_lws.py
+OVERLAYS = [o for o in ALL_OVERLAYS if o not in LWS_OVERLAYS]
 K8S_VERSION = "1.32.0"  # schemas checked against (strict: unknown fields are errors)
 KUBECTL = shutil.which("kubectl")
+CRD_GROUPS = {"inference.networking.k8s.io", "gateway.networking.k8s.io", "keda.sh",
+              "leaderworkerset.x-k8s.io"}
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH: cannot render the kustomize overlays")
 WORKERS = ("prefill", "decode")
 KEY_FILE = "base/api-key.txt"  # git-ignored: the operator creates it (docs/kubernetes.md)
@@ -86,6 +93,12 @@ def container(deploy: dict) -> dict:
 
 
 def validate(doc: dict) -> None:
+    """Core kinds against the Kubernetes schemas; custom resources (InferencePool, HTTPRoute,
+    ScaledObject, LeaderWorkerSet) against their vendored CRD schemas (crd_schemas.py)."""
+    if doc["apiVersion"].split("/")[0] in CRD_GROUPS:
+        problems = crd_schemas.errors(doc)
+        assert not problems, "\n".join(problems)
+        return
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:

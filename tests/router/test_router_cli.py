@@ -14,6 +14,7 @@ from engine.flags import to_argv
 from pdserve.cli import build_parser, main
 from router.cli import config_from_args
 from router.config import LimitsConfig, PlacementConfig, RouterConfig
+from router.picker_config import EndpointPickerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,8 @@ def test_flags_reach_the_config():
         "--tls-server-name", "w", "--enable-response-store", "--response-store-max-entries", "17",
         "--response-store-max-bytes", "1MiB", "--chat-template", "/t.jinja",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-parser-plugin",
-        "/p.py", "--reasoning-parser", "qwen3",
+        "/p.py", "--reasoning-parser", "qwen3", "--endpoint-picker-port", "9002",
+        "--endpoint-picker-endpoint", "10.0.0.7:9",
     ])
     cfg = config_from_args(args)
     assert cfg.placement == PlacementConfig(
@@ -79,6 +81,7 @@ def test_flags_reach_the_config():
     assert cfg.etcd_security == EtcdSecurity("u", "/pw", etcd_ca="/ca", etcd_cert="/c",
                                              etcd_key="/k")
     assert cfg.grpc_security == GrpcSecurity("/t", "/tc", "/tk", "/ta", "w")
+    assert cfg.endpoint_picker == EndpointPickerConfig(9002, "10.0.0.7:9")
     assert cfg.allowed_worker_cidrs == (ip_network("10.0.0.0/8"), ip_network("::1/128"))
     assert cfg.enable_lora and cfg.enable_dev_endpoints
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
@@ -120,11 +123,17 @@ def test_help_and_bad_values(capsys):
         main(["router", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--etcd", "--policy", "--api-key", "--local-prefill-threshold", "--queue-timeout"):
+    for flag in ("--etcd", "--policy", "--api-key", "--local-prefill-threshold", "--queue-timeout",
+                 "--endpoint-picker-port", "--endpoint-picker-endpoint"):
         assert flag in out
     assert main(["router", "--etcd", "h:1", "--load-scale", "0"]) == 2
     assert "--load-scale: load_scale must be > 0, got 0.0" in capsys.readouterr().err
     assert main(["router", "--etcd", "h:1", "--lora-modules", "nopath"]) == 2
     assert "--lora-modules: lora_modules must be name=path, got 'nopath'" in capsys.readouterr().err
+    assert main(["router", "--etcd", "h:1", "--endpoint-picker-endpoint", "router"]) == 2
+    assert "--endpoint-picker-endpoint: endpoint must be IP:PORT" in capsys.readouterr().err
+    assert main(["router", "--etcd", "h:1", "--host", "0.0.0.0", "--endpoint-picker-port",
+                 "9002"]) == 2
+    assert "needs --endpoint-picker-endpoint when --host is a wildcard" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["router"])  # --etcd is required

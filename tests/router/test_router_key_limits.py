@@ -35,7 +35,7 @@ class HeldDispatcher:
         self.started = 0
         self.closed = 0
 
-    async def generate(self, prompt, sampling, arrival, priority=0):
+    async def generate(self, prompt, sampling, arrival, priority=0, hint=None):
         self.started += 1
         try:
             yield Delta(0, [42], "a", [], None, 0)
@@ -48,7 +48,7 @@ class HeldDispatcher:
 class NoCapacity:
     """A dispatcher whose every call finds no worker with room (a 503, as Dispatcher.acquire's)."""
 
-    async def generate(self, prompt, sampling, arrival, priority=0):
+    async def generate(self, prompt, sampling, arrival, priority=0, hint=None):
         raise APIError(503, "no worker has capacity for this request", code="overloaded")
         yield
 
