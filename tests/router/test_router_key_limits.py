@@ -6,7 +6,6 @@ spends no tokens; a request's tokens are reserved and reconciled with what it ge
 flags need API keys; a request the cluster failed before a token is not charged. A real uvicorn server on loopback (lifespan off: no etcd) over a
 stand-in for the dispatcher whose calls the tests hold open."""
 import asyncio
-import json
 from contextlib import asynccontextmanager
 
 import httpx

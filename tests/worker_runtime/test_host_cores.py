@@ -19,7 +19,9 @@ pytestmark = pytest.mark.timeout(60)
 PEER = """
 import sys
 from pathlib import Path
+from worker_runtime import host_cores
 from worker_runtime.host_cores import HostCoreShare
+host_cores.LENT_WAIT_S = 30.0  # waits only end when this test's worker steps
 share = HostCoreShare(int(sys.argv[2]), cores=4, directory=Path(sys.argv[1]), set_threads=print)
 print("ready", flush=True)
 for line in sys.stdin:
@@ -52,6 +54,13 @@ class Peer:
         if what != "exit-unclean":
             assert self._line() == "ok"
 
+    def later(self, what: str) -> threading.Thread:
+        """`say` on a thread of its own (the peer may wait for this test's worker)."""
+        thread = threading.Thread(target=self.say, args=(what,))
+        thread.start()
+        time.sleep(0.05)
+        return thread
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
@@ -83,10 +92,13 @@ def test_a_worker_uses_the_shares_of_idle_workers_and_only_those(tmp_path, peers
         assert me.begin_step() == 4  # alone on the host
         prefill, other = peers(2), peers(1)
         assert me.begin_step() == 4  # both idle
-        prefill.say("busy")
+        waiting = prefill.later("busy")  # its share is in this worker's step: it waits
         assert me.begin_step() == 2  # 4 cores - the busy peer's 2
-        other.say("busy")
+        waiting.join(10)
+        waiting = other.later("busy")
         assert me.begin_step() == 1  # 4 - 3 busy elsewhere: its own share
+        waiting.join(10)
+        assert sorted(threads_of(tmp_path, exclude=os.getpid())) == [1, 2]
         prefill.say("idle")
         assert me.begin_step() == 3
         other.say("idle")
@@ -95,6 +107,51 @@ def test_a_worker_uses_the_shares_of_idle_workers_and_only_those(tmp_path, peers
     finally:
         me.close()
     assert str(os.getpid()) not in {p.name for p in tmp_path.iterdir()}  # close removed its file
+
+
+def test_a_lent_share_comes_back_at_the_borrowers_next_step(tmp_path, peers, monkeypatch):
+    """A worker that finds its share borrowed waits until the borrower begins its next step,
+    which then leaves the share: never more threads than cores."""
+    monkeypatch.setattr(host_cores, "LENT_WAIT_S", 30.0)  # only the borrower's step ends the wait
+    me = make_share(tmp_path, 2, [])
+    view = make_share_in_peer_view(tmp_path)
+    try:
+        decode = peers(2)
+        decode.say("busy")  # this worker is idle: the peer borrows its 2 cores
+        assert view() == 2 and threads_of(tmp_path, exclude=os.getpid()) == [4]
+        got: list[int] = []
+        waiting = threading.Thread(target=lambda: got.append(me.begin_step()))
+        waiting.start()
+        time.sleep(0.05)
+        assert not got  # still waiting: the peer holds all 4 cores
+        decode.say("busy")  # its next step sees this worker busy and gives the 2 back
+        waiting.join(10)
+        assert got == [2] and threads_of(tmp_path, exclude=os.getpid()) == [2]
+        assert not me._stuck
+    finally:
+        me.close()
+
+
+def test_a_borrower_that_stops_stepping_is_waited_for_once(tmp_path, peers, monkeypatch):
+    monkeypatch.setattr(host_cores, "LENT_WAIT_S", 0.05)
+    me = make_share(tmp_path, 2, [])
+    try:
+        stalled = peers(2)
+        stalled.say("busy")  # borrows 4, then never steps again (a stalled process)
+        assert me.begin_step() == 2  # gave up after LENT_WAIT_S: its own share
+        slept: list[float] = []
+        monkeypatch.setattr(host_cores.time, "sleep", slept.append)
+        assert me.begin_step() == 2 and not slept  # not waited for again
+        stalled.say("busy")  # it steps: counted as it is again (its share, this worker busy)
+        assert me.begin_step() == 2 and not me._stuck
+    finally:
+        me.close()
+
+
+def threads_of(directory, exclude: int) -> list[int]:
+    """The `threads` field of every entry but `exclude`'s."""
+    return [host_cores._RECORD.unpack(p.read_bytes()[:host_cores._RECORD.size])[2]
+            for p in directory.iterdir() if p.name != str(exclude)]
 
 
 def test_never_fewer_than_its_own_share(tmp_path, peers):
@@ -111,7 +168,7 @@ def make_share_in_peer_view(tmp_path):
     def busy_shares() -> int:
         total = 0
         for path in tmp_path.iterdir():
-            share, busy, _ = host_cores._RECORD.unpack(path.read_bytes()[:host_cores._RECORD.size])
+            share, busy, *_ = host_cores._RECORD.unpack(path.read_bytes()[:host_cores._RECORD.size])
             total += share if busy else 0
         return total
     return busy_shares
