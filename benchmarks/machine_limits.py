@@ -18,8 +18,10 @@ reaches).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,10 +55,10 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
 def model_shape() -> dict:
     """The bundled model's shape (SmolLM2-135M-Instruct's config)."""
+    from benchmarks.vs_vllm import _model_dir
     from engine.models.config import ModelArgs
-    from engine.models.prepare import bundled_model_config
 
-    args = ModelArgs.from_hf_config(bundled_model_config())
+    args = ModelArgs.from_hf_config(json.loads((Path(_model_dir()) / "config.json").read_text()))
     per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim  # qkv
                  + args.n_heads * args.head_dim * args.dim  # o
                  + 3 * args.dim * args.intermediate_size)  # gate, up, down
@@ -77,10 +79,9 @@ def main() -> None:
     size = torch.finfo(dtype).bits // 8
     flops, bandwidth = peak_gemm_flops(dtype), read_bandwidth()
     m = model_shape()
-    rng = random.Random(0)  # benchmarks/vs_vllm.py's prompts
-    lens = [rng.randint(128, 512) for _ in range(args.num_prompts) for _ in [rng.random()]]
-    rng = random.Random(0)
-    lens = [len([rng.randrange(100, 49000) for _ in range(rng.randint(128, 512))]) for _ in range(args.num_prompts)]
+    rng = random.Random(0)  # benchmarks/vs_vllm.py's prompts: the same draws, the same lengths
+    lens = [len([rng.randrange(100, 49000) for _ in range(rng.randint(128, 512))])
+            for _ in range(args.num_prompts)]
     attn = sum(4 * m["layers"] * m["q_heads"] * m["head_dim"] * n * n / 2 for n in lens)
     prefill_flops = 2 * m["layer_params"] * sum(lens) + attn + 2 * m["lm_head_params"] * len(lens)
     prefill_s = prefill_flops / flops
