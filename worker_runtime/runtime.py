@@ -165,14 +165,15 @@ class WorkerRuntime:
         threads = config.num_threads or max(1, host_cores() // 2)
         torch.set_num_threads(threads)
         engine = LLMEngine(engine_config)
-        release_openmp_threads()  # only the engine thread keeps a team (host_cores.py)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
-        return cls(config, engine, kv,
-                   lambda info: Registrar(config.etcd, config.cluster, info,
-                                          credentials=etcd_credentials,
-                                          startup_check=check_peers),
-                   auth=auth, etcd_credentials=etcd_credentials,
-                   step_threads=HostCoreShare(threads) if config.share_host_cores else None)
+        runtime = cls(config, engine, kv,
+                      lambda info: Registrar(config.etcd, config.cluster, info,
+                                             credentials=etcd_credentials,
+                                             startup_check=check_peers),
+                      auth=auth, etcd_credentials=etcd_credentials,
+                      step_threads=HostCoreShare(threads) if config.share_host_cores else None)
+        release_openmp_threads()  # built: only the engine thread runs parallel regions now
+        return runtime
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""
