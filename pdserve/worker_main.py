@@ -48,15 +48,15 @@ def bounded_openmp_spinning(env: MutableMapping[str, str]) -> None:
     """OpenMP threads that spin briefly, then sleep, at the end of a parallel region
     (`GOMP_SPINCOUNT=10000`), unless the environment names a policy (`OMP_WAIT_POLICY` or
     `GOMP_SPINCOUNT`). A worker shares its host with the router, its own gRPC threads and
-    other workers (whose idle cores it borrows, worker_runtime/host_cores.py). With libgomp's
+    other workers (and, with --share-host-cores, their idle cores: worker_runtime/
+    host_cores.py). With libgomp's
     default (long spins), a step whose threads lose a core for a moment waits for the
     descheduled one at each of a step's ~300 parallel regions: 13x slower decode steps beside
     one busy process; passive waits (sleep at once) cost nothing then but forfeit the second
     thread on an idle host (a KVM guest wakes a sleeping vCPU slowly). Measured (SmolLM2, bf16,
     2 threads, ITL at batch 1): quiet 25 ms (spin), 25 (10000), 37 (passive), 1 thread 35;
-    beside a busy process 510 (spin), 78 (10000), 42 (passive), 1 thread 39 — and core sharing
-    drops a worker to its own share whenever another worker is busy
-    (benchmarks/profiles/decode_step.md). libgomp reads it when torch loads, so this runs
+    beside a busy process 510 (spin), 78 (10000), 42 (passive), 1 thread 39 (benchmarks/
+    profiles/decode_step.md); core sharing keeps workers off each other's cores. libgomp reads it when torch loads, so this runs
     first."""
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT

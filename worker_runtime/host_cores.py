@@ -1,5 +1,7 @@
-"""Workers on one host share its cores: a worker's step uses its own thread share plus the
-shares of the workers on the host that are idle at the time.
+"""Workers on one host share its cores (`--share-host-cores`, off by default): a worker's step
+uses its own thread share plus the shares of the workers on the host that are idle at the time.
+Also the process's thread setup every worker goes through (`worker_threads`,
+`release_openmp_threads`).
 
 Why: `pdserve up --prefill 1 --decode 1` on a 2-core host gives each worker one thread (the
 cores split between the workers). At low load only one role is working at a time, and a
@@ -204,6 +206,15 @@ def _torch_set_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def worker_threads(num_threads: int, share_host_cores: bool) -> HostCoreShare | None:
+    """Sets this process's torch threads to its share of the host (`num_threads`; 0: half the
+    cores, at least 1) and returns its entry in the host's core sharing when asked for (the
+    engine loop sizes each step through it)."""
+    share = num_threads or max(1, host_cores() // 2)
+    _torch_set_threads(share)
+    return HostCoreShare(share) if share_host_cores else None
 
 
 def release_openmp_threads() -> bool:

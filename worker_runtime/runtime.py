@@ -43,7 +43,7 @@ from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import NotFound, StatusInterceptor
-from worker_runtime.host_cores import HostCoreShare, host_cores, release_openmp_threads
+from worker_runtime.host_cores import HostCoreShare, release_openmp_threads, worker_threads
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
@@ -156,14 +156,11 @@ class WorkerRuntime:
               auth: ClusterAuth, etcd_credentials: EtcdCredentials | None = None
               ) -> WorkerRuntime:
         """The production runtime: the engine, a NIXL agent, an etcd registration."""
-        import torch
-
         from cluster.block_hash_agreement import check_peers
         from cluster.registration import Registrar
         from kvtransfer import KVTransferConfig, NixlTransferBackend
 
-        threads = config.num_threads or max(1, host_cores() // 2)
-        torch.set_num_threads(threads)
+        step_threads = worker_threads(config.num_threads, config.share_host_cores)
         engine = LLMEngine(engine_config)
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
         runtime = cls(config, engine, kv,
@@ -171,7 +168,7 @@ class WorkerRuntime:
                                              credentials=etcd_credentials,
                                              startup_check=check_peers),
                       auth=auth, etcd_credentials=etcd_credentials,
-                      step_threads=HostCoreShare(threads) if config.share_host_cores else None)
+                      step_threads=step_threads)
         release_openmp_threads()  # built: only the engine thread runs parallel regions now
         return runtime
 
