@@ -8,16 +8,22 @@ The shared object is polled once per round — when the calling owner already to
 the last poll — so two owners polling after every engine step cost one poll, not two. Owners
 are told apart by transfer id: ids that start with `prefix` belong to the second view, every
 other id to the first.
+
+A second thread may poll the shared object too (`collect`; kvtransfer/progress.py polls
+between engine steps): its results are filed for the owners' next `poll`, and an owner's
+listener (`listen`) hears of each of its results at once, on whichever thread collected it.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 from kvtransfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
 from kvtransfer.metrics import TransferMetrics
 
 S = TypeVar("S", KVSender, KVReceiver)
+Listener = Callable[[TransferResult], None]
 
 
 class _Split(Generic[S]):
@@ -28,19 +34,68 @@ class _Split(Generic[S]):
         self.prefix = prefix
         self.pending: tuple[list[TransferResult], list[TransferResult]] = ([], [])
         self.taken = [True, True]  # per owner: took its share of the last source poll
+        self.listeners: list[Listener | None] = [None, None]
+        self.on_work: Callable[[], None] | None = None
+        """Told when a transfer starts (a send or an expect): the progress thread's wake-up."""
+        self._lock = threading.Lock()  # pending and taken: the owners' thread and `collect`'s
 
     def poll(self, owner: int) -> list[TransferResult]:
-        if self.taken[owner]:  # a new round: poll the shared object
-            for result in self.source.poll():
-                self.pending[int(result.request_id.startswith(self.prefix))].append(result)
-            self.taken = [False, False]
-        self.taken[owner] = True
-        taken = list(self.pending[owner])
-        self.pending[owner].clear()
+        with self._lock:
+            heard = self._poll_source() if self.taken[owner] else []  # a new round
+            self.taken[owner] = True
+            taken = list(self.pending[owner])
+            self.pending[owner].clear()
+        self._tell(heard)
         return taken
 
+    def collect(self) -> None:
+        """Poll the shared object now (any thread): results wait for their owner's `poll`."""
+        with self._lock:
+            heard = self._poll_source()
+        self._tell(heard)
 
-class _SenderView(KVSender):
+    def started(self) -> None:
+        if self.on_work is not None:
+            self.on_work()
+
+    def _poll_source(self) -> list[TransferResult]:
+        results = self.source.poll()
+        for result in results:
+            self.pending[self._owner_of(result)].append(result)
+        self.taken = [False, False]
+        return results
+
+    def _owner_of(self, result: TransferResult) -> int:
+        return int(result.request_id.startswith(self.prefix))
+
+    def _tell(self, results: list[TransferResult]) -> None:
+        for result in results:
+            listener = self.listeners[self._owner_of(result)]
+            if listener is not None:
+                listener(result)
+
+
+class _View:
+    """What both kinds of view add to their interface: the shared object's progress."""
+
+    _split: _Split
+    _owner: int
+
+    def collect(self) -> None:
+        """Poll the shared object now, for both owners (see `_Split.collect`)."""
+        self._split.collect()
+
+    def listen(self, listener: Listener | None) -> None:
+        """Call `listener(result)` for each of this owner's results as soon as it is
+        collected, on the collecting thread (the owner's `poll` still returns it)."""
+        self._split.listeners[self._owner] = listener
+
+    def on_work(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback()` (on the caller's thread) whenever a transfer starts."""
+        self._split.on_work = callback
+
+
+class _SenderView(_View, KVSender):
     def __init__(self, split: _Split[KVSender], owner: int) -> None:
         self._split, self._owner = split, owner
 
@@ -51,6 +106,7 @@ class _SenderView(KVSender):
     def send(self, request_id: str, peer: str, pairs: Sequence[tuple[int, int]], *,
              final: bool, deadline: float | None = None) -> None:
         self._split.source.send(request_id, peer, pairs, final=final, deadline=deadline)
+        self._split.started()
 
     def poll(self) -> list[TransferResult]:
         return self._split.poll(self._owner)
@@ -70,7 +126,7 @@ class _SenderView(KVSender):
         return self._split.source.num_outstanding_writes
 
 
-class _ReceiverView(KVReceiver):
+class _ReceiverView(_View, KVReceiver):
     def __init__(self, split: _Split[KVReceiver], owner: int) -> None:
         self._split, self._owner = split, owner
 
@@ -81,6 +137,7 @@ class _ReceiverView(KVReceiver):
     def expect(self, request_id: str, block_ids: Sequence[int], *,
                deadline: float | None = None, peer: str | None = None) -> None:
         self._split.source.expect(request_id, block_ids, deadline=deadline, peer=peer)
+        self._split.started()
 
     def poll(self) -> list[TransferResult]:
         return self._split.poll(self._owner)

@@ -10,6 +10,12 @@ writes can still read them, however long the transport takes to let go of a writ
 engine's own request is already finished by then, so the blocks become cached-free prefix
 cache — nothing is held for the decode side. `when_ended` tells the worker when a request
 has nothing left in flight (its `Worker.Abort` answers then).
+
+The caller hears of a complete transfer as soon as the sender reports it (`answer_early`, the
+sender's listener, called on the transfer-progress thread between engine steps): the first
+token is fixed once the final batch goes out, so its answer does not wait for this worker's
+next step (a whole prefill of the next prompt). Its pinned blocks are released after that
+step, as above.
 """
 from __future__ import annotations
 
@@ -33,9 +39,11 @@ class Outgoing:
     group_skips: list[int]  # per KV group: leading prompt blocks the decode worker does not need
     deadline: float
     on_done: Callable[[TransferResult, SampledToken | None], None]
+    """Called once: on the engine thread, or on the progress thread for a complete transfer."""
     sent: int = 0  # prompt blocks handled so far (sent or skipped)
     pinned: list[int] = field(default_factory=list)
     final_sent: bool = False
+    first_token: SampledToken | None = None  # set when the final batch goes out
 
 
 class KVStreamer:
@@ -43,6 +51,9 @@ class KVStreamer:
         self.sender = sender
         self.active: dict[str, Outgoing] = {}  # by transfer id
         self._waiters: dict[str, list[Callable[[], None]]] = {}  # by request id
+        self._final: dict[str, Outgoing] = {}
+        """Final batches in flight, by transfer id: written on the engine thread before the
+        final send, taken by whichever of `answer_early` and `_finish` comes first."""
 
     def add(self, out: Outgoing) -> None:
         self.active[out.transfer_id] = out
@@ -100,6 +111,9 @@ class KVStreamer:
             out.pinned += blocks
             out.sent = upto
             out.final_sent = final
+            if final:
+                out.first_token = _first_token(req)
+                self._final[out.transfer_id] = out
             try:
                 self.sender.send(out.transfer_id, out.peer, pairs, final=final, deadline=out.deadline)
             except Exception as exc:  # refused before posting: fail this request only
@@ -110,23 +124,33 @@ class KVStreamer:
                 self._finish(engine, out, result)
         return bool(self.active)
 
+    def answer_early(self, result: TransferResult) -> None:
+        """The sender's listener (any thread): answer the caller of a transfer that completed."""
+        out = self._final.pop(result.request_id, None)
+        if out is not None and result.status is TransferStatus.COMPLETE:
+            out.on_done(result, out.first_token)
+
     def _finish(self, engine: LLMEngine, out: Outgoing, result: TransferResult | None,
                 status: TransferStatus | None = None, error: str = "") -> None:
         self.active.pop(out.transfer_id, None)
+        final_pending = self._final.pop(out.transfer_id, None) is not None
         engine.block_manager.release(out.pinned)
         out.pinned = []
         if result is None:
             result = TransferResult(out.transfer_id, status, out.peer, 0, 0, 0.0, error)
-        first = None
         req = out.request
-        if result.status is TransferStatus.COMPLETE:
-            lp = req.logprobs[0] if req.logprobs else None
-            first = SampledToken(req.output_token_ids[0], lp.logprob if lp else None,
-                                 tuple(lp.top) if lp else ())
-        else:
+        complete = result.status is TransferStatus.COMPLETE
+        if not complete:
             engine.abort_request(req.request_id)
-        out.on_done(result, first)
+        if not (complete and out.first_token is not None and not final_pending):  # answered early
+            out.on_done(result, out.first_token if complete else None)
         rid = req.request_id
         if rid in self._waiters and not any(o.request.request_id == rid for o in self.active.values()):
             for callback in self._waiters.pop(rid):
                 callback()
+
+
+def _first_token(req: Request) -> SampledToken:
+    lp = req.logprobs[0] if req.logprobs else None
+    return SampledToken(req.output_token_ids[0], lp.logprob if lp else None,
+                        tuple(lp.top) if lp else ())

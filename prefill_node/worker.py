@@ -62,6 +62,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         self.peers = peers
         self.puller = puller
         self.streamer = KVStreamer(runtime.sender)
+        runtime.sender.listen(self.streamer.answer_early)
         runtime.add_step_hook(self.streamer.after_step)
         runtime.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted

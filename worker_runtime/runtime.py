@@ -39,6 +39,7 @@ from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
 from kvtransfer.compat import window_layers
 from kvtransfer.poll_split import split_receiver, split_sender
+from kvtransfer.progress import TransferProgress
 from proto import pdserve_pb2 as pb
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
@@ -121,6 +122,7 @@ class WorkerRuntime:
         # push: each side polls its own view, told apart by transfer id.
         self.sender, self.pull_sender = split_sender(kv.sender, PULL_PREFIX)
         self.receiver, self.pull_receiver = split_receiver(kv.receiver, PULL_PREFIX)
+        self.transfer_progress = TransferProgress([self.sender, self.receiver])
         self.metrics = metrics or WorkerMetrics(config.role, kv, engine.loaded.model_id,
                                                 engine.num_speculative_tokens)
         self.admission = Admission(config.role)
@@ -379,6 +381,7 @@ class WorkerRuntime:
         self.metrics_address = f"{host}:{metrics_port}"
 
         self.loop.start()
+        self.transfer_progress.start()
         await server.start()
         refresher = asyncio.create_task(self._refresh_stats())
         try:
@@ -388,6 +391,7 @@ class WorkerRuntime:
             refresher.cancel()
             await server.stop(0)
             self.loop.stop()
+            self.transfer_progress.stop()
             return 2 if isinstance(exc, RegistrationRefused) else 1
         log.info("%s %s serving on %s (metrics %s)", cfg.role, self.worker_id,
                  self.grpc_address, self.metrics_address)
@@ -412,6 +416,7 @@ class WorkerRuntime:
         await self.registration.deregister()
         await server.stop(1.0 if code == 0 else 0)
         self.loop.stop()
+        self.transfer_progress.stop()
         if self.step_threads is not None:
             self.step_threads.close()
         self.kv.close()

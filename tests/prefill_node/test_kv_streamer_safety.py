@@ -89,3 +89,37 @@ def test_when_ended_fires_at_once_without_transfers():
     fired = []
     KVStreamer(sender=None).when_ended("r", lambda: fired.append(True))
     assert fired == [True]
+
+
+def test_a_complete_transfer_answers_between_steps_once_and_releases_after_the_step():
+    """The progress thread's collect answers the caller (first token included) before the
+    engine's next step; that step releases the pinned blocks and does not answer again."""
+    from kvtransfer.poll_split import split_sender
+
+    fabric = FakeFabric()
+    p, d = _backend(fabric, "P"), _backend(fabric, "D")
+    p.add_peer(d.metadata())
+    d.receiver.expect("r:0", [1, 2, 3])
+    sender, _ = split_sender(p.sender, "pull:")
+    engine, streamer = _Engine(), KVStreamer(sender)
+    sender.listen(streamer.answer_early)
+    req = SimpleNamespace(request_id="r", block_tables=[[5, 6, 7]], num_prompt_tokens=3 * BLOCK - 1,
+                          num_computed_tokens=3 * BLOCK - 1, num_output_tokens=1,
+                          status=RequestStatus.FINISHED_LENGTH, output_token_ids=[42], logprobs=[])
+    ended = []
+    streamer.add(Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=[1, 2, 3],
+                          group_skips=[0], deadline=time.monotonic() + 30,
+                          on_done=lambda result, first: ended.append((result.status, first))))
+    fabric.stall("D")  # still in flight when the step ends
+    streamer.after_step(engine)  # the final batch goes out
+    assert ended == [] and engine.block_manager.pinned == [5, 6, 7]
+    fabric.stall("D", False)
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        sender.collect()  # what the progress thread does between steps
+        d.receiver.poll()
+    assert [(s, f.token_id) for s, f in ended] == [(TransferStatus.COMPLETE, 42)]
+    assert engine.block_manager.pinned == [5, 6, 7]  # released by the engine thread only
+    streamer.after_step(engine)
+    assert engine.block_manager.pinned == [] and not streamer.active
+    assert len(ended) == 1 and engine.aborted == []
