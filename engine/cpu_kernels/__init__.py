@@ -9,9 +9,11 @@ PDSERVE_CPU_KERNELS=0, `load()` returns False and the torch backend and the mode
 keep their plain-torch paths — same results to rounding, slower.
 
 `paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap)`:
-decode rows (one query token per sequence) attending over the pool in place, for pools in
-the model's dtype. query [S, Hq, D] (unit last stride), kv_cache the engine's contiguous
-`[N, L, 2, B, Hkv, D]` pool in query's dtype, block_tables int32 [S, >= blocks], seq_lens
+decode rows (one query token per sequence) attending over the pool in place. query
+[S, Hq, D] (unit last stride), kv_cache the engine's contiguous `[N, L, 2, B, Hkv, D]` pool
+in query's dtype, or quantized (engine/kv_format.py: float8_e4m3fn / float8_e5m2 with the
+same D, int8 with D + 4: each row's float32 scale after its values; widened to fp32 as read,
+never dequantized into new tensors), block_tables int32 [S, >= blocks], seq_lens
 int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else keys
 seq_len-window..seq_len-1; no table entry before the window's first block is read),
 soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32.
@@ -31,6 +33,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
+from engine.kv_format import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
@@ -101,11 +105,18 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
                                               scale, window or 0, soft_cap or 0.0)
 
 
+_EXTRA_BYTES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 0, torch.int8: SCALE_BYTES}
+"""Quantized pools `paged_decode` reads: what each row stores after its head_dim values."""
+
+
 def fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode` serves this query and pool (CPU, the pool in query's dtype)."""
-    return (query.device.type == "cpu" and kv_cache.dtype == query.dtype
-            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and kv_cache.shape[-1] == query.shape[-1] and query.stride(-1) == 1)
+    """Whether `paged_decode` serves this query and pool (CPU; the pool in query's dtype or
+    one of the quantized formats, with the matching head size)."""
+    if (query.device.type != "cpu" or query.stride(-1) != 1
+            or query.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return False
+    extra = 0 if kv_cache.dtype == query.dtype else _EXTRA_BYTES.get(kv_cache.dtype)
+    return extra is not None and kv_cache.shape[-1] == query.shape[-1] + extra
 
 
 class LayerOps:

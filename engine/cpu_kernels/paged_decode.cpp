@@ -1,7 +1,11 @@
 // Paged decode attention on the CPU, reading K/V in place from the engine's pool.
 //
 // One query token per sequence (decode rows), any GQA group, optional sliding window and
-// logit soft-capping; the pool holds the model's dtype (float32, bfloat16 or float16).
+// logit soft-capping; the pool holds the model's dtype (float32, bfloat16 or float16) or one
+// of the quantized KV formats of engine/kv_format.py: fp8 e4m3 / e5m2 (scale 1), or int8 with
+// a float32 scale per token and kv head after its head_dim values. Quantized rows are widened
+// to fp32 as they are read (an int8 row's scale multiplies its dot products and its
+// probabilities), never dequantized into new tensors.
 // Contract and reference: engine/attention/cpu_kernels.py (`paged_decode`) and the torch
 // backend's gather + SDPA decode path it replaces.
 //
@@ -46,6 +50,37 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 inline void load_row(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
+
+// Quantized pool elements (engine/kv_format.py). fp8 e5m2 is the upper byte of a float16;
+// e4m3's bits sit at float16's bit 7 upwards, x 2^8 fixes the exponent bias (its NaN pattern
+// reads as +-480, as the torch path's `_fp8_to_fp16`; quantize never writes it).
+struct E4M3 { uint8_t bits; };
+struct E5M2 { uint8_t bits; };
+
+inline float widen(E5M2 v) { return static_cast<float>(c10::Half(static_cast<uint16_t>(v.bits << 8), c10::Half::from_bits())); }
+inline float widen(E4M3 v) {
+  const uint16_t half = static_cast<uint16_t>(((v.bits & 0x80) << 8) | ((v.bits & 0x7F) << 7));
+  return static_cast<float>(c10::Half(half, c10::Half::from_bits())) * 256.f;
+}
+
+inline void load_row(const E4M3* src, float* dst, int64_t n) { for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]); }
+inline void load_row(const E5M2* src, float* dst, int64_t n) { for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]); }
+inline void load_row(const int8_t* src, float* dst, int64_t n) { for (int64_t i = 0; i < n; ++i) dst[i] = src[i]; }
+
+// The factor a stored row's values are multiplied by: an int8 row's scale (4 bytes after its
+// D values), 1 for every other pool.
+template <typename P>
+inline float row_scale(const P* row, int64_t D) {
+  if constexpr (std::is_same_v<P, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + D, sizeof(float));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+template <typename P>
+constexpr bool kScaled = std::is_same_v<P, int8_t>;
 
 // sum_i a[i] * b[i], in 16 partial sums then a fixed-order tree (deterministic).
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -95,6 +130,20 @@ inline float capped(float score, float cap) { return cap > 0.f ? cap * std::tanh
 #ifdef __AVX512F__
 using pdserve_vec::load16;
 
+inline __m512 load16(const E5M2* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+}
+inline __m512 load16(const E4M3* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Asks (into L2) for the rows of this head in the block kPrefetchBlocks ahead (K or V page)
 // while the current one is read: blocks sit anywhere in the pool, so the hardware prefetcher
 // loses the stream at each one. Cold-cache microbenchmark, batch 16, bf16: no prefetch 2.07,
@@ -125,7 +174,7 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 template <typename T, int V, int GB>
 inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t first, int64_t n,
                      int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page, int64_t row,
-                     int64_t h, float scale, float cap, float* scores) {
+                     int64_t h, int64_t DS, float scale, float cap, float* scores) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
   auto key_row = [&](int64_t pos) -> const T* {
@@ -133,16 +182,18 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
     if (pos % B == 0 && pos + kPrefetchBlocks * B < n) {
       const int64_t ahead = table[pos / B + kPrefetchBlocks];
-      if (ahead >= 0 && ahead < N) prefetch_rows(kv + ((ahead * L + layer) * 2) * page + h * D, B, row, D);
+      if (ahead >= 0 && ahead < N) prefetch_rows(kv + ((ahead * L + layer) * 2) * page + h * DS, B, row, DS);
     }
-    return kv + ((blk * L + layer) * 2) * page + h * D + (pos % B) * row;
+    return kv + ((blk * L + layer) * 2) * page + h * DS + (pos % B) * row;
   };
   const __m128 scale4 = _mm_set1_ps(scale);
   int64_t pos = first;
   for (; pos + 4 <= n; pos += 4) {
     __m512 acc[GB][4];
+    float ks[4];
     for (int j = 0; j < 4; ++j) {
       const T* k = key_row(pos + j);
+      ks[j] = row_scale(k, D);
       __m512 kr[V];
       for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
       for (int g = 0; g < GB; ++g) {
@@ -152,7 +203,9 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
     }
     for (int g = 0; g < GB; ++g) {
       float* dst = scores + g * len + (pos - first);
-      _mm_storeu_ps(dst, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), scale4));
+      const __m128 dots = sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      _mm_storeu_ps(dst, kScaled<T> ? _mm_mul_ps(_mm_mul_ps(dots, _mm_loadu_ps(ks)), scale4)
+                                    : _mm_mul_ps(dots, scale4));
       if (cap > 0.f)
         for (int j = 0; j < 4; ++j) dst[j] = capped(dst[j], cap);
     }
@@ -164,7 +217,8 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
     for (int g = 0; g < GB; ++g) {
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
       for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc);
-      scores[g * len + (pos - first)] = capped(_mm512_reduce_add_ps(acc) * scale, cap);
+      const float dot = _mm512_reduce_add_ps(acc);
+      scores[g * len + (pos - first)] = capped((kScaled<T> ? dot * row_scale(k, D) : dot) * scale, cap);
     }
   }
 }
@@ -175,22 +229,23 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
 template <typename T, int V, int GB>
 inline void value_pass(const float* probs, int64_t len, const float* inv, const T* kv, const int32_t* table,
                        int64_t first, int64_t n, int64_t B, int64_t L, int64_t layer, int64_t page,
-                       int64_t row, int64_t h, float* out) {
+                       int64_t row, int64_t h, int64_t DS, float* out) {
   constexpr int64_t D = 16 * V;
   __m512 acc[GB][V];
   for (int g = 0; g < GB; ++g)
     for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * D;
+    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * DS;
     if (stop + (kPrefetchBlocks - 1) * B < n)
-      prefetch_rows(kv + ((table[stop / B + kPrefetchBlocks - 1] * L + layer) * 2 + 1) * page + h * D, B, row, D);
+      prefetch_rows(kv + ((table[stop / B + kPrefetchBlocks - 1] * L + layer) * 2 + 1) * page + h * DS, B, row, DS);
     for (; pos < stop; ++pos) {
       const T* vr = v_page + (pos % B) * row;
       __m512 vrow[V];
       for (int v = 0; v < V; ++v) vrow[v] = load16(vr + 16 * v);
+      const float vs = row_scale(vr, D);
       for (int g = 0; g < GB; ++g) {
-        const __m512 p = _mm512_set1_ps(probs[g * len + pos - first]);
+        const __m512 p = _mm512_set1_ps(kScaled<T> ? probs[g * len + pos - first] * vs : probs[g * len + pos - first]);
         for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, vrow[v], acc[g][v]);
       }
     }
@@ -206,25 +261,25 @@ inline void value_pass(const float* probs, int64_t len, const float* inv, const 
 template <typename T, int V>
 void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, int64_t first,
                  int64_t n, int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page,
-                 int64_t row, int64_t h, float scale, float cap, float* scores, float* out) {
+                 int64_t row, int64_t h, int64_t DS, float scale, float cap, float* scores, float* out) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) key_pass<T, V, 4>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len);
+  for (; g + 4 <= G; g += 4) key_pass<T, V, 4>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len);
   switch (G - g) {
-    case 1: key_pass<T, V, 1>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len); break;
-    case 2: key_pass<T, V, 2>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len); break;
-    case 3: key_pass<T, V, 3>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, scale, cap, scores + g * len); break;
+    case 1: key_pass<T, V, 1>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
+    case 2: key_pass<T, V, 2>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
+    case 3: key_pass<T, V, 3>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
     default: break;
   }
   const std::vector<float> inv = softmax_numerators(scores, G, len);
   constexpr int kHeads = V <= 4 ? 4 : 2;  // kHeads * V accumulators + V row registers <= 32
   g = 0;
-  for (; g + kHeads <= G; g += kHeads) value_pass<T, V, kHeads>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D);
+  for (; g + kHeads <= G; g += kHeads) value_pass<T, V, kHeads>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D);
   switch (G - g) {
-    case 1: value_pass<T, V, 1>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D); break;
-    case 2: value_pass<T, V, 2>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D); break;
-    case 3: value_pass<T, V, 3>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, out + g * D); break;
+    case 1: value_pass<T, V, 1>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D); break;
+    case 2: value_pass<T, V, 2>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D); break;
+    case 3: value_pass<T, V, 3>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D); break;
     default: break;
   }
 }
@@ -234,18 +289,20 @@ void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, 
 template <typename T>
 void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int32_t* table,
                   int64_t first, int64_t n, int64_t B, int64_t N, int64_t L, int64_t layer,
-                  int64_t page, int64_t row, int64_t h, float scale, float cap, float* scores,
-                  float* out) {
+                  int64_t page, int64_t row, int64_t h, int64_t DS, float scale, float cap,
+                  float* scores, float* out) {
   const int64_t len = n - first;
   std::vector<float> buf(D);
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
-    const T* k_page = kv + ((blk * L + layer) * 2) * page + h * D;
+    const T* k_page = kv + ((blk * L + layer) * 2) * page + h * DS;
     for (; pos < stop; ++pos) {
-      load_row(k_page + (pos % B) * row, buf.data(), D);
+      const T* k = k_page + (pos % B) * row;
+      load_row(k, buf.data(), D);
+      const float ks = row_scale(k, D) * scale;
       for (int64_t g = 0; g < G; ++g) {
-        scores[g * len + (pos - first)] = capped(dot(qf + g * D, buf.data(), D) * scale, cap);
+        scores[g * len + (pos - first)] = capped(dot(qf + g * D, buf.data(), D) * ks, cap);
       }
     }
   }
@@ -253,11 +310,13 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
   std::fill(out, out + G * D, 0.f);
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * D;
+    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * DS;
     for (; pos < stop; ++pos) {
-      load_row(v_page + (pos % B) * row, buf.data(), D);
+      const T* v = v_page + (pos % B) * row;
+      load_row(v, buf.data(), D);
+      const float vs = row_scale(v, D);
       for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * len + (pos - first)];
+        const float p = scores[g * len + (pos - first)] * vs;
         for (int64_t d = 0; d < D; ++d) out[g * D + d] += p * buf[d];
       }
     }
@@ -266,7 +325,8 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
     for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv[g];
 }
 
-template <typename T>
+// T: the query's (and the output's) dtype; P: the pool's element (T, or a quantized format).
+template <typename T, typename P>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale_d,
             int64_t window, double cap_d, at::Tensor& out) {
@@ -275,9 +335,10 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
   const int64_t G = Hq / Hkv;
   const int64_t q_tok = query.stride(0), q_head = query.stride(1);
   const int64_t table_stride = block_tables.stride(0);
-  const int64_t row = Hkv * D, page = B * row;  // one layer's K (or V) of one block
+  const int64_t DS = kv_cache.size(5);  // stored head_dim: D, or D + 4 (int8's scale)
+  const int64_t row = Hkv * DS, page = B * row;  // one layer's K (or V) of one block
   const T* q = query.data_ptr<T>();
-  const T* kv = kv_cache.data_ptr<T>();
+  const P* kv = reinterpret_cast<const P*>(kv_cache.data_ptr());
   T* o = out.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -293,19 +354,19 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
       scores.resize(G * (n - first));
       const int32_t* table = tables + s * table_stride;
 #ifdef __AVX512F__
-#define PDSERVE_ITEM(V) item_avx512<T, V>(qf.data(), G, kv, table, first, n, B, N, L, layer, page, \
-                                          row, h, scale, cap, scores.data(), acc.data())
+#define PDSERVE_ITEM(V) item_avx512<P, V>(qf.data(), G, kv, table, first, n, B, N, L, layer, page, \
+                                          row, h, DS, scale, cap, scores.data(), acc.data())
       switch (D) {
         case 32: PDSERVE_ITEM(2); break;
         case 64: PDSERVE_ITEM(4); break;
         case 128: PDSERVE_ITEM(8); break;
         default:
-          item_generic<T>(qf.data(), G, D, kv, table, first, n, B, N, L, layer, page, row, h, scale,
+          item_generic<P>(qf.data(), G, D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale,
                           cap, scores.data(), acc.data());
       }
 #undef PDSERVE_ITEM
 #else
-      item_generic<T>(qf.data(), G, D, kv, table, first, n, B, N, L, layer, page, row, h, scale,
+      item_generic<P>(qf.data(), G, D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale,
                       cap, scores.data(), acc.data());
 #endif
       for (int64_t g = 0; g < G; ++g) {
@@ -321,8 +382,12 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, int
                         int64_t window, double soft_cap) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [S, Hq, D] with unit last stride");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache: contiguous 6-D pool");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "kv_cache: the query's dtype");
-  TORCH_CHECK(kv_cache.size(5) == query.size(2), "kv_cache: the query's head_dim");
+  const bool int8_pool = kv_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() || int8_pool ||
+              kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2,
+              "kv_cache: the query's dtype, float8_e4m3fn, float8_e5m2 or int8");
+  TORCH_CHECK(kv_cache.size(5) == query.size(2) + (int8_pool ? 4 : 0),
+              "kv_cache: the query's head_dim (+ 4 scale bytes for int8)");
   TORCH_CHECK(query.size(1) % kv_cache.size(4) == 0, "query heads: a multiple of kv heads");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
@@ -331,10 +396,19 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, int
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
               seq_lens.numel() == query.size(0), "seq_lens: int32 [S], contiguous");
   at::Tensor out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  auto with_pool = [&](auto query_tag) {
+    using T = decltype(query_tag);
+    switch (kv_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn: decode<T, E4M3>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out); break;
+      case at::kFloat8_e5m2: decode<T, E5M2>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out); break;
+      case at::kChar: decode<T, int8_t>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out); break;
+      default: decode<T, T>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out);
+    }
+  };
   switch (query.scalar_type()) {
-    case at::kFloat: decode<float>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out); break;
-    case at::kBFloat16: decode<c10::BFloat16>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out); break;
-    case at::kHalf: decode<c10::Half>(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap, out); break;
+    case at::kFloat: with_pool(float{}); break;
+    case at::kBFloat16: with_pool(c10::BFloat16{}); break;
+    case at::kHalf: with_pool(c10::Half{}); break;
     default: TORCH_CHECK(false, "dtype: float32, bfloat16 or float16");
   }
   return out;

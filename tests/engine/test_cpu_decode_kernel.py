@@ -1,12 +1,14 @@
 """The C++ paged decode kernel (engine/cpu_kernels) against the torch backend's
 gather + SDPA decode path: ragged contexts over shuffled blocks, block sizes 16 and 32, GQA
-groups, a head_dim that is not a multiple of 16, sliding windows, soft-capping, bf16."""
+groups, a head_dim that is not a multiple of 16, sliding windows, soft-capping, bf16, and
+quantized pools (fp8 e4m3 / e5m2, int8 with per-row scales) read in place."""
 import pytest
 import torch
 
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.kv_format import quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
 
@@ -65,10 +67,44 @@ def test_strided_query_view_and_backend_routing():
     torch.testing.assert_close(on, off, atol=2e-6, rtol=2e-5)
 
 
-def test_quantized_pool_falls_back_to_the_gather_path():
+QUANTIZED = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("storage", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_pool_matches_the_dequantizing_gather_path(case, storage, dtype):
+    seq_lens, block_size, hq, hkv, d = case
+    query, pool, md = _decode_batch(seq_lens, block_size, hq, hkv, d, dtype)
+    stored = quantize(pool, storage)
+    assert cpu_kernels.fits(query, stored)
+    for window, cap in [(None, None), (24, 2.0)]:
+        ref = TorchAttentionBackend._decode(query, stored, 1, md, d ** -0.5, window, cap)
+        out = cpu_kernels.paged_decode(query, stored, 1, md.block_tables, md.seq_lens, d ** -0.5, window, cap)
+        assert out.dtype == dtype and out.shape == query.shape
+        # The gather path rounds dequantized values to the query's dtype; the kernel keeps fp32.
+        tol = dict(atol=2e-5, rtol=2e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_backend_sends_quantized_decodes_to_the_kernel():
+    query, pool, md = _decode_batch([40, 7, 100], 16, 9, 3, 64, torch.bfloat16)
+    stored = quantize(pool, torch.int8)
+    k = v = torch.randn(3, 3, 64).to(torch.bfloat16)
+    md.slot_mapping = torch.tensor([-1, -1, -1])
+    on = TorchAttentionBackend().forward(query, k, v, stored, 0, md, 0.125)
+    off = TorchAttentionBackend(cpu_kernels=False).forward(query, k, v, stored, 0, md, 0.125)
+    torch.testing.assert_close(on.float(), off.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_fits_checks_the_stored_head_size():
     query, pool, md = _decode_batch([40, 7], 16, 4, 2, 64, torch.float32)
-    assert not cpu_kernels.fits(query, pool.to(torch.float8_e4m3fn))
-    assert not cpu_kernels.fits(query, pool.to(torch.bfloat16))
+    assert cpu_kernels.fits(query, pool.to(torch.float8_e4m3fn))
+    assert cpu_kernels.fits(query, quantize(pool, torch.int8))  # head_dim + 4 scale bytes
+    assert not cpu_kernels.fits(query, pool.to(torch.int8))  # no room for the scales
+    assert not cpu_kernels.fits(query, pool.to(torch.bfloat16))  # another float dtype
+    with pytest.raises(RuntimeError, match="head_dim"):
+        cpu_kernels.paged_decode(query, pool.to(torch.int8), 0, md.block_tables, md.seq_lens, 0.125)
 
 
 def test_a_block_id_outside_the_pool_raises():
