@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,16 +33,17 @@ from cluster.registration import Capacity, RegistrationRefused, WorkerInfo
 from engine.block_hash import block_hash_probe
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.lora.request import LoRARequest, lora_id_for
+from engine.lora.request import LoRARequest
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
 from kvtransfer.compat import window_layers
 from kvtransfer.poll_split import split_receiver, split_sender
 from kvtransfer.progress import TransferProgress
 from proto import pdserve_pb2 as pb
+from worker_runtime.adapters import ServedAdapters
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
-from worker_runtime.grpc_errors import NotFound, StatusInterceptor
+from worker_runtime.grpc_errors import StatusInterceptor
 from worker_runtime.host_cores import HostCoreShare, release_openmp_threads, worker_threads
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
 from worker_runtime.lifecycle import WorkerLifecycle
@@ -145,8 +145,8 @@ class WorkerRuntime:
                                itl_target_s=config.itl_target_ms / 1000,
                                step_threads=step_threads)
         self.stats: EngineStats = engine.stats()
-        self.loras: dict[str, str] = dict(engine.config.lora_modules)
-        """LoRA adapters served here, name -> path (asyncio side; published in etcd)."""
+        self.adapters = ServedAdapters(engine, self.call, self.paths, self.republish)
+        """LoRA adapters served here, by name (asyncio side; published in etcd)."""
         self.pull_cost = PullCost()
         """What this worker's peer pulls cost (kv_pull.py measures; published)."""
         self.grpc_address = ""
@@ -224,7 +224,7 @@ class WorkerRuntime:
         those are built off the event loop (`make_request` reads no mutable engine state, so
         it is safe off the engine thread). An adapter not served here already must lie under
         --allowed-model-paths."""
-        if lora is not None and lora.lora_path not in self.loras.values():
+        if lora is not None and not self.adapters.serves_path(lora.lora_path):
             self.paths.check(lora.lora_path, "LoRA adapter")
         build = functools.partial(self.engine.make_request, request_id, prompt_token_ids, params,
                                   cache_salt or None, priority, resume=resume, pooling=pooling,
@@ -260,37 +260,6 @@ class WorkerRuntime:
         ids = set(self.streams) | await self.call(live)
         await asyncio.gather(*(self.abort(rid) for rid in ids), return_exceptions=True)
 
-    # ---- LoRA adapters ---------------------------------------------------------------------
-    async def load_lora(self, name: str, path: str) -> None:
-        """Load an adapter (off the event loop: disk) and serve it under `name`; LoRAError
-        (a ValueError) if it cannot be used. The registration is republished before this
-        returns, so the router sees the change as soon as it hears back."""
-        if not path:
-            raise ValueError("lora_path must not be empty")
-        self.paths.check(path, "LoRA adapter")  # before anything at the path is looked at
-        if not os.path.isdir(path):
-            raise NotFound(f"No adapter found for LoRA adapter {name!r}: {path} is not a "
-                           "directory")
-        served = self.loras.get(name)
-        if served is not None and served != path:
-            raise ValueError(f"LoRA adapter {name!r} is already served from {served}; "
-                             "unload it first")
-        await asyncio.to_thread(self.engine.add_lora, LoRARequest(name, lora_id_for(name), path))
-        self.loras[name] = path
-        await self.republish()
-
-    async def unload_lora(self, name: str) -> bool:
-        """Stop serving an adapter and drop it from the engine (requests running with it
-        finish with it); False if it was not served here."""
-        found = self.loras.pop(name, None) is not None
-        lora_id = lora_id_for(name)
-        await self.call(lambda e: e.remove_lora(lora_id), cancellable=False)
-        await self.republish()
-        return found
-
-    def served_loras(self) -> list[pb.LoRAAdapter]:
-        return [pb.LoRAAdapter(name=n, path=p) for n, p in sorted(self.loras.items())]
-
     async def republish(self) -> None:
         await self.registration.publish_now()
 
@@ -306,7 +275,7 @@ class WorkerRuntime:
             sleeping=self.lifecycle.sleeping, weights_version=self.lifecycle.weights_version,
             metrics_address=self.metrics_address,
             draining=self.admission.phase.published_draining,
-            loras=dict(self.loras),
+            loras=dict(self.adapters.by_name),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
             capacity=self.capacity(),
             block_hash_probe=block_hash_probe(self.engine.config.block_size, self.kv_cache_dtype,

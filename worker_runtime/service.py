@@ -56,15 +56,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         adapter = request.adapter
         if not adapter.name:
             raise ValueError("lora_name must not be empty")
-        await self.rt.load_lora(adapter.name, adapter.path)
-        return pb.LoRAResponse(found=True, served=self.rt.served_loras())
+        await self.rt.adapters.load(adapter.name, adapter.path)
+        return pb.LoRAResponse(found=True, served=self.rt.adapters.to_pb())
 
     async def UnloadLoRAAdapter(self, request, context):
         self._require_admin("UnloadLoRAAdapter")
         if not request.name:
             raise ValueError("lora_name must not be empty")
-        found = await self.rt.unload_lora(request.name)
-        return pb.LoRAResponse(found=found, served=self.rt.served_loras())
+        found = await self.rt.adapters.unload(request.name)
+        return pb.LoRAResponse(found=found, served=self.rt.adapters.to_pb())
 
     # ---- weights lifecycle (lifecycle.py) ---------------------------------------------------
     async def Sleep(self, request, context):

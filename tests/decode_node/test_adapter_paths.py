@@ -22,9 +22,9 @@ def test_adapters_outside_the_roots_are_refused_before_they_are_looked_at(tmp_pa
             answers = set()
             for path in ("/etc", "/no/such/dir", str(root / ".." / "elsewhere")):
                 with pytest.raises(PermissionDenied, match="outside --allowed-model-paths") as exc:
-                    await h.rt.load_lora("x", path)
+                    await h.rt.adapters.load("x", path)
                 answers.add(str(exc.value).replace(repr(path), "P"))
-            assert len(answers) == 1 and h.rt.loras == {}
+            assert len(answers) == 1 and h.rt.adapters.by_name == {}
 
             task = h.generate("r", lora=pb.LoRAAdapter(name="x", path="/etc"))
             await h.spin()
@@ -32,7 +32,7 @@ def test_adapters_outside_the_roots_are_refused_before_they_are_looked_at(tmp_pa
                 await task
             assert h.calls == [] and h.engine.allocated == {} and h.rt.streams == {}
 
-            h.rt.loras["served"] = "/opt/served"  # what --lora-modules serves is not re-checked
+            h.rt.adapters.by_name["served"] = "/opt/served"  # what --lora-modules serves is not re-checked
             task = h.generate("s", lora=pb.LoRAAdapter(name="served", path="/opt/served"))
             await h.spin()
             assert len(h.calls) == 1

@@ -38,7 +38,8 @@ class RecordingRuntime:
             reset_prefix_cache=record("ResetPrefixCache"), update_weights=record("UpdateWeights"),
             collective_rpc=record("CollectiveRPC", "[]"))
         self.roles = SimpleNamespace(set_role=record("SetRole"))
-        self.load_lora, self.unload_lora = record("LoadLoRAAdapter"), record("UnloadLoRAAdapter", True)
+        self.adapters = SimpleNamespace(load=record("LoadLoRAAdapter"),
+                                        unload=record("UnloadLoRAAdapter", True), to_pb=list)
 
     def _record(self, name, result=None):
         async def call(*args):
