@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from engine import cpu_kernels
 from engine.logits_masks import apply_masks
 from engine.penalties import Penalties
 from engine.sample_row import SampleRow
@@ -119,14 +120,20 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return cols.gather(1, values.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` ([rows, vocab], unnormalized is fine) for `uniforms`
-    ([rows, 1] in [0, 1)): the first index whose cdf exceeds u * total, always one with
-    p > 0. The cdf is taken over chunk totals, then inside the one chunk it lands in."""
+def chunk_totals(probs: torch.Tensor) -> torch.Tensor:
+    """The sums of each _CHUNK columns of `probs` [rows, vocab]: [rows, ceil(vocab / _CHUNK)]."""
     body, rest = _chunk_view(probs)
     totals = body.sum(-1)
-    if rest is not None:
-        totals = torch.cat([totals, rest.sum(-1, keepdim=True)], 1)
+    return totals if rest is None else torch.cat([totals, rest.sum(-1, keepdim=True)], 1)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, totals: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of `probs` ([rows, vocab], unnormalized is fine) for `uniforms`
+    ([rows, 1] in [0, 1)): the first index whose cdf exceeds u * total, always one with
+    p > 0. The cdf is taken over chunk totals (`totals`, else `chunk_totals(probs)`), then
+    inside the one chunk it lands in."""
+    if totals is None:
+        totals = chunk_totals(probs)
     cdf = totals.cumsum(-1)
     target = uniforms.to(probs.dtype) * cdf[:, -1:]
     index = torch.arange(cdf.shape[1], device=probs.device)[None, :]
@@ -147,6 +154,17 @@ def softmax_(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return x.softmax(-1)
     return torch.ops.aten._softmax.out(x, -1, False, out=x)
+
+
+def softmax_numerators_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, chunk_totals(probs)) for `inverse_cdf`, written over `logits` [rows, vocab]
+    fp32: with the CPU kernels one pass of exp(x - row max) that sums each chunk as it goes
+    (unnormalized: the draw scales by the total), else the softmax and a second pass."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+            and cpu_kernels.load()):
+        return logits, cpu_kernels.exp_chunk_totals_(logits, _CHUNK)
+    probs = softmax_(logits)
+    return probs, chunk_totals(probs)
 
 
 def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor | None]:
@@ -184,10 +202,10 @@ class Sampler:
             tokens[greedy_idx] = argmax_rows(logits[greedy_idx])
         whole = len(random_idx) == len(rows)
         sub_rows = rows if whole else [rows[i] for i in random_idx]
-        probs = softmax_(_filter(logits if whole else logits[random_idx], sub_rows))
+        probs, totals = softmax_numerators_(_filter(logits if whole else logits[random_idx], sub_rows))
         # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
         uniforms = torch.from_numpy(row_uniforms(sub_rows)).to(probs.device)
-        drawn = inverse_cdf(probs, uniforms)
+        drawn = inverse_cdf(probs, uniforms, totals)
         if whole:
             tokens = drawn
         else:

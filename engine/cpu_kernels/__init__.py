@@ -18,6 +18,10 @@ int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else key
 seq_len-window..seq_len-1; no table entry before the window's first block is read),
 soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32.
 
+`exp_chunk_totals_(x, chunk)`: the sampler's pass over a step's logits (sampling_ops.cpp):
+x (float32 [rows, vocab], unit last stride) becomes exp(x - its row's max) in place, and the
+sums of each `chunk` columns come back, [rows, ceil(vocab / chunk)] float32.
+
 `LAYER_OPS`: RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-mul (layer_ops.cpp),
 with the contracts of the Triton kernels of the same names (`kernels`), so a model's layers
 call either set through `ctx.kernels` (engine/models/layers.py)."""
@@ -38,7 +42,7 @@ from engine.kv_format import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "paged_decode.cpp", _DIR / "layer_ops.cpp")
+_SOURCES = (_DIR / "paged_decode.cpp", _DIR / "layer_ops.cpp", _DIR / "sampling_ops.cpp")
 _HEADERS = (_DIR / "vec16.h",)
 
 
@@ -103,6 +107,11 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
     """See the module docstring; `load()` must have returned True."""
     return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, layer, block_tables, seq_lens,
                                               scale, window or 0, soft_cap or 0.0)
+
+
+def exp_chunk_totals_(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """See the module docstring; `load()` must have returned True."""
+    return torch.ops.pdserve_cpu.exp_chunk_totals_(x, chunk)
 
 
 _EXTRA_BYTES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 0, torch.int8: SCALE_BYTES}

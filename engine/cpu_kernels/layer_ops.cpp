@@ -21,7 +21,6 @@
 #include "vec16.h"
 
 #ifdef __AVX512F__
-extern "C" __m512 _ZGVeN16v_expf(__m512);
 using pdserve_vec::load16;
 using pdserve_vec::round16;
 using pdserve_vec::store16;

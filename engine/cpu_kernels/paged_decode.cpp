@@ -26,10 +26,6 @@
 
 #include "vec16.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-extern "C" __m512 _ZGVeN16v_expf(__m512);
-#endif
 
 namespace {
 
@@ -94,26 +90,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return part[0];
 }
 
-// x[i] = exp(x[i] - m), returns the sum.
-inline float exp_sub_sum(float* x, int64_t n, float m) {
-  int64_t i = 0;
-  float total = 0.f;
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  const __m512 mv = _mm512_set1_ps(m);
-  for (; i + kLanes <= n; i += kLanes) {
-    __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
-    _mm512_storeu_ps(x + i, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  total = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - m);
-    total += x[i];
-  }
-  return total;
-}
+using pdserve_vec::exp_sub_sum;
 
 // Softmax numerators of each query head's `len` scores in place; returns 1 / their sums.
 inline std::vector<float> softmax_numerators(float* scores, int64_t G, int64_t len) {

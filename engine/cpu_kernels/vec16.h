@@ -4,8 +4,12 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
+#include <cstdint>
+
 #ifdef __AVX512F__
 #include <immintrin.h>
+extern "C" __m512 _ZGVeN16v_expf(__m512);  // libmvec's 16-lane expf (link with -lmvec)
 
 namespace pdserve_vec {
 
@@ -54,3 +58,29 @@ inline __m512 round16(__m512 v) {
 
 }  // namespace pdserve_vec
 #endif
+
+namespace pdserve_vec {
+
+// x[i] = exp(x[i] - m) for i < n; returns their sum (16 lanes with libmvec's expf under
+// AVX-512, summed in a fixed order).
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    total += x[i];
+  }
+  return total;
+}
+
+}  // namespace pdserve_vec

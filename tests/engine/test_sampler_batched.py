@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine import cpu_kernels
 from engine.penalties import Penalties
 from engine.request import Request
 from engine.sample_row import SampleRow
-from engine.sampler import Sampler, argmax_rows, inverse_cdf, row_uniforms, softmax_
+from engine.sampler import Sampler, argmax_rows, chunk_totals, inverse_cdf, row_uniforms, softmax_
 from engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -143,3 +144,31 @@ def test_softmax_in_place_is_bit_identical_to_softmax(shape):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 5
     expected = x.softmax(-1)
     assert torch.equal(softmax_(x), expected) and torch.equal(x, expected)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+@pytest.mark.parametrize("vocab", [7, 256, 4099, 49152])
+def test_exp_chunk_totals_is_the_softmax_numerators_and_their_chunk_sums(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(6, vocab + 5, generator=g) * 4
+    wide[2, : vocab // 2] = float("-inf")  # masked tokens: exp gives 0
+    x = wide[:, :vocab]  # rows of a strided view (unit last stride)
+    past = wide[:, vocab:].clone()
+    expected = (x - x.amax(-1, keepdim=True)).exp()
+    totals = cpu_kernels.exp_chunk_totals_(x, 256)
+    torch.testing.assert_close(x, expected, atol=0, rtol=2e-6)
+    torch.testing.assert_close(totals, chunk_totals(expected), atol=1e-6, rtol=2e-6)
+    assert totals.shape == (6, -(-vocab // 256)) and (x[2, : vocab // 2] == 0).all()
+    assert torch.equal(wide[:, vocab:], past)  # columns past the view untouched
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.exp_chunk_totals_(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
+
+
+def test_random_rows_draw_the_same_tokens_with_and_without_the_kernels(monkeypatch):
+    """The kernel's unnormalized numerators and the softmax's probabilities give one draw."""
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(5)) * 3
+    rows = [_row(SamplingParams(temperature=0.8), seed=i, output=range(i % 5)) for i in range(64)]
+    fast = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+    plain = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
+    assert fast == plain
