@@ -9,9 +9,10 @@
 // Contract and reference: engine/attention/cpu_kernels.py (`paged_decode`) and the torch
 // backend's gather + SDPA decode path it replaces.
 //
-// Work item = (sequence, kv head), spread over ATen's intra-op threads. For each item the
-// group's query heads are converted to fp32 once; pass 1 walks the sequence's keys block by
-// block (scores = q.k * scale, soft cap), pass 2 the softmax, pass 3 the values. Everything is
+// Work item = (sequence, kv head), longest first, taken by ATen's intra-op threads as each
+// becomes free. For each item the group's query heads are converted to fp32 once; pass 1 walks
+// the sequence's keys block by block (scores = q.k * scale, soft cap), pass 2 the softmax,
+// pass 3 the values. Everything is
 // fp32; the output is rounded once to the model's dtype. Dots and axpys run in 16 fp32 lanes
 // (auto-vectorised with -O3 -march=native); exp is libmvec's 16-lane expf under AVX-512.
 #include <ATen/ATen.h>
@@ -19,9 +20,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "vec16.h"
@@ -321,12 +324,24 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float scale = static_cast<float>(scale_d), cap = static_cast<float>(cap_d);
 
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Items (sequence, kv head), the most keys first, each taken by whichever thread is free
+  // next: contexts differ in length, and a static split of the batch can leave one thread with
+  // most of the keys. An item is one thread's whole work, so results do not depend on who ran it.
+  auto first_key = [&](int64_t n) { return window > 0 ? std::max<int64_t>(0, n - window) : int64_t{0}; };
+  const int64_t items = S * Hkv;
+  std::vector<int64_t> order(items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t na = lens[a / Hkv], nb = lens[b / Hkv];
+    return na - first_key(na) > nb - first_key(nb);
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(G * D), acc(G * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / Hkv, h = item % Hkv;
+    for (int64_t k = next++; k < items; k = next++) {
+      const int64_t item = order[k], s = item / Hkv, h = item % Hkv;
       const int64_t n = lens[s];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t first = first_key(n);
       for (int64_t g = 0; g < G; ++g) load_row(q + s * q_tok + (h * G + g) * q_head, &qf[g * D], D);
       scores.resize(G * (n - first));
       const int32_t* table = tables + s * table_stride;
