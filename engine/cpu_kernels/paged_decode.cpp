@@ -13,7 +13,8 @@
 // becomes free. For each item the group's query heads are converted to fp32 once; pass 1 walks
 // the sequence's keys block by block (scores = q.k * scale, soft cap), pass 2 the softmax,
 // pass 3 the values. Everything is fp32; the output is rounded once to the model's dtype.
-// Dots and axpys run in 16 fp32 lanes (auto-vectorised with -O3 -march=native); exp is libmvec's 16-lane expf under AVX-512.
+// Dots and axpys run in 16 fp32 lanes (auto-vectorised with -O3 -march=native); exp is
+// libmvec's 16-lane expf under AVX-512.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
