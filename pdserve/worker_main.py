@@ -36,6 +36,12 @@ def run(role: Role, args: argparse.Namespace) -> int:
     config = from_args(WorkerConfig, args, role=role)
     auth = resolve(config.grpc_security, os.environ)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
+    if role == Role.PREFILL and engine_config.parallel:
+        print(f"pdserve {role}: error: --tensor-parallel-size {engine_config.tensor_parallel_size}: "
+              "a prefill worker sends KV to decode workers, and KV transfer between "
+              "tensor-parallel workers is not supported yet (docs/parallelism.md); run tensor-"
+              "parallel workers as decode workers (they prefill locally)", file=sys.stderr)
+        return 2
     etcd_credentials = config.etcd_security.resolve(os.environ)  # before any model loads
     return asyncio.run(_serve(config, engine_config, auth, etcd_credentials))
 

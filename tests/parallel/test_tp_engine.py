@@ -1,0 +1,52 @@
+"""The engine at tensor_parallel_size 2 (two processes, gloo on the CPU) against the same
+engine at 1: greedy tokens equal, logprobs close, for a dense model, other families, MoE
+(tensor- and expert-parallel) and KV heads fewer than ranks. One process group serves every
+case (module-scoped), each engine loading its model's shards on it in turn."""
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.parallel.group import ParallelGroup
+
+SHARED = "You are a careful assistant. Answer briefly and never invent facts. The user asks:"
+PROMPTS = ["Hi there", f"{SHARED} What is 2+2?", f"{SHARED} Name a color of the sky."]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+ENGINE = dict(dtype="float32", kv_cache_memory=8 << 20, max_num_batched_tokens=16)
+"""16-token steps: the prompts prefill in chunks, sharing steps with decodes."""
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = ParallelGroup(2, timeout_s=30.0)
+    yield g
+    g.shutdown()
+
+
+def run(path, group=None, **extra):
+    llm = LLM(str(path), parallel_group=group, **ENGINE, **extra)
+    try:
+        return [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("arch,ep", [("llama-9q3kv", False), ("qwen3", False), ("gemma3", False),
+                                     ("llama-kv1", False), ("qwen3-moe", False), ("qwen3-moe", True)])
+def test_tp2_matches_tp1(tiny_model, group, arch, ep):
+    path = tiny_model(arch)
+    want = run(path)
+    got = run(path, group, tensor_parallel_size=2, enable_expert_parallel=ep)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert len(g.logprobs) == len(w.logprobs)
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert lg.logprob == pytest.approx(lw.logprob, abs=1e-4)
+            assert [t for t, _ in lg.top] == [t for t, _ in lw.top]
+            assert [v for _, v in lg.top] == pytest.approx([v for _, v in lw.top], abs=1e-4)
+
+
+def test_group_is_reused_and_survives_a_refused_engine(tiny_model, group):
+    """A config refused at start never reaches the ranks; the group serves the next engine."""
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
+        LLM(str(tiny_model("llama-9q3kv")), parallel_group=group, tensor_parallel_size=2,
+            enable_lora=True, **ENGINE)
+    assert run(tiny_model("llama-kv1"), group, tensor_parallel_size=2)
