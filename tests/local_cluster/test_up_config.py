@@ -35,9 +35,12 @@ ENGINE = EngineConfig(
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
                                        long_prefill_token_threshold=0, enable_prefix_caching=True,
                                        kv_offloading_size=1 << 20,
-                                       kv_offloading_path="/nonexistent-tier")]
+                                       kv_offloading_path="/nonexistent-tier"),
+           EngineConfig(model="/m", tensor_parallel_size=2, enable_expert_parallel=True,
+                        distributed_timeout_s=7.0)]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
-prefill on, the KV offloading tier prefix caching)."""
+prefill on, the KV offloading tier prefix caching; tensor parallelism refuses LoRA, sleep
+mode and offloading, so it has its own)."""
 
 
 def parse_up(*flags: str) -> UpConfig:
@@ -65,9 +68,9 @@ def test_every_engine_flag_of_up_reaches_the_workers_of_both_roles():
             cmd = supervisor(config).worker_command(role)
             assert cmd[0] == role
             worker, got = started(cmd)
-            # enable_sleep_mode and enable_lora are on: the cluster calls the admin RPCs.
+            # With enable_sleep_mode or enable_lora on, the cluster calls the admin RPCs.
             assert worker == WorkerConfig(role=role, etcd=ETCD, cluster="c", num_threads=3,
-                                          enable_admin_rpcs=True)
+                                          enable_admin_rpcs=engine.enable_sleep_mode or engine.enable_lora)
             # Prefill workers never speculate: they are not even given the flag.
             want = engine if role == Role.DECODE else dataclasses.replace(engine, speculative_config=None)
             assert got == want
