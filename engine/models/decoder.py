@@ -3,7 +3,7 @@
 mlp}` (Gemma adds `pre_feedforward_layernorm` and `post_feedforward_layernorm`), `model.norm`,
 `lm_head` (absent when tied). The architectures differ only in options of ModelArgs
 (engine/models/config.py, read by engine/models/layers.py); each model file is a subclass
-whose `from_config` sets them, and may rename a checkpoint's module (`HF_ALIASES`, e.g.
+whose `model_args` sets them, and may rename a checkpoint's module (`HF_ALIASES`, e.g.
 Mixtral's `block_sparse_moe` is the `mlp`) or build another MLP (`make_mlp`).
 
 The forward pass takes one flattened ragged batch: `input_ids`/`positions` of T tokens from
@@ -11,6 +11,11 @@ any mix of sequences and a ForwardContext (engine/models/interface.py: the paged
 the step's AttentionMetadata). Q/K/V and gate/up projections are fused into one matmul each;
 every checkpoint name maps onto the tensor (or row range of a fused one) that holds it through
 the modules' `weight_target`, for a whole load and for in-place updates alike.
+
+Tensor parallel (docs/parallelism.md): built from a rank's ModelArgs (`args.tp` set,
+engine/models/tp_slices.py) the same classes hold that rank's heads, rows and vocabulary
+slice, and with `use_communicator` they all-reduce / all-gather where a layer's output is
+a partial one.
 """
 from __future__ import annotations
 
