@@ -3,10 +3,10 @@
     python -m benchmarks.tp_bench engine      # TP=2 (1 thread/rank) vs TP=1 (2 threads), ~2 min
     python -m benchmarks.tp_bench allreduce   # gloo all-reduce cost per call, 2 processes
 
-engine: the default model (bf16 where the CPU has native bf16), prefill throughput (4 prompts
-of 512 random tokens, one output token each) and decode throughput (8 sequences, 64 tokens
-each, ignore_eos; the prefill's time measured alone and subtracted), best of --reps; the
-collectives per decode step from rank 0's communicator.
+engine: the default model (bf16 where the CPU has native bf16), prefill throughput (the steps
+of 4 prompts of 512 random tokens) and decode throughput (the decode-only steps of 8 sequences,
+32 tokens each), both engines alive, measured round by round, best of --reps; the collectives
+per decode step from rank 0's communicator.
 allreduce: one all-reduce of [rows, 576] (the default model's width) in the model dtype, 2
 ranks over gloo on loopback, median of 200 after a warm-up.
 """
@@ -22,51 +22,69 @@ import torch
 from benchmarks.cpu_info import cpu_isa
 
 
-def _engine_numbers(tp: int, reps: int) -> dict[str, float]:
-    from engine import LLM, SamplingParams
+def _prefill_s(llm, prompts) -> float:
+    """Seconds of the steps that prefill `prompts` (one output token each)."""
+    from engine import SamplingParams
 
-    torch.set_num_threads(2)
-    llm = LLM(tensor_parallel_size=tp, kv_cache_memory=256 << 20, max_num_batched_tokens=2048)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, 512).tolist() for _ in range(4)]
-    short = [rng.integers(100, 40000, 16).tolist() for _ in range(8)]
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
-    many = SamplingParams(max_tokens=64, ignore_eos=True)
+    llm.reset_prefix_cache()
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    return time.perf_counter() - t
 
-    def timed(ps, params) -> float:
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        llm.generate(ps, params, use_tqdm=False)
-        return time.perf_counter() - t
 
-    timed(short, one)  # warm-up
-    prefill = min(timed(prompts, one) for _ in range(reps))
-    short_prefill = min(timed(short, one) for _ in range(reps))
-    decode = min(timed(short, many) for _ in range(reps)) - short_prefill
-    out = {"prefill_tok_s": 4 * 512 / prefill, "decode_tok_s": 8 * 63 / decode}
-    group = llm.engine.parallel_group
-    if group is not None:
-        before = group.comm.calls
-        steps = 0
-        llm.engine.add_request("x", short[0], SamplingParams(max_tokens=9, ignore_eos=True))
-        llm.engine.step()  # prefill
-        before = group.comm.calls
-        while llm.engine.has_unfinished_requests():
-            llm.engine.step()
-            steps += 1
-        out["collectives_per_step"] = (group.comm.calls - before) / steps
-    llm.close()
-    return out
+def _decode_s(llm, prompts, tokens: int) -> tuple[float, int, int]:
+    """(seconds, steps, collectives) of the decode-only steps of `prompts` generating
+    `tokens` each."""
+    from engine import SamplingParams
+
+    llm.reset_prefix_cache()
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"d{i}", p, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    while eng.stats().num_waiting or eng.stats().queued_prefill_tokens:
+        eng.step()  # prefill (and the first token)
+    group = eng.parallel_group
+    calls = group.comm.calls if group else 0
+    steps, t = 0, time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    return time.perf_counter() - t, steps, (group.comm.calls - calls if group else 0)
 
 
 def engine(reps: int) -> None:
+    """Both engines alive at once, measured round by round (interleaved), best of `reps`."""
+    from engine import LLM
+
     print(cpu_isa())
-    one = _engine_numbers(1, reps)
-    two = _engine_numbers(2, reps)
-    for key in ("prefill_tok_s", "decode_tok_s"):
-        print(f"{key}: TP=1 (2 threads) {one[key]:.1f}  TP=2 (1 thread/rank) {two[key]:.1f}  "
-              f"ratio {two[key] / one[key]:.2f}")
-    print(f"collectives per decode step at TP=2: {two['collectives_per_step']:.0f}")
+    torch.set_num_threads(2)
+    common = dict(kv_cache_memory=256 << 20, max_num_batched_tokens=2048)
+    one = LLM(**common)
+    two = LLM(tensor_parallel_size=2, **common)  # 1 thread per rank (2 // 2), rank 0 set to 1
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, 512).tolist() for _ in range(4)]
+    short = [rng.integers(100, 40000, 16).tolist() for _ in range(8)]
+    best: dict[tuple[int, str], float] = {}
+    calls = 0.0
+    for _ in range(reps + 1):  # the first round warms up
+        for tp, llm in ((1, one), (2, two)):
+            torch.set_num_threads(2 if tp == 1 else 1)
+            pre = 4 * 512 / _prefill_s(llm, prompts)
+            secs, steps, collectives = _decode_s(llm, short, 33)
+            if tp == 2:
+                calls = collectives / steps
+            dec = 8 * steps / secs
+            best[tp, "prefill"] = max(best.get((tp, "prefill"), 0.0), pre)
+            best[tp, "decode"] = max(best.get((tp, "decode"), 0.0), dec)
+    for key in ("prefill", "decode"):
+        print(f"{key} tok/s: TP=1 (2 threads) {best[1, key]:.0f}  TP=2 (1 thread/rank) "
+              f"{best[2, key]:.0f}  ratio {best[2, key] / best[1, key]:.2f}")
+    print(f"collectives per decode step at TP=2: {calls:.0f} (+ 2 payload broadcasts)")
+    two.close()
 
 
 def _allreduce_rank(rank: int, port: int, dtype: torch.dtype, rows: list[int], out) -> None:

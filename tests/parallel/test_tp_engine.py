@@ -50,3 +50,24 @@ def test_group_is_reused_and_survives_a_refused_engine(tiny_model, group):
         LLM(str(tiny_model("llama-9q3kv")), parallel_group=group, tensor_parallel_size=2,
             enable_lora=True, **ENGINE)
     assert run(tiny_model("llama-kv1"), group, tensor_parallel_size=2)
+
+
+def test_forks_speculation_and_refused_weight_updates(tiny_model, group):
+    """n=2 seeded samples (their shared partial block is copied on write: every rank copies
+    its heads) and ngram speculation give TP=1's tokens; update_weights is refused."""
+    path = str(tiny_model("llama-9q3kv"))
+    forks = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    want, got = [], []
+    for out, extra in ((want, {}), (got, dict(tensor_parallel_size=2, parallel_group=group))):
+        llm = LLM(path, speculative_config=spec, **ENGINE, **extra)
+        try:
+            for o in llm.generate(PROMPTS, forks, use_tqdm=False):
+                out.append(sorted(c.token_ids for c in o.outputs))
+            out.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)])
+            if extra:
+                with pytest.raises(RuntimeError, match="update_weights is not supported"):
+                    llm.update_weights([])
+        finally:
+            llm.close()
+    assert got == want
