@@ -80,11 +80,21 @@ class LLMEngine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
         self.parallel_group = self._start_group(config, loaded, parallel_group)
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            self.close()  # the ranks stop (or, for a group passed in, wait for the next engine)
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        """Everything but the tensor-parallel group: model, pool, scheduler, runner."""
         shard = (TPShard(0, config.tensor_parallel_size, config.enable_expert_parallel)
                  if config.parallel else None)
         self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.num_layers,
                                            shard=shard)
         if self.parallel_group is not None:
+            # Rank 0's shard loaded: the split is valid, the other ranks load theirs.
+            self.parallel_group.load(config)
             self.loaded.model.use_communicator(self.parallel_group.comm)
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
@@ -151,8 +161,7 @@ class LLMEngine:
 
     def _start_group(self, config: EngineConfig, loaded: LoadedModel | None,
                      group: ParallelGroup | None) -> ParallelGroup | None:
-        """The tensor-parallel group (None at tensor_parallel_size 1), told to load its shards
-        (they load while this rank loads its own)."""
+        """The tensor-parallel group (None at tensor_parallel_size 1)."""
         self._owns_group = False
         if not config.parallel:
             return None
@@ -169,7 +178,6 @@ class LLMEngine:
         elif group.size != config.tensor_parallel_size:
             raise ValueError(f"parallel group of {group.size} ranks for tensor_parallel_size "
                              f"{config.tensor_parallel_size}")
-        group.load(config)
         return group
 
     def close(self) -> None:

@@ -45,10 +45,14 @@ def test_tp2_matches_tp1(tiny_model, group, arch, ep):
 
 
 def test_group_is_reused_and_survives_a_refused_engine(tiny_model, group):
-    """A config refused at start never reaches the ranks; the group serves the next engine."""
+    """A config refused at start never reaches the ranks; an engine that fails after the
+    ranks loaded releases them; the group serves the next engine."""
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
         LLM(str(tiny_model("llama-9q3kv")), parallel_group=group, tensor_parallel_size=2,
             enable_lora=True, **ENGINE)
+    with pytest.raises(ValueError, match="holds no"):
+        LLM(str(tiny_model("llama-9q3kv")), parallel_group=group, tensor_parallel_size=2,
+            **{**ENGINE, "kv_cache_memory": 1024})
     assert run(tiny_model("llama-kv1"), group, tensor_parallel_size=2)
 
 

@@ -78,3 +78,28 @@ def test_killed_rank_fails_rank_0_within_the_timeout(tiny_model, tmp_path):
         if rank0.poll() is None:
             rank0.kill()
             rank0.wait()
+
+
+def test_rank_dying_while_idle_fails_the_next_step(tiny_model):
+    """Noticed by the group's monitor (on_failure: a worker exits 1 there); an offline
+    engine's next step raises, naming the rank."""
+    from engine import LLM, SamplingParams
+    from engine.parallel.group import RankFailedError
+
+    reasons = []
+    llm = LLM(str(tiny_model("llama-kv1")), tensor_parallel_size=2, distributed_timeout_s=5.0,
+              dtype="float32", kv_cache_memory=8 << 20)
+    group = llm.engine.parallel_group
+    group.on_failure = reasons.append
+    try:
+        os.kill(group.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 3
+        while not reasons and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reasons and "rank 1" in reasons[0]
+        llm.engine.add_request("r", "Hi", SamplingParams(max_tokens=2))
+        with pytest.raises(RankFailedError, match="rank 1"):
+            llm.engine.step()
+        llm.engine.abort_request("r")
+    finally:
+        llm.close()
