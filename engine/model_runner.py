@@ -22,7 +22,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
-from engine.models.interface import CausalLM, ForwardContext
+from engine.models.interface import CausalLM
 from engine.models.layers import pack_linears
 from engine.parallel.step import GroupArrays, StepInputs, attention_metadata, copy_blocks, forward
 from engine.pooler import Pooler
