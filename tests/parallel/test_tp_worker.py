@@ -29,3 +29,14 @@ def test_prefill_role_refused_at_tp2(capsys):
     args = parser.parse_args(["--etcd", "127.0.0.1:1", "-tp", "2"])
     assert run(Role.PREFILL, args) == 2
     assert "KV transfer between tensor-parallel workers is not supported" in capsys.readouterr().err
+
+
+def test_host_core_sharing_refused_at_tp2(capsys):
+    from cluster.roles import Role
+    from pdserve.worker_main import add_args, run
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--etcd", "127.0.0.1:1", "-tp", "2", "--share-host-cores"])
+    assert run(Role.DECODE, args) == 2
+    assert "--share-host-cores" in capsys.readouterr().err
