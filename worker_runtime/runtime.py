@@ -158,7 +158,8 @@ class WorkerRuntime:
             sleep_mode=engine.config.enable_sleep_mode, drain_timeout_s=config.drain_timeout_s)
         self.roles = WorkerRoles(
             self.admission, self.republish, self.registration.move, self.abort_all,
-            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s)
+            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s,
+            tensor_parallel_size=engine.config.tensor_parallel_size if engine.config.parallel else 1)
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
         self.kv_events = KVEventFanout()

@@ -40,3 +40,21 @@ def test_host_core_sharing_refused_at_tp2(capsys):
     args = parser.parse_args(["--etcd", "127.0.0.1:1", "-tp", "2", "--share-host-cores"])
     assert run(Role.DECODE, args) == 2
     assert "--share-host-cores" in capsys.readouterr().err
+
+
+def test_switch_to_prefill_refused_at_tp2():
+    import asyncio
+
+    import pytest
+
+    from worker_runtime.admission import Admission
+    from worker_runtime.grpc_errors import FailedPrecondition
+    from worker_runtime.roles import WorkerRoles
+
+    async def nothing(*_):
+        pass
+
+    roles = WorkerRoles(Admission("decode"), nothing, nothing, nothing, lambda *a: None,
+                        drain_timeout_s=1.0, tensor_parallel_size=2)
+    with pytest.raises(FailedPrecondition, match="prefill role is not supported at tensor_parallel_size 2"):
+        asyncio.run(roles.set_role("prefill"))
