@@ -158,13 +158,14 @@ class EngineConfig:
     grammar_compile_processes: int = 1
     """Child processes compiling constraints, each one at a time; started on the first
     structured request that misses the compile cache."""
-    tensor_parallel_size: int = option(1, aliases=("-tp",))
+    tensor_parallel_size: int = option(1, aliases=("-tp",), metavar="N")
     """Processes this engine's model is split across (vLLM's; docs/parallelism.md): rank 0
     is this process (scheduler, KV block manager, sampling, the worker's gRPC face), ranks
     1..N-1 are started and supervised by it and run each step's forward in lockstep over
     their attention heads, MLP rows and vocabulary slice, each with its heads' KV. Refused
     with it > 1: LoRA, KV offloading, sleep mode, a draft model (ngram speculation works),
-    weight updates, disaggregated KV transfer (part 2)."""
+    weight updates, --share-host-cores, the prefill role (KV transfer between
+    tensor-parallel workers: part 2)."""
     enable_expert_parallel: bool = False
     """MoE models: split whole experts across the tensor-parallel ranks instead of each
     expert's rows (vLLM's)."""
