@@ -103,8 +103,11 @@ class LLMEngine:
         )
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.loaded.model.use_fused_kernels(fused_kernels(self.backend.name, self.device))
+        # Not across tensor-parallel ranks (kv_cache_memory is required there): a rank-0
+        # forward alone would wait on collectives no other rank joins.
+        profile = self.device.type == "cuda" and not config.parallel
         peak = profile_peak(self.loaded.model, self.backend, config, self.max_model_len,
-                            self.dtype, self.device) if self.device.type == "cuda" else None
+                            self.dtype, self.device) if profile else None
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
                                          config.kv_cache_dtype)
