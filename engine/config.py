@@ -164,7 +164,7 @@ class EngineConfig:
     1..N-1 are started and supervised by it and run each step's forward in lockstep over
     their attention heads, MLP rows and vocabulary slice, each with its heads' KV. Refused
     with it > 1: LoRA, KV offloading, sleep mode, a draft model (ngram speculation works),
-    weight updates, --share-host-cores, the prefill role (KV transfer between
+    weight updates, a worker extension, --share-host-cores, the prefill role (KV transfer between
     tensor-parallel workers: part 2)."""
     enable_expert_parallel: bool = False
     """MoE models: split whole experts across the tensor-parallel ranks instead of each
@@ -236,6 +236,8 @@ def tensor_parallel_refusals(config: EngineConfig) -> list[tuple[bool, str, str]
          f"{why} (the second tier would hold rank 0's heads only)"),
         (not config.enable_sleep_mode, "enable_sleep_mode",
          f"{why} (only rank 0's weights and KV would sleep)"),
+        (config.worker_extension_cls is None, "worker_extension_cls",
+         f"{why} (collective_rpc would run it on rank 0 only, over rank 0's shard)"),
         (spec is None or spec.method != "draft_model", "speculative_config",
          f"{why} with a draft model (it runs outside the ranks' lockstep); ngram works"),
         (config.device != "cuda" or config.kv_cache_memory is not None, "kv_cache_memory",

@@ -18,6 +18,7 @@ TP2 = dict(tensor_parallel_size=2)
     (dict(enable_lora=True), "enable_lora"),
     (dict(kv_offloading_size=1 << 20), "kv_offloading_size"),
     (dict(enable_sleep_mode=True), "enable_sleep_mode"),
+    (dict(worker_extension_cls="m:C"), "worker_extension_cls"),
     (dict(speculative_config={"method": "draft_model", "model": "self:1",
                               "num_speculative_tokens": 2}), "speculative_config"),
     (dict(device="cuda"), "kv_cache_memory"),
