@@ -29,12 +29,15 @@ def run(path, group=None, **extra):
         llm.close()
 
 
-@pytest.mark.parametrize("arch,ep", [("llama-9q3kv", False), ("qwen3", False), ("gemma3", False),
-                                     ("llama-kv1", False), ("qwen3-moe", False), ("qwen3-moe", True)])
-def test_tp2_matches_tp1(tiny_model, group, arch, ep):
+@pytest.mark.parametrize("arch,ep,kv", [
+    ("llama-9q3kv", False, "auto"), ("qwen3", False, "auto"), ("gemma3", False, "auto"),
+    ("llama-kv1", False, "auto"), ("qwen3-moe", False, "auto"), ("qwen3-moe", True, "auto"),
+    ("llama-9q3kv", False, "int8")])
+def test_tp2_matches_tp1(tiny_model, group, arch, ep, kv):
+    """`kv`: the KV cache dtype (int8: each rank's pool quantizes its own heads)."""
     path = tiny_model(arch)
-    want = run(path)
-    got = run(path, group, tensor_parallel_size=2, enable_expert_parallel=ep)
+    want = run(path, kv_cache_dtype=kv)
+    got = run(path, group, tensor_parallel_size=2, enable_expert_parallel=ep, kv_cache_dtype=kv)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids
         assert len(g.logprobs) == len(w.logprobs)
