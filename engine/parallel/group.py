@@ -6,7 +6,8 @@ exit) and supervises them.
 Life cycle: `ParallelGroup(size, ...)` (children start; the rendezvous waits at most
 `timeout_s`) -> per engine: `load(config)` -> `allocate(num_blocks)` -> `send_step(step)` every
 step -> `release()` -> ... -> `shutdown()` (or process exit). One group may serve several
-engines in turn (tests reuse one across cases); one engine at a time.
+engines in turn (tests reuse one across cases); one engine at a time, and one group per
+process (torch.distributed's default group).
 
 Failure: a child that exits while the group is up marks the group failed; the next message
 raises RankFailedError, and `on_failure(reason)` is called at once from the monitor thread
@@ -95,8 +96,13 @@ class ParallelGroup:
         """Start ranks 1..size-1 and join them (rank 0 is this process). `threads`: torch
         threads per rank (default: this process's threads split evenly; rank 0 is set to
         the same)."""
+        import torch.distributed as dist
+
         if size < 2:
             raise ValueError("a parallel group has at least 2 ranks")
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel group (one at a time: "
+                               "close the engine that owns it first, LLM.close())")
         self.size, self.timeout_s = size, timeout_s
         self.threads = threads or rank_threads(size)
         self.on_failure = on_failure

@@ -78,3 +78,10 @@ def test_forks_speculation_and_refused_weight_updates(tiny_model, group):
         finally:
             llm.close()
     assert got == want
+
+
+def test_one_group_per_process(group):
+    from engine.parallel.group import ParallelGroup
+
+    with pytest.raises(RuntimeError, match="already runs a tensor-parallel group"):
+        ParallelGroup(2)
