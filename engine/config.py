@@ -158,6 +158,20 @@ class EngineConfig:
     grammar_compile_processes: int = 1
     """Child processes compiling constraints, each one at a time; started on the first
     structured request that misses the compile cache."""
+    tensor_parallel_size: int = option(1, aliases=("-tp",), metavar="N")
+    """Processes this engine's model is split across (vLLM's; docs/parallelism.md): rank 0
+    is this process (scheduler, KV block manager, sampling, the worker's gRPC face), ranks
+    1..N-1 are started and supervised by it and run each step's forward in lockstep over
+    their attention heads, MLP rows and vocabulary slice, each with its heads' KV. Refused
+    with it > 1: LoRA, KV offloading, sleep mode, a draft model (ngram speculation works),
+    weight updates, a worker extension, --share-host-cores, the prefill role (KV transfer between
+    tensor-parallel workers: part 2)."""
+    enable_expert_parallel: bool = False
+    """MoE models: split whole experts across the tensor-parallel ranks instead of each
+    expert's rows (vLLM's)."""
+    distributed_timeout_s: float = option(60.0, name="--distributed-timeout", metavar="SECONDS")
+    """With tensor_parallel_size > 1: the longest a collective (or the ranks' start) may
+    wait; a rank that died or hangs fails the step, and the worker, within it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))
@@ -193,12 +207,43 @@ class EngineConfig:
             (self.max_grammar_bytes > 0, "max_grammar_bytes", "must be > 0"),
             (self.grammar_compile_timeout_s >= 0, "grammar_compile_timeout_s", "must be >= 0"),
             (self.grammar_compile_processes >= 1, "grammar_compile_processes", "must be >= 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
+            (self.distributed_timeout_s > 0, "distributed_timeout_s", "must be > 0"),
         ])
+        if self.tensor_parallel_size > 1:
+            check_fields(self, tensor_parallel_refusals(self))
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the model runs on a tensor-parallel group of processes."""
+        return self.tensor_parallel_size > 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         """The config `add_engine_args`' flags describe."""
         return from_args(cls, args)
+
+
+def tensor_parallel_refusals(config: EngineConfig) -> list[tuple[bool, str, str]]:
+    """The features that do not run across tensor-parallel ranks yet, as check_fields rows:
+    each is refused by name at start, never ignored (docs/parallelism.md)."""
+    spec = config.speculative_config
+    why = "is not supported with tensor_parallel_size > 1"
+    return [
+        (not config.enable_lora, "enable_lora", f"{why} (LoRA deltas are not sharded)"),
+        (not config.lora_modules, "lora_modules", f"{why} (LoRA deltas are not sharded)"),
+        (not config.kv_offloading_size, "kv_offloading_size",
+         f"{why} (the second tier would hold rank 0's heads only)"),
+        (not config.enable_sleep_mode, "enable_sleep_mode",
+         f"{why} (only rank 0's weights and KV would sleep)"),
+        (config.worker_extension_cls is None, "worker_extension_cls",
+         f"{why} (collective_rpc would run it on rank 0 only, over rank 0's shard)"),
+        (spec is None or spec.method != "draft_model", "speculative_config",
+         f"{why} with a draft model (it runs outside the ranks' lockstep); ngram works"),
+        (config.device != "cuda" or config.kv_cache_memory is not None, "kv_cache_memory",
+         "must be given with tensor_parallel_size > 1 on CUDA (no profiling forward across "
+         "ranks yet)"),
+    ]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

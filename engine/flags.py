@@ -48,6 +48,8 @@ class Flag:
 
     name: str | None = None
     """The flag (default: --field-name)."""
+    aliases: tuple[str, ...] = ()
+    """Other spellings argparse accepts (vLLM's short `-tp`); `to_argv` writes `name`."""
     type: Callable[[str], Any] | None = None
     """Text -> value (default: from the annotation)."""
     format: Callable[[Any], str] = str
@@ -217,7 +219,7 @@ def _add(parser: argparse.ArgumentParser, cls: type, prefix: str, target) -> Non
                 kw["choices"] = [kw["type"](c) if isinstance(c, str) else c for c in choices]
             if spec.kind == "seq":
                 kw.update(action="append") if spec.flag.repeat else kw.update(nargs="+")
-        where.add_argument(spec.option, **kw)
+        where.add_argument(spec.option, *spec.flag.aliases, **kw)
 
 
 def _choices(hint: Any) -> tuple[Any, ...] | None:

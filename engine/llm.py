@@ -20,10 +20,17 @@ Prompt = str | Sequence[int]
 class LLM:
     """Runs the paged engine in-process over a batch of prompts."""
 
-    def __init__(self, model: str = "default", config: EngineConfig | None = None, **engine_args) -> None:
-        """`config` (as parsed by the CLI) or `model` + EngineConfig fields as keywords."""
-        self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str = "default", config: EngineConfig | None = None,
+                 parallel_group=None, **engine_args) -> None:
+        """`config` (as parsed by the CLI) or `model` + EngineConfig fields as keywords.
+        `parallel_group`: an existing tensor-parallel group to run on (LLMEngine's)."""
+        self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args),
+                                parallel_group=parallel_group)
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop (or release) the tensor-parallel ranks; nothing to do with one rank."""
+        self.engine.close()
 
     # ---- weights lifecycle (vLLM's names; engine/lifecycle.py) -----------------------------
     def sleep(self, level: int = 1) -> None:

@@ -28,6 +28,8 @@ from engine.model_runner import ModelRunner
 from engine.models.config import ModelArgs
 from engine.models.loader import LoadedModel, load_model
 from engine.outputs import CompletionDelta
+from engine.parallel.group import ParallelGroup
+from engine.parallel.shard import TPShard
 from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.request_builder import RequestBuilder
@@ -70,10 +72,30 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 parallel_group: ParallelGroup | None = None) -> None:
+        """`parallel_group`: with tensor_parallel_size > 1, an existing group of that size to
+        run on (not owned: `close` releases it, for the next engine); default: the engine
+        starts and owns one (engine/parallel/group.py)."""
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
-        self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.num_layers)
+        self.parallel_group = self._start_group(config, loaded, parallel_group)
+        try:
+            self._build(config, loaded)
+        except BaseException:
+            self.close()  # the ranks stop (or, for a group passed in, wait for the next engine)
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
+        """Everything but the tensor-parallel group: model, pool, scheduler, runner."""
+        shard = (TPShard(0, config.tensor_parallel_size, config.enable_expert_parallel)
+                 if config.parallel else None)
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.num_layers,
+                                           shard=shard)
+        if self.parallel_group is not None:
+            # Rank 0's shard loaded: the split is valid, the other ranks load theirs.
+            self.parallel_group.load(config)
+            self.loaded.model.use_communicator(self.parallel_group.comm)
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
         self.max_model_len = min(
@@ -81,11 +103,16 @@ class LLMEngine:
         )
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.loaded.model.use_fused_kernels(fused_kernels(self.backend.name, self.device))
+        # Not across tensor-parallel ranks (kv_cache_memory is required there): a rank-0
+        # forward alone would wait on collectives no other rank joins.
+        profile = self.device.type == "cuda" and not config.parallel
         peak = profile_peak(self.loaded.model, self.backend, config, self.max_model_len,
-                            self.dtype, self.device) if self.device.type == "cuda" else None
+                            self.dtype, self.device) if profile else None
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
         self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
                                          config.kv_cache_dtype)
+        if self.parallel_group is not None:  # the same block ids on every rank
+            self.parallel_group.allocate(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           group_windows=_group_windows(args, config),
                                           tier=self._make_tier(args))
@@ -103,7 +130,7 @@ class LLMEngine:
         self.limits = self.scheduler.limits
         """Fixed sizes and the admission check; safe from any thread."""
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager,
-                                  lora_slots)
+                                  lora_slots, self.parallel_group and self.parallel_group.send_step)
         self.sampling_defaults = sampling_defaults(
             load_generation_config(config.generation_config, self.tokenizer.generation_config)
         )
@@ -134,6 +161,34 @@ class LLMEngine:
         self.extension = load_extension(config.worker_extension_cls, self)
         """The worker extension (vLLM's `worker_extension_cls`, built as Class(engine) once the
         engine is complete): `collective_rpc` calls its methods first."""
+
+    def _start_group(self, config: EngineConfig, loaded: LoadedModel | None,
+                     group: ParallelGroup | None) -> ParallelGroup | None:
+        """The tensor-parallel group (None at tensor_parallel_size 1)."""
+        self._owns_group = False
+        if not config.parallel:
+            return None
+        if loaded is not None:
+            raise FieldError("tensor_parallel_size", "tensor_parallel_size > 1 loads each rank's "
+                             "shard itself: pass no loaded model")
+        if self.device.type == "cuda" and config.kv_cache_memory is None:
+            raise FieldError("kv_cache_memory", "kv_cache_memory must be given with "
+                             "tensor_parallel_size > 1 on CUDA (no profiling forward across ranks yet)")
+        if group is None:
+            group = ParallelGroup(config.tensor_parallel_size, config.distributed_timeout_s,
+                                  self.device.type)
+            self._owns_group = True
+        elif group.size != config.tensor_parallel_size:
+            raise ValueError(f"parallel group of {group.size} ranks for tensor_parallel_size "
+                             f"{config.tensor_parallel_size}")
+        return group
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (or, for a group passed in, release them for the
+        next engine). Nothing to do at tensor_parallel_size 1."""
+        group, self.parallel_group = self.parallel_group, None
+        if group is not None:
+            group.shutdown() if self._owns_group else group.release()
 
     def _make_tier(self, args: ModelArgs) -> KVTier | None:
         """The second KV tier `kv_offloading_size` asks for (None: off)."""
@@ -332,7 +387,11 @@ class LLMEngine:
 
     def update_weights(self, weights) -> int:
         """Checkpoint-named (name, tensor) pairs, or a safetensors file / directory; returns
-        how many weights were applied. Bumps the weights version and resets the prefix cache."""
+        how many weights were applied. Bumps the weights version and resets the prefix cache.
+        Refused with tensor_parallel_size > 1 (the other ranks' shards would stay old)."""
+        if self.config.parallel:
+            raise RuntimeError("update_weights is not supported with tensor_parallel_size > 1 "
+                               "(the other ranks' shards would not be updated)")
         applied = self.lifecycle.update_weights(weights)
         self.weights_version += 1
         self.reset_prefix_cache()

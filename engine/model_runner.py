@@ -13,7 +13,7 @@ request. What it keeps across steps (the sampler's penalty counts, mean-pooling 
 keyed by request id and dropped when the scheduler says a request left (`prepare`)."""
 from __future__ import annotations
 
-from itertools import chain
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -22,8 +22,9 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
-from engine.models.interface import CausalLM, ForwardContext
+from engine.models.interface import CausalLM
 from engine.models.layers import pack_linears
+from engine.parallel.step import GroupArrays, StepInputs, attention_metadata, copy_blocks, forward
 from engine.pooler import Pooler
 from engine.request import Request
 from engine.sample_row import SampleRow
@@ -41,8 +42,12 @@ class ModelRunner:
         backend: AttentionBackend,
         block_manager: BlockManager,
         lora_slots: LoRASlots | None = None,
+        send_step: Callable[[StepInputs], None] | None = None,
     ) -> None:
+        """`send_step` (tensor parallel, engine/parallel): hands each step's inputs to the
+        other ranks before this rank runs the forward."""
         self.model = model
+        self.send_step = send_step
         pack_linears(model)  # bf16 on the CPU: decode-sized projections from packed weights
         self.lora_slots = lora_slots
         self.kv_cache = kv_cache
@@ -60,8 +65,10 @@ class ModelRunner:
         if left:
             self.sampler.forget(left)
             self.pooler.forget(left)
-        for src, dst in output.block_copies:
-            self.kv_cache[dst].copy_(self.kv_cache[src])
+        if output.block_copies:
+            copy_blocks(self.kv_cache, output.block_copies)
+            if self.send_step is not None:  # every rank's pool copies its heads
+                self.send_step(StepInputs.copies_only(list(output.block_copies)))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -126,24 +133,23 @@ class ModelRunner:
                     sample_at.append(row - 1)
                     sample_rows.append(SampleRow(request, index or request.completion_index))
 
-        ctx = ForwardContext.for_groups(
-            self.backend, self.kv_cache,
-            [batch_metadata(self.device, slots[g], tables[g], query_lens, seq_lens) for g in groups],
-            self._lora_batch(order))
-        x = self.model.residual(
-            torch.from_numpy(np.concatenate(input_ids).astype(np.int64, copy=False)).to(self.device),
-            torch.from_numpy(np.concatenate(positions).astype(np.int64, copy=False)).to(self.device),
-            ctx,
-        )
+        logits_rows = sample_at + prompt_rows  # none: prefill chunks and pooling only, no LM head
+        step = StepInputs(
+            np.concatenate(input_ids).astype(np.int64, copy=False),
+            np.concatenate(positions).astype(np.int64, copy=False),
+            [GroupArrays.build(slots[g], tables[g]) for g in groups], query_lens, seq_lens,
+            np.asarray(logits_rows, dtype=np.int64) if logits_rows else None)
+        if self.send_step is not None:
+            self.send_step(step)
+        x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step, self._lora_batch(order))
         if pool_spans:
             hidden = self.model.hidden(x, ctx, self._index(pool_rows)).float()
             for (request, _), part in zip(pool_spans, hidden.split([c for _, c in pool_spans])):
                 embedding = self.pooler.add(request, part)
                 if embedding is not None:
                     result.pooled[request.request_id] = embedding
-        if not sample_at and not prompt_rows:
-            return result  # prefill chunks and pooling only: the LM head is skipped
-        logits = self.model.logits(x, ctx, self._index(sample_at + prompt_rows))
+        if logits is None:
+            return result
         if prompt_spans:
             result.prompt_logprobs = _prompt_logprobs(logits[len(sample_at) :], prompt_spans)
         if sample_at:
@@ -216,26 +222,7 @@ def batch_metadata(
 ) -> AttentionMetadata:
     """AttentionMetadata of a ragged batch laid out sequence after sequence (one-token
     sequences first: the caller orders them so)."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    block_tables = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
-    # Row-major fill of each row's first len(table) columns (one pass, no per-row copy).
-    block_tables[np.arange(block_tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-        chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
-    to = lambda a, dtype: torch.from_numpy(np.asarray(a, dtype=dtype)).to(device)  # noqa: E731
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    return AttentionMetadata(
-        slot_mapping=to(np.concatenate(slots), np.int64),
-        query_start_loc=to(np.concatenate([[0], np.cumsum(query_lens)]), np.int32),
-        seq_lens=to(seq_lens, np.int32),
-        block_tables=to(block_tables, np.int32),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    return attention_metadata(device, GroupArrays.build(slots, tables), query_lens, seq_lens)
 
 
 def slots_of(table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:

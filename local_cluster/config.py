@@ -102,6 +102,9 @@ class UpConfig:
             (self.decode >= 0, "decode", "must be >= 0"),
             (0 <= self.port < 65536, "port", "must be in 0..65535"),
             (self.num_threads >= 0, "num_threads", "must be >= 0"),
+            (self.prefill == 0 or not self.engine.parallel, "prefill",
+             "must be 0 with --tensor-parallel-size > 1: KV transfer between tensor-parallel "
+             "workers is not supported yet, decode workers prefill locally (docs/parallelism.md)"),
         ])
 
     def engine_for(self, role: Role) -> EngineConfig:

@@ -36,8 +36,28 @@ def run(role: Role, args: argparse.Namespace) -> int:
     config = from_args(WorkerConfig, args, role=role)
     auth = resolve(config.grpc_security, os.environ)
     engine_config = engine_config_for_role(role, EngineConfig.from_args(args))
+    refusal = tensor_parallel_refusal(role, config, engine_config)
+    if refusal:
+        print(f"pdserve {role}: error: {refusal}", file=sys.stderr)
+        return 2
     etcd_credentials = config.etcd_security.resolve(os.environ)  # before any model loads
     return asyncio.run(_serve(config, engine_config, auth, etcd_credentials))
+
+
+def tensor_parallel_refusal(role: Role, config: WorkerConfig, engine_config: EngineConfig) -> str | None:
+    """Why this worker cannot run at its tensor_parallel_size (None: it can). The engine's own
+    refusals are EngineConfig's (engine/config.py); these are the worker's (docs/parallelism.md)."""
+    if not engine_config.parallel:
+        return None
+    if role == Role.PREFILL:
+        return (f"--tensor-parallel-size {engine_config.tensor_parallel_size}: a prefill worker "
+                "sends KV to decode workers, and KV transfer between tensor-parallel workers is "
+                "not supported yet (docs/parallelism.md); run tensor-parallel workers as decode "
+                "workers (they prefill locally)")
+    if config.share_host_cores:
+        return ("--share-host-cores with --tensor-parallel-size > 1 is not supported (each rank "
+                "has a fixed share of the worker's threads)")
+    return None
 
 
 OPENMP_SPIN_COUNT = "10000"

@@ -18,8 +18,11 @@ kept): roles.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import os
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,7 +39,7 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
-from kvtransfer.compat import window_layers
+from kvtransfer.compat import BLOCK_MAJOR_LAYOUT, window_layers
 from kvtransfer.poll_split import split_receiver, split_sender
 from kvtransfer.progress import TransferProgress
 from proto import pdserve_pb2 as pb
@@ -65,6 +68,26 @@ log = logging.getLogger(__name__)
 PULL_PREFIX = "pull:"
 """Transfer ids of peer pulls (kv_pull.py) start with this: `pull_sender` and
 `pull_receiver` see exactly those, `sender` and `receiver` every other."""
+
+
+def tensor_parallel_compat(compat: KVCompat, size: int) -> KVCompat:
+    """The KV layout a worker at tensor_parallel_size > 1 advertises: its pool (rank 0's)
+    holds only rank 0's KV heads, and moving a block between two such workers would move only
+    those, so the layout carries a token unique to this process — no peer, tensor-parallel or not, shares it:
+    the router pairs no prefill worker with it (it prefills locally), and a direct transfer or
+    pull is refused by the layout check (docs/parallelism.md; part 2 maps heads between
+    groups)."""
+    return dataclasses.replace(
+        compat, layout=f"{BLOCK_MAJOR_LAYOUT};tensor-parallel={size}:rank-0-heads-only;"
+                       f"unshared:{uuid.uuid4().hex}")
+
+
+def _exit_rank_failed(reason: str) -> None:
+    """A tensor-parallel rank died: this worker cannot run its model; exit non-zero at once so
+    that its supervisor (`pdserve up`) restarts it (its etcd lease lapses)."""
+    log.error("%s: exiting", reason)
+    logging.shutdown()
+    os._exit(1)
 
 
 class Registration(Protocol):
@@ -114,6 +137,8 @@ class WorkerRuntime:
             engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
             architecture=engine.loaded.architecture,
             layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
+        if engine.config.parallel:
+            self.compat = tensor_parallel_compat(self.compat, engine.config.tensor_parallel_size)
         self.kv_cache_dtype = self.compat.kv_cache_dtype  # normalized: published, hashed by the router
         self.compat_hash = self.compat.hash()
         self.pool = PoolRegistration(kv, self.compat)
@@ -133,7 +158,8 @@ class WorkerRuntime:
             sleep_mode=engine.config.enable_sleep_mode, drain_timeout_s=config.drain_timeout_s)
         self.roles = WorkerRoles(
             self.admission, self.republish, self.registration.move, self.abort_all,
-            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s)
+            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s,
+            tensor_parallel_size=engine.config.tensor_parallel_size if engine.config.parallel else 1)
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
         self.kv_events = KVEventFanout()
@@ -164,6 +190,8 @@ class WorkerRuntime:
 
         step_threads = worker_threads(config.num_threads, config.share_host_cores)
         engine = LLMEngine(engine_config)
+        if engine.parallel_group is not None:
+            engine.parallel_group.on_failure = _exit_rank_failed
         kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
         runtime = cls(config, engine, kv,
                       lambda info: Registrar(config.etcd, config.cluster, info,
@@ -389,6 +417,7 @@ class WorkerRuntime:
         if self.step_threads is not None:
             self.step_threads.close()
         self.kv.close()
+        self.engine.close()  # the tensor-parallel ranks, if any
         return code
 
     async def drain(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.kv_groups import KVGroups
 from engine.models.rope import RopeSpec
+from engine.parallel.shard import TPShard
 
 #: The built-in architectures and the `model_type`s their configs carry.
 HF_ARCHITECTURES = {
@@ -99,6 +100,10 @@ class ModelArgs:
     hidden_act: str = "silu"
     """The gated MLP's activation: `silu` (SwiGLU) or `gelu_pytorch_tanh` (GeGLU, Gemma)."""
     moe: MoEArgs | None = None
+    tp: TPShard | None = None
+    """This rank's place in a tensor-parallel group (engine/models/tp_slices.py `shard_args`):
+    then n_heads, n_kv_heads, intermediate_size (and the experts' with tensor-parallel MoE)
+    are the rank's; vocab_size stays the model's. None: one process holds the whole model."""
 
     def window(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""

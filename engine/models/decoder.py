@@ -3,7 +3,7 @@
 mlp}` (Gemma adds `pre_feedforward_layernorm` and `post_feedforward_layernorm`), `model.norm`,
 `lm_head` (absent when tied). The architectures differ only in options of ModelArgs
 (engine/models/config.py, read by engine/models/layers.py); each model file is a subclass
-whose `from_config` sets them, and may rename a checkpoint's module (`HF_ALIASES`, e.g.
+whose `model_args` sets them, and may rename a checkpoint's module (`HF_ALIASES`, e.g.
 Mixtral's `block_sparse_moe` is the `mlp`) or build another MLP (`make_mlp`).
 
 The forward pass takes one flattened ragged batch: `input_ids`/`positions` of T tokens from
@@ -11,6 +11,11 @@ any mix of sequences and a ForwardContext (engine/models/interface.py: the paged
 the step's AttentionMetadata). Q/K/V and gate/up projections are fused into one matmul each;
 every checkpoint name maps onto the tensor (or row range of a fused one) that holds it through
 the modules' `weight_target`, for a whole load and for in-place updates alike.
+
+Tensor parallel (docs/parallelism.md): built from a rank's ModelArgs (`args.tp` set,
+engine/models/tp_slices.py) the same classes hold that rank's heads, rows and vocabulary
+slice, and with `use_communicator` they all-reduce / all-gather where a layer's output is
+a partial one.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from engine.models.layers import (
 )
 from engine.models.moe import SparseMoE
 from engine.models.rope import rope_cache
+from engine.parallel.shard import gather_vocab, vocab_parallel_embed
 from engine.weights import copy_weights
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -48,7 +54,9 @@ class DecoderLM(CausalLMBase):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = Embedding(args.vocab_size, args.dim)
+        # Tensor parallel: each rank holds a slice of the vocabulary (engine/parallel/shard.py).
+        vocab = args.vocab_size if args.tp is None else args.tp.vocab_rows
+        self.embed_tokens = Embedding(vocab, args.dim)
         # One RoPE table per distinct spec the layers use (Gemma 3: local and global).
         specs = list(dict.fromkeys(args.rope_spec(i) for i in range(args.n_layers)))
         self._rope_specs = specs or [args.rope_spec(0)]
@@ -57,26 +65,40 @@ class DecoderLM(CausalLMBase):
             for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
         self.lm_head = (
-            None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size, bias=False)
+            None if args.tie_word_embeddings else Linear(args.dim, vocab, bias=False)
         )
         self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
         self.layer_ops = None  # RMSNorm / RoPE / SiLU-and-mul kernels: Triton's or the CPU's
         self.lm_head_packed: PackedWeight | None = None  # layers.pack_linears sets it
+        self.comm = None  # the tensor-parallel communicator (`use_communicator`); None: one rank
 
     @classmethod
     def from_config(cls, config: dict) -> "DecoderLM":
         """The model contract's constructor (engine/models/interface.py); parameters
         uninitialised."""
-        return cls(ModelArgs.from_hf_config(config))
+        return cls(cls.model_args(config))
+
+    @classmethod
+    def model_args(cls, config: dict) -> ModelArgs:
+        """The architecture's ModelArgs from config.json (each model file overrides this)."""
+        return ModelArgs.from_hf_config(config)
+
+    def use_communicator(self, comm) -> None:
+        """Run as one rank of a tensor-parallel group (`args.tp` set): its layers combine
+        their partial results through `comm` (engine/parallel/communicator.py)."""
+        if self.args.tp is None or comm.size != self.args.tp.size:
+            raise ValueError("use_communicator: the model is not sharded for this group")
+        self.comm = comm
 
     def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
         """The MLP of `layer`: the experts on a mixture-of-experts model's sparse layers."""
         moe = args.moe
         if moe is None or layer not in moe.sparse_layers:
             return FeedForward(args, layer)
+        experts = None if args.tp is None else args.tp.experts(moe.num_experts)
         return SparseMoE(args.dim, moe.num_experts, moe.top_k, moe.intermediate_size,
-                         moe.renormalize, layer, moe.round_routing_weights)
+                         moe.renormalize, layer, moe.round_routing_weights, experts)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """HF tensors by name, each into the parameter (or row range of a fused one) that
@@ -128,10 +150,13 @@ class DecoderLM(CausalLMBase):
         """The residual stream after the last layer, [T, dim] (before the final norm).
         `num_layers`: stop after the first N layers (a layer-skip self-draft)."""
         ctx.positions, ctx.rope_cos_sin = positions, self.rope_tables
-        ctx.kernels, ctx.layer_ops = self.kernels, self.layer_ops
+        ctx.kernels, ctx.layer_ops, ctx.comm = self.kernels, self.layer_ops, self.comm
         if self.layer_ops is None:
             ctx.cos_sin = [rope_rows(table, positions) for table in self.rope_tables]
-        x = self.embed_tokens(input_ids)
+        if self.comm is None:
+            x = self.embed_tokens(input_ids)
+        else:  # vocab-parallel embedding: each rank's rows, summed
+            x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.args.tp, self.comm)
         if self.args.embed_scale is not None:
             x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         for layer in self.layers[:num_layers]:
@@ -143,7 +168,10 @@ class DecoderLM(CausalLMBase):
 
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         logits = linear(self.hidden(x, ctx, indices), self.lm_head_weight(), None,
-                        self.lm_head_packed).float()
+                        self.lm_head_packed)
+        if self.comm is not None:  # vocab-parallel LM head: the ranks' slices side by side
+            logits = gather_vocab(logits, self.args.tp, self.comm)
+        logits = logits.float()
         if self.args.logits_divisor is not None:
             logits = logits / self.args.logits_divisor
         cap = self.args.final_softcap

@@ -37,15 +37,15 @@ def _gemma_options(config: dict, default_sliding) -> dict[str, Any]:
 
 class Gemma2ForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Gemma2ForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         options = _gemma_options(config, lambda i: (i + 1) % 2 == 1)
-        return cls(ModelArgs.from_hf_config(config, attn_softcap=config.get("attn_logit_softcapping"),
-                                            **options))
+        return ModelArgs.from_hf_config(config, attn_softcap=config.get("attn_logit_softcapping"),
+                                        **options)
 
 
 class Gemma3ForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Gemma3ForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         pattern = config.get("sliding_window_pattern", 6)
         options = _gemma_options(config, lambda i: (i + 1) % pattern != 0)
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -58,6 +58,6 @@ class Gemma3ForCausalLM(DecoderLM):
                                            theta=config.get("rope_theta", 1e6))
             local = RopeSpec.from_hf_config(config, head_dim=head_dim, params={},
                                             theta=config.get("rope_local_base_freq", 1e4))
-        return cls(ModelArgs.from_hf_config(
+        return ModelArgs.from_hf_config(
             config, qk_norm=True, attn_softcap=config.get("attn_logit_softcapping"),
-            rope=full, local_rope=local, **options))
+            rope=full, local_rope=local, **options)

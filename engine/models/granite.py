@@ -9,11 +9,11 @@ from engine.models.decoder import DecoderLM
 
 class GraniteForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "GraniteForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         bias = bool(config.get("attention_bias", False))
-        return cls(ModelArgs.from_hf_config(
+        return ModelArgs.from_hf_config(
             config, qkv_bias=bias, o_bias=bias,
             embed_scale=float(config.get("embedding_multiplier", 1.0)),
             attn_scale=float(config.get("attention_multiplier", 1.0)),
             residual_scale=float(config.get("residual_multiplier", 1.0)),
-            logits_divisor=float(config.get("logits_scaling", 1.0))))
+            logits_divisor=float(config.get("logits_scaling", 1.0)))

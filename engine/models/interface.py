@@ -42,7 +42,8 @@ class ForwardContext:
     tables and their rows at `positions` — one per RoPE spec the layers use —, the fused
     kernels) at the start of `residual`: `layer_ops` (RMSNorm, RoPE, SiLU-and-mul: the Triton
     package, or the CPU's C++ ops, engine/cpu_kernels) and `kernels` (the Triton package,
-    for MoE and LoRA; None on the CPU).
+    for MoE and LoRA; None on the CPU), and `comm`: its tensor-parallel communicator
+    (engine/parallel/communicator.py; None with one rank).
 
     KV groups (engine/kv_groups.py): when the model's layers share the pool's blocks in
     several groups, `group_metadata[g]` is group g's metadata (its slots and block tables;
@@ -50,7 +51,7 @@ class ForwardContext:
     the group's blocks. With one group, `group_metadata` is None."""
 
     __slots__ = ("backend", "kv_cache", "metadata", "group_metadata", "positions", "rope_cos_sin",
-                 "cos_sin", "kernels", "layer_ops", "lora")
+                 "cos_sin", "kernels", "layer_ops", "lora", "comm")
 
     def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
                  lora: LoRABatch | None = None,
@@ -59,6 +60,7 @@ class ForwardContext:
         self.group_metadata = group_metadata
         self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = self.layer_ops = None
         self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
+        self.comm = None  # the tensor-parallel group's communicator (engine/parallel); None: one rank
 
     @classmethod
     def for_groups(cls, backend: AttentionBackend, kv_cache: Tensor,

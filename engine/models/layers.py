@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from engine.models.config import ModelArgs
 from engine.models.interface import ForwardContext
+from engine.parallel.shard import all_reduce
 
 
 PACKED_MAX_ROWS = 32
@@ -146,6 +147,16 @@ def apply_rope(x: Tensor, rows: tuple[Tensor, Tensor]) -> Tensor:
     return rotated if rot == x.shape[-1] else torch.cat((rotated, x[..., rot:]), dim=-1)
 
 
+def _whole_rms_norm(x: Tensor, norm: "RMSNorm", dims: int, ctx: ForwardContext) -> Tensor:
+    """RMSNorm over a vector split across the tensor-parallel ranks (OLMo 2's q/k norm over
+    all heads): this rank's values [T, local] normed by the all-reduced sum of squares over
+    `dims` values; `norm.weight` holds this rank's part."""
+    x32 = x.float()
+    sq = x32.pow(2).sum(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(all_reduce(sq, ctx.comm) / dims + norm.eps)
+    return norm.weight * x32.to(x.dtype)
+
+
 def _rows(tensor: Tensor | None, start: int, length: int | None, name: str) -> Tensor:
     if tensor is None:  # e.g. a bias this architecture does not have
         raise KeyError(name)
@@ -175,6 +186,10 @@ class Attention(nn.Module):
             q_dim, k_dim = (self.q_size, self.kv_size) if args.qk_norm_whole else (args.head_dim,) * 2
             self.q_norm = RMSNorm(q_dim, args.norm_eps, args.norm_unit_offset)
             self.k_norm = RMSNorm(k_dim, args.norm_eps, args.norm_unit_offset)
+        # Tensor parallel: an RMSNorm over all heads sums squares across the ranks.
+        self.whole_dims = None
+        if args.qk_norm_whole and args.tp is not None:
+            self.whole_dims = (args.tp.whole_norm_dims(kv=False), args.tp.whole_norm_dims(kv=True))
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         T = x.shape[0]
@@ -190,7 +205,10 @@ class Attention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv_heads, self.head_dim)
             return self._attend(q, k, v, ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm_whole:
+        if self.qk_norm_whole and self.whole_dims is not None:
+            q = _whole_rms_norm(q, self.q_norm, self.whole_dims[0], ctx)
+            k = _whole_rms_norm(k, self.k_norm, self.whole_dims[1], ctx)
+        elif self.qk_norm_whole:
             q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
@@ -213,7 +231,7 @@ class Attention(nn.Module):
         out = self.o_proj(o)
         if ctx.lora is not None:
             ctx.lora.add(out, o, self.layer, (("o_proj", 0),))
-        return out
+        return all_reduce(out, ctx.comm)  # row-parallel: the ranks' heads summed
 
     def weight_target(self, name: str) -> Tensor:
         """`q_proj.weight`, `qkv_proj.bias` (Phi-3's fused name), `q_norm.weight`, ..."""
@@ -256,7 +274,7 @@ class FeedForward(nn.Module):
         out = self.down_proj(h)
         if ctx.lora is not None:
             ctx.lora.add(out, h, self.layer, (("down_proj", 0),))
-        return out
+        return all_reduce(out, ctx.comm)  # row-parallel: the ranks' rows summed
 
     def weight_target(self, name: str) -> Tensor:
         """`gate_proj.weight`, `up_proj.weight`, `down_proj.weight`, or Phi-3's fused

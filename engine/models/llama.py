@@ -8,8 +8,8 @@ from engine.models.decoder import DecoderLM
 
 class Transformer(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Transformer":
+    def model_args(cls, config: dict) -> ModelArgs:
         """The model contract's constructor (engine/models/interface.py); parameters
         uninitialised."""
         bias = bool(config.get("attention_bias", False))
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias))
+        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias)

@@ -20,6 +20,7 @@ from engine.models.gguf_convert import convert_gguf
 from engine.models.interface import CausalLM
 from engine.models.prepare import DEFAULT_MODEL, resolve_model_path
 from engine.models.registry import ModelRegistry
+from engine.parallel.shard import TPShard
 from engine.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
@@ -60,8 +61,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     num_layers: int | None = None,
+    shard: TPShard | None = None,
 ) -> LoadedModel:
-    """Load weights + tokenizer. `num_layers` keeps only the first N layers (fast tests)."""
+    """Load weights + tokenizer. `num_layers` keeps only the first N layers (fast tests).
+    `shard`: load only tensor-parallel rank `shard.rank`'s part (engine/models/tp_slices.py;
+    the built-in decoder architectures only); `LoadedModel.args` are then the rank's."""
     path = resolve_model_path(model)
     if path.is_file():
         converted = convert_gguf(path)
@@ -81,11 +85,31 @@ def load_model(
         if "num_hidden_layers" not in config:
             raise ModelFileError(f"{path}: num_layers needs num_hidden_layers in config.json")
         config = {**config, "num_hidden_layers": min(num_layers, config["num_hidden_layers"])}
-    net = model_cls.from_config(config)
+    weights = _iter_weights(path) if hf_state is None else hf_state.items()
+    if shard is None:
+        net = model_cls.from_config(config)
+    else:
+        net, weights = _sharded(model_cls, config, shard, weights)
     try:
-        net.load_weights(_iter_weights(path) if hf_state is None else hf_state.items())
+        net.load_weights(weights)
     except KeyError as exc:
         raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
     net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path,
                        architecture=architecture_of(config))
+
+
+def _sharded(model_cls: type, config: dict, shard: TPShard, weights):
+    """The rank's model (uninitialised) and its slices of `weights`."""
+    from engine.models.decoder import DecoderLM
+    from engine.models.tp_slices import shard_args, slice_weights
+
+    if not (isinstance(model_cls, type) and issubclass(model_cls, DecoderLM)):
+        raise ModelFileError(f"{architecture_of(config)}: tensor parallelism needs a built-in "
+                             "decoder architecture (engine/models/decoder.py); this one is a plugin")
+    full = model_cls.model_args(config)
+    try:
+        args = shard_args(full, shard)
+    except ValueError as exc:
+        raise ModelFileError(f"{architecture_of(config)}: {exc}") from exc
+    return model_cls(args), slice_weights(weights, full, args.tp)

@@ -14,6 +14,12 @@ Two paths, same contract:
   * `ctx.kernels` set: kernels.fused_moe (grouped Triton GEMMs, no host sync).
 No LoRA on experts: the model refuses adapters that target them, so `ctx.lora` is not read.
 
+Tensor parallel (engine/parallel): each rank holds every expert's slice of intermediate rows
+(`w13` [E, 2I/N, D], `w2` [E, D, I/N]) or, with expert parallelism, whole experts
+`first .. first + E/N - 1` (renumbered from 0 here, the router still scores all E); either
+way a rank's output is a partial sum over its rows or experts and the all-reduce completes it.
+Expert parallelism runs the torch path (its assignments filtered to the rank's experts).
+
 Checkpoint names, relative to the MoE block (`model.layers.L.block_sparse_moe.` in Mixtral
 checkpoints — the model maps that module name onto `mlp` —, `model.layers.L.mlp.` in
 Qwen3-MoE ones and in transformers 5's own layout), through `SparseMoE.weight_target` (the
@@ -39,6 +45,7 @@ from torch import Tensor, nn
 
 from engine.models.interface import ForwardContext
 from engine.models.layers import Linear
+from engine.parallel.shard import Span, all_reduce
 
 _EXPERT_NAME = re.compile(r"^experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -83,13 +90,22 @@ def route(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | No
     return (weights if dtype is None else weights.to(dtype)), ids
 
 
-def grouped_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+def grouped_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
+                first_expert: int | None = None) -> Tensor:
     """The experts in torch, grouped by expert (kernels.fused_moe's contract, x [T, D] ->
-    [T, D]). One host read of the per-expert counts; a Python loop over experts with tokens."""
+    [T, D]). One host read of the per-expert counts; a Python loop over experts with tokens.
+    `first_expert` (expert parallelism): `w13`/`w2` hold experts first_expert.. only, and
+    only the assignments to them are computed (a partial sum)."""
     num_tokens, top_k = ids.shape
     inter = w2.shape[2]
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # assignment numbers t * top_k + k, by expert
+    if first_expert is None:
+        order = torch.argsort(flat, stable=True)  # assignment numbers t * top_k + k, by expert
+    else:
+        flat = flat - first_expert
+        kept = ((flat >= 0) & (flat < w13.shape[0])).nonzero().squeeze(1)
+        order = kept[torch.argsort(flat[kept], stable=True)]
+        flat = flat[kept]
     tokens = order // top_k
     xs = x[tokens]
     ys = torch.empty((order.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
@@ -110,21 +126,27 @@ class SparseMoE(nn.Module):
     Activation is SiLU (`hidden_act: silu` in both architectures)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, moe_intermediate_size: int,
-                 renormalize: bool, layer: int, round_routing_weights: bool = False) -> None:
+                 renormalize: bool, layer: int, round_routing_weights: bool = False,
+                 experts: Span | None = None) -> None:
+        """`experts`: the experts this rank holds (expert parallelism); None: all."""
         super().__init__()
         self.layer, self.num_experts, self.top_k = layer, num_experts, top_k
         self.inter, self.renormalize = moe_intermediate_size, renormalize
         self.round_routing_weights = round_routing_weights  # Qwen3-MoE: True; Mixtral: False
+        experts = experts or Span(0, num_experts)
+        self.first_expert = experts.start if experts.count < num_experts else None
         self.gate = Linear(dim, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate_size, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, moe_intermediate_size))
+        self.w13 = nn.Parameter(torch.empty(experts.count, 2 * moe_intermediate_size, dim))
+        self.w2 = nn.Parameter(torch.empty(experts.count, dim, moe_intermediate_size))
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize,
                              x.dtype if self.round_routing_weights else None)
-        if ctx.kernels is not None:
-            return ctx.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
-        return grouped_moe(x, self.w13, self.w2, weights, ids)
+        if ctx.kernels is not None and self.first_expert is None:
+            out = ctx.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            out = grouped_moe(x, self.w13, self.w2, weights, ids, self.first_expert)
+        return all_reduce(out, ctx.comm)  # tensor / expert parallel: the ranks' parts summed
 
     def weight_target(self, local_name: str) -> Tensor:
         """The view of the parameter (an expert, a row range of one) that block-relative
@@ -132,7 +154,7 @@ class SparseMoE(nn.Module):
         slot = expert_weight_slot(local_name, self.inter)
         target = {"gate": self.gate.weight, "w13": self.w13, "w2": self.w2}[slot.param]
         if slot.expert is not None:
-            if slot.expert >= self.num_experts:
+            if slot.expert >= self.w13.shape[0]:
                 raise KeyError(local_name)
             target = target[slot.expert]
         return target if slot.rows is None else target[slot.rows]

@@ -9,7 +9,7 @@ from engine.models.decoder import DecoderLM
 
 class Olmo2ForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Olmo2ForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         bias = bool(config.get("attention_bias", False))
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                            qk_norm_whole=True, norm_layout="post"))
+        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                                        qk_norm_whole=True, norm_layout="post")

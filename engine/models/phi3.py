@@ -9,7 +9,7 @@ from engine.models.decoder import DecoderLM
 
 class Phi3ForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Phi3ForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         window = config.get("sliding_window")
         types = hf_layer_types(config, config["num_hidden_layers"], window)
-        return cls(ModelArgs.from_hf_config(config, layer_types=types, sliding_window=window))
+        return ModelArgs.from_hf_config(config, layer_types=types, sliding_window=window)

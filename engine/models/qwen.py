@@ -27,21 +27,21 @@ def qwen_windows(config: dict) -> dict[str, Any]:
 
 class Qwen2ForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Qwen2ForCausalLM":
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=True, o_bias=False, **qwen_windows(config)))
+    def model_args(cls, config: dict) -> ModelArgs:
+        return ModelArgs.from_hf_config(config, qkv_bias=True, o_bias=False, **qwen_windows(config))
 
 
 class Qwen3ForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Qwen3ForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         bias = bool(config.get("attention_bias", False))
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                            **qwen_windows(config)))
+        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                                        **qwen_windows(config))
 
 
 class Qwen3MoeForCausalLM(DecoderLM):
     @classmethod
-    def from_config(cls, config: dict) -> "Qwen3MoeForCausalLM":
+    def model_args(cls, config: dict) -> ModelArgs:
         bias = bool(config.get("attention_bias", False))
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
         experts = config.get("num_experts", config.get("num_local_experts", 0))  # transformers 5 writes the latter
@@ -51,5 +51,5 @@ class Qwen3MoeForCausalLM(DecoderLM):
                       intermediate_size=config["moe_intermediate_size"],
                       renormalize=bool(config.get("norm_topk_prob", False)),
                       round_routing_weights=True, sparse_layers=sparse)
-        return cls(ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                            moe=moe, **qwen_windows(config)))
+        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
+                                        moe=moe, **qwen_windows(config))

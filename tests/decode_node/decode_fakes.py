@@ -60,10 +60,14 @@ class FakeEngine:
                              kv_groups=1)
     loaded = SimpleNamespace(model_id="m", architecture="LlamaForCausalLM",
                              args=SimpleNamespace(n_layers=1, window=lambda layer: None))
-    config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=())
+    config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=(),
+                             parallel=False)
 
     def stats(self):
         return None
+
+    def close(self):
+        pass
 
     def make_request(self, rid, prompt, params, cache_salt=None, priority=0, resume=None,
                      pooling=None, lora_request=None):

@@ -12,6 +12,7 @@ from pathlib import Path
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES, Role
+from engine.checks import FieldError
 from engine.config import EngineConfig, LoRAModule
 from engine.flags import add_flags, from_args, option, to_argv
 from local_cluster.config import UpConfig
@@ -35,9 +36,12 @@ ENGINE = EngineConfig(
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
                                        long_prefill_token_threshold=0, enable_prefix_caching=True,
                                        kv_offloading_size=1 << 20,
-                                       kv_offloading_path="/nonexistent-tier")]
+                                       kv_offloading_path="/nonexistent-tier"),
+           EngineConfig(model="/m", tensor_parallel_size=2, enable_expert_parallel=True,
+                        distributed_timeout_s=7.0)]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
-prefill on, the KV offloading tier prefix caching)."""
+prefill on, the KV offloading tier prefix caching; tensor parallelism refuses LoRA, sleep
+mode and offloading, so it has its own)."""
 
 
 def parse_up(*flags: str) -> UpConfig:
@@ -59,19 +63,22 @@ def test_every_engine_flag_of_up_reaches_the_workers_of_both_roles():
     assert not [f.name for f in dataclasses.fields(EngineConfig)
                 if all(getattr(e, f.name) == getattr(default, f.name) for e in ENGINES)]
     for engine in ENGINES:
-        config = parse_up(*to_argv(UpConfig(engine=engine)), "--cluster", "c", "--num-threads", "3")
+        # Tensor-parallel workers run as decode workers only (docs/parallelism.md).
+        up = UpConfig(engine=engine, prefill=0 if engine.parallel else 1)
+        config = parse_up(*to_argv(up), "--cluster", "c", "--num-threads", "3")
         assert config.engine == engine
-        for role in ROLES:
+        for role in ROLES if not engine.parallel else (Role.DECODE,):
             cmd = supervisor(config).worker_command(role)
             assert cmd[0] == role
             worker, got = started(cmd)
-            # enable_sleep_mode and enable_lora are on: the cluster calls the admin RPCs.
+            # With enable_sleep_mode or enable_lora on, the cluster calls the admin RPCs.
             assert worker == WorkerConfig(role=role, etcd=ETCD, cluster="c", num_threads=3,
-                                          enable_admin_rpcs=True)
+                                          enable_admin_rpcs=engine.enable_sleep_mode or engine.enable_lora)
             # Prefill workers never speculate: they are not even given the flag.
             want = engine if role == Role.DECODE else dataclasses.replace(engine, speculative_config=None)
             assert got == want
-            assert ("--speculative-config" in cmd) == (role == Role.DECODE)
+            assert ("--speculative-config" in cmd) == (role == Role.DECODE
+                                                       and engine.speculative_config is not None)
 
 
 def test_defaults_are_not_passed_and_threads_are_shared_out():
@@ -248,3 +255,9 @@ def test_a_bad_cluster_token_file_stops_up_before_anything_starts(tmp_path, caps
     empty.write_text("")
     assert main(["up", "--cluster-token-file", str(empty)]) == 2
     assert f"pdserve up: error: --cluster-token-file {empty}: the file is empty" in capsys.readouterr().err
+
+
+def test_up_refuses_prefill_workers_at_tensor_parallel_size_2():
+    with pytest.raises(FieldError, match="prefill must be 0 with --tensor-parallel-size > 1"):
+        parse_up("-tp", "2")
+    assert parse_up("-tp", "2", "--prefill", "0").engine.tensor_parallel_size == 2
