@@ -16,6 +16,9 @@ step; a failing step is recorded and the others still run):
    (benchmarks/kv_transfer.py --device cuda), against the device copy of step 2.
 6. Disaggregated vs local TTFT with one prefill and one decode worker on the same GPU, etcd and
    gRPC on loopback (benchmarks/pd_bench.py --device cuda).
+7. Tensor parallelism, on a machine with 2 or more GPUs (skipped, saying so, with one): the
+   same greedy batch at tensor_parallel_size 1 and 2, tokens/s and token agreement
+   (benchmarks/gpu_measure.py `tp_parity`; docs/parallelism.md).
 
 The model: --model, else a random-weight copy of the default model's shape written from
 .gpu_bundle/model (benchmarks/gpu_bundle.py: the GPU machine has no network and cannot carry
@@ -40,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 BUNDLE_MODEL = REPO / ".gpu_bundle" / "model"
 GPU_TESTS = ["tests/kernels", "tests/engine/test_gpu_engine.py", "tests/kvtransfer/test_kv_nixl_local.py"]
 # Seconds a step needs at least; a step is skipped when less of the budget is left.
-NEEDS_S = {"engine": 60, "transfer": 45, "pd": 90}
+NEEDS_S = {"engine": 60, "transfer": 45, "pd": 90, "tp": 60}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "else the bundled model)")
     p.add_argument("--random-from", type=Path, default=None,
                    help="write random weights with this directory's config and tokenizer and use them")
-    for step in ("pytest", "engine", "transfer", "pd"):
+    for step in ("pytest", "engine", "transfer", "pd", "tp"):
         p.add_argument(f"--skip-{step}", action="store_true", help=f"skip the {step} step")
     p.add_argument("--budget-s", type=float, default=420,
                    help="wall-clock budget: later steps are skipped (and pytest's timeout shrinks) to fit")
@@ -169,6 +172,13 @@ def summary(report: dict) -> str:
                      f"{row['disagg_ttft_ms']} ms, added {row['added_fraction']:.1%} (target <= 15% at 2048)")
     if not rows:
         lines.append(f"- TTFT: {report.get('pd')}")
+    tp = section("tp")
+    if "tp2_over_tp1" in tp:
+        lines.append(f"- tensor parallelism: TP=2 {tp['tp2']['tokens_per_s']} tok/s vs TP=1 "
+                     f"{tp['tp1']['tokens_per_s']} tok/s ({tp['tp2_over_tp1']}x); greedy agreement "
+                     f"{tp['greedy_agreement']}")
+    else:
+        lines.append(f"- tensor parallelism: {report.get('tp')}")
     return "\n".join(lines)
 
 
@@ -221,7 +231,7 @@ def main(argv=None) -> int:
     report["model"] = str(model)
     print(f"model: {model}", flush=True)
 
-    print("[1/6] pytest -m gpu", flush=True)
+    print("[1/7] pytest -m gpu", flush=True)
     if args.skip_pytest:
         report["pytest"] = {"skipped": "--skip-pytest"}
     else:
@@ -234,17 +244,17 @@ def main(argv=None) -> int:
             print(res.get("output_tail", ""), flush=True)
 
     timer = gm.Timer(device)
-    print("[2/6] device-to-device copy bandwidth", flush=True)
+    print("[2/7] device-to-device copy bandwidth", flush=True)
     step("copy_gbps", lambda: round(gm.copy_bandwidth(device, timer, args.dry_run), 1))
     copy_gbps = report["copy_gbps"] if isinstance(report["copy_gbps"], float) else float("nan")
     print(f"  copy: {copy_gbps:.1f} GB/s (read + write)", flush=True)
 
-    print(f"[3/6] paged attention, SmolLM2-135M shapes ({dtype})", flush=True)
+    print(f"[3/7] paged attention, SmolLM2-135M shapes ({dtype})", flush=True)
     step("decode", lambda: [asdict(r) for r in gm.decode_bandwidth(device, dtype, timer, copy_gbps, args.dry_run)])
     step("prefill", lambda: gm.prefill_tflops(device, dtype, timer, args.dry_run))
 
     def later(key: str, n: int, title: str, fn) -> None:
-        print(f"[{n}/6] {title}", flush=True)
+        print(f"[{n}/7] {title}", flush=True)
         if getattr(args, f"skip_{key}"):
             report[key] = {"skipped": f"--skip-{key}"}
         else:
@@ -261,6 +271,8 @@ def main(argv=None) -> int:
           lambda: kv_transfer(args.out, device, copy_gbps, args.dry_run, remaining()))
     later("pd", 6, "disaggregated vs local TTFT (1 prefill + 1 decode worker)",
           lambda: pd_ttft(args.out, model, device, args.dry_run, remaining()))
+    later("tp", 7, "tensor parallelism: tensor_parallel_size 2 vs 1",
+          lambda: gm.tp_parity(model, device, args.dry_run))
     print(summary(report), flush=True)
     print(f"report: {args.out / 'gpu_check.json'}  {'FAILED' if failed else 'OK'}", flush=True)
     return 1 if failed else 0

@@ -161,13 +161,18 @@ def engine_throughput(model: Path, device, dry_run: bool) -> dict:
         results[backend], tokens[backend] = _generate(model, backend, device, dry_run)
         print(f"  engine {backend:6s}: {results[backend]}", flush=True)
     results["speedup"] = round(results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2)
-    pairs = list(zip(tokens["triton"], tokens["torch"]))
-    results["greedy_agreement"] = {
+    results["greedy_agreement"] = _agreement(tokens["triton"], tokens["torch"])
+    return results
+
+
+def _agreement(a_runs: list[list[int]], b_runs: list[list[int]]) -> dict:
+    """How far two runs' greedy completions of the same prompts agree."""
+    pairs = list(zip(a_runs, b_runs))
+    return {
         "identical_completions": sum(a == b for a, b in pairs) / len(pairs),
         "mean_common_prefix": sum(_common_prefix(a, b) for a, b in pairs) / len(pairs),
         "first_token_equal": sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
     }
-    return results
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -196,10 +201,27 @@ def _generate(model: Path, backend: str, device, dry_run: bool) -> tuple[dict, l
         kv_pool.update(gpu_memory_utilization=utilization,
                        allocated_fraction=round(torch.cuda.memory_allocated(device) / total, 4),
                        tokens=pool.shape[0] * pool.shape[3])
+    token_ids, seconds = _timed_greedy(llm, num_prompts, max_tokens, device)
+    generated = sum(len(t) for t in token_ids)
+    del llm, pool
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return ({"prompts": num_prompts, "max_tokens": max_tokens, "generated_tokens": generated,
+             "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1),
+             "kv_pool": kv_pool}, token_ids)
+
+
+def _timed_greedy(llm, num_prompts: int, max_tokens: int, device) -> tuple[list[list[int]], float]:
+    """(each prompt's greedy token ids, seconds) of one timed batch, after a warm-up on the same
+    batch, shorter: it compiles the kernel variants this batch shape needs (prefill tiles, mixed
+    steps, decode) outside the timed run."""
+    import torch
+
+    import engine
+
     params = engine.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [f"Write a short story about the number {i}." for i in range(num_prompts)]
-    # Warm-up on the same batch, shorter: compiles the kernel variants this batch shape needs
-    # (prefill tiles, mixed steps, decode) outside the timed run.
     warm = engine.SamplingParams(max_tokens=min(8, max_tokens), temperature=0.0, ignore_eos=True)
     llm.generate(prompts, warm, use_tqdm=False)
     if device.type == "cuda":
@@ -208,13 +230,41 @@ def _generate(model: Path, backend: str, device, dry_run: bool) -> tuple[dict, l
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs], time.perf_counter() - start
+
+
+def tp_parity(model: Path, device, dry_run: bool) -> dict:
+    """Tensor parallelism (docs/parallelism.md): the same greedy batch at
+    tensor_parallel_size 1 and 2 — tokens/s of each, their ratio, and how far the tokens agree
+    (bf16 all-reduces sum in another order than one device's GEMMs, so long greedy runs may part
+    at near-ties; the fp32 parity is tests/parallel's). On CUDA it needs 2 GPUs (rank r on
+    cuda:r, NCCL); the dry run takes 2 CPU processes over gloo."""
+    import torch
+
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"}
+    results: dict = {}
+    tokens = {}
+    for size in (1, 2):
+        results[f"tp{size}"], tokens[size] = _generate_tp(model, size, device, dry_run)
+        print(f"  tensor_parallel_size {size}: {results[f'tp{size}']}", flush=True)
+    results["tp2_over_tp1"] = round(results["tp2"]["tokens_per_s"] / results["tp1"]["tokens_per_s"], 2)
+    results["greedy_agreement"] = _agreement(tokens[1], tokens[2])
+    return results
+
+
+def _generate_tp(model: Path, size: int, device, dry_run: bool) -> tuple[dict, list[list[int]]]:
+    import engine
+
+    num_prompts, max_tokens = (2, 4) if dry_run else (64, 128)
+    llm = engine.LLM(str(model), device=device.type, tensor_parallel_size=size,
+                     # With tensor_parallel_size > 1 on CUDA the KV budget must be explicit.
+                     kv_cache_memory=(64 << 20) if dry_run else (8 << 30),
+                     **({"num_layers": 2, "dtype": "float32", "attention_backend": "torch"} if dry_run else {}))
+    try:
+        token_ids, seconds = _timed_greedy(llm, num_prompts, max_tokens, device)
+    finally:
+        llm.close()
     generated = sum(len(t) for t in token_ids)
-    del llm, outputs, pool
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return ({"prompts": num_prompts, "max_tokens": max_tokens, "generated_tokens": generated,
-             "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1),
-             "kv_pool": kv_pool}, token_ids)
+    return {"prompts": num_prompts, "generated_tokens": generated, "seconds": round(seconds, 2),
+            "tokens_per_s": round(generated / seconds, 1)}, token_ids

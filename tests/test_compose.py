@@ -144,6 +144,12 @@ def test_compose_file_is_valid_and_only_the_router_is_published():
     assert '--speculative-config "$$SPECULATIVE_CONFIG"' in " ".join(services["decode"]["command"])
     assert services["decode"]["environment"]["SPECULATIVE_CONFIG"] == ""
     assert "speculative" not in " ".join(services["prefill"]["command"])
+    # tensor parallelism: decode workers only (prefill workers refuse it until KV moves
+    # between tensor-parallel workers), from DECODE_TENSOR_PARALLEL_SIZE (default 1)
+    assert ('--tensor-parallel-size "$$DECODE_TENSOR_PARALLEL_SIZE"'
+            in " ".join(services["decode"]["command"]))
+    assert services["decode"]["environment"]["DECODE_TENSOR_PARALLEL_SIZE"] == "1"
+    assert "tensor-parallel" not in " ".join(services["prefill"]["command"])
     # the KV cache format: one per cluster, both roles, from KV_CACHE_DTYPE (default auto)
     for name in ("prefill", "decode"):
         assert '--kv-cache-dtype "$$KV_CACHE_DTYPE"' in " ".join(services[name]["command"])

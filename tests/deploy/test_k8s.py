@@ -418,7 +418,7 @@ def test_only_router_reachable_from_outside(rendered):
 @needs_kubectl
 def test_gpu_only_on_workers(rendered):
     name, docs = rendered
-    want = name == "gpu"
+    want = name in ("gpu", "gpu-tp")
     for kind in ("Deployment", "StatefulSet"):
         for dname, d in of_kind(docs, kind).items():
             for c in d["spec"]["template"]["spec"]["containers"]:
@@ -434,6 +434,28 @@ def test_gpu_only_on_workers(rendered):
     if want:
         cm = of_kind(docs, "ConfigMap")["pdserve-config"]["data"]
         assert "rc" in cm["UCX_TLS"].split(",") and "cuda_ipc" in cm["UCX_TLS"].split(","), cm
+
+
+@needs_kubectl
+def test_tensor_parallel_decode_pods_get_a_gpu_per_rank_and_prefill_pods_stay_at_one():
+    docs = _cache.get("gpu-tp") or render("gpu-tp")
+    deployments = of_kind(docs, "Deployment")
+    decode, prefill = container(deployments["decode"]), container(deployments["prefill"])
+    assert "--tensor-parallel-size=2" in decode["args"] and "--device=cuda" in decode["args"]
+    for res in (decode["resources"]["requests"], decode["resources"]["limits"]):
+        assert res["nvidia.com/gpu"] == "2"
+    # prefill workers refuse -tp > 1 until KV moves between tensor-parallel workers
+    assert not any(a.startswith("--tensor-parallel-size") for a in prefill["args"])
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    from pdserve.worker_main import add_args
+
+    parser = argparse.ArgumentParser()  # the worker's own parser takes the arguments
+    add_args(parser)
+    values = {"PDSERVE_KV_CACHE_DTYPE": "auto", "SPECULATIVE_CONFIG": ""}  # the rest: any string
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), "x"), a) for a in decode["args"]]
+    parsed = parser.parse_args(args)
+    # on CUDA a tensor-parallel worker refuses to start without an explicit KV budget
+    assert parsed.tensor_parallel_size == 2 and parsed.kv_cache_memory
 
 
 @needs_kubectl

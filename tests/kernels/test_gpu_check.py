@@ -41,6 +41,10 @@ def test_dry_run(tmp_path, model_dir):
     (row,) = report["pd"]["rows"]
     assert row["prompt_tokens"] == 64 and row["local_ttft_ms"] > 0 and row["disagg_ttft_ms"] > 0
     assert "- NIXL transfer: worst" in proc.stdout and "- TTFT 64 tokens: local" in proc.stdout
+    tp = report["tp"]  # two CPU ranks over gloo in the dry run; fp32: the same tokens
+    assert tp["tp1"]["generated_tokens"] == tp["tp2"]["generated_tokens"] == 8, tp
+    assert tp["greedy_agreement"]["identical_completions"] == 1.0 and tp["tp2_over_tp1"] > 0
+    assert "- tensor parallelism: TP=2" in proc.stdout
     for name in ("pytest.log", "kv_transfer.json", "pd_bench.json", "pd_logs/prefill.log", "pd_logs/decode.log"):
         assert (out / name).is_file(), name
 
@@ -50,6 +54,6 @@ def test_spent_budget_skips_the_late_steps(tmp_path, model_dir):
                            "--out", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0 and report["pytest"] == {"skipped": "--skip-pytest"}
-    for key in ("engine", "transfer", "pd"):
+    for key in ("engine", "transfer", "pd", "tp"):
         assert report[key]["skipped"].startswith("time budget"), report[key]
     assert report["copy_gbps"] > 0  # the early steps have no minimum
