@@ -1,6 +1,9 @@
-"""The decode worker's side of a remote prefill: park the request, call the prefill worker P,
-and drive the transfer attempt's state machine (remote_prefill.py) with what P and the KV
-receiver report, until the request runs here or its blocks are released.
+"""The decode worker's side of a remote prefill: call the prefill worker P (its destination
+deferred, so P starts on the prompt at once), park the request, send P the parked blocks
+(`SetDestination`), and drive the transfer attempt's state machine (remote_prefill.py) with
+what P and the KV receiver report, until the request runs here or its blocks are released.
+Until P has the block ids it can write nothing here: a request that cannot be parked, or is
+cancelled before, only cancels P's call.
 
 Every engine command that records what P did is uncancellable (`WorkerRuntime.call`): a
 cancel at any await here still ends the attempt in RUNNING or RELEASED. A dropped attempt's
@@ -72,20 +75,26 @@ class PrefillClient:
         done = rt.aio.create_future()
         tid = f"push:{rid}:{next(self._attempts)}"
         kv_timeout_s = rt.config.kv_timeout_s
+        stub = pb_grpc.PrefillWorkerStub(self._channels.get(worker.address))
+        # P starts on the prompt now; the block ids follow once the request is parked here
+        # (an engine step boundary away), so the parking wait is off the critical path.
+        call = stub.Prefill(self._prefill_request(req, tid, source), timeout=kv_timeout_s)
         try:
             attempt = await rt.call(lambda e: self.remote.start(e, req, tid, done, kv_timeout_s),
                                     cancellable=False)
-        except asyncio.CancelledError:  # P was never called: nothing can land, release now
+        except asyncio.CancelledError:  # P has no destination: it can write nothing here
+            call.cancel()
             gone = Unavailable(f"request {rid} was cancelled before its prefill started")
             await rt.call(lambda e: self.remote.writes_stopped(e, tid, gone), cancellable=False)
             raise
-        if attempt is None:
-            return RemoteResult(PrefillPath.LOCAL)  # let the scheduler queue it
-        call = pb_grpc.PrefillWorkerStub(self._channels.get(worker.address)).Prefill(
-            self._prefill_request(req, tid, attempt.block_ids, source), timeout=kv_timeout_s)
+        if attempt is None:  # no room for the whole prompt now: let the scheduler queue it
+            call.cancel()  # likewise without a destination
+            return RemoteResult(PrefillPath.LOCAL)
         try:
+            await stub.SetDestination(self._destination(req, tid, attempt.block_ids), timeout=kv_timeout_s)
             response = await call
         except grpc.aio.AioRpcError as exc:
+            call.cancel()
             return await self._failed(req, worker, tid, done, exc)
         except BaseException:  # cancelled: the caller went away, or Worker.Abort
             call.cancel()
@@ -96,10 +105,9 @@ class PrefillClient:
         await done  # raises if the KV failed or timed out
         return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens)
 
-    def _prefill_request(self, req: Request, transfer_id: str, block_ids: list[int],
+    def _prefill_request(self, req: Request, transfer_id: str,
                          source: pb.KVSource | None) -> pb.PrefillRequest:
         rt = self.rt
-        skips = req.remote_skip_blocks  # per KV group; block_ids: each group's after its skip
         return pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
@@ -107,13 +115,20 @@ class PrefillClient:
             lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
             kv_source=source,
             destination=pb.KVDestination(
-                peer_metadata=rt.pool.metadata.to_bytes(), num_skip_blocks=min(skips),
-                group_skip_blocks=skips,
+                peer_metadata=rt.pool.metadata.to_bytes(),
                 # The prefill side stops writing before we stop waiting.
-                block_ids=block_ids, deadline_s=0.9 * rt.config.kv_timeout_s,
-                transfer_id=transfer_id,
+                deadline_s=0.9 * rt.config.kv_timeout_s,
+                transfer_id=transfer_id, deferred=True,
             ),
         )
+
+    @staticmethod
+    def _destination(req: Request, transfer_id: str, block_ids: list[int]) -> pb.KVDestination:
+        """The parked request's blocks, for P's SetDestination: each KV group's blocks after
+        its skip (the prefix already here), group after group."""
+        skips = req.remote_skip_blocks
+        return pb.KVDestination(transfer_id=transfer_id, num_skip_blocks=min(skips),
+                                group_skip_blocks=skips, block_ids=block_ids)
 
     async def _failed(self, req: Request, worker: pb.WorkerRef, tid: str, done: asyncio.Future,
                       exc: grpc.aio.AioRpcError) -> RemoteResult:

@@ -11,6 +11,11 @@ engine's own request is already finished by then, so the blocks become cached-fr
 cache — nothing is held for the decode side. `when_ended` tells the worker when a request
 has nothing left in flight (its `Worker.Abort` answers then).
 
+A destination may come after the prefill started (`deferred`: the decode worker parks the
+request while this worker already computes it): until `set_destination` nothing goes out, and
+a request that finishes first has its prompt blocks pinned (held) until the destination comes
+or its deadline passes.
+
 The caller hears of a complete transfer as soon as the sender reports it (`answer_early`, the
 sender's listener, called on the transfer-progress thread between engine steps): the first
 token is fixed once the final batch goes out, so its answer does not wait for this worker's
@@ -19,6 +24,7 @@ step, as above.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,8 +41,9 @@ class Outgoing:
     request: Request
     transfer_id: str  # what the decode worker's receiver expects
     peer: str
-    dest_blocks: list[int]  # decode-side ids: each KV group's prompt blocks after its skip
-    group_skips: list[int]  # per KV group: leading prompt blocks the decode worker does not need
+    dest_blocks: list[int] | None  # decode-side ids: each KV group's prompt blocks after its skip
+    group_skips: list[int] | None  # per KV group: leading prompt blocks the decode worker does not need
+    """dest_blocks and group_skips: None until `set_destination` for a deferred destination."""
     deadline: float
     on_done: Callable[[TransferResult, SampledToken | None], None]
     """Called once: on the engine thread, or on the progress thread for a complete transfer."""
@@ -44,6 +51,7 @@ class Outgoing:
     pinned: list[int] = field(default_factory=list)
     final_sent: bool = False
     first_token: SampledToken | None = None  # set when the final batch goes out
+    held: bool = False  # finished before its destination came: its prompt blocks are pinned
 
 
 class KVStreamer:
@@ -57,6 +65,18 @@ class KVStreamer:
 
     def add(self, out: Outgoing) -> None:
         self.active[out.transfer_id] = out
+
+    def set_destination(self, engine: LLMEngine, transfer_id: str, dest_blocks: list[int],
+                        group_skips: list[int]) -> None:
+        """The deferred destination of `transfer_id` (checked by the caller); what is ready
+        goes out at once. KeyError: no such prefill in flight; ValueError: it has one."""
+        out = self.active.get(transfer_id)
+        if out is None or out.final_sent:
+            raise KeyError(transfer_id)
+        if out.dest_blocks is not None:
+            raise ValueError(f"transfer {transfer_id} already has its destination")
+        out.dest_blocks, out.group_skips = dest_blocks, group_skips
+        self._advance(engine, out)
 
     def cancel(self, engine: LLMEngine, transfer_id: str) -> None:
         """Stop streaming (the request is aborted in the engine by the caller)."""
@@ -87,42 +107,57 @@ class KVStreamer:
             self._finish(engine, out, None, TransferStatus.CANCELLED)
 
     def after_step(self, engine: LLMEngine) -> bool:
-        bm = engine.block_manager
         for out in list(self.active.values()):
-            req = out.request
-            if out.final_sent or not req.block_tables:
-                continue  # all sent, or not admitted yet
-            if req.status.is_finished and req.num_output_tokens == 0:  # aborted in the engine
-                self._stop(engine, out)
-                continue
-            prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
-            final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
-            upto = prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
-            # The destination lists each KV group's blocks after its skip, group after group.
-            pairs, base = [], 0
-            for table, skip in zip(req.block_tables, out.group_skips):
-                pairs += [(table[i], out.dest_blocks[base + i - skip])
-                          for i in range(max(out.sent, skip), upto)]
-                base += prompt_blocks - skip
-            if not pairs and not final:
-                continue
-            blocks = [local for local, _ in pairs]
-            bm.pin(blocks)  # freed-this-step blocks are taken back before any reuse
-            out.pinned += blocks
-            out.sent = upto
-            out.final_sent = final
-            if final:
-                out.first_token = _first_token(req)
-                self._final[out.transfer_id] = out
-            try:
-                self.sender.send(out.transfer_id, out.peer, pairs, final=final, deadline=out.deadline)
-            except Exception as exc:  # refused before posting: fail this request only
-                self._finish(engine, out, None, TransferStatus.ERROR, str(exc))
+            self._advance(engine, out)
         for result in self.sender.poll():
             out = self.active.get(result.request_id)
             if out is not None:
                 self._finish(engine, out, result)
         return bool(self.active)
+
+    def _advance(self, engine: LLMEngine, out: Outgoing) -> None:
+        """Send what became ready of `out` (blocks completed since the last call; with the
+        first token sampled, the rest as the final batch), hold it until its destination."""
+        bm = engine.block_manager
+        req = out.request
+        if out.final_sent or not req.block_tables:
+            return  # all sent, or not admitted yet
+        if req.status.is_finished and req.num_output_tokens == 0:  # aborted in the engine
+            self._stop(engine, out)
+            return
+        prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
+        final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
+        if out.dest_blocks is None:  # deferred: nothing goes out yet
+            if final and not out.held:  # finished this step: keep its blocks for the sender
+                blocks = [table[i] for table in req.block_tables for i in range(prompt_blocks)]
+                bm.pin(blocks)
+                out.pinned += blocks
+                out.held = True
+            if time.monotonic() > out.deadline:
+                self._finish(engine, out, None, TransferStatus.TIMEOUT,
+                             "the decode worker sent no destination in time")
+            return
+        upto = prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
+        # The destination lists each KV group's blocks after its skip, group after group.
+        pairs, base = [], 0
+        for table, skip in zip(req.block_tables, out.group_skips):
+            pairs += [(table[i], out.dest_blocks[base + i - skip])
+                      for i in range(max(out.sent, skip), upto)]
+            base += prompt_blocks - skip
+        if not pairs and not final:
+            return
+        blocks = [local for local, _ in pairs]
+        bm.pin(blocks)  # freed-this-step blocks are taken back before any reuse
+        out.pinned += blocks
+        out.sent = upto
+        out.final_sent = final
+        if final:
+            out.first_token = _first_token(req)
+            self._final[out.transfer_id] = out
+        try:
+            self.sender.send(out.transfer_id, out.peer, pairs, final=final, deadline=out.deadline)
+        except Exception as exc:  # refused before posting: fail this request only
+            self._finish(engine, out, None, TransferStatus.ERROR, str(exc))
 
     def answer_early(self, result: TransferResult) -> None:
         """The sender's listener (any thread): answer the caller of a transfer that completed."""

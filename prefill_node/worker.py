@@ -3,7 +3,10 @@
 Life cycle of a request here:
 1. `Prefill` arrives from a decode worker D with the prompt, sampling settings (n = 1, seed
    set) and the destination: D's transfer identity and D's block ids for the prompt blocks
-   D does not have yet.
+   D does not have yet — or, `deferred`, without the block ids: D parks the request while
+   this worker computes, and sends them in `SetDestination` (same transfer id; whichever of
+   the two calls arrives first makes the slot). Nothing is written before they come; a
+   prompt that finishes first keeps its blocks pinned until then or its deadline.
 2. D must be a registered worker: a registration in etcd must name its NIXL metadata
    (PERMISSION_DENIED otherwise, nothing sent). D's peer is added (compatibility check; a
    no-op for known peers — peers are also added ahead of time as decode workers appear in
@@ -48,12 +51,15 @@ from kvtransfer import TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker_runtime.grpc_errors import Unavailable
+from worker_runtime.grpc_errors import ResourceExhausted, Unavailable
 from worker_runtime.kv_pull import KVPuller
 from worker_runtime.peers import RegisteredPeers
 from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
+
+MAX_PENDING_DESTINATIONS = 4096
+"""Deferred destinations a prefill worker keeps at once (SetDestination beyond: RESOURCE_EXHAUSTED)."""
 
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
@@ -66,27 +72,32 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         runtime.add_step_hook(self.streamer.after_step)
         runtime.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
+        self._destinations: dict[str, asyncio.Future] = {}  # deferred destinations, by transfer id
 
     async def Prefill(self, request: pb.PrefillRequest, context):
         with self.rt.admission.admitted(Role.PREFILL, request.request_id):
-            return await self._prefill(request)
+            tid = request.destination.transfer_id
+            if not request.destination.deferred or not tid:
+                return await self._prefill(request, None)
+            slot = self._destination_slot(tid)
+            try:
+                return await self._prefill(request, slot)
+            finally:
+                if self._destinations.get(tid) is slot:
+                    del self._destinations[tid]
 
-    async def _prefill(self, request: pb.PrefillRequest) -> pb.PrefillResponse:
+    async def _prefill(self, request: pb.PrefillRequest,
+                       slot: asyncio.Future | None) -> pb.PrefillResponse:
+        """`slot`: where a deferred destination arrives (SetDestination), else None."""
         rt = self.rt
         params = sampling_from_pb(request.sampling)
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
         dest = request.destination
         limits = rt.engine.limits
-        prompt_blocks = limits.blocks_for(len(request.prompt_token_ids))
-        # block_ids: each KV group's blocks after its skip, group after group.
-        skips = list(dest.group_skip_blocks) or [dest.num_skip_blocks] * limits.kv_groups
-        if len(skips) != limits.kv_groups or not all(0 <= s <= prompt_blocks for s in skips) \
-                or len(dest.block_ids) != sum(prompt_blocks - s for s in skips):
-            raise ValueError(
-                f"destination skips {skips} and covers {len(dest.block_ids)} blocks; the prompt "
-                f"has {prompt_blocks} in each of {limits.kv_groups} KV groups"
-            )
+        # Deferred: the block ids come in SetDestination; keep every prompt block until then.
+        skips = [0] * limits.kv_groups if slot is not None else _destination_skips(
+            dest, limits, len(request.prompt_token_ids))
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
         await self.peers.check(dest.peer_metadata)
@@ -104,7 +115,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             rt.settle(done, (result, first_token))
 
         out = Outgoing(
-            request=req, transfer_id=dest.transfer_id, peer=peer, dest_blocks=list(dest.block_ids), group_skips=skips,
+            request=req, transfer_id=dest.transfer_id, peer=peer,
+            dest_blocks=None if slot is not None else list(dest.block_ids),
+            group_skips=None if slot is not None else skips,
             deadline=time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s), on_done=on_done,
         )
 
@@ -113,11 +126,15 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             self.streamer.add(out)
 
         await rt.call(start)
+        placing = None if slot is None else asyncio.ensure_future(self._place_when_given(slot, out, done))
         try:
             result, first_token = await done
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled, or a destination that does not fit the prompt
             await asyncio.shield(rt.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
             raise
+        finally:
+            if placing is not None:
+                placing.cancel()
         if result.status is not TransferStatus.COMPLETE:
             raise Unavailable(
                 f"KV transfer to {peer} failed: {result.status.name.lower()} {result.error}".strip()
@@ -127,6 +144,51 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_blocks_sent=result.num_blocks,
         )
+
+    async def SetDestination(self, request: pb.KVDestination, context):
+        """The block ids and skips of a Prefill whose destination was deferred (its caller
+        parked the request while this worker already computed it). Answered once taken: a
+        destination that does not fit the prompt fails that Prefill call."""
+        if not request.transfer_id:
+            raise ValueError("transfer_id is required")
+        if request.transfer_id not in self._destinations and len(self._destinations) >= MAX_PENDING_DESTINATIONS:
+            raise ResourceExhausted(f"{MAX_PENDING_DESTINATIONS} destinations are already waiting")
+        slot = self._destination_slot(request.transfer_id)
+        if slot.done():
+            raise ValueError(f"transfer {request.transfer_id!r} already has its destination")
+        slot.set_result(request)
+        return pb.SetDestinationResponse()
+
+    def _destination_slot(self, transfer_id: str) -> asyncio.Future:
+        """Where transfer_id's deferred destination arrives; whichever of its Prefill and its
+        SetDestination comes first makes it. One SetDestination made and no Prefill took is
+        dropped after kv_timeout."""
+        slot = self._destinations.get(transfer_id)
+        if slot is None:
+            slot = self._destinations[transfer_id] = self.rt.aio.create_future()
+            self.rt.aio.call_later(self.rt.config.kv_timeout_s, self._drop_unclaimed, transfer_id, slot)
+        return slot
+
+    def _drop_unclaimed(self, transfer_id: str, slot: asyncio.Future) -> None:
+        if self._destinations.get(transfer_id) is slot and slot.done():  # no Prefill waits on it
+            del self._destinations[transfer_id]
+
+    async def _place_when_given(self, slot: asyncio.Future, out: Outgoing, done: asyncio.Future) -> None:
+        """Hand the deferred destination to the streamer once it comes; one that does not
+        fit the prompt fails the Prefill (through `done`)."""
+        given: pb.KVDestination = await slot
+
+        def place(engine) -> None:
+            if self.streamer.active.get(out.transfer_id) is not out:
+                return  # ended already (cancelled, failed, timed out): its call says why
+            skips = _destination_skips(given, engine.limits, out.request.num_prompt_tokens)
+            self.streamer.set_destination(engine, out.transfer_id, list(given.block_ids), skips)
+
+        try:
+            await self.rt.call(place)
+        except ValueError as exc:
+            if not done.done():
+                done.set_exception(exc)
 
     async def Embed(self, request: pb.EmbedRequest, context):
         with self.rt.admission.admitted(Role.PREFILL, request.request_id):
@@ -177,3 +239,17 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if embed is not None:  # aborted in the engine above: its Embed call ends
             embed.put_nowait(None)
         return found
+
+
+def _destination_skips(dest: pb.KVDestination, limits, num_prompt_tokens: int) -> list[int]:
+    """Each KV group's skipped leading blocks of a destination, checked against the prompt:
+    block_ids holds each group's blocks after its skip, group after group. ValueError if not."""
+    prompt_blocks = limits.blocks_for(num_prompt_tokens)
+    skips = list(dest.group_skip_blocks) or [dest.num_skip_blocks] * limits.kv_groups
+    if len(skips) != limits.kv_groups or not all(0 <= s <= prompt_blocks for s in skips) \
+            or len(dest.block_ids) != sum(prompt_blocks - s for s in skips):
+        raise ValueError(
+            f"destination skips {skips} and covers {len(dest.block_ids)} blocks; the prompt "
+            f"has {prompt_blocks} in each of {limits.kv_groups} KV groups"
+        )
+    return skips

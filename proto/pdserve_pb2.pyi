@@ -200,20 +200,26 @@ class GenerateResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill_mode: _Optional[str] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("peer_metadata", "num_skip_blocks", "block_ids", "deadline_s", "transfer_id", "group_skip_blocks")
+    __slots__ = ("peer_metadata", "num_skip_blocks", "block_ids", "deadline_s", "transfer_id", "group_skip_blocks", "deferred")
     PEER_METADATA_FIELD_NUMBER: _ClassVar[int]
     NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     peer_metadata: bytes
     num_skip_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     deadline_s: float
     transfer_id: str
     group_skip_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peer_metadata: _Optional[bytes] = ..., num_skip_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., group_skip_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    deferred: bool
+    def __init__(self, peer_metadata: _Optional[bytes] = ..., num_skip_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., deadline_s: _Optional[float] = ..., transfer_id: _Optional[str] = ..., group_skip_blocks: _Optional[_Iterable[int]] = ..., deferred: _Optional[bool] = ...) -> None: ...
+
+class SetDestinationResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "priority", "lora", "kv_source")

@@ -779,6 +779,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.SetDestination = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/SetDestination',
+                request_serializer=proto_dot_pdserve__pb2.KVDestination.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.SetDestinationResponse.FromString,
+                _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Embed',
                 request_serializer=proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
@@ -792,6 +797,15 @@ class PrefillWorkerServicer:
     def Prefill(self, request, context):
         """/ Compute a prompt's KV, write it block by block into the destination, sample the first
         / token. Returns once every write has completed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetDestination(self, request, context):
+        """/ The block ids and skips of a Prefill whose destination was `deferred` (fields
+        / transfer_id, num_skip_blocks, block_ids, group_skip_blocks; the rest is the Prefill's).
+        / NOT_FOUND: no such prefill in flight (it failed or was cancelled; its call says why).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -813,6 +827,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'SetDestination': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDestination,
+                    request_deserializer=proto_dot_pdserve__pb2.KVDestination.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.SetDestinationResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
@@ -847,6 +866,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDestination(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/SetDestination',
+            proto_dot_pdserve__pb2.KVDestination.SerializeToString,
+            proto_dot_pdserve__pb2.SetDestinationResponse.FromString,
             options,
             channel_credentials,
             insecure,

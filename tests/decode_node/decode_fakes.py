@@ -151,6 +151,7 @@ class Harness:
         self.p_kv.add_peer(rt.kv.metadata())
         self.rt = rt
         self.calls: list[FakeCall] = []
+        self.destinations: list[str] = []  # transfer ids SetDestination was called for
         self.aborts: list[str] = []
         self.abort_reply: asyncio.Future | None = None  # None: P answers Abort at once
         self.abort_error: Exception | None = None  # P's Abort fails with this
@@ -169,7 +170,17 @@ class Harness:
         def prefill(request, timeout=None):
             self.calls.append(FakeCall(request))
             return self.calls[-1]
-        return SimpleNamespace(Prefill=prefill)
+
+        async def set_destination(dest, timeout=None):
+            """The deferred destination lands in its call's request, as P would apply it."""
+            [call] = [c for c in self.calls if c.request.destination.transfer_id == dest.transfer_id]
+            assert call.request.destination.deferred and not call.request.destination.block_ids
+            call.request.destination.block_ids[:] = dest.block_ids
+            call.request.destination.num_skip_blocks = dest.num_skip_blocks
+            call.request.destination.group_skip_blocks[:] = dest.group_skip_blocks
+            self.destinations.append(dest.transfer_id)
+            return pb.SetDestinationResponse()
+        return SimpleNamespace(Prefill=prefill, SetDestination=set_destination)
 
     def _worker_stub(self, channel):
         async def abort(request, timeout=None):

@@ -61,8 +61,10 @@ def test_cancel_before_the_start_command_ran_releases_without_asking_p():
         try:
             task = h.generate("r")
             await h.spin(engine=False)  # the start command is queued, not run
+            assert len(h.calls) == 1  # P started on the prompt, its destination deferred
             await _settled(h, task)
-            assert h.calls == [] and h.aborts == []  # P never heard of it
+            # P never had a destination: its call is cancelled, no Abort needed, no quarantine
+            assert h.calls[0].cancelled and h.destinations == [] and h.aborts == []
             _nothing_left(h)
         finally:
             h.close()

@@ -123,3 +123,87 @@ def test_a_complete_transfer_answers_between_steps_once_and_releases_after_the_s
     streamer.after_step(engine)
     assert engine.block_manager.pinned == [] and not streamer.active
     assert len(ended) == 1 and engine.aborted == []
+
+
+def _deferred(req, ended, deadline_s=30.0):
+    return Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=None, group_skips=None,
+                    deadline=time.monotonic() + deadline_s,
+                    on_done=lambda result, first: ended.append((result.status, first)))
+
+
+def _prompt(computed_blocks, finished):
+    return SimpleNamespace(request_id="r", block_tables=[[5, 6, 7]], num_prompt_tokens=3 * BLOCK,
+                           num_computed_tokens=computed_blocks * BLOCK, num_output_tokens=int(finished),
+                           status=RequestStatus.FINISHED_LENGTH if finished else RequestStatus.RUNNING,
+                           output_token_ids=[42] if finished else [], logprobs=[])
+
+
+@pytest.mark.parametrize("order", ["destination_first", "prefill_first"])
+def test_a_deferred_destination_sends_nothing_until_it_comes_then_everything_minus_the_skip(order):
+    """D parks while P computes: whichever ends first, the KV goes out once the destination
+    is there, skipping D's cached blocks; a prompt that finished first stays pinned meanwhile."""
+    fabric = FakeFabric()
+    p, d = _backend(fabric, "P"), _backend(fabric, "D")
+    p.add_peer(d.metadata())
+    d.receiver.expect("r:0", [8, 9])
+    engine, streamer = _Engine(), KVStreamer(p.sender)
+    req, ended = _prompt(2, finished=False), []
+    streamer.add(_deferred(req, ended))
+    streamer.after_step(engine)  # two blocks computed, no destination: nothing goes out
+    assert engine.block_manager.pinned == [] and d.receiver.poll() == []
+    if order == "destination_first":
+        streamer.set_destination(engine, "r:0", [8, 9], [1])  # D has block 0 cached
+        streamer.after_step(engine)  # block 1 (complete, not skipped) goes out now
+        assert engine.block_manager.pinned == [6]
+    req.num_computed_tokens, req.num_output_tokens = 3 * BLOCK, 1
+    req.status, req.output_token_ids = RequestStatus.FINISHED_LENGTH, [42]
+    streamer.after_step(engine)  # the step that finished the prompt
+    if order == "prefill_first":
+        assert engine.block_manager.pinned == [5, 6, 7] and ended == []  # held for the destination
+        streamer.set_destination(engine, "r:0", [8, 9], [1])
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        streamer.after_step(engine)
+        d.receiver.poll()
+    assert [(s, f.token_id) for s, f in ended] == [(TransferStatus.COMPLETE, 42)]
+    assert engine.block_manager.pinned == [] and not streamer.active
+    with pytest.raises(KeyError):  # no such transfer in flight any more
+        streamer.set_destination(engine, "r:0", [8, 9], [1])
+
+
+def test_a_deferred_destination_that_never_comes_times_out_and_releases():
+    fabric = FakeFabric()
+    p = _backend(fabric, "P")
+    engine, streamer = _Engine(), KVStreamer(p.sender)
+    ended = []
+    streamer.add(_deferred(_prompt(3, finished=True), ended, deadline_s=0.05))
+    streamer.after_step(engine)
+    assert engine.block_manager.pinned == [5, 6, 7] and ended == []
+    time.sleep(0.06)
+    streamer.after_step(engine)
+    assert [s for s, _ in ended] == [TransferStatus.TIMEOUT] and engine.block_manager.pinned == []
+    assert not streamer.active
+
+
+def test_a_cancelled_deferred_prefill_releases_its_held_blocks_at_once():
+    fabric = FakeFabric()
+    p = _backend(fabric, "P")
+    engine, streamer = _Engine(), KVStreamer(p.sender)
+    ended = []
+    streamer.add(_deferred(_prompt(3, finished=True), ended))
+    streamer.after_step(engine)
+    assert engine.block_manager.pinned == [5, 6, 7]
+    streamer.cancel(engine, "r:0")  # nothing was ever posted: finished here
+    assert [s for s, _ in ended] == [TransferStatus.CANCELLED] and engine.block_manager.pinned == []
+
+
+def test_a_second_destination_for_the_same_transfer_is_refused():
+    fabric = FakeFabric()
+    p, d = _backend(fabric, "P"), _backend(fabric, "D")
+    p.add_peer(d.metadata())
+    d.receiver.expect("r:0", [8, 9, 10])
+    engine, streamer = _Engine(), KVStreamer(p.sender)
+    streamer.add(_deferred(_prompt(0, finished=False), []))
+    streamer.set_destination(engine, "r:0", [8, 9, 10], [0])
+    with pytest.raises(ValueError, match="already has its destination"):
+        streamer.set_destination(engine, "r:0", [8, 9, 10], [0])
