@@ -194,6 +194,42 @@ def test_prefill_writes_only_into_registered_workers(workers, etcd):
         assert "names no worker registered" in err.value.details()
 
 
+@pytest.mark.parametrize("order", ["prefill_first", "destination_first"])
+def test_a_deferred_destination_that_does_not_fit_the_prompt_fails_that_prefill(workers, etcd, order):
+    """Prefill with its destination deferred, then SetDestination naming 3 blocks for a
+    2-block prompt (or the two calls the other way round): INVALID_ARGUMENT on the Prefill
+    call, nothing written, every block of P free again."""
+    prefill, decode = workers
+
+    async def run() -> grpc.aio.AioRpcError:
+        async with make_client(etcd.endpoint) as client:
+            [info] = [i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id]
+        tid = f"deferred-{order}:0"
+        request = pb.PrefillRequest(
+            request_id=f"deferred-{order}", prompt_token_ids=list(range(100, 132)),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=1, seed=1),
+            destination=pb.KVDestination(peer_metadata=info.kv_metadata.encode("ascii"),
+                                         transfer_id=tid, deadline_s=20, deferred=True))
+        wrong = pb.KVDestination(transfer_id=tid, block_ids=[0, 1, 2])
+        async with grpc.aio.insecure_channel(prefill.address) as ch:
+            stub = pb_grpc.PrefillWorkerStub(ch)
+            if order == "destination_first":
+                await stub.SetDestination(wrong, timeout=10)
+            call = stub.Prefill(request, timeout=30)
+            if order == "prefill_first":
+                await asyncio.sleep(0.5)  # P computes the prompt and holds its blocks meanwhile
+                assert not call.done()
+                await stub.SetDestination(wrong, timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            return err.value
+
+    err = asyncio.run(run())
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "covers 3 blocks" in err.details()
+    wait_all_blocks_free(prefill.address)
+
+
 def test_client_cancel_aborts_and_frees_within_a_second(workers):
     prefill, decode = workers
 
