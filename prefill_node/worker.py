@@ -148,7 +148,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     async def SetDestination(self, request: pb.KVDestination, context):
         """The block ids and skips of a Prefill whose destination was deferred (its caller
         parked the request while this worker already computed it). Answered once taken: a
-        destination that does not fit the prompt fails that Prefill call."""
+        destination that does not fit the prompt fails that Prefill call. Not gated by role or
+        drain: it only completes a Prefill this worker admitted (one that never comes leaves a
+        slot for kv_timeout, at most MAX_PENDING_DESTINATIONS of them)."""
         if not request.transfer_id:
             raise ValueError("transfer_id is required")
         if request.transfer_id not in self._destinations and len(self._destinations) >= MAX_PENDING_DESTINATIONS:
