@@ -259,5 +259,23 @@ def test_a_bad_cluster_token_file_stops_up_before_anything_starts(tmp_path, caps
 
 def test_up_refuses_prefill_workers_at_tensor_parallel_size_2():
     with pytest.raises(FieldError, match="prefill must be 0 with --tensor-parallel-size > 1"):
-        parse_up("-tp", "2")
+        parse_up("-tp", "2", "--prefill", "1")
     assert parse_up("-tp", "2", "--prefill", "0").engine.tensor_parallel_size == 2
+    assert parse_up("-tp", "2").prefill == 0  # the default at tensor parallelism
+
+
+@pytest.mark.parametrize("cores,flags,prefill", [
+    (2, [], 0),  # a small host: one colocated decode worker with both cores
+    (1, [], 0),
+    (4, [], 1),
+    (2, ["--planner"], 1),  # the planner moves workers between the roles: one of each
+    (2, ["--prefill", "1"], 1),  # given: kept
+    (8, ["--prefill", "0"], 0),
+])
+def test_the_default_prefill_pool_follows_the_hosts_cores(monkeypatch, cores, flags, prefill):
+    from local_cluster import config as up_config
+
+    monkeypatch.setattr(up_config, "host_cores", lambda: cores)
+    up = parse_up(*flags)
+    assert (up.prefill, up.decode) == (prefill, 1)
+    assert dataclasses.replace(up, port=0).prefill == prefill  # resolved once, kept
