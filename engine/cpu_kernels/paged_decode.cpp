@@ -100,7 +100,7 @@ inline std::vector<float> softmax_numerators(float* scores, int64_t G, int64_t l
   std::vector<float> inv(G);
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
-    inv[g] = 1.f / exp_sub_sum(sg, len, *std::max_element(sg, sg + len));
+    inv[g] = 1.f / exp_sub_sum(sg, len, pdserve_vec::row_max(sg, len));
   }
   return inv;
 }
@@ -148,64 +148,66 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+// The dot products of GB query heads with one key row, each in 16 lanes.
+template <typename T, int V, int GB>
+inline void dots_of(const float* qf, const T* k, __m512 (&acc)[GB]) {
+  constexpr int64_t D = 16 * V;
+  __m512 kr[V];
+  for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
+  for (int g = 0; g < GB; ++g) {
+    acc[g] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
+    for (int v = 1; v < V; ++v) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc[g]);
+  }
+}
+
 // scores[g][key] = q[g] . k[key] * scale (soft-capped) for GB query heads of one kv head.
-// Four keys at a time: each key row is loaded (and widened to fp32) once for all GB heads, and
-// the 4 * GB dot products are reduced across lanes together (sum4), not one by one.
+// Block by block (one table lookup and division per block, none per key); four keys at a
+// time within a block: each key row is loaded (and widened to fp32) once for all GB heads,
+// and the 4 * GB dot products are reduced across lanes together (sum4), not one by one.
 template <typename T, int V, int GB>
 inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t first, int64_t n,
                      int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page, int64_t row,
                      int64_t h, int64_t DS, float scale, float cap, float* scores) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
-  auto key_row = [&](int64_t pos) -> const T* {
-    const int64_t blk = table[pos / B];
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t pos = first; pos < n;) {
+    const int64_t bi = pos / B, blk = table[bi], stop = std::min(n, (bi + 1) * B);
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
-    if (pos % B == 0 && pos + kPrefetchBlocks * B < n) {
-      const int64_t ahead = table[pos / B + kPrefetchBlocks];
+    if ((bi + kPrefetchBlocks) * B < n) {
+      const int64_t ahead = table[bi + kPrefetchBlocks];
       if (ahead >= 0 && ahead < N) prefetch_rows(kv + ((ahead * L + layer) * 2) * page + h * DS, B, row, DS);
     }
-    return kv + ((blk * L + layer) * 2) * page + h * DS + (pos % B) * row;
-  };
-  const __m128 scale4 = _mm_set1_ps(scale);
-  int64_t pos = first;
-  for (; pos + 4 <= n; pos += 4) {
-    __m512 acc[GB][4];
-    float ks[4];
-    for (int j = 0; j < 4; ++j) {
-      const T* k = key_row(pos + j);
-      ks[j] = row_scale(k, D);
-      __m512 kr[V];
-      for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
+    const T* k = kv + ((blk * L + layer) * 2) * page + h * DS + (pos - bi * B) * row;
+    float* dst = scores + (pos - first);
+    for (; pos + 4 <= stop; pos += 4, k += 4 * row, dst += 4) {
+      __m512 acc[4][GB];
+      for (int j = 0; j < 4; ++j) dots_of<T, V, GB>(qf, k + j * row, acc[j]);
+      __m128 ks = scale4;
+      if constexpr (kScaled<T>)
+        ks = _mm_mul_ps(_mm_setr_ps(row_scale(k, D), row_scale(k + row, D), row_scale(k + 2 * row, D),
+                                    row_scale(k + 3 * row, D)), scale4);
       for (int g = 0; g < GB; ++g) {
-        acc[g][j] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
-        for (int v = 1; v < V; ++v) acc[g][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc[g][j]);
+        float* out = dst + g * len;
+        _mm_storeu_ps(out, _mm_mul_ps(sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), ks));
+        if (cap > 0.f)
+          for (int j = 0; j < 4; ++j) out[j] = capped(out[j], cap);
       }
     }
-    for (int g = 0; g < GB; ++g) {
-      float* dst = scores + g * len + (pos - first);
-      const __m128 dots = sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      _mm_storeu_ps(dst, kScaled<T> ? _mm_mul_ps(_mm_mul_ps(dots, _mm_loadu_ps(ks)), scale4)
-                                    : _mm_mul_ps(dots, scale4));
-      if (cap > 0.f)
-        for (int j = 0; j < 4; ++j) dst[j] = capped(dst[j], cap);
-    }
-  }
-  for (; pos < n; ++pos) {
-    const T* k = key_row(pos);
-    __m512 kr[V];
-    for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
-    for (int g = 0; g < GB; ++g) {
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
-      for (int v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc);
-      const float dot = _mm512_reduce_add_ps(acc);
-      scores[g * len + (pos - first)] = capped((kScaled<T> ? dot * row_scale(k, D) : dot) * scale, cap);
+    for (; pos < stop; ++pos, k += row, ++dst) {
+      __m512 acc[GB];
+      dots_of<T, V, GB>(qf, k, acc);
+      for (int g = 0; g < GB; ++g) {
+        const float dot = _mm512_reduce_add_ps(acc[g]);
+        dst[g * len] = capped((kScaled<T> ? dot * row_scale(k, D) : dot) * scale, cap);
+      }
     }
   }
 }
 
 // out[g] = sum over keys of p[g][key] * v[key], for GB query heads of one kv head at once: each
 // value row is loaded (and widened to fp32) once for all of them; GB * V accumulators and the
-// row stay in zmm registers.
+// row stay in zmm registers. Block by block, as key_pass.
 template <typename T, int V, int GB>
 inline void value_pass(const float* probs, int64_t len, const float* inv, const T* kv, const int32_t* table,
                        int64_t first, int64_t n, int64_t B, int64_t L, int64_t layer, int64_t page,
@@ -215,20 +217,27 @@ inline void value_pass(const float* probs, int64_t len, const float* inv, const 
   for (int g = 0; g < GB; ++g)
     for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
   for (int64_t pos = first; pos < n;) {
-    const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * DS;
+    const int64_t bi = pos / B, stop = std::min(n, (bi + 1) * B);
+    const T* vr = kv + ((table[bi] * L + layer) * 2 + 1) * page + h * DS + (pos - bi * B) * row;
     if (stop + (kPrefetchBlocks - 1) * B < n)
-      prefetch_rows(kv + ((table[stop / B + kPrefetchBlocks - 1] * L + layer) * 2 + 1) * page + h * DS, B, row, DS);
-    for (; pos < stop; ++pos) {
-      const T* vr = v_page + (pos % B) * row;
+      prefetch_rows(kv + ((table[bi + kPrefetchBlocks] * L + layer) * 2 + 1) * page + h * DS, B, row, DS);
+    // The block's sums in registers (a block-local array GCC keeps in zmm; the long-lived
+    // `acc` it would store back to the stack on every row), added to `acc` once per block.
+    __m512 part[GB][V];
+    for (int g = 0; g < GB; ++g)
+      for (int v = 0; v < V; ++v) part[g][v] = _mm512_setzero_ps();
+    const float* p = probs + (pos - first);
+    for (; pos < stop; ++pos, vr += row, ++p) {
       __m512 vrow[V];
       for (int v = 0; v < V; ++v) vrow[v] = load16(vr + 16 * v);
       const float vs = row_scale(vr, D);
       for (int g = 0; g < GB; ++g) {
-        const __m512 p = _mm512_set1_ps(kScaled<T> ? probs[g * len + pos - first] * vs : probs[g * len + pos - first]);
-        for (int v = 0; v < V; ++v) acc[g][v] = _mm512_fmadd_ps(p, vrow[v], acc[g][v]);
+        const __m512 pg = _mm512_set1_ps(kScaled<T> ? p[g * len] * vs : p[g * len]);
+        for (int v = 0; v < V; ++v) part[g][v] = _mm512_fmadd_ps(pg, vrow[v], part[g][v]);
       }
     }
+    for (int g = 0; g < GB; ++g)
+      for (int v = 0; v < V; ++v) acc[g][v] = _mm512_add_ps(acc[g][v], part[g][v]);
   }
   for (int g = 0; g < GB; ++g) {
     const __m512 iv = _mm512_set1_ps(inv[g]);
@@ -276,9 +285,8 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
-    const T* k_page = kv + ((blk * L + layer) * 2) * page + h * DS;
-    for (; pos < stop; ++pos) {
-      const T* k = k_page + (pos % B) * row;
+    const T* k = kv + ((blk * L + layer) * 2) * page + h * DS + (pos % B) * row;
+    for (; pos < stop; ++pos, k += row) {
       load_row(k, buf.data(), D);
       const float ks = row_scale(k, D) * scale;
       for (int64_t g = 0; g < G; ++g) {
@@ -290,9 +298,8 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
   std::fill(out, out + G * D, 0.f);
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-    const T* v_page = kv + ((blk * L + layer) * 2 + 1) * page + h * DS;
-    for (; pos < stop; ++pos) {
-      const T* v = v_page + (pos % B) * row;
+    const T* v = kv + ((blk * L + layer) * 2 + 1) * page + h * DS + (pos % B) * row;
+    for (; pos < stop; ++pos, v += row) {
       load_row(v, buf.data(), D);
       const float vs = row_scale(v, D);
       for (int64_t g = 0; g < G; ++g) {

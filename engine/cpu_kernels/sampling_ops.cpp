@@ -13,25 +13,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "vec16.h"
 
 namespace {
 
 using pdserve_vec::exp_sub_sum;
-
-float row_max(const float* x, int64_t n) {
-  int64_t i = 0;
-  float m = -std::numeric_limits<float>::infinity();
-#ifdef __AVX512F__
-  __m512 acc = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
-  m = _mm512_reduce_max_ps(acc);
-#endif
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  return m;
-}
+using pdserve_vec::row_max;
 
 // x [rows, vocab] float32 with unit last stride: x = exp(x - rowmax) in place; returns the
 // sums of each `chunk` consecutive columns, [rows, ceil(vocab / chunk)] (the last chunk may be

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -60,6 +61,19 @@ inline __m512 round16(__m512 v) {
 #endif
 
 namespace pdserve_vec {
+
+// The largest of x[0..n) (16 lanes under AVX-512); -inf for n == 0.
+inline float row_max(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+#ifdef __AVX512F__
+  __m512 acc = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(acc);
+#endif
+  for (; i < n; ++i) m = m < x[i] ? x[i] : m;
+  return m;
+}
 
 // x[i] = exp(x[i] - m) for i < n; returns their sum (16 lanes with libmvec's expf under
 // AVX-512, summed in a fixed order).
