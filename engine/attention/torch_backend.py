@@ -122,8 +122,9 @@ class TorchAttentionBackend(AttentionBackend):
     With a sliding window each sequence gathers only the blocks from its window's first one.
 
     On the CPU, decode rows over a pool in the model's dtype go to the C++ kernel that reads
-    K/V in place (engine/cpu_kernels) when it builds; `cpu_kernels=False` keeps
-    the gather + SDPA path everywhere (the reference the kernel is tested against)."""
+    K/V in place (engine/cpu_kernels) when it builds, and a step's K/V rows are stored by its
+    `store_kv_` (one call per layer) into such a pool; `cpu_kernels=False` keeps the gather +
+    SDPA path and `store_kv_torch` everywhere (the references the kernels are tested against)."""
 
     name = "torch"
 
@@ -132,7 +133,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale, *,
                 sliding_window=None, logits_soft_cap=None):
-        store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping, metadata)
+        if self.cpu_kernels and cpu_kernels.stores_in_place(key, value, kv_cache):
+            cpu_kernels.store_kv_(key, value, kv_cache, layer, metadata.slot_mapping)
+        else:
+            store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping, metadata)
         win, cap = sliding_window, logits_soft_cap
         nd = metadata.num_decodes
         in_place = nd and self.cpu_kernels and cpu_kernels.fits(query, kv_cache) and cpu_kernels.load()

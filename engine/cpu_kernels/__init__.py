@@ -18,6 +18,11 @@ int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else key
 seq_len-window..seq_len-1; no table entry before the window's first block is read),
 soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32.
 
+`store_kv_(key, value, kv_cache, layer, slot_mapping)`: a step's K/V rows ([T, Hkv, D] each,
+each token's heads contiguous) into `layer` of a pool in their dtype, in place, at
+slot_mapping (int64 [T], block * B + offset; -1 = not stored); `stores_in_place` says
+whether it serves a key/value/pool (quantized pools keep the torch backend's path).
+
 `exp_chunk_totals_(x, chunk)`: the sampler's pass over a step's logits (sampling_ops.cpp):
 x (float32 [rows, vocab], unit last stride) becomes exp(x - its row's max) in place, and the
 sums of each `chunk` columns come back, [rows, ceil(vocab / chunk)] float32.
@@ -107,6 +112,21 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
     """See the module docstring; `load()` must have returned True."""
     return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, layer, block_tables, seq_lens,
                                               scale, window or 0, soft_cap or 0.0)
+
+
+def stores_in_place(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `store_kv_` serves these rows and pool (CPU, the pool in their dtype, each
+    token's heads contiguous) and the kernels loaded."""
+    return (key.device.type == "cpu" and kv_cache.dtype == key.dtype == value.dtype
+            and key.stride(-1) == 1 and value.stride(-1) == 1
+            and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]
+            and load())
+
+
+def store_kv_(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+              slot_mapping: torch.Tensor) -> None:
+    """See the module docstring; `stores_in_place` must have returned True."""
+    torch.ops.pdserve_cpu.store_kv_(key, value, kv_cache, layer, slot_mapping)
 
 
 def exp_chunk_totals_(x: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 // A decoder layer's small ops on the CPU, one pass each: RMSNorm (optionally fused with the
-// residual add before it), RoPE in place on q and k, SiLU-and-mul.
+// residual add before it), RoPE in place on q and k, SiLU-and-mul, and the store of a step's
+// K/V rows into the paged pool.
 //
 // Contracts and references: the Triton kernels of the same names (kernels/rms_norm.py,
 // kernels/rope.py, kernels/silu_and_mul.py) and their plain-torch references; wrappers in
@@ -16,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 #include "vec16.h"
@@ -214,6 +216,45 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// K/V rows of this step's tokens into one layer of the paged pool, in place: key[t] and
+// value[t] ([Hkv, D] each, strided views of the fused qkv allowed) at slot_mapping[t] =
+// block * B + offset (-1: not stored). The pool holds the same dtype (quantized pools keep
+// the torch path). One memcpy per row: what two index_copy_ calls and the row arithmetic
+// around them did in ~10 ATen ops per layer.
+void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, int64_t layer,
+               const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+              key.stride(1) == key.size(2) && value.stride(1) == value.size(2),
+              "key, value: [T, kv_heads, head_dim], each token's heads contiguous");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == key.scalar_type() &&
+              value.scalar_type() == key.scalar_type(),
+              "kv_cache: a contiguous 6-D pool in key's dtype");
+  TORCH_CHECK(kv_cache.size(4) == key.size(1) && kv_cache.size(5) == key.size(2),
+              "kv_cache: key's kv_heads and head_dim");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous() &&
+              slot_mapping.scalar_type() == at::kLong, "slot_mapping: int64 [T], contiguous");
+  const int64_t T_ = key.size(0), N = kv_cache.size(0), L = kv_cache.size(1), B = kv_cache.size(3);
+  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t page_bytes = B * row_bytes;  // one layer's K (or V) of one block
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t)
+    TORCH_CHECK(slots[t] < N * B, "slot ", slots[t], " outside the pool of ", N, " blocks");
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* pool = static_cast<char*>(kv_cache.data_ptr());
+  const int64_t k_tok = key.stride(0) * key.element_size(), v_tok = value.stride(0) * value.element_size();
+  at::parallel_for(0, T_, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t block = slots[t] / B, offset = slots[t] % B;
+      char* k_page = pool + ((block * L + layer) * 2) * page_bytes;
+      std::memcpy(k_page + offset * row_bytes, kp + t * k_tok, row_bytes);
+      std::memcpy(k_page + page_bytes + offset * row_bytes, vp + t * v_tok, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
@@ -221,6 +262,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("store_kv_(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
@@ -228,4 +270,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("store_kv_", &store_kv_);
 }

@@ -102,3 +102,32 @@ def test_bad_inputs_are_refused_by_name():
         OPS.apply_rope(q, k, torch.tensor([0, 9]), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="x's dtype"):
         OPS.rms_norm(x, torch.randn(8).bfloat16(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_the_bytes_the_torch_store_writes(dtype):
+    """Strided K/V views of a fused qkv, skipped slots (-1), two layers, a partly filled block:
+    the pool afterwards equals the torch backend's store_kv_torch, byte for byte."""
+    from engine.attention.torch_backend import store_kv_torch
+
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, layers, block, heads, dim = 5, 2, 4, 3, 16
+    pool = torch.randn(num_blocks, layers, 2, block, heads, dim, generator=gen).to(dtype)
+    qkv = torch.randn(6, (9 + 2 * heads) * dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([9 * dim, heads * dim, heads * dim], dim=-1)
+    k, v = k.view(6, heads, dim), v.view(6, heads, dim)
+    slots = torch.tensor([0, 5, -1, 19, 7, -1])
+    assert cpu_kernels.stores_in_place(k, v, pool)
+    for layer in range(layers):
+        ours, ref = pool.clone(), pool.clone()
+        cpu_kernels.store_kv_(k, v, ours, layer, slots)
+        store_kv_torch(k, v, ref, layer, slots)
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+        assert not torch.equal(ours, pool)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.store_kv_(k, v, pool.clone(), 0, torch.tensor([0, 1, 2, 3, 4, num_blocks * block]))
+    with pytest.raises(RuntimeError, match="layer out of range"):
+        cpu_kernels.store_kv_(k, v, pool.clone(), layers, slots)
+    # Quantized pools and heads that are not contiguous per token keep the torch path.
+    assert not cpu_kernels.stores_in_place(k, v, pool.to(torch.float8_e4m3fn))
+    assert not cpu_kernels.stores_in_place(k.transpose(0, 1), v.transpose(0, 1), pool)
