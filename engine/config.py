@@ -102,6 +102,11 @@ class EngineConfig:
     """torch | triton | auto (triton on CUDA, torch on CPU)."""
     num_layers: int | None = None
     """Load only the first N layers (tests and quick experiments)."""
+    enforce_eager: bool = False
+    """vLLM's flag for running the model without CUDA graphs or torch.compile. pdserve always
+    runs it eagerly (a compiled CPU decode forward measured no faster than this engine's
+    eager one, docs/kernels.md; CUDA graph capture is not built), so the flag only states
+    what happens anyway; accepted so vLLM command lines and LLM(...) calls keep working."""
     seed: int = 0
     """Seeds the draw of per-request seeds for requests that bring none."""
     generation_config: str = "auto"

@@ -7,6 +7,7 @@ import pytest
 
 from engine.checks import FieldError
 from engine.config import EngineConfig, LoRAModule, add_engine_args
+from engine.flags import to_argv
 
 
 def _parse(argv):
@@ -26,6 +27,13 @@ def test_every_field_has_a_flag_and_defaults_match():
 def test_generation_config_flag():
     assert _parse(["--generation-config", "vllm"]).generation_config == "vllm"
     assert _parse(["--generation-config", "/models/x"]).generation_config == "/models/x"
+
+
+def test_vllm_enforce_eager_is_accepted_on_the_command_line_and_in_llm():
+    """pdserve always runs eagerly: `--enforce-eager` (vLLM's) states that and changes nothing
+    else; a command line that passes it still parses (it used to fail as unrecognised)."""
+    assert _parse(["--enforce-eager"]) == dataclasses.replace(EngineConfig(), enforce_eager=True)
+    assert to_argv(EngineConfig(enforce_eager=True)) == ["--enforce-eager"]
 
 
 def test_every_flag_says_what_it_does():
