@@ -1,5 +1,6 @@
 """bf16 projections from oneDNN-packed weights (engine/models/layers.py `pack_linears`):
-bit-identical to F.linear for decode-sized inputs, rebuilt when a weight changes in place,
+bit-identical to F.linear for decode batches up to 32 rows, within one bf16 rounding of it up
+to PACKED_MAX_ROWS, rebuilt when a weight changes in place,
 and the engine's greedy tokens and logprobs are the same with and without them."""
 import pytest
 import torch
@@ -21,12 +22,27 @@ def _linear(out_features=96, in_features=64, bias=True):
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("rows", [1, 3, 16, 32, PACKED_MAX_ROWS + 1, 600])
 @torch.inference_mode()
 def test_equals_f_linear(rows):
+    """Decode batches up to 32 rows: bit-identical; past PACKED_MAX_ROWS F.linear itself."""
     layer = _linear()
     x = torch.randn(rows, 64, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("rows", [33, 64, PACKED_MAX_ROWS])
+@torch.inference_mode()
+def test_larger_batches_round_like_f_linear(rows):
+    """33..PACKED_MAX_ROWS rows (packed, summed in other blocks): each output is F.linear's or
+    its bf16 neighbour, and no further from the fp32 product than F.linear's."""
+    layer = _linear(out_features=576, in_features=1536, bias=False)
+    x = torch.randn(rows, 1536, dtype=torch.bfloat16)
+    ours, theirs = layer(x).float(), F.linear(x, layer.weight).float()
+    exact = x.float() @ layer.weight.float().t()
+    ulp = theirs.abs().clamp(min=1e-30) * 2.0 ** -7  # bf16: 8 significant bits
+    assert ((ours - theirs).abs() <= ulp).all()
+    assert (ours - exact).abs().max() <= (theirs - exact).abs().max() * 1.01 + 1e-6
 
 
 @torch.inference_mode()
