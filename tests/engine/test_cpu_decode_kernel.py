@@ -37,6 +37,8 @@ CASES = [  # seq_lens, block_size, q heads, kv heads, head_dim
     ([1, 17, 300, 64, 1000], 16, 9, 3, 64),
     ([5, 33, 129], 32, 4, 4, 64),
     ([70, 2, 511], 16, 8, 2, 40),
+    ([3, 29, 66, 7], 7, 6, 2, 32),  # a block size no multiple of 4: key groups stop at each block's end
+    ([1, 2, 9, 40], 1, 2, 1, 128),
 ]
 
 
