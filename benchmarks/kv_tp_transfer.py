@@ -64,8 +64,6 @@ def _decode(conn, blocks: int) -> None:
 
 def _rank1(conn, blocks: int) -> None:
     """Rank 1 of the TP=2 prefill worker: run the group channel's messages."""
-    from kvtransfer.heads import HeadRange  # noqa: F401 - unpickling needs kvtransfer
-
     lo, hi = RANGES[1]
     ctx = SimpleNamespace(rank=1, kv_cache=_pool(blocks, hi - lo, 1), services={})
     while True:

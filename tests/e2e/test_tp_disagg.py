@@ -12,7 +12,6 @@ counted remote prefills (KV really moved), every block of every worker free afte
 request cancelled mid-transfer between tp-2 workers leaks nothing on either side."""
 import asyncio
 import random
-import time
 
 import grpc
 import httpx
@@ -22,8 +21,8 @@ from cluster.etcd_server import EtcdServer
 from cluster.net import free_port
 from engine import LLM, SamplingParams
 from local_cluster.launcher import ServiceProcess
-from pd_cluster import (NUM_LAYERS, WorkerProcess, ahealth, metric, wait_all_blocks_free,
-                        wait_router_sees)
+from pd_cluster import (NUM_LAYERS, WorkerProcess, ahealth, cancel_once_started, metric,
+                        wait_all_blocks_free, wait_router_sees)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -79,21 +78,11 @@ def _cancel_mid_transfer(prefill: WorkerProcess, decode: WorkerProcess) -> None:
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
         prefill_worker=prefill.ref())
 
-    async def start_then_cancel():
-        async with grpc.aio.insecure_channel(decode.address) as ch:
-            call = pb_grpc.DecodeWorkerStub(ch).Generate(request)
-            task = asyncio.ensure_future(call.read())
-            deadline = time.monotonic() + 30
-            while True:  # D parked it (waiting for KV) or P computes it
-                d, p = await asyncio.gather(ahealth(decode.address), ahealth(prefill.address))
-                if d.capacity.waiting or d.capacity.running or p.capacity.running:
-                    break
-                assert time.monotonic() < deadline and not task.done()
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+    async def started():  # D parked it (waiting for KV) or P computes it
+        d, p = await asyncio.gather(ahealth(decode.address), ahealth(prefill.address))
+        return bool(d.capacity.waiting or d.capacity.running or p.capacity.running)
 
-    asyncio.run(start_then_cancel())
+    cancel_once_started(decode.address, request, started)
     wait_all_blocks_free(decode.address, timeout=15)
     wait_all_blocks_free(prefill.address, timeout=15)
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES, Role
-from engine.checks import FieldError
 from engine.config import EngineConfig, LoRAModule
 from engine.flags import add_flags, from_args, option, to_argv
 from local_cluster.config import UpConfig
