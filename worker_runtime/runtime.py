@@ -80,8 +80,9 @@ def kv_layout(engine: LLMEngine) -> KVCompat:
         engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
         architecture=engine.loaded.architecture,
         layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
-    if args.tp is not None:
-        compat = dataclasses.replace(compat, num_kv_heads=args.tp.n_kv_heads)
+    shard = getattr(args, "tp", None)  # None at tensor_parallel_size 1
+    if shard is not None:
+        compat = dataclasses.replace(compat, num_kv_heads=shard.n_kv_heads)
     return compat
 
 
