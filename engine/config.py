@@ -169,8 +169,8 @@ class EngineConfig:
     1..N-1 are started and supervised by it and run each step's forward in lockstep over
     their attention heads, MLP rows and vocabulary slice, each with its heads' KV. Refused
     with it > 1: LoRA, KV offloading, sleep mode, a draft model (ngram speculation works),
-    weight updates, a worker extension, --share-host-cores, the prefill role (KV transfer between
-    tensor-parallel workers: part 2)."""
+    weight updates, a worker extension, --share-host-cores. Disaggregated KV transfer works
+    between workers of any sizes (each rank writes / receives its heads, kvtransfer/heads.py)."""
     enable_expert_parallel: bool = False
     """MoE models: split whole experts across the tensor-parallel ranks instead of each
     expert's rows (vLLM's)."""

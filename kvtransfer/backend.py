@@ -59,9 +59,10 @@ class TransportBackend(KVTransferBackend):
             self._check_open()
             if self._meta is not None:
                 raise PoolError("a KV pool is already registered with this backend")
-            compat.check_pool(kv_cache)
+            heads = self.transport.heads
+            compat.check_pool(kv_cache, None if heads is None else heads.count)
             is_cuda = bool(getattr(kv_cache, "is_cuda", False))
-            blob = self.transport.register(kv_cache, compat.block_bytes)
+            blob = self.transport.register(kv_cache, kv_cache.stride(0) * kv_cache.element_size())
             self._pool = kv_cache  # keep the memory alive while it is registered
             self._meta = PeerMetadata(
                 agent_name=self._name,
@@ -72,6 +73,8 @@ class TransportBackend(KVTransferBackend):
                 mem_type="VRAM" if is_cuda else "DRAM",
                 device_id=int(kv_cache.get_device()) if is_cuda else 0,
                 agent_metadata=blob,
+                heads=heads,
+                ranks=self.transport.rank_pools(),
             )
             return self._meta
 

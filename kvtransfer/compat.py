@@ -199,13 +199,16 @@ class KVCompat:
             raise PoolError(f"KV pool of shape {list(shape)} and dtype {kv_cache.dtype} is not "
                             f"a {kv} KV cache: {e}") from e
 
-    def check_pool(self, kv_cache: Any) -> None:
-        """Raise PoolError unless `kv_cache` is a contiguous pool of exactly this layout."""
+    def check_pool(self, kv_cache: Any, num_heads: int | None = None) -> None:
+        """Raise PoolError unless `kv_cache` is a contiguous pool of exactly this layout —
+        holding `num_heads` of the KV heads (one rank's of a tensor-parallel worker), or all."""
         shape = tuple(kv_cache.shape)
-        if len(shape) != 6 or shape[1:] != self.block_shape:
+        block = list(self.block_shape)
+        block[3] = self.num_kv_heads if num_heads is None else num_heads
+        if len(shape) != 6 or list(shape[1:]) != block:
             raise PoolError(
                 f"KV pool shape {list(shape)} does not match [num_blocks, "
-                f"{', '.join(map(str, self.block_shape))}] of {self.model_id}"
+                f"{', '.join(map(str, block))}] of {self.model_id}"
             )
         if normalize_dtype(kv_cache.dtype) != self.dtype:
             raise PoolError(f"KV pool dtype {kv_cache.dtype} != compat dtype {self.dtype}")

@@ -79,6 +79,9 @@ class FakeTransport(Transport):
         self.pool = None
 
     def connect(self, meta: PeerMetadata) -> None:
+        if meta.ranks or meta.heads is not None:
+            raise MetadataError(f"fake peer {meta.agent_name!r}: the fake moves whole blocks "
+                                "between single-pool workers only")
         peer = self._fabric.agents.get(meta.agent_name)
         if peer is not None and peer.pool is not None and peer.pool.data_ptr() != meta.base_addr:
             raise MetadataError(f"fake peer {meta.agent_name!r}: pool address mismatch")
@@ -87,7 +90,8 @@ class FakeTransport(Transport):
     def disconnect(self, name: str) -> None:
         self._peers.discard(name)
 
-    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
+    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
+                   deadline: float | None = None) -> Any:
         self._reachable(peer)
         return _Write(self.pool, peer, local.copy(), remote.copy(), notif)
 

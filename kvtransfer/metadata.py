@@ -14,9 +14,35 @@ from typing import Any
 
 from kvtransfer.compat import KVCompat
 from kvtransfer.errors import MetadataError
+from kvtransfer.heads import HeadRange, PoolGeometry, check_ranges
 
 METADATA_VERSION = 1
 MEM_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True, slots=True)
+class RankPool:
+    """The pool of one more rank of a tensor-parallel worker (ranks 1..N-1; rank 0's is the
+    metadata's own): its own NIXL agent, the heads it holds, where it is."""
+
+    agent_name: str
+    heads: HeadRange
+    base_addr: int
+    device_id: int
+    agent_metadata: bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"agent_name": self.agent_name, "heads": [self.heads.start, self.heads.stop],
+                "base_addr": self.base_addr, "device_id": self.device_id,
+                "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, doc: object) -> RankPool:
+        if not isinstance(doc, dict):
+            raise MetadataError("peer metadata ranks[] entries must be objects")
+        return cls(_field(doc, "agent_name", str), _heads(doc.get("heads")),
+                   _field(doc, "base_addr", int), _field(doc, "device_id", int),
+                   _b64(_field(doc, "agent_metadata", str)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +66,11 @@ class PeerMetadata:
     agent_metadata: bytes = b""
     """Opaque backend blob (NIXL: connection info + memory registration keys)."""
     version: int = METADATA_VERSION
+    heads: HeadRange | None = None
+    """The KV heads this pool (rank 0's) holds; None: all of them (tensor_parallel_size 1)."""
+    ranks: tuple[RankPool, ...] = ()
+    """A tensor-parallel worker's other ranks' pools (same block ids); () at size 1. Neither
+    field is written at size 1, so a single-process worker's metadata is as before."""
 
     @property
     def compat_hash(self) -> str:
@@ -47,7 +78,25 @@ class PeerMetadata:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one block of the whole layout (every head), as counted in metrics."""
         return self.compat.block_bytes
+
+    @property
+    def head_range(self) -> HeadRange:
+        return self.heads or HeadRange(0, self.compat.num_kv_heads)
+
+    def head_ranges(self) -> list[HeadRange]:
+        """The heads of each rank's pool, rank 0 first."""
+        return [self.head_range, *(r.heads for r in self.ranks)]
+
+    def geometry(self, rank: int = 0) -> PoolGeometry:
+        """Rank `rank`'s pool, for descriptors."""
+        c = self.compat
+        heads, base, device = ((self.head_range, self.base_addr, self.device_id) if rank == 0 else
+                               (self.ranks[rank - 1].heads, self.ranks[rank - 1].base_addr,
+                                self.ranks[rank - 1].device_id))
+        return PoolGeometry(base, heads.count, device, c.num_layers * 2 * c.block_size,
+                            c.stored_head_dim * c.element_size)
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -62,6 +111,9 @@ class PeerMetadata:
             "device_id": self.device_id,
             "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
         }
+        if self.heads is not None or self.ranks:
+            doc["heads"] = [self.head_range.start, self.head_range.stop]
+            doc["ranks"] = [r.to_dict() for r in self.ranks]
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -83,10 +135,10 @@ class PeerMetadata:
         claimed = _field(doc, "compat_hash", str)
         if claimed != compat.hash():
             raise MetadataError("peer metadata compat_hash does not match its compat descriptor")
-        try:
-            blob = base64.b64decode(_field(doc, "agent_metadata", str), validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise MetadataError(f"peer agent_metadata is not valid base64: {e}") from e
+        blob = _b64(_field(doc, "agent_metadata", str))
+        ranks = doc.get("ranks", [])
+        if not isinstance(ranks, list):
+            raise MetadataError("peer metadata field 'ranks' must be a list")
         meta = cls(
             agent_name=_field(doc, "agent_name", str),
             backend=_field(doc, "backend", str),
@@ -97,6 +149,8 @@ class PeerMetadata:
             device_id=_field(doc, "device_id", int),
             agent_metadata=blob,
             version=version,
+            heads=_heads(doc["heads"]) if "heads" in doc else None,
+            ranks=tuple(RankPool.from_dict(r) for r in ranks),
         )
         meta.validate()
         return meta
@@ -107,12 +161,36 @@ class PeerMetadata:
             raise MetadataError("peer metadata has an empty agent_name")
         if self.num_blocks <= 0:
             raise MetadataError(f"peer metadata num_blocks={self.num_blocks} must be positive")
-        if self.base_addr <= 0 or self.base_addr + self.num_blocks * self.block_bytes >= 2**64:
-            raise MetadataError(f"peer metadata base_addr={self.base_addr:#x} is out of range")
+        for rank in range(len(self.ranks) + 1):
+            pool = self.geometry(rank)
+            if pool.base_addr <= 0 or pool.base_addr + self.num_blocks * pool.block_bytes >= 2**64:
+                raise MetadataError(f"peer metadata base_addr={pool.base_addr:#x} (rank {rank}) "
+                                    "is out of range")
+        try:
+            check_ranges(self.head_ranges(), self.compat.num_kv_heads)
+        except ValueError as e:
+            raise MetadataError(f"peer metadata head ranges: {e}") from e
+        names = [self.agent_name, *(r.agent_name for r in self.ranks)]
+        if len(set(names)) != len(names) or not all(names):
+            raise MetadataError(f"peer metadata rank agent names must be distinct: {names}")
         if self.mem_type not in MEM_TYPES:
             raise MetadataError(f"peer metadata mem_type={self.mem_type!r} not in {MEM_TYPES}")
         if self.device_id < 0:
             raise MetadataError(f"peer metadata device_id={self.device_id} is negative")
+
+
+def _heads(value: object) -> HeadRange:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise MetadataError(f"peer metadata heads must be [start, stop], got {value!r}")
+    return HeadRange(*value)
+
+
+def _b64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MetadataError(f"peer agent_metadata is not valid base64: {e}") from e
 
 
 def _field(doc: dict[str, Any], name: str, kind: type) -> Any:

@@ -14,6 +14,13 @@ complete only once the receiver has polled, so the sender's COMPLETE trails the 
 poll period. NIXL's own progress thread (`KVTransferConfig.nixl_progress_thread`) spins
 without delay and is off by default.
 
+Tensor-parallel workers and heterogeneous peers (nixl_slices.py, rank_agent.py): when our
+pools or the peer's hold other head ranges than one whole pool each, a batch is posted as
+parts — every rank of ours that holds a needed slice writes it into the peer ranks that need
+it (ranks 1..N-1 are told over the group channel and report back with a notification); the
+batch is done, and its notification sent to the peer's rank 0, only once every part is done.
+Two single-pool workers keep the one prepared transfer per batch described above.
+
 Dead peers: posting to, or notifying, a peer whose process died raises
 NIXL_ERR_REMOTE_DISCONNECT (UCX notices the closed socket within milliseconds on one host);
 the request fails and the peer is marked dead. Writes that hang without an error are ended
@@ -21,17 +28,23 @@ by the request's deadline, which releases (cancels) their handles.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-import os
+import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtransfer.backend import TransportBackend
 from kvtransfer.base import KVTransferConfig
-from kvtransfer.errors import KVTransferError, MetadataError
-from kvtransfer.metadata import PeerMetadata
+from kvtransfer.errors import MetadataError
+from kvtransfer.heads import HeadRange
+from kvtransfer.metadata import PeerMetadata, RankPool
+from kvtransfer.nixl_slices import (PART_NOTIF, RANK_REPORT, SliceWriter, make_agent,
+                                    pool_geometry)
+from kvtransfer.rank_agent import CloseRankAgent, PostRankWrites, RankLink, RegisterRankPool
 from kvtransfer.transport import Transport, TransportError, WriteState
 
 log = logging.getLogger(__name__)
@@ -50,31 +63,47 @@ def block_descs(base_addr: int, num_blocks: int, block_bytes: int, device_id: in
     return descs
 
 
+@dataclass(slots=True)
+class _Parts:
+    """One batch posted as parts: our handles, `num_ranks` other ranks' reports awaited
+    under `token`, and the batch notification sent once everything is done."""
+
+    peer: str
+    handles: list[Any]
+    token: int
+    num_ranks: int
+    notif: bytes
+    failed: bool = False
+    state: WriteState = WriteState.PROC
+
+
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, agent_name: str, config: KVTransferConfig) -> None:
-        if config.ucx_net_devices is not None:
-            os.environ.setdefault("UCX_NET_DEVICES", config.ucx_net_devices)
-        # UCX logs to stdout unless told otherwise; a worker's stdout carries its READY line
-        # (local_cluster/launcher.py), which a log line written mid-line would garble.
-        os.environ.setdefault("UCX_LOG_FILE", "stderr")
-        from nixl import _bindings
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self._disconnect_error = _bindings.nixlRemoteDisconnectError
-        conf = nixl_agent_config(
-            enable_prog_thread=config.nixl_progress_thread,
-            enable_listen_thread=False,
-            backends=list(config.nixl_backends),
-        )
-        self._agent = nixl_agent(agent_name, conf)
-        if not self._agent.backends:
-            raise KVTransferError(f"NIXL could not start any of {config.nixl_backends}")
+    def __init__(self, agent_name: str, config: KVTransferConfig,
+                 group: RankLink | None = None) -> None:
+        self._name, self._config, self._group = agent_name, config, group
+        self._agent, self._disconnect_error = make_agent(agent_name, config)
         self._reg: Any = None
         self._local: Any = None
         self._mem_type = "DRAM"
         self._remote: dict[str, Any] = {}
+        self._peer_meta: dict[str, PeerMetadata] = {}
+        self._slices: SliceWriter | None = None
+        self._rank_pools: tuple[RankPool, ...] = ()
+        self._told: dict[str, PeerMetadata] = {}
+        """The peer metadata each of our other ranks has been sent."""
+        self._tokens = itertools.count(1)
+        self._reports: dict[int, list[bool]] = {}
+        """Our other ranks' reports per parts token (rank_agent.py)."""
+
+    @property
+    def heads(self) -> HeadRange | None:
+        """Our (rank 0's) heads when we are a tensor-parallel worker; None: every head."""
+        return None if self._group is None else self._group.ranges[0]
+
+    def rank_pools(self) -> tuple[RankPool, ...]:
+        return self._rank_pools
 
     def register(self, kv_cache: Any, block_bytes: int) -> bytes:
         self._mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
@@ -82,7 +111,18 @@ class NixlTransport(Transport):
         self._reg = self._agent.register_memory(kv_cache)
         descs = block_descs(kv_cache.data_ptr(), kv_cache.shape[0], block_bytes, device)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem_type)
-        return self._agent.get_agent_metadata()
+        blob = self._agent.get_agent_metadata()
+        ranges = [HeadRange(0, kv_cache.shape[4])] if self._group is None else self._group.ranges
+        if self._slices is None:
+            self._slices = SliceWriter(self._agent, 0, ranges, pool_geometry(kv_cache),
+                                       self._mem_type)
+        self._slices.own = pool_geometry(kv_cache)  # peers stay connected across a re-register
+        if self._group is not None:
+            pools = self._group.call(RegisterRankPool(self._name, ranges, self._config, blob))
+            self._rank_pools = tuple(pools)
+            for pool in self._rank_pools:  # our ranks report to us
+                self._agent.add_remote_agent(pool.agent_metadata)
+        return blob
 
     def connect(self, meta: PeerMetadata) -> None:
         try:
@@ -95,7 +135,8 @@ class NixlTransport(Transport):
             raise MetadataError(
                 f"peer metadata names agent {meta.agent_name!r} but its NIXL blob is {name!r}"
             )
-        descs = block_descs(meta.base_addr, meta.num_blocks, meta.block_bytes, meta.device_id)
+        descs = block_descs(meta.base_addr, meta.num_blocks, meta.geometry(0).block_bytes,
+                            meta.device_id)
         try:
             self._remote[name] = self._agent.prep_xfer_dlist(name, descs, meta.mem_type)
         except Exception as e:
@@ -105,6 +146,12 @@ class NixlTransport(Transport):
                 f"agent: {e}"
             ) from e
         try:
+            self._slices.load(meta, first_loaded=True)
+        except MetadataError:
+            self.disconnect(name)
+            raise
+        self._peer_meta[name] = meta
+        try:
             self._agent.make_connection(name)
         except Exception as e:  # reported per request by the first write
             log.warning("NIXL could not pre-connect to %r: %s", name, e)
@@ -113,9 +160,16 @@ class NixlTransport(Transport):
         handle = self._remote.pop(name, None)
         if handle is not None:
             handle.release()
+        self._peer_meta.pop(name, None)
+        if self._slices is not None:
+            self._slices.forget(name, keep_first=True)
         self._forget(name)
 
-    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
+    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
+                   deadline: float | None = None) -> Any:
+        slices = self._slices.slices(peer)
+        if self._group is not None or len(slices) != 1 or not slices[0].whole:
+            return self._post_parts(peer, local, remote, notif, deadline)
         handle = None
         try:
             handle = self._agent.make_prepped_xfer(
@@ -132,13 +186,39 @@ class NixlTransport(Transport):
             raise TransportError("NIXL refused to post the write")
         return handle
 
+    def _post_parts(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
+                    deadline: float | None) -> _Parts:
+        token = next(self._tokens)
+        others = self._slices.writers(peer) - {0}
+        if others:
+            meta = self._peer_meta[peer]
+            told = self._told.get(peer) == meta
+            try:
+                self._group.call(PostRankWrites(
+                    token, peer, None if told else meta.to_bytes(), local, remote,
+                    deadline if deadline is not None else time.monotonic() + 30.0))
+            except Exception as e:  # the group failed: nothing of ours is posted
+                raise TransportError(f"tensor-parallel ranks unreachable: {e}") from e
+            self._told[peer] = meta
+            self._reports[token] = []
+        handles, error = self._slices.post(peer, local, remote, PART_NOTIF + str(token).encode())
+        if error is not None and not handles and not others:
+            raise TransportError(str(error), disconnected=isinstance(error, self._disconnect_error))
+        if error is not None:
+            log.warning("KV write to %r failed: %s", peer, error)
+        return _Parts(peer, handles, token, len(others), notif, failed=error is not None)
+
     def check(self, handle: Any) -> WriteState:
+        if isinstance(handle, _Parts):
+            return self._check_parts(handle)
         try:
             return _STATES.get(self._agent.check_xfer_state(handle), WriteState.ERR)
         except Exception:
             return WriteState.ERR
 
     def release(self, handle: Any) -> bool:
+        if isinstance(handle, _Parts):
+            return self._release_parts(handle)
         try:
             handle.release()
             return True
@@ -153,14 +233,55 @@ class NixlTransport(Transport):
             raise TransportError(str(e), disconnected=isinstance(e, self._disconnect_error)) from e
 
     def fetch_notifs(self) -> list[tuple[str, bytes]]:
-        notifs = self._agent.get_new_notifs()
-        return [
-            (agent.decode() if isinstance(agent, bytes) else agent, msg)
-            for agent, msgs in notifs.items()
-            for msg in msgs
-        ]
+        out = []
+        for agent, msgs in self._agent.get_new_notifs().items():
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            for msg in msgs:
+                if msg.startswith(PART_NOTIF):
+                    continue  # a part of a sliced batch: its batch notification follows
+                if msg.startswith(RANK_REPORT) and any(p.agent_name == agent
+                                                       for p in self._rank_pools):
+                    self._on_report(msg)
+                    continue
+                out.append((agent, msg))
+        return out
+
+    # -- batches posted as parts (tensor-parallel workers, heterogeneous peers) ----------
+    def _on_report(self, msg: bytes) -> None:
+        try:
+            token, ok = msg[len(RANK_REPORT):].decode().split(":")
+            reports = self._reports.get(int(token))
+        except ValueError:
+            log.warning("malformed report from a tensor-parallel rank: %r", msg)
+            return
+        if reports is not None:
+            reports.append(ok == "1")
+
+    def _check_parts(self, parts: _Parts) -> WriteState:
+        if parts.state is not WriteState.PROC:
+            return parts.state
+        states = [self.check(h) for h in parts.handles]
+        reports = self._reports.get(parts.token, [])
+        if parts.failed or WriteState.ERR in states or not all(reports):
+            parts.state = WriteState.ERR
+        elif WriteState.PROC not in states and len(reports) == parts.num_ranks:
+            try:  # every part landed: the batch's own notification
+                self.send_notif(parts.peer, parts.notif)
+                parts.state = WriteState.DONE
+            except TransportError as e:
+                log.warning("KV batch notification to %r failed: %s", parts.peer, e)
+                parts.state = WriteState.ERR
+        return parts.state
+
+    def _release_parts(self, parts: _Parts) -> bool:
+        parts.handles = [h for h in parts.handles if not self.release(h)]
+        if parts.handles or len(self._reports.get(parts.token, [])) < parts.num_ranks:
+            return False  # a write of ours or of another rank may still move data
+        self._reports.pop(parts.token, None)
+        return True
 
     def deregister(self) -> None:
+        self._close_ranks()
         if self._local is not None:
             self._local.release()
             self._local = None
@@ -169,6 +290,7 @@ class NixlTransport(Transport):
             self._reg = None
 
     def close(self) -> None:
+        self._close_ranks()
         for name in list(self._remote):
             self.disconnect(name)
         if self._local is not None:
@@ -178,6 +300,15 @@ class NixlTransport(Transport):
             self._agent.deregister_memory(self._reg)
             self._reg = None
 
+    def _close_ranks(self) -> None:
+        if self._rank_pools:
+            self._rank_pools = ()
+            self._told.clear()
+            try:
+                self._group.call(CloseRankAgent())
+            except Exception as e:  # noqa: BLE001 - the group is gone: so are its agents
+                log.debug("closing the ranks' KV agents: %s", e)
+
     def _forget(self, name: str) -> None:
         try:
             self._agent.remove_remote_agent(name)
@@ -186,9 +317,11 @@ class NixlTransport(Transport):
 
 
 class NixlTransferBackend(TransportBackend):
-    """KVTransferBackend over NIXL; see `kvtransfer.base` for the contract."""
+    """KVTransferBackend over NIXL; see `kvtransfer.base` for the contract. `group`: this is
+    rank 0 of a tensor-parallel worker (its other ranks get agents of their own)."""
 
-    def __init__(self, config: KVTransferConfig | None = None) -> None:
+    def __init__(self, config: KVTransferConfig | None = None,
+                 group: RankLink | None = None) -> None:
         config = config or KVTransferConfig()
         name = config.agent_name or f"pdserve-{uuid.uuid4().hex[:12]}"
-        super().__init__(NixlTransport(name, config), name, config)
+        super().__init__(NixlTransport(name, config, group), name, config)

@@ -106,7 +106,8 @@ class Sender(KVSender):
             req.final_sent = final
             try:
                 if remote_ids:
-                    handle = self._b.transport.post_write(peer, local, remote, notice)
+                    handle = self._b.transport.post_write(peer, local, remote, notice,
+                                                          req.deadline)
                     req.batches.append(_Batch(handle, len(remote_ids), now))
                 elif final:
                     self._b.transport.send_notif(peer, notice)

@@ -17,7 +17,8 @@ import numpy as np
 
 from kvtransfer.base import KVTransferConfig
 from kvtransfer.errors import KVTransferError
-from kvtransfer.metadata import PeerMetadata
+from kvtransfer.heads import HeadRange
+from kvtransfer.metadata import PeerMetadata, RankPool
 
 
 class WriteState(enum.Enum):
@@ -44,6 +45,15 @@ class Transport(ABC):
     def register(self, kv_cache: Any, block_bytes: int) -> bytes:
         """Register the pool, one descriptor per block; return the opaque metadata blob."""
 
+    @property
+    def heads(self) -> HeadRange | None:
+        """The KV heads our pool holds (rank 0's of a tensor-parallel worker); None: all."""
+        return None
+
+    def rank_pools(self) -> tuple[RankPool, ...]:
+        """A tensor-parallel worker's other ranks' pools, registered by `register`."""
+        return ()
+
     def deregister(self) -> None:
         """Forget the registered pool (before its memory is freed); `register` may follow."""
 
@@ -56,9 +66,12 @@ class Transport(ABC):
         """Forget a peer; in-flight handles towards it must be released first."""
 
     @abstractmethod
-    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
+    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
+                   deadline: float | None = None) -> Any:
         """Start writing local blocks into remote blocks; `notif` reaches the peer after the
-        data. Returns a handle; TransportError if it cannot be posted."""
+        data. Returns a handle; TransportError if it cannot be posted. `deadline` (the
+        request's): when writes posted by other processes (a tensor-parallel worker's other
+        ranks) give up on their own."""
 
     @abstractmethod
     def check(self, handle: Any) -> WriteState: ...

@@ -28,8 +28,8 @@ class UpConfig:
     prefill: int | None = option(None, metavar="N")
     """Prefill workers to start. Default: 1; 0 on a host with at most 2 cores (SMALL_HOST_CORES;
     unless --planner, which needs a worker of each role to move) and at
-    --tensor-parallel-size > 1 — one colocated decode worker with every core prefills on all
-    of them where a prefill worker has a share (benchmarks/README.md: on 2 cores TTFT p99
+    --tensor-parallel-size > 1 (each worker is N processes) — one colocated decode worker with
+    every core prefills on all of them where a prefill worker has a share (benchmarks/README.md: on 2 cores TTFT p99
     0.82-1.19x vLLM-CPU's, against 1.28-1.64x for 1 prefill + 1 decode worker)."""
     decode: int = 1
     """Decode workers to start."""
@@ -109,9 +109,6 @@ class UpConfig:
             (self.decode >= 0, "decode", "must be >= 0"),
             (0 <= self.port < 65536, "port", "must be in 0..65535"),
             (self.num_threads >= 0, "num_threads", "must be >= 0"),
-            (self.prefill == 0 or not self.engine.parallel, "prefill",
-             "must be 0 with --tensor-parallel-size > 1: KV transfer between tensor-parallel "
-             "workers is not supported yet, decode workers prefill locally (docs/parallelism.md)"),
         ])
 
     def engine_for(self, role: Role) -> EngineConfig:
@@ -149,7 +146,8 @@ def host_cores() -> int:
 
 def default_prefill_workers(config: UpConfig, cores: int) -> int:
     """UpConfig.prefill when not given: 1, or 0 where a split leaves each role too few cores
-    (a small host without --planner) or cannot transfer KV (tensor parallelism)."""
+    (a small host without --planner), or with tensor parallelism (a worker is N processes:
+    give --prefill to split them)."""
     if config.engine.parallel or (cores <= SMALL_HOST_CORES and not config.planner):
         return 0
     return 1

@@ -49,11 +49,6 @@ def tensor_parallel_refusal(role: Role, config: WorkerConfig, engine_config: Eng
     refusals are EngineConfig's (engine/config.py); these are the worker's (docs/parallelism.md)."""
     if not engine_config.parallel:
         return None
-    if role == Role.PREFILL:
-        return (f"--tensor-parallel-size {engine_config.tensor_parallel_size}: a prefill worker "
-                "sends KV to decode workers, and KV transfer between tensor-parallel workers is "
-                "not supported yet (docs/parallelism.md); run tensor-parallel workers as decode "
-                "workers (they prefill locally)")
     if config.share_host_cores:
         return ("--share-host-cores with --tensor-parallel-size > 1 is not supported (each rank "
                 "has a fixed share of the worker's threads)")

@@ -48,12 +48,8 @@ class WorkerRoles:
     def __init__(self, admission: Admission, publish: Callable[[], Awaitable[None]],
                  move_registration: Callable[[str], Awaitable[None]],
                  abort_all: Callable[[], Awaitable[None]],
-                 on_switched: Callable[[Role, Role], None], *, drain_timeout_s: float,
-                 tensor_parallel_size: int = 1) -> None:
-        """`tensor_parallel_size` > 1: the prefill role is refused (a tensor-parallel worker
-        sends no KV yet, docs/parallelism.md)."""
+                 on_switched: Callable[[Role, Role], None], *, drain_timeout_s: float) -> None:
         self._admission = admission
-        self._tensor_parallel_size = tensor_parallel_size
         self._publish = publish
         self._move_registration = move_registration
         """Registrar.move(old_role): the registration follows `admission.role`."""
@@ -65,11 +61,6 @@ class WorkerRoles:
     async def set_role(self, role: str, drain_timeout_s: float = 0.0) -> Role:
         """Serve `role` from now on (module docstring); returns the role served before."""
         new = check_role(role)
-        if new is Role.PREFILL and self._tensor_parallel_size > 1:
-            raise FailedPrecondition(
-                f"the prefill role is not supported at tensor_parallel_size "
-                f"{self._tensor_parallel_size}: KV transfer between tensor-parallel workers is "
-                "not supported yet (docs/parallelism.md)")
         if not math.isfinite(drain_timeout_s) or drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s}")
         admission = self._admission

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import logging
 import os
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,7 +38,9 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import CompletionDelta
 from kvtransfer import KVCompat, KVTransferBackend
-from kvtransfer.compat import BLOCK_MAJOR_LAYOUT, window_layers
+from kvtransfer.compat import window_layers
+from kvtransfer.heads import HeadRange
+from kvtransfer.rank_agent import RankLink
 from kvtransfer.poll_split import split_receiver, split_sender
 from kvtransfer.progress import TransferProgress
 from proto import pdserve_pb2 as pb
@@ -70,16 +71,29 @@ PULL_PREFIX = "pull:"
 `pull_receiver` see exactly those, `sender` and `receiver` every other."""
 
 
-def tensor_parallel_compat(compat: KVCompat, size: int) -> KVCompat:
-    """The KV layout a worker at tensor_parallel_size > 1 advertises: its pool (rank 0's)
-    holds only rank 0's KV heads, and moving a block between two such workers would move only
-    those, so the layout carries a token unique to this process — no peer, tensor-parallel or not, shares it:
-    the router pairs no prefill worker with it (it prefills locally), and a direct transfer or
-    pull is refused by the layout check (docs/parallelism.md; part 2 maps heads between
-    groups)."""
-    return dataclasses.replace(
-        compat, layout=f"{BLOCK_MAJOR_LAYOUT};tensor-parallel={size}:rank-0-heads-only;"
-                       f"unshared:{uuid.uuid4().hex}")
+def kv_layout(engine: LLMEngine) -> KVCompat:
+    """The KV layout this worker advertises: the model's whole layout, whatever its
+    tensor_parallel_size — a tensor-parallel worker's pools hold the heads `rank_link` names,
+    and transfers map them (kvtransfer/heads.py), so peers of any size are compatible."""
+    args = engine.loaded.args
+    compat = KVCompat.for_pool(
+        engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
+        architecture=engine.loaded.architecture,
+        layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
+    shard = getattr(args, "tp", None)  # None at tensor_parallel_size 1
+    if shard is not None:
+        compat = dataclasses.replace(compat, num_kv_heads=shard.n_kv_heads)
+    return compat
+
+
+def rank_link(engine: LLMEngine) -> RankLink | None:
+    """How rank 0's KV transfer agent reaches the other ranks (None at tensor_parallel_size 1):
+    each rank's KV heads (head_split: from the model and the size) and the group channel."""
+    group, shard = engine.parallel_group, engine.loaded.args.tp
+    if group is None:
+        return None
+    ranges = [HeadRange(s.kv.start, s.kv.stop) for s in map(shard.heads, range(group.size))]
+    return RankLink(ranges, group.call)
 
 
 def _exit_rank_failed(reason: str) -> None:
@@ -132,13 +146,7 @@ class WorkerRuntime:
         self.engine.block_manager.record_events = True
         self.worker_id = config.worker_id
         self.kv = kv
-        args = engine.loaded.args
-        self.compat = KVCompat.for_pool(
-            engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
-            architecture=engine.loaded.architecture,
-            layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
-        if engine.config.parallel:
-            self.compat = tensor_parallel_compat(self.compat, engine.config.tensor_parallel_size)
+        self.compat = kv_layout(engine)
         self.kv_cache_dtype = self.compat.kv_cache_dtype  # normalized: published, hashed by the router
         self.compat_hash = self.compat.hash()
         self.pool = PoolRegistration(kv, self.compat)
@@ -158,8 +166,7 @@ class WorkerRuntime:
             sleep_mode=engine.config.enable_sleep_mode, drain_timeout_s=config.drain_timeout_s)
         self.roles = WorkerRoles(
             self.admission, self.republish, self.registration.move, self.abort_all,
-            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s,
-            tensor_parallel_size=engine.config.tensor_parallel_size if engine.config.parallel else 1)
+            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s)
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
         self.kv_events = KVEventFanout()
@@ -192,7 +199,7 @@ class WorkerRuntime:
         engine = LLMEngine(engine_config)
         if engine.parallel_group is not None:
             engine.parallel_group.on_failure = _exit_rank_failed
-        kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id))
+        kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id), rank_link(engine))
         runtime = cls(config, engine, kv,
                       lambda info: Registrar(config.etcd, config.cluster, info,
                                              credentials=etcd_credentials,

@@ -85,6 +85,14 @@ class DistributedCommunicator:
         dist.broadcast(buf, 0, group=self._payloads)
         return pickle.loads(buf.numpy().tobytes())
 
+    def gather_payload(self, payload: Any = None) -> list[Any] | None:
+        """Every rank's `payload` (picklable), in rank order, on rank 0; None elsewhere."""
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(payload, out, dst=0, group=self._payloads)
+        return out
+
     def close(self) -> None:
         import torch.distributed as dist
 

@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -78,6 +78,16 @@ class Shutdown:
     """Exit."""
 
 
+class RankTask(Protocol):
+    """A message another package defines (kvtransfer/rank_agent.py: each rank's KV transfer
+    agent): every other rank runs `run_on_rank(ctx)` with its `RankContext`; with `gather`
+    their return values come back to rank 0 (`ParallelGroup.call`)."""
+
+    gather: bool
+
+    def run_on_rank(self, ctx: Any) -> Any: ...
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -108,6 +118,8 @@ class ParallelGroup:
         self.on_failure = on_failure
         self.failed: str | None = None
         self._closing = False
+        self._send_lock = threading.Lock()
+        """Messages and their gathers go out whole, whichever thread sends them."""
         port = free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.children = []
@@ -131,12 +143,27 @@ class ParallelGroup:
     # ---- messages to the ranks (rank 0's engine thread) ------------------------------------
     def send(self, message: Any) -> None:
         """Broadcast one message (the ranks handle it in order)."""
+        with self._send_lock:
+            self._send(message)
+
+    def _send(self, message: Any) -> None:
         if self.failed:
             raise RankFailedError(self.failed)
         try:
             self.comm.broadcast_payload(message)
         except RuntimeError as exc:
             raise RankFailedError(f"tensor-parallel rank unreachable: {exc}") from exc
+
+    def call(self, task: RankTask) -> list[Any] | None:
+        """Run `task` on ranks 1..N-1; with `task.gather` their results, in rank order."""
+        with self._send_lock:
+            self._send(task)
+            if not task.gather:
+                return None
+            try:
+                return self.comm.gather_payload(None)[1:]
+            except RuntimeError as exc:
+                raise RankFailedError(f"tensor-parallel rank unreachable: {exc}") from exc
 
     def load(self, config: Any) -> None:
         self.send(LoadModel(config))

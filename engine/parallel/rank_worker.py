@@ -43,6 +43,16 @@ class RankEngine:
         self.model.use_fused_kernels(fused_kernels(self.backend.name, self.device))
         pack_linears(self.model)  # as rank 0's runner does
         self.kv_cache: torch.Tensor | None = None
+        self.rank = spec.rank
+        self.services: dict[str, object] = {}
+        """What `RankTask` messages keep on this rank (the KV transfer agent), closed on release."""
+
+    def close(self) -> None:
+        for service in self.services.values():
+            close = getattr(service, "close", None)
+            if close is not None:
+                close()
+        self.services.clear()
 
     def allocate(self, num_blocks: int) -> None:
         from engine.kv_pool import allocate_kv_pool
@@ -81,10 +91,18 @@ def serve(spec: RankSpec) -> None:
             engine = RankEngine(message.config, spec, comm)
         elif isinstance(message, AllocatePool):
             engine.allocate(message.num_blocks)
+        elif hasattr(message, "run_on_rank"):  # a RankTask (group.py)
+            result = message.run_on_rank(engine)
+            if message.gather:
+                comm.gather_payload(result)
         elif isinstance(message, Release):
+            if engine is not None:
+                engine.close()
             engine = None
             gc.collect()
         elif isinstance(message, Shutdown):
+            if engine is not None:
+                engine.close()
             break
         else:
             raise TypeError(f"unknown message {type(message).__name__}")

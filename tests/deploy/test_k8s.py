@@ -444,7 +444,7 @@ def test_tensor_parallel_decode_pods_get_a_gpu_per_rank_and_prefill_pods_stay_at
     assert "--tensor-parallel-size=2" in decode["args"] and "--device=cuda" in decode["args"]
     for res in (decode["resources"]["requests"], decode["resources"]["limits"]):
         assert res["nvidia.com/gpu"] == "2"
-    # prefill workers refuse -tp > 1 until KV moves between tensor-parallel workers
+    # the overlay keeps prefill pods at one GPU (a -tp 2 prefill worker would work too)
     assert not any(a.startswith("--tensor-parallel-size") for a in prefill["args"])
     assert prefill["resources"]["limits"]["nvidia.com/gpu"] == "1"
     from pdserve.worker_main import add_args

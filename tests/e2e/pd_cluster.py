@@ -134,3 +134,26 @@ def metric(address: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def cancel_once_started(decode_address: str, request: pb.GenerateRequest, started,
+                        timeout: float = 30.0) -> None:
+    """Start `request` on the decode worker, cancel the call as soon as `await started()` is
+    true (e.g. the prefill worker computes it), and check that the call ended cancelled."""
+
+    async def run():
+        async with grpc.aio.insecure_channel(decode_address) as ch:
+            call = pb_grpc.DecodeWorkerStub(ch).Generate(request)
+            task = asyncio.ensure_future(call.read())
+            deadline = time.monotonic() + timeout
+            while not await started():
+                assert time.monotonic() < deadline and not task.done(), "never started"
+                await asyncio.sleep(0.01)
+            call.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                return
+            raise AssertionError("the cancelled call returned")
+
+    asyncio.run(run())

@@ -1,5 +1,6 @@
 """A tensor-parallel decode worker in a `pdserve up` cluster (docs/parallelism.md): it serves
-through the router (prefilling locally: no prefill worker shares its KV layout), its ranks
+through the router (prefilling locally: --prefill 0; tests/e2e/test_tp_disagg.py moves KV
+between tensor-parallel workers), its ranks
 are its children, and killing one fails the worker, which the supervisor restarts."""
 import asyncio
 import os

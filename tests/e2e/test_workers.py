@@ -13,7 +13,8 @@ from cluster.etcd_server import EtcdServer
 from cluster.registration import list_workers, make_client
 from engine import LLM, SamplingParams
 from pd_cluster import (
-    NUM_LAYERS, WorkerProcess, ahealth, generate, metric, tokens_by_index, wait_all_blocks_free,
+    NUM_LAYERS, WorkerProcess, ahealth, cancel_once_started, generate, metric, tokens_by_index,
+    wait_all_blocks_free,
 )
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -346,21 +347,11 @@ def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
     prefill, decode = workers
     long_prompt = [random.Random(8).randrange(100, 40000) for _ in range(3000)]
 
-    async def start_then_cancel():
-        async with grpc.aio.insecure_channel(decode.address) as ch:
-            from proto import pdserve_pb2_grpc as pb_grpc
+    async def prefill_computes_it():
+        return (await ahealth(prefill.address)).capacity.running > 0
 
-            call = pb_grpc.DecodeWorkerStub(ch).Generate(_request("cancel-mid", long_prompt, prefill))
-            task = asyncio.ensure_future(call.read())
-            deadline = time.monotonic() + 20
-            while (await ahealth(prefill.address)).capacity.running == 0:  # P is computing it
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-    asyncio.run(start_then_cancel())
+    cancel_once_started(decode.address, _request("cancel-mid", long_prompt, prefill),
+                        prefill_computes_it, timeout=20)
     # The decode side holds its blocks until the prefill side confirmed the abort (no late
     # write can land in reused blocks), then frees them; the prefill side frees its own.
     wait_all_blocks_free(decode.address, timeout=10)

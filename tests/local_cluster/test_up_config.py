@@ -12,7 +12,6 @@ from pathlib import Path
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdSecurity
 from cluster.roles import ROLES, Role
-from engine.checks import FieldError
 from engine.config import EngineConfig, LoRAModule
 from engine.flags import add_flags, from_args, option, to_argv
 from local_cluster.config import UpConfig
@@ -63,11 +62,10 @@ def test_every_engine_flag_of_up_reaches_the_workers_of_both_roles():
     assert not [f.name for f in dataclasses.fields(EngineConfig)
                 if all(getattr(e, f.name) == getattr(default, f.name) for e in ENGINES)]
     for engine in ENGINES:
-        # Tensor-parallel workers run as decode workers only (docs/parallelism.md).
-        up = UpConfig(engine=engine, prefill=0 if engine.parallel else 1)
+        up = UpConfig(engine=engine, prefill=1)
         config = parse_up(*to_argv(up), "--cluster", "c", "--num-threads", "3")
         assert config.engine == engine
-        for role in ROLES if not engine.parallel else (Role.DECODE,):
+        for role in ROLES:
             cmd = supervisor(config).worker_command(role)
             assert cmd[0] == role
             worker, got = started(cmd)
@@ -257,9 +255,8 @@ def test_a_bad_cluster_token_file_stops_up_before_anything_starts(tmp_path, caps
     assert f"pdserve up: error: --cluster-token-file {empty}: the file is empty" in capsys.readouterr().err
 
 
-def test_up_refuses_prefill_workers_at_tensor_parallel_size_2():
-    with pytest.raises(FieldError, match="prefill must be 0 with --tensor-parallel-size > 1"):
-        parse_up("-tp", "2", "--prefill", "1")
+def test_up_starts_prefill_workers_at_tensor_parallel_size_2_when_asked():
+    assert parse_up("-tp", "2", "--prefill", "1").prefill == 1  # KV moves between any sizes
     assert parse_up("-tp", "2", "--prefill", "0").engine.tensor_parallel_size == 2
     assert parse_up("-tp", "2").prefill == 0  # the default at tensor parallelism
 

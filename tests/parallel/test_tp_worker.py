@@ -1,34 +1,21 @@
-"""A tensor-parallel worker's KV layout is shared with no peer (disaggregated transfer
-between tensor-parallel workers is part 2), and `pdserve prefill -tp 2` is refused."""
+"""What a tensor-parallel worker refuses at start, and what it no longer does: the prefill
+role and SetRole to it work at tp 2 (KV moves between workers of any sizes,
+tests/kvtransfer/test_kv_tp_nixl.py, tests/e2e/test_tp_disagg.py)."""
 import argparse
 
-from kvtransfer import KVCompat
-from kvtransfer.compat import check_compatible
-from worker_runtime.runtime import tensor_parallel_compat
 
-
-def test_tensor_parallel_layout_matches_no_peer():
-    base = KVCompat("m", "float32", 16, 2, 1, 16)
-    a, b = tensor_parallel_compat(base, 2), tensor_parallel_compat(base, 2)
-    assert len({base.hash(), a.hash(), b.hash()}) == 3
-    for theirs in (base, b):
-        try:
-            check_compatible(a, theirs)
-        except Exception as exc:  # IncompatiblePeerError, naming the layout
-            assert "tensor-parallel=2" in str(exc)
-        else:
-            raise AssertionError("a tensor-parallel pool was accepted")
-
-
-def test_prefill_role_refused_at_tp2(capsys):
+def test_prefill_role_is_not_refused_at_tp2():
     from cluster.roles import Role
-    from pdserve.worker_main import add_args, run
+    from engine.config import EngineConfig
+    from pdserve.worker_main import add_args, tensor_parallel_refusal
+    from worker_runtime.args import WorkerConfig
+    from engine.flags import from_args
 
     parser = argparse.ArgumentParser()
     add_args(parser)
     args = parser.parse_args(["--etcd", "127.0.0.1:1", "-tp", "2"])
-    assert run(Role.PREFILL, args) == 2
-    assert "KV transfer between tensor-parallel workers is not supported" in capsys.readouterr().err
+    config = from_args(WorkerConfig, args, role=Role.PREFILL)
+    assert tensor_parallel_refusal(Role.PREFILL, config, EngineConfig.from_args(args)) is None
 
 
 def test_host_core_sharing_refused_at_tp2(capsys):
@@ -42,19 +29,17 @@ def test_host_core_sharing_refused_at_tp2(capsys):
     assert "--share-host-cores" in capsys.readouterr().err
 
 
-def test_switch_to_prefill_refused_at_tp2():
+def test_switch_to_prefill_allowed_at_tp2():
     import asyncio
 
-    import pytest
-
     from worker_runtime.admission import Admission
-    from worker_runtime.grpc_errors import FailedPrecondition
     from worker_runtime.roles import WorkerRoles
 
     async def nothing(*_):
         pass
 
-    roles = WorkerRoles(Admission("decode"), nothing, nothing, nothing, lambda *a: None,
-                        drain_timeout_s=1.0, tensor_parallel_size=2)
-    with pytest.raises(FailedPrecondition, match="prefill role is not supported at tensor_parallel_size 2"):
-        asyncio.run(roles.set_role("prefill"))
+    switched = []
+    roles = WorkerRoles(Admission("decode"), nothing, nothing, nothing,
+                        lambda *a: switched.append(a), drain_timeout_s=1.0)
+    assert asyncio.run(roles.set_role("prefill")).value == "decode"
+    assert switched and switched[0][0].value == "prefill"
