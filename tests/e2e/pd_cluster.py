@@ -3,6 +3,7 @@ free loopback ports, stopped by PID by the test that started them."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,3 +158,21 @@ def cancel_once_started(decode_address: str, request: pb.GenerateRequest, starte
             raise AssertionError("the cancelled call returned")
 
     asyncio.run(run())
+
+
+def rank_children(pid: int) -> list[int]:
+    """The tensor-parallel ranks a worker process started."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and "engine.parallel.rank_worker" in cmd:
+            out.append(int(entry))
+    return out

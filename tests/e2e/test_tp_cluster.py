@@ -8,25 +8,8 @@ import signal
 import time
 
 import openai
+from pd_cluster import rank_children
 from up_cluster import Up, alive, chat
-
-
-def rank_children(pid: int) -> list[int]:
-    """The tensor-parallel ranks a worker process started."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid and "engine.parallel.rank_worker" in cmd:
-            out.append(int(entry))
-    return out
 
 
 def chats(url: str, n: int) -> list[str]:

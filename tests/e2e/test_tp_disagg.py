@@ -6,12 +6,18 @@ one choice each time:
   1. A prefill (tp 2) -> B decode (tp 1)
   2. B prefill (tp 1) -> A decode (tp 2)       (C, tp 2, joins as decode meanwhile)
   3. C prefill (tp 2) -> A / C decode (tp 2)   (B stopped)
+  4. A and C both decode (no prefill pool): a greedy stream on one of them loses a rank
+     (SIGKILL) mid-stream; the worker exits, the router migrates the request to the other,
+     and the client's text is the single engine's.
 
 Every phase: greedy tokens and logprobs equal a single engine's at tp 1, the decode worker
 counted remote prefills (KV really moved), every block of every worker free afterwards; a
 request cancelled mid-transfer between tp-2 workers leaks nothing on either side."""
 import asyncio
+import json
+import os
 import random
+import signal
 
 import grpc
 import httpx
@@ -21,8 +27,8 @@ from cluster.etcd_server import EtcdServer
 from cluster.net import free_port
 from engine import LLM, SamplingParams
 from local_cluster.launcher import ServiceProcess
-from pd_cluster import (NUM_LAYERS, WorkerProcess, ahealth, cancel_once_started, metric,
-                        wait_all_blocks_free, wait_router_sees)
+from pd_cluster import (NUM_LAYERS, WorkerProcess, ahealth, cancel_once_started, health, metric,
+                        rank_children, wait_all_blocks_free, wait_router_sees)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -33,6 +39,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog near the river bank, and t
          "ran into the forest where the trees were tall and old, and",
          "Once upon a time in a small village by the sea there lived an old fisherman who"]
 MAX_TOKENS = 5
+MIGRATED_TOKENS = 160  # a rank dies a few tokens into this stream
 TP2 = ("-tp", "2", "--distributed-timeout", "30", "--enable-admin-rpcs")
 
 
@@ -87,6 +94,30 @@ def _cancel_mid_transfer(prefill: WorkerProcess, decode: WorkerProcess) -> None:
     wait_all_blocks_free(prefill.address, timeout=15)
 
 
+def _a_rank_dies_mid_stream(url: str, decoders: list[WorkerProcess], prompt: list[int],
+                            want_text: str) -> WorkerProcess:
+    """Stream a greedy completion; after a few tokens SIGKILL rank 1 of the decode worker
+    serving it. Returns that worker (it must exit 1); asserts the stream completed without an
+    error and with `want_text`."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": MIGRATED_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    text, killed = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text.append(event["choices"][0]["text"])
+            if len(text) == 3:
+                killed = next(w for w in decoders if health(w.address).capacity.running)
+                ranks = rank_children(killed.pid)
+                assert len(ranks) == 1
+                os.kill(ranks[0], signal.SIGKILL)
+    assert killed is not None and "".join(text) == want_text
+    return killed
+
+
 def test_prefill_and_decode_at_different_tensor_parallel_sizes(model_dir, tmp_path):
     reference = LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20,
                     dtype="float32")
@@ -96,6 +127,9 @@ def test_prefill_and_decode_at_different_tensor_parallel_sizes(model_dir, tmp_pa
                  [lp.logprob for lp in c.logprobs])
                 for c in (out.outputs[0] for out in reference.generate(prompts, params,
                                                                        use_tqdm=False))]
+    migrated = reference.generate(prompts[:1], SamplingParams(
+        temperature=0.0, max_tokens=MIGRATED_TOKENS, ignore_eos=True), use_tqdm=False)
+    want_migrated = migrated[0].outputs[0].text
     del reference
     with EtcdServer() as etcd:
         a = WorkerProcess("prefill", etcd.endpoint, *TP2, log_dir=tmp_path, cluster=CLUSTER)
@@ -125,6 +159,17 @@ def test_prefill_and_decode_at_different_tensor_parallel_sizes(model_dir, tmp_pa
             _check(url, prompts, expected, [a], [a, c])                      # 3. P2 -> D2
             _cancel_mid_transfer(c, a)
             _check(url, prompts[:1], expected[:1], [a], [a, c])              # still serving
+            _set_role(c.address, "decode")                                   # 4. a rank dies
+            wait_router_sees(url, router, prefill=0, decode=2)
+            router_metrics = url.removeprefix("http://")
+            before = metric(router_metrics, "pdserve_router_migrations_total")
+            dead = _a_rank_dies_mid_stream(url, [a, c], prompts[0], want_migrated)
+            assert metric(router_metrics, "pdserve_router_migrations_total") == before + 1
+            assert dead.proc.wait(30) == 1  # a lost rank fails the whole worker
+            survivor = c if dead is a else a
+            wait_all_blocks_free(survivor.address, timeout=10)
+            [(tokens, _)] = _completions(url, prompts[:1])                   # the survivor serves
+            assert "".join(tokens) == "".join(expected[0][0])
         finally:
             codes = [p.terminate(30) for p in (router, a, b, *([c] if c else [])) if p.alive()]
     assert all(code == 0 for code in codes)
