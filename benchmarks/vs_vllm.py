@@ -8,8 +8,9 @@ the same cores.
 offline: N random-token prompts of 128-512 tokens -> 128 output tokens each (ignore_eos), the
   offline API of each (`LLM.generate`), each at its default dtype unless --dtype; reports
   output tokens/s, engine start-up (with one short warm-up request) and the ratio.
-serve:   `pdserve up` (1 prefill + 1 decode worker; with --planner, the planner on) vs `vllm
-  serve`, the same `pdserve bench` load against both (random 256-token prompts -> 64 tokens,
+serve:   `pdserve up` at its defaults (on a host of at most 2 cores: one colocated decode
+  worker; with --planner, the planner on; `--variant NAME=UP_FLAGS` adds clusters, e.g.
+  'split=--prefill 1 --decode 1 --num-threads 1') vs `vllm serve`, the same `pdserve bench` load against both (random 256-token prompts -> 64 tokens,
   Poisson at each rate, ignore_eos): TTFT p99, ITL p99 and goodput (TTFT <= 2 s and every
   inter-token gap <= 250 ms), and pdserve/vLLM ratios.
 
@@ -149,10 +150,10 @@ def _free_port() -> int:
 
 def _start_pdserve(args, model: str, work: Path, name: str = "pdserve", up_flags: tuple[str, ...] = ()
                    ) -> _Server:
-    """`pdserve up` with `up_flags` (default: --prefill 1 --decode 1 --num-threads
-    --pdserve-threads)."""
+    """`pdserve up` with `up_flags` (default: its own defaults, plus --num-threads
+    --pdserve-threads when given)."""
     port = _free_port()
-    pools = list(up_flags) or ["--prefill", "1", "--decode", "1", "--num-threads", str(args.pdserve_threads)]
+    pools = list(up_flags) or (["--num-threads", str(args.pdserve_threads)] if args.pdserve_threads else [])
     argv = [sys.executable, "-m", "pdserve", "up", "--port", str(port), *pools, "--model", model,
             "--log-dir", str(work / f"logs-{name}"),
             "--router-arg=--served-model-name=smollm2", "--worker-arg=--kv-cache-memory=1GiB"]
@@ -215,7 +216,7 @@ def serve(args) -> None:
         finally:
             server.stop()
     print(f"\n== served: random 256 -> 64 tokens, {args.num_prompts} requests per rate, SLO TTFT <= 2 s "
-          f"and every gap <= 250 ms (cores {args.cores or 'all'}; pdserve 1P+1D"
+          f"and every gap <= 250 ms (cores {args.cores or 'all'}; pdserve: `pdserve up`'s defaults"
           f"{' + planner' if args.planner else ''}), ratios to vLLM ==")
     for side, _ in starters[:-1] if args.vllm_python else []:
         for rate in rates:
@@ -251,7 +252,8 @@ def main() -> None:
     srv.add_argument("--variant", action="append", default=[], metavar="NAME=UP_FLAGS",
                      help="also measure `pdserve up UP_FLAGS` under NAME, e.g. "
                           "'colocated=--prefill 0 --decode 1 --num-threads 2' (repeatable)")
-    srv.add_argument("--pdserve-threads", type=int, default=1, help="torch threads per pdserve worker")
+    srv.add_argument("--pdserve-threads", type=int, default=0,
+                     help="torch threads per pdserve worker (0: `pdserve up`'s default, cores / workers)")
     srv.add_argument("--worker-arg", action="append", default=[], help="extra flag for every pdserve worker")
     srv.add_argument("--prefill-arg", action="append", default=[], help="extra flag for pdserve's prefill workers")
     args = parser.parse_args()
