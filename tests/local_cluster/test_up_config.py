@@ -27,7 +27,7 @@ ENGINE = EngineConfig(
     model="/m", dtype="float32", device="cpu", block_size=32, kv_cache_memory=3 << 20,
     gpu_memory_utilization=0.5, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
     enable_prefix_caching=False, long_prefill_token_threshold=64, attention_backend="torch",
-    num_layers=2, seed=7, generation_config="vllm",
+    num_layers=2, seed=7, generation_config="vllm", enforce_eager=True,
     speculative_config={"method": "ngram", "num_speculative_tokens": 3}, kv_cache_dtype="int8",
     enable_sleep_mode=True, worker_extension_cls="m:C", enable_lora=True, max_loras=2,
     max_lora_rank=8, max_cpu_loras=3, lora_modules=("a=/x", "b=/y"), max_grammar_bytes=4096,
