@@ -7,7 +7,7 @@ one choice each time:
   2. B prefill (tp 1) -> A decode (tp 2)       (C, tp 2, joins as decode meanwhile)
   3. C prefill (tp 2) -> A / C decode (tp 2)   (B stopped)
   4. A and C both decode (no prefill pool): a greedy stream on one of them loses a rank
-     (SIGKILL) mid-stream; the worker exits, the router migrates the request to the other,
+     (SIGKILL) while it runs the request; the worker exits, the router migrates the request to the other,
      and the client's text is the single engine's.
 
 Every phase: greedy tokens and logprobs equal a single engine's at tp 1, the decode worker
@@ -18,6 +18,8 @@ import json
 import os
 import random
 import signal
+import threading
+import time
 
 import grpc
 import httpx
@@ -96,25 +98,33 @@ def _cancel_mid_transfer(prefill: WorkerProcess, decode: WorkerProcess) -> None:
 
 def _a_rank_dies_mid_stream(url: str, decoders: list[WorkerProcess], prompt: list[int],
                             want_text: str) -> WorkerProcess:
-    """Stream a greedy completion; after a few tokens SIGKILL rank 1 of the decode worker
-    serving it. Returns that worker (it must exit 1); asserts the stream completed without an
-    error and with `want_text`."""
+    """Stream a greedy completion (in a thread); as soon as a decode worker reports it running,
+    SIGKILL that worker's rank 1. Returns that worker (it must exit 1); asserts the stream
+    completed without an error and with `want_text`. The kill keys on the worker's state, not
+    on the client's reading of the stream, which may lag the generation on a loaded host."""
     body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": MIGRATED_TOKENS,
             "temperature": 0.0, "ignore_eos": True, "stream": True}
-    text, killed = [], None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            text.append(event["choices"][0]["text"])
-            if len(text) == 3:
-                killed = next(w for w in decoders if health(w.address).capacity.running)
-                ranks = rank_children(killed.pid)
-                assert len(ranks) == 1
-                os.kill(ranks[0], signal.SIGKILL)
-    assert killed is not None and "".join(text) == want_text
+    text, errors = [], []
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    (errors if "error" in event else text).append(event)
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    killed, deadline = None, time.monotonic() + 30
+    while killed is None and time.monotonic() < deadline:
+        killed = next((w for w in decoders if health(w.address).capacity.running), None)
+    assert killed is not None, "no decode worker ran the request"
+    ranks = rank_children(killed.pid)
+    assert len(ranks) == 1
+    os.kill(ranks[0], signal.SIGKILL)
+    reader.join(120)
+    assert not reader.is_alive() and not errors, errors
+    assert "".join(e["choices"][0]["text"] for e in text) == want_text
     return killed
 
 
