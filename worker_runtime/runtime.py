@@ -18,7 +18,6 @@ kept): roles.py.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import os
@@ -37,10 +36,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import CompletionDelta
-from kvtransfer import KVCompat, KVTransferBackend
-from kvtransfer.compat import window_layers
-from kvtransfer.heads import HeadRange
-from kvtransfer.rank_agent import RankLink
+from kvtransfer import KVTransferBackend
 from kvtransfer.poll_split import split_receiver, split_sender
 from kvtransfer.progress import TransferProgress
 from proto import pdserve_pb2 as pb
@@ -50,6 +46,7 @@ from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import StatusInterceptor
 from worker_runtime.host_cores import HostCoreShare, release_openmp_threads, worker_threads
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
+from worker_runtime.kv_layout import kv_layout, rank_link
 from worker_runtime.lifecycle import WorkerLifecycle
 from worker_runtime.metrics import WorkerMetrics
 from worker_runtime.paths import AllowedPaths
@@ -69,31 +66,6 @@ log = logging.getLogger(__name__)
 PULL_PREFIX = "pull:"
 """Transfer ids of peer pulls (kv_pull.py) start with this: `pull_sender` and
 `pull_receiver` see exactly those, `sender` and `receiver` every other."""
-
-
-def kv_layout(engine: LLMEngine) -> KVCompat:
-    """The KV layout this worker advertises: the model's whole layout, whatever its
-    tensor_parallel_size — a tensor-parallel worker's pools hold the heads `rank_link` names,
-    and transfers map them (kvtransfer/heads.py), so peers of any size are compatible."""
-    args = engine.loaded.args
-    compat = KVCompat.for_pool(
-        engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
-        architecture=engine.loaded.architecture,
-        layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
-    shard = getattr(args, "tp", None)  # None at tensor_parallel_size 1
-    if shard is not None:
-        compat = dataclasses.replace(compat, num_kv_heads=shard.n_kv_heads)
-    return compat
-
-
-def rank_link(engine: LLMEngine) -> RankLink | None:
-    """How rank 0's KV transfer agent reaches the other ranks (None at tensor_parallel_size 1):
-    each rank's KV heads (head_split: from the model and the size) and the group channel."""
-    group, shard = engine.parallel_group, engine.loaded.args.tp
-    if group is None:
-        return None
-    ranges = [HeadRange(s.kv.start, s.kv.stop) for s in map(shard.heads, range(group.size))]
-    return RankLink(ranges, group.call)
 
 
 def _exit_rank_failed(reason: str) -> None:

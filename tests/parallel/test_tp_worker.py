@@ -1,6 +1,6 @@
 """What a tensor-parallel worker refuses at start, and what it no longer does: the prefill
-role and SetRole to it work at tp 2 (KV moves between workers of any sizes,
-tests/kvtransfer/test_kv_tp_nixl.py, tests/e2e/test_tp_disagg.py)."""
+role at tp 2 (KV moves between workers of any sizes, tests/kvtransfer/test_kv_tp_nixl.py;
+tests/e2e/test_tp_disagg.py switches tp-2 workers to prefill with SetRole)."""
 import argparse
 
 
@@ -27,19 +27,3 @@ def test_host_core_sharing_refused_at_tp2(capsys):
     args = parser.parse_args(["--etcd", "127.0.0.1:1", "-tp", "2", "--share-host-cores"])
     assert run(Role.DECODE, args) == 2
     assert "--share-host-cores" in capsys.readouterr().err
-
-
-def test_switch_to_prefill_allowed_at_tp2():
-    import asyncio
-
-    from worker_runtime.admission import Admission
-    from worker_runtime.roles import WorkerRoles
-
-    async def nothing(*_):
-        pass
-
-    switched = []
-    roles = WorkerRoles(Admission("decode"), nothing, nothing, nothing,
-                        lambda *a: switched.append(a), drain_timeout_s=1.0)
-    assert asyncio.run(roles.set_role("prefill")).value == "decode"
-    assert switched and switched[0][0].value == "prefill"
