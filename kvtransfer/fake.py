@@ -91,7 +91,7 @@ class FakeTransport(Transport):
         self._peers.discard(name)
 
     def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                   deadline: float | None = None) -> Any:
+                   deadline: float) -> Any:
         self._reachable(peer)
         return _Write(self.pool, peer, local.copy(), remote.copy(), notif)
 

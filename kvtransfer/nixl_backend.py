@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -166,7 +165,7 @@ class NixlTransport(Transport):
         self._forget(name)
 
     def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                   deadline: float | None = None) -> Any:
+                   deadline: float) -> Any:
         slices = self._slices.slices(peer)
         if self._group is not None or len(slices) != 1 or not slices[0].whole:
             return self._post_parts(peer, local, remote, notif, deadline)
@@ -187,7 +186,7 @@ class NixlTransport(Transport):
         return handle
 
     def _post_parts(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                    deadline: float | None) -> _Parts:
+                    deadline: float) -> _Parts:
         token = next(self._tokens)
         others = self._slices.writers(peer) - {0}
         if others:
@@ -195,8 +194,7 @@ class NixlTransport(Transport):
             told = self._told.get(peer) == meta
             try:
                 self._group.call(PostRankWrites(
-                    token, peer, None if told else meta.to_bytes(), local, remote,
-                    deadline if deadline is not None else time.monotonic() + 30.0))
+                    token, peer, None if told else meta.to_bytes(), local, remote, deadline))
             except Exception as e:  # the group failed: nothing of ours is posted
                 raise TransportError(f"tensor-parallel ranks unreachable: {e}") from e
             self._told[peer] = meta

@@ -67,7 +67,7 @@ class Transport(ABC):
 
     @abstractmethod
     def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                   deadline: float | None = None) -> Any:
+                   deadline: float) -> Any:
         """Start writing local blocks into remote blocks; `notif` reaches the peer after the
         data. Returns a handle; TransportError if it cannot be posted. `deadline` (the
         request's): when writes posted by other processes (a tensor-parallel worker's other
