@@ -115,10 +115,10 @@ def _a_rank_dies_mid_stream(url: str, decoders: list[WorkerProcess], prompt: lis
 
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
-    killed, deadline = None, time.monotonic() + 30
-    while killed is None and time.monotonic() < deadline:
-        killed = next((w for w in decoders if health(w.address).capacity.running), None)
-    assert killed is not None, "no decode worker ran the request"
+    deadline = time.monotonic() + 30
+    while (killed := next((w for w in decoders if health(w.address).capacity.running), None)) is None:
+        assert time.monotonic() < deadline, "no decode worker ran the request"
+        time.sleep(0.005)
     ranks = rank_children(killed.pid)
     assert len(ranks) == 1
     os.kill(ranks[0], signal.SIGKILL)
