@@ -59,15 +59,19 @@ def _cpu_flags() -> str:
         return ""
 
 
-# -fopenmp: ATen's parallel_for is OpenMP pragmas in the headers (serial without it); the
-# library's libgomp.so.1 resolves to the one torch already loaded.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
+def _flags() -> list[str]:
+    """The compiler flags: -march from PDSERVE_CPU_KERNELS_MARCH (default native; e.g.
+    x86-64-v3 builds the AVX2 paths on an AVX-512 host, which is how the tests cover them).
+    -fopenmp: ATen's parallel_for is OpenMP pragmas in the headers (serial without it); the
+    library's libgomp.so.1 resolves to the one torch already loaded."""
+    march = os.environ.get("PDSERVE_CPU_KERNELS_MARCH", "native")
+    return ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
 
 
 def _build(out: Path) -> None:
     from torch.utils import cpp_extension
 
-    cmd = ["g++", *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    cmd = ["g++", *_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in cpp_extension.include_paths()],
            f"-I{sysconfig.get_paths()['include']}",
            *map(str, _SOURCES), "-o", str(out),
@@ -86,7 +90,7 @@ def load() -> bool:
         key = hashlib.sha256()
         for src in (*_SOURCES, *_HEADERS):  # absent from an install that left out the sources
             key.update(src.read_bytes())
-        key.update(" ".join(_FLAGS).encode())
+        key.update(" ".join(_flags()).encode())
         key.update(torch.__version__.encode())
         key.update(_cpu_flags().encode())
         cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels"))
@@ -104,6 +108,12 @@ def load() -> bool:
         log.warning("CPU kernels unavailable (plain torch instead): %s %s", exc, detail[-2000:])
         return False
     return True
+
+
+def vector_isa() -> str:
+    """The ISA the loaded library's vector paths were built for: "avx512", "avx2" or "scalar"
+    (vec16.h); `load()` must have returned True."""
+    return torch.ops.pdserve_cpu.vector_isa()
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,

@@ -22,10 +22,8 @@
 
 #include "vec16.h"
 
-#ifdef __AVX512F__
-using pdserve_vec::load16;
-using pdserve_vec::round16;
-using pdserve_vec::store16;
+#ifdef PDSERVE_VEC16
+using namespace pdserve_vec;
 #endif
 
 // RoPE's rotate-and-add must round as the torch path does (a product, then the sum), not as
@@ -47,21 +45,20 @@ template <typename T>
 void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
   int64_t i = 0;
   float ss = 0.f;
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
+#ifdef PDSERVE_VEC16
+  vec16 acc = zero16();
   for (; i + 16 <= H; i += 16) {
-    const __m512 v = load16(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const vec16 v = load16(x + i);
+    acc = fmadd16(v, v, acc);
   }
-  ss = _mm512_reduce_add_ps(acc);
+  ss = sum16(acc);
 #endif
   for (; i < H; ++i) ss += f32(x[i]) * f32(x[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
   i = 0;
-#ifdef __AVX512F__
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (; i + 16 <= H; i += 16)
-    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_mul_ps(load16(x + i), iv)), load16(w + i)));
+#ifdef PDSERVE_VEC16
+  const vec16 iv = set16(inv);
+  for (; i + 16 <= H; i += 16) store16(out + i, mul16(round16<T>(mul16(load16(x + i), iv)), load16(w + i)));
 #endif
   for (; i < H; ++i) out[i] = cast<T>(f32(cast<T>(f32(x[i]) * inv)) * f32(w[i]));
 }
@@ -70,8 +67,8 @@ void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
 template <typename T>
 void add_row(const T* x, const T* r, T* sum, int64_t H) {
   int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= H; i += 16) store16(sum + i, _mm512_add_ps(load16(x + i), load16(r + i)));
+#ifdef PDSERVE_VEC16
+  for (; i + 16 <= H; i += 16) store16(sum + i, add16(load16(x + i), load16(r + i)));
 #endif
   for (; i < H; ++i) sum[i] = cast<T>(f32(x[i]) + f32(r[i]));
 }
@@ -187,12 +184,12 @@ inline float silu(float g) { return f32(cast<T>(g / (1.f + std::exp(-g)))); }
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 one = _mm512_set1_ps(1.f);
+#ifdef PDSERVE_VEC16
+  const vec16 one = set16(1.f);
   for (; i + 16 <= n; i += 16) {
-    const __m512 g = load16(gate + i);
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e))), load16(up + i)));
+    const vec16 g = load16(gate + i);
+    const vec16 e = exp16(sub16(zero16(), g));
+    store16(out + i, mul16(round16<T>(div16(g, add16(one, e))), load16(up + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = cast<T>(silu<T>(f32(gate[i])) * f32(up[i]));

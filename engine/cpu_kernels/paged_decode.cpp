@@ -13,8 +13,8 @@
 // becomes free. For each item the group's query heads are converted to fp32 once; pass 1 walks
 // the sequence's keys block by block (scores = q.k * scale, soft cap), pass 2 the softmax,
 // pass 3 the values. Everything is fp32; the output is rounded once to the model's dtype.
-// Dots and axpys run in 16 fp32 lanes (auto-vectorised with -O3 -march=native); exp is
-// libmvec's 16-lane expf under AVX-512.
+// Dots and axpys run in 16 fp32 lanes (vec16.h: AVX-512, or AVX2 in two halves); exp is
+// libmvec's vector expf. Without either ISA, or for other head sizes, plain loops.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "vec16.h"
@@ -107,22 +108,21 @@ inline std::vector<float> softmax_numerators(float* scores, int64_t G, int64_t l
 
 inline float capped(float score, float cap) { return cap > 0.f ? cap * std::tanh(score / cap) : score; }
 
-#ifdef __AVX512F__
-using pdserve_vec::load16;
+#ifdef PDSERVE_VEC16
+using namespace pdserve_vec;
+using pdserve_vec::load16;  // overloaded below for the quantized formats
 
-inline __m512 load16(const E5M2* p) {
+inline vec16 load16(const E5M2* p) {
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+  return from_halves16(_mm256_slli_epi16(b, 8));
 }
-inline __m512 load16(const E4M3* p) {
+inline vec16 load16(const E4M3* p) {
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
                                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+  return mul16(from_halves16(half), set16(256.f));
 }
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+inline vec16 load16(const int8_t* p) { return from_i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // Asks (into L2) for the rows of this head in the block kPrefetchBlocks ahead (K or V page)
 // while the current one is read: blocks sit anywhere in the pool, so the hardware prefetcher
@@ -135,28 +135,15 @@ inline void prefetch_rows(const T* page_head, int64_t B, int64_t row, int64_t D)
       _mm_prefetch(reinterpret_cast<const char*>(page_head + t * row) + b, _MM_HINT_T1);
 }
 
-// The four sums of a, b, c and d's lanes, in that order.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // Per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3), the same for c and d.
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // Per 128-bit lane: partial sums of a, b, c, d.
-  const __m512 abcd = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
 // The dot products of GB query heads with one key row, each in 16 lanes.
 template <typename T, int V, int GB>
-inline void dots_of(const float* qf, const T* k, __m512 (&acc)[GB]) {
+inline void dots_of(const float* qf, const T* k, vec16 (&acc)[GB]) {
   constexpr int64_t D = 16 * V;
-  __m512 kr[V];
+  vec16 kr[V];
   for (int v = 0; v < V; ++v) kr[v] = load16(k + 16 * v);
   for (int g = 0; g < GB; ++g) {
-    acc[g] = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kr[0]);
-    for (int v = 1; v < V; ++v) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + 16 * v), kr[v], acc[g]);
+    acc[g] = mul16(load16(qf + g * D), kr[0]);
+    for (int v = 1; v < V; ++v) acc[g] = fmadd16(load16(qf + g * D + 16 * v), kr[v], acc[g]);
   }
 }
 
@@ -181,7 +168,7 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
     const T* k = kv + ((blk * L + layer) * 2) * page + h * DS + (pos - bi * B) * row;
     float* dst = scores + (pos - first);
     for (; pos + 4 <= stop; pos += 4, k += 4 * row, dst += 4) {
-      __m512 acc[4][GB];
+      vec16 acc[4][GB];
       for (int j = 0; j < 4; ++j) dots_of<T, V, GB>(qf, k + j * row, acc[j]);
       __m128 ks = scale4;
       if constexpr (kScaled<T>)
@@ -195,10 +182,10 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
       }
     }
     for (; pos < stop; ++pos, k += row, ++dst) {
-      __m512 acc[GB];
+      vec16 acc[GB];
       dots_of<T, V, GB>(qf, k, acc);
       for (int g = 0; g < GB; ++g) {
-        const float dot = _mm512_reduce_add_ps(acc[g]);
+        const float dot = sum16(acc[g]);
         dst[g * len] = capped((kScaled<T> ? dot * row_scale(k, D) : dot) * scale, cap);
       }
     }
@@ -207,53 +194,55 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
 
 // out[g] = sum over keys of p[g][key] * v[key], for GB query heads of one kv head at once: each
 // value row is loaded (and widened to fp32) once for all of them; GB * V accumulators and the
-// row stay in zmm registers. Block by block, as key_pass.
+// row stay in registers. Block by block, as key_pass.
 template <typename T, int V, int GB>
 inline void value_pass(const float* probs, int64_t len, const float* inv, const T* kv, const int32_t* table,
                        int64_t first, int64_t n, int64_t B, int64_t L, int64_t layer, int64_t page,
                        int64_t row, int64_t h, int64_t DS, float* out) {
   constexpr int64_t D = 16 * V;
-  __m512 acc[GB][V];
+  vec16 acc[GB][V];
   for (int g = 0; g < GB; ++g)
-    for (int v = 0; v < V; ++v) acc[g][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[g][v] = zero16();
   for (int64_t pos = first; pos < n;) {
     const int64_t bi = pos / B, stop = std::min(n, (bi + 1) * B);
     const T* vr = kv + ((table[bi] * L + layer) * 2 + 1) * page + h * DS + (pos - bi * B) * row;
     if (stop + (kPrefetchBlocks - 1) * B < n)
       prefetch_rows(kv + ((table[bi + kPrefetchBlocks] * L + layer) * 2 + 1) * page + h * DS, B, row, DS);
-    // The block's sums in registers (a block-local array GCC keeps in zmm; the long-lived
+    // The block's sums in registers (a block-local array GCC keeps there; the long-lived
     // `acc` it would store back to the stack on every row), added to `acc` once per block.
-    __m512 part[GB][V];
+    vec16 part[GB][V];
     for (int g = 0; g < GB; ++g)
-      for (int v = 0; v < V; ++v) part[g][v] = _mm512_setzero_ps();
+      for (int v = 0; v < V; ++v) part[g][v] = zero16();
     const float* p = probs + (pos - first);
     for (; pos < stop; ++pos, vr += row, ++p) {
-      __m512 vrow[V];
+      vec16 vrow[V];
       for (int v = 0; v < V; ++v) vrow[v] = load16(vr + 16 * v);
       const float vs = row_scale(vr, D);
       for (int g = 0; g < GB; ++g) {
-        const __m512 pg = _mm512_set1_ps(kScaled<T> ? p[g * len] * vs : p[g * len]);
-        for (int v = 0; v < V; ++v) part[g][v] = _mm512_fmadd_ps(pg, vrow[v], part[g][v]);
+        const vec16 pg = set16(kScaled<T> ? p[g * len] * vs : p[g * len]);
+        for (int v = 0; v < V; ++v) part[g][v] = fmadd16(pg, vrow[v], part[g][v]);
       }
     }
     for (int g = 0; g < GB; ++g)
-      for (int v = 0; v < V; ++v) acc[g][v] = _mm512_add_ps(acc[g][v], part[g][v]);
+      for (int v = 0; v < V; ++v) acc[g][v] = add16(acc[g][v], part[g][v]);
   }
   for (int g = 0; g < GB; ++g) {
-    const __m512 iv = _mm512_set1_ps(inv[g]);
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + 16 * v, _mm512_mul_ps(acc[g][v], iv));
+    const vec16 iv = set16(inv[g]);
+    for (int v = 0; v < V; ++v) store16(out + g * D + 16 * v, mul16(acc[g][v], iv));
   }
 }
 
 // One (sequence, kv head) item with head_dim = 16 * V (V <= 8) and G query heads, in
-// registers: the group's queries (fp32) and output accumulators stay in zmm registers.
+// registers: the group's queries (fp32) and output accumulators stay in vector registers.
 template <typename T, int V>
-void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, int64_t first,
+void item_vec16(const float* qf, int64_t G, const T* kv, const int32_t* table, int64_t first,
                  int64_t n, int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page,
                  int64_t row, int64_t h, int64_t DS, float scale, float cap, float* scores, float* out) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
   int64_t g = 0;
+  // Four heads per key pass under AVX2 too: its accumulators spill from the 16 ymm registers,
+  // yet 1, 2 and 4 heads measured the same (fp32, batch 16: the pass waits on memory).
   for (; g + 4 <= G; g += 4) key_pass<T, V, 4>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len);
   switch (G - g) {
     case 1: key_pass<T, V, 1>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
@@ -262,7 +251,9 @@ void item_avx512(const float* qf, int64_t G, const T* kv, const int32_t* table, 
     default: break;
   }
   const std::vector<float> inv = softmax_numerators(scores, G, len);
-  constexpr int kHeads = V <= 4 ? 4 : 2;  // kHeads * V accumulators + V row registers <= 32
+  // kHeads * V accumulators, V row registers and a broadcast fit the registers (32 zmm: 4
+  // heads up to head_dim 64, 2 at 128; AVX2's 16 ymm hold 8 vec16: 2 heads at 32, else 1).
+  constexpr int kHeads = std::clamp((kVecRegisters - V - 1) / V, 1, 4);
   g = 0;
   for (; g + kHeads <= G; g += kHeads) value_pass<T, V, kHeads>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D);
   switch (G - g) {
@@ -352,8 +343,8 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
       for (int64_t g = 0; g < G; ++g) load_row(q + s * q_tok + (h * G + g) * q_head, &qf[g * D], D);
       scores.resize(G * (n - first));
       const int32_t* table = tables + s * table_stride;
-#ifdef __AVX512F__
-#define PDSERVE_ITEM(V) item_avx512<P, V>(qf.data(), G, kv, table, first, n, B, N, L, layer, page, \
+#ifdef PDSERVE_VEC16
+#define PDSERVE_ITEM(V) item_vec16<P, V>(qf.data(), G, kv, table, first, n, B, N, L, layer, page, \
                                           row, h, DS, scale, cap, scores.data(), acc.data())
       switch (D) {
         case 32: PDSERVE_ITEM(2); break;
@@ -418,6 +409,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, int
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor kv_cache, int layer, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window, float soft_cap) -> Tensor");
+  // The ISA the library's 16-lane paths were built for (vec16.h): avx512, avx2 or scalar.
+  m.def("vector_isa() -> str", [] { return std::string(pdserve_vec::vector_isa()); });
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

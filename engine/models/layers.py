@@ -66,15 +66,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight 
     return F.linear(x, weight, bias)
 
 
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN packs and multiplies bf16 weights on this CPU: it needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT; on an AVX2-only CPU `_reorder_linear_weight` raises, and bf16
+    projections stay on F.linear."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def pack_linears(model: nn.Module, enabled: bool = True) -> bool:
     """Turn packed weights on (or off) for the model's Linear layers and its LM head (where it
-    has a `lm_head_packed` slot); on only for a bf16 model on the CPU with oneDNN, and unless
-    PDSERVE_PACKED_LINEARS=0. Returns whether they are on. The packed copies double the
-    projections' memory."""
+    has a `lm_head_packed` slot); on only for a bf16 model on a CPU whose oneDNN supports bf16
+    (`bf16_packing_supported`), and unless PDSERVE_PACKED_LINEARS=0. Returns whether they are
+    on. The packed copies double the projections' memory."""
     weight = next(model.parameters(), None)
     enabled = (enabled and os.environ.get("PDSERVE_PACKED_LINEARS", "1") != "0"
                and weight is not None and weight.device.type == "cpu"
-               and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available())
+               and weight.dtype == torch.bfloat16 and bf16_packing_supported())
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = PackedWeight() if enabled else None

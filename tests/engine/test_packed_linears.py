@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.models.layers import PACKED_MAX_ROWS, Linear, PackedWeight, pack_linears
+from engine.models.layers import PACKED_MAX_ROWS, Linear, PackedWeight, bf16_packing_supported, pack_linears
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+packing = pytest.mark.skipif(not bf16_packing_supported(), reason="no bf16 oneDNN on this CPU (AVX2)")
 
 
 def _linear(out_features=96, in_features=64, bias=True):
@@ -22,6 +22,7 @@ def _linear(out_features=96, in_features=64, bias=True):
     return layer
 
 
+@packing
 @pytest.mark.parametrize("rows", [1, 3, 16, 32, PACKED_MAX_ROWS + 1, 600])
 @torch.inference_mode()
 def test_equals_f_linear(rows):
@@ -31,6 +32,7 @@ def test_equals_f_linear(rows):
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
+@packing
 @pytest.mark.parametrize("rows", [33, 64, PACKED_MAX_ROWS])
 @torch.inference_mode()
 def test_larger_batches_round_like_f_linear(rows):
@@ -45,6 +47,7 @@ def test_larger_batches_round_like_f_linear(rows):
     assert (ours - exact).abs().max() <= (theirs - exact).abs().max() * 1.01 + 1e-6
 
 
+@packing
 @torch.inference_mode()
 def test_repacked_after_an_in_place_update_and_a_move():
     layer = _linear(bias=False)
@@ -56,11 +59,19 @@ def test_repacked_after_an_in_place_update_and_a_move():
     assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
+def test_off_where_onednn_has_no_bf16(monkeypatch):
+    """An AVX2-only CPU: packing stays off (packing a bf16 weight would raise there)."""
+    layer = Linear(8, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not pack_linears(layer) and layer.packed is None
+
+
 def test_only_bf16_on_cpu():
     layer = Linear(8, 8, dtype=torch.float32)
     assert not pack_linears(layer) and layer.packed is None
 
 
+@packing
 def test_engine_outputs_unchanged():
     llm = LLM("default", num_layers=2, kv_cache_memory=64 << 20, dtype="bfloat16")
     model = llm.engine.loaded.model
