@@ -14,7 +14,7 @@ from engine.block_manager import BlockManager
 from engine.checks import FieldError
 from engine.config import EngineConfig
 from engine.deltas import Deltas
-from engine.device import resolve_device_dtype
+from engine.device import keep_freed_host_memory, resolve_device_dtype
 from engine.extension import collective_rpc, load_extension
 from engine.generation_config import load_generation_config, sampling_defaults
 from engine.kv_format import normalize as normalize_kv_dtype
@@ -79,6 +79,8 @@ class LLMEngine:
         starts and owns one (engine/parallel/group.py)."""
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         self.parallel_group = self._start_group(config, loaded, parallel_group)
         try:
             self._build(config, loaded)

@@ -18,6 +18,14 @@ int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else key
 seq_len-window..seq_len-1; no table entry before the window's first block is read),
 soft_cap 0 = none. Returns [S, Hq, D] in query's dtype; softmax and sums in fp32.
 
+`paged_prefill(query, kv_cache, layer, block_tables, seq_lens, query_lens, scale)`: the
+query rows of S sequences back to back (sequence s: query_lens[s] rows, the last ones of its
+seq_lens[s] positions, causal), bf16 [T, Hq, D] (unit last stride, D a multiple of 32), over
+a bf16 pool that already holds their K/V; block_tables int32 [S, >= blocks], seq_lens and
+query_lens int32 [S]. Returns [T, Hq, D] bf16; scores and softmax in fp32, the probabilities
+rounded to bf16 for the P V product (as torch's CPU flash attention). AMX-BF16 tiles: built
+only where the compiler targets AMX (`prefills_in_place`); no window, no soft cap.
+
 `store_kv_(key, value, kv_cache, layer, slot_mapping)`: a step's K/V rows ([T, Hkv, D] each,
 each token's heads contiguous) into `layer` of a pool in their dtype, in place, at
 slot_mapping (int64 [T], block * B + offset; -1 = not stored); `stores_in_place` says
@@ -47,7 +55,8 @@ from engine.kv_format import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "paged_decode.cpp", _DIR / "layer_ops.cpp", _DIR / "sampling_ops.cpp")
+_SOURCES = (_DIR / "paged_decode.cpp", _DIR / "paged_prefill.cpp", _DIR / "layer_ops.cpp",
+            _DIR / "sampling_ops.cpp")
 _HEADERS = (_DIR / "vec16.h",)
 
 
@@ -122,6 +131,22 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
     """See the module docstring; `load()` must have returned True."""
     return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, layer, block_tables, seq_lens,
                                               scale, window or 0, soft_cap or 0.0)
+
+
+def prefills_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `paged_prefill` serves this query and pool: bf16 both, head_dim a multiple of
+    32, a block size that is a multiple of 16, on a CPU with AMX-BF16 (the op is built only there) and the kernels loaded."""
+    return (query.device.type == "cpu" and query.dtype == kv_cache.dtype == torch.bfloat16
+            and query.stride(-1) == 1 and query.shape[-1] % 32 == 0 and kv_cache.shape[3] % 16 == 0
+            and kv_cache.shape[-1] == query.shape[-1] and load()
+            and hasattr(torch.ops.pdserve_cpu, "paged_prefill"))
+
+
+def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """See the module docstring; `prefills_in_place` must have returned True."""
+    return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, layer, block_tables, seq_lens,
+                                               query_lens, scale)
 
 
 def stores_in_place(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
