@@ -1,7 +1,7 @@
 """Paged-engine benchmarks (issue: the paged engine). Prints numbers and ratios measured in
 one run against a baseline from the same run; asserts nothing.
 
-  python -m benchmarks.engine_bench [--quick] [--only throughput,prefix,overhead]
+  python -m benchmarks.engine_bench [--quick] [--only throughput,prefix,prefill,overhead]
 
 - throughput: N prompts of 128-512 tokens, 128 output tokens each, ignore_eos: pdserve vs HF
   transformers static batching (one left-padded batch), same model, same threads.
@@ -9,6 +9,8 @@ one run against a baseline from the same run; asserts nothing.
   Also the share of allocated KV slots holding real tokens, sampled every step.
 - prefix: a 4,000-token shared prefix + 50 new tokens: prefill tokens computed, TTFT cached
   vs uncached.
+- prefill: rounds of 16 prompts of 128-512 tokens (one output token), the AMX prefill
+  attention kernel off and on alternately in one process: median round, page faults.
 - overhead: wall time per engine step outside the model forward, at 1 and 64 running sequences
   (random and greedy rows; --profile adds a cProfile of the 64-sequence random steps).
 """
@@ -117,6 +119,43 @@ def bench_prefix(args) -> None:
           f"cached {cached_s * 1000:.0f} ms, ratio {cached_s / uncached_s:.3f}  (target <= 0.05)")
 
 
+def bench_prefill(args) -> None:
+    """Rounds of `--prefill-prompts` prompts of 128-512 tokens, one output token each (prefill
+    steps only), the AMX prefill attention kernel off and on alternately in one process
+    (`cpu_kernels.prefills_in_place` forced False for "off"; where the kernel is not built
+    both arms run gather + SDPA): median round time and page faults per round."""
+    import resource
+    import statistics
+
+    from engine import cpu_kernels
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory, dtype="bfloat16")
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    built = cpu_kernels.prefills_in_place
+    runs: dict[str, list[tuple[float, int]]] = {"off": [], "on": []}
+    for round_ in range(2 + 2 * args.rounds):
+        arm = "off" if round_ % 2 == 0 else "on"
+        cpu_kernels.prefills_in_place = built if arm == "on" else (lambda *a: False)
+        for i, p in enumerate(_prompts(args.prefill_prompts, 128, 512, seed=round_)):
+            engine.add_request(f"pre-{round_}-{i}", p, params)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if round_ >= 2:  # the first pair warms up
+            runs[arm].append((time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+    cpu_kernels.prefills_in_place = built
+    print(f"\n== prefill rounds: {args.prefill_prompts} prompts of 128-512 tokens, bf16, {args.threads} threads ==")
+    print(f"AMX prefill kernel built: {hasattr(torch.ops.pdserve_cpu, 'paged_prefill')}")
+    med = {arm: statistics.median(t for t, _ in r) for arm, r in runs.items()}
+    for arm, r in runs.items():
+        print(f"kernel {arm:3s}: median round {med[arm] * 1e3:7.1f} ms, "
+              f"page faults per round {statistics.median(f for _, f in r):.0f}")
+    print(f"ratio on/off: {med['on'] / med['off']:.2f}")
+
+
 def bench_overhead(args) -> None:
     """Wall time per step minus the wall time inside the model (`residual` + `logits`), at
     `--threads` torch threads: the engine's own work (scheduling, batch building, sampling,
@@ -180,7 +219,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small sizes, 4 layers: a smoke run")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="engine/HF dtypes to compare")
-    parser.add_argument("--only", default="throughput,prefix,overhead")
+    parser.add_argument("--only", default="throughput,prefix,prefill,overhead")
+    parser.add_argument("--prefill-prompts", type=int, default=16, help="prefill: prompts per round")
+    parser.add_argument("--rounds", type=int, default=4, help="prefill: rounds per arm")
     parser.add_argument("--profile", action="store_true",
                         help="overhead: also print a cProfile of the 64-sequence random steps")
     args = parser.parse_args()
@@ -192,6 +233,8 @@ def main() -> None:
         bench_throughput(args)
     if "prefix" in which:
         bench_prefix(args)
+    if "prefill" in which:
+        bench_prefill(args)
     if "overhead" in which:
         bench_overhead(args)
 

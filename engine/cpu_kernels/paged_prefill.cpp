@@ -29,8 +29,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#include <numeric>
 #include <vector>
 
 #include "vec16.h"
