@@ -39,7 +39,7 @@ at::Tensor exp_chunk_totals_(at::Tensor& x, int64_t chunk) {
       const float m = row_max(row, vocab);
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t start = c * chunk;
-        out[r * chunks + c] = exp_sub_sum(row + start, std::min(chunk, vocab - start), m);
+        out[r * chunks + c] = exp_sub_sum<true>(row + start, std::min(chunk, vocab - start), m);
       }
     }
   });

@@ -164,6 +164,26 @@ def test_exp_chunk_totals_is_the_softmax_numerators_and_their_chunk_sums(vocab):
         cpu_kernels.exp_chunk_totals_(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+def test_exp_chunk_totals_exp_across_its_range():
+    """The pass's fast exp (vec16.h `fast_exp16`): within 3e-7 relative of exp on [-87, 0],
+    exactly 0 below -87 and for -inf; NaN stays NaN, and a row of -inf becomes NaN as torch's
+    softmax makes it."""
+    x = torch.linspace(-95.0, 0.0, 1_000_003)
+    x[-1] = 0.0  # the row max
+    x[::97] = float("-inf")
+    row = x[None, :].clone()
+    cpu_kernels.exp_chunk_totals_(row, 256)
+    exact = torch.exp(x.double())
+    inside = x >= -87
+    rel = ((row[0].double() - exact).abs() / exact)[inside]
+    assert rel.max() < 3e-7
+    assert (row[0][~inside] == 0).all()
+    odd = torch.tensor([[0.0, float("nan"), -1.0] + [0.0] * 30, [float("-inf")] * 33])
+    cpu_kernels.exp_chunk_totals_(odd, 16)
+    assert odd[0, 1].isnan() and odd[0, 0] == 1.0 and odd[1].isnan().all()
+
+
 def test_random_rows_draw_the_same_tokens_with_and_without_the_kernels(monkeypatch):
     """The kernel's unnormalized numerators and the softmax's probabilities give one draw."""
     logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(5)) * 3
