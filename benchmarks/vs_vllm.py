@@ -251,7 +251,7 @@ def main() -> None:
     srv.add_argument("--planner", action="store_true", help="pdserve up --planner")
     srv.add_argument("--variant", action="append", default=[], metavar="NAME=UP_FLAGS",
                      help="also measure `pdserve up UP_FLAGS` under NAME, e.g. "
-                          "'colocated=--prefill 0 --decode 1 --num-threads 2' (repeatable)")
+                          "'split=--prefill 1 --decode 1 --num-threads 1' (repeatable)")
     srv.add_argument("--pdserve-threads", type=int, default=0,
                      help="torch threads per pdserve worker (0: `pdserve up`'s default, cores / workers)")
     srv.add_argument("--worker-arg", action="append", default=[], help="extra flag for every pdserve worker")

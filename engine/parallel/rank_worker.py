@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from engine.device import keep_freed_host_memory
 from engine.parallel.communicator import DistributedCommunicator
 from engine.parallel.group import AllocatePool, LoadModel, RankSpec, Release, Shutdown
 from engine.parallel.shard import TPShard
@@ -81,6 +82,8 @@ def serve(spec: RankSpec) -> None:
     device = torch.device("cuda", spec.rank) if spec.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # the same host-memory setting as rank 0's engine (its prefill activations alike)
+        keep_freed_host_memory()
     comm = DistributedCommunicator(spec.rank, spec.size, spec.port, spec.timeout_s, device)
     engine: RankEngine | None = None
     while True:

@@ -170,11 +170,9 @@ def test_backend_sends_prefills_to_the_kernel(monkeypatch):
     pool, tables, query, _, _ = _case(seqs)
     B = pool.shape[3]
     meta = _metadata(seqs, tables, B)
-    rows = query.shape[0]
-    key = torch.zeros(rows, 3, 64).bfloat16()  # stored over what the pool holds at those slots
-    for t, slot in enumerate(meta.slot_mapping.tolist()):
-        key[t] = pool[slot // B, 1, 0, slot % B]
-    value = torch.stack([pool[s // B, 1, 1, s % B] for s in meta.slot_mapping.tolist()])
+    # This step's K/V rows: what the pool already holds at their slots (stored over themselves).
+    slots = meta.slot_mapping.tolist()
+    key, value = (torch.stack([pool[s // B, 1, kv, s % B] for s in slots]) for kv in (0, 1))
     calls = []
     real = cpu_kernels.paged_prefill
     monkeypatch.setattr(cpu_kernels, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -183,7 +181,7 @@ def test_backend_sends_prefills_to_the_kernel(monkeypatch):
     assert calls == [50 + 30 + 17]  # after the two decodes and the 4-row verify chunk
     ref = _reference(pool, tables, query, seqs, 1, 0.125)
     assert (ours.float() - ref).abs().max() <= 1.5 * (theirs.float() - ref).abs().max() + 2e-3
-    assert torch.equal(ours[:6], theirs[:6]) or (ours[:6].float() - theirs[:6].float()).abs().max() < 2e-2
+    assert (ours[:6].float() - ref[:6]).abs().max() < 2e-2  # decodes and the verify chunk
 
 
 def test_engine_prompt_logprobs_as_close_to_fp32_as_the_torch_path(monkeypatch):
