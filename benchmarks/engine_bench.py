@@ -9,7 +9,7 @@ one run against a baseline from the same run; asserts nothing.
   Also the share of allocated KV slots holding real tokens, sampled every step.
 - prefix: a 4,000-token shared prefix + 50 new tokens: prefill tokens computed, TTFT cached
   vs uncached.
-- prefill: rounds of 16 prompts of 128-512 tokens (one output token), the AMX prefill
+- prefill: rounds of 16 prompts of 128-512 tokens (one output token), the bf16 prefill
   attention kernel off and on alternately in one process: median round, page faults.
 - overhead: wall time per engine step outside the model forward, at 1 and 64 running sequences
   (random and greedy rows; --profile adds a cProfile of the 64-sequence random steps).
@@ -121,7 +121,7 @@ def bench_prefix(args) -> None:
 
 def bench_prefill(args) -> None:
     """Rounds of `--prefill-prompts` prompts of 128-512 tokens, one output token each (prefill
-    steps only), the AMX prefill attention kernel off and on alternately in one process
+    steps only), the bf16 prefill attention kernel off and on alternately in one process
     (`cpu_kernels.prefills_in_place` forced False for "off"; where the kernel is not built
     both arms run gather + SDPA): median round time and page faults per round."""
     import resource
@@ -148,7 +148,8 @@ def bench_prefill(args) -> None:
             runs[arm].append((time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
     cpu_kernels.prefills_in_place = built
     print(f"\n== prefill rounds: {args.prefill_prompts} prompts of 128-512 tokens, bf16, {args.threads} threads ==")
-    print(f"AMX prefill kernel built: {hasattr(torch.ops.pdserve_cpu, 'paged_prefill')}")
+    built_isa = torch.ops.pdserve_cpu.prefill_isa() if hasattr(torch.ops.pdserve_cpu, "prefill_isa") else "not built"
+    print(f"prefill kernel: {built_isa}")
     med = {arm: statistics.median(t for t, _ in r) for arm, r in runs.items()}
     for arm, r in runs.items():
         print(f"kernel {arm:3s}: median round {med[arm] * 1e3:7.1f} ms, "

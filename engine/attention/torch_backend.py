@@ -123,10 +123,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     On the CPU, decode rows over a pool in the model's dtype go to the C++ kernel that reads
     K/V in place (engine/cpu_kernels) when it builds, prefill chunks of a bf16 model without a
-    window or soft cap to its AMX kernel (`paged_prefill`, where the CPU has AMX-BF16), and a
-    step's K/V rows are stored by its `store_kv_` (one call per layer) into such a pool;
-    `cpu_kernels=False` keeps the gather + SDPA path and `store_kv_torch` everywhere (the
-    references the kernels are tested against)."""
+    window or soft cap to its bf16 kernel (`paged_prefill`: AMX tiles, or AVX512-BF16 where
+    there is no AMX), and a step's K/V rows are stored by its `store_kv_` (one call per
+    layer) into such a pool; `cpu_kernels=False` keeps the gather + SDPA path and
+    `store_kv_torch` everywhere (the references the kernels are tested against)."""
 
     name = "torch"
 
@@ -160,7 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
             start += rows
         if (short < metadata.num_seqs and win is None and cap is None and self.cpu_kernels
                 and cpu_kernels.prefills_in_place(query, kv_cache)):
-            # Every remaining sequence in one call, K/V read from the pool (AMX tiles).
+            # Every remaining sequence in one call, K/V read from the pool.
             out[start:] = cpu_kernels.paged_prefill(
                 query[start:], kv_cache, layer, metadata.block_tables[short:], metadata.seq_lens[short:],
                 metadata.query_start_loc[short:].diff(), scale)

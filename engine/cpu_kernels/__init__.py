@@ -23,8 +23,9 @@ query rows of S sequences back to back (sequence s: query_lens[s] rows, the last
 seq_lens[s] positions, causal), bf16 [T, Hq, D] (unit last stride, D a multiple of 32), over
 a bf16 pool that already holds their K/V; block_tables int32 [S, >= blocks], seq_lens and
 query_lens int32 [S]. Returns [T, Hq, D] bf16; scores and softmax in fp32, the probabilities
-rounded to bf16 for the P V product (as torch's CPU flash attention). AMX-BF16 tiles: built
-only where the compiler targets AMX (`prefills_in_place`); no window, no soft cap.
+rounded to bf16 for the P V product (as torch's CPU flash attention). AMX-BF16 tiles where
+the compiler targets AMX, else AVX512-BF16's vdpbf16ps (`prefill_isa()`: "amx" /
+"avx512_bf16"); not built without AVX512-BF16 (`prefills_in_place`); no window, no soft cap.
 
 `store_kv_(key, value, kv_cache, layer, slot_mapping)`: a step's K/V rows ([T, Hkv, D] each,
 each token's heads contiguous) into `layer` of a pool in their dtype, in place, at
@@ -135,7 +136,8 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_
 
 def prefills_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `paged_prefill` serves this query and pool: bf16 both, head_dim a multiple of
-    32, a block size that is a multiple of 16, on a CPU with AMX-BF16 (the op is built only there) and the kernels loaded."""
+    32, a block size that is a multiple of 16, on a CPU with AVX512-BF16 or AMX-BF16 (the op
+    is built only there) and the kernels loaded."""
     return (query.device.type == "cpu" and query.dtype == kv_cache.dtype == torch.bfloat16
             and query.stride(-1) == 1 and query.shape[-1] % 32 == 0 and kv_cache.shape[3] % 16 == 0
             and kv_cache.shape[-1] == query.shape[-1] and load()

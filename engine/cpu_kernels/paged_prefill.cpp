@@ -1,15 +1,17 @@
-// Paged prefill attention on the CPU with AMX-BF16 tiles, reading K/V from the engine's pool.
+// Paged prefill attention on the CPU in bf16, reading K/V from the engine's pool: AMX-BF16
+// tiles where the compiler targets AMX (Sapphire Rapids and later), AVX512-BF16's vdpbf16ps
+// elsewhere (Cooper Lake, Zen 4); the two share everything but the two matrix products.
 //
 // Query rows of one or more sequences (whole prompts or chunks after a cached context),
 // causal, over a bf16 pool; head_dim a multiple of 32. No sliding window, no soft cap, no
 // other dtype: the torch backend keeps its gather + SDPA path for those (and on CPUs without
-// AMX, where this op is not built: `cpu_kernels.prefills_in_place`).
+// AVX512-BF16, where this op is not built: `cpu_kernels.prefills_in_place`).
 // Contract and reference: `paged_prefill` in engine/cpu_kernels/__init__.py and the torch
 // backend's `_prefill` (gather + SDPA) it replaces.
 //
 // Two phases, each over ATen's intra-op threads:
 //  1. per (sequence, kv head): its keys and values, read once from their blocks, are packed
-//     as AMX B operands: K^T in 32-bit pairs (scores = Q K^T), V in row pairs (out = P V),
+//     as AMX B operands (which are also vdpbf16ps's second operands, 16 lanes at a time): K^T in 32-bit pairs (scores = Q K^T), V in row pairs (out = P V),
 //     zero past the sequence's end.
 //  2. per (sequence, query head, tile of 16 query tokens), the longest first: the tile's
 //     scores against every key it sees (16 x 16 tiles, fp32), then the softmax of each row in
@@ -20,10 +22,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PDSERVE_PREFILL_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -40,6 +45,9 @@ using pdserve_vec::load16;
 using pdserve_vec::vec16;
 
 constexpr int64_t kTile = 16;  // rows of every tile; keys per score tile; query tokens per item
+
+#if PDSERVE_PREFILL_AMX
+constexpr const char* kIsa = "amx";
 
 // Linux hands out AMX tile state only after a process asks (once).
 bool amx_permitted() {
@@ -59,6 +67,9 @@ struct alignas(64) TileConfig {
     for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kTile;
   }
 };
+#else
+constexpr const char* kIsa = "avx512_bf16";
+#endif
 
 using bf16 = c10::BFloat16;
 
@@ -120,6 +131,101 @@ void pack(const Sequence& s, const uint16_t* pool, int64_t h, int64_t D, int64_t
   }
 }
 
+// The two products of one item, each in an AMX and a vdpbf16ps version.
+//  score_block: scores[r][0..16) (row stride `width` floats) = the 16 query rows of qbuf
+//    (bf16 [16][D]) times one packed key block (k: [D / 32][16 dim pairs][16 keys][2]).
+//  probs_times_values: acc[r][0..16 * chunks) (row stride 64 floats) = probs (bf16 [16]
+//    [width], zero past each row's keys) times `chunks` 16-dim chunks of the packed values
+//    (v: the first chunk of key pair block 0; blocks D * 32 apart, chunks 512 apart).
+#if PDSERVE_PREFILL_AMX
+inline void score_block(const uint16_t* qbuf, const uint16_t* k, int64_t D, float* scores, int64_t width) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(1, &qbuf[c * 32], D * sizeof(uint16_t));
+    _tile_loadd(2, k + c * 512, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, scores, width * sizeof(float));
+}
+
+inline void probs_times_values(const uint16_t* probs, int64_t width, const uint16_t* v, int64_t D,
+                               int64_t v_pairs, int64_t chunks, float* acc) {
+  for (int64_t c = 0; c < chunks; ++c) {
+    switch (c) {
+      case 0: _tile_zero(4); break;
+      case 1: _tile_zero(5); break;
+      case 2: _tile_zero(6); break;
+      default: _tile_zero(7);
+    }
+  }
+  const int64_t p_stride = width * sizeof(uint16_t);
+  for (int64_t kp = 0; kp < v_pairs; ++kp) {
+    _tile_loadd(1, &probs[kp * 32], p_stride);
+    const uint16_t* vb = v + kp * D * 32;
+    _tile_loadd(2, vb, 64);
+    _tile_dpbf16ps(4, 1, 2);
+    if (chunks > 1) { _tile_loadd(3, vb + 512, 64); _tile_dpbf16ps(5, 1, 3); }
+    if (chunks > 2) { _tile_loadd(2, vb + 1024, 64); _tile_dpbf16ps(6, 1, 2); }
+    if (chunks > 3) { _tile_loadd(3, vb + 1536, 64); _tile_dpbf16ps(7, 1, 3); }
+  }
+  const int64_t a_stride = 64 * sizeof(float);
+  _tile_stored(4, &acc[0], a_stride);
+  if (chunks > 1) _tile_stored(5, &acc[16], a_stride);
+  if (chunks > 2) _tile_stored(6, &acc[32], a_stride);
+  if (chunks > 3) _tile_stored(7, &acc[48], a_stride);
+}
+#else
+// A bf16 pair as one 32-bit word, broadcast to every lane: vdpbf16ps's first operand.
+inline __m512bh pair_at(const uint16_t* pair) {
+  int32_t word;
+  std::memcpy(&word, pair, sizeof(word));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(word));
+}
+
+inline __m512bh load_pairs(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+// 16 accumulators, one per query row; each packed key vector (16 keys' dim pair) meets all 16.
+inline void score_block(const uint16_t* qbuf, const uint16_t* k, int64_t D, float* scores, int64_t width) {
+  __m512 acc[kTile];
+  for (int64_t r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t pair = 0; pair < D / 2; ++pair) {
+    const __m512bh keys = load_pairs(k + (pair / 16) * 512 + (pair % 16) * 32);
+    for (int64_t r = 0; r < kTile; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_at(&qbuf[r * D + 2 * pair]), keys);
+  }
+  for (int64_t r = 0; r < kTile; ++r) _mm512_storeu_ps(scores + r * width, acc[r]);
+}
+
+// Four rows x `Chunks` 16-dim chunks of accumulators; each packed value vector (one key pair,
+// 16 dims) meets the four rows' probability pairs.
+template <int Chunks>
+inline void probs_times_values_rows(const uint16_t* probs, int64_t width, const uint16_t* v, int64_t D,
+                                    int64_t v_pairs, float* acc) {
+  for (int64_t r0 = 0; r0 < kTile; r0 += 4) {
+    __m512 a[4][Chunks];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < Chunks; ++c) a[r][c] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < v_pairs; ++kp)
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint16_t* vb = v + kp * D * 32 + j * 32;
+        __m512bh values[Chunks];
+        for (int c = 0; c < Chunks; ++c) values[c] = load_pairs(vb + c * 512);
+        for (int r = 0; r < 4; ++r) {
+          const __m512bh p = pair_at(&probs[(r0 + r) * width + kp * 32 + 2 * j]);
+          for (int c = 0; c < Chunks; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], p, values[c]);
+        }
+      }
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(&acc[(r0 + r) * 64 + c * 16], a[r][c]);
+  }
+}
+
+inline void probs_times_values(const uint16_t* probs, int64_t width, const uint16_t* v, int64_t D,
+                               int64_t v_pairs, int64_t chunks, float* acc) {
+  if (chunks == 4) probs_times_values_rows<4>(probs, width, v, D, v_pairs, acc);
+  else probs_times_values_rows<2>(probs, width, v, D, v_pairs, acc);  // D % 64 == 32: the last 32 dims
+}
+#endif
+
 // One item: query head hq's tokens [t0, t0 + 16) of sequence s (rows past q_len are padding).
 void tile_item(const Sequence& s, int64_t t0, int64_t hq, const bf16* query, int64_t q_tok,
                int64_t q_head, const Packed& p, int64_t D, float scale, bf16* out, int64_t o_tok,
@@ -128,21 +234,12 @@ void tile_item(const Sequence& s, int64_t t0, int64_t hq, const bf16* query, int
   const int64_t first_pos = s.seq_len - s.q_len + t0;         // position of the tile's first row
   const int64_t keys = std::min(s.seq_len, first_pos + kTile);  // keys any row of the tile sees
   const int64_t k_blocks = (keys + 15) / 16, v_pairs = (keys + 31) / 32, width = v_pairs * 32;
-    // The tile's queries, zero-padded to 16 rows.
+  // The tile's queries, zero-padded to 16 rows.
   std::fill(qbuf + rows * D, qbuf + kTile * D, 0);
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(&qbuf[r * D], query + (s.q_start + t0 + r) * q_tok + hq * q_head, D * sizeof(uint16_t));
   // Scores, 16 keys at a time.
-  const int64_t s_stride = width * sizeof(float);
-  for (int64_t kb = 0; kb < k_blocks; ++kb) {
-    _tile_zero(0);
-    for (int64_t c = 0; c < D / 32; ++c) {
-      _tile_loadd(1, &qbuf[c * 32], D * sizeof(uint16_t));
-      _tile_loadd(2, p.k + kb * D * 16 + c * 512, 64);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, &scores[kb * 16], s_stride);
-  }
+  for (int64_t kb = 0; kb < k_blocks; ++kb) score_block(qbuf, p.k + kb * D * 16, D, &scores[kb * 16], width);
   // Softmax of each row over keys 0..its position; probabilities rounded to bf16.
   std::fill(probs, probs + kTile * width, 0);
   float inv[kTile] = {};
@@ -169,32 +266,10 @@ void tile_item(const Sequence& s, int64_t t0, int64_t hq, const bf16* query, int
     }
     inv[r] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  // P V, 64 output dims (four C tiles) at a time.
-  const int64_t p_stride = width * sizeof(uint16_t);
+  // P V, 64 output dims at a time.
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
-    for (int64_t c = 0; c < chunks; ++c) {
-      switch (c) {
-        case 0: _tile_zero(4); break;
-        case 1: _tile_zero(5); break;
-        case 2: _tile_zero(6); break;
-        default: _tile_zero(7);
-      }
-    }
-    for (int64_t kp = 0; kp < v_pairs; ++kp) {
-      _tile_loadd(1, &probs[kp * 32], p_stride);
-      const uint16_t* vb = p.v + kp * D * 32 + (d0 / 16) * 512;
-      _tile_loadd(2, vb, 64);
-      _tile_dpbf16ps(4, 1, 2);
-      if (chunks > 1) { _tile_loadd(3, vb + 512, 64); _tile_dpbf16ps(5, 1, 3); }
-      if (chunks > 2) { _tile_loadd(2, vb + 1024, 64); _tile_dpbf16ps(6, 1, 2); }
-      if (chunks > 3) { _tile_loadd(3, vb + 1536, 64); _tile_dpbf16ps(7, 1, 3); }
-    }
-    const int64_t a_stride = 64 * sizeof(float);
-    _tile_stored(4, &acc[0], a_stride);
-    if (chunks > 1) _tile_stored(5, &acc[16], a_stride);
-    if (chunks > 2) _tile_stored(6, &acc[32], a_stride);
-    if (chunks > 3) _tile_stored(7, &acc[48], a_stride);
+    probs_times_values(probs, width, p.v + (d0 / 16) * 512, D, v_pairs, chunks, acc);
     for (int64_t r = 0; r < rows; ++r) {
       bf16* dst = out + (s.q_start + t0 + r) * o_tok + hq * D + d0;
       const vec16 iv = _mm512_set1_ps(inv[r]);
@@ -206,7 +281,9 @@ void tile_item(const Sequence& s, int64_t t0, int64_t hq, const bf16* query, int
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_lens, double scale) {
+#if PDSERVE_PREFILL_AMX
   TORCH_CHECK(amx_permitted(), "paged_prefill: the kernel did not get AMX tile state from Linux");
+#endif
   TORCH_CHECK(scale > 0, "scale: positive");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.scalar_type() == at::kBFloat16,
               "query: bfloat16 [T, Hq, D] with unit last stride");
@@ -282,14 +359,18 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, in
     uint16_t* pb = scratch(probs, kTile * widest);
     float* sb = scratch(scores, kTile * widest);
     float* ab = scratch(acc, kTile * 64);
+#if PDSERVE_PREFILL_AMX
     TileConfig config;
     _tile_loadconfig(&config);
+#endif
     for (int64_t k = next++; k < n_items; k = next++) {
       const Item& it = items[k];
       tile_item(seqs[it.s], it.t0, it.hq, q, query.stride(0), query.stride(1), packed[it.s * Hkv + it.hq / G],
                 D, sc, o, Hq * D, qb, sb, pb, ab);
     }
+#if PDSERVE_PREFILL_AMX
     _tile_release();
+#endif
   });
   return out;
 }
@@ -297,6 +378,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, in
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("prefill_isa() -> str", [] { return std::string(kIsa); });  // "amx" or "avx512_bf16"
   m.def("paged_prefill(Tensor query, Tensor kv_cache, int layer, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_lens, float scale) -> Tensor");
 }

@@ -1,4 +1,5 @@
-"""The AMX prefill attention kernel (engine/cpu_kernels/paged_prefill.cpp): query rows of
+"""The bf16 prefill attention kernel (engine/cpu_kernels/paged_prefill.cpp: AMX tiles, or
+AVX512-BF16's vdpbf16ps where there is no AMX; `prefill_isa` says which): query rows of
 several sequences (whole prompts and chunks after a cached context) over a bf16 pool, against
 an fp32 reference, no further from it than the torch backend's gather + SDPA path; rows past a
 sequence's end never reach the output; torch's own AMX users (SDPA, oneDNN) are unaffected by
@@ -16,7 +17,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.load() or not hasattr(torch.ops.pdserve_cpu, "paged_prefill"),
-    reason="the prefill kernel is built only for CPUs with AMX-BF16")
+    reason="the prefill kernel is built only for CPUs with AVX512-BF16 (or AMX-BF16)")
 
 
 def _case(seqs, Hq=9, Hkv=3, D=64, B=16, layers=2, spare=6, seed=0):
@@ -144,8 +145,8 @@ def test_refusals():
 
 
 def test_torch_amx_users_unaffected_by_its_tile_state():
-    """SDPA's CPU flash attention and oneDNN's bf16 linear (both AMX here) before and after
-    the kernel ran on the same threads: the same results."""
+    """SDPA's CPU flash attention and oneDNN's bf16 linear (both AMX on an AMX host) before
+    and after the kernel ran on the same threads: the same results."""
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 9, 300, 64, generator=gen).bfloat16() for _ in range(3))
     x, w = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(960, 576, generator=gen).bfloat16()
