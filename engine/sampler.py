@@ -167,6 +167,18 @@ def softmax_numerators_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return probs, chunk_totals(probs)
 
 
+def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of softmax(`logits`) ([rows, vocab] fp32, may be overwritten) for
+    `uniforms` ([rows, 1] in [0, 1)): `inverse_cdf` over `softmax_numerators_`; on the CPU
+    with the kernels, one C++ pass that reads the logits and writes nothing (the same
+    draws)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
+            and cpu_kernels.load()):
+        return cpu_kernels.draw_rows(logits, uniforms.to(torch.float32).reshape(-1).contiguous(), _CHUNK)
+    probs, totals = softmax_numerators_(logits)
+    return inverse_cdf(probs, uniforms.to(probs.device), totals)
+
+
 def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor | None]:
     """(rows asking for logprobs, their log-softmax before any mask or penalty)."""
     lp_idx = [i for i, r in enumerate(rows) if r.request.sampling.logprobs is not None]
@@ -202,10 +214,9 @@ class Sampler:
             tokens[greedy_idx] = argmax_rows(logits[greedy_idx])
         whole = len(random_idx) == len(rows)
         sub_rows = rows if whole else [rows[i] for i in random_idx]
-        probs, totals = softmax_numerators_(_filter(logits if whole else logits[random_idx], sub_rows))
         # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
-        uniforms = torch.from_numpy(row_uniforms(sub_rows)).to(probs.device)
-        drawn = inverse_cdf(probs, uniforms, totals)
+        drawn = draw(_filter(logits if whole else logits[random_idx], sub_rows),
+                     torch.from_numpy(row_uniforms(sub_rows)))
         if whole:
             tokens = drawn
         else:

@@ -35,6 +35,10 @@ whether it serves a key/value/pool (quantized pools keep the torch backend's pat
 `exp_chunk_totals_(x, chunk)`: the sampler's pass over a step's logits (sampling_ops.cpp):
 x (float32 [rows, vocab], unit last stride) becomes exp(x - its row's max) in place, and the
 sums of each `chunk` columns come back, [rows, ceil(vocab / chunk)] float32.
+`draw_rows(x, uniforms, chunk)`: the token each row of x (float32 [rows, vocab], unit last
+stride, read only) draws for its uniform (float32 [rows] in [0, 1)): what engine/sampler.py's
+`inverse_cdf` draws from `exp_chunk_totals_`'s numerators and sums, int64 [rows], without
+writing the numerators (the chunk the draw lands in is recomputed).
 
 `LAYER_OPS`: RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-mul (layer_ops.cpp),
 with the contracts of the Triton kernels of the same names (`kernels`), so a model's layers
@@ -169,6 +173,11 @@ def store_kv_(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, la
 def exp_chunk_totals_(x: torch.Tensor, chunk: int) -> torch.Tensor:
     """See the module docstring; `load()` must have returned True."""
     return torch.ops.pdserve_cpu.exp_chunk_totals_(x, chunk)
+
+
+def draw_rows(x: torch.Tensor, uniforms: torch.Tensor, chunk: int) -> torch.Tensor:
+    """See the module docstring; `load()` must have returned True."""
+    return torch.ops.pdserve_cpu.draw_rows(x, uniforms, chunk)
 
 
 _EXTRA_BYTES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 0, torch.int8: SCALE_BYTES}

@@ -271,10 +271,12 @@ inline float row_max(const float* x, int64_t n) {
   return m;
 }
 
-// x[i] = exp(x[i] - m) for i < n; returns their sum (16 lanes with libmvec's expf where
-// PDSERVE_VEC16, or with `fast_exp16` when kFast: the sampler's pass, where no result is held
-// to bit equality with torch and the exps are most of its time; summed in a fixed order).
-template <bool kFast = false>
+// x[i] = exp(x[i] - m) for i < n (only when kStore); returns their sum (16 lanes with
+// libmvec's expf where PDSERVE_VEC16, or with `fast_exp16` when kFast: the sampler's pass,
+// where no result is held to bit equality with torch and the exps are most of its time;
+// summed in a fixed order). Each exp depends on its own element only, so a later pass over a
+// part of the row recomputes exactly the values this one summed.
+template <bool kFast = false, bool kStore = true>
 inline float exp_sub_sum(float* x, int64_t n, float m) {
   int64_t i = 0;
   float total = 0.f;
@@ -284,14 +286,15 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   for (; i + 16 <= n; i += 16) {
     const vec16 d = sub16(load16(x + i), mv);
     const vec16 e = kFast ? fast_exp16(d) : exp16(d);
-    store16(x + i, e);
+    if constexpr (kStore) store16(x + i, e);
     acc = add16(acc, e);
   }
   total = sum16(acc);
 #endif
   for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - m);
-    total += x[i];
+    const float e = std::exp(x[i] - m);
+    if constexpr (kStore) x[i] = e;
+    total += e;
   }
   return total;
 }

@@ -184,6 +184,33 @@ def test_exp_chunk_totals_exp_across_its_range():
     assert odd[0, 1].isnan() and odd[0, 0] == 1.0 and odd[1].isnan().all()
 
 
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+@pytest.mark.parametrize("vocab", [7, 256, 4099, 49152])
+def test_draw_rows_is_inverse_cdf_over_the_numerators_and_leaves_the_logits(vocab):
+    """One C++ pass (sums, then the draw, the landing chunk's numerators recomputed) draws
+    exactly the token `inverse_cdf` draws from `exp_chunk_totals_`'s numerators and sums, for
+    masked rows, a single surviving token, u = 0 and u that rounds up to the total; the
+    logits are not written."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(64, vocab, generator=g) * 4
+    x[0, vocab // 3 :] = float("-inf")  # mass only at the start
+    x[1, : vocab - 1] = float("-inf")  # a single token: the very last
+    x[2, ::2] = float("-inf")
+    u = torch.rand(64, 1, generator=g)
+    u[3] = 0.0
+    u[4] = 1.0 - 2**-24
+    before = x.clone()
+    drawn = cpu_kernels.draw_rows(x, u.reshape(-1), 256)
+    assert torch.equal(x, before)
+    numerators = x.clone()
+    totals = cpu_kernels.exp_chunk_totals_(numerators, 256)
+    assert drawn.tolist() == inverse_cdf(numerators, u, totals).tolist()
+    assert all(x[i, t] > float("-inf") for i, t in enumerate(drawn.tolist()))
+    assert drawn[1] == vocab - 1
+    with pytest.raises(RuntimeError, match="uniforms"):
+        cpu_kernels.draw_rows(x, u.double().reshape(-1), 256)
+
+
 def test_random_rows_draw_the_same_tokens_with_and_without_the_kernels(monkeypatch):
     """The kernel's unnormalized numerators and the softmax's probabilities give one draw."""
     logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(5)) * 3
