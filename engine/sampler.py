@@ -156,27 +156,17 @@ def softmax_(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._softmax.out(x, -1, False, out=x)
 
 
-def softmax_numerators_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs, chunk_totals(probs)) for `inverse_cdf`, written over `logits` [rows, vocab]
-    fp32: with the CPU kernels one pass of exp(x - row max) that sums each chunk as it goes
-    (unnormalized: the draw scales by the total), else the softmax and a second pass."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
-            and cpu_kernels.load()):
-        return logits, cpu_kernels.exp_chunk_totals_(logits, _CHUNK)
-    probs = softmax_(logits)
-    return probs, chunk_totals(probs)
-
-
 def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of softmax(`logits`) ([rows, vocab] fp32, may be overwritten) for
-    `uniforms` ([rows, 1] in [0, 1)): `inverse_cdf` over `softmax_numerators_`; on the CPU
-    with the kernels, one C++ pass that reads the logits and writes nothing (the same
-    draws)."""
+    `uniforms` ([rows, 1] in [0, 1)): `inverse_cdf` over the softmax written over the logits;
+    on the CPU with the kernels, one C++ op that reads the logits and writes nothing
+    (`draw_rows`: the same draw over the unnormalized numerators `exp_chunk_totals_`
+    computes — the draw scales its uniform by the row's total)."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
             and cpu_kernels.load()):
         return cpu_kernels.draw_rows(logits, uniforms.to(torch.float32).reshape(-1).contiguous(), _CHUNK)
-    probs, totals = softmax_numerators_(logits)
-    return inverse_cdf(probs, uniforms.to(probs.device), totals)
+    probs = softmax_(logits)
+    return inverse_cdf(probs, uniforms.to(probs.device), chunk_totals(probs))
 
 
 def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor | None]:

@@ -32,9 +32,10 @@ each token's heads contiguous) into `layer` of a pool in their dtype, in place, 
 slot_mapping (int64 [T], block * B + offset; -1 = not stored); `stores_in_place` says
 whether it serves a key/value/pool (quantized pools keep the torch backend's path).
 
-`exp_chunk_totals_(x, chunk)`: the sampler's pass over a step's logits (sampling_ops.cpp):
-x (float32 [rows, vocab], unit last stride) becomes exp(x - its row's max) in place, and the
-sums of each `chunk` columns come back, [rows, ceil(vocab / chunk)] float32.
+`exp_chunk_totals_(x, chunk)`: the sampler's numerators (sampling_ops.cpp): x (float32
+[rows, vocab], unit last stride) becomes exp(x - its row's max) in place, and the sums of
+each `chunk` columns come back, [rows, ceil(vocab / chunk)] float32 — what `draw_rows`
+computes without writing them (the tests' view of its exps and sums).
 `draw_rows(x, uniforms, chunk)`: the token each row of x (float32 [rows, vocab], unit last
 stride, read only) draws for its uniform (float32 [rows] in [0, 1)): what engine/sampler.py's
 `inverse_cdf` draws from `exp_chunk_totals_`'s numerators and sums, int64 [rows], without
