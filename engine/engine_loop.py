@@ -186,7 +186,7 @@ class EngineLoop:
                 prompt_before = engine.scheduler.stats.prompt_tokens
                 decoding = _num_decoding(engine)
                 if self.itl_target_s > 0:
-                    self.prompt_cap = self._prompt_cap(max(decoding, 1))
+                    self.prompt_cap = self._prompt_cap(max(decoding, 1), len(engine.scheduler.waiting))
                     engine.scheduler.prompt_token_budget = self.prompt_cap if decoding else 0
                 if self.step_threads is not None:
                     self.step_threads.begin_step()
@@ -213,10 +213,12 @@ class EngineLoop:
                     self.step_threads.end_busy()
                 self._wake.wait(POLL_WAIT_S if in_flight else IDLE_WAIT_S)
 
-    def _prompt_cap(self, decoding: int) -> int:
+    def _prompt_cap(self, decoding: int, queued: int = 0) -> int:
         """Prompt tokens per step that keep a step beside `decoding` decodes within the ITL
-        target, from this loop's measured step costs; before they can be fitted, the
-        measured prefill rate, and before anything is measured, `INITIAL_PROMPT_CAP_BLOCKS`."""
+        target (or, with `queued` prompts waiting, keep prefill ahead of them:
+        `prompt_token_cap`), from this loop's measured step costs; before they can be
+        fitted, the measured prefill rate, and before anything is measured,
+        `INITIAL_PROMPT_CAP_BLOCKS`."""
         engine, d, p = self.engine, self.decode_steps, self.prefill_steps
         timings = (d.seconds, d.tokens, p.seconds, p.tokens)
         per_token = fitted_slope(*timings)
@@ -227,7 +229,7 @@ class EngineLoop:
             return INITIAL_PROMPT_CAP_BLOCKS * block_size
         cost = step_cost_from(*timings, per_token)
         return prompt_token_cap(cost, decoding, self.itl_target_s, block_size,
-                                engine.config.max_num_batched_tokens)
+                                engine.config.max_num_batched_tokens, queued)
 
 
 def _num_decoding(engine: LLMEngine) -> int:

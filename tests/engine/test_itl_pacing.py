@@ -61,6 +61,14 @@ def test_step_cost_fit_and_the_cap_it_gives():
     assert prompt_token_cap(cost, 8, 0.2, floor=16, budget=512) == 30
     assert prompt_token_cap(cost, 8, 0.02, floor=16, budget=512) == 16  # never below one block
     assert prompt_token_cap(cost, 8, 60.0, floor=16, budget=512) == 512  # never past the budget
+    # 100 decodes take 0.51 s of a step already: the chunk still gets as long (102 tokens),
+    # so prefill keeps at least half of a busy engine's time; with prompts queued behind it,
+    # 2/3 (one queued) and 3/4 (two): a backlog drains.
+    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512) == 102
+    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512, queued=1) == 204
+    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512, queued=2) == 306
+    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=64, queued=2) == 64
+    assert prompt_token_cap(cost, 8, 0.2, floor=16, budget=512, queued=1) == 30  # the target rules
 
 
 def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
