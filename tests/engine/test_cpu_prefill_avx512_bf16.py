@@ -5,45 +5,25 @@ An AMX host builds and tests only the AMX tiles in this process, yet Zen 4 and C
 CPUs run the vdpbf16ps version. Here the prefill kernel's tests run again in a child process
 as such a CPU would: the kernels built with -march=cooperlake (AVX-512 with BF16, no AMX) and
 oneDNN capped below AMX. On a CPU with AVX512-BF16 and no AMX the main run covers this."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from emulated_host import cpu_has, run_as, run_tests_as
 
 from engine import cpu_kernels
 
-ROOT = Path(__file__).resolve().parents[2]
 AVX512_BF16_HOST = {
     "PDSERVE_CPU_KERNELS_MARCH": "cooperlake",
     "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
 }
 
 
-def _cpu_has(*flags: str) -> bool:
-    words = set(cpu_kernels._cpu_flags().split())
-    return all(f in words for f in flags)
-
-
 pytestmark = pytest.mark.skipif(
-    not _cpu_has("amx_bf16", "amx_tile", "avx512_bf16") or not cpu_kernels.load(),
+    not cpu_has("amx_bf16", "amx_tile", "avx512_bf16") or not cpu_kernels.load(),
     reason="needs an AMX host with a C++ toolchain (an AVX512-BF16 host without AMX tests this natively)")
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, **AVX512_BF16_HOST}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_prefill_kernel_on_an_avx512_bf16_host():
-    probe = _run(["-c", "from engine import cpu_kernels; import torch\n"
-                        "assert cpu_kernels.load()\n"
-                        "print(torch.ops.pdserve_cpu.prefill_isa())"], timeout=300)
+    script = "from engine import cpu_kernels; import torch\nassert cpu_kernels.load()\nprint(torch.ops.pdserve_cpu.prefill_isa())"
+    probe = run_as(AVX512_BF16_HOST, ["-c", script], timeout=300)
     assert probe.returncode == 0, probe.stderr[-3000:]
     assert probe.stdout.split() == ["avx512_bf16"]
-    run = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_cpu_prefill_kernel.py"],
-               timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout.splitlines()[-1]
+    run_tests_as(AVX512_BF16_HOST, ["tests/engine/test_cpu_prefill_kernel.py"], timeout=600)
