@@ -11,8 +11,8 @@
 //
 // Two phases, each over ATen's intra-op threads:
 //  1. per (sequence, kv head): its keys and values, read once from their blocks, are packed
-//     as AMX B operands (which are also vdpbf16ps's second operands, 16 lanes at a time): K^T in 32-bit pairs (scores = Q K^T), V in row pairs (out = P V),
-//     zero past the sequence's end.
+//     as AMX B operands (also vdpbf16ps's second operands, 16 lanes at a time): K^T in
+//     32-bit pairs (scores = Q K^T), V in row pairs (out = P V), zero past the sequence's end.
 //  2. per (sequence, query head, tile of 16 query tokens), the longest first: the tile's
 //     scores against every key it sees (16 x 16 tiles, fp32), then the softmax of each row in
 //     fp32 (exact max, libmvec exp; keys past the row's position masked), the probabilities
