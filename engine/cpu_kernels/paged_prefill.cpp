@@ -136,7 +136,8 @@ void pack(const Sequence& s, const uint16_t* pool, int64_t h, int64_t D, int64_t
 //    (bf16 [16][D]) times one packed key block (k: [D / 32][16 dim pairs][16 keys][2]).
 //  probs_times_values: acc[r][0..16 * chunks) (row stride 64 floats) = probs (bf16 [16]
 //    [width], zero past each row's keys) times `chunks` 16-dim chunks of the packed values
-//    (v: the first chunk of key pair block 0; blocks D * 32 apart, chunks 512 apart).
+//    (v: the first chunk of key pair block 0; blocks D * 32 apart, chunks 512 apart), for
+//    rows r < `rows` at least (AMX computes all 16; vdpbf16ps stops at the next 4).
 #if PDSERVE_PREFILL_AMX
 inline void score_block(const uint16_t* qbuf, const uint16_t* k, int64_t D, float* scores, int64_t width) {
   _tile_zero(0);
@@ -149,7 +150,7 @@ inline void score_block(const uint16_t* qbuf, const uint16_t* k, int64_t D, floa
 }
 
 inline void probs_times_values(const uint16_t* probs, int64_t width, const uint16_t* v, int64_t D,
-                               int64_t v_pairs, int64_t chunks, float* acc) {
+                               int64_t v_pairs, int64_t chunks, int64_t, float* acc) {
   for (int64_t c = 0; c < chunks; ++c) {
     switch (c) {
       case 0: _tile_zero(4); break;
@@ -199,8 +200,8 @@ inline void score_block(const uint16_t* qbuf, const uint16_t* k, int64_t D, floa
 // 16 dims) meets the four rows' probability pairs.
 template <int Chunks>
 inline void probs_times_values_rows(const uint16_t* probs, int64_t width, const uint16_t* v, int64_t D,
-                                    int64_t v_pairs, float* acc) {
-  for (int64_t r0 = 0; r0 < kTile; r0 += 4) {
+                                    int64_t v_pairs, int64_t rows, float* acc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     __m512 a[4][Chunks];
     for (int r = 0; r < 4; ++r)
       for (int c = 0; c < Chunks; ++c) a[r][c] = _mm512_setzero_ps();
@@ -220,9 +221,9 @@ inline void probs_times_values_rows(const uint16_t* probs, int64_t width, const 
 }
 
 inline void probs_times_values(const uint16_t* probs, int64_t width, const uint16_t* v, int64_t D,
-                               int64_t v_pairs, int64_t chunks, float* acc) {
-  if (chunks == 4) probs_times_values_rows<4>(probs, width, v, D, v_pairs, acc);
-  else probs_times_values_rows<2>(probs, width, v, D, v_pairs, acc);  // D % 64 == 32: the last 32 dims
+                               int64_t v_pairs, int64_t chunks, int64_t rows, float* acc) {
+  if (chunks == 4) probs_times_values_rows<4>(probs, width, v, D, v_pairs, rows, acc);
+  else probs_times_values_rows<2>(probs, width, v, D, v_pairs, rows, acc);  // D % 64 == 32: the last 32 dims
 }
 #endif
 
@@ -269,7 +270,7 @@ void tile_item(const Sequence& s, int64_t t0, int64_t hq, const bf16* query, int
   // P V, 64 output dims at a time.
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t chunks = std::min<int64_t>(4, (D - d0) / 16);
-    probs_times_values(probs, width, p.v + (d0 / 16) * 512, D, v_pairs, chunks, acc);
+    probs_times_values(probs, width, p.v + (d0 / 16) * 512, D, v_pairs, chunks, rows, acc);
     for (int64_t r = 0; r < rows; ++r) {
       bf16* dst = out + (s.q_start + t0 + r) * o_tok + hq * D + d0;
       const vec16 iv = _mm512_set1_ps(inv[r]);

@@ -9,7 +9,7 @@
 // twice (max, sums) and never written.
 //
 // Contract and reference: `exp_chunk_totals_` / `draw_rows` in engine/cpu_kernels/__init__.py
-// and `softmax_numerators_` + `inverse_cdf` in engine/sampler.py. Each row is one task; its
+// and `draw` (softmax + `inverse_cdf`, its plain-torch fallback) in engine/sampler.py. Each row is one task; its
 // sums run in a fixed order (16 lanes, then a fixed tree), so results do not depend on the
 // thread count.
 #include <ATen/ATen.h>
@@ -72,8 +72,8 @@ int64_t first_above(const float* values, const float* sums, int64_t n, float tar
 }
 
 // x [rows, vocab] float32 (unit last stride; read only), uniforms [rows] float32 in [0, 1):
-// per row the token `inverse_cdf` draws from softmax(x) with `softmax_numerators_`'s chunk
-// sums: int64 [rows].
+// per row the token `inverse_cdf` draws from `exp_chunk_totals_`'s numerators and chunk sums
+// of x: int64 [rows].
 at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& uniforms, int64_t chunk) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x: float32 [rows, vocab] with unit last stride");
