@@ -141,7 +141,11 @@ class ModelRunner:
             np.asarray(logits_rows, dtype=np.int64) if logits_rows else None)
         if self.send_step is not None:
             self.send_step(step)
-        x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step, self._lora_batch(order))
+        # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).
+        head_logits = (bool(sample_rows) and not prompt_rows and not verify
+                       and self.sampler.reads_head_logits(sample_rows, self.device))
+        x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step,
+                                 self._lora_batch(order), head_logits)
         if pool_spans:
             hidden = self.model.hidden(x, ctx, self._index(pool_rows)).float()
             for (request, _), part in zip(pool_spans, hidden.split([c for _, c in pool_spans])):
@@ -154,20 +158,21 @@ class ModelRunner:
             result.prompt_logprobs = _prompt_logprobs(logits[len(sample_at) :], prompt_spans)
         if sample_at:
             result.sampled = self._sample(logits[: len(sample_at)], sample_rows, verify,
-                                          output.draft_probs)
+                                          output.draft_probs, head_logits)
         return result
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SampleRow], verify: list[tuple[Request, int]],
-        draft_probs: dict[str, torch.Tensor],
+        draft_probs: dict[str, torch.Tensor], plainly: bool,
     ) -> dict[str, list[SampledToken]]:
         """Draw every row; a request with drafts keeps what verification accepts
-        (engine/spec_decode/verify.py) plus the target's token."""
+        (engine/spec_decode/verify.py) plus the target's token. `plainly`: the sampler said
+        it reads these rows' logits as the LM head made them."""
         with_q = {first: request for request, first in verify if request.request_id in draft_probs}
         q_rows = {first + j for first, r in with_q.items() for j in range(len(r.spec.drafts) + 1)}
         tokens: list[SampledToken | None]
-        if not q_rows:  # the usual step: every row samples plainly (a view, no copy)
-            tokens = self.sampler.sample(logits, rows)
+        if not q_rows:  # the usual step: every row samples at once (a view, no copy)
+            tokens = self.sampler.sample(logits, rows, plainly or None)
         else:
             plain = [i for i in range(len(rows)) if i not in q_rows]
             tokens = [None] * len(rows)

@@ -72,13 +72,24 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def draw_seeds(rows: list[SampleRow]) -> np.ndarray:
+    """`draw_seed` of every row (uint64 [rows]), in numpy's wrapping uint64 arithmetic."""
+    parts = np.array([(r.request.seed & _MASK, r.completion_index, r.num_output_tokens) for r in rows],
+                     dtype=np.uint64).reshape(len(rows), 3)
+    with np.errstate(over="ignore"):
+        x = (parts[:, 0] * np.uint64(0x9E3779B97F4A7C15) + parts[:, 1] * np.uint64(0xBF58476D1CE4E5B9)
+             + parts[:, 2])
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            x = (x ^ (x >> np.uint64(shift))) * np.uint64(mult)
+    return (x ^ (x >> np.uint64(31))) & np.uint64(0x7FFF_FFFF_FFFF_FFFF)
+
+
 def row_uniforms(rows: list[SampleRow], count: int = 1) -> np.ndarray:
     """[len(rows), count] float64 uniforms in [0, 1): row i's stream at its
     (seed, completion index, output position), vectorized over the batch. Uniform k of a
     row is splitmix64(draw_seed + k * golden gamma) scaled from its top 53 bits, so every
     worker draws the same numbers for the same row."""
-    seeds = np.fromiter((draw_seed(r.request.seed, r.completion_index, r.num_output_tokens)
-                         for r in rows), dtype=np.uint64, count=len(rows))
+    seeds = draw_seeds(rows)
     gamma = np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         steps = (np.arange(1, count + 1, dtype=np.uint64) * gamma)[None, :]
@@ -109,8 +120,11 @@ def _chunk_of(x: torch.Tensor, chunk: torch.Tensor, fill: float) -> tuple[torch.
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) for [rows, vocab] (the first index of the maximum), via the chunks'
-    maxima: torch's CPU argmax is ~10x slower than its max over a large row."""
+    """x.argmax(-1) for [rows, vocab] (the first index of the maximum): on the CPU with the
+    kernels one pass in C++, else via the chunks' maxima (torch's CPU argmax is ~10x slower
+    than its max over a large row)."""
+    if cpu_kernels.reads_logits(x):
+        return cpu_kernels.argmax_rows(x)
     body, rest = _chunk_view(x)
     maxima = body.amax(-1)
     if rest is not None:
@@ -160,13 +174,28 @@ def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of softmax(`logits`) ([rows, vocab] fp32, may be overwritten) for
     `uniforms` ([rows, 1] in [0, 1)): `inverse_cdf` over the softmax written over the logits;
     on the CPU with the kernels, one C++ op that reads the logits and writes nothing
-    (`draw_rows`: the same draw over the unnormalized numerators `exp_chunk_totals_`
+    (`sample_rows`: the same draw over the unnormalized numerators `exp_chunk_totals_`
     computes — the draw scales its uniform by the row's total)."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1
-            and cpu_kernels.load()):
-        return cpu_kernels.draw_rows(logits, uniforms.to(torch.float32).reshape(-1).contiguous(), _CHUNK)
+    if cpu_kernels.reads_logits(logits):
+        return cpu_kernels.sample_rows(logits, _row_values(uniforms), None, _CHUNK)
     probs = softmax_(logits)
     return inverse_cdf(probs, uniforms.to(probs.device), chunk_totals(probs))
+
+
+def _row_values(values: torch.Tensor) -> torch.Tensor:
+    """One float32 per row, contiguous: what the kernels take for uniforms and temperatures."""
+    return values.to(torch.float32).reshape(-1).contiguous()
+
+
+def draws_plainly(row: SampleRow) -> bool:
+    """Whether a row's token depends on its logits only through an argmax (greedy) or a draw
+    from softmax(logits / temperature): `SamplingParams.plain_draw`, no grammar, no bad
+    words, min_tokens reached (`needs_masks`' other masks). Such rows can be sampled straight
+    from the LM head's output."""
+    request = row.request
+    p = request.sampling
+    return (p.plain_draw and request.grammar is None and not request.bad_words_token_ids
+            and (not p.min_tokens or row.num_output_tokens >= p.min_tokens))
 
 
 def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor | None]:
@@ -191,8 +220,22 @@ class Sampler:
         apply_masks(logits, rows)
         self.penalties.apply(logits, rows)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
-        """One token per row. `logits`: [len(rows), vocab] fp32 (modified in place)."""
+    def reads_head_logits(self, rows: list[SampleRow], device: torch.device) -> bool:
+        """Whether `sample` takes these rows' logits as the LM head made them (bf16 on a bf16
+        model) and never needs an fp32 copy: every row draws plainly and the CPU kernels
+        read the logits in place."""
+        return device.type == "cpu" and all(map(draws_plainly, rows)) and cpu_kernels.load()
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], plainly: bool | None = None,
+               ) -> list[SampledToken]:
+        """One token per row. `logits`: [len(rows), vocab], fp32 (modified in place), or in
+        the LM head's dtype where `reads_head_logits` said so (`plainly`: what it said, when
+        the caller asked already)."""
+        if plainly is None:
+            plainly = all(map(draws_plainly, rows))
+        if plainly and cpu_kernels.reads_logits(logits):
+            return self._sample_plainly(logits, rows)
+        logits = logits.float()
         raw = raw_logprobs(logits, rows)
         self.adjust_logits(logits, rows)
         random_idx = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
@@ -212,6 +255,20 @@ class Sampler:
         else:
             tokens[random_idx] = drawn
         return with_logprobs(tokens.tolist(), rows, raw)
+
+    @staticmethod
+    def _sample_plainly(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampledToken]:
+        """Rows that all draw plainly, in one kernel call: the same tokens as the path above
+        (the argmax; the tempered logits' softmax for the row's uniform), with no fp32 copy,
+        no in-place temperature pass and no index splitting."""
+        temperatures = [r.request.sampling.temperature for r in rows]
+        if not any(temperatures):
+            tokens = cpu_kernels.argmax_rows(logits)
+        else:
+            uniforms = torch.from_numpy(row_uniforms(rows)[:, 0].astype(np.float32))
+            tokens = cpu_kernels.sample_rows(logits, uniforms, torch.tensor(temperatures, dtype=torch.float32),
+                                             _CHUNK)
+        return [SampledToken(t) for t in tokens.tolist()]
 
     def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The distribution `sample` draws each row from ([rows, vocab]): masks, penalties,

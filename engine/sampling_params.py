@@ -2,6 +2,7 @@
 follow vLLM's `SamplingParams`."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -111,3 +112,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @functools.cached_property
+    def plain_draw(self) -> bool:
+        """A token that depends on the logits only through their argmax (greedy) or a draw
+        from softmax(logits / temperature): no logprobs, penalties, top-k, top-p, min-p,
+        logit bias or allowed tokens (the request may still mask: engine/sampler.py
+        `draws_plainly`). Once per request (the sampler asks every step)."""
+        return (self.logprobs is None and not self.has_penalties and not self.top_k
+                and self.top_p >= 1.0 and self.min_p <= 0.0 and not self.logit_bias
+                and self.allowed_token_ids is None)

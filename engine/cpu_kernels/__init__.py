@@ -32,14 +32,18 @@ each token's heads contiguous) into `layer` of a pool in their dtype, in place, 
 slot_mapping (int64 [T], block * B + offset; -1 = not stored); `stores_in_place` says
 whether it serves a key/value/pool (quantized pools keep the torch backend's path).
 
-`exp_chunk_totals_(x, chunk)`: the sampler's numerators (sampling_ops.cpp): x (float32
-[rows, vocab], unit last stride) becomes exp(x - its row's max) in place, and the sums of
-each `chunk` columns come back, [rows, ceil(vocab / chunk)] float32 — what `draw_rows`
-computes without writing them (the tests' view of its exps and sums).
-`draw_rows(x, uniforms, chunk)`: the token each row of x (float32 [rows, vocab], unit last
-stride, read only) draws for its uniform (float32 [rows] in [0, 1)): what engine/sampler.py's
-`inverse_cdf` draws from `exp_chunk_totals_`'s numerators and sums, int64 [rows], without
-writing the numerators (the chunk the draw lands in is recomputed).
+`sample_rows(x, uniforms, temperatures, chunk)`: the sampler's tokens (sampling_ops.cpp), one
+per row of x (float32 or bfloat16 [rows, vocab], unit last stride, read only; bf16 widened as
+read), int64 [rows]. A row whose temperature (float32 [rows], or None: all 1) is 0 takes its
+argmax (`argmax_rows`); any other draws for its uniform (float32 [rows] in [0, 1)) what
+engine/sampler.py's `inverse_cdf` draws from the numerators exp(x / t - max) and their chunk
+sums — x / t an fp32 division, as the sampler's fallback `div_` — without writing them (the
+chunk the draw lands in is recomputed).
+`argmax_rows(x)`: x.argmax(-1) (first index of the maximum, of the first NaN where a row has
+one) for float32 or bfloat16 [rows, vocab], unit last stride, in one read of each row.
+`exp_chunk_totals_(x, chunk)`: x (float32 [rows, vocab], unit last stride) becomes exp(x - its
+row's max) in place, and the sums of each `chunk` columns come back, [rows, ceil(vocab /
+chunk)] float32 — the numerators and sums `sample_rows` draws from (the tests' view of them).
 
 `LAYER_OPS`: RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-mul (layer_ops.cpp),
 with the contracts of the Triton kernels of the same names (`kernels`), so a model's layers
@@ -176,9 +180,22 @@ def exp_chunk_totals_(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.ops.pdserve_cpu.exp_chunk_totals_(x, chunk)
 
 
-def draw_rows(x: torch.Tensor, uniforms: torch.Tensor, chunk: int) -> torch.Tensor:
+def sample_rows(x: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor | None,
+                chunk: int) -> torch.Tensor:
     """See the module docstring; `load()` must have returned True."""
-    return torch.ops.pdserve_cpu.draw_rows(x, uniforms, chunk)
+    return torch.ops.pdserve_cpu.sample_rows(x, uniforms, temperatures, chunk)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """See the module docstring; `load()` must have returned True."""
+    return torch.ops.pdserve_cpu.argmax_rows(x)
+
+
+def reads_logits(x: torch.Tensor) -> bool:
+    """Whether `sample_rows` / `argmax_rows` serve these logits (CPU, float32 or bfloat16,
+    unit last stride) and the kernels loaded."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() == 2 and x.stride(-1) == 1 and load())
 
 
 _EXTRA_BYTES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 0, torch.int8: SCALE_BYTES}

@@ -48,6 +48,9 @@ inline vec16 zero_below16(vec16 x, float t, vec16 v) {
 
 inline vec16 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline void store16(float* p, vec16 v) { _mm512_storeu_ps(p, v); }
+// Bit i set where lane i of a equals lane i of b (NaN equals nothing) / where lane i is NaN.
+inline uint32_t eq_mask16(vec16 a, vec16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline uint32_t nan_mask16(vec16 v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
 // 16 float16 bit patterns (fp8 rows are widened through them).
 inline vec16 from_halves16(__m256i h) { return _mm512_cvtph_ps(h); }
 // 16 bfloat16 bit patterns, each in the low half of a 32-bit lane.
@@ -155,6 +158,14 @@ inline void store16(float* p, vec16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
 }
+inline uint32_t eq_mask16(vec16 a, vec16 b) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ))
+         | _mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)) << 8;
+}
+inline uint32_t nan_mask16(vec16 v) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(v.lo, v.lo, _CMP_UNORD_Q))
+         | _mm256_movemask_ps(_mm256_cmp_ps(v.hi, v.hi, _CMP_UNORD_Q)) << 8;
+}
 inline vec16 from_halves16(__m256i h) {
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
 }
@@ -258,8 +269,10 @@ inline const char* vector_isa() {
 #endif
 }
 
-// The largest of x[0..n) (16 lanes where PDSERVE_VEC16); -inf for n == 0.
-inline float row_max(const float* x, int64_t n) {
+// The largest of x[0..n) (16 lanes where PDSERVE_VEC16), widened to fp32; -inf for n == 0.
+// A NaN may or may not win (max16 keeps its second operand when either is NaN).
+template <typename T>
+inline float row_max(const T* x, int64_t n) {
   int64_t i = 0;
   float m = -std::numeric_limits<float>::infinity();
 #ifdef PDSERVE_VEC16
@@ -267,16 +280,15 @@ inline float row_max(const float* x, int64_t n) {
   for (; i + 16 <= n; i += 16) acc = max16(acc, load16(x + i));
   m = hmax16(acc);
 #endif
-  for (; i < n; ++i) m = m < x[i] ? x[i] : m;
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    m = m < v ? v : m;
+  }
   return m;
 }
 
-// x[i] = exp(x[i] - m) for i < n (only when kStore); returns their sum (16 lanes with
-// libmvec's expf where PDSERVE_VEC16, or with `fast_exp16` when kFast: the sampler's pass,
-// where no result is held to bit equality with torch and the exps are most of its time;
-// summed in a fixed order). Each exp depends on its own element only, so a later pass over a
-// part of the row recomputes exactly the values this one summed.
-template <bool kFast = false, bool kStore = true>
+// x[i] = exp(x[i] - m) for i < n, with libmvec's expf (16 lanes where PDSERVE_VEC16); returns
+// their sum, in a fixed order.
 inline float exp_sub_sum(float* x, int64_t n, float m) {
   int64_t i = 0;
   float total = 0.f;
@@ -284,17 +296,15 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   vec16 acc = zero16();
   const vec16 mv = set16(m);
   for (; i + 16 <= n; i += 16) {
-    const vec16 d = sub16(load16(x + i), mv);
-    const vec16 e = kFast ? fast_exp16(d) : exp16(d);
-    if constexpr (kStore) store16(x + i, e);
+    const vec16 e = exp16(sub16(load16(x + i), mv));
+    store16(x + i, e);
     acc = add16(acc, e);
   }
   total = sum16(acc);
 #endif
   for (; i < n; ++i) {
-    const float e = std::exp(x[i] - m);
-    if constexpr (kStore) x[i] = e;
-    total += e;
+    x[i] = std::exp(x[i] - m);
+    total += x[i];
   }
   return total;
 }

@@ -167,10 +167,17 @@ class DecoderLM(CausalLMBase):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+        return self.head_logits(x, ctx, indices).float()
+
+    def head_logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+        """`logits` before their widening to fp32: in the LM head's dtype where widening is
+        all `logits` adds, fp32 where the model scales or caps them."""
         logits = linear(self.hidden(x, ctx, indices), self.lm_head_weight(), None,
                         self.lm_head_packed)
         if self.comm is not None:  # vocab-parallel LM head: the ranks' slices side by side
             logits = gather_vocab(logits, self.args.tp, self.comm)
+        if self.args.logits_divisor is None and self.args.final_softcap is None:
+            return logits
         logits = logits.float()
         if self.args.logits_divisor is not None:
             logits = logits / self.args.logits_divisor

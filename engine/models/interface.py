@@ -105,7 +105,10 @@ class CausalLM(Protocol):
         """The final-normed hidden state at rows `indices` of `x`, in the model's dtype."""
 
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
-        """LM-head logits [len(indices) or T, vocab], fp32, at rows `indices` of `x`."""
+        """LM-head logits [len(indices) or T, vocab], fp32, at rows `indices` of `x`.
+        A model may also define `head_logits(x, ctx, indices)`: the same logits before they
+        are widened to fp32 (`logits` must equal `head_logits(...).float()`); the engine then
+        skips that copy where its sampler reads the LM head's dtype (engine/sampler.py)."""
 
     def use_fused_kernels(self, kind: FusedKernels) -> None:
         """The engine asks for "triton" with the Triton attention backend, "cpu" on the CPU

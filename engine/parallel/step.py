@@ -96,15 +96,19 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
 
 
 def forward(model: CausalLM, backend: AttentionBackend, kv_cache: torch.Tensor,
-            step: StepInputs, lora: LoRABatch | None = None,
+            step: StepInputs, lora: LoRABatch | None = None, head_logits: bool = False,
             ) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
     """The step's residual stream [T, dim], its context (for `model.hidden`) and the logits
-    at `step.logits_rows` (None when it names none): the same collectives on every rank."""
+    at `step.logits_rows` (None when it names none): the same collectives on every rank.
+    The logits are fp32, or with `head_logits` the model's `head_logits` where it has them
+    (the LM head's dtype, no fp32 copy: for a sampler that reads them so)."""
     device = kv_cache.device
     ctx = ForwardContext.for_groups(backend, kv_cache, step.metadata(device), lora)
     x = model.residual(torch.from_numpy(step.input_ids).to(device),
                        torch.from_numpy(step.positions).to(device), ctx)
     logits = None
     if step.logits_rows is not None:
-        logits = model.logits(x, ctx, torch.from_numpy(step.logits_rows).to(device))
+        rows = torch.from_numpy(step.logits_rows).to(device)
+        narrow = getattr(model, "head_logits", None) if head_logits else None
+        logits = narrow(x, ctx, rows) if narrow is not None else model.logits(x, ctx, rows)
     return x, ctx, logits

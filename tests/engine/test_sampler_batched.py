@@ -26,16 +26,27 @@ def _row(params: SamplingParams, output=(), prompt=(3,), seed=0, index=0, drafts
 
 
 @pytest.mark.parametrize("vocab", [7, 256, 1000, 49152, 49155])
-def test_argmax_rows_is_torch_argmax_including_ties_and_masks(vocab):
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "torch"])
+def test_argmax_rows_is_torch_argmax_including_ties_masks_and_nans(vocab, kernels, monkeypatch):
+    if kernels and not cpu_kernels.load():
+        pytest.skip("no C++ toolchain for the CPU kernels")
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(9, vocab, generator=g)
+    x = torch.randn(11, vocab, generator=g)
     x[1] = 0.0  # all tied: the first index
     x[2, vocab // 2 :] = float("-inf")
     x[3, -1] = 50.0  # the maximum in the tail chunk
     x[4] = float("-inf")
     x[4, vocab - 1] = 1.0
     x[5, [0, vocab - 1]] = 99.0  # a tie between the first and the last chunk
+    x[6] = float("-inf")  # nothing allowed: index 0
+    x[7, [vocab // 2, vocab - 1]] = float("nan")  # a NaN wins, the first one
+    x[8, vocab - 1] = float("nan")
+    x[8, 0] = float("inf")
     assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
+    wide = torch.randn(4, vocab + 3, generator=g, dtype=torch.bfloat16)[:, :vocab]  # strided rows
+    assert argmax_rows(wide).tolist() == wide.float().argmax(-1).tolist()
 
 
 def _reference_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
@@ -186,7 +197,7 @@ def test_exp_chunk_totals_exp_across_its_range():
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
 @pytest.mark.parametrize("vocab", [7, 256, 4099, 49152])
-def test_draw_rows_is_inverse_cdf_over_the_numerators_and_leaves_the_logits(vocab):
+def test_sample_rows_draws_inverse_cdf_over_the_numerators_and_leaves_the_logits(vocab):
     """One C++ pass (sums, then the draw, the landing chunk's numerators recomputed) draws
     exactly the token `inverse_cdf` draws from `exp_chunk_totals_`'s numerators and sums, for
     masked rows, a single surviving token, u = 0 and u that rounds up to the total; the
@@ -200,7 +211,7 @@ def test_draw_rows_is_inverse_cdf_over_the_numerators_and_leaves_the_logits(voca
     u[3] = 0.0
     u[4] = 1.0 - 2**-24
     before = x.clone()
-    drawn = cpu_kernels.draw_rows(x, u.reshape(-1), 256)
+    drawn = cpu_kernels.sample_rows(x, u.reshape(-1), None, 256)
     assert torch.equal(x, before)
     numerators = x.clone()
     totals = cpu_kernels.exp_chunk_totals_(numerators, 256)
@@ -208,14 +219,62 @@ def test_draw_rows_is_inverse_cdf_over_the_numerators_and_leaves_the_logits(voca
     assert all(x[i, t] > float("-inf") for i, t in enumerate(drawn.tolist()))
     assert drawn[1] == vocab - 1
     with pytest.raises(RuntimeError, match="uniforms"):
-        cpu_kernels.draw_rows(x, u.double().reshape(-1), 256)
+        cpu_kernels.sample_rows(x, u.double().reshape(-1), None, 256)
+    with pytest.raises(RuntimeError, match="temperatures"):
+        cpu_kernels.sample_rows(x, u.reshape(-1), torch.ones(3), 256)
 
 
-def test_random_rows_draw_the_same_tokens_with_and_without_the_kernels(monkeypatch):
-    """The kernel's unnormalized numerators and the softmax's probabilities give one draw."""
-    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(5)) * 3
-    rows = [_row(SamplingParams(temperature=0.8), seed=i, output=range(i % 5)) for i in range(64)]
-    fast = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+@pytest.mark.parametrize("vocab", [7, 4099, 49152])
+def test_sample_rows_temperatures_and_bf16_logits(vocab):
+    """A row's temperature t draws what the row divided by t (torch's fp32 division) draws,
+    t = 0 takes the argmax; bf16 logits draw what their fp32 widening draws."""
+    g = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(32, vocab, generator=g) * 4).bfloat16()
+    x[5, : vocab - 1] = float("-inf")
+    u = torch.rand(32, generator=g)
+    t = torch.tensor([0.0, 1.0, 0.7, 1.3, 1e-3, 2.0, 0.0, 0.25] * 4)
+    wide = x.float()
+    drawn = cpu_kernels.sample_rows(x, u, t, 256).tolist()
+    assert drawn == cpu_kernels.sample_rows(wide, u, t, 256).tolist()
+    drawing = t > 0
+    divided = wide[drawing] / t[drawing, None]
+    assert [d for d, keep in zip(drawn, drawing) if keep] == \
+        cpu_kernels.sample_rows(divided, u[drawing].contiguous(), None, 256).tolist()
+    assert [d for d, keep in zip(drawn, drawing) if not keep] == wide[~drawing].argmax(-1).tolist()
+    assert drawn[5] == vocab - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_rows_draw_the_same_tokens_with_and_without_the_kernels(dtype, monkeypatch):
+    """Greedy and tempered rows (all drawing plainly: one kernel call over the logits as
+    given) and the fallback (fp32 copy, in-place temperature, softmax + inverse CDF) give the
+    same tokens, bf16 logits included."""
+    logits = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    rows = [_row(SamplingParams(temperature=(0.8, 0.0, 1.0, 1.7)[i % 4]), seed=i, output=range(i % 5))
+            for i in range(64)]
+    sampler = Sampler()
+    assert sampler.reads_head_logits(rows, logits.device) == cpu_kernels.load()
+    fast = [t.token_id for t in sampler.sample(logits.clone(), rows)]
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     plain = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
     assert fast == plain
+
+
+def test_rows_that_need_the_logits_widened_are_not_drawn_plainly():
+    """Logprobs, masks, penalties and the filters read or rewrite fp32 logits: a batch with
+    any such row keeps the fp32 path."""
+    sampler = Sampler()
+    cpu = torch.device("cpu")
+    plain = _row(SamplingParams(temperature=0.5))
+    for params in (SamplingParams(logprobs=1), SamplingParams(top_k=5), SamplingParams(top_p=0.9),
+                   SamplingParams(min_p=0.1), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(logit_bias={1: 2.0}), SamplingParams(allowed_token_ids=[1, 2]),
+                   SamplingParams(min_tokens=2), SamplingParams(repetition_penalty=1.1)):
+        assert not sampler.reads_head_logits([plain, _row(params)], cpu), params
+    banned = _row(SamplingParams())
+    banned.request.bad_words_token_ids = [[4]]
+    assert not sampler.reads_head_logits([plain, banned], cpu)
+    past_min_tokens = _row(SamplingParams(min_tokens=2), output=(5, 6))
+    assert sampler.reads_head_logits([plain, past_min_tokens], cpu) == cpu_kernels.load()
+    assert not sampler.reads_head_logits([plain], torch.device("meta"))

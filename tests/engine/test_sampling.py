@@ -7,7 +7,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sample_row import SampleRow
-from engine.sampler import Sampler, draw_seed
+from engine.sampler import Sampler, draw_seed, draw_seeds
 from engine.limits import RequestRejected
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the beginning", "Dear diary,"]
@@ -125,6 +125,20 @@ def test_draw_seed_spreads_and_is_deterministic():
     seeds = {draw_seed(1, i, p) for i in range(4) for p in range(256)}
     assert len(seeds) == 1024 and all(0 <= s < 2**63 for s in seeds)
     assert draw_seed(1, 0, 0) == draw_seed(1, 0, 0)
+
+
+def test_draw_seeds_is_draw_seed_over_a_batch():
+    """The batch's seeds in numpy's wrapping arithmetic: what Python's exact integers give,
+    negative and 64-bit seeds included."""
+    rows = []
+    for i, seed in enumerate((0, 1, -5, 2**63 + 12345, 2**64 - 1, 987654321987654321, 7)):
+        request = Request(f"seeds-{i}", [3, 4], SamplingParams(), seed=seed, eos_token_ids=frozenset(),
+                          max_tokens=64, block_hashes=[])
+        for t in range(i):
+            request.append_token(t)
+        rows.append(SampleRow(request, i % 3))
+    expected = [draw_seed(r.request.seed, r.completion_index, r.num_output_tokens) for r in rows]
+    assert draw_seeds(rows).tolist() == expected
 
 
 def test_bad_requests_get_clear_errors_and_leak_nothing(llm):
