@@ -365,6 +365,12 @@ class LLMEngine:
             **_tier_stats(bm.tier),
         )
 
+    def warm_up(self) -> None:
+        """Run the model once on a short dummy prompt and a decode row before serving, so that
+        the first request does not pay for first use (`ModelRunner.warm_up`); nothing else
+        changes (no request, block, event or counter). Only before the first request."""
+        self.runner.warm_up()
+
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 

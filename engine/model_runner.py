@@ -57,6 +57,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sampler = Sampler()
         self.pooler = Pooler()
+        self.has_run = False
+        """Whether a step has run (its K/V may be in the pool since): `warm_up` refuses then."""
 
     def prepare(self, output: SchedulerOutput) -> None:
         """Before anything reads or writes this step's blocks (a proposer included): forget
@@ -76,6 +78,7 @@ class ModelRunner:
         result = RunnerOutput()
         if not output.scheduled:
             return result
+        self.has_run = True
         # One-token rows first: backends batch them (AttentionMetadata invariant).
         order = sorted(output.scheduled, key=lambda item: item[1] != 1)
         groups = range(self.bm.num_groups)
@@ -194,6 +197,28 @@ class ModelRunner:
             if i not in verified:
                 out.setdefault(row.request.request_id, []).append(token)
         return out
+
+    @torch.inference_mode()
+    def warm_up(self, prompt_len: int = 32) -> None:
+        """Before the first request: a forward of one `prompt_len`-token prompt, then one of a
+        decode row, each with the LM head (on every rank), so that the first request does not
+        pay for first use — oneDNN primitives, kernels, the thread pool, first allocations:
+        100-250 ms of a first 256-token prefill on a 2-core CPU. Their K/V land in the pool's
+        first blocks, which is only harmless while no block holds anything (a request writes
+        a block before it reads it, and none is cached yet): refused after that."""
+        if self.has_run or self.bm.num_free_blocks < self.bm.num_blocks:
+            raise RuntimeError("warm_up: only before the first request")
+        prompt_len = max(1, min(prompt_len, self.bm.num_blocks * self.block_size))
+        table = list(range(-(-prompt_len // self.block_size)))
+        positions = np.arange(prompt_len)
+        for rows in (positions, positions[-1:]):  # the prompt; its next token's decode row
+            slots = slots_of(table, rows, self.block_size)
+            step = StepInputs(np.zeros(len(rows), dtype=np.int64), rows.astype(np.int64),
+                              [GroupArrays.build([slots], [table]) for _ in range(self.bm.num_groups)],
+                              [len(rows)], [int(rows[-1]) + 1], np.array([len(rows) - 1]))
+            if self.send_step is not None:
+                self.send_step(step)
+            forward(self.model, self.backend, self.kv_cache, step, None, True)
 
     def _lora_batch(self, order: list[tuple[Request, int]]) -> LoRABatch | None:
         """The step's adapters made resident, and each row's slot; None if no row has one."""

@@ -357,6 +357,9 @@ class WorkerRuntime:
         self.metrics_address = f"{host}:{metrics_port}"
 
         self.loop.start()
+        # On the engine thread (its OpenMP pool, its allocator arena), before the worker
+        # registers: its first request then pays no first-use set-up.
+        await self.call(lambda engine: engine.warm_up())
         self.transfer_progress.start()
         await server.start()
         refresher = asyncio.create_task(self._refresh_stats())

@@ -21,9 +21,11 @@ def group():
     g.shutdown()
 
 
-def run(path, group=None, **extra):
+def run(path, group=None, warm_up=False, **extra):
     llm = LLM(str(path), parallel_group=group, **ENGINE, **extra)
     try:
+        if warm_up:
+            llm.engine.warm_up()
         return [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
         llm.close()
@@ -85,3 +87,11 @@ def test_one_group_per_process(group):
 
     with pytest.raises(RuntimeError, match="already runs a tensor-parallel group"):
         ParallelGroup(2)
+
+
+def test_tp2_warm_up_reaches_every_rank(tiny_model, group):
+    """A worker's warm-up forwards run on every rank (the collectives line up) and change no
+    token."""
+    path = tiny_model("llama-9q3kv")
+    want = [o.token_ids for o in run(path)]
+    assert [o.token_ids for o in run(path, group, warm_up=True, tensor_parallel_size=2)] == want
