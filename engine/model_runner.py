@@ -82,8 +82,13 @@ class ModelRunner:
         # One-token rows first: backends batch them (AttentionMetadata invariant).
         order = sorted(output.scheduled, key=lambda item: item[1] != 1)
         groups = range(self.bm.num_groups)
+        # Decode rows (first in `order`) as flat ints, one array each at the end; the other
+        # rows as one array per request after them.
+        decode_ids: list[int] = []
+        decode_positions: list[int] = []
+        decode_slots: list[list[int]] = [[] for _ in groups]
         input_ids, positions = [], []
-        slots: list[list] = [[] for _ in groups]  # per KV group, per request
+        slots: list[list] = [[] for _ in groups]  # per KV group, per request (not decodes)
         tables: list[list[list[int]]] = [[] for _ in groups]
         query_lens, seq_lens, sample_at, sample_rows = [], [], [], []
         prompt_spans: list[tuple[Request, int, int]] = []  # (request, first position, end)
@@ -97,11 +102,11 @@ class ModelRunner:
             drafts = request.spec.drafts if request.spec is not None else []
             group_tables = self.bm.block_tables(request.request_id)
             if n == 1:  # a decode row: plain ints (no per-row arrays)
-                input_ids.append(request.token_ids[start : start + 1])
-                positions.append((start,))
+                decode_ids.append(request.token_ids[start])
+                decode_positions.append(start)
                 block, offset = divmod(start, self.block_size)
                 for g in groups:
-                    slots[g].append((group_tables[g][block] * self.block_size + offset,))
+                    decode_slots[g].append(group_tables[g][block] * self.block_size + offset)
             else:
                 pos = np.arange(start, start + n)
                 input_ids.append(request.token_ids[start : start + n - len(drafts)] + drafts)
@@ -137,11 +142,12 @@ class ModelRunner:
                     sample_rows.append(SampleRow(request, index or request.completion_index))
 
         logits_rows = sample_at + prompt_rows  # none: prefill chunks and pooling only, no LM head
+        flat = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
         step = StepInputs(
-            np.concatenate(input_ids).astype(np.int64, copy=False),
-            np.concatenate(positions).astype(np.int64, copy=False),
-            [GroupArrays.build(slots[g], tables[g]) for g in groups], query_lens, seq_lens,
-            np.asarray(logits_rows, dtype=np.int64) if logits_rows else None)
+            np.concatenate([flat(decode_ids), *input_ids]).astype(np.int64, copy=False),
+            np.concatenate([flat(decode_positions), *positions]).astype(np.int64, copy=False),
+            [GroupArrays.build([flat(decode_slots[g]), *slots[g]], tables[g]) for g in groups],
+            query_lens, seq_lens, flat(logits_rows) if logits_rows else None)
         if self.send_step is not None:
             self.send_step(step)
         # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).

@@ -30,7 +30,8 @@ class GroupArrays:
 
     @classmethod
     def build(cls, slots: list, tables: list[list[int]]) -> "GroupArrays":
-        """From each sequence's slots (arrays or tuples) and block table, in batch order."""
+        """From the batch's slots in batch order, in pieces (arrays, lists or tuples: a
+        sequence's, or the one-token sequences' together), and each sequence's block table."""
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
         block_tables = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
         # Row-major fill of each row's first len(table) columns (one pass, no per-row copy).
