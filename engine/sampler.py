@@ -84,6 +84,16 @@ def draw_seeds(rows: list[SampleRow]) -> np.ndarray:
     return (x ^ (x >> np.uint64(31))) & np.uint64(0x7FFF_FFFF_FFFF_FFFF)
 
 
+def draw_keys(rows: list[SampleRow]) -> torch.Tensor:
+    """int64 [rows, 3]: what `draw_seed` takes for each row — its seed mod 2^64 (as the int64
+    of the same bits), completion index, output position — for the kernels' `first_uniforms`."""
+    keys = []
+    for r in rows:
+        seed = r.request.seed & _MASK
+        keys.append((seed - ((seed >> 63) << 64), r.completion_index, r.num_output_tokens))
+    return torch.tensor(keys, dtype=torch.int64).reshape(len(rows), 3)
+
+
 def row_uniforms(rows: list[SampleRow], count: int = 1) -> np.ndarray:
     """[len(rows), count] float64 uniforms in [0, 1): row i's stream at its
     (seed, completion index, output position), vectorized over the batch. Uniform k of a
@@ -265,7 +275,7 @@ class Sampler:
         if not any(temperatures):
             tokens = cpu_kernels.argmax_rows(logits)
         else:
-            uniforms = torch.from_numpy(row_uniforms(rows)[:, 0].astype(np.float32))
+            uniforms = cpu_kernels.first_uniforms(draw_keys(rows))  # row_uniforms' own, in C++
             tokens = cpu_kernels.sample_rows(logits, uniforms, torch.tensor(temperatures, dtype=torch.float32),
                                              _CHUNK)
         return [SampledToken(t) for t in tokens.tolist()]

@@ -1,12 +1,14 @@
 """The engine's CPU kernels in C++ (engine/cpu_kernels/*.cpp): built on first use with the
 system's g++ against the installed torch, cached, loaded as `torch.ops.pdserve_cpu`.
 
-The build is keyed by the source, the compiler flags, the torch version and this CPU's flags (it is compiled
-with -march=native), so a cached library never runs on a CPU or torch it was not built
-for. It lands in `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/cpu_kernels); concurrent
-builds (pytest workers) serialise on a lock file. Without a compiler, or with
-PDSERVE_CPU_KERNELS=0, `load()` returns False and the torch backend and the model layers
-keep their plain-torch paths — same results to rounding, slower.
+The build is keyed by the source, the compiler flags, the torch version and this CPU's
+flags (it is compiled with -march=native), so a cached library never runs on a CPU or torch
+it was not built for; the compiler reads a copy of the very bytes the key was taken from (a
+source edited during a build cannot land under the old key). It lands in
+`$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/cpu_kernels); concurrent builds (pytest
+workers) serialise on a lock file. Without a compiler, or with PDSERVE_CPU_KERNELS=0, `load()`
+returns False and the torch backend and the model layers keep their plain-torch paths — same
+results to rounding, slower.
 
 `paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap)`:
 decode rows (one query token per sequence) attending over the pool in place. query
@@ -41,6 +43,9 @@ sums — x / t an fp32 division, as the sampler's fallback `div_` — without wr
 chunk the draw lands in is recomputed).
 `argmax_rows(x)`: x.argmax(-1) (first index of the maximum, of the first NaN where a row has
 one) for float32 or bfloat16 [rows, vocab], unit last stride, in one read of each row.
+`first_uniforms(keys)`: float32 [rows], each row's first uniform of engine/sampler.py's
+`row_uniforms` rounded to float32, from its `draw_keys` (int64 [rows, 3]: seed mod 2^64,
+completion index, output position).
 `exp_chunk_totals_(x, chunk)`: x (float32 [rows, vocab], unit last stride) becomes exp(x - its
 row's max) in place, and the sums of each `chunk` columns come back, [rows, ceil(vocab /
 chunk)] float32 — the numerators and sums `sample_rows` draws from (the tests' view of them).
@@ -87,16 +92,23 @@ def _flags() -> list[str]:
     return ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, sources: dict[str, bytes]) -> None:
+    """Compile `sources` (file name -> the bytes the cache key was taken from) into `out`:
+    from a copy, so a source edited during the build cannot land under the old key."""
+    import tempfile
+
     from torch.utils import cpp_extension
 
-    cmd = ["g++", *_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *[f"-I{p}" for p in cpp_extension.include_paths()],
-           f"-I{sysconfig.get_paths()['include']}",
-           *map(str, _SOURCES), "-o", str(out),
-           *[f"-L{p}" for p in cpp_extension.library_paths()],
-           "-lc10", "-ltorch_cpu", "-lmvec"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        for name, text in sources.items():
+            (Path(tmp) / name).write_bytes(text)
+        cmd = ["g++", *_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *[f"-I{p}" for p in cpp_extension.include_paths()],
+               f"-I{sysconfig.get_paths()['include']}",
+               *(str(Path(tmp) / src.name) for src in _SOURCES), "-o", str(out),
+               *[f"-L{p}" for p in cpp_extension.library_paths()],
+               "-lc10", "-ltorch_cpu", "-lmvec"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
 @functools.cache
@@ -106,9 +118,11 @@ def load() -> bool:
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return False
     try:
+        # absent from an install that left out the sources: OSError, the torch paths instead
+        sources = {src.name: src.read_bytes() for src in (*_SOURCES, *_HEADERS)}
         key = hashlib.sha256()
-        for src in (*_SOURCES, *_HEADERS):  # absent from an install that left out the sources
-            key.update(src.read_bytes())
+        for text in sources.values():
+            key.update(text)
         key.update(" ".join(_flags()).encode())
         key.update(torch.__version__.encode())
         key.update(_cpu_flags().encode())
@@ -119,7 +133,7 @@ def load() -> bool:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not lib.exists():
                 tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-                _build(tmp)
+                _build(tmp, sources)
                 os.replace(tmp, lib)
         torch.ops.load_library(str(lib))
     except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
@@ -189,6 +203,11 @@ def sample_rows(x: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Ten
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """See the module docstring; `load()` must have returned True."""
     return torch.ops.pdserve_cpu.argmax_rows(x)
+
+
+def first_uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """See the module docstring; `load()` must have returned True."""
+    return torch.ops.pdserve_cpu.first_uniforms(keys)
 
 
 def reads_logits(x: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@
 // numerators exp(x / t - max) (none written: no division by the row's total either, the draw
 // scales its uniform by the total instead), then the one chunk the draw lands in, its
 // numerators recomputed. A drawn row is read twice (max, sums) and never written.
-// `argmax_rows`: the argmax rows alone.
+// `argmax_rows`: the argmax rows alone. `first_uniforms`: the rows' uniforms from their seeds.
 // `exp_chunk_totals_`: the numerators in place and their chunk sums — the tests' view of
 // what the draw sums.
 //
@@ -223,6 +223,33 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return tokens;
 }
 
+// splitmix64's finalizer (engine/sampler.py `_splitmix64`).
+inline uint64_t mix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// keys int64 [rows, 3]: each row's (seed mod 2^64, completion index, output position), as
+// engine/sampler.py `draw_keys` packs them. Returns float32 [rows]: the first of the row's
+// uniforms (`row_uniforms`: splitmix64 of its `draw_seed` plus the golden gamma, top 53 bits
+// scaled to [0, 1) in double) rounded to float32 — what the draw takes.
+at::Tensor first_uniforms(const at::Tensor& keys) {
+  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == 3 && keys.scalar_type() == at::kLong && keys.is_contiguous(),
+              "keys: int64 [rows, 3], contiguous");
+  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ULL;
+  const int64_t rows = keys.size(0);
+  at::Tensor out = at::empty({rows}, keys.options().dtype(at::kFloat));
+  const uint64_t* k = reinterpret_cast<const uint64_t*>(keys.data_ptr<int64_t>());
+  float* u = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint64_t seed = mix64(k[3 * r] * kGamma + k[3 * r + 1] * 0xBF58476D1CE4E5B9ULL + k[3 * r + 2])
+                          & 0x7FFFFFFFFFFFFFFFULL;  // draw_seed
+    u[r] = static_cast<float>(static_cast<double>(mix64(seed + kGamma) >> 11) * 0x1p-53);
+  }
+  return out;
+}
+
 // x [rows, vocab] float32 with unit last stride: x = exp(x - rowmax) in place; returns the
 // sums of each `chunk` consecutive columns, [rows, ceil(vocab / chunk)] (the last chunk may be
 // shorter). A row of -inf only becomes NaN, as torch's softmax makes it.
@@ -254,10 +281,12 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("exp_chunk_totals_(Tensor(a!) x, int chunk) -> Tensor");
   m.def("sample_rows(Tensor x, Tensor uniforms, Tensor? temperatures, int chunk) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("first_uniforms(Tensor keys) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("exp_chunk_totals_", &exp_chunk_totals_);
   m.impl("sample_rows", &sample_rows);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("first_uniforms", &first_uniforms);
 }

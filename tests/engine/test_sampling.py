@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_kernels
 from engine.request import Request
 from engine.sample_row import SampleRow
-from engine.sampler import Sampler, draw_seed, draw_seeds
+from engine.sampler import Sampler, draw_keys, draw_seed, draw_seeds, row_uniforms
 from engine.limits import RequestRejected
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the beginning", "Dear diary,"]
@@ -128,8 +128,8 @@ def test_draw_seed_spreads_and_is_deterministic():
 
 
 def test_draw_seeds_is_draw_seed_over_a_batch():
-    """The batch's seeds in numpy's wrapping arithmetic: what Python's exact integers give,
-    negative and 64-bit seeds included."""
+    """The batch's seeds in numpy's wrapping arithmetic (and the kernels' uniforms from them
+    in C++): what Python's exact integers give, negative and 64-bit seeds included."""
     rows = []
     for i, seed in enumerate((0, 1, -5, 2**63 + 12345, 2**64 - 1, 987654321987654321, 7)):
         request = Request(f"seeds-{i}", [3, 4], SamplingParams(), seed=seed, eos_token_ids=frozenset(),
@@ -139,6 +139,9 @@ def test_draw_seeds_is_draw_seed_over_a_batch():
         rows.append(SampleRow(request, i % 3))
     expected = [draw_seed(r.request.seed, r.completion_index, r.num_output_tokens) for r in rows]
     assert draw_seeds(rows).tolist() == expected
+    if cpu_kernels.load():  # the kernels' uniforms: row_uniforms' first, rounded to float32
+        want = torch.from_numpy(row_uniforms(rows)[:, 0].astype("float32"))
+        assert torch.equal(cpu_kernels.first_uniforms(draw_keys(rows)), want)
 
 
 def test_bad_requests_get_clear_errors_and_leak_nothing(llm):
