@@ -72,18 +72,6 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def draw_seeds(rows: list[SampleRow]) -> np.ndarray:
-    """`draw_seed` of every row (uint64 [rows]), in numpy's wrapping uint64 arithmetic."""
-    parts = np.array([(r.request.seed & _MASK, r.completion_index, r.num_output_tokens) for r in rows],
-                     dtype=np.uint64).reshape(len(rows), 3)
-    with np.errstate(over="ignore"):
-        x = (parts[:, 0] * np.uint64(0x9E3779B97F4A7C15) + parts[:, 1] * np.uint64(0xBF58476D1CE4E5B9)
-             + parts[:, 2])
-        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-            x = (x ^ (x >> np.uint64(shift))) * np.uint64(mult)
-    return (x ^ (x >> np.uint64(31))) & np.uint64(0x7FFF_FFFF_FFFF_FFFF)
-
-
 def draw_keys(rows: list[SampleRow]) -> torch.Tensor:
     """int64 [rows, 3]: what `draw_seed` takes for each row — its seed mod 2^64 (as the int64
     of the same bits), completion index, output position — for the kernels' `first_uniforms`."""
@@ -99,7 +87,8 @@ def row_uniforms(rows: list[SampleRow], count: int = 1) -> np.ndarray:
     (seed, completion index, output position), vectorized over the batch. Uniform k of a
     row is splitmix64(draw_seed + k * golden gamma) scaled from its top 53 bits, so every
     worker draws the same numbers for the same row."""
-    seeds = draw_seeds(rows)
+    seeds = np.fromiter((draw_seed(r.request.seed, r.completion_index, r.num_output_tokens)
+                         for r in rows), dtype=np.uint64, count=len(rows))
     gamma = np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         steps = (np.arange(1, count + 1, dtype=np.uint64) * gamma)[None, :]

@@ -7,7 +7,7 @@ import torch
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.request import Request
 from engine.sample_row import SampleRow
-from engine.sampler import Sampler, draw_keys, draw_seed, draw_seeds, row_uniforms
+from engine.sampler import Sampler, draw_keys, draw_seed, row_uniforms
 from engine.limits import RequestRejected
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the beginning", "Dear diary,"]
@@ -127,9 +127,10 @@ def test_draw_seed_spreads_and_is_deterministic():
     assert draw_seed(1, 0, 0) == draw_seed(1, 0, 0)
 
 
-def test_draw_seeds_is_draw_seed_over_a_batch():
-    """The batch's seeds in numpy's wrapping arithmetic (and the kernels' uniforms from them
-    in C++): what Python's exact integers give, negative and 64-bit seeds included."""
+@pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+def test_kernel_uniforms_are_row_uniforms():
+    """The kernels' uniforms (`first_uniforms` over `draw_keys`, what plain draws use) are
+    `row_uniforms`' first, rounded to float32: negative and 64-bit seeds included."""
     rows = []
     for i, seed in enumerate((0, 1, -5, 2**63 + 12345, 2**64 - 1, 987654321987654321, 7)):
         request = Request(f"seeds-{i}", [3, 4], SamplingParams(), seed=seed, eos_token_ids=frozenset(),
@@ -137,11 +138,8 @@ def test_draw_seeds_is_draw_seed_over_a_batch():
         for t in range(i):
             request.append_token(t)
         rows.append(SampleRow(request, i % 3))
-    expected = [draw_seed(r.request.seed, r.completion_index, r.num_output_tokens) for r in rows]
-    assert draw_seeds(rows).tolist() == expected
-    if cpu_kernels.load():  # the kernels' uniforms: row_uniforms' first, rounded to float32
-        want = torch.from_numpy(row_uniforms(rows)[:, 0].astype("float32"))
-        assert torch.equal(cpu_kernels.first_uniforms(draw_keys(rows)), want)
+    want = torch.from_numpy(row_uniforms(rows)[:, 0].astype("float32"))
+    assert torch.equal(cpu_kernels.first_uniforms(draw_keys(rows)), want)
 
 
 def test_bad_requests_get_clear_errors_and_leak_nothing(llm):
