@@ -58,9 +58,10 @@ class WorkerConfig:
     """Directories that weights (UpdateWeights) and LoRA adapters (LoadLoRAAdapter, a
     request's adapter) must lie under, symlinks resolved; a path outside is PERMISSION_DENIED
     before it is opened. Empty: any path the worker's user can read."""
-    itl_target_ms: float = 0.0
+    itl_target_ms: float = 150.0
     """While requests decode, prefill chunks (prompts prefilled here) are sized from measured
-    step costs so a step stays within this many ms; 0: only --max-num-batched-tokens and
+    step costs so a step stays within this many ms, and a prompt cut is cut evenly; prefill
+    still keeps at least 3/4 of a busy worker's time. 0: only --max-num-batched-tokens and
     --long-prefill-token-threshold size them."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
     """Who may call this worker's gRPC port (and what it presents to other workers): the

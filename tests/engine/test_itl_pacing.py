@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, even_chunk
 from engine.step_cost import StepCost, fitted_slope, prompt_token_cap, step_cost_from
 from engine_factories import drain, make_request, step
 
@@ -18,29 +18,41 @@ def _scheduler(budget: int = 64) -> Scheduler:
                      max_model_len=1024)
 
 
-def test_prompt_budget_caps_all_chunks_of_a_step_together_and_never_a_decode():
+def _paced_chunks(s: Scheduler, decodes, a, b, until) -> list[tuple[int, int]]:
+    """(a's, b's) prompt tokens of each step until `until()` (b None: 0); checks every
+    decode runs in every step and the prompts keep to the budget together."""
+    seen = []
+    while not until():
+        out = step(s)
+        scheduled = {r.request_id: n for r, n in out.scheduled}
+        assert all(scheduled[r.request_id] == 1 for r in decodes)  # every decode, every step
+        chunk = lambda r: n if r and (n := scheduled.get(r.request_id, 0)) > 1 else 0  # noqa: E731
+        seen.append((chunk(a), chunk(b)))
+        assert sum(seen[-1]) <= s.prompt_token_budget
+    return seen
+
+
+def _decoding(num: int, prompt_budget: int) -> tuple[Scheduler, list]:
+    """A scheduler with `num` short requests decoding and a prompt budget set."""
     s = _scheduler()
-    decodes = [make_request(4, max_tokens=40) for _ in range(3)]
+    decodes = [make_request(4, max_tokens=60) for _ in range(num)]
     for r in decodes:
         s.add_request(r)
     step(s)
-    s.prompt_token_budget = 12
+    s.prompt_token_budget = prompt_budget
+    return s, decodes
+
+
+def test_prompt_budget_caps_all_chunks_of_a_step_together_and_never_a_decode():
+    s, decodes = _decoding(3, 12)
     a = make_request(list(range(1000, 1030)), max_tokens=2)
     b = make_request(list(range(2000, 2030)), max_tokens=2)
     s.add_request(a)
     s.add_request(b)
-    seen = []
-    while b.num_output_tokens == 0:
-        out = step(s)
-        scheduled = {r.request_id: n for r, n in out.scheduled}
-        assert all(scheduled[r.request_id] == 1 for r in decodes)  # every decode, every step
-        chunk = lambda r: n if (n := scheduled.get(r.request_id, 0)) > 1 else 0  # noqa: E731
-        seen.append((chunk(a), chunk(b)))
-        assert sum(seen[-1]) <= 12
-    # While b waits, a's chunks leave it half the budget: b is admitted at once, then a
-    # (running first) takes what it needs, then b finishes.
-    assert seen[:2] == [(12, 0), (6, 6)], seen
-    assert sum(n for n, _ in seen) == 30 and sum(n for _, n in seen) == 30
+    seen = _paced_chunks(s, decodes, a, b, lambda: b.num_output_tokens > 0)
+    # Short prompts go first come, first served, each in the fewest even chunks the budget
+    # allows (30 = 3 x 10, not 12 + 12 + 6); b gets what a leaves of each step.
+    assert seen == [(10, 2), (10, 2), (10, 2), (0, 12), (0, 12)], seen
     s.prompt_token_budget = 0  # off: the step budget alone
     c = make_request(list(range(3000, 3100)), max_tokens=1)
     s.add_request(c)
@@ -51,6 +63,29 @@ def test_prompt_budget_caps_all_chunks_of_a_step_together_and_never_a_decode():
     drain(s)
 
 
+def test_a_long_paced_prompt_leaves_half_the_budget_to_the_prompts_behind_it():
+    s, decodes = _decoding(2, 12)
+    a = make_request(list(range(1000, 1100)), max_tokens=2)  # 9 chunks: long
+    s.add_request(a)
+    assert _paced_chunks(s, decodes, a, None, lambda: a.num_computed_tokens > 0) == [(12, 0)]
+    b = make_request(list(range(2000, 2030)), max_tokens=2)
+    s.add_request(b)
+    seen = _paced_chunks(s, decodes, a, b, lambda: b.num_output_tokens > 0)
+    # a keeps half of every step while b waits and while b prefills; b is not held up by
+    # a's 76 tokens still to go.
+    assert seen == [(6, 6)] * 5, seen
+    assert a.num_computed_tokens == 12 + 30
+    drain(s)
+
+
+def test_even_chunks():
+    assert even_chunk(256, 150) == 128  # two of 128, not 150 + 106
+    assert even_chunk(256, 100) == 86  # three: 86 + 86 + 84
+    assert even_chunk(30, 12) == 10
+    assert even_chunk(12, 12) == 12 and even_chunk(5, 12) == 5
+    assert even_chunk(13, 12) == 7
+
+
 def test_step_cost_fit_and_the_cap_it_gives():
     assert fitted_slope(0.05, 8, 0.55, 108) == pytest.approx(0.005)
     assert fitted_slope(0.05, 8, 0.06, 20) is None  # too close to tell a slope from noise
@@ -59,16 +94,19 @@ def test_step_cost_fit_and_the_cap_it_gives():
     assert cost == StepCost(pytest.approx(0.01), 0.005)
     # 0.2 s target beside 8 decodes: (0.2 - 0.01 - 0.04) / 0.005 = 30 tokens.
     assert prompt_token_cap(cost, 8, 0.2, floor=16, budget=512) == 30
-    assert prompt_token_cap(cost, 8, 0.02, floor=16, budget=512) == 16  # never below one block
+    # One decode: 1 token fits the target, 9 make the 3/4 share; never below one block.
+    assert prompt_token_cap(cost, 1, 0.02, floor=16, budget=512) == 16
     assert prompt_token_cap(cost, 8, 60.0, floor=16, budget=512) == 512  # never past the budget
-    # 100 decodes take 0.51 s of a step already: the chunk still gets as long (102 tokens),
-    # so prefill keeps at least half of a busy engine's time; with prompts queued behind it,
-    # 2/3 (one queued) and 3/4 (two): a backlog drains.
-    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512) == 102
-    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512, queued=1) == 204
-    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512, queued=2) == 306
+    # 100 decodes take 0.51 s of a step already: the chunk still gets three times as long
+    # (306 tokens), so prefill keeps at least 3/4 of a busy engine's time; with prompts queued
+    # behind it, 4/5 (one queued) and 5/6 (two): a backlog drains.
+    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512) == 306
+    assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=512, queued=1) == 408
+    assert abs(prompt_token_cap(cost, 100, 0.2, floor=16, budget=512, queued=2) - 510) <= 1
     assert prompt_token_cap(cost, 100, 0.2, floor=16, budget=64, queued=2) == 64
-    assert prompt_token_cap(cost, 8, 0.2, floor=16, budget=512, queued=1) == 30  # the target rules
+    # 8 decodes (0.05 s): the target's 30 tokens are also the 3/4 share; one prompt queued
+    # raises the share to 4/5 (40 tokens) past the target.
+    assert prompt_token_cap(cost, 8, 0.2, floor=16, budget=512, queued=1) == 40
 
 
 def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
