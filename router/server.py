@@ -17,6 +17,7 @@ import grpc
 
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdCredentials
+from cluster.heap import freeze_startup_heap
 from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
@@ -246,6 +247,11 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
     from router.app import create_app
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # the app and its services are up: cluster/heap.py
+                freeze_startup_heap()
+
         @contextmanager
         def capture_signals(self) -> Iterator[None]:
             # uvicorn re-raises the signal after a graceful shutdown (exit status -15); a

@@ -30,6 +30,7 @@ from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_auth import add_port, server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
+from cluster.heap import freeze_startup_heap
 from cluster.registration import Capacity, RegistrationRefused, WorkerInfo
 from engine.block_hash import block_hash_probe
 from engine.engine_loop import EngineLoop
@@ -157,6 +158,10 @@ class WorkerRuntime:
         self.grpc_address = ""
         self.metrics_address = ""
         self.aio: asyncio.AbstractEventLoop | None = None
+        self.freeze_heap = False
+        """Freeze the start-up heap once warmed up, before registering (cluster/heap.py): the
+        production runtime (`build`) does; a runtime inside another process (tests) leaves
+        that process's collector alone."""
 
     @classmethod
     def build(cls, config: WorkerConfig, engine_config: EngineConfig,
@@ -179,6 +184,7 @@ class WorkerRuntime:
                       auth=auth, etcd_credentials=etcd_credentials,
                       step_threads=step_threads)
         release_openmp_threads()  # built: only the engine thread runs parallel regions now
+        runtime.freeze_heap = True
         return runtime
 
     def attach(self, aio: asyncio.AbstractEventLoop) -> None:
@@ -360,6 +366,8 @@ class WorkerRuntime:
         # On the engine thread (its OpenMP pool, its allocator arena), before the worker
         # registers: its first request then pays no first-use set-up.
         await self.call(lambda engine: engine.warm_up())
+        if self.freeze_heap:
+            freeze_startup_heap()
         self.transfer_progress.start()
         await server.start()
         refresher = asyncio.create_task(self._refresh_stats())

@@ -69,6 +69,8 @@ def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...
         try:
             prefill.wait_ready()
             decode.wait_ready()
+            for worker in (prefill, decode):  # before READY (cluster/heap.py)
+                assert "start-up heap frozen" in worker.log_path.read_text(), worker.log_path
             wait_router_sees(url, router)
             yield url, prefill, decode
         finally:
