@@ -203,8 +203,8 @@ class Scheduler(SpeculationScheduling):
 
     def _even(self, remaining: int, held: int = 0) -> int:
         """A paced prompt's chunk: `remaining` tokens in even chunks of at most the step's
-        prompt budget less what is `held` for waiting prompts (what is left of this step's
-        budget caps it further)."""
+        prompt budget less what a long prompt leaves (`held`) to the prompts behind it (what
+        is left of this step's budget caps it further)."""
         share = self.prompt_token_budget - held
         return even_chunk(remaining, share) if share > 0 else 0
 

@@ -17,8 +17,8 @@ import grpc
 
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import EtcdCredentials
-from cluster.heap import freeze_startup_heap
 from cluster.grpc_security import OPEN, ClusterAuth, resolve
+from cluster.heap import freeze_startup_heap
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
 from router.channels import ChannelPool
