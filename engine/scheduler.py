@@ -21,26 +21,13 @@ from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats
+from engine.step_cost import LONG_PREFILL_CHUNKS, even_chunk
 from engine.swap_policy import SwapPolicy
 from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.tokens import Logprob, SampledToken
 
-__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats", "even_chunk"]
-
-LONG_PREFILL_CHUNKS = 4
-"""A running prefill with more than this many paced chunks left is long: while other prompts
-wait or prefill, it takes half of a step's prompt budget and they share the other half."""
-
-
-def even_chunk(num_new_tokens: int, limit: int) -> int:
-    """The first of the fewest chunks of at most `limit` tokens (> 0) that `num_new_tokens`
-    splits into, all of equal size (give or take a token): 256 tokens at a limit of 150 are
-    two chunks of 128, not 150 and 106; at 100, three of 86, not 100, 100 and 56. A step's
-    cost grows with its tokens, so even chunks keep the largest step of a prompt (the
-    inter-token latency its decodes see) as small as that number of steps allows."""
-    pieces = -(-num_new_tokens // limit)
-    return -(-num_new_tokens // pieces)
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 class Scheduler(SpeculationScheduling):
@@ -61,7 +48,7 @@ class Scheduler(SpeculationScheduling):
         """Most tokens all prefill chunks of the next step take together (0: the step budget
         only). Set between steps by whoever paces the engine (engine/engine_loop.py keeps
         steps beside running decodes within an inter-token latency target). A prompt it cuts
-        is cut into the fewest chunks of equal size (`even_chunk`)."""
+        is cut into the fewest chunks of equal size (engine/step_cost.py `even_chunk`)."""
         self.max_loras = max_loras  # distinct LoRA adapters per step (0: LoRA off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,10 +88,6 @@ class Scheduler(SpeculationScheduling):
         # Prefill chunks (more than one new token) also draw on this; decodes never do.
         paced = self.chunked and self.prompt_token_budget > 0
         prompt_budget = self.prompt_token_budget if paced else budget
-        # Paced, a long running prefill leaves half of it to the other prompts in progress or
-        # waiting: a long prompt must not hold up every short one that arrives meanwhile. A
-        # prompt that finishes in a few more chunks goes first (first come, first served).
-        reserve = prompt_budget // 2 if paced and self._prompts_in_progress() > 1 else 0
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         finished: list[Request] = []
@@ -120,7 +103,7 @@ class Scheduler(SpeculationScheduling):
             remaining = request.num_tokens - request.num_computed_tokens
             n = min(self._chunk(remaining), budget)
             if remaining > 1 and paced:  # a paced prefill chunk
-                held = reserve if remaining > LONG_PREFILL_CHUNKS * self.prompt_token_budget else 0
+                held = self._held_by_long(remaining)
                 n = min(n, self._even(remaining, held), prompt_budget - held)
                 if n <= 0:  # this step's prefill share is spent: it continues next step
                     i += 1
@@ -197,16 +180,21 @@ class Scheduler(SpeculationScheduling):
         cap = self.long_prefill_token_threshold
         return cap if 0 < cap < num_new_tokens else num_new_tokens
 
-    def _prompts_in_progress(self) -> int:
-        """Prompts waiting or part-way through their prefill."""
-        return len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+    def _held_by_long(self, remaining: int) -> int:
+        """What a running prefill with `remaining` tokens leaves of the prompt budget to the
+        other prompts: half when it is long and another prompt waits or is part-way through
+        its prefill (a long prompt must not hold up every short one that arrives meanwhile),
+        else nothing (a prompt a few chunks from done goes first: first come, first served)."""
+        if remaining <= LONG_PREFILL_CHUNKS * self.prompt_token_budget:
+            return 0
+        others = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        return self.prompt_token_budget // 2 if others > 1 else 0  # others counts this one
 
     def _even(self, remaining: int, held: int = 0) -> int:
         """A paced prompt's chunk: `remaining` tokens in even chunks of at most the step's
         prompt budget less what a long prompt leaves (`held`) to the prompts behind it (what
-        is left of this step's budget caps it further)."""
-        share = self.prompt_token_budget - held
-        return even_chunk(remaining, share) if share > 0 else 0
+        is left of this step's budget caps it further). Paced, that share is > 0."""
+        return even_chunk(remaining, self.prompt_token_budget - held)
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         return (request.lora is None or request.lora.lora_int_id in loras

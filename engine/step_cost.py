@@ -1,7 +1,8 @@
 """What one engine step costs as a function of its size: `overhead + per_token * tokens`, a
 straight line through two measured kinds of step (without prompt tokens and with). The
 router uses it to estimate a decode worker's local prefill (router/ttft_estimate.py); the
-engine loop uses it to size prompt chunks beside running decodes (`prompt_token_cap`)."""
+engine loop uses it to size prompt chunks beside running decodes (`prompt_token_cap`), and
+the scheduler cuts a paced prompt into even chunks of at most that size (`even_chunk`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,3 +69,18 @@ def prompt_token_cap(cost: StepCost, decoding: int, target_s: float, floor: int,
     within_target = int((target_s - rest) / cost.per_token_s)
     keeping_up = int(rest * (MIN_PREFILL_PARTS + queued) / cost.per_token_s)
     return min(budget, max(floor, keeping_up, within_target))
+
+
+LONG_PREFILL_CHUNKS = 4
+"""A running prefill with more than this many paced chunks left is long: while other prompts
+wait or prefill, the scheduler gives it half of a step's prompt budget and them the other."""
+
+
+def even_chunk(num_new_tokens: int, limit: int) -> int:
+    """The first of the fewest chunks of at most `limit` tokens (> 0) that `num_new_tokens`
+    splits into, all of equal size (give or take a token): 256 tokens at a limit of 150 are
+    two chunks of 128, not 150 and 106; at 100, three of 86, not 100, 100 and 56. A step's
+    cost grows with its tokens, so even chunks keep the largest step of a prompt (the
+    inter-token latency its decodes see) as small as that number of steps allows."""
+    pieces = -(-num_new_tokens // limit)
+    return -(-num_new_tokens // pieces)

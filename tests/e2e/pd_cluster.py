@@ -64,7 +64,7 @@ def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...
         router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", cluster,
                                  "--port", str(port), "--local-prefill-threshold", "0",
                                  "--local-prefill-max-tokens", "0",
-                                 "--log-level", "warning", *router_args], logs / "router.log")
+                                 *router_args], logs / "router.log")
         url = f"http://127.0.0.1:{port}"
         try:
             prefill.wait_ready()
@@ -72,6 +72,7 @@ def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...
             for worker in (prefill, decode):  # before READY (cluster/heap.py)
                 assert "start-up heap frozen" in worker.log_path.read_text(), worker.log_path
             wait_router_sees(url, router)
+            assert "start-up heap frozen" in router.log_path.read_text()  # once uvicorn is up
             yield url, prefill, decode
         finally:
             codes = [p.terminate(30) for p in (router, decode, prefill)]

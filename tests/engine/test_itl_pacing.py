@@ -6,8 +6,8 @@ import time
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler, even_chunk
-from engine.step_cost import StepCost, fitted_slope, prompt_token_cap, step_cost_from
+from engine.scheduler import Scheduler
+from engine.step_cost import StepCost, even_chunk, fitted_slope, prompt_token_cap, step_cost_from
 from engine_factories import drain, make_request, step
 
 NUM_LAYERS = 2
