@@ -1,35 +1,38 @@
-"""pdserve vs vLLM-CPU on this machine, same model, same workload, one run each side, ratios
-printed (docs: benchmarks/vs_vllm.md). Each side runs alone (the other is stopped), pinned to
-the same cores.
+"""pdserve vs vLLM-CPU on this machine, same model, same workload, both pinned to the same
+cores, ratios printed (docs: benchmarks/vs_vllm.md).
 
   python -m benchmarks.vs_vllm offline [--vllm-python V/bin/python] [--num-prompts 16]
-  python -m benchmarks.vs_vllm serve   [--vllm-python V/bin/python] [--rates 0.5,1,2] [--planner]
+  python -m benchmarks.vs_vllm serve   [--vllm-python V/bin/python] [--rates 0.5,1,2] [--repeats 2] [--planner]
 
 offline: N random-token prompts of 128-512 tokens -> 128 output tokens each (ignore_eos), the
-  offline API of each (`LLM.generate`), each at its default dtype unless --dtype; reports
-  output tokens/s, engine start-up (with one short warm-up request) and the ratio.
+  offline API of each (`LLM.generate`), one run each side, alone, each at its default dtype unless
+  --dtype; reports output tokens/s, engine start-up (with one short warm-up request) and the ratio.
 serve:   `pdserve up` at its defaults (on a host of at most 2 cores: one colocated decode
   worker; with --planner, the planner on; `--variant NAME=UP_FLAGS` adds clusters, e.g.
-  'split=--prefill 1 --decode 1 --num-threads 1') vs `vllm serve`, the same `pdserve bench` load against both (random 256-token prompts -> 64 tokens,
-  Poisson at each rate, ignore_eos): TTFT p99, ITL p99 and goodput (TTFT <= 2 s and every
-  inter-token gap <= 250 ms), and pdserve/vLLM ratios.
+  'split=--prefill 1 --decode 1 --num-threads 1') and `vllm serve`, all up together, the same
+  `pdserve bench` load against each (random 256-token prompts -> 64 tokens, Poisson, ignore_eos),
+  per rate --repeats rounds, the sides taking turns in an order reversed every other round: TTFT,
+  ITL, req/s, goodput (TTFT <= 2 s, every gap <= 250 ms); medians over rounds, ratios to vLLM.
 
-Without --vllm-python only pdserve's side runs (its numbers, no ratios)."""
+Without --vllm-python vLLM's side does not run (pdserve's numbers, no ratios)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -179,8 +182,7 @@ def _start_vllm(args, model: str, work: Path) -> _Server:
 
 
 def _load(url: str, rate: float, args, out: Path, seed: int, num_prompts: int = 0) -> dict:
-    """One `pdserve bench` run. Each run of a side gets its own `seed` (prompts no earlier
-    run sent, so no prefix-cache hits across runs); both sides get the same seeds."""
+    """One `pdserve bench` run against `url`, its JSON to `out`; returns its summary."""
     subprocess.run(
         [sys.executable, "-m", "benchmarks.serving", "--url", url, "--endpoint", "completions",
          "--model", "smollm2", "--no-progress", "--num-requests", str(num_prompts or args.num_prompts),
@@ -192,42 +194,100 @@ def _load(url: str, rate: float, args, out: Path, seed: int, num_prompts: int = 
     return json.loads(out.read_text())["summary"]
 
 
+class Metrics(NamedTuple):
+    """One run's figures, a median over rounds, or (`ratio`) one side's over another's."""
+    ttft_p50: float  # ms, as the other three latencies
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+    req_s: float  # completed requests / s
+    goodput: float  # requests / s within the SLO
+
+    @classmethod
+    def of(cls, summary: dict) -> Metrics:
+        """From a `pdserve bench` summary."""
+        t, i = summary["ttft_ms"], summary["itl_ms"]
+        return cls(t["p50"], t["p99"], i["p50"], i["p99"], summary["request_throughput"], summary["goodput"])
+
+    def line(self) -> str:
+        return (f"TTFT p50/p99 {self.ttft_p50:6.0f} / {self.ttft_p99:6.0f} ms, ITL p50/p99 {self.itl_p50:5.0f} / "
+                f"{self.itl_p99:5.0f} ms, {self.req_s:.2f} req/s, goodput {self.goodput:.2f} req/s")
+
+
+class Turn(NamedTuple):
+    """One served run: `side` under the load at `rate` with `seed`, in round `round` (from 0)."""
+    rate: float
+    round: int
+    side: str
+    seed: int
+
+
+def schedule(sides: list[str], rates: list[float], repeats: int) -> list[Turn]:
+    """Every served run, in order: per rate, `repeats` rounds; in each, every side once, the order
+    reversed every other round (A B, B A, A B, ...), so the sides share each stretch of time. The
+    seed is distinct per (rate, round), so no run re-sends prompts an earlier run sent to the same
+    server (no prefix-cache hits), and the same on every side; 0 is the warm-up's."""
+    return [Turn(rate, r, side, 1 + i * repeats + r)
+            for i, rate in enumerate(rates) for r in range(repeats)
+            for side in (sides if r % 2 == 0 else sides[::-1])]
+
+
+def median(rounds: list[Metrics]) -> Metrics:
+    return Metrics(*map(statistics.median, zip(*rounds)))
+
+
+def ratio(a: Metrics, b: Metrics) -> Metrics:
+    """a / b field by field (inf where b's is 0)."""
+    return Metrics(*(x / y if y else float("inf") for x, y in zip(a, b)))
+
+
+def summary(results: dict[tuple[str, float], list[Metrics]], sides: list[str], rates: list[float]) -> list[str]:
+    """Per rate and side, the median over its rounds; with a "vllm" side, each other side's ratios
+    of those medians to vLLM's and, to show the spread, its per-round TTFT p99 and ITL p99 ratios."""
+    lines = [f"{side:14s} rate {rate:4.1f}/s: {median(results[side, rate]).line()}"
+             for rate in rates for side in sides]
+    if "vllm" not in sides:
+        return lines
+    lines.append("ratios to vLLM (of the medians; per round: TTFT p99, ITL p99):")
+    for rate in rates:
+        v = results["vllm", rate]
+        for side in (s for s in sides if s != "vllm"):
+            r, rounds = ratio(median(results[side, rate]), median(v)), list(map(ratio, results[side, rate], v))
+            lines.append(f"{side:14s} rate {rate:4.1f}/s: TTFT p50 {r.ttft_p50:.2f}x p99 {r.ttft_p99:.2f}x, ITL p50 "
+                         f"{r.itl_p50:.2f}x p99 {r.itl_p99:.2f}x, req/s {r.req_s:.2f}x, goodput {r.goodput:.2f}x"
+                         f"; per round TTFT p99 {' '.join(f'{x.ttft_p99:.2f}x' for x in rounds)}, "
+                         f"ITL p99 {' '.join(f'{x.itl_p99:.2f}x' for x in rounds)}")
+    return lines
+
+
 def serve(args) -> None:
     model = _model_dir()
     rates = [float(r) for r in args.rates.split(",")]
     work = Path(tempfile.mkdtemp(prefix="pdserve-vs-vllm-"))
-    starters = [("pdserve", _start_pdserve)]
+    starters = {"pdserve": _start_pdserve}
     for variant in args.variant:  # NAME=UP FLAGS: more pdserve clusters, same load
         name, _, flags = variant.partition("=")
-        starters.append((name, functools.partial(_start_pdserve, name=name, up_flags=tuple(shlex.split(flags)))))
+        starters[name] = functools.partial(_start_pdserve, name=name, up_flags=tuple(shlex.split(flags)))
     if args.vllm_python:
-        starters.append(("vllm", _start_vllm))
-    results: dict[tuple[str, float], dict] = {}
-    for side, start in starters:
-        server = start(args, model, work)
-        try:
+        starters["vllm"] = _start_vllm
+    results: dict[tuple[str, float], list[Metrics]] = {}
+    with contextlib.ExitStack() as servers:  # every server stopped, whatever fails
+        urls = {}
+        for side, start in starters.items():
+            server = start(args, model, work)
+            servers.callback(server.stop)
+            urls[side] = server.url
             _load(server.url, 2.0, args, work / f"{side}-warmup.json", seed=0, num_prompts=8)  # not reported
-            for i, rate in enumerate(rates, start=1):
-                doc = results[side, rate] = _load(server.url, rate, args, work / f"{side}-{rate}.json", seed=i)
-                print(f"{side:14s} rate {rate:4.1f}/s: TTFT p50/p99 {doc['ttft_ms']['p50']:6.0f} / "
-                      f"{doc['ttft_ms']['p99']:6.0f} ms, ITL p50/p99 {doc['itl_ms']['p50']:5.0f} / "
-                      f"{doc['itl_ms']['p99']:5.0f} ms, {doc['request_throughput']:.2f} req/s, goodput "
-                      f"{doc['goodput']:.2f} req/s, {doc['completed']}/{doc['num_requests']} done", flush=True)
-        finally:
-            server.stop()
-    print(f"\n== served: random 256 -> 64 tokens, {args.num_prompts} requests per rate, SLO TTFT <= 2 s "
+        for t in schedule(list(starters), rates, args.repeats):
+            doc = _load(urls[t.side], t.rate, args, work / f"{t.side}-{t.rate}-r{t.round + 1}.json", t.seed)
+            m = Metrics.of(doc)
+            results.setdefault((t.side, t.rate), []).append(m)
+            print(f"{t.side:14s} rate {t.rate:4.1f}/s round {t.round + 1}: {m.line()}, "
+                  f"{doc['completed']}/{doc['num_requests']} done", flush=True)
+    print(f"\n== served: random 256 -> 64 tokens, {args.num_prompts} requests per run, SLO TTFT <= 2 s "
           f"and every gap <= 250 ms (cores {args.cores or 'all'}; pdserve: `pdserve up`'s defaults"
-          f"{' + planner' if args.planner else ''}), ratios to vLLM ==")
-    for side, _ in starters[:-1] if args.vllm_python else []:
-        for rate in rates:
-            p, v = results[side, rate], results["vllm", rate]
-            ratio = lambda a, b: a / b if b else float("inf")  # noqa: E731
-            print(f"{side:14s} rate {rate:4.1f}/s: TTFT p50 {ratio(p['ttft_ms']['p50'], v['ttft_ms']['p50']):.2f}x "
-                  f"p99 {ratio(p['ttft_ms']['p99'], v['ttft_ms']['p99']):.2f}x, "
-                  f"ITL p50 {ratio(p['itl_ms']['p50'], v['itl_ms']['p50']):.2f}x "
-                  f"p99 {ratio(p['itl_ms']['p99'], v['itl_ms']['p99']):.2f}x, "
-                  f"req/s {ratio(p['request_throughput'], v['request_throughput']):.2f}x, "
-                  f"goodput {ratio(p['goodput'], v['goodput']):.2f}x")
+          f"{' + planner' if args.planner else ''}); median of {args.repeats} rounds per rate, sides alternating ==")
+    print("\n".join(summary(results, list(starters), rates)))
     print(f"raw results: {work}")
 
 
@@ -248,6 +308,8 @@ def main() -> None:
     off.add_argument("--dtype", default="", help="both sides' dtype (default: each side's default)")
     srv.add_argument("--num-prompts", type=int, default=48)
     srv.add_argument("--rates", default="0.5,1,2")
+    srv.add_argument("--repeats", type=int, default=2,
+                     help="rounds per rate; the sides take turns, the order reversed every other round")
     srv.add_argument("--planner", action="store_true", help="pdserve up --planner")
     srv.add_argument("--variant", action="append", default=[], metavar="NAME=UP_FLAGS",
                      help="also measure `pdserve up UP_FLAGS` under NAME, e.g. "
@@ -257,6 +319,8 @@ def main() -> None:
     srv.add_argument("--worker-arg", action="append", default=[], help="extra flag for every pdserve worker")
     srv.add_argument("--prefill-arg", action="append", default=[], help="extra flag for pdserve's prefill workers")
     args = parser.parse_args()
+    if args.mode == "serve" and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     offline(args) if args.mode == "offline" else serve(args)
 
 
