@@ -321,6 +321,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "serve" and args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.mode == "serve":  # sides are kept by name: a variant must not replace another side
+        names = ["pdserve", "vllm"] + [v.partition("=")[0] for v in args.variant]
+        if len(set(names)) < len(names):
+            parser.error(f"--variant names must differ from each other and from pdserve/vllm: {names[2:]}")
     offline(args) if args.mode == "offline" else serve(args)
 
 
