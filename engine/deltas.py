@@ -44,31 +44,33 @@ class Deltas:
         asked)."""
         deltas = []
         for request, num_new in updates:
-            if request.request_id not in self._detok:  # a fork seen for the first time
+            detok = self._detok.get(request.request_id)
+            if detok is None:  # a fork seen for the first time
                 self.track(request)
-            tokens = self._detokenize(request, request.token_ids[len(request.token_ids) - num_new:]
-                                      if num_new else [])
-            finished = request.status.is_finished
+                detok = self._detok[request.request_id]
+            tokens = self._detokenize(request, detok, request.token_ids[-num_new:] if num_new else [])
+            status, sampling = request.status, request.sampling
+            finished = status.is_finished
             deltas.append(CompletionDelta(
                 request_id=request.group_id,
                 index=request.completion_index,
                 token_ids=tokens,
-                text=self._detok[request.request_id].take_delta(finished),
-                logprobs=(request.logprobs[-len(tokens):]
-                          if tokens and request.sampling.logprobs is not None else []),
-                finish_reason=request.status.finish_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
+                text=detok.take_delta(finished),
+                logprobs=request.logprobs[-len(tokens):] if tokens and sampling.logprobs is not None else [],
+                finish_reason=status.finish_reason,
+                num_prompt_tokens=len(request.prompt_token_ids),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_output_tokens=request.num_output_tokens,
                 stop_reason=request.stop_reason,
-                prompt_logprobs=self._first_prompt_logprobs(request, tokens),
+                prompt_logprobs=(self._first_prompt_logprobs(request, tokens)
+                                 if sampling.prompt_logprobs is not None else None),
                 embedding=request.embedding,
             ))
             if finished:
                 self._forget(request)
         return deltas
 
-    def _detokenize(self, request: Request, tokens: list[int]) -> list[int]:
+    def _detokenize(self, request: Request, detok: IncrementalDetokenizer, tokens: list[int]) -> list[int]:
         """Detokenize a step's new tokens one by one; the ones kept. A stop string ends the
         request with finish "stop" at the token completing it (tokens after it are dropped),
         even one that also hit a length limit or a stop token (vLLM: the detokenizer's
@@ -76,7 +78,7 @@ class Deltas:
         for i, token_id in enumerate(tokens):
             last = i == len(tokens) - 1
             stop_terminated = last and request.status is RequestStatus.FINISHED_STOPPED
-            stop = self._detok[request.request_id].append(token_id, stop_terminated)
+            stop = detok.append(token_id, stop_terminated)
             if stop is None:
                 continue
             request.stop_reason = stop
@@ -94,7 +96,7 @@ class Deltas:
 
     @staticmethod
     def _first_prompt_logprobs(request: Request, tokens: list[int]) -> list[Logprob] | None:
-        if request.sampling.prompt_logprobs is None or request.parent_id is not None:
+        if request.parent_id is not None:  # a fork: completion 0's delta carries them
             return None
         return list(request.prompt_logprobs) if tokens and request.num_output_tokens == 1 else None
 

@@ -75,11 +75,10 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 def draw_keys(rows: list[SampleRow]) -> torch.Tensor:
     """int64 [rows, 3]: what `draw_seed` takes for each row — its seed mod 2^64 (as the int64
     of the same bits), completion index, output position — for the kernels' `first_uniforms`."""
-    keys = []
+    keys: list[int] = []
     for r in rows:
-        seed = r.request.seed & _MASK
-        keys.append((seed - ((seed >> 63) << 64), r.completion_index, r.num_output_tokens))
-    return torch.tensor(keys, dtype=torch.int64).reshape(len(rows), 3)
+        keys += (r.request.seed & _MASK, r.completion_index, r.num_output_tokens)
+    return torch.from_numpy(np.array(keys, dtype=np.uint64).view(np.int64)).view(len(rows), 3)
 
 
 def row_uniforms(rows: list[SampleRow], count: int = 1) -> np.ndarray:
