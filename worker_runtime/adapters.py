@@ -8,7 +8,7 @@ the registration is republished before `load` / `unload` return, so a router see
 as soon as it hears back."""
 from __future__ import annotations
 
-import asyncio
+import functools
 import os
 from collections.abc import Awaitable, Callable
 
@@ -16,6 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest, lora_id_for
 from proto import pdserve_pb2 as pb
 from worker_runtime.grpc_errors import NotFound
+from worker_runtime.host_cores import off_the_loop
 from worker_runtime.paths import AllowedPaths
 
 
@@ -47,7 +48,7 @@ class ServedAdapters:
         if served is not None and served != path:
             raise ValueError(f"LoRA adapter {name!r} is already served from {served}; "
                              "unload it first")
-        await asyncio.to_thread(self._engine.add_lora, LoRARequest(name, lora_id_for(name), path))
+        await off_the_loop(functools.partial(self._engine.add_lora, LoRARequest(name, lora_id_for(name), path)))
         self.by_name[name] = path
         await self._republish()
 

@@ -45,7 +45,7 @@ from worker_runtime.adapters import ServedAdapters
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
 from worker_runtime.grpc_errors import StatusInterceptor
-from worker_runtime.host_cores import HostCoreShare, release_openmp_threads, worker_threads
+from worker_runtime.host_cores import HostCoreShare, off_the_loop, release_openmp_threads, worker_threads
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
 from worker_runtime.kv_layout import kv_layout, rank_link
 from worker_runtime.lifecycle import WorkerLifecycle
@@ -244,7 +244,7 @@ class WorkerRuntime:
                                   lora_request=lora)
         if params.structured_outputs is None and lora is None:
             return build()
-        return await asyncio.to_thread(build)
+        return await off_the_loop(build)
 
     def open_stream(self, request_id: str) -> asyncio.Queue[Any]:
         """The queue the engine's deltas for `request_id` arrive on (until `close_stream`);

@@ -205,6 +205,15 @@ class Harness:
             if engine:
                 self.run_engine()
 
+    async def spin_until(self, done, timeout_s: float = 10.0) -> None:
+        """`spin` until `done()`: for work the worker hands to a thread (a LoRA request's
+        build), which takes more than a few event-loop rounds."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not done():
+            assert asyncio.get_running_loop().time() < deadline, "timed out"
+            await asyncio.sleep(0.005)
+            self.run_engine()
+
     def generate(self, rid: str, num_tokens: int = 10, lora: pb.LoRAAdapter | None = None) -> asyncio.Task:
         request = pb.GenerateRequest(
             request_id=rid, prompt_token_ids=list(range(1, num_tokens + 1)),

@@ -34,7 +34,7 @@ def test_adapters_outside_the_roots_are_refused_before_they_are_looked_at(tmp_pa
 
             h.rt.adapters.by_name["served"] = "/opt/served"  # what --lora-modules serves is not re-checked
             task = h.generate("s", lora=pb.LoRAAdapter(name="served", path="/opt/served"))
-            await h.spin()
+            await h.spin_until(lambda: h.calls)
             assert len(h.calls) == 1
             task.cancel()
             await h.spin()

@@ -251,3 +251,31 @@ def test_the_engine_loop_is_busy_only_while_it_steps():
         assert threads.events == ["busy", "idle"]
     finally:
         loop.stop()
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_torch_work_off_the_loop_ends_the_openmp_team_it_started():
+    """A pool thread that runs a parallel torch op keeps an OpenMP team of its own (threads
+    that outlive the op); `off_the_loop` ends it, so the engine thread's team is the process's
+    only one again."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    x = torch.ones(1 << 22)
+    parallel_op = lambda: torch.add(x, 1)  # noqa: E731  large enough for ATen's parallel_for
+
+    async def threads_after(run) -> int:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        await run()
+        return _threads()
+
+    before = _threads()
+    kept = asyncio.run(threads_after(lambda: asyncio.to_thread(parallel_op)))
+    if kept <= before + 1:  # the pool thread itself (gone with its loop), no team
+        pytest.skip("a pool thread runs torch ops on one OpenMP thread here")
+    assert asyncio.run(threads_after(lambda: host_cores.off_the_loop(parallel_op))) == before + 1
