@@ -85,7 +85,7 @@ def promote_vs_recompute(args) -> None:
     llm = LLM(args.model, dtype=args.dtype, num_layers=args.num_layers, block_size=bs,
               kv_cache_memory=blocks * block_bytes,
               kv_offloading_size=(args.reps + 2) * (blocks + 2) * block_bytes, max_num_seqs=1)
-    tier = llm.engine.block_manager.tier
+    tier = llm.engine.block_manager.pool.tier
     timed = tier.storage = Timed(tier.storage)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -80,7 +80,7 @@ def _copy_variants(llm, n: int) -> None:
     from engine.kv_tier_storage import _gather_copy
 
     llm.engine.reset_prefix_cache()  # scratch copies below overwrite slots
-    storage = llm.engine.block_manager.tier.storage
+    storage = llm.engine.block_manager.pool.tier.storage
     storage = getattr(storage, "inner", storage)
     pool, slots = storage.pool, storage.slots
     n = min(n, pool.shape[0], slots.shape[0])
@@ -114,8 +114,8 @@ def _overlap(llm, vocab: int, batch: int) -> None:
     from engine import SamplingParams
 
     eng = llm.engine
-    storage = eng.block_manager.tier.storage
-    n = min(storage.num_slots, eng.block_manager.num_blocks)
+    storage = eng.block_manager.pool.tier.storage
+    n = min(storage.num_slots, eng.block_manager.pool.num_blocks)
     slots, blocks = list(range(n)), list(range(n))  # scratch copies: bytes only, no bookkeeping
     for i in range(batch):
         eng.add_request(f"ov-{i}", _prompt(50 + i, 64, vocab),

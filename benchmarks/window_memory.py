@@ -54,14 +54,14 @@ def _run(path: Path, prompt: list[int], max_tokens: int, release: bool) -> tuple
     def step():
         nonlocal peak
         out = inner()
-        peak = max(peak, bm.num_blocks - bm.num_free_blocks)
+        peak = max(peak, bm.pool.num_blocks - bm.pool.num_free_blocks)
         return out
 
     llm.engine.step = step
     [res] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                    ignore_eos=True), use_tqdm=False)
     block_bytes = llm.engine.kv_cache[0].nbytes
-    return peak * block_bytes, list(res.outputs[0].token_ids), bm.num_blocks
+    return peak * block_bytes, list(res.outputs[0].token_ids), bm.pool.num_blocks
 
 
 def main() -> None:

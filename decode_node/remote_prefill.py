@@ -193,7 +193,7 @@ class RemotePrefills:
               to: RemoteState) -> None:
         self._receiver.cancel(attempt.transfer_id)
         if to is S.QUARANTINED:
-            engine.block_manager.pin(attempt.block_ids)  # outlive the request's own table
+            engine.block_manager.pool.pin(attempt.block_ids)  # outlive the request's own table
         del self._live[attempt.request_id]
         engine.abort_request(attempt.request_id)
         self._to(engine, attempt, to)
@@ -211,7 +211,7 @@ class RemotePrefills:
         elif to is S.RELEASED:
             del self._attempts[attempt.transfer_id]
             if was is S.QUARANTINED:
-                engine.block_manager.release(attempt.block_ids)
+                engine.block_manager.pool.release(attempt.block_ids)
 
 
 def _kv_failure(attempt: RemotePrefill, result: TransferResult) -> Exception:

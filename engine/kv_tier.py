@@ -1,13 +1,13 @@
 """The KV cache's second tier: a bounded LRU store of block copies behind the pool (host
 memory, or a file via mmap), vLLM's KV offloading / SGLang HiCache's host tier.
 
-Life cycle of a block here (engine/block_manager.py drives it):
+Life cycle of a block here (engine/block_pool.py drives it; engine/block_manager.py swaps):
 - demote: the prefix cache evicts a cached block with no users from the pool; instead of
   dropping it, its bytes (one pool block: a KV group's layers, K and V) are copied into a
   free slot here, under (group, block hash). A full tier first evicts its least recently
   demoted or touched entry.
 - promote: a prefix lookup that misses the pool finds (group, hash) here; `take` removes the
-  entry (its slot is held, so no demotion can overwrite it), the block manager allocates a pool
+  entry (its slot is held, so no demotion can overwrite it), the block pool takes a free
   block and `load`s the bytes back into it, which frees the slot. A (group, hash) is held by the
   pool's prefix cache or by the tier, never both.
 - swap: a preempted request's partial last block (computed tokens past its last full one, no
@@ -75,7 +75,7 @@ class TierStats:
 
 class KVTier:
     """Bounded LRU map (group, hash) -> slot over a TierStorage. Not thread-safe: the engine
-    thread owns it, like the block manager."""
+    thread owns it, like the block pool."""
 
     def __init__(self, storage: TierStorage) -> None:
         if storage.num_slots < 1:

@@ -299,7 +299,7 @@ class LLMEngine:
         if not request.remote_prefill_ok:
             return None
         self._attach_spec(request)
-        with self.block_manager.copies_batched():
+        with self.block_manager.pool.copies_batched():
             block_ids = self.scheduler.allocate_for_remote_kv(request)
         if block_ids is not None:
             self.deltas.track(request)
@@ -315,7 +315,7 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
-        with self.block_manager.copies_batched():  # the step's tier copies: one gathered each way
+        with self.block_manager.pool.copies_batched():  # the step's tier copies: one gathered each way
             output = self.scheduler.schedule()
         self.runner.prepare(output)
         if self.proposer is not None:
@@ -339,14 +339,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        bm, sched = self.block_manager, self.scheduler
+        bm, pool, sched = self.block_manager, self.block_manager.pool, self.scheduler
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_waiting_for_kv=len(sched.waiting_for_kv),
-            num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks,
-            kv_usage=bm.usage,
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            kv_usage=pool.usage,
             prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits,
             num_preemptions=sched.stats.num_preemptions,
@@ -362,7 +362,7 @@ class LLMEngine:
             spec_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=tuple(sched.spec_stats.accepted_per_pos)
             + (0,) * (self.num_speculative_tokens - len(sched.spec_stats.accepted_per_pos)),
-            **_tier_stats(bm.tier),
+            **_tier_stats(pool.tier),
         )
 
     def warm_up(self) -> None:

@@ -212,9 +212,9 @@ class ModelRunner:
         100-250 ms of a first 256-token prefill on a 2-core CPU. Their K/V land in the pool's
         first blocks, which is only harmless while no block holds anything (a request writes
         a block before it reads it, and none is cached yet): refused after that."""
-        if self.has_run or self.bm.num_free_blocks < self.bm.num_blocks:
+        if self.has_run or self.bm.pool.num_free_blocks < self.bm.pool.num_blocks:
             raise RuntimeError("warm_up: only before the first request")
-        prompt_len = max(1, min(prompt_len, self.bm.num_blocks * self.block_size))
+        prompt_len = max(1, min(prompt_len, self.bm.pool.num_blocks * self.block_size))
         table = list(range(-(-prompt_len // self.block_size)))
         positions = np.arange(prompt_len)
         for rows in (positions, positions[-1:]):  # the prompt; its next token's decode row

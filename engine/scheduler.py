@@ -54,7 +54,7 @@ class Scheduler(SpeculationScheduling):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
-        self.limits = EngineLimits(max_model_len, block_manager.block_size, block_manager.num_blocks,
+        self.limits = EngineLimits(max_model_len, block_manager.block_size, block_manager.pool.num_blocks,
                                    max_num_batched_tokens, enable_chunked_prefill,
                                    block_manager.group_windows)
         self.waiting: list[Request] = []  # both in _order
@@ -64,7 +64,7 @@ class Scheduler(SpeculationScheduling):
         self._finished_ids: list[str] = []  # since the last schedule (SchedulerOutput.finished_req_ids)
         self.stats = SchedulerStats()
         self.spec_stats = SpecDecodeStats()
-        tier = block_manager.tier
+        tier = block_manager.pool.tier
         self.swap_policy = SwapPolicy(tier.copy_times if tier is not None else None)
         """Whether a preempted request's partial block is swapped out (its rates are fed by
         the engine)."""

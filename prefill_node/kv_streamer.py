@@ -130,7 +130,7 @@ class KVStreamer:
         if out.dest_blocks is None:  # deferred: nothing goes out yet
             if final and not out.held:  # finished this step: keep its blocks for the sender
                 blocks = [table[i] for table in req.block_tables for i in range(prompt_blocks)]
-                bm.pin(blocks)
+                bm.pool.pin(blocks)
                 out.pinned += blocks
                 out.held = True
             if time.monotonic() > out.deadline:
@@ -147,7 +147,7 @@ class KVStreamer:
         if not pairs and not final:
             return
         blocks = [local for local, _ in pairs]
-        bm.pin(blocks)  # freed-this-step blocks are taken back before any reuse
+        bm.pool.pin(blocks)  # freed-this-step blocks are taken back before any reuse
         out.pinned += blocks
         out.sent = upto
         out.final_sent = final
@@ -169,7 +169,7 @@ class KVStreamer:
                 status: TransferStatus | None = None, error: str = "") -> None:
         self.active.pop(out.transfer_id, None)
         final_pending = self._final.pop(out.transfer_id, None) is not None
-        engine.block_manager.release(out.pinned)
+        engine.block_manager.pool.release(out.pinned)
         out.pinned = []
         if result is None:
             result = TransferResult(out.transfer_id, status, out.peer, 0, 0, 0.0, error)

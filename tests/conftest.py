@@ -51,13 +51,13 @@ def _track_block_managers():
     from engine.block_manager import BlockManager
 
     live = weakref.WeakSet()
-    original = BlockManager.__post_init__
+    original = BlockManager.__init__
 
-    def tracking_post_init(self):
-        original(self)
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
         live.add(self)
 
-    BlockManager.__post_init__ = tracking_post_init
+    BlockManager.__init__ = tracking_init
     return live
 
 
@@ -71,6 +71,6 @@ def no_leaked_kv_blocks():
     tables: nothing leaked."""
     yield
     for bm in list(_LIVE_BLOCK_MANAGERS):
-        leaked = bm.num_blocks - bm.num_free_blocks
+        leaked = bm.pool.num_blocks - bm.pool.num_free_blocks
         assert leaked == 0, f"{leaked} KV blocks still referenced after the test"
         assert not bm._tables, f"block tables left behind: {list(bm._tables)[:5]}"

@@ -1,4 +1,4 @@
-"""A worker's KV events on the wire: what its block manager reports after each engine step,
+"""A worker's KV events on the wire: what its block pool reports after each engine step,
 fanned out to every `SubscribeKVEvents` stream (the routers' KV indexes), and the
 `GetCachedBlocks` snapshot they rebuild from."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from engine.block_manager import KVEvent
+from engine.block_pool import KVEvent
 from proto import pdserve_pb2 as pb
 
 

@@ -5,7 +5,7 @@ Life cycle of a send here:
 1. The destination must be a registered worker of this cluster (RegisteredPeers.check) with
    a compatible KV layout (`add_peer`'s check): refused before anything is read otherwise.
 2. Engine thread: the blocks holding the hashes are pinned — pool blocks as they are, tier
-   blocks promoted into the pool first (BlockManager.hold_cached). A hash held nowhere here
+   blocks promoted into the pool first (BlockPool.hold_cached). A hash held nowhere here
    any more (evicted since the router looked) fails the call with FAILED_PRECONDITION and
    nothing is sent: the puller computes instead.
 3. One batch of writes with the completion notification. Each step the sender is polled; when
@@ -74,7 +74,7 @@ class KVExporter:
         def start(engine: LLMEngine) -> int:
             if tid in self._active or tid in self._refused:
                 raise ValueError(f"transfer {tid!r} is already being sent, or was aborted")
-            pinned = engine.block_manager.hold_cached(hashes)
+            pinned = engine.block_manager.pool.hold_cached(hashes)
             if pinned is None:
                 return 0
             send = self._active[tid] = _Send(tid, pinned, done)
@@ -146,7 +146,7 @@ class KVExporter:
 
     def _finish(self, engine: LLMEngine, send: _Send, result: TransferResult) -> None:
         del self._active[send.transfer_id]
-        engine.block_manager.release(send.pinned)
+        engine.block_manager.pool.release(send.pinned)
         self.rt.settle(send.done, result)
         for waiter in send.waiters:
             self.rt.settle(waiter)

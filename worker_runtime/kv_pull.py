@@ -14,7 +14,7 @@ Life cycle of a pull here (engine-thread steps are single commands):
    the blocks that hold those hashes (promoting tier ones), writes them over NIXL with one
    notification, and answers once its writes completed (worker_runtime/kv_export.py).
 3. Landed (receiver COMPLETE) and answered: the blocks join the prefix cache under their
-   hashes (`BlockManager.adopt`) and the caller submits its request.
+   hashes (`BlockPool.adopt`) and the caller submits its request.
 Any failure — the holder lost a block, refused, died, or the pull missed its deadline —
 returns 0 and the caller computes the prompt as if nothing was pulled; the request never
 fails for it. The reserved blocks stay out of reuse until the holder confirmed it writes no
@@ -134,14 +134,14 @@ class KVPuller:
         have = bm.match_prefix(req).num_tokens // bm.block_size
         if want <= have:
             return None
-        block_ids = bm.reserve(want - have)
+        block_ids = bm.pool.reserve(want - have)
         if block_ids is None:
             return None
         deadline_s = self._deadline_s((want - have) * bm.block_size)
         try:
             self.rt.pull_receiver.expect(tid, block_ids, deadline=time.monotonic() + deadline_s)
         except Exception:
-            bm.release(block_ids)
+            bm.pool.release(block_ids)
             raise
         self._held[tid], self._landed[tid] = block_ids, landed
         return _Plan(tid, req.block_hashes[have:want], block_ids, deadline_s)
@@ -152,7 +152,7 @@ class KVPuller:
         return min(cap, 2 * num_tokens / rate + _CALL_ALLOWANCE_S) if rate > 0 else cap
 
     def _adopt(self, engine: LLMEngine, plan: _Plan) -> None:
-        engine.block_manager.adopt(plan.hashes, self._held.pop(plan.transfer_id))
+        engine.block_manager.pool.adopt(plan.hashes, self._held.pop(plan.transfer_id))
 
     def _release(self, engine: LLMEngine, tid: str) -> None:
         """The holder writes nothing more: the reserved blocks go back to the pool."""
@@ -160,7 +160,7 @@ class KVPuller:
         self._landed.pop(tid, None)
         block_ids = self._held.pop(tid, None)
         if block_ids is not None:
-            engine.block_manager.release(block_ids)
+            engine.block_manager.pool.release(block_ids)
 
     def _after_step(self, engine: LLMEngine) -> bool:
         if not self._landed:

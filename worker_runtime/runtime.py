@@ -116,7 +116,7 @@ class WorkerRuntime:
         self.auth = auth
         self.etcd_credentials = etcd_credentials
         self.engine = engine
-        self.engine.block_manager.record_events = True
+        self.engine.block_manager.pool.record_events = True
         self.worker_id = config.worker_id
         self.kv = kv
         self.compat = kv_layout(engine)
@@ -208,7 +208,7 @@ class WorkerRuntime:
                 self.aio.call_soon_threadsafe(queue.put_nowait, delta)
 
     def _after_step(self, engine: LLMEngine) -> bool:
-        self.kv_events.publish(self.aio, engine.block_manager.take_events())
+        self.kv_events.publish(self.aio, engine.block_manager.pool.take_events())
         return any([hook(engine) for hook in self._step_hooks])  # every hook runs
 
     def settle(self, future: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
@@ -419,7 +419,7 @@ class WorkerRuntime:
 
     async def cached_blocks(self) -> pb.CachedBlocksResponse:
         """Every block hash held now, pool and second tier (`GetCachedBlocks`)."""
-        return kv_snapshot(*await self.call(lambda e: e.block_manager.held_hashes()))
+        return kv_snapshot(*await self.call(lambda e: e.block_manager.pool.held_hashes()))
 
 
 

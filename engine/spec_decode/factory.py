@@ -48,7 +48,7 @@ def make_proposer(spec: SpeculativeConfig | None, target: LoadedModel, runner: M
                                   f"{draft.args.max_position_embeddings} positions, fewer than "
                                   f"max_model_len {max_model_len}")
     draft.model.use_fused_kernels(fused_kernels(runner.backend.name, runner.device))
-    pool = allocate_kv_pool(runner.bm.num_blocks, draft.args, runner.block_size, dtype,
+    pool = allocate_kv_pool(runner.bm.pool.num_blocks, draft.args, runner.block_size, dtype,
                             runner.device, kv_cache_dtype)
     return DraftModelProposer(draft.model, pool, runner.backend, runner.bm, runner.sampler,
                               owns_kv=True)

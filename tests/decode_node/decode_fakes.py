@@ -29,7 +29,7 @@ from worker_runtime.runtime import WorkerRuntime
 BLOCK_SIZE = 4
 
 
-class FakeBlocks:
+class FakeBlockPool:
     """Reference counts of the blocks the worker holds beyond the engine's own request."""
 
     def __init__(self) -> None:
@@ -50,7 +50,7 @@ class FakeBlocks:
 
 @dataclass
 class FakeEngine:
-    block_manager: FakeBlocks = field(default_factory=FakeBlocks)
+    block_manager: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(pool=FakeBlockPool()))
     allocated: dict[str, list[int]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     next_block: int = 0
@@ -235,7 +235,7 @@ class Harness:
     @property
     def held(self) -> list[int]:
         """Blocks pinned beyond their request (quarantined)."""
-        return self.engine.block_manager.held
+        return self.engine.block_manager.pool.held
 
     @staticmethod
     def response() -> pb.PrefillResponse:

@@ -33,7 +33,7 @@ def test_cancel_while_the_call_ended_command_is_queued_leaves_nothing_quarantine
             await h.spin()
             assert task.done()
             await h.spin()
-            assert h.engine.block_manager.held == [], "blocks quarantined forever"
+            assert h.engine.block_manager.pool.held == [], "blocks quarantined forever"
             assert "r" not in h.engine.allocated and "r" not in h.engine.running
         finally:
             h.close()

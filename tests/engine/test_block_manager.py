@@ -21,10 +21,10 @@ def test_allocate_and_free_restore_the_free_list():
     r = make_request(10, BS)
     _admit(bm, r)
     assert len(bm.block_table(r.request_id)) == 3  # 10 tokens -> 3 blocks
-    assert bm.num_free_blocks == 5
-    assert all(bm.blocks[b].ref_count == 1 for b in bm.block_table(r.request_id))
+    assert bm.pool.num_free_blocks == 5
+    assert all(bm.pool.blocks[b].ref_count == 1 for b in bm.block_table(r.request_id))
     bm.free(r)
-    assert bm.num_free_blocks == 8 and not bm.has_table(r.request_id)
+    assert bm.pool.num_free_blocks == 8 and not bm.has_table(r.request_id)
 
 
 def test_allocate_fails_cleanly_when_the_pool_is_short():
@@ -32,7 +32,7 @@ def test_allocate_fails_cleanly_when_the_pool_is_short():
     r = make_request(12, BS)
     prefix = bm.match_prefix(r)
     assert not bm.allocate(r, 12, prefix)
-    assert bm.num_free_blocks == 2 and not bm.has_table(r.request_id)
+    assert bm.pool.num_free_blocks == 2 and not bm.has_table(r.request_id)
 
 
 def test_lazy_growth_one_block_at_a_time():
@@ -62,7 +62,7 @@ def test_prefix_hits_stop_at_the_first_divergent_block(diverge_at):
     assert prefix.block_ids[0] == bm.block_table(first.request_id)[: diverge_at // BS]
     _admit(bm, second)
     for b in prefix.block_ids[0]:
-        assert bm.blocks[b].ref_count == 2
+        assert bm.pool.blocks[b].ref_count == 2
     assert bm.stats.hits == prefix.num_tokens
     bm.free(first)
     bm.free(second)
@@ -83,7 +83,7 @@ def test_freed_cached_blocks_are_reused_by_later_hits():
     _admit(bm, first)
     table = bm.block_table(first.request_id)[:2]
     bm.free(first)
-    assert bm.num_free_blocks == 8
+    assert bm.pool.num_free_blocks == 8
     second = make_request(9, BS)
     prefix = _admit(bm, second)
     assert prefix.block_ids[0] == table
@@ -113,15 +113,15 @@ def test_eviction_is_lru_and_leaves_before_roots():
     # Fill the pool: the two never-cached free blocks go first, then old's leaf, then its root.
     hog = make_request(list(range(500, 500 + 4 * 2)), BS)  # 2 blocks
     _admit(bm, hog)
-    cached = set(bm.cached_hashes())
+    cached = set(bm.pool.cached_hashes())
     assert {old_root, old_leaf, new_root} <= cached
     hog2 = make_request(list(range(600, 604)), BS)
     _admit(bm, hog2)
-    cached = set(bm.cached_hashes())
+    cached = set(bm.pool.cached_hashes())
     assert old_leaf not in cached and old_root in cached and new_root in cached
     hog3 = make_request(list(range(700, 704)), BS)
     _admit(bm, hog3)
-    cached = set(bm.cached_hashes())
+    cached = set(bm.pool.cached_hashes())
     assert old_root not in cached and new_root in cached
     for r in (hog, hog2, hog3):
         bm.free(r)
@@ -136,13 +136,13 @@ def test_fork_shares_blocks_and_copies_on_write():
     bm.fork(parent, child)
     shared = list(bm.block_table(parent.request_id))
     assert bm.block_table(child.request_id) == shared
-    assert all(bm.blocks[b].ref_count == 2 for b in shared)
+    assert all(bm.pool.blocks[b].ref_count == 2 for b in shared)
     # Parent writes position 6 (inside the shared partial block): it gets a private copy.
     parent.append_token(11)
     assert bm.append_slots(parent, 1)
     assert bm.take_copies() == [(shared[1], bm.block_table(parent.request_id)[1])]
     assert bm.block_table(parent.request_id)[0] == shared[0]
-    assert bm.blocks[shared[1]].ref_count == 1 and bm.blocks[shared[0]].ref_count == 2
+    assert bm.pool.blocks[shared[1]].ref_count == 1 and bm.pool.blocks[shared[0]].ref_count == 2
     # The child is now the only owner of the old partial block: no copy for it.
     child.append_token(12)
     assert bm.append_slots(child, 1)
@@ -156,9 +156,9 @@ def test_reset_prefix_cache_forgets_everything():
     r = make_request(9, BS)
     _admit(bm, r)
     bm.free(r)
-    assert bm.cached_hashes()
+    assert bm.pool.cached_hashes()
     bm.reset_prefix_cache()
-    assert not bm.cached_hashes()
+    assert not bm.pool.cached_hashes()
     assert bm.match_prefix(make_request(9, BS)).num_tokens == 0
 
 
@@ -167,11 +167,11 @@ def test_events_report_stores_and_evictions():
     r = make_request(5, BS)
     _admit(bm, r)
     bm.free(r)
-    stored = bm.take_events()
+    stored = bm.pool.take_events()
     assert [e.stored for e in stored] == [True]
     hog = make_request(list(range(300, 308)), BS)
     _admit(bm, hog)
-    assert [(e.stored, e.block_hash) for e in bm.take_events()][0] == (False, stored[0].block_hash)
+    assert [(e.stored, e.block_hash) for e in bm.pool.take_events()][0] == (False, stored[0].block_hash)
     bm.free(hog)
 
 

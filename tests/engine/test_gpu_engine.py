@@ -105,7 +105,7 @@ def test_kv_pool_sized_from_gpu_memory_utilization(gpu_model):
     llm = LLM(str(gpu_model), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2)
     engine = llm.engine
     pool = engine.kv_cache
-    assert pool.is_cuda and pool.shape[0] == engine.block_manager.num_blocks
+    assert pool.is_cuda and pool.shape[0] == engine.block_manager.pool.num_blocks
     block = kv_block_bytes(engine.loaded.args, engine.config.block_size, torch.bfloat16)
     pool_bytes = pool.numel() * pool.element_size()
     assert pool_bytes == pool.shape[0] * block

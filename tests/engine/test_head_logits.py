@@ -41,4 +41,4 @@ def test_plain_rows_sample_bf16_logits_and_the_same_tokens(monkeypatch):
     with_logprobs = params[:3] + [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)]
     tokens, dtypes = _generate(llm, with_logprobs, monkeypatch)
     assert dtypes == {torch.float32} and tokens == narrow
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.block_manager.pool.num_free_blocks == llm.engine.block_manager.pool.num_blocks

@@ -49,7 +49,7 @@ def test_accuracy_against_the_unquantized_cache(model_dir, unquantized, kv_cache
 
 def test_the_pool_holds_more_blocks_of_smaller_formats(model_dir):
     blocks = {d: LLM(str(model_dir), num_layers=2, dtype="float32", kv_cache_memory=32 << 20,
-                     kv_cache_dtype=d).engine.block_manager.num_blocks
+                     kv_cache_dtype=d).engine.block_manager.pool.num_blocks
               for d in ("auto", "fp8", "fp8_e5m2", "int8")}
     row = 2 * 2 * 16 * 3  # layers x K/V x tokens x kv heads
     assert blocks["auto"] == (32 << 20) // (row * 64 * 4)  # fp32

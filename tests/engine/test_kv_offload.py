@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.block_manager import TIER, BlockManager, KVEvent
+from engine.block_manager import BlockManager
+from engine.block_pool import TIER, KVEvent
 from engine.checks import FieldError
 from engine.config import EngineConfig, parse_offloading_size
 from engine.kv_pool import kv_block_bytes
@@ -95,25 +96,25 @@ def test_evicted_blocks_are_demoted_leaves_first_and_promoted_back():
     a = make_request(list(range(100, 113)), BS)  # 3 full blocks + 1 token: 4 blocks
     run_once(bm, a)
     hashes = a.block_hashes[:3]
-    assert bm.take_events() == [KVEvent(True, h) for h in hashes]
+    assert bm.pool.take_events() == [KVEvent(True, h) for h in hashes]
     run_once(bm, make_request(list(range(500, 513)), BS))  # takes the whole pool: evicts a's
     store_order = [blk for op, _, blk in tier.storage.copies if op == "store"]
     table_of = {h: i for i, h in enumerate(hashes)}
     assert [table_of[h] for g, h in tier.keys() if h in table_of] == [2, 1, 0]  # leaves first
     assert len(store_order) == 3
-    assert KVEvent(True, hashes[2], tier=1) in bm.take_events()  # still held, in the tier
+    assert KVEvent(True, hashes[2], tier=1) in bm.pool.take_events()  # still held, in the tier
 
     again = make_request(list(range(100, 113)), BS)
     prefix = bm.match_prefix(again)
     assert prefix.num_tokens == 12 and prefix.block_ids == [[TIER] * 3]
     assert bm.allocate(again, 1, prefix)
     table = bm.block_table(again.request_id)
-    assert [bm.blocks[b].block_hash for b in table[:3]] == hashes  # registered as cached
+    assert [bm.pool.blocks[b].block_hash for b in table[:3]] == hashes  # registered as cached
     assert all((0, h) not in tier for h in hashes)  # exclusive: moved, not copied
     assert tier.stats.promotions == 3 and tier.stats.hit_tokens == 12
     assert bm.stats.hits == 12
     bm.free(again)
-    assert bm.num_free_blocks == 4
+    assert bm.pool.num_free_blocks == 4
     assert tier.num_used == len(tier.keys())  # no slot held by a finished promotion
 
 
@@ -140,14 +141,14 @@ def test_full_tier_drops_its_oldest_and_announces_it():
     bm, tier = make_bm(num_blocks=3, slots=2, record_events=True)
     a = make_request(list(range(100, 109)), BS)  # 2 full blocks + 1
     run_once(bm, a)
-    bm.take_events()
+    bm.pool.take_events()
     run_once(bm, make_request(list(range(300, 309)), BS))  # demotes a's 2 blocks
     assert {h for _, h in tier.keys()} == set(a.block_hashes[:2])
-    bm.take_events()
+    bm.pool.take_events()
     run_once(bm, make_request(list(range(700, 709)), BS))  # demotes the 2nd: a's are dropped
-    events = bm.take_events()
+    events = bm.pool.take_events()
     assert KVEvent(False, a.block_hashes[0]) in events and KVEvent(False, a.block_hashes[1]) in events
-    assert set(bm.cached_hashes()) == set(bm._cached[0]) | {h for _, h in tier.keys()}
+    assert set(bm.pool.cached_hashes()) == set(bm.pool._cached[0]) | {h for _, h in tier.keys()}
     assert len(tier.keys()) == 2 and tier.stats.evictions == 2
 
 
@@ -164,10 +165,10 @@ def test_recomputed_block_leaves_the_tier_and_reset_clears_it():
     assert again.computes_whole_prompt
     run_once(bm, again)
     assert not any(h in a.block_hashes for _, h in tier.keys())
-    bm.take_events()
+    bm.pool.take_events()
     bm.reset_prefix_cache()
     assert tier.keys() == [] and tier.num_used == 0
-    assert not any(e.stored for e in bm.take_events())
+    assert not any(e.stored for e in bm.pool.take_events())
 
 
 def test_sliding_groups_demote_and_promote_per_group():
@@ -191,7 +192,7 @@ def test_sliding_groups_demote_and_promote_per_group():
     assert bm.allocate(again, 1, prefix)
     tables = bm.block_tables(again.request_id)
     for g in (0, 1):
-        held = [bm.blocks[b].block_hash for b in tables[g][:4] if b >= 0]
+        held = [bm.pool.blocks[b].block_hash for b in tables[g][:4] if b >= 0]
         assert held == [h for h in a.block_hashes[4 - len(held):4]]
     bm.free(again)
 
@@ -258,7 +259,7 @@ def _logprobs(out: list[tuple[int, float]]) -> list[float]:
 
 
 def _pool_hashes(llm: LLM) -> set:
-    return set(llm.engine.block_manager._cached[0])
+    return set(llm.engine.block_manager.pool._cached[0])
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -276,7 +277,7 @@ def test_promoted_prefix_gives_the_same_tokens(tiny_llama, params):
     # Tier on, a pool of 7 blocks: every filler evicts the previous prompt's blocks.
     llm = _llm(tiny_llama, pool_blocks=7, tier_blocks=32)
     assert _gen(llm, PREFIX, params) == (cold, 0)
-    bm, tier = llm.engine.block_manager, llm.engine.block_manager.tier
+    bm, tier = llm.engine.block_manager, llm.engine.block_manager.pool.tier
     for filler in FILLERS:
         _gen(llm, filler, params)
     prefix_hashes = set(_prefix_hashes(llm))
@@ -287,7 +288,7 @@ def test_promoted_prefix_gives_the_same_tokens(tiny_llama, params):
     stats = llm.engine.stats()
     assert stats.kv_offload_promotions == 5 and stats.kv_offload_hits == 5 * BLOCK
     assert stats.kv_offload_demotions >= 5 and stats.kv_offload_blocks == 32
-    assert bm.num_free_blocks == bm.num_blocks and tier.num_used == len(tier.keys())
+    assert bm.pool.num_free_blocks == bm.pool.num_blocks and tier.num_used == len(tier.keys())
 
     # Tier off under the same small pool: recomputed, same tokens.
     off = _llm(tiny_llama, pool_blocks=7)
@@ -312,11 +313,11 @@ def test_file_backed_tier_and_aborts_leave_nothing_held(tiny_llama, tmp_path):
     engine.step()  # promoted and prefilled, then aborted
     # The filler took 6 of 7 blocks: the prefix's root is still in the pool, its other 4
     # full blocks come from the tier (a mixed hit).
-    assert engine.block_manager.tier.stats.promotions == 4
+    assert engine.block_manager.pool.tier.stats.promotions == 4
     assert engine.block_manager.stats.hits == 5 * BLOCK
     engine.abort_request("r")
-    bm, tier = engine.block_manager, engine.block_manager.tier
-    assert bm.num_free_blocks == bm.num_blocks and tier.num_used == len(tier.keys())
+    bm, tier = engine.block_manager, engine.block_manager.pool.tier
+    assert bm.pool.num_free_blocks == bm.pool.num_blocks and tier.num_used == len(tier.keys())
     again, cached = _gen(llm, PREFIX, GREEDY)
     assert _tokens(again) == _tokens(cold) and _logprobs(again) == pytest.approx(_logprobs(cold), rel=1e-4)
     assert cached == 5 * BLOCK
@@ -325,7 +326,7 @@ def test_file_backed_tier_and_aborts_leave_nothing_held(tiny_llama, tmp_path):
 def test_tier_off_is_unchanged(tiny_llama):
     """The flag's default builds no tier and the block manager drops what it evicts."""
     llm = _llm(tiny_llama, pool_blocks=7)
-    assert llm.engine.block_manager.tier is None
+    assert llm.engine.block_manager.pool.tier is None
     assert llm.engine.config == EngineConfig(model=tiny_llama, dtype="float32", block_size=BLOCK,
                                              kv_cache_memory=7 * _block_bytes(tiny_llama), max_num_seqs=1)
     assert llm.engine.stats().kv_offload_blocks == 0

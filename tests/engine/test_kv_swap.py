@@ -29,8 +29,8 @@ def _never_swap(monkeypatch) -> None:
 
 
 def _no_leaks(bm: BlockManager) -> None:
-    tier = bm.tier
-    assert bm.num_free_blocks == bm.num_blocks and not bm._swapped
+    tier = bm.pool.tier
+    assert bm.pool.num_free_blocks == bm.pool.num_blocks and not bm._swapped
     assert tier.num_used == len(tier.keys())  # every held slot is an LRU entry: no swap left
 
 
@@ -162,7 +162,7 @@ def test_a_steps_copies_run_as_one_gathered_store_and_one_load():
     bm.cache_full_blocks(a)
     bm.free(a)
     b = make_request(list(range(500, 521)), BS)  # evicts all of a's blocks
-    with bm.copies_batched():
+    with bm.pool.copies_batched():
         assert bm.allocate(b, 21, bm.match_prefix(b))
         assert storage.batches == []  # queued until the batch ends
     assert storage.batches == [("store", 4)]
@@ -170,7 +170,7 @@ def test_a_steps_copies_run_as_one_gathered_store_and_one_load():
     bm.cache_full_blocks(b)
     bm.free(b)
     again = make_request(list(range(100, 117)), BS)
-    with bm.copies_batched():  # promotes a's 4 blocks, demotes b's blocks it evicts
+    with bm.pool.copies_batched():  # promotes a's 4 blocks, demotes b's blocks it evicts
         assert bm.allocate(again, 1, bm.match_prefix(again))
     assert storage.batches[1:] == [("store", 4), ("load", 4)]  # stores first
     assert tier.copy_times.store_s > 0 and tier.copy_times.load_s > 0
@@ -237,7 +237,7 @@ def test_abort_while_swapped_out_leaves_nothing_held(tiny_llama, monkeypatch):
     while not bm._swapped:
         engine.step()
     (rid,) = bm._swapped
-    assert bm.tier.num_used > len(bm.tier.keys())  # the swapped-out block holds a slot
+    assert bm.pool.tier.num_used > len(bm.pool.tier.keys())  # the swapped-out block holds a slot
     engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()

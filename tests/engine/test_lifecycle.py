@@ -106,13 +106,13 @@ class Extension:
         self.engine = engine
 
     def num_blocks(self):
-        return self.engine.block_manager.num_blocks
+        return self.engine.block_manager.pool.num_blocks
 
 
 def test_collective_rpc_calls_the_extension_then_the_engine(model_dir):
     llm = _llm(model_dir, kv_cache_memory=16 << 20,
                worker_extension_cls=f"{__name__}:Extension")
-    assert llm.collective_rpc("num_blocks") == [llm.engine.block_manager.num_blocks]
+    assert llm.collective_rpc("num_blocks") == [llm.engine.block_manager.pool.num_blocks]
     assert llm.collective_rpc("is_sleeping") == [False]
     with pytest.raises(ValueError, match="no method"):
         llm.collective_rpc("no_such_method")

@@ -18,7 +18,7 @@ def test_token_budget_and_max_num_seqs_are_never_exceeded():
         out = step(s)
         assert 0 < out.num_batched_tokens <= 32
         assert len(s.running) <= 6
-    assert s.bm.num_free_blocks == 200
+    assert s.bm.pool.num_free_blocks == 200
 
 
 def test_long_prompts_are_chunked():
@@ -90,7 +90,7 @@ def test_preemption_newest_first_and_resumption_under_a_tiny_pool():
                 assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
     assert saw_preemption and s.stats.num_preemptions > 0
     assert all(r.num_output_tokens == 12 for r in reqs)
-    assert s.bm.num_free_blocks == 10
+    assert s.bm.pool.num_free_blocks == 10
 
 
 def test_impossible_requests_are_rejected_not_queued():
@@ -136,7 +136,7 @@ def test_fork_for_n_completions_shares_the_prompt_blocks():
     group = [x for x in s.running]
     assert sorted(x.completion_index for x in group) == [0, 1, 2]
     first_blocks = {s.bm.block_table(x.request_id)[0] for x in group}
-    assert len(first_blocks) == 1 and s.bm.blocks[first_blocks.pop()].ref_count == 3
+    assert len(first_blocks) == 1 and s.bm.pool.blocks[first_blocks.pop()].ref_count == 3
     out = s.schedule()
     assert len(out.block_copies) == 2  # two of three diverge from the shared partial block
     s.update_from_output(out, RunnerOutput({x.request_id: [SampledToken(7)] for x, _ in out.scheduled}))
@@ -170,7 +170,7 @@ def test_remote_kv_allocation_failure_changes_nothing():
     step(s)
     r = make_request(list(range(300, 306)))  # no prefix in common with hog
     assert s.allocate_for_remote_kv(r) is None
-    assert r.request_id not in s.requests and s.bm.num_free_blocks == 1
+    assert r.request_id not in s.requests and s.bm.pool.num_free_blocks == 1
     drain(s)
 
 
@@ -186,7 +186,7 @@ def test_abort_in_any_state_frees_everything():
         s.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
         assert r.status is RequestStatus.FINISHED_ABORTED
     assert s.finish_request(running.request_id, RequestStatus.FINISHED_ABORTED) is None
-    assert not s.has_unfinished() and s.bm.num_free_blocks == 16
+    assert not s.has_unfinished() and s.bm.pool.num_free_blocks == 16
 
 
 def test_a_sequence_that_outgrows_the_whole_pool_stops_with_length():
@@ -235,9 +235,9 @@ def test_remote_kv_admission_respects_max_num_seqs():
     parked = make_request(list(range(300, 306)))
     assert s.allocate_for_remote_kv(parked) is not None
     extra = make_request(list(range(400, 406)))
-    free_before = s.bm.num_free_blocks
+    free_before = s.bm.pool.num_free_blocks
     assert s.allocate_for_remote_kv(extra) is None  # running + parked == max_num_seqs
-    assert extra.request_id not in s.requests and s.bm.num_free_blocks == free_before
+    assert extra.request_id not in s.requests and s.bm.pool.num_free_blocks == free_before
     s.remote_kv_arrived(parked.request_id, SampledToken(7))
     drain(s)
     assert s.allocate_for_remote_kv(extra) is not None  # room again

@@ -33,7 +33,7 @@ def test_decoding_releases_blocks_behind_the_window():
         assert len(_held(bm, r)) <= -(-W // BS) + 1
         r.num_computed_tokens += 1
     bm.free(r)
-    assert bm.num_free_blocks == 32
+    assert bm.pool.num_free_blocks == 32
 
 
 def test_no_window_releases_nothing():
@@ -56,14 +56,14 @@ def test_a_prefix_hit_takes_only_the_blocks_its_window_reads():
     second = make_request(list(range(1, 26)), BS)
     prefix = bm.match_prefix(second)
     assert prefix.num_tokens == 24
-    free_before = bm.num_free_blocks
+    free_before = bm.pool.num_free_blocks
     assert bm.allocate(second, 1, prefix)
     table = bm.block_table(second.request_id)
     skip = (24 - W + 1) // BS  # the query at 24 reads keys 17..24
     assert table[:skip] == [RELEASED] * skip and table[skip:6] == prefix.block_ids[0][skip:]
-    assert bm.num_free_blocks == free_before - (7 - skip)
+    assert bm.pool.num_free_blocks == free_before - (7 - skip)
     bm.free(second)
-    assert bm.num_free_blocks == 32
+    assert bm.pool.num_free_blocks == 32
 
 
 def test_forks_share_held_blocks_and_free_everything():
@@ -79,7 +79,7 @@ def test_forks_share_held_blocks_and_free_everything():
     assert RELEASED in bm.block_table(child.request_id)
     bm.free(parent)
     bm.free(child)
-    assert bm.num_free_blocks == 32
+    assert bm.pool.num_free_blocks == 32
 
 
 def test_a_streaming_prefill_keeps_its_blocks_from_keep_blocks_from():
@@ -105,7 +105,7 @@ def test_remote_prompt_needs_only_the_first_decode_window():
     assert r.remote_skip_blocks == [first]  # what the prefill worker does not send
     s.remote_kv_arrived(r.request_id, SampledToken(42))
     drain(s)
-    assert s.bm.num_free_blocks == 16
+    assert s.bm.pool.num_free_blocks == 16
 
 
 def test_a_prompt_longer_than_the_pool_fits_with_a_window():
@@ -121,7 +121,7 @@ def test_a_prompt_longer_than_the_pool_fits_with_a_window():
         if r.status.is_finished:
             break
     assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 20
-    assert s.stats.num_preemptions == 0 and s.bm.num_free_blocks == 12
+    assert s.stats.num_preemptions == 0 and s.bm.pool.num_free_blocks == 12
 
 
 # ---- layers that mix full and sliding attention: one table per KV group ------------------------
@@ -153,9 +153,9 @@ def test_a_full_group_keeps_the_history_while_a_sliding_group_releases():
     first = max(0, r.num_computed_tokens - 1 - W + 1) // BS
     assert sliding[:first] == [RELEASED] * first and first > 0
     assert set(full).isdisjoint(b for b in sliding if b != RELEASED)
-    assert bm.num_free_blocks == 64 - len(full) - (len(sliding) - first)
+    assert bm.pool.num_free_blocks == 64 - len(full) - (len(sliding) - first)
     bm.free(r)
-    assert bm.num_free_blocks == 64
+    assert bm.pool.num_free_blocks == 64
 
 
 def test_a_hybrid_prefix_hit_needs_only_the_sliding_groups_window():
@@ -168,8 +168,8 @@ def test_a_hybrid_prefix_hit_needs_only_the_sliding_groups_window():
     # The sliding group lost its oldest blocks (evicted); the window of position 24 is intact.
     sliding_table = first.block_tables[1]
     for i in range(2):
-        bm.blocks[sliding_table[i]].block_hash = None
-        del bm._cached[1][first.block_hashes[i]]
+        bm.pool.blocks[sliding_table[i]].block_hash = None
+        del bm.pool._cached[1][first.block_hashes[i]]
     second = make_request(list(range(1, 26)), BS)
     prefix = bm.match_prefix(second)
     assert prefix.num_tokens == 24
@@ -179,8 +179,8 @@ def test_a_hybrid_prefix_hit_needs_only_the_sliding_groups_window():
     assert bm.allocate(second, 1, prefix)
     bm.free(second)
     # Lose a block inside the window too: the hit shrinks to where the window is whole.
-    del bm._cached[1][first.block_hashes[5]]
-    bm.blocks[sliding_table[5]].block_hash = None
+    del bm.pool._cached[1][first.block_hashes[5]]
+    bm.pool.blocks[sliding_table[5]].block_hash = None
     assert bm.match_prefix(make_request(list(range(1, 26)), BS)).num_tokens < 24
 
 
@@ -193,7 +193,7 @@ def test_a_hybrid_remote_prompt_gets_each_groups_blocks_after_its_own_skip():
     assert r.remote_skip_blocks == [0, first]  # the full group needs the whole prompt
     assert RELEASED not in full and sliding[:first] == [RELEASED] * first
     assert needed == full + sliding[first:]  # group after group
-    assert s.bm.num_free_blocks == 32 - 8 - (8 - first)
+    assert s.bm.pool.num_free_blocks == 32 - 8 - (8 - first)
     s.remote_kv_arrived(r.request_id, SampledToken(42))
     drain(s)
-    assert s.bm.num_free_blocks == 32
+    assert s.bm.pool.num_free_blocks == 32

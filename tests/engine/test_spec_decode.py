@@ -168,7 +168,7 @@ def test_no_block_is_held_for_rejected_drafts(model_dir):
             assert len(bm.block_table(request.request_id)) <= bm.blocks_for(request.num_tokens)
     stats = engine.stats()
     assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens > 0
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.pool.num_free_blocks == bm.pool.num_blocks
 
 
 def test_metrics_count_drafts_and_accepted_tokens_per_position(model_dir):

@@ -66,16 +66,16 @@ def test_rejected_drafts_roll_back_counters_slots_and_hashes():
     s = make_scheduler(block_size=4)
     r = make_request(7, max_tokens=50)  # prompt 7 + 1 output = 8 tokens: two full blocks
     _decoding(s, r)
-    free_before = s.bm.num_free_blocks
+    free_before = s.bm.pool.num_free_blocks
     out = s.schedule()  # 1 + 4 positions (7..11): a third block
-    assert out.speculating == [(r, 4)] and s.bm.num_free_blocks == free_before - 1
+    assert out.speculating == [(r, 4)] and s.bm.pool.num_free_blocks == free_before - 1
     # drafts 11, 12, 13, 14; the target accepts 11, then corrects with 20
     updated, finished = _verify(s, out, [11, 12, 13, 14], [11, 20])
     assert updated == [(r, 2)] and not finished
     assert r.output_token_ids[-2:] == [11, 20]
     assert r.num_computed_tokens == r.num_tokens - 1 == 9  # positions 7 (last) and 8 (11)
-    assert len(r.block_tables[0]) == 3 and s.bm.num_free_blocks == free_before - 1
-    hashed = [s.bm.blocks[b].block_hash for b in r.block_tables[0]]
+    assert len(r.block_tables[0]) == 3 and s.bm.pool.num_free_blocks == free_before - 1
+    hashed = [s.bm.pool.blocks[b].block_hash for b in r.block_tables[0]]
     assert all(isinstance(h, BlockHash) for h in hashed[:2]) and hashed[2] is None
     assert s.spec_stats.num_draft_tokens == 4 and s.spec_stats.accepted_per_pos == [1, 0, 0, 0]
     # All rejected: the third block is still needed (position 10 is the next input).
@@ -83,7 +83,7 @@ def test_rejected_drafts_roll_back_counters_slots_and_hashes():
     _verify(s, out, [1, 2, 3, 4], [5])
     assert r.num_computed_tokens == 10 and len(r.block_tables[0]) == 3
     s.finish_request(r.request_id, r.status.FINISHED_ABORTED)
-    assert s.bm.num_free_blocks == s.bm.num_blocks
+    assert s.bm.pool.num_free_blocks == s.bm.pool.num_blocks
 
 
 def test_a_stop_inside_the_accepted_run_drops_the_rest():
@@ -93,7 +93,7 @@ def test_a_stop_inside_the_accepted_run_drops_the_rest():
     out = s.schedule()
     _, finished = _verify(s, out, [9, 2, 9, 9], [9, 2, 9, 9, 9])  # 2 is EOS
     assert finished == [r] and r.output_token_ids[-2:] == [9, 2]
-    assert r.status.finish_reason == "stop" and s.bm.num_free_blocks == s.bm.num_blocks
+    assert r.status.finish_reason == "stop" and s.bm.pool.num_free_blocks == s.bm.pool.num_blocks
 
 
 def test_short_of_blocks_drafts_go_before_anyone_is_preempted():

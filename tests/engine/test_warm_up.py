@@ -20,9 +20,9 @@ def test_warm_up_leaves_no_trace_and_changes_no_token():
     engine = llm.engine
     engine.warm_up()
     bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(block.block_hash is None for block in bm.blocks)
-    assert not bm.take_events()
+    assert bm.pool.num_free_blocks == bm.pool.num_blocks
+    assert all(block.block_hash is None for block in bm.pool.blocks)
+    assert not bm.pool.take_events()
     stats = engine.stats()
     assert (stats.prompt_tokens, stats.generation_tokens, stats.prefix_cache_queries) == (0, 0, 0)
     assert not engine.has_unfinished_requests()

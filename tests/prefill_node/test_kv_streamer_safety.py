@@ -15,14 +15,9 @@ pytestmark = pytest.mark.timeout(30)
 BLOCK = 4
 
 
-class _Blocks:
-    block_size = BLOCK
-
+class _Pool:
     def __init__(self):
         self.refs = Counter()
-
-    def blocks_for(self, n):
-        return -(-n // BLOCK)
 
     def pin(self, ids):
         self.refs.update(ids)
@@ -33,6 +28,16 @@ class _Blocks:
     @property
     def pinned(self):
         return sorted(b for b, n in self.refs.items() if n)
+
+
+class _Blocks:
+    block_size = BLOCK
+
+    def __init__(self):
+        self.pool = _Pool()
+
+    def blocks_for(self, n):
+        return -(-n // BLOCK)
 
 
 class _Engine:
@@ -68,7 +73,7 @@ def test_source_blocks_stay_pinned_until_an_uncancellable_write_is_released(how)
                    deadline=time.monotonic() + 30, on_done=lambda result, first: ended.append(result))
     streamer.add(out)
     streamer.after_step(engine)  # chunk 1 (two full blocks) is written: in flight
-    assert engine.block_manager.pinned == [5, 6]
+    assert engine.block_manager.pool.pinned == [5, 6]
     if how == "cancel":
         streamer.cancel(engine, "r:0")
     else:  # the engine dropped the request (Worker.Abort, or the Prefill call was cancelled)
@@ -77,11 +82,11 @@ def test_source_blocks_stay_pinned_until_an_uncancellable_write_is_released(how)
     streamer.when_ended("r", lambda: waiters.append(True))
     for _ in range(3):
         streamer.after_step(engine)
-    assert engine.block_manager.pinned == [5, 6]  # the write may still read them
+    assert engine.block_manager.pool.pinned == [5, 6]  # the write may still read them
     assert ended == [] and waiters == [] and streamer.active
     fabric.hold_releases("P", False)
     streamer.after_step(engine)
-    assert engine.block_manager.pinned == [] and not streamer.active
+    assert engine.block_manager.pool.pinned == [] and not streamer.active
     assert [r.status for r in ended] == [TransferStatus.CANCELLED] and waiters == [True]
 
 
@@ -112,16 +117,16 @@ def test_a_complete_transfer_answers_between_steps_once_and_releases_after_the_s
                           on_done=lambda result, first: ended.append((result.status, first))))
     fabric.stall("D")  # still in flight when the step ends
     streamer.after_step(engine)  # the final batch goes out
-    assert ended == [] and engine.block_manager.pinned == [5, 6, 7]
+    assert ended == [] and engine.block_manager.pool.pinned == [5, 6, 7]
     fabric.stall("D", False)
     deadline = time.monotonic() + 5
     while not ended and time.monotonic() < deadline:
         sender.collect()  # what the progress thread does between steps
         d.receiver.poll()
     assert [(s, f.token_id) for s, f in ended] == [(TransferStatus.COMPLETE, 42)]
-    assert engine.block_manager.pinned == [5, 6, 7]  # released by the engine thread only
+    assert engine.block_manager.pool.pinned == [5, 6, 7]  # released by the engine thread only
     streamer.after_step(engine)
-    assert engine.block_manager.pinned == [] and not streamer.active
+    assert engine.block_manager.pool.pinned == [] and not streamer.active
     assert len(ended) == 1 and engine.aborted == []
 
 
@@ -150,23 +155,23 @@ def test_a_deferred_destination_sends_nothing_until_it_comes_then_everything_min
     req, ended = _prompt(2, finished=False), []
     streamer.add(_deferred(req, ended))
     streamer.after_step(engine)  # two blocks computed, no destination: nothing goes out
-    assert engine.block_manager.pinned == [] and d.receiver.poll() == []
+    assert engine.block_manager.pool.pinned == [] and d.receiver.poll() == []
     if order == "destination_first":
         streamer.set_destination(engine, "r:0", [8, 9], [1])  # D has block 0 cached
         streamer.after_step(engine)  # block 1 (complete, not skipped) goes out now
-        assert engine.block_manager.pinned == [6]
+        assert engine.block_manager.pool.pinned == [6]
     req.num_computed_tokens, req.num_output_tokens = 3 * BLOCK, 1
     req.status, req.output_token_ids = RequestStatus.FINISHED_LENGTH, [42]
     streamer.after_step(engine)  # the step that finished the prompt
     if order == "prefill_first":
-        assert engine.block_manager.pinned == [5, 6, 7] and ended == []  # held for the destination
+        assert engine.block_manager.pool.pinned == [5, 6, 7] and ended == []  # held for the destination
         streamer.set_destination(engine, "r:0", [8, 9], [1])
     deadline = time.monotonic() + 5
     while not ended and time.monotonic() < deadline:
         streamer.after_step(engine)
         d.receiver.poll()
     assert [(s, f.token_id) for s, f in ended] == [(TransferStatus.COMPLETE, 42)]
-    assert engine.block_manager.pinned == [] and not streamer.active
+    assert engine.block_manager.pool.pinned == [] and not streamer.active
     with pytest.raises(KeyError):  # no such transfer in flight any more
         streamer.set_destination(engine, "r:0", [8, 9], [1])
 
@@ -178,10 +183,10 @@ def test_a_deferred_destination_that_never_comes_times_out_and_releases():
     ended = []
     streamer.add(_deferred(_prompt(3, finished=True), ended, deadline_s=0.05))
     streamer.after_step(engine)
-    assert engine.block_manager.pinned == [5, 6, 7] and ended == []
+    assert engine.block_manager.pool.pinned == [5, 6, 7] and ended == []
     time.sleep(0.06)
     streamer.after_step(engine)
-    assert [s for s, _ in ended] == [TransferStatus.TIMEOUT] and engine.block_manager.pinned == []
+    assert [s for s, _ in ended] == [TransferStatus.TIMEOUT] and engine.block_manager.pool.pinned == []
     assert not streamer.active
 
 
@@ -192,9 +197,9 @@ def test_a_cancelled_deferred_prefill_releases_its_held_blocks_at_once():
     ended = []
     streamer.add(_deferred(_prompt(3, finished=True), ended))
     streamer.after_step(engine)
-    assert engine.block_manager.pinned == [5, 6, 7]
+    assert engine.block_manager.pool.pinned == [5, 6, 7]
     streamer.cancel(engine, "r:0")  # nothing was ever posted: finished here
-    assert [s for s, _ in ended] == [TransferStatus.CANCELLED] and engine.block_manager.pinned == []
+    assert [s for s, _ in ended] == [TransferStatus.CANCELLED] and engine.block_manager.pool.pinned == []
 
 
 def test_a_second_destination_for_the_same_transfer_is_refused():

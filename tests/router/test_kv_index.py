@@ -119,7 +119,7 @@ def test_index_fed_by_a_real_block_manager_predicts_its_prefix_hits():
     idx = KVIndex()
 
     def apply_events():
-        for e in bm.take_events():
+        for e in bm.pool.take_events():
             (idx.stored if e.stored else idx.removed)("w", [e.block_hash])
 
     shared = list(range(1000, 1020))  # 5 blocks
@@ -135,8 +135,8 @@ def test_index_fed_by_a_real_block_manager_predicts_its_prefix_hits():
     for tokens in (probe, list(range(2000, 2040)) + [5]):
         predicted = blocks(idx.match(prompt_block_hashes(tokens, BS))).get("w", 0)
         assert predicted * BS == bm.match_prefix(_request("probe", tokens)).num_tokens
-    assert len(idx) == len(bm.cached_hashes())
-    assert set(idx._blocks["w"]) == set(bm.cached_hashes())
+    assert len(idx) == len(bm.pool.cached_hashes())
+    assert set(idx._blocks["w"]) == set(bm.pool.cached_hashes())
 
 
 def test_a_block_moving_between_pool_and_tier_keeps_its_holder_and_counts_its_tier():

@@ -1,7 +1,8 @@
 """KV events and snapshots carry the tier (worker_runtime/kv_events.py kv_event_batch,
 kv_snapshot): a router index fed by a real block manager with a second tier — its stream
 and its snapshot — knows which blocks sit in the pool and which in the tier."""
-from engine.block_manager import BlockManager, KVEvent
+from engine.block_manager import BlockManager
+from engine.block_pool import KVEvent
 from engine.kv_tier import FakeTierStorage, KVTier
 from proto import pdserve_pb2 as pb
 from router.kv_index import KVIndex
@@ -20,7 +21,7 @@ def _apply(index: KVIndex, batch: pb.KVEventBatch) -> None:
 
 
 def _truth(bm: BlockManager) -> dict[bytes, int]:
-    pool, tier = bm.held_hashes()
+    pool, tier = bm.pool.held_hashes()
     return {**{h: 0 for h in pool}, **{h: 1 for h in tier}}
 
 
@@ -40,18 +41,18 @@ def test_index_follows_demotions_promotions_and_tier_evictions():
     saw_tier = saw_promotion = False
     for tokens in prompts:
         run_once(bm, make_request(tokens, BS))
-        events = bm.take_events()
+        events = bm.pool.take_events()
         saw_tier |= any(e.stored and e.tier for e in events)
-        saw_promotion |= any(e.stored and not e.tier and bm.tier.stats.promotions for e in events)
+        saw_promotion |= any(e.stored and not e.tier and bm.pool.tier.stats.promotions for e in events)
         _apply(index, kv_event_batch(events))
         truth = _truth(bm)
         assert index._blocks["w"] == truth
-        snapshot = pb.CachedBlocksResponse.FromString(kv_snapshot(*bm.held_hashes()).SerializeToString())
+        snapshot = pb.CachedBlocksResponse.FromString(kv_snapshot(*bm.pool.held_hashes()).SerializeToString())
         rebuilt = KVIndex()
         rebuilt.reset("w", snapshot.block_hashes, snapshot.tiers)
         assert rebuilt._blocks["w"] == truth
-    assert saw_tier and saw_promotion and bm.tier.stats.evictions  # every path was taken
-    assert bm.tier.copy_times.load_s > 0  # promotions are timed (Capacity.kv_promote_s_per_block)
+    assert saw_tier and saw_promotion and bm.pool.tier.stats.evictions  # every path was taken
+    assert bm.pool.tier.copy_times.load_s > 0  # promotions are timed (Capacity.kv_promote_s_per_block)
 
 
 def test_the_worker_publishes_its_tier_in_its_capacity(model_dir):
@@ -70,7 +71,7 @@ def test_the_worker_publishes_its_tier_in_its_capacity(model_dir):
     runtime = WorkerRuntime(WorkerConfig(role="decode", etcd="unused:0"), engine,
                             FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="w")),
                             lambda info: mock.AsyncMock(), auth=OPEN, metrics=mock.MagicMock())
-    slots = engine.block_manager.tier.num_slots
+    slots = engine.block_manager.pool.tier.num_slots
     cap = runtime.capacity()
     assert (cap.kv_offload_total_blocks, cap.kv_offload_used_blocks) == (slots, 0) and slots > 0
     # The engine times its tier's copies once at start; no pull has run here.
