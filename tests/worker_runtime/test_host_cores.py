@@ -274,8 +274,12 @@ def test_torch_work_off_the_loop_ends_the_openmp_team_it_started():
         await run()
         return _threads()
 
-    before = _threads()
-    kept = asyncio.run(threads_after(lambda: asyncio.to_thread(parallel_op)))
-    if kept <= before + 1:  # the pool thread itself (gone with its loop), no team
-        pytest.skip("a pool thread runs torch ops on one OpenMP thread here")
-    assert asyncio.run(threads_after(lambda: host_cores.off_the_loop(parallel_op))) == before + 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # whatever an earlier test left: a team of two, one more thread
+    try:
+        before = _threads()
+        kept = asyncio.run(threads_after(lambda: asyncio.to_thread(parallel_op)))
+        assert kept > before + 1  # the pool thread itself (gone with its loop) and its team
+        assert asyncio.run(threads_after(lambda: host_cores.off_the_loop(parallel_op))) == before + 1
+    finally:
+        torch.set_num_threads(threads)
