@@ -58,7 +58,7 @@ class Deltas:
                 text=detok.take_delta(finished),
                 logprobs=request.logprobs[-len(tokens):] if tokens and sampling.logprobs is not None else [],
                 finish_reason=status.finish_reason,
-                num_prompt_tokens=len(request.prompt_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_output_tokens=request.num_output_tokens,
                 stop_reason=request.stop_reason,

@@ -245,10 +245,9 @@ class Scheduler(SpeculationScheduling):
                 if request.status.is_finished:
                     finished.append(request)
                 continue
-            computed, num_prompt = request.num_computed_tokens, len(request.prompt_token_ids)
-            if computed < num_prompt:
-                self.stats.prompt_tokens += min(n, num_prompt - computed)
-            request.num_computed_tokens = computed + n
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += n
             self.bm.cache_full_blocks(request)
             if request.pooling is not None:
                 if request.num_computed_tokens == request.num_tokens:  # pooled: done
@@ -321,11 +320,10 @@ class Scheduler(SpeculationScheduling):
         """vLLM's check_stop: length first; no EOS / stop token before min_tokens (the sampler
         masks them, this is a guard); EOS before stop_token_ids (only the latter set
         `stop_reason`)."""
-        params, num_tokens = request.sampling, len(request.token_ids)
-        num_output = num_tokens - len(request.prompt_token_ids)
-        if num_output >= request.max_tokens or num_tokens >= self.max_model_len:
+        params = request.sampling
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        if num_output < params.min_tokens:
+        if request.num_output_tokens < params.min_tokens:
             return None
         if not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
