@@ -9,9 +9,10 @@ step; a failing step is recorded and the others still run):
 3. Decode attention (SmolLM2-135M shapes, one layer): bytes of KV read per second with the
    automatic split-KV choice and launch-option variants, as a fraction of the copy bandwidth;
    one prefill chunk's TFLOP/s for orientation.
-4. Engine offline throughput (128 prompts x 128 greedy tokens) with the Triton vs the torch
-   attention backend, the KV pool `gpu_memory_utilization` gave each, and how far the two
-   backends' bf16 greedy tokens agree.
+4. Engine offline throughput (128 prompts x 128 greedy tokens, then 8 x 128) with the Triton
+   backend and CUDA graphs for decode steps (the default), the Triton backend eagerly
+   (enforce_eager) and the torch backend; the KV pool `gpu_memory_utilization` gave each, the
+   sizes captured, and how far the variants' bf16 greedy tokens agree.
 5. NIXL/UCX KV block transfer between two processes on the one GPU, VRAM to VRAM
    (benchmarks/kv_transfer.py --device cuda), against the device copy of step 2.
 6. Disaggregated vs local TTFT with one prefill and one decode worker on the same GPU, etcd and
@@ -161,6 +162,10 @@ def summary(report: dict) -> str:
         lines.append(f"- engine: triton {engine['triton']['tokens_per_s']} tok/s, torch "
                      f"{engine['torch']['tokens_per_s']} tok/s ({engine['speedup']}x); KV pool "
                      f"{engine['triton']['kv_pool']}; bf16 greedy agreement {engine['greedy_agreement']}")
+        lines.append(f"- CUDA graphs {engine['triton']['cuda_graphs']}: vs eager {engine['graph_speedup']} "
+                     f"(small batch {engine['triton']['small_batch_tokens_per_s']} vs "
+                     f"{engine['triton_eager']['small_batch_tokens_per_s']} tok/s); agreement "
+                     f"{engine['graph_vs_eager_agreement']}")
     else:
         lines.append(f"- engine: {report.get('engine')}")
     worst = section("transfer").get("worst_fraction_at_64mib_plus")

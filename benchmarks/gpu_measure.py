@@ -157,11 +157,17 @@ def engine_throughput(model: Path, device, dry_run: bool) -> dict:
     tests/engine/test_gpu_engine.py's)."""
     results: dict = {}
     tokens = {}
-    for backend in ("triton", "torch"):
-        results[backend], tokens[backend] = _generate(model, backend, device, dry_run)
-        print(f"  engine {backend:6s}: {results[backend]}", flush=True)
+    # "triton": the default (CUDA graphs for decode steps); "triton_eager": enforce_eager.
+    for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True),
+                                 ("torch", "torch", False)):
+        results[name], tokens[name] = _generate(model, backend, device, dry_run, eager)
+        print(f"  engine {name:12s}: {results[name]}", flush=True)
     results["speedup"] = round(results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2)
+    results["graph_speedup"] = {
+        key: round(results["triton"][key] / results["triton_eager"][key], 2)
+        for key in ("tokens_per_s", "small_batch_tokens_per_s")}
     results["greedy_agreement"] = _agreement(tokens["triton"], tokens["torch"])
+    results["graph_vs_eager_agreement"] = _agreement(tokens["triton"], tokens["triton_eager"])
     return results
 
 
@@ -182,15 +188,18 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _generate(model: Path, backend: str, device, dry_run: bool) -> tuple[dict, list[list[int]]]:
+def _generate(model: Path, backend: str, device, dry_run: bool,
+              enforce_eager: bool = False) -> tuple[dict, list[list[int]]]:
+    """The big batch (tokens and speed) and a small one (8 prompts: launch-bound decode
+    steps, where CUDA graphs matter most)."""
     import torch
 
     import engine
 
     num_prompts, max_tokens = (1, 2) if dry_run else (128, 128)
-    utilization = 0.45  # two engines live one after the other in this process
+    utilization = 0.45  # engines live one after the other in this process
     llm = engine.LLM(str(model), attention_backend=backend, device=device.type,
-                     gpu_memory_utilization=utilization,
+                     gpu_memory_utilization=utilization, enforce_eager=enforce_eager,
                      # Dry run: a 2-layer model and a small pool keep the interpreter quick.
                      **({"num_layers": 2, "kv_cache_memory": 64 << 20} if dry_run else {}))
     pool = llm.engine.kv_cache
@@ -203,13 +212,17 @@ def _generate(model: Path, backend: str, device, dry_run: bool) -> tuple[dict, l
                        tokens=pool.shape[0] * pool.shape[3])
     token_ids, seconds = _timed_greedy(llm, num_prompts, max_tokens, device)
     generated = sum(len(t) for t in token_ids)
-    del llm, pool
+    small_ids, small_seconds = _timed_greedy(llm, 2 if dry_run else 8, max_tokens, device)
+    graphs = llm.engine.runner.graphs
+    graph_info = None if graphs is None else {"captured": graphs.captured, "disabled": graphs.disabled}
+    del llm, pool, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ({"prompts": num_prompts, "max_tokens": max_tokens, "generated_tokens": generated,
              "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1),
-             "kv_pool": kv_pool}, token_ids)
+             "small_batch_tokens_per_s": round(sum(map(len, small_ids)) / small_seconds, 1),
+             "cuda_graphs": graph_info, "kv_pool": kv_pool}, token_ids)
 
 
 def _timed_greedy(llm, num_prompts: int, max_tokens: int, device) -> tuple[list[list[int]], float]:

@@ -103,10 +103,14 @@ class EngineConfig:
     num_layers: int | None = None
     """Load only the first N layers (tests and quick experiments)."""
     enforce_eager: bool = False
-    """vLLM's flag for running the model without CUDA graphs or torch.compile. pdserve always
-    runs it eagerly (a compiled CPU decode forward measured no faster than this engine's
-    eager one, docs/kernels.md; CUDA graph capture is not built), so the flag only states
-    what happens anyway; accepted so vLLM command lines and LLM(...) calls keep working."""
+    """vLLM's flag: run every step eagerly. Off (the default), decode steps on CUDA with the
+    Triton backend replay CUDA graphs captured per batch size (engine/cuda_graphs.py); on
+    the CPU the forward is always eager (a compiled CPU decode forward measured no faster,
+    docs/kernels.md), so there the flag changes nothing."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """vLLM's: the decode batch sizes to capture CUDA graphs for (a step of n rows replays
+    the smallest size >= n; larger batches run eagerly). Empty: 1, 2, 4 and every multiple
+    of 8 up to max_num_seqs."""
     seed: int = 0
     """Seeds the draw of per-request seeds for requests that bring none."""
     generation_config: str = "auto"
@@ -185,7 +189,10 @@ class EngineConfig:
         except FieldError as exc:  # a key of the JSON, not a field of this config
             raise FieldError("speculative_config", f"speculative_config: {exc}") from None
         object.__setattr__(self, "speculative_config", spec)
+        object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))  # a list from LLM(...)
         check_fields(self, [
+            (all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes",
+             "must be integers >= 1"),
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),

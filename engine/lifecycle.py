@@ -28,12 +28,14 @@ TAGS = ("weights", "kv_cache")
 class Lifecycle:
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, scheduler: Scheduler,
                  block_manager: BlockManager, reload: Callable[[], CausalLM],
-                 enable_sleep_mode: bool) -> None:
+                 enable_sleep_mode: bool, moved: Callable[[], None] | None = None) -> None:
         """`kv_cache`: the pool, freed and reallocated in place (its tensor object stays, so
         whoever holds it sees the new memory). `scheduler`: asked whether the engine is idle.
-        `reload`: the checkpoint the engine started with, loaded again (level-2 wake-up)."""
+        `reload`: the checkpoint the engine started with, loaded again (level-2 wake-up).
+        `moved`: told before sleep frees the pool or the weights, and before a weight update
+        (whatever holds their raw addresses, CUDA graphs, lets go)."""
         self.model, self.kv_cache, self.scheduler, self.bm = model, kv_cache, scheduler, block_manager
-        self.reload, self.enable_sleep_mode = reload, enable_sleep_mode
+        self.reload, self.enable_sleep_mode, self.moved = reload, enable_sleep_mode, moved
         self.level = 0  # 0 awake; else the level it sleeps at
         self.asleep: set[str] = set()  # what is not live: "weights", "kv_cache"
         self._kv_shape: torch.Size | None = None
@@ -49,6 +51,8 @@ class Lifecycle:
         if self.scheduler.has_unfinished():
             raise RuntimeError("sleep: requests are still running (finish or abort them first)")
         kv, model = self.kv_cache, self.model
+        if self.moved is not None:
+            self.moved()
         if "kv_cache" not in self.asleep:
             self.bm.reset_prefix_cache()  # the pool's contents go
             self._kv_shape = kv.shape
@@ -112,6 +116,8 @@ class Lifecycle:
             self._updated_while_dropped = True
         if isinstance(weights, (str, Path)):
             weights = read_weights(weights)
+        if self.moved is not None:  # copied in place, but a graph need not bet on it
+            self.moved()
         return self.model.update_weights(weights)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.block_manager import BlockManager
+from engine.cuda_graphs import DecodeGraphs
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
 from engine.models.interface import CausalLM
@@ -43,11 +44,16 @@ class ModelRunner:
         block_manager: BlockManager,
         lora_slots: LoRASlots | None = None,
         send_step: Callable[[StepInputs], None] | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         """`send_step` (tensor parallel, engine/parallel): hands each step's inputs to the
-        other ranks before this rank runs the forward."""
+        other ranks before this rank runs the forward. `graphs`: CUDA graphs that replay
+        all-decode steps (engine/cuda_graphs.py; never with `send_step`)."""
+        if graphs is not None and send_step is not None:
+            raise ValueError("CUDA graphs replay one rank's forward: not with tensor parallelism")
         self.model = model
         self.send_step = send_step
+        self.graphs = graphs
         pack_linears(model)  # bf16 on the CPU: decode-sized projections from packed weights
         self.lora_slots = lora_slots
         self.kv_cache = kv_cache
@@ -150,11 +156,17 @@ class ModelRunner:
             query_lens, seq_lens, flat(logits_rows) if logits_rows else None)
         if self.send_step is not None:
             self.send_step(step)
-        # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).
-        head_logits = (bool(sample_rows) and not prompt_rows and not verify
-                       and self.sampler.reads_head_logits(sample_rows, self.device))
-        x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step,
-                                 self._lora_batch(order), head_logits)
+        lora = self._lora_batch(order)
+        head_logits = False
+        logits = None
+        if (self.graphs is not None and len(decode_ids) == len(order) and lora is None
+                and not prompt_rows and not verify and not pool_spans):
+            logits = self.graphs.logits(step)  # None: this step runs eagerly
+        if logits is None:
+            # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).
+            head_logits = (bool(sample_rows) and not prompt_rows and not verify
+                           and self.sampler.reads_head_logits(sample_rows, self.device))
+            x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step, lora, head_logits)
         if pool_spans:
             hidden = self.model.hidden(x, ctx, self._index(pool_rows)).float()
             for (request, _), part in zip(pool_spans, hidden.split([c for _, c in pool_spans])):
@@ -211,7 +223,8 @@ class ModelRunner:
         pay for first use — oneDNN primitives, kernels, the thread pool, first allocations:
         100-250 ms of a first 256-token prefill on a 2-core CPU. Their K/V land in the pool's
         first blocks, which is only harmless while no block holds anything (a request writes
-        a block before it reads it, and none is cached yet): refused after that."""
+        a block before it reads it, and none is cached yet): refused after that. With CUDA
+        graphs, every decode size is captured here too (engine/cuda_graphs.py)."""
         if self.has_run or self.bm.pool.num_free_blocks < self.bm.pool.num_blocks:
             raise RuntimeError("warm_up: only before the first request")
         prompt_len = max(1, min(prompt_len, self.bm.pool.num_blocks * self.block_size))
@@ -225,6 +238,8 @@ class ModelRunner:
             if self.send_step is not None:
                 self.send_step(step)
             forward(self.model, self.backend, self.kv_cache, step, None, True)
+        if self.graphs is not None:  # every decode size, before the first request
+            self.graphs.capture_all()
 
     def _lora_batch(self, order: list[tuple[Request, int]]) -> LoRABatch | None:
         """The step's adapters made resident, and each row's slot; None if no row has one."""

@@ -1,6 +1,7 @@
 """On CUDA (skipped elsewhere): the whole engine with the Triton backend gives the same greedy
 tokens as with the torch backend and as transformers' generate(), in fp32 and at full depth,
-through chunked prefill, a shared prefix and a mixed batch; and the KV pool is sized from
+through chunked prefill, a shared prefix and a mixed batch, with its decode steps replayed
+from CUDA graphs (the default) and eagerly; and the KV pool is sized from
 `gpu_memory_utilization`.
 
 The model is $PDSERVE_GPU_MODEL when set (benchmarks/gpu_check writes a random-weight copy
@@ -59,12 +60,17 @@ def _free_cuda() -> None:
     torch.cuda.empty_cache()
 
 
-def _greedy(model: Path, prompts, backend: str, dtype: str = "float32") -> list[list[int]]:
+def _greedy(model: Path, prompts, backend: str, dtype: str = "float32", graphs: list | None = None,
+            **kw) -> list[list[int]]:
+    """`graphs`: gets the engine's CUDA graphs' (captured sizes, disabled reason) appended."""
     llm = LLM(str(model), device="cuda", dtype=dtype, attention_backend=backend,
-              kv_cache_memory=1 << 30, max_num_batched_tokens=512)
+              kv_cache_memory=1 << 30, max_num_batched_tokens=512, **kw)
     assert llm.engine.backend.name == backend
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    if graphs is not None:
+        decode_graphs = llm.engine.runner.graphs
+        graphs.append(decode_graphs and (decode_graphs.captured, decode_graphs.disabled))
     del llm
     _free_cuda()
     return out
@@ -73,6 +79,18 @@ def _greedy(model: Path, prompts, backend: str, dtype: str = "float32") -> list[
 @pytest.fixture(scope="module")
 def triton_tokens(gpu_model, prompts):
     return _greedy(gpu_model, prompts, "triton")
+
+
+def test_cuda_graph_decode_equals_eager(gpu_model, prompts, triton_tokens):
+    """The default (CUDA graphs for decode steps) == enforce_eager, and graphs were replayed:
+    seven prompts decode together (size 8), the long one alone at the end (size 1); its
+    chunks and the steps they share run eagerly."""
+    graphs: list = []
+    assert _greedy(gpu_model, prompts, "triton", cuda_graph_sizes=[1, 8], graphs=graphs) == triton_tokens
+    (captured, disabled), = graphs
+    assert disabled is None and 8 in captured and set(captured) <= {1, 8}
+    assert _greedy(gpu_model, prompts, "triton", enforce_eager=True, graphs=graphs) == triton_tokens
+    assert graphs[1] is None
 
 
 def test_triton_backend_equals_torch_backend(gpu_model, prompts, triton_tokens):
