@@ -31,6 +31,7 @@ it), so the script is known to work before it meets a GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -98,8 +99,12 @@ def run_logged(cmd: list[str], log: Path, timeout: float, env: dict | None = Non
             "seconds": round(time.perf_counter() - start, 1), "output_tail": "\n".join(lines[-40:])}
 
 
-def run_pytest(out: Path, model: Path, timeout: float) -> dict:
+def run_pytest(out: Path, model: Path, timeout: float, workers: int = 0) -> dict:
+    """`workers` > 0: pytest-xdist processes, one test file each (Triton's compiles run on
+    the CPU; the engine tests of one file share a module fixture and the GPU's memory)."""
     cmd = [sys.executable, "-m", "pytest", *GPU_TESTS, "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    if workers:
+        cmd += ["-n", str(workers), "--dist", "loadfile"]
     # returncode 5 would mean nothing was selected; on CPU every gpu test is skipped (0).
     return run_logged(cmd, out / "pytest.log", timeout, {"PDSERVE_GPU_MODEL": str(model)})
 
@@ -241,7 +246,8 @@ def main(argv=None) -> int:
         report["pytest"] = {"skipped": "--skip-pytest"}
     else:
         timeout = 120 if args.dry_run else max(60, min(240, deadline - time.monotonic() - 180))
-        step("pytest", lambda: run_pytest(args.out, model, timeout))
+        workers = 0 if args.dry_run or importlib.util.find_spec("xdist") is None else 4
+        step("pytest", lambda: run_pytest(args.out, model, timeout, workers))
         res = report["pytest"]
         print(f"  rc={res.get('returncode')} {res.get('summary', '')} ({res.get('seconds')} s)", flush=True)
         if res.get("returncode") not in (0, 5):

@@ -25,4 +25,5 @@ if [ -f .gpu_bundle/site.tar.xz ] && [ "$DRY" = 0 ]; then
     if [ -n "$CUDART_DIR" ]; then export LD_LIBRARY_PATH="$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec timeout --signal=INT --kill-after=10 500 "$PYTHON" benchmarks/gpu_check.py "$@"
+# GPU_CHECK_KILL_S: the hard limit (default 500 s; give --budget-s about 30 s less).
+exec timeout --signal=INT --kill-after=10 "${GPU_CHECK_KILL_S:-500}" "$PYTHON" benchmarks/gpu_check.py "$@"
