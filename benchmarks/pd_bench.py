@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -65,7 +64,8 @@ def run(args: argparse.Namespace) -> dict:
     """Start etcd, one prefill and one decode worker; median TTFTs per prompt length."""
     logs = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-pd-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
-    token_file = write_token_file(logs / f"cluster-token-{os.getpid()}")  # as `pdserve up` does
+    # As `pdserve up` does, but not beside the logs (they may be copied off the machine).
+    token_file = write_token_file(Path(tempfile.mkdtemp(prefix="pdserve-token-")) / "cluster-token")
     auth = resolve(GrpcSecurity(cluster_token_file=str(token_file)), {})
     common = ["--model", args.model, "--device", args.device, "--kv-cache-memory", args.kv_cache_memory,
               "--cluster-token-file", str(token_file), "--num-threads", "1", "--dtype", args.dtype,

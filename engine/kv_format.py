@@ -37,7 +37,9 @@ def quantize(x: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """[..., head_dim] values -> what the pool stores for them ([..., head_dim + 4] for int8)."""
     if storage == torch.int8:
         x32 = x.float()
-        scale = x32.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+        # A tensor divisor: CUDA torch divides by a Python scalar as a multiply by its
+        # reciprocal (one ulp off the correctly rounded quotient the kernels compute).
+        scale = x32.abs().amax(-1, keepdim=True).clamp(min=1e-8) / x32.new_full((), 127.0)
         q = torch.round(x32 / scale).clamp(-127, 127).to(torch.int8)
         return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
     if storage in _FP8_MAX:

@@ -63,7 +63,9 @@ def quantize_kv_reference(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Ten
     """[..., head_dim] model-dtype values -> the pool's rows for them ([..., head_dim + 4] int8)."""
     if pool_dtype == torch.int8:
         x32 = x.float()
-        scale = x32.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+        # A tensor divisor: CUDA torch divides by a Python scalar as a multiply by its
+        # reciprocal (one ulp off the correctly rounded quotient the kernels compute).
+        scale = x32.abs().amax(-1, keepdim=True).clamp(min=1e-8) / x32.new_full((), 127.0)
         q = torch.round(x32 / scale).clamp(-127, 127).to(torch.int8)  # round: half to even
         return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
     if pool_dtype in FP8_MAX:

@@ -38,8 +38,9 @@ from kernels.paged_attention_kernel import paged_attention_kernel
 LOG2E = 1.4426950408889634
 # Running under the Triton interpreter (TRITON_INTERPRET=1 when triton was imported).
 _INTERPRETED = type(paged_attention_kernel).__name__ == "InterpretedFunction"
-# Split-KV heuristic (GPU): aim for this many programs per SM, never cut a context into
-# partitions shorter than MIN_PARTITION_SIZE tokens or into more than MAX_PARTITIONS pieces.
+# Split-KV heuristic (GPU): split only a batch with fewer programs than SMs, aiming for this
+# many programs per SM; never cut a context into partitions shorter than MIN_PARTITION_SIZE
+# tokens or into more than MAX_PARTITIONS pieces.
 PROGRAMS_PER_SM = 4
 MIN_PARTITION_SIZE = 256
 MAX_PARTITIONS = 64
@@ -80,11 +81,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: int, tile_n: int) -> int:
-    """0 (no split) unless the batch leaves the GPU under-occupied and contexts are long."""
+    """0 (no split) unless the batch leaves SMs idle and contexts are long. Once every SM has
+    a program, splitting only adds partials and the merge (H200, SmolLM2 shapes: 64 x 2k
+    took 0.24 ms split in 3 vs 0.11 unsplit; 8 x 32k 0.15 ms in 22 parts vs 0.78)."""
     if device.type != "cuda":
         return 0
-    target = PROGRAMS_PER_SM * _num_sms(device)
-    if num_programs >= target:
+    sms = _num_sms(device)
+    target = PROGRAMS_PER_SM * sms
+    if num_programs >= sms:
         return 0
     parts = min(triton.cdiv(target, num_programs), max_seq_len // MIN_PARTITION_SIZE, MAX_PARTITIONS)
     if parts < 2:

@@ -40,12 +40,15 @@ def test_dry_run(tmp_path, model_dir):
     assert all(r["nixl_gbps"] > 0 for r in transfer["rows"]) and transfer["worst_fraction_at_64mib_plus"] > 0
     (row,) = report["pd"]["rows"]
     assert row["prompt_tokens"] == 64 and row["local_ttft_ms"] > 0 and row["disagg_ttft_ms"] > 0
-    assert "- NIXL transfer: worst" in proc.stdout and "- TTFT 64 tokens: local" in proc.stdout
+    assert "- NIXL transfer: worst" in proc.stdout
     tp = report["tp"]  # two CPU ranks over gloo in the dry run; fp32: the same tokens
     assert tp["tp1"]["generated_tokens"] == tp["tp2"]["generated_tokens"] == 8, tp
     assert tp["greedy_agreement"]["identical_completions"] == 1.0 and tp["tp2_over_tp1"] > 0
     assert "- tensor parallelism: TP=2" in proc.stdout
-    for name in ("pytest.log", "kv_transfer.json", "pd_bench.json", "pd_logs/prefill.log", "pd_logs/decode.log"):
+    assert report["pd"]["by_chunk"] == {"512": report["pd"]["rows"]} and row["chunk_tokens"] == 512
+    assert "- TTFT 64 tokens (chunks of 512): local" in proc.stdout
+    for name in ("pytest.log", "kv_transfer.log", "pd_bench_512.log", "pd_logs/512/prefill.log",
+                 "pd_logs/512/decode.log"):
         assert (out / name).is_file(), name
 
 
