@@ -135,13 +135,16 @@ def kv_transfer(out: Path, device, copy_gbps: float, dry_run: bool, timeout: flo
 
 def pd_ttft(out: Path, model: Path, device, dry_run: bool, timeout: float) -> dict:
     """pd_bench at each prefill chunk size (on the GPU the engine's default, 2048, then 512):
-    `rows` are the first's, `by_chunk` all of them; worker logs in pd_logs/<chunk>/."""
+    `rows` are the first's, `by_chunk` all of them; the first's worker logs in pd_logs/<chunk>/
+    (the others' stay on the machine: at most eight files come back)."""
     by_chunk: dict[int, list] = {}
     deadline = time.monotonic() + timeout
     for chunk in (512,) if dry_run else (2048, 512):
-        result_file = Path(tempfile.mkdtemp(prefix="pd-bench-")) / "pd_bench.json"
+        scratch = Path(tempfile.mkdtemp(prefix="pd-bench-"))
+        logs = out / "pd_logs" / str(chunk) if not by_chunk else scratch
+        result_file = scratch / "pd_bench.json"
         cmd = [sys.executable, "-m", "benchmarks.pd_bench", "--device", device.type, "--model", str(model),
-               "--json", str(result_file), "--log-dir", str(out / "pd_logs" / str(chunk)),
+               "--json", str(result_file), "--log-dir", str(logs),
                "--max-num-batched-tokens", str(chunk)]
         if dry_run:
             cmd += ["--lengths", "64", "--repeats", "1", "--kv-cache-memory", "64MiB"]

@@ -29,11 +29,14 @@ def test_generation_config_flag():
     assert _parse(["--generation-config", "/models/x"]).generation_config == "/models/x"
 
 
-def test_vllm_enforce_eager_is_accepted_on_the_command_line_and_in_llm():
-    """pdserve always runs eagerly: `--enforce-eager` (vLLM's) states that and changes nothing
-    else; a command line that passes it still parses (it used to fail as unrecognised)."""
+def test_vllm_enforce_eager_and_cuda_graph_sizes_flags():
+    """vLLM's flags for CUDA graphs (engine/cuda_graphs.py): `--enforce-eager` turns them off,
+    `--cuda-graph-sizes` names the sizes; both round-trip through the command line."""
     assert _parse(["--enforce-eager"]) == dataclasses.replace(EngineConfig(), enforce_eager=True)
     assert to_argv(EngineConfig(enforce_eager=True)) == ["--enforce-eager"]
+    config = _parse(["--cuda-graph-sizes", "1", "8", "64"])
+    assert config.cuda_graph_sizes == (1, 8, 64)
+    assert to_argv(config) == ["--cuda-graph-sizes", "1", "8", "64"]
 
 
 def test_every_flag_says_what_it_does():
