@@ -18,7 +18,8 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 GPU_DECODE_CASES = [(2, 131_072), (8, 32_768), (64, 2_048), (64, 4_096), (256, 1_024)]
 DRY_DECODE_CASES = [(2, 96)]
 # name -> plan_paged_attention keyword arguments. "auto" is what the engine gets; the others show
-# what splitting buys and whether the default launch options leave bandwidth on the table.
+# what splitting (none, or fixed partition sizes) buys and whether the default launch options
+# leave bandwidth on the table.
 GPU_VARIANTS = {
     "auto": {},
     "no-split": {"partition_size": 0},
@@ -26,6 +27,9 @@ GPU_VARIANTS = {
     "auto stages=2": {"num_stages": 2},
     "auto tile=32": {"tile_n": 32},
     "auto w8 t32": {"num_warps": 8, "tile_n": 32},
+    "split=1024": {"partition_size": 1024},
+    "split=512": {"partition_size": 512},
+    "split=256": {"partition_size": 256},
 }
 DRY_VARIANTS = {"split=32": {"partition_size": 32}, "no-split": {"partition_size": 0},
                 "split=32 w8": {"partition_size": 32, "num_warps": 8, "num_stages": 2}}
@@ -40,6 +44,8 @@ class DecodeResult:
     ms: float
     kv_gbps: float  # bytes of K and V read per second / 1e9
     fraction_of_copy: float
+    replayed_ms: float | None = None  # from a CUDA graph (Timer.replayed): the GPU's time alone
+    replayed_fraction_of_copy: float | None = None
 
 
 class Timer:
@@ -64,6 +70,28 @@ class Timer:
         start.record()
         for _ in range(iters):
             fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    def replayed(self, fn, iters: int = 20) -> float | None:
+        """Mean milliseconds per call with `iters` calls captured in one CUDA graph and replayed:
+        the GPU's time alone (the engine replays decode steps so); None off CUDA. Eager
+        launches of a small kernel can cost the host more than the GPU spends on it."""
+        if not self.cuda:
+            return None
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
@@ -115,10 +143,16 @@ def decode_bandwidth(device, dtype, timer, copy_gbps: float, dry_run: bool) -> l
             outputs[name] = call()
             ms = timer(call)
             gbps = kv_bytes / (ms * 1e-3) / 1e9
+            replayed = timer.replayed(call)
+            replayed_share = None if replayed is None else kv_bytes / (replayed * 1e-3) / 1e9 / copy_gbps
             results.append(DecodeResult(batch, context, name, plan.num_partitions, round(ms, 4),
-                                        round(gbps, 1), round(gbps / copy_gbps, 3)))
+                                        round(gbps, 1), round(gbps / copy_gbps, 3),
+                                        replayed and round(replayed, 4),
+                                        replayed_share and round(replayed_share, 3)))
+            graph_text = "" if replayed is None else f" | replayed {replayed:7.3f} ms = {replayed_share:6.1%}"
             print(f"  decode batch={batch:4d} ctx={context:6d} {name:12s} partitions={plan.num_partitions:3d} "
-                  f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy", flush=True)
+                  f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy{graph_text}",
+                  flush=True)
         first, *others = outputs.values()
         for other in others:
             torch.testing.assert_close(other, first, atol=2e-2, rtol=2e-2)

@@ -38,9 +38,8 @@ from kernels.paged_attention_kernel import paged_attention_kernel
 LOG2E = 1.4426950408889634
 # Running under the Triton interpreter (TRITON_INTERPRET=1 when triton was imported).
 _INTERPRETED = type(paged_attention_kernel).__name__ == "InterpretedFunction"
-# Split-KV heuristic (GPU): split only a batch with fewer programs than SMs, aiming for this
-# many programs per SM; never cut a context into partitions shorter than MIN_PARTITION_SIZE
-# tokens or into more than MAX_PARTITIONS pieces.
+# Split-KV heuristic (GPU): aim for this many programs per SM, never cut a context into
+# partitions shorter than MIN_PARTITION_SIZE tokens or into more than MAX_PARTITIONS pieces.
 PROGRAMS_PER_SM = 4
 MIN_PARTITION_SIZE = 256
 MAX_PARTITIONS = 64
@@ -81,14 +80,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: int, tile_n: int) -> int:
-    """0 (no split) unless the batch leaves SMs idle and contexts are long. Once every SM has
-    a program, splitting only adds partials and the merge (H200, SmolLM2 shapes: 64 x 2k
-    took 0.24 ms split in 3 vs 0.11 unsplit; 8 x 32k 0.15 ms in 22 parts vs 0.78)."""
+    """0 (no split) unless the batch leaves the GPU under-occupied and contexts are long. GPU
+    time on an H200, SmolLM2 shapes, from a CUDA graph (what decode steps replay): 64 x 2k
+    0.060 ms unsplit, 0.041-0.043 in 2-8 parts; 64 x 4k 0.114 vs 0.069-0.076; 256 x 1k
+    (768 programs) 0.062 unsplit vs 0.070 in 2. Launched eagerly, the merge's extra launch
+    costs the host more than the split saves the GPU, but eager steps are host-bound anyway."""
     if device.type != "cuda":
         return 0
-    sms = _num_sms(device)
-    target = PROGRAMS_PER_SM * sms
-    if num_programs >= sms:
+    target = PROGRAMS_PER_SM * _num_sms(device)
+    if num_programs >= target:
         return 0
     parts = min(triton.cdiv(target, num_programs), max_seq_len // MIN_PARTITION_SIZE, MAX_PARTITIONS)
     if parts < 2:
