@@ -23,13 +23,13 @@ DRY_DECODE_CASES = [(2, 96)]
 GPU_VARIANTS = {
     "auto": {},
     "no-split": {"partition_size": 0},
+    "auto warps=4": {"num_warps": 4},
     "auto warps=8": {"num_warps": 8},
     "auto stages=2": {"num_stages": 2},
     "auto tile=32": {"tile_n": 32},
     "auto w8 t32": {"num_warps": 8, "tile_n": 32},
     "split=1024": {"partition_size": 1024},
     "split=512": {"partition_size": 512},
-    "split=256": {"partition_size": 256},
 }
 DRY_VARIANTS = {"split=32": {"partition_size": 32}, "no-split": {"partition_size": 0},
                 "split=32 w8": {"partition_size": 32, "num_warps": 8, "num_stages": 2}}

@@ -131,14 +131,17 @@ def _kv_span(max_seq_len: int, max_query_len: int, block_q: int, sliding_window:
 def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, num_q_heads: int,
                          num_kv_heads: int, head_dim: int, max_query_len: int, max_seq_len: int, *,
                          partition_size: int | None = None, tile_n: int | None = None,
-                         num_warps: int = 4, num_stages: int | None = None,
-                         sliding_window: int | None = None) -> AttentionPlan:
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         sliding_window: int | None = None,
+                         kv_dtype: torch.dtype | None = None) -> AttentionPlan:
     """Tile sizes and the split-KV decision for a batch of T tokens from S sequences.
 
     partition_size: KV partition length in tokens for split-KV (flash-decoding); None picks
     automatically (splits when the batch is too small to fill the GPU), 0 never splits.
     tile_n: keys per inner-loop step (power of two >= 16); None picks by head_dim.
-    num_warps / num_stages: Triton launch options (for tuning).
+    num_warps / num_stages: Triton launch options (for tuning). num_warps None: 2 for tiles
+    of 16 rows (decode batches; 4 warps idle there) over a pool that is not int8, else 4.
+    kv_dtype: the pool's dtype (None: the query's).
     sliding_window: the layer's window (None = none). A windowed tile walks at most
     W + block_q - 1 keys, which is what split-KV partitions; a plan made without a window also
     serves windowed layers (with partitions to spare), not the other way round."""
@@ -160,6 +163,11 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
         partition_size = _auto_partition_size(device, busy_tiles * num_kv_heads, kv_span, tile_n)
     check(partition_size >= 0, f"partition_size must be >= 0, got {partition_size}")
     num_partitions = triton.cdiv(kv_span, partition_size) if partition_size > 0 else 1
+    if num_warps is None:
+        # H200, SmolLM2 shapes, replayed from a CUDA graph: 2 warps read the KV 0-16 points of
+        # the copy bandwidth faster than 4 at every decode shape measured (benchmarks/README.md).
+        # Larger tiles and int8 pools (the dequantizing loads) keep 4: 2 warps spill there.
+        num_warps = 2 if block_m == 16 and kv_dtype != torch.int8 else 4
     return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions,
                          num_warps, num_stages)
 
@@ -205,7 +213,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
           f"{block_tables.shape[1]} blocks x {block_size}")
     if plan is None:
         plan = plan_paged_attention(query.device, num_tokens, num_seqs, num_q_heads, num_kv_heads,
-                                    head_dim, max_query_len, max_seq_len, sliding_window=sliding_window)
+                                    head_dim, max_query_len, max_seq_len, sliding_window=sliding_window,
+                                    kv_dtype=kv_cache.dtype)
     _check_plan(plan, num_tokens, num_seqs, num_q_heads // num_kv_heads, max_query_len, max_seq_len,
                 sliding_window)
     partition_size, num_partitions = plan.partition_size, plan.num_partitions

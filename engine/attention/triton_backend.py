@@ -28,7 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
             plans[sliding_window] = self._k.plan_paged_attention(
                 query.device, query.shape[0], metadata.num_seqs, query.shape[1],
                 kv_cache.shape[4], kv_cache.shape[5], metadata.max_query_len, metadata.max_seq_len,
-                sliding_window=sliding_window,
+                sliding_window=sliding_window, kv_dtype=kv_cache.dtype,
             )
         return plans[sliding_window]
 

@@ -105,7 +105,7 @@ def record_launches() -> list:
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         plan = plan_paged_attention(query.device, query.shape[0], len(q_lens), query.shape[1], kv_heads,
                                     head_dim, max(q_lens), max(seq_lens), partition_size=partition_size,
-                                    sliding_window=sliding_window, **launch)
+                                    sliding_window=sliding_window, kv_dtype=cache.dtype, **launch)
         paged_attention(query, cache, 1, tables, qsl, lens, 0.125, max(q_lens), max(seq_lens), plan=plan,
                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 

@@ -252,6 +252,16 @@ def test_empty_batch(device):
     assert out.shape == (0, 9, HEAD_DIM)
 
 
+def test_decode_plans_launch_two_warps_except_over_int8_pools():
+    cpu = torch.device("cpu")
+    decode = pa.plan_paged_attention(cpu, 64, 64, 9, 3, 64, 1, 2_048)
+    prefill = pa.plan_paged_attention(cpu, 512, 1, 9, 3, 64, 512, 2_048)
+    assert decode.block_m == 16 and decode.num_warps == 2
+    assert prefill.num_warps == 4
+    assert pa.plan_paged_attention(cpu, 64, 64, 9, 3, 64, 1, 2_048, num_warps=8).num_warps == 8
+    assert pa.plan_paged_attention(cpu, 64, 64, 9, 3, 64, 1, 2_048, kv_dtype=torch.int8).num_warps == 4
+
+
 def test_auto_partition_heuristic(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(pa, "_num_sms", lambda device: 132)

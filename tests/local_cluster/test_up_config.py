@@ -35,7 +35,7 @@ ENGINE = EngineConfig(
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
                                        long_prefill_token_threshold=0, enable_prefix_caching=True,
                                        kv_offloading_size=1 << 20,
-                                       kv_offloading_path="/nonexistent-tier"),
+                                       kv_offloading_path="/nonexistent-tier", cuda_graph_sizes=(1, 8)),
            EngineConfig(model="/m", tensor_parallel_size=2, enable_expert_parallel=True,
                         distributed_timeout_s=7.0)]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
