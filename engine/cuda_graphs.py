@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import EngineConfig
 from engine.models.interface import CausalLM, ForwardContext
 from engine.parallel.step import StepInputs
 
@@ -52,6 +53,17 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     `max_num_seqs` itself, so that every admissible decode batch has a graph)."""
     sizes = {s for s in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if s <= max_num_seqs}
     return tuple(sorted(sizes | {max_num_seqs}))
+
+
+def decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
+                  kv_cache: torch.Tensor, num_groups: int, max_model_len: int) -> DecodeGraphs | None:
+    """An engine's decode graphs: on CUDA with the Triton backend and one rank, unless
+    `enforce_eager`; the sizes from `cuda_graph_sizes`, else the default."""
+    if (kv_cache.device.type != "cuda" or config.enforce_eager or backend.name != "triton"
+            or config.parallel):
+        return None
+    sizes = config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)
+    return DecodeGraphs(model, backend, kv_cache, num_groups, max_model_len, sizes)
 
 
 def cuda_capture(forward: Callable[[], torch.Tensor], pool) -> tuple[Replay, torch.Tensor, object]:

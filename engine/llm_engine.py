@@ -13,7 +13,7 @@ from engine.attention.selector import fused_kernels, make_attention_backend
 from engine.block_manager import BlockManager
 from engine.checks import FieldError
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, default_capture_sizes
+from engine.cuda_graphs import decode_graphs
 from engine.deltas import Deltas
 from engine.device import keep_freed_host_memory, resolve_device_dtype
 from engine.extension import collective_rpc, load_extension
@@ -134,7 +134,8 @@ class LLMEngine:
         """Fixed sizes and the admission check; safe from any thread."""
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager,
                                   lora_slots, self.parallel_group and self.parallel_group.send_step,
-                                  self._decode_graphs(config))
+                                  decode_graphs(config, self.loaded.model, self.backend, self.kv_cache,
+                                                self.block_manager.num_groups, self.max_model_len))
         self.sampling_defaults = sampling_defaults(
             load_generation_config(config.generation_config, self.tokenizer.generation_config)
         )
@@ -366,15 +367,6 @@ class LLMEngine:
             + (0,) * (self.num_speculative_tokens - len(sched.spec_stats.accepted_per_pos)),
             **_tier_stats(pool.tier),
         )
-
-    def _decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps: on CUDA, Triton backend, one rank, unless enforce_eager."""
-        if (self.device.type != "cuda" or config.enforce_eager or self.backend.name != "triton"
-                or self.parallel_group is not None):
-            return None
-        sizes = config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)
-        return DecodeGraphs(self.loaded.model, self.backend, self.kv_cache, self.block_manager.num_groups,
-                            self.max_model_len, sizes)
 
     def warm_up(self) -> None:
         """Run the model once on a short dummy prompt and a decode row before serving, so that
