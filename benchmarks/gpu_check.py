@@ -113,14 +113,15 @@ def run_pytest(out: Path, model: Path, timeout: float, workers: int = 0) -> dict
 
 def kv_transfer(out: Path, device, copy_gbps: float, dry_run: bool, timeout: float) -> dict:
     """NIXL between two processes (VRAM pools on GPU) vs the device copy (bytes once)."""
-    result_file = Path(tempfile.mkdtemp(prefix="kv-transfer-")) / "kv_transfer.json"  # rows: in the report
-    cmd = [sys.executable, "-m", "benchmarks.kv_transfer", "--device", device.type, "--json", str(result_file)]
-    if dry_run:
-        cmd += ["--quick", "--reps", "2"]
-    run = run_logged(cmd, out / "kv_transfer.log", timeout)
-    if run["returncode"] != 0:
-        raise RuntimeError(f"kv_transfer failed ({run['returncode']}):\n{run['output_tail']}")
-    rows = json.loads(result_file.read_text())["rows"]
+    with tempfile.TemporaryDirectory(prefix="kv-transfer-") as scratch:  # the rows go in the report
+        result_file = Path(scratch) / "kv_transfer.json"
+        cmd = [sys.executable, "-m", "benchmarks.kv_transfer", "--device", device.type, "--json", str(result_file)]
+        if dry_run:
+            cmd += ["--quick", "--reps", "2"]
+        run = run_logged(cmd, out / "kv_transfer.log", timeout)
+        if run["returncode"] != 0:
+            raise RuntimeError(f"kv_transfer failed ({run['returncode']}):\n{run['output_tail']}")
+        rows = json.loads(result_file.read_text())["rows"]
     copy_once = copy_gbps / 2  # step 2 counts bytes read + written; a transfer moves them once
     summary = [{"block_tokens": r["block_tokens"], "total_mib": r["total_mib"],
                 "nixl_gbps": round(r["nixl_gbps_best"], 2),
@@ -137,24 +138,24 @@ def kv_transfer(out: Path, device, copy_gbps: float, dry_run: bool, timeout: flo
 def pd_ttft(out: Path, model: Path, device, dry_run: bool, timeout: float) -> dict:
     """pd_bench at each prefill chunk size (on the GPU the engine's default, 2048, then 512):
     `rows` are the first's, `by_chunk` all of them; the first's worker logs in pd_logs/<chunk>/
-    (the others' stay on the machine: at most eight files come back)."""
+    (the others' are not kept: at most eight files come back)."""
     by_chunk: dict[int, list] = {}
     deadline = time.monotonic() + timeout
     for chunk in (512,) if dry_run else (2048, 512):
-        scratch = Path(tempfile.mkdtemp(prefix="pd-bench-"))
-        logs = out / "pd_logs" / str(chunk) if not by_chunk else scratch
-        result_file = scratch / "pd_bench.json"
-        cmd = [sys.executable, "-m", "benchmarks.pd_bench", "--device", device.type, "--model", str(model),
-               "--json", str(result_file), "--log-dir", str(logs),
-               "--max-num-batched-tokens", str(chunk)]
-        if dry_run:
-            cmd += ["--lengths", "64", "--repeats", "1", "--kv-cache-memory", "64MiB"]
-        run = run_logged(cmd, out / f"pd_bench_{chunk}.log", max(30.0, deadline - time.monotonic()))
-        if run["returncode"] != 0:
-            raise RuntimeError(f"pd_bench failed ({run['returncode']}):\n{run['output_tail']}")
+        with tempfile.TemporaryDirectory(prefix="pd-bench-") as scratch:
+            logs = out / "pd_logs" / str(chunk) if not by_chunk else Path(scratch)
+            result_file = Path(scratch) / "pd_bench.json"
+            cmd = [sys.executable, "-m", "benchmarks.pd_bench", "--device", device.type, "--model", str(model),
+                   "--json", str(result_file), "--log-dir", str(logs), "--max-num-batched-tokens", str(chunk)]
+            if dry_run:
+                cmd += ["--lengths", "64", "--repeats", "1", "--kv-cache-memory", "64MiB"]
+            run = run_logged(cmd, out / f"pd_bench_{chunk}.log", max(30.0, deadline - time.monotonic()))
+            if run["returncode"] != 0:
+                raise RuntimeError(f"pd_bench failed ({run['returncode']}):\n{run['output_tail']}")
+            rows = json.loads(result_file.read_text())["rows"]
         print(f"  chunks of {chunk} tokens:", flush=True)
         print("\n".join("  " + line for line in run["output_tail"].splitlines()[-6:]), flush=True)
-        by_chunk[chunk] = [{"chunk_tokens": chunk, **row} for row in json.loads(result_file.read_text())["rows"]]
+        by_chunk[chunk] = [{"chunk_tokens": chunk, **row} for row in rows]
     return {"rows": next(iter(by_chunk.values())), "by_chunk": by_chunk}
 
 

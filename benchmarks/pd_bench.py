@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> dict:
     logs = args.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-pd-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
     # As `pdserve up` does, but not beside the logs (they may be copied off the machine).
-    token_file = write_token_file(Path(tempfile.mkdtemp(prefix="pdserve-token-")) / "cluster-token")
+    token_dir = tempfile.TemporaryDirectory(prefix="pdserve-token-")
+    token_file = write_token_file(Path(token_dir.name) / "cluster-token")
     auth = resolve(GrpcSecurity(cluster_token_file=str(token_file)), {})
     common = ["--model", args.model, "--device", args.device, "--kv-cache-memory", args.kv_cache_memory,
               "--cluster-token-file", str(token_file), "--num-threads", "1", "--dtype", args.dtype,
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for p in procs.values():
                 p.terminate()
+            token_dir.cleanup()
     print(f"(logs in {logs}; medians of {args.repeats} runs; target: added <= 15% at 2048)")
     result = {"device": args.device, "model": args.model, "repeats": args.repeats, "rows": rows}
     if args.json:

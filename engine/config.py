@@ -110,7 +110,8 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
     """vLLM's: the decode batch sizes to capture CUDA graphs for (a step of n rows replays
     the smallest size >= n; larger batches run eagerly). Empty: 1, 2, 4 and every multiple
-    of 8 up to max_num_seqs."""
+    of 8 up to max_num_seqs. Refused where no graph is captured (CPU, the torch attention
+    backend, enforce_eager, tensor_parallel_size > 1)."""
     seed: int = 0
     """Seeds the draw of per-request seeds for requests that bring none."""
     generation_config: str = "auto"
@@ -193,6 +194,8 @@ class EngineConfig:
         check_fields(self, [
             (all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes",
              "must be integers >= 1"),
+            (not (self.enforce_eager and self.cuda_graph_sizes), "cuda_graph_sizes",
+             "needs CUDA graphs, which enforce_eager turns off: give one or the other"),
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
@@ -252,6 +255,7 @@ def tensor_parallel_refusals(config: EngineConfig) -> list[tuple[bool, str, str]
          f"{why} (collective_rpc would run it on rank 0 only, over rank 0's shard)"),
         (spec is None or spec.method != "draft_model", "speculative_config",
          f"{why} with a draft model (it runs outside the ranks' lockstep); ngram works"),
+        (not config.cuda_graph_sizes, "cuda_graph_sizes", f"{why} (decode steps run eagerly there)"),
         (config.device != "cuda" or config.kv_cache_memory is not None, "kv_cache_memory",
          "must be given with tensor_parallel_size > 1 on CUDA (no profiling forward across "
          "ranks yet)"),

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.checks import FieldError
 from engine.config import EngineConfig
 from engine.models.interface import CausalLM, ForwardContext
 from engine.parallel.step import StepInputs
@@ -58,9 +59,16 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
 def decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
                   kv_cache: torch.Tensor, num_groups: int, max_model_len: int) -> DecodeGraphs | None:
     """An engine's decode graphs: on CUDA with the Triton backend and one rank, unless
-    `enforce_eager`; the sizes from `cuda_graph_sizes`, else the default."""
-    if (kv_cache.device.type != "cuda" or config.enforce_eager or backend.name != "triton"
-            or config.parallel):
+    `enforce_eager`; the sizes from `cuda_graph_sizes`, else the default. Sizes given for an
+    engine that captures none are refused (EngineConfig refuses them with enforce_eager and
+    tensor parallelism; the device and backend are known here)."""
+    if config.enforce_eager or config.parallel:
+        return None
+    if kv_cache.device.type != "cuda" or backend.name != "triton":
+        if config.cuda_graph_sizes:
+            where = "the CPU" if kv_cache.device.type != "cuda" else f"the {backend.name} attention backend"
+            raise FieldError("cuda_graph_sizes", f"cuda_graph_sizes: decode steps on {where} run "
+                             "eagerly (CUDA graphs need CUDA and the triton backend)")
         return None
     sizes = config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)
     return DecodeGraphs(model, backend, kv_cache, num_groups, max_model_len, sizes)

@@ -134,11 +134,17 @@ def test_default_capture_sizes_follow_vllm():
     assert default_capture_sizes(1) == (1,)
 
 
-def test_cuda_graph_sizes_flag():
+def test_cuda_graph_sizes_flag_is_checked_and_refused_where_no_graph_is_captured():
     assert EngineConfig(model="m", cuda_graph_sizes=[4, 1]).cuda_graph_sizes == (4, 1)
     with pytest.raises(ValueError, match="cuda_graph_sizes"):
         EngineConfig(model="m", cuda_graph_sizes=(0,))
+    with pytest.raises(ValueError, match="cuda_graph_sizes needs CUDA graphs, which enforce_eager turns off"):
+        EngineConfig(model="m", cuda_graph_sizes=(8,), enforce_eager=True)
+    with pytest.raises(ValueError, match="cuda_graph_sizes is not supported with tensor_parallel_size > 1"):
+        EngineConfig(model="m", cuda_graph_sizes=(8,), tensor_parallel_size=2, kv_cache_memory=1 << 20)
 
 
-def test_graphs_are_off_on_the_cpu(model_dir):
+def test_graphs_are_off_on_the_cpu_and_sizes_for_them_refused(model_dir):
     assert _llm(model_dir).engine.runner.graphs is None
+    with pytest.raises(ValueError, match="cuda_graph_sizes: decode steps on the CPU run eagerly"):
+        _llm(model_dir, cuda_graph_sizes=[8])

@@ -35,12 +35,13 @@ ENGINE = EngineConfig(
 ENGINES = [ENGINE, dataclasses.replace(ENGINE, enable_chunked_prefill=False,
                                        long_prefill_token_threshold=0, enable_prefix_caching=True,
                                        kv_offloading_size=1 << 20,
-                                       kv_offloading_path="/nonexistent-tier", cuda_graph_sizes=(1, 8)),
+                                       kv_offloading_path="/nonexistent-tier"),
            EngineConfig(model="/m", tensor_parallel_size=2, enable_expert_parallel=True,
-                        distributed_timeout_s=7.0)]
+                        distributed_timeout_s=7.0),
+           EngineConfig(model="/m", device="cuda", cuda_graph_sizes=(1, 8))]
 """Between them, every EngineConfig field off its default (the threshold needs chunked
 prefill on, the KV offloading tier prefix caching; tensor parallelism refuses LoRA, sleep
-mode and offloading, so it has its own)."""
+mode and offloading, so it has its own; CUDA graph sizes need graphs: not with enforce_eager)."""
 
 
 def parse_up(*flags: str) -> UpConfig:
