@@ -6,7 +6,7 @@ serializes the grammar, sends it over a socket; the worker rebuilds it). Cold co
 child's start (the first structured request after a worker starts, or after a kill). Prints
 numbers; asserts nothing.
 
-  python -m benchmarks.grammar_compile_bench [--model default] [--reps 15]
+  python benchmarks/grammar_compile_bench.py [--model default] [--reps 15]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 
-from benchmarks.structured_bench import COMPILE_SCHEMAS
+from structured_bench import COMPILE_SCHEMAS
 from engine.models.prepare import resolve_model_path
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("pdserve.etcd_users_cli").etcd_users_cli.register(sub)
     __import__("local_cluster.cli").cli.register(sub)
     __import__("router.cli").cli.register(sub)
-    __import__("benchmarks.serving.cli").serving.cli.register(sub)
-    __import__("benchmarks.chaos.cli").chaos.cli.register(sub)
+    __import__("pdserve.bench.cli").bench.cli.register(sub)
+    __import__("pdserve.chaos.cli").chaos.cli.register(sub)
     return parser
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving.client import RequestResult
-from benchmarks.serving.config import BenchConfig, SloConfig
-from benchmarks.serving.runner import UNSENT, BenchRun
+from pdserve.bench.client import RequestResult
+from pdserve.bench.config import BenchConfig, SloConfig
+from pdserve.bench.runner import UNSENT, BenchRun
 
 SCHEMA_VERSION = 1
 

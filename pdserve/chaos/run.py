@@ -1,4 +1,4 @@
-"""`python -m benchmarks.chaos` (also `pdserve chaos`): start a `pdserve up` cluster, put a
+"""`python -m pdserve.chaos` (also `pdserve chaos`): start a `pdserve up` cluster, put a
 steady streaming load on it, inject a random fault every --fault-interval seconds for
 --duration seconds, then stop the load, let the cluster go idle and check it.
 
@@ -20,11 +20,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.chaos.checks import (
+from pdserve.chaos.checks import (
     index_mismatch, leaked_blocks, router_metric, rss_bytes, stranded_tier_blocks, workers_metric,
 )
-from benchmarks.chaos.faults import KINDS, Fault, Injector
-from benchmarks.chaos.load import Load
+from pdserve.chaos.faults import KINDS, Fault, Injector
+from pdserve.chaos.load import Load
 from local_cluster.launcher import UpProcess
 from local_cluster.run_file import cluster_auth, etcd_credentials
 

@@ -1,4 +1,4 @@
-"""The in-process measurements of benchmarks/gpu_check: copy bandwidth, paged attention
+"""The in-process measurements of tools/gpu/gpu_check: copy bandwidth, paged attention
 (decode bandwidth, one prefill chunk's TFLOP/s), and the engine (offline throughput with each
 attention backend, and the KV pool that `gpu_memory_utilization` gave it).
 

@@ -1,8 +1,8 @@
 """benchmarks/http_bench.py runs: every case answers the status it is timed for."""
 import asyncio
 
-from benchmarks.cpu_info import cpu_isa
-from benchmarks.http_bench import CASES, run
+from cpu_info import cpu_isa
+from http_bench import CASES, run
 
 
 def test_http_bench_quick():

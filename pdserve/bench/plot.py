@@ -8,8 +8,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from benchmarks.serving.client import RequestResult
-from benchmarks.serving.config import SloConfig
+from pdserve.bench.client import RequestResult
+from pdserve.bench.config import SloConfig
 
 
 def plot_cdfs(results: list[RequestResult], slo: SloConfig, path: Path, title: str = "") -> None:

@@ -1,4 +1,4 @@
-"""The GPU check: every measurement that needs CUDA, in one command (benchmarks/gpu_check.sh).
+"""The GPU check: every measurement that needs CUDA, in one command (tools/gpu/gpu_check.sh).
 
 Steps, each printed as it finishes and collected into OUT/gpu_check.json (written after every
 step; a failing step is recorded and the others still run):
@@ -20,10 +20,10 @@ step; a failing step is recorded and the others still run):
    gRPC on loopback (benchmarks/pd_bench.py --device cuda).
 7. Tensor parallelism, on a machine with 2 or more GPUs (skipped, saying so, with one): the
    same greedy batch at tensor_parallel_size 1 and 2, tokens/s and token agreement
-   (benchmarks/gpu_measure.py `tp_parity`; docs/parallelism.md).
+   (tools/gpu/gpu_measure.py `tp_parity`; docs/parallelism.md).
 
 The model: --model, else a random-weight copy of the default model's shape written from
-.gpu_bundle/model (benchmarks/gpu_bundle.py: the GPU machine has no network and cannot carry
+.gpu_bundle/model (tools/gpu/gpu_bundle.py: the GPU machine has no network and cannot carry
 the real weights), else the bundled default model.
 
 --dry-run runs the same code on CPU under the Triton interpreter with tiny shapes (a test runs
@@ -43,7 +43,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUNDLE_MODEL = REPO / ".gpu_bundle" / "model"
 GPU_TESTS = ["tests/kernels", "tests/engine/test_gpu_engine.py", "tests/kvtransfer/test_kv_nixl_local.py"]
 # Seconds a step needs at least; a step is skipped when less of the budget is left.
@@ -115,7 +115,7 @@ def kv_transfer(out: Path, device, copy_gbps: float, dry_run: bool, timeout: flo
     """NIXL between two processes (VRAM pools on GPU) vs the device copy (bytes once)."""
     with tempfile.TemporaryDirectory(prefix="kv-transfer-") as scratch:  # the rows go in the report
         result_file = Path(scratch) / "kv_transfer.json"
-        cmd = [sys.executable, "-m", "benchmarks.kv_transfer", "--device", device.type, "--json", str(result_file)]
+        cmd = [sys.executable, "benchmarks/kv_transfer.py", "--device", device.type, "--json", str(result_file)]
         if dry_run:
             cmd += ["--quick", "--reps", "2"]
         run = run_logged(cmd, out / "kv_transfer.log", timeout)
@@ -145,7 +145,7 @@ def pd_ttft(out: Path, model: Path, device, dry_run: bool, timeout: float) -> di
         with tempfile.TemporaryDirectory(prefix="pd-bench-") as scratch:
             logs = out / "pd_logs" / str(chunk) if not by_chunk else Path(scratch)
             result_file = Path(scratch) / "pd_bench.json"
-            cmd = [sys.executable, "-m", "benchmarks.pd_bench", "--device", device.type, "--model", str(model),
+            cmd = [sys.executable, "benchmarks/pd_bench.py", "--device", device.type, "--model", str(model),
                    "--json", str(result_file), "--log-dir", str(logs), "--max-num-batched-tokens", str(chunk)]
             if dry_run:
                 cmd += ["--lengths", "64", "--repeats", "1", "--kv-cache-memory", "64MiB"]
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from benchmarks import gpu_measure as gm
+    import gpu_measure as gm  # beside this file (sys.path[0] when run as a script)
 
     if args.dry_run:
         device = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_bundle.py without the network: the pins it reads, the trim rules, the DT_NEEDED
+"""tools/gpu/gpu_bundle.py without the network: the pins it reads, the trim rules, the DT_NEEDED
 closure on a made-up tree, the wheel cache's tag check, the tar it writes, the size limit."""
 import re
 import stat
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_bundle as gb
-from benchmarks.gpu_bundle import Dynamic
+import gpu_bundle as gb
+from gpu_bundle import Dynamic
 
 REPO = Path(__file__).resolve().parents[2]
 

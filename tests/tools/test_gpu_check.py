@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check: the dry run (CPU, Triton interpreter, tiny shapes, a random-weight
+"""tools/gpu/gpu_check: the dry run (CPU, Triton interpreter, tiny shapes, a random-weight
 2-layer model) goes through every step and reports each; a spent time budget skips the
 late steps instead of overrunning."""
 import json
@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
+import gpu_check
+import gpu_measure
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from benchmarks import gpu_check, gpu_measure  # noqa: E402
 
 
 @pytest.mark.slow
 def test_dry_run(tmp_path, model_dir):
     out = tmp_path / "out"
-    proc = subprocess.run([str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--random-from", str(model_dir),
+    proc = subprocess.run([str(REPO / "tools" / "gpu" / "gpu_check.sh"), "--dry-run", "--random-from", str(model_dir),
                            "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)})

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serving.config import EndpointConfig
-from benchmarks.serving.workload import RequestSpec
+from pdserve.bench.config import EndpointConfig
+from pdserve.bench.workload import RequestSpec
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.serving.config import (
+from pdserve.bench.config import (
     DATASETS, ENDPOINTS, BenchConfig, EndpointConfig, LoadConfig, SloConfig, WorkloadConfig,
 )
 
@@ -114,9 +114,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    from benchmarks.serving.report import format_table, summarize, to_json, write_json
-    from benchmarks.serving.runner import run_benchmark
-    from benchmarks.serving.workload import build_workload
+    from pdserve.bench.report import format_table, summarize, to_json, write_json
+    from pdserve.bench.runner import run_benchmark
+    from pdserve.bench.workload import build_workload
 
     specs = build_workload(cfg.workload)
     run = run_benchmark(cfg, specs)
@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         write_json(cfg.out, to_json(cfg, run, report))
         print(f"wrote {cfg.out}")
     if cfg.plot:
-        from benchmarks.serving.plot import plot_cdfs
+        from pdserve.bench.plot import plot_cdfs
 
         plot_cdfs(run.results, cfg.slo, cfg.plot,
                   title=f"{run.model}: {cfg.workload.dataset}, rate {rate}")
@@ -140,8 +140,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m benchmarks.serving ...`: the same command without the rest of pdserve."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving")
+    """`python -m pdserve.bench ...`: the same command without the rest of pdserve."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     try:

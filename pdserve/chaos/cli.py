@@ -1,11 +1,11 @@
-"""`pdserve chaos` / `python -m benchmarks.chaos`: the command line of a chaos run (run.py).
+"""`pdserve chaos` / `python -m pdserve.chaos`: the command line of a chaos run (run.py).
 Defining the flags imports nothing heavy (`pdserve --help` stays cheap)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from benchmarks.chaos.faults import KINDS
+from pdserve.chaos.faults import KINDS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,12 +43,12 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from benchmarks.chaos.run import main
+    from pdserve.chaos.run import main
 
     return main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chaos")
+    p = argparse.ArgumentParser(prog="python -m pdserve.chaos")
     add_arguments(p)
     return _run(p.parse_args(argv))

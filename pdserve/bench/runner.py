@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
-from benchmarks.serving.client import OpenAIClient, RequestResult, fetch_default_model
-from benchmarks.serving.config import BenchConfig
-from benchmarks.serving.workload import RequestSpec
+from pdserve.bench.client import OpenAIClient, RequestResult, fetch_default_model
+from pdserve.bench.config import BenchConfig
+from pdserve.bench.workload import RequestSpec
 
 CANCELLED = "cancelled at the run deadline"
 UNSENT = "not sent before the run deadline"

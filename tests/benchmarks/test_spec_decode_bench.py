@@ -3,7 +3,7 @@ in float32 every spec run's tokens equal the no-spec run's, the spec counters mo
 printed table holds a positive ratio for every row. No timed assertion."""
 import re
 
-from benchmarks.spec_decode_bench import main
+from spec_decode_bench import main
 
 
 def test_spec_decode_bench_quick(capsys):

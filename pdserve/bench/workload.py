@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from benchmarks.serving.config import WorkloadConfig
+from pdserve.bench.config import WorkloadConfig
 
 _WORDS = """
 the of and to in is was for on are as with his they at be this from have or by one had not

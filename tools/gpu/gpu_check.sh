@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 20's GPU work in one command, on a machine with one CUDA GPU and no network
-# (benchmarks/gpu_check.py says what it measures; docs/gpu.md how to run it):
-#   python -m benchmarks.gpu_bundle        # first, here: .gpu_bundle/ (what the GPU image lacks)
-#   benchmarks/gpu_check.sh --out "$OUT"   # there, with .gpu_bundle carried: < 8 minutes
-#   benchmarks/gpu_check.sh --dry-run      # here: the same code on CPU, tiny shapes
-# Flags go to benchmarks/gpu_check.py (--skip-pytest/engine/transfer/pd, --budget-s, --model).
+# (tools/gpu/gpu_check.py says what it measures; docs/gpu.md how to run it):
+#   python tools/gpu/gpu_bundle.py         # first, here: .gpu_bundle/ (what the GPU image lacks)
+#   tools/gpu/gpu_check.sh --out "$OUT"    # there, with .gpu_bundle carried: < 8 minutes
+#   tools/gpu/gpu_check.sh --dry-run       # here: the same code on CPU, tiny shapes
+# Flags go to tools/gpu/gpu_check.py (--skip-pytest/engine/transfer/pd, --budget-s, --model).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-}
 if [ -z "$PYTHON" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
@@ -26,4 +26,4 @@ if [ -f .gpu_bundle/site.tar.xz ] && [ "$DRY" = 0 ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # GPU_CHECK_KILL_S: the hard limit (default 500 s; give --budget-s about 30 s less).
-exec timeout --signal=INT --kill-after=10 "${GPU_CHECK_KILL_S:-500}" "$PYTHON" benchmarks/gpu_check.py "$@"
+exec timeout --signal=INT --kill-after=10 "${GPU_CHECK_KILL_S:-500}" "$PYTHON" tools/gpu/gpu_check.py "$@"
