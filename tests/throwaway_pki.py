@@ -8,6 +8,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.etcd_server import ServerTls
 
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
@@ -50,7 +54,7 @@ def _openssl(*args: object) -> None:
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
 
 
-def etcd_tls(directory: Path) -> "ServerTls":
+def etcd_tls(directory: Path) -> ServerTls:
     """A throwaway CA and a certificate for an etcd on 127.0.0.1 (`EtcdServer(tls=...)`); the
     same certificate serves a client presenting one (etcd's --client-cert-auth)."""
     from cluster.etcd_server import ServerTls

@@ -108,7 +108,8 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
                                   ("kv_exports", {"outcome": "sent"}))}
     # Processes that lived through the whole run (a killed one is a new pid).
     rss_end = {pid: rss_bytes(pid) for pid in cluster.child_pids() if rss_start.get(pid)}
-    growths = {pid: (end - rss_start[pid]) / rss_start[pid] for pid, end in rss_end.items() if end}
+    growths = {pid: (end - start) / start for pid, end in rss_end.items()
+               if end and (start := rss_start[pid])}
     growth = max(growths.values(), default=None)
     seams = sorted(stats.seams)
     report = {
