@@ -1,4 +1,4 @@
-"""Paged-engine benchmarks (issue: the paged engine). Prints numbers and ratios measured in
+"""Paged-engine benchmarks (docs/benchmarks/engine.md). Prints numbers and ratios measured in
 one run against a baseline from the same run; asserts nothing.
 
   python benchmarks/engine_bench.py [--quick] [--only throughput,prefix,prefill,overhead]

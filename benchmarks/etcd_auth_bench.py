@@ -1,4 +1,4 @@
-"""What etcd authentication costs a joining worker (issue 28): the time from a new worker's
+"""What etcd authentication costs a joining worker (docs/security.md): the time from a new worker's
 `Registrar.start` (connect; with a user, etcd's Authenticate; lease; first put) until a
 router's watch (`EtcdWatcher`, its own user) has it in the registry, and the registration
 alone, on an open etcd, one with users (as `pdserve up` starts it), and one with users over

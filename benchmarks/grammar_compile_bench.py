@@ -1,10 +1,10 @@
-"""What compiling a constraint in a killable child process costs (issue 28: a worker's compile
-time limit), against compiling it in the request's thread: the same GrammarCompiler, once with
-`--grammar-compile-timeout 0` (in-thread) and once with the default (the child compiles,
-serializes the grammar, sends it over a socket; the worker rebuilds it). Cold compiles only
-(a fresh constraint each rep: the cache never goes to the child), medians of `--reps`, and the
-child's start (the first structured request after a worker starts, or after a kill). Prints
-numbers; asserts nothing.
+"""What compiling a constraint in a killable child process costs (docs/structured_outputs.md: a
+worker's compile time limit), against compiling it in the request's thread: the same
+GrammarCompiler, once with `--grammar-compile-timeout 0` (in-thread) and once with the default
+(the child compiles, serializes the grammar, sends it over a socket; the worker rebuilds it).
+Cold compiles only (a fresh constraint each rep: the cache never goes to the child), medians of
+`--reps`, and the child's start (the first structured request after a worker starts, or after a
+kill). Prints numbers; asserts nothing.
 
   python benchmarks/grammar_compile_bench.py [--model default] [--reps 15]
 """

@@ -1,4 +1,4 @@
-"""Weights-lifecycle benchmark (issue: weights lifecycle). Prints numbers; asserts nothing.
+"""Weights-lifecycle benchmark (docs/benchmarks/engine.md). Prints numbers; asserts nothing.
 
   python benchmarks/lifecycle_bench.py [--kv-cache-memory 1GiB] [--dtype auto]
   python benchmarks/lifecycle_bench.py --fleet [--prefill 1 --decode 2]

@@ -1,4 +1,4 @@
-"""Multi-LoRA benchmark (issue: multi-LoRA serving). Decode throughput of a batch in which
+"""Multi-LoRA benchmark (docs/lora.md). Decode throughput of a batch in which
 every row uses a different adapter (as many adapters as rows, up to max_loras) against the
 same batch on the base model, measured in one run, interleaved. Prints numbers and the ratio;
 asserts nothing.

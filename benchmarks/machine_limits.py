@@ -1,6 +1,7 @@
-"""The physical limits of this machine for the vs-vLLM offline workload (issue 35): measured
-peak GEMM FLOP/s and streaming read bandwidth, against the model's FLOPs and bytes, as the
-fastest time any engine could generate the workload in. Asserts nothing.
+"""The physical limits of this machine for the vs-vLLM offline workload
+(docs/benchmarks/serving.md): measured peak GEMM FLOP/s and streaming read bandwidth, against
+the model's FLOPs and bytes, as the fastest time any engine could generate the workload in.
+Asserts nothing.
 
   python benchmarks/machine_limits.py [--threads 2] [--dtype bfloat16] [--num-prompts 16]
       [--output-len 128]

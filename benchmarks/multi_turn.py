@@ -1,12 +1,12 @@
 """Multi-turn chat against a `pdserve up --prefill 1 --decode 2` cluster (`--prefill`,
-`--decode`): the cluster KV fabric (issue 31) with it off and on, under the router's default
+`--decode`): the cluster KV fabric (docs/kv_pull.md) with it off and on, under the router's default
 placement and round-robin.
 
   python benchmarks/multi_turn.py [--conversations 8] [--turns 4] [--max-tokens 32]
       [--first-words 1000,1500] [--user-words 40,120]
       [--concurrency 4] [--policies affinity,round_robin] [--configs off,on]
       [--off-args "..."] [--on-args "..."] [--base-args "..."] [--json OUT]
-  (the issue's size: --conversations 32 --turns 6)
+  (the full size: --conversations 32 --turns 6)
 
 Each conversation is a chat: turn t sends every earlier user message and the model's actual
 answer to it, then a new user message (random common words: `--first-words` of them in the

@@ -1,4 +1,4 @@
-"""Speculative-decoding benchmark (issue: speculative decoding). Decode tokens/s with and
+"""Speculative-decoding benchmark (docs/spec_decode.md). Decode tokens/s with and
 without speculation, measured in one run, interleaved (baseline, each method, baseline, ...);
 prints numbers, ratios against that same-run baseline, acceptance, and whether each spec
 run's tokens equal the baseline's token for token. Asserts nothing.

@@ -1,4 +1,4 @@
-"""Structured-outputs benchmark (issue: structured outputs). Per-step cost of constrained
+"""Structured-outputs benchmark (docs/structured_outputs.md). Per-step cost of constrained
 decoding against unconstrained decoding of the same batch, measured in one run, interleaved;
 and grammar compile time, cold and cached. Prints numbers and ratios; asserts nothing.
 

@@ -1,4 +1,5 @@
-"""Tool-calling benchmark (issue: agents). Prints numbers and ratios; asserts nothing.
+"""Tool-calling benchmark (docs/benchmarks/structured.md). Prints numbers and ratios; asserts
+nothing.
 
   python benchmarks/tool_calls.py [--batch 16] [--steps 24] [--reps 2] [--prompts 24]
 
