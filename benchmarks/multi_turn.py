@@ -43,7 +43,7 @@ from pathlib import Path
 
 from pdserve.bench.client import parse_sse_line
 from cpu_info import cpu_isa
-from up_cluster import Cluster, known_flags, unknown_flags
+from bench_cluster import Cluster, known_flags, unknown_flags
 from pdserve.bench.workload import _WORDS
 
 BASE_ARGS = "--kv-cache-memory=128MiB"

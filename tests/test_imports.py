@@ -99,6 +99,11 @@ def test_the_wheel_holds_the_layers_and_no_scripts() -> None:
              for line, module in _imported_modules(ast.parse(path.read_text(), str(path)))
              if module.split(".")[0] in ("benchmarks", "tools")]
     assert not where, where
+    # Run from the tests, a script is a top-level module: its name must be no one else's.
+    scripts = {p.stem for folder in ("benchmarks", "tools/gpu")
+               for p in (REPO / folder).glob("*.py")}
+    helpers = {p.stem for p in (REPO / "tests").rglob("*.py") if not p.stem.startswith("test_")}
+    assert not scripts & (helpers | set(PACKAGES)), scripts & (helpers | set(PACKAGES))
 
 
 def test_no_import_cycle_between_top_level_packages() -> None:

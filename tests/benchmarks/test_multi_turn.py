@@ -8,7 +8,7 @@ import httpx
 from multi_turn import (
     Conversation, TurnResult, build_conversations, chat_turn, percentile, ratio, summarize,
 )
-from up_cluster import unknown_flags
+from bench_cluster import unknown_flags
 
 
 def test_conversations_are_seeded_distinct_and_grow_with_the_answers():
