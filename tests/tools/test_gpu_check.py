@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_dry_run(tmp_path, model_dir):
     out = tmp_path / "out"
-    proc = subprocess.run([str(REPO / "tools" / "gpu" / "gpu_check.sh"), "--dry-run", "--random-from", str(model_dir),
+    proc = subprocess.run([str(REPO / "tools/gpu/gpu_check.sh"), "--dry-run", "--random-from", str(model_dir),
                            "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)})
