@@ -1,8 +1,8 @@
 """Offline greedy throughput per architecture: `engine.LLM` against transformers' `generate`
 on the same random checkpoint. Prints ratios measured in one run; asserts nothing.
 
-    python -m benchmarks.arch_throughput                       # all 8 archs, fp32 (+ bf16), ~3 min
-    python -m benchmarks.arch_throughput --archs gemma3,mixtral --dtypes float32 --hidden 512
+    python benchmarks/arch_throughput.py                       # all 8 archs, fp32 (+ bf16), ~3 min
+    python benchmarks/arch_throughput.py --archs gemma3,mixtral --dtypes float32 --hidden 512
 
 Each architecture gets a "tiny but not trivial" checkpoint built once into a temp dir with
 transformers' own class (tests/models/test_arch_parity.py's approach at a larger size): the

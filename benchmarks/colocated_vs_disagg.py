@@ -5,7 +5,7 @@ same 2 cores (taskset), under a mixed workload: a stream of short chats plus per
 2-4k-token prompts, at several request rates (one cluster per configuration serves the rates
 in the order given, so the planner carries its pools from one rate to the next).
 
-  python -m benchmarks.colocated_vs_disagg [--rates 0.5,1,2] [--duration 60] [--cores 0,1]
+  python benchmarks/colocated_vs_disagg.py [--rates 0.5,1,2] [--duration 60] [--cores 0,1]
       [--modes colocated,disaggregated,planner]
 
 Reported for the short requests (what users of a chat service feel): TTFT p90, ITL p99 and
@@ -72,7 +72,7 @@ def _planner_pools(work: Path) -> str:
 
 def _bench(url: str, out: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.serving", "--url", url, "--endpoint", "chat",
+        [sys.executable, "-m", "pdserve.bench", "--url", url, "--endpoint", "chat",
          "--no-progress", "--out", str(out), *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )

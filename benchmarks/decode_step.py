@@ -1,10 +1,10 @@
-"""Where a small-batch decode step goes (issue 35). Prints, per (dtype, threads, batch), the
-wall time of one engine decode step split into the forward's projections, attention, the
-rest of the layers (norms, RoPE, residual adds), the LM head, sampling, the runner's input
-preparation and the engine's own work outside `execute` (scheduling, output processing,
-detokenizing). Asserts nothing.
+"""Where a small-batch decode step goes (docs/benchmarks/decode_profile.md). Prints, per
+(dtype, threads, batch), the wall time of one engine decode step split into the forward's
+projections, attention, the rest of the layers (norms, RoPE, residual adds), the LM head,
+sampling, the runner's input preparation and the engine's own work outside `execute`
+(scheduling, output processing, detokenizing). Asserts nothing.
 
-  python -m benchmarks.decode_step [--dtypes bfloat16,float32] [--threads 1,2]
+  python benchmarks/decode_step.py [--dtypes bfloat16,float32] [--threads 1,2]
       [--batches 1,4,16] [--steps 10] [--torch-profile] [--compare VARIANT]
 
 `--compare VARIANT` measures each case with the change off (baseline) and on, alternating

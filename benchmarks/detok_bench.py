@@ -3,7 +3,7 @@ re-decoding a window of recent tokens per token (what it did before), on the bun
 tokenizer, in the same run. Prints microseconds per token and the ratio; both texts must be
 equal, and the tokenizer's full decode (which may add a final incomplete character).
 
-    python -m benchmarks.detok_bench [--tokens 4000] [--repeats 5]
+    python benchmarks/detok_bench.py [--tokens 4000] [--repeats 5]
 """
 from __future__ import annotations
 

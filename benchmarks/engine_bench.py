@@ -1,7 +1,7 @@
-"""Paged-engine benchmarks (issue: the paged engine). Prints numbers and ratios measured in
+"""Paged-engine benchmarks (docs/benchmarks/engine.md). Prints numbers and ratios measured in
 one run against a baseline from the same run; asserts nothing.
 
-  python -m benchmarks.engine_bench [--quick] [--only throughput,prefix,prefill,overhead]
+  python benchmarks/engine_bench.py [--quick] [--only throughput,prefix,prefill,overhead]
 
 - throughput: N prompts of 128-512 tokens, 128 output tokens each, ignore_eos: pdserve vs HF
   transformers static batching (one left-padded batch), same model, same threads.

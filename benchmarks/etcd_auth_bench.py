@@ -1,17 +1,18 @@
-"""What etcd authentication costs a joining worker (issue 28): the time from a new worker's
+"""What etcd authentication costs a joining worker (docs/security.md): the time from a new worker's
 `Registrar.start` (connect; with a user, etcd's Authenticate; lease; first put) until a
 router's watch (`EtcdWatcher`, its own user) has it in the registry, and the registration
 alone, on an open etcd, one with users (as `pdserve up` starts it), and one with users over
 TLS with client certificates (when the openssl CLI can make a throwaway CA). All three in
 the same run, interleaved.
 
-    python -m benchmarks.etcd_auth_bench [--rounds 40]
+    python benchmarks/etcd_auth_bench.py [--rounds 40]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -21,8 +22,11 @@ from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo
-from benchmarks.throwaway_pki import etcd_tls, openssl_available
 from router.registry import EtcdWatcher, WorkerRegistry
+
+# The throwaway CA the tests use (tests/throwaway_pki.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from throwaway_pki import etcd_tls, openssl_available  # noqa: E402
 
 CLUSTER = "bench"
 

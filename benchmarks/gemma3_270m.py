@@ -1,8 +1,8 @@
 """Gemma 3 270M (bundled `gemma-3-270m`) end to end, offline: `engine.LLM` against transformers
 on the same prepared directory. Prints numbers and ratios measured in one run; asserts nothing.
 
-    python -m benchmarks.gemma3_270m                 # float32 (+ bf16 with AVX512-BF16), ~2.5 min
-    python -m benchmarks.gemma3_270m --dtypes float32 --decode-tokens 16
+    python benchmarks/gemma3_270m.py                 # float32 (+ bf16 with AVX512-BF16), ~2.5 min
+    python benchmarks/gemma3_270m.py --dtypes float32 --decode-tokens 16
 
 - TTFT: one --prompt-len-token prompt (random ids), max 1 new token, wall time of the call;
   median of --ttft-reps, a fresh prompt each rep (no prefix-cache hit), the sides interleaved.
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.arch_throughput import cpu_has_bf16
+from arch_throughput import cpu_has_bf16
 from engine import LLM, SamplingParams
 from engine.kv_pool import kv_block_bytes
 from engine.models.prepare import resolve_model_path

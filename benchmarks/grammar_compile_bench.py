@@ -1,12 +1,12 @@
-"""What compiling a constraint in a killable child process costs (issue 28: a worker's compile
-time limit), against compiling it in the request's thread: the same GrammarCompiler, once with
-`--grammar-compile-timeout 0` (in-thread) and once with the default (the child compiles,
-serializes the grammar, sends it over a socket; the worker rebuilds it). Cold compiles only
-(a fresh constraint each rep: the cache never goes to the child), medians of `--reps`, and the
-child's start (the first structured request after a worker starts, or after a kill). Prints
-numbers; asserts nothing.
+"""What compiling a constraint in a killable child process costs (docs/structured_outputs.md: a
+worker's compile time limit), against compiling it in the request's thread: the same
+GrammarCompiler, once with `--grammar-compile-timeout 0` (in-thread) and once with the default
+(the child compiles, serializes the grammar, sends it over a socket; the worker rebuilds it).
+Cold compiles only (a fresh constraint each rep: the cache never goes to the child), medians of
+`--reps`, and the child's start (the first structured request after a worker starts, or after a
+kill). Prints numbers; asserts nothing.
 
-  python -m benchmarks.grammar_compile_bench [--model default] [--reps 15]
+  python benchmarks/grammar_compile_bench.py [--model default] [--reps 15]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 
-from benchmarks.structured_bench import COMPILE_SCHEMAS
+from structured_bench import COMPILE_SCHEMAS
 from engine.models.prepare import resolve_model_path
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler

@@ -17,7 +17,7 @@ the CPU time much less. Client
 and server share the process (and its GIL): the figures are the whole CPU cost of a call,
 both ends together.
 
-    .venv/bin/python -m benchmarks.grpc_auth_bench [--calls 2000] [--concurrency 32] [--rounds 3]
+    .venv/bin/python benchmarks/grpc_auth_bench.py [--calls 2000] [--concurrency 32] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -26,16 +26,20 @@ import asyncio
 import dataclasses
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.throwaway_pki import make_pki, openssl_available
 from cluster.grpc_auth import add_port, aio_channel
 from cluster.grpc_security import OPEN, ClusterAuth, GrpcSecurity, resolve
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.channels import ChannelPool
+
+# The throwaway CA the tests use (tests/throwaway_pki.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from throwaway_pki import make_pki, openssl_available  # noqa: E402
 
 TOKEN = "bench-cluster-token-0123456789abcdef"
 

@@ -4,7 +4,7 @@ reaches a worker: `/tokenize` (parse + tokenize) and `/v1/completions` refused b
 (parse + checks + the 400 body), so what is timed is body parsing, validation and the
 framework around them.
 
-    .venv/bin/python -m benchmarks.http_bench --seconds 3
+    .venv/bin/python benchmarks/http_bench.py --seconds 3
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from benchmarks.cpu_info import cpu_isa
+from cpu_info import cpu_isa
 
 CASES = {
     "tokenize": ("/tokenize", {"prompt": "The quick brown fox jumps over the lazy dog."}, 200),

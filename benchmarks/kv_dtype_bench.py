@@ -1,8 +1,8 @@
 """Quantized KV cache (vLLM's kv_cache_dtype) benchmark: what each KV format buys and costs,
 ratios against `auto` measured in the same run. Prints numbers; asserts nothing.
 
-    python -m benchmarks.kv_dtype_bench            # ~5 minutes on 2 vCPUs
-    python -m benchmarks.kv_dtype_bench --quick    # fewer reps, shorter decode
+    python benchmarks/kv_dtype_bench.py            # ~5 minutes on 2 vCPUs
+    python benchmarks/kv_dtype_bench.py --quick    # fewer reps, shorter decode
 
 Formats: auto in bfloat16 and in float32 (the model dtype, unchanged), fp8_e4m3, fp8_e5m2 and
 int8 (per-token, per-head float32 scales inside the block: head_dim + 4 bytes per row).
@@ -64,7 +64,7 @@ def transfer(context: int, block_size: int, reps: int) -> dict[str, tuple[float,
     """label -> (best, median) seconds to move one request's blocks between two processes."""
     import torch
 
-    from benchmarks.kv_transfer import Bench, _backend, _digest, _pool
+    from kv_transfer import Bench, _backend, _digest, _pool
 
     per_seq = math.ceil(context / block_size)
     num_blocks = per_seq + per_seq // 4

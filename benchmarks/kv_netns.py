@@ -1,8 +1,8 @@
 """KV transfer throughput between two emulated hosts (network namespaces + veth, UCX TCP),
 against the same transfer on one host, in one run. Needs root (see tests/netns/netns_util).
 
-    python -m benchmarks.kv_netns            # 64 MiB requests, 5 runs per link
-    python -m benchmarks.kv_netns --quick    # 16 MiB, 3 runs
+    python benchmarks/kv_netns.py            # 64 MiB requests, 5 runs per link
+    python benchmarks/kv_netns.py --quick    # 16 MiB, 3 runs
 
 Two kv_peer processes (tests/kvtransfer/kv_peer.py: 96 KiB fp32 blocks, plain 4 KiB-page
 pools) exchange a request of scattered blocks in 8 batches. Time runs in this process from

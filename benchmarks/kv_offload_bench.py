@@ -4,8 +4,8 @@ same run on the same engine; decode step time with the tier on vs off; a preempt
 swapped back in vs recomputed; gathered vs per-block copies and copies overlapped with a
 forward. Prints numbers; asserts nothing.
 
-    python -m benchmarks.kv_offload_bench                 # default model, 1024-token prefix
-    python -m benchmarks.kv_offload_bench --quick         # 4 layers, 256 tokens, 2 reps
+    python benchmarks/kv_offload_bench.py                 # default model, 1024-token prefix
+    python benchmarks/kv_offload_bench.py --quick         # 4 layers, 256 tokens, 2 reps
 
 Each rep: a fresh prompt of --prefix-tokens is prefilled cold (recompute: its time to first
 token), a filler as long as the pool (which holds one prompt) pushes all its blocks into the tier
@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.cpu_info import cpu_isa
+from cpu_info import cpu_isa
 
 
 class Timed:
@@ -63,7 +63,7 @@ def main() -> None:
         args.num_layers, args.prefix_tokens, args.reps = args.num_layers or 4, 256, 2
     if not args.only_swap:
         promote_vs_recompute(args)
-    from benchmarks.kv_swap_bench import swap_benchmarks
+    from kv_swap_bench import swap_benchmarks
 
     swap_benchmarks(args)
 

@@ -2,7 +2,7 @@
 over UCX, real etcd): a holder computed a long prompt; the other worker receives the same
 prompt with `kv_source` naming the holder and pulls its blocks instead of computing them.
 
-  python -m benchmarks.kv_pull_bench [--lengths 512,2048] [--repeats 3] [--num-layers N]
+  python benchmarks/kv_pull_bench.py [--lengths 512,2048] [--repeats 3] [--num-layers N]
 
 Per prompt length, in the same run:
 - TTFT with the pull vs TTFT computing the prompt (the puller's prefix cache reset between

@@ -198,7 +198,7 @@ def swap_vs_recompute(args) -> None:
 
 
 def swap_benchmarks(args) -> None:
-    from benchmarks.cpu_info import cpu_isa
+    from cpu_info import cpu_isa
 
     print(f"CPU: {cpu_isa()}; model {args.model} layers={args.num_layers or 'all'} "
           f"block_size={args.block_size}")

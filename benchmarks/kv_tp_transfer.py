@@ -1,9 +1,9 @@
-"""KV-slice transfer cost per request between tensor-parallel sizes (issue 32 part 2):
+"""KV-slice transfer cost per request between tensor-parallel sizes (docs/kvtransfer.md):
 a 256-token prompt's blocks (16 x 16 tokens, the default model's layout: 30 layers, 3 KV heads,
 head_dim 64, float32) from a prefill worker at TP=2 into a decode worker at TP=1, against the
 same request TP=1 -> TP=1, measured in the same run.
 
-    python -m benchmarks.kv_tp_transfer [--requests 30] [--tokens 256]
+    python benchmarks/kv_tp_transfer.py [--requests 30] [--tokens 256]
 
 Processes: the decode worker D is a child (its own NIXL agent, polling its receiver); the
 prefill worker's rank 0 is this process and its rank 1 another child that runs the real

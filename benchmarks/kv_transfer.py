@@ -1,7 +1,7 @@
 """KV block transfer between two processes (NIXL/UCX) against the single-process memcpy.
 
-    python -m benchmarks.kv_transfer            # 16/64/256-token blocks; 1, 64, 512 MiB
-    python -m benchmarks.kv_transfer --quick    # 16/64-token blocks; 1, 64 MiB
+    python benchmarks/kv_transfer.py            # 16/64/256-token blocks; 1, 64, 512 MiB
+    python benchmarks/kv_transfer.py --quick    # 16/64-token blocks; 1, 64 MiB
 
 This process is the sender (prefill worker) and a spawned child the receiver (decode worker).
 Each request writes `total` bytes of blocks from random local ids to random remote ids, in 8

@@ -1,7 +1,7 @@
-"""Weights-lifecycle benchmark (issue: weights lifecycle). Prints numbers; asserts nothing.
+"""Weights-lifecycle benchmark (docs/benchmarks/engine.md). Prints numbers; asserts nothing.
 
-  python -m benchmarks.lifecycle_bench [--kv-cache-memory 1GiB] [--dtype auto]
-  python -m benchmarks.lifecycle_bench --fleet [--prefill 1 --decode 2]
+  python benchmarks/lifecycle_bench.py [--kv-cache-memory 1GiB] [--dtype auto]
+  python benchmarks/lifecycle_bench.py --fleet [--prefill 1 --decode 2]
 
 One engine: sleep and wake latency per level, the memory they free, and update_weights time
 for the full model. `--fleet`: the same calls through a `pdserve up` cluster's admin endpoints

@@ -3,8 +3,8 @@ request takes to be answered, and the longest a `GET /health` polled every 10 ms
 waited (the event loop's stall). One router in a child process (so that its stalls hold no
 lock of the measuring process), no workers: /health answers 503, its latency is what counts.
 
-    python -m benchmarks.limits_bench             # this checkout
-    PYTHONPATH=/path/to/other/checkout python -m benchmarks.limits_bench   # e.g. before
+    python benchmarks/limits_bench.py             # this checkout
+    PYTHONPATH=/path/to/other/checkout python benchmarks/limits_bench.py   # e.g. before
 
 Cases: an 8 MB /tokenize prompt (refused by its length before tokenizing; before the limits
 it was tokenized on the event loop); the same body against a 1 MiB body cap (413 on its

@@ -1,9 +1,9 @@
-"""Multi-LoRA benchmark (issue: multi-LoRA serving). Decode throughput of a batch in which
+"""Multi-LoRA benchmark (docs/lora.md). Decode throughput of a batch in which
 every row uses a different adapter (as many adapters as rows, up to max_loras) against the
 same batch on the base model, measured in one run, interleaved. Prints numbers and the ratio;
 asserts nothing.
 
-  python -m benchmarks.lora_bench [--batch 8] [--rank 16] [--steps 48] [--reps 2]
+  python benchmarks/lora_bench.py [--batch 8] [--rank 16] [--steps 48] [--reps 2]
 
 Adapters are random PEFT adapters (rank --rank on all seven projections: the most work an
 adapter can add) written to a temporary directory with peft. Throughput = output tokens of
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.kv_dtype_bench import decode_tok_s as batch_decode_tok_s
+from kv_dtype_bench import decode_tok_s as batch_decode_tok_s
 from engine import LLM, LoRARequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,8 +1,9 @@
-"""The physical limits of this machine for the vs-vLLM offline workload (issue 35): measured
-peak GEMM FLOP/s and streaming read bandwidth, against the model's FLOPs and bytes, as the
-fastest time any engine could generate the workload in. Asserts nothing.
+"""The physical limits of this machine for the vs-vLLM offline workload
+(docs/benchmarks/serving.md): measured peak GEMM FLOP/s and streaming read bandwidth, against
+the model's FLOPs and bytes, as the fastest time any engine could generate the workload in.
+Asserts nothing.
 
-  python -m benchmarks.machine_limits [--threads 2] [--dtype bfloat16] [--num-prompts 16]
+  python benchmarks/machine_limits.py [--threads 2] [--dtype bfloat16] [--num-prompts 16]
       [--output-len 128]
 
 The workload is benchmarks/vs_vllm.py's offline one (prompts of 128-512 random tokens, the
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cpu_info import cpu_isa
+from cpu_info import cpu_isa
 
 
 def peak_gemm_flops(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
@@ -55,7 +56,7 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
 def model_shape() -> dict:
     """The bundled model's shape (SmolLM2-135M-Instruct's config)."""
-    from benchmarks.vs_vllm import _model_dir
+    from vs_vllm import _model_dir
     from engine.models.config import ModelArgs
 
     args = ModelArgs.from_hf_config(json.loads((Path(_model_dir()) / "config.json").read_text()))

@@ -1,8 +1,8 @@
 """Mixture-of-experts layer on the CPU (engine/models/moe.py's torch path). Prints ratios;
 asserts nothing.
 
-    python -m benchmarks.moe_step                  # both presets, bf16 and fp32, ~2 minutes
-    python -m benchmarks.moe_step --preset qwen3 --dtype bfloat16 --threads 2
+    python benchmarks/moe_step.py                  # both presets, bf16 and fp32, ~2 minutes
+    python benchmarks/moe_step.py --preset qwen3 --dtype bfloat16 --threads 2
 
 For T in --tokens, one layer forward (router included) of:
 - grouped: SparseMoE's path — assignments sorted by expert, one matmul pair per expert with

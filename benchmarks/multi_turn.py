@@ -1,12 +1,12 @@
 """Multi-turn chat against a `pdserve up --prefill 1 --decode 2` cluster (`--prefill`,
-`--decode`): the cluster KV fabric (issue 31) with it off and on, under the router's default
+`--decode`): the cluster KV fabric (docs/kv_pull.md) with it off and on, under the router's default
 placement and round-robin.
 
-  python -m benchmarks.multi_turn [--conversations 8] [--turns 4] [--max-tokens 32]
+  python benchmarks/multi_turn.py [--conversations 8] [--turns 4] [--max-tokens 32]
       [--first-words 1000,1500] [--user-words 40,120]
       [--concurrency 4] [--policies affinity,round_robin] [--configs off,on]
       [--off-args "..."] [--on-args "..."] [--base-args "..."] [--json OUT]
-  (the issue's size: --conversations 32 --turns 6)
+  (the full size: --conversations 32 --turns 6)
 
 Each conversation is a chat: turn t sends every earlier user message and the model's actual
 answer to it, then a new user message (random common words: `--first-words` of them in the
@@ -41,10 +41,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.serving.client import parse_sse_line
-from benchmarks.cpu_info import cpu_isa
-from benchmarks.up_cluster import Cluster, known_flags, unknown_flags
-from benchmarks.serving.workload import _WORDS
+from pdserve.bench.client import parse_sse_line
+from cpu_info import cpu_isa
+from bench_cluster import Cluster, known_flags, unknown_flags
+from pdserve.bench.workload import _WORDS
 
 BASE_ARGS = "--kv-cache-memory=128MiB"
 """The pool of each worker: ~5.8k tokens of SmolLM2 in bf16, enough for the prompts in flight

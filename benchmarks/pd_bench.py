@@ -1,8 +1,8 @@
 """TTFT of disaggregated prefill (prefill worker + KV transfer over NIXL) vs local prefill on
 the decode worker, for 512 / 2k / 4k-token prompts. Real processes on loopback + real etcd.
 
-  python -m benchmarks.pd_bench [--lengths 512,2048,4096] [--repeats 3] [--num-layers N]
-  python -m benchmarks.pd_bench --device cuda --model DIR    # 1P+1D on one GPU (VRAM pools)
+  python benchmarks/pd_bench.py [--lengths 512,2048,4096] [--repeats 3] [--num-layers N]
+  python benchmarks/pd_bench.py --device cuda --model DIR    # 1P+1D on one GPU (VRAM pools)
 
 The added TTFT of disaggregation = TTFT(disaggregated) - TTFT(local): the transfer that is
 not hidden behind the prefill compute (the last chunk's blocks, the notification, the join

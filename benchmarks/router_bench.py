@@ -11,8 +11,8 @@ directly). Small model (--num-layers) and short prompts by default, sized for a 
 cluster runs with a cluster token, as `pdserve up` does (its cost alone:
 benchmarks/grpc_auth_bench.py).
 
-    .venv/bin/python -m benchmarks.router_bench decision
-    .venv/bin/python -m benchmarks.router_bench cluster --tenants 8 --system-tokens 1024
+    .venv/bin/python benchmarks/router_bench.py decision
+    .venv/bin/python benchmarks/router_bench.py cluster --tenants 8 --system-tokens 1024
 """
 from __future__ import annotations
 

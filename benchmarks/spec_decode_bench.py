@@ -1,9 +1,9 @@
-"""Speculative-decoding benchmark (issue: speculative decoding). Decode tokens/s with and
+"""Speculative-decoding benchmark (docs/spec_decode.md). Decode tokens/s with and
 without speculation, measured in one run, interleaved (baseline, each method, baseline, ...);
 prints numbers, ratios against that same-run baseline, acceptance, and whether each spec
 run's tokens equal the baseline's token for token. Asserts nothing.
 
-  python -m benchmarks.spec_decode_bench [--quick] [--reps 2] [--self-layers 8,10]
+  python benchmarks/spec_decode_bench.py [--quick] [--reps 2] [--self-layers 8,10]
 
 Workloads, each single-sequence and batch-8, greedy:
 - copy: a chat asking to rewrite a ~200-token paragraph with typos fixed (copy-heavy);
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from engine import LLM, SamplingParams
-from benchmarks.cpu_info import cpu_isa
+from cpu_info import cpu_isa
 
 PARAGRAPHS = (
     "The old lighthouse stood at the edge of the cliff for more then two hundred years. Every "

@@ -1,8 +1,8 @@
-"""Structured-outputs benchmark (issue: structured outputs). Per-step cost of constrained
+"""Structured-outputs benchmark (docs/structured_outputs.md). Per-step cost of constrained
 decoding against unconstrained decoding of the same batch, measured in one run, interleaved;
 and grammar compile time, cold and cached. Prints numbers and ratios; asserts nothing.
 
-  python -m benchmarks.structured_bench [--batches 1,16,64] [--steps 24] [--reps 2]
+  python benchmarks/structured_bench.py [--batches 1,16,64] [--steps 24] [--reps 2]
 
 Each batch of B requests decodes `--steps` steps after every request has its first token
 (prefill excluded), with and without a JSON schema constraint (a list of short strings, long

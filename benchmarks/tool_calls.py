@@ -1,6 +1,7 @@
-"""Tool-calling benchmark (issue: agents). Prints numbers and ratios; asserts nothing.
+"""Tool-calling benchmark (docs/benchmarks/structured.md). Prints numbers and ratios; asserts
+nothing.
 
-  python -m benchmarks.tool_calls [--batch 16] [--steps 24] [--reps 2] [--prompts 24]
+  python benchmarks/tool_calls.py [--batch 16] [--steps 24] [--reps 2] [--prompts 24]
 
 1. Constrained tool calls per decode step: a batch decodes `--steps` steps (prefill
    excluded; time per token made x batch, as a row whose grammar completes leaves early)

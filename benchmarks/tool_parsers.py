@@ -4,7 +4,7 @@ about one token each. Prints microseconds per piece for each parser and its rati
 baseline measured in the same run: a pass-through that wraps each piece as content (the
 least any parser returns). Every parser must find all the calls, in pieces as whole.
 
-    python -m benchmarks.tool_parsers [--calls 40] [--repeats 10]
+    python benchmarks/tool_parsers.py [--calls 40] [--repeats 10]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (docs/parallelism.md). Prints numbers; asserts nothing.
 
-    python -m benchmarks.tp_bench engine      # TP=2 (1 thread/rank) vs TP=1 (2 threads), ~2 min
-    python -m benchmarks.tp_bench allreduce   # gloo all-reduce cost per call, 2 processes
+    python benchmarks/tp_bench.py engine      # TP=2 (1 thread/rank) vs TP=1 (2 threads), ~2 min
+    python benchmarks/tp_bench.py allreduce   # gloo all-reduce cost per call, 2 processes
 
 engine: the default model (bf16 where the CPU has native bf16), prefill throughput (the steps
 of 4 prompts of 512 random tokens) and decode throughput (the decode-only steps of 8 sequences,
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.cpu_info import cpu_isa
+from cpu_info import cpu_isa
 
 
 def _prefill_s(llm, prompts) -> float:

@@ -1,8 +1,8 @@
 """pdserve vs vLLM-CPU on this machine, same model, same workload, both pinned to the same
 cores, ratios printed (docs: benchmarks/vs_vllm.md).
 
-  python -m benchmarks.vs_vllm offline [--vllm-python V/bin/python] [--num-prompts 16]
-  python -m benchmarks.vs_vllm serve   [--vllm-python V/bin/python] [--rates 0.5,1,2] [--repeats 2] [--planner]
+  python benchmarks/vs_vllm.py offline [--vllm-python V/bin/python] [--num-prompts 16]
+  python benchmarks/vs_vllm.py serve   [--vllm-python V/bin/python] [--rates 0.5,1,2] [--repeats 2] [--planner]
 
 offline: N random-token prompts of 128-512 tokens -> 128 output tokens each (ignore_eos), the
   offline API of each (`LLM.generate`), one run each side, alone, each at its default dtype unless
@@ -184,7 +184,7 @@ def _start_vllm(args, model: str, work: Path) -> _Server:
 def _load(url: str, rate: float, args, out: Path, seed: int, num_prompts: int = 0) -> dict:
     """One `pdserve bench` run against `url`, its JSON to `out`; returns its summary."""
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.serving", "--url", url, "--endpoint", "completions",
+        [sys.executable, "-m", "pdserve.bench", "--url", url, "--endpoint", "completions",
          "--model", "smollm2", "--no-progress", "--num-requests", str(num_prompts or args.num_prompts),
          "--input-len", "256", "--output-len", "64", "--ignore-eos", "--tokenizer", "default",
          "--request-rate", str(rate), "--seed", str(seed), "--slo-ttft-ms", "2000", "--slo-itl-ms", "250",

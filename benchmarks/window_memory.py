@@ -5,7 +5,7 @@ both, which must be equal (the windows already hide those blocks). Two layouts: 
 (every layer slides: one KV group) and `gemma3` (Gemma 3's five sliding layers to one global:
 one full-attention group and five sliding ones).
 
-    python -m benchmarks.window_memory [--arch mistral|gemma3] [--prompt-tokens 8000] [--window 512]
+    python benchmarks/window_memory.py [--arch mistral|gemma3] [--prompt-tokens 8000] [--window 512]
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@ never loads gRPC or etcd and the worker commands never load the HTTP stack."""
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -36,6 +35,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _NoAbbrevParser(argparse.ArgumentParser):
+    """A subcommand's parser: no abbreviated flags either."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from engine.config import add_engine_args
 
@@ -45,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.", allow_abbrev=False
     )
-    sub = parser.add_subparsers(
-        dest="command", required=True,
-        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_NoAbbrevParser)
 
     from engine.models.prepare import BUNDLED_MODELS, DEFAULT_MODEL
 
@@ -83,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("pdserve.etcd_users_cli").etcd_users_cli.register(sub)
     __import__("local_cluster.cli").cli.register(sub)
     __import__("router.cli").cli.register(sub)
-    __import__("benchmarks.serving.cli").serving.cli.register(sub)
-    __import__("benchmarks.chaos.cli").chaos.cli.register(sub)
+    __import__("pdserve.bench.cli").bench.cli.register(sub)
+    __import__("pdserve.chaos.cli").chaos.cli.register(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ unless it is listed in TYPE_ONLY_CYCLE_EDGES."""
 import ast
 import importlib
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,7 @@ LAYERS = [
     ["cluster"],  # etcd registration/discovery, what workers and router share
     ["worker_runtime"],  # what both worker roles share
     ["prefill_node", "decode_node", "router", "local_cluster"],  # services, `pdserve up`
-    ["benchmarks"],
-    ["pdserve"],  # the command line
+    ["pdserve"],  # the command line (`pdserve bench`, `pdserve chaos` too)
 ]
 PACKAGES = [name for layer in LAYERS for name in layer]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -84,6 +84,26 @@ def test_every_top_level_package_is_checked() -> None:
     found = {p.parent.name for p in REPO.glob("*/__init__.py")}
     missing = sorted(found - set(PACKAGES))
     assert not missing, f"add {missing} to a layer in LAYERS (and to docs/architecture.md)"
+
+
+def test_the_wheel_holds_the_layers_and_no_scripts() -> None:
+    """benchmarks/ and tools/ hold scripts run by path, outside the wheel: no package there,
+    and nothing imports them as one (their tests put the folder on the path, conftest.py)."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    include = setuptools["packages"]["find"]["include"]
+    assert sorted(pattern.rstrip("*") for pattern in include) == sorted(PACKAGES)
+    assert not [*REPO.glob("benchmarks/**/__init__.py"), *REPO.glob("tools/**/__init__.py")]
+    where = [f"{path.relative_to(REPO)}:{line} {module}"
+             for top in [*PACKAGES, "tests", "benchmarks", "tools"]
+             for path in sorted((REPO / top).rglob("*.py"))
+             for line, module in _imported_modules(ast.parse(path.read_text(), str(path)))
+             if module.split(".")[0] in ("benchmarks", "tools")]
+    assert not where, where
+    # Run from the tests, a script is a top-level module: its name must be no one else's.
+    scripts = {p.stem for folder in ("benchmarks", "tools/gpu")
+               for p in (REPO / folder).glob("*.py")}
+    helpers = {p.stem for p in (REPO / "tests").rglob("*.py") if not p.stem.startswith("test_")}
+    assert not scripts & (helpers | set(PACKAGES)), scripts & (helpers | set(PACKAGES))
 
 
 def test_no_import_cycle_between_top_level_packages() -> None:

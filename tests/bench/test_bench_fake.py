@@ -1,5 +1,5 @@
 """`pdserve bench` end to end against `FakeOpenAIServer` (scripted token timing, loopback).
-Each test runs the real command (`benchmarks.serving.cli.main`) and checks its JSON result
+Each test runs the real command (`pdserve.bench.cli.main`) and checks its JSON result
 against what the fake was told to do and what it saw."""
 import json
 import statistics
@@ -9,8 +9,8 @@ import time
 import pytest
 from fake_openai import FakeOpenAIServer, Plan, prompt_words
 
-from benchmarks.serving.cli import main as bench_main
-from benchmarks.serving.runner import CANCELLED, arrival_offsets
+from pdserve.bench.cli import main as bench_main
+from pdserve.bench.runner import CANCELLED, arrival_offsets
 
 SUMMARY_FIELDS = {
     "num_requests", "completed", "failed", "unsent", "duration_s", "input_tokens",

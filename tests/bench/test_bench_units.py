@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serving.client import RequestResult, parse_sse_line
-from benchmarks.serving.config import SloConfig, WorkloadConfig
-from benchmarks.serving.report import meets_slo, peak_concurrency, summarize
-from benchmarks.serving.runner import UNSENT, BenchRun, arrival_offsets
-from benchmarks.serving.workload import build_workload, word_source
+from pdserve.bench.client import RequestResult, parse_sse_line
+from pdserve.bench.config import SloConfig, WorkloadConfig
+from pdserve.bench.report import meets_slo, peak_concurrency, summarize
+from pdserve.bench.runner import UNSENT, BenchRun, arrival_offsets
+from pdserve.bench.workload import build_workload, word_source
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,7 +127,7 @@ def test_config_validation_errors():
 
 
 def test_registered_in_pdserve_and_cheap_to_import():
-    from benchmarks.serving import cli as bench_cli
+    from pdserve.bench import cli as bench_cli
     from pdserve.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--url", "http://h:1", "--request-rate", "inf",
@@ -137,7 +137,7 @@ def test_registered_in_pdserve_and_cheap_to_import():
     assert math.isinf(cfg.load.request_rate) and cfg.workload.input_len == (3, 9)
     assert cfg.slo.itl_ms == 50 and cfg.endpoint.url == "http://h:1"
     heavy = ["httpx", "matplotlib", "torch", "numpy", "tqdm"]
-    code = ("import sys, benchmarks.serving.cli; "
+    code = ("import sys, pdserve.bench.cli; "
             f"print([m for m in {heavy!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
@@ -145,7 +145,7 @@ def test_registered_in_pdserve_and_cheap_to_import():
 
 
 def test_docs_describe_every_summary_field():
-    from benchmarks.serving.report import Report
+    from pdserve.bench.report import Report
 
     doc = (REPO / "docs" / "bench.md").read_text()
     missing = [f for f in Report.__dataclass_fields__ if f"`{f}`" not in doc]

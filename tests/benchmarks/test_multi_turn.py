@@ -5,10 +5,10 @@ import asyncio
 
 import httpx
 
-from benchmarks.multi_turn import (
+from multi_turn import (
     Conversation, TurnResult, build_conversations, chat_turn, percentile, ratio, summarize,
 )
-from benchmarks.up_cluster import unknown_flags
+from bench_cluster import unknown_flags
 
 
 def test_conversations_are_seeded_distinct_and_grow_with_the_answers():

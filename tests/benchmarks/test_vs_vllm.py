@@ -1,6 +1,6 @@
 """benchmarks/vs_vllm.py's served schedule and summary, without servers: the order of turns, the
 seeds, medians over rounds and the ratios to vLLM."""
-from benchmarks.vs_vllm import Metrics, median, schedule, summary
+from vs_vllm import Metrics, median, schedule, summary
 
 
 def test_sides_take_turns_in_an_order_reversed_every_other_round():

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_short_chaos_run_fails_no_request_and_leaks_nothing(tmp_path):
     report_path = tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.chaos", "--duration", "36", "--fault-interval", "3",
+        [sys.executable, "-m", "pdserve.chaos", "--duration", "36", "--fault-interval", "3",
          "--concurrency", "4", "--max-tokens", "32", "--seed", "11", "--report", str(report_path),
          "--log-dir", str(tmp_path / "logs"),
          "--up-arg=--kv-offloading-size=2MiB", "--up-arg=--worker-arg=--kv-cache-memory=1MiB"],

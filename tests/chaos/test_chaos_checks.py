@@ -1,4 +1,4 @@
-"""The chaos run's idle checks (benchmarks/chaos/checks.py) against a real etcd, one live
+"""The chaos run's idle checks (pdserve/chaos/checks.py) against a real etcd, one live
 in-process worker and registrations of dead ones (their gRPC address a closed port): they
 wait for a dead worker's registration to lapse, and report what never settles instead of
 raising."""
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import pytest
 
-from benchmarks.chaos.checks import index_mismatch, leaked_blocks
+from pdserve.chaos.checks import index_mismatch, leaked_blocks
 from cluster.etcd_server import EtcdServer
 from cluster.grpc_security import OPEN
 from cluster.net import free_port

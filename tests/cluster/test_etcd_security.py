@@ -14,7 +14,7 @@ from cluster.etcd_auth import WORKER_USER, etcd_users
 from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
-from benchmarks.throwaway_pki import etcd_tls, openssl_available
+from throwaway_pki import etcd_tls, openssl_available
 from engine.checks import FieldError
 
 CLUSTER = "sec"

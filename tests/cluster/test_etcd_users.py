@@ -15,7 +15,7 @@ from cluster.etcd_server import EtcdServer
 from cluster.etcd_users_config import (ROOT_PASSWORD_ENV, ROUTER_PASSWORD_ENV,
                                        WORKER_PASSWORD_ENV, EtcdUsersConfig)
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
-from benchmarks.throwaway_pki import etcd_tls, openssl_available
+from throwaway_pki import etcd_tls, openssl_available
 from engine.checks import FieldError
 from pdserve.cli import build_parser, main
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks.throwaway_pki import Pki, make_pki, openssl_available
+from throwaway_pki import Pki, make_pki, openssl_available
 from cluster.grpc_auth import add_port, aio_channel, channel
 from cluster.grpc_security import OPEN, TOKEN_ENV, ClusterAuth, GrpcSecurity, resolve
 from proto import pdserve_pb2 as pb

@@ -129,7 +129,7 @@ def test_fuzz_real_cluster(e2e):
 
 
 async def _all_blocks_free(e2e, timeout: float = 10.0) -> None:
-    from benchmarks.chaos.checks import leaked_blocks
+    from pdserve.chaos.checks import leaked_blocks
 
     assert {w.role for w in await e2e.workers()} == {"prefill", "decode"}
     leaks = await leaked_blocks(e2e.etcd, CLUSTER, e2e.auth, timeout_s=timeout,

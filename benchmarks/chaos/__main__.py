@@ -1,5 +1,0 @@
-import sys
-
-from benchmarks.chaos.cli import main
-
-sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.chaos.cli import main
+
+sys.exit(main())
