@@ -101,13 +101,16 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
     from worker_runtime.peers import RegisteredPeers
     from worker_runtime.runtime import WorkerRuntime
     from worker_runtime.service import WorkerService
+    from worker_runtime.wiring import room_contexts
 
     runtime = WorkerRuntime.build(config, engine_config, auth, etcd_credentials)
-    peers, puller = RegisteredPeers(runtime), KVPuller(runtime)
+    rooms = room_contexts(runtime)  # each room sees its own narrow context, not the runtime
+    peers, puller = RegisteredPeers(rooms.peers), KVPuller(rooms.pull)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
-    decode, prefill = DecodeWorker(runtime, puller), PrefillWorker(runtime, peers, puller)
-    exporter = KVExporter(runtime, peers)
+    decode = DecodeWorker(rooms.decode, puller)
+    prefill = PrefillWorker(rooms.prefill, peers, puller)
+    exporter = KVExporter(rooms.export, peers)
 
     def add(server) -> None:
         pb_grpc.add_WorkerServicer_to_server(WorkerService(runtime, exporter), server)

@@ -21,8 +21,8 @@ import asyncio
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import grpc
 
@@ -39,11 +39,12 @@ from engine.lora.request import LoRARequest
 from engine.outputs import CompletionDelta
 from kvtransfer import KVTransferBackend
 from kvtransfer.poll_split import split_receiver, split_sender
-from kvtransfer.progress import TransferProgress
+from kvtransfer.progress import Collectable, TransferProgress
 from proto import pdserve_pb2 as pb
 from worker_runtime.adapters import ServedAdapters
 from worker_runtime.admission import Admission, WorkerPhase
 from worker_runtime.args import WorkerConfig
+from worker_runtime.contexts import PULL_PREFIX, AbortHook, Listener, StepHook
 from worker_runtime.grpc_errors import StatusInterceptor
 from worker_runtime.host_cores import HostCoreShare, off_the_loop, release_openmp_threads, worker_threads
 from worker_runtime.kv_events import KVEventFanout, kv_snapshot
@@ -63,11 +64,7 @@ if TYPE_CHECKING:
     from engine.tokens import Resume
 
 log = logging.getLogger(__name__)
-
-PULL_PREFIX = "pull:"
-"""Transfer ids of peer pulls (kv_pull.py) start with this: `pull_sender` and
-`pull_receiver` see exactly those, `sender` and `receiver` every other."""
-
+T = TypeVar("T")
 
 def _exit_rank_failed(reason: str) -> None:
     """A tensor-parallel rank died: this worker cannot run its model; exit non-zero at once so
@@ -93,6 +90,20 @@ RegistrationFor = Callable[[Callable[[], WorkerInfo]], Registration]
 """Makes the registration that publishes what the given callable describes."""
 
 
+class _SplitView(Protocol):
+    """What a `split_sender` / `split_receiver` view adds to KVSender / KVReceiver
+    (kvtransfer/poll_split.py; those functions are typed with the base classes)."""
+
+    @property
+    def num_active(self) -> int: ...
+
+    def collect(self) -> None: ...
+
+    def on_work(self, callback: Callable[[], None] | None) -> None: ...
+
+    def listen(self, listener: Listener | None) -> None: ...
+
+
 def make_grpc_server(auth: ClusterAuth) -> grpc.aio.Server:
     """A worker's gRPC server: the cluster-token check first (when `auth` has a token: a call
     without it never reaches a servicer), then the exception -> status mapping."""
@@ -105,13 +116,16 @@ class WorkerRuntime:
                  registration_for: RegistrationFor, *, auth: ClusterAuth,
                  metrics: WorkerMetrics | None = None,
                  etcd_credentials: EtcdCredentials | None = None,
-                 step_threads: HostCoreShare | None = None) -> None:
+                 step_threads: HostCoreShare | None = None,
+                 engine_loop: Callable[..., EngineLoop] = EngineLoop) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
         the transfer agent the engine's pool is registered with here; `auth` (resolved from
         `config.grpc_security` at start) guards its gRPC port and the channels it opens to
         other workers; `etcd_credentials` (resolved from `config.etcd_security` at start)
         open every etcd client of this worker; `step_threads` sizes each step's threads from
-        the host's idle cores (None: the thread count stays as set)."""
+        the host's idle cores (None: the thread count stays as set). `engine_loop` makes
+        what runs the engine (called like EngineLoop): tests that step the engine by hand
+        from their own thread pass a loop of theirs (tests/decode_node/decode_fakes.py)."""
         self.config = config
         self.auth = auth
         self.etcd_credentials = etcd_credentials
@@ -128,7 +142,8 @@ class WorkerRuntime:
         # push: each side polls its own view, told apart by transfer id.
         self.sender, self.pull_sender = split_sender(kv.sender, PULL_PREFIX)
         self.receiver, self.pull_receiver = split_receiver(kv.receiver, PULL_PREFIX)
-        self.transfer_progress = TransferProgress([self.sender, self.receiver])
+        self.transfer_progress = TransferProgress([cast(Collectable, self.sender),
+                                                   cast(Collectable, self.receiver)])
         self.metrics = metrics or WorkerMetrics(config.role, kv, engine.loaded.model_id,
                                                 engine.num_speculative_tokens)
         self.admission = Admission(config.role)
@@ -144,10 +159,10 @@ class WorkerRuntime:
         """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
         self.kv_events = KVEventFanout()
         """The KV-event streams (`SubscribeKVEvents`), fed after every engine step."""
-        self._step_hooks: list[Callable[[LLMEngine], bool]] = []
-        self._abort_hooks: list[Callable[[str], Awaitable[bool]]] = []
+        self._step_hooks: list[StepHook] = []
+        self._abort_hooks: list[AbortHook] = []
         self.step_threads = step_threads
-        self.loop = EngineLoop(engine, self.deliver, self._after_step,
+        self.loop = engine_loop(engine, self.deliver, self._after_step,
                                itl_target_s=config.itl_target_ms / 1000,
                                step_threads=step_threads)
         self.stats: EngineStats = engine.stats()
@@ -191,12 +206,40 @@ class WorkerRuntime:
         """The asyncio loop this worker serves on: engine-thread results are handed there."""
         self.aio = aio
 
+    def _aio(self) -> asyncio.AbstractEventLoop:
+        if self.aio is None:
+            raise RuntimeError("the worker runtime is not attached to an asyncio loop yet")
+        return self.aio
+
+    def create_future(self) -> asyncio.Future[Any]:
+        """A future of the worker's asyncio loop (settled from the engine thread: `settle`)."""
+        return self._aio().create_future()
+
+    def create_task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        return self._aio().create_task(coro)
+
+    def call_later(self, delay_s: float, fn: Callable[..., object],
+                   *args: object) -> asyncio.TimerHandle:
+        return self._aio().call_later(delay_s, fn, *args)
+
+    def listen_sender(self, listener: Listener | None) -> None:
+        """Hear of each prompt-push result as soon as the transfer-progress thread
+        collects it (the pull sender's results are not told)."""
+        cast(_SplitView, self.sender).listen(listener)
+
+    def own_metadata(self) -> bytes:
+        """This worker's KV agent, as a peer writing into our blocks needs it."""
+        metadata = self.pool.metadata
+        if metadata is None:
+            raise RuntimeError("the KV pool is not registered (the engine sleeps)")
+        return metadata.to_bytes()
+
     # ---- engine thread side ------------------------------------------------------------
-    def add_step_hook(self, hook: Callable[[LLMEngine], bool]) -> None:
+    def add_step_hook(self, hook: StepHook) -> None:
         """Run `hook(engine)` after every step, whatever role is served (True: work in flight)."""
         self._step_hooks.append(hook)
 
-    def add_abort_hook(self, hook: Callable[[str], Awaitable[bool]]) -> None:
+    def add_abort_hook(self, hook: AbortHook) -> None:
         """`Worker.Abort` tries the hooks in the order added until one returns True (handled)."""
         self._abort_hooks.append(hook)
 
@@ -205,19 +248,20 @@ class WorkerRuntime:
         for delta in deltas:
             queue = self.streams.get(delta.request_id)
             if queue is not None:
-                self.aio.call_soon_threadsafe(queue.put_nowait, delta)
+                self._aio().call_soon_threadsafe(queue.put_nowait, delta)
 
     def _after_step(self, engine: LLMEngine) -> bool:
-        self.kv_events.publish(self.aio, engine.block_manager.pool.take_events())
+        self.kv_events.publish(self._aio(), engine.block_manager.pool.take_events())
         return any([hook(engine) for hook in self._step_hooks])  # every hook runs
 
-    def settle(self, future: asyncio.Future, result=None, exc: BaseException | None = None) -> None:
+    def settle(self, future: asyncio.Future[Any], result: Any = None,
+               exc: BaseException | None = None) -> None:
         """From the engine thread: resolve an asyncio future on the worker's loop (once; a
         future already resolved or cancelled is left alone)."""
-        self.aio.call_soon_threadsafe(_settle, future, result, exc)
+        self._aio().call_soon_threadsafe(_settle, future, result, exc)
 
     # ---- asyncio side -------------------------------------------------------------------
-    async def call(self, fn, *, cancellable: bool = True):
+    async def call(self, fn: Callable[[LLMEngine], T], *, cancellable: bool = True) -> T:
         """Run fn(engine) on the engine thread; await its result (EngineLoopDied once the
         loop is dead).
 
@@ -268,7 +312,7 @@ class WorkerRuntime:
         """`Worker.Abort` every request this worker has: its streams and the engine's."""
         def live(e: LLMEngine) -> set[str]:
             s = e.scheduler
-            return {r.group_id for r in (*s.running, *s.waiting, *s.waiting_for_kv)}
+            return {r.group_id for r in (*s.running, *s.waiting, *s.waiting_for_kv.values())}
 
         ids = set(self.streams) | await self.call(live)
         await asyncio.gather(*(self.abort(rid) for rid in ids), return_exceptions=True)
@@ -387,7 +431,7 @@ class WorkerRuntime:
 
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self.aio.add_signal_handler(sig, stop.set)
+            self._aio().add_signal_handler(sig, stop.set)
         while not stop.is_set() and self.loop.alive:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
@@ -423,7 +467,7 @@ class WorkerRuntime:
 
 
 
-def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     if future.done():
         return
     if exc is None:
