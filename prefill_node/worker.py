@@ -117,9 +117,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         req.keep_blocks_from = skips  # streamed out: kept whatever the windows
         if request.HasField("kv_source"):  # a peer holds more of the prompt: pull, then compute
             await self.puller.pull(req, request.kv_source)
-        done: asyncio.Future[tuple[TransferResult, SampledToken]] = ctx.create_future()
+        done: asyncio.Future[tuple[TransferResult, SampledToken | None]] = ctx.create_future()
 
-        def on_done(result: TransferResult, first_token: SampledToken) -> None:
+        def on_done(result: TransferResult, first_token: SampledToken | None) -> None:
             ctx.settle(done, (result, first_token))
 
         out = Outgoing(
@@ -148,6 +148,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             raise Unavailable(
                 f"KV transfer to {peer} failed: {result.status.name.lower()} {result.error}".strip()
             )
+        assert first_token is not None, "a complete transfer carries the first token"
         return pb.PrefillResponse(
             first_token=sampled_to_pb(first_token),
             num_cached_tokens=max(req.num_cached_tokens, 0),

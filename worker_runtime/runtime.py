@@ -185,7 +185,8 @@ class WorkerRuntime:
         """The production runtime: the engine, a NIXL agent, an etcd registration."""
         from cluster.block_hash_agreement import check_peers
         from cluster.registration import Registrar
-        from kvtransfer import KVTransferConfig, NixlTransferBackend
+        from kvtransfer import KVTransferConfig
+        from kvtransfer.nixl_backend import NixlTransferBackend
 
         step_threads = worker_threads(config.num_threads, config.share_host_cores)
         engine = LLMEngine(engine_config)
