@@ -113,7 +113,7 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
     exporter = KVExporter(rooms.export, peers)
 
     def add(server) -> None:
-        pb_grpc.add_WorkerServicer_to_server(WorkerService(runtime, exporter), server)
+        pb_grpc.add_WorkerServicer_to_server(WorkerService(rooms.service, exporter), server)
         pb_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
 

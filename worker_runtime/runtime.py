@@ -252,7 +252,9 @@ class WorkerRuntime:
                 self._aio().call_soon_threadsafe(queue.put_nowait, delta)
 
     def _after_step(self, engine: LLMEngine) -> bool:
-        self.kv_events.publish(self._aio(), engine.block_manager.pool.take_events())
+        events = engine.block_manager.pool.take_events()
+        if self.aio is not None:  # no subscriber before the worker serves
+            self.kv_events.publish(self.aio, events)
         return any([hook(engine) for hook in self._step_hooks])  # every hook runs
 
     def settle(self, future: asyncio.Future[Any], result: Any = None,

@@ -16,12 +16,14 @@ from worker_runtime.contexts import (
     ServingContext,
 )
 from worker_runtime.runtime import WorkerRuntime
+from worker_runtime.service import ServiceContext
 
 
 @dataclass(frozen=True, slots=True)
 class RoomContexts:
     """Every room's context of one worker."""
 
+    service: ServiceContext
     peers: PeerContext
     pull: PullContext
     export: ExportContext
@@ -33,6 +35,11 @@ def room_contexts(rt: WorkerRuntime) -> RoomContexts:
     side = engine_side(rt)
     serving = _serving(rt, side)
     return RoomContexts(
+        service=ServiceContext(
+            info=rt.info, abort=rt.abort, kv_events=rt.kv_events.subscribe,
+            cached_blocks=rt.cached_blocks, adapters=rt.adapters, lifecycle=rt.lifecycle,
+            roles=rt.roles, role=lambda: rt.admission.role,
+            enable_admin_rpcs=rt.config.enable_admin_rpcs),
         peers=PeerContext(
             cluster=rt.config.cluster, etcd=rt.config.etcd,
             etcd_credentials=rt.etcd_credentials, worker_id=lambda: rt.worker_id,
