@@ -75,7 +75,8 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         ctx, rid = self.ctx, request.request_id
         new_request = functools.partial(
-            ctx.make_request, rid, list(request.prompt_token_ids), sampling_from_pb(request.sampling),
+            ctx.make_request, rid, list(request.prompt_token_ids),
+            sampling_from_pb(request.sampling),
             request.cache_salt, request.priority, request_lora(request), resume_from_pb(request))
         req = await new_request()
         ctx.limits.check_fits(req.num_tokens)  # invalid input fails before any work

@@ -3,9 +3,11 @@ own thread.
 
 The engine loop is `ManualEngineLoop`, which has no thread: `Harness.run_engine()` runs its
 queued commands and the runtime's after-step work (every room's step hook) in the test
-thread, so the test decides exactly where the asyncio side and the engine thread interleave. The engine is a fake that counts block
-references; the KV receiver is the real one over the fake transport; the prefill worker is a
-fake gRPC stub whose calls the test resolves by hand.
+thread, so the test decides exactly where the asyncio side and the engine thread
+interleave. The engine is a fake that counts block references; the KV receiver is the real
+one over the fake transport; the prefill worker is a fake gRPC stub whose calls the test
+resolves by hand. The worker is built as production builds it: its room contexts come from
+`worker_runtime.wiring.room_contexts`.
 """
 from __future__ import annotations
 
