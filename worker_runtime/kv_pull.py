@@ -38,8 +38,8 @@ from engine.request import Request
 from kvtransfer import TransferStatus
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker_runtime.peer_calls import PeerChannels, confirm_stopped
 from worker_runtime.contexts import PULL_PREFIX, PullContext
+from worker_runtime.peer_calls import PeerChannels, confirm_stopped
 
 log = logging.getLogger(__name__)
 
