@@ -99,11 +99,11 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
     from worker_runtime.kv_export import KVExporter
     from worker_runtime.kv_pull import KVPuller
     from worker_runtime.peers import RegisteredPeers
-    from worker_runtime.runtime import WorkerRuntime
+    from worker_runtime.process import build_runtime, serve
     from worker_runtime.service import WorkerService
     from worker_runtime.wiring import room_contexts
 
-    runtime = WorkerRuntime.build(config, engine_config, auth, etcd_credentials)
+    runtime = build_runtime(config, engine_config, auth, etcd_credentials)
     rooms = room_contexts(runtime)  # each room sees its own narrow context, not the runtime
     peers, puller = RegisteredPeers(rooms.peers), KVPuller(rooms.pull)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
@@ -119,7 +119,7 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
 
     background = [asyncio.create_task(peers.warm_forever())]
     try:
-        return await runtime.serve(add)
+        return await serve(runtime, add)
     finally:
         for task in background:
             task.cancel()
