@@ -1,10 +1,10 @@
 """What each room of a worker gets from the runtime: a narrow, typed context, never the
-runtime itself (STYLE 14). The runtime builds them (`WorkerRuntime.contexts`, wiring.py);
-the rooms — the prefill and decode servicers, the peer puller and exporter, the registered
+runtime itself (STYLE 14). The runtime's side builds them (wiring.py, `room_contexts`); the
+rooms — the prefill and decode servicers, the peer puller and exporter, the registered
 peers — see only the callables and values named here.
 
-Threads: `call` and `create_*` are for the asyncio side; `settle` and the hooks run on the
-engine thread. Values that change while the worker runs (its id, set when it starts serving;
+Threads: `call`, `create_*` and abort hooks are the asyncio side's; `settle` and step hooks
+run on the engine thread. Values that change while the worker runs (its id, set when it starts serving;
 the pool's metadata, new after every wake-up; measured step rates) are callables, read when
 used; the others are fixed for the worker's life.
 """
