@@ -5,7 +5,7 @@ what P and the KV receiver report, until the request runs here or its blocks are
 Until P has the block ids it can write nothing here: a request that cannot be parked, or is
 cancelled before, only cancels P's call.
 
-Every engine command that records what P did is uncancellable (`WorkerRuntime.call`): a
+Every engine command that records what P did is uncancellable (`DecodeContext.call`): a
 cancel at any await here still ends the attempt in RUNNING or RELEASED. A dropped attempt's
 blocks stay quarantined until P confirmed it writes no more: its call returned, or its
 `Worker.Abort` answered (`_confirm_stopped`, retried until it does).
@@ -28,9 +28,9 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.contexts import DecodeContext
 from worker_runtime.grpc_errors import Unavailable
 from worker_runtime.peer_calls import PeerChannels, confirm_stopped
-from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,13 @@ class RemoteResult(NamedTuple):
 class PrefillClient:
     """Remote prefills of one decode worker (asyncio side; `remote` on the engine thread)."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self.rt = runtime
-        self.remote = RemotePrefills(runtime.receiver, runtime.settle, runtime.deliver)
+    def __init__(self, ctx: DecodeContext) -> None:
+        self.ctx = ctx
+        self.remote = RemotePrefills(ctx.receiver, ctx.settle, ctx.deliver)
         self._attempts = itertools.count()  # transfer ids: one per attempt
-        self._channels = PeerChannels(runtime.auth)
-        self._background: set[asyncio.Task] = set()
-        runtime.add_step_hook(self._after_step)
+        self._channels = PeerChannels(ctx.auth)
+        self._background: set[asyncio.Task[None]] = set()
+        ctx.add_step_hook(self._after_step)
 
     def _after_step(self, engine: LLMEngine) -> bool:  # engine thread
         self.remote.poll_kv(engine)
@@ -71,21 +71,21 @@ class PrefillClient:
         holds); returns once the request runs here or
         the prompt must be prefilled locally. Raises TimeoutError when the KV missed its
         deadline, Unavailable when P failed and --strict-remote-prefill is set."""
-        rt, rid = self.rt, req.request_id
-        done = rt.aio.create_future()
+        ctx, rid = self.ctx, req.request_id
+        done: asyncio.Future[None] = ctx.create_future()
         tid = f"push:{rid}:{next(self._attempts)}"
-        kv_timeout_s = rt.config.kv_timeout_s
+        kv_timeout_s = ctx.kv_timeout_s
         stub = pb_grpc.PrefillWorkerStub(self._channels.get(worker.address))
         # P starts on the prompt now; the block ids follow once the request is parked here
         # (an engine step boundary away), so the parking wait is off the critical path.
         call = stub.Prefill(self._prefill_request(req, tid, source), timeout=kv_timeout_s)
         try:
-            attempt = await rt.call(lambda e: self.remote.start(e, req, tid, done, kv_timeout_s),
+            attempt = await ctx.call(lambda e: self.remote.start(e, req, tid, done, kv_timeout_s),
                                     cancellable=False)
         except asyncio.CancelledError:  # P has no destination: it can write nothing here
             call.cancel()
             gone = Unavailable(f"request {rid} was cancelled before its prefill started")
-            await rt.call(lambda e: self.remote.writes_stopped(e, tid, gone), cancellable=False)
+            await ctx.call(lambda e: self.remote.writes_stopped(e, tid, gone), cancellable=False)
             raise
         if attempt is None:  # no room for the whole prompt now: let the scheduler queue it
             call.cancel()  # likewise without a destination
@@ -101,13 +101,12 @@ class PrefillClient:
             self._confirm_stopped(worker, rid, tid, Unavailable(f"request {rid} was cancelled"))
             raise
         token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
-        await rt.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
+        await ctx.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
         await done  # raises if the KV failed or timed out
         return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens)
 
     def _prefill_request(self, req: Request, transfer_id: str,
                          source: pb.KVSource | None) -> pb.PrefillRequest:
-        rt = self.rt
         return pb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
@@ -115,9 +114,9 @@ class PrefillClient:
             lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
             kv_source=source,
             destination=pb.KVDestination(
-                peer_metadata=rt.pool.metadata.to_bytes(),
+                peer_metadata=self.ctx.own_metadata(),
                 # The prefill side stops writing before we stop waiting.
-                deadline_s=0.9 * rt.config.kv_timeout_s,
+                deadline_s=0.9 * self.ctx.kv_timeout_s,
                 transfer_id=transfer_id, deferred=True,
             ),
         )
@@ -127,24 +126,25 @@ class PrefillClient:
         """The parked request's blocks, for P's SetDestination: each KV group's blocks after
         its skip (the prefix already here), group after group."""
         skips = req.remote_skip_blocks
+        assert skips is not None, "set when the request was parked"
         return pb.KVDestination(transfer_id=transfer_id, num_skip_blocks=min(skips),
                                 group_skip_blocks=skips, block_ids=block_ids)
 
-    async def _failed(self, req: Request, worker: pb.WorkerRef, tid: str, done: asyncio.Future,
-                      exc: grpc.aio.AioRpcError) -> RemoteResult:
+    async def _failed(self, req: Request, worker: pb.WorkerRef, tid: str,
+                      done: asyncio.Future[None], exc: grpc.aio.AioRpcError) -> RemoteResult:
         """P's call failed: drop the attempt (its blocks wait for P's word), then fail
         clearly if the KV deadline passed, or fall back to local prefill."""
-        rt, rid = self.rt, req.request_id
+        ctx, rid = self.ctx, req.request_id
         failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
                               f"{exc.code().name}: {exc.details()}")
         self._confirm_stopped(worker, rid, tid, failure)
-        await rt.call(lambda e: self.remote.fail(e, tid, failure), cancellable=False)
+        await ctx.call(lambda e: self.remote.fail(e, tid, failure), cancellable=False)
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
             done.done() and isinstance(done.exception(), TimeoutError)
         ):
             raise TimeoutError(f"KV for request {rid} did not arrive within "
-                               f"{rt.config.kv_timeout_s:g}s") from None
-        if rt.config.strict_remote_prefill:
+                               f"{ctx.kv_timeout_s:g}s") from None
+        if ctx.strict_remote_prefill:
             raise failure
         log.warning("%s; prefilling %s locally", failure, rid)
         return RemoteResult(PrefillPath.LOCAL_FALLBACK)
@@ -153,7 +153,7 @@ class PrefillClient:
                          exc: Exception) -> None:
         """In the background: wait until P writes nothing more for this attempt, then
         release its blocks (`RemotePrefills.writes_stopped`)."""
-        task = self.rt.aio.create_task(self._abort_remote(worker, request_id, transfer_id, exc))
+        task = self.ctx.create_task(self._abort_remote(worker, request_id, transfer_id, exc))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -161,9 +161,9 @@ class PrefillClient:
                             exc: Exception) -> None:
         """Wait for P's word that it writes nothing more for this attempt
         (worker_runtime/peer_calls.py), then release the attempt's blocks."""
-        rt = self.rt
-        await confirm_stopped(self._channels.get(worker.address), request_id, rt.config.kv_timeout_s)
-        await rt.call(lambda e: self.remote.writes_stopped(e, transfer_id, exc), cancellable=False)
+        ctx = self.ctx
+        await confirm_stopped(self._channels.get(worker.address), request_id, ctx.kv_timeout_s)
+        await ctx.call(lambda e: self.remote.writes_stopped(e, transfer_id, exc), cancellable=False)
 
 
 def _for_prefill(req: Request) -> SamplingParams:

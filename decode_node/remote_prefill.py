@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionDelta
 from engine.request import Request
 from engine.tokens import SampledToken
 from kvtransfer import KVReceiver, TransferResult, TransferStatus
+from worker_runtime.contexts import Settle
 from worker_runtime.grpc_errors import Unavailable
 
 
@@ -83,7 +85,7 @@ class RemotePrefill:
     request_id: str
     transfer_id: str
     block_ids: list[int]
-    done: asyncio.Future
+    done: asyncio.Future[None]
     """Settled on the asyncio loop: None once RUNNING, the failure otherwise."""
     state: RemoteState = RemoteState.PARKED
     first_token: SampledToken | None = None
@@ -101,10 +103,11 @@ class RemotePrefill:
 class RemotePrefills:
     """Every transfer attempt until RUNNING or RELEASED, and the events that move them."""
 
-    def __init__(self, receiver: KVReceiver, settle: Callable, deliver: Callable) -> None:
+    def __init__(self, receiver: KVReceiver, settle: Settle,
+                 deliver: Callable[[list[CompletionDelta]], None]) -> None:
         self._receiver = receiver
-        self._settle = settle  # WorkerRuntime.settle: resolve an asyncio future from here
-        self._deliver = deliver  # WorkerRuntime.deliver: hand deltas to their streams
+        self._settle = settle  # resolve an asyncio future from here (the engine thread)
+        self._deliver = deliver  # hand deltas to their streams
         self._attempts: dict[str, RemotePrefill] = {}  # by transfer id
         self._live: dict[str, RemotePrefill] = {}  # by request id: attempts in a live state
 
@@ -204,6 +207,7 @@ class RemotePrefills:
         if not attempt.advance(to):
             return
         if to is S.RUNNING:
+            assert attempt.first_token is not None, "RUNNING follows P's first token"
             del self._live[attempt.request_id]
             del self._attempts[attempt.transfer_id]
             self._deliver(engine.finish_remote_prefill(attempt.request_id, attempt.first_token))

@@ -33,7 +33,7 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from cluster.convert import delta_to_pb, request_lora, resume_from_pb, sampling_from_pb
 from cluster.roles import PrefillPath, Role
@@ -42,10 +42,10 @@ from engine.outputs import CompletionDelta
 from engine.request import Request
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.contexts import DecodeContext
 from worker_runtime.grpc_errors import Unavailable
 from worker_runtime.kv_pull import KVPuller
 from worker_runtime.metrics import WorkerMetrics
-from worker_runtime.runtime import WorkerRuntime
 
 T = TypeVar("T")
 _ABORT = object()  # put on a request's stream queue by `abort`
@@ -56,27 +56,33 @@ class RequestAborted(Exception):
 
 
 class DecodeWorker(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime, puller: KVPuller) -> None:
-        self.rt = runtime
-        self.puller = puller
-        self.prefill = PrefillClient(runtime)
-        self._aborted: dict[str, asyncio.Event] = {}  # asyncio side: live Generate streams
-        runtime.add_abort_hook(self.abort)
+    """The `DecodeWorker` service (thin: `from_pb -> engine -> to_pb`; remote prefills are
+    `PrefillClient`'s). It sees the worker through `DecodeContext` only."""
 
-    async def Generate(self, request: pb.GenerateRequest, context):
-        with self.rt.admission.admitted(Role.DECODE, request.request_id):
+    def __init__(self, ctx: DecodeContext, puller: KVPuller) -> None:
+        self.ctx = ctx
+        self.puller = puller
+        self.prefill = PrefillClient(ctx)
+        self._live: dict[str, _Live] = {}  # asyncio side: Generate streams, by request id
+        ctx.add_abort_hook(self.abort)
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        with self.ctx.admitted(Role.DECODE, request.request_id):
             async for response in self._generate(request):
                 yield response
 
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        rt, rid = self.rt, request.request_id
+        ctx, rid = self.ctx, request.request_id
         new_request = functools.partial(
-            rt.make_request, rid, list(request.prompt_token_ids), sampling_from_pb(request.sampling),
+            ctx.make_request, rid, list(request.prompt_token_ids),
+            sampling_from_pb(request.sampling),
             request.cache_salt, request.priority, request_lora(request), resume_from_pb(request))
         req = await new_request()
-        rt.engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
-        queue = rt.open_stream(rid)
-        aborted = self._aborted[rid] = asyncio.Event()
+        ctx.limits.check_fits(req.num_tokens)  # invalid input fails before any work
+        queue = ctx.open_stream(rid)
+        aborted = asyncio.Event()
+        self._live[rid] = _Live(aborted, queue)
         sent = _Sent(_Started(req, PrefillPath.LOCAL))
         try:
             try:
@@ -85,16 +91,16 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
                     delta = await queue.get()
                     if delta is _ABORT:
                         raise RequestAborted
-                    sent.record(delta, rt.metrics)
+                    sent.record(delta, ctx.metrics)
                     yield sent.to_pb(delta)
             except RequestAborted:
                 await self._drop(rid, RequestAborted(f"request {rid} was aborted"))
                 for delta in sent.abort_unfinished():
                     yield sent.to_pb(delta)
-            rt.metrics.e2e.labels("decode").observe(time.monotonic() - sent.started_at)
+            ctx.metrics.e2e.labels("decode").observe(time.monotonic() - sent.started_at)
         finally:
-            rt.close_stream(rid)
-            self._aborted.pop(rid, None)
+            ctx.close_stream(rid)
+            self._live.pop(rid, None)
             if not sent.done:  # cancelled or failed: free everything now
                 await self._drop(rid, Unavailable(f"request {rid} ended before completing "
                                                   "(cancelled or failed)"))
@@ -112,22 +118,30 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             req = await new_request()
         if result.path is not PrefillPath.REMOTE:
             await self.puller.pull(req, source)
-            await self.rt.call(lambda e: e.submit(req))
-        self.rt.metrics.count_prefill_mode(result.path)
+            await self.ctx.call(lambda e: e.submit(req))
+        self.ctx.metrics.count_prefill_mode(result.path)
         return _Started(req, result.path, result.remote_cached_tokens)
 
     async def _drop(self, request_id: str, exc: Exception) -> None:
-        await self.rt.call(lambda e: self.prefill.drop(e, request_id, exc), cancellable=False)
+        await self.ctx.call(lambda e: self.prefill.drop(e, request_id, exc), cancellable=False)
 
     async def abort(self, request_id: str) -> bool:
         """`Worker.Abort` for a request a Generate stream here owns: that stream ends with a
         final "abort" update (see Generate). False if no stream owns it."""
-        aborted = self._aborted.get(request_id)
-        if aborted is None or aborted.is_set():
+        live = self._live.get(request_id)
+        if live is None or live.aborted.is_set():
             return False
-        aborted.set()
-        self.rt.streams[request_id].put_nowait(_ABORT)
+        live.aborted.set()
+        live.queue.put_nowait(_ABORT)
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Live:
+    """A Generate stream here: set `aborted` and wake its `queue` to end it."""
+
+    aborted: asyncio.Event
+    queue: asyncio.Queue[Any]
 
 
 @dataclass(frozen=True, slots=True)

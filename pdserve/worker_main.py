@@ -99,24 +99,27 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
     from worker_runtime.kv_export import KVExporter
     from worker_runtime.kv_pull import KVPuller
     from worker_runtime.peers import RegisteredPeers
-    from worker_runtime.runtime import WorkerRuntime
+    from worker_runtime.process import build_runtime, serve
     from worker_runtime.service import WorkerService
+    from worker_runtime.wiring import room_contexts
 
-    runtime = WorkerRuntime.build(config, engine_config, auth, etcd_credentials)
-    peers, puller = RegisteredPeers(runtime), KVPuller(runtime)
+    runtime = build_runtime(config, engine_config, auth, etcd_credentials)
+    rooms = room_contexts(runtime)  # each room sees its own narrow context, not the runtime
+    peers, puller = RegisteredPeers(rooms.peers), KVPuller(rooms.pull)
     # Decode first: `Worker.Abort` asks the decode side (its Generate streams) before the
     # prefill side, which aborts whatever the engine has under that id.
-    decode, prefill = DecodeWorker(runtime, puller), PrefillWorker(runtime, peers, puller)
-    exporter = KVExporter(runtime, peers)
+    decode = DecodeWorker(rooms.decode, puller)
+    prefill = PrefillWorker(rooms.prefill, peers, puller)
+    exporter = KVExporter(rooms.export, peers)
 
     def add(server) -> None:
-        pb_grpc.add_WorkerServicer_to_server(WorkerService(runtime, exporter), server)
+        pb_grpc.add_WorkerServicer_to_server(WorkerService(rooms.service, exporter), server)
         pb_grpc.add_DecodeWorkerServicer_to_server(decode, server)
         pb_grpc.add_PrefillWorkerServicer_to_server(prefill, server)
 
     background = [asyncio.create_task(peers.warm_forever())]
     try:
-        return await runtime.serve(add)
+        return await serve(runtime, add)
     finally:
         for task in background:
             task.cancel()

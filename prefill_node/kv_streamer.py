@@ -110,9 +110,9 @@ class KVStreamer:
         for out in list(self.active.values()):
             self._advance(engine, out)
         for result in self.sender.poll():
-            out = self.active.get(result.request_id)
-            if out is not None:
-                self._finish(engine, out, result)
+            sending = self.active.get(result.request_id)
+            if sending is not None:
+                self._finish(engine, sending, result)
         return bool(self.active)
 
     def _advance(self, engine: LLMEngine, out: Outgoing) -> None:
@@ -127,7 +127,7 @@ class KVStreamer:
             return
         prompt_blocks = bm.blocks_for(req.num_prompt_tokens)
         final = req.num_output_tokens > 0  # the first token is sampled: all KV computed
-        if out.dest_blocks is None:  # deferred: nothing goes out yet
+        if out.dest_blocks is None or out.group_skips is None:  # deferred: nothing goes out yet
             if final and not out.held:  # finished this step: keep its blocks for the sender
                 blocks = [table[i] for table in req.block_tables for i in range(prompt_blocks)]
                 bm.pool.pin(blocks)
@@ -172,6 +172,7 @@ class KVStreamer:
         engine.block_manager.pool.release(out.pinned)
         out.pinned = []
         if result is None:
+            assert status is not None, "a finish without the sender's result names its status"
             result = TransferResult(out.transfer_id, status, out.peer, 0, 0, 0.0, error)
         req = out.request
         complete = result.status is TransferStatus.COMPLETE

@@ -41,20 +41,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any, cast
 
 from cluster.convert import request_lora, sampled_to_pb, sampling_from_pb
 from cluster.roles import Role
+from engine.limits import EngineLimits
+from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionDelta
-from engine.pooling import PoolingParams
+from engine.pooling import PoolingParams, PoolingType
 from engine.sampling_params import SamplingParams
-from kvtransfer import TransferStatus
+from engine.tokens import SampledToken
+from kvtransfer import TransferResult, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.contexts import PrefillContext
 from worker_runtime.grpc_errors import ResourceExhausted, Unavailable
 from worker_runtime.kv_pull import KVPuller
 from worker_runtime.peers import RegisteredPeers
-from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -63,19 +67,23 @@ MAX_PENDING_DESTINATIONS = 4096
 
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime, peers: RegisteredPeers, puller: KVPuller) -> None:
-        self.rt = runtime
+    """The `PrefillWorker` service (thin: `from_pb -> engine -> to_pb`; the KV leaves
+    through `KVStreamer`). It sees the worker through `PrefillContext` only."""
+
+    def __init__(self, ctx: PrefillContext, peers: RegisteredPeers, puller: KVPuller) -> None:
+        self.ctx = ctx
         self.peers = peers
         self.puller = puller
-        self.streamer = KVStreamer(runtime.sender)
-        runtime.sender.listen(self.streamer.answer_early)
-        runtime.add_step_hook(self.streamer.after_step)
-        runtime.add_abort_hook(self.abort)
+        self.streamer = KVStreamer(ctx.sender)
+        ctx.listen_sender(self.streamer.answer_early)
+        ctx.add_step_hook(self.streamer.after_step)
+        ctx.add_abort_hook(self.abort)
         self._embeds: dict[str, asyncio.Queue[CompletionDelta | None]] = {}  # None: aborted
-        self._destinations: dict[str, asyncio.Future] = {}  # deferred destinations, by transfer id
+        # Deferred destinations, by transfer id.
+        self._destinations: dict[str, asyncio.Future[pb.KVDestination]] = {}
 
     async def Prefill(self, request: pb.PrefillRequest, context):
-        with self.rt.admission.admitted(Role.PREFILL, request.request_id):
+        with self.ctx.admitted(Role.PREFILL, request.request_id):
             tid = request.destination.transfer_id
             if not request.destination.deferred or not tid:
                 return await self._prefill(request, None)
@@ -87,50 +95,51 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                     del self._destinations[tid]
 
     async def _prefill(self, request: pb.PrefillRequest,
-                       slot: asyncio.Future | None) -> pb.PrefillResponse:
+                       slot: asyncio.Future[pb.KVDestination] | None) -> pb.PrefillResponse:
         """`slot`: where a deferred destination arrives (SetDestination), else None."""
-        rt = self.rt
+        ctx = self.ctx
         params = sampling_from_pb(request.sampling)
         if params.n != 1 or params.seed is None or params.max_tokens != 1:
             raise ValueError("prefill requests need n == 1, max_tokens == 1 and a seed")
         dest = request.destination
-        limits = rt.engine.limits
+        limits = ctx.limits
         # Deferred: the block ids come in SetDestination; keep every prompt block until then.
         skips = [0] * limits.kv_groups if slot is not None else _destination_skips(
             dest, limits, len(request.prompt_token_ids))
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
         await self.peers.check(dest.peer_metadata)
-        peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
+        peer = await asyncio.to_thread(ctx.add_peer, dest.peer_metadata)
         # A structured request compiles its grammar here (the first token obeys it), a LoRA
         # request loads its adapter if needed (the decode worker's).
-        req = await rt.make_request(request.request_id, list(request.prompt_token_ids), params,
+        req = await ctx.make_request(request.request_id, list(request.prompt_token_ids), params,
                                     request.cache_salt, request.priority, request_lora(request))
         req.keep_blocks_from = skips  # streamed out: kept whatever the windows
         if request.HasField("kv_source"):  # a peer holds more of the prompt: pull, then compute
             await self.puller.pull(req, request.kv_source)
-        done: asyncio.Future = rt.aio.create_future()
+        done: asyncio.Future[tuple[TransferResult, SampledToken | None]] = ctx.create_future()
 
-        def on_done(result, first_token):
-            rt.settle(done, (result, first_token))
+        def on_done(result: TransferResult, first_token: SampledToken | None) -> None:
+            ctx.settle(done, (result, first_token))
 
         out = Outgoing(
             request=req, transfer_id=dest.transfer_id, peer=peer,
             dest_blocks=None if slot is not None else list(dest.block_ids),
             group_skips=None if slot is not None else skips,
-            deadline=time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s), on_done=on_done,
+            deadline=time.monotonic() + (dest.deadline_s or ctx.kv_timeout_s), on_done=on_done,
         )
 
-        def start(engine):
+        def start(engine: LLMEngine) -> None:
             engine.submit(req)  # raises RequestRejected for prompts that can never fit
             self.streamer.add(out)
 
-        await rt.call(start)
+        await ctx.call(start)
         placing = None if slot is None else asyncio.ensure_future(self._place_when_given(slot, out, done))
         try:
             result, first_token = await done
         except BaseException:  # cancelled, or a destination that does not fit the prompt
-            await asyncio.shield(rt.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
+            await asyncio.shield(
+                ctx.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
             raise
         finally:
             if placing is not None:
@@ -139,6 +148,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             raise Unavailable(
                 f"KV transfer to {peer} failed: {result.status.name.lower()} {result.error}".strip()
             )
+        assert first_token is not None, "a complete transfer carries the first token"
         return pb.PrefillResponse(
             first_token=sampled_to_pb(first_token),
             num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -161,81 +171,84 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         slot.set_result(request)
         return pb.SetDestinationResponse()
 
-    def _destination_slot(self, transfer_id: str) -> asyncio.Future:
+    def _destination_slot(self, transfer_id: str) -> asyncio.Future[pb.KVDestination]:
         """Where transfer_id's deferred destination arrives; whichever of its Prefill and its
         SetDestination comes first makes it. One SetDestination made and no Prefill took is
         dropped after kv_timeout."""
         slot = self._destinations.get(transfer_id)
         if slot is None:
-            slot = self._destinations[transfer_id] = self.rt.aio.create_future()
-            self.rt.aio.call_later(self.rt.config.kv_timeout_s, self._drop_unclaimed, transfer_id, slot)
+            slot = self._destinations[transfer_id] = self.ctx.create_future()
+            self.ctx.call_later(self.ctx.kv_timeout_s, self._drop_unclaimed, transfer_id, slot)
         return slot
 
-    def _drop_unclaimed(self, transfer_id: str, slot: asyncio.Future) -> None:
+    def _drop_unclaimed(self, transfer_id: str, slot: asyncio.Future[pb.KVDestination]) -> None:
         if self._destinations.get(transfer_id) is slot and slot.done():  # no Prefill waits on it
             del self._destinations[transfer_id]
 
-    async def _place_when_given(self, slot: asyncio.Future, out: Outgoing, done: asyncio.Future) -> None:
+    async def _place_when_given(self, slot: asyncio.Future[pb.KVDestination], out: Outgoing,
+                                done: asyncio.Future[Any]) -> None:
         """Hand the deferred destination to the streamer once it comes; one that does not
         fit the prompt fails the Prefill (through `done`)."""
         given: pb.KVDestination = await slot
 
-        def place(engine) -> None:
+        def place(engine: LLMEngine) -> None:
             if self.streamer.active.get(out.transfer_id) is not out:
                 return  # ended already (cancelled, failed, timed out): its call says why
             skips = _destination_skips(given, engine.limits, out.request.num_prompt_tokens)
             self.streamer.set_destination(engine, out.transfer_id, list(given.block_ids), skips)
 
         try:
-            await self.rt.call(place)
+            await self.ctx.call(place)
         except ValueError as exc:
             if not done.done():
                 done.set_exception(exc)
 
     async def Embed(self, request: pb.EmbedRequest, context):
-        with self.rt.admission.admitted(Role.PREFILL, request.request_id):
+        with self.ctx.admitted(Role.PREFILL, request.request_id):
             return await self._embed(request)
 
     async def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        rt, rid = self.rt, request.request_id
-        pooling = PoolingParams(request.pooling_type or "last",
+        ctx, rid = self.ctx, request.request_id
+        # PoolingParams checks the type named (ValueError for an unknown one).
+        pooling = PoolingParams(cast(PoolingType, request.pooling_type or "last"),
                                 request.normalize if request.HasField("normalize") else True)
-        req = await rt.make_request(rid, list(request.prompt_token_ids), SamplingParams(max_tokens=1),
-                                    request.cache_salt, request.priority, pooling=pooling)
-        rt.engine.limits.check_fits(req.num_tokens)  # invalid input fails before any work
-        queue = rt.open_stream(rid)
+        req = await ctx.make_request(rid, list(request.prompt_token_ids),
+                                     SamplingParams(max_tokens=1), request.cache_salt,
+                                     request.priority, pooling=pooling)
+        ctx.limits.check_fits(req.num_tokens)  # invalid input fails before any work
+        queue = ctx.open_stream(rid)
         self._embeds[rid] = queue
         try:
-            await rt.call(lambda e: e.submit(req))
+            await ctx.call(lambda e: e.submit(req))
             delta = await queue.get()
         except asyncio.CancelledError:
-            await rt.call(lambda e: e.abort_request(rid), cancellable=False)
+            await ctx.call(lambda e: e.abort_request(rid), cancellable=False)
             raise
         finally:
-            rt.close_stream(rid)
+            ctx.close_stream(rid)
             self._embeds.pop(rid, None)
         if delta is None or delta.embedding is None:
             raise Unavailable(f"request {rid} was aborted")
-        rt.metrics.embeddings.inc()
+        ctx.metrics.embeddings.inc()
         return pb.EmbedResponse(embedding=delta.embedding, num_prompt_tokens=delta.num_prompt_tokens,
                                 num_cached_tokens=delta.num_cached_tokens)
 
-    def _cancel(self, engine, transfer_id: str, request_id: str) -> None:
+    def _cancel(self, engine: LLMEngine, transfer_id: str, request_id: str) -> None:
         self.streamer.cancel(engine, transfer_id)
         engine.abort_request(request_id)
 
     async def abort(self, request_id: str) -> bool:
         """`Worker.Abort`: abort the request and answer once none of its writes can still
         land in the decode worker's blocks (its transfers were reported by the sender)."""
-        ended = self.rt.aio.create_future()
+        ended: asyncio.Future[None] = self.ctx.create_future()
 
-        def stop(engine) -> bool:
+        def stop(engine: LLMEngine) -> bool:
             found = self.streamer.cancel_request(engine, request_id)
             found |= bool(engine.abort_request(request_id))
-            self.streamer.when_ended(request_id, lambda: self.rt.settle(ended))
+            self.streamer.when_ended(request_id, lambda: self.ctx.settle(ended))
             return found
 
-        found = await self.rt.call(stop, cancellable=False)
+        found = await self.ctx.call(stop, cancellable=False)
         await ended
         embed = self._embeds.get(request_id)
         if embed is not None:  # aborted in the engine above: its Embed call ends
@@ -243,7 +256,8 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return found
 
 
-def _destination_skips(dest: pb.KVDestination, limits, num_prompt_tokens: int) -> list[int]:
+def _destination_skips(dest: pb.KVDestination, limits: EngineLimits,
+                       num_prompt_tokens: int) -> list[int]:
     """Each KV group's skipped leading blocks of a destination, checked against the prompt:
     block_ids holds each group's blocks after its skip, group after group. ValueError if not."""
     prompt_blocks = limits.blocks_for(num_prompt_tokens)

@@ -134,6 +134,12 @@ class HostCoreShare:
             self._own[_BUSY] = _int32(0)
             self._own[_THREADS] = _int32(0)
 
+    @property
+    def stalled_peers(self) -> frozenset[int]:
+        """The peers (pids) this worker gave up waiting for and counts at their share only,
+        until they step again."""
+        return frozenset(self._stuck)
+
     def close(self) -> None:
         self.end_busy()
         for peer in self._peers.values():

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from engine.llm_engine import LLMEngine
 from kvtransfer import TransferResult, TransferStatus
 from proto import pdserve_pb2 as pb
+from worker_runtime.contexts import PULL_PREFIX, ExportContext
 from worker_runtime.grpc_errors import FailedPrecondition, Unavailable
 from worker_runtime.peers import RegisteredPeers
-from worker_runtime.runtime import PULL_PREFIX, WorkerRuntime
 
 _REFUSED_IDS = 4096  # aborted-before-start transfer ids remembered (oldest forgotten first)
 
@@ -38,22 +38,22 @@ _REFUSED_IDS = 4096  # aborted-before-start transfer ids remembered (oldest forg
 class _Send:
     transfer_id: str
     pinned: list[int]
-    done: asyncio.Future
+    done: asyncio.Future[TransferResult]
     """Settled with the sender's TransferResult once it reported the transfer."""
-    waiters: list[asyncio.Future] = field(default_factory=list)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
 class KVExporter:
-    def __init__(self, runtime: WorkerRuntime, peers: RegisteredPeers) -> None:
-        self.rt = runtime
+    def __init__(self, ctx: ExportContext, peers: RegisteredPeers) -> None:
+        self.ctx = ctx
         self.peers = peers
         self._active: dict[str, _Send] = {}  # engine thread: by transfer id
         self._refused: OrderedDict[str, None] = OrderedDict()  # engine thread: aborted early
-        runtime.add_step_hook(self._after_step)
-        runtime.add_abort_hook(self.abort)
+        ctx.add_step_hook(self._after_step)
+        ctx.add_abort_hook(self.abort)
 
     async def send_blocks(self, request: pb.SendBlocksRequest) -> pb.SendBlocksResponse:
-        rt, dest = self.rt, request.destination
+        ctx, dest = self.ctx, request.destination
         tid = dest.transfer_id
         if not tid:
             raise ValueError("destination.transfer_id is required")
@@ -66,9 +66,9 @@ class KVExporter:
             raise ValueError("destination.num_skip_blocks / group_skip_blocks are for Prefill; "
                              "SendBlocks sends every block it names")
         await self.peers.check(dest.peer_metadata)
-        peer = await asyncio.to_thread(rt.kv.add_peer, dest.peer_metadata)
-        done = rt.aio.create_future()
-        deadline = time.monotonic() + (dest.deadline_s or rt.config.kv_timeout_s)
+        peer = await asyncio.to_thread(ctx.add_peer, dest.peer_metadata)
+        done: asyncio.Future[TransferResult] = ctx.create_future()
+        deadline = time.monotonic() + (dest.deadline_s or ctx.kv_timeout_s)
         hashes, targets = list(request.block_hashes), list(dest.block_ids)
 
         def start(engine: LLMEngine) -> int:
@@ -79,34 +79,34 @@ class KVExporter:
                 return 0
             send = self._active[tid] = _Send(tid, pinned, done)
             try:
-                rt.pull_sender.send(tid, peer, list(zip(pinned, targets)), final=True,
+                ctx.sender.send(tid, peer, list(zip(pinned, targets)), final=True,
                                     deadline=deadline)
             except Exception as exc:  # refused before posting
                 self._finish(engine, send, TransferResult(tid, TransferStatus.ERROR, peer,
                                                           0, 0, 0.0, str(exc)))
             return len(pinned)
 
-        if not await rt.call(start):
-            rt.metrics.kv_exports.labels("missing").inc()
+        if not await ctx.call(start):
+            ctx.metrics.kv_exports.labels("missing").inc()
             raise FailedPrecondition("this worker no longer holds every block asked for "
                                      "(evicted since it was placed): compute them")
         try:
             result: TransferResult = await done
         except asyncio.CancelledError:
-            await asyncio.shield(rt.call(lambda e: self._cancel(e, tid)))
+            await asyncio.shield(ctx.call(lambda e: self._cancel(e, tid)))
             raise
         if result.status is not TransferStatus.COMPLETE:
-            rt.metrics.kv_exports.labels("failed").inc()
+            ctx.metrics.kv_exports.labels("failed").inc()
             raise Unavailable(f"sending blocks to {peer} failed: "
                               f"{result.status.name.lower()} {result.error}".strip())
-        rt.metrics.kv_exports.labels("sent").inc()
-        rt.metrics.kv_export_blocks.inc(result.num_blocks)
+        ctx.metrics.kv_exports.labels("sent").inc()
+        ctx.metrics.kv_export_blocks.inc(result.num_blocks)
         return pb.SendBlocksResponse(num_blocks_sent=result.num_blocks)
 
     async def abort(self, request_id: str) -> bool:
         """`Worker.Abort` for a send in flight: cancel it and answer once none of its writes
         can still land (the sender reported it). False if no send has that id."""
-        ended = self.rt.aio.create_future()
+        ended: asyncio.Future[None] = self.ctx.create_future()
 
         def stop(engine: LLMEngine) -> bool:
             send = self._active.get(request_id)
@@ -120,7 +120,7 @@ class KVExporter:
             self._cancel(engine, request_id)
             return True
 
-        if not await self.rt.call(stop, cancellable=False):
+        if not await self.ctx.call(stop, cancellable=False):
             return False
         await ended
         return True
@@ -128,8 +128,8 @@ class KVExporter:
     # ---- engine thread ----------------------------------------------------------------------
     def _cancel(self, engine: LLMEngine, tid: str) -> None:
         send = self._active.get(tid)
-        if send is not None and not self.rt.pull_sender.cancel(tid) \
-                and self.rt.pull_sender.status(tid) is None:
+        if send is not None and not self.ctx.sender.cancel(tid) \
+                and self.ctx.sender.status(tid) is None:
             # The sender never heard of it (nothing posted): finish it here; otherwise its
             # poll reports it once none of its writes can still read our blocks.
             self._finish(engine, send, TransferResult(tid, TransferStatus.CANCELLED, None,
@@ -138,7 +138,7 @@ class KVExporter:
     def _after_step(self, engine: LLMEngine) -> bool:
         if not self._active:
             return False  # nothing sent: no sender result can be ours
-        for result in self.rt.pull_sender.poll():
+        for result in self.ctx.sender.poll():
             send = self._active.get(result.request_id)
             if send is not None:
                 self._finish(engine, send, result)
@@ -147,6 +147,6 @@ class KVExporter:
     def _finish(self, engine: LLMEngine, send: _Send, result: TransferResult) -> None:
         del self._active[send.transfer_id]
         engine.block_manager.pool.release(send.pinned)
-        self.rt.settle(send.done, result)
+        self.ctx.settle(send.done, result)
         for waiter in send.waiters:
-            self.rt.settle(waiter)
+            self.ctx.settle(waiter)

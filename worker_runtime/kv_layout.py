@@ -36,5 +36,6 @@ def rank_link(engine: LLMEngine) -> RankLink | None:
     group, shard = engine.parallel_group, engine.loaded.args.tp
     if group is None:
         return None
+    assert shard is not None, "a tensor-parallel engine's model args carry its shard"
     ranges = [HeadRange(s.kv.start, s.kv.stop) for s in map(shard.heads, range(group.size))]
     return RankLink(ranges, group.call)

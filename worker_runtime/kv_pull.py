@@ -38,8 +38,8 @@ from engine.request import Request
 from kvtransfer import TransferStatus
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker_runtime.contexts import PULL_PREFIX, PullContext
 from worker_runtime.peer_calls import PeerChannels, confirm_stopped
-from worker_runtime.runtime import PULL_PREFIX, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +61,27 @@ class _Plan:
 class KVPuller:
     """This worker's pulls (asyncio side: `pull`; engine thread: the `_` commands)."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self.rt = runtime
+    def __init__(self, ctx: PullContext) -> None:
+        self.ctx = ctx
         self._ids = itertools.count()
-        self._channels = PeerChannels(runtime.auth)
+        self._channels = PeerChannels(ctx.auth)
         self._held: dict[str, list[int]] = {}  # engine thread: reserved blocks by transfer id
-        self._landed: dict[str, asyncio.Future] = {}  # engine thread: settled by the receiver
-        self._background: set[asyncio.Task] = set()
-        runtime.add_step_hook(self._after_step)
+        self._landed: dict[str, asyncio.Future[None]] = {}  # engine thread: settled by the receiver
+        self._background: set[asyncio.Task[None]] = set()
+        ctx.add_step_hook(self._after_step)
 
     async def pull(self, req: Request, source: pb.KVSource | None) -> int:
         """Pull the leading prompt blocks of `req` that `source` holds and this worker lacks
         into its prefix cache. Returns the prompt tokens pulled (0: none — nothing to pull,
         no room, or the pull failed; the caller computes them). Raises only CancelledError."""
-        if source is None or source.num_blocks == 0 or source.worker_id == self.rt.worker_id:
+        if source is None or source.num_blocks == 0 or source.worker_id == self.ctx.worker_id():
             return 0
-        metrics = self.rt.metrics
+        metrics = self.ctx.metrics
         tid = f"{PULL_PREFIX}{req.request_id}:{next(self._ids)}"
-        landed = self.rt.aio.create_future()
+        landed = self.ctx.create_future()
         try:
-            plan = await self.rt.call(lambda e: self._reserve(e, req, source, tid, landed),
-                                      cancellable=False)
+            plan = await self.ctx.call(lambda e: self._reserve(e, req, source, tid, landed),
+                                       cancellable=False)
         except ValueError as exc:  # this pool cannot take pulled blocks (several KV groups)
             log.info("not pulling KV for %s: %s", req.request_id, exc)
             plan = None
@@ -91,7 +91,7 @@ class KVPuller:
         started = time.monotonic()
         call = pb_grpc.WorkerStub(self._channels.get(source.address)).SendBlocks(
             pb.SendBlocksRequest(block_hashes=plan.hashes, destination=pb.KVDestination(
-                peer_metadata=self.rt.pool.metadata.to_bytes(), block_ids=plan.block_ids,
+                peer_metadata=self.ctx.own_metadata(), block_ids=plan.block_ids,
                 # The holder stops writing before we stop waiting.
                 deadline_s=0.9 * plan.deadline_s, transfer_id=tid)),
             timeout=plan.deadline_s)
@@ -110,19 +110,19 @@ class KVPuller:
             self._release_when_stopped(source, tid)
             metrics.kv_pulls.labels("failed").inc()
             return 0
-        await self.rt.call(lambda e: self._adopt(e, plan), cancellable=False)
+        await self.ctx.call(lambda e: self._adopt(e, plan), cancellable=False)
         elapsed = time.monotonic() - started
         # Published (Capacity.kv_pull_*): the router weighs pulling against computing with
         # it. Call to adoption, so the round trip and the holder's wait are in it.
-        self.rt.pull_cost.observe(len(plan.block_ids), elapsed)
+        self.ctx.observe_pull(len(plan.block_ids), elapsed)
         metrics.kv_pulls.labels("pulled").inc()
         metrics.kv_pull_blocks.inc(len(plan.block_ids))
         metrics.kv_pull_seconds.observe(elapsed)
-        return len(plan.block_ids) * self.rt.engine.config.block_size
+        return len(plan.block_ids) * self.ctx.block_size
 
     # ---- engine thread ----------------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, req: Request, source: pb.KVSource, tid: str,
-                 landed: asyncio.Future) -> _Plan | None:
+                 landed: asyncio.Future[None]) -> _Plan | None:
         """Reserve the blocks to pull and expect them; None if there is nothing to pull (the
         prefix cache is off, the request computes its whole prompt, this worker already holds
         as much) or no room for them now."""
@@ -139,7 +139,7 @@ class KVPuller:
             return None
         deadline_s = self._deadline_s((want - have) * bm.block_size)
         try:
-            self.rt.pull_receiver.expect(tid, block_ids, deadline=time.monotonic() + deadline_s)
+            self.ctx.receiver.expect(tid, block_ids, deadline=time.monotonic() + deadline_s)
         except Exception:
             bm.pool.release(block_ids)
             raise
@@ -147,8 +147,8 @@ class KVPuller:
         return _Plan(tid, req.block_hashes[have:want], block_ids, deadline_s)
 
     def _deadline_s(self, num_tokens: int) -> float:
-        cap = self.rt.config.kv_timeout_s
-        rate = self.rt.loop.prefill_steps.prompt_tokens_per_s
+        cap = self.ctx.kv_timeout_s
+        rate = self.ctx.prefill_tokens_per_s()
         return min(cap, 2 * num_tokens / rate + _CALL_ALLOWANCE_S) if rate > 0 else cap
 
     def _adopt(self, engine: LLMEngine, plan: _Plan) -> None:
@@ -156,7 +156,7 @@ class KVPuller:
 
     def _release(self, engine: LLMEngine, tid: str) -> None:
         """The holder writes nothing more: the reserved blocks go back to the pool."""
-        self.rt.pull_receiver.cancel(tid)
+        self.ctx.receiver.cancel(tid)
         self._landed.pop(tid, None)
         block_ids = self._held.pop(tid, None)
         if block_ids is not None:
@@ -165,14 +165,14 @@ class KVPuller:
     def _after_step(self, engine: LLMEngine) -> bool:
         if not self._landed:
             return bool(self._held)  # nothing expected: no receiver result can be ours
-        for result in self.rt.pull_receiver.poll():
+        for result in self.ctx.receiver.poll():
             landed = self._landed.pop(result.request_id, None)
             if landed is None:
                 continue  # released earlier
             if result.status is TransferStatus.COMPLETE:
-                self.rt.settle(landed)
+                self.ctx.settle(landed)
             else:
-                self.rt.settle(landed, exc=PullFailed(
+                self.ctx.settle(landed, exc=PullFailed(
                     f"{result.status.name.lower()}: {result.error}".strip()))
         return bool(self._held)
 
@@ -182,10 +182,10 @@ class KVPuller:
         release the reserved blocks."""
         async def release() -> None:
             await confirm_stopped(self._channels.get(source.address), tid,
-                                  self.rt.config.kv_timeout_s)
-            await self.rt.call(lambda e: self._release(e, tid), cancellable=False)
+                                  self.ctx.kv_timeout_s)
+            await self.ctx.call(lambda e: self._release(e, tid), cancellable=False)
 
-        task = self.rt.aio.create_task(release())
+        task = self.ctx.create_task(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -25,23 +25,17 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol
 
 from worker_runtime.admission import Admission, WorkerPhase
+from worker_runtime.contexts import EngineCall
 from worker_runtime.grpc_errors import FailedPrecondition, NotFound
 from worker_runtime.paths import AllowedPaths
 
 if TYPE_CHECKING:  # annotations only: the engine (torch) is the runtime's to import
     from engine.llm_engine import LLMEngine
 
-T = TypeVar("T")
 _ENGINE_POLL_S = 0.02  # after the calls ended: how often to ask whether the engine emptied
-
-
-class EngineCall(Protocol):
-    """`WorkerRuntime.call`: run fn(engine) on the engine thread and await its result."""
-
-    def __call__(self, fn: Callable[[LLMEngine], T], *, cancellable: bool = True) -> Awaitable[T]: ...
 
 
 class KVPool(Protocol):

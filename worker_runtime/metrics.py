@@ -114,7 +114,7 @@ class WorkerMetrics:
             Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
                       "seconds", VLLM_LABELS, registry=self.registry,
                       buckets=VLLM_E2E_BUCKETS).labels(*vllm))
-        self.prefill_modes = {}
+        self.prefill_modes: dict[str, int] = {}
         # Exported by both roles (a decode worker's stays 0: embeddings are prefill-only).
         self.embeddings = Counter("pdserve_worker_embeddings", "Embedding requests served",
                                   labels, registry=self.registry).labels(role)

@@ -14,15 +14,15 @@ import logging
 
 from cluster.registration import WorkerInfo, list_workers, make_client
 from kvtransfer import IncompatiblePeerError
+from worker_runtime.contexts import PeerContext
 from worker_runtime.grpc_errors import PermissionDenied, Unavailable
-from worker_runtime.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
 class RegisteredPeers:
-    def __init__(self, runtime: WorkerRuntime) -> None:
-        self.rt = runtime
+    def __init__(self, ctx: PeerContext) -> None:
+        self.ctx = ctx
         self._registered: set[bytes] = set()
         """KV agents (NIXL metadata) of the workers registered in etcd."""
         self._etcd = None
@@ -43,7 +43,7 @@ class RegisteredPeers:
             raise Unavailable(f"cannot check the destination against etcd: {exc!r}") from None
         if peer_metadata not in self._registered:
             raise PermissionDenied("destination.peer_metadata names no worker registered in "
-                                   f"cluster {self.rt.config.cluster!r}")
+                                   f"cluster {self.ctx.cluster!r}")
 
     async def warm_forever(self) -> None:
         """Every second: learn the registered workers' KV agents and add every other worker
@@ -54,7 +54,7 @@ class RegisteredPeers:
             while True:
                 try:
                     for info in await self._refresh():
-                        if info.kv_metadata and info.worker_id != self.rt.worker_id \
+                        if info.kv_metadata and info.worker_id != self.ctx.worker_id() \
                                 and info.kv_metadata not in known:
                             await self._add(info, known)
                 except asyncio.CancelledError:
@@ -67,7 +67,7 @@ class RegisteredPeers:
 
     async def _add(self, info: WorkerInfo, known: set[str]) -> None:
         try:
-            await asyncio.to_thread(self.rt.kv.add_peer, info.kv_metadata.encode("ascii"))
+            await asyncio.to_thread(self.ctx.add_peer, info.kv_metadata.encode("ascii"))
             known.add(info.kv_metadata)
         except IncompatiblePeerError as exc:  # its KV format differs: say it once
             known.add(info.kv_metadata)
@@ -78,12 +78,12 @@ class RegisteredPeers:
     async def _refresh(self) -> list[WorkerInfo]:
         async with self._etcd_lock:
             if self._etcd is None:
-                client = make_client(self.rt.config.etcd, self.rt.etcd_credentials)
+                client = make_client(self.ctx.etcd, self.ctx.etcd_credentials)
                 await client.connect()
                 self._etcd = client
             client = self._etcd
         try:
-            workers = await list_workers(client, self.rt.config.cluster)
+            workers = await list_workers(client, self.ctx.cluster)
         except Exception:
             await self._drop_etcd(client)  # the next look connects afresh
             raise

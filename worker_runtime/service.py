@@ -1,24 +1,55 @@
 """The `Worker` gRPC service every worker answers, whatever role it serves: health and
-capacity, aborts, KV events, blocks a peer pulls (kv_export.py), LoRA adapters, the weights lifecycle and role switching. Thin:
-the work is in WorkerRuntime (runtime.py), WorkerLifecycle (lifecycle.py) and WorkerRoles
-(roles.py); exceptions become status codes in one place (grpc_errors.StatusInterceptor)."""
+capacity, aborts, KV events, blocks a peer pulls (kv_export.py), LoRA adapters, the weights
+lifecycle and role switching. Thin: the work is in WorkerRuntime (runtime.py),
+WorkerLifecycle (lifecycle.py) and WorkerRoles (roles.py), which it sees through
+`ServiceContext`; exceptions become status codes in one place
+(grpc_errors.StatusInterceptor)."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.grpc_errors import PermissionDenied
 from worker_runtime.kv_export import KVExporter
-from worker_runtime.runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from cluster.registration import WorkerInfo
+    from cluster.roles import Role
+    from worker_runtime.adapters import ServedAdapters
+    from worker_runtime.lifecycle import WorkerLifecycle
+    from worker_runtime.roles import WorkerRoles
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceContext:
+    """What the `Worker` calls answer from (built by wiring.py)."""
+
+    info: Callable[[], WorkerInfo]
+    """The registration as published now (Health)."""
+    abort: Callable[[str], Awaitable[bool]]
+    """Abort a request in any state; False if it was not known (the rooms' abort hooks)."""
+    kv_events: Callable[[], AsyncIterator[pb.KVEventBatch]]
+    """One subscription to the KV events of every engine step."""
+    cached_blocks: Callable[[], Awaitable[pb.CachedBlocksResponse]]
+    adapters: ServedAdapters
+    lifecycle: WorkerLifecycle
+    roles: WorkerRoles
+    role: Callable[[], Role]
+    """The role served now."""
+    enable_admin_rpcs: bool
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """Calls every worker answers (thin: all work is in WorkerRuntime)."""
+    """Calls every worker answers (thin: all work is behind `ServiceContext`)."""
 
-    def __init__(self, runtime: WorkerRuntime, exporter: KVExporter) -> None:
-        self.rt = runtime
+    def __init__(self, ctx: ServiceContext, exporter: KVExporter) -> None:
+        self.ctx = ctx
+        self.adapters, self.lifecycle, self.roles = ctx.adapters, ctx.lifecycle, ctx.roles
         self.exporter = exporter
-        self._admin = runtime.config.enable_admin_rpcs
+        self._admin = ctx.enable_admin_rpcs
 
     def _require_admin(self, rpc: str) -> None:
         """Admin RPCs change the worker's weights, memory, adapters or role: only served
@@ -28,7 +59,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                    "--enable-admin-rpcs to serve it")
 
     async def Health(self, request, context):
-        info = self.rt.info()
+        info = self.ctx.info()
         c = info.capacity
         return pb.HealthResponse(
             role=info.role, worker_id=info.worker_id, model_id=info.model_id, draining=info.draining,
@@ -38,15 +69,15 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             raise ValueError("request_id is required")
-        return pb.AbortResponse(found=await self.rt.abort(request.request_id))
+        return pb.AbortResponse(found=await self.ctx.abort(request.request_id))
 
     async def SubscribeKVEvents(self, request, context):
         await context.send_initial_metadata(())  # the subscriber knows it is subscribed
-        async for batch in self.rt.kv_events.subscribe():
+        async for batch in self.ctx.kv_events():
             yield batch
 
     async def GetCachedBlocks(self, request, context):
-        return await self.rt.cached_blocks()
+        return await self.ctx.cached_blocks()
 
     async def SendBlocks(self, request, context):
         return await self.exporter.send_blocks(request)
@@ -56,25 +87,25 @@ class WorkerService(pb_grpc.WorkerServicer):
         adapter = request.adapter
         if not adapter.name:
             raise ValueError("lora_name must not be empty")
-        await self.rt.adapters.load(adapter.name, adapter.path)
-        return pb.LoRAResponse(found=True, served=self.rt.adapters.to_pb())
+        await self.adapters.load(adapter.name, adapter.path)
+        return pb.LoRAResponse(found=True, served=self.adapters.to_pb())
 
     async def UnloadLoRAAdapter(self, request, context):
         self._require_admin("UnloadLoRAAdapter")
         if not request.name:
             raise ValueError("lora_name must not be empty")
-        found = await self.rt.adapters.unload(request.name)
-        return pb.LoRAResponse(found=found, served=self.rt.adapters.to_pb())
+        found = await self.adapters.unload(request.name)
+        return pb.LoRAResponse(found=found, served=self.adapters.to_pb())
 
     # ---- weights lifecycle (lifecycle.py) ---------------------------------------------------
     async def Sleep(self, request, context):
         self._require_admin("Sleep")
-        await self.rt.lifecycle.sleep(request.level or 1, request.abort)
+        await self.lifecycle.sleep(request.level or 1, request.abort)
         return self._state()
 
     async def WakeUp(self, request, context):
         self._require_admin("WakeUp")
-        await self.rt.lifecycle.wake_up(list(request.tags))
+        await self.lifecycle.wake_up(list(request.tags))
         return self._state()
 
     async def IsSleeping(self, request, context):
@@ -82,26 +113,26 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def ResetPrefixCache(self, request, context):
         self._require_admin("ResetPrefixCache")
-        await self.rt.lifecycle.reset_prefix_cache()
+        await self.lifecycle.reset_prefix_cache()
         return self._state()
 
     async def CollectiveRPC(self, request, context):
         self._require_admin("CollectiveRPC")
         if not request.method:
             raise ValueError("method is required")
-        return pb.CollectiveRPCResponse(results_json=await self.rt.lifecycle.collective_rpc(
+        return pb.CollectiveRPCResponse(results_json=await self.lifecycle.collective_rpc(
             request.method, request.args_json, request.kwargs_json))
 
     async def UpdateWeights(self, request, context):
         self._require_admin("UpdateWeights")
-        await self.rt.lifecycle.update_weights(request.path)
+        await self.lifecycle.update_weights(request.path)
         return self._state()
 
     async def SetRole(self, request, context):
         self._require_admin("SetRole")
-        previous = await self.rt.roles.set_role(request.role, request.drain_timeout_s)
-        return pb.SetRoleResponse(role=self.rt.admission.role.value, previous_role=previous.value)
+        previous = await self.roles.set_role(request.role, request.drain_timeout_s)
+        return pb.SetRoleResponse(role=self.ctx.role().value, previous_role=previous.value)
 
     def _state(self) -> pb.LifecycleResponse:
-        life = self.rt.lifecycle
+        life = self.lifecycle
         return pb.LifecycleResponse(is_sleeping=life.sleeping, weights_version=life.weights_version)

@@ -1,16 +1,19 @@
 """A decode worker on a real WorkerRuntime over fakes, driven step by step from the test's
 own thread.
 
-The engine loop is real but never started: `Harness.run_engine()` runs its queued commands
-and the worker's after-step hook in the test thread, so the test decides exactly where the
-asyncio side and the engine thread interleave. The engine is a fake that counts block
-references; the KV receiver is the real one over the fake transport; the prefill worker is a
-fake gRPC stub whose calls the test resolves by hand.
+The engine loop is `ManualEngineLoop`, which has no thread: `Harness.run_engine()` runs its
+queued commands and the runtime's after-step work (every room's step hook) in the test
+thread, so the test decides exactly where the asyncio side and the engine thread
+interleave. The engine is a fake that counts block references; the KV receiver is the real
+one over the fake transport; the prefill worker is a fake gRPC stub whose calls the test
+resolves by hand. The worker is built as production builds it: its room contexts come from
+`worker_runtime.wiring.room_contexts`.
 """
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from unittest import mock
@@ -20,11 +23,13 @@ import torch
 
 from cluster.convert import sampling_from_pb
 from cluster.grpc_security import OPEN
+from engine.engine_loop import StepTimings
 from engine.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from worker_runtime.args import WorkerConfig
 from worker_runtime.runtime import WorkerRuntime
+from worker_runtime.wiring import room_contexts
 
 BLOCK_SIZE = 4
 
@@ -47,6 +52,9 @@ class FakeBlockPool:
     def held(self) -> list[int]:
         return sorted(b for b, n in self.refs.items() if n)
 
+    def take_events(self) -> list:
+        return []  # no KV events: nothing is cached here
+
 
 @dataclass
 class FakeEngine:
@@ -61,6 +69,7 @@ class FakeEngine:
     loaded = SimpleNamespace(model_id="m", architecture="LlamaForCausalLM",
                              args=SimpleNamespace(n_layers=1, window=lambda layer: None))
     config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=(),
+                             block_size=BLOCK_SIZE,
                              parallel=False)
 
     def stats(self):
@@ -101,6 +110,42 @@ class FakeEngine:
             self.running.remove(rid)
             found = True
         return found
+
+
+class ManualEngineLoop:
+    """An engine loop without a thread (what `WorkerRuntime` takes as `engine_loop`): commands
+    queue until the test calls `run_round`, which runs them and then the after-step work in
+    the caller's thread."""
+
+    def __init__(self, engine, on_deltas, after_step, **_: object) -> None:
+        self.engine = engine
+        self._after_step = after_step
+        self._commands: list[tuple] = []
+        self.alive = True
+        self.prompt_cap = 0
+        self.prefill_steps = StepTimings()
+        self.decode_steps = StepTimings()
+
+    def call(self, fn) -> Future:
+        future: Future = Future()
+        self._commands.append((fn, future))
+        return future
+
+    def run_round(self) -> None:
+        """The queued commands (a cancelled one is skipped), then the after-step work."""
+        while self._commands:
+            fn, future = self._commands.pop(0)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the caller, as the real loop does
+                future.set_exception(exc)
+        self._after_step(self.engine)
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
 
 
 class FakeRegistration:
@@ -145,7 +190,7 @@ class Harness:
                               allowed_model_paths=allowed_model_paths)
         rt = WorkerRuntime(config, self.engine, FakeTransferBackend(fabric, KVTransferConfig(agent_name="D")),
                            lambda info: FakeRegistration(), auth=OPEN,
-                           metrics=mock.MagicMock())
+                           metrics=mock.MagicMock(), engine_loop=ManualEngineLoop)
         rt.attach(asyncio.get_running_loop())
         self.p_kv = _backend(fabric, "P")  # the prefill worker's side, to land KV by hand
         self.p_kv.add_peer(rt.kv.metadata())
@@ -160,8 +205,8 @@ class Harness:
         # worker_runtime.peer_calls.confirm_stopped calls Abort.
         self._patch = mock.patch.multiple("proto.pdserve_pb2_grpc", **stubs)
         self._patch.start()
-        self.worker = DecodeWorker(rt, KVPuller(rt))
-        self.worker.prefill._channels.get = lambda address: None
+        rooms = room_contexts(rt)
+        self.worker = DecodeWorker(rooms.decode, KVPuller(rooms.pull))
 
     def close(self) -> None:
         self._patch.stop()
@@ -194,9 +239,7 @@ class Harness:
 
     def run_engine(self) -> None:
         """One round of the engine thread: queued commands, then the after-step hook."""
-        self.rt.loop._run_commands()
-        for hook in self.rt._step_hooks:
-            hook(self.engine)
+        self.rt.loop.run_round()
 
     async def spin(self, rounds: int = 20, engine: bool = True) -> None:
         """Let asyncio tasks run (and the engine thread, unless `engine` is False)."""

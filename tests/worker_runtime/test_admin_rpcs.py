@@ -10,7 +10,7 @@ import pytest
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.grpc_errors import StatusInterceptor
-from worker_runtime.service import WorkerService
+from worker_runtime.service import ServiceContext, WorkerService
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -56,7 +56,10 @@ class RecordingRuntime:
 async def _call_all(enable: bool) -> tuple[dict[str, grpc.StatusCode], list[str]]:
     rt = RecordingRuntime(enable)
     server = grpc.aio.server(interceptors=[StatusInterceptor()])
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(rt, exporter=None), server)
+    ctx = ServiceContext(info=None, abort=None, kv_events=None, cached_blocks=None,
+                         adapters=rt.adapters, lifecycle=rt.lifecycle, roles=rt.roles,
+                         role=None, enable_admin_rpcs=rt.config.enable_admin_rpcs)
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx, exporter=None), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     codes = {}

@@ -127,7 +127,7 @@ def test_a_lent_share_comes_back_at_the_borrowers_next_step(tmp_path, peers, mon
         decode.say("busy")  # its next step sees this worker busy and gives the 2 back
         waiting.join(10)
         assert got == [2] and threads_of(tmp_path, exclude=os.getpid()) == [2]
-        assert not me._stuck
+        assert not me.stalled_peers
     finally:
         me.close()
 
@@ -143,7 +143,7 @@ def test_a_borrower_that_stops_stepping_is_waited_for_once(tmp_path, peers, monk
         monkeypatch.setattr(host_cores.time, "sleep", slept.append)
         assert me.begin_step() == 2 and not slept  # not waited for again
         stalled.say("busy")  # it steps: counted as it is again (its share, this worker busy)
-        assert me.begin_step() == 2 and not me._stuck
+        assert me.begin_step() == 2 and not me.stalled_peers
     finally:
         me.close()
 
