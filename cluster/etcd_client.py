@@ -53,6 +53,8 @@ def _tls_client_class():
         """aetcd.Client whose `connect` opens a TLS channel (the rest of 1.0.0's connect,
         unchanged: authenticate when a user is given, then the stubs and the watcher)."""
 
+        _is_connecting: bool  # set by aetcd.Client.__init__
+
         def __init__(self, host: str, port: int, *, tls, **kwargs) -> None:
             super().__init__(host, port, **kwargs)
             self._channel_credentials = channel_credentials(tls)

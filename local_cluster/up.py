@@ -67,6 +67,7 @@ def up(config: UpConfig) -> int:
         if config.etcd is None:
             sup.add_slot("etcd", lambda: EtcdChild(run_dir / "etcd-data", log_dir / "etcd.log",
                                                    *etcd_ports, auth=users.auth), name="etcd")
+        assert config.prefill is not None  # UpConfig.__post_init__ resolves it
         for role, count in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
             for _ in range(count):
                 sup.add_slot(role)
