@@ -44,7 +44,7 @@ def channel_credentials(tls: EtcdTls):
 
 
 @functools.cache
-def _tls_client_class():
+def _tls_client_class() -> type:
     import aetcd
     from aetcd import rpc, watcher
     from aetcd.client import _handle_errors
