@@ -101,9 +101,10 @@ def encode_fp8(x, KV_FORMAT: tl.constexpr):
         BIAS: tl.constexpr = 7
         MAX: tl.constexpr = 448.0
     else:
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        MAX: tl.constexpr = 57344.0
+        # Triton declares a constexpr per branch; mypy reads these as redefinitions.
+        MANT: tl.constexpr = 2  # type: ignore[no-redef]
+        BIAS: tl.constexpr = 15  # type: ignore[no-redef]
+        MAX: tl.constexpr = 57344.0  # type: ignore[no-redef]
     sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
     a = tl.minimum(tl.maximum(x, -MAX), MAX).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     exp = a >> 23
