@@ -47,8 +47,8 @@ def pool_head_dim(kv_cache: torch.Tensor) -> int:
     d_stored = kv_cache.shape[-1]
     if kv_format(kv_cache) == "int8":
         check(d_stored > SCALE_BYTES and (d_stored - SCALE_BYTES) % 4 == 0,
-              f"an int8 kv_cache's last dim must be head_dim + {SCALE_BYTES} with head_dim a multiple "
-              f"of 4 (4-byte aligned scales), got {d_stored}")
+              f"an int8 kv_cache's last dim must be head_dim + {SCALE_BYTES} with head_dim a "
+              f"multiple of 4 (4-byte aligned scales), got {d_stored}")
         return d_stored - SCALE_BYTES
     return d_stored
 

@@ -179,7 +179,7 @@ def _print_banner(sup: Supervisor, url: str) -> None:
     elif env := next((v for v in ("PDSERVE_API_KEY", "VLLM_API_KEY") if os.environ.get(v)), None):
         auth = f' -H "Authorization: Bearer ${env}"'
     print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
-        -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")
+        -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")  # noqa: E501
     print("Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker; `pdserve status` "
           "shows every process and its restarts.", flush=True)
 

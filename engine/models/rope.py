@@ -15,7 +15,8 @@ Partial rotary (`partial_rotary_factor` < 1: Phi-3/Phi-4-mini, GLM, StableLM, ..
 int(head_dim * partial_rotary_factor) and the table is `[max_positions, rotary_dim]`, not head_dim
 wide. transformers rotates only `x[..., :rotary_dim]` and passes `x[..., rotary_dim:]` through
 unchanged. Within the rotated slice Phi-3 (like LLaMA) pairs dim i with i + rotary_dim // 2, so
-`apply_rope(x[..., :rotary_dim], rope_rows(table, positions))` followed by a concat of the pass-through part is exact;
+`apply_rope(x[..., :rotary_dim], rope_rows(table, positions))` followed by a concat of the
+pass-through part is exact;
 GLM pairs adjacent dims (2i, 2i + 1) with the same frequencies: same table, interleaved apply.
 The pairing belongs to the architecture, not to the table, so it is not in RopeSpec.
 
