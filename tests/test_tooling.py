@@ -24,36 +24,45 @@ MAX_LINES = 300  # of a tool's output in a failure message
 def _run(tool: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     path = BIN / tool
     if not path.is_file():
-        pytest.skip(f"{tool} is not installed next to {sys.executable} "
-                    "(pip install -e '.[test]' installs the pinned version)")
-    return subprocess.run([str(path), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+        pytest.skip(
+            f"{tool} is not installed next to {sys.executable} "
+            "(pip install -e '.[test]' installs the pinned version)"
+        )
+    return subprocess.run(
+        [str(path), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
 
 
 def _assert_clean(proc: subprocess.CompletedProcess[str], fix: str) -> None:
     if proc.returncode == 0:
         return
     lines = (proc.stdout + proc.stderr).splitlines()
-    shown = lines[:MAX_LINES] + ([f"... {len(lines) - MAX_LINES} more lines"]
-                                 if len(lines) > MAX_LINES else [])
+    shown = lines[:MAX_LINES] + (
+        [f"... {len(lines) - MAX_LINES} more lines"] if len(lines) > MAX_LINES else []
+    )
     command = " ".join([Path(proc.args[0]).name, *proc.args[1:]])
-    pytest.fail(f"`{command}` exited {proc.returncode} ({fix}):\n" + "\n".join(shown),
-                pytrace=False)
+    pytest.fail(
+        f"`{command}` exited {proc.returncode} ({fix}):\n" + "\n".join(shown), pytrace=False
+    )
 
 
 def test_ruff_lint_is_clean() -> None:
-    _assert_clean(_run("ruff", "check", "--no-fix", "--output-format", "concise", ".",
-                       timeout_s=120),
-                  "`ruff check --fix .` sorts imports; wrap long lines by hand")
+    _assert_clean(
+        _run("ruff", "check", "--no-fix", "--output-format", "concise", ".", timeout_s=120),
+        "`ruff check --fix .` sorts imports; wrap long lines by hand",
+    )
 
 
 def test_ruff_format_is_clean() -> None:
-    _assert_clean(_run("ruff", "format", "--check", "--output-format", "concise", ".",
-                       timeout_s=120),
-                  "`ruff format .` rewrites the files it names")
+    _assert_clean(
+        _run("ruff", "format", "--check", "--output-format", "concise", ".", timeout_s=120),
+        "`ruff format .` rewrites the files it names",
+    )
 
 
 def test_mypy_is_clean() -> None:
     # The files and settings are [tool.mypy]'s; it checks against this interpreter's packages.
-    _assert_clean(_run("mypy", "--python-executable", sys.executable, timeout_s=600),
-                  "see [tool.mypy] in pyproject.toml for what it checks")
+    _assert_clean(
+        _run("mypy", "--python-executable", sys.executable, timeout_s=600),
+        "see [tool.mypy] in pyproject.toml for what it checks",
+    )
