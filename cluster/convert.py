@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.outputs import CompletionDelta
@@ -69,17 +70,19 @@ def structured_from_pb(m: pb.StructuredOutputs) -> StructuredOutputsParams:
     """A JSON schema stays JSON text (the engine parses it). Raises ValueError (FieldError)
     when no constraint is set."""
     kind = m.WhichOneof("constraint")
-    value = getattr(m, kind) if kind else None
+    kwargs: dict[str, Any] = {f: getattr(m, f) for f in _FLAGS}
+    kwargs.update({f: tuple(getattr(m, f)) or None for f in _MARKERS})
     if kind == "choice":
-        value = tuple(value.values)
-    kwargs = {kind: value} if kind else {}
-    markers = {f: tuple(getattr(m, f)) or None for f in _MARKERS}
-    return StructuredOutputsParams(**kwargs, **{f: getattr(m, f) for f in _FLAGS}, **markers)
+        kwargs[kind] = tuple(m.choice.values)
+    elif kind:
+        kwargs[kind] = getattr(m, kind)
+    return StructuredOutputsParams(**kwargs)
 
 
 def structured_to_pb(p: StructuredOutputsParams) -> pb.StructuredOutputs:
-    m = pb.StructuredOutputs(**{f: getattr(p, f) for f in _FLAGS},
-                             **{f: getattr(p, f) or () for f in _MARKERS})
+    fields: dict[str, Any] = {f: getattr(p, f) for f in _FLAGS}
+    fields.update({f: getattr(p, f) or () for f in _MARKERS})
+    m = pb.StructuredOutputs(**fields)
     kind, value = p.kind, getattr(p, p.kind)
     if kind == "choice":
         m.choice.values.extend(value)

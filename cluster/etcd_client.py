@@ -44,7 +44,7 @@ def channel_credentials(tls: EtcdTls):
 
 
 @functools.cache
-def _tls_client_class():
+def _tls_client_class() -> type:
     import aetcd
     from aetcd import rpc, watcher
     from aetcd.client import _handle_errors
@@ -52,6 +52,8 @@ def _tls_client_class():
     class _TlsClient(aetcd.Client):
         """aetcd.Client whose `connect` opens a TLS channel (the rest of 1.0.0's connect,
         unchanged: authenticate when a user is given, then the stubs and the watcher)."""
+
+        _is_connecting: bool  # set by aetcd.Client.__init__
 
         def __init__(self, host: str, port: int, *, tls, **kwargs) -> None:
             super().__init__(host, port, **kwargs)

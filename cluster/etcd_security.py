@@ -75,8 +75,8 @@ class EtcdTlsFiles:
         if not self.etcd_ca:
             return None
         return EtcdTls(_read("--etcd-ca", self.etcd_ca),
-                       self.etcd_cert and _read("--etcd-cert", self.etcd_cert),
-                       self.etcd_key and _read("--etcd-key", self.etcd_key))
+                       _read("--etcd-cert", self.etcd_cert) if self.etcd_cert else None,
+                       _read("--etcd-key", self.etcd_key) if self.etcd_key else None)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class EtcdServer:
             "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         auth_flags = [] if self.auth is None else ["--bcrypt-cost", str(self.auth.bcrypt_cost)]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [
                 str(etcd_binary()), "--name", "pdserve", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
@@ -90,7 +90,7 @@ class EtcdServer:
         )
         deadline = time.monotonic() + timeout
         if not (wait_for_port("127.0.0.1", self.client_port, timeout)
-                and self._wait_healthy(client_url, deadline)):
+                and self._wait_healthy(proc, client_url, deadline)):
             self.stop()
             raise RuntimeError(f"etcd did not start on {self.endpoint}")
         if self.auth is not None:
@@ -117,12 +117,12 @@ class EtcdServer:
         context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
         return context
 
-    def _wait_healthy(self, client_url: str, deadline: float) -> bool:
+    def _wait_healthy(self, proc: subprocess.Popen, client_url: str, deadline: float) -> bool:
         """Until etcd serves (its /health says so: a leader is elected), not only listens: a
         lease asked for before that times out (seen on a loaded 2-core machine). /health
         needs no user, with auth enabled too."""
         context = self._ssl_context()
-        while time.monotonic() < deadline and self.proc.poll() is None:
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
                 with urllib.request.urlopen(f"{client_url}/health", timeout=1,
                                             context=context) as resp:

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from cluster.grpc_security import TOKEN_ENV, ClusterAuth
+from cluster.grpc_security import TOKEN_ENV, ClusterAuth, TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ def aio_channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -
     """An asyncio channel to a worker that presents what `auth` holds: mutual TLS when
     configured (else a plain channel), and the token on every call when there is one."""
     if auth.tls is not None:
-        ch = grpc.aio.secure_channel(address, _credentials(auth), options=_options(auth, options))
+        ch = grpc.aio.secure_channel(address, _credentials(auth.tls),
+                                     options=_options(auth, options))
     else:
         ch = grpc.aio.insecure_channel(address, options=list(options))
     return _AioTokenChannel(ch, _header(auth.token)) if auth.token is not None else ch
@@ -97,14 +98,13 @@ def aio_channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -
 def channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -> grpc.Channel:
     """The blocking twin of `aio_channel` (`pdserve role`, the planner, benchmarks)."""
     if auth.tls is not None:
-        ch = grpc.secure_channel(address, _credentials(auth), options=_options(auth, options))
+        ch = grpc.secure_channel(address, _credentials(auth.tls), options=_options(auth, options))
     else:
         ch = grpc.insecure_channel(address, options=list(options))
     return _TokenChannel(ch, _header(auth.token)) if auth.token is not None else ch
 
 
-def _credentials(auth: ClusterAuth) -> grpc.ChannelCredentials:
-    tls = auth.tls
+def _credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
                                         certificate_chain=tls.cert)
 

@@ -132,7 +132,8 @@ def _token(text: str, source: str) -> str:
 def _tls(config: GrpcSecurity) -> TlsMaterial | None:
     files = {"--tls-cert": config.tls_cert, "--tls-key": config.tls_key,
              "--tls-ca": config.tls_ca}
-    given = [flag for flag, path in files.items() if path is not None]
+    paths = {flag: path for flag, path in files.items() if path is not None}
+    given = list(paths)
     if not given:
         if config.tls_server_name is not None:
             raise ValueError("--tls-server-name needs --tls-cert, --tls-key and --tls-ca")
@@ -142,9 +143,10 @@ def _tls(config: GrpcSecurity) -> TlsMaterial | None:
         raise ValueError(f"{', '.join(given)} without {missing}: mutual TLS needs all three "
                          "(this process's certificate, its key, and the CA peers chain to)")
     pems = []
-    for flag, path in files.items():
+    for flag, path in paths.items():
         pem = read_secret_file(f"{flag} {path}", path)
         if b"-----BEGIN " not in pem:
             raise ValueError(f"{flag} {path}: not a PEM file (no -----BEGIN line)")
         pems.append(pem)
-    return TlsMaterial(*pems, config.tls_server_name)
+    cert, key, ca = pems
+    return TlsMaterial(cert, key, ca, config.tls_server_name)

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Callable
+from typing import Any, Callable
 
 from cluster.etcd_client import make_client
 from cluster.etcd_security import EtcdCredentials
@@ -164,8 +164,9 @@ class Registrar:
         self.info = info
         self.ttl_s = ttl_s
         self.publish_interval_s = publish_interval_s
-        self._client = None
-        self._lease = None
+        # aetcd's Client and Lease (untyped), None while not registered.
+        self._client: Any = None
+        self._lease: Any = None
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one put / delete sequence at a time
         self._retired: set[bytes] = set()  # keys of earlier roles, deleted with every publish

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def read_secret_file(source: str, path: str) -> bytes:

@@ -47,8 +47,8 @@ def pool_head_dim(kv_cache: torch.Tensor) -> int:
     d_stored = kv_cache.shape[-1]
     if kv_format(kv_cache) == "int8":
         check(d_stored > SCALE_BYTES and (d_stored - SCALE_BYTES) % 4 == 0,
-              f"an int8 kv_cache's last dim must be head_dim + {SCALE_BYTES} with head_dim a multiple "
-              f"of 4 (4-byte aligned scales), got {d_stored}")
+              f"an int8 kv_cache's last dim must be head_dim + {SCALE_BYTES} with head_dim a "
+              f"multiple of 4 (4-byte aligned scales), got {d_stored}")
         return d_stored - SCALE_BYTES
     return d_stored
 
@@ -101,9 +101,10 @@ def encode_fp8(x, KV_FORMAT: tl.constexpr):
         BIAS: tl.constexpr = 7
         MAX: tl.constexpr = 448.0
     else:
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-        MAX: tl.constexpr = 57344.0
+        # Triton declares a constexpr per branch; mypy reads these as redefinitions.
+        MANT: tl.constexpr = 2  # type: ignore[no-redef]
+        BIAS: tl.constexpr = 15  # type: ignore[no-redef]
+        MAX: tl.constexpr = 57344.0  # type: ignore[no-redef]
     sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
     a = tl.minimum(tl.maximum(x, -MAX), MAX).to(tl.int32, bitcast=True) & 0x7FFFFFFF
     exp = a >> 23

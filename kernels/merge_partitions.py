@@ -30,11 +30,11 @@ def merge_partitions_kernel(
     d_ok = d < HEAD_DIM
     stat = (token * num_q_heads + head) * num_partitions + p
     m = tl.load(part_max_ptr + stat, mask=p_ok, other=float("-inf"))
-    l = tl.load(part_sum_ptr + stat, mask=p_ok, other=0.0)
+    sums = tl.load(part_sum_ptr + stat, mask=p_ok, other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))
     acc = tl.load(part_acc_ptr + stat[:, None] * HEAD_DIM + d[None, :],
                   mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(sums * weight, 0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
 

@@ -47,7 +47,8 @@ def _rows(name: str, x: torch.Tensor, hidden: int) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     check(weight.dim() == 1 and weight.stride(0) == 1,
-          f"weight must be a contiguous [hidden], got {tuple(weight.shape)} strides {weight.stride()}")
+          f"weight must be a contiguous [hidden], got {tuple(weight.shape)} strides "
+          f"{weight.stride()}")
     check(weight.dtype in FLOAT_DTYPES, f"weight dtype {weight.dtype} not in {FLOAT_DTYPES}")
     hidden = weight.shape[0]
     x2 = _rows("x", x, hidden)
@@ -56,7 +57,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out2 = out.view(-1, hidden)
     if residual is not None:
         check(residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device,
-              f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+              f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+              f"{tuple(x.shape)} {x.dtype}")
         r2 = _rows("residual", residual, hidden)
         residual_out = torch.empty_like(out)
         ro2 = residual_out.view(-1, hidden)

@@ -50,7 +50,8 @@ def _check_args(q, k, positions, cos_sin_cache) -> None:
     rotary_dim = cos_sin_cache.shape[1]
     for name, x in (("q", q), ("k", k)):
         check(x.dim() == 3 and x.shape[0] == positions.shape[0] and x.shape[2] >= rotary_dim,
-              f"{name} must be [T={positions.shape[0]}, heads, head_dim >= {rotary_dim}], got {tuple(x.shape)}")
+              f"{name} must be [T={positions.shape[0]}, heads, head_dim >= {rotary_dim}], "
+              f"got {tuple(x.shape)}")
         check(x.dtype in FLOAT_DTYPES, f"{name} dtype {x.dtype} not in {FLOAT_DTYPES}")
         check(x.stride(2) == 1, f"{name} must have a contiguous last dim, strides {x.stride()}")
         check(x.device == positions.device == cos_sin_cache.device,
@@ -92,8 +93,8 @@ def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tens
 
 def rope_cos_sin_cache(rotary_dim: int, max_position: int, theta: float,
                        device: torch.device | str | None = None) -> torch.Tensor:
-    """[max_position, rotary_dim] fp32: cos(pos * f_i) | sin(pos * f_i), f_i = theta^(-2i/rotary_dim)
-    (plain RoPE, no rope_scaling)."""
+    """[max_position, rotary_dim] fp32: cos(pos * f_i) | sin(pos * f_i),
+    f_i = theta^(-2i/rotary_dim) (plain RoPE, no rope_scaling)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim)
     angles = torch.arange(max_position, dtype=torch.int64, device=device).float()[:, None] * inv_freq[None, :]
     return torch.cat((angles.cos(), angles.sin()), dim=-1)

@@ -17,7 +17,7 @@ between peers. A quantized KV cache (vLLM's
 | auto           | model dtype   | head_dim        | none |
 | fp8_e4m3       | float8_e4m3fn | head_dim        | unit (scale 1, nothing stored) |
 | fp8_e5m2       | float8_e5m2   | head_dim        | unit |
-| int8           | int8          | head_dim + 4    | a float32 scale per token and kv head in the row's last 4 bytes |
+| int8           | int8          | head_dim + 4    | float32 per token and kv head: last 4 bytes |
 
 The scales live inside the block, so a block is still one contiguous region: moving its bytes
 moves its scales. Two pools of different formats are refused (`check_compatible`), never

@@ -115,8 +115,10 @@ class TransferMetrics:
     # -- reading -------------------------------------------------------------------------
     @property
     def dropped_notifications(self) -> int:
-        return int(self.registry.get_sample_value(
-            _PREFIX + "dropped_notifications_total", {"direction": self.direction}))
+        value = self.registry.get_sample_value(
+            _PREFIX + "dropped_notifications_total", {"direction": self.direction})
+        assert value is not None  # its child is made in __init__
+        return int(value)
 
     @property
     def peers(self) -> dict[str, PeerMetrics]:
@@ -127,11 +129,11 @@ class TransferMetrics:
                 rows[s.labels["peer"]][name] = int(s.value)
         for s in _samples(self._failures, "_total"):
             rows[s.labels["peer"]]["failures"][s.labels["reason"]] = int(s.value)
-        for name, metric in self._histograms.items():
+        for name, histogram in self._histograms.items():
             cumulative: defaultdict[str, list[int]] = defaultdict(list)
-            for s in _samples(metric, "_bucket"):  # in bound order, +Inf last
+            for s in _samples(histogram, "_bucket"):  # in bound order, +Inf last
                 cumulative[s.labels["peer"]].append(int(s.value))
-            totals = {s.labels["peer"]: s.value for s in _samples(metric, "_sum")}
+            totals = {s.labels["peer"]: s.value for s in _samples(histogram, "_sum")}
             for peer, cum in cumulative.items():
                 counts = tuple(b - a for a, b in zip([0, *cum], cum))
                 rows[peer][name] = Histogram(counts=counts, sum=totals[peer], count=cum[-1])

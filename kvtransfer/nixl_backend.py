@@ -97,6 +97,12 @@ class NixlTransport(Transport):
         """Our other ranks' reports per parts token (rank_agent.py)."""
 
     @property
+    def _writer(self) -> SliceWriter:
+        """The slice writer, made by `register_pool` (which every peer comes after)."""
+        assert self._slices is not None, "register_pool comes first"
+        return self._slices
+
+    @property
     def heads(self) -> HeadRange | None:
         """Our (rank 0's) heads when we are a tensor-parallel worker; None: every head."""
         return None if self._group is None else self._group.ranges[0]
@@ -145,7 +151,7 @@ class NixlTransport(Transport):
                 f"agent: {e}"
             ) from e
         try:
-            self._slices.load(meta, first_loaded=True)
+            self._writer.load(meta, first_loaded=True)
         except MetadataError:
             self.disconnect(name)
             raise
@@ -166,7 +172,7 @@ class NixlTransport(Transport):
 
     def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
                    deadline: float) -> Any:
-        slices = self._slices.slices(peer)
+        slices = self._writer.slices(peer)
         if self._group is not None or len(slices) != 1 or not slices[0].whole:
             return self._post_parts(peer, local, remote, notif, deadline)
         handle = None
@@ -188,8 +194,9 @@ class NixlTransport(Transport):
     def _post_parts(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
                     deadline: float) -> _Parts:
         token = next(self._tokens)
-        others = self._slices.writers(peer) - {0}
+        others = self._writer.writers(peer) - {0}
         if others:
+            assert self._group is not None  # only a tensor-parallel group has other writers
             meta = self._peer_meta[peer]
             told = self._told.get(peer) == meta
             try:
@@ -199,7 +206,7 @@ class NixlTransport(Transport):
                 raise TransportError(f"tensor-parallel ranks unreachable: {e}") from e
             self._told[peer] = meta
             self._reports[token] = []
-        handles, error = self._slices.post(peer, local, remote, PART_NOTIF + str(token).encode())
+        handles, error = self._writer.post(peer, local, remote, PART_NOTIF + str(token).encode())
         if error is not None and not handles and not others:
             raise TransportError(str(error), disconnected=isinstance(error, self._disconnect_error))
         if error is not None:
@@ -300,6 +307,7 @@ class NixlTransport(Transport):
 
     def _close_ranks(self) -> None:
         if self._rank_pools:
+            assert self._group is not None  # rank pools come from the group
             self._rank_pools = ()
             self._told.clear()
             try:

@@ -30,7 +30,7 @@ class _Split(Generic[S]):
     """The shared source and the results each owner has not taken yet."""
 
     def __init__(self, source: S, prefix: str) -> None:
-        self.source = source
+        self.source: S = source
         self.prefix = prefix
         self.pending: tuple[list[TransferResult], list[TransferResult]] = ([], [])
         self.taken = [True, True]  # per owner: took its share of the last source poll

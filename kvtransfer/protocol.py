@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 MAGIC = b"pdkv1:"
 #: Sent once when a peer is added, to set the connection up before the first request.
@@ -56,5 +60,5 @@ def decode(msg: bytes) -> BatchNotice | None:
     return BatchNotice(rid, seq, tuple(blocks), total)
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeIs[int]:
     return isinstance(x, int) and not isinstance(x, bool)

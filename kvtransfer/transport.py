@@ -95,8 +95,9 @@ class Transport(ABC):
 class TransportHost(Protocol):
     """The backend as `Sender` and `Receiver` see it. Call everything under `lock`."""
 
-    lock: AbstractContextManager[Any]
-    """Re-entrant; guards the transport, the peer table and both state machines."""
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """Re-entrant; guards the transport, the peer table and both state machines."""
     config: KVTransferConfig
     transport: Transport
 

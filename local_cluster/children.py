@@ -37,8 +37,10 @@ class EtcdChild:
                  auth: EtcdAuth | None = None) -> None:
         self.server = EtcdServer(data_dir=data_dir, log_path=log_path, client_port=client_port,
                                  peer_port=peer_port, auth=auth).start()
-        self.proc = self.server.proc
-        self.pid = self.proc.pid
+        proc = self.server.proc
+        assert proc is not None  # start() returned: etcd serves
+        self.proc = proc
+        self.pid = proc.pid
 
     def alive(self) -> bool:
         return self.proc.poll() is None

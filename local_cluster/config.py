@@ -92,8 +92,10 @@ class UpConfig:
     every process: it must name the host the workers listen on, or --tls-server-name)."""
 
     def __post_init__(self) -> None:
-        if self.prefill is None:
-            object.__setattr__(self, "prefill", default_prefill_workers(self, host_cores()))
+        prefill = self.prefill
+        if prefill is None:
+            prefill = default_prefill_workers(self, host_cores())
+            object.__setattr__(self, "prefill", prefill)
         on_argv = [a for a in self.router_args
                    if a.split("=", 1)[0] in ("--api-key", "--admin-api-key")]
         given = [f"--{k.replace('_', '-')}" for k, v in
@@ -106,7 +108,7 @@ class UpConfig:
             (not on_argv, "router_args", f"{on_argv[0].split('=', 1)[0] if on_argv else ''} "
              "would put a key on the router's command line (visible in `ps`): use "
              "--api-key-file / --admin-api-key-file or PDSERVE_API_KEY"),
-            (self.prefill >= 0, "prefill", "must be >= 0"),
+            (prefill >= 0, "prefill", "must be >= 0"),
             (self.decode >= 0, "decode", "must be >= 0"),
             (0 <= self.port < 65536, "port", "must be in 0..65535"),
             (self.num_threads >= 0, "num_threads", "must be >= 0"),

@@ -31,6 +31,7 @@ class ServiceProcess:
         threading.Thread(target=self._read_stdout, daemon=True).start()
 
     def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for line in self.proc.stdout:
             if line.startswith("READY ") and not self._ready.is_set():
                 fields = dict(f.split("=", 1) for f in line.split()[3:] if "=" in f)
@@ -113,6 +114,7 @@ class UpProcess:
         """The run file: pid, url, etcd, cluster, control, logs."""
 
     def _read(self, up: threading.Event) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for line in self.proc.stdout:
             self.output.append(line)
             if line.startswith("pdserve is up: "):

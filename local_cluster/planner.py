@@ -12,8 +12,8 @@ The model, in "busy workers" (one worker fully busy = 1.0):
   in engine steps, the tokens/s its running sequences need to meet the ITL SLO (running /
   ITL SLO) over the tokens it makes per busy second, and its KV usage; or, if larger, arrival
   rate x mean output tokens over one decode worker's tokens per busy second (this one sees an
-  overload beyond "busy all the time"). A decode pool's load is W_d / n_decode. With no prefill pool the decode workers prefill locally, so W_d already
-  holds that prefill work.
+  overload beyond "busy all the time"). A decode pool's load is W_d / n_decode. With no
+  prefill pool the decode workers prefill locally, so W_d already holds that prefill work.
 A move's prediction spreads the same work over the new pool sizes (work leaving or joining
 the decode pool with the last prefill worker, or the first). The bottleneck is the larger
 pool load. A move happens only when a pool is hot (its SLO is missed at the configured
@@ -242,7 +242,8 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
         after = work.loads(n_p + 1, n_d - 1)
         candidates.append(Decision(
             "move_to_prefill", f"prefill is the bottleneck ({slo}, prefill load "
-            f"{_fmt(loads.prefill)}); moving a decode worker lowers it to {after.bottleneck:.2f}",
+            f"{_fmt(loads.prefill)}); moving a decode worker lowers it to "
+            f"{after.bottleneck:.2f}",
             loads, _decode_donor(decode), Role.DECODE, Role.PREFILL, after))
     if decode_hot and to_decode:  # both hot: whichever move helps more
         after = work.loads(n_p - 1, n_d + 1)

@@ -5,9 +5,9 @@ Every `PlannerConfig.interval_s`: read the registrations from etcd and the route
 worker's /metrics -> measure.Window's Snapshot -> planner.decide -> on a move, `Worker.SetRole`
 on the chosen worker (it drains its role, keeps its engine and prefix cache and re-registers
 under the new role), then the supervisor's slot takes the new role (so a crash restarts it in
-that role) and the window starts afresh. Every move, and every change in the kind of hold, is logged in
-`up`'s output; moves, failures, pool sizes and loads are exported in Prometheus text at the
-control port's /metrics and summarised in its GET (`pdserve status`).
+that role) and the window starts afresh. Every move, and every change in the kind of hold, is
+logged in `up`'s output; moves, failures, pool sizes and loads are exported in Prometheus text
+at the control port's /metrics and summarised in its GET (`pdserve status`).
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from engine.flags import option
 class Child(Protocol):
     """A started child process as the supervisor sees it."""
 
-    pid: int
+    @property
+    def pid(self) -> int: ...
 
     def alive(self) -> bool: ...
     def exit_code(self) -> int | None: ...

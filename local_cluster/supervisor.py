@@ -36,6 +36,8 @@ class PlannerView(Protocol):
 
     def metrics_text(self) -> bytes: ...
 
+    def stop(self) -> None: ...
+
 TICK_S = 0.2
 
 
@@ -69,7 +71,8 @@ class Supervisor:
             if not name:
                 self._serial += 1
                 name = f"{role}-{self._serial}"
-            slot = Slot(name, role, spawn or (lambda: self._spawn_worker(slot.role, slot.name)))
+            slot = Slot(name, role,
+                        spawn or (lambda: self._spawn_worker(Role(slot.role), slot.name)))
             self.slots.append(slot)
         return slot
 

@@ -67,6 +67,7 @@ def up(config: UpConfig) -> int:
         if config.etcd is None:
             sup.add_slot("etcd", lambda: EtcdChild(run_dir / "etcd-data", log_dir / "etcd.log",
                                                    *etcd_ports, auth=users.auth), name="etcd")
+        assert config.prefill is not None  # UpConfig.__post_init__ resolves it
         for role, count in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
             for _ in range(count):
                 sup.add_slot(role)
@@ -178,7 +179,7 @@ def _print_banner(sup: Supervisor, url: str) -> None:
     elif env := next((v for v in ("PDSERVE_API_KEY", "VLLM_API_KEY") if os.environ.get(v)), None):
         auth = f' -H "Authorization: Bearer ${env}"'
     print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
-        -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")
+        -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")  # noqa: E501
     print("Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker; `pdserve status` "
           "shows every process and its restarts.", flush=True)
 

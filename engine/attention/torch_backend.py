@@ -198,6 +198,7 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
             )[0]
         else:  # query heads of one kv head stacked as rows: [Hkv, group * q_len, D]
+            assert mask is not None  # built above whenever there is a cap
             num_kv_heads, head_dim = k.shape[0], k.shape[-1]
             group = q.shape[0] // num_kv_heads
             o = _attend(q.reshape(num_kv_heads, group * q_len, head_dim), k, v,

@@ -50,7 +50,8 @@ class LoRABatch:
         return cls(slots, token_slots.to(device), groups, kernels, mask)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int], ...]) -> None:
-        """y [T, out_total] += the deltas of `parts` ((target, column offset in y)) for x [T, in]."""
+        """y [T, out_total] += the deltas of `parts` ((target, column offset in y)) for
+        x [T, in]."""
         for target, offset in parts:
             users = [(slot, rows) for slot, rows in self.groups if target in self.slots.targets[slot]]
             if not users:

@@ -56,7 +56,8 @@ class ModelArgs:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    """The config's `head_dim` when given (Qwen3, Gemma: not dim // n_heads), else dim // n_heads."""
+    """The config's `head_dim` when given (Qwen3, Gemma: not dim // n_heads), else
+    dim // n_heads."""
     intermediate_size: int
     norm_eps: float
     rope_theta: float

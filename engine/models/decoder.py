@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from engine.models.config import ModelArgs
 from engine.models.interface import CausalLMBase, ForwardContext, FusedKernels
 from engine.models.layers import (
+    BlockMLP,
     Embedding,
     FeedForward,
     Linear,
@@ -41,6 +44,10 @@ from engine.models.moe import SparseMoE
 from engine.models.rope import rope_cache
 from engine.parallel.shard import gather_vocab, vocab_parallel_embed
 from engine.weights import copy_weights
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import LayerOps
+    from engine.parallel.communicator import Communicator
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 #: Checkpoint tensors that hold nothing the model needs (older exports save RoPE tables).
@@ -69,9 +76,11 @@ class DecoderLM(CausalLMBase):
         )
         self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
-        self.layer_ops = None  # RMSNorm / RoPE / SiLU-and-mul kernels: Triton's or the CPU's
+        # RMSNorm / RoPE / SiLU-and-mul kernels: Triton's or the CPU's.
+        self.layer_ops: ModuleType | LayerOps | None = None
         self.lm_head_packed: PackedWeight | None = None  # layers.pack_linears sets it
-        self.comm = None  # the tensor-parallel communicator (`use_communicator`); None: one rank
+        # The tensor-parallel communicator (`use_communicator`); None: one rank.
+        self.comm: Communicator | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> "DecoderLM":
@@ -91,7 +100,7 @@ class DecoderLM(CausalLMBase):
             raise ValueError("use_communicator: the model is not sharded for this group")
         self.comm = comm
 
-    def make_mlp(self, args: ModelArgs, layer: int) -> nn.Module:
+    def make_mlp(self, args: ModelArgs, layer: int) -> BlockMLP:
         """The MLP of `layer`: the experts on a mixture-of-experts model's sparse layers."""
         moe = args.moe
         if moe is None or layer not in moe.sparse_layers:
@@ -153,7 +162,7 @@ class DecoderLM(CausalLMBase):
         ctx.kernels, ctx.layer_ops, ctx.comm = self.kernels, self.layer_ops, self.comm
         if self.layer_ops is None:
             ctx.cos_sin = [rope_rows(table, positions) for table in self.rope_tables]
-        if self.comm is None:
+        if self.comm is None or self.args.tp is None:  # (use_communicator: both or neither)
             x = self.embed_tokens(input_ids)
         else:  # vocab-parallel embedding: each rank's rows, summed
             x = vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.args.tp, self.comm)
@@ -174,7 +183,8 @@ class DecoderLM(CausalLMBase):
         all `logits` adds, fp32 where the model scales or caps them."""
         logits = linear(self.hidden(x, ctx, indices), self.lm_head_weight(), None,
                         self.lm_head_packed)
-        if self.comm is not None:  # vocab-parallel LM head: the ranks' slices side by side
+        if self.comm is not None and self.args.tp is not None:
+            # Vocab-parallel LM head: the ranks' slices side by side.
             logits = gather_vocab(logits, self.args.tp, self.comm)
         if self.args.logits_divisor is None and self.args.final_softcap is None:
             return logits
@@ -226,6 +236,6 @@ class DecoderLM(CausalLMBase):
         part, dot, tail = rest.partition(".")
         rest = self.HF_ALIASES.get(part, part) + dot + tail
         try:
-            return self.layers[layer_no].weight_target(rest)
+            return cast(TransformerBlock, self.layers[layer_no]).weight_target(rest)
         except KeyError:
             raise KeyError(name) from None

@@ -86,7 +86,7 @@ def read_gguf(path: Path) -> GgufFile:
     except (OSError, ValueError) as exc:  # an empty file cannot be mapped
         raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
-        cur = _Cursor(memoryview(mapped))
+        cur = _Cursor(mapped.data)  # a memoryview of the mapped bytes
         if bytes(mapped[:4]) != _MAGIC:
             raise ValueError("no GGUF magic number")
         cur.pos = 4

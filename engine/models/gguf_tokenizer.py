@@ -12,6 +12,7 @@ split (each digit alone, then GPT-2's) instead of GPT-2's alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from engine.models.errors import ModelFileError
 
@@ -79,7 +80,7 @@ def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str):
     # A token outside the byte alphabet (raw text in some files) is respelled into it.
     vocab = {t if set(t) <= _BYTE_CHARS else "".join(_BYTE_TO_CHAR[b] for b in t.encode()): i
              for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = cast("list[tuple[str, str]]", [tuple(m.split(" ", 1)) for m in merges])  # "a b"
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     if pre == "smollm":  # llama.cpp: every digit on its own, then GPT-2's byte-level split
         splits = [pre_tokenizers.Digits(individual_digits=True),
@@ -92,7 +93,9 @@ def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str):
         splits = [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
                                            use_regex=True)]
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
-    tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    # The binding takes no options (it ignored the ones given): add_prefix_space, trim_offsets
+    # and use_regex are all true, as transformers writes them.
+    tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok, set(vocab)
 
@@ -118,7 +121,7 @@ def _merges_from_vocab(tokens: Sequence[str], vocab: dict[str, int]) -> list[tup
     the token it makes, by that token's place in the file (Gemma's scores do not follow its
     merge order; the file order does), then by the lengths of its parts (transformers'
     `generate_merges` with scores `-index`)."""
-    ranked = []
+    ranked: list[tuple[int, int, int, str, str]] = []
     for index, token in enumerate(tokens):
         if vocab.get(token) != index:
             continue  # a duplicate spelling: transformers keeps its last position

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import ModuleType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.lora.batch import LoRABatch
 from engine.models.config import ModelArgs
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import LayerOps
+    from engine.parallel.communicator import Communicator
 
 FusedKernels = Literal["triton", "cpu"] | None
 """Which fused layer kernels a model runs (`use_fused_kernels`)."""
@@ -58,9 +62,14 @@ class ForwardContext:
                  group_metadata: list[AttentionMetadata] | None = None):
         self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
         self.group_metadata = group_metadata
-        self.positions = self.rope_cos_sin = self.cos_sin = self.kernels = self.layer_ops = None
+        self.positions: Tensor | None = None
+        self.rope_cos_sin: list[Tensor] | None = None
+        self.cos_sin: list[tuple[Tensor, Tensor]] | None = None
+        self.kernels: ModuleType | None = None
+        self.layer_ops: ModuleType | LayerOps | None = None
         self.lora = lora  # the step's adapters (engine/lora/batch.py); None: no row has one
-        self.comm = None  # the tensor-parallel group's communicator (engine/parallel); None: one rank
+        # The tensor-parallel group's communicator (engine/parallel); None: one rank.
+        self.comm: Communicator | None = None
 
     @classmethod
     def for_groups(cls, backend: AttentionBackend, kv_cache: Tensor,
@@ -126,6 +135,15 @@ class CausalLMBase(nn.Module):
 
     args: ModelArgs
     kernels: ModuleType | None = None
+
+    if TYPE_CHECKING:  # a subclass implements these (see `CausalLM`)
+        def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None: ...
+
+        def residual(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
+                     num_layers: int | None = None) -> Tensor: ...
+
+        def hidden(self, x: Tensor, ctx: ForwardContext,
+                   indices: Tensor | None = None) -> Tensor: ...
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
                 logits_indices: Tensor | None = None) -> Tensor:

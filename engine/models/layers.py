@@ -15,6 +15,7 @@ the model's `load_weights` and `update_weights` both go through it.
 from __future__ import annotations
 
 import os
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,8 @@ class PackedWeight:
     __slots__ = ("key", "packed")
 
     def __init__(self) -> None:
-        self.key, self.packed = None, None
+        self.key: tuple[int, int, torch.dtype, torch.Size] | None = None
+        self.packed: Tensor | None = None
 
     def get(self, weight: Tensor) -> Tensor | None:
         """The packed copy of `weight`; None for an inference tensor (no version counter to
@@ -86,7 +88,7 @@ def pack_linears(model: nn.Module, enabled: bool = True) -> bool:
         if isinstance(module, Linear):
             module.packed = PackedWeight() if enabled else None
     if hasattr(model, "lm_head_packed"):
-        model.lm_head_packed = PackedWeight() if enabled else None
+        setattr(model, "lm_head_packed", PackedWeight() if enabled else None)
     return enabled
 
 
@@ -186,18 +188,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, args.dim, bias=args.o_bias)
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         # Only the options a layer has reach the backend (none for plain LLaMA).
-        self.options = {k: v for k, v in (("sliding_window", args.window(layer)),
+        self.options: dict[str, Any] = {k: v for k, v in (("sliding_window", args.window(layer)),
                                           ("logits_soft_cap", args.attn_softcap)) if v is not None}
         # Qwen3, Gemma 3: RMSNorm over each head's head_dim, before RoPE; OLMo 2: over all
         # of q's (k's) heads at once.
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         self.qk_norm_whole = args.qk_norm_whole
         if args.qk_norm:
             q_dim, k_dim = (self.q_size, self.kv_size) if args.qk_norm_whole else (args.head_dim,) * 2
             self.q_norm = RMSNorm(q_dim, args.norm_eps, args.norm_unit_offset)
             self.k_norm = RMSNorm(k_dim, args.norm_eps, args.norm_unit_offset)
         # Tensor parallel: an RMSNorm over all heads sums squares across the ranks.
-        self.whole_dims = None
+        self.whole_dims: tuple[int, int] | None = None
         if args.qk_norm_whole and args.tp is not None:
             self.whole_dims = (args.tp.whole_norm_dims(kv=False), args.tp.whole_norm_dims(kv=True))
 
@@ -208,6 +211,7 @@ class Attention(nn.Module):
             ctx.lora.add(qkv, x, self.layer, (("q_proj", 0), ("k_proj", self.q_size),
                                               ("v_proj", self.q_size + self.kv_size)))
         if self.q_norm is None and ctx.layer_ops is None:
+            assert ctx.cos_sin is not None  # the model fills it where there are no layer_ops
             # q and k side by side in qkv: one RoPE over their heads (same values as two).
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim),
                             ctx.cos_sin[self.rope_index])
@@ -215,19 +219,24 @@ class Attention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv_heads, self.head_dim)
             return self._attend(q, k, v, ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm_whole and self.whole_dims is not None:
-            q = _whole_rms_norm(q, self.q_norm, self.whole_dims[0], ctx)
-            k = _whole_rms_norm(k, self.k_norm, self.whole_dims[1], ctx)
-        elif self.qk_norm_whole:
-            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
+        q_norm, k_norm = self.q_norm, self.k_norm  # both set with args.qk_norm, or neither
+        if self.qk_norm_whole:
+            assert q_norm is not None and k_norm is not None  # qk_norm_whole is a qk_norm
+            if self.whole_dims is not None:
+                q = _whole_rms_norm(q, q_norm, self.whole_dims[0], ctx)
+                k = _whole_rms_norm(k, k_norm, self.whole_dims[1], ctx)
+            else:
+                q, k = q_norm(q, ctx), k_norm(k, ctx)
         q = q.view(T, self.n_heads, self.head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_whole:
-            q, k = self.q_norm(q, ctx), self.k_norm(k, ctx)
+        if q_norm is not None and k_norm is not None and not self.qk_norm_whole:
+            q, k = q_norm(q, ctx), k_norm(k, ctx)
         if ctx.layer_ops is not None:
+            assert ctx.positions is not None and ctx.rope_cos_sin is not None  # the model's
             ctx.layer_ops.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
         else:
+            assert ctx.cos_sin is not None  # the model fills it where there are no layer_ops
             rows = ctx.cos_sin[self.rope_index]
             q, k = apply_rope(q, rows), apply_rope(k, rows)
         return self._attend(q, k, v, ctx)
@@ -299,12 +308,20 @@ class FeedForward(nn.Module):
         return _rows(getattr(self, param).weight, start, length, name)
 
 
+class BlockMLP(Protocol):
+    """A block's MLP as the block uses it: `FeedForward`, or a mixture of experts (moe.py)."""
+
+    def __call__(self, x: Tensor, ctx: ForwardContext) -> Tensor: ...
+
+    def weight_target(self, name: str, /) -> Tensor: ...
+
+
 class TransformerBlock(nn.Module):
     """x + attn(.), then h + mlp(.), with norms as `norm_layout` says: `pre` (LLaMA) norms
     each branch's input, `sandwich` (Gemma) its input and output, `post` (OLMo 2) its output.
     Granite scales each branch's output by `residual_scale`."""
 
-    def __init__(self, args: ModelArgs, layer: int, mlp: nn.Module, rope_index: int = 0) -> None:
+    def __init__(self, args: ModelArgs, layer: int, mlp: BlockMLP, rope_index: int = 0) -> None:
         super().__init__()
         eps, offset = args.norm_eps, args.norm_unit_offset
         self.layout, self.residual_scale = args.norm_layout, args.residual_scale

@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -94,7 +95,8 @@ def load_model(
         net.load_weights(weights)
     except KeyError as exc:
         raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
-    net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    module = cast(torch.nn.Module, net)  # implementations are modules (interface.CausalLM)
+    net = cast(CausalLM, module.to(device=device, dtype=dtype).eval().requires_grad_(False))
     return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path,
                        architecture=architecture_of(config))
 
@@ -112,4 +114,4 @@ def _sharded(model_cls: type, config: dict, shard: TPShard, weights):
         args = shard_args(full, shard)
     except ValueError as exc:
         raise ModelFileError(f"{architecture_of(config)}: {exc}") from exc
-    return model_cls(args), slice_weights(weights, full, args.tp)
+    return model_cls(args), slice_weights(weights, full, shard)  # (args.tp is shard)

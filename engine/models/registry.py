@@ -23,6 +23,10 @@ import importlib
 import importlib.metadata
 import logging
 import threading
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from engine.models.interface import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class ModelRegistry:
         return arch in cls._models
 
     @classmethod
-    def resolve(cls, arch: str) -> type:
+    def resolve(cls, arch: str) -> type[CausalLM]:
         """The model class for `arch`; UnknownArchitectureError lists what is supported."""
         cls.load_plugins()
         with cls._lock:
@@ -96,7 +100,7 @@ class ModelRegistry:
                         f"model architecture {arch!r}: cannot import {cls._models[arch]!r}: {exc}"
                     ) from exc
                 cls._models[arch] = entry
-            return entry
+            return cast("type[CausalLM]", entry)  # a class of the model contract
 
     @classmethod
     def load_plugins(cls) -> None:

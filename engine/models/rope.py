@@ -15,7 +15,8 @@ Partial rotary (`partial_rotary_factor` < 1: Phi-3/Phi-4-mini, GLM, StableLM, ..
 int(head_dim * partial_rotary_factor) and the table is `[max_positions, rotary_dim]`, not head_dim
 wide. transformers rotates only `x[..., :rotary_dim]` and passes `x[..., rotary_dim:]` through
 unchanged. Within the rotated slice Phi-3 (like LLaMA) pairs dim i with i + rotary_dim // 2, so
-`apply_rope(x[..., :rotary_dim], rope_rows(table, positions))` followed by a concat of the pass-through part is exact;
+`apply_rope(x[..., :rotary_dim], rope_rows(table, positions))` followed by a concat of the
+pass-through part is exact;
 GLM pairs adjacent dims (2i, 2i + 1) with the same frequencies: same table, interleaved apply.
 The pairing belongs to the architecture, not to the table, so it is not in RopeSpec.
 
@@ -54,10 +55,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+_T = TypeVar("_T")
+
+
+def _checked(value: _T | None) -> _T:
+    """A scaling field that `RopeSpec.__post_init__` requires of the spec's rope type."""
+    assert value is not None
+    return value
+
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -127,7 +137,7 @@ class RopeSpec:
         if self.factor is not None:
             return float(self.factor)
         if self.rope_type in ("yarn", "longrope"):
-            return self.max_position_embeddings / self.original_max_position_embeddings
+            return self.max_position_embeddings / _checked(self.original_max_position_embeddings)
         return 1.0
 
     @property
@@ -144,7 +154,8 @@ class RopeSpec:
                              _yarn_mscale(factor, self.mscale_all_dim))
             return _yarn_mscale(factor)
         if self.rope_type == "longrope" and factor > 1.0:
-            return math.sqrt(1 + math.log(factor) / math.log(self.original_max_position_embeddings))
+            context = _checked(self.original_max_position_embeddings)
+            return math.sqrt(1 + math.log(factor) / math.log(context))
         return 1.0
 
     @property
@@ -154,7 +165,7 @@ class RopeSpec:
             return max(self.max_position_embeddings, int(self.max_position_embeddings * self.scale))
         if self.rope_type == "yarn":
             return max(self.max_position_embeddings,
-                       int(self.original_max_position_embeddings * self.scale))
+                       int(_checked(self.original_max_position_embeddings) * self.scale))
         return self.max_position_embeddings
 
     @classmethod
@@ -233,9 +244,9 @@ def _plain(spec: RopeSpec, device: torch.device | None) -> Tensor:
 
 
 def _llama3(spec: RopeSpec, device: torch.device | None) -> Tensor:
-    inv_freq, factor = _plain(spec, device), spec.factor
-    low, high = spec.low_freq_factor, spec.high_freq_factor
-    context = spec.original_max_position_embeddings
+    inv_freq, factor = _plain(spec, device), _checked(spec.factor)
+    low, high = _checked(spec.low_freq_factor), _checked(spec.high_freq_factor)
+    context = _checked(spec.original_max_position_embeddings)
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths (low frequencies) are divided by factor, short ones kept, and the band
     # between context / high_freq_factor and context / low_freq_factor blends the two.
@@ -248,7 +259,7 @@ def _llama3(spec: RopeSpec, device: torch.device | None) -> Tensor:
 
 def _yarn(spec: RopeSpec, device: torch.device | None) -> Tensor:
     dim, base, factor = spec.rotary_dim, spec.theta, spec.scale
-    context = spec.original_max_position_embeddings
+    context = _checked(spec.original_max_position_embeddings)
 
     def correction_dim(rotations: float) -> float:
         """The dimension whose wavelength fits `rotations` times into the original context."""
@@ -274,7 +285,7 @@ def _longrope(spec: RopeSpec, factors: tuple[float, ...], device: torch.device |
 def _dynamic_base(spec: RopeSpec, seq_len):
     """The NTK-rescaled base for a sequence of seq_len (an int, or an int64 tensor as transformers
     computes it at run time)."""
-    f, dim, ref = spec.factor, spec.rotary_dim, spec.max_position_embeddings
+    f, dim, ref = _checked(spec.factor), spec.rotary_dim, spec.max_position_embeddings
     return spec.theta * ((f * seq_len / ref) - (f - 1)) ** (dim / (dim - 2))
 
 
@@ -291,7 +302,7 @@ def rope_cache(spec: RopeSpec, device: torch.device | None = None) -> Tensor:
     if spec.rope_type == "default":
         freqs = _angles(t, _plain(spec, device))
     elif spec.rope_type == "linear":
-        freqs = _angles(t, _plain(spec, device) / spec.factor)
+        freqs = _angles(t, _plain(spec, device) / _checked(spec.factor))
     elif spec.rope_type == "llama3":
         freqs = _angles(t, _llama3(spec, device))
     elif spec.rope_type == "yarn":
@@ -303,8 +314,9 @@ def rope_cache(spec: RopeSpec, device: torch.device | None = None) -> Tensor:
         beyond = 1.0 / (_dynamic_base(spec, seq_lens)[:, None] ** _exponents(spec, device))
         freqs = torch.cat((_angles(t[:ref], inside), _angles(t[ref:], beyond)))
     else:  # longrope
-        split = min(spec.original_max_position_embeddings, n)
-        freqs = torch.cat((_angles(t[:split], _longrope(spec, spec.short_factor, device)),
-                           _angles(t[split:], _longrope(spec, spec.long_factor, device))))
+        split = min(_checked(spec.original_max_position_embeddings), n)
+        short, long = _checked(spec.short_factor), _checked(spec.long_factor)
+        freqs = torch.cat((_angles(t[:split], _longrope(spec, short, device)),
+                           _angles(t[split:], _longrope(spec, long, device))))
     s = spec.attention_scaling
     return torch.cat((freqs.cos() * s, freqs.sin() * s), dim=-1)

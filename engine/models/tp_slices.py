@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from engine.models.config import ModelArgs
+from engine.models.config import ModelArgs, MoEArgs
 from engine.parallel.shard import Span, TPShard
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(.+)$")
@@ -80,10 +80,9 @@ def _slice(name: str, t: Tensor, args: ModelArgs, shard: TPShard) -> tuple[str, 
     layer, module, rest = int(m.group(1)), m.group(2), m.group(3)
     if module == "self_attn":
         return name, _attention(rest, t, args, shard)
-    sparse = args.moe is not None and layer in args.moe.sparse_layers
-    if not sparse:
+    if args.moe is None or layer not in args.moe.sparse_layers:
         return name, _mlp(rest, t, shard.rows(args.intermediate_size))
-    local = _experts(rest, t, args, shard)
+    local = _experts(rest, t, args.moe, shard)
     return None if local is None else (f"model.layers.{layer}.{module}.{local[0]}", local[1])
 
 
@@ -120,9 +119,8 @@ def _mlp(rest: str, t: Tensor, rows: Span) -> Tensor:
     raise KeyError(f"unexpected MLP tensor {rest!r}")
 
 
-def _experts(rest: str, t: Tensor, args: ModelArgs, shard: TPShard) -> tuple[str, Tensor] | None:
+def _experts(rest: str, t: Tensor, moe: MoEArgs, shard: TPShard) -> tuple[str, Tensor] | None:
     """(block-relative name, tensor) of an MoE tensor on this rank; None: another rank's."""
-    moe = args.moe
     if rest == "gate.weight":
         return rest, t
     if shard.expert_parallel:

@@ -64,6 +64,7 @@ def _compile(c: xgr.GrammarCompiler, p: StructuredOutputsParams) -> xgr.Compiled
         return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in p.choice))
     if p.grammar is not None:
         return c.compile_grammar(p.grammar)
+    assert p.structural_tag is not None  # the one kind left (exactly one is set)
     return c.compile_structural_tag(p.structural_tag)
 
 

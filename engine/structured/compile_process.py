@@ -177,6 +177,7 @@ class CompileProcesses:
                 child = _Child(self._header, self._vocab)
             return child.compile(params, want_grammar, timeout_s)
         except CompileTimeout:
+            assert child is not None  # only its compile times out
             child.kill()
             child = None
             raise

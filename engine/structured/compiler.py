@@ -74,18 +74,19 @@ class GrammarCompiler:
             raise FieldError(params.kind, f"{params.kind}: the constraint has {size} bytes, more "
                              f"than the {max_bytes} this server compiles (--max-grammar-bytes)")
         key = params.key()
+        mine: Future | None = None
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
             pending = self._compiling.get(key) if entry is None else None
-            mine = entry is None and pending is None
-            if mine:
-                pending = self._compiling[key] = Future()
-        if mine:
-            entry = self._compile_for_all(key, params, pending)
-        elif entry is None:
-            entry = pending.result()  # another thread compiles it
+            if entry is None and pending is None:
+                mine = self._compiling[key] = Future()
+        if mine is not None:
+            entry = self._compile_for_all(key, params, mine)
+        elif entry is None:  # another thread compiles it
+            assert pending is not None
+            entry = pending.result()
         if isinstance(entry, _Refusal):
             raise FieldError(entry.field, entry.message)
         return entry
@@ -122,6 +123,6 @@ class GrammarCompiler:
         except FieldError as exc:
             return _Refusal(exc.field, str(exc))
         except CompileTimeout:
-            exc = timeout_error(params, self._limits.timeout_s)
-            return _Refusal(exc.field, str(exc))
+            error = timeout_error(params, self._limits.timeout_s)
+            return _Refusal(error.field, str(error))
         return xgr.CompiledGrammar.deserialize_json(text, self._info)
