@@ -22,7 +22,7 @@ from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo
 from benchmarks.throwaway_pki import etcd_tls, openssl_available
-from router.registry import EtcdWatcher, WorkerRegistry
+from router.placement.registry import EtcdWatcher, WorkerRegistry
 
 CLUSTER = "bench"
 

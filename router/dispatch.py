@@ -8,7 +8,7 @@ Life cycle of a request here:
 2. Call Generate. This router's in-flight counts on both workers rise until the first token
    (prefill tokens) or the end (decode requests), so back-to-back placements see the load
    before the workers' next capacity report does. The first token's time since placement
-   teaches the policy what its TTFT estimate for that path missed (router/ttft_estimate.py).
+   teaches the policy what its TTFT estimate for that path missed (router/placement/estimates.py).
 3. A failure before anything was yielded (RPC error, a completion ending in error/abort
    with no tokens, or no token within `first_token_timeout_s`) is retried on other workers,
    at most `max_retries` times; after that it raises `WorkerFailed(after_first_token=False)`
@@ -43,13 +43,13 @@ from engine.tokens import Logprob as TokenLogprob, Resume
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
 from router.config import RouterConfig
-from router.errors import APIError
-from router.inflight import InFlight
+from router.http.errors import APIError
+from router.placement.inflight import InFlight
 from router.metrics import RouterMetrics
-from router.placement import Placement, Placer, PromptKey
-from router.placement_hint import PlacementHint
-from router.policy import Reason
-from router.registry import WorkerState
+from router.placement.placer import Placement, Placer, PromptKey
+from router.placement.hint import PlacementHint
+from router.placement.policy import Reason
+from router.placement.registry import WorkerState
 
 log = logging.getLogger(__name__)
 _SEEDS = random.SystemRandom()  # seeds for requests that bring none
@@ -139,7 +139,7 @@ class Dispatcher:
                       hint: PlacementHint | None = None) -> Placement:
         """`context`: the tokens (prompt + output) the decode worker must be able to hold.
         `hint`: the endpoint picker's choice, followed if those workers can take it now
-        (router/placement_hint.py)."""
+        (router/placement/hint.py)."""
         policy = self.placer.policy.name
         placement = None
         if hint is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from api_fuzz import fuzz
 from openai_cluster import CLUSTER, KEY
-from router.auth import Access, access_of
+from router.http.auth import Access, access_of
 from router_harness import start_cluster
 
 _UNDECLARED = {"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}
@@ -46,7 +46,7 @@ def test_every_route_declares_its_schemas(cluster, doc):
             if status[0] in "45" and path != "/health":
                 ref = response["content"]["application/json"]["schema"]["$ref"]
                 assert ref == "#/components/schemas/ErrorResponse", (path, status)
-        if access_of(path) is not Access.OPEN:  # the key check (router/auth.py) answers these
+        if access_of(path) is not Access.OPEN:  # the key check (router/http/auth.py) answers these
             assert "401" in op["responses"], path
         if access_of(path) is Access.ADMIN:
             assert "403" in op["responses"], path

@@ -1,4 +1,4 @@
-"""POST /v1/responses (router/responses_api/), its parts: the request's conversion into a chat
+"""POST /v1/responses (router/endpoints/responses/), its parts: the request's conversion into a chat
 request, the refusals, the output items and streaming events built from parsed pieces of model
 text (hand-made `ParsedDelta`s, and chat's own parser), the response store. The route itself,
 with fake workers: test_responses_route.py."""
@@ -8,20 +8,20 @@ import pytest
 
 from api_fuzz import response_events
 from engine.sampling_params import SamplingParams
-from router.chat_output import OutputSetup
+from router.parsers.message import OutputSetup
 from router.dispatch import Delta
-from router.errors import APIError
-from router.protocol import ChatCompletionRequest
-from router.reasoning import reasoning_parser
-from router.responses_api.models import ResponsesResponse, ResponseStreamEvent
-from router.responses_api.convert import chat_body, input_messages, output_messages, renamed
-from router.responses_api.output import OutputWriter
-from router.responses_api.protocol import check, parse_request
-from router.responses_api.routes import _history
-from router.responses_api.run import ResponseRun
-from router.responses_api.store import ResponseStore
-from router.tools.types import ParsedDelta, ToolCallDelta
-from router.validation import Prepared
+from router.http.errors import APIError
+from router.endpoints.chat.protocol import ChatCompletionRequest
+from router.parsers.reasoning.parser import reasoning_parser
+from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
+from router.endpoints.responses.convert import chat_body, input_messages, output_messages, renamed
+from router.endpoints.responses.output import OutputWriter
+from router.endpoints.responses.protocol import check, parse_request
+from router.endpoints.responses.serving import _history
+from router.endpoints.responses.run import ResponseRun
+from router.endpoints.responses.store import ResponseStore
+from router.parsers.tools.types import ParsedDelta, ToolCallDelta
+from router.generation.prepare import Prepared
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -1,4 +1,4 @@
-"""Per-API-key limits through the router's HTTP surface (router/key_limits.py, wired in
+"""Per-API-key limits through the router's HTTP surface (router/http/key_limits.py, wired in
 app.py): a key at its concurrency limit gets a 429 (OpenAI's body, `rate_limit_exceeded`,
 Retry-After) while another key and the admin key are served; a stream's slot is freed when
 it ends and when its client disconnects; a refused request (429 or 400) holds no slot and
@@ -13,11 +13,11 @@ import pytest
 import uvicorn
 
 from cluster.net import free_port
-from router.app import create_app
-from router.auth import _digest, resolve_keys
+from router.http.app import create_app
+from router.http.auth import _digest, resolve_keys
 from router.config import LimitsConfig, RouterConfig
 from router.dispatch import Delta
-from router.errors import APIError
+from router.http.errors import APIError
 from router.server import RouterServices, load_model_card
 
 KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key-1"
