@@ -12,7 +12,8 @@ from engine.tokens import Logprob
 from typing import Any
 
 from router.parsers.message import MessageParser
-from router.dispatch import Delta
+from router.dispatch import Delta, WorkerFailed
+from router.http.errors import APIError
 from router.parsers.tools.types import assemble
 from router.generation.logprobs import (TextOffsets, TokenText, chat_logprobs, completion_logprobs,
                              prompt_logprobs)
@@ -216,6 +217,12 @@ class ChunkWriter(_Base):
         return self._chunk([{"index": i, "text": text, "logprobs": lp,
                              "finish_reason": delta.finish_reason,
                              "stop_reason": delta.stop_reason}])
+
+    def failed(self, exc: WorkerFailed | APIError) -> bytes:
+        """The end of a stream that failed after its first update: an error event, then
+        `[DONE]` (502 for failed workers)."""
+        status = exc.status if isinstance(exc, APIError) else 502
+        return sse(APIError(status, str(exc), code="worker_failed").body()) + sse("[DONE]")
 
     def closing(self) -> bytes:
         """The usage chunk (when asked for) and the terminator."""

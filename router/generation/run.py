@@ -10,12 +10,18 @@ body it answers with.
 2. `settle`: wait on that stream (the whole of it, or its first update) only while the
    client stays: `ClientGone` when it leaves, a 502 when the workers failed before the first
    token; the stream is closed on any failure.
+3. `answer`: the one collect-or-stream skeleton. Collected, the whole body is one JSON
+   response; streamed, the response starts only once its first update has arrived (so
+   placement failures, 503, and workers failing before the first token, 502, are real HTTP
+   statuses) and a failure later ends the stream with the writer's error event. `ended` is
+   called once, before the client reads the end (completed or not: failed, client gone).
 """
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar, cast
 
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from router.http.auth import effective_salt
@@ -25,7 +31,7 @@ from router.http.key_limits import TICKET, Ticket
 from router.placement.placer import PromptKey
 from router.placement.hint import PlacementHint
 from router.services import Services
-from router.http.streaming import merge, until_disconnect
+from router.http.streaming import ClientGone, merge, until_disconnect
 from router.generation.prepare import Prepared
 
 T = TypeVar("T")
@@ -63,6 +69,69 @@ async def settle(request: Request, streams: Updates, work: Awaitable[T]) -> T:
     except BaseException:  # ClientGone included
         await streams.aclose()
         raise
+
+
+class Collecting(Protocol):
+    """A collected answer: every update in, then the whole body."""
+
+    def add(self, prompt_idx: int, delta: Delta) -> None: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+
+class Streaming(Protocol):
+    """A streamed answer: each method returns the SSE bytes to send (maybe none)."""
+
+    def opening(self) -> bytes: ...
+
+    def chunk(self, prompt_idx: int, delta: Delta) -> bytes: ...
+
+    def closing(self) -> bytes: ...
+
+    def failed(self, exc: WorkerFailed | APIError) -> bytes: ...
+
+
+async def answer(request: Request, streams: Updates, stream: bool,
+                 writer: Collecting | Streaming, ended: Callable[[bool], None]) -> Response:
+    """The response to `streams`: `stream` false, collected by `writer` (a `Collecting`),
+    else streamed by it (a `Streaming`); 499 when the client left before it was ready."""
+    try:
+        if not stream:
+            collecting = cast(Collecting, writer)
+            await settle(request, streams, collect(streams, collecting.add))
+            body = collecting.response()
+            ended(True)
+            return JSONResponse(body)
+        first = await settle(request, streams, anext(streams))
+    except ClientGone:
+        return Response(status_code=499)
+    return StreamingResponse(_events(cast(Streaming, writer), first, streams, ended),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(writer: Streaming, first: tuple[int, Delta], streams: Updates,
+                  ended: Callable[[bool], None]) -> AsyncIterator[bytes]:
+    done = False
+    try:
+        async with aclosing(streams):
+            yield writer.opening() + writer.chunk(*first)
+            try:
+                async for prompt_idx, delta in streams:
+                    chunk = writer.chunk(prompt_idx, delta)
+                    if chunk:
+                        yield chunk
+            except (WorkerFailed, APIError) as exc:
+                tail, done = writer.failed(exc), True
+                ended(False)
+                yield tail
+                return
+        tail, done = writer.closing(), True
+        ended(True)
+        yield tail
+    finally:
+        if not done:  # the client went away, or the stream was closed
+            ended(False)
 
 
 async def collect(streams: Updates, add: Callable[[int, Delta], None]) -> None:

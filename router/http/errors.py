@@ -6,7 +6,7 @@ errors, and request-body validation errors) to this body, so a client never sees
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping
 
 from fastapi.responses import JSONResponse
 
@@ -62,8 +62,18 @@ def pydantic_param(loc: tuple) -> tuple[str | None, bool]:
     return ".".join(parts) or None, False
 
 
-def from_validation_errors(errors: list[dict]) -> APIError:
-    """The first (most specific) pydantic error as a 400 naming its field."""
+def from_validation_errors(errors: list[dict], tags: Mapping[str, str] | None = None,
+                           where: str = "this server") -> APIError:
+    """The one mapper of request-body validation errors: the first (most specific) pydantic
+    error as a 400 naming its field.
+
+    Unions are read two ways. A plain union (`prompt: str | list[int] | ...`) ends the path
+    at the union (`prompt`, not `prompt.0`). Bodies whose items are tagged unions (`tags`:
+    item type -> the tag pydantic puts in the location; /v1/responses) pass through the
+    member to the field at fault, and an item `type` the server does not serve is named
+    first (`tools.0.type: 'web_search' is not supported by /v1/responses`)."""
+    if tags is not None and errors and (refused := _tagged(errors, tags, where)) is not None:
+        return refused
     if not errors:
         return bad_request("invalid request body")
     first = min(errors, key=lambda e: (e.get("type") != "missing", -len(e.get("loc", ()))))
@@ -77,3 +87,40 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     if union:
         msg = f"none of the accepted types matches (e.g. {msg[0].lower() + msg[1:]})"
     return bad_request(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def _path(loc: tuple) -> str:
+    """`loc` without the union members (`str`, `list[...]`, a tag) pydantic puts in it."""
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.search(p)))
+
+
+def _tagged(errors: list[dict], tags: Mapping[str, str], where: str) -> APIError | None:
+    """The refusal of a body of tagged unions: an unserved `type` first; else the first error
+    (a missing field first, then the deepest) at its path through the union members; None
+    when the body is not even an object (the plain reading answers)."""
+    for e in errors:
+        if e["type"] == "union_tag_invalid" or (e["type"] == "literal_error"
+                                                and e["loc"][-1:] == ("type",)):
+            param = _path(e["loc"])
+            if e["type"] == "union_tag_invalid":
+                param += ".type"
+                value, expected = e["ctx"]["tag"], _expected_tags(e["ctx"]["expected_tags"], tags)
+            else:
+                value, expected = e["input"], e["ctx"]["expected"]
+            return bad_request(f"{param}: {value!r} is not supported by {where} "
+                               f"(supported: {expected})", param, "unsupported_value")
+    paths = [_path(e["loc"]) for e in errors]
+    first = min(range(len(errors)), key=lambda i: (errors[i]["type"] != "missing",
+                                                   -len(errors[i]["loc"])))
+    param, message = paths[first], errors[first]["msg"]
+    if not param:  # not JSON, not an object
+        return None
+    if paths.count(param) > 1:  # each member of a union refused the value
+        message = f"none of the accepted types matches (e.g. {message[0].lower() + message[1:]})"
+    return bad_request(f"{param}: {message}", param, "invalid_value")
+
+
+def _expected_tags(expected: str, tags: Mapping[str, str]) -> str:
+    """pydantic's expected tags ("'Message', 'FunctionCall'") as the item types they stand for."""
+    names = {v: k for k, v in tags.items()}
+    return ", ".join(repr(names.get(t.strip(" '"), t.strip(" '"))) for t in expected.split(","))

@@ -3,6 +3,7 @@ request, the refusals, the output items and streaming events built from parsed p
 text (hand-made `ParsedDelta`s, and chat's own parser), the response store. The route itself,
 with fake workers: test_responses_route.py."""
 import json
+import logging
 
 import pytest
 
@@ -141,9 +142,9 @@ def test_chat_refusals_name_the_responses_fields():
 
 # ---- refusals ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("body, param, words", [
-    ({"input": "x", "frequency_penalty": 1}, "frequency_penalty", "unknown or unsupported field"),
+    ({"input": "x", "frequency_penalty": 1}, "frequency_penalty", "unsupported field"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs", "unsupported field"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search'"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f", "x": 1}]}, "tools.0.x", "unknown"),
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "truncation": "auto"}, "truncation", "'auto' is not supported"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "not supported"),
@@ -393,3 +394,16 @@ def test_reasoning_through_chats_parser():
     assert reasoning.content[0].text == "Let me" and message.content[0].text == "The answer."
     assert "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta") == "Let me"
     assert body.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_unknown_fields_are_ignored_with_a_warning(caplog):
+    """The one policy of every request body (router/endpoints/base.py), as vLLM: an unknown
+    field, at the top or inside an item, is ignored with a warning naming it (a known field
+    this endpoint does not act on is refused: test_refusals_name_the_field)."""
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.base"):
+        req = request(input="x", frobnicate_top=1,
+                      tools=[{"type": "function", "name": "f", "frobnicate_tool": 1}])
+        check(req)
+    assert req.tools[0].name == "f"
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "frobnicate_top" in logged and "frobnicate_tool" in logged

@@ -246,7 +246,7 @@ def test_plugin_registers_a_parser(tmp_path):
         assert cls.__name__ == "Mine" and cls([]).feed("ab").content == "AB"
         assert "test_plugin_parser" in tool_parser_names()
     finally:
-        base._PARSERS.pop("test_plugin_parser", None)
+        base.TOOL_PARSERS.remove("test_plugin_parser")
     with pytest.raises(ValueError, match="no such file"):
         load_tool_parser_plugin(str(tmp_path / "absent.py"))
 

@@ -1,24 +1,21 @@
-"""The model-information endpoints beside generation (vLLM's): /v1/models[/{id}], /tokenize,
-/detokenize, /version. /v1/*, /tokenize and /detokenize need the API key when one is set
-(router/http/auth.py); /version does not (as vLLM)."""
+"""The information endpoints (vLLM's): /v1/models[/{id}], /version, /health, /metrics.
+/v1/* needs the API key when one is set (router/http/auth.py); /version, /health and /metrics
+do not (as vLLM)."""
 from __future__ import annotations
 
 import importlib.metadata
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.generation.chat_tools import function_tools
-from router.http.errors import bad_request
-from router.http.openapi import SIDE_ERRORS, route_schema
-from router.endpoints.tokenize.protocol import DetokenizeRequest, TokenizeRequest
-from router.endpoints.base import parse_json
-from router.endpoints.tokenize.protocol import DetokenizeResponse, TokenizeResponse
-from router.endpoints.models.protocol import ModelInfo, ModelList, VersionResponse
+from cluster.roles import Role
+from router.endpoints.models.protocol import (HealthResponse, ModelInfo, ModelList,
+                                              VersionResponse)
+from router.generation.prepare import check_model
+from router.http.openapi import route_schema
 from router.services import Services
-from router.generation.chat_render import render_chat
-from router.generation.prepare import check_model, check_token_ids, encode_text, max_prompt_chars
 
 
 def _version() -> str:
@@ -28,7 +25,7 @@ def _version() -> str:
         return "unknown"
 
 
-def add_info_routes(app: FastAPI, services: Services) -> None:
+def add_model_routes(app: FastAPI, services: Services) -> None:
     card, version = services.card, _version()
 
     def model_card(lora_name: str | None = None, lora_path: str = "") -> dict[str, Any]:
@@ -54,45 +51,20 @@ def add_info_routes(app: FastAPI, services: Services) -> None:
     async def get_version() -> dict[str, str]:
         return {"version": version}
 
-    @app.post("/tokenize", **route_schema(TokenizeRequest, TokenizeResponse, errors=SIDE_ERRORS))
-    async def tokenize(request: Request) -> Response:
-        body = await request.body()
-        return await services.tokenizing(len(body), tokenize_body, body, services.max_model_len(),
-                                         services.loras.served())
+    @app.get("/health", response_model=None, responses={
+        200: {"model": HealthResponse, "description": "A decode worker is usable"},
+        503: {"model": HealthResponse, "description": "No decode worker is usable"}})
+    async def health() -> Response:
+        ready = {role: len(services.registry.ready(role)) for role in Role}
+        ok = ready[Role.DECODE] > 0
+        return JSONResponse({"status": "ok" if ok else "no_decode_workers",
+                             "decode_workers": ready[Role.DECODE],
+                             "prefill_workers": ready[Role.PREFILL]},
+                            status_code=200 if ok else 503)
 
-    def tokenize_body(body: bytes, limit: int, adapters: dict[str, str]) -> Response:
-        """The response, rendered here (off the loop for a large body: 100k token ids take
-        ~0.1 s to serialize)."""
-        req = parse_json(TokenizeRequest, body)
-        check_model(req.model, card, adapters)  # an adapter: the same tokenizer
-        tok = card.tokenizer
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of prompt and messages", "prompt")
-        if req.messages is not None:
-            kwargs = dict(req.chat_template_kwargs or {})
-            if req.tools:  # as a chat request with these tools renders them (vLLM's field)
-                kwargs["tools"] = [t.to_openai() for t in function_tools(req.tools)]
-            text = render_chat(tok, req.messages, req.add_generation_prompt,
-                               req.continue_final_message, kwargs,
-                               "add_generation_prompt" in req.model_fields_set)
-            special = bool(req.add_special_tokens)
-        else:
-            text, special = req.prompt, req.add_special_tokens is not False
-        ids = encode_text(tok, text, special, max_prompt_chars(card, limit, services.config.limits),
-                          "messages" if req.messages is not None else "prompt")
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = [tok.token_str(t) for t in ids]
-        return JSONResponse(out)
-
-    @app.post("/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse,
-                                            errors=SIDE_ERRORS))
-    async def detokenize(request: Request) -> Response:
-        body = await request.body()
-        return await services.tokenizing(len(body), detokenize_body, body, services.loras.served())
-
-    def detokenize_body(body: bytes, adapters: dict[str, str]) -> Response:
-        req = parse_json(DetokenizeRequest, body)
-        check_model(req.model, card, adapters)
-        check_token_ids(req.tokens, card, "tokens")
-        return JSONResponse({"prompt": card.tokenizer.decode(req.tokens)})
+    @app.get("/metrics", response_model=None, responses={200: {
+        "description": "Prometheus text format (the router's own registry)",
+        "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+    async def metrics() -> Response:
+        services.update_gauges()
+        return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)

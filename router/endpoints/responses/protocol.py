@@ -1,31 +1,35 @@
-"""The /v1/responses request body: the fields this server acts on, and nothing else.
+"""The /v1/responses request body: the fields this server acts on.
 
-Unlike the chat and completion bodies (router/endpoints/sampling.py), which ignore fields they do not
-know as vLLM does, every model here forbids undeclared fields: an unknown or unsupported
-field is a 400 naming it. A value that asks for something pdserve cannot do (`background`,
-`truncation: "auto"`, a reasoning effort, `include`) is a 400 too (`check`).
+Unknown fields follow the one policy of every request body (router/endpoints/base.py: ignored
+with a warning); a known vLLM / OpenAI field this endpoint does not act on (`REFUSED`) is a
+400 naming it, and so is a value that asks for something pdserve cannot do (`background`,
+`truncation: "auto"`, a reasoning effort, `include`): `check`.
 
 Output items come back as input items (a client sends the previous output with its next
 message): messages with `output_text` parts, `function_call` and `reasoning` items parse here.
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag,
+from pydantic import (ConfigDict, Discriminator, Field, StringConstraints, Tag,
                       ValidationError)
 
-from router.http.errors import APIError, bad_request, from_validation_errors
+from router.endpoints.base import RequestModel
+from router.endpoints.chat.protocol import ChatCompletionRequest
+from router.endpoints.sampling import LACKING
+from router.http.errors import bad_request, from_validation_errors
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+class _Param(RequestModel):
+    """Every model of this body: the one unknown-field policy (router/endpoints/base.py)."""
+
+    model_config = ConfigDict(populate_by_name=True)
 
 
-class TextContent(_Strict):
+class TextContent(_Param):
     """A message's text part: `input_text`, or `output_text` (an earlier answer sent back;
     its annotations and logprobs are output details, not read)."""
 
@@ -35,7 +39,7 @@ class TextContent(_Strict):
     logprobs: list[dict[str, Any]] | None = None
 
 
-class MessageItem(_Strict):
+class MessageItem(_Param):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextContent]
@@ -43,7 +47,7 @@ class MessageItem(_Strict):
     status: ItemStatus | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_Param):
     """A call the model made in an earlier turn."""
 
     type: Literal["function_call"]
@@ -54,7 +58,7 @@ class FunctionCallItem(_Strict):
     status: ItemStatus | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_Param):
     """The result of an earlier call, for the model to read."""
 
     type: Literal["function_call_output"]
@@ -64,17 +68,17 @@ class FunctionCallOutputItem(_Strict):
     status: ItemStatus | None = None
 
 
-class SummaryText(_Strict):
+class SummaryText(_Param):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(_Strict):
+class ReasoningText(_Param):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(_Param):
     """Reasoning of an earlier turn sent back: the `reasoning_content` of that turn's
     assistant message (its template decides whether to show it)."""
 
@@ -105,7 +109,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("Message")],
                       Discriminator(_item_tag)]
 
 
-class FunctionToolParam(_Strict):
+class FunctionToolParam(_Param):
     """A function tool, in the Responses API's flat shape (chat nests it under `function`)."""
 
     type: Literal["function"]
@@ -115,16 +119,16 @@ class FunctionToolParam(_Strict):
     strict: bool | None = None
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(_Param):
     type: Literal["function"]
     name: str
 
 
-class TextFormatText(_Strict):
+class TextFormatText(_Param):
     type: Literal["text"]
 
 
-class TextFormatJsonSchema(_Strict):
+class TextFormatJsonSchema(_Param):
     type: Literal["json_schema"]
     name: str
     schema_: dict[str, Any] = Field(alias="schema")
@@ -132,7 +136,7 @@ class TextFormatJsonSchema(_Strict):
     strict: bool | None = None
 
 
-class TextFormatJsonObject(_Strict):
+class TextFormatJsonObject(_Param):
     type: Literal["json_object"]
 
 
@@ -140,11 +144,11 @@ TextFormat = Annotated[Union[TextFormatText, TextFormatJsonSchema, TextFormatJso
                        Field(discriminator="type")]
 
 
-class TextConfig(_Strict):
+class TextConfig(_Param):
     format: TextFormat | None = None
 
 
-class ReasoningParam(_Strict):
+class ReasoningParam(_Param):
     """Accepted only empty: the router cannot make a model reason more or less, nor summarize."""
 
     effort: str | None = None
@@ -156,7 +160,20 @@ MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
-class ResponsesRequest(_Strict):
+REFUSED = frozenset({
+    # OpenAI's Responses parameters this server does not act on.
+    "conversation", "max_tool_calls", "prompt", "prompt_cache_key", "safety_identifier",
+    "service_tier", "stream_options", "top_logprobs",
+    # What a chat or completion request takes (and vLLM's fields pdserve lacks), which a
+    # client might send here as well: /v1/responses does not take it.
+    *ChatCompletionRequest.model_fields, *LACKING, "logprobs", "echo", "suffix", "best_of"})
+"""Known vLLM / OpenAI fields /v1/responses refuses by name when set (ResponsesRequest's own
+fields are left out below)."""
+
+
+class ResponsesRequest(_Param):
+    handled_extra = REFUSED  # refused by name when set (`check`), not ignored
+
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -190,61 +207,21 @@ class ResponsesRequest(_Strict):
 
 def parse_request(body: bytes) -> ResponsesRequest:
     """`body` as a ResponsesRequest, strictly from JSON; else the 400 naming the field
-    (`refusal`)."""
+    (router/http/errors.py: `from_validation_errors`, reading tagged unions)."""
     try:
         return ResponsesRequest.model_validate_json(body or b"", strict=True)
     except ValidationError as exc:
-        raise refusal(exc.errors()) from None
-
-
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list|dict|none|[A-Z]\w*)$|[\[\]\-]")
-"""A union member pydantic puts in an error's location (`str`, `list[...]`, a tag)."""
-
-
-def _path(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and _UNION_MEMBER.search(p)))
-
-
-def refusal(errors: list[dict]) -> APIError:
-    """The 400 for a body that does not parse. A `type` this server does not serve is named
-    first (the most telling refusal: `tools.0.type: 'web_search' is not supported`), then an
-    unknown field; else the first error (a missing field first, then the deepest), at its
-    path without the union members."""
-    for e in errors:
-        if e["type"] == "union_tag_invalid" or (e["type"] == "literal_error"
-                                                and e["loc"][-1:] == ("type",)):
-            param = _path(e["loc"])
-            if e["type"] == "union_tag_invalid":
-                param += ".type"
-                value, expected = e["ctx"]["tag"], _expected_tags(e["ctx"]["expected_tags"])
-            else:
-                value, expected = e["input"], e["ctx"]["expected"]
-            return bad_request(f"{param}: {value!r} is not supported by /v1/responses "
-                               f"(supported: {expected})", param, "unsupported_value")
-    for e in errors:
-        if e["type"] == "extra_forbidden":
-            param = _path(e["loc"])
-            return bad_request(f"{param}: unknown or unsupported field (/v1/responses refuses "
-                               "the fields it does not act on)", param, "unsupported_field")
-    paths = [_path(e["loc"]) for e in errors]
-    first = min(range(len(errors)), key=lambda i: (errors[i]["type"] != "missing",
-                                                   -len(errors[i]["loc"])))
-    param, message = paths[first], errors[first]["msg"]
-    if not param:  # not JSON, not an object
-        return from_validation_errors(errors)
-    if paths.count(param) > 1:  # each member of a union refused the value
-        message = f"none of the accepted types matches (e.g. {message[0].lower() + message[1:]})"
-    return bad_request(f"{param}: {message}", param, "invalid_value")
-
-
-def _expected_tags(tags: str) -> str:
-    """pydantic's expected tags ("'Message', 'FunctionCall'") as the item types they stand for."""
-    names = {v: k for k, v in _ITEM_TAGS.items()}
-    return ", ".join(repr(names.get(t.strip(" '"), t.strip(" '"))) for t in tags.split(","))
+        raise from_validation_errors(exc.errors(), tags=_ITEM_TAGS,
+                                     where="/v1/responses") from None
 
 
 def check(req: ResponsesRequest) -> None:
-    """Refuses values that ask for what this server cannot do (400 naming the field)."""
+    """Refuses values that ask for what this server cannot do, and the known fields it does
+    not act on (`REFUSED`, when set): a 400 naming the field."""
+    for name, value in (req.model_extra or {}).items():
+        if name in REFUSED and value is not None:
+            raise bad_request(f"{name}: unsupported field (/v1/responses refuses the known "
+                              "fields it does not act on)", name, "unsupported_field")
     if req.background:
         raise bad_request("background responses are not supported (this server answers "
                           "while the request is open)", "background", "unsupported_value")

@@ -110,6 +110,11 @@ class ResponseRun:
         return self._sse({"type": "response.created", "response": response}) + \
             self._sse({"type": "response.in_progress", "response": response})
 
+    def chunk(self, prompt_idx: int, delta: Delta) -> bytes:
+        """`add`, then what it adds to the stream (`take`)."""
+        self.add(prompt_idx, delta)
+        return self.take()
+
     def take(self) -> bytes:
         """The items' events since the last call."""
         out = b"".join(map(self._sse, self.writer.events))
@@ -124,8 +129,8 @@ class ResponseRun:
         return self.take() + self._sse({"type": f"response.{status}",
                                         "response": self.response(status)})
 
-    def failed(self, message: str) -> bytes:
-        error = {"code": "server_error", "message": message}
+    def failed(self, exc: BaseException | str) -> bytes:
+        error = {"code": "server_error", "message": str(exc)}
         return self.take() + self._sse({"type": "response.failed",
                                         "response": self.response("failed", error)})
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from router.config import LimitsConfig
-from router.dispatch import Delta, WorkerFailed
 from router.http.errors import APIError, bad_request, from_validation_errors
-from router.generation.run import Updates, collect, count_tool_calls, dispatch, settle
+from router.generation.run import answer, count_tool_calls, dispatch
 from router.http.key_limits import TENANT
 from router.http.openapi import GENERATE_ERRORS, route_schema
 from router.endpoints.chat.protocol import ChatCompletionRequest
@@ -24,7 +22,6 @@ from router.endpoints.responses.protocol import ResponsesRequest, check, parse_r
 from router.endpoints.responses.run import ResponseRun
 from router.endpoints.responses.store import ResponseStore
 from router.services import Services
-from router.http.streaming import ClientGone
 from router.generation.prepare import ModelCard, Prepared, prepare_chat
 
 STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
@@ -62,24 +59,14 @@ async def _respond(services: Services, store: ResponseStore | None, request: Req
     run = ResponseRun(req, prepared, f"resp_{uuid.uuid4().hex}", keep,
                       services.config.enable_prompt_tokens_details)
 
-    def finished(completed: bool = True) -> None:
-        """The response ended (`completed`: not failed): its calls counted, it kept (before
-        the client reads its end, so that it can continue it at once)."""
+    def finished(completed: bool) -> None:
+        """The response ended (`completed`: not failed, nor left): its calls counted, it kept
+        (before the client reads its end, so that it can continue it at once)."""
         count_tool_calls(services, prepared, run.parser.num_calls)
-        if keep and completed:
+        if store is not None and keep and completed:
             store.put(tenant, run.id, conversation + output_messages(run.output()))
 
-    try:
-        if not prepared.stream:
-            await settle(request, streams, collect(streams, run.add))
-            finished()
-            return JSONResponse(run.response())
-        first = await settle(request, streams, anext(streams))
-    except ClientGone:
-        return Response(status_code=499)
-    return StreamingResponse(_events(run, first, streams, finished),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await answer(request, streams, prepared.stream, run, finished)
 
 
 def _history(store: ResponseStore | None, tenant: bytes | None,
@@ -108,22 +95,3 @@ def _prepare(chat: dict[str, Any], card: ModelCard, limit: int, adapters: Mappin
         raise renamed(from_validation_errors(exc.errors())) from None
     except APIError as exc:
         raise renamed(exc) from None
-
-
-async def _events(run: ResponseRun, first: tuple[int, Delta], streams: Updates,
-                  finished: Callable[[bool], None]) -> AsyncIterator[bytes]:
-    async with aclosing(streams):
-        run.add(*first)
-        yield run.opening() + run.take()
-        try:
-            async for prompt_idx, delta in streams:
-                run.add(prompt_idx, delta)
-                chunk = run.take()
-                if chunk:
-                    yield chunk
-        except (WorkerFailed, APIError) as exc:
-            finished(False)
-            yield run.failed(str(exc))
-            return
-    finished(True)
-    yield run.closing()

@@ -19,8 +19,9 @@ router/parsers/reasoning/parser.py selects from it by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from typing import ClassVar
 
+from router.parsers.registry import ParserRegistry
 from router.parsers.tools.types import ParsedDelta
 
 
@@ -56,13 +57,6 @@ class ReasoningParser(ABC):
         """The reasoning is over: text fed from now on is answer."""
 
 
-_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]],
-                                                     type[ReasoningParser]]:
-    def add(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return add
+REASONING_PARSERS: ParserRegistry[type[ReasoningParser]] = ParserRegistry(
+    "reasoning", "--reasoning-parser-plugin")
+register_reasoning_parser = REASONING_PARSERS.register

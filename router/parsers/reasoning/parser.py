@@ -4,21 +4,13 @@ parser keeps is ReasoningParser's (router/parsers/reasoning/base.py, re-exported
 import of this module."""
 from __future__ import annotations
 
-from router.parsers.reasoning import think as reasoning_parsers
-from router.parsers.reasoning.base import _PARSERS, ReasoningParser, register_reasoning_parser
+from router.parsers.reasoning import think
+from router.parsers.reasoning.base import (REASONING_PARSERS, ReasoningParser,
+                                           register_reasoning_parser)
 
-del reasoning_parsers  # imported for its effect: the built-in parsers registered themselves
+del think  # imported for its effect: the built-in parsers registered themselves
 __all__ = ["ReasoningParser", "reasoning_parser", "reasoning_parser_names",
            "register_reasoning_parser"]
 
-
-def reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return _PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r} (known: "
-                         f"{', '.join(sorted(_PARSERS))})") from None
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(_PARSERS)
+reasoning_parser = REASONING_PARSERS.get
+reasoning_parser_names = REASONING_PARSERS.names

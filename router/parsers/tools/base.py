@@ -1,5 +1,6 @@
 """The tool-call parser contract, and the registry parsers add themselves to
-(`register_tool_parser`); router/parsers/tools/parser.py selects from it by name.
+(`register_tool_parser`: router/parsers/registry.py); router/parsers/tools/parser.py selects
+from it by name.
 
 A parser reads one completion's answer text as it streams and splits it into plain content
 and function calls, in the model family's own format. Contract, for every parser:
@@ -22,8 +23,9 @@ and function calls, in the model family's own format. Contract, for every parser
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
+from router.parsers.registry import ParserRegistry
 from router.parsers.tools.types import FunctionTool, ParsedDelta
 
 
@@ -47,14 +49,8 @@ class ToolParser(ABC):
         return None
 
 
-_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: `--tool-call-parser name` selects the class (a plugin file uses this
-    too). A second class for a name replaces the first (a plugin may override a built-in)."""
-    def add(cls: type[ToolParser]) -> type[ToolParser]:
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-    return add
+TOOL_PARSERS: ParserRegistry[type[ToolParser]] = ParserRegistry("tool call",
+                                                                "--tool-parser-plugin")
+register_tool_parser = TOOL_PARSERS.register
+"""Class decorator: `--tool-call-parser name` selects the class (a plugin file uses this
+too). A second class for a name replaces the first (a plugin may override a built-in)."""
