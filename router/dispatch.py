@@ -33,10 +33,11 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 
+from cluster.roles import Role
 from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
 from engine.sampling_params import SamplingParams
 from engine.tokens import Logprob as TokenLogprob, Resume
@@ -52,6 +53,7 @@ from router.placement.policy import Reason
 from router.placement.registry import WorkerState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _SEEDS = random.SystemRandom()  # seeds for requests that bring none
 
 _FAILED = ("error", "abort")
@@ -150,29 +152,55 @@ class Dispatcher:
         if placement is None:
             placement = self.placer.place(prompt, exclude, remote_prefill, context)
         if placement is None:
-            if self.num_waiting >= self.config.max_queued_requests:
-                raise self._busy(policy, "too many requests are waiting for capacity")
-            t0 = time.monotonic()
-            deadline = t0 + self.config.queue_timeout_s
-            self.num_waiting += 1
-            self.metrics.waiting.inc()
-            try:
-                while placement is None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise self._busy(policy, "no worker has capacity for this request")
-                    await self.registry.wait_changed(min(remaining, 0.25))
-                    placement = self.placer.place(prompt, exclude, remote_prefill, context)
-            finally:
-                self.num_waiting -= 1
-                self.metrics.waiting.dec()
-                self.metrics.queue_wait.observe(time.monotonic() - t0)
+            placement = await self.wait_for(
+                lambda: self.placer.place(prompt, exclude, remote_prefill, context),
+                "no worker has capacity for this request")
         self.metrics.decisions.labels(policy, placement.decision.reason.value).inc()
         self.metrics.note_decision(policy, placement.decision.reason.value,
                                    placement.decode.info.worker_id,
                                    placement.prefill.info.worker_id if placement.prefill else None,
                                    placement.decision.predicted_cached_tokens)
         return placement
+
+    async def acquire_prefill(self, prompt: PromptKey,
+                              exclude: frozenset[str] = frozenset()) -> WorkerState:
+        """A prefill worker for prompt-only work (an embedding): the policy's prefill choice
+        (prefix affinity, queued prefill work), waited for as `acquire` waits; 503 at once
+        when no prefill worker is registered."""
+        if not self.registry.by_role(Role.PREFILL):
+            raise APIError(503, "no prefill worker is registered (embeddings run on the prefill "
+                           "pool only)", code="no_prefill_workers")
+        worker = self.placer.place_prefill(prompt, exclude)
+        if worker is None:
+            worker = await self.wait_for(lambda: self.placer.place_prefill(prompt, exclude),
+                                         "no prefill worker is available for this request")
+        self.metrics.embedding_placements.labels(worker.info.role).inc()
+        return worker
+
+    async def wait_for(self, place: Callable[[], T | None], busy: str) -> T:
+        """`place()` retried on every registry change (capacity republished, a request
+        finished) until it is not None: the one bounded wait for capacity. At most
+        `max_queued_requests` wait at once (the waiting gauge, the queue-wait histogram);
+        past `queue_timeout_s`, or with the queue full, a 503 + Retry-After (`busy`)."""
+        policy = self.placer.policy.name
+        if self.num_waiting >= self.config.max_queued_requests:
+            raise self._busy(policy, "too many requests are waiting for capacity")
+        t0 = time.monotonic()
+        deadline = t0 + self.config.queue_timeout_s
+        self.num_waiting += 1
+        self.metrics.waiting.inc()
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._busy(policy, busy)
+                await self.registry.wait_changed(min(remaining, 0.25))
+                if (found := place()) is not None:
+                    return found
+        finally:
+            self.num_waiting -= 1
+            self.metrics.waiting.dec()
+            self.metrics.queue_wait.observe(time.monotonic() - t0)
 
     def _busy(self, policy: str, message: str) -> APIError:
         self.metrics.decisions.labels(policy, Reason.NO_CAPACITY.value).inc()

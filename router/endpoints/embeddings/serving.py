@@ -5,9 +5,10 @@ Life cycle of a request here:
 1. `prepare_embedding`: parse strictly (OpenAI's body + vLLM's extensions), tokenize each
    input, check token ids and lengths against the prefill workers' max_model_len; every
    refusal a 400 naming the field.
-2. Per input, concurrently: `Placer.place_prefill` picks a prefill worker by prefix affinity
-   (the KV index) and queued prefill work — the policy's prefill choice; none usable: wait for
-   a change until `queue_timeout_s`, then 503 (at once when no prefill worker is registered).
+2. Per input, concurrently: `Dispatcher.acquire_prefill` (router/dispatch.py) picks a prefill
+   worker by prefix affinity (the KV index) and queued prefill work — the policy's prefill
+   choice; none usable: the dispatcher's one bounded wait (its queue bound, waiting gauge and
+   queue-wait histogram), then 503 (at once when no prefill worker is registered).
 3. `PrefillWorker.Embed` on it; the worker batches the prompt with its other prefills and
    returns the pooled, normalized hidden state. A worker failure is retried on another one
    (`max_retries`), then 502; INVALID_ARGUMENT is a 400.
@@ -116,8 +117,8 @@ class Embedder:
     """Runs one input on the prefill pool (module docstring, 2 and 3)."""
 
     def __init__(self, services: Services) -> None:
-        d = services.dispatcher
-        self.config, self.placer, self.channels = d.config, d.placer, d.channels
+        d = self.dispatcher = services.dispatcher
+        self.config, self.channels = d.config, d.channels
         self.registry, self.metrics, self.card = d.registry, services.metrics, services.card
 
     def max_model_len(self) -> int:
@@ -131,7 +132,7 @@ class Embedder:
     async def embed(self, prompt: PromptKey, prepared: PreparedEmbedding) -> pb.EmbedResponse:
         exclude: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
-            worker = await self._acquire(prompt, frozenset(exclude))
+            worker = await self.dispatcher.acquire_prefill(prompt, frozenset(exclude))
             try:
                 return await self._call(worker, prompt, prepared)
             except grpc.aio.AioRpcError as exc:
@@ -145,21 +146,6 @@ class Embedder:
                 exclude.add(worker.info.worker_id)
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")
-
-    async def _acquire(self, prompt: PromptKey, exclude: frozenset[str]) -> WorkerState:
-        if not self.registry.by_role(Role.PREFILL):
-            raise APIError(503, "no prefill worker is registered (embeddings run on the prefill "
-                           "pool only)", code="no_prefill_workers")
-        deadline = time.monotonic() + self.config.queue_timeout_s
-        while (worker := self.placer.place_prefill(prompt, exclude)) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                retry_after = str(max(1, round(self.config.queue_timeout_s / 2)))
-                raise APIError(503, "no prefill worker is available for this request",
-                               code="overloaded", headers={"Retry-After": retry_after})
-            await self.registry.wait_changed(min(remaining, 0.25))
-        self.metrics.embedding_placements.labels(worker.info.role).inc()
-        return worker
 
     async def _call(self, worker: WorkerState, prompt: PromptKey,
                     prepared: PreparedEmbedding) -> pb.EmbedResponse:
