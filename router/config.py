@@ -8,12 +8,14 @@ from cluster.chat_config import GROUP as CHAT_GROUP
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
-from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP
+from cluster.grpc_security import GrpcSecurity
 from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
+from router.endpoint_picker.config import GROUP as PICKER_GROUP
+from router.endpoint_picker.config import WILDCARD_HOSTS, EndpointPickerConfig
 from router.placement.allowed_workers import ANY, IPNetwork, parse_network
-from router.endpoint_picker.config import GROUP as PICKER_GROUP, WILDCARD_HOSTS, EndpointPickerConfig
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 

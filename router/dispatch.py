@@ -33,22 +33,28 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncGenerator, Callable, TypeVar
 
 import grpc
 
+from cluster.convert import (
+    logprob_from_pb,
+    lora_to_pb,
+    sampling_to_pb,
+    stop_reason_from_pb,
+)
 from cluster.roles import Role
-from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
 from engine.sampling_params import SamplingParams
-from engine.tokens import Logprob as TokenLogprob, Resume
+from engine.tokens import Logprob as TokenLogprob
+from engine.tokens import Resume
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
 from router.config import RouterConfig
 from router.http.errors import APIError
-from router.placement.inflight import InFlight
 from router.metrics import RouterMetrics
-from router.placement.placer import Placement, Placer, PromptKey
 from router.placement.hint import PlacementHint
+from router.placement.inflight import InFlight
+from router.placement.placer import Placement, Placer, PromptKey
 from router.placement.policy import Reason
 from router.placement.registry import WorkerState
 
@@ -210,7 +216,7 @@ class Dispatcher:
 
     async def generate(self, prompt: PromptKey, sampling: SamplingParams,
                        arrival: float, priority: int = 0,
-                       hint: PlacementHint | None = None) -> AsyncIterator[Delta]:
+                       hint: PlacementHint | None = None) -> AsyncGenerator[Delta, None]:
         """Deltas of every completion of one prompt, until each has finished; failures are
         retried or migrated (module docstring, 3 and 4). `hint`: followed on the first attempt
         only."""
@@ -270,7 +276,7 @@ class Dispatcher:
 
     async def _run(self, placement: Placement, prompt: PromptKey, sampling: SamplingParams,
                    arrival: float, priority: int,
-                   resume: Resume | None = None) -> AsyncIterator[Delta]:
+                   resume: Resume | None = None) -> AsyncGenerator[Delta, None]:
         """One attempt: the Generate call under this router's in-flight accounting, observed
         by the metrics, its failures classified for `generate`. `resume`: a migration."""
         decode = placement.decode
@@ -282,7 +288,8 @@ class Dispatcher:
         first_timeout = (self.config.stall_timeout_s if resume is not None
                          else self.config.first_token_timeout_s)
         placed_at = time.monotonic()
-        learn = resume is None and placement.decision.estimated_ttft_s is not None
+        estimated_ttft_s = placement.decision.estimated_ttft_s
+        learn = resume is None and estimated_ttft_s is not None
         with InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
             try:
                 async with aclosing(self._call(decode.info.grpc_address, request,
@@ -293,10 +300,10 @@ class Dispatcher:
                             raise _failed_completion(decode, delta, yielded)
                         if delta.token_ids:
                             load.first_token()
-                            if learn:  # what the placement's TTFT estimate missed
+                            if learn and estimated_ttft_s is not None:  # what it missed
                                 learn = False
                                 self.placer.policy.correction.observe(
-                                    placement.decision.path, placement.decision.estimated_ttft_s,
+                                    placement.decision.path, estimated_ttft_s,
                                     time.monotonic() - placed_at)
                         observer.on_delta(delta)
                         if delta.finish_reason is not None:
@@ -314,7 +321,7 @@ class Dispatcher:
             observer.on_success(len(prompt.token_ids), placement.decision.predicted_cached_tokens)
 
     async def _call(self, address: str, request: pb.GenerateRequest,
-                    first_timeout: float) -> AsyncIterator[pb.GenerateResponse]:
+                    first_timeout: float) -> AsyncGenerator[pb.GenerateResponse, None]:
         """`DecodeWorker.Generate` at `address`, message by message; `_CallStalled` when the
         first message takes over `first_timeout` s, a later one over `stall_timeout_s` (0:
         no limit; time spent by our consumer does not count). Closing this early cancels the

@@ -21,27 +21,27 @@ from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.heap import freeze_startup_heap
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
+from engine.tokenizer import Tokenizer
 from router.channels import ChannelPool
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
+from router.endpoints.admin.fleet import FleetAdmin
+from router.endpoints.loras.serving import LoRAAdapters
+from router.generation.logprobs import TokenText
+from router.generation.prepare import ModelCard
+from router.generation.structured import Grammars
+from router.http.auth import Keys, resolve_keys
+from router.http.key_limits import KeyLimits
+from router.http.limits import uvicorn_options
+from router.metrics import RouterMetrics
+from router.parsers.message import ChatOptions
+from router.placement.allowed_workers import AllowedWorkers
 from router.placement.events import KVSubscriptions
 from router.placement.index import KVIndex
-from router.metrics import RouterMetrics
 from router.placement.placer import Placer
 from router.placement.policy import make_policy
 from router.placement.pool_signals import pool_signals
 from router.placement.registry import EtcdWatcher, Refusal, WorkerRegistry
-from router.generation.logprobs import TokenText
-from router.endpoints.admin.fleet import FleetAdmin
-from router.placement.allowed_workers import AllowedWorkers
-from router.http.auth import Keys, resolve_keys
-from router.http.key_limits import KeyLimits
-from router.http.limits import uvicorn_options
-from router.endpoints.loras.serving import LoRAAdapters
-from router.generation.structured import Grammars
-from engine.tokenizer import Tokenizer
-from router.parsers.message import ChatOptions
-from router.generation.prepare import ModelCard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,8 +96,8 @@ def chat_options(config: ChatConfig, tok: Tokenizer) -> ChatOptions:
     reasoning = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
     markers = None
     if reasoning is not None:
-        markers = tuple(tuple(tok.encode(m, add_special_tokens=False))
-                        for m in (reasoning.start, reasoning.end))
+        markers = (tuple(tok.encode(reasoning.start, add_special_tokens=False)),
+                   tuple(tok.encode(reasoning.end, add_special_tokens=False)))
     return ChatOptions(
         auto_tool_choice=config.enable_auto_tool_choice,
         tool_parser=tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
@@ -179,10 +179,11 @@ class RouterServices:
             await self._start_picker()
 
     async def _start_picker(self) -> None:
-        """The endpoint picker (router/endpoint_picker/ext_proc.py) beside the HTTP API, over this router's
+        """The endpoint picker (router/endpoint_picker/ext_proc.py) beside the HTTP API, over this
+        router's
         registry, KV index and placement; ready (gRPC health) once etcd has synced."""
-        from router.endpoint_picker.picker import EndpointPicker
         from router.endpoint_picker.ext_proc import set_serving, start_picker_server
+        from router.endpoint_picker.picker import EndpointPicker
 
         cfg = self.config
         endpoint = cfg.endpoint_picker.endpoint or f"{cfg.host}:{cfg.port}"  # (config.py checks)

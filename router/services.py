@@ -1,4 +1,4 @@
-"""What the HTTP surface (app.py, info_routes.py) needs from a running router. server.py's
+"""What the HTTP surface (router/http/, router/endpoints/) needs from a running router. server.py's
 `RouterServices` is the real one; the app knows only this, so router's modules import one
 way: server -> app -> services."""
 from __future__ import annotations
@@ -8,15 +8,15 @@ from typing import Any, Callable, Protocol, TypeVar
 
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.generation.logprobs import TokenText
 from router.endpoints.admin.fleet import FleetAdmin
+from router.endpoints.loras.serving import LoRAAdapters
+from router.generation.logprobs import TokenText
+from router.generation.prepare import ModelCard
+from router.generation.structured import Grammars
 from router.http.auth import Keys
 from router.http.key_limits import KeyLimits
-from router.endpoints.loras.serving import LoRAAdapters
 from router.metrics import RouterMetrics
 from router.placement.registry import WorkerRegistry
-from router.generation.structured import Grammars
-from router.generation.prepare import ModelCard
 
 T = TypeVar("T")
 

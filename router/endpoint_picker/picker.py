@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from cluster.roles import Role
-from router.http.auth import authorize, effective_salt
 from router.dispatch import context_needed
+from router.generation.prepare import Kind, prepare
+from router.http.auth import authorize, effective_salt
 from router.http.errors import APIError
 from router.http.limits import head_refusal, too_large
-from router.placement.placer import PromptKey
 from router.placement.hint import PlacementHint
+from router.placement.placer import PromptKey
 from router.services import Services
-from router.generation.prepare import Kind, prepare
 
 GENERATION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
                                      "/v1/completions": "completion"}
@@ -81,11 +81,10 @@ class EndpointPicker:
     async def _place(self, kind: Kind, path: str, headers: Mapping[str, str],
                      body: bytes) -> tuple[PlacementHint | None, str]:
         s = self.services
-        scope = {"type": "http", "path": path.partition("?")[0],
-                 "headers": [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                             for k, v in headers.items()]}
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        scope = {"type": "http", "path": path.partition("?")[0], "headers": raw}
         denied = authorize(s.keys, scope) or head_refusal(
-            headers.get(":method", "POST"), dict(scope["headers"]),
+            headers.get(":method", "POST"), dict(raw),
             s.config.limits.max_request_body_bytes)
         if denied is not None:
             raise denied

@@ -8,16 +8,21 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from engine.tokens import Logprob
 from typing import Any
 
-from router.parsers.message import MessageParser
+from engine.tokens import Logprob
 from router.dispatch import Delta, WorkerFailed
-from router.http.errors import APIError
-from router.parsers.tools.types import assemble
-from router.generation.logprobs import (TextOffsets, TokenText, chat_logprobs, completion_logprobs,
-                             prompt_logprobs)
+from router.generation.logprobs import (
+    TextOffsets,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from router.generation.prepare import Prepared
+from router.http.errors import APIError
+from router.parsers.message import MessageParser
+from router.parsers.tools.types import assemble
 
 
 @dataclass
@@ -130,7 +135,8 @@ class Collector(_Base):
                 choices.append({"index": i, "text": text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                                 "prompt_logprobs": self._prompt_logprobs(i // n)})
-        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+        body: dict[str, Any] = {
+                "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.p.model, "choices": choices,
                 "usage": self.usage()}
         if self.chat:

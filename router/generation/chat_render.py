@@ -7,8 +7,8 @@ import json
 from typing import Any, Mapping
 
 from engine.tokenizer import ChatTemplateError, Tokenizer
-from router.http.errors import bad_request
 from router.endpoints.chat.protocol import ChatCompletionRequest, ChatMessage, TextPart
+from router.http.errors import bad_request
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -28,11 +28,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                       "supported (only text)", where)
                 parts.append(part.text)
             text = "\n".join(parts)
-        message = {"role": m.role, "content": text}
+        message: dict[str, Any] = {"role": m.role, "content": text}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
-            message["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(m.tool_calls)]
+            message["tool_calls"] = [_template_call(i, j, call)
+                                     for j, call in enumerate(m.tool_calls)]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning

@@ -21,10 +21,19 @@ from typing import Any
 
 from engine.structured.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer
-from router.parsers.message import ChatOptions, OutputSetup, required_calls_schema
-from router.http.errors import bad_request
-from router.endpoints.chat.protocol import ChatCompletionRequest, ChatTool, NamedToolChoice
+from router.endpoints.chat.protocol import (
+    ChatCompletionRequest,
+    ChatTool,
+    NamedToolChoice,
+)
 from router.generation.structured import Constraint
+from router.http.errors import bad_request
+from router.parsers.message import (
+    ChatOptions,
+    OutputSetup,
+    ToolChoice,
+    required_calls_schema,
+)
 from router.parsers.tools.parser import ToolParser
 from router.parsers.tools.types import FunctionTool
 
@@ -105,7 +114,7 @@ def function_tools(declared: list[ChatTool]) -> list[FunctionTool]:
 
 
 def _choice(req: ChatCompletionRequest, tools: list[FunctionTool],
-            options: ChatOptions) -> tuple[str, str | None]:
+            options: ChatOptions) -> tuple[ToolChoice, str | None]:
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -131,9 +140,10 @@ def _constraint(setup: OutputSetup, tag: bool) -> Constraint | None:
         return Constraint(StructuredOutputsParams(json=schema, disable_any_whitespace=True),
                           "tools")
     if setup.tool_choice == "auto" and setup.parser is not None and tag:
-        tag = setup.parser.structural_tag(tools)
-        if tag is not None:
-            return Constraint(StructuredOutputsParams(structural_tag=json.dumps(tag)), "tools")
+        structural = setup.parser.structural_tag(tools)
+        if structural is not None:
+            return Constraint(StructuredOutputsParams(structural_tag=json.dumps(structural)),
+                              "tools")
     return None
 
 

@@ -6,21 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
-
 from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from router.parsers.message import ChatOptions, OutputSetup
-from router.generation.chat_render import chat_text
-from router.generation.chat_tools import ChatTools, combine, read_tools
 from router.config import LimitsConfig
-from router.http.errors import APIError, bad_request
+from router.endpoints.base import parse_json
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
-from router.endpoints.base import parse_json
+from router.generation.chat_render import chat_text
+from router.generation.chat_tools import ChatTools, combine, read_tools
 from router.generation.structured import Constraint, constraint
 from router.generation.unsupported import refuse_unsupported
+from router.http.errors import APIError, bad_request
+from router.parsers.message import ChatOptions, OutputSetup
 
 Kind = Literal["chat", "completion"]
 MAX_SEED = (1 << 63) - 1
@@ -73,7 +72,9 @@ class Prepared:
 
 
 def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
-    return parse_json(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
+    if kind == "chat":
+        return parse_json(ChatCompletionRequest, body)
+    return parse_json(CompletionRequest, body)
 
 
 def check_model(name: str | None, card: ModelCard,
@@ -175,7 +176,7 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     return Prepared(
         kind=kind, model=lora.lora_name if lora else card.name, prompts=prompts, sampling=sampling,
         cache_salt=req.cache_salt, stream=req.stream, include_usage=include_usage,
-        continuous_usage=include_usage and opts.continuous_usage_stats,
+        continuous_usage=bool(include_usage and opts and opts.continuous_usage_stats),
         chat_logprobs=kind == "chat" and logprobs is not None, priority=req.priority,
         echo=echo, tokens_as_ids=bool(req.return_tokens_as_token_ids),
         request_id=req.request_id, constraint=structured, lora=lora,

@@ -1,6 +1,6 @@
-"""Running a prepared request on the cluster: what every generating route shares (app.py's
-completions and chat, router/endpoints/responses/serving.py) between a `Prepared` request and the
-body it answers with.
+"""Running a prepared request on the cluster: what every generating route shares (completions
+and chat through router/generation/serve.py, router/endpoints/responses/serving.py) between a
+`Prepared` request and the body it answers with.
 
 1. `dispatch`: compile-check the request's constraint (one that does not compile never
    reaches a worker), count its chat features (tools, reasoning) in the metrics, wait
@@ -19,23 +19,32 @@ body it answers with.
 from __future__ import annotations
 
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar, cast
+from typing import (
+    Any,
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Protocol,
+    TypeVar,
+    cast,
+)
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from router.http.auth import effective_salt
 from router.dispatch import Delta, WorkerFailed
+from router.generation.prepare import Prepared
+from router.http.auth import effective_salt
 from router.http.errors import APIError
 from router.http.key_limits import TICKET, Ticket
-from router.placement.placer import PromptKey
-from router.placement.hint import PlacementHint
-from router.services import Services
 from router.http.streaming import ClientGone, merge, until_disconnect
-from router.generation.prepare import Prepared
+from router.placement.hint import PlacementHint
+from router.placement.placer import PromptKey
+from router.services import Services
 
 T = TypeVar("T")
-Updates = AsyncIterator[tuple[int, Delta]]
+Updates = AsyncGenerator[tuple[int, Delta], None]
 """(prompt index, delta) of every prompt of a request, as they come."""
 
 

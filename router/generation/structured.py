@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.checks import FieldError
-from engine.structured.compile_process import CompileProcesses, CompileTimeout, timeout_error
+from engine.structured.compile_process import (
+    CompileProcesses,
+    CompileTimeout,
+    timeout_error,
+)
 from engine.structured.params import KINDS, StructuredOutputsParams
 from engine.tokenizer import Tokenizer
-from router.http.errors import bad_request
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
 from router.endpoints.sampling import ResponseFormat
+from router.http.errors import bad_request
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar", "structural_tag": "structural_tag"}
@@ -49,10 +53,11 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
                max_bytes: int | None = None) -> Constraint | None:
     """The request's structured-output constraint (None: unconstrained). Raises a 400
     APIError for two constraints, an unknown backend, a whitespace pattern, a constraint
-    larger than `max_bytes` (`StructuredOutputsParams.num_bytes`), or a malformed constraint (compiling it is
+    larger than `max_bytes` (`StructuredOutputsParams.num_bytes`), or a malformed constraint
+    (compiling it is
     `Grammars.check`)."""
     found: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
-    flags: dict[str, bool] = {}
+    flags: dict[str, Any] = {}  # StructuredOutputsParams' flags (bool) and backend options
     if req.response_format is not None and req.response_format.type != "text":
         found.append(("response_format", _response_format(req.response_format)))
     so = req.structured_outputs

@@ -4,10 +4,10 @@ vLLM never gets a silent difference. Any other unknown field is ignored with one
 field name (the one policy of every request body: router/endpoints/base.py)."""
 from __future__ import annotations
 
-from router.http.errors import bad_request
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
 from router.endpoints.sampling import LACKING
+from router.http.errors import bad_request
 
 
 def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:

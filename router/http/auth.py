@@ -1,5 +1,5 @@
 """Who may call what: the router's keys, resolved once at start (`resolve_keys`), and the
-check every HTTP request passes before any route runs (`authorize`, from app.py's middleware).
+check every HTTP request passes before any route runs (`authorize`, from router/http/middleware.py).
 
 Keys. Inference keys come from the first source given: `--api-key K [K ...]` (vLLM's flag),
 `--api-key-file PATH`, `PDSERVE_API_KEY`, `VLLM_API_KEY` (a file or a variable: one key per
@@ -16,7 +16,7 @@ Paths:
            the page sends the key on its data requests), /openapi.json, /docs, unknown paths
     api    /v1/* except the two LoRA routes, /tokenize, /detokenize: an inference or admin
            key when inference keys are set (else open, as vLLM without --api-key)
-    admin  the dev endpoints (admin_routes.ADMIN_PATHS), /v1/load_lora_adapter,
+    admin  the dev endpoints (endpoints/admin/serving.py ADMIN_PATHS), /v1/load_lora_adapter,
            /v1/unload_lora_adapter, /dashboard/data: an admin key when one is set (an
            inference key alone gets 403), else as `api`
 
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from router.endpoints.admin.serving import ADMIN_PATHS
 from router.config import RouterConfig
+from router.endpoints.admin.serving import ADMIN_PATHS
 from router.http.errors import APIError
 from router.http.key_limits import TENANT
 
@@ -131,7 +131,7 @@ def authorize(keys: Keys, scope: dict) -> APIError | None:
             return APIError(403, "This endpoint needs the admin API key (--admin-api-key); "
                             "an inference key is not enough.", code="admin_key_required")
         return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-    if presented in keys.salts:
+    if presented is not None and presented in keys.salts:
         scope[TENANT_SALT] = keys.salts[presented]
     if not _matches(presented, keys.admin):  # an inference key: limited per key (key_limits)
         scope[TENANT] = presented

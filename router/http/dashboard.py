@@ -15,8 +15,8 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
 from cluster.roles import Role
-from router.http.openapi import route_schema
 from router.endpoints.base import ResponseModel
+from router.http.openapi import route_schema
 from router.placement.registry import WorkerState
 from router.services import Services
 

@@ -6,7 +6,7 @@ errors, and request-body validation errors) to this body, so a client never sees
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from fastapi.responses import JSONResponse
 
@@ -62,7 +62,8 @@ def pydantic_param(loc: tuple) -> tuple[str | None, bool]:
     return ".".join(parts) or None, False
 
 
-def from_validation_errors(errors: list[dict], tags: Mapping[str, str] | None = None,
+def from_validation_errors(errors: Sequence[Mapping[str, Any]],
+                           tags: Mapping[str, str] | None = None,
                            where: str = "this server") -> APIError:
     """The one mapper of request-body validation errors: the first (most specific) pydantic
     error as a 400 naming its field.
@@ -94,7 +95,8 @@ def _path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.search(p)))
 
 
-def _tagged(errors: list[dict], tags: Mapping[str, str], where: str) -> APIError | None:
+def _tagged(errors: Sequence[Mapping[str, Any]], tags: Mapping[str, str],
+            where: str) -> APIError | None:
     """The refusal of a body of tagged unions: an unserved `type` first; else the first error
     (a missing field first, then the deepest) at its path through the union members; None
     when the body is not even an object (the plain reading answers)."""

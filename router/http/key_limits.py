@@ -10,7 +10,7 @@ request without a tenant is not limited: one that presented an admin key, or any
 router without API keys (auth.resolve_keys refuses these flags without keys at start).
 
 Life cycle of a request here:
-1. `admit` (app.py's middleware, before the body is read): a concurrency slot, or 429
+1. `admit` (router/http/middleware.py, before the body is read): a concurrency slot, or 429
    (reason concurrency, `Retry-After: 1`: a slot frees when one of the key's requests ends),
    or 429 (reason tokens) if the key's token bucket is empty or in debt. The slot's `Ticket`
    goes in the scope (`TICKET`).

@@ -1,8 +1,9 @@
 """What /openapi.json says about each route: its request body and its responses, from the
-pydantic models the router parses with (router/endpoints/sampling.py) and the ones describing what it
+pydantic models the router parses with (router/endpoints/sampling.py) and the ones describing what
+it
 emits (router/endpoints/base.py).
 
-Handlers parse the raw body with `router.protocol.parse_json` rather than take a FastAPI
+Handlers parse the raw body with `router.endpoints.base.parse_json` rather than take a FastAPI
 body parameter: FastAPI answers an empty body "Field required" instead of malformed JSON, lets lone
 surrogates (`"\\ud800"`) through to the tokenizer, validates in Python mode after `json.loads`
 and costs more instructions per request (benchmarks/README.md, "Router HTTP layer"). So the
@@ -112,10 +113,11 @@ def install_openapi(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            _finish(generate())
+            _finish(generate())  # generate() stores the schema as app.openapi_schema
+        assert app.openapi_schema is not None
         return app.openapi_schema
 
-    app.openapi = openapi
+    setattr(app, "openapi", openapi)  # FastAPI's documented way to customize the schema
 
 
 def _finish(doc: dict[str, Any]) -> None:

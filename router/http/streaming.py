@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing, suppress
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncGenerator, Awaitable, TypeVar
 
 from starlette.requests import Request
 
@@ -17,7 +17,8 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+async def merge(streams: list[AsyncGenerator[Delta, None]]
+                ) -> AsyncGenerator[tuple[int, Delta], None]:
     """(stream index, delta) from every stream as they come. The first error ends the merge;
     closing the merge closes every stream (which cancels their worker calls)."""
     if len(streams) == 1:
@@ -27,7 +28,7 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int,
         return
     queue: asyncio.Queue[tuple[int, Delta | None, BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[Delta, None]) -> None:
         try:
             async with aclosing(stream):
                 async for delta in stream:
@@ -43,13 +44,13 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int,
     try:
         remaining = len(tasks)
         while remaining:
-            i, delta, exc = await queue.get()
+            i, got, exc = await queue.get()
             if exc is not None:
                 raise exc
-            if delta is None:
+            if got is None:
                 remaining -= 1
             else:
-                yield i, delta
+                yield i, got
     finally:
         for t in tasks:
             t.cancel()

@@ -1,6 +1,8 @@
 """Finding markers (`<tool_call>`, `</think>`, ...) in text that arrives in pieces."""
 from __future__ import annotations
 
+import re
+
 
 def held_prefix(text: str, start: int, markers: tuple[str, ...]) -> int:
     """How many characters at the end of `text[start:]` may be the beginning of one of
@@ -14,3 +16,11 @@ def held_prefix(text: str, start: int, markers: tuple[str, ...]) -> int:
                 break
             i = text.find(marker[0], i + 1)
     return held
+
+
+def matched(m: re.Match[str] | None) -> re.Match[str]:
+    """`m`, where it cannot be None (a pattern that matches the empty string, or a marker
+    found at that place before): the parsers' typed `pattern.match(...).end()`."""
+    if m is None:
+        raise AssertionError("a pattern that always matches here did not")
+    return m

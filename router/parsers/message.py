@@ -21,7 +21,12 @@ from typing import Literal
 from router.parsers.reasoning.parser import ReasoningParser
 from router.parsers.tools.parser import ToolParser
 from router.parsers.tools.stream import Gen, StreamingToolParser
-from router.parsers.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, new_call_id
+from router.parsers.tools.types import (
+    FunctionTool,
+    ParsedDelta,
+    ToolCallDelta,
+    new_call_id,
+)
 
 ToolChoice = Literal["none", "auto", "required", "function"]
 

@@ -12,8 +12,8 @@ from cluster.registration import WorkerInfo
 from cluster.roles import Role
 from engine.block_hash import BlockHash
 from engine.lora.request import LoRARequest
-from router.placement.index import KVIndex, PrefixHit, prompt_block_hashes
 from router.metrics import RouterMetrics
+from router.placement.index import KVIndex, PrefixHit, prompt_block_hashes
 from router.placement.policy import Candidate, Decision, Policy
 from router.placement.registry import WorkerRegistry, WorkerState
 

@@ -31,13 +31,22 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.roles import PrefillPath
-from router.placement.candidate import Candidate, PullPlan
 from router.config import PlacementConfig
-from router.placement.reuse import (
-    best_pull, effective_cached_tokens, found_tokens, prefill_rate, pulled, reuse_s,
-)
+from router.placement.candidate import Candidate, PullPlan
 from router.placement.estimates import (
-    LocalEstimate, TTFTCorrection, local_prefill, queue_ttft_s, step_cost,
+    LocalEstimate,
+    TTFTCorrection,
+    local_prefill,
+    queue_ttft_s,
+    step_cost,
+)
+from router.placement.reuse import (
+    best_pull,
+    effective_cached_tokens,
+    found_tokens,
+    prefill_rate,
+    pulled,
+    reuse_s,
 )
 
 

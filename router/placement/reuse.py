@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from router.placement.candidate import Candidate, PullPlan
 from router.config import PlacementConfig
+from router.placement.candidate import Candidate, PullPlan
 
 
 def prefill_rate(c: Candidate, config: PlacementConfig) -> float:

@@ -1,4 +1,5 @@
-"""Caps on a request's inputs (router/config.py LimitsConfig; router/generation/prepare.py): prompts per
+"""Caps on a request's inputs (router/config.py LimitsConfig; router/generation/prepare.py):
+prompts per
 batch, n x prompts, stop strings, bad words, logit_bias entries, a text's length (checked
 before it is tokenized) and a constraint's size; each a 400 naming the field, refused before
 any worker is needed. In process (httpx over ASGI), no worker, no etcd. Large bodies are

@@ -1,5 +1,5 @@
-"""Every route with a JSON body parses it the same way (router.protocol.parse_json): strictly,
-a refusal the OpenAI-shaped 400 naming the field; a body not declared JSON is a 415
+"""Every route with a JSON body parses it the same way (router.endpoints.base.parse_json):
+strictly, a refusal the OpenAI-shaped 400 naming the field; a body not declared JSON is a 415
 (router/http/limits.py: no CSRF from a web page). In
 process (httpx over ASGI): no worker, no etcd — each request is refused or answered before
 one would be needed."""

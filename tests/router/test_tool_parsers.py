@@ -1,4 +1,5 @@
-"""The tool call parsers (router/parsers/tools/): each format's fixtures (complete, partial, malformed,
+"""The tool call parsers (router/parsers/tools/): each format's fixtures (complete, partial,
+malformed,
 several calls, calls inside text, unknown tools, escapes and unicode) parse to the expected
 content and calls; feeding any fixture in pieces (char by char, random cuts, 3-char
 "tokens") gives what feeding it whole gives; a parser holds back no more than a marker

@@ -180,11 +180,12 @@ def _checked(call: str, results: list[WorkerResult]) -> list[WorkerResult]:
     """`results` when every worker applied the call; else an APIError naming the failed ones:
     the workers' own 4xx when they all refused alike (400 bad argument, 404 missing path,
     403 admin RPCs not enabled, 409 sleep mode not enabled), else 502."""
-    failed = [r for r in results if r.error is not None]
+    failed = [(r.worker_id, r.error) for r in results if r.error is not None]
     if not failed:
         return results
-    statuses = {_STATUS.get(r.error.code(), 502) for r in failed}
+    statuses = {_STATUS.get(error.code(), 502) for _, error in failed}
     status = statuses.pop() if len(statuses) == 1 else 502
-    names = "; ".join(f"{r.worker_id}: {r.error.code().name}: {r.error.details()}" for r in failed)
+    names = "; ".join(f"{worker}: {error.code().name}: {error.details()}"
+                      for worker, error in failed)
     raise APIError(status, f"{call} failed on {len(failed)} of {len(results)} workers ({names})",
                    code="worker_failed")

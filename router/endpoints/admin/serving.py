@@ -1,4 +1,5 @@
-"""The fleet-wide admin endpoints (vLLM's dev-mode names; router/endpoints/admin/fleet.py does the work).
+"""The fleet-wide admin endpoints (vLLM's dev-mode names; router/endpoints/admin/fleet.py does the
+work).
 
 Served only with `--enable-dev-endpoints` or VLLM_SERVER_DEV_MODE=1 (otherwise they do not
 exist: 404, as vLLM without dev mode), behind `--admin-api-key`, else `--api-key`, when one is
@@ -24,9 +25,9 @@ from pydantic import BaseModel, Field
 
 from cluster.roles import ROLES
 from router.endpoints.admin.fleet import FleetAdmin, WorkerResult
+from router.endpoints.base import RequestModel, parse_json
 from router.http.errors import bad_request
 from router.http.openapi import route_schema
-from router.endpoints.base import RequestModel, parse_json
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 ADMIN_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",

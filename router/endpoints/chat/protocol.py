@@ -7,8 +7,14 @@ from typing import Any, Literal, Union
 
 from pydantic import Field
 
-from router.endpoints.base import (FinishReason, PromptLogprobs, RequestModel, ResponseModel,
-                                   StopReason, Usage)
+from router.endpoints.base import (
+    FinishReason,
+    PromptLogprobs,
+    RequestModel,
+    ResponseModel,
+    StopReason,
+    Usage,
+)
 from router.endpoints.sampling import LACKING, SamplingFields
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from router.endpoints.chat.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                            ChatCompletionStreamChunk)
+from router.endpoints.chat.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChunk,
+)
 from router.generation.serve import generate
 from router.http.openapi import GENERATE_ERRORS, route_schema
 from router.services import Services

@@ -7,8 +7,13 @@ from typing import Literal, Union
 
 from pydantic import Field
 
-from router.endpoints.base import (FinishReason, PromptLogprobs, ResponseModel, StopReason,
-                                   Usage)
+from router.endpoints.base import (
+    FinishReason,
+    PromptLogprobs,
+    ResponseModel,
+    StopReason,
+    Usage,
+)
 from router.endpoints.sampling import SamplingFields
 
 

@@ -23,7 +23,7 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Literal, Mapping
+from typing import Any, Awaitable, Literal, Mapping, Sequence
 
 import grpc
 from fastapi import FastAPI, Request
@@ -32,20 +32,25 @@ from fastapi.responses import JSONResponse, Response
 from cluster.roles import Role
 from engine.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
-from router.http.auth import effective_salt
-from router.http.key_limits import TICKET
-from router.http.errors import APIError, bad_request
-from router.http.openapi import GENERATE_ERRORS, route_schema
-from router.placement.placer import PromptKey
-from router.endpoints.base import parse_json
-from router.endpoints.embeddings.protocol import EmbeddingRequest
-from router.placement.registry import WorkerState
-from router.endpoints.embeddings.protocol import EmbeddingResponse
-from router.services import Services
-from router.http.streaming import ClientGone, until_disconnect
 from router.config import LimitsConfig
-from router.generation.prepare import (ModelCard, check_count, check_model, check_token_ids,
-                               encode_text, max_prompt_chars)
+from router.endpoints.base import parse_json
+from router.endpoints.embeddings.protocol import EmbeddingRequest, EmbeddingResponse
+from router.generation.prepare import (
+    ModelCard,
+    check_count,
+    check_model,
+    check_token_ids,
+    encode_text,
+    max_prompt_chars,
+)
+from router.http.auth import effective_salt
+from router.http.errors import APIError, bad_request
+from router.http.key_limits import TICKET
+from router.http.openapi import GENERATE_ERRORS, route_schema
+from router.http.streaming import ClientGone, until_disconnect
+from router.placement.placer import PromptKey
+from router.placement.registry import WorkerState
+from router.services import Services
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 
@@ -186,7 +191,7 @@ def embedding_response(prepared: PreparedEmbedding, results: list[pb.EmbedRespon
     }
 
 
-async def _all(calls: list[Awaitable[pb.EmbedResponse]]) -> list[pb.EmbedResponse]:
+async def _all(calls: Sequence[Awaitable[pb.EmbedResponse]]) -> list[pb.EmbedResponse]:
     """Every call's result, in order; the first failure cancels the rest."""
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:

@@ -30,10 +30,13 @@ from engine.config import LoRAModule
 from engine.lora.request import lora_id_for
 from proto import pdserve_pb2 as pb
 from router.channels import ChannelPool
+from router.endpoints.base import parse_json
+from router.endpoints.loras.protocol import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from router.http.errors import APIError, bad_request
 from router.http.openapi import route_schema
-from router.endpoints.loras.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from router.endpoints.base import parse_json
 from router.placement.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)

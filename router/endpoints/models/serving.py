@@ -11,8 +11,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.roles import Role
-from router.endpoints.models.protocol import (HealthResponse, ModelInfo, ModelList,
-                                              VersionResponse)
+from router.endpoints.models.protocol import (
+    HealthResponse,
+    ModelInfo,
+    ModelList,
+    VersionResponse,
+)
 from router.generation.prepare import check_model
 from router.http.openapi import route_schema
 from router.services import Services

@@ -1,6 +1,7 @@
 """A Responses request as a chat completion request: its input items as chat messages, its
 tools, tool choice and text format in chat's shapes. The chat pipeline then prepares it
-(router/generation/prepare.py), so both APIs share one template, tokenizer, tool and structured-output
+(router/generation/prepare.py), so both APIs share one template, tokenizer, tool and
+structured-output
 path; a refusal there is renamed to the Responses field (`renamed`).
 
 Input items -> chat messages, one assistant message per turn as a turn's output lists it
@@ -19,10 +20,17 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from router.endpoints.responses.protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    TextFormatJsonObject,
+    TextFormatJsonSchema,
+)
 from router.http.errors import APIError
-from router.endpoints.responses.protocol import (FunctionCallItem, FunctionCallOutputItem, InputItem,
-                                           MessageItem, ReasoningItem, ResponsesRequest,
-                                           TextFormatJsonObject, TextFormatJsonSchema)
 
 _OUTPUT_AS_INPUT = TypeAdapter(list[InputItem])
 _PASSED = ("temperature", "top_p", "user", "parallel_tool_calls", "top_k", "seed", "stop",
@@ -111,6 +119,7 @@ def renamed(exc: APIError) -> APIError:
         for chat, responses in _RENAMES:
             if param == chat or param.startswith(chat + "."):
                 param = responses if chat == "messages" else responses + param[len(chat):]
-    message = exc.message if param == exc.param else exc.message.replace(exc.param, param)
+    message = (exc.message if param == exc.param or exc.param is None or param is None
+               else exc.message.replace(exc.param, param))
     message = _CHAT_NAMES.sub(lambda m: dict(_RENAMES)[m.group(1)], message)
     return APIError(exc.status, message, param, exc.code, exc.headers)

@@ -71,7 +71,8 @@ class OutputWriter:
 
     def __init__(self, events: bool = False) -> None:
         self.items: list[_Item] = []
-        self.events: list[dict[str, Any]] | None = [] if events else None
+        self.events: list[dict[str, Any]] = []
+        self._keep_events = events
         self._open: _Item | None = None
 
     @property
@@ -104,7 +105,7 @@ class OutputWriter:
         if item is None:
             item = self._open_item(kind)
         item.pieces.append(text)
-        if self.events is not None:
+        if self._keep_events:
             self._emit(f"{_TEXT_EVENT[kind]}.delta", item, content_index=0, delta=text,
                        **({"logprobs": []} if kind == "message" else {}))
 
@@ -114,7 +115,7 @@ class OutputWriter:
             item = self._open_item("function_call", piece)
         if piece.arguments:
             item.pieces.append(piece.arguments)
-            if self.events is not None:
+            if self._keep_events:
                 self._emit("response.function_call_arguments.delta", item, delta=piece.arguments)
 
     def _open_item(self, kind: Kind, call: ToolCallDelta | None = None) -> _Item:
@@ -126,7 +127,7 @@ class OutputWriter:
             item.call_index = call.index
         self.items.append(item)
         self._open = item
-        if self.events is not None:
+        if self._keep_events:
             self._emit("response.output_item.added", None, output_index=item.index,
                        item=item.to_json(done=False))
             if kind != "function_call":
@@ -136,7 +137,7 @@ class OutputWriter:
 
     def _finish(self, item: _Item, status: str) -> None:
         item.status = status
-        if self.events is None:
+        if not self._keep_events:
             return
         text = item.text
         if item.kind == "function_call":

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (ConfigDict, Discriminator, Field, StringConstraints, Tag,
-                      ValidationError)
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationError,
+)
 
 from router.endpoints.base import RequestModel
 from router.endpoints.chat.protocol import ChatCompletionRequest

@@ -18,11 +18,11 @@ import json
 import time
 from typing import Any
 
-from router.parsers.message import MessageParser, OutputSetup
 from router.dispatch import Delta
 from router.endpoints.responses.output import OutputWriter
 from router.endpoints.responses.protocol import ResponsesRequest
 from router.generation.prepare import Prepared
+from router.parsers.message import MessageParser, OutputSetup
 
 
 class ResponseRun:

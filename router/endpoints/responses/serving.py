@@ -1,4 +1,5 @@
-"""POST /v1/responses: the route (its life cycle: router/responses_api/__init__.py)."""
+"""POST /v1/responses: the route (its life cycle: router/endpoints/responses/__init__.py; the
+collect-or-stream skeleton it shares: router/generation/run.py, `answer`)."""
 from __future__ import annotations
 
 import os
@@ -11,18 +12,23 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from router.config import LimitsConfig
-from router.http.errors import APIError, bad_request, from_validation_errors
-from router.generation.run import answer, count_tool_calls, dispatch
-from router.http.key_limits import TENANT
-from router.http.openapi import GENERATE_ERRORS, route_schema
 from router.endpoints.chat.protocol import ChatCompletionRequest
+from router.endpoints.responses.convert import (
+    chat_body,
+    input_messages,
+    output_messages,
+    renamed,
+)
 from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
-from router.endpoints.responses.convert import chat_body, input_messages, output_messages, renamed
 from router.endpoints.responses.protocol import ResponsesRequest, check, parse_request
 from router.endpoints.responses.run import ResponseRun
 from router.endpoints.responses.store import ResponseStore
-from router.services import Services
 from router.generation.prepare import ModelCard, Prepared, prepare_chat
+from router.generation.run import answer, count_tool_calls, dispatch
+from router.http.errors import APIError, bad_request, from_validation_errors
+from router.http.key_limits import TENANT
+from router.http.openapi import GENERATE_ERRORS, route_schema
+from router.services import Services
 
 STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 

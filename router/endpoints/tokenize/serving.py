@@ -9,11 +9,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.endpoints.base import parse_json
-from router.endpoints.tokenize.protocol import (DetokenizeRequest, DetokenizeResponse,
-                                                TokenizeRequest, TokenizeResponse)
+from router.endpoints.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from router.generation.chat_render import render_chat
 from router.generation.chat_tools import function_tools
-from router.generation.prepare import check_model, check_token_ids, encode_text, max_prompt_chars
+from router.generation.prepare import (
+    check_model,
+    check_token_ids,
+    encode_text,
+    max_prompt_chars,
+)
 from router.http.errors import bad_request
 from router.http.openapi import SIDE_ERRORS, route_schema
 from router.services import Services
@@ -45,7 +54,7 @@ def add_tokenize_routes(app: FastAPI, services: Services) -> None:
                                "add_generation_prompt" in req.model_fields_set)
             special = bool(req.add_special_tokens)
         else:
-            text, special = req.prompt, req.add_special_tokens is not False
+            text, special = req.prompt or "", req.add_special_tokens is not False
         ids = encode_text(tok, text, special, max_prompt_chars(card, limit, services.config.limits),
                           "messages" if req.messages is not None else "prompt")
         out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}

@@ -5,8 +5,11 @@ import of this module."""
 from __future__ import annotations
 
 from router.parsers.reasoning import think
-from router.parsers.reasoning.base import (REASONING_PARSERS, ReasoningParser,
-                                           register_reasoning_parser)
+from router.parsers.reasoning.base import (
+                                           REASONING_PARSERS,
+                                           ReasoningParser,
+                                           register_reasoning_parser,
+)
 
 del think  # imported for its effect: the built-in parsers registered themselves
 __all__ = ["ReasoningParser", "reasoning_parser", "reasoning_parser_names",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from router.parsers.markers import matched
 from router.parsers.tools.base import register_tool_parser
 from router.parsers.tools.stream import WS, Gen, StreamingToolParser
 from router.parsers.tools.tags import quoted, tag, triggered_tags
@@ -30,7 +31,7 @@ class GraniteToolParser(StreamingToolParser):
         yield from super().parse(mark)
 
     def block(self, mark: int) -> Gen[bool | None]:
-        self.pos = self._starts.match(self.buf, self.pos).end()
+        self.pos = matched(self._starts.match(self.buf, self.pos)).end()
         return (yield from self.call_list(mark))
 
     @classmethod

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from router.parsers.markers import matched
+
 _WS = re.compile(r"[ \t\n\r]*")
 _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]+')
 _DIGITS = re.compile(r"[0-9]+")
@@ -131,7 +133,7 @@ class JsonPrefix:
             elif state >= _DONE:
                 return i
             else:
-                i = _WS.match(text, i).end()
+                i = matched(_WS.match(text, i)).end()
                 if i == n:
                     break
                 if not self._structural(text[i]):

@@ -12,6 +12,7 @@ import ast
 import json
 import re
 
+from router.parsers.markers import matched
 from router.parsers.tools.base import register_tool_parser
 from router.parsers.tools.stream import WS, Gen, StreamingToolParser
 
@@ -73,7 +74,7 @@ class PythonicToolParser(StreamingToolParser):
         strings (not consumed); "" where it cannot be one."""
         start, depth = self.pos, 0
         while True:
-            self.pos = _PLAIN.match(self.buf, self.pos).end()
+            self.pos = matched(_PLAIN.match(self.buf, self.pos)).end()
             c = yield from self.peek()
             if not c:  # the end of the output
                 return ""

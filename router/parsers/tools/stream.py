@@ -20,10 +20,15 @@ import re
 from abc import abstractmethod
 from typing import ClassVar, Generator, TypeVar
 
-from router.parsers.markers import held_prefix
-from router.parsers.tools.json_prefix import JsonPrefix
+from router.parsers.markers import held_prefix, matched
 from router.parsers.tools.base import ToolParser
-from router.parsers.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, new_call_id
+from router.parsers.tools.json_prefix import JsonPrefix
+from router.parsers.tools.types import (
+    FunctionTool,
+    ParsedDelta,
+    ToolCallDelta,
+    new_call_id,
+)
 
 T = TypeVar("T")
 Gen = Generator[None, None, T]
@@ -162,7 +167,7 @@ class StreamingToolParser(ToolParser):
         """The longest run at `pos` that `chars` matches (consumed)."""
         start = self.pos
         while True:
-            self.pos = chars.match(self.buf, self.pos).end()
+            self.pos = matched(chars.match(self.buf, self.pos)).end()
             if self.pos < len(self.buf) or not (yield from self.more()):
                 return self.buf[start:self.pos]
 
