@@ -21,11 +21,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from cluster.roles import ROLES
 from router.endpoints.admin.fleet import FleetAdmin, WorkerResult
-from router.endpoints.base import RequestModel, parse_json
+from router.endpoints.admin.protocol import (
+    CollectiveRPCRequest,
+    CollectiveRPCResponse,
+    FleetState,
+    SetRoleResponse,
+    UpdateWeightsRequest,
+)
+from router.endpoints.base import parse_json
 from router.http.errors import bad_request
 from router.http.openapi import route_schema
 
@@ -37,47 +44,6 @@ ADMIN_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_ca
 def dev_endpoints_enabled(flag: bool) -> bool:
     """`--enable-dev-endpoints` on the router, or vLLM's switch in the environment."""
     return flag or os.environ.get(DEV_MODE_ENV, "") in ("1", "true", "True")
-
-
-class CollectiveRPCRequest(RequestModel):
-    """POST /collective_rpc (vLLM)."""
-
-    method: str
-    args: list[Any] = Field(default_factory=list)
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout: float | None = None
-    """Seconds each worker may take (default: the router's admin bound)."""
-
-
-class UpdateWeightsRequest(RequestModel):
-    """POST /update_weights: a safetensors file or directory every worker can read."""
-
-    path: str
-
-
-class FleetState(BaseModel):
-    """Each worker's state after the call."""
-
-    is_sleeping: bool
-    """Whether any worker sleeps."""
-    workers: dict[str, bool]
-    """worker id -> sleeping."""
-    weights_version: dict[str, int]
-    """worker id -> its weights version (bumped by every weight update)."""
-
-
-class CollectiveRPCResponse(BaseModel):
-    results: list[Any]
-    """One result per worker, in the order of `workers` (prefill workers first)."""
-    workers: list[str]
-
-
-class SetRoleResponse(BaseModel):
-    """POST /set_role: the worker's role before and after (equal: it served it already)."""
-
-    worker_id: str
-    role: str
-    previous_role: str
 
 
 _ERRORS = {400: "A malformed query or body, or the workers refused the arguments",
