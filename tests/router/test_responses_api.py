@@ -270,7 +270,7 @@ def test_items_are_the_same_without_events():
         quiet.add(d)
     quiet.close()
     strip = lambda items: [{k: v for k, v in i.items() if k != "id"} for i in items]
-    assert quiet.events is None and strip(quiet.output()) == strip(run_writer(deltas).output())
+    assert quiet.events == [] and strip(quiet.output()) == strip(run_writer(deltas).output())
 
 
 # ---- a run: deltas -> the response and its SSE events -----------------------------------------
