@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.tokens import Logprob
-from router.dispatch import Delta, WorkerFailed
+from router.call import Delta, WorkerFailed
 from router.generation.logprobs import (
     TextOffsets,
     TokenText,

@@ -33,7 +33,7 @@ from typing import (
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from router.dispatch import Delta, WorkerFailed
+from router.call import Delta, WorkerFailed
 from router.generation.prepare import Prepared
 from router.http.auth import effective_salt
 from router.http.errors import APIError

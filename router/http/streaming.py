@@ -8,7 +8,7 @@ from typing import AsyncGenerator, Awaitable, TypeVar
 
 from starlette.requests import Request
 
-from router.dispatch import Delta
+from router.call import Delta
 
 T = TypeVar("T")
 

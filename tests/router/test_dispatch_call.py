@@ -9,8 +9,9 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
+from router.call import WorkerFailed
 from router.config import RouterConfig
-from router.dispatch import Dispatcher, WorkerFailed
+from router.dispatch import Dispatcher
 from router.http.errors import APIError
 from router.metrics import RouterMetrics
 from router.placement.placer import Placement, PromptKey

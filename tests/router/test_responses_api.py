@@ -6,23 +6,23 @@ import json
 import logging
 
 import pytest
-
 from api_fuzz import response_events
+
 from engine.sampling_params import SamplingParams
-from router.parsers.message import OutputSetup
-from router.dispatch import Delta
-from router.http.errors import APIError
+from router.call import Delta
 from router.endpoints.chat.protocol import ChatCompletionRequest
-from router.parsers.reasoning.parser import reasoning_parser
-from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
 from router.endpoints.responses.convert import chat_body, input_messages, output_messages, renamed
+from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
 from router.endpoints.responses.output import OutputWriter
 from router.endpoints.responses.protocol import check, parse_request
-from router.endpoints.responses.serving import _history
 from router.endpoints.responses.run import ResponseRun
+from router.endpoints.responses.serving import _history
 from router.endpoints.responses.store import ResponseStore
-from router.parsers.tools.types import ParsedDelta, ToolCallDelta
 from router.generation.prepare import Prepared
+from router.http.errors import APIError
+from router.parsers.message import OutputSetup
+from router.parsers.reasoning.parser import reasoning_parser
+from router.parsers.tools.types import ParsedDelta, ToolCallDelta
 
 MODEL = "SmolLM2-135M-Instruct"
 

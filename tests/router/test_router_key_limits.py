@@ -13,10 +13,10 @@ import pytest
 import uvicorn
 
 from cluster.net import free_port
+from router.call import Delta
+from router.config import LimitsConfig, RouterConfig
 from router.http.app import create_app
 from router.http.auth import _digest, resolve_keys
-from router.config import LimitsConfig, RouterConfig
-from router.dispatch import Delta
 from router.http.errors import APIError
 from router.server import RouterServices, load_model_card
 

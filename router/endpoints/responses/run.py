@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any
 
-from router.dispatch import Delta
+from router.call import Delta
 from router.endpoints.responses.output import OutputWriter
 from router.endpoints.responses.protocol import ResponsesRequest
 from router.generation.prepare import Prepared
