@@ -11,7 +11,7 @@ from router.dispatch import Dispatcher
 from router.endpoints.admin.fleet import FleetAdmin
 from router.endpoints.loras.serving import LoRAAdapters
 from router.generation.logprobs import TokenText
-from router.generation.prepare import ModelCard
+from router.generation.model_card import ModelCard
 from router.generation.structured import Grammars
 from router.http.auth import Keys
 from router.http.key_limits import KeyLimits

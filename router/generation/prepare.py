@@ -3,8 +3,8 @@
 config), check the context length. Every refusal is a 400 `APIError` naming the field."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Mapping
+from dataclasses import dataclass, replace
+from typing import Literal, Mapping
 
 from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
@@ -16,39 +16,24 @@ from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
 from router.generation.chat_render import chat_text
 from router.generation.chat_tools import ChatTools, combine, read_tools
+from router.generation.inputs import (
+    check_batch,
+    check_counts,
+    check_length,
+    check_token_ids,
+    encode_text,
+    max_prompt_chars,
+)
+from router.generation.model_card import ModelCard
 from router.generation.structured import Constraint, constraint
 from router.generation.unsupported import refuse_unsupported
 from router.http.errors import APIError, bad_request
-from router.parsers.message import ChatOptions, OutputSetup
+from router.parsers.message import OutputSetup
 
 Kind = Literal["chat", "completion"]
 MAX_SEED = (1 << 63) - 1
 COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _INT32 = (-(1 << 31), (1 << 31) - 1)
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """What the router serves: one model, one tokenizer, one context length."""
-
-    name: str
-    tokenizer: Tokenizer
-    max_model_len: int
-    vocab_size: int
-    aliases: frozenset[str] = frozenset()
-    max_n: int = 128
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """SamplingParams field -> value for requests that omit it (engine.generation_config)."""
-    chat: ChatOptions = field(default_factory=ChatOptions)
-    """How chat output is read: tool calls, reasoning (the router's flags)."""
-    longest_token_chars: int = field(init=False, repr=False, compare=False)
-    """The longest vocabulary entry, in characters: a text longer than this x the context
-    has more tokens than the context holds."""
-
-    def __post_init__(self) -> None:
-        tok = self.tokenizer
-        object.__setattr__(self, "longest_token_chars",
-                           max(len(tok.token_str(i)) for i in range(tok.vocab_size)))
 
 
 @dataclass(frozen=True)
@@ -113,7 +98,7 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     limits = limits or LimitsConfig()
     lora = check_model(req.model, card, adapters)
     refuse_unsupported(req)
-    _check_counts(req, limits)
+    check_counts(req, limits)
     max_chars = max_prompt_chars(card, limit, limits)
     echo = None  # completions with echo: each prompt's text
     tools, text = ChatTools(None, None, {}), ""
@@ -130,7 +115,7 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
         logprobs_param = "top_logprobs"
     else:
         raw = _raw_prompts(req)
-        _check_batch(len(raw), req.n, limits, "prompt")
+        check_batch(len(raw), req.n, limits, "prompt")
         prompts, prompt_param = _completion_prompts(req, raw, card, max_chars), "prompt"
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
         if max_tokens is None:
@@ -163,7 +148,7 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     if tools.keep_special_tokens:
         sampling = replace(sampling, skip_special_tokens=False)
     for ids in prompts:
-        _check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
+        check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
         if sampling.max_tokens is None and sampling.min_tokens > limit - len(ids):
             raise bad_request(f"min_tokens must be <= the {limit - len(ids)} tokens the context "
                               f"leaves, got {sampling.min_tokens}", "min_tokens")
@@ -211,55 +196,6 @@ def _echo_texts(req: CompletionRequest, prompts: list[list[int]], truncated: boo
         else [req.prompt]
     return [p if isinstance(p, str) and not truncated else tok.decode(ids)
             for p, ids in zip(raw, prompts)]
-
-
-def max_prompt_chars(card: ModelCard, limit: int, limits: LimitsConfig) -> int:
-    """The longest text tokenized for a context of `limit` tokens: --max-prompt-chars, else
-    the longest that can fit (limit x the longest vocabulary entry)."""
-    return limits.max_prompt_chars or limit * card.longest_token_chars
-
-
-def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool, max_chars: int,
-                param: str) -> list[int]:
-    """`text`'s token ids; a text over `max_chars` is a 400 naming `param`, never tokenized."""
-    if len(text) > max_chars:
-        raise bad_request(f"{param} has {len(text)} characters, more than the {max_chars} this "
-                          "server tokenizes (the context's tokens x the longest token, or "
-                          "--max-prompt-chars)", param, "context_length_exceeded")
-    return tok.encode(text, add_special_tokens=add_special_tokens)
-
-
-def check_count(items, most: int, param: str, what: str) -> None:
-    if items is not None and len(items) > most:
-        raise bad_request(f"{param} has {len(items)} {what}, more than the {most} this server "
-                          "accepts", param, "too_many_items")
-
-
-def _check_counts(req: ChatCompletionRequest | CompletionRequest, limits: LimitsConfig) -> None:
-    check_count([req.stop] if isinstance(req.stop, str) else req.stop, limits.max_stop_strings,
-                "stop", "strings")
-    check_count(req.bad_words, limits.max_bad_words, "bad_words", "words")
-    check_count(req.logit_bias, limits.max_logit_bias, "logit_bias", "entries")
-    _check_batch(1, req.n, limits, "n")
-
-
-def _check_batch(prompts: int, n: int, limits: LimitsConfig, param: str) -> None:
-    """At most max_prompts_per_request prompts and max_choices_per_request completions."""
-    if prompts > limits.max_prompts_per_request:
-        raise bad_request(f"{param} has {prompts} prompts, more than the "
-                          f"{limits.max_prompts_per_request} this server accepts in one "
-                          "request", param, "too_many_items")
-    if n * prompts > limits.max_choices_per_request:
-        raise bad_request(f"n x prompts = {n} x {prompts} = {n * prompts} completions, more than "
-                          f"the {limits.max_choices_per_request} this server generates for one "
-                          "request", "n", "too_many_items")
-
-
-def check_token_ids(ids, card: ModelCard, param: str) -> None:
-    bad = [t for t in ids if not 0 <= t < card.vocab_size]
-    if bad:
-        raise bad_request(f"{param} token ids must be in [0, {card.vocab_size}), got {bad[:5]}",
-                          param)
 
 
 def _raw_prompts(req: CompletionRequest) -> list:
@@ -348,18 +284,3 @@ def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelC
         raise bad_request(str(exc).replace(exc.field, param, 1), param) from None
 
 
-def _check_length(ids: list[int], max_tokens: int | None, limit: int,
-                  prompt_param: str, max_tokens_param: str) -> None:
-    if not ids:
-        raise bad_request(f"{prompt_param} must not be empty", prompt_param)
-    if len(ids) >= limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, your "
-            f"{prompt_param} has {len(ids)} tokens (at least one must remain for the output).",
-            prompt_param, "context_length_exceeded")
-    if max_tokens is not None and len(ids) + max_tokens > limit:
-        raise bad_request(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the {prompt_param}, {max_tokens} "
-            f"for the completion). Reduce {max_tokens_param}.",
-            max_tokens_param, "context_length_exceeded")

@@ -35,14 +35,9 @@ from proto import pdserve_pb2 as pb
 from router.config import LimitsConfig
 from router.endpoints.base import parse_json
 from router.endpoints.embeddings.protocol import EmbeddingRequest, EmbeddingResponse
-from router.generation.prepare import (
-    ModelCard,
-    check_count,
-    check_model,
-    check_token_ids,
-    encode_text,
-    max_prompt_chars,
-)
+from router.generation.inputs import check_count, check_token_ids, encode_text, max_prompt_chars
+from router.generation.model_card import ModelCard
+from router.generation.prepare import check_model
 from router.http.auth import effective_salt
 from router.http.errors import APIError, bad_request
 from router.http.key_limits import TICKET

@@ -23,7 +23,8 @@ from router.endpoints.responses.objects import ResponsesResponse, ResponseStream
 from router.endpoints.responses.protocol import ResponsesRequest, check, parse_request
 from router.endpoints.responses.run import ResponseRun
 from router.endpoints.responses.store import ResponseStore
-from router.generation.prepare import ModelCard, Prepared, prepare_chat
+from router.generation.model_card import ModelCard
+from router.generation.prepare import Prepared, prepare_chat
 from router.generation.run import answer, count_tool_calls, dispatch
 from router.http.errors import APIError, bad_request, from_validation_errors
 from router.http.key_limits import TENANT

@@ -17,12 +17,8 @@ from router.endpoints.tokenize.protocol import (
 )
 from router.generation.chat_render import render_chat
 from router.generation.chat_tools import function_tools
-from router.generation.prepare import (
-    check_model,
-    check_token_ids,
-    encode_text,
-    max_prompt_chars,
-)
+from router.generation.inputs import check_token_ids, encode_text, max_prompt_chars
+from router.generation.prepare import check_model
 from router.http.errors import bad_request
 from router.http.openapi import SIDE_ERRORS, route_schema
 from router.services import Services
