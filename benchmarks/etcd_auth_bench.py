@@ -22,7 +22,7 @@ from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo
-from router.registry import EtcdWatcher, WorkerRegistry
+from router.placement.registry import EtcdWatcher, WorkerRegistry
 
 # The throwaway CA the tests use (tests/throwaway_pki.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

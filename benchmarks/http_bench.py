@@ -45,8 +45,8 @@ async def rate(client: httpx.AsyncClient, path: str, body: dict, status: int,
 
 
 async def run(seconds: float, repeats: int) -> dict[str, tuple[float, float]]:
-    from router.app import create_app
-    from router.auth import Keys
+    from router.http.app import create_app
+    from router.http.auth import Keys
     from router.config import RouterConfig
     from router.server import RouterServices, load_model_card
 

@@ -25,8 +25,8 @@ import httpx
 import uvicorn
 
 from cluster.net import free_port
-from router.auth import Keys
-from router.app import create_app
+from router.http.auth import Keys
+from router.http.app import create_app
 from router.config import RouterConfig
 from router.server import RouterServices, load_model_card
 
@@ -35,7 +35,7 @@ def _serve(config: RouterConfig) -> None:
     services = RouterServices(config, load_model_card(config), Keys())
     options = {}
     try:
-        from router.limits import uvicorn_options
+        from router.http.limits import uvicorn_options
         options = uvicorn_options(config.limits)
     except ImportError:  # a checkout without the limits
         pass

@@ -40,10 +40,10 @@ def fmt_ms(values: list[float]) -> str:
 # ---- decision time ---------------------------------------------------------------------------
 def bench_decision(args: argparse.Namespace) -> None:
     from router.config import PlacementConfig
-    from router.kv_index import KVIndex
-    from router.placement import Placer, PromptKey
-    from router.policy import make_policy
-    from router.registry import WorkerRegistry
+    from router.placement.index import KVIndex
+    from router.placement.placer import Placer, PromptKey
+    from router.placement.policy import make_policy
+    from router.placement.registry import WorkerRegistry
 
     rng = random.Random(0)
     bs = args.block_size

@@ -24,9 +24,9 @@ import jsonschema
 import torch
 
 from engine import LLM, SamplingParams
-from router.chat_output import MessageParser, OutputSetup, required_calls_schema
-from router.tools.parser import tool_parser
-from router.tools.types import FunctionTool, assemble
+from router.parsers.message import MessageParser, OutputSetup, required_calls_schema
+from router.parsers.tools.parser import tool_parser
+from router.parsers.tools.types import FunctionTool, assemble
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = [

@@ -12,8 +12,8 @@ import argparse
 import json
 import time
 
-from router.tools.parser import tool_parser, tool_parser_names
-from router.tools.types import FunctionTool, ParsedDelta, assemble
+from router.parsers.tools.parser import tool_parser, tool_parser_names
+from router.parsers.tools.types import FunctionTool, ParsedDelta, assemble
 
 TOOLS = [FunctionTool("get_weather"), FunctionTool("search_docs")]
 PROSE = ("Let me think about which tools help here; the forecast matters, and so do the "

@@ -8,19 +8,21 @@ from cluster.chat_config import GROUP as CHAT_GROUP
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
-from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP
+from cluster.grpc_security import GrpcSecurity
 from engine.checks import check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
-from router.allowed_workers import ANY, IPNetwork, parse_network
-from router.picker_config import GROUP as PICKER_GROUP, WILDCARD_HOSTS, EndpointPickerConfig
+from router.endpoint_picker.config import GROUP as PICKER_GROUP
+from router.endpoint_picker.config import WILDCARD_HOSTS, EndpointPickerConfig
+from router.placement.allowed_workers import ANY, IPNetwork, parse_network
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
 
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Weights and thresholds of the placement policies (router/policy.py)."""
+    """Weights and thresholds of the placement policies (router/placement/policy.py)."""
 
     policy: str = option("affinity", choices=POLICIES)
     """affinity (prefix cache + load + estimated TTFT); round_robin and least_loaded are
@@ -93,8 +95,8 @@ class PlacementConfig:
 @dataclass(frozen=True)
 class LimitsConfig:
     """What one client may ask of the router (docs/router.md, "Limits"): bounds on the HTTP
-    layer (router/limits.py) and on a request's inputs (router/validation.py,
-    router/structured.py), each refusal an OpenAI-shaped 4xx."""
+    layer (router/http/limits.py) and on a request's inputs (router/generation/prepare.py,
+    router/generation/structured.py), each refusal an OpenAI-shaped 4xx."""
 
     max_request_body_bytes: int = option(16 << 20, type=parse_size, metavar="BYTES")
     """Largest request body (e.g. 16MiB): a larger one is a 413, refused on its
@@ -181,7 +183,7 @@ class RouterConfig:
     """Model name clients send and /v1/models lists. Default: the model directory's name."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens. Default: the model's max_position_embeddings."""
-    # ---- authentication and tenant isolation (router/auth.py resolves the keys at start) ----
+    # ---- authentication and tenant isolation (router/http/auth.py resolves the keys at start) ----
     api_key: tuple[str, ...] = option((), group="security", metavar="KEY")
     """Keys clients send as `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize
     (vLLM's flag; several: one per tenant, or old and new during a rotation). Visible in

@@ -8,7 +8,7 @@ Life cycle of a request here:
 2. Call Generate. This router's in-flight counts on both workers rise until the first token
    (prefill tokens) or the end (decode requests), so back-to-back placements see the load
    before the workers' next capacity report does. The first token's time since placement
-   teaches the policy what its TTFT estimate for that path missed (router/ttft_estimate.py).
+   teaches the policy what its TTFT estimate for that path missed (router/placement/estimates.py).
 3. A failure before anything was yielded (RPC error, a completion ending in error/abort
    with no tokens, or no token within `first_token_timeout_s`) is retried on other workers,
    at most `max_retries` times; after that it raises `WorkerFailed(after_first_token=False)`
@@ -26,70 +26,52 @@ Life cycle of a request here:
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 import time
-import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncGenerator, Callable, TypeVar
 
 import grpc
 
-from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
+from cluster.roles import Role
 from engine.sampling_params import SamplingParams
-from engine.tokens import Logprob as TokenLogprob, Resume
+from engine.tokens import Resume
 from proto import pdserve_pb2 as pb
+from router.call import (
+    CallMetrics,
+    Delta,
+    FailureReason,
+    WorkerFailed,
+    delta_from_pb,
+    failed_completion,
+    generate_request,
+    rpc_failure,
+    unfinished,
+)
 from router.channels import ChannelPool
 from router.config import RouterConfig
-from router.errors import APIError
-from router.inflight import InFlight
+from router.http.errors import APIError
 from router.metrics import RouterMetrics
-from router.placement import Placement, Placer, PromptKey
-from router.placement_hint import PlacementHint
-from router.policy import Reason
-from router.registry import WorkerState
+from router.placement.hint import PlacementHint
+from router.placement.inflight import InFlight
+from router.placement.placer import Placement, Placer, PromptKey
+from router.placement.policy import Reason
+from router.placement.registry import WorkerState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _SEEDS = random.SystemRandom()  # seeds for requests that bring none
 
 _FAILED = ("error", "abort")
 
 
-@dataclass(slots=True)
-class Delta:
-    """One streamed update for one completion of one prompt."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None  # stop | length once this completion ends
-    cached_tokens: int  # as reported by the worker (latest value)
-    stop_reason: str | int | None = None  # the stop string / token id that ended it; None: EOS
-    prompt_logprobs: list[TokenLogprob] | None = None  # first update, when asked for: one per
     # prompt token after the first
 
 
 def context_needed(prompt: PromptKey, sampling: SamplingParams) -> int:
     return len(prompt.token_ids) + (sampling.max_tokens or 1)
-
-
-class FailureReason(str, enum.Enum):
-    """What ended a worker call early (the `reason` label of the migration metrics)."""
-
-    ERROR = "error"  # RPC error, a completion ending in error/abort, or the stream cut short
-    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
-    STALL_TIMEOUT = "stall_timeout"
-
-
-class WorkerFailed(Exception):
-    def __init__(self, message: str, after_first_token: bool,
-                 reason: FailureReason = FailureReason.ERROR) -> None:
-        super().__init__(message)
-        self.after_first_token = after_first_token
-        self.reason = reason
 
 
 class _CallStalled(Exception):
@@ -114,16 +96,6 @@ class _Sent:
         return Resume(tuple(self.token_ids), self.num_text_chars)
 
 
-def _delta(msg: pb.GenerateResponse) -> Delta:
-    return Delta(
-        index=msg.index, token_ids=list(msg.token_ids), text=msg.text,
-        logprobs=[logprob_from_pb(lp) for lp in msg.logprobs],
-        finish_reason=msg.finish_reason or None, cached_tokens=msg.usage.cached_tokens,
-        stop_reason=stop_reason_from_pb(msg),
-        prompt_logprobs=[logprob_from_pb(lp) for lp in msg.prompt_logprobs] or None,
-    )
-
-
 class Dispatcher:
     def __init__(self, config: RouterConfig, placer: Placer, channels: ChannelPool,
                  metrics: RouterMetrics) -> None:
@@ -139,7 +111,7 @@ class Dispatcher:
                       hint: PlacementHint | None = None) -> Placement:
         """`context`: the tokens (prompt + output) the decode worker must be able to hold.
         `hint`: the endpoint picker's choice, followed if those workers can take it now
-        (router/placement_hint.py)."""
+        (router/placement/hint.py)."""
         policy = self.placer.policy.name
         placement = None
         if hint is not None:
@@ -150,29 +122,55 @@ class Dispatcher:
         if placement is None:
             placement = self.placer.place(prompt, exclude, remote_prefill, context)
         if placement is None:
-            if self.num_waiting >= self.config.max_queued_requests:
-                raise self._busy(policy, "too many requests are waiting for capacity")
-            t0 = time.monotonic()
-            deadline = t0 + self.config.queue_timeout_s
-            self.num_waiting += 1
-            self.metrics.waiting.inc()
-            try:
-                while placement is None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise self._busy(policy, "no worker has capacity for this request")
-                    await self.registry.wait_changed(min(remaining, 0.25))
-                    placement = self.placer.place(prompt, exclude, remote_prefill, context)
-            finally:
-                self.num_waiting -= 1
-                self.metrics.waiting.dec()
-                self.metrics.queue_wait.observe(time.monotonic() - t0)
+            placement = await self.wait_for(
+                lambda: self.placer.place(prompt, exclude, remote_prefill, context),
+                "no worker has capacity for this request")
         self.metrics.decisions.labels(policy, placement.decision.reason.value).inc()
         self.metrics.note_decision(policy, placement.decision.reason.value,
                                    placement.decode.info.worker_id,
                                    placement.prefill.info.worker_id if placement.prefill else None,
                                    placement.decision.predicted_cached_tokens)
         return placement
+
+    async def acquire_prefill(self, prompt: PromptKey,
+                              exclude: frozenset[str] = frozenset()) -> WorkerState:
+        """A prefill worker for prompt-only work (an embedding): the policy's prefill choice
+        (prefix affinity, queued prefill work), waited for as `acquire` waits; 503 at once
+        when no prefill worker is registered."""
+        if not self.registry.by_role(Role.PREFILL):
+            raise APIError(503, "no prefill worker is registered (embeddings run on the prefill "
+                           "pool only)", code="no_prefill_workers")
+        worker = self.placer.place_prefill(prompt, exclude)
+        if worker is None:
+            worker = await self.wait_for(lambda: self.placer.place_prefill(prompt, exclude),
+                                         "no prefill worker is available for this request")
+        self.metrics.embedding_placements.labels(worker.info.role).inc()
+        return worker
+
+    async def wait_for(self, place: Callable[[], T | None], busy: str) -> T:
+        """`place()` retried on every registry change (capacity republished, a request
+        finished) until it is not None: the one bounded wait for capacity. At most
+        `max_queued_requests` wait at once (the waiting gauge, the queue-wait histogram);
+        past `queue_timeout_s`, or with the queue full, a 503 + Retry-After (`busy`)."""
+        policy = self.placer.policy.name
+        if self.num_waiting >= self.config.max_queued_requests:
+            raise self._busy(policy, "too many requests are waiting for capacity")
+        t0 = time.monotonic()
+        deadline = t0 + self.config.queue_timeout_s
+        self.num_waiting += 1
+        self.metrics.waiting.inc()
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._busy(policy, busy)
+                await self.registry.wait_changed(min(remaining, 0.25))
+                if (found := place()) is not None:
+                    return found
+        finally:
+            self.num_waiting -= 1
+            self.metrics.waiting.dec()
+            self.metrics.queue_wait.observe(time.monotonic() - t0)
 
     def _busy(self, policy: str, message: str) -> APIError:
         self.metrics.decisions.labels(policy, Reason.NO_CAPACITY.value).inc()
@@ -182,7 +180,7 @@ class Dispatcher:
 
     async def generate(self, prompt: PromptKey, sampling: SamplingParams,
                        arrival: float, priority: int = 0,
-                       hint: PlacementHint | None = None) -> AsyncIterator[Delta]:
+                       hint: PlacementHint | None = None) -> AsyncGenerator[Delta, None]:
         """Deltas of every completion of one prompt, until each has finished; failures are
         retried or migrated (module docstring, 3 and 4). `hint`: followed on the first attempt
         only."""
@@ -242,51 +240,52 @@ class Dispatcher:
 
     async def _run(self, placement: Placement, prompt: PromptKey, sampling: SamplingParams,
                    arrival: float, priority: int,
-                   resume: Resume | None = None) -> AsyncIterator[Delta]:
+                   resume: Resume | None = None) -> AsyncGenerator[Delta, None]:
         """One attempt: the Generate call under this router's in-flight accounting, observed
         by the metrics, its failures classified for `generate`. `resume`: a migration."""
         decode = placement.decode
-        request = _generate_request(placement, prompt, sampling, priority, resume)
-        observer = _CallMetrics(self.metrics, arrival, resumed=resume is not None)
+        request = generate_request(placement, prompt, sampling, priority, resume)
+        observer = CallMetrics(self.metrics, arrival, resumed=resume is not None)
         finished: set[int] = set()
         yielded = resume is not None  # the caller has updates already: never a 400 now
         # A resumed call's first token is not the request's first: the stall timeout holds.
         first_timeout = (self.config.stall_timeout_s if resume is not None
                          else self.config.first_token_timeout_s)
         placed_at = time.monotonic()
-        learn = resume is None and placement.decision.estimated_ttft_s is not None
+        estimated_ttft_s = placement.decision.estimated_ttft_s
+        learn = resume is None and estimated_ttft_s is not None
         with InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
             try:
                 async with aclosing(self._call(decode.info.grpc_address, request,
                                                first_timeout)) as messages:
                     async for msg in messages:
-                        delta = _delta(msg)
+                        delta = delta_from_pb(msg)
                         if delta.finish_reason in _FAILED:
-                            raise _failed_completion(decode, delta, yielded)
+                            raise failed_completion(decode, delta, yielded)
                         if delta.token_ids:
                             load.first_token()
-                            if learn:  # what the placement's TTFT estimate missed
+                            if learn and estimated_ttft_s is not None:  # what it missed
                                 learn = False
                                 self.placer.policy.correction.observe(
-                                    placement.decision.path, placement.decision.estimated_ttft_s,
+                                    placement.decision.path, estimated_ttft_s,
                                     time.monotonic() - placed_at)
-                        observer.on_delta(delta)
+                        observer.ondelta_from_pb(delta)
                         if delta.finish_reason is not None:
                             finished.add(delta.index)
                         yielded = True
                         yield delta
             except grpc.aio.AioRpcError as exc:
-                raise _rpc_failure(decode, exc, yielded) from None
+                raise rpc_failure(decode, exc, yielded) from None
             except _CallStalled as exc:
                 raise WorkerFailed(f"decode worker {decode.info.worker_id}: {exc}", yielded,
                                    FailureReason.STALL_TIMEOUT if yielded
                                    else FailureReason.FIRST_TOKEN_TIMEOUT) from None
             if len(finished) < sampling.n:
-                raise _unfinished(decode, sampling.n - len(finished), yielded)
+                raise unfinished(decode, sampling.n - len(finished), yielded)
             observer.on_success(len(prompt.token_ids), placement.decision.predicted_cached_tokens)
 
     async def _call(self, address: str, request: pb.GenerateRequest,
-                    first_timeout: float) -> AsyncIterator[pb.GenerateResponse]:
+                    first_timeout: float) -> AsyncGenerator[pb.GenerateResponse, None]:
         """`DecodeWorker.Generate` at `address`, message by message; `_CallStalled` when the
         first message takes over `first_timeout` s, a later one over `stall_timeout_s` (0:
         no limit; time spent by our consumer does not count). Closing this early cancels the
@@ -311,88 +310,3 @@ class Dispatcher:
             if call is not None:
                 call.cancel()  # no-op when the call already ended; aborts it on the worker otherwise
             self.channels.release(address)
-
-
-def _generate_request(placement: Placement, prompt: PromptKey, sampling: SamplingParams,
-                      priority: int, resume: Resume | None) -> pb.GenerateRequest:
-    if resume is not None:  # prompt logprobs came with the first update already
-        sampling = replace(sampling, prompt_logprobs=None)
-    request = pb.GenerateRequest(
-        request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
-        sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
-        priority=priority,
-    )
-    if prompt.lora is not None:
-        request.lora.CopyFrom(lora_to_pb(prompt.lora))
-    if resume is not None:
-        request.resume_output_token_ids.extend(resume.output_token_ids)
-        request.resume_text_chars = resume.num_text_chars
-    if placement.prefill is not None:
-        request.prefill_worker.worker_id = placement.prefill.info.worker_id
-        request.prefill_worker.address = placement.prefill.info.grpc_address
-    source = placement.kv_source  # relative to the worker that computes the prompt
-    if source is not None:
-        request.kv_source.worker_id = source.holder.info.worker_id
-        request.kv_source.address = source.holder.info.grpc_address
-        request.kv_source.num_blocks = source.num_blocks
-    return request
-
-
-class _CallMetrics:
-    """The latency and token metrics of one call. As updates stream: TTFT (the first token
-    of any completion, from arrival), ITL (between one completion's tokens), generation
-    tokens. Once every completion finished: E2E, prompt tokens, prefix-cache hit tokens (as
-    the placement predicted them and as the worker reported them). A resumed call (a
-    migration) has no TTFT; its seam is `migration_seam`, not an ITL."""
-
-    __slots__ = ("metrics", "arrival", "resumed", "last_token_at", "cached")
-
-    def __init__(self, metrics: RouterMetrics, arrival: float, resumed: bool = False) -> None:
-        self.metrics = metrics
-        self.arrival = arrival
-        self.resumed = resumed
-        self.last_token_at: dict[int, float] = {}  # completion index -> its latest token's time
-        self.cached = 0  # prompt tokens the worker found cached (the most it reported)
-
-    def on_delta(self, delta: Delta) -> None:
-        self.cached = max(self.cached, delta.cached_tokens)
-        if not delta.token_ids:
-            return
-        now = time.monotonic()
-        if not self.last_token_at:
-            if not self.resumed:
-                self.metrics.ttft.observe(now - self.arrival)
-                self.metrics.recent_ttft.append(now - self.arrival)
-        elif delta.index in self.last_token_at:
-            self.metrics.itl.observe(now - self.last_token_at[delta.index])
-            self.metrics.recent_itl.append(now - self.last_token_at[delta.index])
-        self.last_token_at[delta.index] = now
-        self.metrics.generation_tokens.inc(len(delta.token_ids))
-
-    def on_success(self, num_prompt: int, predicted_cached: int) -> None:
-        self.metrics.e2e.observe(time.monotonic() - self.arrival)
-        self.metrics.prompt_tokens.inc(num_prompt)
-        self.metrics.prefix_hit_tokens.labels("predicted").inc(predicted_cached)
-        self.metrics.prefix_hit_tokens.labels("reported").inc(self.cached)
-
-
-# Failure classification. `yielded`: an update already reached the client (no retry then).
-
-def _failed_completion(decode: WorkerState, delta: Delta, yielded: bool) -> WorkerFailed:
-    return WorkerFailed(f"decode worker {decode.info.worker_id}: completion {delta.index} "
-                        f"ended with {delta.finish_reason}", yielded)
-
-
-def _unfinished(decode: WorkerState, missing: int, yielded: bool) -> WorkerFailed:
-    return WorkerFailed(f"decode worker {decode.info.worker_id} ended the stream with "
-                        f"{missing} completions unfinished", yielded)
-
-
-def _rpc_failure(decode: WorkerState, exc: grpc.aio.AioRpcError,
-                 yielded: bool) -> APIError | WorkerFailed:
-    """INVALID_ARGUMENT before any update: the request itself was refused (a 400, not
-    retried); anything else: the worker failed."""
-    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not yielded:
-        return APIError(400, f"rejected by the decode worker: {exc.details()}")
-    return WorkerFailed(f"decode worker {decode.info.worker_id} at {decode.info.grpc_address}: "
-                        f"{exc.code().name}: {exc.details()}", yielded)

@@ -21,27 +21,27 @@ from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.heap import freeze_startup_heap
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
+from engine.tokenizer import Tokenizer
 from router.channels import ChannelPool
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.kv_events import KVSubscriptions
-from router.kv_index import KVIndex
+from router.endpoints.admin.fleet import FleetAdmin
+from router.endpoints.loras.serving import LoRAAdapters
+from router.generation.logprobs import TokenText
+from router.generation.model_card import ModelCard
+from router.generation.structured import Grammars
+from router.http.auth import Keys, resolve_keys
+from router.http.key_limits import KeyLimits
+from router.http.limits import uvicorn_options
 from router.metrics import RouterMetrics
-from router.placement import Placer
-from router.policy import make_policy
-from router.pool_signals import pool_signals
-from router.registry import EtcdWatcher, Refusal, WorkerRegistry
-from router.logprobs import TokenText
-from router.admin import FleetAdmin
-from router.allowed_workers import AllowedWorkers
-from router.auth import Keys, resolve_keys
-from router.key_limits import KeyLimits
-from router.limits import uvicorn_options
-from router.loras import LoRAAdapters
-from router.structured import Grammars
-from engine.tokenizer import Tokenizer
-from router.chat_output import ChatOptions
-from router.validation import ModelCard
+from router.parsers.message import ChatOptions
+from router.placement.allowed_workers import AllowedWorkers
+from router.placement.events import KVSubscriptions
+from router.placement.index import KVIndex
+from router.placement.placer import Placer
+from router.placement.policy import make_policy
+from router.placement.pool_signals import pool_signals
+from router.placement.registry import EtcdWatcher, Refusal, WorkerRegistry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,16 +88,16 @@ def _template_text(value: str) -> str:
 def chat_options(config: ChatConfig, tok: Tokenizer) -> ChatOptions:
     """The parsers the chat flags name; an unknown name is an error at start, listing the
     known ones."""
-    from router.reasoning import reasoning_parser
-    from router.tools.parser import load_tool_parser_plugin, tool_parser
+    from router.parsers.reasoning.parser import reasoning_parser
+    from router.parsers.tools.parser import load_tool_parser_plugin, tool_parser
 
     if config.tool_parser_plugin is not None:
         load_tool_parser_plugin(config.tool_parser_plugin)
     reasoning = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
     markers = None
     if reasoning is not None:
-        markers = tuple(tuple(tok.encode(m, add_special_tokens=False))
-                        for m in (reasoning.start, reasoning.end))
+        markers = (tuple(tok.encode(reasoning.start, add_special_tokens=False)),
+                   tuple(tok.encode(reasoning.end, add_special_tokens=False)))
     return ChatOptions(
         auto_tool_choice=config.enable_auto_tool_choice,
         tool_parser=tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
@@ -179,10 +179,11 @@ class RouterServices:
             await self._start_picker()
 
     async def _start_picker(self) -> None:
-        """The endpoint picker (router/ext_proc.py) beside the HTTP API, over this router's
+        """The endpoint picker (router/endpoint_picker/ext_proc.py) beside the HTTP API, over this
+        router's
         registry, KV index and placement; ready (gRPC health) once etcd has synced."""
-        from router.endpoint_picker import EndpointPicker
-        from router.ext_proc import set_serving, start_picker_server
+        from router.endpoint_picker.ext_proc import set_serving, start_picker_server
+        from router.endpoint_picker.picker import EndpointPicker
 
         cfg = self.config
         endpoint = cfg.endpoint_picker.endpoint or f"{cfg.host}:{cfg.port}"  # (config.py checks)
@@ -244,7 +245,7 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
     """Run until SIGTERM/SIGINT (graceful: in-flight responses finish), then exit 0."""
     import uvicorn
 
-    from router.app import create_app
+    from router.http.app import create_app
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

@@ -1,4 +1,4 @@
-"""What the HTTP surface (app.py, info_routes.py) needs from a running router. server.py's
+"""What the HTTP surface (router/http/, router/endpoints/) needs from a running router. server.py's
 `RouterServices` is the real one; the app knows only this, so router's modules import one
 way: server -> app -> services."""
 from __future__ import annotations
@@ -8,22 +8,22 @@ from typing import Any, Callable, Protocol, TypeVar
 
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
-from router.logprobs import TokenText
-from router.admin import FleetAdmin
-from router.auth import Keys
-from router.key_limits import KeyLimits
-from router.loras import LoRAAdapters
+from router.endpoints.admin.fleet import FleetAdmin
+from router.endpoints.loras.serving import LoRAAdapters
+from router.generation.logprobs import TokenText
+from router.generation.model_card import ModelCard
+from router.generation.structured import Grammars
+from router.http.auth import Keys
+from router.http.key_limits import KeyLimits
 from router.metrics import RouterMetrics
-from router.registry import WorkerRegistry
-from router.structured import Grammars
-from router.validation import ModelCard
+from router.placement.registry import WorkerRegistry
 
 T = TypeVar("T")
 
 
 class Services(Protocol):
     config: RouterConfig
-    keys: Keys  # the API and admin keys (router/auth.py), resolved at start
+    keys: Keys  # the API and admin keys (router/http/auth.py), resolved at start
     key_limits: KeyLimits  # per-API-key concurrency slots and token buckets
     card: ModelCard  # tokenizer, names, the fallback context length
     registry: WorkerRegistry  # /health counts its ready workers

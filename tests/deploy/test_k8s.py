@@ -227,7 +227,7 @@ def test_router_ready_on_health_and_key_from_secret(rendered):
     data = secrets[ref["name"]]["data"]
     value = base64.b64decode(data[ref["key"]]).decode()
     assert value == TEST_KEY + "\n", name  # the file's bytes, its newline included ...
-    from router.auth import Keys, resolve_keys
+    from router.http.auth import Keys, resolve_keys
     from router.config import RouterConfig
 
     resolved = resolve_keys(RouterConfig(etcd="etcd:2379"), {"PDSERVE_API_KEY": value})

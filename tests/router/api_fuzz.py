@@ -3,7 +3,7 @@ Python API: one hypothesis run per operation and generation mode, so the counts 
 
 Every generated request must get: no 5xx; a status, content type and body the schema
 declares (schemathesis's checks); negative (schema-violating) data refused with a 4xx; every
-error in OpenAI's shape; every 200 body and SSE event valid against router/response_models.py
+error in OpenAI's shape; every 200 body and SSE event valid against router/endpoints/base.py
 (the models the schema is built from), a stream ending in `data: [DONE]` (a /v1/responses
 stream: events named and numbered in order, ending with the whole response); no more
 completion tokens than max_tokens allows, within `request_timeout` seconds.
@@ -32,9 +32,10 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                response_schema_conformance,
                                                status_code_conformance)
 
-from router.response_models import (ChatCompletionResponse, ChatCompletionStreamChunk,
-                                    CompletionResponse, CompletionStreamChunk, ErrorResponse)
-from router.responses_api.models import ResponsesResponse, ResponseStreamEvent
+from router.endpoints.chat.protocol import ChatCompletionResponse, ChatCompletionStreamChunk
+from router.endpoints.completions.protocol import CompletionResponse, CompletionStreamChunk
+from router.endpoints.base import ErrorResponse
+from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
 
 GENERATE = {"/v1/completions": (CompletionResponse, CompletionStreamChunk),
             "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamChunk),

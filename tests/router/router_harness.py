@@ -10,10 +10,10 @@ from typing import Any, Coroutine, TypeVar
 import uvicorn
 
 from cluster.net import free_port
-from router.app import create_app
-from router.auth import resolve_keys
+from router.http.app import create_app
+from router.http.auth import resolve_keys
 from router.config import PlacementConfig, RouterConfig
-from router.limits import uvicorn_options
+from router.http.limits import uvicorn_options
 from router.server import RouterServices, load_model_card
 from router_fakes import FakeWorker
 

@@ -9,12 +9,12 @@ from fastapi import FastAPI
 
 from cluster.grpc_security import OPEN
 from cluster.registration import WorkerInfo
-from router.admin import FleetAdmin, WorkerResult, _checked
-from router.admin_routes import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
+from router.endpoints.admin.fleet import FleetAdmin, WorkerResult, _checked
+from router.endpoints.admin.serving import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
 from router.channels import ChannelPool
-from router.errors import APIError
-from router.openapi import install_openapi
-from router.registry import WorkerRegistry
+from router.http.errors import APIError
+from router.http.openapi import install_openapi
+from router.placement.registry import WorkerRegistry
 
 
 def info(wid, role="decode", sleeping=False):

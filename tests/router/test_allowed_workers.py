@@ -12,7 +12,7 @@ import pytest
 
 from cluster.net import free_port
 from cluster.registration import WorkerInfo, make_client, worker_key
-from router.allowed_workers import ANY, LOOPBACK, AllowedWorkers, parse_network
+from router.placement.allowed_workers import ANY, LOOPBACK, AllowedWorkers, parse_network
 from router_fakes import MODEL_ID, FakeWorker
 from router_harness import start_router, stop_router, wait_for
 
@@ -49,7 +49,7 @@ class _Recorder:
 def test_forged_registrations_outside_the_cidrs_get_no_work_and_no_metrics_fetch(
         etcd, bg, cluster_name, caplog):
     inside, outside = _Recorder("127.0.0.1"), _Recorder("127.0.0.2")  # .2: still loopback here
-    caplog.set_level(logging.WARNING, logger="router.registry")
+    caplog.set_level(logging.WARNING, logger="router.placement.registry")
 
     def forged(worker_id: str, grpc: str, metrics: str) -> WorkerInfo:
         return WorkerInfo(worker_id, "decode", grpc, MODEL_ID, "fake-compat", 16,

@@ -13,7 +13,7 @@ import json
 import httpx
 import pytest
 
-from router.auth import tenant_salt
+from router.http.auth import tenant_salt
 from router_harness import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"

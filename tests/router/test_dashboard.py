@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from openai_cluster import KEY, MODEL
-from router.response_models import DashboardData
+from router.http.dashboard import DashboardData
 
 pytestmark = pytest.mark.slow
 

@@ -9,13 +9,14 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
+from router.call import WorkerFailed
 from router.config import RouterConfig
-from router.dispatch import Dispatcher, WorkerFailed
-from router.errors import APIError
+from router.dispatch import Dispatcher
+from router.http.errors import APIError
 from router.metrics import RouterMetrics
-from router.placement import Placement, PromptKey
-from router.policy import Decision, Reason
-from router.registry import WorkerRegistry, WorkerState
+from router.placement.placer import Placement, PromptKey
+from router.placement.policy import Decision, Reason
+from router.placement.registry import WorkerRegistry, WorkerState
 
 PROMPT = PromptKey(list(range(10)))
 CACHED_ON_PREFILL = 4  # the prefill worker's share: 6 tokens
@@ -178,7 +179,7 @@ def test_a_local_prefill_is_prefill_work_on_the_decode_worker_and_teaches_the_po
     worker until its first token; that first token's time since placement is what the
     local estimate is corrected by."""
     from cluster.roles import PrefillPath
-    from router.ttft_estimate import TTFTCorrection
+    from router.placement.estimates import TTFTCorrection
 
     async def main():
         call = FakeCall([_msg(), _msg([7], finish="length")])

@@ -1,5 +1,7 @@
-"""The router as a Gateway API Inference Extension endpoint picker (router/endpoint_picker.py,
-router/ext_proc.py): a client speaking ext_proc as Envoy does (envoy_ext_proc.py) against a
+"""The router as a Gateway API Inference Extension endpoint picker
+(router/endpoint_picker/picker.py,
+router/endpoint_picker/ext_proc.py): a client speaking ext_proc as Envoy does (envoy_ext_proc.py)
+against a
 real router process's picker port, over fake workers registered in a real etcd. The picker
 answers with the GAIE destination header + `envoy.lb` metadata and the placement the router's
 own placer makes (prefix affinity included); refusals are immediate responses with the
@@ -15,9 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.net import free_port
-from router.endpoint_picker import EndpointPicker
-from router.placement import PromptKey
-from router.picker_config import EndpointPickerConfig
+from router.endpoint_picker.picker import EndpointPicker
+from router.placement.placer import PromptKey
+from router.endpoint_picker.config import EndpointPickerConfig
 from router_fakes import MODEL_ID
 from router_harness import start_cluster
 from envoy.config.core.v3 import base_pb2 as core
@@ -199,7 +201,8 @@ def test_health_and_decision_latency(gw):
 
 
 def test_the_pool_gauges_reach_metrics(gw):
-    """The autoscaling signals (router/pool_signals.py) as KEDA reads them from /metrics."""
+    """The autoscaling signals (router/placement/pool_signals.py) as KEDA reads them from
+    /metrics."""
     from router_harness import wait_for
 
     gw.workers["p1"].set_capacity(queued_prefill_tokens=4000, prefill_tokens_per_s=2000.0)

@@ -1,4 +1,4 @@
-"""A constraint that compiles for too long (router/structured.py Grammars, in a child
+"""A constraint that compiles for too long (router/generation/structured.py Grammars, in a child
 process: engine/structured/compile_process.py) is a 400 at the compile time limit: its process
 is killed, the next constraint compiles in a fresh one, and the same constraint again is
 refused at once."""
@@ -8,10 +8,10 @@ import time
 import pytest
 
 from router.config import RouterConfig
-from router.errors import APIError
-from router.protocol import CompletionRequest
+from router.http.errors import APIError
+from router.endpoints.completions.protocol import CompletionRequest
 from router.server import load_model_card
-from router.structured import Grammars, constraint
+from router.generation.structured import Grammars, constraint
 
 # 60 bytes that xgrammar compiles for 10.8 s on the 2-core box (nested counted repetitions in
 # a pattern; not monotonic: four levels, or {0,30}, are fast).

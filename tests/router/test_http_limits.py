@@ -1,4 +1,4 @@
-"""The router's HTTP-layer limits (router/limits.py) on a real uvicorn server over fake
+"""The router's HTTP-layer limits (router/http/limits.py) on a real uvicorn server over fake
 workers, driven with raw sockets so that a test controls exactly what was sent: a body over
 the cap is a 413 before it is read (and /health answers meanwhile), a chunked one as it
 passes the cap; a body that stops arriving is a 408; connections dribbling their headers
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from router.config import LimitsConfig
-from router.limits import uvicorn_options
+from router.http.limits import uvicorn_options
 from router_harness import start_cluster
 
 CAP = 1 << 20

@@ -1,4 +1,5 @@
-"""Caps on a request's inputs (router/config.py LimitsConfig; router/validation.py): prompts per
+"""Caps on a request's inputs (router/config.py LimitsConfig; router/generation/prepare.py):
+prompts per
 batch, n x prompts, stop strings, bad words, logit_bias entries, a text's length (checked
 before it is tokenized) and a constraint's size; each a 400 naming the field, refused before
 any worker is needed. In process (httpx over ASGI), no worker, no etcd. Large bodies are
@@ -10,9 +11,9 @@ import threading
 import httpx
 import pytest
 
-from router.app import create_app
+from router.http.app import create_app
 from router.config import LimitsConfig, RouterConfig
-from router.auth import Keys
+from router.http.auth import Keys
 from router.server import RouterServices, load_model_card
 
 LIMITS = LimitsConfig(max_prompts_per_request=4, max_choices_per_request=8, max_stop_strings=2,

@@ -1,4 +1,5 @@
-"""The incremental JSON validator (router/tools/json_prefix.py) against Python's json module:
+"""The incremental JSON validator (router/parsers/tools/json_prefix.py) against Python's json
+module:
 every prefix of a valid document is accepted and the document completes exactly at its end,
 in any pieces; an invalid document stops at the first character no valid document could
 have there; random documents and their random mutations agree with `json.loads`."""
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from router.tools.json_prefix import JsonPrefix, valid_prefix
+from router.parsers.tools.json_prefix import JsonPrefix, valid_prefix
 
 VALID = [
     '{}', '[]', '""', '{"a": 1}', ' {"a" : [1, -2.5e+3, 0, 0.25, 1E9, true, false, null]} ',

@@ -1,11 +1,11 @@
-"""The per-key limits' slots and token buckets (router/key_limits.py) on a fake clock: slots
+"""The per-key limits' slots and token buckets (router/http/key_limits.py) on a fake clock: slots
 taken and freed, the bucket's refill, the Retry-After of a refusal, the reconciliation of a
 reservation with what a request used, a request larger than a minute's budget (a debt), and
 refusals that take nothing."""
 import pytest
 
-from router.errors import APIError
-from router.key_limits import KeyLimits, LimitReason
+from router.http.errors import APIError
+from router.http.key_limits import KeyLimits, LimitReason
 
 A, B = b"a" * 32, b"b" * 32
 

@@ -5,8 +5,8 @@ import asyncio
 from cluster.grpc_security import OPEN
 from engine.block_hash import compute_block_hashes
 from router.channels import ChannelPool
-from router.kv_events import KVSubscriptions
-from router.kv_index import KVIndex
+from router.placement.events import KVSubscriptions
+from router.placement.index import KVIndex
 from router_fakes import FakeWorker
 from router_harness import wait_for
 

@@ -6,10 +6,10 @@ import logging
 from cluster.registration import Capacity, WorkerInfo
 from engine.block_hash import compute_block_hashes
 from router.config import PlacementConfig
-from router.kv_index import KVIndex
-from router.placement import Placer, PromptKey
-from router.policy import AffinityPolicy, Reason
-from router.registry import WorkerRegistry
+from router.placement.index import KVIndex
+from router.placement.placer import Placer, PromptKey
+from router.placement.policy import AffinityPolicy, Reason
+from router.placement.registry import WorkerRegistry
 
 IDS = list(range(200))
 
@@ -53,7 +53,7 @@ def test_prefix_affinity_matches_each_worker_with_its_own_format():
 def test_prefill_workers_of_another_kv_layout_are_not_paired(caplog):
     registry = WorkerRegistry()
     registry.put(info("d", "decode", "fp8_e4m3"))
-    with caplog.at_level(logging.WARNING, logger="router.registry"):
+    with caplog.at_level(logging.WARNING, logger="router.placement.registry"):
         registry.put(info("p-int8", "prefill", "int8"))
     assert "p-int8 (prefill, KV int8, block size 16) shares its KV layout with no decode worker " \
            "(d: KV fp8_e4m3, block size 16)" in caplog.text

@@ -1,5 +1,5 @@
-"""Placement with KV tiers and peer pulls (router/kv_reuse.py, router/policy.py,
-router/placement.py): a tier hit is credited at its measured promotion cost, and the worker
+"""Placement with KV tiers and peer pulls (router/placement/reuse.py, router/placement/policy.py,
+router/placement/placer.py): a tier hit is credited at its measured promotion cost, and the worker
 that computes a prompt pulls the blocks a peer holds beyond its own hit when the measured
 rates say that beats computing them."""
 import dataclasses
@@ -8,11 +8,11 @@ import pytest
 
 from cluster.registration import Capacity, WorkerInfo
 from router.config import PlacementConfig
-from router.kv_index import KVIndex
-from router.kv_reuse import best_pull
+from router.placement.index import KVIndex
+from router.placement.reuse import best_pull
 from router.metrics import RouterMetrics
-from router.placement import KVSource, Placer, PromptKey
-from router.policy import AffinityPolicy, Candidate, Reason
+from router.placement.placer import KVSource, Placer, PromptKey
+from router.placement.policy import AffinityPolicy, Candidate, Reason
 
 PROMPT = 1024  # 64 blocks of 16; the last is never reused (its last token is computed): 63
 HELD = 63 * 16
@@ -123,7 +123,7 @@ def info(wid, role, **cap):
 
 
 def test_placer_names_the_holder_and_counts_the_decision():
-    from router.registry import WorkerRegistry
+    from router.placement.registry import WorkerRegistry
 
     registry, index, metrics = WorkerRegistry(), KVIndex(), RouterMetrics()
     for wid, role in (("d", "decode"), ("p", "prefill")):

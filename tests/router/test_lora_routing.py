@@ -8,8 +8,8 @@ from cluster.registration import Capacity
 from engine.block_hash import compute_block_hashes
 from engine.lora.request import LoRARequest, lora_id_for
 from router.config import PlacementConfig
-from router.placement import PromptKey
-from router.policy import AffinityPolicy, Candidate, Reason
+from router.placement.placer import PromptKey
+from router.placement.policy import AffinityPolicy, Candidate, Reason
 from router_harness import start_cluster
 
 PROMPT = 1024

@@ -3,7 +3,7 @@ import pytest
 
 from cluster.registration import Capacity
 from router.config import PlacementConfig
-from router.policy import (
+from router.placement.policy import (
     AffinityPolicy, Candidate, LeastLoadedPolicy, Reason, RoundRobinPolicy, make_policy,
 )
 

@@ -1,12 +1,12 @@
-"""The pool-wide autoscaling signals (router/pool_signals.py) the KEDA ScaledObjects read:
+"""The pool-wide autoscaling signals (router/placement/pool_signals.py) the KEDA ScaledObjects read:
 prefill backlog in seconds (queued tokens / measured rates, this router's unreported in-flight
 work included), decode KV usage and waiting requests, over usable workers only; and their
 gauges on /metrics."""
 import pytest
 
 from cluster.registration import Capacity, WorkerInfo
-from router.pool_signals import pool_signals
-from router.registry import WorkerRegistry
+from router.placement.pool_signals import pool_signals
+from router.placement.registry import WorkerRegistry
 
 
 def info(wid, role, draining=False, **cap):

@@ -1,4 +1,4 @@
-"""The reasoning parsers (router/reasoning_parsers.py): each fixture splits into the expected
+"""The reasoning parsers (router/parsers/reasoning/think.py): each fixture splits into the expected
 reasoning and content, the same in any pieces (char by char, random cuts, 3-char "tokens");
 text without a marker goes out at once and only a marker prefix is held; `in_answer`
 follows the split; the prompt's tail sets the starting phase; unknown names list the known."""
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.reasoning import reasoning_parser, reasoning_parser_names
+from router.parsers.reasoning.parser import reasoning_parser, reasoning_parser_names
 
 # (parser, flags, text, reasoning, content, in_answer at the end)
 CASES = [

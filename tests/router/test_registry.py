@@ -3,7 +3,7 @@ capacity ages out, draining workers stay listed but get no work, a restart rebui
 import asyncio
 
 from cluster.registration import Capacity, WorkerInfo
-from router.registry import EtcdWatcher, WorkerRegistry, parse_key
+from router.placement.registry import EtcdWatcher, WorkerRegistry, parse_key
 from router_fakes import FakeWorker
 from router_harness import wait_for
 

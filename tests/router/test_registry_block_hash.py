@@ -9,12 +9,12 @@ from types import SimpleNamespace
 from cluster.registration import Capacity, WorkerInfo
 from engine.block_hash import block_hash_probe
 from router.config import PlacementConfig
-from router.kv_events import KVSubscriptions
-from router.kv_index import KVIndex
+from router.placement.events import KVSubscriptions
+from router.placement.index import KVIndex
 from router.metrics import RouterMetrics
-from router.placement import Placer, PromptKey
-from router.policy import AffinityPolicy
-from router.registry import Refusal, WorkerRegistry
+from router.placement.placer import Placer, PromptKey
+from router.placement.policy import AffinityPolicy
+from router.placement.registry import Refusal, WorkerRegistry
 from router.server import RouterServices
 
 WRONG = "0123456789abcdef"
@@ -34,7 +34,7 @@ def test_a_disagreeing_worker_is_refused_logged_once_and_counted(caplog):
     subs = KVSubscriptions(index, channels=None)
     added = []
     registry.add_listener(lambda i: added.append(i.worker_id), subs.on_removed)
-    with caplog.at_level(logging.WARNING, logger="router.registry"):
+    with caplog.at_level(logging.WARNING, logger="router.placement.registry"):
         for t in range(3):  # republished: still refused, logged once
             registry.put(dataclasses.replace(info("bad", probe=WRONG), updated_at=float(t)))
     registry.put(info("good"))

@@ -1,6 +1,6 @@
-"""Every route with a JSON body parses it the same way (router.protocol.parse_json): strictly,
-a refusal the OpenAI-shaped 400 naming the field; a body not declared JSON is a 415
-(router/limits.py: no CSRF from a web page). In
+"""Every route with a JSON body parses it the same way (router.endpoints.base.parse_json):
+strictly, a refusal the OpenAI-shaped 400 naming the field; a body not declared JSON is a 415
+(router/http/limits.py: no CSRF from a web page). In
 process (httpx over ASGI): no worker, no etcd — each request is refused or answered before
 one would be needed."""
 import asyncio
@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from router.app import create_app
-from router.auth import Keys
+from router.http.app import create_app
+from router.http.auth import Keys
 from router.config import RouterConfig
 from router.server import RouterServices, load_model_card
 

@@ -1,27 +1,28 @@
-"""POST /v1/responses (router/responses_api/), its parts: the request's conversion into a chat
+"""POST /v1/responses (router/endpoints/responses/), its parts: the request's conversion into a chat
 request, the refusals, the output items and streaming events built from parsed pieces of model
 text (hand-made `ParsedDelta`s, and chat's own parser), the response store. The route itself,
 with fake workers: test_responses_route.py."""
 import json
+import logging
 
 import pytest
-
 from api_fuzz import response_events
+
 from engine.sampling_params import SamplingParams
-from router.chat_output import OutputSetup
-from router.dispatch import Delta
-from router.errors import APIError
-from router.protocol import ChatCompletionRequest
-from router.reasoning import reasoning_parser
-from router.responses_api.models import ResponsesResponse, ResponseStreamEvent
-from router.responses_api.convert import chat_body, input_messages, output_messages, renamed
-from router.responses_api.output import OutputWriter
-from router.responses_api.protocol import check, parse_request
-from router.responses_api.routes import _history
-from router.responses_api.run import ResponseRun
-from router.responses_api.store import ResponseStore
-from router.tools.types import ParsedDelta, ToolCallDelta
-from router.validation import Prepared
+from router.call import Delta
+from router.endpoints.chat.protocol import ChatCompletionRequest
+from router.endpoints.responses.convert import chat_body, input_messages, output_messages, renamed
+from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
+from router.endpoints.responses.output import OutputWriter
+from router.endpoints.responses.protocol import check, parse_request
+from router.endpoints.responses.run import ResponseRun
+from router.endpoints.responses.serving import _history
+from router.endpoints.responses.store import ResponseStore
+from router.generation.prepare import Prepared
+from router.http.errors import APIError
+from router.parsers.message import OutputSetup
+from router.parsers.reasoning.parser import reasoning_parser
+from router.parsers.tools.types import ParsedDelta, ToolCallDelta
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -141,9 +142,9 @@ def test_chat_refusals_name_the_responses_fields():
 
 # ---- refusals ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("body, param, words", [
-    ({"input": "x", "frequency_penalty": 1}, "frequency_penalty", "unknown or unsupported field"),
+    ({"input": "x", "frequency_penalty": 1}, "frequency_penalty", "unsupported field"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs", "unsupported field"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search'"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f", "x": 1}]}, "tools.0.x", "unknown"),
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "truncation": "auto"}, "truncation", "'auto' is not supported"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "not supported"),
@@ -269,7 +270,7 @@ def test_items_are_the_same_without_events():
         quiet.add(d)
     quiet.close()
     strip = lambda items: [{k: v for k, v in i.items() if k != "id"} for i in items]
-    assert quiet.events is None and strip(quiet.output()) == strip(run_writer(deltas).output())
+    assert quiet.events == [] and strip(quiet.output()) == strip(run_writer(deltas).output())
 
 
 # ---- a run: deltas -> the response and its SSE events -----------------------------------------
@@ -393,3 +394,16 @@ def test_reasoning_through_chats_parser():
     assert reasoning.content[0].text == "Let me" and message.content[0].text == "The answer."
     assert "".join(d["delta"] for n, d in events if n == "response.reasoning_text.delta") == "Let me"
     assert body.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_unknown_fields_are_ignored_with_a_warning(caplog):
+    """The one policy of every request body (router/endpoints/base.py), as vLLM: an unknown
+    field, at the top or inside an item, is ignored with a warning naming it (a known field
+    this endpoint does not act on is refused: test_refusals_name_the_field)."""
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.base"):
+        req = request(input="x", frobnicate_top=1,
+                      tools=[{"type": "function", "name": "f", "frobnicate_tool": 1}])
+        check(req)
+    assert req.tools[0].name == "f"
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "frobnicate_top" in logged and "frobnicate_tool" in logged

@@ -1,5 +1,5 @@
 """POST /v1/responses through a router with fake workers (scripted model text), streamed and
-not, every body and event validated against router/response_models.py (api_fuzz's reader):
+not, every body and event validated against router/endpoints/base.py (api_fuzz's reader):
 plain answers, previous_response_id through the store, refusals, the official client, a
 worker failing mid-stream, and tool calls and reasoning read by chat's parsers (hermes, qwen3)."""
 import json
@@ -12,8 +12,8 @@ import pytest
 from cluster.chat_config import ChatConfig
 
 from api_fuzz import response_events
-from router.responses_api.models import ResponsesResponse
-from router.responses_api.convert import output_messages
+from router.endpoints.responses.objects import ResponsesResponse
+from router.endpoints.responses.convert import output_messages
 from router_fakes import fake_token
 from router_harness import start_cluster
 

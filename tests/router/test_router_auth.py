@@ -1,4 +1,4 @@
-"""The router's keys (router/auth.py): where they come from (flags, file, environment; the
+"""The router's keys (router/http/auth.py): where they come from (flags, file, environment; the
 first given wins), which ones are refused at start (empty, placeholders, unsendable, an admin
 key that is also an API key), and which paths need which key — inference keys on /v1/*,
 /tokenize and /detokenize, the admin key (else the API key) on the dev endpoints, LoRA
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from cluster.net import free_port
-from router.auth import Access, Keys, access_of, resolve_keys, tenant_salt
+from router.http.auth import Access, Keys, access_of, resolve_keys, tenant_salt
 from router.config import RouterConfig
 from router_harness import start_cluster
 
@@ -94,7 +94,7 @@ def test_admin_key_must_differ_and_salts_need_keys():
 
 def test_keys_are_never_logged_or_shown(caplog):
     secret = "sk-very-secret-0123456789"
-    with caplog.at_level(logging.DEBUG, logger="router.auth"):
+    with caplog.at_level(logging.DEBUG, logger="router.http.auth"):
         resolved = keys({"PDSERVE_ADMIN_API_KEY": secret + "-admin"}, api_key=(secret, "sk-two"))
     assert "2 from --api-key" in caplog.text and "1 from PDSERVE_ADMIN_API_KEY" in caplog.text
     assert "sk-" not in caplog.text and "sk-" not in repr(resolved)

@@ -14,7 +14,7 @@ from engine.flags import to_argv
 from pdserve.cli import build_parser, main
 from router.cli import config_from_args
 from router.config import LimitsConfig, PlacementConfig, RouterConfig
-from router.picker_config import EndpointPickerConfig
+from router.endpoint_picker.config import EndpointPickerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

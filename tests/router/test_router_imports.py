@@ -1,28 +1,44 @@
-"""router/'s own modules import one way: no circle, counting imports inside functions too
-(read with `ast`; nothing is imported)."""
+"""router/'s own modules (sub-packages included) import one way: no circle, counting imports
+inside functions too (read with `ast`; nothing is imported)."""
 import ast
 from pathlib import Path
 
 ROUTER = Path(__file__).resolve().parents[2] / "router"
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The router modules `path` imports, at any depth of its code."""
+def _modules() -> dict[str, Path]:
+    """Every module of router/, by dotted name below `router.` (`http.app`, `dispatch`)."""
+    out = {}
+    for path in ROUTER.rglob("*.py"):
+        parts = path.relative_to(ROUTER).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts and not parts[-1].endswith("_pb2"):
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The router modules `path` (module `name`) imports, at any depth of its code; `from
+    router.x import y` counts `x.y` where that is a module, else `x`."""
     out = set()
+    package = name.rsplit(".", 1)[0] if "." in name else ""
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             parts = node.module.split(".")
             if parts[0] != "router":
                 continue
-            if len(parts) > 1:
-                out.add(parts[1])
-            else:  # from router import x
-                out.update(a.name for a in node.names if a.name in modules)
-        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x / from .x import
-            out.update([node.module.split(".")[0]] if node.module
-                       else [a.name for a in node.names])
+            base = ".".join(parts[1:])
+            for a in node.names:
+                sub = f"{base}.{a.name}" if base else a.name
+                out.add(sub if sub in modules else base)
+        elif isinstance(node, ast.ImportFrom) and node.level >= 1:
+            base = ".".join(filter(None, [package, node.module or ""]))
+            for a in node.names:
+                sub = f"{base}.{a.name}" if base else a.name
+                out.add(sub if sub in modules else base)
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names
+            out.update(a.name.split(".", 1)[1] for a in node.names
                        if a.name.startswith("router."))
     return out & modules
 
@@ -56,18 +72,19 @@ def test_cycle_finder_sees_a_circle():
 
 
 def test_router_modules_import_one_way():
-    modules = {p.stem for p in ROUTER.glob("*.py")}
-    assert {"app", "server", "dispatch"} <= modules
-    graph = {m: _imports(ROUTER / f"{m}.py", modules) - {m} for m in modules}
+    paths = _modules()
+    modules = set(paths)
+    assert {"http.app", "server", "dispatch"} <= modules
+    graph = {m: _imports(p, m, modules) - {m} for m, p in paths.items()}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
 _ROUTER_PROCESS = """
 import json, sys
-import pdserve.cli, router.app, router.cli, router.server
-from router.app import create_app
+import pdserve.cli, router.http.app, router.cli, router.server
+from router.http.app import create_app
 from router.config import RouterConfig
-from router.auth import resolve_keys
+from router.http.auth import resolve_keys
 from router.server import RouterServices, load_model_card
 
 config = RouterConfig(etcd="127.0.0.1:1")

@@ -1,6 +1,6 @@
-"""Per-API-key limits through the router's HTTP surface (router/key_limits.py, wired in
-app.py): a key at its concurrency limit gets a 429 (OpenAI's body, `rate_limit_exceeded`,
-Retry-After) while another key and the admin key are served; a stream's slot is freed when
+"""Per-API-key limits through the router's HTTP surface (router/http/key_limits.py, wired in
+router/http/middleware.py): a key at its concurrency limit gets a 429 (OpenAI's body,
+`rate_limit_exceeded`, Retry-After) while another key and the admin key are served; a stream's slot is freed when
 it ends and when its client disconnects; a refused request (429 or 400) holds no slot and
 spends no tokens; a request's tokens are reserved and reconciled with what it generated; the
 flags need API keys; a request the cluster failed before a token is not charged. A real uvicorn server on loopback (lifespan off: no etcd) over a
@@ -13,11 +13,11 @@ import pytest
 import uvicorn
 
 from cluster.net import free_port
-from router.app import create_app
-from router.auth import _digest, resolve_keys
+from router.call import Delta
 from router.config import LimitsConfig, RouterConfig
-from router.dispatch import Delta
-from router.errors import APIError
+from router.http.app import create_app
+from router.http.auth import _digest, resolve_keys
+from router.http.errors import APIError
 from router.server import RouterServices, load_model_card
 
 KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key-1"

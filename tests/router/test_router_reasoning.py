@@ -10,7 +10,7 @@ import pytest
 
 from cluster.chat_config import ChatConfig
 
-from router.response_models import ChatCompletionResponse, ChatCompletionStreamChunk
+from router.endpoints.chat.protocol import ChatCompletionResponse, ChatCompletionStreamChunk
 from router_harness import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -160,7 +160,7 @@ def test_default_values_of_vllm_fields_are_accepted(http):
 
 def test_unknown_fields_are_ignored_with_one_warning(http, caplog):
     name = f"frobnicate_{uuid.uuid4().hex[:8]}"
-    with caplog.at_level(logging.WARNING, logger="router.unsupported"):
+    with caplog.at_level(logging.WARNING, logger="router.endpoints.base"):
         for _ in range(3):
             ok(http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
                                                   "max_tokens": 1, name: 1}))

@@ -1,4 +1,5 @@
-"""The tool call parsers (router/tools/): each format's fixtures (complete, partial, malformed,
+"""The tool call parsers (router/parsers/tools/): each format's fixtures (complete, partial,
+malformed,
 several calls, calls inside text, unknown tools, escapes and unicode) parse to the expected
 content and calls; feeding any fixture in pieces (char by char, random cuts, 3-char
 "tokens") gives what feeding it whole gives; a parser holds back no more than a marker
@@ -9,10 +10,10 @@ import random
 
 import pytest
 
-from router.tools import base
-from router.tools.json_prefix import valid_prefix
-from router.tools.parser import load_tool_parser_plugin, tool_parser, tool_parser_names
-from router.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, assemble
+from router.parsers.tools import base
+from router.parsers.tools.json_prefix import valid_prefix
+from router.parsers.tools.parser import load_tool_parser_plugin, tool_parser, tool_parser_names
+from router.parsers.tools.types import FunctionTool, ParsedDelta, ToolCallDelta, assemble
 
 WEATHER = FunctionTool("get_weather", "The weather", {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -232,8 +233,8 @@ def test_pieces_carry_openai_shapes():
 def test_plugin_registers_a_parser(tmp_path):
     plugin = tmp_path / "my_parser.py"
     plugin.write_text(
-        "from router.tools.parser import ToolParser, register_tool_parser\n"
-        "from router.tools.types import ParsedDelta\n\n"
+        "from router.parsers.tools.parser import ToolParser, register_tool_parser\n"
+        "from router.parsers.tools.types import ParsedDelta\n\n"
         "@register_tool_parser('test_plugin_parser')\n"
         "class Mine(ToolParser):\n"
         "    def feed(self, text):\n"
@@ -246,15 +247,15 @@ def test_plugin_registers_a_parser(tmp_path):
         assert cls.__name__ == "Mine" and cls([]).feed("ab").content == "AB"
         assert "test_plugin_parser" in tool_parser_names()
     finally:
-        base._PARSERS.pop("test_plugin_parser", None)
+        base.TOOL_PARSERS.remove("test_plugin_parser")
     with pytest.raises(ValueError, match="no such file"):
         load_tool_parser_plugin(str(tmp_path / "absent.py"))
 
 
 def test_a_plugin_replaces_a_built_in(tmp_path):
     plugin = tmp_path / "my_hermes.py"
-    plugin.write_text("from router.tools.parser import register_tool_parser\n"
-                      "from router.tools.hermes import HermesToolParser\n\n"
+    plugin.write_text("from router.parsers.tools.parser import register_tool_parser\n"
+                      "from router.parsers.tools.hermes import HermesToolParser\n\n"
                       "@register_tool_parser('hermes')\n"
                       "class MyHermes(HermesToolParser):\n"
                       "    pass\n")

@@ -11,8 +11,8 @@ from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer
-from router.tools.parser import tool_parser, tool_parser_names
-from router.tools.types import FunctionTool, assemble
+from router.parsers.tools.parser import tool_parser, tool_parser_names
+from router.parsers.tools.types import FunctionTool, assemble
 
 WEATHER = FunctionTool("get_weather", parameters={
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -1,5 +1,5 @@
 """Load-aware conditional disaggregation on hand-built snapshots (pure: no processes, no
-clocks): the TTFT estimates of both paths (router/ttft_estimate.py) and the decisions the
+clocks): the TTFT estimates of both paths (router/placement/estimates.py) and the decisions the
 policy takes from them."""
 from dataclasses import replace
 
@@ -8,8 +8,8 @@ import pytest
 from cluster.registration import Capacity
 from cluster.roles import PrefillPath
 from router.config import PlacementConfig
-from router.policy import AffinityPolicy, Candidate, Reason
-from router.ttft_estimate import (
+from router.placement.policy import AffinityPolicy, Candidate, Reason
+from router.placement.estimates import (
     LocalEstimate, StepCost, TTFTCorrection, local_prefill, step_cost,
 )
 

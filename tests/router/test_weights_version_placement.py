@@ -7,11 +7,11 @@ import dataclasses
 from cluster.registration import Capacity, WorkerInfo
 from engine.block_hash import compute_block_hashes
 from router.config import PlacementConfig
-from router.kv_events import KVSubscriptions
-from router.kv_index import KVIndex
-from router.placement import Placer, PromptKey
-from router.policy import AffinityPolicy, Reason
-from router.registry import WorkerRegistry
+from router.placement.events import KVSubscriptions
+from router.placement.index import KVIndex
+from router.placement.placer import Placer, PromptKey
+from router.placement.policy import AffinityPolicy, Reason
+from router.placement.registry import WorkerRegistry
 
 IDS = list(range(200))
 REMOTE = PlacementConfig(local_prefill_threshold=0, local_prefill_max_tokens=0)

@@ -5,7 +5,7 @@ from engine.block_manager import BlockManager
 from engine.block_pool import KVEvent
 from engine.kv_tier import FakeTierStorage, KVTier
 from proto import pdserve_pb2 as pb
-from router.kv_index import KVIndex
+from router.placement.index import KVIndex
 from tests.engine.engine_factories import make_request
 from tests.engine.test_kv_offload import run_once
 from worker_runtime.kv_events import kv_event_batch, kv_snapshot

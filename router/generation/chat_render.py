@@ -1,0 +1,81 @@
+"""A chat conversation as the model's chat template sees it: the request's messages as
+template input (text parts joined, tool calls' arguments as objects), rendered with the
+template; every refusal a 400 naming the field."""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from router.endpoints.chat.protocol import ChatCompletionRequest, ChatMessage, TextPart
+from router.http.errors import bad_request
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat template's input: text parts joined with newlines (vLLM's string content
+    format); `name`, `tool_call_id` and reasoning kept; tool calls' arguments as objects (as
+    templates write them: `arguments | tojson`)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            text = m.content or ""
+        else:
+            parts = []
+            for j, part in enumerate(m.content):
+                if not isinstance(part, TextPart):
+                    where = f"messages.{i}.content.{j}.type"
+                    raise bad_request(f"{where}: content part type {part.type!r} is not "
+                                      "supported (only text)", where)
+                parts.append(part.text)
+            text = "\n".join(parts)
+        message: dict[str, Any] = {"role": m.role, "content": text}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(i, j, call)
+                                     for j, call in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        out.append(message)
+    return out
+
+
+def render_chat(tok: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool, kwargs: dict | None, explicit_agp: bool) -> str:
+    """`explicit_agp`: add_generation_prompt was set in the request (its default, true, yields
+    to continue_final_message)."""
+    if continue_final_message:
+        if add_generation_prompt and explicit_agp:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true", "continue_final_message")
+        add_generation_prompt = False
+    try:
+        return tok.render_chat(chat_messages(messages), add_generation_prompt,
+                               continue_final_message, **(kwargs or {}))
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
+def _template_call(i: int, j: int, call) -> dict[str, Any]:
+    where = f"messages.{i}.tool_calls.{j}.function.arguments"
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise bad_request(f"{where} must be JSON text of an object", where) from None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where} must be JSON text of an object", where)
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def chat_text(req: ChatCompletionRequest, tok: Tokenizer,
+              extra: Mapping[str, Any] | None = None) -> str:
+    """The rendered conversation. `extra`: template variables the router adds (`tools`)."""
+    kwargs = {**(req.chat_template_kwargs or {}), **(extra or {})}
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    return render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
+                       kwargs, "add_generation_prompt" in req.model_fields_set)
