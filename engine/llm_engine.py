@@ -5,7 +5,6 @@ Not thread-safe: one thread drives `step()`; workers put their own queue in fron
 fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission check)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,6 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import StepInput
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
@@ -147,6 +147,9 @@ class LLMEngine:
                           config.max_grammar_bytes),
         )
         self.deltas = Deltas(self.tokenizer, self.scheduler)
+        self.weights_version = 0
+        """Bumped by every weight update (`update_weights`, on the engine thread); part of
+        every block hash (read once per request by `make_request`)."""
         for name, path in config.lora_modules:
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
         spec = config.speculative_config
@@ -229,7 +232,7 @@ class LLMEngine:
         `lora_request`: the LoRA adapter to run with (loaded from its path here, off the
         engine thread, if not loaded yet; LoRAError if it cannot be used)."""
         return self._builder.build(request_id, prompt, params, cache_salt, priority, resume,
-                                   pooling, self._lora(lora_request))
+                                   pooling, self._lora(lora_request), self.weights_version)
 
     # ---- LoRA adapters ------------------------------------------------------------------
     def _lora(self, request: LoRARequest | None) -> LoRAAdapter | None:
@@ -317,19 +320,18 @@ class LLMEngine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     # ---- stepping ------------------------------------------------------------------------
-    def step(self) -> list[CompletionDelta]:
+    def step(self, step: StepInput = StepInput()) -> list[CompletionDelta]:
+        """One step, one way: schedule -> (draft) -> execute -> update_from_output. What
+        each part learns travels in the step's input and outputs (SchedulerOutput, with
+        the proposer's drafts; RunnerOutput, with the runner's time)."""
         with self.block_manager.pool.copies_batched():  # the step's tier copies: one gathered each way
-            output = self.scheduler.schedule()
+            output = self.scheduler.schedule(step)
         self.runner.prepare(output)
         if self.proposer is not None:
             self.proposer.copy_blocks(output.block_copies)
             if output.speculating:
-                self.scheduler.apply_drafts(output, self.proposer.propose(output.speculating))
-        t0 = time.perf_counter()
+                output = output.with_drafts(self.proposer.propose(output.speculating))
         result = self.runner.execute(output)
-        if any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in output.scheduled):
-            self.scheduler.swap_policy.observe_prefill(time.perf_counter() - t0,
-                                                       output.num_batched_tokens)
         updated, finished = self.scheduler.update_from_output(output, result)
         got_tokens = {id(r) for r, _ in updated}
         return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
@@ -378,15 +380,6 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
 
     # ---- weights lifecycle (engine/lifecycle.py) -------------------------------------------
-    @property
-    def weights_version(self) -> int:
-        """Bumped by every weight update; part of every block hash."""
-        return self._builder.weights_version
-
-    @weights_version.setter
-    def weights_version(self, version: int) -> None:
-        self._builder.weights_version = version
-
     def sleep(self, level: int = 1) -> None:
         self.lifecycle.sleep(level)
 

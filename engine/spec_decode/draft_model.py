@@ -21,7 +21,7 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.block_manager import BlockManager
-from engine.model_runner import batch_metadata, slots_of
+from engine.step_layout import batch_metadata, slots_of
 from engine.models.interface import CausalLM, ForwardContext
 from engine.request import Request
 from engine.sample_row import SampleRow
