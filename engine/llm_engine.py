@@ -6,7 +6,7 @@ fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 from engine.attention.selector import fused_kernels, make_attention_backend
 from engine.block_manager import BlockManager
@@ -133,7 +133,8 @@ class LLMEngine:
         self.limits = self.scheduler.limits
         """Fixed sizes and the admission check; safe from any thread."""
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager,
-                                  lora_slots, self.parallel_group and self.parallel_group.send_step,
+                                  lora_slots,
+                                  self.parallel_group.send_step if self.parallel_group else None,
                                   decode_graphs(config, self.loaded.model, self.backend, self.kv_cache,
                                                 self.block_manager.num_groups, self.max_model_len))
         self.sampling_defaults = sampling_defaults(
@@ -164,7 +165,7 @@ class LLMEngine:
         self.lifecycle = Lifecycle(
             self.loaded.model, self.kv_cache, self.scheduler, self.block_manager,
             lambda: load_model(config.model, self.dtype, self.device, config.num_layers).model,
-            config.enable_sleep_mode, self.runner.graphs and self.runner.graphs.drop,
+            config.enable_sleep_mode, self.runner.graphs.drop if self.runner.graphs else None,
         )
         self.extension = load_extension(config.worker_extension_cls, self)
         """The worker extension (vLLM's `worker_extension_cls`, built as Class(engine) once the
@@ -405,11 +406,25 @@ class LLMEngine:
         return collective_rpc(self.extension, self, method, args, kwargs)
 
 
-def _tier_stats(tier: KVTier | None) -> dict[str, float]:
+class _TierStats(TypedDict, total=False):
+    """EngineStats' kv_offload_* fields (none without a tier)."""
+
+    kv_offload_blocks: int
+    kv_offload_blocks_used: int
+    kv_offload_hits: int
+    kv_offload_demotions: int
+    kv_offload_promotions: int
+    kv_offload_evictions: int
+    kv_offload_swap_outs: int
+    kv_offload_swap_ins: int
+    kv_offload_promote_s: float
+
+
+def _tier_stats(tier: KVTier | None) -> _TierStats:
     if tier is None:
         return {}
     s = tier.stats
-    return dict(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
+    return _TierStats(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
                 kv_offload_hits=s.hit_tokens, kv_offload_demotions=s.demotions,
                 kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions,
                 kv_offload_swap_outs=s.swap_outs, kv_offload_swap_ins=s.swap_ins,

@@ -216,6 +216,7 @@ class ModelRunner:
         adapters = [r.lora for r, _ in order if r.lora is not None]
         if not adapters:
             return None
+        assert self.lora_slots is not None  # the engine admits adapters only with slots
         slot_of = self.lora_slots.prepare(adapters)
         row_slots = [slot_of[r.lora.lora_int_id] if r.lora is not None else -1
                      for r, n in order for _ in range(n)]
@@ -242,16 +243,16 @@ def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]
     a Logprob for prompt tokens first + 1 .. end of each request, by request id."""
     logprobs = logits.log_softmax(-1)
     targets = [t for req, first, end in spans for t in req.prompt_token_ids[first + 1 : end + 1]]
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
-    ranks = token_ranks(logprobs, chosen).tolist()
-    chosen = chosen.squeeze(1).tolist()
-    k = max(req.sampling.prompt_logprobs for req, _, _ in spans)
-    top_vals, top_ids = (t.tolist() for t in logprobs.topk(k))
+    chosen_t = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = token_ranks(logprobs, chosen_t).tolist()
+    chosen: list[float] = chosen_t.squeeze(1).tolist()
+    asked = [req.sampling.prompt_logprobs or 0 for req, _, _ in spans]  # spans all ask
+    top_vals, top_ids = (t.tolist() for t in logprobs.topk(max(asked)))
     out: dict[str, list[Logprob]] = {}
     i = 0
-    for req, first, end in spans:
-        n = req.sampling.prompt_logprobs
-        entries = out[req.request_id] = []
+    for (req, first, end), n in zip(spans, asked):
+        entries: list[Logprob] = []
+        out[req.request_id] = entries
         for _ in range(end - first):
             top = list(zip(top_ids[i][:n], top_vals[i][:n]))
             entries.append(Logprob(targets[i], chosen[i], top, ranks[i]))

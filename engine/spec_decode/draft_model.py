@@ -63,7 +63,9 @@ class DraftModelProposer:
             for i in live:
                 request = batch[i][0]
                 if step == 0:
-                    start = request.spec.num_draft_computed if self.owns_kv else request.num_tokens - 1
+                    spec = request.spec
+                    assert spec is not None  # the proposer drafts for speculating requests
+                    start = spec.num_draft_computed if self.owns_kv else request.num_tokens - 1
                     feeds.append((i, start, request.token_ids[start:]))
                 else:
                     feeds.append((i, request.num_tokens - 1 + step, [drafts[i][-1]]))

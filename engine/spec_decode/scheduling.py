@@ -31,6 +31,7 @@ class SpeculationScheduling:
         its draft KV's reach is recorded and the slots kept for drafts it did not get go
         back to the pool (before anything of the step is applied)."""
         if draft.num_draft_computed is not None:
+            assert request.spec is not None  # only speculating requests draft
             request.spec.num_draft_computed = draft.num_draft_computed
         if len(draft.token_ids) < k:
             self.bm.trim(request, request.num_tokens + len(draft.token_ids))
@@ -55,6 +56,7 @@ class SpeculationScheduling:
         read or hashed, and the blocks only they needed go back to the pool. Returns the
         number of tokens kept."""
         spec = request.spec
+        assert spec is not None  # only speculating requests verify
         proposed, accepted = len(drafts), len(tokens) - 1
         spec.record(proposed, accepted)
         self.spec_stats.record(proposed, accepted, spec.max_k)
