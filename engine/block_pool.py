@@ -158,6 +158,8 @@ class BlockPool:
     def promote(self, keys: list[TierKey]) -> list[int]:
         """Copy the tier's blocks of `keys` (group, hash) into fresh pool blocks, cached under
         their hashes, in order. The caller made sure the free list holds that many."""
+        if not keys:
+            return []
         tier = self.the_tier
         slots = [tier.take(key) for key in keys]  # before any pop: a pop may demote
         block_ids = []
