@@ -85,16 +85,16 @@ class LLM:
         params = sampling_params or self.get_default_sampling_params()
         params_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompt_list):
-            raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompt_list")
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
-            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompt_list")
+            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
 
         loras: list[LoRARequest | None] = (
             list(lora_request) if isinstance(lora_request, (list, tuple))
             else [lora_request] * len(prompt_list))  # type: ignore[list-item]  # one, not a list
         if len(loras) != len(prompt_list):
-            raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompt_list")
+            raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}
         for i, (prompt, p, prio, lora) in enumerate(zip(prompt_list, params_list, priorities, loras)):
             rid = f"offline-{i}"
