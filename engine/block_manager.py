@@ -185,13 +185,13 @@ class BlockManager:
         for (g, i), block_id in zip(promote, pool.promote([(g, hashes[i]) for g, i in promote])):
             tables[g][i] = block_id
         if promote:
-            pool.tier.stats.hit_tokens += (hit - min(i for _, i in promote)) * self.block_size
+            pool.the_tier.stats.hit_tokens += (hit - min(i for _, i in promote)) * self.block_size
         for g, (_, _, new) in enumerate(plan):
             tables[g].extend(pool.pop_free(g) for _ in range(new))
         if prefix.swapped:
             for g in self._groups:
-                pool.tier.swap_in((g, rid), tables[g][hit])
-            pool.tier.stats.swap_ins += 1
+                pool.the_tier.swap_in((g, rid), tables[g][hit])
+            pool.the_tier.stats.swap_ins += 1
         self._drop_swapped(rid)  # resumed without it, or just loaded
         self._tables[rid] = request.block_tables = tables
         self._num_hashed[rid] = hit
@@ -290,7 +290,7 @@ class BlockManager:
         """Give back the request's blocks (and drop what it has swapped out, if anything)."""
         tables = self._tables.pop(request.request_id, None) or []
         self._num_hashed.pop(request.request_id, None)
-        released = self._num_released.pop(request.request_id, None)
+        released = self._num_released.pop(request.request_id, None) or [0] * len(tables)
         for g, table in enumerate(tables):
             # Leaves before roots on the free list.
             self.pool.release(list(reversed(table[released[g]:])))
@@ -319,6 +319,7 @@ class BlockManager:
                     self._drop_swapped(rid)  # the groups already copied
                     break
         if kept:
+            tier = self.pool.the_tier
             self._swapped[rid] = computed
             # The blocks it resumes after (every group's, a sliding one's window) stay put.
             pins = self._swap_pins[rid] = [

@@ -81,7 +81,7 @@ class BlockPool:
         TIER where the tier holds it (a use: it becomes the tier's most recent entry)."""
         block_id = self._cached[g].get(h, TIER)
         if block_id == TIER:
-            self.tier.touch((g, h))
+            self.the_tier.touch((g, h))
         return block_id
 
     def cached_hashes(self) -> list[BlockHash]:
@@ -148,14 +148,24 @@ class BlockPool:
                 self.tier.discard((g, h))
             self._cache(g, h, block_id)
 
+    @property
+    def the_tier(self) -> KVTier:
+        """The tier, where the caller knows there is one (a TIER lookup, a swap, a
+        promotion)."""
+        assert self.tier is not None
+        return self.tier
+
     def promote(self, keys: list[TierKey]) -> list[int]:
         """Copy the tier's blocks of `keys` (group, hash) into fresh pool blocks, cached under
         their hashes, in order. The caller made sure the free list holds that many."""
-        slots = [self.tier.take(key) for key in keys]  # before any pop: a pop may demote
+        if not keys:
+            return []
+        tier = self.the_tier
+        slots = [tier.take(key) for key in keys]  # before any pop: a pop may demote
         block_ids = []
         for (g, h), slot in zip(keys, slots):
             block_id = self.pop_free(g)
-            self.tier.load(slot, block_id)
+            tier.load(slot, block_id)
             self._cache(g, h, block_id)
             block_ids.append(block_id)
         return block_ids
@@ -163,7 +173,7 @@ class BlockPool:
     def swap_out(self, key: SwapKey, block_id: int) -> bool:
         """Copy block `block_id` into the tier under `key` (KVTier.swap_out); False if the
         tier has no slot left for it."""
-        kept, dropped = self.tier.swap_out(key, block_id)
+        kept, dropped = self.the_tier.swap_out(key, block_id)
         self._dropped(dropped)
         return kept
 
@@ -190,6 +200,7 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         """Drop a cached free block's hash; with a tier, its bytes are demoted there first."""
         g, h = block.group, block.block_hash
+        assert h is not None  # only cached blocks are evicted
         del self._cached[g][h]
         block.block_hash = None
         kept, dropped = (False, []) if self.tier is None else self.tier.demote((g, h), block.block_id)

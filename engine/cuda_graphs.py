@@ -113,7 +113,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(most + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(most, dtype=torch.int64, device=device)
         self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: object = None  # the graphs' shared memory pool, once one is captured
         self.disabled: str | None = None
         """Why graphs are off for good (a failed capture), else None."""
 
@@ -140,7 +140,8 @@ class DecodeGraphs:
         replay()
         rows = step.logits_rows
         n = step.num_tokens
-        if len(rows) == n and (rows == np.arange(n)).all():
+        assert rows is not None  # a decode step samples every row
+        if len(rows) == n and bool(np.array_equal(rows, np.arange(n))):
             return out[:n]
         return out[torch.from_numpy(rows).to(out.device)]
 

@@ -32,6 +32,7 @@ from typing import Callable, Protocol, TypeVar
 from engine.llm_engine import LLMEngine
 from engine.step_cost import fitted_slope, prompt_token_cap, step_cost_from
 from engine.outputs import CompletionDelta
+from engine.scheduler_output import StepInput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -185,14 +186,15 @@ class EngineLoop:
             if engine.has_schedulable_work():
                 prompt_before = engine.scheduler.stats.prompt_tokens
                 decoding = _num_decoding(engine)
+                step = StepInput()
                 if self.itl_target_s > 0:
                     self.prompt_cap = self._prompt_cap(max(decoding, 1), len(engine.scheduler.waiting))
-                    engine.scheduler.prompt_token_budget = self.prompt_cap if decoding else 0
+                    step = StepInput(prompt_token_budget=self.prompt_cap if decoding else 0)
                 if self.step_threads is not None:
                     self.step_threads.begin_step()
                 t0 = time.perf_counter()
                 try:
-                    deltas = engine.step()
+                    deltas = engine.step(step)
                 except Exception:  # a bug in a step must not leave clients hanging silently
                     log.exception("engine step failed")
                     raise

@@ -115,7 +115,8 @@ def to_argv(config: Any) -> list[str]:
     not flags aside): its non-default fields' flags, in field order. A value no flag can
     express is refused by name (ValueError), never left out."""
     out: list[str] = []
-    for spec in _specs(type(config)):
+    cls: type = type(config)
+    for spec in _specs(cls):
         if not spec.flag.cli:
             continue
         value, default = getattr(config, spec.name), spec.default()

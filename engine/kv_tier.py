@@ -160,7 +160,7 @@ class KVTier:
     def _claim(self) -> tuple[int | None, list[TierKey]]:
         """A free slot, evicting the least recent unpinned LRU entry if none is (None: every
         slot is held by a promotion in progress, a swap or a pinned entry)."""
-        evicted = []
+        evicted: list[TierKey] = []
         if not self._free:
             old = next((key for key in self._lru if key not in self._pinned), None)
             if old is None:

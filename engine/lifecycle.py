@@ -56,7 +56,8 @@ class Lifecycle:
         if "kv_cache" not in self.asleep:
             self.bm.reset_prefix_cache()  # the pool's contents go
             self._kv_shape = kv.shape
-            kv.set_(torch.empty(0, dtype=kv.dtype, device=kv.device))
+            empty = torch.empty(0, dtype=kv.dtype, device=kv.device)
+            kv.set_(empty)  # type: ignore[call-overload]  # the stubs lack set_(Tensor)
             self.asleep.add("kv_cache")
         if level == 2 and self.level < 2:
             self._param_shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -86,7 +87,9 @@ class Lifecycle:
                     p.data = p.data.to(kv.device)
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
-            kv.set_(torch.zeros(self._kv_shape, dtype=kv.dtype, device=kv.device))
+            assert self._kv_shape is not None  # set when the pool went to sleep
+            zeros = torch.zeros(self._kv_shape, dtype=kv.dtype, device=kv.device)
+            kv.set_(zeros)  # type: ignore[call-overload]  # the stubs lack set_(Tensor)
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self.level = 0

@@ -81,28 +81,28 @@ class LLM:
         `sampling_params` None: `get_default_sampling_params()`. `priority`: one per prompt,
         lower runs first. `lora_request`: one adapter for all prompts or one per prompt
         (None: the base model); needs enable_lora."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompt_list = _prompt_list(prompts)
         params = sampling_params or self.get_default_sampling_params()
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        priorities = [0] * len(prompts) if priority is None else list(priority)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        params_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
 
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        loras: list[LoRARequest | None] = (
+            list(lora_request) if isinstance(lora_request, (list, tuple))
+            else [lora_request] * len(prompt_list))  # type: ignore[list-item]  # one, not a list
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}
-        for i, (prompt, p, prio, lora) in enumerate(zip(prompts, params_list, priorities, loras)):
+        for i, (prompt, p, prio, lora) in enumerate(zip(prompt_list, params_list, priorities, loras)):
             rid = f"offline-{i}"
             request = self.engine.add_request(rid, prompt, p, cache_salt, prio, lora_request=lora)
             results[rid] = RequestOutput(
                 rid, request.prompt_token_ids, [CompletionOutput(j) for j in range(p.n)]
             )
-        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        bar = tqdm(total=len(prompt_list), desc="generate", unit="req", disable=not use_tqdm)
         done = 0
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
@@ -122,11 +122,10 @@ class LLM:
     ) -> list[EmbeddingOutput]:
         """One embedding per prompt, in order (vLLM's `LLM.embed`): the final-normed hidden
         state pooled over the prompt (`PoolingParams`: last token by default, normalized)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompt_list = _prompt_list(prompts)
         pooling = pooling_params or PoolingParams()
         results: dict[str, EmbeddingOutput] = {}
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompt_list):
             request = self.engine.add_request(f"embed-{i}", prompt, SamplingParams(max_tokens=1),
                                               cache_salt, pooling=pooling)
             results[request.request_id] = EmbeddingOutput(request.request_id,
@@ -134,5 +133,13 @@ class LLM:
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 out = results[delta.request_id]
+                assert delta.embedding is not None  # a pooling request's one delta carries it
                 out.embedding, out.num_cached_tokens = delta.embedding, delta.num_cached_tokens
         return list(results.values())
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]  # token ids: one prompt
+    return list(prompts)  # type: ignore[arg-type]  # a sequence of prompts

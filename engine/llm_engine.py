@@ -5,9 +5,8 @@ Not thread-safe: one thread drives `step()`; workers put their own queue in fron
 fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission check)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 from engine.attention.selector import fused_kernels, make_attention_backend
 from engine.block_manager import BlockManager
@@ -36,6 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.request_builder import RequestBuilder
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import StepInput
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
@@ -133,7 +133,8 @@ class LLMEngine:
         self.limits = self.scheduler.limits
         """Fixed sizes and the admission check; safe from any thread."""
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager,
-                                  lora_slots, self.parallel_group and self.parallel_group.send_step,
+                                  lora_slots,
+                                  self.parallel_group.send_step if self.parallel_group else None,
                                   decode_graphs(config, self.loaded.model, self.backend, self.kv_cache,
                                                 self.block_manager.num_groups, self.max_model_len))
         self.sampling_defaults = sampling_defaults(
@@ -147,6 +148,9 @@ class LLMEngine:
                           config.max_grammar_bytes),
         )
         self.deltas = Deltas(self.tokenizer, self.scheduler)
+        self.weights_version = 0
+        """Bumped by every weight update (`update_weights`, on the engine thread); part of
+        every block hash (read once per request by `make_request`)."""
         for name, path in config.lora_modules:
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
         spec = config.speculative_config
@@ -161,7 +165,7 @@ class LLMEngine:
         self.lifecycle = Lifecycle(
             self.loaded.model, self.kv_cache, self.scheduler, self.block_manager,
             lambda: load_model(config.model, self.dtype, self.device, config.num_layers).model,
-            config.enable_sleep_mode, self.runner.graphs and self.runner.graphs.drop,
+            config.enable_sleep_mode, self.runner.graphs.drop if self.runner.graphs else None,
         )
         self.extension = load_extension(config.worker_extension_cls, self)
         """The worker extension (vLLM's `worker_extension_cls`, built as Class(engine) once the
@@ -229,7 +233,7 @@ class LLMEngine:
         `lora_request`: the LoRA adapter to run with (loaded from its path here, off the
         engine thread, if not loaded yet; LoRAError if it cannot be used)."""
         return self._builder.build(request_id, prompt, params, cache_salt, priority, resume,
-                                   pooling, self._lora(lora_request))
+                                   pooling, self._lora(lora_request), self.weights_version)
 
     # ---- LoRA adapters ------------------------------------------------------------------
     def _lora(self, request: LoRARequest | None) -> LoRAAdapter | None:
@@ -317,19 +321,18 @@ class LLMEngine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     # ---- stepping ------------------------------------------------------------------------
-    def step(self) -> list[CompletionDelta]:
+    def step(self, step: StepInput = StepInput()) -> list[CompletionDelta]:
+        """One step, one way: schedule -> (draft) -> execute -> update_from_output. What
+        each part learns travels in the step's input and outputs (SchedulerOutput, with
+        the proposer's drafts; RunnerOutput, with the runner's time)."""
         with self.block_manager.pool.copies_batched():  # the step's tier copies: one gathered each way
-            output = self.scheduler.schedule()
+            output = self.scheduler.schedule(step)
         self.runner.prepare(output)
         if self.proposer is not None:
             self.proposer.copy_blocks(output.block_copies)
             if output.speculating:
-                self.scheduler.apply_drafts(output, self.proposer.propose(output.speculating))
-        t0 = time.perf_counter()
+                output = output.with_drafts(self.proposer.propose(output.speculating))
         result = self.runner.execute(output)
-        if any(r.num_computed_tokens < r.num_prompt_tokens for r, _ in output.scheduled):
-            self.scheduler.swap_policy.observe_prefill(time.perf_counter() - t0,
-                                                       output.num_batched_tokens)
         updated, finished = self.scheduler.update_from_output(output, result)
         got_tokens = {id(r) for r, _ in updated}
         return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
@@ -378,15 +381,6 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
 
     # ---- weights lifecycle (engine/lifecycle.py) -------------------------------------------
-    @property
-    def weights_version(self) -> int:
-        """Bumped by every weight update; part of every block hash."""
-        return self._builder.weights_version
-
-    @weights_version.setter
-    def weights_version(self, version: int) -> None:
-        self._builder.weights_version = version
-
     def sleep(self, level: int = 1) -> None:
         self.lifecycle.sleep(level)
 
@@ -412,11 +406,25 @@ class LLMEngine:
         return collective_rpc(self.extension, self, method, args, kwargs)
 
 
-def _tier_stats(tier: KVTier | None) -> dict[str, float]:
+class _TierStats(TypedDict, total=False):
+    """EngineStats' kv_offload_* fields (none without a tier)."""
+
+    kv_offload_blocks: int
+    kv_offload_blocks_used: int
+    kv_offload_hits: int
+    kv_offload_demotions: int
+    kv_offload_promotions: int
+    kv_offload_evictions: int
+    kv_offload_swap_outs: int
+    kv_offload_swap_ins: int
+    kv_offload_promote_s: float
+
+
+def _tier_stats(tier: KVTier | None) -> _TierStats:
     if tier is None:
         return {}
     s = tier.stats
-    return dict(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
+    return _TierStats(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
                 kv_offload_hits=s.hit_tokens, kv_offload_demotions=s.demotions,
                 kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions,
                 kv_offload_swap_outs=s.swap_outs, kv_offload_swap_ins=s.swap_ins,

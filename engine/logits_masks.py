@@ -5,9 +5,14 @@ A row pays for these only when its request asks for one of them (`needs_masks`);
 where no row does costs one attribute check per row."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.sample_row import SampleRow
+
+if TYPE_CHECKING:
+    from engine.structured.state import GrammarState
 
 _NEG_INF = float("-inf")
 
@@ -32,7 +37,7 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
-    applied = [i for i in constrained if rows[i].request.grammar.fill_mask(bitmask, i, rows[i].drafts)]
+    applied = [i for i in constrained if _grammar(rows[i]).fill_mask(bitmask, i, rows[i].drafts)]
     if applied:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=applied)
 
@@ -85,3 +90,9 @@ def _apply_request_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if p.logit_bias:
             logits[i].index_add_(0, ids(list(p.logit_bias)), torch.tensor(
                 list(p.logit_bias.values()), dtype=logits.dtype, device=device))
+
+
+def _grammar(row: SampleRow) -> GrammarState:
+    """A constrained row's grammar (`constrained` holds only rows with one)."""
+    assert row.request.grammar is not None
+    return row.request.grammar

@@ -13,26 +13,40 @@ request. What it keeps across steps (the sampler's penalty counts, mean-pooling 
 keyed by request id and dropped when the scheduler says a request left (`prepare`)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend
 from engine.block_manager import BlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
-from engine.models.interface import CausalLM
+from engine.models.interface import CausalLM, ForwardContext
 from engine.models.layers import pack_linears
-from engine.parallel.step import GroupArrays, StepInputs, attention_metadata, copy_blocks, forward
+from engine.parallel.step import GroupArrays, StepInputs, copy_blocks, forward
 from engine.pooler import Pooler
 from engine.request import Request
 from engine.sample_row import SampleRow
 from engine.sampler import Sampler, raw_logprobs, token_ranks, with_logprobs
 from engine.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
+from engine.step_layout import StepLayout, build_layout, slots_of
 from engine.tokens import Logprob, SampledToken
+
+
+class _Forward(NamedTuple):
+    """What one forward returned: the final hidden states and context (None: a CUDA graph
+    replayed the step), the logits rows (None: no LM head) and whether those are the LM
+    head's own dtype."""
+
+    x: torch.Tensor | None
+    ctx: ForwardContext | None
+    logits: torch.Tensor | None
+    head_logits: bool
 
 
 class ModelRunner:
@@ -80,141 +94,97 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        """The step's forward and draws (after `prepare`)."""
-        result = RunnerOutput()
+        """The step's forward and draws (after `prepare`): lay the step out, run the forward,
+        collect what it computed, with the runner's wall time (`RunnerOutput.seconds`)."""
         if not output.scheduled:
-            return result
+            return RunnerOutput()
+        t0 = time.perf_counter()
         self.has_run = True
-        # One-token rows first: backends batch them (AttentionMetadata invariant).
-        order = sorted(output.scheduled, key=lambda item: item[1] != 1)
-        groups = range(self.bm.num_groups)
-        # Decode rows (first in `order`) as flat ints, one array each at the end; the other
-        # rows as one array per request after them.
-        decode_ids: list[int] = []
-        decode_positions: list[int] = []
-        decode_slots: list[list[int]] = [[] for _ in groups]
-        input_ids, positions = [], []
-        slots: list[list] = [[] for _ in groups]  # per KV group, per request (not decodes)
-        tables: list[list[list[int]]] = [[] for _ in groups]
-        query_lens, seq_lens, sample_at, sample_rows = [], [], [], []
-        prompt_spans: list[tuple[Request, int, int]] = []  # (request, first position, end)
-        prompt_rows: list[int] = []
-        pool_spans: list[tuple[Request, int]] = []  # (pooling request, its rows here)
-        pool_rows: list[int] = []
-        row = 0
-        verify: list[tuple[Request, int]] = []  # (request with drafts, its first sample row)
-        for request, n in order:
-            start = request.num_computed_tokens
-            drafts = request.spec.drafts if request.spec is not None else []
-            group_tables = self.bm.block_tables(request.request_id)
-            if n == 1:  # a decode row: plain ints (no per-row arrays)
-                decode_ids.append(request.token_ids[start])
-                decode_positions.append(start)
-                block, offset = divmod(start, self.block_size)
-                for g in groups:
-                    decode_slots[g].append(group_tables[g][block] * self.block_size + offset)
-            else:
-                pos = np.arange(start, start + n)
-                input_ids.append(request.token_ids[start : start + n - len(drafts)] + drafts)
-                positions.append(pos)
-                for g in groups:
-                    slots[g].append(slots_of(group_tables[g], pos, self.block_size))
-            for g in groups:
-                tables[g].append(group_tables[g])
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if request.pooling is not None:
-                rows = self.pooler.rows(request, start, n)
-                if rows:
-                    pool_spans.append((request, len(rows)))
-                    pool_rows.extend(range(row + rows.start - start, row + rows.stop - start))
-            elif request.sampling.prompt_logprobs is not None:
-                # Position p predicts prompt token p + 1; skip positions already recorded
-                # (recomputed after a preemption) and the last prompt position (it samples).
-                first = max(start, len(request.prompt_logprobs))
-                end = min(start + n, request.num_prompt_tokens - 1)
-                if first < end:
-                    prompt_spans.append((request, first, end))
-                    prompt_rows.extend(range(row + first - start, row + end - start))
-            row += n
-            if drafts:  # verify: every draft position and the one after the last draft
-                verify.append((request, len(sample_rows)))
-                for j in range(len(drafts) + 1):
-                    sample_at.append(row - 1 - len(drafts) + j)
-                    sample_rows.append(SampleRow(request, request.completion_index, tuple(drafts[:j])))
-            elif start + n == request.num_tokens and request.pooling is None:  # draw the next
-                for index in range(request.sampling.n if request.pending_forks else 1):
-                    sample_at.append(row - 1)
-                    sample_rows.append(SampleRow(request, index or request.completion_index))
-
-        logits_rows = sample_at + prompt_rows  # none: prefill chunks and pooling only, no LM head
-        flat = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-        step = StepInputs(
-            np.concatenate([flat(decode_ids), *input_ids]).astype(np.int64, copy=False),
-            np.concatenate([flat(decode_positions), *positions]).astype(np.int64, copy=False),
-            [GroupArrays.build([flat(decode_slots[g]), *slots[g]], tables[g]) for g in groups],
-            query_lens, seq_lens, flat(logits_rows) if logits_rows else None)
-        if self.send_step is not None:
-            self.send_step(step)
-        lora = self._lora_batch(order)
-        head_logits = False
-        logits = None
-        if (self.graphs is not None and len(decode_ids) == len(order) and lora is None
-                and not prompt_rows and not verify and not pool_spans):
-            logits = self.graphs.logits(step)  # None: this step runs eagerly
-        if logits is None:
-            # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).
-            head_logits = (bool(sample_rows) and not prompt_rows and not verify
-                           and self.sampler.reads_head_logits(sample_rows, self.device))
-            x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step, lora, head_logits)
-        if pool_spans:
-            hidden = self.model.hidden(x, ctx, self._index(pool_rows)).float()
-            for (request, _), part in zip(pool_spans, hidden.split([c for _, c in pool_spans])):
-                embedding = self.pooler.add(request, part)
-                if embedding is not None:
-                    result.pooled[request.request_id] = embedding
-        if logits is None:
-            return result
-        if prompt_spans:
-            result.prompt_logprobs = _prompt_logprobs(logits[len(sample_at) :], prompt_spans)
-        if sample_at:
-            result.sampled = self._sample(logits[: len(sample_at)], sample_rows, verify,
-                                          output.draft_probs, head_logits)
+        layout = build_layout(output, self.bm, self.pooler)
+        result = self._collect(layout, self._forward(layout))
+        result.seconds = time.perf_counter() - t0
         return result
 
+    def _forward(self, layout: StepLayout) -> _Forward:
+        """Run the model over the step (a captured CUDA graph replays an all-decode step),
+        with logits only at the rows that need them (`StepInputs.logits_rows`)."""
+        step = layout.inputs
+        if self.send_step is not None:
+            self.send_step(step)
+        lora = self._lora_batch(layout.order)
+        if self.graphs is not None and layout.all_decode and lora is None:
+            logits = self.graphs.logits(step)  # None: this step runs eagerly
+            if logits is not None:
+                return _Forward(None, None, logits, False)
+        # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).
+        head = (bool(layout.sample_rows) and not layout.prompt_rows and not layout.verify
+                and self.sampler.reads_head_logits(layout.sample_rows, self.device))
+        x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step, lora, head)
+        return _Forward(x, ctx, logits, head)
+
+    def _collect(self, layout: StepLayout, ran: _Forward) -> RunnerOutput:
+        """What the forward computed, by request: embeddings, prompt logprobs, draws (logits
+        rows: the sample rows, then the prompt-logprob rows)."""
+        result = RunnerOutput()
+        if layout.pool_spans:
+            result.pooled = self._pool(layout, ran)
+        if ran.logits is None:
+            return result
+        num_samples = len(layout.sample_at)
+        if layout.prompt_spans:
+            result.prompt_logprobs = _prompt_logprobs(ran.logits[num_samples:],
+                                                      layout.prompt_spans)
+        if num_samples:
+            result.sampled = self._sample(ran.logits[:num_samples], layout, ran.head_logits)
+        return result
+
+    def _pool(self, layout: StepLayout, ran: _Forward) -> dict[str, list[float]]:
+        """The embeddings of pooling requests whose prompt this step completed."""
+        assert ran.x is not None and ran.ctx is not None  # pooling steps never replay a graph
+        hidden = self.model.hidden(ran.x, ran.ctx, self._index(layout.pool_rows)).float()
+        pooled: dict[str, list[float]] = {}
+        parts = hidden.split([count for _, count in layout.pool_spans])
+        for (request, _), part in zip(layout.pool_spans, parts):
+            embedding = self.pooler.add(request, part)
+            if embedding is not None:
+                pooled[request.request_id] = embedding
+        return pooled
+
     def _sample(
-        self, logits: torch.Tensor, rows: list[SampleRow], verify: list[tuple[Request, int]],
-        draft_probs: dict[str, torch.Tensor], plainly: bool,
+        self, logits: torch.Tensor, layout: StepLayout, plainly: bool,
     ) -> dict[str, list[SampledToken]]:
         """Draw every row; a request with drafts keeps what verification accepts
         (engine/spec_decode/verify.py) plus the target's token. `plainly`: the sampler said
         it reads these rows' logits as the LM head made them."""
-        with_q = {first: request for request, first in verify if request.request_id in draft_probs}
-        q_rows = {first + j for first, r in with_q.items() for j in range(len(r.spec.drafts) + 1)}
-        tokens: list[SampledToken | None]
-        if not q_rows:  # the usual step: every row samples at once (a view, no copy)
-            tokens = self.sampler.sample(logits, rows, plainly or None)
-        else:
-            plain = [i for i in range(len(rows)) if i not in q_rows]
-            tokens = [None] * len(rows)
-            for i, token in zip(plain, self.sampler.sample(logits[plain], [rows[i] for i in plain])):
-                tokens[i] = token
+        rows = layout.sample_rows
+        tokens = self._draw(logits, rows, {i for v in layout.verify if v.probs is not None
+                                           for i in v.rows}, plainly)
         out: dict[str, list[SampledToken]] = {}
-        for request, first in verify:
-            drafts = request.spec.drafts
-            span = slice(first, first + len(drafts) + 1)
-            if first in with_q:
-                kept = self._rejection_sample(logits[span], rows[span], drafts,
-                                              draft_probs[request.request_id])
+        for v in layout.verify:
+            span = slice(v.rows.start, v.rows.stop)
+            if v.probs is not None:
+                kept = self._rejection_sample(logits[span], rows[span], v.drafts, v.probs)
             else:
-                drawn = tokens[span]
-                kept = drawn[: accepted_prefix([t.token_id for t in drawn], drafts) + 1]
-            out[request.request_id] = kept
-        verified = {first + j for request, first in verify for j in range(len(request.spec.drafts) + 1)}
+                drawn = [t for t in tokens[span] if t is not None]
+                kept = drawn[: accepted_prefix([t.token_id for t in drawn], v.drafts) + 1]
+            out[v.request.request_id] = kept
+        verified = {i for v in layout.verify for i in v.rows}
         for i, (row, token) in enumerate(zip(rows, tokens)):
-            if i not in verified:
+            if i not in verified and token is not None:
                 out.setdefault(row.request.request_id, []).append(token)
         return out
+
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], q_rows: set[int],
+              plainly: bool) -> list[SampledToken | None]:
+        """Each row's draw, except the rows of drafts that came with their distributions
+        (`q_rows`: None there; rejection sampling draws them)."""
+        if not q_rows:  # the usual step: every row samples at once (a view, no copy)
+            return list(self.sampler.sample(logits, rows, plainly or None))
+        plain = [i for i in range(len(rows)) if i not in q_rows]
+        tokens: list[SampledToken | None] = [None] * len(rows)
+        for i, token in zip(plain, self.sampler.sample(logits[plain], [rows[i] for i in plain])):
+            tokens[i] = token
+        return tokens
 
     @torch.inference_mode()
     def warm_up(self, prompt_len: int = 32) -> None:
@@ -246,6 +216,7 @@ class ModelRunner:
         adapters = [r.lora for r, _ in order if r.lora is not None]
         if not adapters:
             return None
+        assert self.lora_slots is not None  # the engine admits adapters only with slots
         slot_of = self.lora_slots.prepare(adapters)
         row_slots = [slot_of[r.lora.lora_int_id] if r.lora is not None else -1
                      for r, n in order for _ in range(n)]
@@ -267,35 +238,21 @@ class ModelRunner:
         return with_logprobs(kept, rows[:n], ([i for i in raw_idx if i < n], None if raw is None else raw[:n]))
 
 
-def batch_metadata(
-    device: torch.device, slots: list[np.ndarray], tables: list[list[int]],
-    query_lens: list[int], seq_lens: list[int],
-) -> AttentionMetadata:
-    """AttentionMetadata of a ragged batch laid out sequence after sequence (one-token
-    sequences first: the caller orders them so)."""
-    return attention_metadata(device, GroupArrays.build(slots, tables), query_lens, seq_lens)
-
-
-def slots_of(table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
-    """KV slots (block_id * block_size + offset) of `positions` in a block table."""
-    return np.asarray(table)[positions // block_size] * block_size + positions % block_size
-
-
 def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict[str, list[Logprob]]:
     """`logits`: one row per prompt position of `spans` (request, first, end), in order;
     a Logprob for prompt tokens first + 1 .. end of each request, by request id."""
     logprobs = logits.log_softmax(-1)
     targets = [t for req, first, end in spans for t in req.prompt_token_ids[first + 1 : end + 1]]
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
-    ranks = token_ranks(logprobs, chosen).tolist()
-    chosen = chosen.squeeze(1).tolist()
-    k = max(req.sampling.prompt_logprobs for req, _, _ in spans)
-    top_vals, top_ids = (t.tolist() for t in logprobs.topk(k))
+    chosen_t = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None])
+    ranks = token_ranks(logprobs, chosen_t).tolist()
+    chosen: list[float] = chosen_t.squeeze(1).tolist()
+    asked = [req.sampling.prompt_logprobs or 0 for req, _, _ in spans]  # spans all ask
+    top_vals, top_ids = (t.tolist() for t in logprobs.topk(max(asked)))
     out: dict[str, list[Logprob]] = {}
     i = 0
-    for req, first, end in spans:
-        n = req.sampling.prompt_logprobs
-        entries = out[req.request_id] = []
+    for (req, first, end), n in zip(spans, asked):
+        entries: list[Logprob] = []
+        out[req.request_id] = entries
         for _ in range(end - first):
             top = list(zip(top_ids[i][:n], top_vals[i][:n]))
             entries.append(Logprob(targets[i], chosen[i], top, ranks[i]))

@@ -30,8 +30,9 @@ class Pooler:
 
     def rows(self, request: Request, start: int, n: int) -> range:
         """Positions of the chunk [start, start + n) whose hidden state `request` needs."""
-        num_prompt = request.num_prompt_tokens
-        if request.pooling.needs_every_position:
+        num_prompt, params = request.num_prompt_tokens, request.pooling
+        assert params is not None  # only pooling requests pool
+        if params.needs_every_position:
             summed = self.partial.get(request.request_id)
             return range(max(start, summed.num_pooled if summed else 0), start + n)
         return range(num_prompt - 1, num_prompt) if start + n == num_prompt else range(0)
@@ -40,6 +41,7 @@ class Pooler:
         """`hidden`: fp32 [len(rows), dim] for the rows `rows` returned, in order; the
         embedding once the last prompt position is among them, else None."""
         params, num_prompt = request.pooling, request.num_prompt_tokens
+        assert params is not None  # only pooling requests pool
         if params.needs_every_position:
             summed = self.partial.get(request.request_id)
             if summed is None:

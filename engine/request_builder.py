@@ -31,7 +31,6 @@ class RequestBuilder:
     ) -> None:
         self.tokenizer = tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # normalized; enters the block hashes
-        self.weights_version = 0  # bumped by weight updates; enters the block hashes
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -64,13 +63,15 @@ class RequestBuilder:
         resume: Resume | None = None,
         pooling: PoolingParams | None = None,
         lora: LoRAAdapter | None = None,
+        weights_version: int = 0,
     ) -> Request:
         """Raises ValueError with a message that starts with the offending field. `resume`:
         continue after outputs produced elsewhere (n must be 1; fewer than max_tokens).
         `pooling`: a pooling (embedding) request; it never samples (`params` only truncate).
         A structured-output request compiles its grammar here (off the engine thread) and
         replays `resume`'s outputs into its matcher. `lora`: the adapter it runs with (its
-        id enters the block hashes)."""
+        id enters the block hashes). `weights_version`: the engine's when the request
+        arrives (it enters the block hashes)."""
         if pooling is not None and (resume is not None or params.n != 1):
             raise ValueError("pooling: a pooling request has n == 1 and no resume")
         if isinstance(prompt, str):
@@ -105,7 +106,6 @@ class RequestBuilder:
                              f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
                              f"{len(outputs)} outputs")
         lora_id = lora.lora_int_id if lora is not None else None
-        version = self.weights_version  # read once: an update may land meanwhile
         grammar = None
         if params.structured_outputs is not None and pooling is None:
             # The gate follows from the prompt, then from the replayed outputs.
@@ -126,8 +126,8 @@ class RequestBuilder:
             resume=resume,
             # Over the outputs too: a request resumed again on this worker finds them cached.
             block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt,
-                                              lora_id, self.kv_cache_dtype, version),
-            hash_extras=hash_extras(cache_salt, lora_id, self.kv_cache_dtype, version),
+                                              lora_id, self.kv_cache_dtype, weights_version),
+            hash_extras=hash_extras(cache_salt, lora_id, self.kv_cache_dtype, weights_version),
             cache_salt=cache_salt,
             priority=priority,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),

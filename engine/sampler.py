@@ -295,8 +295,8 @@ def with_logprobs(
     ranks = token_ranks(logprobs, chosen).tolist()
     for j, (i, value) in enumerate(zip(lp_idx, chosen.squeeze(1).tolist())):
         n = rows[i].request.sampling.logprobs
-        top = ()
-        if n > 0:
+        top: tuple[tuple[int, float], ...] = ()
+        if n:
             vals, ids = logprobs[j].topk(n)
             top = tuple(zip(ids.tolist(), vals.tolist()))
         out[i] = SampledToken(out[i].token_id, value, top, ranks[j])

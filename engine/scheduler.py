@@ -15,12 +15,13 @@ results: the model runner's RunnerOutput comes back through `update_from_output`
 """
 from __future__ import annotations
 
+import dataclasses
 from bisect import insort
 
 from engine.block_manager import BlockManager
 from engine.limits import EngineLimits
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats
+from engine.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats, StepInput
 from engine.step_cost import LONG_PREFILL_CHUNKS, even_chunk
 from engine.swap_policy import SwapPolicy
 from engine.spec_decode.scheduling import SpeculationScheduling
@@ -44,11 +45,6 @@ class Scheduler(SpeculationScheduling):
         self.bm = block_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
         """Most prompt tokens one request computes in one step (0: the step budget only)."""
-        self.prompt_token_budget = 0
-        """Most tokens all prefill chunks of the next step take together (0: the step budget
-        only). Set between steps by whoever paces the engine (engine/engine_loop.py keeps
-        steps beside running decodes within an inter-token latency target). A prompt it cuts
-        is cut into the fewest chunks of equal size (engine/step_cost.py `even_chunk`)."""
         self.max_loras = max_loras  # distinct LoRA adapters per step (0: LoRA off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -66,8 +62,8 @@ class Scheduler(SpeculationScheduling):
         self.spec_stats = SpecDecodeStats()
         tier = block_manager.pool.tier
         self.swap_policy = SwapPolicy(tier.copy_times if tier is not None else None)
-        """Whether a preempted request's partial block is swapped out (its rates are fed by
-        the engine)."""
+        """Whether a preempted request's partial block is swapped out (its prefill rate is
+        learnt from the runner's step times, in `update_from_output`)."""
 
     # ---- admission -----------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -83,11 +79,13 @@ class Scheduler(SpeculationScheduling):
         insort(self.waiting, request, key=_order)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, step: StepInput = StepInput()) -> SchedulerOutput:
+        """This step's requests and token counts; `step.prompt_token_budget` paces prompts."""
         budget = self.max_num_batched_tokens
         # Prefill chunks (more than one new token) also draw on this; decodes never do.
-        paced = self.chunked and self.prompt_token_budget > 0
-        prompt_budget = self.prompt_token_budget if paced else budget
+        pace = step.prompt_token_budget if self.chunked else 0
+        paced = pace > 0
+        prompt_budget = pace if paced else budget
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         finished: list[Request] = []
@@ -103,8 +101,8 @@ class Scheduler(SpeculationScheduling):
             remaining = request.num_tokens - request.num_computed_tokens
             n = min(self._chunk(remaining), budget)
             if remaining > 1 and paced:  # a paced prefill chunk
-                held = self._held_by_long(remaining)
-                n = min(n, self._even(remaining, held), prompt_budget - held)
+                held = self._held_by_long(remaining, pace)
+                n = min(n, even_chunk(remaining, pace - held), prompt_budget - held)
                 if n <= 0:  # this step's prefill share is spent: it continues next step
                     i += 1
                     continue
@@ -155,7 +153,7 @@ class Scheduler(SpeculationScheduling):
             if n > limit:
                 if not self.chunked or limit <= 0:
                     break
-                n = min(n, self._even(new), limit) if paced else limit
+                n = min(n, even_chunk(new, pace), limit) if paced else limit
             if not self.bm.allocate(request, n, prefix):
                 break
             del self.waiting[j]
@@ -180,21 +178,18 @@ class Scheduler(SpeculationScheduling):
         cap = self.long_prefill_token_threshold
         return cap if 0 < cap < num_new_tokens else num_new_tokens
 
-    def _held_by_long(self, remaining: int) -> int:
-        """What a running prefill with `remaining` tokens leaves of the prompt budget to the
+    def _held_by_long(self, remaining: int, pace: int) -> int:
+        """What a running prefill with `remaining` tokens leaves of the prompt budget `pace`
+        (a paced prompt's chunk is `remaining` in even chunks of at most `pace` less this,
+        engine/step_cost.py `even_chunk`; what is left of this step's budget caps it
+        further; paced, that share is > 0) to the
         other prompts: half when it is long and another prompt waits or is part-way through
         its prefill (a long prompt must not hold up every short one that arrives meanwhile),
         else nothing (a prompt a few chunks from done goes first: first come, first served)."""
-        if remaining <= LONG_PREFILL_CHUNKS * self.prompt_token_budget:
+        if remaining <= LONG_PREFILL_CHUNKS * pace:
             return 0
         others = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
-        return self.prompt_token_budget // 2 if others > 1 else 0  # others counts this one
-
-    def _even(self, remaining: int, held: int = 0) -> int:
-        """A paced prompt's chunk: `remaining` tokens in even chunks of at most the step's
-        prompt budget less what a long prompt leaves (`held`) to the prompts behind it (what
-        is left of this step's budget caps it further). Paced, that share is > 0."""
-        return even_chunk(remaining, self.prompt_token_budget - held)
+        return pace // 2 if others > 1 else 0  # others counts this one
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         return (request.lora is None or request.lora.lora_int_id in loras
@@ -230,17 +225,24 @@ class Scheduler(SpeculationScheduling):
         logprobs are appended, and a pooling request finishes with its embedding once its
         prompt is computed. Returns ((request, new tokens) for requests that got tokens,
         including new forks; requests that finished, including those the scheduler stopped
-        without a new token)."""
+        without a new token). A measured step that computed prompt tokens feeds the swap
+        policy its prefill rate."""
         updated: list[tuple[Request, int]] = []
         finished: list[Request] = list(output.finished)
         sampled = result.sampled
+        if result.seconds is not None and any(
+                r.num_computed_tokens < r.num_prompt_tokens for r, _ in output.scheduled):
+            self.swap_policy.observe_prefill(result.seconds, output.num_batched_tokens)
+        for request, k in output.speculating:
+            if request.request_id in output.drafts:
+                self._take_drafts(request, k, output.drafts[request.request_id])
         for request_id, entries in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs.extend(entries)
         for request, n in output.scheduled:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile
-            if request.spec is not None and request.spec.drafts:
-                kept = self._apply_verified(request, sampled[request.request_id])
+            if drafts := output.drafts_of(request):
+                kept = self._apply_verified(request, drafts, sampled[request.request_id])
                 updated.append((request, kept))
                 if request.status.is_finished:
                     finished.append(request)
@@ -267,28 +269,30 @@ class Scheduler(SpeculationScheduling):
         return updated, finished
 
     def _fork(self, parent: Request, index: int) -> Request:
-        child = Request(
+        """Completion `index` of `parent` (sampling n > 1), at the same point: every field is
+        the parent's (`dataclasses.replace`, so a new field is never forgotten) except the
+        identity and the per-completion state listed here. Invariant: no list is shared
+        with the parent (each is copied or starts empty): a new list field goes here."""
+        child = dataclasses.replace(
+            parent,
             request_id=f"{parent.request_id}#{index}",
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling=parent.sampling,
-            seed=parent.seed,
-            eos_token_ids=parent.eos_token_ids,
-            max_tokens=parent.max_tokens,
-            block_hashes=list(parent.block_hashes),
-            hash_extras=parent.hash_extras,
-            cache_salt=parent.cache_salt,
-            priority=parent.priority,
-            bad_words_token_ids=parent.bad_words_token_ids,
             completion_index=index,
             parent_id=parent.request_id,
-            arrival_time=parent.arrival_time,
             status=RequestStatus.RUNNING,
+            block_hashes=list(parent.block_hashes),
             token_ids=list(parent.token_ids),
-            num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=parent.num_cached_tokens,
             spec=parent.spec.fresh() if parent.spec is not None else None,
             grammar=parent.grammar.fork() if parent.grammar is not None else None,
-            lora=parent.lora,
+            # Per-completion results and placement start empty (the block manager's `fork`
+            # fills the tables; completion 0 alone carries the prompt logprobs).
+            logprobs=[],
+            prompt_logprobs=[],
+            stop_reason=None,
+            block_tables=[],
+            keep_blocks_from=None,
+            remote_skip_blocks=None,
+            resume=None,
+            embedding=None,
         )
         self.bm.fork(parent, child)
         self.requests[child.request_id] = child

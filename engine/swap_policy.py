@@ -7,7 +7,8 @@ them instead costs one copy out and one copy back per KV group. The scheduler as
 `SwapPolicy.swap` at each preemption; the rates are the worker's own, measured as it runs:
 the tier's seconds per block copy (`KVTier.copy_times`: measured once when the engine is
 built, then by every flush) and the engine's seconds per computed token in steps that
-computed prompt tokens (`observe_prefill`, fed by `LLMEngine.step`).
+computed prompt tokens (`observe_prefill`, fed by `Scheduler.update_from_output` from
+`RunnerOutput.seconds`, the runner's own time for the step).
 """
 from __future__ import annotations
 

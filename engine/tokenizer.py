@@ -231,7 +231,8 @@ def _template_names(template: str) -> frozenset[str]:
     for node in _environment().parse(template).find_all((nodes.Name, nodes.Getattr,
                                                          nodes.Const)):
         value = (node.name if isinstance(node, nodes.Name) else
-                 node.attr if isinstance(node, nodes.Getattr) else node.value)
+                 node.attr if isinstance(node, nodes.Getattr) else
+                 node.value if isinstance(node, nodes.Const) else None)
         if isinstance(value, str):
             names.add(value)
     return frozenset(names)

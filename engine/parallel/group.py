@@ -126,6 +126,7 @@ class ParallelGroup:
         for rank in range(1, size):
             child = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank_worker"],
                                      stdin=subprocess.PIPE, env=env)
+            assert child.stdin is not None  # stdin=PIPE
             child.stdin.write(pickle.dumps(RankSpec(rank, size, port, timeout_s, self.threads,
                                                     device, os.getpid())))
             child.stdin.close()
@@ -161,7 +162,9 @@ class ParallelGroup:
             if not task.gather:
                 return None
             try:
-                return self.comm.gather_payload(None)[1:]
+                gathered = self.comm.gather_payload(None)
+                assert gathered is not None  # this is rank 0
+                return gathered[1:]
             except RuntimeError as exc:
                 raise RankFailedError(f"tensor-parallel rank unreachable: {exc}") from exc
 

@@ -63,6 +63,7 @@ class RankEngine:
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> None:
+        assert self.kv_cache is not None, "a step before AllocatePool"
         if step.block_copies:
             copy_blocks(self.kv_cache, step.block_copies)
         if step.num_tokens:
@@ -89,10 +90,12 @@ def serve(spec: RankSpec) -> None:
     while True:
         message = comm.broadcast_payload()
         if isinstance(message, StepInputs):
+            assert engine is not None, "a step before LoadModel"
             engine.run(message)
         elif isinstance(message, LoadModel):
             engine = RankEngine(message.config, spec, comm)
         elif isinstance(message, AllocatePool):
+            assert engine is not None, "AllocatePool before LoadModel"
             engine.allocate(message.num_blocks)
         elif hasattr(message, "run_on_rank"):  # a RankTask (group.py)
             result = message.run_on_rank(engine)

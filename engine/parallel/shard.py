@@ -29,7 +29,7 @@ class Span(NamedTuple):
     """A contiguous range [start, start + count) of heads, rows or experts."""
 
     start: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, as a field may
 
     @property
     def stop(self) -> int:

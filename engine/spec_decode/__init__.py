@@ -4,8 +4,8 @@ Life of a step with speculation (engine.llm_engine.LLMEngine.step):
 1. The scheduler gives a decoding sequence 1 + k slots and counts 1 + k tokens against the
    step's budget (k from its SpecState policy, cut to fit the budget, max_tokens and
    max_model_len).
-2. The proposer drafts up to k tokens; the scheduler takes them (`apply_drafts`:
-   state.SpecState.drafts, cut by the grammar) and sizes the step to them.
+2. The proposer drafts up to k tokens; the step takes them
+   (`SchedulerOutput.with_drafts`: cut by the grammar) and is sized to them.
 3. The model runner computes the last token plus the drafts and verifies (verify.py).
 4. The scheduler keeps the accepted tokens one by one under the usual stop rules, rolls
    `num_computed_tokens` back over the rejected drafts and returns the blocks they no

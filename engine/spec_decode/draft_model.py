@@ -21,7 +21,7 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.block_manager import BlockManager
-from engine.model_runner import batch_metadata, slots_of
+from engine.step_layout import batch_metadata, slots_of
 from engine.models.interface import CausalLM, ForwardContext
 from engine.request import Request
 from engine.sample_row import SampleRow
@@ -63,7 +63,9 @@ class DraftModelProposer:
             for i in live:
                 request = batch[i][0]
                 if step == 0:
-                    start = request.spec.num_draft_computed if self.owns_kv else request.num_tokens - 1
+                    spec = request.spec
+                    assert spec is not None  # the proposer drafts for speculating requests
+                    start = spec.num_draft_computed if self.owns_kv else request.num_tokens - 1
                     feeds.append((i, start, request.token_ids[start:]))
                 else:
                     feeds.append((i, request.num_tokens - 1 + step, [drafts[i][-1]]))

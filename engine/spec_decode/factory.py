@@ -37,6 +37,7 @@ def make_proposer(spec: SpeculativeConfig | None, target: LoadedModel, runner: M
         raise FieldError("model", f"speculative_config model {spec.model!r}: a separate draft "
                                   "model is not supported for a target whose layers mix sliding "
                                   "and full attention (use self:N or ngram)")
+    assert spec.model is not None  # draft_model: SpeculativeConfig checks it names one
     draft = load_model(spec.model, dtype, runner.device)
     if (draft.args.vocab_size != target.args.vocab_size
             or draft.tokenizer.encode(_PROBE_TEXT) != target.tokenizer.encode(_PROBE_TEXT)):

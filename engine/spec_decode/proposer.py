@@ -17,7 +17,7 @@ greedily; EAGLE/Medusa-style heads plug in here and may return probabilities.
 `Proposal.num_draft_computed`: a proposer with a KV pool of its own says how far the
 sequence's draft KV now reaches (`SpecState.num_draft_computed`, where it catches up from
 next time). A proposer reads requests and never writes them: the scheduler applies its
-proposals (`Scheduler.apply_drafts`).
+proposals (`SchedulerOutput.with_drafts`, then `Scheduler.update_from_output`).
 
 `copy_blocks(copies)`: copy-on-write block copies the scheduler issued this step, for a
 proposer that keeps KV of its own indexed by the target's block ids."""

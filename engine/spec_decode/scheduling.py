@@ -1,6 +1,6 @@
 """The scheduler's speculation steps (a mixin of engine.scheduler.Scheduler, split out by
-role): how many drafts a decoding sequence may verify, taking the proposer's drafts and
-sizing the step to them, and applying a verify result — kept tokens under the stop rules,
+role): how many drafts a decoding sequence may verify, taking back the drafts the step ran
+(`SchedulerOutput.with_drafts` sized it to them), and applying a verify result — kept tokens under the stop rules,
 rejected drafts rolled back.
 """
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
-from engine.scheduler_output import SchedulerOutput
 from engine.spec_decode.proposer import Proposal
 from engine.tokens import SampledToken
 
@@ -27,25 +26,15 @@ class SpeculationScheduling:
 
         def finish_request(self, request_id: str, status: RequestStatus) -> Request | None: ...
 
-    def apply_drafts(self, output: SchedulerOutput, proposals: list[Proposal]) -> None:
-        """The proposer's drafts for `output.speculating` (same order): each request keeps
-        up to k of them (those its grammar allows) and computes its last token plus those;
-        slots kept for drafts it did not get go back to the pool."""
-        sizes: dict[str, int] = {}
-        for (request, k), proposal in zip(output.speculating, proposals):
-            drafts = proposal.token_ids[:k]
-            if request.grammar is not None:  # drafts the grammar forbids are never verified
-                del drafts[request.grammar.valid_prefix(drafts):]
-            request.spec.drafts = drafts
-            if proposal.probs is not None:
-                output.draft_probs[request.request_id] = proposal.probs
-            if proposal.num_draft_computed is not None:
-                request.spec.num_draft_computed = proposal.num_draft_computed
-            got = len(drafts)
-            sizes[request.request_id] = 1 + got
-            if got < k:
-                self.bm.trim(request, request.num_tokens + got)
-        output.scheduled = [(r, sizes.get(r.request_id, n)) for r, n in output.scheduled]
+    def _take_drafts(self, request: Request, k: int, draft: Proposal) -> None:
+        """A speculating request's drafts as the step ran them (`SchedulerOutput.drafts`):
+        its draft KV's reach is recorded and the slots kept for drafts it did not get go
+        back to the pool (before anything of the step is applied)."""
+        if draft.num_draft_computed is not None:
+            assert request.spec is not None  # only speculating requests draft
+            request.spec.num_draft_computed = draft.num_draft_computed
+        if len(draft.token_ids) < k:
+            self.bm.trim(request, request.num_tokens + len(draft.token_ids))
 
     def _num_drafts(self, request: Request, budget: int) -> int:
         """Drafts a decoding request may verify this step: its policy's allowance, cut so
@@ -57,18 +46,20 @@ class SpeculationScheduling:
                    self.max_model_len - request.num_tokens - 1)
         return max(0, min(request.spec.allowance(), room)) if room > 0 else 0
 
-    def _apply_verified(self, request: Request, tokens: list[SampledToken]) -> int:
-        """A verify step's result: `tokens` = the accepted drafts, then the target's token.
+    def _apply_verified(self, request: Request, drafts: list[int],
+                        tokens: list[SampledToken]) -> int:
+        """A verify step's result for `drafts`: `tokens` = the accepted drafts, then the
+        target's token.
         They are kept one by one under the stop rules (a stop drops the rest, so max_tokens,
         stop tokens and min_tokens hold at any acceptance length); num_computed_tokens
         covers the last token and the kept drafts only, so the rejected drafts' KV is never
         read or hashed, and the blocks only they needed go back to the pool. Returns the
         number of tokens kept."""
         spec = request.spec
-        proposed, accepted = len(spec.drafts), len(tokens) - 1
+        assert spec is not None  # only speculating requests verify
+        proposed, accepted = len(drafts), len(tokens) - 1
         spec.record(proposed, accepted)
         self.spec_stats.record(proposed, accepted, spec.max_k)
-        spec.drafts = []
         computed = request.num_computed_tokens
         kept, status = 0, None
         for token in tokens:

@@ -11,7 +11,7 @@ are never accepted thus verifies about log2(steps) failed drafts, and one whose 
 accepted reaches the full k after one step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 LOW_ACCEPTANCE = 0.2  # p below this: stop drafting for a while
 MIN_KEEP_CHANCE = 0.15  # draft position j only while p**j >= this
@@ -25,10 +25,6 @@ _EMA = 0.5  # weight of the newest verify step
 class SpecState:
     max_k: int  # num_speculative_tokens
     adaptive: bool = True
-    drafts: list[int] = field(default_factory=list)
-    """Draft tokens being verified in the current step (after the request's tokens); set
-    between schedule and execute (`Scheduler.apply_drafts`), cleared when the step's output
-    is applied."""
     num_draft_computed: int = 0
     """A separate draft model only: positions whose draft-model KV is in the draft pool
     (the drafter catches up from here; its Proposal says how far it got). Reset on

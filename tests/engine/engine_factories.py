@@ -9,7 +9,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.scheduler_output import RunnerOutput, SchedulerOutput, StepInput
 from engine.tokens import SampledToken
 
 _ids = itertools.count()
@@ -68,8 +68,8 @@ def fake_model_output(output: SchedulerOutput, token: int = 7) -> RunnerOutput:
     return RunnerOutput(sampled)
 
 
-def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
-    output = scheduler.schedule()
+def step(scheduler: Scheduler, token: int = 7, inputs: StepInput = StepInput()) -> SchedulerOutput:
+    output = scheduler.schedule(inputs)
     scheduler.update_from_output(output, fake_model_output(output, token))
     return output
 

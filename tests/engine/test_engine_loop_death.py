@@ -21,7 +21,7 @@ class BrokenEngine:
     def has_schedulable_work(self) -> bool:
         return self.broken.is_set()
 
-    def step(self):
+    def step(self, inputs=None):
         self.stepping.set()
         self.proceed.wait(5)
         raise IndexError("tuple index out of range")

@@ -7,6 +7,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
+from engine.scheduler_output import StepInput
 from engine.step_cost import StepCost, even_chunk, fitted_slope, prompt_token_cap, step_cost_from
 from engine_factories import drain, make_request, step
 
@@ -18,45 +19,44 @@ def _scheduler(budget: int = 64) -> Scheduler:
                      max_model_len=1024)
 
 
-def _paced_chunks(s: Scheduler, decodes, a, b, until) -> list[tuple[int, int]]:
-    """(a's, b's) prompt tokens of each step until `until()` (b None: 0); checks every
-    decode runs in every step and the prompts keep to the budget together."""
+def _paced_chunks(s: Scheduler, decodes, a, b, until, budget: int) -> list[tuple[int, int]]:
+    """(a's, b's) prompt tokens of each step until `until()` (b None: 0), each step under
+    prompt budget `budget`; checks every decode runs in every step and the prompts keep to
+    the budget together."""
     seen = []
     while not until():
-        out = step(s)
+        out = step(s, inputs=StepInput(prompt_token_budget=budget))
         scheduled = {r.request_id: n for r, n in out.scheduled}
         assert all(scheduled[r.request_id] == 1 for r in decodes)  # every decode, every step
         chunk = lambda r: n if r and (n := scheduled.get(r.request_id, 0)) > 1 else 0  # noqa: E731
         seen.append((chunk(a), chunk(b)))
-        assert sum(seen[-1]) <= s.prompt_token_budget
+        assert sum(seen[-1]) <= budget
     return seen
 
 
-def _decoding(num: int, prompt_budget: int) -> tuple[Scheduler, list]:
-    """A scheduler with `num` short requests decoding and a prompt budget set."""
+def _decoding(num: int) -> tuple[Scheduler, list]:
+    """A scheduler with `num` short requests decoding."""
     s = _scheduler()
     decodes = [make_request(4, max_tokens=60) for _ in range(num)]
     for r in decodes:
         s.add_request(r)
     step(s)
-    s.prompt_token_budget = prompt_budget
     return s, decodes
 
 
 def test_prompt_budget_caps_all_chunks_of_a_step_together_and_never_a_decode():
-    s, decodes = _decoding(3, 12)
+    s, decodes = _decoding(3)
     a = make_request(list(range(1000, 1030)), max_tokens=2)
     b = make_request(list(range(2000, 2030)), max_tokens=2)
     s.add_request(a)
     s.add_request(b)
-    seen = _paced_chunks(s, decodes, a, b, lambda: b.num_output_tokens > 0)
+    seen = _paced_chunks(s, decodes, a, b, lambda: b.num_output_tokens > 0, 12)
     # Short prompts go first come, first served, each in the fewest even chunks the budget
     # allows (30 = 3 x 10, not 12 + 12 + 6); b gets what a leaves of each step.
     assert seen == [(10, 2), (10, 2), (10, 2), (0, 12), (0, 12)], seen
-    s.prompt_token_budget = 0  # off: the step budget alone
     c = make_request(list(range(3000, 3100)), max_tokens=1)
     s.add_request(c)
-    out = step(s)
+    out = step(s, inputs=StepInput(prompt_token_budget=0))  # off: the step budget alone
     decoding = [r for r, n in out.scheduled if r is not c]
     assert all(n == 1 for r, n in out.scheduled if r is not c)
     assert dict((r.request_id, n) for r, n in out.scheduled)[c.request_id] == 64 - len(decoding)
@@ -64,13 +64,13 @@ def test_prompt_budget_caps_all_chunks_of_a_step_together_and_never_a_decode():
 
 
 def test_a_long_paced_prompt_leaves_half_the_budget_to_the_prompts_behind_it():
-    s, decodes = _decoding(2, 12)
+    s, decodes = _decoding(2)
     a = make_request(list(range(1000, 1100)), max_tokens=2)  # 9 chunks: long
     s.add_request(a)
-    assert _paced_chunks(s, decodes, a, None, lambda: a.num_computed_tokens > 0) == [(12, 0)]
+    assert _paced_chunks(s, decodes, a, None, lambda: a.num_computed_tokens > 0, 12) == [(12, 0)]
     b = make_request(list(range(2000, 2030)), max_tokens=2)
     s.add_request(b)
-    seen = _paced_chunks(s, decodes, a, b, lambda: b.num_output_tokens > 0)
+    seen = _paced_chunks(s, decodes, a, b, lambda: b.num_output_tokens > 0, 12)
     # a keeps half of every step while b waits and while b prefills; b is not held up by
     # a's 76 tokens still to go.
     assert seen == [(6, 6)] * 5, seen
@@ -120,12 +120,12 @@ def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
     chunks: list[tuple[int, int, int]] = []  # (prompt tokens, decodes, budget) of mixed steps
     inner = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = inner()
+    def recording_schedule(inputs: StepInput = StepInput()):
+        out = inner(inputs)
         prompt = sum(n for _, n in out.scheduled if n > 1)
         decodes = sum(1 for _, n in out.scheduled if n == 1)
         if prompt and decodes:
-            chunks.append((prompt, decodes, engine.scheduler.prompt_token_budget))
+            chunks.append((prompt, decodes, inputs.prompt_token_budget))
         return out
 
     engine.scheduler.schedule = recording_schedule

@@ -95,8 +95,8 @@ def test_more_adapters_than_slots_are_held_back_not_mixed_up(model_dir, adapters
     seen = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def recording_schedule(inputs):
+        out = schedule(inputs)
         seen.append({r.lora.lora_int_id for r, _ in out.scheduled if r.lora is not None})
         return out
 

@@ -14,20 +14,20 @@ def _decoding(scheduler, request, k=4):
     Others already decoding get a token in that step (no drafts proposed for them)."""
     request.spec = SpecState(k, adaptive=False)
     scheduler.add_request(request)
-    output = scheduler.schedule()
-    _propose(scheduler, output, [])
+    output = _propose(scheduler.schedule(), [])
     scheduler.update_from_output(output, fake_model_output(output))
     assert request.num_output_tokens == 1
 
 
-def _propose(scheduler, output, drafts):
-    scheduler.apply_drafts(output, [Proposal(list(drafts)) for _ in output.speculating])
+def _propose(output, drafts):
+    """The step with `drafts` proposed for every speculating request."""
+    return output.with_drafts([Proposal(list(drafts)) for _ in output.speculating])
 
 
 def _verify(scheduler, output, drafts, kept):
     """Propose `drafts` for every speculating request, then apply a verify result that
     keeps tokens `kept`."""
-    _propose(scheduler, output, drafts)
+    output = _propose(output, drafts)
     sampled = {r.request_id: [SampledToken(t) for t in kept] for r, _ in output.speculating}
     return scheduler.update_from_output(output, RunnerOutput(sampled))
 
@@ -41,10 +41,11 @@ def test_budget_counts_k_plus_one_and_drafts_shrink_to_fit():
     assert out.scheduled == [(a, 5), (b, 2)]  # 1 + 4, then 1 + the 1 draft the budget leaves
     assert out.speculating == [(a, 4), (b, 1)]
     assert out.num_batched_tokens == 7
-    _propose(s, out, [])  # no drafts proposed: plain decodes, slots handed back
+    out = _propose(out, [])  # no drafts proposed: plain decodes
     assert out.scheduled == [(a, 1), (b, 1)]
-    assert len(a.block_tables[0]) == s.bm.blocks_for(a.num_tokens)
     s.update_from_output(out, fake_model_output(out))
+    # The slots kept for the drafts went back to the pool as the output was applied.
+    assert len(a.block_tables[0]) == s.bm.blocks_for(a.num_tokens - 1)
     for r in (a, b):
         s.finish_request(r.request_id, r.status.FINISHED_ABORTED)
 

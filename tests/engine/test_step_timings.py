@@ -40,10 +40,10 @@ def test_a_worker_publishes_its_measured_step_timings(model_dir):
     observed: list[tuple[float, int]] = []  # (seconds, prompt tokens)
     inner_step = engine.step
 
-    def timed_step():
+    def timed_step(*step_input):
         before = engine.scheduler.stats.prompt_tokens
         t0 = time.perf_counter()
-        deltas = inner_step()
+        deltas = inner_step(*step_input)
         observed.append((time.perf_counter() - t0, engine.scheduler.stats.prompt_tokens - before))
         return deltas
 
