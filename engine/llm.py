@@ -83,7 +83,8 @@ class LLM:
         (None: the base model); needs enable_lora."""
         prompt_list = _prompt_list(prompts)
         params = sampling_params or self.get_default_sampling_params()
-        params_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        params_list = ([params] * len(prompt_list) if isinstance(params, SamplingParams)
+                       else list(params))
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
@@ -96,7 +97,8 @@ class LLM:
         if len(loras) != len(prompt_list):
             raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}
-        for i, (prompt, p, prio, lora) in enumerate(zip(prompt_list, params_list, priorities, loras)):
+        batch = zip(prompt_list, params_list, priorities, loras)
+        for i, (prompt, p, prio, lora) in enumerate(batch):
             rid = f"offline-{i}"
             request = self.engine.add_request(rid, prompt, p, cache_salt, prio, lora_request=lora)
             results[rid] = RequestOutput(

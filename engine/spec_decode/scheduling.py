@@ -1,7 +1,7 @@
 """The scheduler's speculation steps (a mixin of engine.scheduler.Scheduler, split out by
 role): how many drafts a decoding sequence may verify, taking back the drafts the step ran
-(`SchedulerOutput.with_drafts` sized it to them), and applying a verify result — kept tokens under the stop rules,
-rejected drafts rolled back.
+(`SchedulerOutput.with_drafts` sized it to them), and applying a verify result — kept
+tokens under the stop rules, rejected drafts rolled back.
 """
 from __future__ import annotations
 
