@@ -1,4 +1,4 @@
-"""Incremental detokenizing: engine/detokenizer.py (over `tokenizers`' DecodeStream) against
+"""Incremental detokenizing: engine/processing/detokenizer.py (over `tokenizers`' DecodeStream) against
 re-decoding a window of recent tokens per token (what it did before), on the bundled model's
 tokenizer, in the same run. Prints microseconds per token and the ratio; both texts must be
 equal, and the tokenizer's full decode (which may add a final incomplete character).
@@ -11,9 +11,9 @@ import argparse
 import random
 import time
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.models.prepare import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 _TEXT = ("The quick brown fox jumps over the lazy dog, then writes `def f(x): return x`. "
          "日本語のテキスト、絵文字 🎉🚀 and naïve café. ")

@@ -27,7 +27,7 @@ import torch
 
 from arch_throughput import cpu_has_bf16
 from engine import LLM, SamplingParams
-from engine.kv_pool import kv_block_bytes
+from engine.kv.kv_pool import kv_block_bytes
 from engine.models.prepare import resolve_model_path
 
 MODEL = "gemma-3-270m"

@@ -21,7 +21,7 @@ from engine.models.prepare import resolve_model_path
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 SMALL = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TYPICAL = COMPILE_SCHEMAS[1]  # structured_bench's: $ref, bounds, patterns, an enum

@@ -8,7 +8,7 @@ Formats: auto in bfloat16 and in float32 (the model dtype, unchanged), fp8_e4m3,
 int8 (per-token, per-head float32 scales inside the block: head_dim + 4 bytes per row).
 
 - capacity: at a fixed KV memory (--kv-memory, 1 GiB), the engine's own pool sizing
-  (engine/kv_pool.py) for the default model: blocks, and how many --context-token sequences
+  (engine/kv/kv_pool.py) for the default model: blocks, and how many --context-token sequences
   fit at once (their blocks only).
 - transfer: KV bytes of one --context-token request (its blocks) and the time to move them
   between two processes on this host over NIXL (benchmarks/kv_transfer.py's sender/receiver:
@@ -43,7 +43,7 @@ def capacity(kv_memory: int, context: int, block_size: int) -> list[dict[str, An
     import torch
 
     from engine.config import EngineConfig
-    from engine.kv_pool import kv_block_bytes, num_blocks_for_budget
+    from engine.kv.kv_pool import kv_block_bytes, num_blocks_for_budget
     from engine.models.config import ModelArgs
     from engine.models.prepare import default_model_dir
 

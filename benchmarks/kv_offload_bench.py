@@ -1,4 +1,4 @@
-"""The KV offloading tier (engine/kv_tier.py, --kv-offloading-size): the time to get a
+"""The KV offloading tier (engine/kv/kv_tier.py, --kv-offloading-size): the time to get a
 prefix's KV back by promoting its blocks from the tier vs recomputing them, measured in the
 same run on the same engine; decode step time with the tier on vs off; a preempted request
 swapped back in vs recomputed; gathered vs per-block copies and copies overlapped with a
@@ -71,7 +71,7 @@ def main() -> None:
 def promote_vs_recompute(args) -> None:
 
     from engine import LLM, SamplingParams
-    from engine.kv_pool import kv_block_bytes
+    from engine.kv.kv_pool import kv_block_bytes
 
     bs, n = args.block_size, args.prefix_tokens
     blocks = -(-(n + 1) // bs)  # the prompt's and its output token's (what admission asks)

@@ -8,7 +8,7 @@ decode steps and preemption, each pair measured in the same run.
   partial block swapped in, one token computed) vs recompute (tier off: every token again);
   its blocks are pushed out of the pool by a higher-priority filler while it waits.
 - the tier's copies: one memmove per block vs torch index_select/index_copy_ (what
-  engine/kv_tier_storage.py `_gather_copy` does off the host), and tier stores about as long as a
+  engine/kv/kv_tier_storage.py `_gather_copy` does off the host), and tier stores about as long as a
   decode step run on a thread overlapped with it vs one after the other.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 def _engines(args, pool_blocks: int, tier_blocks: int, **kw):
     from engine import LLM
-    from engine.kv_pool import kv_block_bytes
+    from engine.kv.kv_pool import kv_block_bytes
 
     probe = LLM(args.model, dtype=args.dtype, num_layers=args.num_layers, kv_cache_memory=1 << 24)
     e = probe.engine
@@ -77,7 +77,7 @@ def decode_on_vs_off(args) -> None:
 
 def _copy_variants(llm, n: int) -> None:
     """64 scattered blocks pool -> tier slots: memmove per block vs index_select+index_copy_."""
-    from engine.kv_tier_storage import _gather_copy
+    from engine.kv.kv_tier_storage import _gather_copy
 
     llm.engine.reset_prefix_cache()  # scratch copies below overwrite slots
     storage = llm.engine.block_manager.pool.tier.storage

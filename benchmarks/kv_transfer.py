@@ -37,10 +37,10 @@ RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer.json"
 def _pool(num_blocks: int, block_tokens: int, device: str, fill: float,
           kv_cache_dtype: str = "auto", model_dtype: str = "float32") -> Any:
     """The default model's pool as the engine allocates it for `kv_cache_dtype`
-    (engine/kv_format.py: fp8 / int8 storage, int8 rows 4 bytes longer)."""
+    (engine/kv/kv_format.py: fp8 / int8 storage, int8 rows 4 bytes longer)."""
     import torch
 
-    from engine import kv_format
+    from engine.kv import kv_format
 
     storage = kv_format.storage_dtype(kv_cache_dtype, getattr(torch, model_dtype))
     shape = (num_blocks, MODEL_SHAPE["num_layers"], 2, block_tokens, MODEL_SHAPE["num_kv_heads"],

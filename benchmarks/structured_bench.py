@@ -9,7 +9,7 @@ Each batch of B requests decodes `--steps` steps after every request has its fir
 enough never to complete within the steps; unconstrained rows use ignore_eos so both sides
 decode every step). The step time difference is what the constraint costs: the matcher's
 mask for every constrained row, its application to the logits and advancing the matcher.
-The mask part alone is also timed (engine.logits_masks.apply_grammar_masks).
+The mask part alone is also timed (engine.sampling.logits_masks.apply_grammar_masks).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-import engine.logits_masks as logits_masks
+import engine.sampling.logits_masks as logits_masks
 from engine import LLM, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"items": {

@@ -1,11 +1,11 @@
 """Block-hash agreement: every process of a cluster must hash the same tokens the same way.
 
-Prefix affinity works only if the router's block hashes (engine/block_hash.py, computed for
+Prefix affinity works only if the router's block hashes (engine/kv/block_hash.py, computed for
 each worker's block size, KV cache dtype and weights version) equal the hashes in the
 worker's prefix cache, and a peer can only reuse KV it finds under the same hash. A worker
 running other hashing code (another pdserve version, another salt handling) would otherwise
 get 0% hits, silently. So each worker publishes `WorkerInfo.block_hash_probe`
-(`engine.block_hash.block_hash_probe` of its own settings), and:
+(`engine.kv.block_hash.block_hash_probe` of its own settings), and:
 
 - a starting worker refuses to start (`check_peers` raises `BlockHashMismatch`; exit code 2)
   when a registered worker with the same KV layout (compat hash) and weights version
@@ -18,7 +18,7 @@ An empty probe (a worker older than the probe) is never refused.
 from __future__ import annotations
 
 from cluster.registration import RegistrationRefused, WorkerInfo
-from engine.block_hash import block_hash_probe
+from engine.kv.block_hash import block_hash_probe
 
 REASON = "block_hash_mismatch"
 """The refusal's reason (the router metric's label, `pdserve status`)."""

@@ -5,10 +5,10 @@ import json
 from typing import Any
 
 from engine.lora.request import LoRARequest, lora_id_for
-from engine.outputs import CompletionDelta
-from engine.sampling_params import SamplingParams
+from engine.processing.outputs import CompletionDelta
+from engine.sampling.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from engine.tokens import Logprob, Resume, SampledToken
+from engine.processing.tokens import Logprob, Resume, SampledToken
 from proto import pdserve_pb2 as pb
 
 

@@ -105,7 +105,7 @@ class WorkerInfo:
     sleeping: bool = False
     """Its engine sleeps (Worker.Sleep): it refuses requests until woken up."""
     block_hash_probe: str = ""
-    """`engine.block_hash.block_hash_probe` of its block size, KV cache dtype and weights
+    """`engine.kv.block_hash.block_hash_probe` of its block size, KV cache dtype and weights
     version, computed by its own code; "" from workers older than the probe. A worker whose
     probe differs from the router's is refused (cluster/block_hash_agreement.py)."""
 

@@ -24,8 +24,8 @@ from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
 from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
 from engine.llm_engine import LLMEngine
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.sampling.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.contexts import DecodeContext

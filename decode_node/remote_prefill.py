@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionDelta
-from engine.request import Request
-from engine.tokens import SampledToken
+from engine.processing.outputs import CompletionDelta
+from engine.core.request import Request
+from engine.processing.tokens import SampledToken
 from kvtransfer import KVReceiver, TransferResult, TransferStatus
 from worker_runtime.contexts import Settle
 from worker_runtime.grpc_errors import Unavailable

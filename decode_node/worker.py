@@ -38,8 +38,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from cluster.convert import delta_to_pb, request_lora, resume_from_pb, sampling_from_pb
 from cluster.roles import PrefillPath, Role
 from decode_node.prefill_client import PrefillClient, RemoteResult
-from engine.outputs import CompletionDelta
-from engine.request import Request
+from engine.processing.outputs import CompletionDelta
+from engine.core.request import Request
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.contexts import DecodeContext

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-"""vLLM's kv_cache_dtype values pdserve stores (engine/kv_format.py)."""
+"""vLLM's kv_cache_dtype values pdserve stores (engine/kv/kv_format.py)."""
 
 
 def parse_size(text: str) -> int:
@@ -104,7 +104,7 @@ class EngineConfig:
     """Load only the first N layers (tests and quick experiments)."""
     enforce_eager: bool = False
     """vLLM's flag: run every step eagerly. Off (the default), decode steps on CUDA with the
-    Triton backend replay CUDA graphs captured per batch size (engine/cuda_graphs.py); on
+    Triton backend replay CUDA graphs captured per batch size (engine/runner/cuda_graphs.py); on
     the CPU the forward is always eager (a compiled CPU decode forward measured no faster,
     docs/kernels.md), so there the flag changes nothing."""
     cuda_graph_sizes: tuple[int, ...] = ()
@@ -117,7 +117,7 @@ class EngineConfig:
     generation_config: str = "auto"
     """Where default sampling settings come from (vLLM's --generation-config): auto (the
     model's generation_config.json), vllm (built-in defaults only) or a folder holding a
-    generation_config.json. See engine.generation_config."""
+    generation_config.json. See engine.processing.generation_config."""
     speculative_config: SpeculativeConfig | None = option(
         None, type=str, format=SpeculativeConfig.to_json, metavar="JSON")
     """Speculative decoding (vLLM's speculative_config; a dict or its JSON is accepted and
@@ -128,12 +128,12 @@ class EngineConfig:
 
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES)
     """How K/V are stored (vLLM's): auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2, or int8
-    (per-token, per-head scales inside the block). See engine.kv_format."""
+    (per-token, per-head scales inside the block). See engine.kv.kv_format."""
     kv_offloading_size: int = option(0, type=parse_offloading_size,
                                      format=format_offloading_size, metavar="SIZE")
     """Capacity of the KV cache's second tier (vLLM's flag; a plain number is GiB, or say
     512MiB, 4GiB): cached blocks evicted from the KV pool are copied there instead of dropped,
-    and a prefix hit there is copied back instead of recomputed (engine/kv_tier.py;
+    and a prefix hit there is copied back instead of recomputed (engine/kv/kv_tier.py;
     docs/kv_offloading.md). 0: off."""
     kv_offloading_path: str | None = option(None, metavar="PATH")
     """Back the second tier by this file (mapped shared; scratch space, overwritten, never

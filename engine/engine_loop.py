@@ -13,7 +13,7 @@ Step timings: every step's wall time is folded into exponentially weighted means
 steps, one set for steps that computed prompt tokens and one for steps that did not
 (`StepTimings`); workers publish them so the router can estimate how soon each worker would
 answer a prompt (router/ttft_estimate.py). With an inter-token latency target, the same
-timings size the prefill chunks that run beside decodes (`prompt_cap`, engine/step_cost.py),
+timings size the prefill chunks that run beside decodes (`prompt_cap`, engine/core/step_cost.py),
 so a decode worker prefilling a long prompt itself keeps its decodes flowing.
 
 A step that raises kills the loop (a bug must not be stepped over): every command queued
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, TypeVar
 
 from engine.llm_engine import LLMEngine
-from engine.step_cost import fitted_slope, prompt_token_cap, step_cost_from
-from engine.outputs import CompletionDelta
-from engine.scheduler_output import StepInput
+from engine.core.step_cost import fitted_slope, prompt_token_cap, step_cost_from
+from engine.processing.outputs import CompletionDelta
+from engine.core.scheduler_output import StepInput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -17,10 +17,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.models.interface import CausalLM
-from engine.scheduler import Scheduler
-from engine.weights import read_weights
+from engine.core.scheduler import Scheduler
+from engine.runner.weights import read_weights
 
 TAGS = ("weights", "kv_cache")
 

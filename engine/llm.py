@@ -10,9 +10,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.metrics_reader import Metric, engine_metrics
-from engine.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.processing.outputs import CompletionOutput, EmbeddingOutput, RequestOutput
+from engine.sampling.pooling import PoolingParams
+from engine.sampling.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -9,38 +9,38 @@ from dataclasses import dataclass
 from typing import Any, Sequence, TypedDict
 
 from engine.attention.selector import fused_kernels, make_attention_backend
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.checks import FieldError
 from engine.config import EngineConfig
-from engine.cuda_graphs import decode_graphs
-from engine.deltas import Deltas
-from engine.device import keep_freed_host_memory, resolve_device_dtype
+from engine.runner.cuda_graphs import decode_graphs
+from engine.processing.deltas import Deltas
+from engine.runner.device import keep_freed_host_memory, resolve_device_dtype
 from engine.extension import collective_rpc, load_extension
-from engine.generation_config import load_generation_config, sampling_defaults
-from engine.kv_format import normalize as normalize_kv_dtype
+from engine.processing.generation_config import load_generation_config, sampling_defaults
+from engine.kv.kv_format import normalize as normalize_kv_dtype
 from engine.lifecycle import Lifecycle
-from engine.kv_pool import allocate_kv_pool, kv_block_bytes, num_blocks_for_budget, profile_peak
-from engine.kv_tier import HostTierStorage, KVTier, tier_slots
+from engine.kv.kv_pool import allocate_kv_pool, kv_block_bytes, num_blocks_for_budget, profile_peak
+from engine.kv.kv_tier import HostTierStorage, KVTier, tier_slots
 from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.lora.slots import LoRACache, LoRASlots
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from engine.models.config import ModelArgs
 from engine.models.loader import LoadedModel, load_model
-from engine.outputs import CompletionDelta
+from engine.processing.outputs import CompletionDelta
 from engine.parallel.group import ParallelGroup
 from engine.parallel.shard import TPShard
-from engine.pooling import PoolingParams
-from engine.request import Request, RequestStatus
-from engine.request_builder import RequestBuilder
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import StepInput
+from engine.sampling.pooling import PoolingParams
+from engine.core.request import Request, RequestStatus
+from engine.processing.request_builder import RequestBuilder
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import StepInput
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
 from engine.structured.compile_process import CompileLimits
-from engine.tokens import Resume, SampledToken
+from engine.processing.tokens import Resume, SampledToken
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class LLMEngine:
             raise FieldError("kv_offloading_size", f"kv_offloading_size ({config.kv_offloading_size}"
                              f" bytes) holds no {block_bytes}-byte KV block")
         tier = KVTier(HostTierStorage(self.kv_cache, slots, config.kv_offloading_path))
-        tier.measure()  # copy times for the swap-or-recompute choice (engine/swap_policy.py)
+        tier.measure()  # copy times for the swap-or-recompute choice (engine/core/swap_policy.py)
         return tier
 
     # ---- requests ------------------------------------------------------------------------
@@ -338,7 +338,7 @@ class LLMEngine:
         return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
 
     def process_updates(self, updates: list[tuple[Request, int]]) -> list[CompletionDelta]:
-        """The deltas of requests that got (n) new tokens or finished (0): engine/deltas.py."""
+        """The deltas of requests that got (n) new tokens or finished (0): engine/processing/deltas.py."""
         return self.deltas.build(updates)
 
     def has_unfinished_requests(self) -> bool:
@@ -432,7 +432,7 @@ def _tier_stats(tier: KVTier | None) -> _TierStats:
 
 
 def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, ...]:
-    """Each KV group's window, past which its blocks are released (engine/kv_groups.py) —
+    """Each KV group's window, past which its blocks are released (engine/kv/kv_groups.py) —
     none released (one full group) when a separate draft model reads the same block ids
     with attention of its own (make_proposer refuses that with several groups)."""
     groups = args.kv_groups()

@@ -1,5 +1,5 @@
 """Quantized KV pool formats (vLLM's `kv_cache_dtype`): the encoding, its torch reference, and the
-Triton helpers `store_kv` and the attention kernel share. engine/kv_format.py implements the same
+Triton helpers `store_kv` and the attention kernel share. engine/kv/kv_format.py implements the same
 encoding for the torch path; the two must stay bit-identical.
 
 A pool's format is known from its dtype and last dim (`D_stored`) alone:

@@ -6,11 +6,11 @@ storage format (element type and scale layout) and the same block-major layout:
     kv_cache.shape == [num_blocks, num_layers, 2, block_size, num_kv_heads, stored_head_dim]
 
 where `num_layers` is the layers one block holds: all of them, or one KV group's when the
-model mixes sliding and full attention (engine/kv_groups.py: then a request has a table per
+model mixes sliding and full attention (engine/kv/kv_groups.py: then a request has a table per
 group, and the destination block ids list each group's blocks after the skip, group after
 group). `layer_windows` fixes the grouping. Only `num_blocks` (and the device) may differ
 between peers. A quantized KV cache (vLLM's
-`kv_cache_dtype`, engine/kv_format.py) changes what a block's bytes mean:
+`kv_cache_dtype`, engine/kv/kv_format.py) changes what a block's bytes mean:
 
 | kv_cache_dtype | pool dtype    | stored_head_dim | scale layout |
 |---|---|---|---|

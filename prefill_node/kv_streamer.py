@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.llm_engine import LLMEngine
-from engine.request import Request
-from engine.tokens import SampledToken
+from engine.core.request import Request
+from engine.processing.tokens import SampledToken
 from kvtransfer import KVSender, TransferResult, TransferStatus
 
 

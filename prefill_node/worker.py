@@ -33,7 +33,7 @@ UNAVAILABLE while switching roles: worker_runtime/roles.py); its decode worker p
 
 `Embed` (the router's /v1/embeddings) is a prompt-only request with no decode worker: the
 prompt runs in this engine like any other (batched, chunked, own prefix cache) as a pooling
-request (engine/pooling.py) and the call returns its embedding; no KV leaves the worker.
+request (engine/sampling/pooling.py) and the call returns its embedding; no KV leaves the worker.
 Cancelling the call or `Worker.Abort` aborts it.
 """
 from __future__ import annotations
@@ -45,12 +45,12 @@ from typing import Any, cast
 
 from cluster.convert import request_lora, sampled_to_pb, sampling_from_pb
 from cluster.roles import Role
-from engine.limits import EngineLimits
+from engine.core.limits import EngineLimits
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionDelta
-from engine.pooling import PoolingParams, PoolingType
-from engine.sampling_params import SamplingParams
-from engine.tokens import SampledToken
+from engine.processing.outputs import CompletionDelta
+from engine.sampling.pooling import PoolingParams, PoolingType
+from engine.sampling.sampling_params import SamplingParams
+from engine.processing.tokens import SampledToken
 from kvtransfer import TransferResult, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb

@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
-from engine.sampling_params import SamplingParams
-from engine.tokens import Logprob as TokenLogprob
-from engine.tokens import Resume
+from engine.sampling.sampling_params import SamplingParams
+from engine.processing.tokens import Logprob as TokenLogprob
+from engine.processing.tokens import Resume
 from proto import pdserve_pb2 as pb
 from router.http.errors import APIError
 from router.metrics import RouterMetrics

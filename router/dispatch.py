@@ -17,7 +17,7 @@ Life cycle of a request here:
    for `stall_timeout_s`) re-dispatches the request to another decode worker (never one that
    failed it) as prompt + the tokens yielded so far, with the length of the text yielded: the
    worker prefills them and continues, so the caller's stream goes on without a seam (same
-   tokens a seeded request would have drawn; see engine.request.Resume). At most
+   tokens a seeded request would have drawn; see engine.core.request.Resume). At most
    `max_migrations` times, only for n == 1; otherwise `WorkerFailed(after_first_token=True)`
    (an error event in the stream). A request without a seed gets one drawn here, so a
    migrated unseeded request continues exactly as it would have, too.
@@ -36,8 +36,8 @@ from typing import AsyncGenerator, Callable, TypeVar
 import grpc
 
 from cluster.roles import Role
-from engine.sampling_params import SamplingParams
-from engine.tokens import Resume
+from engine.sampling.sampling_params import SamplingParams
+from engine.processing.tokens import Resume
 from proto import pdserve_pb2 as pb
 from router.call import (
     CallMetrics,

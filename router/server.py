@@ -21,7 +21,7 @@ from cluster.grpc_security import OPEN, ClusterAuth, resolve
 from cluster.heap import freeze_startup_heap
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from router.channels import ChannelPool
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
@@ -50,7 +50,7 @@ INLINE_BODY_BYTES = 16 << 10  # bodies up to this are parsed and tokenized on th
 
 def load_model_card(config: RouterConfig) -> ModelCard:
     """Tokenizer, chat template and context length of the served model (no weights)."""
-    from engine.generation_config import load_generation_config, sampling_defaults
+    from engine.processing.generation_config import load_generation_config, sampling_defaults
     from engine.models.prepare import resolve_model_path
 
     path = resolve_model_path(config.model)

@@ -48,7 +48,7 @@ def _track_block_managers():
     """Every BlockManager created in this test session, held weakly."""
     import weakref
 
-    from engine.block_manager import BlockManager
+    from engine.kv.block_manager import BlockManager
 
     live = weakref.WeakSet()
     original = BlockManager.__init__

@@ -11,7 +11,7 @@ import pytest
 import regex
 from tokenizers import pre_tokenizers
 
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.processing.tokenizer import ChatTemplateError, Tokenizer
 
 _PIECES = [
     "Hello", " world", "  ", "\n", "\n\n", "\t", "   \t ", "12345", "3.14159", "1,000,000",

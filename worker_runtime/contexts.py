@@ -20,14 +20,14 @@ if TYPE_CHECKING:  # annotations only: the engine (torch) is the runtime's to im
     from cluster.etcd_security import EtcdCredentials
     from cluster.grpc_security import ClusterAuth
     from cluster.roles import Role
-    from engine.limits import EngineLimits
+    from engine.core.limits import EngineLimits
     from engine.llm_engine import LLMEngine
     from engine.lora.request import LoRARequest
-    from engine.outputs import CompletionDelta
-    from engine.pooling import PoolingParams
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.tokens import Resume
+    from engine.processing.outputs import CompletionDelta
+    from engine.sampling.pooling import PoolingParams
+    from engine.core.request import Request
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.processing.tokens import Resume
     from kvtransfer import KVReceiver, KVSender, TransferResult
     from worker_runtime.metrics import WorkerMetrics
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from engine.block_pool import KVEvent
+from engine.kv.block_pool import KVEvent
 from proto import pdserve_pb2 as pb
 
 

@@ -32,9 +32,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash
+from engine.kv.block_hash import BlockHash
 from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.core.request import Request
 from kvtransfer import TransferStatus
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc

@@ -25,11 +25,11 @@ from cluster.grpc_auth import server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
 from cluster.registration import Capacity, WorkerInfo
-from engine.block_hash import block_hash_probe
+from engine.kv.block_hash import block_hash_probe
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
-from engine.outputs import CompletionDelta
+from engine.processing.outputs import CompletionDelta
 from kvtransfer import KVTransferBackend
 from kvtransfer.poll_split import split_receiver, split_sender
 from kvtransfer.progress import Collectable, TransferProgress
@@ -50,10 +50,10 @@ from worker_runtime.pull_cost import PullCost
 from worker_runtime.roles import WorkerRoles
 
 if TYPE_CHECKING:
-    from engine.pooling import PoolingParams
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.tokens import Resume
+    from engine.sampling.pooling import PoolingParams
+    from engine.core.request import Request
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.processing.tokens import Resume
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -307,7 +307,7 @@ class WorkerRuntime:
         s, loop, cfg = self.stats, self.loop, self.engine.config
         prefill, decode = loop.prefill_steps, loop.decode_steps
         # In token blocks (what the router sizes a prompt in): a token block takes a block in
-        # each KV group (engine/kv_groups.py) — at most; sliding groups give theirs back. The
+        # each KV group (engine/kv/kv_groups.py) — at most; sliding groups give theirs back. The
         # second tier too: it holds one slot per (group, block).
         groups = self.engine.limits.kv_groups
         return Capacity(

@@ -13,7 +13,7 @@ class AttentionBackend(ABC):
 
     Contract: `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`
     (index 0 = K, 1 = V; `num_layers`: the layers one block holds — a KV group's, and then
-    `layer` is the slot in the group's blocks and `metadata` the group's, engine/kv_groups.py).
+    `layer` is the slot in the group's blocks and `metadata` the group's, engine/kv/kv_groups.py).
     `forward` first writes `key`/`value` (`[T, num_kv_heads, head_dim]`)
     to `metadata.slot_mapping` of `layer`, then returns `[T, num_q_heads, head_dim]`: each query
     attends causally (see AttentionMetadata) with GQA (q head h reads kv head

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine import cpu_kernels
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_format import dequantize, quantize
+from engine.kv.kv_format import dequantize, quantize
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def gather_kv(
     kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the blocks in `block_tables` ([..., nb]) as [..., nb * B, H, D] each, in
-    `like`'s dtype and head size (dequantized when the pool is fp8 / int8, engine/kv_format.py)."""
+    `like`'s dtype and head size (dequantized when the pool is fp8 / int8, engine/kv/kv_format.py)."""
     num_layers = kv_cache.shape[1]
     pages = _bytes(_pages(kv_cache))
     k_pages = (block_tables.long() * num_layers + layer) * 2

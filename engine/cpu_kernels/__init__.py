@@ -13,7 +13,7 @@ results to rounding, slower.
 `paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap)`:
 decode rows (one query token per sequence) attending over the pool in place. query
 [S, Hq, D] (unit last stride), kv_cache the engine's contiguous `[N, L, 2, B, Hkv, D]` pool
-in query's dtype, or quantized (engine/kv_format.py: float8_e4m3fn / float8_e5m2 with the
+in query's dtype, or quantized (engine/kv/kv_format.py: float8_e4m3fn / float8_e5m2 with the
 same D, int8 with D + 4: each row's float32 scale after its values; widened to fp32 as read,
 never dequantized into new tensors), block_tables int32 [S, >= blocks], seq_lens
 int32 [S] (keys 0..seq_len-1, the query at seq_len-1), window 0 = none (else keys
@@ -38,12 +38,12 @@ whether it serves a key/value/pool (quantized pools keep the torch backend's pat
 per row of x (float32 or bfloat16 [rows, vocab], unit last stride, read only; bf16 widened as
 read), int64 [rows]. A row whose temperature (float32 [rows], or None: all 1) is 0 takes its
 argmax (`argmax_rows`); any other draws for its uniform (float32 [rows] in [0, 1)) what
-engine/sampler.py's `inverse_cdf` draws from the numerators exp(x / t - max) and their chunk
+engine/sampling/sampler.py's `inverse_cdf` draws from the numerators exp(x / t - max) and their chunk
 sums — x / t an fp32 division, as the sampler's fallback `div_` — without writing them (the
 chunk the draw lands in is recomputed).
 `argmax_rows(x)`: x.argmax(-1) (first index of the maximum, of the first NaN where a row has
 one) for float32 or bfloat16 [rows, vocab], unit last stride, in one read of each row.
-`first_uniforms(keys)`: float32 [rows], each row's first uniform of engine/sampler.py's
+`first_uniforms(keys)`: float32 [rows], each row's first uniform of engine/sampling/sampler.py's
 `row_uniforms` rounded to float32, from its `draw_keys` (int64 [rows, 3]: seed mod 2^64,
 completion index, output position).
 `exp_chunk_totals_(x, chunk)`: x (float32 [rows, vocab], unit last stride) becomes exp(x - its
@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_format import SCALE_BYTES
+from engine.kv.kv_format import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent

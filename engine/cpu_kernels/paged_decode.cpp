@@ -2,7 +2,7 @@
 //
 // One query token per sequence (decode rows), any GQA group, optional sliding window and
 // logit soft-capping; the pool holds the model's dtype (float32, bfloat16 or float16) or one
-// of the quantized KV formats of engine/kv_format.py: fp8 e4m3 / e5m2 (scale 1), or int8 with
+// of the quantized KV formats of engine/kv/kv_format.py: fp8 e4m3 / e5m2 (scale 1), or int8 with
 // a float32 scale per token and kv head after its head_dim values. Quantized rows are widened
 // to fp32 as they are read (an int8 row's scale multiplies its dot products and its
 // probabilities), never dequantized into new tensors.
@@ -51,7 +51,7 @@ inline void load_row(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Quantized pool elements (engine/kv_format.py). fp8 e5m2 is the upper byte of a float16;
+// Quantized pool elements (engine/kv/kv_format.py). fp8 e5m2 is the upper byte of a float16;
 // e4m3's bits sit at float16's bit 7 upwards, x 2^8 fixes the exponent bias (its NaN pattern
 // reads as +-480, as the torch path's `_fp8_to_fp16`; quantize never writes it).
 struct E4M3 { uint8_t bits; };

@@ -1,4 +1,4 @@
-// The sampler's full-vocabulary passes on the CPU (engine/sampler.py).
+// The sampler's full-vocabulary passes on the CPU (engine/sampling/sampler.py).
 //
 // `sample_rows`: one token per row of logits, float32 or the LM head's bfloat16 (widened as
 // read, so the engine never makes an fp32 copy of them): a row of temperature 0 takes its
@@ -11,7 +11,7 @@
 // what the draw sums.
 //
 // Contract and reference: engine/cpu_kernels/__init__.py, and `argmax_rows` / `draw` (softmax +
-// `inverse_cdf`, their plain-torch fallbacks) in engine/sampler.py. Each row is one task; its
+// `inverse_cdf`, their plain-torch fallbacks) in engine/sampling/sampler.py. Each row is one task; its
 // sums run in a fixed order (16 lanes, then a fixed tree), so results do not depend on the
 // thread count.
 #include <ATen/ATen.h>
@@ -223,7 +223,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return tokens;
 }
 
-// splitmix64's finalizer (engine/sampler.py `_splitmix64`).
+// splitmix64's finalizer (engine/sampling/sampler.py `_splitmix64`).
 inline uint64_t mix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
@@ -231,7 +231,7 @@ inline uint64_t mix64(uint64_t x) {
 }
 
 // keys int64 [rows, 3]: each row's (seed mod 2^64, completion index, output position), as
-// engine/sampler.py `draw_keys` packs them. Returns float32 [rows]: the first of the row's
+// engine/sampling/sampler.py `draw_keys` packs them. Returns float32 [rows]: the first of the row's
 // uniforms (`row_uniforms`: splitmix64 of its `draw_seed` plus the golden gamma, top 53 bits
 // scaled to [0, 1) in double) rounded to float32 — what the draw takes.
 at::Tensor first_uniforms(const at::Tensor& keys) {

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kv_groups import KVGroups
+from engine.kv.kv_groups import KVGroups
 from engine.models.rope import RopeSpec
 from engine.parallel.shard import TPShard
 
@@ -113,7 +113,7 @@ class ModelArgs:
         return None
 
     def kv_groups(self) -> KVGroups:
-        """How the layers share the KV pool's blocks (engine/kv_groups.py)."""
+        """How the layers share the KV pool's blocks (engine/kv/kv_groups.py)."""
         return KVGroups.from_windows([self.window(i) for i in range(self.n_layers)])
 
     def rope_spec(self, layer: int) -> RopeSpec:

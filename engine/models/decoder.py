@@ -43,7 +43,7 @@ from engine.models.layers import (
 from engine.models.moe import SparseMoE
 from engine.models.rope import rope_cache
 from engine.parallel.shard import gather_vocab, vocab_parallel_embed
-from engine.weights import copy_weights
+from engine.runner.weights import copy_weights
 
 if TYPE_CHECKING:
     from engine.cpu_kernels import LayerOps

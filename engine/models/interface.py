@@ -49,7 +49,7 @@ class ForwardContext:
     for MoE and LoRA; None on the CPU), and `comm`: its tensor-parallel communicator
     (engine/parallel/communicator.py; None with one rank).
 
-    KV groups (engine/kv_groups.py): when the model's layers share the pool's blocks in
+    KV groups (engine/kv/kv_groups.py): when the model's layers share the pool's blocks in
     several groups, `group_metadata[g]` is group g's metadata (its slots and block tables;
     `metadata` is group 0's) and a layer attends with `layer_metadata(group)` at its slot in
     the group's blocks. With one group, `group_metadata` is None."""
@@ -117,7 +117,7 @@ class CausalLM(Protocol):
         """LM-head logits [len(indices) or T, vocab], fp32, at rows `indices` of `x`.
         A model may also define `head_logits(x, ctx, indices)`: the same logits before they
         are widened to fp32 (`logits` must equal `head_logits(...).float()`); the engine then
-        skips that copy where its sampler reads the LM head's dtype (engine/sampler.py)."""
+        skips that copy where its sampler reads the LM head's dtype (engine/sampling/sampler.py)."""
 
     def use_fused_kernels(self, kind: FusedKernels) -> None:
         """The engine asks for "triton" with the Triton attention backend, "cpu" on the CPU

@@ -4,7 +4,7 @@ Per-architecture options come from ModelArgs (engine/models/config.py): projecti
 per-head q/k norms, an explicit head_dim, per-layer sliding windows and RoPE bases, the
 softmax scale and score soft-capping, Gemma's (1 + w) norms, where a block's norms sit (pre,
 Gemma's "sandwich", OLMo 2's post), Granite's residual multiplier, the MLP's activation, and
-where a layer's K/V live (its KV group's blocks, engine/kv_groups.py). With `ctx.layer_ops` set
+where a layer's K/V live (its KV group's blocks, engine/kv/kv_groups.py). With `ctx.layer_ops` set
 RMSNorm (with the residual add before it), RoPE and SiLU-and-mul run as fused kernels: Triton's
 with the Triton attention backend, the C++ ones on the CPU (engine/cpu_kernels).
 

@@ -22,7 +22,7 @@ from engine.models.interface import CausalLM
 from engine.models.prepare import DEFAULT_MODEL, resolve_model_path
 from engine.models.registry import ModelRegistry
 from engine.parallel.shard import TPShard
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class LoadedModel:

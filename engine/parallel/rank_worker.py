@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine.device import keep_freed_host_memory
+from engine.runner.device import keep_freed_host_memory
 from engine.parallel.communicator import DistributedCommunicator
 from engine.parallel.group import AllocatePool, LoadModel, RankSpec, Release, Shutdown
 from engine.parallel.shard import TPShard
@@ -29,7 +29,7 @@ class RankEngine:
 
     def __init__(self, config, spec: RankSpec, comm: DistributedCommunicator) -> None:
         from engine.attention.selector import fused_kernels, make_attention_backend
-        from engine.device import resolve_device_dtype
+        from engine.runner.device import resolve_device_dtype
         from engine.models.layers import pack_linears
         from engine.models.loader import load_model
 
@@ -56,7 +56,7 @@ class RankEngine:
         self.services.clear()
 
     def allocate(self, num_blocks: int) -> None:
-        from engine.kv_pool import allocate_kv_pool
+        from engine.kv.kv_pool import allocate_kv_pool
 
         self.kv_cache = allocate_kv_pool(num_blocks, self.loaded.args, self.config.block_size,
                                          self.dtype, self.device, self.config.kv_cache_dtype)

@@ -1,8 +1,9 @@
 """One engine step's forward inputs, as numpy arrays: what rank 0 broadcasts to the other
 ranks of a tensor-parallel group, and the forward every rank runs from them.
 
-Rank 0's model runner builds a `StepInputs` from the scheduler's output (engine/model_runner.py)
-and, at tensor_parallel_size > 1, broadcasts it before running `forward` itself; ranks 1..N-1
+Rank 0's model runner builds a `StepInputs` from the scheduler's output
+(engine/runner/model_runner.py) and, at tensor_parallel_size > 1, broadcasts it before running
+`forward` itself; ranks 1..N-1
 (rank_worker.py) receive it and run the same `forward` over their shard and KV pool, so every
 rank reaches every collective in the same order. Block ids, slots and tables are the same on
 every rank (each pool holds its own heads of the same blocks). Rank 0 alone samples, pools and
@@ -49,7 +50,7 @@ class StepInputs:
     positions: np.ndarray
     """[T] int64."""
     groups: list[GroupArrays]
-    """Per KV group (engine/kv_groups.py)."""
+    """Per KV group (engine/kv/kv_groups.py)."""
     query_lens: list[int]
     seq_lens: list[int]
     logits_rows: np.ndarray | None = None

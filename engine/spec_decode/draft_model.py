@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.block_manager import BlockManager
-from engine.step_layout import batch_metadata, slots_of
+from engine.kv.block_manager import BlockManager
+from engine.runner.step_layout import batch_metadata, slots_of
 from engine.models.interface import CausalLM, ForwardContext
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler
 from engine.spec_decode.proposer import Proposal
 
 

@@ -6,8 +6,8 @@ import torch
 
 from engine.attention.selector import fused_kernels
 from engine.checks import FieldError
-from engine.kv_pool import allocate_kv_pool
-from engine.model_runner import ModelRunner
+from engine.kv.kv_pool import allocate_kv_pool
+from engine.runner.model_runner import ModelRunner
 from engine.models.loader import LoadedModel, load_model
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer

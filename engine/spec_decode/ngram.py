@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.spec_decode.proposer import Proposal
 
 

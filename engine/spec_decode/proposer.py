@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 @dataclass(slots=True)

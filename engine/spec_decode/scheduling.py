@@ -1,4 +1,4 @@
-"""The scheduler's speculation steps (a mixin of engine.scheduler.Scheduler, split out by
+"""The scheduler's speculation steps (a mixin of engine.core.scheduler.Scheduler, split out by
 role): how many drafts a decoding sequence may verify, taking back the drafts the step ran
 (`SchedulerOutput.with_drafts` sized it to them), and applying a verify result — kept
 tokens under the stop rules, rejected drafts rolled back.
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
 from engine.spec_decode.proposer import Proposal
-from engine.tokens import SampledToken
+from engine.processing.tokens import SampledToken
 
 if TYPE_CHECKING:
-    from engine.block_manager import BlockManager
+    from engine.kv.block_manager import BlockManager
     from engine.spec_decode.stats import SpecDecodeStats
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sample_row import SampleRow
-from engine.sampler import inverse_cdf, row_uniforms
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import inverse_cdf, row_uniforms
 
 
 def accepted_prefix(drawn: list[int], drafts: list[int]) -> int:
@@ -41,8 +41,8 @@ def rejection_sample(
     p: torch.Tensor, q: torch.Tensor, drafts: list[int], rows: list[SampleRow]
 ) -> list[int]:
     """Drafts drawn from `q` ([k, vocab]); `p` ([k + 1, vocab]): the target's distribution
-    at each row (engine.sampler.Sampler.target_probs). Returns the kept drafts plus the target's
-    token. Row j's stream gives two uniforms: the accept test, then the residual draw; the
+    at each row (engine.sampling.sampler.Sampler.target_probs). Returns the kept drafts plus the
+    target's token. Row j's stream gives two uniforms: the accept test, then the residual draw; the
     bonus row draws with its first uniform, as plain sampling would."""
     out: list[int] = []
     for j, token in enumerate(drafts):

@@ -6,5 +6,5 @@ backend, xgrammar: a constraint compiled against this tokenizer's vocabulary), c
 child processes that compile with a time limit; the router's too), state.py (a sequence's
 matcher: the mask for its next token, advanced by every token it keeps), gate.py (a reasoning
 model's thinking is never masked: the grammar binds after its end marker). The sampler applies
-the masks (engine/logits_masks.py); the scheduler advances the matchers and finishes a
+the masks (engine/sampling/logits_masks.py); the scheduler advances the matchers and finishes a
 sequence whose grammar is complete."""

@@ -27,7 +27,7 @@ from engine.structured.gate import ReasoningGate
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.state import GrammarState
 from engine.structured.vocab import vocabulary
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
 

@@ -2,7 +2,7 @@
 it; its compile processes get the result instead of the tokenizer)."""
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 
 def vocabulary(tokenizer: Tokenizer) -> list[bytes]:

@@ -70,7 +70,7 @@ def word_source(tokenizer: str | None) -> WordSource:
     if tokenizer is None:
         return WordSource(tuple(_WORDS), exact=False)
     from engine.models.prepare import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model_path(tokenizer))
     words = tuple(w for w in _WORDS

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tokens import Logprob
+from engine.processing.tokens import Logprob
 from router.call import Delta, WorkerFailed
 from router.generation.logprobs import (
     TextOffsets,

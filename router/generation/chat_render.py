@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.processing.tokenizer import ChatTemplateError, Tokenizer
 from router.endpoints.chat.protocol import ChatCompletionRequest, ChatMessage, TextPart
 from router.http.errors import bad_request
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured.params import StructuredOutputsParams
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from router.endpoints.chat.protocol import (
     ChatCompletionRequest,
     ChatTool,

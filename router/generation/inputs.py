@@ -3,7 +3,7 @@ naming the field): text size (`max_prompt_chars`, `encode_text`), item counts, t
 (prompts x n), token ids against the vocabulary, and the context length."""
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from router.config import LimitsConfig
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest

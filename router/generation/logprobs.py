@@ -7,8 +7,8 @@ import codecs
 from functools import lru_cache
 from typing import Any
 
-from engine.tokenizer import Tokenizer
-from engine.tokens import Logprob
+from engine.processing.tokenizer import Tokenizer
+from engine.processing.tokens import Logprob
 
 MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (OpenAI, vLLM)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from router.parsers.message import ChatOptions
 
 
@@ -20,7 +20,7 @@ class ModelCard:
     aliases: frozenset[str] = frozenset()
     max_n: int = 128
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """SamplingParams field -> value for requests that omit it (engine.generation_config)."""
+    """SamplingParams field -> value for requests that omit it (engine.processing.generation_config)."""
     chat: ChatOptions = field(default_factory=ChatOptions)
     """How chat output is read: tool calls, reasoning (the router's flags)."""
     longest_token_chars: int = field(init=False, repr=False, compare=False)

@@ -8,8 +8,8 @@ from typing import Literal, Mapping
 
 from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.sampling.sampling_params import SamplingParams
+from engine.processing.tokenizer import Tokenizer
 from router.config import LimitsConfig
 from router.endpoints.base import parse_json
 from router.endpoints.chat.protocol import ChatCompletionRequest

@@ -26,7 +26,7 @@ from engine.structured.compile_process import (
     timeout_error,
 )
 from engine.structured.params import KINDS, StructuredOutputsParams
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
 from router.endpoints.sampling import ResponseFormat

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from cluster.registration import Capacity
 from cluster.roles import PrefillPath
-from engine.step_cost import StepCost, fitted_slope, step_cost_from
+from engine.core.step_cost import StepCost, fitted_slope, step_cost_from
 
 CORRECTION_WEIGHT = 0.1
 """Weight of the newest observation in a path's TTFT correction."""

@@ -4,7 +4,7 @@ workers' KV-event streams (stored with a tier / removed) and rebuilt from their 
 snapshots. A block a worker demotes to its tier or promotes back is stored again with its new
 tier; it is removed when the worker holds it in neither.
 
-Hashes come from `engine.block_hash.compute_block_hashes` — the engine's own function — so a
+Hashes come from `engine.kv.block_hash.compute_block_hashes` — the engine's own function — so a
 prompt's hashes here equal the hashes a worker's prefix cache stores, by construction.
 
 Holders of a block are a bit set (an int, one bit per worker slot): matching a prompt against
@@ -16,7 +16,7 @@ from __future__ import annotations
 from itertools import chain, repeat
 from typing import Iterable, NamedTuple, Sequence
 
-from engine.block_hash import BlockHash, compute_block_hashes
+from engine.kv.block_hash import BlockHash, compute_block_hashes
 
 
 def prompt_block_hashes(

@@ -10,7 +10,7 @@ from typing import Callable
 
 from cluster.registration import WorkerInfo
 from cluster.roles import Role
-from engine.block_hash import BlockHash
+from engine.kv.block_hash import BlockHash
 from engine.lora.request import LoRARequest
 from router.metrics import RouterMetrics
 from router.placement.index import KVIndex, PrefixHit, prompt_block_hashes

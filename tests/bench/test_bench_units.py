@@ -73,7 +73,7 @@ def test_shared_prefix_workload():
 
 def test_tokenizer_gives_exact_prompt_lengths():
     from engine.models.prepare import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     words = word_source("default")
     assert words.exact and len(words.words) >= 100

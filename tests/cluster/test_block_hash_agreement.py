@@ -9,8 +9,8 @@ import pytest
 from cluster.block_hash_agreement import BlockHashMismatch, check_peers, probe_refusal
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, RegistrationRefused, WorkerInfo, list_workers, make_client
-from engine import block_hash
-from engine.block_hash import block_hash_probe
+from engine.kv import block_hash
+from engine.kv.block_hash import block_hash_probe
 
 WRONG = "0123456789abcdef"
 

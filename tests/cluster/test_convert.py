@@ -6,7 +6,7 @@ import pytest
 
 from cluster.convert import sampling_from_pb, sampling_to_pb, structured_from_pb, structured_to_pb
 from engine.checks import FieldError
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams as S
 from proto import pdserve_pb2 as pb
 

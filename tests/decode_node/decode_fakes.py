@@ -24,7 +24,7 @@ import torch
 from cluster.convert import sampling_from_pb
 from cluster.grpc_security import OPEN
 from engine.engine_loop import StepTimings
-from engine.outputs import CompletionDelta
+from engine.processing.outputs import CompletionDelta
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig
 from proto import pdserve_pb2 as pb
 from worker_runtime.args import WorkerConfig

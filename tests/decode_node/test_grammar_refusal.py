@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from decode_fakes import Harness
-from engine.request_builder import RequestBuilder
+from engine.processing.request_builder import RequestBuilder
 from engine.structured.compile_process import CompileLimits
 from engine.structured.params import StructuredOutputsParams
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
 from worker_runtime.grpc_errors import status_for
 

@@ -71,7 +71,7 @@ def _offline(path, prompts: list[list[int]], sampling: dict, kv: int = 32 << 20)
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_hash import compute_block_hashes, hash_extras
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import RunnerOutput, SchedulerOutput, StepInput
-from engine.tokens import SampledToken
+from engine.kv.block_hash import compute_block_hashes, hash_extras
+from engine.kv.block_manager import BlockManager
+from engine.core.request import Request
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput, StepInput
+from engine.processing.tokens import SampledToken
 
 _ids = itertools.count()
 

@@ -1,12 +1,12 @@
-"""Blocks exchanged with peer workers (engine/block_pool.py `hold_cached`, `reserve`,
+"""Blocks exchanged with peer workers (engine/kv/block_pool.py `hold_cached`, `reserve`,
 `adopt`): what a holder pins (pool blocks as they are, tier blocks promoted), what a puller
 reserves and how pulled blocks join its prefix cache — with the free-list accounting that
 proves nothing leaks on either side."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.block_pool import KVEvent
-from engine.kv_tier import FakeTierStorage, KVTier
+from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import KVEvent
+from engine.kv.kv_tier import FakeTierStorage, KVTier
 from tests.engine.engine_factories import make_request
 
 BS = 4

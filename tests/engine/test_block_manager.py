@@ -1,7 +1,7 @@
 import pytest
 
-from engine.block_hash import compute_block_hashes
-from engine.block_manager import BlockManager
+from engine.kv.block_hash import compute_block_hashes
+from engine.kv.block_manager import BlockManager
 from engine_factories import make_request
 
 BS = 4

@@ -4,7 +4,7 @@ import pytest
 
 from engine.checks import FieldError, check_fields
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("make, field, message", [

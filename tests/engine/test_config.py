@@ -30,8 +30,8 @@ def test_generation_config_flag():
 
 
 def test_vllm_enforce_eager_and_cuda_graph_sizes_flags():
-    """vLLM's flags for CUDA graphs (engine/cuda_graphs.py): `--enforce-eager` turns them off,
-    `--cuda-graph-sizes` names the sizes; both round-trip through the command line."""
+    """vLLM's flags for CUDA graphs (engine/runner/cuda_graphs.py): `--enforce-eager` turns them
+    off, `--cuda-graph-sizes` names the sizes; both round-trip through the command line."""
     assert _parse(["--enforce-eager"]) == dataclasses.replace(EngineConfig(), enforce_eager=True)
     assert to_argv(EngineConfig(enforce_eager=True)) == ["--enforce-eager"]
     config = _parse(["--cuda-graph-sizes", "1", "8", "64"])

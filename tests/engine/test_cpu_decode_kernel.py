@@ -8,7 +8,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.kv_format import quantize
+from engine.kv.kv_format import quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py), on the CPU: the graph's static
+"""CUDA graphs for decode steps (engine/runner/cuda_graphs.py), on the CPU: the graph's static
 buffers, padding and row selection give the eager engine's greedy tokens when "replaying"
 re-runs the recorded forward over those buffers (`rerun_capture`, a fake of the CUDA capture
 used only here); a failed capture turns graphs off and loses nothing; sleep and weight
@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, default_capture_sizes
+from engine.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 from engine.parallel.step import GroupArrays, StepInputs
 
 PROMPTS = ["The capital of France is", "def square(x):", "Hello, my name is",

@@ -2,8 +2,8 @@
 full decode, and vLLM's stop-string rules (tests/detokenizer/test_min_tokens.py there)."""
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.tokenizer import Tokenizer
 
 SENTENCE = "Hello, my name is Lee, and I'm a student in the college of engineering"
 

@@ -50,7 +50,7 @@ def _hf_greedy(hf_model, token_ids):
 
 @pytest.fixture(scope="module")
 def references(hf_model, model_dir):
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     return {p: _hf_greedy(hf_model, tok.encode(p)) for p in PROMPTS + PREFIXED}

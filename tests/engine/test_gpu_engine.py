@@ -36,7 +36,7 @@ def gpu_model() -> Path:
 def prompts(gpu_model) -> list[list[int]]:
     """Short and long prompts (a 1,500-token one crosses three 512-token prefill chunks) and
     three that share a prefix, as token ids."""
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(gpu_model)
     texts = ["Hi", "The capital of France is", "def add(a, b):\n    return",
@@ -116,7 +116,7 @@ def test_triton_backend_equals_transformers(gpu_model, prompts, triton_tokens):
 
 def test_kv_pool_sized_from_gpu_memory_utilization(gpu_model):
     """budget = utilization x total - the profiled forward's peak (weights included)."""
-    from engine.kv_pool import kv_block_bytes
+    from engine.kv.kv_pool import kv_block_bytes
 
     _free_cuda()
     total = torch.cuda.get_device_properties(0).total_memory

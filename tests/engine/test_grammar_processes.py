@@ -16,7 +16,7 @@ from engine.checks import FieldError
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams as Params
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 

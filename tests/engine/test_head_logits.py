@@ -1,4 +1,4 @@
-"""The LM head's own dtype reaches the sampler (engine/model_runner.py, `head_logits`): a
+"""The LM head's own dtype reaches the sampler (engine/runner/model_runner.py, `head_logits`): a
 bf16 model's batch where every row draws plainly is sampled from its bf16 logits with no
 fp32 copy, any row that needs more (logprobs here) makes the step widen them, and the
 tokens are the same either way."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, cpu_kernels
-from engine.sampler import Sampler
+from engine.sampling.sampler import Sampler
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
 

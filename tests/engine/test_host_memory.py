@@ -1,4 +1,4 @@
-"""`engine.device.keep_freed_host_memory`: after it, a step's large temporaries are reused
+"""`engine.runner.device.keep_freed_host_memory`: after it, a step's large temporaries are reused
 from the heap instead of being mapped and page-faulted afresh; PDSERVE_MALLOC_TUNING=0 and the
 user's own malloc settings leave glibc alone. Each case in a fresh process (mallopt is
 process-wide)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import ctypes, json, resource, torch
-from engine.device import keep_freed_host_memory
+from engine.runner.device import keep_freed_host_memory
 # glibc's starting point, pinned (its dynamic threshold moves with what the process freed so
 # far, so the same pattern faults in some runs and not in others): blocks over 128 KiB mapped.
 ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)

@@ -1,14 +1,16 @@
 """Prefill chunks paced beside running decodes: the scheduler's per-step prompt budget, the
-cap that keeps a step within an inter-token latency target (engine/step_cost.py), and the
+cap that keeps a step within an inter-token latency target (engine/core/step_cost.py), and the
 engine loop applying it from its own measured step costs."""
 import time
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.scheduler_output import StepInput
-from engine.step_cost import StepCost, even_chunk, fitted_slope, prompt_token_cap, step_cost_from
+from engine.kv.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import StepInput
+from engine.core.step_cost import (
+    StepCost, even_chunk, fitted_slope, prompt_token_cap, step_cost_from,
+)
 from engine_factories import drain, make_request, step
 
 NUM_LAYERS = 2
@@ -113,7 +115,7 @@ def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
     from engine.config import EngineConfig
     from engine.engine_loop import INITIAL_PROMPT_CAP_BLOCKS, EngineLoop
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), num_layers=NUM_LAYERS, dtype="float32",
                                     kv_cache_memory=64 << 20, max_num_batched_tokens=512))

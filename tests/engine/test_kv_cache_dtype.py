@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_format import dequantize, quantize, storage_dtype
+from engine.kv.kv_format import dequantize, quantize, storage_dtype
 
 HELDOUT = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
 # dtype: (max perplexity change, min top-1 agreement, max |logprob change| of the text's tokens)

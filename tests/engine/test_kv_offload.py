@@ -1,4 +1,4 @@
-"""The KV cache's second tier (engine/kv_tier.py): its LRU and capacity, the block manager's
+"""The KV cache's second tier (engine/kv/kv_tier.py): its LRU and capacity, the block manager's
 demotions (evicted cached blocks, leaves first) and promotions (a prefix hit in the tier), and
 outputs through a tiny random LLaMA that are identical whether a prefix was computed, hit in
 the pool or promoted from the tier — and identical to the tier-off engine."""
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.block_pool import TIER, KVEvent
+from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import TIER, KVEvent
 from engine.checks import FieldError
 from engine.config import EngineConfig, parse_offloading_size
-from engine.kv_pool import kv_block_bytes
-from engine.kv_tier import FakeTierStorage, KVTier, tier_slots
+from engine.kv.kv_pool import kv_block_bytes
+from engine.kv.kv_tier import FakeTierStorage, KVTier, tier_slots
 from tests.engine.engine_factories import make_request
 
 BS = 4

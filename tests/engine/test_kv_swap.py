@@ -1,4 +1,4 @@
-"""Swap on preemption (engine/swap_policy.py, BlockManager.swap_out) and the tier's batched
+"""Swap on preemption (engine/core/swap_policy.py, BlockManager.swap_out) and the tier's batched
 copies: a preempted request's partial last block goes to the KV tier and comes back when it
 resumes; outputs through a tiny random LLaMA are the same swapped, recomputed, or never
 preempted; nothing stays held in the pool or the tier after requests finish or are aborted
@@ -6,11 +6,11 @@ while swapped out."""
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.kv_tier import CopyTimes, FakeTierStorage, KVTier
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
-from engine.swap_policy import SwapPolicy
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_tier import CopyTimes, FakeTierStorage, KVTier
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.swap_policy import SwapPolicy
 from tests.engine.engine_factories import make_request, step
 from tests.engine import test_kv_offload
 from tests.engine.test_kv_offload import BLOCK, _block_bytes

@@ -5,9 +5,9 @@ import argparse
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.config import EngineConfig, add_engine_args
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from engine_factories import drain, make_request, step
 
 

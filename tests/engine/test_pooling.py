@@ -19,7 +19,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

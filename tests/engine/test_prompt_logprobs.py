@@ -17,7 +17,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir)
 

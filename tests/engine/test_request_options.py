@@ -117,8 +117,8 @@ def test_generation_config_defaults(model_dir, tmp_path, llm):
 def test_generation_config_eos_ids_follow_vllm(model_dir):
     """The tokenizer's eos stops as EOS (stop_reason None); the generation config's other eos
     ids act as stop_token_ids (stop_reason = the id); with ignore_eos all are only masked."""
-    from engine.request_builder import RequestBuilder
-    from engine.tokenizer import Tokenizer
+    from engine.processing.request_builder import RequestBuilder
+    from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer(
         (model_dir / "tokenizer.json").read_text(),

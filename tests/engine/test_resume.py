@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.tokens import Resume
+from engine.processing.tokens import Resume
 
 
 @dataclass

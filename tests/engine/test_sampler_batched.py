@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.penalties import Penalties
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler, argmax_rows, chunk_totals, inverse_cdf, row_uniforms, softmax_
-from engine.sampling_params import SamplingParams
+from engine.sampling.penalties import Penalties
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import (
+    Sampler, argmax_rows, chunk_totals, inverse_cdf, row_uniforms, softmax_,
+)
+from engine.sampling.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

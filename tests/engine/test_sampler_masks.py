@@ -4,10 +4,10 @@ import math
 
 import torch
 
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
 
 EOS, STOP = 2, 3
 # Token 0 is the clear favourite, then 1, 2 (eos), 3, ... 7.

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, cpu_kernels
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler, draw_keys, draw_seed, row_uniforms
-from engine.limits import RequestRejected
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler, draw_keys, draw_seed, row_uniforms
+from engine.core.limits import RequestRejected
 
 PROMPTS = ["The weather today is", "My favourite food is", "In the beginning", "Dear diary,"]
 
@@ -109,7 +109,7 @@ def test_sampler_frequency_and_repetition_penalties_match_their_formulas():
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
     row = _row(SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5,
                               repetition_penalty=2.0, logprobs=4), output=[0, 0, 2])
-    from engine.penalties import Penalties
+    from engine.sampling.penalties import Penalties
 
     out = logits.clone()
     Penalties().apply(out, [row])

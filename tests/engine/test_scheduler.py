@@ -2,10 +2,10 @@ import random
 
 import pytest
 
-from engine.request import RequestStatus
-from engine.limits import RequestRejected
-from engine.scheduler_output import RunnerOutput
-from engine.tokens import SampledToken
+from engine.core.request import RequestStatus
+from engine.core.limits import RequestRejected
+from engine.core.scheduler_output import RunnerOutput
+from engine.processing.tokens import SampledToken
 from engine_factories import drain, make_request, make_requests, make_scheduler, step
 
 

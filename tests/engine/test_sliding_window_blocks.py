@@ -5,10 +5,10 @@ comes back when the request ends. Greedy parity of such a model with transformer
 too small for its history, is in tests/models/test_arch_parity.py."""
 import pytest
 
-from engine.block_manager import RELEASED, BlockManager
-from engine.limits import RequestRejected
-from engine.request import RequestStatus
-from engine.tokens import SampledToken
+from engine.kv.block_manager import RELEASED, BlockManager
+from engine.core.limits import RequestRejected
+from engine.core.request import RequestStatus
+from engine.processing.tokens import SampledToken
 from engine_factories import drain, make_request, make_scheduler, step
 
 BS, W = 4, 8
@@ -126,7 +126,7 @@ def test_a_prompt_longer_than_the_pool_fits_with_a_window():
 
 # ---- layers that mix full and sliding attention: one table per KV group ------------------------
 def test_kv_groups_cut_layers_of_one_kind_into_equal_groups():
-    from engine.kv_groups import KVGroups
+    from engine.kv.kv_groups import KVGroups
 
     gemma3 = KVGroups.from_windows([None if (i + 1) % 6 == 0 else 512 for i in range(18)])
     assert gemma3.group_size == 3 and gemma3.windows == (None, 512, 512, 512, 512, 512)

@@ -4,10 +4,10 @@ mass drafts (the target's own draw decides); a deliberately biased verifier fail
 test, so the test can fail."""
 import torch
 
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_params import SamplingParams
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
 
 P = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])  # the target at the first position

@@ -28,7 +28,7 @@ def test_step_timings_skip_warm_up_then_weight_recent_steps():
 def test_a_worker_publishes_its_measured_step_timings(model_dir):
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
     from kvtransfer import FakeFabric, FakeTransferBackend, KVTransferConfig
     from worker_runtime.args import WorkerConfig
     from worker_runtime.runtime import WorkerRuntime

@@ -14,9 +14,9 @@ import pytest
 
 from decode_node.prefill_client import _for_prefill
 from engine import LLM, SamplingParams
-from engine.request import Request
+from engine.core.request import Request
 from engine.structured.params import StructuredOutputsParams
-from engine.tokens import Resume, SampledToken
+from engine.processing.tokens import Resume, SampledToken
 
 NUM_LAYERS = 4
 CHOICES = ("yes", "no", "maybe")

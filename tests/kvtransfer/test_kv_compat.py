@@ -155,7 +155,7 @@ def test_package_import_is_light():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-# ---- quantized KV caches (vLLM's kv_cache_dtype, engine/kv_format.py) -------------------------
+# ---- quantized KV caches (vLLM's kv_cache_dtype, engine/kv/kv_format.py) -------------------------
 
 def test_quantized_pools_are_described_by_format_with_the_model_head_dim():
     fp8 = KVCompat.for_pool(torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m", "fp8")
@@ -206,8 +206,8 @@ def test_different_kv_formats_are_refused_naming_both():
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
 def test_compat_describes_the_engines_pool_of_every_format(kv, model_dtype):
     """compat.py keeps its own (torch-free) table of the formats: it must agree with the
-    engine's pool (engine/kv_pool.py, engine/kv_format.py) on dtype, shape and bytes."""
-    from engine.kv_pool import allocate_kv_pool, kv_block_bytes
+    engine's pool (engine/kv/kv_pool.py, engine/kv/kv_format.py) on dtype, shape and bytes."""
+    from engine.kv.kv_pool import allocate_kv_pool, kv_block_bytes
     from engine.models.config import ModelArgs
 
     args = ModelArgs(vocab_size=32, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,

@@ -144,8 +144,8 @@ def test_vram_pools_same_code():
 
 
 def _quantized(blocks, seed, storage):
-    """A pool as the engine stores it (engine/kv_format.py): int8 rows carry their scales."""
-    from engine import kv_format
+    """A pool as the engine stores it (engine/kv/kv_format.py): int8 rows carry their scales."""
+    from engine.kv import kv_format
 
     g = torch.Generator().manual_seed(seed)
     values = torch.randn((blocks, *SHAPE), generator=g) * torch.rand((blocks, *SHAPE[:-1], 1), generator=g) * 8
@@ -157,7 +157,7 @@ def _quantized(blocks, seed, storage):
 def test_quantized_blocks_arrive_byte_identical_with_their_scales(kv_cache_dtype, storage):
     """The scales live inside each block (int8: the last 4 bytes of every row), so a block
     written over NIXL dequantizes on the decode side exactly as on the prefill side."""
-    from engine import kv_format
+    from engine.kv import kv_format
 
     ppool, dpool = _quantized(12, 1, storage), torch.zeros_like(_quantized(20, 2, storage))
     assert ppool.shape[-1] == (68 if storage == torch.int8 else 64)

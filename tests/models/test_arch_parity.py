@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, TorchAttentionBackend
-from engine.kv_pool import allocate_kv_pool, kv_block_bytes
+from engine.kv.kv_pool import allocate_kv_pool, kv_block_bytes
 from engine.models.interface import ForwardContext
 from engine.models.loader import load_model
 

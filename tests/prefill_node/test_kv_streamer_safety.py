@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from kvtransfer import FakeFabric, FakeTransferBackend, KVCompat, KVTransferConfig, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 

@@ -1,6 +1,6 @@
 """FakeWorker: an in-process prefill or decode worker for router tests — a grpc.aio server
 implementing `Worker` (+ `DecodeWorker` for decode) with deterministic fake tokens, a prefix
-cache of real block hashes (engine.block_hash) that feeds KV events, and a registration in a
+cache of real block hashes (engine.kv.block_hash) that feeds KV events, and a registration in a
 real etcd through cluster.registration.Registrar.
 
 Tokens: completion i of a prompt p emits ids 100 + (sum(p) + 7k + 13i) % 1000 for k = 0, 1, ...
@@ -22,7 +22,7 @@ import grpc
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.registration import Capacity, Registrar, WorkerInfo
 from cluster.roles import PrefillPath
-from engine.block_hash import compute_block_hashes
+from engine.kv.block_hash import compute_block_hashes
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from router.call import WorkerFailed
 from router.config import RouterConfig

@@ -3,7 +3,7 @@ its entries; a fresh router (restart) rebuilds the index from snapshots."""
 import asyncio
 
 from cluster.grpc_security import OPEN
-from engine.block_hash import compute_block_hashes
+from engine.kv.block_hash import compute_block_hashes
 from router.channels import ChannelPool
 from router.placement.events import KVSubscriptions
 from router.placement.index import KVIndex

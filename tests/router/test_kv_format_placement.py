@@ -4,7 +4,7 @@ format share hashes; a prefill worker pairs only with decode workers of its KV l
 import logging
 
 from cluster.registration import Capacity, WorkerInfo
-from engine.block_hash import compute_block_hashes
+from engine.kv.block_hash import compute_block_hashes
 from router.config import PlacementConfig
 from router.placement.index import KVIndex
 from router.placement.placer import Placer, PromptKey

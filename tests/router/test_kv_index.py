@@ -2,15 +2,15 @@
 construction."""
 import random
 
-import engine.block_hash
+import engine.kv.block_hash
 import router.placement.index
-from engine.block_hash import compute_block_hashes, hash_extras
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import RunnerOutput
-from engine.tokens import SampledToken
+from engine.kv.block_hash import compute_block_hashes, hash_extras
+from engine.kv.block_manager import BlockManager
+from engine.core.request import Request
+from engine.sampling.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import RunnerOutput
+from engine.processing.tokens import SampledToken
 from router.placement.index import KVIndex, PrefixHit, prompt_block_hashes
 
 BS = 4
@@ -82,7 +82,7 @@ def test_cache_salt_separates_tenants():
 
 
 def test_hashes_are_the_engines_by_construction():
-    assert router.placement.index.compute_block_hashes is engine.block_hash.compute_block_hashes
+    assert router.placement.index.compute_block_hashes is engine.kv.block_hash.compute_block_hashes
     tokens = list(range(33))
     # Reusable blocks stop one token short of the prompt's end, as the engine's matching does.
     assert prompt_block_hashes(tokens, BS) == compute_block_hashes(tokens, BS)[:8]

@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from cluster.registration import Capacity
-from engine.block_hash import compute_block_hashes
+from engine.kv.block_hash import compute_block_hashes
 from engine.lora.request import LoRARequest, lora_id_for
 from router.config import PlacementConfig
 from router.placement.placer import PromptKey

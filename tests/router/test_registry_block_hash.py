@@ -7,7 +7,7 @@ import logging
 from types import SimpleNamespace
 
 from cluster.registration import Capacity, WorkerInfo
-from engine.block_hash import block_hash_probe
+from engine.kv.block_hash import block_hash_probe
 from router.config import PlacementConfig
 from router.placement.events import KVSubscriptions
 from router.placement.index import KVIndex

@@ -8,7 +8,7 @@ import logging
 import pytest
 from api_fuzz import response_events
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.call import Delta
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.responses.convert import chat_body, input_messages, output_messages, renamed

@@ -10,7 +10,7 @@ import pytest
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 from router.parsers.tools.parser import tool_parser, tool_parser_names
 from router.parsers.tools.types import FunctionTool, assemble
 

@@ -5,7 +5,7 @@ worker of different versions, and never places on a sleeping worker."""
 import dataclasses
 
 from cluster.registration import Capacity, WorkerInfo
-from engine.block_hash import compute_block_hashes
+from engine.kv.block_hash import compute_block_hashes
 from router.config import PlacementConfig
 from router.placement.events import KVSubscriptions
 from router.placement.index import KVIndex

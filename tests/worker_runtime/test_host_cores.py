@@ -213,7 +213,7 @@ class ScriptedEngine:
     def has_schedulable_work(self) -> bool:
         return self.work.is_set()
 
-    def step(self):
+    def step(self, inputs=None):
         self.stepped.set()
         time.sleep(0.001)
         return []

@@ -1,9 +1,9 @@
 """KV events and snapshots carry the tier (worker_runtime/kv_events.py kv_event_batch,
 kv_snapshot): a router index fed by a real block manager with a second tier — its stream
 and its snapshot — knows which blocks sit in the pool and which in the tier."""
-from engine.block_manager import BlockManager
-from engine.block_pool import KVEvent
-from engine.kv_tier import FakeTierStorage, KVTier
+from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import KVEvent
+from engine.kv.kv_tier import FakeTierStorage, KVTier
 from proto import pdserve_pb2 as pb
 from router.placement.index import KVIndex
 from tests.engine.engine_factories import make_request

@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from cluster.roles import Role
-from engine.pooling import PoolingParams
+from engine.sampling.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
 from router.config import LimitsConfig
 from router.endpoints.base import parse_json

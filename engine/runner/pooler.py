@@ -1,4 +1,4 @@
-"""The model runner's side of pooling requests (engine/pooling.py): which rows of a chunk a
+"""The model runner's side of pooling requests (engine/sampling/pooling.py): which rows of a chunk a
 request needs, and the partial sums of mean pooling, by request id."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The KV cache's second tier: a bounded LRU store of block copies behind the pool (host
 memory, or a file via mmap), vLLM's KV offloading / SGLang HiCache's host tier.
 
-Life cycle of a block here (engine/block_pool.py drives it; engine/block_manager.py swaps):
+Life cycle of a block here (engine/kv/block_pool.py drives it; engine/kv/block_manager.py swaps):
 - demote: the prefix cache evicts a cached block with no users from the pool; instead of
   dropping it, its bytes (one pool block: a KV group's layers, K and V) are copied into a
   free slot here, under (group, block hash). A full tier first evicts its least recently
@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from engine.block_hash import BlockHash
-from engine.kv_tier_storage import FakeTierStorage, HostTierStorage, TierStorage
+from engine.kv.block_hash import BlockHash
+from engine.kv.kv_tier_storage import FakeTierStorage, HostTierStorage, TierStorage
 
 __all__ = ["CopyTimes", "FakeTierStorage", "HostTierStorage", "KVTier", "SwapKey", "TierKey",
            "TierStats", "TierStorage", "tier_slots"]

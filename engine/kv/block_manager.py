@@ -1,6 +1,6 @@
-"""KV block manager: per-request block tables over the block pool (engine/block_pool.py).
+"""KV block manager: per-request block tables over the block pool (engine/kv/block_pool.py).
 
-A request has one block table per KV group (engine/kv_groups.py: the layers that attend
+A request has one block table per KV group (engine/kv/kv_groups.py: the layers that attend
 alike; one group of all layers for most models). Table index i of every group covers the
 request's positions i * block_size .. (i + 1) * block_size - 1; all groups draw their blocks
 from one BlockPool. Here: prefix matching, allocation and lazy growth, copy-on-write, forks,
@@ -31,10 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.block_hash import BlockHash, extend_block_hashes
-from engine.block_pool import TIER, BlockPool
-from engine.kv_tier import KVTier, TierKey
-from engine.request import Request
+from engine.kv.block_hash import BlockHash, extend_block_hashes
+from engine.kv.block_pool import TIER, BlockPool
+from engine.kv.kv_tier import KVTier, TierKey
+from engine.core.request import Request
 
 RELEASED = -1
 """A table entry whose block slid out of its group's window and went back to the pool."""
@@ -64,7 +64,7 @@ class BlockManager:
                  record_events: bool = False, group_windows: tuple[int | None, ...] = (None,),
                  tier: KVTier | None = None) -> None:
         """`num_blocks`, `record_events`, `tier`: the pool's (BlockPool). `group_windows`:
-        each KV group's sliding window (None: full attention; engine/kv_groups.py); a group
+        each KV group's sliding window (None: full attention; engine/kv/kv_groups.py); a group
         with a window gives back the blocks that slid out of it."""
         self.pool = BlockPool(num_blocks, len(group_windows), record_events, tier)
         self.block_size = block_size

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
-from engine.sample_row import SampleRow
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
-from engine.tokenizer import Tokenizer
+from engine.processing.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -11,14 +11,14 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
-from engine.block_hash import compute_block_hashes, hash_extras
+from engine.kv.block_hash import compute_block_hashes, hash_extras
 from engine.lora.adapter import LoRAAdapter
-from engine.pooling import PoolingParams
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.pooling import PoolingParams
+from engine.core.request import Request
+from engine.sampling.sampling_params import SamplingParams
 from engine.structured.compile_process import CompileLimits
-from engine.tokenizer import Tokenizer
-from engine.tokens import Resume
+from engine.processing.tokenizer import Tokenizer
+from engine.processing.tokens import Resume
 
 if TYPE_CHECKING:
     from engine.structured.compiler import GrammarCompiler

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_tier import CopyTimes
+from engine.kv.kv_tier import CopyTimes
 
 PREFILL_EWMA_WEIGHT = 0.2  # weight of the newest prefill step in the per-token mean
 

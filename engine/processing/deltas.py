@@ -2,12 +2,12 @@
 strings included), the caller's groups of completions, and one CompletionDelta per update."""
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionDelta
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.tokenizer import Tokenizer
-from engine.tokens import Logprob
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.outputs import CompletionDelta
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.processing.tokenizer import Tokenizer
+from engine.processing.tokens import Logprob
 
 
 class Deltas:

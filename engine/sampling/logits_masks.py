@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sample_row import SampleRow
+from engine.sampling.sample_row import SampleRow
 
 if TYPE_CHECKING:
     from engine.structured.state import GrammarState

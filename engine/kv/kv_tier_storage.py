@@ -1,4 +1,4 @@
-"""Where the KV tier's bytes live (engine/kv_tier.py keeps the map of what is where): host
+"""Where the KV tier's bytes live (engine/kv/kv_tier.py keeps the map of what is where): host
 memory or a mapped file shaped like the pool's blocks, and a fake for tests of the bookkeeping.
 Copies are gathered: one call moves a list of blocks."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_pool import advise_huge_pages
+from engine.kv.kv_pool import advise_huge_pages
 
 
 class TierStorage(Protocol):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.request import Request
-from engine.tokens import Logprob, SampledToken
+from engine.core.request import Request
+from engine.processing.tokens import Logprob, SampledToken
 
 if TYPE_CHECKING:
     from engine.spec_decode.proposer import Proposal
@@ -21,7 +21,7 @@ class StepInput:
     """Most tokens all prefill chunks of this step take together (0: the step budget only).
     engine/engine_loop.py sets it to keep steps beside running decodes within an
     inter-token latency target. A prompt it cuts is cut into the fewest chunks of equal
-    size (engine/step_cost.py `even_chunk`)."""
+    size (engine/core/step_cost.py `even_chunk`)."""
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: request masks (engine.logits_masks), penalties, temperature,
+"""Turns logits into tokens: request masks (engine.sampling.logits_masks), penalties, temperature,
 top-k, top-p, min-p, seeded draws, logprobs (from the raw logits, before any of these, as
 vLLM's default `raw_logprobs`). Rows are independent of each other, so a request samples
 the same token whatever else is in the batch.
@@ -8,8 +8,8 @@ position) (`row_uniforms`, vectorized over the batch): a prefill worker sampling
 token and a decode worker sampling the rest draw exactly what a single engine would.
 
 The hot path is batched: no per-row generators or kernels, one host transfer of the tokens
-per step; penalties come from incrementally maintained counts (engine/penalties.py), the one
-per-request state a `Sampler` keeps (by request id; the model runner tells it which requests
+per step; penalties come from incrementally maintained counts (engine/sampling/penalties.py), the
+one per-request state a `Sampler` keeps (by request id; the model runner tells it which requests
 left)."""
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.logits_masks import apply_masks
-from engine.penalties import Penalties
-from engine.sample_row import SampleRow
-from engine.tokens import SampledToken
+from engine.sampling.logits_masks import apply_masks
+from engine.sampling.penalties import Penalties
+from engine.sampling.sample_row import SampleRow
+from engine.processing.tokens import SampledToken
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 

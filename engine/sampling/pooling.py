@@ -5,7 +5,7 @@ pooler for decoder models used as embedding models (last token, L2-normalized).
 Life cycle: the request prefills like any other (chunked, batched with other requests in the
 same step); the model runner asks the model for the hidden state only at the rows this
 request pools (the last prompt position; every position for mean pooling) and folds it in
-(engine/pooler.py), chunk by chunk; the output of the step that computes the last prompt
+(engine/runner/pooler.py), chunk by chunk; the output of the step that computes the last prompt
 position carries the embedding, and the scheduler sets `Request.embedding` and finishes the
 request ("stop") without sampling. Mean pooling needs every position's hidden state, so it
 gets no prefix-cache hits (like prompt logprobs); last-token pooling reuses cached prefix

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import kv_format
+from engine.kv import kv_format
 from engine.config import GiB, EngineConfig
 from engine.models.config import ModelArgs
 
@@ -13,8 +13,8 @@ DEFAULT_CPU_KV_MEMORY = 2 * GiB
 
 def kv_block_shape(args: ModelArgs, block_size: int, kv_cache_dtype: str = "auto") -> tuple[int, ...]:
     """One block: [layers of a KV group, K/V, tokens, kv heads, stored head dim] (all the
-    layers when they attend alike, engine/kv_groups.py; head_dim + 4 for int8: the per-token
-    scales live in the block, engine/kv_format.py)."""
+    layers when they attend alike, engine/kv/kv_groups.py; head_dim + 4 for int8: the per-token
+    scales live in the block, engine/kv/kv_format.py)."""
     return (args.kv_groups().group_size, 2, block_size, args.n_kv_heads,
             kv_format.stored_head_dim(kv_cache_dtype, args.head_dim))
 
@@ -56,7 +56,7 @@ def allocate_kv_pool(
     num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """[num_blocks, layers per block (engine/kv_groups.py), 2, block_size, num_kv_heads,
+    """[num_blocks, layers per block (engine/kv/kv_groups.py), 2, block_size, num_kv_heads,
     head_dim], zero-filled. On CPU
     the pool asks for transparent huge pages before its pages are first touched: KV
     transfers (NIXL/CMA pins the receiver's pages) run about twice as fast on them."""

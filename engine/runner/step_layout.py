@@ -1,6 +1,6 @@
 """One step laid out as the model runner's forward sees it: `build_layout` turns a
 SchedulerOutput into a StepLayout (the ragged batch's arrays and which rows sample, record
-prompt logprobs, pool or verify drafts); engine/model_runner.py runs the forward over it and
+prompt logprobs, pool or verify drafts); engine/runner/model_runner.py runs the forward over it and
 collects the step's RunnerOutput from it.
 
 Row order (AttentionMetadata invariant): one-token (decode) rows first, then every other
@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.parallel.step import GroupArrays, StepInputs, attention_metadata
-from engine.pooler import Pooler
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.scheduler_output import SchedulerOutput
+from engine.runner.pooler import Pooler
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(slots=True)

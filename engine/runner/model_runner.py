@@ -6,7 +6,7 @@ rows first, see AttentionMetadata) and samples where a request has computed all 
 tokens.
 
 A request asking for prompt logprobs also gets logits at each prompt position it runs (chunk
-by chunk). A pooling request (engine/pooling.py) gets the final-normed hidden state, no
+by chunk). A pooling request (engine/sampling/pooling.py) gets the final-normed hidden state, no
 logits, at the rows it pools and never samples. Everyone else only gets logits where it
 samples. What a step computed comes back as one RunnerOutput; the runner never writes a
 request. What it keeps across steps (the sampler's penalty counts, mean-pooling sums) is
@@ -21,21 +21,21 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.block_manager import BlockManager
-from engine.cuda_graphs import DecodeGraphs
+from engine.kv.block_manager import BlockManager
+from engine.runner.cuda_graphs import DecodeGraphs
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
 from engine.models.interface import CausalLM, ForwardContext
 from engine.models.layers import pack_linears
 from engine.parallel.step import GroupArrays, StepInputs, copy_blocks, forward
-from engine.pooler import Pooler
-from engine.request import Request
-from engine.sample_row import SampleRow
-from engine.sampler import Sampler, raw_logprobs, token_ranks, with_logprobs
-from engine.scheduler_output import RunnerOutput, SchedulerOutput
+from engine.runner.pooler import Pooler
+from engine.core.request import Request
+from engine.sampling.sample_row import SampleRow
+from engine.sampling.sampler import Sampler, raw_logprobs, token_ranks, with_logprobs
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
-from engine.step_layout import StepLayout, build_layout, slots_of
-from engine.tokens import Logprob, SampledToken
+from engine.runner.step_layout import StepLayout, build_layout, slots_of
+from engine.processing.tokens import Logprob, SampledToken
 
 
 class _Forward(NamedTuple):
@@ -62,7 +62,7 @@ class ModelRunner:
     ) -> None:
         """`send_step` (tensor parallel, engine/parallel): hands each step's inputs to the
         other ranks before this rank runs the forward. `graphs`: CUDA graphs that replay
-        all-decode steps (engine/cuda_graphs.py; never with `send_step`)."""
+        all-decode steps (engine/runner/cuda_graphs.py; never with `send_step`)."""
         if graphs is not None and send_step is not None:
             raise ValueError("CUDA graphs replay one rank's forward: not with tensor parallelism")
         self.model = model
@@ -194,7 +194,7 @@ class ModelRunner:
         100-250 ms of a first 256-token prefill on a 2-core CPU. Their K/V land in the pool's
         first blocks, which is only harmless while no block holds anything (a request writes
         a block before it reads it, and none is cached yet): refused after that. With CUDA
-        graphs, every decode size is captured here too (engine/cuda_graphs.py)."""
+        graphs, every decode size is captured here too (engine/runner/cuda_graphs.py)."""
         if self.has_run or self.bm.pool.num_free_blocks < self.bm.pool.num_blocks:
             raise RuntimeError("warm_up: only before the first request")
         prompt_len = max(1, min(prompt_len, self.bm.pool.num_blocks * self.block_size))

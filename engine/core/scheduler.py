@@ -9,7 +9,7 @@ Both queues are kept in (priority, arrival) order, lower first (vLLM's priority 
 every priority 0 it is first come, first served). When a running request cannot get a block,
 the last running request in that order is preempted (its blocks freed; it is recomputed
 later, mostly from the prefix cache; with a KV tier its partial last block may be swapped
-out and back instead, engine/swap_policy.py) and waits again in its place in that order. The
+out and back instead, engine/core/swap_policy.py) and waits again in its place in that order. The
 scheduler never touches tensors; it is the one writer of a running request's progress and
 results: the model runner's RunnerOutput comes back through `update_from_output`.
 """
@@ -18,15 +18,15 @@ from __future__ import annotations
 import dataclasses
 from bisect import insort
 
-from engine.block_manager import BlockManager
-from engine.limits import EngineLimits
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats, StepInput
-from engine.step_cost import LONG_PREFILL_CHUNKS, even_chunk
-from engine.swap_policy import SwapPolicy
+from engine.kv.block_manager import BlockManager
+from engine.core.limits import EngineLimits
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats, StepInput
+from engine.core.step_cost import LONG_PREFILL_CHUNKS, even_chunk
+from engine.core.swap_policy import SwapPolicy
 from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.tokens import Logprob, SampledToken
+from engine.processing.tokens import Logprob, SampledToken
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -181,7 +181,7 @@ class Scheduler(SpeculationScheduling):
     def _held_by_long(self, remaining: int, pace: int) -> int:
         """What a running prefill with `remaining` tokens leaves of the prompt budget `pace`
         (a paced prompt's chunk is `remaining` in even chunks of at most `pace` less this,
-        engine/step_cost.py `even_chunk`; what is left of this step's budget caps it
+        engine/core/step_cost.py `even_chunk`; what is left of this step's budget caps it
         further; paced, that share is > 0) to the
         other prompts: half when it is long and another prompt waits or is part-way through
         its prefill (a long prompt must not hold up every short one that arrives meanwhile),

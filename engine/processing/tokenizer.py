@@ -63,7 +63,8 @@ class Tokenizer:
         stop.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
         self.stop_token_ids: frozenset[int] = frozenset(stop)
         self.generation_config: dict[str, Any] = dict(generation_config or {})
-        """The model's generation_config.json (engine.generation_config reads its defaults)."""
+        """The model's generation_config.json (engine.processing.generation_config reads its
+        defaults)."""
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_ids = frozenset(added)

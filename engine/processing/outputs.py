@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from engine.tokens import Logprob
+from engine.processing.tokens import Logprob
 
 
 
@@ -24,7 +24,7 @@ class CompletionDelta:
     """Prompt tokens 1.. (token 0 has none); on completion 0's first delta only (n > 1:
     the completions share one prompt)."""
     embedding: list[float] | None = None
-    """A pooling request's result, on its one (finishing) delta (engine/pooling.py)."""
+    """A pooling request's result, on its one (finishing) delta (engine/sampling/pooling.py)."""
 
     @property
     def finished(self) -> bool:

@@ -5,13 +5,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash
+from engine.kv.block_hash import BlockHash
 from engine.lora.adapter import LoRAAdapter
-from engine.pooling import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine.sampling.pooling import PoolingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
 from engine.structured.state import GrammarState
-from engine.tokens import Logprob, Resume
+from engine.processing.tokens import Logprob, Resume
 
 
 class RequestStatus(enum.IntEnum):
@@ -77,7 +77,7 @@ class Request:
     twice)."""
     stop_reason: str | int | None = None  # FINISHED_STOPPED: stop string or stop token id
     block_tables: list[list[int]] = field(default_factory=list)
-    """One block table per KV group (engine/kv_groups.py), set by the block manager."""
+    """One block table per KV group (engine/kv/kv_groups.py), set by the block manager."""
     keep_blocks_from: list[int] | None = None
     """Per KV group, the table index from which every block is kept until the request ends
     (a prefill worker streams them to a decode worker); None: release as the windows move."""
@@ -98,7 +98,7 @@ class Request:
     """Set when the engine speculates: this sequence's drafts and their policy."""
     pooling: PoolingParams | None = None
     """Set: a pooling (embedding) request — it never samples; it finishes ("stop") once its
-    prompt is computed, with `embedding` set (engine/pooling.py)."""
+    prompt is computed, with `embedding` set (engine/sampling/pooling.py)."""
     embedding: list[float] | None = None
     """A pooling request's result, set when its prompt is computed."""
 

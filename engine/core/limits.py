@@ -23,7 +23,7 @@ class EngineLimits:
 
     @property
     def kv_groups(self) -> int:
-        """Block tables per request (engine/kv_groups.py)."""
+        """Block tables per request (engine/kv/kv_groups.py)."""
         return len(self.group_windows)
 
     def blocks_for(self, num_tokens: int) -> int:

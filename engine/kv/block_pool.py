@@ -1,9 +1,9 @@
 """KV block pool: the blocks, their ref counts, the free list, the prefix cache, KV events.
 
 The pool knows blocks, not requests: requests' block tables are a layer above
-(engine/block_manager.py); KV transfers pin blocks beyond their requests (`pin`, `release`);
+(engine/kv/block_manager.py); KV transfers pin blocks beyond their requests (`pin`, `release`);
 peer workers read and write cached blocks by hash (`hold_cached`, `reserve`, `adopt`). Blocks
-are cached per KV group (engine/kv_groups.py) under their chained block hash.
+are cached per KV group (engine/kv/kv_groups.py) under their chained block hash.
 
 Invariants:
 - A block is in `_free` iff its ref count is 0. `_free` is the eviction order, front first:
@@ -13,7 +13,7 @@ Invariants:
 - `_cached[g][h] == b` implies `blocks[b].block_hash == h` and `blocks[b].group == g`; a
   cached block with ref count 0 is reusable (`pin` takes it back off the free list) until
   `pop_free` evicts it for reuse.
-- Second tier (`tier`, engine/kv_tier.py; None: off): a cached block evicted for reuse is
+- Second tier (`tier`, engine/kv/kv_tier.py; None: off): a cached block evicted for reuse is
   demoted there (its bytes copied out before `pop_free` returns it), and `promote` copies one
   back into a fresh pool block. (g, h) is in `_cached[g]` or in the tier, never both; group
   0's hashes in either are what this worker announces as held (KV events, `cached_hashes`).
@@ -25,8 +25,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ContextManager, NamedTuple
 
-from engine.block_hash import BlockHash
-from engine.kv_tier import KVTier, SwapKey, TierKey
+from engine.kv.block_hash import BlockHash
+from engine.kv.kv_tier import KVTier, SwapKey, TierKey
 
 TIER = -2
 """In place of a pool block id: the block is held by the second tier (`BlockPool.lookup`)."""
@@ -50,7 +50,7 @@ class KVEvent(NamedTuple):
 class BlockPool:
     num_blocks: int
     num_groups: int = 1
-    """KV groups (engine/kv_groups.py): each caches its blocks under its own hashes."""
+    """KV groups (engine/kv/kv_groups.py): each caches its blocks under its own hashes."""
     record_events: bool = False  # keep KVEvents for a subscriber (workers -> router index)
     tier: KVTier | None = None
     """The second tier evicted cached blocks are demoted to (None: they are dropped)."""
@@ -100,7 +100,7 @@ class BlockPool:
 
     def copies_batched(self) -> ContextManager:
         """Inside, the tier's copies (demotions, promotions, swaps) are queued and run as one
-        gathered store and one gathered load on exit (engine/kv_tier.py); without a tier,
+        gathered store and one gathered load on exit (engine/kv/kv_tier.py); without a tier,
         nothing. Whoever writes or reads the blocks allocated inside does so after exit."""
         return self.tier.batch() if self.tier is not None else nullcontext()
 

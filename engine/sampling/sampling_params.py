@@ -117,7 +117,7 @@ class SamplingParams:
     def plain_draw(self) -> bool:
         """A token that depends on the logits only through their argmax (greedy) or a draw
         from softmax(logits / temperature): no logprobs, penalties, top-k, top-p, min-p,
-        logit bias or allowed tokens (the request may still mask: engine/sampler.py
+        logit bias or allowed tokens (the request may still mask: engine/sampling/sampler.py
         `draws_plainly`). Once per request (the sampler asks every step)."""
         return (self.logprobs is None and not self.has_penalties and not self.top_k
                 and self.top_p >= 1.0 and self.min_p <= 0.0 and not self.logit_bias

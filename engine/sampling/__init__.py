@@ -1,0 +1,2 @@
+"""Sampling: request parameters (sampling, pooling) and turning logits into
+tokens (masks, penalties, the sampler)."""
