@@ -6,7 +6,7 @@ root and sets right what differs (`pdserve etcd-users`); `etcd_users` is `pdserv
 read them, each password random, in a 0600 file.
 
 Done with etcd's Auth RPCs (the stubs aetcd ships) over a synchronous gRPC channel, so it
-runs in a plain thread and needs no etcdctl (benchmarks/gpu_bundle.py leaves etcdctl out).
+runs in a plain thread and needs no etcdctl (tools/gpu/gpu_bundle.py leaves etcdctl out).
 """
 from __future__ import annotations
 

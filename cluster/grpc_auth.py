@@ -6,7 +6,7 @@ benchmarks) comes from `aio_channel` or `channel`.
 
 A token travels as `authorization: Bearer <token>` metadata that every stub method of the
 channel adds, on plain and TLS channels alike (cheaper than a client interceptor or, on TLS,
-call credentials: benchmarks/README.md, "gRPC authentication").
+call credentials: docs/benchmarks/security.md, "gRPC authentication").
 """
 from __future__ import annotations
 

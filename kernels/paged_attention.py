@@ -165,7 +165,7 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
     num_partitions = triton.cdiv(kv_span, partition_size) if partition_size > 0 else 1
     if num_warps is None:
         # H200, SmolLM2 shapes, replayed from a CUDA graph: 2 warps read the KV 0-16 points of
-        # the copy bandwidth faster than 4 at every decode shape measured (benchmarks/README.md).
+        # the copy bandwidth faster than 4 at every decode shape measured (docs/benchmarks/gpu.md).
         # Larger tiles and int8 pools (the dequantizing loads) keep 4: 2 warps spill there.
         num_warps = 2 if block_m == 16 and kv_dtype != torch.int8 else 4
     return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions,

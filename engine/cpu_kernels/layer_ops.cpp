@@ -5,7 +5,7 @@
 // Contracts and references: the Triton kernels of the same names (kernels/rms_norm.py,
 // kernels/rope.py, kernels/silu_and_mul.py) and their plain-torch references; wrappers in
 // engine/cpu_kernels/__init__.py. Each replaces 4-10 ATen ops whose cost at decode sizes is
-// dispatch, not arithmetic (benchmarks/profiles/decode_step.md).
+// dispatch, not arithmetic (docs/benchmarks/decode_profile.md).
 //
 // Numerics follow the torch path they replace (engine/models/layers.py): statistics and
 // products in fp32, rounded to the model's dtype at the same points (the normalised value

@@ -62,7 +62,7 @@ def _gather_copy(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_i
     """dst[dst_idx[i]] <- src[src_idx[i]] for every i (blocks along dim 0, one dtype).
     Host to host: one memmove per block in this thread (torch's copy_ and index ops split
     the work over the intra-op threads, and on a busy CPU waiting for them cost milliseconds;
-    measured against index_select/index_copy_ in benchmarks/README.md). Across devices: one
+    measured against index_select/index_copy_ in docs/benchmarks/kv_cache.md). Across devices: one
     gather on the source's device, one transfer, one scatter on the destination's."""
     if dst.device.type == src.device.type == "cpu":
         nbytes = src[0].numel() * src.element_size()

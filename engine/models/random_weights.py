@@ -1,6 +1,6 @@
 """A model directory with another model's config and tokenizer and weights drawn at random.
 
-For the places real weights cannot reach: the GPU check (benchmarks/gpu_check.sh) runs on a
+For the places real weights cannot reach: the GPU check (tools/gpu/gpu_check.sh) runs on a
 machine with no network and carries at most 64 MiB, while SmolLM2-135M is 540 MB in fp32.
 Speed, memory, KV transfer and kernel-vs-reference parity depend on the shapes, not on the
 values, so a checkpoint of the right shape drawn from a seed serves them; generated text is

@@ -2,7 +2,7 @@
 
 Text grows token by token through `tokenizers`' own `DecodeStream` (it keeps the window of
 recent tokens, so multi-byte characters split across tokens come out whole; per token as fast
-as re-decoding that window here, or up to 1.4x faster, with the same text: benchmarks/README.md). Stop strings are looked for only once more than
+as re-decoding that window here, or up to 1.4x faster, with the same text: docs/benchmarks/engine.md). Stop strings are looked for only once more than
 `min_tokens` tokens are out, and must end in text that came after the min_tokens-th token
 (they may begin before it). The text is cut before the stop string, or right after it with
 `include_stop_str_in_output`. Streamed deltas hold back the last

@@ -40,7 +40,7 @@ def keep_freed_host_memory() -> bool:
     stays there (up to 1 GiB) instead of going back to the OS. A prefill step's activations
     (a 1,745-token step: an 11 MB gate/up product, a 5.5 MB SiLU output, ...) are otherwise
     mapped fresh and page-faulted on every touch in every layer: with the AMX prefill kernel
-    ~49,000 faults per 16-prompt prefill round, ~10% of its time (benchmarks/README.md). The
+    ~49,000 faults per 16-prompt prefill round, ~10% of its time (docs/benchmarks/serving.md). The
     pool (larger) is mapped as before. Returns whether it applied: not where the user tuned
     malloc already (GLIBC_TUNABLES, MALLOC_*_ variables), not without glibc, and not with
     PDSERVE_MALLOC_TUNING=0."""

@@ -6,7 +6,7 @@ emits (router/endpoints/base.py).
 Handlers parse the raw body with `router.endpoints.base.parse_json` rather than take a FastAPI
 body parameter: FastAPI answers an empty body "Field required" instead of malformed JSON, lets lone
 surrogates (`"\\ud800"`) through to the tokenizer, validates in Python mode after `json.loads`
-and costs more instructions per request (benchmarks/README.md, "Router HTTP layer"). So the
+and costs more instructions per request (docs/benchmarks/router.md, "Router HTTP layer"). So the
 request schema is published through `openapi_extra`, and responses through `responses=` —
 never `response_model`, which would re-serialize every body. A route declares both in one
 line:

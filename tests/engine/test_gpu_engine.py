@@ -4,7 +4,7 @@ through chunked prefill, a shared prefix and a mixed batch, with its decode step
 from CUDA graphs (the default) and eagerly; and the KV pool is sized from
 `gpu_memory_utilization`.
 
-The model is $PDSERVE_GPU_MODEL when set (benchmarks/gpu_check writes a random-weight copy
+The model is $PDSERVE_GPU_MODEL when set (tools/gpu/gpu_check writes a random-weight copy
 of the default model's shape there: the GPU machine has no network and cannot carry the real
 weights), else the bundled default model."""
 import gc
