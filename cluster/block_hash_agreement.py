@@ -10,7 +10,7 @@ get 0% hits, silently. So each worker publishes `WorkerInfo.block_hash_probe`
 - a starting worker refuses to start (`check_peers` raises `BlockHashMismatch`; exit code 2)
   when a registered worker with the same KV layout (compat hash) and weights version
   publishes another probe;
-- the router (router/registry.py) and `pdserve status` recompute the probe for each
+- the router (router/placement/registry.py) and `pdserve status` recompute the probe for each
   registration's settings (`probe_refusal`) and refuse a worker whose published one differs.
 
 An empty probe (a worker older than the probe) is never refused.

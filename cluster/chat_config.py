@@ -1,5 +1,5 @@
 """The chat flags (vLLM's names): how the router renders a conversation and reads a chat
-answer — the chat template, tool calling, reasoning. The router owns them (router/chat_tools.py
+answer — the chat template, tool calling, reasoning. The router owns them (router/generation/chat_tools.py
 reads them); `pdserve up` takes the same flags and passes them on, so they live here, where
 both may import them (local_cluster never imports router: tests/test_imports.py)."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ChatConfig:
     pythonic, granite, or a name a --tool-parser-plugin registers."""
     tool_parser_plugin: str | None = option(None, metavar="FILE")
     """A Python file whose classes register more tool parsers
-    (`router.tools.parser.register_tool_parser`)."""
+    (`router.parsers.tools.parser.register_tool_parser`)."""
     reasoning_parser: str | None = option(None, metavar="NAME")
     """Split a reasoning model's thinking into `reasoning_content`: deepseek_r1 or qwen3.
     Structured outputs and tool parsing then apply to the answer only."""

@@ -47,7 +47,7 @@ class Capacity:
     worker: mixed with its decodes); 0 until measured."""
     # Step timings (engine/engine_loop.py StepTimings): means over recent engine steps, 0
     # until measured. Steps without prompt tokens ("decode steps") and with ("prefill steps");
-    # together they give the cost of a step of any size (router/ttft_estimate.py).
+    # together they give the cost of a step of any size (router/placement/estimates.py).
     decode_step_s: float = 0.0
     decode_step_tokens: float = 0.0
     prefill_step_s: float = 0.0

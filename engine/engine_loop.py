@@ -12,7 +12,7 @@ command.
 Step timings: every step's wall time is folded into exponentially weighted means over recent
 steps, one set for steps that computed prompt tokens and one for steps that did not
 (`StepTimings`); workers publish them so the router can estimate how soon each worker would
-answer a prompt (router/ttft_estimate.py). With an inter-token latency target, the same
+answer a prompt (router/placement/estimates.py). With an inter-token latency target, the same
 timings size the prefill chunks that run beside decodes (`prompt_cap`, engine/core/step_cost.py),
 so a decode worker prefilling a long prompt itself keeps its decodes flowing.
 

@@ -1,6 +1,6 @@
 """What a pull costs this worker, as measured: a fixed part (the two calls, the holder's engine
 finishing its current step before it pins, the adoption) and a part per block (the copy). The
-router estimates a pull of n blocks as `overhead_s + n / blocks_per_s` (router/kv_reuse.py):
+router estimates a pull of n blocks as `overhead_s + n / blocks_per_s` (router/placement/reuse.py):
 one rate alone, measured on small pulls, would charge every block their fixed cost and make
 large pulls look slower than computing.
 

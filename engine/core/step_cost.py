@@ -1,6 +1,6 @@
 """What one engine step costs as a function of its size: `overhead + per_token * tokens`, a
 straight line through two measured kinds of step (without prompt tokens and with). The
-router uses it to estimate a decode worker's local prefill (router/ttft_estimate.py); the
+router uses it to estimate a decode worker's local prefill (router/placement/estimates.py); the
 engine loop uses it to size prompt chunks beside running decodes (`prompt_token_cap`), and
 the scheduler cuts a paced prompt into even chunks of at most that size (`even_chunk`)."""
 from __future__ import annotations

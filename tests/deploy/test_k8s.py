@@ -220,7 +220,7 @@ def test_router_ready_on_health_and_key_from_secret(rendered):
     c = container(deps["router"])
     assert c["readinessProbe"]["httpGet"]["path"] == "/health", name
     secrets = of_kind(docs, "Secret")
-    # The router reads PDSERVE_API_KEY itself (router/auth.py): the key is in its environment
+    # The router reads PDSERVE_API_KEY itself (router/http/auth.py): the key is in its environment
     # from the Secret, never on its command line (visible in `ps`).
     ref = _env(c)["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] in secrets, (name, ref, sorted(secrets))

@@ -14,7 +14,7 @@ BS = 4
 
 
 def _apply(index: KVIndex, batch: pb.KVEventBatch) -> None:
-    """As router/kv_events.py applies a batch, through the wire format."""
+    """As router/placement/events.py applies a batch, through the wire format."""
     batch = pb.KVEventBatch.FromString(batch.SerializeToString())
     index.removed("w", batch.removed)
     index.stored("w", batch.stored, batch.stored_tiers)
