@@ -3,6 +3,7 @@ of its command line against the `--help` of the programs they go to (`unknown_fl
 workers' /metrics summed (`Cluster.worker_metrics`).
 The cluster runs on 127.0.0.1 with free ports and its own PDSERVE_CACHE, and is stopped by its
 PID (SIGTERM: `up` drains and stops its children; SIGKILL of its process group after 60 s)."""
+
 from __future__ import annotations
 
 import os
@@ -17,16 +18,24 @@ from pathlib import Path
 
 def known_flags(*command: str) -> set[str]:
     """The long options in `pdserve <command> --help`."""
-    out = subprocess.run([sys.executable, "-m", "pdserve", *command, "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return set(re.findall(r"--[a-z0-9][a-z0-9-]*", out))
 
 
 def unknown_flags(args: list[str], up: set[str], router: set[str], worker: set[str]) -> list[str]:
     """The flags in `pdserve up` arguments that their program does not know: `--router-arg=F`
     is the router's, `--worker-arg=F` (and the per-role ones) the workers', others up's."""
-    nested = {"--router-arg": router, "--worker-arg": worker, "--prefill-arg": worker,
-              "--decode-arg": worker}
+    nested = {
+        "--router-arg": router,
+        "--worker-arg": worker,
+        "--prefill-arg": worker,
+        "--decode-arg": worker,
+    }
     bad = []
     for arg in args:
         if not arg.startswith("--"):
@@ -43,18 +52,42 @@ def unknown_flags(args: list[str], up: set[str], router: set[str], worker: set[s
 class Cluster:
     """`pdserve up` as a child process (its own session), until `stop`."""
 
-    def __init__(self, args: list[str], work: Path, prefill: int = 1, decode: int = 2,
-                 start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        work: Path,
+        prefill: int = 1,
+        decode: int = 2,
+        start_timeout_s: float = 600.0,
+    ) -> None:
         """Start it and wait for "pdserve is up" (RuntimeError with its output if it exits or
         times out first). `args`: more `pdserve up` arguments; logs go to `work`/logs."""
         self.work = work
         env = {**os.environ, "PDSERVE_CACHE": str(work / "cache")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", "up", "--host", "127.0.0.1", "--port", "0",
-             "--prefill", str(prefill), "--decode", str(decode), "--log-dir", str(work / "logs"),
-             *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pdserve",
+                "up",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--prefill",
+                str(prefill),
+                "--decode",
+                str(decode),
+                "--log-dir",
+                str(work / "logs"),
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.url = ""
         self.output: list[str] = []
         ready = threading.Event()
@@ -71,25 +104,33 @@ class Cluster:
         while not ready.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"pdserve up {' '.join(args)} did not start; its output:\n"
-                                   + "".join(self.output[-30:]) + f"\nlogs: {work / 'logs'}")
+                raise RuntimeError(
+                    f"pdserve up {' '.join(args)} did not start; its output:\n"
+                    + "".join(self.output[-30:])
+                    + f"\nlogs: {work / 'logs'}"
+                )
 
     def worker_metrics(self) -> dict[str, float]:
         """Summed over the workers' /metrics (addresses from their READY lines)."""
         import httpx
 
-        names = {"prefix_cache_queries": "vllm:prefix_cache_queries_total",
-                 "prefix_cache_hits": "vllm:prefix_cache_hits_total",
-                 "tier_hit_tokens": "pdserve_worker_kv_offload_hits_tokens_total",
-                 "pulled_blocks": "pdserve_worker_kv_pull_blocks_total",
-                 "pulls": "pdserve_worker_kv_pulls_total"}  # by outcome, below
+        names = {
+            "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+            "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+            "tier_hit_tokens": "pdserve_worker_kv_offload_hits_tokens_total",
+            "pulled_blocks": "pdserve_worker_kv_pull_blocks_total",
+            "pulls": "pdserve_worker_kv_pulls_total",
+        }  # by outcome, below
         totals = dict.fromkeys(names, 0.0)
         for log in (self.work / "logs").glob("*.log"):
-            for address in re.findall(r"^READY \S+ \S+ grpc=\S+ metrics=(\S+)", log.read_text(),
-                                      re.M)[-1:]:
+            for address in re.findall(
+                r"^READY \S+ \S+ grpc=\S+ metrics=(\S+)", log.read_text(), re.M
+            )[-1:]:
                 text = httpx.get(f"http://{address}/metrics", timeout=10).text
                 for key, metric in names.items():
-                    for m in re.finditer(rf"^{re.escape(metric)}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+                    for m in re.finditer(
+                        rf"^{re.escape(metric)}(?:{{([^}}]*)}})? (\S+)$", text, re.M
+                    ):
                         totals[key] += float(m.group(2))
                         outcome = re.search(r'outcome="(\w+)"', m.group(1) or "")
                         if outcome:
@@ -105,5 +146,3 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-
-

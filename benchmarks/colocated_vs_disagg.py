@@ -13,6 +13,7 @@ goodput at the SLO given by --slo-ttft-ms / --slo-itl-ms. The expected gain is d
 longer stalling behind long prefills; on 2 CPU cores the prefill worker also takes one of the
 two cores away from decode, so the trade is measured, not assumed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,25 +29,54 @@ from pathlib import Path
 
 from local_cluster.run_file import control_request
 
-
 MODES = ("colocated", "disaggregated", "planner")
 LABELS = {"colocated": "colocated", "disaggregated": "disaggregated", "planner": "disagg+planner"}
 
 
-def _start_up(mode: str, cores: str, work: Path, model_flags: list[str],
-              planner_flags: list[str]) -> tuple[subprocess.Popen, str]:
+def _start_up(
+    mode: str, cores: str, work: Path, model_flags: list[str], planner_flags: list[str]
+) -> tuple[subprocess.Popen, str]:
     split = mode in ("disaggregated", "planner")
     threads = "1" if split else str(len(cores.split(",")))
     env = {**os.environ, "PDSERVE_CACHE": str(work / f"cache-{mode}")}
     # The bundled model is prepared under the default cache; point this run at the same files.
-    model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
-                           text=True, check=True).stdout.strip()
-    cmd = ["taskset", "-c", cores, sys.executable, "-m", "pdserve", "up", "--port", "0",
-           "--prefill", "1" if split else "0", "--decode", "1", "--num-threads", threads,
-           "--model", model, "--log-dir", str(work / f"logs-{mode}"),
-           *[f"--worker-arg={f}" for f in model_flags], *(planner_flags if mode == "planner" else [])]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    model = subprocess.run(
+        [sys.executable, "-m", "pdserve", "prepare-model"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    cmd = [
+        "taskset",
+        "-c",
+        cores,
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--port",
+        "0",
+        "--prefill",
+        "1" if split else "0",
+        "--decode",
+        "1",
+        "--num-threads",
+        threads,
+        "--model",
+        model,
+        "--log-dir",
+        str(work / f"logs-{mode}"),
+        *[f"--worker-arg={f}" for f in model_flags],
+        *(planner_flags if mode == "planner" else []),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     url: list[str] = []
     ready = threading.Event()
 
@@ -72,29 +102,58 @@ def _planner_pools(work: Path) -> str:
 
 def _bench(url: str, out: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pdserve.bench", "--url", url, "--endpoint", "chat",
-         "--no-progress", "--out", str(out), *flags],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.bench",
+            "--url",
+            url,
+            "--endpoint",
+            "chat",
+            "--no-progress",
+            "--out",
+            str(out),
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rates", default="0.5,1,2", help="short-chat requests/s")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per rate")
     parser.add_argument("--long-rate", type=float, default=0.1, help="2-4k-token prompts/s")
     parser.add_argument("--cores", default="0,1")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000)
     parser.add_argument("--slo-itl-ms", type=float, default=250)
-    parser.add_argument("--num-layers", type=int, default=None, help="truncate the model (smoke runs)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="configurations to run, in order: colocated, disaggregated, planner")
-    parser.add_argument("--worker-arg", dest="worker_args", action="append", default=[],
-                        help="extra flag for every worker in every configuration, "
-                             "e.g. --worker-arg=--itl-target-ms=0")
-    parser.add_argument("--planner-arg", dest="planner_args", action="append", default=[],
-                        help="extra `pdserve up` flag for the planner configuration, e.g. "
-                             "--planner-arg=--planner-interval=2")
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="truncate the model (smoke runs)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="configurations to run, in order: colocated, disaggregated, planner",
+    )
+    parser.add_argument(
+        "--worker-arg",
+        dest="worker_args",
+        action="append",
+        default=[],
+        help="extra flag for every worker in every configuration, "
+        "e.g. --worker-arg=--itl-target-ms=0",
+    )
+    parser.add_argument(
+        "--planner-arg",
+        dest="planner_args",
+        action="append",
+        default=[],
+        help="extra `pdserve up` flag for the planner configuration, e.g. "
+        "--planner-arg=--planner-interval=2",
+    )
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
@@ -102,8 +161,12 @@ def main() -> None:
     model_flags = ["--kv-cache-memory=1GiB", "--max-num-batched-tokens=512", *args.worker_args]
     if args.num_layers:
         model_flags.append(f"--num-layers={args.num_layers}")
-    planner_flags = ["--planner", f"--ttft-slo-ms={args.slo_ttft_ms}", f"--itl-slo-ms={args.slo_itl_ms}",
-                     *args.planner_args]
+    planner_flags = [
+        "--planner",
+        f"--ttft-slo-ms={args.slo_ttft_ms}",
+        f"--itl-slo-ms={args.slo_itl_ms}",
+        *args.planner_args,
+    ]
     work = Path(tempfile.mkdtemp(prefix="pdserve-colo-"))
     rows = []
     for mode in modes:
@@ -114,37 +177,83 @@ def main() -> None:
             for i, rate in enumerate(float(r) for r in args.rates.split(",")):
                 n_short = max(4, int(rate * args.duration))
                 n_long = max(1, int(args.long_rate * args.duration))
-                short_out, long_out = work / f"{mode}-{rate}-short.json", work / f"{mode}-{rate}-long.json"
-                longs = _bench(url, long_out, "--num-requests", str(n_long), "--request-rate", str(args.long_rate),
-                               "--input-len-range", "2000,4000", "--output-len", "16", "--seed", str(2 * i + 2),
-                               "--timeout", str(args.duration * 3))
-                shorts = _bench(url, short_out, "--num-requests", str(n_short), "--request-rate", str(rate),
-                                "--input-len-range", "32,128", "--output-len", "64", "--ignore-eos",
-                                "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
-                                "--seed", str(2 * i + 1), "--timeout", str(args.duration * 3))
+                short_out, long_out = (
+                    work / f"{mode}-{rate}-short.json",
+                    work / f"{mode}-{rate}-long.json",
+                )
+                longs = _bench(
+                    url,
+                    long_out,
+                    "--num-requests",
+                    str(n_long),
+                    "--request-rate",
+                    str(args.long_rate),
+                    "--input-len-range",
+                    "2000,4000",
+                    "--output-len",
+                    "16",
+                    "--seed",
+                    str(2 * i + 2),
+                    "--timeout",
+                    str(args.duration * 3),
+                )
+                shorts = _bench(
+                    url,
+                    short_out,
+                    "--num-requests",
+                    str(n_short),
+                    "--request-rate",
+                    str(rate),
+                    "--input-len-range",
+                    "32,128",
+                    "--output-len",
+                    "64",
+                    "--ignore-eos",
+                    "--slo-ttft-ms",
+                    str(args.slo_ttft_ms),
+                    "--slo-itl-ms",
+                    str(args.slo_itl_ms),
+                    "--seed",
+                    str(2 * i + 1),
+                    "--timeout",
+                    str(args.duration * 3),
+                )
                 shorts.wait()
                 longs.wait()
                 doc = json.loads(short_out.read_text())["summary"]
                 rows.append((mode, rate, doc))
                 pools = f", pools now {_planner_pools(work)}" if mode == "planner" else ""
-                print(f"{LABELS[mode]:14s} rate {rate:4.1f}/s: TTFT p90 {doc['ttft_ms']['p90']:8.0f} ms, "
-                      f"ITL p99 {doc['itl_ms']['p99']:7.0f} ms, goodput {doc['goodput']:.2f} req/s "
-                      f"({doc['completed']}/{doc['num_requests']} done){pools}", flush=True)
+                print(
+                    f"{LABELS[mode]:14s} rate {rate:4.1f}/s: TTFT p90 {doc['ttft_ms']['p90']:8.0f} ms, "
+                    f"ITL p99 {doc['itl_ms']['p99']:7.0f} ms, goodput {doc['goodput']:.2f} req/s "
+                    f"({doc['completed']}/{doc['num_requests']} done){pools}",
+                    flush=True,
+                )
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
-    print(f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms and every ITL gap <= {args.slo_itl_ms:.0f} ms; "
-          f"long prompts at {args.long_rate}/s alongside; cores {args.cores}")
+    print(
+        f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms and every ITL gap <= {args.slo_itl_ms:.0f} ms; "
+        f"long prompts at {args.long_rate}/s alongside; cores {args.cores}"
+    )
     by = {(m, r): d for m, r, d in rows}
     if "colocated" in modes and len(modes) > 1:
         others = [m for m in modes if m != "colocated"]
-        print(f"\n{'rate':>8} | " + " | ".join(f"{LABELS[m] + '/colocated':>25}" for m in others)
-              + " | goodput " + " / ".join(LABELS[m] for m in modes))
+        print(
+            f"\n{'rate':>8} | "
+            + " | ".join(f"{LABELS[m] + '/colocated':>25}" for m in others)
+            + " | goodput "
+            + " / ".join(LABELS[m] for m in modes)
+        )
         for rate in sorted({r for _, r, _ in rows}):
             c = by[("colocated", rate)]
             ratios = [_ratio(by[(m, rate)]["goodput"], c["goodput"]) for m in others]
-            print(f"{rate:6.1f}/s | " + " | ".join(f"{r:>25}" for r in ratios) + " | "
-                  + " / ".join(f"{by[(m, rate)]['goodput']:.2f}" for m in modes))
+            print(
+                f"{rate:6.1f}/s | "
+                + " | ".join(f"{r:>25}" for r in ratios)
+                + " | "
+                + " / ".join(f"{by[(m, rate)]['goodput']:.2f}" for m in modes)
+            )
     shutil.rmtree(work, ignore_errors=True)
 
 

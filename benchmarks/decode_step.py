@@ -15,6 +15,7 @@ Variants: `cpu_attention` (the C++ paged decode kernel vs gather + SDPA), `packe
 Contexts are drawn in [--min-context, --max-context] per sequence (seeded); every sequence
 is prefilled first, then `--steps` decode steps are timed after two warm-up steps. Timers
 wrap the modules' `forward` (per-call `perf_counter`, a few µs each)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,18 @@ import torch
 
 from engine import LLM, SamplingParams
 
-PARTS = ("qkv", "o", "gate_up", "down", "attention", "norms/rope/other", "lm_head", "sampling",
-         "input prep", "engine outside execute")
+PARTS = (
+    "qkv",
+    "o",
+    "gate_up",
+    "down",
+    "attention",
+    "norms/rope/other",
+    "lm_head",
+    "sampling",
+    "input prep",
+    "engine outside execute",
+)
 
 
 class StepTimers:
@@ -88,24 +99,36 @@ def parts_of(seconds: dict[str, float]) -> dict[str, float]:
     s = dict(seconds)
     inside = sum(s.get(k, 0.0) for k in ("qkv", "o", "gate_up", "down", "attention"))
     s["norms/rope/other"] = s.get("residual", 0.0) - inside
-    s["input prep"] = s.get("execute", 0.0) - s.get("residual", 0.0) - s.get("lm_head", 0.0) \
+    s["input prep"] = (
+        s.get("execute", 0.0)
+        - s.get("residual", 0.0)
+        - s.get("lm_head", 0.0)
         - s.get("sampling", 0.0)
+    )
     s["engine outside execute"] = s.get("step", 0.0) - s.get("execute", 0.0)
     return {p: s.get(p, 0.0) for p in PARTS}
 
 
 def prefilled_engine(args, dtype: str, batch: int, seed: int = 0):
     """An engine whose `batch` sequences (contexts drawn per sequence) are all decoding."""
-    llm = LLM(args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory, dtype=dtype,
-              max_num_seqs=max(batch, 1), attention_backend=args.backend)
+    llm = LLM(
+        args.model,
+        num_layers=args.num_layers,
+        kv_cache_memory=args.kv_memory,
+        dtype=dtype,
+        max_num_seqs=max(batch, 1),
+        attention_backend=args.backend,
+    )
     engine = llm.engine
     rng = random.Random(seed + batch)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     for i in range(batch):
         n = args.max_context if batch == 1 else rng.randint(args.min_context, args.max_context)
         engine.add_request(f"dec-{i}", [rng.randrange(100, 49000) for _ in range(n)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     return llm
 
@@ -173,7 +196,9 @@ def isa() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--dtypes", default="bfloat16,float32")
@@ -186,11 +211,14 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--compare", choices=sorted(VARIANTS), default=None)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--torch-profile", action="store_true",
-                        help="also print torch.profiler's op table per case")
+    parser.add_argument(
+        "--torch-profile", action="store_true", help="also print torch.profiler's op table per case"
+    )
     args = parser.parse_args()
-    print(f"ISA: {isa()}, torch {torch.__version__}, contexts {args.min_context}-{args.max_context} "
-          f"(batch 1: {args.max_context})")
+    print(
+        f"ISA: {isa()}, torch {torch.__version__}, contexts {args.min_context}-{args.max_context} "
+        f"(batch 1: {args.max_context})"
+    )
     head = f"{'dtype':9s} {'thr':>3s} {'batch':>5s} {'step ms':>8s} | " + " | ".join(PARTS)
     print(head)
     for dtype in args.dtypes.split(","):
@@ -200,15 +228,26 @@ def main() -> None:
             for threads in map(int, args.threads.split(",")):
                 torch.set_num_threads(threads)
                 if args.compare:
-                    base, new, base_parts, new_parts = compare(llm.engine, args.compare, args.steps, args.reps)
-                    print(f"{dtype:9s} {threads:3d} {batch:5d} {base:8.2f} -> {new:8.2f} ms "
-                          f"ratio {new / base:.2f}  | " + " | ".join(
-                              f"{p} {base_parts[p]:.1f}->{new_parts[p]:.1f}" for p in PARTS
-                              if abs(base_parts[p] - new_parts[p]) > 0.2), flush=True)
+                    base, new, base_parts, new_parts = compare(
+                        llm.engine, args.compare, args.steps, args.reps
+                    )
+                    print(
+                        f"{dtype:9s} {threads:3d} {batch:5d} {base:8.2f} -> {new:8.2f} ms "
+                        f"ratio {new / base:.2f}  | "
+                        + " | ".join(
+                            f"{p} {base_parts[p]:.1f}->{new_parts[p]:.1f}"
+                            for p in PARTS
+                            if abs(base_parts[p] - new_parts[p]) > 0.2
+                        ),
+                        flush=True,
+                    )
                     continue
                 ms, parts = measure(llm.engine, args.steps)
-                print(f"{dtype:9s} {threads:3d} {batch:5d} {ms:8.2f} | "
-                      + " | ".join(f"{parts[p]:.2f}" for p in PARTS), flush=True)
+                print(
+                    f"{dtype:9s} {threads:3d} {batch:5d} {ms:8.2f} | "
+                    + " | ".join(f"{parts[p]:.2f}" for p in PARTS),
+                    flush=True,
+                )
                 if args.torch_profile:
                     torch_profile(llm.engine, args.steps)
             del llm

@@ -5,18 +5,21 @@ equal, and the tokenizer's full decode (which may add a final incomplete charact
 
     python benchmarks/detok_bench.py [--tokens 4000] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse
 import random
 import time
 
-from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.models.prepare import resolve_model_path
+from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.processing.tokenizer import Tokenizer
 
-_TEXT = ("The quick brown fox jumps over the lazy dog, then writes `def f(x): return x`. "
-         "日本語のテキスト、絵文字 🎉🚀 and naïve café. ")
+_TEXT = (
+    "The quick brown fox jumps over the lazy dog, then writes `def f(x): return x`. "
+    "日本語のテキスト、絵文字 🎉🚀 and naïve café. "
+)
 
 
 def _window_redecode(tok: Tokenizer, ids: list[int], skip: bool) -> str:
@@ -27,7 +30,7 @@ def _window_redecode(tok: Tokenizer, ids: list[int], skip: bool) -> str:
         prefix_text = tok.decode(seen[prefix:read], skip)
         new_text = tok.decode(seen[prefix:], skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            text += new_text[len(prefix_text):]
+            text += new_text[len(prefix_text) :]
             prefix, read = read, len(seen)
     return text
 
@@ -62,8 +65,10 @@ def main() -> None:
                 times[label] = best * 1e6 / len(ids)
             full = tok.decode(ids, skip)
             assert texts["window"] == texts["stream"] and full.startswith(texts["stream"]), name
-            print(f"| {name} | {skip} | {times['window']:.1f} | {times['stream']:.1f} | "
-                  f"{times['window'] / times['stream']:.1f}x |")
+            print(
+                f"| {name} | {skip} | {times['window']:.1f} | {times['stream']:.1f} | "
+                f"{times['window'] / times['stream']:.1f}x |"
+            )
 
 
 if __name__ == "__main__":

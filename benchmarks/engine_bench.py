@@ -15,6 +15,7 @@ one run against a baseline from the same run; asserts nothing.
   (median of 36 steps; random and greedy rows; --profile adds a cProfile of the 64-sequence
   random steps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,12 @@ def _run_pdserve(args, prompts, dtype: str) -> tuple[float, int, list[float], st
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     seconds = time.perf_counter() - t0
-    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), usage, str(engine.loaded.model_dir)
+    return (
+        seconds,
+        sum(len(o.outputs[0].token_ids) for o in outs),
+        usage,
+        str(engine.loaded.model_dir),
+    )
 
 
 def _run_hf(args, prompts, model_dir: str, dtype: torch.dtype) -> tuple[float, int]:
@@ -62,22 +68,32 @@ def _run_hf(args, prompts, model_dir: str, dtype: torch.dtype) -> tuple[float, i
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, **({"num_hidden_layers": args.num_layers} if args.num_layers else {})
+        model_dir,
+        dtype=dtype,
+        **({"num_hidden_layers": args.num_layers} if args.num_layers else {}),
     ).eval()
     width, pad = max(len(p) for p in prompts), 2
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=args.output_len,
-                          min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=args.output_len,
+            min_new_tokens=args.output_len,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     return time.perf_counter() - t0, (out.shape[1] - width) * len(prompts)
 
 
 def bench_throughput(args) -> None:
     prompts = _prompts(args.num_prompts, 128, 512)
-    print(f"\n== offline throughput: {len(prompts)} prompts of 128-512 tokens, {args.output_len} "
-          f"out, ignore_eos, {args.threads} thread(s) ==")
+    print(
+        f"\n== offline throughput: {len(prompts)} prompts of 128-512 tokens, {args.output_len} "
+        f"out, ignore_eos, {args.threads} thread(s) =="
+    )
     rates = {}
     for dtype in args.dtypes.split(","):
         seconds, generated, usage, model_dir = _run_pdserve(args, prompts, dtype)
@@ -85,16 +101,22 @@ def bench_throughput(args) -> None:
         print(f"pdserve {dtype:9s}: {seconds:7.1f} s {generated / seconds:8.1f} output tok/s")
         if usage and dtype == args.dtypes.split(",")[0]:
             mean = sum(usage) / len(usage)
-            print(f"  KV slots holding real tokens: mean {mean:.1%} over {len(usage)} steps, "
-                  f"min {min(usage):.1%}  (target >= 95%)")
+            print(
+                f"  KV slots holding real tokens: mean {mean:.1%} over {len(usage)} steps, "
+                f"min {min(usage):.1%}  (target >= 95%)"
+            )
         seconds, generated = _run_hf(args, prompts, model_dir, getattr(torch, dtype))
         rates[("hf", dtype)] = generated / seconds
         print(f"HF static {dtype:7s}: {seconds:7.1f} s {generated / seconds:8.1f} output tok/s")
     for dtype in args.dtypes.split(","):
-        print(f"ratio pdserve/HF, both {dtype}: {rates[('pdserve', dtype)] / rates[('hf', dtype)]:.2f}x")
+        print(
+            f"ratio pdserve/HF, both {dtype}: {rates[('pdserve', dtype)] / rates[('hf', dtype)]:.2f}x"
+        )
     if ("pdserve", "bfloat16") in rates and ("hf", "float32") in rates:
-        print(f"ratio pdserve bfloat16 / HF float32 (each at its default on this CPU): "
-              f"{rates[('pdserve', 'bfloat16')] / rates[('hf', 'float32')]:.2f}x  (target >= 3x)")
+        print(
+            f"ratio pdserve bfloat16 / HF float32 (each at its default on this CPU): "
+            f"{rates[('pdserve', 'bfloat16')] / rates[('hf', 'float32')]:.2f}x  (target >= 3x)"
+        )
 
 
 def bench_prefix(args) -> None:
@@ -116,9 +138,13 @@ def bench_prefix(args) -> None:
     engine.reset_prefix_cache()
     cold_s, _ = ttft(shared + tails[2])
     print(f"\n== prefix cache: {args.prefix_len}-token shared prefix + 50 new tokens ==")
-    print(f"prefill tokens computed: uncached {uncached_tokens}, cached {cached_tokens}  (target <= 64)")
-    print(f"TTFT uncached {uncached_s * 1000:.0f} ms (after reset: {cold_s * 1000:.0f} ms), "
-          f"cached {cached_s * 1000:.0f} ms, ratio {cached_s / uncached_s:.3f}  (target <= 0.05)")
+    print(
+        f"prefill tokens computed: uncached {uncached_tokens}, cached {cached_tokens}  (target <= 64)"
+    )
+    print(
+        f"TTFT uncached {uncached_s * 1000:.0f} ms (after reset: {cold_s * 1000:.0f} ms), "
+        f"cached {cached_s * 1000:.0f} ms, ratio {cached_s / uncached_s:.3f}  (target <= 0.05)"
+    )
 
 
 def bench_prefill(args) -> None:
@@ -131,7 +157,9 @@ def bench_prefill(args) -> None:
     from engine import cpu_kernels
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory, dtype="bfloat16")
+    llm = LLM(
+        args.model, num_layers=args.num_layers, kv_cache_memory=args.kv_memory, dtype="bfloat16"
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     built = cpu_kernels.prefills_in_place
@@ -146,15 +174,28 @@ def bench_prefill(args) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         if round_ >= 2:  # the first pair warms up
-            runs[arm].append((time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+            runs[arm].append(
+                (
+                    time.perf_counter() - t0,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+                )
+            )
     cpu_kernels.prefills_in_place = built
-    print(f"\n== prefill rounds: {args.prefill_prompts} prompts of 128-512 tokens, bf16, {args.threads} threads ==")
-    built_isa = torch.ops.pdserve_cpu.prefill_isa() if hasattr(torch.ops.pdserve_cpu, "prefill_isa") else "not built"
+    print(
+        f"\n== prefill rounds: {args.prefill_prompts} prompts of 128-512 tokens, bf16, {args.threads} threads =="
+    )
+    built_isa = (
+        torch.ops.pdserve_cpu.prefill_isa()
+        if hasattr(torch.ops.pdserve_cpu, "prefill_isa")
+        else "not built"
+    )
     print(f"prefill kernel: {built_isa}")
     med = {arm: statistics.median(t for t, _ in r) for arm, r in runs.items()}
     for arm, r in runs.items():
-        print(f"kernel {arm:3s}: median round {med[arm] * 1e3:7.1f} ms, "
-              f"page faults per round {statistics.median(f for _, f in r):.0f}")
+        print(
+            f"kernel {arm:3s}: median round {med[arm] * 1e3:7.1f} ms, "
+            f"page faults per round {statistics.median(f for _, f in r):.0f}"
+        )
     print(f"ratio on/off: {med['on'] / med['off']:.2f}")
 
 
@@ -183,15 +224,20 @@ def bench_overhead(args) -> None:
                 depth[0] -= 1
                 if depth[0] == 0:
                     forward_time[0] += time.perf_counter() - t0
+
         return wrapper
 
     for name, fn in originals.items():
         setattr(model, name, timed(fn))
-    print(f"\n== step overhead: wall time per step outside the model forward ({args.threads} threads) ==")
+    print(
+        f"\n== step overhead: wall time per step outside the model forward ({args.threads} threads) =="
+    )
     for batch in (1, 64):
         for greedy in (False, True):
             steps = 36
-            params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0 if greedy else 1.0)
+            params = SamplingParams(
+                max_tokens=steps + 4, ignore_eos=True, temperature=0.0 if greedy else 1.0
+            )
             for i, p in enumerate(_prompts(batch, 16, 16, seed=batch)):
                 engine.add_request(f"ovh-{batch}-{i}", p, params)
             engine.step()  # prefill
@@ -209,10 +255,12 @@ def bench_overhead(args) -> None:
             if profiler is not None:
                 profiler.disable()
             # Medians per step: a step that a busy neighbour (steal) slowed does not move them.
-            print(f"{batch:3d} running, {'greedy' if greedy else 'random'}: "
-                  f"{statistics.median(outside) * 1000:6.2f} ms/step outside forward "
-                  f"(mean {statistics.fmean(outside) * 1000:.2f}), "
-                  f"{statistics.median(inside) * 1000:7.2f} ms/step in forward")
+            print(
+                f"{batch:3d} running, {'greedy' if greedy else 'random'}: "
+                f"{statistics.median(outside) * 1000:6.2f} ms/step outside forward "
+                f"(mean {statistics.fmean(outside) * 1000:.2f}), "
+                f"{statistics.median(inside) * 1000:7.2f} ms/step in forward"
+            )
             for i in range(batch):
                 engine.abort_request(f"ovh-{batch}-{i}")
             if profiler is not None:
@@ -223,7 +271,9 @@ def bench_overhead(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -234,10 +284,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, 4 layers: a smoke run")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="engine/HF dtypes to compare")
     parser.add_argument("--only", default="throughput,prefix,prefill,overhead")
-    parser.add_argument("--prefill-prompts", type=int, default=16, help="prefill: prompts per round")
+    parser.add_argument(
+        "--prefill-prompts", type=int, default=16, help="prefill: prompts per round"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="prefill: rounds per arm")
-    parser.add_argument("--profile", action="store_true",
-                        help="overhead: also print a cProfile of the 64-sequence random steps")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="overhead: also print a cProfile of the 64-sequence random steps",
+    )
     args = parser.parse_args()
     if args.quick:
         args.num_layers, args.num_prompts, args.output_len, args.prefix_len = 4, 8, 16, 500

@@ -7,6 +7,7 @@ the same run, interleaved.
 
     python benchmarks/etcd_auth_bench.py [--rounds 40]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ from throwaway_pki import etcd_tls, openssl_available  # noqa: E402
 CLUSTER = "bench"
 
 
-async def _join(endpoint: str, worker: EtcdCredentials | None, registry: WorkerRegistry,
-                worker_id: str) -> tuple[float, float]:
+async def _join(
+    endpoint: str, worker: EtcdCredentials | None, registry: WorkerRegistry, worker_id: str
+) -> tuple[float, float]:
     """(ms until registered, ms until the router's registry has it)."""
     info = WorkerInfo(worker_id, "decode", "127.0.0.1:1", "m", "c", 16)
     start = time.perf_counter()
@@ -68,8 +70,12 @@ async def _run(setups: dict, rounds: int) -> dict[str, tuple[list[float], list[f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--bcrypt-cost", type=int, default=4,
-                        help="etcd's --bcrypt-cost (pdserve up: 4; etcd's default: 10)")
+    parser.add_argument(
+        "--bcrypt-cost",
+        type=int,
+        default=4,
+        help="etcd's --bcrypt-cost (pdserve up: 4; etcd's default: 10)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         users = etcd_users(CLUSTER, Path(tmp))
@@ -82,13 +88,17 @@ def main() -> None:
             for server in servers.values():
                 server.start()
             worker, router = users.worker.resolve({}), users.router.resolve({})
-            setups = {"open": (servers["open"].endpoint, None, None),
-                      "users": (servers["users"].endpoint, worker, router)}
+            setups = {
+                "open": (servers["open"].endpoint, None, None),
+                "users": (servers["users"].endpoint, worker, router),
+            }
             if tls is not None:
                 files = dict(etcd_ca=str(tls.ca), etcd_cert=str(tls.cert), etcd_key=str(tls.key))
-                setups["users + TLS"] = (servers["users + TLS"].endpoint,
-                                         replace(users.worker, **files).resolve({}),
-                                         replace(users.router, **files).resolve({}))
+                setups["users + TLS"] = (
+                    servers["users + TLS"].endpoint,
+                    replace(users.worker, **files).resolve({}),
+                    replace(users.router, **files).resolve({}),
+                )
             results = asyncio.run(_run(setups, args.rounds))
         finally:
             for server in servers.values():

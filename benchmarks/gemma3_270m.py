@@ -16,6 +16,7 @@ on the same prepared directory. Prints numbers and ratios measured in one run; a
   block) against the engine's per-KV-group release (benchmarks/window_memory.py measures it
   on tiny checkpoints).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import statistics
 import time
 
 import torch
-
 from arch_throughput import cpu_has_bf16
+
 from engine import LLM, SamplingParams
 from engine.kv.kv_pool import kv_block_bytes
 from engine.models.prepare import resolve_model_path
@@ -85,8 +86,13 @@ def hf_decode(hf, prompts: list[list[int]], max_tokens: int) -> float:
             pass
 
     streamer = FirstToken()
-    hf.generate(torch.tensor(prompts), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=False, streamer=streamer)
+    hf.generate(
+        torch.tensor(prompts),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        streamer=streamer,
+    )
     return len(prompts) * (max_tokens - 1) / (time.perf_counter() - streamer.t_first)
 
 
@@ -96,7 +102,9 @@ def window_memory(llm: LLM, seq_len: int) -> None:
     windows = [args.window(i) for i in range(args.n_layers)]
     blocks = -(-seq_len // block)
     # one layer's share of a block, bf16 / fp32
-    layer_bytes = [kv_block_bytes(args, block, d) // args.n_layers for d in (torch.bfloat16, torch.float32)]
+    layer_bytes = [
+        kv_block_bytes(args, block, d) // args.n_layers for d in (torch.bfloat16, torch.float32)
+    ]
     today = args.n_layers * blocks
     sliding = [w for w in windows if w is not None]
     n_global = args.n_layers - len(sliding)
@@ -108,17 +116,27 @@ def window_memory(llm: LLM, seq_len: int) -> None:
     def mib(n: int) -> str:
         return " / ".join(f"{n * b / 2**20:.1f}" for b in layer_bytes) + " MiB (bf16 / fp32)"
 
-    print(f"\n== sliding-window KV memory, COMPUTED (not measured): one {seq_len}-token sequence, "
-          f"block size {block} ==")
-    print(f"layers {args.n_layers}: {len(sliding)} sliding (window {sorted(set(sliding))}), {n_global} global; "
-          f"one layer's share of a block {layer_bytes[0]} / {layer_bytes[1]} bytes (bf16 / fp32)")
-    print(f"without window release: {blocks} blocks x {args.n_layers} layers = {today} layer-blocks, "
-          f"{mib(today)}")
-    print(f"with window release (the engine's KV groups): {n_global} x {blocks} + {len(sliding)} sliding layers x "
-          f"{-(-sliding[0] // block) if sliding else 0}-{-(-sliding[0] // block) + 1 if sliding else 0} "
-          f"= {aligned}-{upper} layer-blocks, {mib(upper)} at the upper bound")
-    print(f"ratio without / with release: {today / upper:.2f}x (upper bound) - {today / aligned:.2f}x (aligned); "
-          f"release keeps {upper / today:.1%} of the KV")
+    print(
+        f"\n== sliding-window KV memory, COMPUTED (not measured): one {seq_len}-token sequence, "
+        f"block size {block} =="
+    )
+    print(
+        f"layers {args.n_layers}: {len(sliding)} sliding (window {sorted(set(sliding))}), {n_global} global; "
+        f"one layer's share of a block {layer_bytes[0]} / {layer_bytes[1]} bytes (bf16 / fp32)"
+    )
+    print(
+        f"without window release: {blocks} blocks x {args.n_layers} layers = {today} layer-blocks, "
+        f"{mib(today)}"
+    )
+    print(
+        f"with window release (the engine's KV groups): {n_global} x {blocks} + {len(sliding)} sliding layers x "
+        f"{-(-sliding[0] // block) if sliding else 0}-{-(-sliding[0] // block) + 1 if sliding else 0} "
+        f"= {aligned}-{upper} layer-blocks, {mib(upper)} at the upper bound"
+    )
+    print(
+        f"ratio without / with release: {today / upper:.2f}x (upper bound) - {today / aligned:.2f}x (aligned); "
+        f"release keeps {upper / today:.1%} of the KV"
+    )
 
 
 def bench(dtype: str, args) -> None:
@@ -127,7 +145,9 @@ def bench(dtype: str, args) -> None:
     torch_dtype = getattr(torch, dtype)
     llm = LLM(MODEL, dtype=dtype, kv_cache_memory=512 << 20)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL), dtype=torch_dtype).eval()
-    print(f"\n== {MODEL} {dtype}: ours vs transformers (HF attention: {hf.config._attn_implementation}) ==")
+    print(
+        f"\n== {MODEL} {dtype}: ours vs transformers (HF attention: {hf.config._attn_implementation}) =="
+    )
     warm = make_prompts(1, 16, seed=99)
     ours_ttft(llm, warm[0])
     hf_ttft(hf, warm[0])
@@ -136,25 +156,34 @@ def bench(dtype: str, args) -> None:
         ours_t.append(ours_ttft(llm, prompt))
         hf_t.append(hf_ttft(hf, prompt))
     ours_med, hf_med = statistics.median(ours_t), statistics.median(hf_t)
-    print(f"TTFT, {args.prompt_len}-token prompt, median of {args.ttft_reps}: ours {ours_med * 1e3:.0f} ms, "
-          f"HF {hf_med * 1e3:.0f} ms, ours/HF {ours_med / hf_med:.2f} (lower is better)")
+    print(
+        f"TTFT, {args.prompt_len}-token prompt, median of {args.ttft_reps}: ours {ours_med * 1e3:.0f} ms, "
+        f"HF {hf_med * 1e3:.0f} ms, ours/HF {ours_med / hf_med:.2f} (lower is better)"
+    )
     for batch in (1, 8):
         batch_prompts = make_prompts(batch, args.prompt_len, seed=10 + batch)
         ours = theirs = 0.0
         for rep in range(args.decode_reps):  # interleaved: a busy stretch hits both sides
             ours = max(ours, ours_decode(llm, batch_prompts, args.decode_tokens, f"d{batch}-{rep}"))
             theirs = max(theirs, hf_decode(hf, batch_prompts, args.decode_tokens))
-        print(f"decode x{batch}, best of {args.decode_reps}: ours {ours:.1f} tok/s, HF {theirs:.1f} tok/s, "
-              f"ratio {ours / theirs:.2f}x")
+        print(
+            f"decode x{batch}, best of {args.decode_reps}: ours {ours:.1f} tok/s, HF {theirs:.1f} tok/s, "
+            f"ratio {ours / theirs:.2f}x"
+        )
     if dtype == args.dtypes[0]:
         window_memory(llm, args.memory_seq_len)
     del llm, hf
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="auto",
-                        help="comma-separated; auto = float32, and bfloat16 if the CPU has AVX512-BF16/AMX")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dtypes",
+        default="auto",
+        help="comma-separated; auto = float32, and bfloat16 if the CPU has AVX512-BF16/AMX",
+    )
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--ttft-reps", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
@@ -162,14 +191,19 @@ def main() -> None:
     parser.add_argument("--memory-seq-len", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    args.dtypes = (["float32", "bfloat16"] if cpu_has_bf16() else ["float32"]) if args.dtypes == "auto" \
+    args.dtypes = (
+        (["float32", "bfloat16"] if cpu_has_bf16() else ["float32"])
+        if args.dtypes == "auto"
         else args.dtypes.split(",")
+    )
     torch.set_num_threads(args.threads)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), "
-          f"AVX512-BF16/AMX: {cpu_has_bf16()}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), "
+        f"AVX512-BF16/AMX: {cpu_has_bf16()}"
+    )
     start = time.perf_counter()
     for dtype in args.dtypes:
         bench(dtype, args)

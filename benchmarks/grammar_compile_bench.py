@@ -8,6 +8,7 @@ kill). Prints numbers; asserts nothing.
 
   python benchmarks/grammar_compile_bench.py [--model default] [--reps 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,12 @@ import statistics
 import time
 
 from structured_bench import COMPILE_SCHEMAS
+
 from engine.models.prepare import resolve_model_path
+from engine.processing.tokenizer import Tokenizer
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams
-from engine.processing.tokenizer import Tokenizer
 
 SMALL = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TYPICAL = COMPILE_SCHEMAS[1]  # structured_bench's: $ref, bounds, patterns, an enum
@@ -48,8 +50,9 @@ def _serialized_bytes(compiler: GrammarCompiler, schema: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args(argv)
@@ -60,19 +63,25 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     in_child.compile(StructuredOutputsParams(regex="[0-9]"))
     start_s = time.perf_counter() - t0
-    print(f"{platform.processor() or platform.machine()}, vocabulary {vocab} tokens, "
-          f"median of {args.reps} cold compiles")
+    print(
+        f"{platform.processor() or platform.machine()}, vocabulary {vocab} tokens, "
+        f"median of {args.reps} cold compiles"
+    )
     print(f"child start (first compile after start or a kill): {start_s:.2f} s")
-    print(f"{'constraint':16s} {'in-thread ms':>13s} {'child ms':>9s} {'added ms':>9s} "
-          f"{'grammar bytes':>14s}")
+    print(
+        f"{'constraint':16s} {'in-thread ms':>13s} {'child ms':>9s} {'added ms':>9s} "
+        f"{'grammar bytes':>14s}"
+    )
     for n, (name, schema) in enumerate(CASES.items()):
         base = n * 10 * args.reps
         _cold_ms(in_thread, schema, 2, base - 100)  # warm both paths
         _cold_ms(in_child, schema, 2, base - 200)
         a = _cold_ms(in_thread, schema, args.reps, base)
         b = _cold_ms(in_child, schema, args.reps, base + 5 * args.reps)
-        print(f"{name:16s} {a:>13.2f} {b:>9.2f} {b - a:>9.2f} "
-              f"{_serialized_bytes(in_thread, schema):>14d}")
+        print(
+            f"{name:16s} {a:>13.2f} {b:>9.2f} {b - a:>9.2f} "
+            f"{_serialized_bytes(in_thread, schema):>14d}"
+        )
     again = StructuredOutputsParams(json=json.dumps(TYPICAL))
     in_child.compile(again)
     t0 = time.perf_counter()

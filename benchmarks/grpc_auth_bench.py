@@ -19,6 +19,7 @@ both ends together.
 
     .venv/bin/python benchmarks/grpc_auth_bench.py [--calls 2000] [--concurrency 32] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,9 +124,15 @@ async def _measure(name: str, auth: ClusterAuth, args: argparse.Namespace) -> Ro
     finally:
         await pool.close_all()
         await server.stop(0)
-    return Row(name, latencies[len(latencies) // 2] * 1e6,
-               latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e6,
-               unary_cpu * 1e6, throughput, stream_cpu * 1e6, statistics.median(fresh) * 1e3)
+    return Row(
+        name,
+        latencies[len(latencies) // 2] * 1e6,
+        latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e6,
+        unary_cpu * 1e6,
+        throughput,
+        stream_cpu * 1e6,
+        statistics.median(fresh) * 1e3,
+    )
 
 
 def setups(tmp: Path) -> dict[str, ClusterAuth]:
@@ -133,8 +140,9 @@ def setups(tmp: Path) -> dict[str, ClusterAuth]:
     out = {"none": OPEN, "token": ClusterAuth(token=TOKEN, source="bench")}
     if openssl_available():
         pki = make_pki(tmp)
-        tls = resolve(GrpcSecurity(tls_cert=str(pki.cert), tls_key=str(pki.key),
-                                   tls_ca=str(pki.ca)), {}).tls
+        tls = resolve(
+            GrpcSecurity(tls_cert=str(pki.cert), tls_key=str(pki.key), tls_ca=str(pki.ca)), {}
+        ).tls
         out["mtls"] = ClusterAuth(tls=tls)
         out["mtls+token"] = ClusterAuth(token=TOKEN, tls=tls, source="bench")
     return out
@@ -151,26 +159,36 @@ def _cpu() -> str:
 
 
 def _median_row(rows: list[Row]) -> Row:
-    return Row(rows[0].setup, *(statistics.median(getattr(r, f.name) for r in rows)
-                                for f in dataclasses.fields(Row)[1:]))
+    return Row(
+        rows[0].setup,
+        *(statistics.median(getattr(r, f.name) for r in rows) for f in dataclasses.fields(Row)[1:]),
+    )
 
 
 def run(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory() as tmp:
         auths = setups(Path(tmp))
-        rounds = [[asyncio.run(_measure(name, auth, args)) for name, auth in auths.items()]
-                  for _ in range(args.rounds)]
+        rounds = [
+            [asyncio.run(_measure(name, auth, args)) for name, auth in auths.items()]
+            for _ in range(args.rounds)
+        ]
     rows = [_median_row(list(of_setup)) for of_setup in zip(*rounds)]
     base = rows[0]
-    print(f"{_cpu()}; {args.calls} calls per figure, {args.tokens}-response streams, "
-          f"{args.concurrency} concurrent; medians of {args.rounds} rounds")
-    print(f"{'setup':>11} | {'unary p50':>9} {'p99':>8} {'CPU/call':>9} {'ratio':>5} | "
-          f"{'stream calls/s':>14} {'CPU/call':>9} {'ratio':>5} | {'new channel':>11}")
+    print(
+        f"{_cpu()}; {args.calls} calls per figure, {args.tokens}-response streams, "
+        f"{args.concurrency} concurrent; medians of {args.rounds} rounds"
+    )
+    print(
+        f"{'setup':>11} | {'unary p50':>9} {'p99':>8} {'CPU/call':>9} {'ratio':>5} | "
+        f"{'stream calls/s':>14} {'CPU/call':>9} {'ratio':>5} | {'new channel':>11}"
+    )
     for r in rows:
-        print(f"{r.setup:>11} | {r.unary_p50_us:7.0f}us {r.unary_p99_us:6.0f}us "
-              f"{r.unary_cpu_us:7.0f}us {r.unary_cpu_us / base.unary_cpu_us:5.2f} | "
-              f"{r.stream_calls_per_s:14.0f} {r.stream_cpu_us:7.0f}us "
-              f"{r.stream_cpu_us / base.stream_cpu_us:5.2f} | {r.new_channel_ms:9.2f}ms")
+        print(
+            f"{r.setup:>11} | {r.unary_p50_us:7.0f}us {r.unary_p99_us:6.0f}us "
+            f"{r.unary_cpu_us:7.0f}us {r.unary_cpu_us / base.unary_cpu_us:5.2f} | "
+            f"{r.stream_calls_per_s:14.0f} {r.stream_cpu_us:7.0f}us "
+            f"{r.stream_cpu_us / base.stream_cpu_us:5.2f} | {r.new_channel_ms:9.2f}ms"
+        )
     return rows
 
 

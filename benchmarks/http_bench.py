@@ -6,6 +6,7 @@ framework around them.
 
     .venv/bin/python benchmarks/http_bench.py --seconds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,23 +14,27 @@ import asyncio
 import time
 
 import httpx
-
 from cpu_info import cpu_isa
 
 CASES = {
     "tokenize": ("/tokenize", {"prompt": "The quick brown fox jumps over the lazy dog."}, 200),
-    "completions_400": ("/v1/completions",
-                        {"prompt": "hi", "max_tokens": 2, "temperature": -1}, 400),
-    "completions_400_type": ("/v1/completions",
-                             {"prompt": "hi", "max_tokens": 2, "n": "2"}, 400),
-    "completions_400_4k_ids": ("/v1/completions",
-                               {"prompt": list(range(1000, 5000)), "max_tokens": 2,
-                                "temperature": -1}, 400),
+    "completions_400": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "temperature": -1},
+        400,
+    ),
+    "completions_400_type": ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": "2"}, 400),
+    "completions_400_4k_ids": (
+        "/v1/completions",
+        {"prompt": list(range(1000, 5000)), "max_tokens": 2, "temperature": -1},
+        400,
+    ),
 }
 
 
-async def rate(client: httpx.AsyncClient, path: str, body: dict, status: int,
-               seconds: float) -> tuple[float, float]:
+async def rate(
+    client: httpx.AsyncClient, path: str, body: dict, status: int, seconds: float
+) -> tuple[float, float]:
     """Sequential (requests per wall second, requests per CPU second of this process) over
     `seconds` after a short warm-up. On a shared machine the second is the steadier one: the
     client and the app run on this one thread, so it is 1 / CPU time of a request."""
@@ -45,9 +50,9 @@ async def rate(client: httpx.AsyncClient, path: str, body: dict, status: int,
 
 
 async def run(seconds: float, repeats: int) -> dict[str, tuple[float, float]]:
+    from router.config import RouterConfig
     from router.http.app import create_app
     from router.http.auth import Keys
-    from router.config import RouterConfig
     from router.server import RouterServices, load_model_card
 
     config = RouterConfig(etcd="127.0.0.1:1")  # never contacted: the lifespan does not run

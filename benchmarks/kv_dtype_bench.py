@@ -19,6 +19,7 @@ int8 (per-token, per-head float32 scales inside the block: head_dim + 4 bytes pe
   --steps decode steps, prefill excluded), full model, each format over the bf16 model (and
   auto fp32), interleaved over --reps, best taken.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,13 @@ from typing import Any
 GiB = 1 << 30
 #: (label, kv_cache_dtype, model dtype): auto in both model dtypes, then every quantized format
 #: over the bf16 model (their pool does not depend on the model dtype; their compute does).
-FORMATS = [("auto bf16", "auto", "bfloat16"), ("auto fp32", "auto", "float32"),
-           ("fp8_e4m3", "fp8_e4m3", "bfloat16"), ("fp8_e5m2", "fp8_e5m2", "bfloat16"),
-           ("int8", "int8", "bfloat16")]
+FORMATS = [
+    ("auto bf16", "auto", "bfloat16"),
+    ("auto fp32", "auto", "float32"),
+    ("fp8_e4m3", "fp8_e4m3", "bfloat16"),
+    ("fp8_e5m2", "fp8_e5m2", "bfloat16"),
+    ("int8", "int8", "bfloat16"),
+]
 
 
 def capacity(kv_memory: int, context: int, block_size: int) -> list[dict[str, Any]]:
@@ -54,16 +59,21 @@ def capacity(kv_memory: int, context: int, block_size: int) -> list[dict[str, An
         model_dtype = getattr(torch, dtype)
         blocks = num_blocks_for_budget(config, args, model_dtype, torch.device("cpu"), None)
         per_seq = math.ceil(context / block_size)
-        rows.append(dict(format=label, block_bytes=kv_block_bytes(args, block_size, model_dtype, kv),
-                         blocks=blocks, max_seqs=blocks // per_seq,
-                         request_bytes=per_seq * kv_block_bytes(args, block_size, model_dtype, kv)))
+        rows.append(
+            dict(
+                format=label,
+                block_bytes=kv_block_bytes(args, block_size, model_dtype, kv),
+                blocks=blocks,
+                max_seqs=blocks // per_seq,
+                request_bytes=per_seq * kv_block_bytes(args, block_size, model_dtype, kv),
+            )
+        )
     return rows
 
 
 def transfer(context: int, block_size: int, reps: int) -> dict[str, tuple[float, float]]:
     """label -> (best, median) seconds to move one request's blocks between two processes."""
     import torch
-
     from kv_transfer import Bench, _backend, _digest, _pool
 
     per_seq = math.ceil(context / block_size)
@@ -75,8 +85,9 @@ def transfer(context: int, block_size: int, reps: int) -> dict[str, tuple[float,
         for label, kv, dtype in FORMATS:
             meta = bench.call("setup", num_blocks, block_size, kv, dtype)
             src = _pool(num_blocks, block_size, "cpu", 1.0, kv, dtype)
-            src.view(torch.uint8).copy_(torch.randint(0, 256, src.view(torch.uint8).shape,
-                                                      dtype=torch.uint8, generator=rng))
+            src.view(torch.uint8).copy_(
+                torch.randint(0, 256, src.view(torch.uint8).shape, dtype=torch.uint8, generator=rng)
+            )
             backend = _backend(f"bench-send-{label.replace(' ', '-')}", src, kv)
             peer = backend.add_peer(meta)
             bench.transfer(backend, peer, [0], [0], 1)  # warm: first write after wire-up
@@ -99,8 +110,9 @@ def decode_tok_s(llm: Any, prompts: list, steps: int, loras: list | None = None)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params,
-                           lora_request=loras[i] if loras else None)
+        engine.add_request(
+            f"r{time.monotonic_ns()}-{i}", p, params, lora_request=loras[i] if loras else None
+        )
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     tokens, t0 = 0, time.perf_counter()
@@ -114,8 +126,10 @@ def throughput(batch: int, prompt_len: int, steps: int, reps: int) -> dict[str, 
 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49000) for _ in range(prompt_len)] for _ in range(batch)]
-    llms = {label: LLM(dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=GiB // 4)
-            for label, kv, dtype in FORMATS}
+    llms = {
+        label: LLM(dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=GiB // 4)
+        for label, kv, dtype in FORMATS
+    }
     for llm in llms.values():
         decode_tok_s(llm, prompts[:2], 2)  # warm-up
     out: dict[str, list[float]] = {label: [] for label in llms}
@@ -126,8 +140,9 @@ def throughput(batch: int, prompt_len: int, steps: int, reps: int) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kv-memory", type=int, default=GiB)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
@@ -152,25 +167,35 @@ def main(argv: list[str] | None = None) -> None:
     ref = next(r for r in cap if r["format"] == base)
     print("| format | block bytes | blocks | max concurrent seqs | vs auto bf16 |")
     for r in cap:
-        print(f"| {r['format']} | {r['block_bytes']:,} | {r['blocks']:,} | {r['max_seqs']} | "
-              f"{r['max_seqs'] / ref['max_seqs']:.2f}x |")
+        print(
+            f"| {r['format']} | {r['block_bytes']:,} | {r['blocks']:,} | {r['max_seqs']} | "
+            f"{r['max_seqs'] / ref['max_seqs']:.2f}x |"
+        )
 
-    print(f"\n## one {args.context}-token request over NIXL, two processes (best / median of "
-          f"{args.transfer_reps})")
+    print(
+        f"\n## one {args.context}-token request over NIXL, two processes (best / median of "
+        f"{args.transfer_reps})"
+    )
     moved = transfer(args.context, args.block_size, args.transfer_reps)
     print("| format | KV bytes | transfer ms | GB/s | time vs auto bf16 |")
     for r in cap:
         best, med = moved[r["format"]]
-        print(f"| {r['format']} | {r['request_bytes']:,} | {1e3 * best:.2f} ({1e3 * med:.2f}) | "
-              f"{r['request_bytes'] / best / 1e9:.2f} | {best / moved[base][0]:.2f}x |")
+        print(
+            f"| {r['format']} | {r['request_bytes']:,} | {1e3 * best:.2f} ({1e3 * med:.2f}) | "
+            f"{r['request_bytes'] / best / 1e9:.2f} | {best / moved[base][0]:.2f}x |"
+        )
 
-    print(f"\n## decode throughput: batch {args.batch}, {args.prompt_len}-token prompts, "
-          f"{args.steps} steps, {args.threads} thread(s), full model, best of {args.reps}")
+    print(
+        f"\n## decode throughput: batch {args.batch}, {args.prompt_len}-token prompts, "
+        f"{args.steps} steps, {args.threads} thread(s), full model, best of {args.reps}"
+    )
     tps = throughput(args.batch, args.prompt_len, args.steps, args.reps)
     print("| format | tok/s | vs auto bf16 | reps |")
     for label, values in tps.items():
-        print(f"| {label} | {max(values):.1f} | {max(values) / max(tps[base]):.2f}x | "
-              f"{', '.join(f'{v:.1f}' for v in values)} |")
+        print(
+            f"| {label} | {max(values):.1f} | {max(values) / max(tps[base]):.2f}x | "
+            f"{', '.join(f'{v:.1f}' for v in values)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Links, all in the same run:
   veth netem       the same under `netem delay 20ms loss 1%` (only with sch_netem)
 Results are printed and written to benchmarks/results/kv_netns.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "netns"), str(ROOT / "tests" / "kvtransfer")]
 
 from netns_util import (  # noqa: E402
-    Host, NetnsChild, netem, netem_unavailable, packet_loss, skip_reason, two_hosts,
+    Host,
+    NetnsChild,
+    netem,
+    netem_unavailable,
+    packet_loss,
+    skip_reason,
+    two_hosts,
 )
 
 MIB = 1 << 20
@@ -39,8 +46,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "kv_netns.json"
 
 
 def _peer(host: Host, name: str, blocks: int, env: dict[str, str], logs: Path) -> NetnsChild:
-    return NetnsChild(host, "netns_kv:serve_peer", name, blocks, 1, 30.0, env=env,
-                      log_path=logs / f"{name}.log")
+    return NetnsChild(
+        host, "netns_kv:serve_peer", name, blocks, 1, 30.0, env=env, log_path=logs / f"{name}.log"
+    )
 
 
 def _measure(sender: NetnsChild, receiver: NetnsChild, n: int, runs: int, tag: str) -> dict:
@@ -57,7 +65,7 @@ def _measure(sender: NetnsChild, receiver: NetnsChild, n: int, runs: int, tag: s
         pairs, step = list(zip(local, remote)), -(-n // 8)
         t0 = time.monotonic()
         for j in range(0, n, step):
-            sender.call("send", rid, peer, pairs[j:j + step], j + step >= n)
+            sender.call("send", rid, peer, pairs[j : j + step], j + step >= n)
         got = receiver.call("wait", [rid], 120.0)[rid]
         elapsed = time.monotonic() - t0
         assert got["status"] == "COMPLETE", got
@@ -69,7 +77,9 @@ def _measure(sender: NetnsChild, receiver: NetnsChild, n: int, runs: int, tag: s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     reason = skip_reason()
@@ -83,15 +93,25 @@ def main() -> None:
         p, d = hosts.prefill, hosts.decode
         links = {
             "same-host CMA": (p, {"UCX_NET_DEVICES": "lo"}, p, {"UCX_NET_DEVICES": "lo"}, None),
-            "same-host TCP": (p, {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}, p,
-                              {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}, None),
+            "same-host TCP": (
+                p,
+                {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"},
+                p,
+                {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"},
+                None,
+            ),
             "veth TCP": (p, p.ucx_env(), d, d.ucx_env(), None),
             "veth TCP loss 1%": (p, p.ucx_env(), d, d.ucx_env(), lambda: packet_loss(hosts, 1)),
         }
         no_netem = netem_unavailable(hosts)
         if no_netem is None:
-            links["veth netem 20ms 1%"] = (p, p.ucx_env(), d, d.ucx_env(),
-                                           lambda: netem(hosts, "delay 20ms loss 1%"))
+            links["veth netem 20ms 1%"] = (
+                p,
+                p.ucx_env(),
+                d,
+                d.ucx_env(),
+                lambda: netem(hosts, "delay 20ms loss 1%"),
+            )
         for k, (label, (sh, senv, rh, renv, impair)) in enumerate(links.items()):
             with ExitStack() as stack:
                 recv = _peer(rh, f"bench-recv-{k}", n, renv, logs)
@@ -102,9 +122,11 @@ def main() -> None:
                 send.ready()
                 with impair() if impair else nullcontext():
                     results[label] = _measure(send, recv, n, runs, f"r{k}")
-            print(f"{label:20s} {results[label]['gb_per_s']:7.3f} GB/s  "
-                  f"(median of {runs}: {results[label]['median_s'] * 1e3:.1f} ms for {mib} MiB)",
-                  flush=True)
+            print(
+                f"{label:20s} {results[label]['gb_per_s']:7.3f} GB/s  "
+                f"(median of {runs}: {results[label]['median_s'] * 1e3:.1f} ms for {mib} MiB)",
+                flush=True,
+            )
     base = results["same-host CMA"]["gb_per_s"]
     print(f"\nratios vs same-host CMA ({base:.3f} GB/s):")
     for label, r in results.items():
@@ -113,8 +135,11 @@ def main() -> None:
     if no_netem:
         print(f"\nnetem row skipped: {no_netem}")
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"mib": mib, "runs": runs, "results": results,
-                                   "netem_skipped": no_netem}, indent=1))
+    RESULTS.write_text(
+        json.dumps(
+            {"mib": mib, "runs": runs, "results": results, "netem_skipped": no_netem}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ promote time and bandwidth (the storage's store/load, timed in place). Median of
 Then (benchmarks/kv_swap_bench.py): decode steps with the tier on vs off, a preempted
 --swap-tokens request resumed by swap vs by recompute, and the copy variants.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,9 @@ class Timed:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-layers", type=int, default=None, help="first N layers only")
     ap.add_argument("--prefix-tokens", type=int, default=1024)
@@ -82,9 +85,15 @@ def promote_vs_recompute(args) -> None:
     del probe, eng
     # A pool that holds one prompt (the next one evicts all of it), a tier that holds every
     # rep's prompt.
-    llm = LLM(args.model, dtype=args.dtype, num_layers=args.num_layers, block_size=bs,
-              kv_cache_memory=blocks * block_bytes,
-              kv_offloading_size=(args.reps + 2) * (blocks + 2) * block_bytes, max_num_seqs=1)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_layers=args.num_layers,
+        block_size=bs,
+        kv_cache_memory=blocks * block_bytes,
+        kv_offloading_size=(args.reps + 2) * (blocks + 2) * block_bytes,
+        max_num_seqs=1,
+    )
     tier = llm.engine.block_manager.pool.tier
     timed = tier.storage = Timed(tier.storage)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -111,14 +120,18 @@ def promote_vs_recompute(args) -> None:
     c, p = statistics.median(cold), statistics.median(promoted)
     per = {op: timed.seconds[op] / max(1, timed.calls[op]) for op in ("store", "load")}
     print(f"CPU: {cpu_isa()}")
-    print(f"model {args.model} layers={llm.engine.loaded.args.n_layers} dtype={llm.engine.dtype} "
-          f"block_size={bs} block={block_bytes / 1024:.0f} KiB")
+    print(
+        f"model {args.model} layers={llm.engine.loaded.args.n_layers} dtype={llm.engine.dtype} "
+        f"block_size={bs} block={block_bytes / 1024:.0f} KiB"
+    )
     print(f"prefix {n} tokens = {(n - 1) // bs} blocks promoted; reps={args.reps} (median)")
     print(f"recompute TTFT {c * 1e3:8.1f} ms")
     print(f"promote   TTFT {p * 1e3:8.1f} ms   ratio recompute/promote {c / p:6.1f}x")
     for op, name in (("store", "demote"), ("load", "promote")):
-        print(f"{name:7s} copy {per[op] * 1e6:8.1f} us/block  "
-              f"{block_bytes / per[op] / 1e9 if per[op] else 0:6.2f} GB/s  ({timed.calls[op]} blocks)")
+        print(
+            f"{name:7s} copy {per[op] * 1e6:8.1f} us/block  "
+            f"{block_bytes / per[op] / 1e9 if per[op] else 0:6.2f} GB/s  ({timed.calls[op]} blocks)"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Per prompt length, in the same run:
 - pull throughput (the puller's pdserve_worker_kv_pull_seconds: SendBlocks call to the blocks
   joining its prefix cache, round trip included) vs a memcpy of the same bytes in this process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ BLOCK = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default="default")
@@ -49,17 +52,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _metric(address: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
 async def _ttft(worker: ServiceProcess, prompt: list[int], source: ServiceProcess | None) -> float:
-    req = pb.GenerateRequest(request_id=f"pull-bench-{random.getrandbits(48)}",
-                             prompt_token_ids=prompt,
-                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=1))
+    req = pb.GenerateRequest(
+        request_id=f"pull-bench-{random.getrandbits(48)}",
+        prompt_token_ids=prompt,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=1),
+    )
     if source is not None:
-        req.kv_source.CopyFrom(pb.KVSource(worker_id=source.worker_id, address=source.grpc_address,
-                                           num_blocks=(len(prompt) - 1) // BLOCK))
+        req.kv_source.CopyFrom(
+            pb.KVSource(
+                worker_id=source.worker_id,
+                address=source.grpc_address,
+                num_blocks=(len(prompt) - 1) // BLOCK,
+            )
+        )
     async with aio_channel(worker.grpc_address, OPEN) as ch:
         t0 = time.perf_counter()
         async for _ in pb_grpc.DecodeWorkerStub(ch).Generate(req, timeout=600):
@@ -89,14 +102,28 @@ def _timed(fn) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
-    flags = ["--model", args.model, "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
-             "--num-threads", "1", "--enable-admin-rpcs"]
+    flags = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        "--num-threads",
+        "1",
+        "--enable-admin-rpcs",
+    ]
     if args.num_layers:
         flags += ["--num-layers", str(args.num_layers)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="pdserve-pull-bench-") as tmp, EtcdServer() as etcd:
-        workers = [ServiceProcess(["decode", "--etcd", etcd.endpoint, "--port", str(free_port()),
-                                   *flags], Path(tmp) / f"w{i}.log") for i in range(2)]
+        workers = [
+            ServiceProcess(
+                ["decode", "--etcd", etcd.endpoint, "--port", str(free_port()), *flags],
+                Path(tmp) / f"w{i}.log",
+            )
+            for i in range(2)
+        ]
         try:
             holder, puller = (w.wait_ready(300) for w in workers)
             time.sleep(2.0)  # each adds the other as a KV peer (warm-up runs every second)
@@ -114,19 +141,26 @@ def main(argv: list[str] | None = None) -> None:
                 pull_s, blocks, num_bytes = (a - b for a, b in zip(_pull_counters(puller), before))
                 num_bytes = int(num_bytes)
                 row = {
-                    "prompt_tokens": n, "blocks_pulled": int(blocks) // args.repeats,
+                    "prompt_tokens": n,
+                    "blocks_pulled": int(blocks) // args.repeats,
                     "ttft_computed_s": statistics.median(computed),
                     "ttft_pulled_s": statistics.median(pulled),
-                    "pull_s": pull_s, "pull_gbps": num_bytes / pull_s / 1e9 if pull_s else 0.0,
+                    "pull_s": pull_s,
+                    "pull_gbps": num_bytes / pull_s / 1e9 if pull_s else 0.0,
                     "memcpy_gbps": _memcpy_gbps(num_bytes // args.repeats) if num_bytes else 0.0,
                 }
                 row["ttft_ratio"] = row["ttft_pulled_s"] / row["ttft_computed_s"]
-                row["pull_vs_memcpy"] = row["pull_gbps"] / row["memcpy_gbps"] if row["memcpy_gbps"] else 0.0
+                row["pull_vs_memcpy"] = (
+                    row["pull_gbps"] / row["memcpy_gbps"] if row["memcpy_gbps"] else 0.0
+                )
                 rows.append(row)
-                print(f"{n:>6} tokens: TTFT computed {row['ttft_computed_s'] * 1e3:8.1f} ms, pulled "
-                      f"{row['ttft_pulled_s'] * 1e3:7.1f} ms ({row['ttft_ratio']:.3f}x); pull "
-                      f"{row['blocks_pulled']} blocks in {pull_s / args.repeats * 1e3:.1f} ms = {row['pull_gbps']:.2f} GB/s vs "
-                      f"memcpy {row['memcpy_gbps']:.2f} GB/s ({row['pull_vs_memcpy']:.3f}x)", flush=True)
+                print(
+                    f"{n:>6} tokens: TTFT computed {row['ttft_computed_s'] * 1e3:8.1f} ms, pulled "
+                    f"{row['ttft_pulled_s'] * 1e3:7.1f} ms ({row['ttft_ratio']:.3f}x); pull "
+                    f"{row['blocks_pulled']} blocks in {pull_s / args.repeats * 1e3:.1f} ms = {row['pull_gbps']:.2f} GB/s vs "
+                    f"memcpy {row['memcpy_gbps']:.2f} GB/s ({row['pull_vs_memcpy']:.3f}x)",
+                    flush=True,
+                )
         finally:
             for w in workers:
                 w.terminate()
@@ -138,12 +172,19 @@ def _pull_counters(worker: ServiceProcess) -> tuple[float, float, float]:
     """Pull seconds, blocks pulled and bytes received so far (pulls are the only transfers
     into this worker here)."""
     address = worker.metrics_address
-    received = [line for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
-                .read().decode().splitlines()
-                if line.startswith("pdserve_kv_transfer_bytes_total") and 'direction="receive"' in line]
-    return (_metric(address, "pdserve_worker_kv_pull_seconds_sum"),
-            _metric(address, "pdserve_worker_kv_pull_blocks_total"),
-            sum(float(line.rsplit(" ", 1)[1]) for line in received))
+    received = [
+        line
+        for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=5)
+        .read()
+        .decode()
+        .splitlines()
+        if line.startswith("pdserve_kv_transfer_bytes_total") and 'direction="receive"' in line
+    ]
+    return (
+        _metric(address, "pdserve_worker_kv_pull_seconds_sum"),
+        _metric(address, "pdserve_worker_kv_pull_blocks_total"),
+        sum(float(line.rsplit(" ", 1)[1]) for line in received),
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ decode steps and preemption, each pair measured in the same run.
   engine/kv/kv_tier_storage.py `_gather_copy` does off the host), and tier stores about as long as a
   decode step run on a thread overlapped with it vs one after the other.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,8 +30,13 @@ def _engines(args, pool_blocks: int, tier_blocks: int, **kw):
     block_bytes = kv_block_bytes(e.loaded.args, args.block_size, e.dtype, e.config.kv_cache_dtype)
     vocab = e.loaded.args.vocab_size
     del probe, e
-    common = dict(dtype=args.dtype, num_layers=args.num_layers, block_size=args.block_size,
-                  kv_cache_memory=pool_blocks * block_bytes, **kw)
+    common = dict(
+        dtype=args.dtype,
+        num_layers=args.num_layers,
+        block_size=args.block_size,
+        kv_cache_memory=pool_blocks * block_bytes,
+        **kw,
+    )
     off = LLM(args.model, **common)
     on = LLM(args.model, kv_offloading_size=tier_blocks * block_bytes, **common)
     return off, on, vocab
@@ -50,10 +56,15 @@ def decode_on_vs_off(args) -> None:
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for rnd in range(3):  # round 0 warms up
         for llm in (off, on):  # cached blocks everywhere: the decodes evict them
-            llm.generate([_prompt(900 + rnd, (pool - 1) * bs - 1, vocab)],
-                         SamplingParams(max_tokens=1), use_tqdm=False)
+            llm.generate(
+                [_prompt(900 + rnd, (pool - 1) * bs - 1, vocab)],
+                SamplingParams(max_tokens=1),
+                use_tqdm=False,
+            )
             for i in range(batch):
-                llm.engine.add_request(f"{rnd}-{i}", _prompt(100 * rnd + i, prompt_len, vocab), params)
+                llm.engine.add_request(
+                    f"{rnd}-{i}", _prompt(100 * rnd + i, prompt_len, vocab), params
+                )
         pair = [("off", off), ("on", on)]
         while off.engine.has_unfinished_requests() or on.engine.has_unfinished_requests():
             pair.reverse()  # neither engine always steps first
@@ -69,8 +80,10 @@ def decode_on_vs_off(args) -> None:
                     times[name].append(dt)
     m_off, m_on = statistics.median(times["off"]), statistics.median(times["on"])
     demoted = on.engine.stats().kv_offload_demotions
-    print(f"decode step, batch {batch}: tier off {m_off * 1e3:7.2f} ms, tier on {m_on * 1e3:7.2f} ms "
-          f"(median of {len(times['on'])}; {demoted} demotions)  ratio on/off {m_on / m_off:5.3f}")
+    print(
+        f"decode step, batch {batch}: tier off {m_off * 1e3:7.2f} ms, tier on {m_on * 1e3:7.2f} ms "
+        f"(median of {len(times['on'])}; {demoted} demotions)  ratio on/off {m_on / m_off:5.3f}"
+    )
     _copy_variants(on, 64)
     _overlap(on, vocab, batch)
 
@@ -92,8 +105,10 @@ def _copy_variants(llm, n: int) -> None:
         slots.index_copy_(0, di, pool.index_select(0, si))
 
     res = {}
-    for name, fn in (("memmove/block", lambda: _gather_copy(slots, dst, pool, src)),
-                     ("index_select+index_copy_", gathered)):
+    for name, fn in (
+        ("memmove/block", lambda: _gather_copy(slots, dst, pool, src)),
+        ("index_select+index_copy_", gathered),
+    ):
         fn()
         ts = []
         for _ in range(7):
@@ -103,8 +118,10 @@ def _copy_variants(llm, n: int) -> None:
         res[name] = statistics.median(ts)
     block = pool[0].numel() * pool.element_size()
     for name, sec in res.items():
-        print(f"copy {n} blocks ({block / 1024:.0f} KiB each) {name:26s} {sec * 1e6 / n:7.1f} us/block "
-              f"{n * block / sec / 1e9:6.2f} GB/s")
+        print(
+            f"copy {n} blocks ({block / 1024:.0f} KiB each) {name:26s} {sec * 1e6 / n:7.1f} us/block "
+            f"{n * block / sec / 1e9:6.2f} GB/s"
+        )
 
 
 def _overlap(llm, vocab: int, batch: int) -> None:
@@ -118,8 +135,11 @@ def _overlap(llm, vocab: int, batch: int) -> None:
     n = min(storage.num_slots, eng.block_manager.pool.num_blocks)
     slots, blocks = list(range(n)), list(range(n))  # scratch copies: bytes only, no bookkeeping
     for i in range(batch):
-        eng.add_request(f"ov-{i}", _prompt(50 + i, 64, vocab),
-                        SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+        eng.add_request(
+            f"ov-{i}",
+            _prompt(50 + i, 64, vocab),
+            SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True),
+        )
     for _ in range(3):
         eng.step()  # prefill and warm-up
     pool, tier_slots = storage.pool, storage.slots
@@ -159,9 +179,11 @@ def _overlap_one(eng, name: str, store, n: int) -> None:
         copy_s.append(timed(copy))
         both_s.append(timed(both))
     s, c, b = (statistics.median(x) for x in (step_s, copy_s, both_s))
-    print(f"overlap ({name}): decode step {s * 1e3:.2f} ms, store of {n * repeat} blocks {c * 1e3:.2f} ms; "
-          f"one after the other {(s + c) * 1e3:.2f} ms, overlapped on a thread {b * 1e3:.2f} ms "
-          f"(max of the two {max(s, c) * 1e3:.2f} ms)")
+    print(
+        f"overlap ({name}): decode step {s * 1e3:.2f} ms, store of {n * repeat} blocks {c * 1e3:.2f} ms; "
+        f"one after the other {(s + c) * 1e3:.2f} ms, overlapped on a thread {b * 1e3:.2f} ms "
+        f"(max of the two {max(s, c) * 1e3:.2f} ms)"
+    )
 
 
 def swap_vs_recompute(args) -> None:
@@ -192,15 +214,19 @@ def swap_vs_recompute(args) -> None:
             eng.step()
     s = on.engine.stats()
     rec, swp = res["recompute (tier off)"], res["swap (tier on)"]
-    print(f"preempted {n}-token request resumed: recompute {rec * 1e3:.1f} ms, swap-in "
-          f"{swp * 1e3:.1f} ms ({s.kv_offload_swap_ins} swap-in, {s.kv_offload_promotions} "
-          f"blocks promoted)  ratio recompute/swap {rec / swp:.1f}x")
+    print(
+        f"preempted {n}-token request resumed: recompute {rec * 1e3:.1f} ms, swap-in "
+        f"{swp * 1e3:.1f} ms ({s.kv_offload_swap_ins} swap-in, {s.kv_offload_promotions} "
+        f"blocks promoted)  ratio recompute/swap {rec / swp:.1f}x"
+    )
 
 
 def swap_benchmarks(args) -> None:
     from cpu_info import cpu_isa
 
-    print(f"CPU: {cpu_isa()}; model {args.model} layers={args.num_layers or 'all'} "
-          f"block_size={args.block_size}")
+    print(
+        f"CPU: {cpu_isa()}; model {args.model} layers={args.num_layers or 'all'} "
+        f"block_size={args.block_size}"
+    )
     swap_vs_recompute(args)
     decode_on_vs_off(args)

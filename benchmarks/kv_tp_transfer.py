@@ -14,6 +14,7 @@ batch notification rank 0 sends once every part is done. TP=2 -> TP=1 moves each
 strided head slices (2 + 1 heads: 30 x 2 x 16 rows of 512 B and 256 B per block, one NIXL
 descriptor each) where TP=1 -> TP=1 moves one 737,280-byte descriptor per block.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,9 +85,11 @@ def _prefill(tp: int, d_meta: bytes, blocks: int, rank1_conn=None):
 
     link = None
     if tp == 2:
+
         def call(task):
             rank1_conn.send(task)
             return rank1_conn.recv() if task.gather else None
+
         link = RankLink([HeadRange(*r) for r in RANGES], call)
     heads = HEADS if tp == 1 else RANGES[0][1] - RANGES[0][0]
     backend = NixlTransferBackend(KVTransferConfig(agent_name=f"bench-p{tp}"), link)
@@ -138,8 +141,9 @@ def main() -> None:
     results = {}
     for _ in range(2):  # interleaved rounds: both see the same machine state
         for tp, backend in ((1, one), (2, two)):
-            results.setdefault(tp, []).extend(_run(backend, d_conn, tp, args.requests // 2,
-                                                   n_blocks, blocks))
+            results.setdefault(tp, []).extend(
+                _run(backend, d_conn, tp, args.requests // 2, n_blocks, blocks)
+            )
     for backend in (one, two):
         backend.close()
     r_conn.send(None)
@@ -148,11 +152,15 @@ def main() -> None:
     d.join(10)
     med = {tp: statistics.median(t) * 1e3 for tp, t in results.items()}
     mb = n_blocks * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 4 / 1e6
-    print(f"{args.tokens}-token prompt: {n_blocks} blocks, {mb:.1f} MB, {args.requests} requests each")
+    print(
+        f"{args.tokens}-token prompt: {n_blocks} blocks, {mb:.1f} MB, {args.requests} requests each"
+    )
     for tp in (1, 2):
         t = sorted(results[tp])
-        print(f"  P(TP={tp}) -> D(TP=1): median {med[tp]:.2f} ms  (min {t[0] * 1e3:.2f}, "
-              f"max {t[-1] * 1e3:.2f})")
+        print(
+            f"  P(TP={tp}) -> D(TP=1): median {med[tp]:.2f} ms  (min {t[0] * 1e3:.2f}, "
+            f"max {t[-1] * 1e3:.2f})"
+        )
     print(f"  ratio TP=2->1 / TP=1->1: {med[2] / med[1]:.2f}x")
 
 

@@ -16,6 +16,7 @@ back-off capped at 50 us (an engine loop polls once per step instead). Pools use
 huge pages unless --no-thp (CMA pins the receiver's pages: 4 KiB pages roughly halve its
 speed, and memcpy's too). Results are printed and written to benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ MODEL_SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
 RESULTS = Path(__file__).resolve().parent / "results" / "kv_transfer.json"
 
 
-def _pool(num_blocks: int, block_tokens: int, device: str, fill: float,
-          kv_cache_dtype: str = "auto", model_dtype: str = "float32") -> Any:
+def _pool(
+    num_blocks: int,
+    block_tokens: int,
+    device: str,
+    fill: float,
+    kv_cache_dtype: str = "auto",
+    model_dtype: str = "float32",
+) -> Any:
     """The default model's pool as the engine allocates it for `kv_cache_dtype`
     (engine/kv/kv_format.py: fp8 / int8 storage, int8 rows 4 bytes longer)."""
     import torch
@@ -43,8 +50,14 @@ def _pool(num_blocks: int, block_tokens: int, device: str, fill: float,
     from engine.kv import kv_format
 
     storage = kv_format.storage_dtype(kv_cache_dtype, getattr(torch, model_dtype))
-    shape = (num_blocks, MODEL_SHAPE["num_layers"], 2, block_tokens, MODEL_SHAPE["num_kv_heads"],
-             kv_format.stored_head_dim(kv_cache_dtype, MODEL_SHAPE["head_dim"]))
+    shape = (
+        num_blocks,
+        MODEL_SHAPE["num_layers"],
+        2,
+        block_tokens,
+        MODEL_SHAPE["num_kv_heads"],
+        kv_format.stored_head_dim(kv_cache_dtype, MODEL_SHAPE["head_dim"]),
+    )
     pool = torch.empty(shape, dtype=storage, device=device)
     if pool.element_size() == 1:  # fp8 has no CPU fill kernel: fill the bytes
         pool.view(torch.uint8).fill_(int(fill) & 0xFF)
@@ -112,8 +125,9 @@ class Bench:
         self.conn.send(cmd)
         return self.conn.recv()
 
-    def transfer(self, backend: Any, peer: str, local: list[int], remote: list[int],
-                 batches: int) -> tuple[float, float]:
+    def transfer(
+        self, backend: Any, peer: str, local: list[int], remote: list[int], batches: int
+    ) -> tuple[float, float]:
         """One request; returns (end-to-end seconds, sender-local completion seconds)."""
         self.seq += 1
         rid = f"bench-{self.seq}"
@@ -123,7 +137,7 @@ class Bench:
         size = math.ceil(len(pairs) / batches)
         t0 = time.monotonic()
         for i in range(0, len(pairs), size):
-            backend.sender.send(rid, peer, pairs[i:i + size], final=i + size >= len(pairs))
+            backend.sender.send(rid, peer, pairs[i : i + size], final=i + size >= len(pairs))
         while not (done := backend.sender.poll()):
             time.sleep(20e-6)
         t_sent = time.monotonic()
@@ -153,8 +167,9 @@ def memcpy_s(src: Any, dst: Any, local: list[int], remote: list[int], threads: i
         torch.set_num_threads(before)
 
 
-def run(block_tokens_list: list[int], totals_mib: list[int], reps: int, lat_iters: int,
-        device: str) -> dict[str, Any]:
+def run(
+    block_tokens_list: list[int], totals_mib: list[int], reps: int, lat_iters: int, device: str
+) -> dict[str, Any]:
     import torch
 
     bench = Bench(device)
@@ -168,8 +183,9 @@ def run(block_tokens_list: list[int], totals_mib: list[int], reps: int, lat_iter
             meta = bench.call("setup", num_blocks, block_tokens)
             src = _pool(num_blocks, block_tokens, device, 1.0)
             for i in range(0, num_blocks, 64):
-                src[i:i + 64] += torch.arange(i, min(i + 64, num_blocks), device=device).view(
-                    -1, 1, 1, 1, 1, 1)
+                src[i : i + 64] += torch.arange(i, min(i + 64, num_blocks), device=device).view(
+                    -1, 1, 1, 1, 1, 1
+                )
             dst = _pool(num_blocks, block_tokens, device, 0.0)
             backend = _backend(f"bench-send-{block_tokens}", src)
             peer = backend.add_peer(meta)
@@ -193,39 +209,57 @@ def run(block_tokens_list: list[int], totals_mib: list[int], reps: int, lat_iter
                 nbytes = n * block_bytes
                 one_gbps, all_gbps = nbytes / min(one) / 1e9, nbytes / min(alln) / 1e9
                 best_nixl = nbytes / min(e2e) / 1e9
-                rows.append(dict(
-                    block_tokens=block_tokens, block_bytes=block_bytes, total_mib=total,
-                    blocks=n, nixl_gbps_best=best_nixl,
-                    nixl_gbps_median=nbytes / statistics.median(e2e) / 1e9,
-                    sender_done_gbps_best=nbytes / min(snd) / 1e9,
-                    nixl_1_batch_gbps_best=nbytes / min(bulk) / 1e9,
-                    memcpy_1t_gbps=one_gbps, memcpy_all_gbps=all_gbps,
-                    ratio_vs_memcpy=best_nixl / max(one_gbps, all_gbps),
-                ))
+                rows.append(
+                    dict(
+                        block_tokens=block_tokens,
+                        block_bytes=block_bytes,
+                        total_mib=total,
+                        blocks=n,
+                        nixl_gbps_best=best_nixl,
+                        nixl_gbps_median=nbytes / statistics.median(e2e) / 1e9,
+                        sender_done_gbps_best=nbytes / min(snd) / 1e9,
+                        nixl_1_batch_gbps_best=nbytes / min(bulk) / 1e9,
+                        memcpy_1t_gbps=one_gbps,
+                        memcpy_all_gbps=all_gbps,
+                        ratio_vs_memcpy=best_nixl / max(one_gbps, all_gbps),
+                    )
+                )
                 _print_row(rows[-1])
             if block_tokens == block_tokens_list[0]:
-                e2e, snd = zip(*(bench.transfer(backend, peer, [1], [2], 1)
-                                 for _ in range(lat_iters)))
-                latency = dict(block_bytes=block_bytes, iterations=lat_iters,
-                               e2e_us_p50=1e6 * statistics.median(e2e),
-                               e2e_us_p99=1e6 * sorted(e2e)[int(0.99 * (len(e2e) - 1))],
-                               sender_done_us_p50=1e6 * statistics.median(snd))
+                e2e, snd = zip(
+                    *(bench.transfer(backend, peer, [1], [2], 1) for _ in range(lat_iters))
+                )
+                latency = dict(
+                    block_bytes=block_bytes,
+                    iterations=lat_iters,
+                    e2e_us_p50=1e6 * statistics.median(e2e),
+                    e2e_us_p99=1e6 * sorted(e2e)[int(0.99 * (len(e2e) - 1))],
+                    sender_done_us_p50=1e6 * statistics.median(snd),
+                )
             backend.close()
             del src, dst
     finally:
         bench.close()
-    return dict(device=device, threads=torch.get_num_threads(), cpus=os.cpu_count(),
-                ucx_net_devices=os.environ.get("UCX_NET_DEVICES"),
-                thp=os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", rows=rows,
-                latency_1_block=latency)
+    return dict(
+        device=device,
+        threads=torch.get_num_threads(),
+        cpus=os.cpu_count(),
+        ucx_net_devices=os.environ.get("UCX_NET_DEVICES"),
+        thp=os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+        rows=rows,
+        latency_1_block=latency,
+    )
 
 
 def _print_row(r: dict[str, Any]) -> None:
-    print(f"{r['block_tokens']:>4} tok {r['block_bytes'] / MIB:6.2f} MiB/blk "
-          f"{r['total_mib']:>4} MiB {r['blocks']:>5} blk | nixl {r['nixl_gbps_best']:6.2f} GB/s "
-          f"(median {r['nixl_gbps_median']:5.2f}; 1 batch {r['nixl_1_batch_gbps_best']:5.2f})"
-          f" | memcpy 1t {r['memcpy_1t_gbps']:5.2f} all {r['memcpy_all_gbps']:5.2f} GB/s"
-          f" | ratio {r['ratio_vs_memcpy']:5.1%}", flush=True)
+    print(
+        f"{r['block_tokens']:>4} tok {r['block_bytes'] / MIB:6.2f} MiB/blk "
+        f"{r['total_mib']:>4} MiB {r['blocks']:>5} blk | nixl {r['nixl_gbps_best']:6.2f} GB/s "
+        f"(median {r['nixl_gbps_median']:5.2f}; 1 batch {r['nixl_1_batch_gbps_best']:5.2f})"
+        f" | memcpy 1t {r['memcpy_1t_gbps']:5.2f} all {r['memcpy_all_gbps']:5.2f} GB/s"
+        f" | ratio {r['ratio_vs_memcpy']:5.1%}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -233,10 +267,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small run (a few seconds)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (VRAM pools)")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--no-thp", action="store_true",
-                    help="plain 4 KiB pages for the pools (default: transparent huge pages)")
-    ap.add_argument("--json", type=Path, default=None,
-                    help="where to write the results (default: benchmarks/results/kv_transfer*.json)")
+    ap.add_argument(
+        "--no-thp",
+        action="store_true",
+        help="plain 4 KiB pages for the pools (default: transparent huge pages)",
+    )
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="where to write the results (default: benchmarks/results/kv_transfer*.json)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     # torch reads this at its first CPU allocation (here and in the spawned receiver): large
@@ -247,16 +288,21 @@ def main() -> None:
     else:
         out = run([16, 64, 256], [1, 64, 512], args.reps or 15, 300, args.device)
     lat = out["latency_1_block"]
-    print(f"1-block request ({lat['block_bytes']} B) with notification: "
-          f"p50 {lat['e2e_us_p50']:.0f} us, p99 {lat['e2e_us_p99']:.0f} us end-to-end; "
-          f"sender done p50 {lat['sender_done_us_p50']:.0f} us ({lat['iterations']} requests)")
+    print(
+        f"1-block request ({lat['block_bytes']} B) with notification: "
+        f"p50 {lat['e2e_us_p50']:.0f} us, p99 {lat['e2e_us_p99']:.0f} us end-to-end; "
+        f"sender done p50 {lat['sender_done_us_p50']:.0f} us ({lat['iterations']} requests)"
+    )
     big = [r for r in out["rows"] if r["total_mib"] >= 64]
     if big:
-        print(f"worst ratio at >= 64 MiB: {min(r['ratio_vs_memcpy'] for r in big):.1%} "
-              "(target >= 80%)")
+        print(
+            f"worst ratio at >= 64 MiB: {min(r['ratio_vs_memcpy'] for r in big):.1%} "
+            "(target >= 80%)"
+        )
     out["load_average"] = os.getloadavg()
-    path = args.json or RESULTS.with_name(f"kv_transfer{'_quick' if args.quick else ''}"
-                                          f"{'_4k' if args.no_thp else ''}.json")
+    path = args.json or RESULTS.with_name(
+        f"kv_transfer{'_quick' if args.quick else ''}{'_4k' if args.no_thp else ''}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"load average {out['load_average'][0]:.2f}; written to {path}")

@@ -7,6 +7,7 @@ One engine: sleep and wake latency per level, the memory they free, and update_w
 for the full model. `--fleet`: the same calls through a `pdserve up` cluster's admin endpoints
 (every worker of both pools; each call answers when all have applied it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,34 +40,58 @@ def fleet(prefill: int, decode: int, kv_cache_memory: int) -> None:
     from local_cluster.launcher import UpProcess
 
     with tempfile.TemporaryDirectory() as home:
-        up = UpProcess(Path(home), "--prefill", str(prefill), "--decode", str(decode),
-                       "--enable-sleep-mode", f"--worker-arg=--kv-cache-memory={kv_cache_memory}")
+        up = UpProcess(
+            Path(home),
+            "--prefill",
+            str(prefill),
+            "--decode",
+            str(decode),
+            "--enable-sleep-mode",
+            f"--worker-arg=--kv-cache-memory={kv_cache_memory}",
+        )
         try:
             client = httpx.Client(base_url=up.url, timeout=600)
-            body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello, my name is", "max_tokens": 16,
-                    "temperature": 0}
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": "Hello, my name is",
+                "max_tokens": 16,
+                "temperature": 0,
+            }
             first = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-            print(f"fleet: {prefill} prefill + {decode} decode workers, KV pool "
-                  f"{kv_cache_memory / (1 << 20):.0f} MiB each")
-            for call, params in (("/sleep", {"level": 1}), ("/wake_up", None), ("/sleep", {"level": 2}),
-                                 ("/wake_up", None)):
+            print(
+                f"fleet: {prefill} prefill + {decode} decode workers, KV pool "
+                f"{kv_cache_memory / (1 << 20):.0f} MiB each"
+            )
+            for call, params in (
+                ("/sleep", {"level": 1}),
+                ("/wake_up", None),
+                ("/sleep", {"level": 2}),
+                ("/wake_up", None),
+            ):
                 t0 = time.perf_counter()
                 r = client.post(call, params=params)
-                print(f"{call}{'?level=' + str(params['level']) if params else '':9s} "
-                      f"{(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})")
+                print(
+                    f"{call}{'?level=' + str(params['level']) if params else '':9s} "
+                    f"{(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})"
+                )
             path = str(default_model_dir() / "model.safetensors")
             t0 = time.perf_counter()
             r = client.post("/update_weights", json={"path": path})
-            print(f"/update_weights  {(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})")
+            print(
+                f"/update_weights  {(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})"
+            )
             again = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
-            print(f"output unchanged after sleep/wake and reloading the same weights: {again == first}")
+            print(
+                f"output unchanged after sleep/wake and reloading the same weights: {again == first}"
+            )
         finally:
             up.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30)
     parser.add_argument("--threads", type=int, default=1)
@@ -85,23 +110,32 @@ def main(argv: list[str] | None = None) -> None:
     engine.kv_cache.fill_(0)  # every page resident, as after real use
     params = SamplingParams(temperature=0.0, max_tokens=16)
     reference = llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0].token_ids
-    print(f"dtype {engine.dtype}, KV pool {args.kv_cache_memory / (1 << 20):.0f} MiB, "
-          f"{args.threads} thread(s); RSS awake {_rss_mib():.0f} MiB")
+    print(
+        f"dtype {engine.dtype}, KV pool {args.kv_cache_memory / (1 << 20):.0f} MiB, "
+        f"{args.threads} thread(s); RSS awake {_rss_mib():.0f} MiB"
+    )
     for level in (1, 2):
         rss = _rss_mib()
         slept = _timed(lambda: llm.sleep(level))
         freed = rss - _rss_mib()
         woke = _timed(llm.wake_up)
-        same = llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0].token_ids == reference
-        print(f"sleep({level}) {slept * 1000:8.1f} ms, freed {freed:7.0f} MiB; wake_up {woke * 1000:8.1f} ms"
-              f"{' (weights reloaded from the checkpoint)' if level == 2 else ''}; output unchanged: {same}")
+        same = (
+            llm.generate("Hello, my name is", params, use_tqdm=False)[0].outputs[0].token_ids
+            == reference
+        )
+        print(
+            f"sleep({level}) {slept * 1000:8.1f} ms, freed {freed:7.0f} MiB; wake_up {woke * 1000:8.1f} ms"
+            f"{' (weights reloaded from the checkpoint)' if level == 2 else ''}; output unchanged: {same}"
+        )
     from safetensors.torch import load_file
 
     weights = load_file(str(default_model_dir() / "model.safetensors"))
     n = sum(t.numel() for t in weights.values())
     took = _timed(lambda: llm.update_weights(weights.items()))
-    print(f"update_weights: {len(weights)} tensors, {n / 1e6:.0f} M parameters in {took * 1000:.0f} ms "
-          f"(weights version {engine.weights_version})")
+    print(
+        f"update_weights: {len(weights)} tensors, {n / 1e6:.0f} M parameters in {took * 1000:.0f} ms "
+        f"(weights version {engine.weights_version})"
+    )
     took = _timed(lambda: llm.update_weights(str(default_model_dir() / "model.safetensors")))
     print(f"update_weights from a safetensors path: {took * 1000:.0f} ms")
 

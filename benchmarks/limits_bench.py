@@ -11,6 +11,7 @@ it was tokenized on the event loop); the same body against a 1 MiB body cap (413
 Content-Length); a prompt of the longest text the context can hold (tokenized on the
 tokenizer threads).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ import httpx
 import uvicorn
 
 from cluster.net import free_port
-from router.http.auth import Keys
-from router.http.app import create_app
 from router.config import RouterConfig
+from router.http.app import create_app
+from router.http.auth import Keys
 from router.server import RouterServices, load_model_card
 
 
@@ -36,12 +37,20 @@ def _serve(config: RouterConfig) -> None:
     options = {}
     try:
         from router.http.limits import uvicorn_options
+
         options = uvicorn_options(config.limits)
     except ImportError:  # a checkout without the limits
         pass
-    server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1",
-                                           port=config.port, log_level="error", lifespan="off",
-                                           **options))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(services),
+            host="127.0.0.1",
+            port=config.port,
+            log_level="error",
+            lifespan="off",
+            **options,
+        )
+    )
     asyncio.run(server.serve())
 
 
@@ -63,8 +72,12 @@ def _measure(url: str, body: bytes) -> tuple[int, float, float, float]:
 
     def big() -> None:
         start = time.perf_counter()
-        r = httpx.post(url + "/tokenize", content=body, timeout=300,
-                       headers={"Content-Type": "application/json"})
+        r = httpx.post(
+            url + "/tokenize",
+            content=body,
+            timeout=300,
+            headers={"Content-Type": "application/json"},
+        )
         result.update(status=r.status_code, took=time.perf_counter() - start)
 
     thread = threading.Thread(target=big)
@@ -88,12 +101,21 @@ def main() -> None:
     base = dict(etcd="127.0.0.1:1")
     card = load_model_card(RouterConfig(**base))
     fits = card.max_model_len * getattr(card, "longest_token_chars", 81)
-    cases = [("8 MB prompt", {}, json.dumps({"prompt": "word " * 1_600_000}).encode()),
-             ("longest fitting text", {}, json.dumps({"prompt": "word " * (fits // 5)}).encode())]
+    cases = [
+        ("8 MB prompt", {}, json.dumps({"prompt": "word " * 1_600_000}).encode()),
+        ("longest fitting text", {}, json.dumps({"prompt": "word " * (fits // 5)}).encode()),
+    ]
     try:
         from router.config import LimitsConfig
-        cases.insert(1, ("8 MB prompt, 1 MiB cap",
-                         {"limits": LimitsConfig(max_request_body_bytes=1 << 20)}, cases[0][2]))
+
+        cases.insert(
+            1,
+            (
+                "8 MB prompt, 1 MiB cap",
+                {"limits": LimitsConfig(max_request_body_bytes=1 << 20)},
+                cases[0][2],
+            ),
+        )
     except ImportError:
         pass
     for name, extra, body in cases:
@@ -105,8 +127,10 @@ def main() -> None:
         took = statistics.median(r[1] for r in runs)
         stall = max(r[2] for r in runs)
         typical = statistics.median(r[3] for r in runs)
-        print(f"{name:24s} {len(body) / 1e6:5.1f} MB -> {status}  answered in {took * 1e3:8.1f} ms"
-              f"  /health: longest {stall * 1e3:7.1f} ms, median {typical * 1e3:5.1f} ms")
+        print(
+            f"{name:24s} {len(body) / 1e6:5.1f} MB -> {status}  answered in {took * 1e3:8.1f} ms"
+            f"  /health: longest {stall * 1e3:7.1f} ms, median {typical * 1e3:5.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Adapters are random PEFT adapters (rank --rank on all seven projections: the mos
 adapter can add) written to a temporary directory with peft. Throughput = output tokens of
 the batch / time of the decode steps after every row has its first token (prefill excluded).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from kv_dtype_bench import decode_tok_s as batch_decode_tok_s
+
 from engine import LLM, LoRARequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,8 +32,12 @@ def make_adapters(model_dir: Path, count: int, rank: int, root: Path) -> list[Lo
     out = []
     for i in range(count):
         torch.manual_seed(i)
-        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                init_lora_weights=False))
+        model = get_peft_model(
+            base,
+            LoraConfig(
+                r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False
+            ),
+        )
         model.save_pretrained(root / f"a{i}")
         base = model.unload()  # the bare base model again for the next adapter
         out.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
@@ -45,8 +50,9 @@ def decode_tok_s(llm: LLM, batch: int, steps: int, loras: list[LoRARequest | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--batch", type=int, default=8)
@@ -60,20 +66,34 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         loras = make_adapters(default_model_dir(), args.batch, args.rank, Path(tmp))
-        llm = LLM(dtype=args.dtype, num_layers=args.num_layers, enable_lora=True,
-                  max_loras=args.batch, max_lora_rank=args.rank, max_cpu_loras=args.batch,
-                  kv_cache_memory=1 << 30)
+        llm = LLM(
+            dtype=args.dtype,
+            num_layers=args.num_layers,
+            enable_lora=True,
+            max_loras=args.batch,
+            max_lora_rank=args.rank,
+            max_cpu_loras=args.batch,
+            kv_cache_memory=1 << 30,
+        )
         decode_tok_s(llm, args.batch, 4, loras)  # warm-up: load every adapter, fill the slots
         base, lora = [], []
         for _ in range(args.reps):
             base.append(decode_tok_s(llm, args.batch, args.steps, [None]))
             lora.append(decode_tok_s(llm, args.batch, args.steps, loras))
-    print(f"dtype {llm.engine.dtype}, {args.threads} thread(s), batch {args.batch}, "
-          f"{args.batch} adapters of rank {args.rank} on all 7 projections, {args.steps} decode steps")
-    print(f"base model        {max(base):8.1f} tok/s   (reps: {', '.join(f'{b:.1f}' for b in base)})")
-    print(f"one adapter/row   {max(lora):8.1f} tok/s   (reps: {', '.join(f'{x:.1f}' for x in lora)})")
-    print(f"ratio {max(lora) / max(base):.2f}x (per rep: "
-          f"{', '.join(f'{x / b:.2f}' for x, b in zip(lora, base))})")
+    print(
+        f"dtype {llm.engine.dtype}, {args.threads} thread(s), batch {args.batch}, "
+        f"{args.batch} adapters of rank {args.rank} on all 7 projections, {args.steps} decode steps"
+    )
+    print(
+        f"base model        {max(base):8.1f} tok/s   (reps: {', '.join(f'{b:.1f}' for b in base)})"
+    )
+    print(
+        f"one adapter/row   {max(lora):8.1f} tok/s   (reps: {', '.join(f'{x:.1f}' for x in lora)})"
+    )
+    print(
+        f"ratio {max(lora) / max(base):.2f}x (per rep: "
+        f"{', '.join(f'{x / b:.2f}' for x, b in zip(lora, base))})"
+    )
 
 
 if __name__ == "__main__":

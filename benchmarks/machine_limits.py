@@ -16,6 +16,7 @@ same seed). Bounds, per phase:
 Compare an engine's measured time with `bound / measured` (the fraction of the limit it
 reaches).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from cpu_info import cpu_isa
 
 
@@ -57,19 +57,29 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
 def model_shape() -> dict:
     """The bundled model's shape (SmolLM2-135M-Instruct's config)."""
     from vs_vllm import _model_dir
+
     from engine.models.config import ModelArgs
 
     args = ModelArgs.from_hf_config(json.loads((Path(_model_dir()) / "config.json").read_text()))
-    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim  # qkv
-                 + args.n_heads * args.head_dim * args.dim  # o
-                 + 3 * args.dim * args.intermediate_size)  # gate, up, down
-    return {"layers": args.n_layers, "q_heads": args.n_heads, "kv_heads": args.n_kv_heads,
-            "head_dim": args.head_dim, "layer_params": args.n_layers * per_layer,
-            "lm_head_params": args.vocab_size * args.dim}
+    per_layer = (
+        args.dim * (args.n_heads + 2 * args.n_kv_heads) * args.head_dim  # qkv
+        + args.n_heads * args.head_dim * args.dim  # o
+        + 3 * args.dim * args.intermediate_size
+    )  # gate, up, down
+    return {
+        "layers": args.n_layers,
+        "q_heads": args.n_heads,
+        "kv_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "layer_params": args.n_layers * per_layer,
+        "lm_head_params": args.vocab_size * args.dim,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -81,26 +91,37 @@ def main() -> None:
     flops, bandwidth = peak_gemm_flops(dtype), read_bandwidth()
     m = model_shape()
     rng = random.Random(0)  # benchmarks/vs_vllm.py's prompts: the same draws, the same lengths
-    lens = [len([rng.randrange(100, 49000) for _ in range(rng.randint(128, 512))])
-            for _ in range(args.num_prompts)]
+    lens = [
+        len([rng.randrange(100, 49000) for _ in range(rng.randint(128, 512))])
+        for _ in range(args.num_prompts)
+    ]
     attn = sum(4 * m["layers"] * m["q_heads"] * m["head_dim"] * n * n / 2 for n in lens)
     prefill_flops = 2 * m["layer_params"] * sum(lens) + attn + 2 * m["lm_head_params"] * len(lens)
     prefill_s = prefill_flops / flops
     kv_per_token = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * size
     weights = (m["layer_params"] + m["lm_head_params"]) * size
-    decode_bytes = sum(weights + kv_per_token * sum(n + step for n in lens)
-                       for step in range(1, args.output_len))
+    decode_bytes = sum(
+        weights + kv_per_token * sum(n + step for n in lens) for step in range(1, args.output_len)
+    )
     decode_s = decode_bytes / bandwidth
     decode_flops = 2 * (m["layer_params"] + m["lm_head_params"]) * len(lens) * (args.output_len - 1)
     tokens = args.num_prompts * args.output_len
     print(f"ISA: {cpu_isa()}, {args.threads} threads, {args.dtype}, torch {torch.__version__}")
-    print(f"peak GEMM (2048^3): {flops / 1e12:.2f} TFLOP/s; streaming read: {bandwidth / 1e9:.1f} GB/s")
-    print(f"prefill: {sum(lens)} prompt tokens, {prefill_flops / 1e12:.2f} TFLOP -> >= {prefill_s:.3f} s")
-    print(f"decode: {args.output_len - 1} steps of {len(lens)} sequences, {decode_bytes / 1e9:.1f} GB read "
-          f"({decode_flops / decode_bytes:.0f} FLOP/byte; the GEMM peak over bandwidth is "
-          f"{flops / bandwidth:.0f}: memory-bound) -> >= {decode_s:.3f} s")
-    print(f"whole workload: >= {prefill_s + decode_s:.2f} s, i.e. <= {tokens / (prefill_s + decode_s):.0f} "
-          f"output tok/s (compare benchmarks/vs_vllm.py offline's figures)")
+    print(
+        f"peak GEMM (2048^3): {flops / 1e12:.2f} TFLOP/s; streaming read: {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"prefill: {sum(lens)} prompt tokens, {prefill_flops / 1e12:.2f} TFLOP -> >= {prefill_s:.3f} s"
+    )
+    print(
+        f"decode: {args.output_len - 1} steps of {len(lens)} sequences, {decode_bytes / 1e9:.1f} GB read "
+        f"({decode_flops / decode_bytes:.0f} FLOP/byte; the GEMM peak over bandwidth is "
+        f"{flops / bandwidth:.0f}: memory-bound) -> >= {decode_s:.3f} s"
+    )
+    print(
+        f"whole workload: >= {prefill_s + decode_s:.2f} s, i.e. <= {tokens / (prefill_s + decode_s):.0f} "
+        f"output tok/s (compare benchmarks/vs_vllm.py offline's figures)"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ For T in --tokens, one layer forward (router included) of:
 Times are the best of --reps rounds after a warm-up (the first three interleaved round by
 round; sync alone, 200 reps), at --threads torch threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,23 +87,37 @@ def run(preset: str, dtype: torch.dtype, tokens: list[int], reps: int) -> None:
         weights, ids = route(moe.gate(x), top_k, True, None)
         return hf_loop_experts(x, moe.w13, moe.w2, weights, ids)
 
-    print(f"\n{preset}: dim {dim}, {experts} experts, top_k {top_k}, moe_intermediate {inter} "
-          f"(dense equivalent: intermediate {dense_inter}), {str(dtype).removeprefix('torch.')}")
-    print(f"{'T':>5} {'grouped ms':>11} {'hf-loop ms':>11} {'hf/grouped':>11} {'dense ms':>9} "
-          f"{'moe/dense':>10} {'sync us':>8} {'experts hit':>12}")
+    print(
+        f"\n{preset}: dim {dim}, {experts} experts, top_k {top_k}, moe_intermediate {inter} "
+        f"(dense equivalent: intermediate {dense_inter}), {str(dtype).removeprefix('torch.')}"
+    )
+    print(
+        f"{'T':>5} {'grouped ms':>11} {'hf-loop ms':>11} {'hf/grouped':>11} {'dense ms':>9} "
+        f"{'moe/dense':>10} {'sync us':>8} {'experts hit':>12}"
+    )
     with torch.no_grad():
         for num_tokens in tokens:
             x = torch.randn(num_tokens, dim, generator=gen).to(dtype)
-            torch.testing.assert_close(moe(x, ctx).float(), hf_layer(x).float(), atol=5e-2, rtol=5e-2)
+            torch.testing.assert_close(
+                moe(x, ctx).float(), hf_layer(x).float(), atol=5e-2, rtol=5e-2
+            )
             ids = route(moe.gate(x), top_k, True, None)[1].reshape(-1)
-            t = best_times({"grouped": lambda: moe(x, ctx), "hf": lambda: hf_layer(x),
-                            "dense": lambda: dense(x)}, reps)
+            t = best_times(
+                {
+                    "grouped": lambda: moe(x, ctx),
+                    "hf": lambda: hf_layer(x),
+                    "dense": lambda: dense(x),
+                },
+                reps,
+            )
             t_grouped, t_hf, t_dense = t["grouped"], t["hf"], t["dense"]
             read_counts = lambda: torch.bincount(ids, minlength=experts).tolist()  # noqa: E731
             t_sync = best_times({"sync": read_counts}, 200)["sync"]
-            print(f"{num_tokens:>5} {t_grouped * 1e3:>11.3f} {t_hf * 1e3:>11.3f} {t_hf / t_grouped:>10.2f}x "
-                  f"{t_dense * 1e3:>9.3f} {t_grouped / t_dense:>9.2f}x {t_sync * 1e6:>8.1f} "
-                  f"{len(ids.unique()):>12}")
+            print(
+                f"{num_tokens:>5} {t_grouped * 1e3:>11.3f} {t_hf * 1e3:>11.3f} {t_hf / t_grouped:>10.2f}x "
+                f"{t_dense * 1e3:>9.3f} {t_grouped / t_dense:>9.2f}x {t_sync * 1e6:>8.1f} "
+                f"{len(ids.unique()):>12}"
+            )
 
 
 def main() -> None:

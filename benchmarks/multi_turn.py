@@ -27,6 +27,7 @@ and `decode` before anything starts: an unknown one fails the run, naming it. Th
 started fresh for every configuration x placement (127.0.0.1, free ports, its own
 PDSERVE_CACHE) and stopped by its PID (SIGTERM, then SIGKILL of its process group).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdserve.bench.client import parse_sse_line
-from cpu_info import cpu_isa
 from bench_cluster import Cluster, known_flags, unknown_flags
+from cpu_info import cpu_isa
+
+from pdserve.bench.client import parse_sse_line
 from pdserve.bench.workload import _WORDS
 
 BASE_ARGS = "--kv-cache-memory=128MiB"
@@ -70,8 +72,13 @@ class Conversation:
         return [*chat, {"role": "user", "content": self.user_messages[len(self.answers)]}]
 
 
-def build_conversations(n: int, turns: int, words: tuple[int, int], seed: int = 0,
-                        first_words: tuple[int, int] | None = None) -> list[Conversation]:
+def build_conversations(
+    n: int,
+    turns: int,
+    words: tuple[int, int],
+    seed: int = 0,
+    first_words: tuple[int, int] | None = None,
+) -> list[Conversation]:
     """`n` conversations of `turns` user messages of words[0]..words[1] random words each (the
     first one first_words[0]..[1], default the same: a chat that opens with a document or a
     long instruction, then goes on in short messages); a message opens with its conversation
@@ -124,10 +131,13 @@ def summarize(results: list[TurnResult], min_turn: int = 2) -> Summary:
     ttfts = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     prompt = sum(r.prompt_tokens for r in ok)
     return Summary(
-        turns=len(ok), errors=sum(r.error is not None for r in results),
-        ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99),
+        turns=len(ok),
+        errors=sum(r.error is not None for r in results),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
         hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else None,
-        prompt_tokens=prompt)
+        prompt_tokens=prompt,
+    )
 
 
 def ratio(on: float | None, off: float | None) -> float | None:
@@ -138,8 +148,14 @@ def ratio(on: float | None, off: float | None) -> float | None:
 async def chat_turn(http, url: str, model: str, conv: Conversation, max_tokens: int) -> TurnResult:
     """Send the conversation's next turn (streaming); on success its answer joins the history."""
     result = TurnResult(conv.index, len(conv.answers) + 1)
-    body = {"model": model, "messages": conv.messages(), "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": conv.messages(),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     text: list[str] = []
     t0 = time.perf_counter()
     try:
@@ -171,8 +187,9 @@ async def chat_turn(http, url: str, model: str, conv: Conversation, max_tokens: 
     return result
 
 
-async def run_conversations(url: str, model: str, conversations: list[Conversation],
-                            max_tokens: int, concurrency: int) -> list[TurnResult]:
+async def run_conversations(
+    url: str, model: str, conversations: list[Conversation], max_tokens: int, concurrency: int
+) -> list[TurnResult]:
     import httpx
 
     results: list[TurnResult] = []
@@ -204,18 +221,26 @@ class RunResult:
     wall_s: float
 
 
-def run_one(config: str, policy: str, args: list[str], model: str, opts: argparse.Namespace,
-            work: Path) -> RunResult:
-    up_args = ["--model", model, "--router-arg=--enable-prompt-tokens-details",
-               f"--router-arg=--policy={policy}", *args]
+def run_one(
+    config: str, policy: str, args: list[str], model: str, opts: argparse.Namespace, work: Path
+) -> RunResult:
+    up_args = [
+        "--model",
+        model,
+        "--router-arg=--enable-prompt-tokens-details",
+        f"--router-arg=--policy={policy}",
+        *args,
+    ]
     print(f"[{config} / {policy}] pdserve up {' '.join(up_args)}", flush=True)
     cluster = Cluster(up_args, work / f"{config}-{policy}", opts.prefill, opts.decode)
     try:
-        convs = build_conversations(opts.conversations, opts.turns, opts.user_words, opts.seed,
-                                    opts.first_words)
+        convs = build_conversations(
+            opts.conversations, opts.turns, opts.user_words, opts.seed, opts.first_words
+        )
         t0 = time.perf_counter()
-        results = asyncio.run(run_conversations(cluster.url, model, convs, opts.max_tokens,
-                                                opts.concurrency))
+        results = asyncio.run(
+            run_conversations(cluster.url, model, convs, opts.max_tokens, opts.concurrency)
+        )
         wall = time.perf_counter() - t0
         worker = cluster.worker_metrics()
     finally:
@@ -240,27 +265,40 @@ def _x(x: float | None) -> str:
 
 
 def table(runs: list[RunResult]) -> str:
-    lines = [f"{'config':7} {'placement':12} {'turns>=2':>8} {'TTFT p50 ms':>11} {'p99 ms':>8} "
-             f"{'hit rate':>9} {'worker hits':>11} {'tier hit tok':>12} {'pulled blk':>10} {'errors':>6} "
-             f"{'wall s':>7}"]
+    lines = [
+        f"{'config':7} {'placement':12} {'turns>=2':>8} {'TTFT p50 ms':>11} {'p99 ms':>8} "
+        f"{'hit rate':>9} {'worker hits':>11} {'tier hit tok':>12} {'pulled blk':>10} {'errors':>6} "
+        f"{'wall s':>7}"
+    ]
     for r in runs:
         s, w = r.summary, r.worker
-        whr = w["prefix_cache_hits"] / w["prefix_cache_queries"] if w["prefix_cache_queries"] else None
-        lines.append(f"{r.config:7} {r.policy:12} {s.turns:>8} {_ms(s.ttft_p50_ms):>11} "
-                     f"{_ms(s.ttft_p99_ms):>8} {_pct(s.hit_rate):>9} {_pct(whr):>11} "
-                     f"{w['tier_hit_tokens']:>12.0f} {w.get('pulled_blocks', 0):>10.0f} {s.errors:>6} "
-                     f"{r.wall_s:>7.1f}")
+        whr = (
+            w["prefix_cache_hits"] / w["prefix_cache_queries"]
+            if w["prefix_cache_queries"]
+            else None
+        )
+        lines.append(
+            f"{r.config:7} {r.policy:12} {s.turns:>8} {_ms(s.ttft_p50_ms):>11} "
+            f"{_ms(s.ttft_p99_ms):>8} {_pct(s.hit_rate):>9} {_pct(whr):>11} "
+            f"{w['tier_hit_tokens']:>12.0f} {w.get('pulled_blocks', 0):>10.0f} {s.errors:>6} "
+            f"{r.wall_s:>7.1f}"
+        )
     for policy, on, off in _pairs(runs):
-        lines.append(f"on/off, {policy}: TTFT p50 {_x(ratio(on.ttft_p50_ms, off.ttft_p50_ms))}, "
-                     f"p99 {_x(ratio(on.ttft_p99_ms, off.ttft_p99_ms))}, hit rate "
-                     f"{_pct(off.hit_rate)} -> {_pct(on.hit_rate)}")
+        lines.append(
+            f"on/off, {policy}: TTFT p50 {_x(ratio(on.ttft_p50_ms, off.ttft_p50_ms))}, "
+            f"p99 {_x(ratio(on.ttft_p99_ms, off.ttft_p99_ms))}, hit rate "
+            f"{_pct(off.hit_rate)} -> {_pct(on.hit_rate)}"
+        )
     return "\n".join(lines)
 
 
 def _pairs(runs: list[RunResult]) -> list[tuple[str, Summary, Summary]]:
     by = {(r.config, r.policy): r.summary for r in runs}
-    return [(p, by["on", p], by["off", p]) for p in dict.fromkeys(r.policy for r in runs)
-            if ("on", p) in by and ("off", p) in by]
+    return [
+        (p, by["on", p], by["off", p])
+        for p in dict.fromkeys(r.policy for r in runs)
+        if ("on", p) in by and ("off", p) in by
+    ]
 
 
 def _words(text: str) -> tuple[int, int]:
@@ -269,16 +307,27 @@ def _words(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")
     p.add_argument("--concurrency", type=int, default=4, help="conversations at once")
-    p.add_argument("--first-words", type=_words, default=(1000, 1500), metavar="MIN,MAX",
-                   help="words of a conversation's first user message (about one token each)")
-    p.add_argument("--user-words", type=_words, default=(40, 120), metavar="MIN,MAX",
-                   help="words per later user message")
+    p.add_argument(
+        "--first-words",
+        type=_words,
+        default=(1000, 1500),
+        metavar="MIN,MAX",
+        help="words of a conversation's first user message (about one token each)",
+    )
+    p.add_argument(
+        "--user-words",
+        type=_words,
+        default=(40, 120),
+        metavar="MIN,MAX",
+        help="words per later user message",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=2, help="decode workers")
@@ -286,11 +335,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default="affinity,round_robin", help="router --policy values")
     p.add_argument("--configs", default="off,on")
     p.add_argument("--base-args", default=BASE_ARGS, help="pdserve up arguments of every run")
-    p.add_argument("--off-args", default=None,
-                   help="fabric off (default: --router-arg=--no-kv-pull where the router has it)")
-    p.add_argument("--on-args", default=None,
-                   help=f"fabric on (default: --worker-arg={TIER}, and --router-arg=--kv-pull "
-                        "where the router has it)")
+    p.add_argument(
+        "--off-args",
+        default=None,
+        help="fabric off (default: --router-arg=--no-kv-pull where the router has it)",
+    )
+    p.add_argument(
+        "--on-args",
+        default=None,
+        help=f"fabric on (default: --worker-arg={TIER}, and --router-arg=--kv-pull "
+        "where the router has it)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="OUT")
     return p.parse_args(argv)
 
@@ -299,12 +354,16 @@ def config_args(opts: argparse.Namespace, router: set[str]) -> dict[str, list[st
     """Extra `pdserve up` arguments per configuration (the defaults follow what the router
     knows: --kv-pull is the peer pull's flag)."""
     pull = "--kv-pull" in router
-    defaults = {"off": "--router-arg=--no-kv-pull" if pull else "",
-                "on": f"--worker-arg={TIER}" + (" --router-arg=--kv-pull" if pull else "")}
+    defaults = {
+        "off": "--router-arg=--no-kv-pull" if pull else "",
+        "on": f"--worker-arg={TIER}" + (" --router-arg=--kv-pull" if pull else ""),
+    }
     given = {"off": opts.off_args, "on": opts.on_args}
     base = shlex.split(opts.base_args)
-    return {c: base + shlex.split(given[c] if given[c] is not None else defaults[c])
-            for c in opts.configs.split(",")}
+    return {
+        c: base + shlex.split(given[c] if given[c] is not None else defaults[c])
+        for c in opts.configs.split(",")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,15 +376,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, args in configs.items():
         bad = unknown_flags(args, up, router, worker)
         if bad:
-            print(f"multi_turn: configuration {name!r}: unknown flag(s) {' '.join(bad)} "
-                  "(not in the --help of pdserve up / router / decode of this checkout)",
-                  file=sys.stderr)
+            print(
+                f"multi_turn: configuration {name!r}: unknown flag(s) {' '.join(bad)} "
+                "(not in the --help of pdserve up / router / decode of this checkout)",
+                file=sys.stderr,
+            )
             return 2
     isa = cpu_isa()
-    print(f"{opts.prefill}P+{opts.decode}D; {opts.conversations} conversations x {opts.turns} "
-          f"turns, max_tokens "
-          f"{opts.max_tokens}, concurrency {opts.concurrency}; {os.cpu_count()} cores, {isa}; "
-          f"peer pull {'in' if '--kv-pull' in router else 'NOT in'} this checkout", flush=True)
+    print(
+        f"{opts.prefill}P+{opts.decode}D; {opts.conversations} conversations x {opts.turns} "
+        f"turns, max_tokens "
+        f"{opts.max_tokens}, concurrency {opts.concurrency}; {os.cpu_count()} cores, {isa}; "
+        f"peer pull {'in' if '--kv-pull' in router else 'NOT in'} this checkout",
+        flush=True,
+    )
     runs = []
     with tempfile.TemporaryDirectory(prefix="multi-turn-") as tmp:
         for policy in opts.policies.split(","):
@@ -334,15 +398,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(table(runs[-1:]).splitlines()[1], flush=True)
     print(table(runs))
     if opts.json is not None:
-        opts.json.write_text(json.dumps({
-            "isa": isa, "cores": os.cpu_count(), "peer_pull": "--kv-pull" in router,
-            "options": {k: v for k, v in vars(opts).items() if k != "json"},
-            "runs": [asdict(r) for r in runs],
-            "ratios": {p: {"ttft_p50": ratio(on.ttft_p50_ms, off.ttft_p50_ms),
-                           "ttft_p99": ratio(on.ttft_p99_ms, off.ttft_p99_ms),
-                           "hit_rate": ratio(on.hit_rate, off.hit_rate)}
-                       for p, on, off in _pairs(runs)},
-        }, indent=2, default=str))
+        opts.json.write_text(
+            json.dumps(
+                {
+                    "isa": isa,
+                    "cores": os.cpu_count(),
+                    "peer_pull": "--kv-pull" in router,
+                    "options": {k: v for k, v in vars(opts).items() if k != "json"},
+                    "runs": [asdict(r) for r in runs],
+                    "ratios": {
+                        p: {
+                            "ttft_p50": ratio(on.ttft_p50_ms, off.ttft_p50_ms),
+                            "ttft_p99": ratio(on.ttft_p99_ms, off.ttft_p99_ms),
+                            "hit_rate": ratio(on.hit_rate, off.hit_rate),
+                        }
+                        for p, on, off in _pairs(runs)
+                    },
+                },
+                indent=2,
+                default=str,
+            )
+        )
     return 0
 
 

@@ -14,6 +14,7 @@ benchmarks/grpc_auth_bench.py).
     .venv/bin/python benchmarks/router_bench.py decision
     .venv/bin/python benchmarks/router_bench.py cluster --tenants 8 --system-tokens 1024
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ def pct(values: list[float], q: float) -> float:
 
 
 def fmt_ms(values: list[float]) -> str:
-    return (f"p50 {pct(values, 50) * 1e3:.3f} ms  p90 {pct(values, 90) * 1e3:.3f} ms  "
-            f"p99 {pct(values, 99) * 1e3:.3f} ms  max {max(values) * 1e3:.3f} ms")
+    return (
+        f"p50 {pct(values, 50) * 1e3:.3f} ms  p90 {pct(values, 90) * 1e3:.3f} ms  "
+        f"p99 {pct(values, 99) * 1e3:.3f} ms  max {max(values) * 1e3:.3f} ms"
+    )
 
 
 # ---- decision time ---------------------------------------------------------------------------
@@ -49,18 +52,33 @@ def bench_decision(args: argparse.Namespace) -> None:
     bs = args.block_size
     n_prefill = args.workers // 4
     roles = [Role.PREFILL if i < n_prefill else Role.DECODE for i in range(args.workers)]
-    infos = [WorkerInfo(f"{roles[i]}-{i}", roles[i], f"10.0.0.{i}:5000", "m", "c", bs,
-                        capacity=Capacity(total_blocks=100_000, free_blocks=rng.randint(1_000, 100_000),
-                                          running=rng.randint(0, 32), waiting=rng.randint(0, 4),
-                                          queued_prefill_tokens=rng.randint(0, 8_000),
-                                          prefill_tokens_per_s=rng.uniform(2_000, 20_000)))
-             for i in range(args.workers)]
+    infos = [
+        WorkerInfo(
+            f"{roles[i]}-{i}",
+            roles[i],
+            f"10.0.0.{i}:5000",
+            "m",
+            "c",
+            bs,
+            capacity=Capacity(
+                total_blocks=100_000,
+                free_blocks=rng.randint(1_000, 100_000),
+                running=rng.randint(0, 32),
+                waiting=rng.randint(0, 4),
+                queued_prefill_tokens=rng.randint(0, 8_000),
+                prefill_tokens_per_s=rng.uniform(2_000, 20_000),
+            ),
+        )
+        for i in range(args.workers)
+    ]
     registry = WorkerRegistry(stale_after_s=1e9)
     registry.replace_all(infos)
     index = KVIndex()
 
     # Tenants: a shared system prompt each, cached (whole or in part) on a few workers.
-    tenants = [[rng.randrange(50_000) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
+    tenants = [
+        [rng.randrange(50_000) for _ in range(args.system_tokens)] for _ in range(args.tenants)
+    ]
     t0 = time.perf_counter()
     for t in tenants:
         hashes = PromptKey(t + [0]).hashes(bs)
@@ -70,15 +88,20 @@ def bench_decision(args: argparse.Namespace) -> None:
     per_worker = (args.blocks - len(index)) // len(infos) + 1
     for w in infos:
         index.stored(w.worker_id, [os.urandom(32) for _ in range(per_worker)])
-    print(f"index: {len(index):,} blocks over {len(infos)} workers "
-          f"({n_prefill} prefill, {len(infos) - n_prefill} decode), built in "
-          f"{time.perf_counter() - t0:.1f}s")
+    print(
+        f"index: {len(index):,} blocks over {len(infos)} workers "
+        f"({n_prefill} prefill, {len(infos) - n_prefill} decode), built in "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
 
-    prompts = [rng.choice(tenants) + [rng.randrange(50_000) for _ in range(args.question_tokens)]
-               for _ in range(args.requests)]
+    prompts = [
+        rng.choice(tenants) + [rng.randrange(50_000) for _ in range(args.question_tokens)]
+        for _ in range(args.requests)
+    ]
     for policy in ("affinity", "round_robin", "least_loaded"):
-        placer = Placer(registry, index, make_policy(PlacementConfig(policy=policy,
-                                                                     local_prefill_threshold=0)))
+        placer = Placer(
+            registry, index, make_policy(PlacementConfig(policy=policy, local_prefill_threshold=0))
+        )
         hashing, deciding, total = [], [], []
         for ids in prompts:
             key = PromptKey(ids)
@@ -91,7 +114,9 @@ def bench_decision(args: argparse.Namespace) -> None:
             hashing.append(b - a)
             deciding.append(c - b)
             total.append(c - a)
-        print(f"\n{policy} ({len(prompts)} requests of {args.system_tokens}+{args.question_tokens} tokens)")
+        print(
+            f"\n{policy} ({len(prompts)} requests of {args.system_tokens}+{args.question_tokens} tokens)"
+        )
         print(f"  block hashes ({(len(prompts[0]) - 1) // bs} blocks): {fmt_ms(hashing)}")
         print(f"  placement decision:          {fmt_ms(deciding)}")
         print(f"  hashes + decision:           {fmt_ms(total)}")
@@ -102,8 +127,13 @@ class _Proc:
     def __init__(self, cmd: list[str], log_path: str) -> None:
         import subprocess
 
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
-                                     text=True, env={**os.environ, "UCX_NET_DEVICES": "lo"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "w"),
+            text=True,
+            env={**os.environ, "UCX_NET_DEVICES": "lo"},
+        )
         self.log_path = log_path
 
     def wait_ready(self, timeout: float = 180.0) -> tuple[str, str]:
@@ -128,8 +158,9 @@ class _Proc:
             self.proc.kill()
 
 
-def _start_router(etcd: str, policy: str, log_dir: str, token_file: str,
-                  *extra: str) -> tuple[_Proc, str]:
+def _start_router(
+    etcd: str, policy: str, log_dir: str, token_file: str, *extra: str
+) -> tuple[_Proc, str]:
     import sys
 
     import httpx
@@ -137,10 +168,27 @@ def _start_router(etcd: str, policy: str, log_dir: str, token_file: str,
     from cluster.net import free_port
 
     port = free_port()
-    proc = _Proc([sys.executable, "-m", "pdserve", "router", "--etcd", etcd, "--port", str(port),
-                  "--policy", policy, "--log-level", "warning", "--cluster-token-file", token_file,
-                  "--enable-prompt-tokens-details", *extra],  # usage.cached_tokens is measured
-                 f"{log_dir}/router-{policy}.log")
+    proc = _Proc(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--etcd",
+            etcd,
+            "--port",
+            str(port),
+            "--policy",
+            policy,
+            "--log-level",
+            "warning",
+            "--cluster-token-file",
+            token_file,
+            "--enable-prompt-tokens-details",
+            *extra,
+        ],  # usage.cached_tokens is measured
+        f"{log_dir}/router-{policy}.log",
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -157,13 +205,22 @@ def _start_router(etcd: str, policy: str, log_dir: str, token_file: str,
 def _ttft(client, prompt: list[int], max_tokens: int) -> tuple[float, int, int]:
     """(seconds to the first token, prompt tokens, cached prompt tokens) of one streamed call."""
     t0, first, usage = time.perf_counter(), None, None
-    for chunk in client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                           max_tokens=max_tokens, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter() - t0
         usage = chunk.usage or usage
-    return first or time.perf_counter() - t0, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+    return (
+        first or time.perf_counter() - t0,
+        usage.prompt_tokens,
+        usage.prompt_tokens_details.cached_tokens,
+    )
 
 
 def _prefix_cache_tokens(metrics_addresses: list[str]) -> tuple[float, float]:
@@ -197,36 +254,70 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
     import openai
 
     from cluster.etcd_server import EtcdServer
-
     from cluster.grpc_security import write_token_file
 
     log_dir = tempfile.mkdtemp(prefix="router-bench-")
     token_file = str(write_token_file(Path(log_dir) / "cluster-token"))  # as `pdserve up` does
-    flags = ["--num-layers", str(args.num_layers), "--dtype", "float32", "--num-threads", "1",
-             "--cluster-token-file", token_file]
+    flags = [
+        "--num-layers",
+        str(args.num_layers),
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--cluster-token-file",
+        token_file,
+    ]
     memory = {Role.PREFILL: args.prefill_kv_cache_memory, Role.DECODE: args.decode_kv_cache_memory}
     rng = random.Random(1)
     with EtcdServer() as etcd:
         import sys
 
-        workers = [_Proc([sys.executable, "-m", "pdserve", role, "--etcd", etcd.endpoint, *flags,
-                          "--kv-cache-memory", memory[role]],
-                         f"{log_dir}/{role}-{i}.log")
-                   for i, role in enumerate([Role.PREFILL, Role.PREFILL, Role.DECODE])]
+        workers = [
+            _Proc(
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve",
+                    role,
+                    "--etcd",
+                    etcd.endpoint,
+                    *flags,
+                    "--kv-cache-memory",
+                    memory[role],
+                ],
+                f"{log_dir}/{role}-{i}.log",
+            )
+            for i, role in enumerate([Role.PREFILL, Role.PREFILL, Role.DECODE])
+        ]
         try:
             addresses = [w.wait_ready() for w in workers]
             prefill_metrics = [m for _, m in addresses[:2]]
             print(f"workers up (2 prefill + 1 decode, {args.num_layers} layers); logs in {log_dir}")
             for policy in args.policies.split(","):
                 # Fresh tenants per policy: no run profits from another's cached prefixes.
-                tenants = [[rng.randrange(1000, 40000) for _ in range(args.system_tokens)]
-                           for _ in range(args.tenants)]
-                requests = [t + [rng.randrange(1000, 40000) for _ in range(rng.randint(16, 48))]
-                            for _ in range(args.questions) for t in rng.sample(tenants, len(tenants))]
-                router, url = _start_router(etcd.endpoint, policy, log_dir, token_file,
-                                            "--local-prefill-threshold", "0",
-                                            "--local-prefill-max-tokens", "0")
-                client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+                tenants = [
+                    [rng.randrange(1000, 40000) for _ in range(args.system_tokens)]
+                    for _ in range(args.tenants)
+                ]
+                requests = [
+                    t + [rng.randrange(1000, 40000) for _ in range(rng.randint(16, 48))]
+                    for _ in range(args.questions)
+                    for t in rng.sample(tenants, len(tenants))
+                ]
+                router, url = _start_router(
+                    etcd.endpoint,
+                    policy,
+                    log_dir,
+                    token_file,
+                    "--local-prefill-threshold",
+                    "0",
+                    "--local-prefill-max-tokens",
+                    "0",
+                )
+                client = openai.OpenAI(
+                    base_url=url + "/v1", api_key="x", max_retries=0, timeout=600
+                )
                 hits0, queries0 = _prefix_cache_tokens(prefill_metrics)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(args.concurrency) as pool:
@@ -238,11 +329,13 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
                 ttfts = [r[0] for r in results]
                 reported = sum(r[2] for r in results) / sum(r[1] for r in results)
                 pool = (hits1 - hits0) / max(1.0, queries1 - queries0)
-                print(f"{policy:>13}: prefill-pool prefix hit rate {pool:6.1%}  (usage cached "
-                      f"{reported:6.1%})   TTFT p50 {pct(ttfts, 50):.3f} s   p90 "
-                      f"{pct(ttfts, 90):.3f} s   ({len(requests)} requests in {wall:.1f} s; "
-                      f"router predicted {predicted:.0f} cached tokens, workers reported "
-                      f"{reported_tokens:.0f})")
+                print(
+                    f"{policy:>13}: prefill-pool prefix hit rate {pool:6.1%}  (usage cached "
+                    f"{reported:6.1%})   TTFT p50 {pct(ttfts, 50):.3f} s   p90 "
+                    f"{pct(ttfts, 90):.3f} s   ({len(requests)} requests in {wall:.1f} s; "
+                    f"router predicted {predicted:.0f} cached tokens, workers reported "
+                    f"{reported_tokens:.0f})"
+                )
             if args.overhead_requests > 0:
                 _router_overhead(etcd.endpoint, addresses[2][0], log_dir, token_file, args, rng)
         finally:
@@ -250,8 +343,9 @@ def run_cluster_bench(args: argparse.Namespace) -> None:
                 w.stop()
 
 
-def _router_overhead(etcd: str, decode_address: str, log_dir: str, token_file: str, args,
-                     rng) -> None:
+def _router_overhead(
+    etcd: str, decode_address: str, log_dir: str, token_file: str, args, rng
+) -> None:
     """TTFT of short prompts through the router vs Generate on the decode worker directly."""
     import openai
 
@@ -268,9 +362,13 @@ def _router_overhead(etcd: str, decode_address: str, log_dir: str, token_file: s
     for i in range(args.overhead_requests + 5):
         prompt = [rng.randrange(1000, 40000) for _ in range(8)]  # under a block: no cache effects
         t0 = time.perf_counter()
-        for _ in stub.Generate(pb.GenerateRequest(
-                request_id=f"bench-{i}", prompt_token_ids=prompt,
-                sampling=pb.SamplingParams(temperature=0, max_tokens=1))):
+        for _ in stub.Generate(
+            pb.GenerateRequest(
+                request_id=f"bench-{i}",
+                prompt_token_ids=prompt,
+                sampling=pb.SamplingParams(temperature=0, max_tokens=1),
+            )
+        ):
             break
         d = time.perf_counter() - t0
         r = _ttft(client, prompt, 1)[0]
@@ -279,10 +377,12 @@ def _router_overhead(etcd: str, decode_address: str, log_dir: str, token_file: s
             routed.append(r)
     router.stop()
     extra = [r - d for r, d in zip(routed, direct)]
-    print(f"router overhead on TTFT ({len(extra)} sequential 8-token prompts): "
-          f"p50 {statistics.median(extra) * 1e3:.2f} ms  p99 {pct(extra, 99) * 1e3:.2f} ms "
-          f"(direct p50 {statistics.median(direct) * 1e3:.2f} ms, "
-          f"routed p50 {statistics.median(routed) * 1e3:.2f} ms)")
+    print(
+        f"router overhead on TTFT ({len(extra)} sequential 8-token prompts): "
+        f"p50 {statistics.median(extra) * 1e3:.2f} ms  p99 {pct(extra, 99) * 1e3:.2f} ms "
+        f"(direct p50 {statistics.median(direct) * 1e3:.2f} ms, "
+        f"routed p50 {statistics.median(routed) * 1e3:.2f} ms)"
+    )
 
 
 def main() -> None:
@@ -304,9 +404,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--prefill-kv-cache-memory", default="16MiB",
-                   help="per prefill worker: the default holds ~5 of 8 tenants' 1k-token prefixes "
-                   "(2 fp32 layers), so where each tenant goes matters")
+    p.add_argument(
+        "--prefill-kv-cache-memory",
+        default="16MiB",
+        help="per prefill worker: the default holds ~5 of 8 tenants' 1k-token prefixes "
+        "(2 fp32 layers), so where each tenant goes matters",
+    )
     p.add_argument("--decode-kv-cache-memory", default="64MiB")
     p.add_argument("--policies", default="affinity,round_robin,least_loaded")
     p.add_argument("--overhead-requests", type=int, default=50)

@@ -15,6 +15,7 @@ against no speculation. Decode tok/s counts the tokens produced after the step i
 the last sequence of the batch got its first token, over the time from that step to the
 end (so prefill is excluded; the warm-up run leaves the prompts in the prefix cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cpu_info import cpu_isa
 
 from engine import LLM, SamplingParams
-from cpu_info import cpu_isa
 
 PARAGRAPHS = (
     "The old lighthouse stood at the edge of the cliff for more then two hundred years. Every "
@@ -65,12 +66,20 @@ PARAGRAPHS = (
     "produce far more honey then it needs to survive the winter, which is why people have "
     "kept bees for thousands of years.",
 )
-INSTRUCTIONS = ("Rewrite the following text, fixing the typos:",
-                "Copy the text below and correct its spelling mistakes:")
-STORY_TOPICS = ("a robot who learns to paint", "a lost dog finding its way home",
-                "a girl who can talk to trees", "the last train of the night",
-                "a dragon afraid of the dark", "two friends building a boat",
-                "a city where it never stops raining", "a clock that runs backwards")
+INSTRUCTIONS = (
+    "Rewrite the following text, fixing the typos:",
+    "Copy the text below and correct its spelling mistakes:",
+)
+STORY_TOPICS = (
+    "a robot who learns to paint",
+    "a lost dog finding its way home",
+    "a girl who can talk to trees",
+    "the last train of the night",
+    "a dragon afraid of the dark",
+    "two friends building a boat",
+    "a city where it never stops raining",
+    "a clock that runs backwards",
+)
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ class RunResult:
 @dataclass
 class Totals:
     """One (case, method) summed over the repetitions."""
+
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
@@ -132,10 +142,14 @@ class Totals:
 
 def make_cases(llm: LLM, batch: int, max_tokens: int) -> list[Case]:
     chat = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    copy = [chat(f"{INSTRUCTIONS[i // len(PARAGRAPHS) % 2]}\n\n{PARAGRAPHS[i % len(PARAGRAPHS)]}")
-            for i in range(batch)]
-    free = [chat(f"Write a short story about {STORY_TOPICS[i % len(STORY_TOPICS)]}.")
-            for i in range(batch)]
+    copy = [
+        chat(f"{INSTRUCTIONS[i // len(PARAGRAPHS) % 2]}\n\n{PARAGRAPHS[i % len(PARAGRAPHS)]}")
+        for i in range(batch)
+    ]
+    free = [
+        chat(f"Write a short story about {STORY_TOPICS[i % len(STORY_TOPICS)]}.")
+        for i in range(batch)
+    ]
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     cases = []
     for name, prompts in (("copy", copy), ("free", free)):
@@ -203,27 +217,47 @@ def first_mismatch(reference: list[list[int]], got: list[list[int]]) -> str | No
 
 
 def make_methods(args) -> list[Method]:
-    ngram = {"method": "ngram", "num_speculative_tokens": args.ngram_k,
-             "prompt_lookup_max": args.lookup_max}
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": args.ngram_k,
+        "prompt_lookup_max": args.lookup_max,
+    }
     methods = [Method("no spec", None), Method(f"ngram k={args.ngram_k}", ngram)]
     for n in (int(x) for x in args.self_layers.split(",") if x):
-        methods.append(Method(f"self:{n} k={args.draft_k}", {
-            "method": "draft_model", "model": f"self:{n}", "num_speculative_tokens": args.draft_k}))
+        methods.append(
+            Method(
+                f"self:{n} k={args.draft_k}",
+                {
+                    "method": "draft_model",
+                    "model": f"self:{n}",
+                    "num_speculative_tokens": args.draft_k,
+                },
+            )
+        )
     return methods
 
 
 def bench(args) -> dict[tuple[str, str], Totals]:
     """Every (case, method) run `args.reps` times, interleaved; the totals, printed."""
     methods = make_methods(args)
-    engines = {m.name: LLM(args.model, dtype=args.dtype, num_layers=args.num_layers,
-                           kv_cache_memory=args.kv_memory, speculative_config=m.spec)
-               for m in methods}
+    engines = {
+        m.name: LLM(
+            args.model,
+            dtype=args.dtype,
+            num_layers=args.num_layers,
+            kv_cache_memory=args.kv_memory,
+            speculative_config=m.spec,
+        )
+        for m in methods
+    }
     base = engines[methods[0].name]
     cases = make_cases(base, args.batch, args.max_tokens)
-    print(f"{cpu_isa()}; model {args.model} ({base.engine.loaded.args.n_layers} layers), dtype "
-          f"{base.engine.dtype}, {torch.get_num_threads()} torch thread(s), max_tokens "
-          f"{args.max_tokens}, {args.reps} rep(s); prompt tokens: copy {len(cases[0].prompts[0])}, "
-          f"free {len(cases[2].prompts[0])}")
+    print(
+        f"{cpu_isa()}; model {args.model} ({base.engine.loaded.args.n_layers} layers), dtype "
+        f"{base.engine.dtype}, {torch.get_num_threads()} torch thread(s), max_tokens "
+        f"{args.max_tokens}, {args.reps} rep(s); prompt tokens: copy {len(cases[0].prompts[0])}, "
+        f"free {len(cases[2].prompts[0])}"
+    )
     short = SamplingParams(temperature=0.0, max_tokens=4)
     for m in methods:  # warm-up: one short run per engine and case (fills the prefix cache)
         for case in cases:
@@ -243,27 +277,34 @@ def bench(args) -> dict[tuple[str, str], Totals]:
 
 
 def report(cases: list[Case], methods: list[Method], totals: dict[tuple[str, str], Totals]) -> None:
-    print(f"\n{'case':22s} {'method':12s} {'decode tok/s':>12s} {'ratio':>6s} {'ms/step':>8s} "
-          f"{'draft ms':>8s} {'accept':>7s} {'mean len':>8s} {'drafts':>6s}  {'per-rep ratios':14s} "
-          f"identical to no spec")
+    print(
+        f"\n{'case':22s} {'method':12s} {'decode tok/s':>12s} {'ratio':>6s} {'ms/step':>8s} "
+        f"{'draft ms':>8s} {'accept':>7s} {'mean len':>8s} {'drafts':>6s}  {'per-rep ratios':14s} "
+        f"identical to no spec"
+    )
     for case in cases:
         base = totals[(case.name, methods[0].name)]
-        print(f"-- {case.name}: {base.output_tokens / len(base.rates) / len(case.prompts):.0f} "
-              f"output tokens per sequence (mean of a run)")
+        print(
+            f"-- {case.name}: {base.output_tokens / len(base.rates) / len(case.prompts):.0f} "
+            f"output tokens per sequence (mean of a run)"
+        )
         for m in methods:
             t = totals[(case.name, m.name)]
             accept = f"{t.accepted / t.draft_tokens:7.1%}" if t.draft_tokens else f"{'-':>7s}"
             length = f"{1 + t.accepted / t.drafts:8.2f}" if t.drafts else f"{'-':>8s}"
             per_rep = " ".join(f"{a / b:.2f}" for a, b in zip(t.rates, base.rates))
             same = "yes" if not t.mismatches else "NO: " + "; ".join(t.mismatches)
-            print(f"{case.name:22s} {m.name:12s} {t.rate:12.1f} {t.rate / base.rate:5.2f}x "
-                  f"{t.seconds / t.steps * 1000:8.1f} {t.draft_seconds / t.steps * 1000:8.1f} "
-                  f"{accept} {length} {t.drafts:6d}  {per_rep:14s} {same}")
+            print(
+                f"{case.name:22s} {m.name:12s} {t.rate:12.1f} {t.rate / base.rate:5.2f}x "
+                f"{t.seconds / t.steps * 1000:8.1f} {t.draft_seconds / t.steps * 1000:8.1f} "
+                f"{accept} {length} {t.drafts:6d}  {per_rep:14s} {same}"
+            )
 
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, str], Totals]:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-layers", type=int, default=None)
@@ -273,13 +314,21 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], Totals]:
     parser.add_argument("--ngram-k", type=int, default=4)
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--draft-k", type=int, default=3)
-    parser.add_argument("--self-layers", default="8,10",
-                        help="N of each draft_model self:N, comma-separated")
+    parser.add_argument(
+        "--self-layers", default="8,10", help="N of each draft_model self:N, comma-separated"
+    )
     parser.add_argument("--kv-memory", type=int, default=1 << 30)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: ratios stay stable when another process holds a core)")
-    parser.add_argument("--quick", action="store_true",
-                        help="2 layers, 16 tokens, 1 rep, 64 MiB KV pools: a smoke run")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: ratios stay stable when another process holds a core)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="2 layers, 16 tokens, 1 rep, 64 MiB KV pools: a smoke run",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.num_layers, args.max_tokens, args.reps, args.self_layers = 2, 16, 1, "1"

@@ -13,6 +13,7 @@ nothing.
    requests that ask for something a tool answers, greedy, with and without the structural
    tag. Small models call tools badly; the prompts are plain requests, not tuned to hide it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,41 @@ from router.parsers.tools.types import FunctionTool, assemble
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = [
-    FunctionTool("get_weather", "Current weather in a city", {
-        "type": "object", "properties": {"city": {"type": "string"},
-                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city"]}),
-    FunctionTool("get_time", "Current time in a time zone", {
-        "type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}),
-    FunctionTool("search", "Search the web", {
-        "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}),
+    FunctionTool(
+        "get_weather",
+        "Current weather in a city",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    ),
+    FunctionTool(
+        "get_time",
+        "Current time in a time zone",
+        {
+            "type": "object",
+            "properties": {"timezone": {"type": "string"}},
+            "required": ["timezone"],
+        },
+    ),
+    FunctionTool(
+        "search",
+        "Search the web",
+        {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    ),
 ]
-ASKS = ["What's the weather in {}?", "Is it raining in {} right now?", "What time is it in {}?",
-        "Search the web for the population of {}.", "How warm is it in {} today, in celsius?",
-        "Look up the history of {}."]
+ASKS = [
+    "What's the weather in {}?",
+    "Is it raining in {} right now?",
+    "What time is it in {}?",
+    "Search the web for the population of {}.",
+    "How warm is it in {} today, in celsius?",
+    "Look up the history of {}.",
+]
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Perth", "Denver", "Hanoi"]
 
 
@@ -51,17 +75,24 @@ def _prompts(count: int) -> list[str]:
 
 def _constraints() -> dict[str, dict | None]:
     hermes = tool_parser("hermes")
-    return {"plain": None,
-            "required": {"json": required_calls_schema(TOOLS, True)},
-            "auto (hermes tag)": {"structural_tag": json.dumps(hermes.structural_tag(TOOLS))}}
+    return {
+        "plain": None,
+        "required": {"json": required_calls_schema(TOOLS, True)},
+        "auto (hermes tag)": {"structural_tag": json.dumps(hermes.structural_tag(TOOLS))},
+    }
 
 
 def _step_time(llm: LLM, prompt: list[int], batch: int, steps: int, constraint) -> float:
     """Seconds per decode step of a full batch: the measured steps' time over the tokens they
     made, times the batch (a row whose grammar completes leaves the batch early)."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=steps + 2, ignore_eos=True,
-                            structured_outputs=constraint)
+    params = SamplingParams(
+        temperature=0.8,
+        seed=1,
+        max_tokens=steps + 2,
+        ignore_eos=True,
+        structured_outputs=constraint,
+    )
     for i in range(batch):
         engine.add_request(f"b{i}-{time.monotonic_ns()}", prompt, params)
     requests = list(engine.scheduler.requests.values())
@@ -82,8 +113,11 @@ def _step_time(llm: LLM, prompt: list[int], batch: int, steps: int, constraint) 
 def _auto_share(llm: LLM, prompts: list[list[int]], tag: dict | None) -> tuple[int, int, int]:
     """(outputs with a call that parses and follows its schema, outputs that started a call
     marker, prompts)."""
-    params = SamplingParams(temperature=0, max_tokens=96,
-                            structured_outputs={"structural_tag": json.dumps(tag)} if tag else None)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=96,
+        structured_outputs={"structural_tag": json.dumps(tag)} if tag else None,
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
     setup = OutputSetup(tools=tuple(TOOLS), tool_choice="auto", parser=tool_parser("hermes"))
     schemas = {t.name: t.parameters for t in TOOLS}
@@ -103,8 +137,9 @@ def _auto_share(llm: LLM, prompts: list[list[int]], tag: dict | None) -> tuple[i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch", type=int, default=16)
@@ -126,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     prompt = render(_prompts(1)[0])
     for c in constraints.values():  # warm-up: compiles, first forwards at this batch
         _step_time(llm, prompt, args.batch, 4, c)
-    print(f"dtype {llm.engine.dtype}, {args.threads} thread(s), batch {args.batch}, "
-          f"{args.steps} decode steps per run, {args.reps} interleaved reps")
+    print(
+        f"dtype {llm.engine.dtype}, {args.threads} thread(s), batch {args.batch}, "
+        f"{args.steps} decode steps per run, {args.reps} interleaved reps"
+    )
     times: dict[str, list[float]] = {name: [] for name in constraints}
     for _ in range(args.reps):
         for name, c in constraints.items():
@@ -140,8 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     tag = tool_parser("hermes").structural_tag(TOOLS)
     for name, t in (("auto, unconstrained", None), ("auto, hermes tag", tag)):
         good, started, total = _auto_share(llm, prompts, t)
-        print(f"  {name:22s} calls that parse and follow the schema: {good}/{total} "
-              f"({100 * good / total:.0f}%), outputs that began a call: {started}/{total}")
+        print(
+            f"  {name:22s} calls that parse and follow the schema: {good}/{total} "
+            f"({100 * good / total:.0f}%), outputs that began a call: {started}/{total}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tool call parsers (router/tools/) on a stream: a long answer in each format (prose with
+"""Tool call parsers (router/parsers/tools/) on a stream: a long answer in each format (prose with
 calls between, arguments with long strings and nested values) fed in 4-character pieces,
 about one token each. Prints microseconds per piece for each parser and its ratio to a
 baseline measured in the same run: a pass-through that wraps each piece as content (the
@@ -6,6 +6,7 @@ least any parser returns). Every parser must find all the calls, in pieces as wh
 
     python benchmarks/tool_parsers.py [--calls 40] [--repeats 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,10 +17,14 @@ from router.parsers.tools.parser import tool_parser, tool_parser_names
 from router.parsers.tools.types import FunctionTool, ParsedDelta, assemble
 
 TOOLS = [FunctionTool("get_weather"), FunctionTool("search_docs")]
-PROSE = ("Let me think about which tools help here; the forecast matters, and so do the "
-         "docs (see section 4 < 5). ")
-ARGS = {"query": "how do I configure the café's \"blue\" printer?\n" * 3,
-        "filters": {"lang": ["en", "fr"], "year": 2024, "exact": True, "score": -0.5}}
+PROSE = (
+    "Let me think about which tools help here; the forecast matters, and so do the "
+    "docs (see section 4 < 5). "
+)
+ARGS = {
+    "query": 'how do I configure the café\'s "blue" printer?\n' * 3,
+    "filters": {"lang": ["en", "fr"], "year": 2024, "exact": True, "score": -0.5},
+}
 
 
 def _call(name: str, args: dict, fmt: str) -> str:
@@ -43,7 +48,7 @@ def answer(fmt: str, calls: int) -> str:
 
 
 def _pieces(text: str) -> list[str]:
-    return [text[i:i + 4] for i in range(0, len(text), 4)]
+    return [text[i : i + 4] for i in range(0, len(text), 4)]
 
 
 def _baseline(pieces: list[str]) -> list[ParsedDelta]:
@@ -74,8 +79,7 @@ def main() -> None:
     args.add_argument("--calls", type=int, default=40)
     args.add_argument("--repeats", type=int, default=10)
     opts = args.parse_args()
-    print(f"{'parser':<12} {'chars':>7} {'pieces':>7} {'us/piece':>9} {'baseline':>9} "
-          f"{'ratio':>7}")
+    print(f"{'parser':<12} {'chars':>7} {'pieces':>7} {'us/piece':>9} {'baseline':>9} {'ratio':>7}")
     for fmt in tool_parser_names():
         text = answer(fmt, opts.calls)
         pieces = _pieces(text)
@@ -84,8 +88,9 @@ def main() -> None:
             assert len(calls) == opts.calls, (fmt, len(calls))
             assert all(json.loads(c.arguments) == ARGS for c in calls)
         base, us = _best_us([_baseline, lambda p: _parse(fmt, p)], pieces, opts.repeats)
-        print(f"{fmt:<12} {len(text):>7} {len(pieces):>7} {us:>9.2f} {base:>9.2f} "
-              f"{us / base:>6.1f}x")
+        print(
+            f"{fmt:<12} {len(text):>7} {len(pieces):>7} {us:>9.2f} {base:>9.2f} {us / base:>6.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ per decode step from rank 0's communicator.
 allreduce: one all-reduce of [rows, 576] (the default model's width) in the model dtype, 2
 ranks over gloo on loopback, median of 200 after a warm-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,6 @@ import time
 
 import numpy as np
 import torch
-
 from cpu_info import cpu_isa
 
 
@@ -81,8 +81,10 @@ def engine(reps: int) -> None:
             best[tp, "prefill"] = max(best.get((tp, "prefill"), 0.0), pre)
             best[tp, "decode"] = max(best.get((tp, "decode"), 0.0), dec)
     for key in ("prefill", "decode"):
-        print(f"{key} tok/s: TP=1 (2 threads) {best[1, key]:.0f}  TP=2 (1 thread/rank) "
-              f"{best[2, key]:.0f}  ratio {best[2, key] / best[1, key]:.2f}")
+        print(
+            f"{key} tok/s: TP=1 (2 threads) {best[1, key]:.0f}  TP=2 (1 thread/rank) "
+            f"{best[2, key]:.0f}  ratio {best[2, key] / best[1, key]:.2f}"
+        )
     print(f"collectives per decode step at TP=2: {calls:.0f} (+ 2 payload broadcasts)")
     two.close()
 
@@ -117,12 +119,16 @@ def allreduce(dtype: torch.dtype) -> None:
         out = manager.dict()
         mp.spawn(_allreduce_rank, args=(free_port(), dtype, rows, out), nprocs=2)
         for n in rows:
-            print(f"all-reduce [{n}, 576] {dtype}: {out[n] * 1e6:.0f} us/call, "
-                  f"x62 per step = {out[n] * 62 * 1e3:.2f} ms")
+            print(
+                f"all-reduce [{n}, 576] {dtype}: {out[n] * 1e6:.0f} us/call, "
+                f"x62 per step = {out[n] * 62 * 1e3:.2f} ms"
+            )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("what", choices=("engine", "allreduce"))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

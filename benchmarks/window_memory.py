@@ -7,6 +7,7 @@ one full-attention group and five sliding ones).
 
     python benchmarks/window_memory.py [--arch mistral|gemma3] [--prompt-tokens 8000] [--window 512]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,18 @@ from engine.models.prepare import default_model_dir
 
 
 def _checkpoint(out: Path, arch: str, window: int, max_positions: int) -> Path:
-    common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256,
-                  num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
-                  max_position_embeddings=max_positions, bos_token_id=None, eos_token_id=None,
-                  pad_token_id=None)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=window,
+        max_position_embeddings=max_positions,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     if arch == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
@@ -42,10 +51,14 @@ def _checkpoint(out: Path, arch: str, window: int, max_positions: int) -> Path:
     return out
 
 
-def _run(path: Path, prompt: list[int], max_tokens: int, release: bool) -> tuple[int, list[int], int]:
+def _run(
+    path: Path, prompt: list[int], max_tokens: int, release: bool
+) -> tuple[int, list[int], int]:
     """(peak KV bytes in use, greedy tokens, pool blocks)."""
-    keep_all = mock.patch("engine.llm_engine._group_windows",
-                          lambda args, config: (None,) * args.kv_groups().num_groups)
+    keep_all = mock.patch(
+        "engine.llm_engine._group_windows",
+        lambda args, config: (None,) * args.kv_groups().num_groups,
+    )
     with keep_all if not release else contextlib.nullcontext():
         llm = LLM(str(path), dtype="float32", kv_cache_memory=64 << 20, max_num_batched_tokens=512)
     bm, peak = llm.engine.block_manager, 0
@@ -58,8 +71,11 @@ def _run(path: Path, prompt: list[int], max_tokens: int, release: bool) -> tuple
         return out
 
     llm.engine.step = step
-    [res] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                   ignore_eos=True), use_tqdm=False)
+    [res] = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
     block_bytes = llm.engine.kv_cache[0].nbytes
     return peak * block_bytes, list(res.outputs[0].token_ids), bm.pool.num_blocks
 
@@ -72,16 +88,22 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = _checkpoint(Path(tmp) / a.arch, a.arch, a.window, a.prompt_tokens + a.max_tokens + 64)
+        path = _checkpoint(
+            Path(tmp) / a.arch, a.arch, a.window, a.prompt_tokens + a.max_tokens + 64
+        )
         prompt = [(i * 7919) % 40000 + 100 for i in range(a.prompt_tokens)]
         kept, tokens_kept, pool = _run(path, prompt, a.max_tokens, release=False)
         released, tokens_released, _ = _run(path, prompt, a.max_tokens, release=True)
     mib = 1 << 20
-    print(f"{a.arch}: one sequence of {a.prompt_tokens} + {a.max_tokens} tokens, window {a.window}, "
-          f"block size 16, pool {pool} blocks, max_num_batched_tokens 512 (measured peaks)")
+    print(
+        f"{a.arch}: one sequence of {a.prompt_tokens} + {a.max_tokens} tokens, window {a.window}, "
+        f"block size 16, pool {pool} blocks, max_num_batched_tokens 512 (measured peaks)"
+    )
     print(f"without release: {kept / mib:.2f} MiB of KV held")
     print(f"with release:    {released / mib:.2f} MiB of KV held")
-    print(f"ratio: {kept / released:.2f}x less; same greedy tokens: {tokens_kept == tokens_released}")
+    print(
+        f"ratio: {kept / released:.2f}x less; same greedy tokens: {tokens_kept == tokens_released}"
+    )
 
 
 if __name__ == "__main__":

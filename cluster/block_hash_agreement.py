@@ -15,6 +15,7 @@ get 0% hits, silently. So each worker publishes `WorkerInfo.block_hash_probe`
 
 An empty probe (a worker older than the probe) is never refused.
 """
+
 from __future__ import annotations
 
 from cluster.registration import RegistrationRefused, WorkerInfo
@@ -41,11 +42,13 @@ def probe_refusal(info: WorkerInfo) -> str | None:
     expected = expected_probe(info)
     if info.block_hash_probe == expected:
         return None
-    return (f"its block-hash probe {info.block_hash_probe} differs from {expected}, the probe "
-            f"computed here for block size {info.block_size}, KV cache dtype "
-            f"{info.kv_cache_dtype}, weights version {info.weights_version}: it hashes the same "
-            "tokens differently (another pdserve version?), so no prefix-cache or KV-index "
-            "match with it could ever hit")
+    return (
+        f"its block-hash probe {info.block_hash_probe} differs from {expected}, the probe "
+        f"computed here for block size {info.block_size}, KV cache dtype "
+        f"{info.kv_cache_dtype}, weights version {info.weights_version}: it hashes the same "
+        "tokens differently (another pdserve version?), so no prefix-cache or KV-index "
+        "match with it could ever hit"
+    )
 
 
 def check_peers(own: WorkerInfo, others: list[WorkerInfo]) -> None:
@@ -65,4 +68,5 @@ def check_peers(own: WorkerInfo, others: list[WorkerInfo]) -> None:
                 f"probe {other.block_hash_probe}, while this worker ({own.worker_id}) computes "
                 f"{own.block_hash_probe}: the two hash the same tokens differently (different "
                 "pdserve versions?), so prefix caching across them would silently never hit. "
-                "Run the same pdserve version on every worker of the cluster")
+                "Run the same pdserve version on every worker of the cluster"
+            )

@@ -2,6 +2,7 @@
 answer — the chat template, tool calling, reasoning. The router owns them (router/generation/chat_tools.py
 reads them); `pdserve up` takes the same flags and passes them on, so they live here, where
 both may import them (local_cluster never imports router: tests/test_imports.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -33,10 +34,16 @@ class ChatConfig:
     Structured outputs and tool parsing then apply to the answer only."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [
-            (not self.enable_auto_tool_choice or self.tool_call_parser is not None,
-             "enable_auto_tool_choice", "needs --tool-call-parser (how to read the calls)"),
-        ])
+        check_fields(
+            self,
+            [
+                (
+                    not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+                    "enable_auto_tool_choice",
+                    "needs --tool-call-parser (how to read the calls)",
+                ),
+            ],
+        )
 
     def absolute(self) -> "ChatConfig":
         """The same, with the files named by absolute paths (for a process started elsewhere)."""

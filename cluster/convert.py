@@ -1,4 +1,5 @@
 """Protobuf <-> engine types, in one place (servicers stay thin: from_pb -> domain -> to_pb)."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,9 @@ from typing import Any
 
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.processing.outputs import CompletionDelta
+from engine.processing.tokens import Logprob, Resume, SampledToken
 from engine.sampling.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from engine.processing.tokens import Logprob, Resume, SampledToken
 from proto import pdserve_pb2 as pb
 
 
@@ -36,21 +37,33 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(m.allowed_token_ids) or None,
         bad_words=tuple(m.bad_words),
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        truncate_prompt_tokens=m.truncate_prompt_tokens if m.HasField("truncate_prompt_tokens") else None,
-        structured_outputs=(structured_from_pb(m.structured_outputs)
-                            if m.HasField("structured_outputs") else None),
+        truncate_prompt_tokens=m.truncate_prompt_tokens
+        if m.HasField("truncate_prompt_tokens")
+        else None,
+        structured_outputs=(
+            structured_from_pb(m.structured_outputs) if m.HasField("structured_outputs") else None
+        ),
     )
 
 
 def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
     m = pb.SamplingParams(
-        n=p.n, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        n=p.n,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        min_tokens=p.min_tokens,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
-        logit_bias=p.logit_bias or {}, allowed_token_ids=list(p.allowed_token_ids or ()),
+        logit_bias=p.logit_bias or {},
+        allowed_token_ids=list(p.allowed_token_ids or ()),
         bad_words=list(p.bad_words),
     )
     for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
@@ -95,7 +108,9 @@ def structured_to_pb(p: StructuredOutputsParams) -> pb.StructuredOutputs:
 
 def logprob_to_pb(lp: Logprob) -> pb.TokenLogprob:
     return pb.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
     )
 
@@ -106,7 +121,8 @@ def logprob_from_pb(m: pb.TokenLogprob) -> Logprob:
 
 def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
     m = pb.TokenLogprob(
-        token_id=token.token_id, rank=token.rank,
+        token_id=token.token_id,
+        rank=token.rank,
         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs],
     )
     if token.logprob is not None:
@@ -117,10 +133,14 @@ def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
 def sampled_from_pb(m: pb.TokenLogprob, with_logprobs: bool) -> SampledToken:
     if not with_logprobs:
         return SampledToken(m.token_id)
-    return SampledToken(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top), m.rank)
+    return SampledToken(
+        m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top), m.rank
+    )
 
 
-def delta_to_pb(d: CompletionDelta, prefill_mode: str, remote_cached_tokens: int = 0) -> pb.GenerateResponse:
+def delta_to_pb(
+    d: CompletionDelta, prefill_mode: str, remote_cached_tokens: int = 0
+) -> pb.GenerateResponse:
     """`remote_cached_tokens`: the prefill worker's own prefix hit; usage reports the larger
     of the two workers' hits (neither recomputed them), never their sum."""
     m = pb.GenerateResponse(

@@ -8,6 +8,7 @@ read them, each password random, in a 0600 file.
 Done with etcd's Auth RPCs (the stubs aetcd ships) over a synchronous gRPC channel, so it
 runs in a plain thread and needs no etcdctl (tools/gpu/gpu_bundle.py leaves etcdctl out).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -72,8 +73,9 @@ class AuthSetup:
     permission, a role); empty when the users were as planned."""
 
 
-def enable_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
-                timeout_s: float = 5.0) -> bool:
+def enable_auth(
+    endpoint: str, auth: EtcdAuth, channel_credentials=None, timeout_s: float = 5.0
+) -> bool:
     """Create `auth`'s users and roles and enable auth, unless auth is on already (a
     restarted etcd on the same data directory keeps them). True when it enabled it.
 
@@ -85,8 +87,9 @@ def enable_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
     return True
 
 
-def set_up_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
-                timeout_s: float = 5.0) -> AuthSetup:
+def set_up_auth(
+    endpoint: str, auth: EtcdAuth, channel_credentials=None, timeout_s: float = 5.0
+) -> AuthSetup:
     """`auth` on any etcd, idempotently (`pdserve etcd-users`). Auth off: as `enable_auth`.
     Auth on: sign in as root with `auth.root_password` (RootRefused when etcd refuses it)
     and make each of `auth.users` exactly as planned: its password, its one role, the role's
@@ -101,8 +104,10 @@ def set_up_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
             return AuthSetup(enabled_now=True)
         token = _authenticate(call, ROOT, auth.root_password)
         if token is None:
-            raise RootRefused(f"etcd at {endpoint} has auth on and refuses {ROOT} with the "
-                              "password given: it is not root's password there")
+            raise RootRefused(
+                f"etcd at {endpoint} has auth on and refuses {ROOT} with the "
+                "password given: it is not root's password there"
+            )
         as_root = replace(call, metadata=(("token", token),))
         changes = [change for user in auth.users for change in _converge(as_root, user)]
     return AuthSetup(enabled_now=False, changes=tuple(changes))
@@ -110,8 +115,10 @@ def set_up_auth(endpoint: str, auth: EtcdAuth, channel_credentials=None,
 
 def _check_new_password(name: str, password: str) -> None:
     if len(password) < MIN_PASSWORD_CHARS:
-        raise ValueError(f"{name}'s password has {len(password)} characters; use at least "
-                         f"{MIN_PASSWORD_CHARS}, e.g. `openssl rand -hex 32`")
+        raise ValueError(
+            f"{name}'s password has {len(password)} characters; use at least "
+            f"{MIN_PASSWORD_CHARS}, e.g. `openssl rand -hex 32`"
+        )
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,7 @@ class _Calls:
     metadata: tuple[tuple[str, str], ...] = ()
 
     def __call__(self, method: str, request: Any) -> Any:
-        return getattr(self.stub, method)(request, timeout=self.timeout_s,
-                                          metadata=self.metadata)
+        return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
 
 
 @contextmanager
@@ -132,8 +138,11 @@ def _auth_calls(endpoint: str, channel_credentials, timeout_s: float) -> Iterato
     import grpc
     from aetcd import rpc
 
-    channel = (grpc.secure_channel(endpoint, channel_credentials) if channel_credentials
-               else grpc.insecure_channel(endpoint))
+    channel = (
+        grpc.secure_channel(endpoint, channel_credentials)
+        if channel_credentials
+        else grpc.insecure_channel(endpoint)
+    )
     with channel:
         yield _Calls(rpc.AuthStub(channel), timeout_s)
 
@@ -177,19 +186,22 @@ def _converge(call: _Calls, user: EtcdUser, check_password: bool = True) -> list
         perms = []
     for perm in perms:
         if perm != wanted:
-            call("RoleRevokePermission", rpc.AuthRoleRevokePermissionRequest(
-                role=user.name, key=perm.key, range_end=perm.range_end))
+            call(
+                "RoleRevokePermission",
+                rpc.AuthRoleRevokePermissionRequest(
+                    role=user.name, key=perm.key, range_end=perm.range_end
+                ),
+            )
             changes.append(f"role {user.name}: revoked {_describe(perm)}")
     if wanted not in perms:
-        call("RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(name=user.name,
-                                                                       perm=wanted))
+        call("RoleGrantPermission", rpc.AuthRoleGrantPermissionRequest(name=user.name, perm=wanted))
         changes.append(f"role {user.name}: granted {_describe(wanted)}")
     roles = _roles_of(call, user.name)
-    if roles is None or not check_password or _authenticate(call, user.name,
-                                                            user.password) is None:
+    if roles is None or not check_password or _authenticate(call, user.name, user.password) is None:
         _set_password(call, user.name, user.password, exists=roles is not None)
-        changes.append(f"user {user.name} added" if roles is None
-                       else f"user {user.name}: password set")
+        changes.append(
+            f"user {user.name} added" if roles is None else f"user {user.name}: password set"
+        )
     for role in roles or ():
         if role != user.name:
             call("UserRevokeRole", rpc.AuthUserRevokeRoleRequest(name=user.name, role=role))
@@ -204,8 +216,7 @@ def _set_password(call: _Calls, name: str, password: str, exists: bool) -> None:
     from aetcd import rpc
 
     if exists:
-        call("UserChangePassword", rpc.AuthUserChangePasswordRequest(name=name,
-                                                                     password=password))
+        call("UserChangePassword", rpc.AuthUserChangePasswordRequest(name=name, password=password))
     else:
         call("UserAdd", rpc.AuthUserAddRequest(name=name, password=password))
 
@@ -254,8 +265,11 @@ def _describe(perm: Any) -> str:
     """`read /pdserve/c/*`, `read and write every key from /`, ..."""
     from aetcd import rpc
 
-    kind = "read and write" if perm.permType == rpc.Permission.READWRITE else (
-        "read" if perm.permType == rpc.Permission.READ else "write")
+    kind = (
+        "read and write"
+        if perm.permType == rpc.Permission.READWRITE
+        else ("read" if perm.permType == rpc.Permission.READ else "write")
+    )
     key, end = (b.decode(errors="replace") for b in (perm.key, perm.range_end))
     if perm.range_end == _prefix_end(perm.key):
         return f"{kind} {key}*"
@@ -294,10 +308,22 @@ def etcd_users(cluster: str, secrets_dir: Path) -> EtcdUsers:
     file in `secrets_dir`; the workers' and router's users see `/pdserve/<cluster>/` only."""
     prefix = f"/pdserve/{cluster}/".encode()
     passwords = {name: secrets.token_urlsafe(24) for name in (ROOT, WORKER_USER, ROUTER_USER)}
-    flags = {name: EtcdSecurity(etcd_user=name, etcd_password_file=str(
-        write_secret_file(secrets_dir / f"etcd-{name}.password", password)))
-        for name, password in passwords.items()}
-    users = (EtcdUser(WORKER_USER, passwords[WORKER_USER], prefix, write=True),
-             EtcdUser(ROUTER_USER, passwords[ROUTER_USER], prefix, write=False))
-    return EtcdUsers(EtcdAuth(passwords[ROOT], users, bcrypt_cost=4), flags[ROOT],
-                       flags[WORKER_USER], flags[ROUTER_USER])
+    flags = {
+        name: EtcdSecurity(
+            etcd_user=name,
+            etcd_password_file=str(
+                write_secret_file(secrets_dir / f"etcd-{name}.password", password)
+            ),
+        )
+        for name, password in passwords.items()
+    }
+    users = (
+        EtcdUser(WORKER_USER, passwords[WORKER_USER], prefix, write=True),
+        EtcdUser(ROUTER_USER, passwords[ROUTER_USER], prefix, write=False),
+    )
+    return EtcdUsers(
+        EtcdAuth(passwords[ROOT], users, bcrypt_cost=4),
+        flags[ROOT],
+        flags[WORKER_USER],
+        flags[ROUTER_USER],
+    )

@@ -6,6 +6,7 @@ aetcd 1.0.0's Client authenticates with a user and password (etcd's Authenticate
 token then rides on every call) but opens only plain gRPC channels; `_TlsClient` is that
 client over a TLS channel.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_client(endpoint: str, credentials: EtcdCredentials | None = None,
-                timeout: float = 2.0):
+def make_client(endpoint: str, credentials: EtcdCredentials | None = None, timeout: float = 2.0):
     """An unconnected aetcd client for `endpoint` (use `async with`), authenticated and over
     TLS as `credentials` say (None: anonymous, plain gRPC)."""
     import aetcd
@@ -39,8 +39,9 @@ def channel_credentials(tls: EtcdTls):
     """grpc channel credentials of a client of an etcd serving TLS."""
     import grpc
 
-    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                        certificate_chain=tls.cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
 
 
 @functools.cache
@@ -68,24 +69,27 @@ def _tls_client_class() -> type:
                 return
             try:
                 self._is_connecting = True
-                self.channel = rpc.secure_channel(f"{self._host}:{self._port}",
-                                                  self._channel_credentials,
-                                                  options=self._options.items())
+                self.channel = rpc.secure_channel(
+                    f"{self._host}:{self._port}",
+                    self._channel_credentials,
+                    options=self._options.items(),
+                )
                 if self._username is not None:
                     self.auth_stub = rpc.AuthStub(self.channel)
                     resp = await self.auth_stub.Authenticate(
                         rpc.AuthenticateRequest(name=self._username, password=self._password),
-                        timeout=self._timeout)
+                        timeout=self._timeout,
+                    )
                     self.metadata = (("token", resp.token),)
                 self.kvstub = rpc.KVStub(self.channel)
                 self.clusterstub = rpc.ClusterStub(self.channel)
                 self.leasestub = rpc.LeaseStub(self.channel)
                 self.maintenancestub = rpc.MaintenanceStub(self.channel)
-                self._watcher = watcher.Watcher(rpc.WatchStub(self.channel),
-                                                timeout=self._timeout, metadata=self.metadata)
+                self._watcher = watcher.Watcher(
+                    rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+                )
                 self._connected.set()
             finally:
                 self._is_connecting = False
 
     return _TlsClient
-

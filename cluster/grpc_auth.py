@@ -8,6 +8,7 @@ A token travels as `authorization: Bearer <token>` metadata that every stub meth
 channel adds, on plain and TLS channels alike (cheaper than a client interceptor or, on TLS,
 call credentials: docs/benchmarks/security.md, "gRPC authentication").
 """
+
 from __future__ import annotations
 
 import hmac
@@ -27,6 +28,7 @@ ChannelOptions = Sequence[tuple[str, Any]]
 
 # ---- servers -------------------------------------------------------------------------------
 
+
 def server_interceptors(auth: ClusterAuth) -> list[grpc.aio.ServerInterceptor]:
     """The interceptors to put first on a server: the token check when there is a token."""
     return [TokenInterceptor(auth.token)] if auth.token is not None else []
@@ -37,8 +39,9 @@ def add_port(server: grpc.aio.Server, address: str, auth: ClusterAuth) -> int:
     by the CA; else a plain one. Returns the port (0: could not bind)."""
     if auth.tls is None:
         return server.add_insecure_port(address)
-    creds = grpc.ssl_server_credentials([(auth.tls.key, auth.tls.cert)],
-                                        root_certificates=auth.tls.ca, require_client_auth=True)
+    creds = grpc.ssl_server_credentials(
+        [(auth.tls.key, auth.tls.cert)], root_certificates=auth.tls.ca, require_client_auth=True
+    )
     return server.add_secure_port(address, creds)
 
 
@@ -67,12 +70,16 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 def _refusal(handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.RpcMethodHandler:
     async def refuse(request, context: grpc.aio.ServicerContext) -> None:
         log.warning("refused %s from %s: %s", method, context.peer(), reason)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            f"{reason}: this worker needs the cluster token (--cluster-token-file "
-                            f"or {TOKEN_ENV}; docs/security.md)")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{reason}: this worker needs the cluster token (--cluster-token-file "
+            f"or {TOKEN_ENV}; docs/security.md)",
+        )
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+    kw = dict(
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(refuse, **kw)
     if handler.stream_unary is not None:
@@ -84,12 +91,14 @@ def _refusal(handler: grpc.RpcMethodHandler, method: str, reason: str) -> grpc.R
 
 # ---- channels ----------------------------------------------------------------------------
 
+
 def aio_channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -> grpc.aio.Channel:
     """An asyncio channel to a worker that presents what `auth` holds: mutual TLS when
     configured (else a plain channel), and the token on every call when there is one."""
     if auth.tls is not None:
-        ch = grpc.aio.secure_channel(address, _credentials(auth.tls),
-                                     options=_options(auth, options))
+        ch = grpc.aio.secure_channel(
+            address, _credentials(auth.tls), options=_options(auth, options)
+        )
     else:
         ch = grpc.aio.insecure_channel(address, options=list(options))
     return _AioTokenChannel(ch, _header(auth.token)) if auth.token is not None else ch
@@ -105,8 +114,9 @@ def channel(address: str, auth: ClusterAuth, options: ChannelOptions = ()) -> gr
 
 
 def _credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
-                                        certificate_chain=tls.cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+    )
 
 
 def _options(auth: ClusterAuth, options: ChannelOptions) -> list[tuple[str, Any]]:

@@ -6,6 +6,7 @@ pings that arrive faster than it permits (gRPC's default: one per 5 minutes whil
 no data) with GOAWAY `too_many_pings`, which fails every call on the connection: the router
 then saw UNAVAILABLE from a healthy worker and answered 503. Servers here permit twice the
 channels' ping rate."""
+
 from __future__ import annotations
 
 KEEPALIVE_TIME_MS = 10_000

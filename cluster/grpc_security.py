@@ -18,6 +18,7 @@ channels plain, as before: the port must then sit on a network only the cluster 
 
 Stdlib only (no grpc, no torch): every command's flags, and `pdserve --help`, import it.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -113,7 +114,6 @@ def resolve(config: GrpcSecurity, environ: Mapping[str, str]) -> ClusterAuth:
     return ClusterAuth(token, _tls(config), source)
 
 
-
 def _token(text: str, source: str) -> str:
     token = text.removesuffix("\n").removesuffix("\r")  # a file's (or Secret's) last newline
     if not token:
@@ -121,17 +121,20 @@ def _token(text: str, source: str) -> str:
     if "\n" in token:
         raise ValueError(f"{source}: the cluster token is one line; this has several")
     if not all("!" <= c <= "~" for c in token):
-        raise ValueError(f"{source}: the cluster token must be printable ASCII without spaces "
-                         "(it travels as `authorization: Bearer <token>`)")
+        raise ValueError(
+            f"{source}: the cluster token must be printable ASCII without spaces "
+            "(it travels as `authorization: Bearer <token>`)"
+        )
     if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"{source}: the cluster token has {len(token)} characters; use at "
-                         f"least {MIN_TOKEN_CHARS}, e.g. `openssl rand -hex 32`")
+        raise ValueError(
+            f"{source}: the cluster token has {len(token)} characters; use at "
+            f"least {MIN_TOKEN_CHARS}, e.g. `openssl rand -hex 32`"
+        )
     return token
 
 
 def _tls(config: GrpcSecurity) -> TlsMaterial | None:
-    files = {"--tls-cert": config.tls_cert, "--tls-key": config.tls_key,
-             "--tls-ca": config.tls_ca}
+    files = {"--tls-cert": config.tls_cert, "--tls-key": config.tls_key, "--tls-ca": config.tls_ca}
     paths = {flag: path for flag, path in files.items() if path is not None}
     given = list(paths)
     if not given:
@@ -140,8 +143,10 @@ def _tls(config: GrpcSecurity) -> TlsMaterial | None:
         return None
     if len(given) < len(files):
         missing = ", ".join(flag for flag in files if flag not in given)
-        raise ValueError(f"{', '.join(given)} without {missing}: mutual TLS needs all three "
-                         "(this process's certificate, its key, and the CA peers chain to)")
+        raise ValueError(
+            f"{', '.join(given)} without {missing}: mutual TLS needs all three "
+            "(this process's certificate, its key, and the CA peers chain to)"
+        )
     pems = []
     for flag, path in paths.items():
         pem = read_secret_file(f"{flag} {path}", path)

@@ -14,6 +14,7 @@ permanent generation (`gc.freeze`), which collections skip: later ones walk only
 made since (0.01 ms right after). vLLM's engine and API server do the same after start-up.
 Frozen objects are still freed by reference counting; only a reference cycle among them
 would stay (the start-up heap is not expected to form new garbage cycles)."""
+
 from __future__ import annotations
 
 import gc
@@ -30,6 +31,9 @@ def freeze_startup_heap() -> float:
     gc.collect()
     gc.freeze()
     seconds = time.perf_counter() - t0
-    log.info("start-up heap frozen: %d objects out of the collector's walks (%.0f ms)",
-             gc.get_freeze_count(), seconds * 1000)
+    log.info(
+        "start-up heap frozen: %d objects out of the collector's walks (%.0f ms)",
+        gc.get_freeze_count(),
+        seconds * 1000,
+    )
     return seconds

@@ -1,4 +1,5 @@
 """Loopback helpers."""
+
 from __future__ import annotations
 
 import socket

@@ -6,6 +6,7 @@ its key disappears when the lease lapses; the router watches the prefix. Capacit
 re-published several times per second (same key, same lease). A worker that switches roles
 (`Worker.SetRole`) moves to the new role's key on the same lease: `Registrar.move`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -191,9 +192,11 @@ class Registrar:
                 await self._drop_client()
                 if time.monotonic() + backoff.delay_s >= deadline:
                     raise EtcdUnavailable(
-                        f"cannot register with etcd at {self.endpoint}: {exc!r}") from exc
-                log.warning("registering with etcd at %s failed (%r); trying again",
-                            self.endpoint, exc)
+                        f"cannot register with etcd at {self.endpoint}: {exc!r}"
+                    ) from exc
+                log.warning(
+                    "registering with etcd at %s failed (%r); trying again", self.endpoint, exc
+                )
                 await backoff.sleep()
         self._task = asyncio.create_task(self._keep_alive())
 
@@ -232,8 +235,9 @@ class Registrar:
             await self.publish_now()
 
     async def _keep_alive(self) -> None:
-        await reconnect_forever(self._session, f"etcd registration at {self.endpoint}", log,
-                                after_failure=self._lost)
+        await reconnect_forever(
+            self._session, f"etcd registration at {self.endpoint}", log, after_failure=self._lost
+        )
 
     async def _session(self) -> None:
         """Publish every interval (refreshing the lease in time) until etcd fails; registers

@@ -1,6 +1,7 @@
 """Long-lived connections that must come back by themselves (a worker's etcd registration,
 the router's etcd watch, its KV-event subscriptions): one loop with capped exponential
 backoff, so every reconnect in the system behaves (and logs) the same way."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """The names every process of a cluster agrees on, defined once: the role a worker serves
 and the path a prompt's prefill took. Plain `StrEnum`s (no imports): they travel as their
 string values in etcd, gRPC and /metrics, and the router imports them without the engine."""
+
 from __future__ import annotations
 
 import enum

@@ -2,6 +2,7 @@
 start with errors that name the flag, written readable by their owner alone.
 
 Stdlib only: the router and `pdserve --help` import it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,11 @@ def with_absolute_paths(config: T, *not_paths: str) -> T:
     """`config` (a frozen dataclass of optional file paths) with every path given made
     absolute, for a child process started elsewhere; `not_paths`: fields that are not paths
     (a user name, a server name)."""
-    return dataclasses.replace(config, **{
-        f.name: str(Path(getattr(config, f.name)).resolve()) for f in dataclasses.fields(config)
-        if f.name not in not_paths and getattr(config, f.name)})
+    return dataclasses.replace(
+        config,
+        **{
+            f.name: str(Path(getattr(config, f.name)).resolve())
+            for f in dataclasses.fields(config)
+            if f.name not in not_paths and getattr(config, f.name)
+        },
+    )

@@ -10,6 +10,7 @@ cancel at any await here still ends the attempt in RUNNING or RELEASED. A droppe
 blocks stay quarantined until P confirmed it writes no more: its call returned, or its
 `Worker.Abort` answered (`_confirm_stopped`, retried until it does).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,8 @@ import grpc
 from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
 from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
-from engine.llm_engine import LLMEngine
 from engine.core.request import Request
+from engine.llm_engine import LLMEngine
 from engine.sampling.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -65,8 +66,9 @@ class PrefillClient:
         self.remote.fail_request(engine, request_id, exc)
         engine.abort_request(request_id)
 
-    async def prefill(self, req: Request, worker: pb.WorkerRef,
-                      source: pb.KVSource | None = None) -> RemoteResult:
+    async def prefill(
+        self, req: Request, worker: pb.WorkerRef, source: pb.KVSource | None = None
+    ) -> RemoteResult:
         """Run the prompt on prefill worker `worker` (which first pulls what `source`
         holds); returns once the request runs here or
         the prompt must be prefilled locally. Raises TimeoutError when the KV missed its
@@ -80,8 +82,9 @@ class PrefillClient:
         # (an engine step boundary away), so the parking wait is off the critical path.
         call = stub.Prefill(self._prefill_request(req, tid, source), timeout=kv_timeout_s)
         try:
-            attempt = await ctx.call(lambda e: self.remote.start(e, req, tid, done, kv_timeout_s),
-                                    cancellable=False)
+            attempt = await ctx.call(
+                lambda e: self.remote.start(e, req, tid, done, kv_timeout_s), cancellable=False
+            )
         except asyncio.CancelledError:  # P has no destination: it can write nothing here
             call.cancel()
             gone = Unavailable(f"request {rid} was cancelled before its prefill started")
@@ -91,7 +94,9 @@ class PrefillClient:
             call.cancel()  # likewise without a destination
             return RemoteResult(PrefillPath.LOCAL)
         try:
-            await stub.SetDestination(self._destination(req, tid, attempt.block_ids), timeout=kv_timeout_s)
+            await stub.SetDestination(
+                self._destination(req, tid, attempt.block_ids), timeout=kv_timeout_s
+            )
             response = await call
         except grpc.aio.AioRpcError as exc:
             call.cancel()
@@ -105,11 +110,14 @@ class PrefillClient:
         await done  # raises if the KV failed or timed out
         return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens)
 
-    def _prefill_request(self, req: Request, transfer_id: str,
-                         source: pb.KVSource | None) -> pb.PrefillRequest:
+    def _prefill_request(
+        self, req: Request, transfer_id: str, source: pb.KVSource | None
+    ) -> pb.PrefillRequest:
         return pb.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=sampling_to_pb(_for_prefill(req)), cache_salt=req.cache_salt or "",
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=sampling_to_pb(_for_prefill(req)),
+            cache_salt=req.cache_salt or "",
             priority=req.priority,
             lora=lora_to_pb(req.lora.request) if req.lora is not None else None,
             kv_source=source,
@@ -117,7 +125,8 @@ class PrefillClient:
                 peer_metadata=self.ctx.own_metadata(),
                 # The prefill side stops writing before we stop waiting.
                 deadline_s=0.9 * self.ctx.kv_timeout_s,
-                transfer_id=transfer_id, deferred=True,
+                transfer_id=transfer_id,
+                deferred=True,
             ),
         )
 
@@ -127,38 +136,53 @@ class PrefillClient:
         its skip (the prefix already here), group after group."""
         skips = req.remote_skip_blocks
         assert skips is not None, "set when the request was parked"
-        return pb.KVDestination(transfer_id=transfer_id, num_skip_blocks=min(skips),
-                                group_skip_blocks=skips, block_ids=block_ids)
+        return pb.KVDestination(
+            transfer_id=transfer_id,
+            num_skip_blocks=min(skips),
+            group_skip_blocks=skips,
+            block_ids=block_ids,
+        )
 
-    async def _failed(self, req: Request, worker: pb.WorkerRef, tid: str,
-                      done: asyncio.Future[None], exc: grpc.aio.AioRpcError) -> RemoteResult:
+    async def _failed(
+        self,
+        req: Request,
+        worker: pb.WorkerRef,
+        tid: str,
+        done: asyncio.Future[None],
+        exc: grpc.aio.AioRpcError,
+    ) -> RemoteResult:
         """P's call failed: drop the attempt (its blocks wait for P's word), then fail
         clearly if the KV deadline passed, or fall back to local prefill."""
         ctx, rid = self.ctx, req.request_id
-        failure = Unavailable(f"prefill worker {worker.worker_id or worker.address} failed: "
-                              f"{exc.code().name}: {exc.details()}")
+        failure = Unavailable(
+            f"prefill worker {worker.worker_id or worker.address} failed: "
+            f"{exc.code().name}: {exc.details()}"
+        )
         self._confirm_stopped(worker, rid, tid, failure)
         await ctx.call(lambda e: self.remote.fail(e, tid, failure), cancellable=False)
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED or (
             done.done() and isinstance(done.exception(), TimeoutError)
         ):
-            raise TimeoutError(f"KV for request {rid} did not arrive within "
-                               f"{ctx.kv_timeout_s:g}s") from None
+            raise TimeoutError(
+                f"KV for request {rid} did not arrive within {ctx.kv_timeout_s:g}s"
+            ) from None
         if ctx.strict_remote_prefill:
             raise failure
         log.warning("%s; prefilling %s locally", failure, rid)
         return RemoteResult(PrefillPath.LOCAL_FALLBACK)
 
-    def _confirm_stopped(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
-                         exc: Exception) -> None:
+    def _confirm_stopped(
+        self, worker: pb.WorkerRef, request_id: str, transfer_id: str, exc: Exception
+    ) -> None:
         """In the background: wait until P writes nothing more for this attempt, then
         release its blocks (`RemotePrefills.writes_stopped`)."""
         task = self.ctx.create_task(self._abort_remote(worker, request_id, transfer_id, exc))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_remote(self, worker: pb.WorkerRef, request_id: str, transfer_id: str,
-                            exc: Exception) -> None:
+    async def _abort_remote(
+        self, worker: pb.WorkerRef, request_id: str, transfer_id: str, exc: Exception
+    ) -> None:
         """Wait for P's word that it writes nothing more for this attempt
         (worker_runtime/peer_calls.py), then release the attempt's blocks."""
         ctx = self.ctx
@@ -172,6 +196,14 @@ def _for_prefill(req: Request) -> SamplingParams:
     logit_bias, allowed_token_ids, bad_words and the structured-output grammar as given).
     Whether that token ends the request is decided here, so stop strings stay behind."""
     p = req.sampling
-    return replace(p, n=1, max_tokens=1, min_tokens=min(p.min_tokens, 1), stop=(),
-                   include_stop_str_in_output=False, prompt_logprobs=None,
-                   truncate_prompt_tokens=None, seed=req.seed)
+    return replace(
+        p,
+        n=1,
+        max_tokens=1,
+        min_tokens=min(p.min_tokens, 1),
+        stop=(),
+        include_stop_str_in_output=False,
+        prompt_logprobs=None,
+        truncate_prompt_tokens=None,
+        seed=req.seed,
+    )

@@ -26,6 +26,7 @@ never a timer here. Every transition is in `_NEXT`; moving to the current state 
 so events may repeat and arrive in any order (a cancel racing P's answer, a receiver result
 after the drop): each exit path converges on RUNNING or RELEASED.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.core.request import Request
 from engine.llm_engine import LLMEngine
 from engine.processing.outputs import CompletionDelta
-from engine.core.request import Request
 from engine.processing.tokens import SampledToken
 from kvtransfer import KVReceiver, TransferResult, TransferStatus
 from worker_runtime.contexts import Settle
@@ -103,8 +104,9 @@ class RemotePrefill:
 class RemotePrefills:
     """Every transfer attempt until RUNNING or RELEASED, and the events that move them."""
 
-    def __init__(self, receiver: KVReceiver, settle: Settle,
-                 deliver: Callable[[list[CompletionDelta]], None]) -> None:
+    def __init__(
+        self, receiver: KVReceiver, settle: Settle, deliver: Callable[[list[CompletionDelta]], None]
+    ) -> None:
         self._receiver = receiver
         self._settle = settle  # resolve an asyncio future from here (the engine thread)
         self._deliver = deliver  # hand deltas to their streams
@@ -125,8 +127,14 @@ class RemotePrefills:
         return attempt.state if attempt is not None else None
 
     # ---- events --------------------------------------------------------------------------
-    def start(self, engine: LLMEngine, request: Request, transfer_id: str, done: asyncio.Future,
-              kv_timeout_s: float) -> RemotePrefill | None:
+    def start(
+        self,
+        engine: LLMEngine,
+        request: Request,
+        transfer_id: str,
+        done: asyncio.Future,
+        kv_timeout_s: float,
+    ) -> RemotePrefill | None:
         """Park the request and expect its KV (PARKED); None if it cannot be parked now.
         `transfer_id` is new for every attempt (the caller picks it, so it can name the
         attempt even if it never saw this command's result)."""
@@ -137,8 +145,9 @@ class RemotePrefills:
             return None
         attempt = RemotePrefill(request.request_id, transfer_id, block_ids, done)
         try:
-            self._receiver.expect(attempt.transfer_id, block_ids,
-                                  deadline=time.monotonic() + kv_timeout_s)
+            self._receiver.expect(
+                attempt.transfer_id, block_ids, deadline=time.monotonic() + kv_timeout_s
+            )
         except Exception:
             engine.abort_request(request.request_id)
             raise
@@ -152,7 +161,9 @@ class RemotePrefills:
             if attempt is None or not attempt.state.live:
                 continue  # e.g. the CANCELLED result of an attempt dropped earlier
             if result.status is TransferStatus.COMPLETE:
-                self._to(engine, attempt, S.RUNNING if attempt.state is S.FIRST_TOKEN else S.KV_LANDED)
+                self._to(
+                    engine, attempt, S.RUNNING if attempt.state is S.FIRST_TOKEN else S.KV_LANDED
+                )
             else:
                 self.fail(engine, attempt.transfer_id, _kv_failure(attempt, result))
 
@@ -171,8 +182,9 @@ class RemotePrefills:
         """Drop the attempt's request; its blocks stay quarantined unless P already stopped."""
         attempt = self._attempts.get(transfer_id)
         if attempt is not None and attempt.state.live:
-            self._drop(engine, attempt, exc,
-                       S.RELEASED if attempt.state.p_stopped else S.QUARANTINED)
+            self._drop(
+                engine, attempt, exc, S.RELEASED if attempt.state.p_stopped else S.QUARANTINED
+            )
 
     def fail_request(self, engine: LLMEngine, request_id: str, exc: Exception) -> None:
         """`fail` the live attempt of `request_id`, if any (cancel, Worker.Abort)."""
@@ -192,8 +204,9 @@ class RemotePrefills:
             self._to(engine, attempt, S.RELEASED)
 
     # ---- transitions: every side effect of entering a state is here ---------------------
-    def _drop(self, engine: LLMEngine, attempt: RemotePrefill, exc: Exception,
-              to: RemoteState) -> None:
+    def _drop(
+        self, engine: LLMEngine, attempt: RemotePrefill, exc: Exception, to: RemoteState
+    ) -> None:
         self._receiver.cancel(attempt.transfer_id)
         if to is S.QUARANTINED:
             engine.block_manager.pool.pin(attempt.block_ids)  # outlive the request's own table
@@ -222,6 +235,9 @@ def _kv_failure(attempt: RemotePrefill, result: TransferResult) -> Exception:
     if result.status is TransferStatus.TIMEOUT:
         return TimeoutError(
             f"KV for request {attempt.request_id} did not arrive: timeout after "
-            f"{result.elapsed_s:.1f}s ({result.num_blocks} blocks landed) {result.error}")
-    return Unavailable(f"KV transfer for request {attempt.request_id} failed: "
-                       f"{result.status.name.lower()} {result.error}")
+            f"{result.elapsed_s:.1f}s ({result.num_blocks} blocks landed) {result.error}"
+        )
+    return Unavailable(
+        f"KV transfer for request {attempt.request_id} failed: "
+        f"{result.status.name.lower()} {result.error}"
+    )

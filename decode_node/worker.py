@@ -27,6 +27,7 @@ KV_LANDED / FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven o
 engine thread. The call is admitted and counted in flight by `Admission` from its first line
 to its last (worker_runtime/admission.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from cluster.convert import delta_to_pb, request_lora, resume_from_pb, sampling_from_pb
 from cluster.roles import PrefillPath, Role
 from decode_node.prefill_client import PrefillClient, RemoteResult
-from engine.processing.outputs import CompletionDelta
 from engine.core.request import Request
+from engine.processing.outputs import CompletionDelta
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker_runtime.contexts import DecodeContext
@@ -66,8 +67,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         self._live: dict[str, _Live] = {}  # asyncio side: Generate streams, by request id
         ctx.add_abort_hook(self.abort)
 
-    async def Generate(self, request: pb.GenerateRequest, context: Any
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
         with self.ctx.admitted(Role.DECODE, request.request_id):
             async for response in self._generate(request):
                 yield response
@@ -75,9 +77,15 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         ctx, rid = self.ctx, request.request_id
         new_request = functools.partial(
-            ctx.make_request, rid, list(request.prompt_token_ids),
+            ctx.make_request,
+            rid,
+            list(request.prompt_token_ids),
             sampling_from_pb(request.sampling),
-            request.cache_salt, request.priority, request_lora(request), resume_from_pb(request))
+            request.cache_salt,
+            request.priority,
+            request_lora(request),
+            resume_from_pb(request),
+        )
         req = await new_request()
         ctx.limits.check_fits(req.num_tokens)  # invalid input fails before any work
         queue = ctx.open_stream(rid)
@@ -86,7 +94,9 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         sent = _Sent(_Started(req, PrefillPath.LOCAL))
         try:
             try:
-                sent.started = await _unless_aborted(self._start(req, request, new_request), aborted)
+                sent.started = await _unless_aborted(
+                    self._start(req, request, new_request), aborted
+                )
                 while not sent.done:
                     delta = await queue.get()
                     if delta is _ABORT:
@@ -102,11 +112,16 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             ctx.close_stream(rid)
             self._live.pop(rid, None)
             if not sent.done:  # cancelled or failed: free everything now
-                await self._drop(rid, Unavailable(f"request {rid} ended before completing "
-                                                  "(cancelled or failed)"))
+                await self._drop(
+                    rid, Unavailable(f"request {rid} ended before completing (cancelled or failed)")
+                )
 
-    async def _start(self, req: Request, request: pb.GenerateRequest,
-                     new_request: Callable[[], Awaitable[Request]]) -> _Started:
+    async def _start(
+        self,
+        req: Request,
+        request: pb.GenerateRequest,
+        new_request: Callable[[], Awaitable[Request]],
+    ) -> _Started:
         """Get the request running here: its prompt prefilled on the prefill worker named
         (KV pushed into our blocks), or here — after pulling the leading blocks the router
         named a holder of (kv_source) into whichever of the two computes it."""
@@ -188,11 +203,19 @@ class _Sent:
         req, out = self.started.request, []
         for index in sorted(set(range(len(self.num_tokens))) - self.finished):
             self.finished.add(index)
-            out.append(CompletionDelta(
-                request_id=req.request_id, index=index, token_ids=[], text="", logprobs=[],
-                finish_reason="abort", num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                num_output_tokens=self.num_tokens[index]))
+            out.append(
+                CompletionDelta(
+                    request_id=req.request_id,
+                    index=index,
+                    token_ids=[],
+                    text="",
+                    logprobs=[],
+                    finish_reason="abort",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    num_output_tokens=self.num_tokens[index],
+                )
+            )
         return out
 
 

@@ -1,6 +1,7 @@
 """The paged engine: a library with no network code.
 
 Public names load lazily, so `import engine.config` (the CLI's flags) does not import torch."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,6 +1,7 @@
 """Range checks of frozen configuration and request dataclasses, one way for every layer:
 `check_fields(self, [(ok, field, rule), ...])` in `__post_init__` raises a `FieldError` naming
 the first field whose rule fails, e.g. `top_p must be in (0, 1], got 1.5`."""
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -1,6 +1,7 @@
 """The engine's configuration: one frozen object, parsed once in each process's entry point.
 Its flags come from its fields (engine.flags): names, defaults, choices, and help from the
 docstring under each field."""
+
 from __future__ import annotations
 
 import argparse
@@ -119,7 +120,8 @@ class EngineConfig:
     model's generation_config.json), vllm (built-in defaults only) or a folder holding a
     generation_config.json. See engine.processing.generation_config."""
     speculative_config: SpeculativeConfig | None = option(
-        None, type=str, format=SpeculativeConfig.to_json, metavar="JSON")
+        None, type=str, format=SpeculativeConfig.to_json, metavar="JSON"
+    )
     """Speculative decoding (vLLM's speculative_config; a dict or its JSON is accepted and
     parsed here), e.g. '{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4}' or '{"method": "draft_model", "model": "self:8" | PATH,
@@ -129,8 +131,9 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES)
     """How K/V are stored (vLLM's): auto (the model dtype), fp8 / fp8_e4m3, fp8_e5m2, or int8
     (per-token, per-head scales inside the block). See engine.kv.kv_format."""
-    kv_offloading_size: int = option(0, type=parse_offloading_size,
-                                     format=format_offloading_size, metavar="SIZE")
+    kv_offloading_size: int = option(
+        0, type=parse_offloading_size, format=format_offloading_size, metavar="SIZE"
+    )
     """Capacity of the KV cache's second tier (vLLM's flag; a plain number is GiB, or say
     512MiB, 4GiB): cached blocks evicted from the KV pool are copied there instead of dropped,
     and a prefix hit there is copied back instead of recomputed (engine/kv/kv_tier.py;
@@ -190,41 +193,83 @@ class EngineConfig:
         except FieldError as exc:  # a key of the JSON, not a field of this config
             raise FieldError("speculative_config", f"speculative_config: {exc}") from None
         object.__setattr__(self, "speculative_config", spec)
-        object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))  # a list from LLM(...)
-        check_fields(self, [
-            (all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes), "cuda_graph_sizes",
-             "must be integers >= 1"),
-            (not (self.enforce_eager and self.cuda_graph_sizes), "cuda_graph_sizes",
-             "needs CUDA graphs, which enforce_eager turns off: give one or the other"),
-            (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
-            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
-            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
-            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
-            (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"),
-            (self.enable_chunked_prefill or not self.long_prefill_token_threshold,
-             "long_prefill_token_threshold", "needs enable_chunked_prefill"),
-            (self.dtype in DTYPES, "dtype", "is not supported"),
-            (self.device in DEVICES, "device", "must be cpu, cuda or auto"),
-            (self.attention_backend in ATTENTION_BACKENDS, "attention_backend", "is unknown"),
-            (self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-             f"must be one of {', '.join(KV_CACHE_DTYPES)}"),
-            (self.kv_offloading_size >= 0, "kv_offloading_size", "must be >= 0"),
-            (self.enable_prefix_caching or not self.kv_offloading_size, "kv_offloading_size",
-             "needs enable_prefix_caching (the tier holds prefix-cache blocks)"),
-            (self.kv_offloading_path is None or self.kv_offloading_size > 0,
-             "kv_offloading_path", "needs kv_offloading_size > 0"),
-            (self.max_loras >= 1, "max_loras", "must be >= 1"),
-            (1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]"),
-            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
-             "must be >= max_loras"),
-            (self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora"),
-            (self.max_grammar_bytes > 0, "max_grammar_bytes", "must be > 0"),
-            (self.grammar_compile_timeout_s >= 0, "grammar_compile_timeout_s", "must be >= 0"),
-            (self.grammar_compile_processes >= 1, "grammar_compile_processes", "must be >= 1"),
-            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
-            (self.distributed_timeout_s > 0, "distributed_timeout_s", "must be > 0"),
-        ])
+        object.__setattr__(
+            self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes)
+        )  # a list from LLM(...)
+        check_fields(
+            self,
+            [
+                (
+                    all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes),
+                    "cuda_graph_sizes",
+                    "must be integers >= 1",
+                ),
+                (
+                    not (self.enforce_eager and self.cuda_graph_sizes),
+                    "cuda_graph_sizes",
+                    "needs CUDA graphs, which enforce_eager turns off: give one or the other",
+                ),
+                (
+                    self.block_size in (8, 16, 32, 64, 128),
+                    "block_size",
+                    "must be 8, 16, 32, 64 or 128",
+                ),
+                (
+                    self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                    "kv_cache_memory",
+                    "must be > 0",
+                ),
+                (
+                    0.0 < self.gpu_memory_utilization <= 1.0,
+                    "gpu_memory_utilization",
+                    "must be in (0, 1]",
+                ),
+                (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+                (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+                (
+                    self.long_prefill_token_threshold >= 0,
+                    "long_prefill_token_threshold",
+                    "must be >= 0",
+                ),
+                (
+                    self.enable_chunked_prefill or not self.long_prefill_token_threshold,
+                    "long_prefill_token_threshold",
+                    "needs enable_chunked_prefill",
+                ),
+                (self.dtype in DTYPES, "dtype", "is not supported"),
+                (self.device in DEVICES, "device", "must be cpu, cuda or auto"),
+                (self.attention_backend in ATTENTION_BACKENDS, "attention_backend", "is unknown"),
+                (
+                    self.kv_cache_dtype in KV_CACHE_DTYPES,
+                    "kv_cache_dtype",
+                    f"must be one of {', '.join(KV_CACHE_DTYPES)}",
+                ),
+                (self.kv_offloading_size >= 0, "kv_offloading_size", "must be >= 0"),
+                (
+                    self.enable_prefix_caching or not self.kv_offloading_size,
+                    "kv_offloading_size",
+                    "needs enable_prefix_caching (the tier holds prefix-cache blocks)",
+                ),
+                (
+                    self.kv_offloading_path is None or self.kv_offloading_size > 0,
+                    "kv_offloading_path",
+                    "needs kv_offloading_size > 0",
+                ),
+                (self.max_loras >= 1, "max_loras", "must be >= 1"),
+                (1 <= self.max_lora_rank <= 512, "max_lora_rank", "must be in [1, 512]"),
+                (
+                    self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                    "max_cpu_loras",
+                    "must be >= max_loras",
+                ),
+                (self.enable_lora or not self.lora_modules, "lora_modules", "needs enable_lora"),
+                (self.max_grammar_bytes > 0, "max_grammar_bytes", "must be > 0"),
+                (self.grammar_compile_timeout_s >= 0, "grammar_compile_timeout_s", "must be >= 0"),
+                (self.grammar_compile_processes >= 1, "grammar_compile_processes", "must be >= 1"),
+                (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
+                (self.distributed_timeout_s > 0, "distributed_timeout_s", "must be > 0"),
+            ],
+        )
         if self.tensor_parallel_size > 1:
             check_fields(self, tensor_parallel_refusals(self))
 
@@ -247,18 +292,37 @@ def tensor_parallel_refusals(config: EngineConfig) -> list[tuple[bool, str, str]
     return [
         (not config.enable_lora, "enable_lora", f"{why} (LoRA deltas are not sharded)"),
         (not config.lora_modules, "lora_modules", f"{why} (LoRA deltas are not sharded)"),
-        (not config.kv_offloading_size, "kv_offloading_size",
-         f"{why} (the second tier would hold rank 0's heads only)"),
-        (not config.enable_sleep_mode, "enable_sleep_mode",
-         f"{why} (only rank 0's weights and KV would sleep)"),
-        (config.worker_extension_cls is None, "worker_extension_cls",
-         f"{why} (collective_rpc would run it on rank 0 only, over rank 0's shard)"),
-        (spec is None or spec.method != "draft_model", "speculative_config",
-         f"{why} with a draft model (it runs outside the ranks' lockstep); ngram works"),
-        (not config.cuda_graph_sizes, "cuda_graph_sizes", f"{why} (decode steps run eagerly there)"),
-        (config.device != "cuda" or config.kv_cache_memory is not None, "kv_cache_memory",
-         "must be given with tensor_parallel_size > 1 on CUDA (no profiling forward across "
-         "ranks yet)"),
+        (
+            not config.kv_offloading_size,
+            "kv_offloading_size",
+            f"{why} (the second tier would hold rank 0's heads only)",
+        ),
+        (
+            not config.enable_sleep_mode,
+            "enable_sleep_mode",
+            f"{why} (only rank 0's weights and KV would sleep)",
+        ),
+        (
+            config.worker_extension_cls is None,
+            "worker_extension_cls",
+            f"{why} (collective_rpc would run it on rank 0 only, over rank 0's shard)",
+        ),
+        (
+            spec is None or spec.method != "draft_model",
+            "speculative_config",
+            f"{why} with a draft model (it runs outside the ranks' lockstep); ngram works",
+        ),
+        (
+            not config.cuda_graph_sizes,
+            "cuda_graph_sizes",
+            f"{why} (decode steps run eagerly there)",
+        ),
+        (
+            config.device != "cuda" or config.kv_cache_memory is not None,
+            "kv_cache_memory",
+            "must be given with tensor_parallel_size > 1 on CUDA (no profiling forward across "
+            "ranks yet)",
+        ),
     ]
 
 

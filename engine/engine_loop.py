@@ -19,6 +19,7 @@ so a decode worker prefilling a long prompt itself keeps its decodes flowing.
 A step that raises kills the loop (a bug must not be stepped over): every command queued
 then, and every later `call`, fails with `EngineLoopDied`, so nothing awaiting the engine
 waits forever, and the worker process exits for its supervisor to restart it."""
+
 from __future__ import annotations
 
 import logging
@@ -29,10 +30,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Protocol, TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.core.step_cost import fitted_slope, prompt_token_cap, step_cost_from
-from engine.processing.outputs import CompletionDelta
 from engine.core.scheduler_output import StepInput
+from engine.core.step_cost import fitted_slope, prompt_token_cap, step_cost_from
+from engine.llm_engine import LLMEngine
+from engine.processing.outputs import CompletionDelta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,8 +81,11 @@ class StepTimings:
             return StepTimings(warm=True)
         w = STEP_EWMA_WEIGHT if self.steps else 1.0
         return StepTimings(
-            self.seconds + w * (seconds - self.seconds), self.tokens + w * (tokens - self.tokens),
-            self.prompt_tokens + w * (prompt_tokens - self.prompt_tokens), self.steps + 1, True,
+            self.seconds + w * (seconds - self.seconds),
+            self.tokens + w * (tokens - self.tokens),
+            self.prompt_tokens + w * (prompt_tokens - self.prompt_tokens),
+            self.steps + 1,
+            True,
         )
 
     @property
@@ -188,7 +192,9 @@ class EngineLoop:
                 decoding = _num_decoding(engine)
                 step = StepInput()
                 if self.itl_target_s > 0:
-                    self.prompt_cap = self._prompt_cap(max(decoding, 1), len(engine.scheduler.waiting))
+                    self.prompt_cap = self._prompt_cap(
+                        max(decoding, 1), len(engine.scheduler.waiting)
+                    )
                     step = StepInput(prompt_token_budget=self.prompt_cap if decoding else 0)
                 if self.step_threads is not None:
                     self.step_threads.begin_step()
@@ -230,8 +236,14 @@ class EngineLoop:
         if per_token is None:
             return INITIAL_PROMPT_CAP_BLOCKS * block_size
         cost = step_cost_from(*timings, per_token)
-        return prompt_token_cap(cost, decoding, self.itl_target_s, block_size,
-                                engine.config.max_num_batched_tokens, queued)
+        return prompt_token_cap(
+            cost,
+            decoding,
+            self.itl_target_s,
+            block_size,
+            engine.config.max_num_batched_tokens,
+            queued,
+        )
 
 
 def _num_decoding(engine: LLMEngine) -> int:

@@ -1,5 +1,6 @@
 """The worker extension (vLLM's `worker_extension_cls`) and `collective_rpc` over it: a method
 is looked up on the extension first, then on the engine."""
+
 from __future__ import annotations
 
 import importlib
@@ -14,8 +15,9 @@ def load_extension(spec: str | None, engine: Any) -> Any:
     return getattr(importlib.import_module(module), cls)(engine)
 
 
-def collective_rpc(extension: Any, engine: Any, method: str, args: tuple = (),
-                   kwargs: dict[str, Any] | None = None) -> list:
+def collective_rpc(
+    extension: Any, engine: Any, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+) -> list:
     """Call `method` on `extension` if it has it, else on `engine`; the list of results (one
     per engine: one offline, one per worker in a cluster). ValueError for no such public
     method."""

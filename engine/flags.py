@@ -24,6 +24,7 @@ Range checks stay in each config's `__post_init__` (engine.checks); `from_args` 
 
 Torch-free and stdlib-only: `pdserve --help` and the router import it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,11 +67,13 @@ class Flag:
     subcommand)."""
 
 
-def option(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-           **flag: Any) -> Any:
+def option(
+    default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING, **flag: Any
+) -> Any:
     """`dataclasses.field` whose flag differs from the default one (see Flag)."""
-    return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={_KEY: Flag(**flag)})
+    return dataclasses.field(
+        default=default, default_factory=default_factory, metadata={_KEY: Flag(**flag)}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +132,15 @@ def to_argv(config: Any) -> list[str]:
 
 # ---- reading the classes -------------------------------------------------------------------
 
+
 @functools.cache
 def _specs(cls: type) -> tuple[_Spec, ...]:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     hints, docs = typing.get_type_hints(cls), _field_docs(cls)
-    return tuple(_spec(cls, f, hints[f.name], docs.get(f.name)) for f in dataclasses.fields(cls)
-                 if f.init)
+    return tuple(
+        _spec(cls, f, hints[f.name], docs.get(f.name)) for f in dataclasses.fields(cls) if f.init
+    )
 
 
 def _spec(cls: type, f: dataclasses.Field, hint: Any, doc: str | None) -> _Spec:
@@ -153,14 +158,18 @@ def _spec(cls: type, f: dataclasses.Field, hint: Any, doc: str | None) -> _Spec:
     else:
         kind = "value"
     if kind in ("seq", "value") and flag.type is None and not _parses_text(hint):
-        raise TypeError(f"{cls.__name__}.{f.name}: say how {option} text becomes a {hint!r} "
-                        f"(option(type=...))")
+        raise TypeError(
+            f"{cls.__name__}.{f.name}: say how {option} text becomes a {hint!r} (option(type=...))"
+        )
     return _Spec(f, flag, option, kind, hint, doc)
 
 
 def _parses_text(hint: Any) -> bool:
-    return (hint in (int, float, str) or typing.get_origin(hint) is Literal
-            or (isinstance(hint, type) and issubclass(hint, enum.Enum)))
+    return (
+        hint in (int, float, str)
+        or typing.get_origin(hint) is Literal
+        or (isinstance(hint, type) and issubclass(hint, enum.Enum))
+    )
 
 
 @functools.cache
@@ -175,14 +184,19 @@ def _field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, doc in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                    and isinstance(doc.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(doc.value.value.split())
     return docs
 
 
 # ---- argparse ------------------------------------------------------------------------------
+
 
 def _group(parser: argparse.ArgumentParser, title: str, description: str | None = None):
     """The parser's help group `title` (made on first use, so flags of several configs can
@@ -202,8 +216,10 @@ def _add(parser: argparse.ArgumentParser, cls: type, prefix: str, target) -> Non
             _add(parser, spec.type, f"{prefix}{spec.name}.", inner)
             continue
         where = _group(parser, spec.flag.group) if spec.flag.group else target
-        kw: dict[str, Any] = {"dest": prefix + spec.name,
-                              "help": (spec.help or "").replace("%", "%%") or None}
+        kw: dict[str, Any] = {
+            "dest": prefix + spec.name,
+            "help": (spec.help or "").replace("%", "%%") or None,
+        }
         default = spec.default()
         if default is dataclasses.MISSING:
             kw["required"] = True
@@ -214,8 +230,9 @@ def _add(parser: argparse.ArgumentParser, cls: type, prefix: str, target) -> Non
         else:
             choices = spec.flag.choices or _choices(spec.type)
             kw["type"] = spec.flag.type or _parser(spec.type)
-            kw["metavar"] = spec.flag.metavar or (None if choices else
-                                                  spec.option[2:].replace("-", "_").upper())
+            kw["metavar"] = spec.flag.metavar or (
+                None if choices else spec.option[2:].replace("-", "_").upper()
+            )
             if choices:
                 kw["choices"] = [kw["type"](c) if isinstance(c, str) else c for c in choices]
             if spec.kind == "seq":
@@ -244,7 +261,9 @@ def _member(cls: type[enum.Enum], text: str) -> enum.Enum:
         return cls(text)
     except ValueError:
         choices = ", ".join(repr(m.value) for m in cls)
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {choices})") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {choices})"
+        ) from None
 
 
 def _build(cls: type, args: argparse.Namespace, prefix: str, given: dict[str, Any]) -> Any:
@@ -273,8 +292,9 @@ def _argv(spec: _Spec, value: Any) -> list[str]:
         raise ValueError(f"{spec.option} cannot say None (its default is {spec.default()!r})")
     if spec.kind == "seq":
         if not value:
-            raise ValueError(f"{spec.option} cannot say an empty list (its default is "
-                             f"{spec.default()!r})")
+            raise ValueError(
+                f"{spec.option} cannot say an empty list (its default is {spec.default()!r})"
+            )
         texts = [spec.flag.format(_text(v)) for v in value]
         if spec.flag.repeat:
             return [f"{spec.option}={t}" for t in texts]

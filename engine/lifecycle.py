@@ -10,6 +10,7 @@
   then bumps the weights version, which is part of every block hash (KV computed by older
   weights can never be reused, even without a reset), and resets the prefix cache.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,24 +18,36 @@ from typing import Callable, Iterable
 
 import torch
 
+from engine.core.scheduler import Scheduler
 from engine.kv.block_manager import BlockManager
 from engine.models.interface import CausalLM
-from engine.core.scheduler import Scheduler
 from engine.runner.weights import read_weights
 
 TAGS = ("weights", "kv_cache")
 
 
 class Lifecycle:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, scheduler: Scheduler,
-                 block_manager: BlockManager, reload: Callable[[], CausalLM],
-                 enable_sleep_mode: bool, moved: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: torch.Tensor,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        reload: Callable[[], CausalLM],
+        enable_sleep_mode: bool,
+        moved: Callable[[], None] | None = None,
+    ) -> None:
         """`kv_cache`: the pool, freed and reallocated in place (its tensor object stays, so
         whoever holds it sees the new memory). `scheduler`: asked whether the engine is idle.
         `reload`: the checkpoint the engine started with, loaded again (level-2 wake-up).
         `moved`: told before sleep frees the pool or the weights, and before a weight update
         (whatever holds their raw addresses, CUDA graphs, lets go)."""
-        self.model, self.kv_cache, self.scheduler, self.bm = model, kv_cache, scheduler, block_manager
+        self.model, self.kv_cache, self.scheduler, self.bm = (
+            model,
+            kv_cache,
+            scheduler,
+            block_manager,
+        )
         self.reload, self.enable_sleep_mode, self.moved = reload, enable_sleep_mode, moved
         self.level = 0  # 0 awake; else the level it sleeps at
         self.asleep: set[str] = set()  # what is not live: "weights", "kv_cache"
@@ -113,7 +126,9 @@ class Lifecycle:
         """Copy checkpoint-named weights (or a safetensors file / directory) into the model;
         how many were applied. The caller bumps the weights version."""
         if self.scheduler.has_unfinished():
-            raise RuntimeError("update_weights: requests are still running (finish or abort them first)")
+            raise RuntimeError(
+                "update_weights: requests are still running (finish or abort them first)"
+            )
         if self.level == 2 and "weights" in self.asleep:
             self._allocate_dropped()
             self._updated_while_dropped = True

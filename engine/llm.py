@@ -1,5 +1,6 @@
 """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`,
 `LLM(...).embed(prompts, PoolingParams(...))`."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -20,12 +21,18 @@ Prompt = str | Sequence[int]
 class LLM:
     """Runs the paged engine in-process over a batch of prompts."""
 
-    def __init__(self, model: str = "default", config: EngineConfig | None = None,
-                 parallel_group=None, **engine_args) -> None:
+    def __init__(
+        self,
+        model: str = "default",
+        config: EngineConfig | None = None,
+        parallel_group=None,
+        **engine_args,
+    ) -> None:
         """`config` (as parsed by the CLI) or `model` + EngineConfig fields as keywords.
         `parallel_group`: an existing tensor-parallel group to run on (LLMEngine's)."""
-        self.engine = LLMEngine(config or EngineConfig(model=model, **engine_args),
-                                parallel_group=parallel_group)
+        self.engine = LLMEngine(
+            config or EngineConfig(model=model, **engine_args), parallel_group=parallel_group
+        )
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
@@ -83,8 +90,9 @@ class LLM:
         (None: the base model); needs enable_lora."""
         prompt_list = _prompt_list(prompts)
         params = sampling_params or self.get_default_sampling_params()
-        params_list = ([params] * len(prompt_list) if isinstance(params, SamplingParams)
-                       else list(params))
+        params_list = (
+            [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
+        )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
@@ -92,8 +100,10 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
 
         loras: list[LoRARequest | None] = (
-            list(lora_request) if isinstance(lora_request, (list, tuple))
-            else [lora_request] * len(prompt_list))  # type: ignore[list-item]  # one, not a list
+            list(lora_request)
+            if isinstance(lora_request, (list, tuple))
+            else [lora_request] * len(prompt_list)
+        )  # type: ignore[list-item]  # one, not a list
         if len(loras) != len(prompt_list):
             raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}
@@ -128,10 +138,12 @@ class LLM:
         pooling = pooling_params or PoolingParams()
         results: dict[str, EmbeddingOutput] = {}
         for i, prompt in enumerate(prompt_list):
-            request = self.engine.add_request(f"embed-{i}", prompt, SamplingParams(max_tokens=1),
-                                              cache_salt, pooling=pooling)
-            results[request.request_id] = EmbeddingOutput(request.request_id,
-                                                          request.prompt_token_ids, [])
+            request = self.engine.add_request(
+                f"embed-{i}", prompt, SamplingParams(max_tokens=1), cache_salt, pooling=pooling
+            )
+            results[request.request_id] = EmbeddingOutput(
+                request.request_id, request.prompt_token_ids, []
+            )
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 out = results[delta.request_id]

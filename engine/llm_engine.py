@@ -3,44 +3,45 @@
 Not thread-safe: one thread drives `step()`; workers put their own queue in front of it
 (engine/engine_loop.py). Two exceptions, safe from any thread: `make_request` (tokenizer,
 fixed sizes and a locked seed source) and `limits` (frozen sizes, the admission check)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence, TypedDict
 
 from engine.attention.selector import fused_kernels, make_attention_backend
-from engine.kv.block_manager import BlockManager
 from engine.checks import FieldError
 from engine.config import EngineConfig
-from engine.runner.cuda_graphs import decode_graphs
-from engine.processing.deltas import Deltas
-from engine.runner.device import keep_freed_host_memory, resolve_device_dtype
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import StepInput
 from engine.extension import collective_rpc, load_extension
-from engine.processing.generation_config import load_generation_config, sampling_defaults
+from engine.kv.block_manager import BlockManager
 from engine.kv.kv_format import normalize as normalize_kv_dtype
-from engine.lifecycle import Lifecycle
 from engine.kv.kv_pool import allocate_kv_pool, kv_block_bytes, num_blocks_for_budget, profile_peak
 from engine.kv.kv_tier import HostTierStorage, KVTier, tier_slots
+from engine.lifecycle import Lifecycle
 from engine.lora.adapter import LoRAAdapter, LoRAError
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.lora.slots import LoRACache, LoRASlots
-from engine.runner.model_runner import ModelRunner
 from engine.models.config import ModelArgs
 from engine.models.loader import LoadedModel, load_model
-from engine.processing.outputs import CompletionDelta
 from engine.parallel.group import ParallelGroup
 from engine.parallel.shard import TPShard
-from engine.sampling.pooling import PoolingParams
-from engine.core.request import Request, RequestStatus
+from engine.processing.deltas import Deltas
+from engine.processing.generation_config import load_generation_config, sampling_defaults
+from engine.processing.outputs import CompletionDelta
 from engine.processing.request_builder import RequestBuilder
+from engine.processing.tokens import Resume, SampledToken
+from engine.runner.cuda_graphs import decode_graphs
+from engine.runner.device import keep_freed_host_memory, resolve_device_dtype
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.pooling import PoolingParams
 from engine.sampling.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import StepInput
 from engine.spec_decode.factory import make_proposer
 from engine.spec_decode.proposer import Proposer
 from engine.spec_decode.state import SpecState
 from engine.structured.compile_process import CompileLimits
-from engine.processing.tokens import Resume, SampledToken
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 parallel_group: ParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        parallel_group: ParallelGroup | None = None,
+    ) -> None:
         """`parallel_group`: with tensor_parallel_size > 1, an existing group of that size to
         run on (not owned: `close` releases it, for the next engine); default: the engine
         starts and owns one (engine/parallel/group.py)."""
@@ -91,10 +96,14 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig, loaded: LoadedModel | None) -> None:
         """Everything but the tensor-parallel group: model, pool, scheduler, runner."""
-        shard = (TPShard(0, config.tensor_parallel_size, config.enable_expert_parallel)
-                 if config.parallel else None)
-        self.loaded = loaded or load_model(config.model, self.dtype, self.device, config.num_layers,
-                                           shard=shard)
+        shard = (
+            TPShard(0, config.tensor_parallel_size, config.enable_expert_parallel)
+            if config.parallel
+            else None
+        )
+        self.loaded = loaded or load_model(
+            config.model, self.dtype, self.device, config.num_layers, shard=shard
+        )
         if self.parallel_group is not None:
             # Rank 0's shard loaded: the split is valid, the other ranks load theirs.
             self.parallel_group.load(config)
@@ -109,43 +118,78 @@ class LLMEngine:
         # Not across tensor-parallel ranks (kv_cache_memory is required there): a rank-0
         # forward alone would wait on collectives no other rank joins.
         profile = self.device.type == "cuda" and not config.parallel
-        peak = profile_peak(self.loaded.model, self.backend, config, self.max_model_len,
-                            self.dtype, self.device) if profile else None
+        peak = (
+            profile_peak(
+                self.loaded.model, self.backend, config, self.max_model_len, self.dtype, self.device
+            )
+            if profile
+            else None
+        )
         num_blocks = num_blocks_for_budget(config, args, self.dtype, self.device, peak)
-        self.kv_cache = allocate_kv_pool(num_blocks, args, config.block_size, self.dtype, self.device,
-                                         config.kv_cache_dtype)
+        self.kv_cache = allocate_kv_pool(
+            num_blocks, args, config.block_size, self.dtype, self.device, config.kv_cache_dtype
+        )
         if self.parallel_group is not None:  # the same block ids on every rank
             self.parallel_group.allocate(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          group_windows=_group_windows(args, config),
-                                          tier=self._make_tier(args))
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            group_windows=_group_windows(args, config),
+            tier=self._make_tier(args),
+        )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            self.max_model_len, config.enable_chunked_prefill,
-            config.max_loras if config.enable_lora else 0, config.long_prefill_token_threshold,
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.enable_chunked_prefill,
+            config.max_loras if config.enable_lora else 0,
+            config.long_prefill_token_threshold,
         )
         self.lora_cache: LoRACache | None = None
         lora_slots = None
         if config.enable_lora:
-            self.lora_cache = LoRACache(args, config.max_lora_rank,
-                                        config.max_cpu_loras or config.max_loras)
-            lora_slots = LoRASlots(args, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            self.lora_cache = LoRACache(
+                args, config.max_lora_rank, config.max_cpu_loras or config.max_loras
+            )
+            lora_slots = LoRASlots(
+                args, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            )
         self.limits = self.scheduler.limits
         """Fixed sizes and the admission check; safe from any thread."""
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.backend, self.block_manager,
-                                  lora_slots,
-                                  self.parallel_group.send_step if self.parallel_group else None,
-                                  decode_graphs(config, self.loaded.model, self.backend, self.kv_cache,
-                                                self.block_manager.num_groups, self.max_model_len))
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.kv_cache,
+            self.backend,
+            self.block_manager,
+            lora_slots,
+            self.parallel_group.send_step if self.parallel_group else None,
+            decode_graphs(
+                config,
+                self.loaded.model,
+                self.backend,
+                self.kv_cache,
+                self.block_manager.num_groups,
+                self.max_model_len,
+            ),
+        )
         self.sampling_defaults = sampling_defaults(
             load_generation_config(config.generation_config, self.tokenizer.generation_config)
         )
         """SamplingParams fields -> the model's defaults (a request that omits one gets it)."""
         self._builder = RequestBuilder(
-            self.tokenizer, args.vocab_size, self.max_model_len, config.block_size, config.seed,
+            self.tokenizer,
+            args.vocab_size,
+            self.max_model_len,
+            config.block_size,
+            config.seed,
             normalize_kv_dtype(config.kv_cache_dtype),
-            CompileLimits(config.grammar_compile_timeout_s, config.grammar_compile_processes,
-                          config.max_grammar_bytes),
+            CompileLimits(
+                config.grammar_compile_timeout_s,
+                config.grammar_compile_processes,
+                config.max_grammar_bytes,
+            ),
         )
         self.deltas = Deltas(self.tokenizer, self.scheduler)
         self.weights_version = 0
@@ -155,41 +199,58 @@ class LLMEngine:
             self.add_lora(LoRARequest(name, lora_id_for(name), path))
         spec = config.speculative_config
         self.proposer: Proposer | None = make_proposer(
-            spec, self.loaded, self.runner, self.dtype, self.max_model_len, config.kv_cache_dtype)
+            spec, self.loaded, self.runner, self.dtype, self.max_model_len, config.kv_cache_dtype
+        )
         if config.kv_offloading_size and getattr(self.proposer, "owns_kv", False):
-            raise FieldError("kv_offloading_size", "kv_offloading_size: not supported with a "
-                             "separate draft model (its own KV pool is not offloaded); use "
-                             "speculative_config self:N or ngram")
+            raise FieldError(
+                "kv_offloading_size",
+                "kv_offloading_size: not supported with a "
+                "separate draft model (its own KV pool is not offloaded); use "
+                "speculative_config self:N or ngram",
+            )
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         """k: the most drafts a sequence verifies per step (0: no speculation)."""
         self.lifecycle = Lifecycle(
-            self.loaded.model, self.kv_cache, self.scheduler, self.block_manager,
+            self.loaded.model,
+            self.kv_cache,
+            self.scheduler,
+            self.block_manager,
             lambda: load_model(config.model, self.dtype, self.device, config.num_layers).model,
-            config.enable_sleep_mode, self.runner.graphs.drop if self.runner.graphs else None,
+            config.enable_sleep_mode,
+            self.runner.graphs.drop if self.runner.graphs else None,
         )
         self.extension = load_extension(config.worker_extension_cls, self)
         """The worker extension (vLLM's `worker_extension_cls`, built as Class(engine) once the
         engine is complete): `collective_rpc` calls its methods first."""
 
-    def _start_group(self, config: EngineConfig, loaded: LoadedModel | None,
-                     group: ParallelGroup | None) -> ParallelGroup | None:
+    def _start_group(
+        self, config: EngineConfig, loaded: LoadedModel | None, group: ParallelGroup | None
+    ) -> ParallelGroup | None:
         """The tensor-parallel group (None at tensor_parallel_size 1)."""
         self._owns_group = False
         if not config.parallel:
             return None
         if loaded is not None:
-            raise FieldError("tensor_parallel_size", "tensor_parallel_size > 1 loads each rank's "
-                             "shard itself: pass no loaded model")
+            raise FieldError(
+                "tensor_parallel_size",
+                "tensor_parallel_size > 1 loads each rank's shard itself: pass no loaded model",
+            )
         if self.device.type == "cuda" and config.kv_cache_memory is None:
-            raise FieldError("kv_cache_memory", "kv_cache_memory must be given with "
-                             "tensor_parallel_size > 1 on CUDA (no profiling forward across ranks yet)")
+            raise FieldError(
+                "kv_cache_memory",
+                "kv_cache_memory must be given with "
+                "tensor_parallel_size > 1 on CUDA (no profiling forward across ranks yet)",
+            )
         if group is None:
-            group = ParallelGroup(config.tensor_parallel_size, config.distributed_timeout_s,
-                                  self.device.type)
+            group = ParallelGroup(
+                config.tensor_parallel_size, config.distributed_timeout_s, self.device.type
+            )
             self._owns_group = True
         elif group.size != config.tensor_parallel_size:
-            raise ValueError(f"parallel group of {group.size} ranks for tensor_parallel_size "
-                             f"{config.tensor_parallel_size}")
+            raise ValueError(
+                f"parallel group of {group.size} ranks for tensor_parallel_size "
+                f"{config.tensor_parallel_size}"
+            )
         return group
 
     def close(self) -> None:
@@ -207,8 +268,11 @@ class LLMEngine:
         block_bytes = kv_block_bytes(args, config.block_size, self.dtype, config.kv_cache_dtype)
         slots = tier_slots(config.kv_offloading_size, block_bytes)
         if slots < 1:
-            raise FieldError("kv_offloading_size", f"kv_offloading_size ({config.kv_offloading_size}"
-                             f" bytes) holds no {block_bytes}-byte KV block")
+            raise FieldError(
+                "kv_offloading_size",
+                f"kv_offloading_size ({config.kv_offloading_size}"
+                f" bytes) holds no {block_bytes}-byte KV block",
+            )
         tier = KVTier(HostTierStorage(self.kv_cache, slots, config.kv_offloading_path))
         tier.measure()  # copy times for the swap-or-recompute choice (engine/core/swap_policy.py)
         return tier
@@ -232,16 +296,27 @@ class LLMEngine:
         pooling (embedding) request: its one delta carries the embedding, no token.
         `lora_request`: the LoRA adapter to run with (loaded from its path here, off the
         engine thread, if not loaded yet; LoRAError if it cannot be used)."""
-        return self._builder.build(request_id, prompt, params, cache_salt, priority, resume,
-                                   pooling, self._lora(lora_request), self.weights_version)
+        return self._builder.build(
+            request_id,
+            prompt,
+            params,
+            cache_salt,
+            priority,
+            resume,
+            pooling,
+            self._lora(lora_request),
+            self.weights_version,
+        )
 
     # ---- LoRA adapters ------------------------------------------------------------------
     def _lora(self, request: LoRARequest | None) -> LoRAAdapter | None:
         if request is None:
             return None
         if self.lora_cache is None:
-            raise LoRAError(f"LoRA adapter {request.lora_name!r} asked for, but LoRA is not "
-                            "enabled (--enable-lora)")
+            raise LoRAError(
+                f"LoRA adapter {request.lora_name!r} asked for, but LoRA is not "
+                "enabled (--enable-lora)"
+            )
         return self.lora_cache.get(request)
 
     def add_lora(self, request: LoRARequest) -> bool:
@@ -268,9 +343,17 @@ class LLMEngine:
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> Request:
-        return self.submit(self.make_request(
-            request_id, prompt, params or SamplingParams(), cache_salt, priority, pooling=pooling,
-            lora_request=lora_request))
+        return self.submit(
+            self.make_request(
+                request_id,
+                prompt,
+                params or SamplingParams(),
+                cache_salt,
+                priority,
+                pooling=pooling,
+                lora_request=lora_request,
+            )
+        )
 
     def submit(self, request: Request) -> Request:
         """Queue a request made by `make_request` (raises RequestRejected if it can never
@@ -295,9 +378,7 @@ class LLMEngine:
         return found
 
     # ---- decode worker: the prompt's KV is computed by a prefill worker -----------------
-    def add_remote_prefill_request(
-        self, request: Request
-    ) -> list[int] | None:
+    def add_remote_prefill_request(self, request: Request) -> list[int] | None:
         """Allocate the prompt's blocks (reusing local prefix hits) and park the request until
         its KV arrives. Returns the block ids still to be filled (after the local hit), or
         None if it cannot be parked now (nothing changed; see
@@ -312,9 +393,13 @@ class LLMEngine:
             self.deltas.track(request)
         return block_ids
 
-    def finish_remote_prefill(self, request_id: str, first_token: SampledToken) -> list[CompletionDelta]:
+    def finish_remote_prefill(
+        self, request_id: str, first_token: SampledToken
+    ) -> list[CompletionDelta]:
         """Every prompt block has landed and the prefill worker sampled `first_token`."""
-        return self.process_updates([(self.scheduler.remote_kv_arrived(request_id, first_token), 1)])
+        return self.process_updates(
+            [(self.scheduler.remote_kv_arrived(request_id, first_token), 1)]
+        )
 
     def has_schedulable_work(self) -> bool:
         """Something for `step()` to compute (requests parked for remote KV are not)."""
@@ -325,7 +410,9 @@ class LLMEngine:
         """One step, one way: schedule -> (draft) -> execute -> update_from_output. What
         each part learns travels in the step's input and outputs (SchedulerOutput, with
         the proposer's drafts; RunnerOutput, with the runner's time)."""
-        with self.block_manager.pool.copies_batched():  # the step's tier copies: one gathered each way
+        with (
+            self.block_manager.pool.copies_batched()
+        ):  # the step's tier copies: one gathered each way
             output = self.scheduler.schedule(step)
         self.runner.prepare(output)
         if self.proposer is not None:
@@ -395,14 +482,18 @@ class LLMEngine:
         how many weights were applied. Bumps the weights version and resets the prefix cache.
         Refused with tensor_parallel_size > 1 (the other ranks' shards would stay old)."""
         if self.config.parallel:
-            raise RuntimeError("update_weights is not supported with tensor_parallel_size > 1 "
-                               "(the other ranks' shards would not be updated)")
+            raise RuntimeError(
+                "update_weights is not supported with tensor_parallel_size > 1 "
+                "(the other ranks' shards would not be updated)"
+            )
         applied = self.lifecycle.update_weights(weights)
         self.weights_version += 1
         self.reset_prefix_cache()
         return applied
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list:
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> list:
         return collective_rpc(self.extension, self, method, args, kwargs)
 
 
@@ -424,11 +515,17 @@ def _tier_stats(tier: KVTier | None) -> _TierStats:
     if tier is None:
         return {}
     s = tier.stats
-    return _TierStats(kv_offload_blocks=tier.num_slots, kv_offload_blocks_used=tier.num_used,
-                kv_offload_hits=s.hit_tokens, kv_offload_demotions=s.demotions,
-                kv_offload_promotions=s.promotions, kv_offload_evictions=s.evictions,
-                kv_offload_swap_outs=s.swap_outs, kv_offload_swap_ins=s.swap_ins,
-                kv_offload_promote_s=tier.copy_times.load_s)
+    return _TierStats(
+        kv_offload_blocks=tier.num_slots,
+        kv_offload_blocks_used=tier.num_used,
+        kv_offload_hits=s.hit_tokens,
+        kv_offload_demotions=s.demotions,
+        kv_offload_promotions=s.promotions,
+        kv_offload_evictions=s.evictions,
+        kv_offload_swap_outs=s.swap_outs,
+        kv_offload_swap_ins=s.swap_ins,
+        kv_offload_promote_s=tier.copy_times.load_s,
+    )
 
 
 def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, ...]:
@@ -437,7 +534,11 @@ def _group_windows(args: ModelArgs, config: EngineConfig) -> tuple[int | None, .
     with attention of its own (make_proposer refuses that with several groups)."""
     groups = args.kv_groups()
     spec = config.speculative_config
-    if groups.num_groups == 1 and spec is not None and spec.method != "ngram" \
-            and spec.self_draft_layers is None:
+    if (
+        groups.num_groups == 1
+        and spec is not None
+        and spec.method != "ngram"
+        and spec.self_draft_layers is None
+    ):
         return (None,)
     return groups.windows

@@ -1,6 +1,7 @@
 """The engine's counters for offline use, as vLLM's `LLM.get_metrics()` returns them
 (vllm/v1/metrics/reader.py): a list of named Counter / Gauge / Vector values, with the
 names the workers export on /metrics (docs/metrics.md)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,7 +48,9 @@ def engine_metrics(stats: EngineStats, speculating: bool) -> list[Metric]:
             Counter("vllm:spec_decode_num_drafts", value=stats.spec_num_drafts),
             Counter("vllm:spec_decode_num_draft_tokens", value=stats.spec_num_draft_tokens),
             Counter("vllm:spec_decode_num_accepted_tokens", value=stats.spec_num_accepted_tokens),
-            Vector("vllm:spec_decode_num_accepted_tokens_per_pos",
-                   values=list(stats.spec_accepted_per_pos)),
+            Vector(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                values=list(stats.spec_accepted_per_pos),
+            ),
         ]
     return metrics

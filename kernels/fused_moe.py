@@ -16,6 +16,7 @@ Products and sums are fp32; h and each per-assignment output are rounded to x's 
 computes tl.dot on bf16 operands wrongly (triton-lang/triton#11584); there the bf16 operands are
 upcast to fp32, exactly, before the dot. Never set on GPU.
 """
+
 from typing import NamedTuple
 
 import torch
@@ -58,11 +59,27 @@ def align_assignments(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, out_ptr, weights_ptr, sorted_ids_ptr, block_experts_ptr,
-    n_out, k_in, num_assignments, stride_am, stride_be, stride_bn, stride_om,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    n_out,
+    k_in,
+    num_assignments,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # One program per (block of BLOCK_M assignments of one expert, BLOCK_N output columns).
     # Row r of the block is assignment a = sorted_ids[r]; it reads row a // A_ROW_DIV of A
@@ -113,19 +130,37 @@ def _check_args(x, w13, w2, topk_weights, topk_ids) -> None:
     check(x.dim() == 2, f"x must be [T, D], got {tuple(x.shape)}")
     check(x.dtype in FLOAT_DTYPES, f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
     num_tokens, dim = x.shape
-    check(w13.dim() == 3 and w13.shape[2] == dim and w13.shape[1] % 2 == 0,
-          f"w13 must be [E, 2 * I, D={dim}], got {tuple(w13.shape)}")
+    check(
+        w13.dim() == 3 and w13.shape[2] == dim and w13.shape[1] % 2 == 0,
+        f"w13 must be [E, 2 * I, D={dim}], got {tuple(w13.shape)}",
+    )
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    check(w2.shape == (num_experts, dim, inter), f"w2 must be [E={num_experts}, D={dim}, I={inter}], "
-          f"got {tuple(w2.shape)}")
-    check(w13.dtype == x.dtype and w2.dtype == x.dtype,
-          f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}")
-    check(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens,
-          f"topk_ids must be [T={num_tokens}, top_k], got {tuple(topk_ids.shape)}")
-    check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32/int64, got {topk_ids.dtype}")
-    check(topk_weights.shape == topk_ids.shape,
-          f"topk_weights {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
-    for name, t in (("w13", w13), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+    check(
+        w2.shape == (num_experts, dim, inter),
+        f"w2 must be [E={num_experts}, D={dim}, I={inter}], got {tuple(w2.shape)}",
+    )
+    check(
+        w13.dtype == x.dtype and w2.dtype == x.dtype,
+        f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}",
+    )
+    check(
+        topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens,
+        f"topk_ids must be [T={num_tokens}, top_k], got {tuple(topk_ids.shape)}",
+    )
+    check(
+        topk_ids.dtype in (torch.int32, torch.int64),
+        f"topk_ids must be int32/int64, got {topk_ids.dtype}",
+    )
+    check(
+        topk_weights.shape == topk_ids.shape,
+        f"topk_weights {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}",
+    )
+    for name, t in (
+        ("w13", w13),
+        ("w2", w2),
+        ("topk_weights", topk_weights),
+        ("topk_ids", topk_ids),
+    ):
         check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         check(t.stride(-1) == 1, f"{name} must have a contiguous last dim, strides {t.stride()}")
@@ -136,8 +171,13 @@ def _block(size: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(size)))  # tl.dot needs >= 16
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """The MoE MLP of the module docstring; returns a new [T, D] tensor in x's dtype.
     `topk_weights` may be fp32 or x's dtype (multiplied in fp32 either way)."""
     _check_args(x, w13, w2, topk_weights, topk_ids)
@@ -153,20 +193,44 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     h = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((n, dim), dtype=x.dtype, device=x.device)
     num_blocks = align.block_experts.numel()
-    for a, b, out, k_in, n_out, row_div, gated in ((x, w13, h, dim, inter, top_k, True),
-                                                  (h, w2, y, inter, dim, 1, False)):
+    for a, b, out, k_in, n_out, row_div, gated in (
+        (x, w13, h, dim, inter, top_k, True),
+        (h, w2, y, inter, dim, 1, False),
+    ):
         block_n, block_k = _block(n_out, 64), _block(k_in, 32)
         _moe_gemm_kernel[(num_blocks, triton.cdiv(n_out, block_n))](
-            a, b, out, weights, align.sorted_ids, align.block_experts,
-            n_out, k_in, n, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-            A_ROW_DIV=row_div, GATED=gated, MUL_WEIGHT=not gated, DOT_PRECISION=precision,
+            a,
+            b,
+            out,
+            weights,
+            align.sorted_ids,
+            align.block_experts,
+            n_out,
+            k_in,
+            n,
+            a.stride(0),
+            b.stride(0),
+            b.stride(1),
+            out.stride(0),
+            A_ROW_DIV=row_div,
+            GATED=gated,
+            MUL_WEIGHT=not gated,
+            DOT_PRECISION=precision,
             UPCAST_DOT=x.dtype == torch.bfloat16 and _INTERPRETED,
-            BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            BLOCK_M=align.block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
     return y.view(num_tokens, top_k, dim).sum(dim=1)
 
 
-def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """fused_moe in plain torch, expert by expert: fp32 math, h and each assignment's output
     rounded to x's dtype, the top_k sum in fp32 rounded once."""
     _check_args(x, w13, w2, topk_weights, topk_ids)

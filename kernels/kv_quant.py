@@ -12,6 +12,7 @@ A pool's format is known from its dtype and last dim (`D_stored`) alone:
   is the head_dim values of q, then s as 4 little-endian float32 bytes. Read back: q * s (fp32).
 A block is self-describing: its scales live inside it.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -46,9 +47,11 @@ def pool_head_dim(kv_cache: torch.Tensor) -> int:
     """head_dim of the values the pool holds (its last dim minus the int8 scale bytes)."""
     d_stored = kv_cache.shape[-1]
     if kv_format(kv_cache) == "int8":
-        check(d_stored > SCALE_BYTES and (d_stored - SCALE_BYTES) % 4 == 0,
-              f"an int8 kv_cache's last dim must be head_dim + {SCALE_BYTES} with head_dim a "
-              f"multiple of 4 (4-byte aligned scales), got {d_stored}")
+        check(
+            d_stored > SCALE_BYTES and (d_stored - SCALE_BYTES) % 4 == 0,
+            f"an int8 kv_cache's last dim must be head_dim + {SCALE_BYTES} with head_dim a "
+            f"multiple of 4 (4-byte aligned scales), got {d_stored}",
+        )
         return d_stored - SCALE_BYTES
     return d_stored
 
@@ -84,6 +87,7 @@ def dequantize_kv_reference(stored: torch.Tensor) -> torch.Tensor:
 
 
 # ---- Triton helpers (bit-exact with the references above, on GPU and under the interpreter) ----
+
 
 @triton.jit
 def _shift_right_rne(m, shift):

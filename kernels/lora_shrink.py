@@ -9,6 +9,7 @@ Projections that share an input (q/k/v, gate/up) can stack their A matrices alon
 (a_stack [S, 3R, H_in]) and shrink once; each projection's expand then reads a column view of
 the result.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -21,9 +22,19 @@ TILE_ELEMENTS = 4096  # A tile is BLOCK_R x BLOCK_K
 
 @triton.jit
 def _lora_shrink_kernel(
-    x_ptr, a_ptr, slots_ptr, out_ptr, hidden, rank,
-    stride_xt, stride_as, stride_ar, stride_ot,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    slots_ptr,
+    out_ptr,
+    hidden,
+    rank,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    stride_ot,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # One program per (token, K split). Split k walks input chunks k, k + SPLIT_K, ...; with
     # SPLIT_K > 1 the partial sums are atomically added into a zeroed `out`.
@@ -41,8 +52,9 @@ def _lora_shrink_kernel(
     for k0 in range(split * BLOCK_K, hidden, SPLIT_K * BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t * stride_xt + k, mask=k < hidden, other=0.0).to(tl.float32)
-        a = tl.load(a_rows + k[None, :], mask=(r[:, None] < rank) & (k[None, :] < hidden),
-                    other=0.0).to(tl.float32)
+        a = tl.load(
+            a_rows + k[None, :], mask=(r[:, None] < rank) & (k[None, :] < hidden), other=0.0
+        ).to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
     if SPLIT_K == 1:
         tl.store(out, acc, mask=r < rank)
@@ -53,26 +65,47 @@ def _lora_shrink_kernel(
 def _check_args(x, a_stack, token_slots, out) -> None:
     check(x.dim() == 2, f"x must be [T, H_in], got {tuple(x.shape)}")
     check(x.dtype in FLOAT_DTYPES, f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
-    check(x.stride(1) == 1 or x.shape[1] <= 1, f"x must have a contiguous last dim, strides {x.stride()}")
+    check(
+        x.stride(1) == 1 or x.shape[1] <= 1,
+        f"x must have a contiguous last dim, strides {x.stride()}",
+    )
     num_tokens, hidden = x.shape
-    check(a_stack.dim() == 3 and a_stack.shape[2] == hidden,
-          f"a_stack must be [S, R, H_in={hidden}], got {tuple(a_stack.shape)}")
-    check(0 < a_stack.shape[1] <= MAX_RANK, f"a_stack rank {a_stack.shape[1]} not in [1, {MAX_RANK}]")
+    check(
+        a_stack.dim() == 3 and a_stack.shape[2] == hidden,
+        f"a_stack must be [S, R, H_in={hidden}], got {tuple(a_stack.shape)}",
+    )
+    check(
+        0 < a_stack.shape[1] <= MAX_RANK, f"a_stack rank {a_stack.shape[1]} not in [1, {MAX_RANK}]"
+    )
     check(a_stack.dtype == x.dtype, f"a_stack dtype {a_stack.dtype} != x dtype {x.dtype}")
     check(a_stack.device == x.device, f"a_stack is on {a_stack.device}, x on {x.device}")
-    check(a_stack.stride(2) == 1 or hidden <= 1,
-          f"a_stack must have a contiguous last dim, strides {a_stack.stride()}")
+    check(
+        a_stack.stride(2) == 1 or hidden <= 1,
+        f"a_stack must have a contiguous last dim, strides {a_stack.stride()}",
+    )
     check_token_slots(token_slots, num_tokens, x.device)
     if out is not None:
         rank = a_stack.shape[1]
-        check(out.shape == (num_tokens, rank), f"out must be [T={num_tokens}, R={rank}], got {tuple(out.shape)}")
+        check(
+            out.shape == (num_tokens, rank),
+            f"out must be [T={num_tokens}, R={rank}], got {tuple(out.shape)}",
+        )
         check(out.dtype == torch.float32, f"out must be float32, got {out.dtype}")
         check(out.device == x.device, f"out is on {out.device}, x on {x.device}")
-        check(out.stride(1) == 1 or rank <= 1, f"out must have a contiguous last dim, strides {out.stride()}")
+        check(
+            out.stride(1) == 1 or rank <= 1,
+            f"out must have a contiguous last dim, strides {out.stride()}",
+        )
 
 
-def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor,
-                out: torch.Tensor | None = None, *, split_k: int = 1) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    split_k: int = 1,
+) -> torch.Tensor:
     """shrunk [T, R] fp32 with shrunk[t] = a_stack[token_slots[t]] @ x[t], zeros for slot -1.
 
     x [T, H_in] and a_stack [S, R, H_in] share a float dtype; both may be row-strided views
@@ -96,15 +129,29 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tenso
     if split_k > 1:
         out.zero_()
     _lora_shrink_kernel[(num_tokens, split_k)](
-        x, a_stack, token_slots, out, hidden, rank,
-        x.stride(0), a_stack.stride(0), a_stack.stride(1), out.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        x,
+        a_stack,
+        token_slots,
+        out,
+        hidden,
+        rank,
+        x.stride(0),
+        a_stack.stride(0),
+        a_stack.stride(1),
+        out.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
     )
     return out
 
 
-def lora_shrink_reference(x: torch.Tensor, a_stack: torch.Tensor, token_slots: torch.Tensor,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+def lora_shrink_reference(
+    x: torch.Tensor,
+    a_stack: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Plain-torch `lora_shrink` (same contract): one dense matmul per slot, each token keeps
     the row of its own slot. No device sync, no [T, R, H_in] gather."""
     _check_args(x, a_stack, token_slots, out)

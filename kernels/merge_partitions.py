@@ -9,6 +9,7 @@ out = sum_p acc_p * 2^(m_p - M) / sum_p l_p * 2^(m_p - M),  M = max_p m_p.
 Some partition holds the query's own key, which it always sees, so the denominator is positive
 (partitions without a visible key have weight 2^(EMPTY_MAX - M) = 0).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -18,9 +19,17 @@ from kernels._checks import check
 
 @triton.jit
 def merge_partitions_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    num_q_heads, num_partitions, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PART_PAD: tl.constexpr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_q_heads,
+    num_partitions,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PART_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -32,30 +41,48 @@ def merge_partitions_kernel(
     m = tl.load(part_max_ptr + stat, mask=p_ok, other=float("-inf"))
     sums = tl.load(part_sum_ptr + stat, mask=p_ok, other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))
-    acc = tl.load(part_acc_ptr + stat[:, None] * HEAD_DIM + d[None, :],
-                  mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + stat[:, None] * HEAD_DIM + d[None, :],
+        mask=p_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(sums * weight, 0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d,
-             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
 
 
-def merge_partitions(out: torch.Tensor, part_acc: torch.Tensor, part_max: torch.Tensor,
-                     part_sum: torch.Tensor) -> None:
+def merge_partitions(
+    out: torch.Tensor, part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor
+) -> None:
     """Write into out [T, H, head_dim] the merge of the partial buffers (see module doc)."""
     num_tokens, num_heads, head_dim = out.shape
     num_partitions = part_max.shape[2]
-    check(tuple(part_acc.shape) == (num_tokens, num_heads, num_partitions, head_dim)
-          and tuple(part_max.shape) == tuple(part_sum.shape) == (num_tokens, num_heads, num_partitions),
-          f"partial buffers {tuple(part_acc.shape)}, {tuple(part_max.shape)}, "
-          f"{tuple(part_sum.shape)} do not match out {tuple(out.shape)}")
+    check(
+        tuple(part_acc.shape) == (num_tokens, num_heads, num_partitions, head_dim)
+        and tuple(part_max.shape)
+        == tuple(part_sum.shape)
+        == (num_tokens, num_heads, num_partitions),
+        f"partial buffers {tuple(part_acc.shape)}, {tuple(part_max.shape)}, "
+        f"{tuple(part_sum.shape)} do not match out {tuple(out.shape)}",
+    )
     for name, x in (("part_acc", part_acc), ("part_max", part_max), ("part_sum", part_sum)):
         check(x.dtype == torch.float32 and x.is_contiguous(), f"{name} must be contiguous fp32")
     check(out.stride(2) == 1, f"out must have a contiguous last dim, strides {out.stride()}")
     if num_tokens == 0:
         return
     merge_partitions_kernel[(num_tokens, num_heads)](
-        out, part_acc, part_max, part_sum,
-        num_heads, num_partitions, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        num_heads,
+        num_partitions,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
         PART_PAD=triton.next_power_of_2(num_partitions),
     )

@@ -24,6 +24,7 @@ Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (t
 Returns [T, num_q_heads, head_dim] in query's dtype (the model dtype, also for a quantized pool);
 softmax statistics are fp32.
 """
+
 import functools
 from dataclasses import dataclass
 
@@ -31,7 +32,13 @@ import torch
 import triton
 
 from kernels._checks import FLOAT_DTYPES, check, check_kv_cache
-from kernels.kv_quant import dequantize_kv_reference, format_code, kernel_view, kv_format, pool_head_dim
+from kernels.kv_quant import (
+    dequantize_kv_reference,
+    format_code,
+    kernel_view,
+    kv_format,
+    pool_head_dim,
+)
 from kernels.merge_partitions import merge_partitions
 from kernels.paged_attention_kernel import paged_attention_kernel
 
@@ -49,29 +56,51 @@ def _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
     check_kv_cache(kv_cache, layer)
     _, _, _, _, num_kv_heads, d_stored = kv_cache.shape
     fmt, head_dim = kv_format(kv_cache), pool_head_dim(kv_cache)
-    check(query.dim() == 3 and query.shape[2] == head_dim,
-          f"query must be [T, num_q_heads, {head_dim}] to match kv_cache (format {fmt}, "
-          f"last dim {d_stored}), got {tuple(query.shape)}")
-    check(query.shape[1] % num_kv_heads == 0,
-          f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    check(
+        query.dim() == 3 and query.shape[2] == head_dim,
+        f"query must be [T, num_q_heads, {head_dim}] to match kv_cache (format {fmt}, "
+        f"last dim {d_stored}), got {tuple(query.shape)}",
+    )
+    check(
+        query.shape[1] % num_kv_heads == 0,
+        f"num_q_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
     if fmt == "auto":
-        check(query.dtype == kv_cache.dtype, f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+        check(
+            query.dtype == kv_cache.dtype,
+            f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}",
+        )
     else:
         check(query.dtype in FLOAT_DTYPES, f"query dtype {query.dtype} not in {FLOAT_DTYPES}")
     check(query.stride(2) == 1, f"query must have a contiguous last dim, strides {query.stride()}")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check(seq_lens.dim() == 1, f"seq_lens must be [S], got {tuple(seq_lens.shape)}")
-    check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == num_seqs + 1,
-          f"query_start_loc must be [S+1={num_seqs + 1}], got {tuple(query_start_loc.shape)}")
-    check(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
-          f"block_tables must be [S={num_seqs}, max_blocks], got {tuple(block_tables.shape)}")
-    check(block_tables.stride(1) == 1, f"block_tables rows must be contiguous, strides {block_tables.stride()}")
-    for name, x in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
-                    ("seq_lens", seq_lens)):
+    check(
+        query_start_loc.dim() == 1 and query_start_loc.shape[0] == num_seqs + 1,
+        f"query_start_loc must be [S+1={num_seqs + 1}], got {tuple(query_start_loc.shape)}",
+    )
+    check(
+        block_tables.dim() == 2 and block_tables.shape[0] == num_seqs,
+        f"block_tables must be [S={num_seqs}, max_blocks], got {tuple(block_tables.shape)}",
+    )
+    check(
+        block_tables.stride(1) == 1,
+        f"block_tables rows must be contiguous, strides {block_tables.stride()}",
+    )
+    for name, x in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
         check(x.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64, got {x.dtype}")
-        check(x.device == kv_cache.device, f"{name} is on {x.device}, kv_cache on {kv_cache.device}")
+        check(
+            x.device == kv_cache.device, f"{name} is on {x.device}, kv_cache on {kv_cache.device}"
+        )
         check(x.dim() == 2 or x.is_contiguous(), f"{name} must be contiguous, strides {x.stride()}")
-    check(query.device == kv_cache.device, f"query is on {query.device}, kv_cache on {kv_cache.device}")
+    check(
+        query.device == kv_cache.device,
+        f"query is on {query.device}, kv_cache on {kv_cache.device}",
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +108,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: int, tile_n: int) -> int:
+def _auto_partition_size(
+    device: torch.device, num_programs: int, max_seq_len: int, tile_n: int
+) -> int:
     """0 (no split) unless the batch leaves the GPU under-occupied and contexts are long. GPU
     time on an H200, SmolLM2 shapes, from a CUDA graph (what decode steps replay): 64 x 2k
     0.060 ms unsplit, 0.041-0.043 in 2-8 parts; 64 x 4k 0.114 vs 0.069-0.076; 256 x 1k
@@ -90,7 +121,9 @@ def _auto_partition_size(device: torch.device, num_programs: int, max_seq_len: i
     target = PROGRAMS_PER_SM * _num_sms(device)
     if num_programs >= target:
         return 0
-    parts = min(triton.cdiv(target, num_programs), max_seq_len // MIN_PARTITION_SIZE, MAX_PARTITIONS)
+    parts = min(
+        triton.cdiv(target, num_programs), max_seq_len // MIN_PARTITION_SIZE, MAX_PARTITIONS
+    )
     if parts < 2:
         return 0
     return triton.cdiv(triton.cdiv(max_seq_len, parts), tile_n) * tile_n
@@ -114,10 +147,14 @@ class AttentionPlan:
 
 
 def _check_window(sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    check(sliding_window is None or sliding_window >= 1,
-          f"sliding_window must be None or >= 1, got {sliding_window}")
-    check(logits_soft_cap is None or logits_soft_cap > 0,
-          f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
+    check(
+        sliding_window is None or sliding_window >= 1,
+        f"sliding_window must be None or >= 1, got {sliding_window}",
+    )
+    check(
+        logits_soft_cap is None or logits_soft_cap > 0,
+        f"logits_soft_cap must be None or > 0, got {logits_soft_cap}",
+    )
 
 
 def _kv_span(max_seq_len: int, max_query_len: int, block_q: int, sliding_window: int | None) -> int:
@@ -128,12 +165,23 @@ def _kv_span(max_seq_len: int, max_query_len: int, block_q: int, sliding_window:
     return min(max_seq_len, sliding_window + min(max_query_len, block_q) - 1)
 
 
-def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, num_q_heads: int,
-                         num_kv_heads: int, head_dim: int, max_query_len: int, max_seq_len: int, *,
-                         partition_size: int | None = None, tile_n: int | None = None,
-                         num_warps: int | None = None, num_stages: int | None = None,
-                         sliding_window: int | None = None,
-                         kv_dtype: torch.dtype | None = None) -> AttentionPlan:
+def plan_paged_attention(
+    device: torch.device,
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    partition_size: int | None = None,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    sliding_window: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+) -> AttentionPlan:
     """Tile sizes and the split-KV decision for a batch of T tokens from S sequences.
 
     partition_size: KV partition length in tokens for split-KV (flash-decoding); None picks
@@ -146,8 +194,10 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
     W + block_q - 1 keys, which is what split-KV partitions; a plan made without a window also
     serves windowed layers (with partitions to spare), not the other way round."""
     _check_window(sliding_window, None)
-    check(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check(
+        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+        f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     # Rows per program: up to 64 (token, head) pairs, at least 16 (tl.dot's minimum).
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
@@ -155,7 +205,10 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
     block_q = block_m // group_pad
     if tile_n is None:
         tile_n = 64 if triton.next_power_of_2(head_dim) <= 64 else 32
-    check(tile_n >= 16 and tile_n & (tile_n - 1) == 0, f"tile_n must be a power of two >= 16, got {tile_n}")
+    check(
+        tile_n >= 16 and tile_n & (tile_n - 1) == 0,
+        f"tile_n must be a power of two >= 16, got {tile_n}",
+    )
     num_tiles = num_tokens // block_q + num_seqs
     busy_tiles = num_seqs if max_query_len <= block_q else num_tiles
     kv_span = _kv_span(max_seq_len, max_query_len, block_q, sliding_window)
@@ -168,26 +221,54 @@ def plan_paged_attention(device: torch.device, num_tokens: int, num_seqs: int, n
         # the copy bandwidth faster than 4 at every decode shape measured (docs/benchmarks/gpu.md).
         # Larger tiles and int8 pools (the dequantizing loads) keep 4: 2 warps spill there.
         num_warps = 2 if block_m == 16 and kv_dtype != torch.int8 else 4
-    return AttentionPlan(group_pad, block_q, block_m, tile_n, num_tiles, partition_size, num_partitions,
-                         num_warps, num_stages)
+    return AttentionPlan(
+        group_pad,
+        block_q,
+        block_m,
+        tile_n,
+        num_tiles,
+        partition_size,
+        num_partitions,
+        num_warps,
+        num_stages,
+    )
 
 
-def _check_plan(plan: AttentionPlan, num_tokens: int, num_seqs: int, queries_per_kv: int,
-                max_query_len: int, max_seq_len: int, sliding_window: int | None) -> None:
+def _check_plan(
+    plan: AttentionPlan,
+    num_tokens: int,
+    num_seqs: int,
+    queries_per_kv: int,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: int | None,
+) -> None:
     kv_span = _kv_span(max_seq_len, max_query_len, plan.block_q, sliding_window)
-    check(plan.group_pad >= queries_per_kv and plan.block_m == plan.block_q * plan.group_pad
-          and plan.num_tiles == num_tokens // plan.block_q + num_seqs
-          and plan.partition_size * plan.num_partitions >= (kv_span if plan.partition_size else 0),
-          f"{plan} was not made for this batch (T={num_tokens}, S={num_seqs}, "
-          f"max_seq_len={max_seq_len}, sliding_window={sliding_window}); use plan_paged_attention")
+    check(
+        plan.group_pad >= queries_per_kv
+        and plan.block_m == plan.block_q * plan.group_pad
+        and plan.num_tiles == num_tokens // plan.block_q + num_seqs
+        and plan.partition_size * plan.num_partitions >= (kv_span if plan.partition_size else 0),
+        f"{plan} was not made for this batch (T={num_tokens}, S={num_seqs}, "
+        f"max_seq_len={max_seq_len}, sliding_window={sliding_window}); use plan_paged_attention",
+    )
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                    max_seq_len: int | None = None, *, plan: AttentionPlan | None = None,
-                    sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """Triton paged attention (module doc has the contract).
 
     max_query_len / max_seq_len: host-side maxima of the batch; pass them (the model runner
@@ -208,41 +289,88 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    check(max_seq_len <= block_tables.shape[1] * block_size,
-          f"max_seq_len {max_seq_len} exceeds block table capacity "
-          f"{block_tables.shape[1]} blocks x {block_size}")
+    check(
+        max_seq_len <= block_tables.shape[1] * block_size,
+        f"max_seq_len {max_seq_len} exceeds block table capacity "
+        f"{block_tables.shape[1]} blocks x {block_size}",
+    )
     if plan is None:
-        plan = plan_paged_attention(query.device, num_tokens, num_seqs, num_q_heads, num_kv_heads,
-                                    head_dim, max_query_len, max_seq_len, sliding_window=sliding_window,
-                                    kv_dtype=kv_cache.dtype)
-    _check_plan(plan, num_tokens, num_seqs, num_q_heads // num_kv_heads, max_query_len, max_seq_len,
-                sliding_window)
+        plan = plan_paged_attention(
+            query.device,
+            num_tokens,
+            num_seqs,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            max_query_len,
+            max_seq_len,
+            sliding_window=sliding_window,
+            kv_dtype=kv_cache.dtype,
+        )
+    _check_plan(
+        plan,
+        num_tokens,
+        num_seqs,
+        num_q_heads // num_kv_heads,
+        max_query_len,
+        max_seq_len,
+        sliding_window,
+    )
     partition_size, num_partitions = plan.partition_size, plan.num_partitions
     if partition_size > 0:
-        part_max = torch.empty((num_tokens, num_q_heads, num_partitions), dtype=torch.float32,
-                               device=query.device)
+        part_max = torch.empty(
+            (num_tokens, num_q_heads, num_partitions), dtype=torch.float32, device=query.device
+        )
         part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty((num_tokens, num_q_heads, num_partitions, head_dim),
-                               dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(
+            (num_tokens, num_q_heads, num_partitions, head_dim),
+            dtype=torch.float32,
+            device=query.device,
+        )
     else:
         part_max = part_sum = part_acc = out  # unused by the kernel
 
     paged_attention_kernel[(plan.num_tiles, num_kv_heads, num_partitions)](
-        out, part_acc, part_max, part_sum,
-        query, kernel_view(kv_cache), block_tables, query_start_loc, seq_lens,
-        scale * LOG2E, (logits_soft_cap or 1.0) * LOG2E, sliding_window or 0,
-        num_seqs, num_q_heads, num_partitions, partition_size, layer * kv_cache.stride(1),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        query,
+        kernel_view(kv_cache),
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * LOG2E,
+        (logits_soft_cap or 1.0) * LOG2E,
+        sliding_window or 0,
+        num_seqs,
+        num_q_heads,
+        num_partitions,
+        partition_size,
+        layer * kv_cache.stride(1),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, QUERIES_PER_KV=num_q_heads // num_kv_heads, GROUP_PAD=plan.group_pad,
-        BLOCK_M=plan.block_m, BLOCK_Q=plan.block_q, TILE_N=plan.tile_n, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        QUERIES_PER_KV=num_q_heads // num_kv_heads,
+        GROUP_PAD=plan.group_pad,
+        BLOCK_M=plan.block_m,
+        BLOCK_Q=plan.block_q,
+        TILE_N=plan.tile_n,
+        HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
         SPLIT_KV=partition_size > 0,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=query.dtype == torch.bfloat16 and _INTERPRETED,
         KV_FORMAT=format_code(kv_cache),
-        USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=logits_soft_cap is not None,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFT_CAP=logits_soft_cap is not None,
         num_warps=plan.num_warps,
         **({} if plan.num_stages is None else {"num_stages": plan.num_stages}),
     )
@@ -251,11 +379,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     return out
 
 
-def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                              block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                              seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
-                              max_seq_len: int | None = None, *, sliding_window: int | None = None,
-                              logits_soft_cap: float | None = None) -> torch.Tensor:
+def paged_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """Plain-torch paged attention, one sequence at a time, fp32 math over the dequantized pool
     (`dequantize_kv_reference`; same contract: with a window it reads only the blocks from the
     one holding the sequence's first visible key).
@@ -267,11 +404,13 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer
     group = num_q_heads // num_kv_heads
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    check(starts[0] == 0 and starts[-1] == num_tokens,
-          f"query_start_loc must run from 0 to T={num_tokens}, got {starts}")
+    check(
+        starts[0] == 0 and starts[-1] == num_tokens,
+        f"query_start_loc must run from 0 to T={num_tokens}, got {starts}",
+    )
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     for s, seq_len in enumerate(lens):
-        q = query[starts[s]:starts[s + 1]].float()
+        q = query[starts[s] : starts[s + 1]].float()
         q_len = q.shape[0]
         check(0 <= q_len <= seq_len, f"sequence {s}: q_len {q_len} > seq_len {seq_len}")
         if q_len == 0:
@@ -293,5 +432,7 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, layer
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        out[starts[s]:starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+        out[starts[s] : starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(
+            query.dtype
+        )
     return out

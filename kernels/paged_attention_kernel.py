@@ -37,6 +37,7 @@ there the operands are upcast to fp32 after the same bf16 rounding. Never set on
 
 Softmax runs in base 2 (qk_scale already includes log2(e)); statistics are fp32.
 """
+
 import triton
 import triton.language as tl
 
@@ -82,17 +83,46 @@ def _kv_for_dot(x, dot_dtype: tl.constexpr, KV_FORMAT: tl.constexpr):
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    query_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, soft_cap, sliding_window, num_seqs, num_q_heads, num_partitions, partition_size,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    query_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    soft_cap,
+    sliding_window,
+    num_seqs,
+    num_q_heads,
+    num_partitions,
+    partition_size,
     layer_offset,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_bt,
-    BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FORMAT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,8 +146,11 @@ def paged_attention_kernel(
     q_pos = context_len + q_idx
     d = tl.arange(0, DIM_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -146,13 +179,15 @@ def paged_attention_kernel(
         n_ok = n < kv_hi
         block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (n % BLOCK_SIZE) * stride_cs
-        k = tl.load(k_base + kv_off[None, :] + d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0)
+        k = tl.load(
+            k_base + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0
+        )
         k = _kv_for_dot(k, q.dtype, KV_FORMAT)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if KV_FORMAT == INT8:
-            k_scale = tl.load((k_base + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
-                              mask=n_ok, other=0.0)
+            k_scale = tl.load(
+                (k_base + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0
+            )
             s = s * k_scale[None, :]
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -164,12 +199,18 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(k_base + stride_ckv + kv_off[:, None] + d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0)
+        v = tl.load(
+            k_base + stride_ckv + kv_off[:, None] + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0,
+        )
         v = _kv_for_dot(v, q.dtype, KV_FORMAT)
         if KV_FORMAT == INT8:
-            v_scale = tl.load((k_base + stride_ckv + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
-                              mask=n_ok, other=0.0)
+            v_scale = tl.load(
+                (k_base + stride_ckv + kv_off + HEAD_DIM).to(tl.pointer_type(tl.float32)),
+                mask=n_ok,
+                other=0.0,
+            )
             p = p * v_scale[None, :]
         # P is rounded to the query dtype (the KV dtype when unquantized) as on GPU, even when
         # UPCAST_DOT then computes the dot in fp32.
@@ -186,5 +227,8 @@ def paged_attention_kernel(
     else:
         # Every real row saw its own key, so l_i > 0 there; padded rows are not stored.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )

@@ -6,6 +6,7 @@ Numerics follow HF LlamaRMSNorm: the sum x + residual is rounded to the input dt
 the next residual), the statistics are fp32, the normalised value is rounded to the input dtype
 before the weight multiply.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -15,9 +16,19 @@ from kernels._checks import FLOAT_DTYPES, check
 
 @triton.jit
 def _rms_norm_kernel(
-    out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr, eps, hidden,
-    stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    residual_out_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    eps,
+    hidden,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One program per row; the whole row fits in one block (hidden <= a few thousand).
     row = tl.program_id(0).to(tl.int64)
@@ -39,16 +50,21 @@ def _rms_norm_kernel(
 
 
 def _rows(name: str, x: torch.Tensor, hidden: int) -> torch.Tensor:
-    check(x.dim() >= 1 and x.shape[-1] == hidden, f"{name} must be [..., {hidden}], got {tuple(x.shape)}")
+    check(
+        x.dim() >= 1 and x.shape[-1] == hidden,
+        f"{name} must be [..., {hidden}], got {tuple(x.shape)}",
+    )
     check(x.dtype in FLOAT_DTYPES, f"{name} dtype {x.dtype} not in {FLOAT_DTYPES}")
     rows = x.reshape(-1, hidden)
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    check(weight.dim() == 1 and weight.stride(0) == 1,
-          f"weight must be a contiguous [hidden], got {tuple(weight.shape)} strides "
-          f"{weight.stride()}")
+    check(
+        weight.dim() == 1 and weight.stride(0) == 1,
+        f"weight must be a contiguous [hidden], got {tuple(weight.shape)} strides "
+        f"{weight.stride()}",
+    )
     check(weight.dtype in FLOAT_DTYPES, f"weight dtype {weight.dtype} not in {FLOAT_DTYPES}")
     hidden = weight.shape[0]
     x2 = _rows("x", x, hidden)
@@ -56,9 +72,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, hidden)
     if residual is not None:
-        check(residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device,
-              f"residual {tuple(residual.shape)} {residual.dtype} must match x "
-              f"{tuple(x.shape)} {x.dtype}")
+        check(
+            residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device,
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+            f"{tuple(x.shape)} {x.dtype}",
+        )
         r2 = _rows("residual", residual, hidden)
         residual_out = torch.empty_like(out)
         ro2 = residual_out.view(-1, hidden)
@@ -66,9 +84,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         r2 = ro2 = residual_out = x2  # unused by the kernel
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
-            out2, ro2, x2, r2, weight, eps, hidden,
-            x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+            out2,
+            ro2,
+            x2,
+            r2,
+            weight,
+            eps,
+            hidden,
+            x2.stride(0),
+            r2.stride(0),
+            out2.stride(0),
+            ro2.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(hidden),
         )
     return out, residual_out
 
@@ -78,8 +106,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), in one pass; inputs are not modified."""
     return _launch(x, residual, weight, eps)
 
@@ -90,7 +119,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (normed.float() * weight.float()).to(x.dtype)
 
 
-def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     summed = (x.float() + residual.float()).to(x.dtype)
     return rms_norm_reference(summed, weight, eps), summed

@@ -2,6 +2,7 @@
 x [..., 2 * intermediate] = [gate | up]  ->  silu(gate) * up  [..., intermediate].
 Math is fp32, the result is rounded once to x's dtype.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +24,10 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, width, stride_x, stride_o, BLOCK: tl.co
 
 
 def _check_args(x: torch.Tensor) -> None:
-    check(x.dim() >= 1 and x.shape[-1] % 2 == 0, f"x must be [..., 2 * intermediate], got {tuple(x.shape)}")
+    check(
+        x.dim() >= 1 and x.shape[-1] % 2 == 0,
+        f"x must be [..., 2 * intermediate], got {tuple(x.shape)}",
+    )
     check(x.dtype in FLOAT_DTYPES, f"x dtype {x.dtype} not in {FLOAT_DTYPES}")
 
 
@@ -39,7 +43,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] > 0 and width > 0:
         block = min(BLOCK, triton.next_power_of_2(width))
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
-            out2, rows, width, rows.stride(0), out2.stride(0), BLOCK=block)
+            out2, rows, width, rows.stride(0), out2.stride(0), BLOCK=block
+        )
     return out
 
 

@@ -3,6 +3,7 @@
 See `kvtransfer.base` for the interface and its contract, and docs/kvtransfer.md.
 Importing this package does not import torch or NIXL; the backends do when constructed.
 """
+
 from kvtransfer.base import (
     KVReceiver,
     KVSender,
@@ -27,12 +28,32 @@ from kvtransfer.metrics import Histogram, PeerMetrics, TransferMetrics
 from kvtransfer.polling import Backoff, wait_for
 
 __all__ = [
-    "BLOCK_MAJOR_LAYOUT", "Backoff", "BlockRangeError", "DuplicateRequestError",
-    "FakeFabric", "FakeTransferBackend", "Histogram", "IncompatiblePeerError", "KVCompat",
-    "KVReceiver", "KVSender", "KVTransferBackend", "KVTransferConfig", "KVTransferError",
-    "MetadataError", "NixlTransferBackend", "PeerMetadata", "PeerMetrics", "PoolError",
-    "RequestStateError", "TransferMetrics", "TransferResult", "TransferStatus",
-    "UnknownPeerError", "check_compatible", "wait_for",
+    "BLOCK_MAJOR_LAYOUT",
+    "Backoff",
+    "BlockRangeError",
+    "DuplicateRequestError",
+    "FakeFabric",
+    "FakeTransferBackend",
+    "Histogram",
+    "IncompatiblePeerError",
+    "KVCompat",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferBackend",
+    "KVTransferConfig",
+    "KVTransferError",
+    "MetadataError",
+    "NixlTransferBackend",
+    "PeerMetadata",
+    "PeerMetrics",
+    "PoolError",
+    "RequestStateError",
+    "TransferMetrics",
+    "TransferResult",
+    "TransferStatus",
+    "UnknownPeerError",
+    "check_compatible",
+    "wait_for",
 ]
 
 

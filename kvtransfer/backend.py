@@ -5,6 +5,7 @@ It owns pool registration, metadata, the peer table with its compatibility check
 composes the shared `Sender`/`Receiver` bookkeeping, so the fake exercises exactly the request
 state machines NIXL runs. Sender and receiver see it only as a `TransportHost`.
 """
+
 from __future__ import annotations
 
 import threading
@@ -109,8 +110,9 @@ class TransportBackend(KVTransferBackend):
                 )
             if meta.agent_name == self._name:
                 raise MetadataError(f"peer metadata carries our own agent name {self._name!r}")
-            check_compatible(local.compat, meta.compat,
-                             peer=f"{meta.agent_name!r} (ours: {self._name!r})")
+            check_compatible(
+                local.compat, meta.compat, peer=f"{meta.agent_name!r} (ours: {self._name!r})"
+            )
             known = self._peers.get(meta.agent_name)
             if known == meta and meta.agent_name not in self._dead_peers:
                 return meta.agent_name

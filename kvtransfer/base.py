@@ -34,6 +34,7 @@ Contract shared by every implementation:
 * Implementations are safe to call from several threads (one internal lock), but are
   designed for one caller: the worker's engine loop.
 """
+
 from __future__ import annotations
 
 import enum

@@ -24,6 +24,7 @@ moves its scales. Two pools of different formats are refused (`check_compatible`
 reinterpreted — an int8 block read as fp8 is noise. This module imports no torch so that the
 router can compute and compare compatibility hashes cheaply.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,9 @@ def normalize_kv_cache_dtype(kv_cache_dtype: str) -> str:
     """vLLM's names -> one per format ('fp8' is 'fp8_e4m3')."""
     name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
     if name != "auto" and name not in _KV_FORMATS:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: auto, fp8, "
-                         f"{', '.join(_KV_FORMATS)}")
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: auto, fp8, {', '.join(_KV_FORMATS)}"
+        )
     return name
 
 
@@ -116,8 +118,9 @@ class KVCompat:
             object.__setattr__(self, "scale_layout", scale_layout_for(kv))
         expected = _AUTO_DTYPES if kv == "auto" else (_KV_FORMATS[kv][0],)
         if self.dtype not in expected:
-            raise ValueError(f"a {kv} KV cache is stored as {' or '.join(expected)}, "
-                             f"not {self.dtype}")
+            raise ValueError(
+                f"a {kv} KV cache is stored as {' or '.join(expected)}, not {self.dtype}"
+            )
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ValueError("model_id must be a non-empty string")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
@@ -178,8 +181,14 @@ class KVCompat:
             raise MetadataError(f"invalid compat descriptor: {e}") from e
 
     @classmethod
-    def for_pool(cls, kv_cache: Any, model_id: str, kv_cache_dtype: str = "auto",
-                 architecture: str = "", layer_windows: str = "") -> KVCompat:
+    def for_pool(
+        cls,
+        kv_cache: Any,
+        model_id: str,
+        kv_cache_dtype: str = "auto",
+        architecture: str = "",
+        layer_windows: str = "",
+    ) -> KVCompat:
         """The descriptor of an existing pool tensor holding `kv_cache_dtype` KV (the engine's
         EngineConfig.kv_cache_dtype). PoolError if it is not 6-D or not of that format."""
         shape = tuple(kv_cache.shape)
@@ -192,12 +201,22 @@ class KVCompat:
         kv = normalize_kv_cache_dtype(kv_cache_dtype)
         head_dim = stored - (_KV_FORMATS[kv][1] if kv in _KV_FORMATS else 0)
         try:
-            return cls(model_id, normalize_dtype(kv_cache.dtype), block_size, layers, heads,
-                       head_dim, kv_cache_dtype=kv, architecture=architecture,
-                       layer_windows=layer_windows)
+            return cls(
+                model_id,
+                normalize_dtype(kv_cache.dtype),
+                block_size,
+                layers,
+                heads,
+                head_dim,
+                kv_cache_dtype=kv,
+                architecture=architecture,
+                layer_windows=layer_windows,
+            )
         except ValueError as e:
-            raise PoolError(f"KV pool of shape {list(shape)} and dtype {kv_cache.dtype} is not "
-                            f"a {kv} KV cache: {e}") from e
+            raise PoolError(
+                f"KV pool of shape {list(shape)} and dtype {kv_cache.dtype} is not "
+                f"a {kv} KV cache: {e}"
+            ) from e
 
     def check_pool(self, kv_cache: Any, num_heads: int | None = None) -> None:
         """Raise PoolError unless `kv_cache` is a contiguous pool of exactly this layout —
@@ -213,9 +232,11 @@ class KVCompat:
         if normalize_dtype(kv_cache.dtype) != self.dtype:
             raise PoolError(f"KV pool dtype {kv_cache.dtype} != compat dtype {self.dtype}")
         if self.scale_layout != scale_layout_for(self.kv_cache_dtype):
-            raise PoolError(f"scale layout {self.scale_layout!r} is not the one this version "
-                            f"stores for {self.kv_cache_dtype} KV "
-                            f"({scale_layout_for(self.kv_cache_dtype)!r})")
+            raise PoolError(
+                f"scale layout {self.scale_layout!r} is not the one this version "
+                f"stores for {self.kv_cache_dtype} KV "
+                f"({scale_layout_for(self.kv_cache_dtype)!r})"
+            )
         if not kv_cache.is_contiguous():
             raise PoolError("KV pool must be contiguous (one block = one contiguous region)")
         if shape[0] <= 0:
@@ -239,8 +260,10 @@ def check_compatible(local: KVCompat, remote: KVCompat, peer: str = "peer") -> N
     ]
     formats = ""
     if local.kv_format != remote.kv_format:
-        formats = (f"; KV cache formats differ: ours {local.kv_format}, theirs "
-                   f"{remote.kv_format} — start both workers with the same --kv-cache-dtype")
+        formats = (
+            f"; KV cache formats differ: ours {local.kv_format}, theirs "
+            f"{remote.kv_format} — start both workers with the same --kv-cache-dtype"
+        )
     raise IncompatiblePeerError(
         f"refusing KV transfer with {peer}: incompatible KV layout ({'; '.join(diffs)}){formats}"
     )

@@ -8,6 +8,7 @@ or stall it (writes towards it stay in flight), and can make an agent's in-fligh
 impossible to cancel for a while (`hold_releases`), to test failure handling without processes.
 Everything above the transport (request state machines, checks, metrics) is the real code.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -80,8 +81,10 @@ class FakeTransport(Transport):
 
     def connect(self, meta: PeerMetadata) -> None:
         if meta.ranks or meta.heads is not None:
-            raise MetadataError(f"fake peer {meta.agent_name!r}: the fake moves whole blocks "
-                                "between single-pool workers only")
+            raise MetadataError(
+                f"fake peer {meta.agent_name!r}: the fake moves whole blocks "
+                "between single-pool workers only"
+            )
         peer = self._fabric.agents.get(meta.agent_name)
         if peer is not None and peer.pool is not None and peer.pool.data_ptr() != meta.base_addr:
             raise MetadataError(f"fake peer {meta.agent_name!r}: pool address mismatch")
@@ -90,8 +93,9 @@ class FakeTransport(Transport):
     def disconnect(self, name: str) -> None:
         self._peers.discard(name)
 
-    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                   deadline: float) -> Any:
+    def post_write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float
+    ) -> Any:
         self._reachable(peer)
         return _Write(self.pool, peer, local.copy(), remote.copy(), notif)
 

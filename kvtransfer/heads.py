@@ -16,6 +16,7 @@ every head. Moving blocks from a group of Np ranks into a group of Nd ranks:
 
 This module imports neither torch nor NIXL (the router and tests use it as is).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -83,8 +84,10 @@ def check_ranges(ranges: Sequence[HeadRange], num_kv_heads: int) -> None:
     held: set[int] = set()
     for r in ranges:
         if not 0 <= r.start < r.stop <= num_kv_heads:
-            raise ValueError(f"head range [{r.start}, {r.stop}) is not within the model's "
-                             f"{num_kv_heads} KV heads")
+            raise ValueError(
+                f"head range [{r.start}, {r.stop}) is not within the model's "
+                f"{num_kv_heads} KV heads"
+            )
         held.update(range(r.start, r.stop))
     if len(held) != num_kv_heads:
         raise ValueError(f"the ranks' pools hold heads {sorted(held)}, not all {num_kv_heads}")
@@ -112,37 +115,52 @@ def plan_slices(src: Sequence[HeadRange], dst: Sequence[HeadRange]) -> list[Slic
     return out
 
 
-def _slice(src: Sequence[HeadRange], dst: Sequence[HeadRange], j: int, i: int, head: int,
-           count: int) -> Slice:
+def _slice(
+    src: Sequence[HeadRange], dst: Sequence[HeadRange], j: int, i: int, head: int, count: int
+) -> Slice:
     whole = count == src[i].count == dst[j].count
     return Slice(i, j, head - src[i].start, head - dst[j].start, count, whole)
 
 
-def slice_descs(s: Slice, src: PoolGeometry, dst: PoolGeometry, local: np.ndarray,
-                remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def slice_descs(
+    s: Slice, src: PoolGeometry, dst: PoolGeometry, local: np.ndarray, remote: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptors (address, length, device) of slice `s` of blocks `local` (source pool)
     -> `remote` (destination pool), paired by index: one per block for a whole slice, else
     one per (block, row) in block order then row order."""
     import numpy as np
 
     if s.whole:
-        return (_descs(src.base_addr + local.astype(np.uint64) * np.uint64(src.block_bytes),
-                       src.block_bytes, src.device_id),
-                _descs(dst.base_addr + remote.astype(np.uint64) * np.uint64(dst.block_bytes),
-                       dst.block_bytes, dst.device_id))
+        return (
+            _descs(
+                src.base_addr + local.astype(np.uint64) * np.uint64(src.block_bytes),
+                src.block_bytes,
+                src.device_id,
+            ),
+            _descs(
+                dst.base_addr + remote.astype(np.uint64) * np.uint64(dst.block_bytes),
+                dst.block_bytes,
+                dst.device_id,
+            ),
+        )
     rows = np.arange(src.rows, dtype=np.uint64)
     length = s.num_heads * src.head_bytes
-    return (_pieces(src, local, rows, s.src_head, length),
-            _pieces(dst, remote, rows, s.dst_head, length))
+    return (
+        _pieces(src, local, rows, s.src_head, length),
+        _pieces(dst, remote, rows, s.dst_head, length),
+    )
 
 
-def _pieces(pool: PoolGeometry, blocks: np.ndarray, rows: np.ndarray, head: int,
-            length: int) -> np.ndarray:
+def _pieces(
+    pool: PoolGeometry, blocks: np.ndarray, rows: np.ndarray, head: int, length: int
+) -> np.ndarray:
     import numpy as np
 
-    addr = (np.uint64(pool.base_addr + head * pool.head_bytes)
-            + blocks.astype(np.uint64)[:, None] * np.uint64(pool.block_bytes)
-            + rows[None, :] * np.uint64(pool.row_bytes))
+    addr = (
+        np.uint64(pool.base_addr + head * pool.head_bytes)
+        + blocks.astype(np.uint64)[:, None] * np.uint64(pool.block_bytes)
+        + rows[None, :] * np.uint64(pool.row_bytes)
+    )
     return _descs(addr.ravel(), length, pool.device_id)
 
 

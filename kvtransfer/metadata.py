@@ -4,6 +4,7 @@ It travels as bytes (gRPC field, etcd value): UTF-8 JSON with the backend's opaq
 base64. `from_bytes` validates everything it reads and raises MetadataError, never anything
 else, so a corrupt etcd value cannot crash a worker.
 """
+
 from __future__ import annotations
 
 import base64
@@ -32,17 +33,25 @@ class RankPool:
     agent_metadata: bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"agent_name": self.agent_name, "heads": [self.heads.start, self.heads.stop],
-                "base_addr": self.base_addr, "device_id": self.device_id,
-                "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii")}
+        return {
+            "agent_name": self.agent_name,
+            "heads": [self.heads.start, self.heads.stop],
+            "base_addr": self.base_addr,
+            "device_id": self.device_id,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+        }
 
     @classmethod
     def from_dict(cls, doc: object) -> RankPool:
         if not isinstance(doc, dict):
             raise MetadataError("peer metadata ranks[] entries must be objects")
-        return cls(_field(doc, "agent_name", str), _heads(doc.get("heads")),
-                   _field(doc, "base_addr", int), _field(doc, "device_id", int),
-                   _b64(_field(doc, "agent_metadata", str)))
+        return cls(
+            _field(doc, "agent_name", str),
+            _heads(doc.get("heads")),
+            _field(doc, "base_addr", int),
+            _field(doc, "device_id", int),
+            _b64(_field(doc, "agent_metadata", str)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +101,22 @@ class PeerMetadata:
     def geometry(self, rank: int = 0) -> PoolGeometry:
         """Rank `rank`'s pool, for descriptors."""
         c = self.compat
-        heads, base, device = ((self.head_range, self.base_addr, self.device_id) if rank == 0 else
-                               (self.ranks[rank - 1].heads, self.ranks[rank - 1].base_addr,
-                                self.ranks[rank - 1].device_id))
-        return PoolGeometry(base, heads.count, device, c.num_layers * 2 * c.block_size,
-                            c.stored_head_dim * c.element_size)
+        heads, base, device = (
+            (self.head_range, self.base_addr, self.device_id)
+            if rank == 0
+            else (
+                self.ranks[rank - 1].heads,
+                self.ranks[rank - 1].base_addr,
+                self.ranks[rank - 1].device_id,
+            )
+        )
+        return PoolGeometry(
+            base,
+            heads.count,
+            device,
+            c.num_layers * 2 * c.block_size,
+            c.stored_head_dim * c.element_size,
+        )
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -164,8 +184,9 @@ class PeerMetadata:
         for rank in range(len(self.ranks) + 1):
             pool = self.geometry(rank)
             if pool.base_addr <= 0 or pool.base_addr + self.num_blocks * pool.block_bytes >= 2**64:
-                raise MetadataError(f"peer metadata base_addr={pool.base_addr:#x} (rank {rank}) "
-                                    "is out of range")
+                raise MetadataError(
+                    f"peer metadata base_addr={pool.base_addr:#x} (rank {rank}) is out of range"
+                )
         try:
             check_ranges(self.head_ranges(), self.compat.num_kv_heads)
         except ValueError as e:
@@ -180,8 +201,11 @@ class PeerMetadata:
 
 
 def _heads(value: object) -> HeadRange:
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         raise MetadataError(f"peer metadata heads must be [start, stop], got {value!r}")
     return HeadRange(*value)
 

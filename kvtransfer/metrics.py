@@ -5,19 +5,36 @@ process may hold several backends, e.g. in tests). A worker exports one by regis
 registry in its own (`CollectorRegistry.register(metrics.registry)`); `peers` and `snapshot()`
 read the same collectors back as plain values.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram as PromHistogram
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Histogram as PromHistogram
 from prometheus_client.samples import Sample
 
 #: Upper bounds (seconds) of the latency buckets; the last bucket is +Inf.
 LATENCY_BUCKETS_S = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 _PREFIX = "pdserve_kv_transfer_"
@@ -69,29 +86,34 @@ class TransferMetrics:
             return Counter(_PREFIX + name, doc, labels or _LABELS, registry=self.registry)
 
         def histogram(name: str, doc: str) -> PromHistogram:
-            return PromHistogram(_PREFIX + name, doc, _LABELS, registry=self.registry,
-                                 buckets=LATENCY_BUCKETS_S)
+            return PromHistogram(
+                _PREFIX + name, doc, _LABELS, registry=self.registry, buckets=LATENCY_BUCKETS_S
+            )
 
         self._counters = {
-            "bytes": counter("bytes", "KV payload bytes of completed (send) or notified "
-                                      "(receive) batches"),
+            "bytes": counter(
+                "bytes", "KV payload bytes of completed (send) or notified (receive) batches"
+            ),
             "blocks": counter("blocks", "KV blocks moved"),
             "batches": counter("batches", "KV batch writes moved"),
             "requests_completed": counter("requests", "KV transfers completed"),
         }
-        self._failures = counter("failures", "KV transfers failed, by reason",
-                                 *_LABELS, "reason")
+        self._failures = counter("failures", "KV transfers failed, by reason", *_LABELS, "reason")
         self._histograms = {
             "request_latency_s": histogram(
-                "latency_seconds", "First batch (send) or expect() (receive) until a KV "
-                                   "transfer completed"),
+                "latency_seconds",
+                "First batch (send) or expect() (receive) until a KV transfer completed",
+            ),
             "batch_latency_s": histogram(
-                "batch_latency_seconds", "Post until done of one KV batch write (send only)"),
+                "batch_latency_seconds", "Post until done of one KV batch write (send only)"
+            ),
         }
         self._dropped = counter(
-            "dropped_notifications", "KV notifications that matched no pending request "
-                                     "(late, after a timeout/cancel) or were malformed",
-            "direction").labels(direction)
+            "dropped_notifications",
+            "KV notifications that matched no pending request "
+            "(late, after a timeout/cancel) or were malformed",
+            "direction",
+        ).labels(direction)
 
     # -- recording (under the owning backend's lock) -----------------------------------
     def record_batch(self, peer: str, blocks: int, nbytes: int, latency_s: float | None) -> None:
@@ -116,7 +138,8 @@ class TransferMetrics:
     @property
     def dropped_notifications(self) -> int:
         value = self.registry.get_sample_value(
-            _PREFIX + "dropped_notifications_total", {"direction": self.direction})
+            _PREFIX + "dropped_notifications_total", {"direction": self.direction}
+        )
         assert value is not None  # its child is made in __init__
         return int(value)
 

@@ -26,6 +26,7 @@ NIXL_ERR_REMOTE_DISCONNECT (UCX notices the closed socket within milliseconds on
 the request fails and the peer is marked dead. Writes that hang without an error are ended
 by the request's deadline, which releases (cancels) their handles.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,7 @@ from kvtransfer.base import KVTransferConfig
 from kvtransfer.errors import MetadataError
 from kvtransfer.heads import HeadRange
 from kvtransfer.metadata import PeerMetadata, RankPool
-from kvtransfer.nixl_slices import (PART_NOTIF, RANK_REPORT, SliceWriter, make_agent,
-                                    pool_geometry)
+from kvtransfer.nixl_slices import PART_NOTIF, RANK_REPORT, SliceWriter, make_agent, pool_geometry
 from kvtransfer.rank_agent import CloseRankAgent, PostRankWrites, RankLink, RegisterRankPool
 from kvtransfer.transport import Transport, TransportError, WriteState
 
@@ -79,8 +79,9 @@ class _Parts:
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, agent_name: str, config: KVTransferConfig,
-                 group: RankLink | None = None) -> None:
+    def __init__(
+        self, agent_name: str, config: KVTransferConfig, group: RankLink | None = None
+    ) -> None:
         self._name, self._config, self._group = agent_name, config, group
         self._agent, self._disconnect_error = make_agent(agent_name, config)
         self._reg: Any = None
@@ -119,8 +120,9 @@ class NixlTransport(Transport):
         blob = self._agent.get_agent_metadata()
         ranges = [HeadRange(0, kv_cache.shape[4])] if self._group is None else self._group.ranges
         if self._slices is None:
-            self._slices = SliceWriter(self._agent, 0, ranges, pool_geometry(kv_cache),
-                                       self._mem_type)
+            self._slices = SliceWriter(
+                self._agent, 0, ranges, pool_geometry(kv_cache), self._mem_type
+            )
         self._slices.own = pool_geometry(kv_cache)  # peers stay connected across a re-register
         if self._group is not None:
             pools = self._group.call(RegisterRankPool(self._name, ranges, self._config, blob))
@@ -140,8 +142,9 @@ class NixlTransport(Transport):
             raise MetadataError(
                 f"peer metadata names agent {meta.agent_name!r} but its NIXL blob is {name!r}"
             )
-        descs = block_descs(meta.base_addr, meta.num_blocks, meta.geometry(0).block_bytes,
-                            meta.device_id)
+        descs = block_descs(
+            meta.base_addr, meta.num_blocks, meta.geometry(0).block_bytes, meta.device_id
+        )
         try:
             self._remote[name] = self._agent.prep_xfer_dlist(name, descs, meta.mem_type)
         except Exception as e:
@@ -170,16 +173,21 @@ class NixlTransport(Transport):
             self._slices.forget(name, keep_first=True)
         self._forget(name)
 
-    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                   deadline: float) -> Any:
+    def post_write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float
+    ) -> Any:
         slices = self._writer.slices(peer)
         if self._group is not None or len(slices) != 1 or not slices[0].whole:
             return self._post_parts(peer, local, remote, notif, deadline)
         handle = None
         try:
             handle = self._agent.make_prepped_xfer(
-                "WRITE", self._local, local.astype(np.int32), self._remote[peer],
-                remote.astype(np.int32), notif,
+                "WRITE",
+                self._local,
+                local.astype(np.int32),
+                self._remote[peer],
+                remote.astype(np.int32),
+                notif,
             )
             state = self._agent.transfer(handle)
         except Exception as e:
@@ -191,8 +199,9 @@ class NixlTransport(Transport):
             raise TransportError("NIXL refused to post the write")
         return handle
 
-    def _post_parts(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                    deadline: float) -> _Parts:
+    def _post_parts(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float
+    ) -> _Parts:
         token = next(self._tokens)
         others = self._writer.writers(peer) - {0}
         if others:
@@ -200,8 +209,11 @@ class NixlTransport(Transport):
             meta = self._peer_meta[peer]
             told = self._told.get(peer) == meta
             try:
-                self._group.call(PostRankWrites(
-                    token, peer, None if told else meta.to_bytes(), local, remote, deadline))
+                self._group.call(
+                    PostRankWrites(
+                        token, peer, None if told else meta.to_bytes(), local, remote, deadline
+                    )
+                )
             except Exception as e:  # the group failed: nothing of ours is posted
                 raise TransportError(f"tensor-parallel ranks unreachable: {e}") from e
             self._told[peer] = meta
@@ -244,8 +256,9 @@ class NixlTransport(Transport):
             for msg in msgs:
                 if msg.startswith(PART_NOTIF):
                     continue  # a part of a sliced batch: its batch notification follows
-                if msg.startswith(RANK_REPORT) and any(p.agent_name == agent
-                                                       for p in self._rank_pools):
+                if msg.startswith(RANK_REPORT) and any(
+                    p.agent_name == agent for p in self._rank_pools
+                ):
                     self._on_report(msg)
                     continue
                 out.append((agent, msg))
@@ -254,7 +267,7 @@ class NixlTransport(Transport):
     # -- batches posted as parts (tensor-parallel workers, heterogeneous peers) ----------
     def _on_report(self, msg: bytes) -> None:
         try:
-            token, ok = msg[len(RANK_REPORT):].decode().split(":")
+            token, ok = msg[len(RANK_REPORT) :].decode().split(":")
             reports = self._reports.get(int(token))
         except ValueError:
             log.warning("malformed report from a tensor-parallel rank: %r", msg)
@@ -326,8 +339,9 @@ class NixlTransferBackend(TransportBackend):
     """KVTransferBackend over NIXL; see `kvtransfer.base` for the contract. `group`: this is
     rank 0 of a tensor-parallel worker (its other ranks get agents of their own)."""
 
-    def __init__(self, config: KVTransferConfig | None = None,
-                 group: RankLink | None = None) -> None:
+    def __init__(
+        self, config: KVTransferConfig | None = None, group: RankLink | None = None
+    ) -> None:
         config = config or KVTransferConfig()
         name = config.agent_name or f"pdserve-{uuid.uuid4().hex[:12]}"
         super().__init__(NixlTransport(name, config, group), name, config)

@@ -9,6 +9,7 @@ delivers a notification only after its transfer's data, and a transfer that carr
 done only once both are out, so a part that is DONE has landed; rank 0 sends the batch's own
 notification (the one the receiver counts) only after every part of every rank is DONE.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,9 @@ def pool_geometry(kv_cache: Any) -> PoolGeometry:
     _, layers, two, block_size, heads, dim = kv_cache.shape
     base = kv_cache.data_ptr()
     device = kv_cache.get_device() if kv_cache.is_cuda else 0
-    return PoolGeometry(base, heads, device, layers * two * block_size,
-                        dim * kv_cache.element_size())
+    return PoolGeometry(
+        base, heads, device, layers * two * block_size, dim * kv_cache.element_size()
+    )
 
 
 def make_agent(name: str, config: KVTransferConfig) -> tuple[Any, type]:
@@ -80,8 +82,9 @@ class SliceWriter:
     """Posts rank `rank`'s slices of each batch; see the module docstring. Not thread-safe:
     its owner serializes calls (the backend's lock, or the rank agent's)."""
 
-    def __init__(self, agent: Any, rank: int, ranges: list[HeadRange], own: PoolGeometry,
-                 mem_type: str) -> None:
+    def __init__(
+        self, agent: Any, rank: int, ranges: list[HeadRange], own: PoolGeometry, mem_type: str
+    ) -> None:
         self._agent = agent
         self.rank = rank
         self.ranges = ranges
@@ -106,14 +109,18 @@ class SliceWriter:
                 got = got.decode() if isinstance(got, bytes) else str(got)
                 loaded.append(got)
                 if got != name:
-                    raise MetadataError(f"peer rank metadata names agent {name!r} but its NIXL "
-                                        f"blob is {got!r}")
+                    raise MetadataError(
+                        f"peer rank metadata names agent {name!r} but its NIXL blob is {got!r}"
+                    )
             slices = plan_slices(self.ranges, meta.head_ranges())
         except Exception as e:
             for name in loaded:
                 self._remove(name)
-            raise e if isinstance(e, MetadataError) else MetadataError(
-                f"cannot load the ranks of {meta.agent_name!r}: {e}") from e
+            raise (
+                e
+                if isinstance(e, MetadataError)
+                else MetadataError(f"cannot load the ranks of {meta.agent_name!r}: {e}")
+            ) from e
         self._peers[meta.agent_name] = _Peer(meta, agents, slices)
 
     def forget(self, name: str, keep_first: bool = False) -> None:
@@ -133,8 +140,9 @@ class SliceWriter:
         """Our ranks that have a slice to write into peer `name`."""
         return {s.src_rank for s in self._peers[name].slices}
 
-    def post(self, name: str, local: np.ndarray, remote: np.ndarray,
-             part_notif: bytes) -> tuple[list[Any], Exception | None]:
+    def post(
+        self, name: str, local: np.ndarray, remote: np.ndarray, part_notif: bytes
+    ) -> tuple[list[Any], Exception | None]:
         """Post our slices of blocks `local` -> `remote` of peer `name`: one transfer per
         destination rank. Returns the handles posted and the error that stopped the rest."""
         peer = self._peers[name]
@@ -142,14 +150,20 @@ class SliceWriter:
         handles: list[Any] = []
         try:
             for dst in sorted({s.dst_rank for s in mine}):
-                parts = [slice_descs(s, self.own, peer.meta.geometry(dst), local, remote)
-                         for s in mine if s.dst_rank == dst]
+                parts = [
+                    slice_descs(s, self.own, peer.meta.geometry(dst), local, remote)
+                    for s in mine
+                    if s.dst_rank == dst
+                ]
                 src = np.concatenate([p[0] for p in parts])
                 dst_descs = np.concatenate([p[1] for p in parts])
                 handle = self._agent.initialize_xfer(
-                    "WRITE", self._agent.get_xfer_descs(src, self._mem_type),
+                    "WRITE",
+                    self._agent.get_xfer_descs(src, self._mem_type),
                     self._agent.get_xfer_descs(dst_descs, peer.meta.mem_type),
-                    peer.agents[dst], part_notif)
+                    peer.agents[dst],
+                    part_notif,
+                )
                 handles.append(handle)
                 if self._agent.transfer(handle) == "ERR":
                     raise RuntimeError("NIXL refused to post the write")

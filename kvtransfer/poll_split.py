@@ -13,6 +13,7 @@ A second thread may poll the shared object too (`collect`; kvtransfer/progress.p
 between engine steps): its results are filed for the owners' next `poll`, and an owner's
 listener (`listen`) hears of each of its results at once, on whichever thread collected it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -103,8 +104,15 @@ class _SenderView(_View, KVSender):
     def metrics(self) -> TransferMetrics:  # type: ignore[override]
         return self._split.source.metrics
 
-    def send(self, request_id: str, peer: str, pairs: Sequence[tuple[int, int]], *,
-             final: bool, deadline: float | None = None) -> None:
+    def send(
+        self,
+        request_id: str,
+        peer: str,
+        pairs: Sequence[tuple[int, int]],
+        *,
+        final: bool,
+        deadline: float | None = None,
+    ) -> None:
         self._split.source.send(request_id, peer, pairs, final=final, deadline=deadline)
         self._split.started()
 
@@ -134,8 +142,14 @@ class _ReceiverView(_View, KVReceiver):
     def metrics(self) -> TransferMetrics:  # type: ignore[override]
         return self._split.source.metrics
 
-    def expect(self, request_id: str, block_ids: Sequence[int], *,
-               deadline: float | None = None, peer: str | None = None) -> None:
+    def expect(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        deadline: float | None = None,
+        peer: str | None = None,
+    ) -> None:
         self._split.source.expect(request_id, block_ids, deadline=deadline, peer=peer)
         self._split.started()
 

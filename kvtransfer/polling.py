@@ -4,6 +4,7 @@ The engine loop never needs these (it polls once per step); tests, benchmarks an
 that have nothing else to do use them instead of a busy loop that would starve the engine on
 a small machine.
 """
+
 from __future__ import annotations
 
 import time

@@ -14,6 +14,7 @@ Contract: the thread only calls `collect()` on the views it was given (one per s
 sender or receiver) and `num_active`; it sleeps on an event while nothing is in flight and
 is woken by a view's `on_work` (a send or an expect starting a transfer).
 """
+
 from __future__ import annotations
 
 import logging

@@ -7,6 +7,7 @@ the receiver checks against what it expected and what landed.
 
     b"pdkv1:" + JSON {"r": request_id, "s": seq, "b": [block ids], "n": total (final only)}
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ def decode(msg: bytes) -> BatchNotice | None:
     if not msg.startswith(MAGIC):
         raise ValueError("not a pdserve KV notification")
     try:
-        doc = json.loads(msg[len(MAGIC):].decode("utf-8"))
+        doc = json.loads(msg[len(MAGIC) :].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"malformed KV notification: {e}") from e
     if not isinstance(doc, dict):

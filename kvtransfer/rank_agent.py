@@ -21,6 +21,7 @@ Messages run on the rank through `run_on_rank(ctx)`, `ctx` giving `rank`, `kv_ca
 `services` (a dict kept for the engine's lifetime; services with `close()` are closed when
 the engine is released). This module does not import the engine.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,14 @@ import numpy as np
 from kvtransfer.base import KVTransferConfig
 from kvtransfer.heads import HeadRange
 from kvtransfer.metadata import PeerMetadata, RankPool
-from kvtransfer.nixl_slices import (PART_NOTIF, RANK_REPORT, SliceWriter, make_agent,
-                                    pool_geometry, rank_agent_name)
+from kvtransfer.nixl_slices import (
+    PART_NOTIF,
+    RANK_REPORT,
+    SliceWriter,
+    make_agent,
+    pool_geometry,
+    rank_agent_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +61,16 @@ class _Token:
 
 
 class RankAgent:
-    def __init__(self, agent_name: str, rank: int, ranges: list[HeadRange], kv_cache: Any,
-                 config: KVTransferConfig, rank0_name: str, rank0_metadata: bytes) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        rank: int,
+        ranges: list[HeadRange],
+        kv_cache: Any,
+        config: KVTransferConfig,
+        rank0_name: str,
+        rank0_metadata: bytes,
+    ) -> None:
         self.name = rank_agent_name(agent_name, rank)
         self.rank0 = rank0_name
         self.lock = threading.Lock()
@@ -75,17 +90,30 @@ class RankAgent:
         self._thread.start()
 
     def rank_pool(self) -> RankPool:
-        return RankPool(self.name, self.heads, self.geometry.base_addr, self.geometry.device_id,
-                        self._agent.get_agent_metadata())
+        return RankPool(
+            self.name,
+            self.heads,
+            self.geometry.base_addr,
+            self.geometry.device_id,
+            self._agent.get_agent_metadata(),
+        )
 
-    def post(self, token: int, peer: str, meta: bytes | None, local: np.ndarray,
-             remote: np.ndarray, deadline: float) -> None:
+    def post(
+        self,
+        token: int,
+        peer: str,
+        meta: bytes | None,
+        local: np.ndarray,
+        remote: np.ndarray,
+        deadline: float,
+    ) -> None:
         with self.lock:
             if meta is not None:
                 self.writer.load(PeerMetadata.from_bytes(meta))
             if self.rank_slices(peer):
-                handles, error = self.writer.post(peer, local, remote,
-                                                  PART_NOTIF + str(token).encode())
+                handles, error = self.writer.post(
+                    peer, local, remote, PART_NOTIF + str(token).encode()
+                )
                 self._tokens[token] = _Token(handles, deadline, error is None)
                 if error is not None:
                     log.warning("KV write %d to %r failed on this rank: %s", token, peer, error)
@@ -174,8 +202,15 @@ class RegisterRankPool:
         old = ctx.services.pop(SERVICE, None)
         if old is not None:
             old.close()
-        agent = RankAgent(self.agent_name, ctx.rank, self.ranges, ctx.kv_cache, self.config,
-                          self.agent_name, self.rank0_metadata)
+        agent = RankAgent(
+            self.agent_name,
+            ctx.rank,
+            self.ranges,
+            ctx.kv_cache,
+            self.config,
+            self.agent_name,
+            self.rank0_metadata,
+        )
         ctx.services[SERVICE] = agent
         return agent.rank_pool()
 
@@ -193,8 +228,9 @@ class PostRankWrites:
     gather: bool = False
 
     def run_on_rank(self, ctx: Any) -> None:
-        ctx.services[SERVICE].post(self.token, self.peer, self.peer_metadata, self.local,
-                                   self.remote, self.deadline)
+        ctx.services[SERVICE].post(
+            self.token, self.peer, self.peer_metadata, self.local, self.remote, self.deadline
+        )
 
 
 @dataclass(frozen=True)

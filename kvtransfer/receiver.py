@@ -8,6 +8,7 @@ A notification that contradicts the expectation fails the request with ERROR; th
 fails it with TIMEOUT; `cancel` with CANCELLED. Once reported by `poll`, the request's block
 ids are free to be expected again and later notifications for it are dropped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,12 +65,13 @@ class Receiver(KVReceiver):
             if not isinstance(request_id, str) or not request_id:
                 raise RequestStateError(f"request id must be a non-empty str: {request_id!r}")
             if request_id in self._requests or request_id in self._recent:
-                raise DuplicateRequestError(f"request {request_id!r} is in flight or finished recently")
+                raise DuplicateRequestError(
+                    f"request {request_id!r} is in flight or finished recently"
+                )
             taken = [b for b in ids.tolist() if b in self._owner]
             if taken:
                 raise BlockRangeError(
-                    f"blocks {taken[:8]} are already expected by request "
-                    f"{self._owner[taken[0]]!r}"
+                    f"blocks {taken[:8]} are already expected by request {self._owner[taken[0]]!r}"
                 )
             now = time.monotonic()
             if deadline is None:
@@ -87,10 +89,13 @@ class Receiver(KVReceiver):
             now = time.monotonic()
             for req in self._requests.values():
                 if not req.status.finished and now >= req.deadline:
-                    self._finish(req, TransferStatus.TIMEOUT,
-                                 f"{len(req.landed)}/{len(req.expected)} blocks landed"
-                                 f"{'' if req.total is None else ', final notification seen'}"
-                                 " by the deadline")
+                    self._finish(
+                        req,
+                        TransferStatus.TIMEOUT,
+                        f"{len(req.landed)}/{len(req.expected)} blocks landed"
+                        f"{'' if req.total is None else ', final notification seen'}"
+                        " by the deadline",
+                    )
             return self._collect()
 
     def status(self, request_id: str) -> TransferStatus | None:
@@ -134,8 +139,9 @@ class Receiver(KVReceiver):
         req.peer = agent
         req.landed.update(notice.blocks)
         if notice.blocks:
-            self.metrics.record_batch(agent, len(notice.blocks),
-                                      len(notice.blocks) * self._b.metadata().block_bytes, None)
+            self.metrics.record_batch(
+                agent, len(notice.blocks), len(notice.blocks) * self._b.metadata().block_bytes, None
+            )
         if notice.final:
             req.total = notice.total
         if req.total is not None and len(req.landed) == len(req.expected):
@@ -176,7 +182,15 @@ class Receiver(KVReceiver):
             self._recent.add(r.request_id)
             for b in r.expected:
                 del self._owner[b]
-            results.append(TransferResult(
-                r.request_id, r.status, r.peer, len(r.landed), len(r.landed) * block_bytes,
-                r.finished_at - r.started_at, r.error))
+            results.append(
+                TransferResult(
+                    r.request_id,
+                    r.status,
+                    r.peer,
+                    len(r.landed),
+                    len(r.landed) * block_bytes,
+                    r.finished_at - r.started_at,
+                    r.error,
+                )
+            )
         return results

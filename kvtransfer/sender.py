@@ -10,6 +10,7 @@ source blocks and writing the peer's: the request keeps its terminal status but 
 reported by `poll` — so neither side reuses those blocks — until every such handle has been
 released on a later poll.
 """
+
 from __future__ import annotations
 
 import time
@@ -83,7 +84,9 @@ class Sender(KVSender):
                 if request_id in self._recent:
                     raise DuplicateRequestError(f"request {request_id!r} finished recently")
             elif req.peer != peer:
-                raise RequestStateError(f"request {request_id!r} writes to {req.peer!r}, not {peer!r}")
+                raise RequestStateError(
+                    f"request {request_id!r} writes to {req.peer!r}, not {peer!r}"
+                )
             elif req.status.finished:
                 return  # failed before this batch; reported by poll()
             elif req.final_sent:
@@ -106,8 +109,7 @@ class Sender(KVSender):
             req.final_sent = final
             try:
                 if remote_ids:
-                    handle = self._b.transport.post_write(peer, local, remote, notice,
-                                                          req.deadline)
+                    handle = self._b.transport.post_write(peer, local, remote, notice, req.deadline)
                     req.batches.append(_Batch(handle, len(remote_ids), now))
                 elif final:
                     self._b.transport.send_notif(peer, notice)
@@ -147,8 +149,9 @@ class Sender(KVSender):
 
     @property
     def num_outstanding_writes(self) -> int:
-        return (sum(len(r.batches) + len(r.unreleased) for r in self._requests.values())
-                + len(self._zombies))
+        return sum(len(r.batches) + len(r.unreleased) for r in self._requests.values()) + len(
+            self._zombies
+        )
 
     # -- called by the backend (under its lock) ----------------------------------------
     def fail_peer(self, peer: str, reason: str) -> None:
@@ -210,7 +213,14 @@ class Sender(KVSender):
             del self._requests[r.request_id]
             self._recent.add(r.request_id)
         return [
-            TransferResult(r.request_id, r.status, r.peer, r.blocks_done,
-                           r.blocks_done * block_bytes, r.finished_at - r.started_at, r.error)
+            TransferResult(
+                r.request_id,
+                r.status,
+                r.peer,
+                r.blocks_done,
+                r.blocks_done * block_bytes,
+                r.finished_at - r.started_at,
+                r.error,
+            )
             for r in done
         ]

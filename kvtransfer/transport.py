@@ -6,6 +6,7 @@ notification, check and release it, send a standalone notification, read notific
 `TransportHost` is what `Sender` and `Receiver` use of their backend; `TransportBackend`
 (kvtransfer.backend) implements it and composes them, so neither imports the backend.
 """
+
 from __future__ import annotations
 
 import enum
@@ -66,8 +67,9 @@ class Transport(ABC):
         """Forget a peer; in-flight handles towards it must be released first."""
 
     @abstractmethod
-    def post_write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes,
-                   deadline: float) -> Any:
+    def post_write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float
+    ) -> Any:
         """Start writing local blocks into remote blocks; `notif` reaches the peer after the
         data. Returns a handle; TransportError if it cannot be posted. `deadline` (the
         request's): when writes posted by other processes (a tensor-parallel worker's other
@@ -98,6 +100,7 @@ class TransportHost(Protocol):
     @property
     def lock(self) -> AbstractContextManager[Any]:
         """Re-entrant; guards the transport, the peer table and both state machines."""
+
     config: KVTransferConfig
     transport: Transport
 

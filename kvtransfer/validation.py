@@ -1,4 +1,5 @@
 """Block id checks (run before anything is posted) and the memory of recently finished ids."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -1,5 +1,6 @@
 """The router and etcd as supervised children (slots.Child); workers are plain
 launcher.ServiceProcess objects (ready = their READY line)."""
+
 from __future__ import annotations
 
 import urllib.request
@@ -33,10 +34,21 @@ class EtcdChild:
     (workers re-register on their own when it comes back), its users too (`auth`: created and
     enabled on the first start). Starting blocks until it serves."""
 
-    def __init__(self, data_dir: Path, log_path: Path, client_port: int, peer_port: int,
-                 auth: EtcdAuth | None = None) -> None:
-        self.server = EtcdServer(data_dir=data_dir, log_path=log_path, client_port=client_port,
-                                 peer_port=peer_port, auth=auth).start()
+    def __init__(
+        self,
+        data_dir: Path,
+        log_path: Path,
+        client_port: int,
+        peer_port: int,
+        auth: EtcdAuth | None = None,
+    ) -> None:
+        self.server = EtcdServer(
+            data_dir=data_dir,
+            log_path=log_path,
+            client_port=client_port,
+            peer_port=peer_port,
+            auth=auth,
+        ).start()
         proc = self.server.proc
         assert proc is not None  # start() returned: etcd serves
         self.proc = proc

@@ -3,6 +3,7 @@ into an UpConfig once (config.py; the flags come from its fields) and runs the s
 (up.py); `scale` asks the running `up` over its control port, and `status` lists its processes
 (state, restarts) and the workers registered in etcd with their load and KV use, second tier
 included (control.py says where both find the running `up`)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def scale(args: argparse.Namespace) -> int:
     if sign not in "+-" or not args.delta[1:].isdigit():
         raise ValueError(f"delta must look like +1 or -2, got {args.delta!r}")
     delta = int(args.delta)
-    reply = control_request(current(), "/scale", {"role": args.role, "delta": delta},
-                            timeout=900)  # up to --startup-timeout per worker
+    reply = control_request(
+        current(), "/scale", {"role": args.role, "delta": delta}, timeout=900
+    )  # up to --startup-timeout per worker
     print(json.dumps(json.loads(reply), indent=2))
     return 0
 
@@ -41,8 +43,9 @@ def status(args: argparse.Namespace) -> int:
 
     etcd = args.etcd or current()["etcd"]
     cluster = args.cluster or (current()["cluster"] if not args.etcd else "default")
-    credentials = (from_args(EtcdSecurity, args).resolve() if args.etcd
-                   else etcd_credentials(current()))
+    credentials = (
+        from_args(EtcdSecurity, args).resolve() if args.etcd else etcd_credentials(current())
+    )
 
     async def fetch():
         async with make_client(etcd, credentials) as client:
@@ -66,16 +69,23 @@ def worker_table(workers: list[WorkerInfo]) -> list[str]:
     (its second KV tier's used/total blocks, `-` without a tier)."""
     from cluster.block_hash_agreement import probe_refusal
 
-    lines = [f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
-             f"{'KV tier used/total':>19} {'running':>8} {'waiting':>8} {'queued prefill':>15}"]
+    lines = [
+        f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
+        f"{'KV tier used/total':>19} {'running':>8} {'waiting':>8} {'queued prefill':>15}"
+    ]
     for w in workers:
         c = w.capacity
-        tier = (f"{c.kv_offload_used_blocks:>9}/{c.kv_offload_total_blocks:<9}"
-                if c.kv_offload_total_blocks else f"{'-':>9} {'':9}")
+        tier = (
+            f"{c.kv_offload_used_blocks:>9}/{c.kv_offload_total_blocks:<9}"
+            if c.kv_offload_total_blocks
+            else f"{'-':>9} {'':9}"
+        )
         state = "refused" if probe_refusal(w) else "draining" if w.draining else "ready"
-        lines.append(f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {state:9} "
-                     f"{c.free_blocks:>8}/{c.total_blocks:<9} {tier} {c.running:>8} "
-                     f"{c.waiting:>8} {c.queued_prefill_tokens:>15}")
+        lines.append(
+            f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {state:9} "
+            f"{c.free_blocks:>8}/{c.total_blocks:<9} {tier} {c.running:>8} "
+            f"{c.waiting:>8} {c.queued_prefill_tokens:>15}"
+        )
     return lines
 
 
@@ -102,19 +112,25 @@ def _print_planner(planner: dict) -> None:
     """Pool sizes and loads, the last decision and the latest moves of `up --planner`."""
     pools, loads = planner["pools"], planner["loads"]
     load = {k: "-" if v is None else f"{v:.2f}" for k, v in loads.items()}
-    print(f"planner: prefill {pools['prefill']} (load {load.get('prefill', '-')}), decode "
-          f"{pools['decode']} (load {load.get('decode', '-')}); {planner['move_count']} moves")
+    print(
+        f"planner: prefill {pools['prefill']} (load {load.get('prefill', '-')}), decode "
+        f"{pools['decode']} (load {load.get('decode', '-')}); {planner['move_count']} moves"
+    )
     if planner["last_decision"]:
         print(f"  last decision: {planner['last_decision']}")
     for m in planner["moves"][-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(m["at"]))
         outcome = "ok" if m["ok"] else f"failed: {m['error']}"
-        print(f"  {when} {m['slot'] or m['worker_id']} {m['from_role']} -> {m['to_role']} ({outcome})")
+        print(
+            f"  {when} {m['slot'] or m['worker_id']} {m['from_role']} -> {m['to_role']} ({outcome})"
+        )
     print()
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("up", help="start a local cluster: etcd + router + prefill/decode workers")
+    p = subparsers.add_parser(
+        "up", help="start a local cluster: etcd + router + prefill/decode workers"
+    )
     add_flags(p, UpConfig)
     p.set_defaults(func=lambda args: up(from_args(UpConfig, args)))
 
@@ -124,8 +140,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=scale)
 
     p = subparsers.add_parser(
-        "status", help="processes of the running `pdserve up` (state, restarts) and the registered workers")
-    p.add_argument("--etcd", default=None, help="etcd host:port (default: the running `pdserve up`)")
+        "status",
+        help="processes of the running `pdserve up` (state, restarts) and the registered workers",
+    )
+    p.add_argument(
+        "--etcd", default=None, help="etcd host:port (default: the running `pdserve up`)"
+    )
     p.add_argument("--cluster", default=None)
     add_flags(p, EtcdSecurity, group=ETCD_GROUP + "; with --etcd (else the running `up`'s)")
     p.set_defaults(func=status)

@@ -2,6 +2,7 @@
 come from the fields (engine.flags), and the workers' and the router's command lines are built
 from configs of theirs (engine.flags.to_argv), so an engine flag reaches `up` and its workers
 without an edit here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,8 @@ from cluster.chat_config import GROUP as CHAT_GROUP
 from cluster.chat_config import ChatConfig
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
-from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP
+from cluster.grpc_security import GrpcSecurity
 from cluster.roles import Role
 from engine.checks import FieldError, check_fields
 from engine.config import EngineConfig
@@ -20,7 +22,9 @@ from engine.flags import option
 from local_cluster.planner import PlannerConfig
 from local_cluster.slots import RestartPolicy
 
-PLANNER_GROUP = "planner (docs/planner.md): move workers between the pools from measured load and SLOs"
+PLANNER_GROUP = (
+    "planner (docs/planner.md): move workers between the pools from measured load and SLOs"
+)
 
 
 @dataclass(frozen=True)
@@ -96,23 +100,37 @@ class UpConfig:
         if prefill is None:
             prefill = default_prefill_workers(self, host_cores())
             object.__setattr__(self, "prefill", prefill)
-        on_argv = [a for a in self.router_args
-                   if a.split("=", 1)[0] in ("--api-key", "--admin-api-key")]
-        given = [f"--{k.replace('_', '-')}" for k, v in
-                 dataclasses.asdict(self.etcd_security).items() if v is not None]
+        on_argv = [
+            a for a in self.router_args if a.split("=", 1)[0] in ("--api-key", "--admin-api-key")
+        ]
+        given = [
+            f"--{k.replace('_', '-')}"
+            for k, v in dataclasses.asdict(self.etcd_security).items()
+            if v is not None
+        ]
         if given and self.etcd is None:
-            raise FieldError("etcd_security", f"{' '.join(given)} apply to an etcd given with "
-                             "--etcd; the etcd `up` starts gets users of its own (generated "
-                             "passwords in 0600 files)")
-        check_fields(self, [
-            (not on_argv, "router_args", f"{on_argv[0].split('=', 1)[0] if on_argv else ''} "
-             "would put a key on the router's command line (visible in `ps`): use "
-             "--api-key-file / --admin-api-key-file or PDSERVE_API_KEY"),
-            (prefill >= 0, "prefill", "must be >= 0"),
-            (self.decode >= 0, "decode", "must be >= 0"),
-            (0 <= self.port < 65536, "port", "must be in 0..65535"),
-            (self.num_threads >= 0, "num_threads", "must be >= 0"),
-        ])
+            raise FieldError(
+                "etcd_security",
+                f"{' '.join(given)} apply to an etcd given with "
+                "--etcd; the etcd `up` starts gets users of its own (generated "
+                "passwords in 0600 files)",
+            )
+        check_fields(
+            self,
+            [
+                (
+                    not on_argv,
+                    "router_args",
+                    f"{on_argv[0].split('=', 1)[0] if on_argv else ''} "
+                    "would put a key on the router's command line (visible in `ps`): use "
+                    "--api-key-file / --admin-api-key-file or PDSERVE_API_KEY",
+                ),
+                (prefill >= 0, "prefill", "must be >= 0"),
+                (self.decode >= 0, "decode", "must be >= 0"),
+                (0 <= self.port < 65536, "port", "must be in 0..65535"),
+                (self.num_threads >= 0, "num_threads", "must be >= 0"),
+            ],
+        )
 
     def engine_for(self, role: Role) -> EngineConfig:
         """A `role` worker's engine: without speculation on a prefill worker (it computes

@@ -8,6 +8,7 @@ Every request carries `Authorization: Bearer <token>`: a token made for this `up
 the run file, which only its user can read (0600): another local user — or a web page
 posting to loopback — cannot scale or read the cluster (401). A scale asks for at most
 `MAX_SCALE_DELTA` workers at a time; bodies are at most `MAX_BODY_BYTES`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,13 +37,19 @@ def serve_control(supervisor: Supervisor, url: str) -> ThreadingHTTPServer:
     server = _control_server(supervisor, token)
     path = run_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = json.dumps({
-        "pid": os.getpid(), "url": url, "etcd": supervisor.etcd, "cluster": supervisor.config.cluster,
-        "control": f"http://127.0.0.1:{server.server_address[1]}", "control_token": token,
-        "logs": str(supervisor.log_dir),
-        "etcd_security": dataclasses.asdict(supervisor.router_etcd),  # paths, no password
-        "grpc_security": dataclasses.asdict(supervisor.config.grpc_security),
-    })
+    doc = json.dumps(
+        {
+            "pid": os.getpid(),
+            "url": url,
+            "etcd": supervisor.etcd,
+            "cluster": supervisor.config.cluster,
+            "control": f"http://127.0.0.1:{server.server_address[1]}",
+            "control_token": token,
+            "logs": str(supervisor.log_dir),
+            "etcd_security": dataclasses.asdict(supervisor.router_etcd),  # paths, no password
+            "grpc_security": dataclasses.asdict(supervisor.config.grpc_security),
+        }
+    )
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -1,5 +1,6 @@
 """Child `pdserve` processes: started with their flags, ready when they print their READY line,
 stopped by PID (never by name). Used by `pdserve up`, benchmarks and multi-process tests."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ class ServiceProcess:
         self.log = open(log_path, "a", buffering=1)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args],
-            env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})},
-            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
+            env={
+                **os.environ,
+                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+                **(env or {}),
+            },
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
         )
         self.worker_id = ""
         self.grpc_address = ""
@@ -93,14 +101,24 @@ class UpProcess:
     def __init__(self, home: Path, *flags: str, timeout: float = 300.0) -> None:
         import json
 
-        model = subprocess.run([sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        self.env = {**os.environ, "PDSERVE_CACHE": str(home / "cache"),
-                    "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+        model = subprocess.run(
+            [sys.executable, "-m", "pdserve", "prepare-model"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        self.env = {
+            **os.environ,
+            "PDSERVE_CACHE": str(home / "cache"),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+        }
         os.makedirs(self.env["PDSERVE_CACHE"], exist_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "up", "--port", "0", "--model", model, *flags],
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
         )
         self.output: list[str] = []

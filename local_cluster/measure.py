@@ -9,6 +9,7 @@ Workers (their /metrics, found at `WorkerInfo.metrics_address`): the share of th
 in engine steps and the tokens generated per busy second; their registrations give role,
 draining, running/waiting, queued prefill tokens, measured prefill rate and free blocks.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -67,37 +68,54 @@ class Window:
         return snapshot(old, new, span, workers, quantile_q)
 
 
-def snapshot(old: Sample, new: Sample, span: float, workers: list[WorkerInfo],
-             quantile_q: float) -> Snapshot:
+def snapshot(
+    old: Sample, new: Sample, span: float, workers: list[WorkerInfo], quantile_q: float
+) -> Snapshot:
     r_old, r_new = old.router, new.router
     ttft = window_buckets(r_new, r_old, ROUTER_TTFT)
     itl = window_buckets(r_new, r_old, ROUTER_ITL)
     requests = int(ttft.get(float("inf"), 0.0))
-    queue_growth = max(0.0, (r_new.value(ROUTER_WAITING) or 0.0) - (r_old.value(ROUTER_WAITING) or 0.0))
+    queue_growth = max(
+        0.0, (r_new.value(ROUTER_WAITING) or 0.0) - (r_old.value(ROUTER_WAITING) or 0.0)
+    )
     finished = increase(r_new, r_old, ROUTER_E2E_COUNT)
     prompt = increase(r_new, r_old, ROUTER_PROMPT_TOKENS)
     cached = increase(r_new, r_old, ROUTER_PREFIX_HITS, source="reported")
     generated = increase(r_new, r_old, ROUTER_GENERATION_TOKENS)
     return Snapshot(
-        window_s=span, requests=requests, arrival_rate=(requests + queue_growth) / span,
+        window_s=span,
+        requests=requests,
+        arrival_rate=(requests + queue_growth) / span,
         mean_prompt_tokens=prompt / finished if finished else 0.0,
         cached_fraction=min(1.0, cached / prompt) if prompt else 0.0,
         mean_output_tokens=generated / finished if finished else 0.0,
-        ttft_s=quantile(ttft, quantile_q), itl_s=quantile(itl, quantile_q),
-        workers=tuple(worker_load(w, old.workers.get(w.worker_id), new.workers.get(w.worker_id), span)
-                      for w in sorted(workers, key=lambda w: w.worker_id)),
+        ttft_s=quantile(ttft, quantile_q),
+        itl_s=quantile(itl, quantile_q),
+        workers=tuple(
+            worker_load(w, old.workers.get(w.worker_id), new.workers.get(w.worker_id), span)
+            for w in sorted(workers, key=lambda w: w.worker_id)
+        ),
     )
 
 
-def worker_load(info: WorkerInfo, old: Scrape | None, new: Scrape | None, span: float) -> WorkerLoad:
+def worker_load(
+    info: WorkerInfo, old: Scrape | None, new: Scrape | None, span: float
+) -> WorkerLoad:
     """A registration plus its window of /metrics (no busy figures without both scrapes)."""
     c = info.capacity
     busy_s = increase(new, old, WORKER_STEP_SECONDS) if new is not None and old is not None else 0.0
-    tokens = increase(new, old, WORKER_GENERATION_TOKENS) if new is not None and old is not None else 0.0
+    tokens = (
+        increase(new, old, WORKER_GENERATION_TOKENS) if new is not None and old is not None else 0.0
+    )
     return WorkerLoad(
-        worker_id=info.worker_id, role=info.role, draining=info.draining, running=c.running,  # type: ignore[arg-type]
-        waiting=c.waiting, queued_prefill_tokens=c.queued_prefill_tokens,
-        prefill_tokens_per_s=c.prefill_tokens_per_s, busy=min(1.0, busy_s / span),
+        worker_id=info.worker_id,
+        role=info.role,
+        draining=info.draining,
+        running=c.running,  # type: ignore[arg-type]
+        waiting=c.waiting,
+        queued_prefill_tokens=c.queued_prefill_tokens,
+        prefill_tokens_per_s=c.prefill_tokens_per_s,
+        busy=min(1.0, busy_s / span),
         tokens_per_busy_s=tokens / busy_s if busy_s > 0 else 0.0,
         kv_used=1.0 - c.free_blocks / c.total_blocks if c.total_blocks else 0.0,
     )

@@ -1,6 +1,7 @@
 """Reading Prometheus text exposition (the router's and the workers' /metrics) for the planner:
 one scrape as a flat map of samples, and windowed figures from two scrapes of the same process
 (counter increase, histogram quantile over the observations between them)."""
+
 from __future__ import annotations
 
 import math

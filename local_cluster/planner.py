@@ -33,6 +33,7 @@ local prefills stall the decode steps of the sequences batched with them):
 The two agree: the decode load predicted for bringing the prefill pool back is the load that
 made it leave, so a steady load does not bounce between them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,24 +79,33 @@ class PlannerConfig:
     """Seconds a switching worker waits for its in-flight requests."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [
-            (self.ttft_slo_ms > 0, "ttft_slo_ms", "must be > 0"),
-            (self.itl_slo_ms > 0, "itl_slo_ms", "must be > 0"),
-            (0 < self.quantile < 1, "quantile", "must be between 0 and 1"),
-            (self.min_prefill >= 0, "min_prefill", "must be >= 0"),
-            (self.max_prefill is None or self.max_prefill >= self.min_prefill, "max_prefill",
-             f"must be >= min_prefill ({self.min_prefill})"),
-            (self.min_decode >= 1, "min_decode", "must be >= 1"),
-            (self.max_decode is None or self.max_decode >= self.min_decode, "max_decode",
-             f"must be >= min_decode ({self.min_decode})"),
-            (self.cooldown_s >= 0, "cooldown_s", "must be >= 0"),
-            (self.hysteresis >= 0, "hysteresis", "must be >= 0"),
-            (self.high_load > 0, "high_load", "must be > 0"),
-            (self.min_requests >= 0, "min_requests", "must be >= 0"),
-            (self.interval_s > 0, "interval_s", "must be > 0"),
-            (self.window_s > 0, "window_s", "must be > 0"),
-            (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
-        ])
+        check_fields(
+            self,
+            [
+                (self.ttft_slo_ms > 0, "ttft_slo_ms", "must be > 0"),
+                (self.itl_slo_ms > 0, "itl_slo_ms", "must be > 0"),
+                (0 < self.quantile < 1, "quantile", "must be between 0 and 1"),
+                (self.min_prefill >= 0, "min_prefill", "must be >= 0"),
+                (
+                    self.max_prefill is None or self.max_prefill >= self.min_prefill,
+                    "max_prefill",
+                    f"must be >= min_prefill ({self.min_prefill})",
+                ),
+                (self.min_decode >= 1, "min_decode", "must be >= 1"),
+                (
+                    self.max_decode is None or self.max_decode >= self.min_decode,
+                    "max_decode",
+                    f"must be >= min_decode ({self.min_decode})",
+                ),
+                (self.cooldown_s >= 0, "cooldown_s", "must be >= 0"),
+                (self.hysteresis >= 0, "hysteresis", "must be >= 0"),
+                (self.high_load > 0, "high_load", "must be > 0"),
+                (self.min_requests >= 0, "min_requests", "must be >= 0"),
+                (self.interval_s > 0, "interval_s", "must be > 0"),
+                (self.window_s > 0, "window_s", "must be > 0"),
+                (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
+            ],
+        )
 
     @property
     def ttft_slo_s(self) -> float:
@@ -192,26 +202,42 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
     if any(w.draining for w in snap.workers):
         return hold("draining", "a worker is draining (a role switch or scale-in in progress)")
     if snap.requests < config.min_requests:
-        return hold("no_signal", f"{snap.requests} requests in the window "
-                    f"(< {config.min_requests}): too little signal")
+        return hold(
+            "no_signal",
+            f"{snap.requests} requests in the window (< {config.min_requests}): too little signal",
+        )
     if since_last_move_s is not None and since_last_move_s < config.cooldown_s:
-        return hold("cooldown", f"cooling down ({since_last_move_s:.0f}s of "
-                    f"{config.cooldown_s:.0f}s since the last move)")
+        return hold(
+            "cooldown",
+            f"cooling down ({since_last_move_s:.0f}s of "
+            f"{config.cooldown_s:.0f}s since the last move)",
+        )
 
     ttft_miss = snap.ttft_s is not None and snap.ttft_s > config.ttft_slo_s
     itl_miss = snap.itl_s is not None and snap.itl_s > config.itl_slo_s
-    decode_hot = itl_miss or loads.decode >= config.high_load or (
-        ttft_miss and (loads.prefill is None or loads.decode >= loads.prefill))
+    decode_hot = (
+        itl_miss
+        or loads.decode >= config.high_load
+        or (ttft_miss and (loads.prefill is None or loads.decode >= loads.prefill))
+    )
     prefill_hot = loads.prefill is not None and (
-        loads.prefill >= config.high_load or (ttft_miss and loads.prefill > loads.decode))
+        loads.prefill >= config.high_load or (ttft_miss and loads.prefill > loads.decode)
+    )
     slo = _slo_text(snap, config, ttft_miss, itl_miss)
     if not (decode_hot or prefill_hot):
-        return hold("within_slo", f"{slo}; loads prefill {_fmt(loads.prefill)} decode {loads.decode:.2f} "
-                    f"below {config.high_load:.2f}")
+        return hold(
+            "within_slo",
+            f"{slo}; loads prefill {_fmt(loads.prefill)} decode {loads.decode:.2f} "
+            f"below {config.high_load:.2f}",
+        )
 
     n_p, n_d = len(prefill), len(decode)
-    can_to_decode = n_p > config.min_prefill and (config.max_decode is None or n_d < config.max_decode)
-    can_to_prefill = n_d > config.min_decode and (config.max_prefill is None or n_p < config.max_prefill)
+    can_to_decode = n_p > config.min_prefill and (
+        config.max_decode is None or n_d < config.max_decode
+    )
+    can_to_prefill = n_d > config.min_decode and (
+        config.max_prefill is None or n_p < config.max_prefill
+    )
     # The last prefill worker leaves only for a saturated decode pool: without a prefill pool,
     # long local prefills stall decode steps (which the load model does not see), so an SLO
     # miss at moderate decode load is no reason to give disaggregation up.
@@ -219,47 +245,85 @@ def decide(snap: Snapshot, config: PlannerConfig, since_last_move_s: float | Non
     to_decode = can_to_decode and not keep_last_prefill
 
     if decode_hot and not prefill_hot:
-        interference = _interference_move(config, work, decode, loads, slo, itl_miss, can_to_prefill)
+        interference = _interference_move(
+            config, work, decode, loads, slo, itl_miss, can_to_prefill
+        )
         if not can_to_decode:
             return interference or hold(
-                "at_limit", f"decode is the bottleneck ({slo}, decode load {loads.decode:.2f}) but "
-                f"the prefill pool is at its minimum or decode at its maximum")
+                "at_limit",
+                f"decode is the bottleneck ({slo}, decode load {loads.decode:.2f}) but "
+                f"the prefill pool is at its minimum or decode at its maximum",
+            )
         if keep_last_prefill:
-            return hold("keep_prefill_pool", f"{slo}, but decode load {loads.decode:.2f} is below "
-                        f"{config.high_load:.2f}: keeping the last prefill worker")
+            return hold(
+                "keep_prefill_pool",
+                f"{slo}, but decode load {loads.decode:.2f} is below "
+                f"{config.high_load:.2f}: keeping the last prefill worker",
+            )
         after = work.loads(n_p - 1, n_d + 1)
         if after.bottleneck <= loads.bottleneck - config.hysteresis:
-            return Decision("move_to_decode", f"decode is the bottleneck ({slo}, decode load "
-                            f"{loads.decode:.2f}); moving a prefill worker lowers it to "
-                            f"{after.bottleneck:.2f}", loads, _prefill_donor(prefill),
-                            Role.PREFILL, Role.DECODE, after)
+            return Decision(
+                "move_to_decode",
+                f"decode is the bottleneck ({slo}, decode load "
+                f"{loads.decode:.2f}); moving a prefill worker lowers it to "
+                f"{after.bottleneck:.2f}",
+                loads,
+                _prefill_donor(prefill),
+                Role.PREFILL,
+                Role.DECODE,
+                after,
+            )
         return interference or hold(
-            "no_gain", f"decode is hot ({slo}, decode load {loads.decode:.2f}) but moving a "
-            f"prefill worker would only reach {after.bottleneck:.2f}")
+            "no_gain",
+            f"decode is hot ({slo}, decode load {loads.decode:.2f}) but moving a "
+            f"prefill worker would only reach {after.bottleneck:.2f}",
+        )
 
     candidates: list[Decision] = []
     if can_to_prefill:
         after = work.loads(n_p + 1, n_d - 1)
-        candidates.append(Decision(
-            "move_to_prefill", f"prefill is the bottleneck ({slo}, prefill load "
-            f"{_fmt(loads.prefill)}); moving a decode worker lowers it to "
-            f"{after.bottleneck:.2f}",
-            loads, _decode_donor(decode), Role.DECODE, Role.PREFILL, after))
+        candidates.append(
+            Decision(
+                "move_to_prefill",
+                f"prefill is the bottleneck ({slo}, prefill load "
+                f"{_fmt(loads.prefill)}); moving a decode worker lowers it to "
+                f"{after.bottleneck:.2f}",
+                loads,
+                _decode_donor(decode),
+                Role.DECODE,
+                Role.PREFILL,
+                after,
+            )
+        )
     if decode_hot and to_decode:  # both hot: whichever move helps more
         after = work.loads(n_p - 1, n_d + 1)
-        candidates.append(Decision(
-            "move_to_decode", f"both pools are hot ({slo}); moving a prefill worker lowers the "
-            f"bottleneck to {after.bottleneck:.2f}", loads, _prefill_donor(prefill),
-            Role.PREFILL, Role.DECODE, after))
+        candidates.append(
+            Decision(
+                "move_to_decode",
+                f"both pools are hot ({slo}); moving a prefill worker lowers the "
+                f"bottleneck to {after.bottleneck:.2f}",
+                loads,
+                _prefill_donor(prefill),
+                Role.PREFILL,
+                Role.DECODE,
+                after,
+            )
+        )
     if not candidates:
-        return hold("at_limit", f"prefill is the bottleneck ({slo}, prefill load "
-                    f"{_fmt(loads.prefill)}) but the decode pool is at its minimum or prefill "
-                    f"at its maximum")
+        return hold(
+            "at_limit",
+            f"prefill is the bottleneck ({slo}, prefill load "
+            f"{_fmt(loads.prefill)}) but the decode pool is at its minimum or prefill "
+            f"at its maximum",
+        )
     best = min(candidates, key=lambda d: (d.predicted.bottleneck, d.to_role))  # type: ignore[union-attr]
     if best.predicted.bottleneck <= loads.bottleneck - config.hysteresis:  # type: ignore[union-attr]
         return best
-    return hold("no_gain", f"prefill is hot ({slo}, prefill load {_fmt(loads.prefill)}) but no "
-                f"move lowers the bottleneck {loads.bottleneck:.2f} by {config.hysteresis:.2f}")
+    return hold(
+        "no_gain",
+        f"prefill is hot ({slo}, prefill load {_fmt(loads.prefill)}) but no "
+        f"move lowers the bottleneck {loads.bottleneck:.2f} by {config.hysteresis:.2f}",
+    )
 
 
 def _prefill_donor(prefill: list[WorkerLoad]) -> str:
@@ -298,8 +362,9 @@ class _Work:
         return PoolLoads(max(p_work, self.prefill_backlog) / n_prefill, decode)
 
 
-def _work(snap: Snapshot, config: PlannerConfig, prefill: list[WorkerLoad],
-          decode: list[WorkerLoad]) -> _Work:
+def _work(
+    snap: Snapshot, config: PlannerConfig, prefill: list[WorkerLoad], decode: list[WorkerLoad]
+) -> _Work:
     demand = snap.arrival_rate * snap.mean_prompt_tokens * (1.0 - snap.cached_fraction)
     measured = [w.prefill_tokens_per_s for w in (prefill or decode) if w.prefill_tokens_per_s > 0]
     rate = sum(measured) / len(measured) if measured else 0.0
@@ -312,7 +377,9 @@ def _work(snap: Snapshot, config: PlannerConfig, prefill: list[WorkerLoad],
     d_work = sum(_decode_load(w, config) for w in decode)
     speeds = [w.tokens_per_busy_s for w in decode if w.tokens_per_busy_s > 0]
     if speeds:  # output tokens asked for vs made per busy second: sees past busy = 1
-        d_work = max(d_work, snap.arrival_rate * snap.mean_output_tokens / (sum(speeds) / len(speeds)))
+        d_work = max(
+            d_work, snap.arrival_rate * snap.mean_output_tokens / (sum(speeds) / len(speeds))
+        )
     return _Work(p_work, backlog, d_work, prefill_in_decode=not prefill)
 
 
@@ -323,9 +390,15 @@ def _decode_load(w: WorkerLoad, config: PlannerConfig) -> float:
     return max(w.busy, itl_need, w.kv_used)
 
 
-def _interference_move(config: PlannerConfig, work: _Work, decode: list[WorkerLoad],
-                       loads: PoolLoads, slo: str, itl_miss: bool,
-                       can_to_prefill: bool) -> Decision | None:
+def _interference_move(
+    config: PlannerConfig,
+    work: _Work,
+    decode: list[WorkerLoad],
+    loads: PoolLoads,
+    slo: str,
+    itl_miss: bool,
+    can_to_prefill: bool,
+) -> Decision | None:
     """No prefill pool, ITL missed, decode not saturated: local prefills stall decode steps;
     bring a prefill pool back if the decode pool left keeps its load below high_load."""
     if not (itl_miss and loads.prefill is None and can_to_prefill and work.prefill is not None):
@@ -333,20 +406,31 @@ def _interference_move(config: PlannerConfig, work: _Work, decode: list[WorkerLo
     after = work.loads(1, len(decode) - 1)
     if after.bottleneck >= config.high_load:
         return None
-    return Decision("move_to_prefill", f"{slo} with decode load {loads.decode:.2f}: local "
-                    f"prefills stall decode steps; a prefill pool leaves decode at {after.decode:.2f}",
-                    loads, _decode_donor(decode), Role.DECODE, Role.PREFILL, after)
+    return Decision(
+        "move_to_prefill",
+        f"{slo} with decode load {loads.decode:.2f}: local "
+        f"prefills stall decode steps; a prefill pool leaves decode at {after.decode:.2f}",
+        loads,
+        _decode_donor(decode),
+        Role.DECODE,
+        Role.PREFILL,
+        after,
+    )
 
 
 def _slo_text(snap: Snapshot, config: PlannerConfig, ttft_miss: bool, itl_miss: bool) -> str:
     q = f"p{round(config.quantile * 100)}"
     parts = []
     if snap.ttft_s is not None:
-        parts.append(f"TTFT {q} {snap.ttft_s * 1000:.0f} ms {'>' if ttft_miss else '<='} "
-                     f"{config.ttft_slo_s * 1000:.0f}")
+        parts.append(
+            f"TTFT {q} {snap.ttft_s * 1000:.0f} ms {'>' if ttft_miss else '<='} "
+            f"{config.ttft_slo_s * 1000:.0f}"
+        )
     if snap.itl_s is not None:
-        parts.append(f"ITL {q} {snap.itl_s * 1000:.0f} ms {'>' if itl_miss else '<='} "
-                     f"{config.itl_slo_s * 1000:.0f}")
+        parts.append(
+            f"ITL {q} {snap.itl_s * 1000:.0f} ms {'>' if itl_miss else '<='} "
+            f"{config.itl_slo_s * 1000:.0f}"
+        )
     return ", ".join(parts) or "no latency samples"
 
 

@@ -9,6 +9,7 @@ that role) and the window starts afresh. Every move, and every change in the kin
 logged in `up`'s output; moves, failures, pool sizes and loads are exported in Prometheus text
 at the control port's /metrics and summarised in its GET (`pdserve status`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,17 +51,20 @@ def grpc_set_role(drain_timeout_s: float, auth: ClusterAuth) -> RoleSwitch:
         with grpc_channel(worker.grpc_address, auth) as channel:
             pdserve_pb2_grpc.WorkerStub(channel).SetRole(
                 pb.SetRoleRequest(role=role, drain_timeout_s=drain_timeout_s),
-                timeout=drain_timeout_s + 30.0)
+                timeout=drain_timeout_s + 30.0,
+            )
 
     return set_role
 
 
-def etcd_workers(endpoint: str, cluster: str,
-                 credentials: EtcdCredentials | None = None) -> Callable[[], list[WorkerInfo]]:
+def etcd_workers(
+    endpoint: str, cluster: str, credentials: EtcdCredentials | None = None
+) -> Callable[[], list[WorkerInfo]]:
     def read() -> list[WorkerInfo]:
         async def fetch() -> list[WorkerInfo]:
             async with make_client(endpoint, credentials) as client:
                 return await list_workers(client, cluster)
+
         return asyncio.run(fetch())
 
     return read
@@ -97,10 +101,16 @@ class PlannerState:
 
 
 class Planner:
-    def __init__(self, supervisor: Supervisor, router_url: str, config: PlannerConfig,
-                 switch: RoleSwitch, read_workers: Callable[[], list[WorkerInfo]],
-                 fetch: Callable[[str], str] = http_text,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        router_url: str,
+        config: PlannerConfig,
+        switch: RoleSwitch,
+        read_workers: Callable[[], list[WorkerInfo]],
+        fetch: Callable[[str], str] = http_text,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sup = supervisor
         self.router_url = router_url
         self.config = config
@@ -116,17 +126,36 @@ class Planner:
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="planner", daemon=True)
         self.registry = r = CollectorRegistry()
-        self._moves = Counter("pdserve_planner_moves", "Role switches the planner made",
-                              ["from_role", "to_role"], registry=r)
-        self._failures = Counter("pdserve_planner_move_failures", "Role switches that failed",
-                                 ["from_role", "to_role"], registry=r)
-        self._decisions = Counter("pdserve_planner_decisions",
-                                  "Planner rounds by outcome (a move, or why it held)",
-                                  ["outcome"], registry=r)
-        self._pool = Gauge("pdserve_planner_pool_size", "Workers registered per role (not draining)",
-                           ["role"], registry=r)
-        self._load = Gauge("pdserve_planner_pool_load",
-                           "Modelled pool load (1 = saturated; -1 = no such pool)", ["pool"], registry=r)
+        self._moves = Counter(
+            "pdserve_planner_moves",
+            "Role switches the planner made",
+            ["from_role", "to_role"],
+            registry=r,
+        )
+        self._failures = Counter(
+            "pdserve_planner_move_failures",
+            "Role switches that failed",
+            ["from_role", "to_role"],
+            registry=r,
+        )
+        self._decisions = Counter(
+            "pdserve_planner_decisions",
+            "Planner rounds by outcome (a move, or why it held)",
+            ["outcome"],
+            registry=r,
+        )
+        self._pool = Gauge(
+            "pdserve_planner_pool_size",
+            "Workers registered per role (not draining)",
+            ["role"],
+            registry=r,
+        )
+        self._load = Gauge(
+            "pdserve_planner_pool_load",
+            "Modelled pool load (1 = saturated; -1 = no such pool)",
+            ["pool"],
+            registry=r,
+        )
         for a, b in itertools.permutations(ROLES, 2):
             self._moves.labels(a, b)
             self._failures.labels(a, b)
@@ -145,8 +174,13 @@ class Planner:
 
     def view(self) -> dict:
         s = self.state
-        return {"pools": dict(s.pools), "loads": dict(s.loads), "last_decision": s.last_decision,
-                "move_count": s.move_count, "moves": [dataclasses.asdict(m) for m in s.moves]}
+        return {
+            "pools": dict(s.pools),
+            "loads": dict(s.loads),
+            "last_decision": s.last_decision,
+            "move_count": s.move_count,
+            "moves": [dataclasses.asdict(m) for m in s.moves],
+        }
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -208,7 +242,9 @@ class Planner:
         for w in workers:
             if w.metrics_address:
                 try:
-                    scrapes[w.worker_id] = Scrape.parse(self.fetch(f"http://{w.metrics_address}/metrics"))
+                    scrapes[w.worker_id] = Scrape.parse(
+                        self.fetch(f"http://{w.metrics_address}/metrics")
+                    )
                 except OSError:
                     pass  # gone or restarting: no busy figures for it this window
         return Sample(self.clock(), router, scrapes)
@@ -216,8 +252,10 @@ class Planner:
     def _move(self, decision: Decision, worker: WorkerInfo) -> None:
         src, dst = decision.from_role or worker.role, decision.to_role or ""
         slot = self.sup.slot_of(worker.grpc_address)
-        self.sup.say(f"planner: moving {slot or worker.worker_id} ({worker.grpc_address}) "
-                     f"{src} -> {dst}: {decision.reason}")
+        self.sup.say(
+            f"planner: moving {slot or worker.worker_id} ({worker.grpc_address}) "
+            f"{src} -> {dst}: {decision.reason}"
+        )
         started = time.monotonic()
         error = ""
         try:
@@ -229,28 +267,48 @@ class Planner:
         if error:
             self._failures.labels(src, dst).inc()
             self._decisions.labels("move_failed").inc()
-            self.sup.say(f"planner: error: moving {slot or worker.worker_id} to {dst} failed: {error}")
+            self.sup.say(
+                f"planner: error: moving {slot or worker.worker_id} to {dst} failed: {error}"
+            )
         else:
             self.sup.set_worker_role(worker.grpc_address, dst)
             self._moves.labels(src, dst).inc()
             self._decisions.labels(decision.outcome).inc()
-            self.sup.say(f"planner: {slot or worker.worker_id} serves {dst} now "
-                         f"(switch took {time.monotonic() - started:.1f}s)")
+            self.sup.say(
+                f"planner: {slot or worker.worker_id} serves {dst} now "
+                f"(switch took {time.monotonic() - started:.1f}s)"
+            )
         self.state.move_count += 1
-        self.state.moves.append(Move(time.time(), worker.worker_id, slot, src, dst, decision.reason,
-                                     ok=not error, error=error))
+        self.state.moves.append(
+            Move(
+                time.time(),
+                worker.worker_id,
+                slot,
+                src,
+                dst,
+                decision.reason,
+                ok=not error,
+                error=error,
+            )
+        )
 
 
 def start_planner(sup: Supervisor, router_url: str, auth: ClusterAuth) -> Planner:
     """`up --planner`: the planner thread against this cluster's etcd, router and workers
     (its channels present `auth`, the cluster's token and TLS)."""
     c = sup.config.planner_config
-    planner = Planner(sup, router_url, c, switch=grpc_set_role(c.drain_timeout_s, auth),
-                      read_workers=etcd_workers(sup.etcd, sup.config.cluster,
-                                                sup.router_etcd.resolve()))
+    planner = Planner(
+        sup,
+        router_url,
+        c,
+        switch=grpc_set_role(c.drain_timeout_s, auth),
+        read_workers=etcd_workers(sup.etcd, sup.config.cluster, sup.router_etcd.resolve()),
+    )
     sup.planner = planner
     planner.start()
-    sup.say(f"planner: on (TTFT <= {c.ttft_slo_ms:.0f} ms, ITL <= {c.itl_slo_ms:.0f} ms "
-            f"at p{round(c.quantile * 100)}; every {c.interval_s:g}s over "
-            f"{c.window_s:g}s windows; cooldown {c.cooldown_s:g}s)")
+    sup.say(
+        f"planner: on (TTFT <= {c.ttft_slo_ms:.0f} ms, ITL <= {c.itl_slo_ms:.0f} ms "
+        f"at p{round(c.quantile * 100)}; every {c.interval_s:g}s over "
+        f"{c.window_s:g}s windows; cooldown {c.cooldown_s:g}s)"
+    )
     return planner

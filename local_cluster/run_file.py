@@ -3,6 +3,7 @@ benchmarks, tests) talk to its control server (control.py): the run file
 `$PDSERVE_CACHE/run/current-cluster.json` (pid, url, etcd, cluster, control address and
 token, logs, where etcd's read-only user's password is, the gRPC security files), readable by
 its user alone."""
+
 from __future__ import annotations
 
 import json
@@ -35,16 +36,21 @@ def cluster_auth(run: dict) -> ClusterAuth:
     return resolve(GrpcSecurity(**run.get("grpc_security", {})), os.environ)
 
 
-def control_request(run: dict, path: str = "", body: dict | None = None,
-                    timeout: float = 5.0) -> bytes:
+def control_request(
+    run: dict, path: str = "", body: dict | None = None, timeout: float = 5.0
+) -> bytes:
     """GET (or, with `body`, POST as JSON) `path` on the control server of the `up` that
     wrote `run` (its run file), with that run's token."""
     headers = {"Authorization": f"Bearer {run['control_token']}"}
     data = None
     if body is not None:
         data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
-    req = urllib.request.Request(run["control"] + path, data=data, headers=headers,
-                                 method="POST" if body is not None else "GET")
+    req = urllib.request.Request(
+        run["control"] + path,
+        data=data,
+        headers=headers,
+        method="POST" if body is not None else "GET",
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.read()
 

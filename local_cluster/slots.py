@@ -9,6 +9,7 @@ for it to be ready) -> READY -> the child exits without being asked (a crash) ->
 -> CRASH_LOOP (no more restarts). Scale-in and shutdown move a slot to DRAINING (its child was
 asked to stop, so its exit is not a crash) and then STOPPED.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,12 +70,15 @@ class RestartPolicy:
     up this long starts from the first backoff again."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [
-            (self.startup_timeout > 0, "startup_timeout", "must be > 0"),
-            (self.backoff >= 0, "backoff", "must be >= 0"),
-            (self.max_restarts >= 0, "max_restarts", "must be >= 0"),
-            (self.window > 0, "window", "must be > 0"),
-        ])
+        check_fields(
+            self,
+            [
+                (self.startup_timeout > 0, "startup_timeout", "must be > 0"),
+                (self.backoff >= 0, "backoff", "must be >= 0"),
+                (self.max_restarts >= 0, "max_restarts", "must be >= 0"),
+                (self.window > 0, "window", "must be > 0"),
+            ],
+        )
 
     def delay(self, recent_crashes: int) -> float:
         """Backoff before the restart after the `recent_crashes`-th crash within the window."""

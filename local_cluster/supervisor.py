@@ -7,6 +7,7 @@ them, so every child ever started is stopped at shutdown (by PID). A slot's stat
 changed only under `lock`; a child that exits while its slot is DRAINING was asked to stop, any
 other exit is a crash.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,13 +39,19 @@ class PlannerView(Protocol):
 
     def stop(self) -> None: ...
 
+
 TICK_S = 0.2
 
 
 class Supervisor:
-    def __init__(self, config: UpConfig, etcd_endpoint: str, log_dir: Path,
-                 worker_etcd: EtcdSecurity = EtcdSecurity(),
-                 router_etcd: EtcdSecurity = EtcdSecurity()) -> None:
+    def __init__(
+        self,
+        config: UpConfig,
+        etcd_endpoint: str,
+        log_dir: Path,
+        worker_etcd: EtcdSecurity = EtcdSecurity(),
+        router_etcd: EtcdSecurity = EtcdSecurity(),
+    ) -> None:
         """`worker_etcd` / `router_etcd`: the etcd flags of the workers (a user that may write
         the cluster's keys) and of the router, the planner and `status` (one that may read
         them)."""
@@ -71,8 +78,9 @@ class Supervisor:
             if not name:
                 self._serial += 1
                 name = f"{role}-{self._serial}"
-            slot = Slot(name, role,
-                        spawn or (lambda: self._spawn_worker(Role(slot.role), slot.name)))
+            slot = Slot(
+                name, role, spawn or (lambda: self._spawn_worker(Role(slot.role), slot.name))
+            )
             self.slots.append(slot)
         return slot
 
@@ -86,12 +94,22 @@ class Supervisor:
         default), then --worker-arg's, then --prefill-arg's or --decode-arg's (a later flag
         wins)."""
         c = self.config
-        worker = WorkerConfig(role=role, etcd=self.etcd, etcd_security=self.worker_etcd,
-                              cluster=c.cluster, num_threads=self._threads(),
-                              enable_admin_rpcs=c.runs_admin_rpcs,
-                              grpc_security=c.grpc_security)
-        return [role, *to_argv(worker), *to_argv(c.engine_for(role)), *c.worker_args,
-                *c.role_args(role)]
+        worker = WorkerConfig(
+            role=role,
+            etcd=self.etcd,
+            etcd_security=self.worker_etcd,
+            cluster=c.cluster,
+            num_threads=self._threads(),
+            enable_admin_rpcs=c.runs_admin_rpcs,
+            grpc_security=c.grpc_security,
+        )
+        return [
+            role,
+            *to_argv(worker),
+            *to_argv(c.engine_for(role)),
+            *c.worker_args,
+            *c.role_args(role),
+        ]
 
     def _threads(self) -> int:
         if self.config.num_threads:
@@ -123,8 +141,12 @@ class Supervisor:
 
     def _worker_slot(self, grpc_address: str) -> Slot | None:
         for slot in self.slots:
-            if (slot.role in ROLES and slot.child is not None and grpc_address
-                    and getattr(slot.child, "grpc_address", "") == grpc_address):
+            if (
+                slot.role in ROLES
+                and slot.child is not None
+                and grpc_address
+                and getattr(slot.child, "grpc_address", "") == grpc_address
+            ):
                 return slot
         return None
 
@@ -132,8 +154,10 @@ class Supervisor:
         """A worker slot is starting or waiting out a restart backoff (the pools are about to
         change; a crashed worker's registration may outlive it for a lease TTL)."""
         with self.lock:
-            return any(s.role in ROLES and s.state in (SlotState.STARTING, SlotState.RESTARTING)
-                       for s in self.slots)
+            return any(
+                s.role in ROLES and s.state in (SlotState.STARTING, SlotState.RESTARTING)
+                for s in self.slots
+            )
 
     def states(self, role: str) -> list[SlotState]:
         with self.lock:
@@ -187,7 +211,9 @@ class Supervisor:
             with self.lock:
                 if slot.state is SlotState.STARTING and slot.child is child:
                     slot.state = SlotState.READY
-            back = f" (restored {now - slot.crashed_at:.1f}s after the crash)" if slot.restarts else ""
+            back = (
+                f" (restored {now - slot.crashed_at:.1f}s after the crash)" if slot.restarts else ""
+            )
             self.say(f"{slot.name} is ready, pid {child.pid}{back}")
         elif state is SlotState.STARTING and now - slot.started_at > self.policy.startup_timeout:
             self.say(f"{slot.name} not ready within {self.policy.startup_timeout:.0f}s; killing it")
@@ -214,12 +240,16 @@ class Supervisor:
             recent = len(slot.crashes)
         log = self.log_dir / f"{slot.name}.log"
         if delay is None:
-            self.say(f"error: {slot.name} ({slot.role}) crashed {recent} times within "
-                     f"{self.policy.window:.0f}s (last exit code {code}): crash loop, not restarting "
-                     f"it; see {log}")
+            self.say(
+                f"error: {slot.name} ({slot.role}) crashed {recent} times within "
+                f"{self.policy.window:.0f}s (last exit code {code}): crash loop, not restarting "
+                f"it; see {log}"
+            )
         else:
-            self.say(f"{slot.name} ({slot.role}) exited with code {code}; restarting it in "
-                     f"{delay:.1f}s (crash {recent} within {self.policy.window:.0f}s)")
+            self.say(
+                f"{slot.name} ({slot.role}) exited with code {code}; restarting it in "
+                f"{delay:.1f}s (crash {recent} within {self.policy.window:.0f}s)"
+            )
 
     # -- control port -----------------------------------------------------------------------
 
@@ -232,13 +262,16 @@ class Supervisor:
             slots = [self.add_slot(role) for _ in range(delta)]
             deadline = time.monotonic() + self.policy.startup_timeout + 5
             while time.monotonic() < deadline and any(
-                    s.state not in (SlotState.READY, SlotState.CRASH_LOOP, SlotState.STOPPED) for s in slots):
+                s.state not in (SlotState.READY, SlotState.CRASH_LOOP, SlotState.STOPPED)
+                for s in slots
+            ):
                 time.sleep(TICK_S)
         else:
             with self.lock:
                 live = [s for s in self.slots if s.role == role and not s.state.stopping]
-                order = ([s for s in reversed(live) if s.state is not SlotState.READY]
-                         + [s for s in reversed(live) if s.state is SlotState.READY])
+                order = [s for s in reversed(live) if s.state is not SlotState.READY] + [
+                    s for s in reversed(live) if s.state is SlotState.READY
+                ]
                 chosen = order[:-delta]
                 for slot in chosen:
                     slot.state = SlotState.DRAINING  # the monitor drops it once its child exited
@@ -274,8 +307,11 @@ class Supervisor:
                 slot.state = SlotState.DRAINING
             slots = list(self.slots)
         for roles in (ROLES, ("router",), ("etcd",)):
-            threads = [threading.Thread(target=s.child.terminate) for s in slots
-                       if s.role in roles and s.child is not None]
+            threads = [
+                threading.Thread(target=s.child.terminate)
+                for s in slots
+                if s.role in roles and s.child is not None
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -284,4 +320,3 @@ class Supervisor:
             for slot in slots:
                 slot.state = SlotState.STOPPED
             self.slots = []
-

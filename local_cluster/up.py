@@ -8,6 +8,7 @@ the planner thread (planner_loop.py) -> serve the control port (and write the ru
 the URL -> supervise until Ctrl-C / SIGTERM (or the router is in a crash loop: exit 1) -> stop
 the planner, then workers (they drain), router, etcd; remove temporary directories.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,8 @@ from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import ClusterAuth, resolve, write_token_file
 from cluster.net import free_port
-from cluster.secret_files import with_absolute_paths
 from cluster.roles import ROLES, Role
+from cluster.secret_files import with_absolute_paths
 from engine.config import EngineConfig
 from engine.flags import to_argv
 from local_cluster.children import EtcdChild, RouterProcess
@@ -65,8 +66,13 @@ def up(config: UpConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         if config.etcd is None:
-            sup.add_slot("etcd", lambda: EtcdChild(run_dir / "etcd-data", log_dir / "etcd.log",
-                                                   *etcd_ports, auth=users.auth), name="etcd")
+            sup.add_slot(
+                "etcd",
+                lambda: EtcdChild(
+                    run_dir / "etcd-data", log_dir / "etcd.log", *etcd_ports, auth=users.auth
+                ),
+                name="etcd",
+            )
         assert config.prefill is not None  # UpConfig.__post_init__ resolves it
         for role, count in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
             for _ in range(count):
@@ -107,12 +113,15 @@ def add_router(sup: Supervisor) -> str:
     port = sup.config.port or free_port()
     url = f"http://{sup.config.host}:{port}"
     cmd = ["router", *router_flags(sup.config, sup.etcd, port, sup.router_etcd)]
-    sup.add_slot("router", lambda: RouterProcess(cmd, sup.log_dir / "router.log", url), name="router")
+    sup.add_slot(
+        "router", lambda: RouterProcess(cmd, sup.log_dir / "router.log", url), name="router"
+    )
     return url
 
 
-def router_flags(config: UpConfig, etcd: str, port: int,
-                 etcd_security: EtcdSecurity = EtcdSecurity()) -> list[str]:
+def router_flags(
+    config: UpConfig, etcd: str, port: int, etcd_security: EtcdSecurity = EtcdSecurity()
+) -> list[str]:
     """`pdserve router`'s flags: this cluster's, its etcd user, workers trusted on loopback
     only (the workers `up` starts listen there), the model, what the engine flags ask of the
     router (--enable-lora and --lora-modules: it serves the adapters and may load more at run
@@ -121,8 +130,21 @@ def router_flags(config: UpConfig, etcd: str, port: int,
     --router-arg's. Written out, since `local_cluster` never imports `router`
     (tests/test_imports.py); a test parses them with the router's own parser."""
     c, engine = config, config.engine
-    out = ["--etcd", etcd, *to_argv(etcd_security), "--cluster", c.cluster, "--host", c.host,
-           "--port", str(port), "--allowed-worker-cidrs", *LOOPBACK_CIDRS, "--model", engine.model]
+    out = [
+        "--etcd",
+        etcd,
+        *to_argv(etcd_security),
+        "--cluster",
+        c.cluster,
+        "--host",
+        c.host,
+        "--port",
+        str(port),
+        "--allowed-worker-cidrs",
+        *LOOPBACK_CIDRS,
+        "--model",
+        engine.model,
+    ]
     if engine.enable_lora:
         out.append("--enable-lora")
         if engine.lora_modules:
@@ -134,8 +156,10 @@ def router_flags(config: UpConfig, etcd: str, port: int,
         out += ["--max-grammar-bytes", str(engine.max_grammar_bytes)]
     if engine.grammar_compile_timeout_s not in (0, default.grammar_compile_timeout_s):
         out += ["--grammar-compile-timeout", repr(engine.grammar_compile_timeout_s)]
-    for flag, path in (("--api-key-file", c.api_key_file),
-                       ("--admin-api-key-file", c.admin_api_key_file)):
+    for flag, path in (
+        ("--api-key-file", c.api_key_file),
+        ("--admin-api-key-file", c.admin_api_key_file),
+    ):
         if path:
             out += [flag, str(Path(path).resolve())]
     out += to_argv(c.grpc_security.absolute())  # file paths: no secret on the command line
@@ -151,7 +175,9 @@ def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:
         first_start = {s.name for s in sup.slots if s.role in ROLES}
     while not stop.wait(0.2):
         with sup.lock:
-            first_start -= {s.name for s in sup.slots if s.state is not SlotState.STARTING or s.restarts}
+            first_start -= {
+                s.name for s in sup.slots if s.state is not SlotState.STARTING or s.restarts
+            }
         router, decode, etcd = sup.states("router"), sup.states("decode"), sup.states("etcd")
         serving = SlotState.READY in router and SlotState.READY in decode
         if serving and (not first_start or time.monotonic() > deadline):
@@ -167,21 +193,28 @@ def wait_until_serving(sup: Supervisor, stop: threading.Event) -> str | None:
 def _print_banner(sup: Supervisor, url: str) -> None:
     c = sup.config
     ready = {r: sup.states(r).count(SlotState.READY) for r in ROLES}
-    print(f"pdserve is up: {url}  ({ready['prefill']}/{c.prefill} prefill + "
-          f"{ready['decode']}/{c.decode} decode ready, etcd {sup.etcd})")
+    print(
+        f"pdserve is up: {url}  ({ready['prefill']}/{c.prefill} prefill + "
+        f"{ready['decode']}/{c.decode} decode ready, etcd {sup.etcd})"
+    )
     print(f"logs: {sup.log_dir}")
     if c.grpc_security.cluster_token_file:
-        print(f"gRPC cluster token: {c.grpc_security.cluster_token_file} (e.g. `pdserve role "
-              f"--worker HOST:PORT --cluster-token-file {c.grpc_security.cluster_token_file}`)")
+        print(
+            f"gRPC cluster token: {c.grpc_security.cluster_token_file} (e.g. `pdserve role "
+            f"--worker HOST:PORT --cluster-token-file {c.grpc_security.cluster_token_file}`)"
+        )
     auth = ""  # never the key itself: where the client finds it
     if c.api_key_file:
-        auth = f" -H \"Authorization: Bearer $(head -n1 {Path(c.api_key_file).resolve()})\""
+        auth = f' -H "Authorization: Bearer $(head -n1 {Path(c.api_key_file).resolve()})"'
     elif env := next((v for v in ("PDSERVE_API_KEY", "VLLM_API_KEY") if os.environ.get(v)), None):
         auth = f' -H "Authorization: Bearer ${env}"'
     print(f"""try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
         -d '{{"model": "{Path(c.engine.model).name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'""")  # noqa: E501
-    print("Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker; `pdserve status` "
-          "shows every process and its restarts.", flush=True)
+    print(
+        "Ctrl-C stops the cluster; `pdserve scale prefill +1` adds a worker; `pdserve status` "
+        "shows every process and its restarts.",
+        flush=True,
+    )
 
 
 def supervise(sup: Supervisor, stop: threading.Event) -> int:
@@ -207,4 +240,3 @@ def stop_cluster(sup: Supervisor, control: ThreadingHTTPServer | None, run_dir: 
         sup.stop_all()
         remove_run_file()
         shutil.rmtree(run_dir, ignore_errors=True)
-

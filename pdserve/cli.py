@@ -1,5 +1,6 @@
 """The `pdserve` command. Each subcommand imports only what it needs, so `pdserve generate`
 never loads gRPC or etcd and the worker commands never load the HTTP stack."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ def _generate(args: argparse.Namespace) -> int:
         tok.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt
     ]
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-        max_tokens=args.max_tokens, n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        n=args.n,
     )
     for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
         for completion in out.outputs:
@@ -60,8 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare-model",
         help="dequantize a GGUF (default: the bundled SmolLM2-135M-Instruct) into an HF directory",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(BUNDLED_MODELS),
-                   help="which bundled model to prepare (default: %(default)s, SmolLM2)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        choices=sorted(BUNDLED_MODELS),
+        help="which bundled model to prepare (default: %(default)s, SmolLM2)",
+    )
     p.add_argument("--gguf", help="GGUF file to convert instead of a bundled model")
     p.add_argument("--out", help="output directory (default: $PDSERVE_CACHE/models/<name>)")
     p.set_defaults(func=_prepare_model)
@@ -69,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate", help="offline generation with the paged engine; completions to stdout"
     )
-    p.add_argument("--prompt", required=True, action="append",
-                   help="prompt text (repeat for a batch)")
+    p.add_argument(
+        "--prompt", required=True, action="append", help="prompt text (repeat for a batch)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

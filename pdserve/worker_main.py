@@ -3,6 +3,7 @@ line, because it is the one place above both roles: it puts both `prefill_node`'
 `decode_node`'s services on the worker (the command names the role served at start;
 `Worker.SetRole` switches it, worker_runtime/roles.py), and neither they nor the runtime they
 share (`worker_runtime`) import it back."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(role: Role, args: argparse.Namespace) -> int:
     """Both configs from the parsed flags (once) and the cluster token / TLS files they name
     (a refused one stops the start: exit 2), then serve until SIGTERM."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+    )
     bounded_openmp_spinning(os.environ)  # before anything imports torch
     config = from_args(WorkerConfig, args, role=role)
     auth = resolve(config.grpc_security, os.environ)
@@ -44,14 +47,18 @@ def run(role: Role, args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, engine_config, auth, etcd_credentials))
 
 
-def tensor_parallel_refusal(role: Role, config: WorkerConfig, engine_config: EngineConfig) -> str | None:
+def tensor_parallel_refusal(
+    role: Role, config: WorkerConfig, engine_config: EngineConfig
+) -> str | None:
     """Why this worker cannot run at its tensor_parallel_size (None: it can). The engine's own
     refusals are EngineConfig's (engine/config.py); these are the worker's (docs/parallelism.md)."""
     if not engine_config.parallel:
         return None
     if config.share_host_cores:
-        return ("--share-host-cores with --tensor-parallel-size > 1 is not supported (each rank "
-                "has a fixed share of the worker's threads)")
+        return (
+            "--share-host-cores with --tensor-parallel-size > 1 is not supported (each rank "
+            "has a fixed share of the worker's threads)"
+        )
     return None
 
 
@@ -87,8 +94,11 @@ def engine_config_for_role(role: Role, engine_config: EngineConfig) -> EngineCon
     changes speed), one started as decode keeps its drafter while it prefills."""
     if role != Role.PREFILL or engine_config.speculative_config is None:
         return engine_config
-    log.warning("prefill worker: ignoring --speculative-config (%s); speculative decoding runs "
-                "on decode workers", engine_config.speculative_config.to_json())
+    log.warning(
+        "prefill worker: ignoring --speculative-config (%s); speculative decoding runs "
+        "on decode workers",
+        engine_config.speculative_config.to_json(),
+    )
     return dataclasses.replace(engine_config, speculative_config=None)
 
 
@@ -128,9 +138,9 @@ async def _serve(config, engine_config, auth, etcd_credentials) -> int:
 
 _HELP = {
     Role.PREFILL: "run a worker that starts in the prefill role (gRPC Prefill; streams KV blocks "
-               "over NIXL; registers in etcd; `pdserve role` switches it)",
+    "over NIXL; registers in etcd; `pdserve role` switches it)",
     Role.DECODE: "run a worker that starts in the decode role (gRPC Generate; receives KV over "
-              "NIXL; registers in etcd; `pdserve role` switches it)",
+    "NIXL; registers in etcd; `pdserve role` switches it)",
 }
 
 

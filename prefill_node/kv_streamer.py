@@ -22,14 +22,15 @@ token is fixed once the final batch goes out, so its answer does not wait for th
 next step (a whole prefill of the next prompt). Its pinned blocks are released after that
 step, as above.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.llm_engine import LLMEngine
 from engine.core.request import Request
+from engine.llm_engine import LLMEngine
 from engine.processing.tokens import SampledToken
 from kvtransfer import KVSender, TransferResult, TransferStatus
 
@@ -42,7 +43,9 @@ class Outgoing:
     transfer_id: str  # what the decode worker's receiver expects
     peer: str
     dest_blocks: list[int] | None  # decode-side ids: each KV group's prompt blocks after its skip
-    group_skips: list[int] | None  # per KV group: leading prompt blocks the decode worker does not need
+    group_skips: (
+        list[int] | None
+    )  # per KV group: leading prompt blocks the decode worker does not need
     """dest_blocks and group_skips: None until `set_destination` for a deferred destination."""
     deadline: float
     on_done: Callable[[TransferResult, SampledToken | None], None]
@@ -66,8 +69,9 @@ class KVStreamer:
     def add(self, out: Outgoing) -> None:
         self.active[out.transfer_id] = out
 
-    def set_destination(self, engine: LLMEngine, transfer_id: str, dest_blocks: list[int],
-                        group_skips: list[int]) -> None:
+    def set_destination(
+        self, engine: LLMEngine, transfer_id: str, dest_blocks: list[int], group_skips: list[int]
+    ) -> None:
         """The deferred destination of `transfer_id` (checked by the caller); what is ready
         goes out at once. KeyError: no such prefill in flight; ValueError: it has one."""
         out = self.active.get(transfer_id)
@@ -134,15 +138,24 @@ class KVStreamer:
                 out.pinned += blocks
                 out.held = True
             if time.monotonic() > out.deadline:
-                self._finish(engine, out, None, TransferStatus.TIMEOUT,
-                             "the decode worker sent no destination in time")
+                self._finish(
+                    engine,
+                    out,
+                    None,
+                    TransferStatus.TIMEOUT,
+                    "the decode worker sent no destination in time",
+                )
             return
-        upto = prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
+        upto = (
+            prompt_blocks if final else min(req.num_computed_tokens // bm.block_size, prompt_blocks)
+        )
         # The destination lists each KV group's blocks after its skip, group after group.
         pairs, base = [], 0
         for table, skip in zip(req.block_tables, out.group_skips):
-            pairs += [(table[i], out.dest_blocks[base + i - skip])
-                      for i in range(max(out.sent, skip), upto)]
+            pairs += [
+                (table[i], out.dest_blocks[base + i - skip])
+                for i in range(max(out.sent, skip), upto)
+            ]
             base += prompt_blocks - skip
         if not pairs and not final:
             return
@@ -165,8 +178,14 @@ class KVStreamer:
         if out is not None and result.status is TransferStatus.COMPLETE:
             out.on_done(result, out.first_token)
 
-    def _finish(self, engine: LLMEngine, out: Outgoing, result: TransferResult | None,
-                status: TransferStatus | None = None, error: str = "") -> None:
+    def _finish(
+        self,
+        engine: LLMEngine,
+        out: Outgoing,
+        result: TransferResult | None,
+        status: TransferStatus | None = None,
+        error: str = "",
+    ) -> None:
         self.active.pop(out.transfer_id, None)
         final_pending = self._final.pop(out.transfer_id, None) is not None
         engine.block_manager.pool.release(out.pinned)
@@ -181,12 +200,15 @@ class KVStreamer:
         if not (complete and out.first_token is not None and not final_pending):  # answered early
             out.on_done(result, out.first_token if complete else None)
         rid = req.request_id
-        if rid in self._waiters and not any(o.request.request_id == rid for o in self.active.values()):
+        if rid in self._waiters and not any(
+            o.request.request_id == rid for o in self.active.values()
+        ):
             for callback in self._waiters.pop(rid):
                 callback()
 
 
 def _first_token(req: Request) -> SampledToken:
     lp = req.logprobs[0] if req.logprobs else None
-    return SampledToken(req.output_token_ids[0], lp.logprob if lp else None,
-                        tuple(lp.top) if lp else ())
+    return SampledToken(
+        req.output_token_ids[0], lp.logprob if lp else None, tuple(lp.top) if lp else ()
+    )

@@ -36,6 +36,7 @@ prompt runs in this engine like any other (batched, chunked, own prefix cache) a
 request (engine/sampling/pooling.py) and the call returns its embedding; no KV leaves the worker.
 Cancelling the call or `Worker.Abort` aborts it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,9 +49,9 @@ from cluster.roles import Role
 from engine.core.limits import EngineLimits
 from engine.llm_engine import LLMEngine
 from engine.processing.outputs import CompletionDelta
+from engine.processing.tokens import SampledToken
 from engine.sampling.pooling import PoolingParams, PoolingType
 from engine.sampling.sampling_params import SamplingParams
-from engine.processing.tokens import SampledToken
 from kvtransfer import TransferResult, TransferStatus
 from prefill_node.kv_streamer import KVStreamer, Outgoing
 from proto import pdserve_pb2 as pb
@@ -94,8 +95,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
                 if self._destinations.get(tid) is slot:
                     del self._destinations[tid]
 
-    async def _prefill(self, request: pb.PrefillRequest,
-                       slot: asyncio.Future[pb.KVDestination] | None) -> pb.PrefillResponse:
+    async def _prefill(
+        self, request: pb.PrefillRequest, slot: asyncio.Future[pb.KVDestination] | None
+    ) -> pb.PrefillResponse:
         """`slot`: where a deferred destination arrives (SetDestination), else None."""
         ctx = self.ctx
         params = sampling_from_pb(request.sampling)
@@ -104,16 +106,25 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         dest = request.destination
         limits = ctx.limits
         # Deferred: the block ids come in SetDestination; keep every prompt block until then.
-        skips = [0] * limits.kv_groups if slot is not None else _destination_skips(
-            dest, limits, len(request.prompt_token_ids))
+        skips = (
+            [0] * limits.kv_groups
+            if slot is not None
+            else _destination_skips(dest, limits, len(request.prompt_token_ids))
+        )
         if not dest.transfer_id:
             raise ValueError("destination.transfer_id is required")
         await self.peers.check(dest.peer_metadata)
         peer = await asyncio.to_thread(ctx.add_peer, dest.peer_metadata)
         # A structured request compiles its grammar here (the first token obeys it), a LoRA
         # request loads its adapter if needed (the decode worker's).
-        req = await ctx.make_request(request.request_id, list(request.prompt_token_ids), params,
-                                    request.cache_salt, request.priority, request_lora(request))
+        req = await ctx.make_request(
+            request.request_id,
+            list(request.prompt_token_ids),
+            params,
+            request.cache_salt,
+            request.priority,
+            request_lora(request),
+        )
         req.keep_blocks_from = skips  # streamed out: kept whatever the windows
         if request.HasField("kv_source"):  # a peer holds more of the prompt: pull, then compute
             await self.puller.pull(req, request.kv_source)
@@ -123,10 +134,13 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             ctx.settle(done, (result, first_token))
 
         out = Outgoing(
-            request=req, transfer_id=dest.transfer_id, peer=peer,
+            request=req,
+            transfer_id=dest.transfer_id,
+            peer=peer,
             dest_blocks=None if slot is not None else list(dest.block_ids),
             group_skips=None if slot is not None else skips,
-            deadline=time.monotonic() + (dest.deadline_s or ctx.kv_timeout_s), on_done=on_done,
+            deadline=time.monotonic() + (dest.deadline_s or ctx.kv_timeout_s),
+            on_done=on_done,
         )
 
         def start(engine: LLMEngine) -> None:
@@ -134,12 +148,15 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             self.streamer.add(out)
 
         await ctx.call(start)
-        placing = None if slot is None else asyncio.ensure_future(self._place_when_given(slot, out, done))
+        placing = (
+            None if slot is None else asyncio.ensure_future(self._place_when_given(slot, out, done))
+        )
         try:
             result, first_token = await done
         except BaseException:  # cancelled, or a destination that does not fit the prompt
             await asyncio.shield(
-                ctx.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id)))
+                ctx.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id))
+            )
             raise
         finally:
             if placing is not None:
@@ -163,7 +180,10 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         slot for kv_timeout, at most MAX_PENDING_DESTINATIONS of them)."""
         if not request.transfer_id:
             raise ValueError("transfer_id is required")
-        if request.transfer_id not in self._destinations and len(self._destinations) >= MAX_PENDING_DESTINATIONS:
+        if (
+            request.transfer_id not in self._destinations
+            and len(self._destinations) >= MAX_PENDING_DESTINATIONS
+        ):
             raise ResourceExhausted(f"{MAX_PENDING_DESTINATIONS} destinations are already waiting")
         slot = self._destination_slot(request.transfer_id)
         if slot.done():
@@ -185,8 +205,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if self._destinations.get(transfer_id) is slot and slot.done():  # no Prefill waits on it
             del self._destinations[transfer_id]
 
-    async def _place_when_given(self, slot: asyncio.Future[pb.KVDestination], out: Outgoing,
-                                done: asyncio.Future[Any]) -> None:
+    async def _place_when_given(
+        self, slot: asyncio.Future[pb.KVDestination], out: Outgoing, done: asyncio.Future[Any]
+    ) -> None:
         """Hand the deferred destination to the streamer once it comes; one that does not
         fit the prompt fails the Prefill (through `done`)."""
         given: pb.KVDestination = await slot
@@ -210,11 +231,18 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
     async def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
         ctx, rid = self.ctx, request.request_id
         # PoolingParams checks the type named (ValueError for an unknown one).
-        pooling = PoolingParams(cast(PoolingType, request.pooling_type or "last"),
-                                request.normalize if request.HasField("normalize") else True)
-        req = await ctx.make_request(rid, list(request.prompt_token_ids),
-                                     SamplingParams(max_tokens=1), request.cache_salt,
-                                     request.priority, pooling=pooling)
+        pooling = PoolingParams(
+            cast(PoolingType, request.pooling_type or "last"),
+            request.normalize if request.HasField("normalize") else True,
+        )
+        req = await ctx.make_request(
+            rid,
+            list(request.prompt_token_ids),
+            SamplingParams(max_tokens=1),
+            request.cache_salt,
+            request.priority,
+            pooling=pooling,
+        )
         ctx.limits.check_fits(req.num_tokens)  # invalid input fails before any work
         queue = ctx.open_stream(rid)
         self._embeds[rid] = queue
@@ -230,8 +258,11 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         if delta is None or delta.embedding is None:
             raise Unavailable(f"request {rid} was aborted")
         ctx.metrics.embeddings.inc()
-        return pb.EmbedResponse(embedding=delta.embedding, num_prompt_tokens=delta.num_prompt_tokens,
-                                num_cached_tokens=delta.num_cached_tokens)
+        return pb.EmbedResponse(
+            embedding=delta.embedding,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_cached_tokens=delta.num_cached_tokens,
+        )
 
     def _cancel(self, engine: LLMEngine, transfer_id: str, request_id: str) -> None:
         self.streamer.cancel(engine, transfer_id)
@@ -256,14 +287,18 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         return found
 
 
-def _destination_skips(dest: pb.KVDestination, limits: EngineLimits,
-                       num_prompt_tokens: int) -> list[int]:
+def _destination_skips(
+    dest: pb.KVDestination, limits: EngineLimits, num_prompt_tokens: int
+) -> list[int]:
     """Each KV group's skipped leading blocks of a destination, checked against the prompt:
     block_ids holds each group's blocks after its skip, group after group. ValueError if not."""
     prompt_blocks = limits.blocks_for(num_prompt_tokens)
     skips = list(dest.group_skip_blocks) or [dest.num_skip_blocks] * limits.kv_groups
-    if len(skips) != limits.kv_groups or not all(0 <= s <= prompt_blocks for s in skips) \
-            or len(dest.block_ids) != sum(prompt_blocks - s for s in skips):
+    if (
+        len(skips) != limits.kv_groups
+        or not all(0 <= s <= prompt_blocks for s in skips)
+        or len(dest.block_ids) != sum(prompt_blocks - s for s in skips)
+    ):
         raise ValueError(
             f"destination skips {skips} and covers {len(dest.block_ids)} blocks; the prompt "
             f"has {prompt_blocks} in each of {limits.kv_groups} KV groups"

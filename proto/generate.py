@@ -2,6 +2,7 @@
 
 Generation runs from the repository root with `-I .`, so generated modules import each other
 package-qualified (`from proto import pdserve_pb2`)."""
+
 from __future__ import annotations
 
 import sys
@@ -17,9 +18,18 @@ def generate(out_dir: Path = REPO) -> None:
     # A child process: grpc_tools' bundled protobuf crashes when loaded into a process that
     # already holds torch/NIXL (seen in the full test run).
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO}", f"--python_out={out_dir}",
-         f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos],
-        cwd=REPO, check=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{REPO}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            *protos,
+        ],
+        cwd=REPO,
+        check=True,
     )
 
 

@@ -3,6 +3,7 @@ the request message (`generate_request`), what it streams back (`Delta`, from ea
 its latency and token metrics (`CallMetrics`), and how a failure is classified
 (`WorkerFailed`: before or after the first token; a refused request is a 400 `APIError`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -13,9 +14,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from cluster.convert import logprob_from_pb, lora_to_pb, sampling_to_pb, stop_reason_from_pb
-from engine.sampling.sampling_params import SamplingParams
 from engine.processing.tokens import Logprob as TokenLogprob
 from engine.processing.tokens import Resume
+from engine.sampling.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from router.http.errors import APIError
 from router.metrics import RouterMetrics
@@ -46,8 +47,9 @@ class FailureReason(str, enum.Enum):
 
 
 class WorkerFailed(Exception):
-    def __init__(self, message: str, after_first_token: bool,
-                 reason: FailureReason = FailureReason.ERROR) -> None:
+    def __init__(
+        self, message: str, after_first_token: bool, reason: FailureReason = FailureReason.ERROR
+    ) -> None:
         super().__init__(message)
         self.after_first_token = after_first_token
         self.reason = reason
@@ -55,21 +57,31 @@ class WorkerFailed(Exception):
 
 def delta_from_pb(msg: pb.GenerateResponse) -> Delta:
     return Delta(
-        index=msg.index, token_ids=list(msg.token_ids), text=msg.text,
+        index=msg.index,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
         logprobs=[logprob_from_pb(lp) for lp in msg.logprobs],
-        finish_reason=msg.finish_reason or None, cached_tokens=msg.usage.cached_tokens,
+        finish_reason=msg.finish_reason or None,
+        cached_tokens=msg.usage.cached_tokens,
         stop_reason=stop_reason_from_pb(msg),
         prompt_logprobs=[logprob_from_pb(lp) for lp in msg.prompt_logprobs] or None,
     )
 
 
-def generate_request(placement: Placement, prompt: PromptKey, sampling: SamplingParams,
-                      priority: int, resume: Resume | None) -> pb.GenerateRequest:
+def generate_request(
+    placement: Placement,
+    prompt: PromptKey,
+    sampling: SamplingParams,
+    priority: int,
+    resume: Resume | None,
+) -> pb.GenerateRequest:
     if resume is not None:  # prompt logprobs came with the first update already
         sampling = replace(sampling, prompt_logprobs=None)
     request = pb.GenerateRequest(
-        request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
-        sampling=sampling_to_pb(sampling), cache_salt=prompt.cache_salt or "",
+        request_id=f"rt-{uuid.uuid4().hex}",
+        prompt_token_ids=prompt.token_ids,
+        sampling=sampling_to_pb(sampling),
+        cache_salt=prompt.cache_salt or "",
         priority=priority,
     )
     if prompt.lora is not None:
@@ -128,21 +140,32 @@ class CallMetrics:
 
 # Failure classification. `yielded`: an update already reached the client (no retry then).
 
+
 def failed_completion(decode: WorkerState, delta: Delta, yielded: bool) -> WorkerFailed:
-    return WorkerFailed(f"decode worker {decode.info.worker_id}: completion {delta.index} "
-                        f"ended with {delta.finish_reason}", yielded)
+    return WorkerFailed(
+        f"decode worker {decode.info.worker_id}: completion {delta.index} "
+        f"ended with {delta.finish_reason}",
+        yielded,
+    )
 
 
 def unfinished(decode: WorkerState, missing: int, yielded: bool) -> WorkerFailed:
-    return WorkerFailed(f"decode worker {decode.info.worker_id} ended the stream with "
-                        f"{missing} completions unfinished", yielded)
+    return WorkerFailed(
+        f"decode worker {decode.info.worker_id} ended the stream with "
+        f"{missing} completions unfinished",
+        yielded,
+    )
 
 
-def rpc_failure(decode: WorkerState, exc: grpc.aio.AioRpcError,
-                 yielded: bool) -> APIError | WorkerFailed:
+def rpc_failure(
+    decode: WorkerState, exc: grpc.aio.AioRpcError, yielded: bool
+) -> APIError | WorkerFailed:
     """INVALID_ARGUMENT before any update: the request itself was refused (a 400, not
     retried); anything else: the worker failed."""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not yielded:
         return APIError(400, f"rejected by the decode worker: {exc.details()}")
-    return WorkerFailed(f"decode worker {decode.info.worker_id} at {decode.info.grpc_address}: "
-                        f"{exc.code().name}: {exc.details()}", yielded)
+    return WorkerFailed(
+        f"decode worker {decode.info.worker_id} at {decode.info.grpc_address}: "
+        f"{exc.code().name}: {exc.details()}",
+        yielded,
+    )

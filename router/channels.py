@@ -2,6 +2,7 @@
 
 A worker that leaves has its channel retired: closed at once if no request uses it, else
 when the last one ends (a worker that lost its etcd lease may still be streaming tokens)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,7 @@
 """`pdserve router`: flags (from RouterConfig's fields, engine.flags) -> RouterConfig ->
 router.server.serve. Importing this module is cheap (argparse and the config); the HTTP, gRPC
 and etcd stacks load when the command runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,12 @@ def register(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_flags(p, RouterConfig)
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"],
-                   help="the router process's logging level (not part of RouterConfig)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the router process's logging level (not part of RouterConfig)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -34,6 +38,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from router.server import serve
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return serve(config_from_args(args), log_level=args.log_level)

@@ -1,5 +1,6 @@
 """The router's configuration: one frozen tree, built once from the command line; its flags
 come from the fields (engine.flags; router/cli.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,25 +72,35 @@ class PlacementConfig:
     the worker has measured it."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [
-            (self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}"),
-            (self.prefix_weight >= 0, "prefix_weight", "must be >= 0"),
-            (self.load_weight >= 0, "load_weight", "must be >= 0"),
-            (self.kv_weight >= 0, "kv_weight", "must be >= 0"),
-            (self.load_scale > 0, "load_scale", "must be > 0"),
-            (self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0"),
-            (self.prefill_queue_limit >= 0, "prefill_queue_limit", "must be >= 0"),
-            (self.local_prefill_max_tokens is None or self.local_prefill_max_tokens >= 0,
-             "local_prefill_max_tokens", "must be >= 0"),
-            (self.itl_slo_ms >= 0, "itl_slo_ms", "must be >= 0"),
-            (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
-            (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
-            (self.lora_weight >= 0, "lora_weight", "must be >= 0"),
-            (self.lora_load_s >= 0, "lora_load_s", "must be >= 0"),
-            (self.default_kv_pull_rate > 0, "default_kv_pull_rate", "must be > 0"),
-            (self.default_kv_promote_s >= 0, "default_kv_promote_s", "must be >= 0"),
-            (self.default_kv_pull_overhead_s >= 0, "default_kv_pull_overhead_s", "must be >= 0"),
-        ])
+        check_fields(
+            self,
+            [
+                (self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}"),
+                (self.prefix_weight >= 0, "prefix_weight", "must be >= 0"),
+                (self.load_weight >= 0, "load_weight", "must be >= 0"),
+                (self.kv_weight >= 0, "kv_weight", "must be >= 0"),
+                (self.load_scale > 0, "load_scale", "must be > 0"),
+                (self.local_prefill_threshold >= 0, "local_prefill_threshold", "must be >= 0"),
+                (self.prefill_queue_limit >= 0, "prefill_queue_limit", "must be >= 0"),
+                (
+                    self.local_prefill_max_tokens is None or self.local_prefill_max_tokens >= 0,
+                    "local_prefill_max_tokens",
+                    "must be >= 0",
+                ),
+                (self.itl_slo_ms >= 0, "itl_slo_ms", "must be >= 0"),
+                (self.default_prefill_rate > 0, "default_prefill_rate", "must be > 0"),
+                (self.max_waiting_per_worker >= 0, "max_waiting_per_worker", "must be >= 0"),
+                (self.lora_weight >= 0, "lora_weight", "must be >= 0"),
+                (self.lora_load_s >= 0, "lora_load_s", "must be >= 0"),
+                (self.default_kv_pull_rate > 0, "default_kv_pull_rate", "must be > 0"),
+                (self.default_kv_promote_s >= 0, "default_kv_promote_s", "must be >= 0"),
+                (
+                    self.default_kv_pull_overhead_s >= 0,
+                    "default_kv_pull_overhead_s",
+                    "must be >= 0",
+                ),
+            ],
+        )
 
 
 @dataclass(frozen=True)
@@ -151,18 +162,40 @@ class LimitsConfig:
     limited."""
 
     def __post_init__(self) -> None:
-        positive = ("max_request_body_bytes", "request_header_timeout_s",
-                    "request_body_timeout_s", "limit_concurrency", "timeout_keep_alive_s",
-                    "max_prompts_per_request", "max_choices_per_request", "max_grammar_bytes",
-                    "grammar_compile_timeout_s", "grammar_compile_processes",
-                    "tokenizer_threads")
-        check_fields(self, [(getattr(self, name) > 0, name, "must be > 0") for name in positive]
-                     + [(getattr(self, name) >= 0, name, "must be >= 0")
-                        for name in ("max_stop_strings", "max_bad_words", "max_logit_bias",
-                                     "max_concurrent_requests_per_key",
-                                     "max_tokens_per_minute_per_key")]
-                     + [(self.max_prompt_chars is None or self.max_prompt_chars > 0,
-                         "max_prompt_chars", "must be > 0")])
+        positive = (
+            "max_request_body_bytes",
+            "request_header_timeout_s",
+            "request_body_timeout_s",
+            "limit_concurrency",
+            "timeout_keep_alive_s",
+            "max_prompts_per_request",
+            "max_choices_per_request",
+            "max_grammar_bytes",
+            "grammar_compile_timeout_s",
+            "grammar_compile_processes",
+            "tokenizer_threads",
+        )
+        check_fields(
+            self,
+            [(getattr(self, name) > 0, name, "must be > 0") for name in positive]
+            + [
+                (getattr(self, name) >= 0, name, "must be >= 0")
+                for name in (
+                    "max_stop_strings",
+                    "max_bad_words",
+                    "max_logit_bias",
+                    "max_concurrent_requests_per_key",
+                    "max_tokens_per_minute_per_key",
+                )
+            ]
+            + [
+                (
+                    self.max_prompt_chars is None or self.max_prompt_chars > 0,
+                    "max_prompt_chars",
+                    "must be > 0",
+                )
+            ],
+        )
 
 
 @dataclass(frozen=True)
@@ -217,8 +250,9 @@ class RouterConfig:
     """Times one request may move to another decode worker after tokens were streamed (its
     worker failed or stalled); it resumes there from prompt + tokens sent. 0: never (the
     stream ends with an error event)."""
-    first_token_timeout_s: float = option(0.0, name="--first-token-timeout",
-                                          group="fault tolerance")
+    first_token_timeout_s: float = option(
+        0.0, name="--first-token-timeout", group="fault tolerance"
+    )
     """A call that streams no token within this many seconds is cancelled and retried on
     another worker. 0: off (a request may legitimately queue behind others for long)."""
     stall_timeout_s: float = option(60.0, name="--stall-timeout", group="fault tolerance")
@@ -248,24 +282,27 @@ class RouterConfig:
     router that answered it."""
     response_store_max_entries: int = option(1024, group="responses API", metavar="N")
     """Most responses kept; past it, the least recently used goes first."""
-    response_store_max_bytes: int = option(256 << 20, type=parse_size, metavar="BYTES",
-                                           group="responses API")
+    response_store_max_bytes: int = option(
+        256 << 20, type=parse_size, metavar="BYTES", group="responses API"
+    )
     """Most conversation text kept, as JSON, summed over the responses kept (e.g. 256MiB);
     past it, the least recently used go first."""
     generation_config: str = "auto"
     """Sampling defaults for fields a request omits (temperature, top_p, top_k, min_p,
     repetition_penalty; max_new_tokens for chat): "auto" = the model's generation_config.json,
     "vllm" = none (built-in defaults), or a folder holding a generation_config.json."""
-    allowed_worker_cidrs: tuple[IPNetwork, ...] = option(ANY, type=parse_network,
-                                                         group="security", metavar="CIDR")
+    allowed_worker_cidrs: tuple[IPNetwork, ...] = option(
+        ANY, type=parse_network, group="security", metavar="CIDR"
+    )
     """Networks a registration's gRPC and metrics addresses must lie in (IP addresses; a
     host name is refused unless every address is allowed); others are ignored, with one
     warning each, so a forged registration gets no prompts and no /metrics fetch. Default:
     any address; `pdserve up` passes 127.0.0.0/8 ::1/128."""
     limits: LimitsConfig = option(default_factory=LimitsConfig, group="limits")
     """Bounds on what one client may ask: body size, timeouts, batch sizes, grammars."""
-    endpoint_picker: EndpointPickerConfig = option(default_factory=EndpointPickerConfig,
-                                                   group=PICKER_GROUP)
+    endpoint_picker: EndpointPickerConfig = option(
+        default_factory=EndpointPickerConfig, group=PICKER_GROUP
+    )
     """The Gateway API Inference Extension endpoint picker this router can also serve."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
     """What the router presents to the workers' gRPC ports (and their KV-event streams): the
@@ -276,22 +313,37 @@ class RouterConfig:
         for name in ("api_key", "admin_api_key"):  # one key may be given as a string
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
-        check_fields(self, [
-            (0 < self.port < 65536, "port", "must be in 1..65535"),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
-            (self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0"),
-            (self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0"),
-            (self.max_retries >= 0, "max_retries", "must be >= 0"),
-            (self.max_migrations >= 0, "max_migrations", "must be >= 0"),
-            (self.first_token_timeout_s >= 0, "first_token_timeout_s", "must be >= 0"),
-            (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
-            (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
-            (self.max_n >= 1, "max_n", "must be >= 1"),
-            (self.response_store_max_entries >= 1, "response_store_max_entries", "must be >= 1"),
-            (self.response_store_max_bytes >= 1, "response_store_max_bytes", "must be >= 1"),
-            (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
-            (not self.endpoint_picker.port or self.endpoint_picker.endpoint is not None
-             or self.host not in WILDCARD_HOSTS, "endpoint_picker",
-             "needs --endpoint-picker-endpoint when --host is a wildcard address (the gateway "
-             "must be told an address it can reach)"),
-        ])
+        check_fields(
+            self,
+            [
+                (0 < self.port < 65536, "port", "must be in 1..65535"),
+                (
+                    self.max_model_len is None or self.max_model_len >= 1,
+                    "max_model_len",
+                    "must be >= 1",
+                ),
+                (self.queue_timeout_s >= 0, "queue_timeout_s", "must be >= 0"),
+                (self.max_queued_requests >= 0, "max_queued_requests", "must be >= 0"),
+                (self.max_retries >= 0, "max_retries", "must be >= 0"),
+                (self.max_migrations >= 0, "max_migrations", "must be >= 0"),
+                (self.first_token_timeout_s >= 0, "first_token_timeout_s", "must be >= 0"),
+                (self.stall_timeout_s >= 0, "stall_timeout_s", "must be >= 0"),
+                (self.stale_after_s > 0, "stale_after_s", "must be > 0"),
+                (self.max_n >= 1, "max_n", "must be >= 1"),
+                (
+                    self.response_store_max_entries >= 1,
+                    "response_store_max_entries",
+                    "must be >= 1",
+                ),
+                (self.response_store_max_bytes >= 1, "response_store_max_bytes", "must be >= 1"),
+                (bool(self.allowed_worker_cidrs), "allowed_worker_cidrs", "must name a network"),
+                (
+                    not self.endpoint_picker.port
+                    or self.endpoint_picker.endpoint is not None
+                    or self.host not in WILDCARD_HOSTS,
+                    "endpoint_picker",
+                    "needs --endpoint-picker-endpoint when --host is a wildcard address (the gateway "
+                    "must be told an address it can reach)",
+                ),
+            ],
+        )

@@ -23,6 +23,7 @@ Life cycle of a request here:
    migrated unseeded request continues exactly as it would have, too.
 5. Closing the generator early (client disconnect) cancels the gRPC call: the worker aborts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,8 @@ from typing import AsyncGenerator, Callable, TypeVar
 import grpc
 
 from cluster.roles import Role
-from engine.sampling.sampling_params import SamplingParams
 from engine.processing.tokens import Resume
+from engine.sampling.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from router.call import (
     CallMetrics,
@@ -67,7 +68,7 @@ _SEEDS = random.SystemRandom()  # seeds for requests that bring none
 _FAILED = ("error", "abort")
 
 
-    # prompt token after the first
+# prompt token after the first
 
 
 def context_needed(prompt: PromptKey, sampling: SamplingParams) -> int:
@@ -97,8 +98,9 @@ class _Sent:
 
 
 class Dispatcher:
-    def __init__(self, config: RouterConfig, placer: Placer, channels: ChannelPool,
-                 metrics: RouterMetrics) -> None:
+    def __init__(
+        self, config: RouterConfig, placer: Placer, channels: ChannelPool, metrics: RouterMetrics
+    ) -> None:
         self.config = config
         self.placer = placer
         self.registry = placer.registry
@@ -106,44 +108,61 @@ class Dispatcher:
         self.metrics = metrics
         self.num_waiting = 0
 
-    async def acquire(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
-                      remote_prefill: bool = True, context: int = 0,
-                      hint: PlacementHint | None = None) -> Placement:
+    async def acquire(
+        self,
+        prompt: PromptKey,
+        exclude: frozenset[str] = frozenset(),
+        remote_prefill: bool = True,
+        context: int = 0,
+        hint: PlacementHint | None = None,
+    ) -> Placement:
         """`context`: the tokens (prompt + output) the decode worker must be able to hold.
         `hint`: the endpoint picker's choice, followed if those workers can take it now
         (router/placement/hint.py)."""
         policy = self.placer.policy.name
         placement = None
         if hint is not None:
-            placement = self.placer.place(prompt, exclude | hint.exclusion(self.registry.all()),
-                                          remote_prefill, context)
+            placement = self.placer.place(
+                prompt, exclude | hint.exclusion(self.registry.all()), remote_prefill, context
+            )
             self.metrics.placement_hints.labels(
-                "followed" if placement is not None else "overridden").inc()
+                "followed" if placement is not None else "overridden"
+            ).inc()
         if placement is None:
             placement = self.placer.place(prompt, exclude, remote_prefill, context)
         if placement is None:
             placement = await self.wait_for(
                 lambda: self.placer.place(prompt, exclude, remote_prefill, context),
-                "no worker has capacity for this request")
+                "no worker has capacity for this request",
+            )
         self.metrics.decisions.labels(policy, placement.decision.reason.value).inc()
-        self.metrics.note_decision(policy, placement.decision.reason.value,
-                                   placement.decode.info.worker_id,
-                                   placement.prefill.info.worker_id if placement.prefill else None,
-                                   placement.decision.predicted_cached_tokens)
+        self.metrics.note_decision(
+            policy,
+            placement.decision.reason.value,
+            placement.decode.info.worker_id,
+            placement.prefill.info.worker_id if placement.prefill else None,
+            placement.decision.predicted_cached_tokens,
+        )
         return placement
 
-    async def acquire_prefill(self, prompt: PromptKey,
-                              exclude: frozenset[str] = frozenset()) -> WorkerState:
+    async def acquire_prefill(
+        self, prompt: PromptKey, exclude: frozenset[str] = frozenset()
+    ) -> WorkerState:
         """A prefill worker for prompt-only work (an embedding): the policy's prefill choice
         (prefix affinity, queued prefill work), waited for as `acquire` waits; 503 at once
         when no prefill worker is registered."""
         if not self.registry.by_role(Role.PREFILL):
-            raise APIError(503, "no prefill worker is registered (embeddings run on the prefill "
-                           "pool only)", code="no_prefill_workers")
+            raise APIError(
+                503,
+                "no prefill worker is registered (embeddings run on the prefill pool only)",
+                code="no_prefill_workers",
+            )
         worker = self.placer.place_prefill(prompt, exclude)
         if worker is None:
-            worker = await self.wait_for(lambda: self.placer.place_prefill(prompt, exclude),
-                                         "no prefill worker is available for this request")
+            worker = await self.wait_for(
+                lambda: self.placer.place_prefill(prompt, exclude),
+                "no prefill worker is available for this request",
+            )
         self.metrics.embedding_placements.labels(worker.info.role).inc()
         return worker
 
@@ -178,9 +197,14 @@ class Dispatcher:
         retry_after = str(max(1, round(self.config.queue_timeout_s / 2)))
         return APIError(503, message, code="overloaded", headers={"Retry-After": retry_after})
 
-    async def generate(self, prompt: PromptKey, sampling: SamplingParams,
-                       arrival: float, priority: int = 0,
-                       hint: PlacementHint | None = None) -> AsyncGenerator[Delta, None]:
+    async def generate(
+        self,
+        prompt: PromptKey,
+        sampling: SamplingParams,
+        arrival: float,
+        priority: int = 0,
+        hint: PlacementHint | None = None,
+    ) -> AsyncGenerator[Delta, None]:
         """Deltas of every completion of one prompt, until each has finished; failures are
         retried or migrated (module docstring, 3 and 4). `hint`: followed on the first attempt
         only."""
@@ -196,17 +220,20 @@ class Dispatcher:
                 # Decode workers prefill n > 1, prompt-logprobs and resumed requests
                 # themselves (engine Request.remote_prefill_ok), so those are placed as local.
                 placement = await self.acquire(
-                    prompt, frozenset(exclude),
+                    prompt,
+                    frozenset(exclude),
                     remote_prefill=sampling.remote_prefill_ok and resume is None,
                     context=context_needed(prompt, sampling),
-                    hint=hint if not exclude and resume is None else None)
+                    hint=hint if not exclude and resume is None else None,
+                )
             except APIError:
                 if resume is not None:
                     self.metrics.migration_failures.labels("no_worker").inc()
                 raise
             try:
-                async with aclosing(self._run(placement, prompt, sampling, arrival,
-                                              priority, resume)) as stream:
+                async with aclosing(
+                    self._run(placement, prompt, sampling, arrival, priority, resume)
+                ) as stream:
                     async for delta in stream:
                         if failed_at is not None and delta.token_ids:
                             self.metrics.migration_seam.observe(time.monotonic() - failed_at)
@@ -216,7 +243,8 @@ class Dispatcher:
                 return
             except WorkerFailed as exc:
                 self.metrics.worker_failures.labels(
-                    "after_first_token" if exc.after_first_token else "before_first_token").inc()
+                    "after_first_token" if exc.after_first_token else "before_first_token"
+                ).inc()
                 exclude.add(placement.decode.info.worker_id)
                 if not sent.started:
                     if retries == self.config.max_retries:
@@ -227,20 +255,32 @@ class Dispatcher:
                     if placement.prefill is not None:
                         exclude.add(placement.prefill.info.worker_id)
                     continue
-                refused = ("n" if sampling.n > 1 else
-                           "limit" if migrations == self.config.max_migrations else None)
+                refused = (
+                    "n"
+                    if sampling.n > 1
+                    else "limit"
+                    if migrations == self.config.max_migrations
+                    else None
+                )
                 if refused is not None:
                     self.metrics.migration_failures.labels(refused).inc()
                     raise
                 migrations += 1
                 failed_at = time.monotonic()
-                log.warning("migrating after %d tokens (%s): %s", len(sent.token_ids),
-                            exc.reason.value, exc)
+                log.warning(
+                    "migrating after %d tokens (%s): %s", len(sent.token_ids), exc.reason.value, exc
+                )
                 self.metrics.migrations.labels(exc.reason.value).inc()
 
-    async def _run(self, placement: Placement, prompt: PromptKey, sampling: SamplingParams,
-                   arrival: float, priority: int,
-                   resume: Resume | None = None) -> AsyncGenerator[Delta, None]:
+    async def _run(
+        self,
+        placement: Placement,
+        prompt: PromptKey,
+        sampling: SamplingParams,
+        arrival: float,
+        priority: int,
+        resume: Resume | None = None,
+    ) -> AsyncGenerator[Delta, None]:
         """One attempt: the Generate call under this router's in-flight accounting, observed
         by the metrics, its failures classified for `generate`. `resume`: a migration."""
         decode = placement.decode
@@ -249,15 +289,17 @@ class Dispatcher:
         finished: set[int] = set()
         yielded = resume is not None  # the caller has updates already: never a 400 now
         # A resumed call's first token is not the request's first: the stall timeout holds.
-        first_timeout = (self.config.stall_timeout_s if resume is not None
-                         else self.config.first_token_timeout_s)
+        first_timeout = (
+            self.config.stall_timeout_s if resume is not None else self.config.first_token_timeout_s
+        )
         placed_at = time.monotonic()
         estimated_ttft_s = placement.decision.estimated_ttft_s
         learn = resume is None and estimated_ttft_s is not None
         with InFlight(placement, len(prompt.token_ids), self.metrics, self.registry) as load:
             try:
-                async with aclosing(self._call(decode.info.grpc_address, request,
-                                               first_timeout)) as messages:
+                async with aclosing(
+                    self._call(decode.info.grpc_address, request, first_timeout)
+                ) as messages:
                     async for msg in messages:
                         delta = delta_from_pb(msg)
                         if delta.finish_reason in _FAILED:
@@ -267,8 +309,10 @@ class Dispatcher:
                             if learn and estimated_ttft_s is not None:  # what it missed
                                 learn = False
                                 self.placer.policy.correction.observe(
-                                    placement.decision.path, estimated_ttft_s,
-                                    time.monotonic() - placed_at)
+                                    placement.decision.path,
+                                    estimated_ttft_s,
+                                    time.monotonic() - placed_at,
+                                )
                         observer.ondelta_from_pb(delta)
                         if delta.finish_reason is not None:
                             finished.add(delta.index)
@@ -277,15 +321,18 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 raise rpc_failure(decode, exc, yielded) from None
             except _CallStalled as exc:
-                raise WorkerFailed(f"decode worker {decode.info.worker_id}: {exc}", yielded,
-                                   FailureReason.STALL_TIMEOUT if yielded
-                                   else FailureReason.FIRST_TOKEN_TIMEOUT) from None
+                raise WorkerFailed(
+                    f"decode worker {decode.info.worker_id}: {exc}",
+                    yielded,
+                    FailureReason.STALL_TIMEOUT if yielded else FailureReason.FIRST_TOKEN_TIMEOUT,
+                ) from None
             if len(finished) < sampling.n:
                 raise unfinished(decode, sampling.n - len(finished), yielded)
             observer.on_success(len(prompt.token_ids), placement.decision.predicted_cached_tokens)
 
-    async def _call(self, address: str, request: pb.GenerateRequest,
-                    first_timeout: float) -> AsyncGenerator[pb.GenerateResponse, None]:
+    async def _call(
+        self, address: str, request: pb.GenerateRequest, first_timeout: float
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """`DecodeWorker.Generate` at `address`, message by message; `_CallStalled` when the
         first message takes over `first_timeout` s, a later one over `stall_timeout_s` (0:
         no limit; time spent by our consumer does not count). Closing this early cancels the

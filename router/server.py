@@ -1,6 +1,7 @@
 """Assembly of a router: model card, worker registry + etcd watch, KV index + subscriptions,
 placement, dispatcher, metrics; `serve` builds the app over them and runs it under uvicorn
 until interrupted."""
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,8 @@ INLINE_BODY_BYTES = 16 << 10  # bodies up to this are parsed and tokenized on th
 
 def load_model_card(config: RouterConfig) -> ModelCard:
     """Tokenizer, chat template and context length of the served model (no weights)."""
-    from engine.processing.generation_config import load_generation_config, sampling_defaults
     from engine.models.prepare import resolve_model_path
+    from engine.processing.generation_config import load_generation_config, sampling_defaults
 
     path = resolve_model_path(config.model)
     if not (path / "tokenizer.json").is_file():
@@ -62,16 +63,24 @@ def load_model_card(config: RouterConfig) -> ModelCard:
         tok.set_chat_template(_template_text(config.chat.chat_template))
     max_len = config.max_model_len or int(hf.get("max_position_embeddings", 2048))
     name = config.served_model_name or path.name
-    defaults = sampling_defaults(load_generation_config(config.generation_config,
-                                                        tok.generation_config))
+    defaults = sampling_defaults(
+        load_generation_config(config.generation_config, tok.generation_config)
+    )
     if defaults:
-        log.info("sampling defaults from the generation config (%s): %s",
-                 config.generation_config, defaults)
+        log.info(
+            "sampling defaults from the generation config (%s): %s",
+            config.generation_config,
+            defaults,
+        )
     return ModelCard(
-        name=name, tokenizer=tok, max_model_len=max_len,
+        name=name,
+        tokenizer=tok,
+        max_model_len=max_len,
         vocab_size=int(hf.get("vocab_size", tok.vocab_size)),
-        aliases=frozenset({config.model, path.name, str(path)}), max_n=config.max_n,
-        sampling_defaults=defaults, chat=chat_options(config.chat, tok),
+        aliases=frozenset({config.model, path.name, str(path)}),
+        max_n=config.max_n,
+        sampling_defaults=defaults,
+        chat=chat_options(config.chat, tok),
     )
 
 
@@ -96,21 +105,30 @@ def chat_options(config: ChatConfig, tok: Tokenizer) -> ChatOptions:
     reasoning = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
     markers = None
     if reasoning is not None:
-        markers = (tuple(tok.encode(reasoning.start, add_special_tokens=False)),
-                   tuple(tok.encode(reasoning.end, add_special_tokens=False)))
+        markers = (
+            tuple(tok.encode(reasoning.start, add_special_tokens=False)),
+            tuple(tok.encode(reasoning.end, add_special_tokens=False)),
+        )
     return ChatOptions(
         auto_tool_choice=config.enable_auto_tool_choice,
         tool_parser=tool_parser(config.tool_call_parser) if config.tool_call_parser else None,
-        reasoning_parser=reasoning, reasoning_markers=markers)
+        reasoning_parser=reasoning,
+        reasoning_markers=markers,
+    )
 
 
 class RouterServices:
     """Everything a running router owns (the app sees it as `router.services.Services`).
     Background work starts in `start` (inside the event loop) and stops in `stop`."""
 
-    def __init__(self, config: RouterConfig, card: ModelCard, keys: Keys,
-                 etcd_credentials: EtcdCredentials | None = None,
-                 auth: ClusterAuth = OPEN) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        card: ModelCard,
+        keys: Keys,
+        etcd_credentials: EtcdCredentials | None = None,
+        auth: ClusterAuth = OPEN,
+    ) -> None:
         """`etcd_credentials` open the registry's etcd watch; `auth`: what the channels to the
         workers present. Both are resolved from the config at start (`serve`); None / open for
         a cluster that asks for nothing."""
@@ -126,20 +144,26 @@ class RouterServices:
         self.kv_subscriptions = KVSubscriptions(self.index, self.channels)
         self.registry.add_listener(self.kv_subscriptions.on_added, self._on_removed)
         self.registry.add_weights_listener(self.kv_subscriptions.on_new_weights)
-        self.placer = Placer(self.registry, self.index, make_policy(config.placement),
-                             self.metrics)
+        self.placer = Placer(self.registry, self.index, make_policy(config.placement), self.metrics)
         self.dispatcher = Dispatcher(config, self.placer, self.channels, self.metrics)
         self.tokens = TokenText(card.tokenizer)
         self.loras = LoRAAdapters(self.registry, self.channels, config.lora_modules)
         self.admin = FleetAdmin(self.registry, self.channels, config.queue_timeout_s)
         limits = config.limits
         self.key_limits = KeyLimits(
-            limits.max_concurrent_requests_per_key, limits.max_tokens_per_minute_per_key,
-            on_refused=lambda reason: self.metrics.rate_limited.labels(reason.value).inc())
-        self.grammars = Grammars(card.tokenizer, card.vocab_size,
-                                 limits.grammar_compile_processes, limits.grammar_compile_timeout_s)
-        self._tokenizer_pool = ThreadPoolExecutor(limits.tokenizer_threads,
-                                                  thread_name_prefix="tokenize")
+            limits.max_concurrent_requests_per_key,
+            limits.max_tokens_per_minute_per_key,
+            on_refused=lambda reason: self.metrics.rate_limited.labels(reason.value).inc(),
+        )
+        self.grammars = Grammars(
+            card.tokenizer,
+            card.vocab_size,
+            limits.grammar_compile_processes,
+            limits.grammar_compile_timeout_s,
+        )
+        self._tokenizer_pool = ThreadPoolExecutor(
+            limits.tokenizer_threads, thread_name_prefix="tokenize"
+        )
         self._watch: asyncio.Task | None = None
         self._picker: grpc.aio.Server | None = None
 
@@ -153,7 +177,9 @@ class RouterServices:
         decode worker (else by any registered one, draining or stale), else the model card's."""
         decode = [w for w in self.registry.by_role(Role.DECODE) if w.info.max_model_len > 0]
         live = [w for w in self.registry.ready(Role.DECODE) if w.info.max_model_len > 0]
-        return max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
+        return (
+            max(w.info.max_model_len for w in live or decode) if decode else self.card.max_model_len
+        )
 
     def _refusal(self, info: WorkerInfo) -> Refusal | None:
         if not (info.model_id in self.card.aliases or info.model_id == self.card.name):
@@ -167,8 +193,9 @@ class RouterServices:
             self.channels.retire(info.grpc_address)
 
     async def start(self, sync_timeout_s: float = 5.0) -> None:
-        watcher = EtcdWatcher(self.registry, self.config.etcd, self.config.cluster,
-                              credentials=self.etcd_credentials)
+        watcher = EtcdWatcher(
+            self.registry, self.config.etcd, self.config.cluster, credentials=self.etcd_credentials
+        )
         self._watch = asyncio.create_task(watcher.run(), name="etcd-watch")
         try:
             async with asyncio.timeout(sync_timeout_s):
@@ -188,10 +215,17 @@ class RouterServices:
         cfg = self.config
         endpoint = cfg.endpoint_picker.endpoint or f"{cfg.host}:{cfg.port}"  # (config.py checks)
         self._picker, checks = await start_picker_server(
-            EndpointPicker(self, endpoint), cfg.host, cfg.endpoint_picker.port,
-            cfg.limits.max_request_body_bytes)
-        log.info("endpoint picker (ext_proc) on %s:%d, answering %s", cfg.host,
-                 cfg.endpoint_picker.port, endpoint)
+            EndpointPicker(self, endpoint),
+            cfg.host,
+            cfg.endpoint_picker.port,
+            cfg.limits.max_request_body_bytes,
+        )
+        log.info(
+            "endpoint picker (ext_proc) on %s:%d, answering %s",
+            cfg.host,
+            cfg.endpoint_picker.port,
+            endpoint,
+        )
 
         async def ready() -> None:
             await self.registry.synced.wait()
@@ -222,8 +256,7 @@ class RouterServices:
     def update_gauges(self) -> None:
         now = self.registry.clock()
         counts: dict[tuple[str, str], int] = {
-            (role, state): 0 for role in Role
-            for state in ("ready", "draining", "stale")
+            (role, state): 0 for role in Role for state in ("ready", "draining", "stale")
         }
         for w in self.registry.all():
             counts[(w.info.role, self.registry.state_of(w, now))] += 1
@@ -272,10 +305,22 @@ def serve(config: RouterConfig, log_level: str = "info") -> int:
     log.info("gRPC to the workers presents: %s", auth.describe())
     card = load_model_card(config)
     services = RouterServices(config, card, keys, etcd_credentials, auth)
-    server = _Server(uvicorn.Config(create_app(services), host=config.host, port=config.port,
-                                    log_level=log_level, timeout_graceful_shutdown=5,
-                                    **uvicorn_options(config.limits)))
-    log.info("router for %s on http://%s:%d (policy %s)", card.name, config.host, config.port,
-             config.placement.policy)
+    server = _Server(
+        uvicorn.Config(
+            create_app(services),
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            **uvicorn_options(config.limits),
+        )
+    )
+    log.info(
+        "router for %s on http://%s:%d (policy %s)",
+        card.name,
+        config.host,
+        config.port,
+        config.placement.policy,
+    )
     asyncio.run(server.serve())
     return 0 if server.started else 1

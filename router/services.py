@@ -1,6 +1,7 @@
 """What the HTTP surface (router/http/, router/endpoints/) needs from a running router. server.py's
 `RouterServices` is the real one; the app knows only this, so router's modules import one
 way: server -> app -> services."""
+
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager

@@ -1,6 +1,7 @@
 """Suite-wide set-up. Environment variables here must be set before any test module imports
 the packages that read them (Triton reads TRITON_INTERPRET at import; UCX reads its variables
 when the first NIXL agent is created)."""
+
 import os
 
 import torch

@@ -1,5 +1,6 @@
 """The metric names docs/metrics.md lists, and the names the code exports (read from the real
 collectors, fed a fake EngineStats), for the tests that keep docs, code and dashboards in step."""
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,9 @@ def documented() -> dict[str, tuple[str, str]]:
 def type_lines(exposition: str) -> dict[str, str]:
     """name -> type of every `# TYPE` line of Prometheus text (less prometheus_client's
     `*_created` timestamp gauges)."""
-    return {n: t for n, t in _TYPE.findall(exposition)
-            if not (n.endswith("_created") and t == "gauge")}
+    return {
+        n: t for n, t in _TYPE.findall(exposition) if not (n.endswith("_created") and t == "gauge")
+    }
 
 
 def exported() -> dict[str, dict[str, str]]:
@@ -46,13 +48,18 @@ def exported() -> dict[str, dict[str, str]]:
     from router.metrics import RouterMetrics
     from worker_runtime.metrics import WorkerMetrics
 
-    kv = SimpleNamespace(sender=SimpleNamespace(metrics=TransferMetrics("send")),
-                         receiver=SimpleNamespace(metrics=TransferMetrics("receive")))
+    kv = SimpleNamespace(
+        sender=SimpleNamespace(metrics=TransferMetrics("send")),
+        receiver=SimpleNamespace(metrics=TransferMetrics("receive")),
+    )
     worker = WorkerMetrics("decode", kv, "model", num_speculative_tokens=2)
-    worker.update(EngineStats(*([1] * 12), spec_accepted_per_pos=(1, 1)),
-                  SimpleNamespace(step_seconds=0.0))
-    return {"router": type_lines(generate_latest(RouterMetrics().registry).decode()),
-            "worker": type_lines(generate_latest(worker.registry).decode())}
+    worker.update(
+        EngineStats(*([1] * 12), spec_accepted_per_pos=(1, 1)), SimpleNamespace(step_seconds=0.0)
+    )
+    return {
+        "router": type_lines(generate_latest(RouterMetrics().registry).decode()),
+        "worker": type_lines(generate_latest(worker.registry).decode()),
+    }
 
 
 def series_names(exported_types: dict[str, str]) -> set[str]:

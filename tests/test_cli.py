@@ -1,16 +1,26 @@
 """The `pdserve` command end to end (offline parts)."""
+
 import subprocess
 import sys
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_answers_the_capital_of_france():
-    out = _pdserve("generate", "--chat", "--prompt", "What is the capital of France?",
-                   "--max-tokens", "16", "--kv-cache-memory", "64MiB")
+    out = _pdserve(
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+        "--kv-cache-memory",
+        "64MiB",
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
@@ -18,13 +28,30 @@ def test_generate_answers_the_capital_of_france():
 def test_help_lists_every_subcommand_without_loading_torch():
     out = _pdserve("--help")
     assert out.returncode == 0
-    for command in ("prepare-model", "generate", "prefill", "decode", "role", "etcd-users",
-                    "router", "up", "scale", "status", "bench"):
+    for command in (
+        "prepare-model",
+        "generate",
+        "prefill",
+        "decode",
+        "role",
+        "etcd-users",
+        "router",
+        "up",
+        "scale",
+        "status",
+        "bench",
+    ):
         assert command in out.stdout
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, pdserve.cli as c; c.build_parser(); "
-         "print(sorted(m for m in ('torch', 'grpc', 'fastapi') if m in sys.modules))"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, pdserve.cli as c; c.build_parser(); "
+            "print(sorted(m for m in ('torch', 'grpc', 'fastapi') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert probe.stdout.strip() == "[]"
 
@@ -36,8 +63,13 @@ def test_bad_model_path_is_a_clear_error():
 
 def test_up_refuses_a_malformed_speculative_config_before_starting_anything():
     # the model path is checked after the config: a passing config would fail on it instead
-    out = _pdserve("up", "--model", "/nonexistent/model", "--speculative-config",
-                   '{"method": "eagle", "num_speculative_tokens": 2}')
+    out = _pdserve(
+        "up",
+        "--model",
+        "/nonexistent/model",
+        "--speculative-config",
+        '{"method": "eagle", "num_speculative_tokens": 2}',
+    )
     assert out.returncode == 2 and "method must be one of" in out.stderr, out.stderr
 
 
@@ -76,8 +108,11 @@ def test_every_config_flag_of_the_service_commands_says_what_it_does():
 
     [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     for command in ("prefill", "decode", "router", "up", "etcd-users"):
-        undocumented = [a.option_strings[0] for a in sub.choices[command]._actions
-                        if a.option_strings and a.dest != "help" and not a.help]
+        undocumented = [
+            a.option_strings[0]
+            for a in sub.choices[command]._actions
+            if a.option_strings and a.dest != "help" and not a.help
+        ]
         assert not undocumented, command
 
 
@@ -88,10 +123,12 @@ def test_abbreviated_flags_are_refused_so_a_secret_is_never_taken_for_a_path(cap
 
     from pdserve.cli import build_parser
 
-    for argv in (["router", "--etcd", "h:1", "--cluster-token", "s3cret-token-value"],
-                 ["decode", "--etcd", "h:1", "--etcd-user", "u", "--etcd-password", "pw"],
-                 ["up", "--cluster-token", "s3cret-token-value"],
-                 ["router", "--etcd", "h:1", "--max-concurrent-requests", "3"]):
+    for argv in (
+        ["router", "--etcd", "h:1", "--cluster-token", "s3cret-token-value"],
+        ["decode", "--etcd", "h:1", "--etcd-user", "u", "--etcd-password", "pw"],
+        ["up", "--cluster-token", "s3cret-token-value"],
+        ["router", "--etcd", "h:1", "--max-concurrent-requests", "3"],
+    ):
         with pytest.raises(SystemExit) as refused:
             build_parser().parse_args(argv)
         assert refused.value.code == 2, argv

@@ -4,6 +4,7 @@ only and gets its API key from PDSERVE_API_KEY, and the router and every worker 
 token from PDSERVE_CLUSTER_TOKEN; etcd runs with users, made by the one-shot etcd-users
 service before the router and the workers start, each of which gets its own etcd user and
 password from the environment (compose refuses to start without any of these)."""
+
 import json
 import os
 import re
@@ -18,23 +19,38 @@ import yaml
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
 TEST_KEY = "compose-test-key-0123456789"
 TEST_TOKEN = "compose-test-cluster-token-0123456789"
-ETCD_PASSWORDS = {"PDSERVE_ETCD_ROOT_PASSWORD": "compose-test-etcd-root-0123456789",
-                  "PDSERVE_ETCD_WORKER_PASSWORD": "compose-test-etcd-worker-0123456789",
-                  "PDSERVE_ETCD_ROUTER_PASSWORD": "compose-test-etcd-router-0123456789"}
+ETCD_PASSWORDS = {
+    "PDSERVE_ETCD_ROOT_PASSWORD": "compose-test-etcd-root-0123456789",
+    "PDSERVE_ETCD_WORKER_PASSWORD": "compose-test-etcd-worker-0123456789",
+    "PDSERVE_ETCD_ROUTER_PASSWORD": "compose-test-etcd-router-0123456789",
+}
 SECRETS = ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN", *ETCD_PASSWORDS)
 
 
-def _compose(*args: str, key: str | None = TEST_KEY, token: str | None = TEST_TOKEN,
-             **etcd_passwords: str | None) -> subprocess.CompletedProcess:
+def _compose(
+    *args: str,
+    key: str | None = TEST_KEY,
+    token: str | None = TEST_TOKEN,
+    **etcd_passwords: str | None,
+) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (scripts/test.sh installs Debian's as root)")
     env = {k: v for k, v in os.environ.items() if k not in SECRETS}
-    given = {"PDSERVE_API_KEY": key, "PDSERVE_CLUSTER_TOKEN": token,
-             **ETCD_PASSWORDS, **etcd_passwords}
+    given = {
+        "PDSERVE_API_KEY": key,
+        "PDSERVE_CLUSTER_TOKEN": token,
+        **ETCD_PASSWORDS,
+        **etcd_passwords,
+    }
     env.update({name: value for name, value in given.items() if value is not None})
-    return subprocess.run([exe, "-f", "docker-compose.yml", *args], cwd=COMPOSE, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [exe, "-f", "docker-compose.yml", *args],
+        cwd=COMPOSE,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _config() -> dict:
@@ -68,8 +84,9 @@ def test_the_router_and_every_worker_get_the_cluster_token_from_the_environment(
         assert not any("cluster-token" in a or TEST_TOKEN in a for a in services[name]["command"])
     for empty in (None, ""):
         refused = _compose("config", "-q", token=empty)
-        assert (refused.returncode != 0
-                and "set PDSERVE_CLUSTER_TOKEN" in refused.stderr), refused.stderr
+        assert refused.returncode != 0 and "set PDSERVE_CLUSTER_TOKEN" in refused.stderr, (
+            refused.stderr
+        )
 
 
 def _argv(service: dict) -> str:
@@ -87,15 +104,18 @@ def test_etcd_users_runs_once_etcd_is_healthy_and_before_the_router_and_workers(
     assert init["environment"] == ETCD_PASSWORDS  # root's password reaches it alone
     for name in ("router", "prefill", "decode"):
         assert services[name]["depends_on"] == {
-            "etcd-users": {"condition": "service_completed_successfully"}}, name
+            "etcd-users": {"condition": "service_completed_successfully"}
+        }, name
     assert "--bcrypt-cost=10" in services["etcd"]["command"]  # etcd's default, for your passwords
 
 
 def test_the_router_and_every_worker_get_their_own_etcd_user_from_the_environment():
     services = _config()["services"]
-    users = {"router": ("pdserve-router", "PDSERVE_ETCD_ROUTER_PASSWORD"),
-             "prefill": ("pdserve-worker", "PDSERVE_ETCD_WORKER_PASSWORD"),
-             "decode": ("pdserve-worker", "PDSERVE_ETCD_WORKER_PASSWORD")}
+    users = {
+        "router": ("pdserve-router", "PDSERVE_ETCD_ROUTER_PASSWORD"),
+        "prefill": ("pdserve-worker", "PDSERVE_ETCD_WORKER_PASSWORD"),
+        "decode": ("pdserve-worker", "PDSERVE_ETCD_WORKER_PASSWORD"),
+    }
     for name, (user, variable) in users.items():
         env = services[name]["environment"]
         assert f"--etcd-user {user}" in _argv(services[name]), name
@@ -119,25 +139,42 @@ def test_the_etcd_healthcheck_passes_on_an_etcd_with_auth_on(tmp_path):
     [kind, python, flag, code] = _config()["services"]["etcd"]["healthcheck"]["test"]
     assert (kind, python, flag) == ("CMD", "python", "-c") and "127.0.0.1:2379" in code
     with EtcdServer(auth=etcd_users("default", tmp_path).auth) as etcd:
-        probe = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:2379", etcd.endpoint)],
-                               capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            [sys.executable, "-c", code.replace("127.0.0.1:2379", etcd.endpoint)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert probe.returncode == 0, probe.stderr
-    stopped = subprocess.run([sys.executable, "-c", code.replace("127.0.0.1:2379", etcd.endpoint)],
-                             capture_output=True, text=True, timeout=30)
+    stopped = subprocess.run(
+        [sys.executable, "-c", code.replace("127.0.0.1:2379", etcd.endpoint)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert stopped.returncode != 0
 
 
 def test_compose_file_is_valid_and_only_the_router_is_published():
     services = _config()["services"]
-    assert set(services) == {"etcd", "etcd-users", "router", "prefill", "decode", "prometheus",
-                             "grafana"}
+    assert set(services) == {
+        "etcd",
+        "etcd-users",
+        "router",
+        "prefill",
+        "decode",
+        "prometheus",
+        "grafana",
+    }
     assert sorted(name for name, s in services.items() if s.get("ports")) == ["grafana", "router"]
     [grafana_port] = services["grafana"]["ports"]  # on the host's loopback only
     assert _host_ip(grafana_port) == "127.0.0.1"
     for name in ("prefill", "decode"):  # scalable: no fixed names or host ports
         s = services[name]
         assert "container_name" not in s and "healthcheck" in s
-        assert services[name]["networks"] == {"pdnet": None} or set(services[name]["networks"]) == {"pdnet"}
+        assert services[name]["networks"] == {"pdnet": None} or set(services[name]["networks"]) == {
+            "pdnet"
+        }
         assert f"pdserve {name}" in " ".join(s["command"])
     assert "router" in " ".join(services["router"]["command"])
     # speculative decoding: decode workers only, from SPECULATIVE_CONFIG (empty: off)
@@ -146,8 +183,9 @@ def test_compose_file_is_valid_and_only_the_router_is_published():
     assert "speculative" not in " ".join(services["prefill"]["command"])
     # tensor parallelism: decode workers only (prefill workers refuse it until KV moves
     # between tensor-parallel workers), from DECODE_TENSOR_PARALLEL_SIZE (default 1)
-    assert ('--tensor-parallel-size "$$DECODE_TENSOR_PARALLEL_SIZE"'
-            in " ".join(services["decode"]["command"]))
+    assert '--tensor-parallel-size "$$DECODE_TENSOR_PARALLEL_SIZE"' in " ".join(
+        services["decode"]["command"]
+    )
     assert services["decode"]["environment"]["DECODE_TENSOR_PARALLEL_SIZE"] == "1"
     assert "tensor-parallel" not in " ".join(services["prefill"]["command"])
     # the KV cache format: one per cluster, both roles, from KV_CACHE_DTYPE (default auto)
@@ -183,7 +221,9 @@ def test_prometheus_scrapes_every_process_by_dns_on_the_service_names():
 
 def test_grafana_is_provisioned_with_the_datasource_and_dashboard():
     grafana = _config()["services"]["grafana"]
-    mounts = {str(v).split(":")[-2] if isinstance(v, str) else v["target"] for v in grafana["volumes"]}
+    mounts = {
+        str(v).split(":")[-2] if isinstance(v, str) else v["target"] for v in grafana["volumes"]
+    }
     assert {"/etc/grafana/provisioning", "/var/lib/grafana/dashboards"} <= mounts
     prov = COMPOSE / "grafana" / "provisioning"
     [ds] = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"]
@@ -196,8 +236,19 @@ def test_grafana_is_provisioned_with_the_datasource_and_dashboard():
 
 
 # PromQL words that are not metric names (functions are recognised by the "(" after them).
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-                 "unless", "bool", "offset"}
+_PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+}
 
 
 def _metric_names(expr: str) -> set[str]:
@@ -207,7 +258,7 @@ def _metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
     names = set()
     for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
-        word, rest = m.group(), expr[m.end():].lstrip()
+        word, rest = m.group(), expr[m.end() :].lstrip()
         if rest.startswith("(") or word in _PROMQL_WORDS or re.fullmatch(r"[0-9.e]+", word):
             continue
         names.add(word)
@@ -220,9 +271,16 @@ def test_dashboard_queries_use_only_metrics_the_code_exports():
     known = set().union(*(series_names(t) for t in exported().values()))
     dash = json.loads((COMPOSE / "grafana" / "dashboards" / "pdserve.json").read_text())
     titles = {p["title"] for p in dash["panels"]}
-    assert {"Request rate", "TTFT percentiles", "ITL percentiles", "KV cache usage per worker",
-            "Prefix cache hit rate", "KV transfer throughput", "Routing decisions",
-            "Pool sizes"} <= titles
+    assert {
+        "Request rate",
+        "TTFT percentiles",
+        "ITL percentiles",
+        "KV cache usage per worker",
+        "Prefix cache hit rate",
+        "KV transfer throughput",
+        "Routing decisions",
+        "Pool sizes",
+    } <= titles
     used = set()
     for panel in dash["panels"]:
         for target in panel["targets"]:

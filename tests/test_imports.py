@@ -6,6 +6,7 @@ checked by parsing every module with `ast` — nothing is imported — so lazy i
 functions and `__import__("pkg.mod")` count as much as the ones at the top of a file. The same
 parse finds cycles between modules, inside a package too; an `if TYPE_CHECKING:` import counts
 unless it is listed in TYPE_ONLY_CYCLE_EDGES."""
+
 import ast
 import importlib
 import sys
@@ -29,7 +30,15 @@ LAYERS = [
 PACKAGES = [name for layer in LAYERS for name in layer]
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 LIBRARIES = ["engine", "kernels", "kvtransfer", "proto"]
-SERVICES = {"cluster", "worker_runtime", "prefill_node", "decode_node", "router", "local_cluster", "pdserve"}
+SERVICES = {
+    "cluster",
+    "worker_runtime",
+    "prefill_node",
+    "decode_node",
+    "router",
+    "local_cluster",
+    "pdserve",
+}
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -58,7 +67,8 @@ def _called_import(node: ast.AST) -> str | None:
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, (ast.Name, ast.Attribute))
-        and getattr(node.func, "id", getattr(node.func, "attr", None)) in ("__import__", "import_module")
+        and getattr(node.func, "id", getattr(node.func, "attr", None))
+        in ("__import__", "import_module")
         and node.args
         and isinstance(node.args[0], ast.Constant)
         and isinstance(node.args[0].value, str)
@@ -93,15 +103,18 @@ def test_the_wheel_holds_the_layers_and_no_scripts() -> None:
     include = setuptools["packages"]["find"]["include"]
     assert sorted(pattern.rstrip("*") for pattern in include) == sorted(PACKAGES)
     assert not [*REPO.glob("benchmarks/**/__init__.py"), *REPO.glob("tools/**/__init__.py")]
-    where = [f"{path.relative_to(REPO)}:{line} {module}"
-             for top in [*PACKAGES, "tests", "benchmarks", "tools"]
-             for path in sorted((REPO / top).rglob("*.py"))
-             for line, module in _imported_modules(ast.parse(path.read_text(), str(path)))
-             if module.split(".")[0] in ("benchmarks", "tools")]
+    where = [
+        f"{path.relative_to(REPO)}:{line} {module}"
+        for top in [*PACKAGES, "tests", "benchmarks", "tools"]
+        for path in sorted((REPO / top).rglob("*.py"))
+        for line, module in _imported_modules(ast.parse(path.read_text(), str(path)))
+        if module.split(".")[0] in ("benchmarks", "tools")
+    ]
     assert not where, where
     # Run from the tests, a script is a top-level module: its name must be no one else's.
-    scripts = {p.stem for folder in ("benchmarks", "tools/gpu")
-               for p in (REPO / folder).glob("*.py")}
+    scripts = {
+        p.stem for folder in ("benchmarks", "tools/gpu") for p in (REPO / folder).glob("*.py")
+    }
     helpers = {p.stem for p in (REPO / "tests").rglob("*.py") if not p.stem.startswith("test_")}
     assert not scripts & (helpers | set(PACKAGES)), scripts & (helpers | set(PACKAGES))
 
@@ -115,7 +128,7 @@ def test_no_import_cycle_between_top_level_packages() -> None:
         for dep in sorted(graph[name]):
             if state.get(dep) == "visiting":
                 stack = path + [name]
-                cycle = stack[stack.index(dep):] + [dep]
+                cycle = stack[stack.index(dep) :] + [dep]
                 edges = [graph[a][b][0] for a, b in zip(cycle, cycle[1:])]
                 pytest.fail(f"import cycle {' -> '.join(cycle)}:\n  " + "\n  ".join(edges))
             if dep not in state:
@@ -134,7 +147,8 @@ def test_imports_point_down_the_layers() -> None:
         where
         for name, deps in _package_imports().items()
         for dep, wheres in deps.items()
-        if LAYER_OF[dep] > LAYER_OF[name] or (LAYER_OF[dep] == LAYER_OF[name] and name not in LIBRARIES)
+        if LAYER_OF[dep] > LAYER_OF[name]
+        or (LAYER_OF[dep] == LAYER_OF[name] and name not in LIBRARIES)
         for where in wheres
     ]
     assert not wrong, "imports not pointing down a layer:\n  " + "\n  ".join(wrong)
@@ -143,7 +157,9 @@ def test_imports_point_down_the_layers() -> None:
 @pytest.mark.parametrize("name", LIBRARIES)
 def test_libraries_import_no_service(name: str) -> None:
     bad = {dep: where for dep, where in _package_imports()[name].items() if dep in SERVICES}
-    assert not bad, f"{name} imports service packages: " + "; ".join(w for ws in bad.values() for w in ws)
+    assert not bad, f"{name} imports service packages: " + "; ".join(
+        w for ws in bad.values() for w in ws
+    )
 
 
 # Type-only imports (`if TYPE_CHECKING:`) allowed to close a cycle between modules, each with
@@ -171,7 +187,11 @@ def _module_imports() -> dict[str, dict[str, list[tuple[str, bool]]]]:
     import anywhere in a module (relative ones resolved). `from pkg import name` points at
     `pkg.name` where that is a module, else at `pkg`; a module importing a package it is
     inside (its `__init__`) is no edge."""
-    paths = {_module_name(path): path for name in PACKAGES for path in sorted((REPO / name).rglob("*.py"))}
+    paths = {
+        _module_name(path): path
+        for name in PACKAGES
+        for path in sorted((REPO / name).rglob("*.py"))
+    }
     graph: dict[str, dict[str, list[tuple[str, bool]]]] = {m: {} for m in paths}
     for module, path in paths.items():
         tree = ast.parse(path.read_text(), str(path))
@@ -244,14 +264,20 @@ def test_no_import_cycle_between_modules() -> None:
     """Lazy imports count; a type-only import counts unless TYPE_ONLY_CYCLE_EDGES lists it."""
     graph = _module_imports()
     edges = {
-        m: {dep for dep, wheres in deps.items()
-            if not ((m, dep) in TYPE_ONLY_CYCLE_EDGES and all(type_only for _, type_only in wheres))}
+        m: {
+            dep
+            for dep, wheres in deps.items()
+            if not ((m, dep) in TYPE_ONLY_CYCLE_EDGES and all(type_only for _, type_only in wheres))
+        }
         for m, deps in graph.items()
     }
     problems = []
     for component in _cycles(edges):
-        inside = [f"{a} -> {b} ({graph[a][b][0][0]}{', type only' if graph[a][b][0][1] else ''})"
-                  for a in component for b in sorted(edges[a] & set(component))]
+        inside = [
+            f"{a} -> {b} ({graph[a][b][0][0]}{', type only' if graph[a][b][0][1] else ''})"
+            for a in component
+            for b in sorted(edges[a] & set(component))
+        ]
         problems.append(" <-> ".join(component) + ":\n    " + "\n    ".join(inside))
     assert not problems, "import cycles between modules:\n  " + "\n  ".join(problems)
 
@@ -262,9 +288,11 @@ def test_listed_type_only_imports_still_close_a_cycle() -> None:
     graph = _module_imports()
     full = {m: set(deps) for m, deps in graph.items()}
     in_cycle = {m for component in _cycles(full) for m in component}
-    stale = [f"{a} -> {b}" for a, b in TYPE_ONLY_CYCLE_EDGES
-             if b not in graph.get(a, {}) or not all(t for _, t in graph[a][b])
-             or not {a, b} <= in_cycle]
+    stale = [
+        f"{a} -> {b}"
+        for a, b in TYPE_ONLY_CYCLE_EDGES
+        if b not in graph.get(a, {}) or not all(t for _, t in graph[a][b]) or not {a, b} <= in_cycle
+    ]
     assert not stale, "not (or no longer) a type-only import closing a cycle: " + ", ".join(stale)
 
 
@@ -276,10 +304,16 @@ def test_the_cycle_check_sees_lazy_relative_and_type_only_imports(tmp_path, monk
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("def f():\n    from cyc import b\n")
     (pkg / "b.py").write_text("from . import c\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cyc.a import f\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cyc.a import f\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ["cyc"])
     graph = _module_imports()
-    assert {m: set(d) for m, d in graph.items() if d} == {"cyc.a": {"cyc.b"}, "cyc.b": {"cyc.c"}, "cyc.c": {"cyc.a"}}
+    assert {m: set(d) for m, d in graph.items() if d} == {
+        "cyc.a": {"cyc.b"},
+        "cyc.b": {"cyc.c"},
+        "cyc.c": {"cyc.a"},
+    }
     assert graph["cyc.c"]["cyc.a"][0][1] and not graph["cyc.a"]["cyc.b"][0][1]
     assert _cycles({m: set(d) for m, d in graph.items()}) == [["cyc.a", "cyc.b", "cyc.c"]]

@@ -5,6 +5,7 @@ transformers' GGUF conversion ignores the file's `tokenizer.ggml.pre = "smollm"`
 plain GPT-2 split; llama.cpp (which defines that field) splits every digit off first. The
 reference gets the model's pre-tokenizer, and a separate test checks our split against
 llama.cpp's two regexes run with the `regex` module."""
+
 import random
 
 import pytest
@@ -14,13 +15,50 @@ from tokenizers import pre_tokenizers
 from engine.processing.tokenizer import ChatTemplateError, Tokenizer
 
 _PIECES = [
-    "Hello", " world", "  ", "\n", "\n\n", "\t", "   \t ", "12345", "3.14159", "1,000,000",
-    "def f(x):\n    return x ** 2\n", "for (int i = 0; i < n; ++i) { a[i] += 1; }",
-    "héllo", "wörld", "naïve café", "日本語のテキスト", "中文", "한국어", "Привет мир", "مرحبا",
-    "🎉", "👩‍💻", "emoji🙂mixed", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<file_sep>",
-    "don't", "I'll", "we've", "CamelCaseIdentifier", "snake_case_name", "URL: https://x.y/z?q=1",
-    "  leading spaces", "trailing spaces   ", "\r\n", "ALL CAPS TEXT", "$$\\frac{a}{b}$$",
-    "<html><body>hi</body></html>", '{"json": [1, 2, 3]}', "a" * 40, "…", "—", "½",
+    "Hello",
+    " world",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "   \t ",
+    "12345",
+    "3.14159",
+    "1,000,000",
+    "def f(x):\n    return x ** 2\n",
+    "for (int i = 0; i < n; ++i) { a[i] += 1; }",
+    "héllo",
+    "wörld",
+    "naïve café",
+    "日本語のテキスト",
+    "中文",
+    "한국어",
+    "Привет мир",
+    "مرحبا",
+    "🎉",
+    "👩‍💻",
+    "emoji🙂mixed",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<file_sep>",
+    "don't",
+    "I'll",
+    "we've",
+    "CamelCaseIdentifier",
+    "snake_case_name",
+    "URL: https://x.y/z?q=1",
+    "  leading spaces",
+    "trailing spaces   ",
+    "\r\n",
+    "ALL CAPS TEXT",
+    "$$\\frac{a}{b}$$",
+    "<html><body>hi</body></html>",
+    '{"json": [1, 2, 3]}',
+    "a" * 40,
+    "…",
+    "—",
+    "½",
 ]
 
 
@@ -45,7 +83,9 @@ def test_ids_equal_transformers_gguf_tokenizer(tokenizer, hf_gguf_tokenizer):
     mismatches = [
         s for s in _corpus() if tokenizer.encode(s) != ref.encode(s, add_special_tokens=False).ids
     ]
-    assert not mismatches, f"{len(mismatches)} strings tokenize differently, e.g. {mismatches[:3]!r}"
+    assert not mismatches, (
+        f"{len(mismatches)} strings tokenize differently, e.g. {mismatches[:3]!r}"
+    )
 
 
 _LLAMA_CPP_SMOLLM_SPLITS = [
@@ -86,7 +126,9 @@ def test_decode_inverts_encode(tokenizer):
 
 def test_special_tokens_are_single_ids(tokenizer):
     ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
-    assert ids[0] == tokenizer.token_id("<|im_start|>") and ids[-1] == tokenizer.token_id("<|im_end|>")
+    assert ids[0] == tokenizer.token_id("<|im_start|>") and ids[-1] == tokenizer.token_id(
+        "<|im_end|>"
+    )
     assert tokenizer.is_special(ids[0]) and not tokenizer.is_special(ids[1])
     assert tokenizer.decode(ids, skip_special_tokens=True) == "user\nhi"
     assert tokenizer.eos_token_id in tokenizer.stop_token_ids

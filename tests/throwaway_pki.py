@@ -2,6 +2,7 @@
 (cluster/grpc_security.py), made with the `openssl` command line: a CA and one certificate
 (for `localhost` / `127.0.0.1` by default) that a process presents both as server and as client (as every
 process of one `pdserve up` does). Valid for one day; never for a real cluster."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,24 +30,59 @@ def openssl_available() -> bool:
     return shutil.which("openssl") is not None
 
 
-def make_pki(directory: Path, name: str = "pdserve",
-             hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> Pki:
+def make_pki(
+    directory: Path, name: str = "pdserve", hosts: tuple[str, ...] = ("localhost", "127.0.0.1")
+) -> Pki:
     """A CA `<name>-ca` and a certificate signed by it for `hosts` (names or IP addresses;
     server and client use), under `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     d = directory
     ca, ca_key = d / f"{name}-ca.pem", d / f"{name}-ca.key"
-    cert, key, csr, ext = (d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr",
-                           d / f"{name}.ext")
-    _openssl("req", "-x509", *_EC, "-keyout", ca_key, "-out", ca, "-days", "1",
-             "-subj", f"/CN={name}-ca", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    cert, key, csr, ext = (
+        d / f"{name}.pem",
+        d / f"{name}.key",
+        d / f"{name}.csr",
+        d / f"{name}.ext",
+    )
+    _openssl(
+        "req",
+        "-x509",
+        *_EC,
+        "-keyout",
+        ca_key,
+        "-out",
+        ca,
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     _openssl("req", *_EC, "-keyout", key, "-out", csr, "-subj", f"/CN={name}-node")
     alt = ",".join(f"IP:{h}" if h.replace(".", "").isdigit() else f"DNS:{h}" for h in hosts)
-    ext.write_text(f"basicConstraints=CA:FALSE\nsubjectAltName={alt}\n"
-                   "extendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
-             "-out", cert, "-days", "1", "-extfile", ext)
+    ext.write_text(
+        f"basicConstraints=CA:FALSE\nsubjectAltName={alt}\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-out",
+        cert,
+        "-days",
+        "1",
+        "-extfile",
+        ext,
+    )
     return Pki(ca, cert, key)
 
 

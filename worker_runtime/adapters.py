@@ -6,6 +6,7 @@ says which name a router may ask for and from which path.
 Contract: a path is checked against --allowed-model-paths before anything at it is looked at;
 the registration is republished before `load` / `unload` return, so a router sees the change
 as soon as it hears back."""
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,13 @@ from worker_runtime.paths import AllowedPaths
 
 
 class ServedAdapters:
-    def __init__(self, engine: LLMEngine, call: Callable[..., Awaitable], paths: AllowedPaths,
-                 republish: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        call: Callable[..., Awaitable],
+        paths: AllowedPaths,
+        republish: Callable[[], Awaitable[None]],
+    ) -> None:
         self._engine = engine
         self._call = call  # WorkerRuntime.call: run on the engine thread
         self._paths = paths
@@ -42,13 +48,15 @@ class ServedAdapters:
             raise ValueError("lora_path must not be empty")
         self._paths.check(path, "LoRA adapter")  # before anything at the path is looked at
         if not os.path.isdir(path):
-            raise NotFound(f"No adapter found for LoRA adapter {name!r}: {path} is not a "
-                           "directory")
+            raise NotFound(f"No adapter found for LoRA adapter {name!r}: {path} is not a directory")
         served = self.by_name.get(name)
         if served is not None and served != path:
-            raise ValueError(f"LoRA adapter {name!r} is already served from {served}; "
-                             "unload it first")
-        await off_the_loop(functools.partial(self._engine.add_lora, LoRARequest(name, lora_id_for(name), path)))
+            raise ValueError(
+                f"LoRA adapter {name!r} is already served from {served}; unload it first"
+            )
+        await off_the_loop(
+            functools.partial(self._engine.add_lora, LoRARequest(name, lora_id_for(name), path))
+        )
         self.by_name[name] = path
         await self._republish()
 

@@ -18,6 +18,7 @@ change run on to the end; the phase change waits for them (`wait_idle`, bounded)
 
 All of it lives on the worker's asyncio loop; nothing here is touched from the engine thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -114,11 +115,13 @@ class Admission:
         """Refuse (module docstring) unless a call for `role` would be admitted now."""
         phase = self._phase
         if phase is WorkerPhase.SWITCHING_ROLE:
-            raise Unavailable(f"worker is switching from the {self.role} role to the "
-                              f"{self.switching_to} role")
+            raise Unavailable(
+                f"worker is switching from the {self.role} role to the {self.switching_to} role"
+            )
         if phase is not WorkerPhase.SHUTTING_DOWN and role is not self.role:
-            raise FailedPrecondition(f"worker serves the {self.role} role, not {role} "
-                                     "(Worker.SetRole switches it)")
+            raise FailedPrecondition(
+                f"worker serves the {self.role} role, not {role} (Worker.SetRole switches it)"
+            )
         if phase is not WorkerPhase.SERVING:
             raise Unavailable(f"worker is {phase.value}")
 

@@ -1,12 +1,14 @@
 """The configuration `pdserve prefill` and `pdserve decode` share (beside EngineConfig); its
 flags come from the fields (engine.flags)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
-from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP, GrpcSecurity
+from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP
+from cluster.grpc_security import GrpcSecurity
 from cluster.roles import Role
 from engine.checks import check_fields
 from engine.flags import option
@@ -70,11 +72,14 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
-        check_fields(self, [
-            (0 <= self.port < 65536, "port", "must be in 0..65535"),
-            (0 <= self.metrics_port < 65536, "metrics_port", "must be in 0..65535"),
-            (self.kv_timeout_s >= 0, "kv_timeout_s", "must be >= 0"),
-            (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
-            (self.num_threads >= 0, "num_threads", "must be >= 0"),
-            (self.itl_target_ms >= 0, "itl_target_ms", "must be >= 0"),
-        ])
+        check_fields(
+            self,
+            [
+                (0 <= self.port < 65536, "port", "must be in 0..65535"),
+                (0 <= self.metrics_port < 65536, "metrics_port", "must be in 0..65535"),
+                (self.kv_timeout_s >= 0, "kv_timeout_s", "must be >= 0"),
+                (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0"),
+                (self.num_threads >= 0, "num_threads", "must be >= 0"),
+                (self.itl_target_ms >= 0, "itl_target_ms", "must be >= 0"),
+            ],
+        )

@@ -8,6 +8,7 @@ run on the engine thread. Values that change while the worker runs (its id, set 
 the pool's metadata, new after every wake-up; measured step rates) are callables, read when
 used; the others are fixed for the worker's life.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,13 +22,13 @@ if TYPE_CHECKING:  # annotations only: the engine (torch) is the runtime's to im
     from cluster.grpc_security import ClusterAuth
     from cluster.roles import Role
     from engine.core.limits import EngineLimits
+    from engine.core.request import Request
     from engine.llm_engine import LLMEngine
     from engine.lora.request import LoRARequest
     from engine.processing.outputs import CompletionDelta
-    from engine.sampling.pooling import PoolingParams
-    from engine.core.request import Request
-    from engine.sampling.sampling_params import SamplingParams
     from engine.processing.tokens import Resume
+    from engine.sampling.pooling import PoolingParams
+    from engine.sampling.sampling_params import SamplingParams
     from kvtransfer import KVReceiver, KVSender, TransferResult
     from worker_runtime.metrics import WorkerMetrics
 
@@ -49,26 +50,35 @@ class EngineCall(Protocol):
     """`WorkerRuntime.call`: run fn(engine) on the engine thread and await its result.
     `cancellable=False`: the command runs even if the awaiting task is cancelled."""
 
-    def __call__(self, fn: Callable[[LLMEngine], T], *,
-                 cancellable: bool = True) -> Awaitable[T]: ...
+    def __call__(
+        self, fn: Callable[[LLMEngine], T], *, cancellable: bool = True
+    ) -> Awaitable[T]: ...
 
 
 class Settle(Protocol):
     """`WorkerRuntime.settle`: from the engine thread, resolve an asyncio future on the
     worker's loop (once; a future already done is left alone)."""
 
-    def __call__(self, future: asyncio.Future[Any], result: Any = None,
-                 exc: BaseException | None = None) -> None: ...
+    def __call__(
+        self, future: asyncio.Future[Any], result: Any = None, exc: BaseException | None = None
+    ) -> None: ...
 
 
 class MakeRequest(Protocol):
     """`WorkerRuntime.make_request`: the engine request for a call (ValueError for invalid
     input; grammars and LoRA adapters are loaded off the event loop)."""
 
-    def __call__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str, priority: int, lora: LoRARequest | None = None,
-                 resume: Resume | None = None,
-                 pooling: PoolingParams | None = None) -> Awaitable[Request]: ...
+    def __call__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+        priority: int,
+        lora: LoRARequest | None = None,
+        resume: Resume | None = None,
+        pooling: PoolingParams | None = None,
+    ) -> Awaitable[Request]: ...
 
 
 @dataclass(frozen=True, slots=True)

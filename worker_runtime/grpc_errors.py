@@ -4,6 +4,7 @@ a worker by one server interceptor (`StatusInterceptor`).
 Only what a caller can fix maps to INVALID_ARGUMENT (a `ValueError`: validation). Anything
 unexpected — a `TypeError` or `KeyError` from the engine is a bug, not bad input — is
 INTERNAL and logged with its traceback."""
+
 from __future__ import annotations
 
 import logging
@@ -79,6 +80,7 @@ def _unary(behaviour: Callable[..., Awaitable[Any]], method: str):
             return await behaviour(request, context)
         except Exception as exc:
             await _abort(context, exc, method)
+
     return unary
 
 
@@ -89,6 +91,7 @@ def _stream(behaviour: Callable[..., AsyncIterator[Any]], method: str):
                 yield item
         except Exception as exc:
             await _abort(context, exc, method)
+
     return stream
 
 
@@ -105,10 +108,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 _unary(handler.unary_unary, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _stream(handler.unary_stream, method),
                 request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                response_serializer=handler.response_serializer,
+            )
         return handler

@@ -29,6 +29,7 @@ no-op when unchanged). It pays with bounded OpenMP spinning (`GOMP_SPINCOUNT`, w
 worker entry sets unless the environment names a policy) and with one OpenMP team per process
 (`release_openmp_threads`): docs/workers.md, "Threads".
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -86,8 +87,14 @@ class HostCoreShare:
     """This worker's entry in the host's core sharing. One per worker process, used from its
     engine-loop thread only (`begin_step`, `end_busy`); `close` when the worker stops."""
 
-    def __init__(self, share: int, *, cores: int | None = None, directory: Path | None = None,
-                 set_threads=None) -> None:
+    def __init__(
+        self,
+        share: int,
+        *,
+        cores: int | None = None,
+        directory: Path | None = None,
+        set_threads=None,
+    ) -> None:
         """`share`: this worker's own threads (kept when every other worker is busy);
         `cores`: the most threads a step may use (default: this process's CPU affinity);
         `set_threads(n)`: applies a thread count (default: torch.set_num_threads)."""
@@ -100,7 +107,9 @@ class HostCoreShare:
         self._refreshed = float("-inf")
         self._busy = False
         self._steps = 0
-        self._stuck: dict[int, int] = {}  # peer pid -> its step count when this worker gave up waiting
+        self._stuck: dict[
+            int, int
+        ] = {}  # peer pid -> its step count when this worker gave up waiting
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._path = self.dir / str(os.getpid())
         with open(self._path, "w+b") as f:
@@ -157,7 +166,7 @@ class HostCoreShare:
             self._refreshed = now
         total = 0
         for pid, peer in self._peers.items():
-            share, busy, threads, steps, _ = _RECORD.unpack(peer.view[:_RECORD.size])
+            share, busy, threads, steps, _ = _RECORD.unpack(peer.view[: _RECORD.size])
             if pid in self._stuck and self._stuck[pid] != steps:
                 del self._stuck[pid]  # it stepped since: counted as it is again
             if busy:
@@ -171,7 +180,7 @@ class HostCoreShare:
             free = self.cores - self._used_elsewhere()
         if free < self.share:  # peers that did not begin a step meanwhile: not waited for again
             for pid, peer in self._peers.items():
-                self._stuck[pid] = _RECORD.unpack(peer.view[:_RECORD.size])[3]
+                self._stuck[pid] = _RECORD.unpack(peer.view[: _RECORD.size])[3]
             free = self.cores - self._used_elsewhere()  # they count with their shares now
         return free
 
@@ -189,7 +198,7 @@ class HostCoreShare:
             peer = self._peers.get(pid) or self._map(path, pid)
             if peer is None:
                 continue
-            if _RECORD.unpack(peer.view[:_RECORD.size])[4] != _start_time(pid):
+            if _RECORD.unpack(peer.view[: _RECORD.size])[4] != _start_time(pid):
                 peer.view.close()  # the writer is gone (or its pid now names another process)
                 self._peers.pop(pid, None)
                 path.unlink(missing_ok=True)
@@ -256,9 +265,11 @@ async def off_the_loop(fn: Callable[[], T]) -> T:
     lives the engine thread's parallel regions wait for their threads without spinning
     (2-core AMD EPYC: an elementwise op on the engine thread's 2 threads took 153-256 us,
     484-571 us once a pool thread had run one torch op, 141-165 us after its team ended)."""
+
     def run() -> T:
         try:
             return fn()
         finally:
             release_openmp_threads()
+
     return await asyncio.to_thread(run)

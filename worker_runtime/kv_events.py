@@ -1,6 +1,7 @@
 """A worker's KV events on the wire: what its block pool reports after each engine step,
 fanned out to every `SubscribeKVEvents` stream (the routers' KV indexes), and the
 `GetCachedBlocks` snapshot they rebuild from."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,13 +42,16 @@ def kv_event_batch(events: list[KVEvent]) -> pb.KVEventBatch:
     final: dict[bytes, KVEvent] = {e.block_hash: e for e in events}
     stored = [e for e in final.values() if e.stored]
     tiers = [e.tier for e in stored]
-    return pb.KVEventBatch(stored=[e.block_hash for e in stored],
-                           removed=[e.block_hash for e in final.values() if not e.stored],
-                           stored_tiers=tiers if any(tiers) else [])
+    return pb.KVEventBatch(
+        stored=[e.block_hash for e in stored],
+        removed=[e.block_hash for e in final.values() if not e.stored],
+        stored_tiers=tiers if any(tiers) else [],
+    )
 
 
 def kv_snapshot(pool: list[bytes], tier: list[bytes]) -> pb.CachedBlocksResponse:
     """A `GetCachedBlocks` answer: the hashes held in the pool, then those in the second tier
     (`tiers` only when there are some: empty reads as all in the pool)."""
-    return pb.CachedBlocksResponse(block_hashes=pool + tier,
-                                   tiers=[0] * len(pool) + [1] * len(tier) if tier else [])
+    return pb.CachedBlocksResponse(
+        block_hashes=pool + tier, tiers=[0] * len(pool) + [1] * len(tier) if tier else []
+    )

@@ -17,6 +17,7 @@ Life cycle of a send here:
    refused for good, so no write of it can start after the puller was told none would.
 The blocks are pinned only for the copy, exactly like a prefill worker's streamed blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,13 +59,17 @@ class KVExporter:
         if not tid:
             raise ValueError("destination.transfer_id is required")
         if len(dest.block_ids) != len(request.block_hashes):
-            raise ValueError(f"{len(request.block_hashes)} block hashes but "
-                             f"{len(dest.block_ids)} destination blocks")
+            raise ValueError(
+                f"{len(request.block_hashes)} block hashes but "
+                f"{len(dest.block_ids)} destination blocks"
+            )
         if not request.block_hashes:
             raise ValueError("block_hashes must not be empty")
         if dest.num_skip_blocks or dest.group_skip_blocks:
-            raise ValueError("destination.num_skip_blocks / group_skip_blocks are for Prefill; "
-                             "SendBlocks sends every block it names")
+            raise ValueError(
+                "destination.num_skip_blocks / group_skip_blocks are for Prefill; "
+                "SendBlocks sends every block it names"
+            )
         await self.peers.check(dest.peer_metadata)
         peer = await asyncio.to_thread(ctx.add_peer, dest.peer_metadata)
         done: asyncio.Future[TransferResult] = ctx.create_future()
@@ -79,17 +84,23 @@ class KVExporter:
                 return 0
             send = self._active[tid] = _Send(tid, pinned, done)
             try:
-                ctx.sender.send(tid, peer, list(zip(pinned, targets)), final=True,
-                                    deadline=deadline)
+                ctx.sender.send(
+                    tid, peer, list(zip(pinned, targets)), final=True, deadline=deadline
+                )
             except Exception as exc:  # refused before posting
-                self._finish(engine, send, TransferResult(tid, TransferStatus.ERROR, peer,
-                                                          0, 0, 0.0, str(exc)))
+                self._finish(
+                    engine,
+                    send,
+                    TransferResult(tid, TransferStatus.ERROR, peer, 0, 0, 0.0, str(exc)),
+                )
             return len(pinned)
 
         if not await ctx.call(start):
             ctx.metrics.kv_exports.labels("missing").inc()
-            raise FailedPrecondition("this worker no longer holds every block asked for "
-                                     "(evicted since it was placed): compute them")
+            raise FailedPrecondition(
+                "this worker no longer holds every block asked for "
+                "(evicted since it was placed): compute them"
+            )
         try:
             result: TransferResult = await done
         except asyncio.CancelledError:
@@ -97,8 +108,10 @@ class KVExporter:
             raise
         if result.status is not TransferStatus.COMPLETE:
             ctx.metrics.kv_exports.labels("failed").inc()
-            raise Unavailable(f"sending blocks to {peer} failed: "
-                              f"{result.status.name.lower()} {result.error}".strip())
+            raise Unavailable(
+                f"sending blocks to {peer} failed: "
+                f"{result.status.name.lower()} {result.error}".strip()
+            )
         ctx.metrics.kv_exports.labels("sent").inc()
         ctx.metrics.kv_export_blocks.inc(result.num_blocks)
         return pb.SendBlocksResponse(num_blocks_sent=result.num_blocks)
@@ -128,12 +141,18 @@ class KVExporter:
     # ---- engine thread ----------------------------------------------------------------------
     def _cancel(self, engine: LLMEngine, tid: str) -> None:
         send = self._active.get(tid)
-        if send is not None and not self.ctx.sender.cancel(tid) \
-                and self.ctx.sender.status(tid) is None:
+        if (
+            send is not None
+            and not self.ctx.sender.cancel(tid)
+            and self.ctx.sender.status(tid) is None
+        ):
             # The sender never heard of it (nothing posted): finish it here; otherwise its
             # poll reports it once none of its writes can still read our blocks.
-            self._finish(engine, send, TransferResult(tid, TransferStatus.CANCELLED, None,
-                                                      0, 0, 0.0, "cancelled"))
+            self._finish(
+                engine,
+                send,
+                TransferResult(tid, TransferStatus.CANCELLED, None, 0, 0, 0.0, "cancelled"),
+            )
 
     def _after_step(self, engine: LLMEngine) -> bool:
         if not self._active:

@@ -1,6 +1,7 @@
 """The KV layout a worker advertises to the router and its peers, and how rank 0's KV transfer
 agent reaches the other ranks of a tensor-parallel worker (docs/parallelism.md, "KV transfer
 between tensor-parallel sizes")."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,12 @@ def kv_layout(engine: LLMEngine) -> KVCompat:
     and transfers map them (kvtransfer/heads.py), so peers of any size are compatible."""
     args = engine.loaded.args
     compat = KVCompat.for_pool(
-        engine.kv_cache, engine.loaded.model_id, engine.config.kv_cache_dtype,
+        engine.kv_cache,
+        engine.loaded.model_id,
+        engine.config.kv_cache_dtype,
         architecture=engine.loaded.architecture,
-        layer_windows=window_layers(args.window(i) for i in range(args.n_layers)))
+        layer_windows=window_layers(args.window(i) for i in range(args.n_layers)),
+    )
     shard = getattr(args, "tp", None)  # None at tensor_parallel_size 1
     if shard is not None:
         compat = dataclasses.replace(compat, num_kv_heads=shard.n_kv_heads)

@@ -24,6 +24,7 @@ The deadline is what recomputing those tokens would take at this worker's measur
 rate (twice that, plus `_CALL_ALLOWANCE_S` for the round trip), capped by --kv-timeout: a
 pull slower than computing is abandoned.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +33,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+from engine.core.request import Request
 from engine.kv.block_hash import BlockHash
 from engine.llm_engine import LLMEngine
-from engine.core.request import Request
 from kvtransfer import TransferStatus
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -80,8 +81,9 @@ class KVPuller:
         tid = f"{PULL_PREFIX}{req.request_id}:{next(self._ids)}"
         landed = self.ctx.create_future()
         try:
-            plan = await self.ctx.call(lambda e: self._reserve(e, req, source, tid, landed),
-                                       cancellable=False)
+            plan = await self.ctx.call(
+                lambda e: self._reserve(e, req, source, tid, landed), cancellable=False
+            )
         except ValueError as exc:  # this pool cannot take pulled blocks (several KV groups)
             log.info("not pulling KV for %s: %s", req.request_id, exc)
             plan = None
@@ -90,11 +92,18 @@ class KVPuller:
             return 0
         started = time.monotonic()
         call = pb_grpc.WorkerStub(self._channels.get(source.address)).SendBlocks(
-            pb.SendBlocksRequest(block_hashes=plan.hashes, destination=pb.KVDestination(
-                peer_metadata=self.ctx.own_metadata(), block_ids=plan.block_ids,
-                # The holder stops writing before we stop waiting.
-                deadline_s=0.9 * plan.deadline_s, transfer_id=tid)),
-            timeout=plan.deadline_s)
+            pb.SendBlocksRequest(
+                block_hashes=plan.hashes,
+                destination=pb.KVDestination(
+                    peer_metadata=self.ctx.own_metadata(),
+                    block_ids=plan.block_ids,
+                    # The holder stops writing before we stop waiting.
+                    deadline_s=0.9 * plan.deadline_s,
+                    transfer_id=tid,
+                ),
+            ),
+            timeout=plan.deadline_s,
+        )
         try:
             await call
             await landed
@@ -105,8 +114,13 @@ class KVPuller:
         except Exception as exc:  # refused, failed, or too slow: compute instead
             if landed.done() and not landed.cancelled():
                 landed.exception()  # retrieved: the call's failure is the one reported
-            log.info("pull of %d blocks for %s from %s failed (%s); computing them",
-                     len(plan.block_ids), req.request_id, source.worker_id, _describe(exc))
+            log.info(
+                "pull of %d blocks for %s from %s failed (%s); computing them",
+                len(plan.block_ids),
+                req.request_id,
+                source.worker_id,
+                _describe(exc),
+            )
             self._release_when_stopped(source, tid)
             metrics.kv_pulls.labels("failed").inc()
             return 0
@@ -121,8 +135,14 @@ class KVPuller:
         return len(plan.block_ids) * self.ctx.block_size
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _reserve(self, engine: LLMEngine, req: Request, source: pb.KVSource, tid: str,
-                 landed: asyncio.Future[None]) -> _Plan | None:
+    def _reserve(
+        self,
+        engine: LLMEngine,
+        req: Request,
+        source: pb.KVSource,
+        tid: str,
+        landed: asyncio.Future[None],
+    ) -> _Plan | None:
         """Reserve the blocks to pull and expect them; None if there is nothing to pull (the
         prefix cache is off, the request computes its whole prompt, this worker already holds
         as much) or no room for them now."""
@@ -172,17 +192,18 @@ class KVPuller:
             if result.status is TransferStatus.COMPLETE:
                 self.ctx.settle(landed)
             else:
-                self.ctx.settle(landed, exc=PullFailed(
-                    f"{result.status.name.lower()}: {result.error}".strip()))
+                self.ctx.settle(
+                    landed, exc=PullFailed(f"{result.status.name.lower()}: {result.error}".strip())
+                )
         return bool(self._held)
 
     # ---- failure -----------------------------------------------------------------------------
     def _release_when_stopped(self, source: pb.KVSource, tid: str) -> None:
         """In the background: once the holder confirmed it writes nothing more for `tid`,
         release the reserved blocks."""
+
         async def release() -> None:
-            await confirm_stopped(self._channels.get(source.address), tid,
-                                  self.ctx.kv_timeout_s)
+            await confirm_stopped(self._channels.get(source.address), tid, self.ctx.kv_timeout_s)
             await self.ctx.call(lambda e: self._release(e, tid), cancellable=False)
 
         task = self.ctx.create_task(release())

@@ -17,6 +17,7 @@ bumps the weights version (part of every block hash, and of the registration: th
 hashes prompts with it and pairs only workers of one version) and resets the prefix cache.
 While asleep it runs at once and the worker stays asleep (vLLM's sleep -> update -> wake).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,9 +54,18 @@ class KVPool(Protocol):
 class WorkerLifecycle:
     """One per worker; the asyncio side. Calls are serialized by `admission.changing`."""
 
-    def __init__(self, admission: Admission, call: EngineCall, pool: KVPool,
-                 publish: Callable[[], Awaitable[None]], abort_all: Callable[[], Awaitable[None]],
-                 paths: AllowedPaths, *, sleep_mode: bool, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        call: EngineCall,
+        pool: KVPool,
+        publish: Callable[[], Awaitable[None]],
+        abort_all: Callable[[], Awaitable[None]],
+        paths: AllowedPaths,
+        *,
+        sleep_mode: bool,
+        drain_timeout_s: float,
+    ) -> None:
         self._admission = admission
         self._call = call
         self._pool = pool
@@ -144,9 +154,11 @@ class WorkerLifecycle:
 
         def go(e: LLMEngine) -> list:
             if method.startswith("_") or not callable(getattr(e.extension, method, None)):
-                raise ValueError(f"collective_rpc: {method!r} is not a method of the worker "
-                                 "extension (--worker-extension-cls); over the network "
-                                 "collective_rpc calls only those")
+                raise ValueError(
+                    f"collective_rpc: {method!r} is not a method of the worker "
+                    "extension (--worker-extension-cls); over the network "
+                    "collective_rpc calls only those"
+                )
             return e.collective_rpc(method, tuple(args), kwargs)
 
         results = await self._call(go, cancellable=False)
@@ -169,12 +181,16 @@ class WorkerLifecycle:
             if abort:
                 await self._abort_all()
             deadline = time.monotonic() + self._drain_timeout_s
-            while not (await admission.wait_idle(deadline - time.monotonic())
-                       and not await self._call(lambda e: e.has_unfinished_requests())):
+            while not (
+                await admission.wait_idle(deadline - time.monotonic())
+                and not await self._call(lambda e: e.has_unfinished_requests())
+            ):
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{phase.value}: {admission.inflight} requests still in "
-                                       f"flight after {self._drain_timeout_s:g} s (abort=true "
-                                       "aborts them)")
+                    raise TimeoutError(
+                        f"{phase.value}: {admission.inflight} requests still in "
+                        f"flight after {self._drain_timeout_s:g} s (abort=true "
+                        "aborts them)"
+                    )
                 await asyncio.sleep(_ENGINE_POLL_S)
             yield
         finally:

@@ -3,6 +3,7 @@ LoRA adapters (LoadLoRAAdapter, and the adapter a request names). With roots con
 (--allowed-model-paths), a path must resolve (symlinks followed) inside one of them; one that
 does not is refused before anything at it is opened, and the answer is the same whether or
 not it exists, so a caller learns nothing about the filesystem outside the roots."""
+
 from __future__ import annotations
 
 import os

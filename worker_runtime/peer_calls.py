@@ -5,6 +5,7 @@ Both KV paths that write into blocks this worker allocated (a prefill worker pus
 a holder sending blocks we pull) end the same way when they fail: our blocks stay out of reuse
 until the writer confirmed it stopped, never on a timer (`confirm_stopped`).
 """
+
 from __future__ import annotations
 
 import logging

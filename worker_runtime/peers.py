@@ -6,6 +6,7 @@ streaming into its decode worker, a holder sending blocks a peer pulls). `check`
 other destination; `warm_forever` learns the registrations every second and adds each other
 worker's agent as a transfer peer (compatibility check and connection) before it is needed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,10 @@ class RegisteredPeers:
         except Exception as exc:
             raise Unavailable(f"cannot check the destination against etcd: {exc!r}") from None
         if peer_metadata not in self._registered:
-            raise PermissionDenied("destination.peer_metadata names no worker registered in "
-                                   f"cluster {self.ctx.cluster!r}")
+            raise PermissionDenied(
+                "destination.peer_metadata names no worker registered in "
+                f"cluster {self.ctx.cluster!r}"
+            )
 
     async def warm_forever(self) -> None:
         """Every second: learn the registered workers' KV agents and add every other worker
@@ -54,8 +57,11 @@ class RegisteredPeers:
             while True:
                 try:
                     for info in await self._refresh():
-                        if info.kv_metadata and info.worker_id != self.ctx.worker_id() \
-                                and info.kv_metadata not in known:
+                        if (
+                            info.kv_metadata
+                            and info.worker_id != self.ctx.worker_id()
+                            and info.kv_metadata not in known
+                        ):
                             await self._add(info, known)
                 except asyncio.CancelledError:
                     raise

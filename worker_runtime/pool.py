@@ -1,5 +1,6 @@
 """The engine's KV pool as the transfer agent knows it: registered at start, deregistered
 before a sleep frees it, registered again (a new address, new metadata) on wake-up."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

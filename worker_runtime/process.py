@@ -8,6 +8,7 @@ the engine loop dies (a step raised), every engine command fails at once, the wo
 deregisters and the process exits 1, so its supervisor restarts it. The entry point is
 pdserve/worker_main.py: `build_runtime`, the rooms' servicers (wiring.py), `serve`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,12 @@ def _exit_rank_failed(reason: str) -> None:
     os._exit(1)
 
 
-def build_runtime(config: WorkerConfig, engine_config: EngineConfig, auth: ClusterAuth,
-                  etcd_credentials: EtcdCredentials | None = None) -> WorkerRuntime:
+def build_runtime(
+    config: WorkerConfig,
+    engine_config: EngineConfig,
+    auth: ClusterAuth,
+    etcd_credentials: EtcdCredentials | None = None,
+) -> WorkerRuntime:
     """The production runtime: the engine, a NIXL agent, an etcd registration."""
     from cluster.block_hash_agreement import check_peers
     from cluster.registration import Registrar
@@ -57,12 +62,21 @@ def build_runtime(config: WorkerConfig, engine_config: EngineConfig, auth: Clust
     if engine.parallel_group is not None:
         engine.parallel_group.on_failure = _exit_rank_failed
     kv = NixlTransferBackend(KVTransferConfig(agent_name=config.worker_id), rank_link(engine))
-    runtime = WorkerRuntime(config, engine, kv,
-                            lambda info: Registrar(config.etcd, config.cluster, info,
-                                                   credentials=etcd_credentials,
-                                                   startup_check=check_peers),
-                            auth=auth, etcd_credentials=etcd_credentials,
-                            step_threads=step_threads)
+    runtime = WorkerRuntime(
+        config,
+        engine,
+        kv,
+        lambda info: Registrar(
+            config.etcd,
+            config.cluster,
+            info,
+            credentials=etcd_credentials,
+            startup_check=check_peers,
+        ),
+        auth=auth,
+        etcd_credentials=etcd_credentials,
+        step_threads=step_threads,
+    )
     release_openmp_threads()  # built: only the engine thread runs parallel regions now
     runtime.freeze_heap = True
     return runtime
@@ -86,10 +100,13 @@ async def serve(rt: WorkerRuntime, add_servicers: Callable[[grpc.aio.Server], No
         raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
     rt.grpc_address = f"{host}:{port}"
     if not rt.auth.authenticated:
-        log.warning("the gRPC port %s is unauthenticated: whoever reaches it can Generate, "
-                    "Prefill, Abort, Embed and read cached blocks (give --cluster-token-file "
-                    "or PDSERVE_CLUSTER_TOKEN, or --tls-cert/--tls-key/--tls-ca; "
-                    "docs/security.md)", rt.grpc_address)
+        log.warning(
+            "the gRPC port %s is unauthenticated: whoever reaches it can Generate, "
+            "Prefill, Abort, Embed and read cached blocks (give --cluster-token-file "
+            "or PDSERVE_CLUSTER_TOKEN, or --tls-cert/--tls-key/--tls-ca; "
+            "docs/security.md)",
+            rt.grpc_address,
+        )
     else:
         log.info("gRPC callers must present: %s", rt.auth.describe())
     if not rt.worker_id:
@@ -116,10 +133,17 @@ async def serve(rt: WorkerRuntime, add_servicers: Callable[[grpc.aio.Server], No
         rt.loop.stop()
         rt.transfer_progress.stop()
         return 2 if isinstance(exc, RegistrationRefused) else 1
-    log.info("%s %s serving on %s (metrics %s)", cfg.role, rt.worker_id,
-             rt.grpc_address, rt.metrics_address)
-    print(f"READY {cfg.role} {rt.worker_id} grpc={rt.grpc_address} "
-          f"metrics={rt.metrics_address}", flush=True)
+    log.info(
+        "%s %s serving on %s (metrics %s)",
+        cfg.role,
+        rt.worker_id,
+        rt.grpc_address,
+        rt.metrics_address,
+    )
+    print(
+        f"READY {cfg.role} {rt.worker_id} grpc={rt.grpc_address} metrics={rt.metrics_address}",
+        flush=True,
+    )
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -145,6 +169,7 @@ async def serve(rt: WorkerRuntime, add_servicers: Callable[[grpc.aio.Server], No
     rt.kv.close()
     rt.engine.close()  # the tensor-parallel ranks, if any
     return code
+
 
 async def drain(rt: WorkerRuntime) -> None:
     """SHUTTING_DOWN (published at once), then wait for in-flight calls (bounded)."""

@@ -10,6 +10,7 @@ part is the mean pull time and the rate is unmeasured (0: the router's default r
 blocks) — measured here, a pull's time is mostly its fixed part (docs/benchmarks/kvtransfer.md, "Peer
 pull": 8.1 ms for 31 blocks, 10.8 ms for 127).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ class PullCost:
         self._xx = k * self._xx + blocks * blocks
         self._xy = k * self._xy + blocks * seconds
         spread = self._w * self._xx - self._x * self._x
-        slope = (self._w * self._xy - self._x * self._y) / spread if spread > 1e-9 * self._xx else 0.0
+        slope = (
+            (self._w * self._xy - self._x * self._y) / spread if spread > 1e-9 * self._xx else 0.0
+        )
         if slope > 0:
             intercept = (self._y - slope * self._x) / self._w
             if intercept < 0:  # the line through the origin instead: all of it per block

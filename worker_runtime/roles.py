@@ -26,6 +26,7 @@ Life cycle of a switch (`set_role`; serialized with sleep / wake-up / weight upd
    before the old one is deleted, so a watcher never sees the worker absent (the router's
    registry keeps the worker, its KV-index entries and its load across the move).
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,10 +46,16 @@ ABORT_GRACE_S = 10.0
 class WorkerRoles:
     """Switching the role served (asyncio side); the role itself is `Admission.role`."""
 
-    def __init__(self, admission: Admission, publish: Callable[[], Awaitable[None]],
-                 move_registration: Callable[[str], Awaitable[None]],
-                 abort_all: Callable[[], Awaitable[None]],
-                 on_switched: Callable[[Role, Role], None], *, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        publish: Callable[[], Awaitable[None]],
+        move_registration: Callable[[str], Awaitable[None]],
+        abort_all: Callable[[], Awaitable[None]],
+        on_switched: Callable[[Role, Role], None],
+        *,
+        drain_timeout_s: float,
+    ) -> None:
         self._admission = admission
         self._publish = publish
         self._move_registration = move_registration
@@ -79,8 +86,11 @@ class WorkerRoles:
                 raise
             admission.switch_role()
             self._on_switched(new, previous)
-            log.info("switched from the %s role to the %s role (engine and prefix cache kept)",
-                     previous, new)
+            log.info(
+                "switched from the %s role to the %s role (engine and prefix cache kept)",
+                previous,
+                new,
+            )
             await self._move_registration(previous)
         return previous
 
@@ -88,13 +98,18 @@ class WorkerRoles:
         admission = self._admission
         if await admission.wait_idle(timeout_s):
             return
-        log.warning("role switch: %d calls still in flight after %g s; aborting them",
-                    admission.inflight, timeout_s)
+        log.warning(
+            "role switch: %d calls still in flight after %g s; aborting them",
+            admission.inflight,
+            timeout_s,
+        )
         await self._abort_all()
         if not await admission.wait_idle(ABORT_GRACE_S):
-            raise TimeoutError(f"role switch: {admission.inflight} calls still in flight "
-                               f"{ABORT_GRACE_S:g} s after aborting them; still serving the "
-                               f"{admission.role} role")
+            raise TimeoutError(
+                f"role switch: {admission.inflight} calls still in flight "
+                f"{ABORT_GRACE_S:g} s after aborting them; still serving the "
+                f"{admission.role} role"
+            )
 
 
 def _check_switchable(phase: WorkerPhase) -> None:

@@ -10,6 +10,7 @@ up and weight updates (the router's fleet-wide admin calls): lifecycle.py. Both 
 services are on every worker; switching the role served (`Worker.SetRole`, the engine
 kept): roles.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ from cluster.grpc_auth import server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
 from cluster.registration import Capacity, WorkerInfo
-from engine.kv.block_hash import block_hash_probe
 from engine.engine_loop import EngineLoop
+from engine.kv.block_hash import block_hash_probe
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.lora.request import LoRARequest
 from engine.processing.outputs import CompletionDelta
@@ -50,13 +51,14 @@ from worker_runtime.pull_cost import PullCost
 from worker_runtime.roles import WorkerRoles
 
 if TYPE_CHECKING:
-    from engine.sampling.pooling import PoolingParams
     from engine.core.request import Request
-    from engine.sampling.sampling_params import SamplingParams
     from engine.processing.tokens import Resume
+    from engine.sampling.pooling import PoolingParams
+    from engine.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
 
 class Registration(Protocol):
     """What the runtime needs of its etcd registration (cluster.registration.Registrar)."""
@@ -91,17 +93,26 @@ class _SplitView(Protocol):
 def make_grpc_server(auth: ClusterAuth) -> grpc.aio.Server:
     """A worker's gRPC server: the cluster-token check first (when `auth` has a token: a call
     without it never reaches a servicer), then the exception -> status mapping."""
-    return grpc.aio.server(interceptors=[*server_interceptors(auth), StatusInterceptor()],
-                           options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
+    return grpc.aio.server(
+        interceptors=[*server_interceptors(auth), StatusInterceptor()],
+        options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS],
+    )
 
 
 class WorkerRuntime:
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, kv: KVTransferBackend,
-                 registration_for: RegistrationFor, *, auth: ClusterAuth,
-                 metrics: WorkerMetrics | None = None,
-                 etcd_credentials: EtcdCredentials | None = None,
-                 step_threads: HostCoreShare | None = None,
-                 engine_loop: Callable[..., EngineLoop] = EngineLoop) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: LLMEngine,
+        kv: KVTransferBackend,
+        registration_for: RegistrationFor,
+        *,
+        auth: ClusterAuth,
+        metrics: WorkerMetrics | None = None,
+        etcd_credentials: EtcdCredentials | None = None,
+        step_threads: HostCoreShare | None = None,
+        engine_loop: Callable[..., EngineLoop] = EngineLoop,
+    ) -> None:
         """`engine` is built, not started (the runtime runs it on its loop thread); `kv` is
         the transfer agent the engine's pool is registered with here; `auth` (resolved from
         `config.grpc_security` at start) guards its gRPC port and the channels it opens to
@@ -118,7 +129,9 @@ class WorkerRuntime:
         self.worker_id = config.worker_id
         self.kv = kv
         self.compat = kv_layout(engine)
-        self.kv_cache_dtype = self.compat.kv_cache_dtype  # normalized: published, hashed by the router
+        self.kv_cache_dtype = (
+            self.compat.kv_cache_dtype
+        )  # normalized: published, hashed by the router
         self.compat_hash = self.compat.hash()
         self.pool = PoolRegistration(kv, self.compat)
         self.pool.register(engine)
@@ -126,19 +139,33 @@ class WorkerRuntime:
         # push: each side polls its own view, told apart by transfer id.
         self.sender, self.pull_sender = split_sender(kv.sender, PULL_PREFIX)
         self.receiver, self.pull_receiver = split_receiver(kv.receiver, PULL_PREFIX)
-        self.transfer_progress = TransferProgress([cast(Collectable, self.sender),
-                                                   cast(Collectable, self.receiver)])
-        self.metrics = metrics or WorkerMetrics(config.role, kv, engine.loaded.model_id,
-                                                engine.num_speculative_tokens)
+        self.transfer_progress = TransferProgress(
+            [cast(Collectable, self.sender), cast(Collectable, self.receiver)]
+        )
+        self.metrics = metrics or WorkerMetrics(
+            config.role, kv, engine.loaded.model_id, engine.num_speculative_tokens
+        )
         self.admission = Admission(config.role)
         self.paths = AllowedPaths(config.allowed_model_paths)
         self.registration = registration_for(self.info)
         self.lifecycle = WorkerLifecycle(
-            self.admission, self.call, self.pool, self.republish, self.abort_all, self.paths,
-            sleep_mode=engine.config.enable_sleep_mode, drain_timeout_s=config.drain_timeout_s)
+            self.admission,
+            self.call,
+            self.pool,
+            self.republish,
+            self.abort_all,
+            self.paths,
+            sleep_mode=engine.config.enable_sleep_mode,
+            drain_timeout_s=config.drain_timeout_s,
+        )
         self.roles = WorkerRoles(
-            self.admission, self.republish, self.registration.move, self.abort_all,
-            self.metrics.set_role, drain_timeout_s=config.drain_timeout_s)
+            self.admission,
+            self.republish,
+            self.registration.move,
+            self.abort_all,
+            self.metrics.set_role,
+            drain_timeout_s=config.drain_timeout_s,
+        )
         self.streams: dict[str, asyncio.Queue[Any]] = {}
         """Calls that stream an engine request's deltas (Generate, Embed), by request id."""
         self.kv_events = KVEventFanout()
@@ -146,9 +173,13 @@ class WorkerRuntime:
         self._step_hooks: list[StepHook] = []
         self._abort_hooks: list[AbortHook] = []
         self.step_threads = step_threads
-        self.loop = engine_loop(engine, self.deliver, self._after_step,
-                               itl_target_s=config.itl_target_ms / 1000,
-                               step_threads=step_threads)
+        self.loop = engine_loop(
+            engine,
+            self.deliver,
+            self._after_step,
+            itl_target_s=config.itl_target_ms / 1000,
+            step_threads=step_threads,
+        )
         self.stats: EngineStats = engine.stats()
         self.adapters = ServedAdapters(engine, self.call, self.paths, self.republish)
         """LoRA adapters served here, by name (asyncio side; published in etcd)."""
@@ -178,8 +209,9 @@ class WorkerRuntime:
     def create_task(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         return self._aio().create_task(coro)
 
-    def call_later(self, delay_s: float, fn: Callable[..., object],
-                   *args: object) -> asyncio.TimerHandle:
+    def call_later(
+        self, delay_s: float, fn: Callable[..., object], *args: object
+    ) -> asyncio.TimerHandle:
         return self._aio().call_later(delay_s, fn, *args)
 
     def listen_sender(self, listener: Listener | None) -> None:
@@ -216,8 +248,9 @@ class WorkerRuntime:
             self.kv_events.publish(self.aio, events)
         return any([hook(engine) for hook in self._step_hooks])  # every hook runs
 
-    def settle(self, future: asyncio.Future[Any], result: Any = None,
-               exc: BaseException | None = None) -> None:
+    def settle(
+        self, future: asyncio.Future[Any], result: Any = None, exc: BaseException | None = None
+    ) -> None:
         """From the engine thread: resolve an asyncio future on the worker's loop (once; a
         future already resolved or cancelled is left alone)."""
         self._aio().call_soon_threadsafe(_settle, future, result, exc)
@@ -234,10 +267,17 @@ class WorkerRuntime:
         future = asyncio.wrap_future(self.loop.call(fn))
         return await (future if cancellable else asyncio.shield(future))
 
-    async def make_request(self, request_id: str, prompt_token_ids: list[int],
-                           params: SamplingParams, cache_salt: str, priority: int,
-                           lora: LoRARequest | None = None, resume: Resume | None = None,
-                           pooling: PoolingParams | None = None) -> Request:
+    async def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str,
+        priority: int,
+        lora: LoRARequest | None = None,
+        resume: Resume | None = None,
+        pooling: PoolingParams | None = None,
+    ) -> Request:
         """The engine request for a call (both roles; ValueError for invalid input). A
         structured request compiles its grammar, a LoRA request loads its adapter from disk:
         those are built off the event loop (`make_request` reads no mutable engine state, so
@@ -245,9 +285,17 @@ class WorkerRuntime:
         --allowed-model-paths."""
         if lora is not None and not self.adapters.serves_path(lora.lora_path):
             self.paths.check(lora.lora_path, "LoRA adapter")
-        build = functools.partial(self.engine.make_request, request_id, prompt_token_ids, params,
-                                  cache_salt or None, priority, resume=resume, pooling=pooling,
-                                  lora_request=lora)
+        build = functools.partial(
+            self.engine.make_request,
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt or None,
+            priority,
+            resume=resume,
+            pooling=pooling,
+            lora_request=lora,
+        )
         if params.structured_outputs is None and lora is None:
             return build()
         return await off_the_loop(build)
@@ -272,6 +320,7 @@ class WorkerRuntime:
 
     async def abort_all(self) -> None:
         """`Worker.Abort` every request this worker has: its streams and the engine's."""
+
         def live(e: LLMEngine) -> set[str]:
             s = e.scheduler
             return {r.group_id for r in (*s.running, *s.waiting, *s.waiting_for_kv.values())}
@@ -286,19 +335,25 @@ class WorkerRuntime:
     def info(self) -> WorkerInfo:
         metadata = self.pool.metadata
         return WorkerInfo(
-            worker_id=self.worker_id, role=self.admission.role, grpc_address=self.grpc_address,
-            model_id=self.engine.loaded.model_id, compat_hash=self.compat_hash,
-            block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
+            worker_id=self.worker_id,
+            role=self.admission.role,
+            grpc_address=self.grpc_address,
+            model_id=self.engine.loaded.model_id,
+            compat_hash=self.compat_hash,
+            block_size=self.engine.config.block_size,
+            max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_metadata=metadata.to_bytes().decode("ascii") if metadata is not None else "",
-            sleeping=self.lifecycle.sleeping, weights_version=self.lifecycle.weights_version,
+            sleeping=self.lifecycle.sleeping,
+            weights_version=self.lifecycle.weights_version,
             metrics_address=self.metrics_address,
             draining=self.admission.phase.published_draining,
             loras=dict(self.adapters.by_name),
             resident_loras=tuple(sorted(r.lora_name for r in self.engine.list_loras())),
             capacity=self.capacity(),
-            block_hash_probe=block_hash_probe(self.engine.config.block_size, self.kv_cache_dtype,
-                                              self.lifecycle.weights_version),
+            block_hash_probe=block_hash_probe(
+                self.engine.config.block_size, self.kv_cache_dtype, self.lifecycle.weights_version
+            ),
         )
 
     def capacity(self) -> Capacity:
@@ -311,16 +366,25 @@ class WorkerRuntime:
         # second tier too: it holds one slot per (group, block).
         groups = self.engine.limits.kv_groups
         return Capacity(
-            total_blocks=s.num_blocks // groups, free_blocks=s.num_free_blocks // groups,
-            running=s.num_running + s.num_waiting_for_kv, waiting=s.num_waiting,
+            total_blocks=s.num_blocks // groups,
+            free_blocks=s.num_free_blocks // groups,
+            running=s.num_running + s.num_waiting_for_kv,
+            waiting=s.num_waiting,
             queued_prefill_tokens=s.queued_prefill_tokens,
             prefill_tokens_per_s=prefill.prompt_tokens_per_s,
-            decode_step_s=decode.seconds, decode_step_tokens=decode.tokens,
-            prefill_step_s=prefill.seconds, prefill_step_tokens=prefill.tokens,
+            decode_step_s=decode.seconds,
+            decode_step_tokens=decode.tokens,
+            prefill_step_s=prefill.seconds,
+            prefill_step_tokens=prefill.tokens,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             long_prefill_token_threshold=min(
-                [c for c in (self.engine.scheduler.long_prefill_token_threshold, loop.prompt_cap) if c],
-                default=0),
+                [
+                    c
+                    for c in (self.engine.scheduler.long_prefill_token_threshold, loop.prompt_cap)
+                    if c
+                ],
+                default=0,
+            ),
             kv_offload_total_blocks=s.kv_offload_blocks // groups,
             kv_offload_used_blocks=s.kv_offload_blocks_used // groups,
             kv_promote_s_per_block=s.kv_offload_promote_s,
@@ -331,7 +395,6 @@ class WorkerRuntime:
     async def cached_blocks(self) -> pb.CachedBlocksResponse:
         """Every block hash held now, pool and second tier (`GetCachedBlocks`)."""
         return kv_snapshot(*await self.call(lambda e: e.block_manager.pool.held_hashes()))
-
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

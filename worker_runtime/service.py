@@ -4,6 +4,7 @@ lifecycle and role switching. Thin: the work is in WorkerRuntime (runtime.py),
 WorkerLifecycle (lifecycle.py) and WorkerRoles (roles.py), which it sees through
 `ServiceContext`; exceptions become status codes in one place
 (grpc_errors.StatusInterceptor)."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -55,14 +56,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Admin RPCs change the worker's weights, memory, adapters or role: only served
         when the worker was started with --enable-admin-rpcs."""
         if not self._admin:
-            raise PermissionDenied(f"{rpc} is an admin RPC: start the worker with "
-                                   "--enable-admin-rpcs to serve it")
+            raise PermissionDenied(
+                f"{rpc} is an admin RPC: start the worker with --enable-admin-rpcs to serve it"
+            )
 
     async def Health(self, request, context):
         info = self.ctx.info()
         c = info.capacity
         return pb.HealthResponse(
-            role=info.role, worker_id=info.worker_id, model_id=info.model_id, draining=info.draining,
+            role=info.role,
+            worker_id=info.worker_id,
+            model_id=info.model_id,
+            draining=info.draining,
             capacity=pb.Capacity(**asdict(c)),
         )
 
@@ -120,8 +125,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._require_admin("CollectiveRPC")
         if not request.method:
             raise ValueError("method is required")
-        return pb.CollectiveRPCResponse(results_json=await self.lifecycle.collective_rpc(
-            request.method, request.args_json, request.kwargs_json))
+        return pb.CollectiveRPCResponse(
+            results_json=await self.lifecycle.collective_rpc(
+                request.method, request.args_json, request.kwargs_json
+            )
+        )
 
     async def UpdateWeights(self, request, context):
         self._require_admin("UpdateWeights")

@@ -1,4 +1,5 @@
 """Paged attention behind one interface; the engine picks a backend per device."""
+
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend

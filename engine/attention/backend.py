@@ -1,4 +1,5 @@
 """The attention backend interface the model calls once per layer."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -1,4 +1,5 @@
 """What one forward pass needs to know about the ragged batch, built by the model runner."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,11 @@ class AttentionMetadata:
 
     @classmethod
     def single_sequence(
-        cls, start: int, num_new: int, block_size: int, num_blocks: int,
+        cls,
+        start: int,
+        num_new: int,
+        block_size: int,
+        num_blocks: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """Positions start..start+num_new-1 of one sequence stored in blocks 0..num_blocks-1."""
@@ -56,7 +61,12 @@ class AttentionMetadata:
 
     @classmethod
     def single_sequence_groups(
-        cls, start: int, num_new: int, block_size: int, num_blocks: int, num_groups: int,
+        cls,
+        start: int,
+        num_new: int,
+        block_size: int,
+        num_blocks: int,
+        num_groups: int,
         device: torch.device | str = "cpu",
     ) -> list["AttentionMetadata"]:
         """`single_sequence` for each of `num_groups` KV groups, group g in blocks

@@ -1,4 +1,5 @@
 """Which attention backend runs: Triton on CUDA, torch on CPU, or the one asked for."""
+
 from __future__ import annotations
 
 import torch

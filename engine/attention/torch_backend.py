@@ -4,6 +4,7 @@ The pool is addressed as pages: `kv_cache.view(-1, block_size, H, D)` where page
 `(block * num_layers + layer) * 2 + kv` is one layer's K (kv=0) or V (kv=1) of one block.
 `index_select`/`index_copy_` on that view are much cheaper than advanced indexing into the
 6-D pool."""
+
 from __future__ import annotations
 
 import torch
@@ -79,7 +80,9 @@ def _attend(q, k, v, mask, scale, soft_cap: float | None, causal: bool = False) 
     mask (broadcastable to [..., R, L]; True = visible). SDPA, or with soft-capping the same in
     explicit fp32 math (SDPA has no soft-cap)."""
     if soft_cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+        )
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -111,8 +114,11 @@ def _leading_short(metadata: AttentionMetadata, first: int) -> int:
     """End of the run of short-query sequences starting at `first` that attend to a cached
     context (not whole-prompt prefills)."""
     s = first
-    while (s < metadata.num_seqs and metadata.query_lens_cpu[s] <= SHORT_QUERY
-           and metadata.seq_lens_cpu[s] > metadata.query_lens_cpu[s]):
+    while (
+        s < metadata.num_seqs
+        and metadata.query_lens_cpu[s] <= SHORT_QUERY
+        and metadata.seq_lens_cpu[s] > metadata.query_lens_cpu[s]
+    ):
         s += 1
     return s
 
@@ -133,42 +139,84 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, cpu_kernels: bool = True) -> None:
         self.cpu_kernels = cpu_kernels
 
-    def forward(self, query, key, value, kv_cache, layer, metadata: AttentionMetadata, scale, *,
-                sliding_window=None, logits_soft_cap=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        kv_cache,
+        layer,
+        metadata: AttentionMetadata,
+        scale,
+        *,
+        sliding_window=None,
+        logits_soft_cap=None,
+    ):
         if self.cpu_kernels and cpu_kernels.stores_in_place(key, value, kv_cache):
             cpu_kernels.store_kv_(key, value, kv_cache, layer, metadata.slot_mapping)
         else:
             store_kv_torch(key, value, kv_cache, layer, metadata.slot_mapping, metadata)
         win, cap = sliding_window, logits_soft_cap
         nd = metadata.num_decodes
-        in_place = nd and self.cpu_kernels and cpu_kernels.fits(query, kv_cache) and cpu_kernels.load()
+        in_place = (
+            nd and self.cpu_kernels and cpu_kernels.fits(query, kv_cache) and cpu_kernels.load()
+        )
         if in_place and nd == query.shape[0]:  # decodes only: the kernel's output is the result
-            return cpu_kernels.paged_decode(query, kv_cache, layer, metadata.block_tables[:nd],
-                                            metadata.seq_lens[:nd], scale, win, cap)
+            return cpu_kernels.paged_decode(
+                query,
+                kv_cache,
+                layer,
+                metadata.block_tables[:nd],
+                metadata.seq_lens[:nd],
+                scale,
+                win,
+                cap,
+            )
         out = torch.empty_like(query)
         if in_place:
-            out[:nd] = cpu_kernels.paged_decode(query[:nd], kv_cache, layer, metadata.block_tables[:nd],
-                                                metadata.seq_lens[:nd], scale, win, cap)
+            out[:nd] = cpu_kernels.paged_decode(
+                query[:nd],
+                kv_cache,
+                layer,
+                metadata.block_tables[:nd],
+                metadata.seq_lens[:nd],
+                scale,
+                win,
+                cap,
+            )
         elif nd:
             out[:nd] = self._decode(query[:nd], kv_cache, layer, metadata, scale, win, cap)
         start = nd  # decode rows are one token each
         short = _leading_short(metadata, nd)
         if short > nd:  # verify rows of speculating sequences: one padded call
             rows = sum(metadata.query_lens_cpu[nd:short])
-            out[start : start + rows] = self._short(query[start : start + rows], kv_cache, layer,
-                                                    metadata, nd, short, scale, win, cap)
+            out[start : start + rows] = self._short(
+                query[start : start + rows], kv_cache, layer, metadata, nd, short, scale, win, cap
+            )
             start += rows
-        if (short < metadata.num_seqs and win is None and cap is None and self.cpu_kernels
-                and cpu_kernels.prefills_in_place(query, kv_cache)):
+        if (
+            short < metadata.num_seqs
+            and win is None
+            and cap is None
+            and self.cpu_kernels
+            and cpu_kernels.prefills_in_place(query, kv_cache)
+        ):
             # Every remaining sequence in one call, K/V read from the pool.
             out[start:] = cpu_kernels.paged_prefill(
-                query[start:], kv_cache, layer, metadata.block_tables[short:], metadata.seq_lens[short:],
-                metadata.query_start_loc[short:].diff(), scale)
+                query[start:],
+                kv_cache,
+                layer,
+                metadata.block_tables[short:],
+                metadata.seq_lens[short:],
+                metadata.query_start_loc[short:].diff(),
+                scale,
+            )
             return out
         for s in range(short, metadata.num_seqs):
             q_len = metadata.query_lens_cpu[s]
-            out[start : start + q_len] = self._prefill(query[start : start + q_len], kv_cache,
-                                                       layer, metadata, s, scale, win, cap)
+            out[start : start + q_len] = self._prefill(
+                query[start : start + q_len], kv_cache, layer, metadata, s, scale, win, cap
+            )
             start += q_len
         return out
 
@@ -194,21 +242,41 @@ class TorchAttentionBackend(AttentionBackend):
             causal = False
         if cap is None:
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+                q.unsqueeze(0),
+                k.unsqueeze(0),
+                v.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=True,
             )[0]
         else:  # query heads of one kv head stacked as rows: [Hkv, group * q_len, D]
             assert mask is not None  # built above whenever there is a cap
             num_kv_heads, head_dim = k.shape[0], k.shape[-1]
             group = q.shape[0] // num_kv_heads
-            o = _attend(q.reshape(num_kv_heads, group * q_len, head_dim), k, v,
-                        mask.repeat(group, 1), scale, cap)
+            o = _attend(
+                q.reshape(num_kv_heads, group * q_len, head_dim),
+                k,
+                v,
+                mask.repeat(group, 1),
+                scale,
+                cap,
+            )
             o = o.view(q.shape)
         return o.transpose(0, 1)
 
     @staticmethod
-    def _short(query, kv_cache, layer, metadata: AttentionMetadata, first: int, end: int, scale,
-               win=None, cap=None):
+    def _short(
+        query,
+        kv_cache,
+        layer,
+        metadata: AttentionMetadata,
+        first: int,
+        end: int,
+        scale,
+        win=None,
+        cap=None,
+    ):
         """Sequences first..end-1, each a few query rows after a cached context (a
         speculating sequence's last token and drafts): padded to the longest, one SDPA
         call, query heads grouped per kv head as in `_decode`."""
@@ -221,19 +289,25 @@ class TorchAttentionBackend(AttentionBackend):
             num_blocks = -(-max(metadata.seq_lens_cpu[first:end]) // block_size)
             tables, key0 = metadata.block_tables[first:end, :num_blocks], None
         else:
-            firsts = [_first_key(n, q, win) for n, q in zip(metadata.seq_lens_cpu[first:end], q_lens)]
-            num_blocks = max((n - 1) // block_size - f // block_size + 1
-                             for n, f in zip(metadata.seq_lens_cpu[first:end], firsts))
+            firsts = [
+                _first_key(n, q, win) for n, q in zip(metadata.seq_lens_cpu[first:end], q_lens)
+            ]
+            num_blocks = max(
+                (n - 1) // block_size - f // block_size + 1
+                for n, f in zip(metadata.seq_lens_cpu[first:end], firsts)
+            )
             first_key = (seq_lens - q_len_t - win + 1).clamp(min=0)
-            tables, key0 = _window_tables(metadata.block_tables[first:end], first_key, seq_lens,
-                                          num_blocks, block_size)
+            tables, key0 = _window_tables(
+                metadata.block_tables[first:end], first_key, seq_lens, num_blocks, block_size
+            )
             key0 = key0[:, None, None]
         k, v = gather_kv(kv_cache, layer, tables, query)
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
         group = query.shape[1] // num_kv_heads
         padded = query.new_zeros(ns, q_max, *query.shape[1:])
-        row_of = torch.tensor([i * q_max + t for i, n in enumerate(q_lens) for t in range(n)],
-                              device=query.device)
+        row_of = torch.tensor(
+            [i * q_max + t for i, n in enumerate(q_lens) for t in range(n)], device=query.device
+        )
         padded.view(ns * q_max, *query.shape[1:])[row_of] = query
         # [ns, Hkv, q_max * group, D]: row t * group + g is query token t, head g of the group.
         grouped = padded.view(ns, q_max, num_kv_heads, group, head_dim).transpose(1, 2)
@@ -264,10 +338,17 @@ class TorchAttentionBackend(AttentionBackend):
             positions = torch.arange(num_blocks * block_size, device=query.device)
             mask = (positions[None, :] < seq_lens[:, None]).view(nd, 1, 1, -1)
         else:  # keys seq_len - win .. seq_len - 1, from the block holding the first one
-            num_blocks = max((n - 1) // block_size - max(0, n - win) // block_size + 1
-                             for n in metadata.seq_lens_cpu[:nd])
-            tables, key0 = _window_tables(metadata.block_tables[:nd], (seq_lens - win).clamp(min=0),
-                                          seq_lens, num_blocks, block_size)
+            num_blocks = max(
+                (n - 1) // block_size - max(0, n - win) // block_size + 1
+                for n in metadata.seq_lens_cpu[:nd]
+            )
+            tables, key0 = _window_tables(
+                metadata.block_tables[:nd],
+                (seq_lens - win).clamp(min=0),
+                seq_lens,
+                num_blocks,
+                block_size,
+            )
             k, v = gather_kv(kv_cache, layer, tables, query)
             positions = torch.arange(num_blocks * block_size, device=query.device) + key0[:, None]
             mask = (positions < seq_lens[:, None]) & (positions >= seq_lens[:, None] - win)

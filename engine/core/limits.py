@@ -2,6 +2,7 @@
 
 Frozen at construction and read-only: safe to use from any thread (the workers check a
 request on their asyncio thread before handing it to the engine thread)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """A request inside the engine: counters for progress, an enum for its life cycle."""
+
 from __future__ import annotations
 
 import enum
@@ -7,11 +8,11 @@ from dataclasses import dataclass, field
 
 from engine.kv.block_hash import BlockHash
 from engine.lora.adapter import LoRAAdapter
+from engine.processing.tokens import Logprob, Resume
 from engine.sampling.pooling import PoolingParams
 from engine.sampling.sampling_params import SamplingParams
 from engine.spec_decode.state import SpecState
 from engine.structured.state import GrammarState
-from engine.processing.tokens import Logprob, Resume
 
 
 class RequestStatus(enum.IntEnum):
@@ -135,7 +136,8 @@ class Request:
         """Needs a result at every prompt position (prompt logprobs, mean pooling): no
         prefix-cache hits."""
         return self.sampling.prompt_logprobs is not None or (
-            self.pooling is not None and self.pooling.needs_every_position)
+            self.pooling is not None and self.pooling.needs_every_position
+        )
 
     @property
     def group_id(self) -> str:

@@ -13,20 +13,21 @@ out and back instead, engine/core/swap_policy.py) and waits again in its place i
 scheduler never touches tensors; it is the one writer of a running request's progress and
 results: the model runner's RunnerOutput comes back through `update_from_output`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from bisect import insort
 
-from engine.kv.block_manager import BlockManager
 from engine.core.limits import EngineLimits
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput, SchedulerStats, StepInput
 from engine.core.step_cost import LONG_PREFILL_CHUNKS, even_chunk
 from engine.core.swap_policy import SwapPolicy
+from engine.kv.block_manager import BlockManager
+from engine.processing.tokens import Logprob, SampledToken
 from engine.spec_decode.scheduling import SpeculationScheduling
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.processing.tokens import Logprob, SampledToken
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -43,21 +44,30 @@ class Scheduler(SpeculationScheduling):
         long_prefill_token_threshold: int = 0,
     ) -> None:
         self.bm = block_manager
-        self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+        self.long_prefill_token_threshold = (
+            long_prefill_token_threshold if enable_chunked_prefill else 0
+        )
         """Most prompt tokens one request computes in one step (0: the step budget only)."""
         self.max_loras = max_loras  # distinct LoRA adapters per step (0: LoRA off)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunked = enable_chunked_prefill
-        self.limits = EngineLimits(max_model_len, block_manager.block_size, block_manager.pool.num_blocks,
-                                   max_num_batched_tokens, enable_chunked_prefill,
-                                   block_manager.group_windows)
+        self.limits = EngineLimits(
+            max_model_len,
+            block_manager.block_size,
+            block_manager.pool.num_blocks,
+            max_num_batched_tokens,
+            enable_chunked_prefill,
+            block_manager.group_windows,
+        )
         self.waiting: list[Request] = []  # both in _order
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
-        self._finished_ids: list[str] = []  # since the last schedule (SchedulerOutput.finished_req_ids)
+        self._finished_ids: list[
+            str
+        ] = []  # since the last schedule (SchedulerOutput.finished_req_ids)
         self.stats = SchedulerStats()
         self.spec_stats = SpecDecodeStats()
         tier = block_manager.pool.tier
@@ -139,7 +149,9 @@ class Scheduler(SpeculationScheduling):
 
         j = 0
         while (
-            j < len(self.waiting) and budget > 0 and not preempted
+            j < len(self.waiting)
+            and budget > 0
+            and not preempted
             and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
         ):
             request = self.waiting[j]
@@ -169,8 +181,14 @@ class Scheduler(SpeculationScheduling):
                 prompt_budget -= n
 
         left, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, self.bm.take_copies(), preempted, finished, speculating,
-                               finished_req_ids=left)
+        return SchedulerOutput(
+            scheduled,
+            self.bm.take_copies(),
+            preempted,
+            finished,
+            speculating,
+            finished_req_ids=left,
+        )
 
     def _chunk(self, num_new_tokens: int) -> int:
         """A request's tokens this step before the budget: capped by the long-prefill
@@ -188,12 +206,15 @@ class Scheduler(SpeculationScheduling):
         else nothing (a prompt a few chunks from done goes first: first come, first served)."""
         if remaining <= LONG_PREFILL_CHUNKS * pace:
             return 0
-        others = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        others = len(self.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens > 1 for r in self.running
+        )
         return pace // 2 if others > 1 else 0  # others counts this one
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
-        return (request.lora is None or request.lora.lora_int_id in loras
-                or len(loras) < self.max_loras)
+        return (
+            request.lora is None or request.lora.lora_int_id in loras or len(loras) < self.max_loras
+        )
 
     @staticmethod
     def _use_lora(request: Request, loras: set[int]) -> None:
@@ -205,8 +226,11 @@ class Scheduler(SpeculationScheduling):
         from where it was if its partial block was swapped out (not for requests that need
         every position computed: prompt logprobs, pooling)."""
         partial = request.num_computed_tokens % self.bm.block_size
-        if (request.pooling is None and not request.computes_whole_prompt
-                and self.swap_policy.swap(partial, self.bm.num_groups)):
+        if (
+            request.pooling is None
+            and not request.computes_whole_prompt
+            and self.swap_policy.swap(partial, self.bm.num_groups)
+        ):
             self.bm.swap_out(request)
         else:
             self.bm.free(request)
@@ -231,7 +255,8 @@ class Scheduler(SpeculationScheduling):
         finished: list[Request] = list(output.finished)
         sampled = result.sampled
         if result.seconds is not None and any(
-                r.num_computed_tokens < r.num_prompt_tokens for r, _ in output.scheduled):
+            r.num_computed_tokens < r.num_prompt_tokens for r, _ in output.scheduled
+        ):
             self.swap_policy.observe_prefill(result.seconds, output.num_batched_tokens)
         for request, k in output.speculating:
             if request.request_id in output.drafts:
@@ -248,7 +273,9 @@ class Scheduler(SpeculationScheduling):
                     finished.append(request)
                 continue
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
+                self.stats.prompt_tokens += min(
+                    n, request.num_prompt_tokens - request.num_computed_tokens
+                )
             request.num_computed_tokens += n
             self.bm.cache_full_blocks(request)
             if request.pooling is not None:
@@ -325,7 +352,10 @@ class Scheduler(SpeculationScheduling):
         masks them, this is a guard); EOS before stop_token_ids (only the latter set
         `stop_reason`)."""
         params = request.sampling
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         if request.num_output_tokens < params.min_tokens:
             return None
@@ -372,10 +402,13 @@ class Scheduler(SpeculationScheduling):
         # group also what the first decode step (at num_tokens) no longer reads.
         bs, n = self.bm.block_size, request.num_tokens
         hit = prefix.num_tokens // bs
-        skips = [hit if w is None else max(hit, min(self.bm.blocks_for(n) - 1, (n - w + 1) // bs))
-                 for w in self.bm.group_windows]
-        if not self.bm.allocate(request, n - prefix.num_tokens, prefix, first_query=n,
-                                keep_from=skips):
+        skips = [
+            hit if w is None else max(hit, min(self.bm.blocks_for(n) - 1, (n - w + 1) // bs))
+            for w in self.bm.group_windows
+        ]
+        if not self.bm.allocate(
+            request, n - prefix.num_tokens, prefix, first_query=n, keep_from=skips
+        ):
             return None
         request.remote_skip_blocks = skips
         request.num_cached_tokens = prefix.num_tokens

@@ -1,6 +1,7 @@
 """What the scheduler hands the model runner (SchedulerOutput) and gets back (RunnerOutput),
 and its counters. The runner reads requests and never writes them: everything it computed
 for a step comes back in its RunnerOutput, which `Scheduler.update_from_output` applies."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -54,10 +55,12 @@ class SchedulerOutput:
         for (request, k), proposal in zip(self.speculating, proposals):
             ids = proposal.token_ids[:k]
             if request.grammar is not None:  # drafts the grammar forbids are never verified
-                del ids[request.grammar.valid_prefix(ids):]
+                del ids[request.grammar.valid_prefix(ids) :]
             drafts[request.request_id] = replace(proposal, token_ids=ids)
-        scheduled = [(r, 1 + len(drafts[r.request_id].token_ids) if r.request_id in drafts else n)
-                     for r, n in self.scheduled]
+        scheduled = [
+            (r, 1 + len(drafts[r.request_id].token_ids) if r.request_id in drafts else n)
+            for r, n in self.scheduled
+        ]
         return replace(self, scheduled=scheduled, drafts=drafts)
 
     def drafts_of(self, request: Request) -> list[int]:

@@ -3,6 +3,7 @@ straight line through two measured kinds of step (without prompt tokens and with
 router uses it to estimate a decode worker's local prefill (router/placement/estimates.py); the
 engine loop uses it to size prompt chunks beside running decodes (`prompt_token_cap`), and
 the scheduler cuts a paced prompt into even chunks of at most that size (`even_chunk`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,17 +24,27 @@ class StepCost:
         return self.overhead_s + self.per_token_s * tokens
 
 
-def fitted_slope(decode_s: float, decode_tokens: float, prefill_s: float,
-                 prefill_tokens: float) -> float | None:
+def fitted_slope(
+    decode_s: float, decode_tokens: float, prefill_s: float, prefill_tokens: float
+) -> float | None:
     """Seconds per token through the two measured step means; None when they are not
     measured or too close to tell a slope from noise."""
-    if decode_s > 0 and prefill_s > decode_s and prefill_tokens - decode_tokens >= MIN_FIT_SPREAD_TOKENS:
+    if (
+        decode_s > 0
+        and prefill_s > decode_s
+        and prefill_tokens - decode_tokens >= MIN_FIT_SPREAD_TOKENS
+    ):
         return (prefill_s - decode_s) / (prefill_tokens - decode_tokens)
     return None
 
 
-def step_cost_from(decode_s: float, decode_tokens: float, prefill_s: float, prefill_tokens: float,
-                   per_token_s: float) -> StepCost:
+def step_cost_from(
+    decode_s: float,
+    decode_tokens: float,
+    prefill_s: float,
+    prefill_tokens: float,
+    per_token_s: float,
+) -> StepCost:
     """The line with slope `per_token_s` through the measured decode step (or, not measured,
     the prefill step): its overhead is what that step took beyond its tokens."""
     t, x = (decode_s, decode_tokens) if decode_s > 0 else (prefill_s, prefill_tokens)
@@ -49,8 +60,9 @@ prompt tokens beside one decode: one step 244 ms, two chunks of 128 242 ms, thre
 291 ms, four of 64 319 ms."""
 
 
-def prompt_token_cap(cost: StepCost, decoding: int, target_s: float, floor: int, budget: int,
-                     queued: int = 0) -> int:
+def prompt_token_cap(
+    cost: StepCost, decoding: int, target_s: float, floor: int, budget: int, queued: int = 0
+) -> int:
     """Most prompt tokens a step beside `decoding` running decodes may carry to stay within
     `target_s`, at most the step `budget` and at least `floor` and the tokens that take
     (MIN_PREFILL_PARTS + `queued`) times the rest of the step (`queued`: prompts waiting to

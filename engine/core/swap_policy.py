@@ -10,6 +10,7 @@ built, then by every flush) and the engine's seconds per computed token in steps
 computed prompt tokens (`observe_prefill`, fed by `Scheduler.update_from_output` from
 `RunnerOutput.seconds`, the runner's own time for the step).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,10 @@ class SwapPolicy:
         the tokens. Conservative while either rate is unmeasured: recompute (what an engine
         without a tier does; it costs nothing until the request resumes)."""
         times = self.copy_times
-        if times is None or partial <= 0 or not (times.store_s and times.load_s
-                                                 and self.prefill_s_per_token):
+        if (
+            times is None
+            or partial <= 0
+            or not (times.store_s and times.load_s and self.prefill_s_per_token)
+        ):
             return False
         return num_groups * (times.store_s + times.load_s) < partial * self.prefill_s_per_token

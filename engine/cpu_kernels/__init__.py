@@ -53,6 +53,7 @@ chunk)] float32 — the numerators and sums `sample_rows` draws from (the tests'
 `LAYER_OPS`: RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-mul (layer_ops.cpp),
 with the contracts of the Triton kernels of the same names (`kernels`), so a model's layers
 call either set through `ctx.kernels` (engine/models/layers.py)."""
+
 from __future__ import annotations
 
 import fcntl
@@ -70,8 +71,12 @@ from engine.kv.kv_format import SCALE_BYTES
 
 log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "paged_decode.cpp", _DIR / "paged_prefill.cpp", _DIR / "layer_ops.cpp",
-            _DIR / "sampling_ops.cpp")
+_SOURCES = (
+    _DIR / "paged_decode.cpp",
+    _DIR / "paged_prefill.cpp",
+    _DIR / "layer_ops.cpp",
+    _DIR / "sampling_ops.cpp",
+)
 _HEADERS = (_DIR / "vec16.h",)
 
 
@@ -89,7 +94,15 @@ def _flags() -> list[str]:
     -fopenmp: ATen's parallel_for is OpenMP pragmas in the headers (serial without it); the
     library's libgomp.so.1 resolves to the one torch already loaded."""
     march = os.environ.get("PDSERVE_CPU_KERNELS_MARCH", "native")
-    return ["-O3", f"-march={march}", "-fopenmp", "-ffp-contract=fast", "-std=c++20", "-shared", "-fPIC"]
+    return [
+        "-O3",
+        f"-march={march}",
+        "-fopenmp",
+        "-ffp-contract=fast",
+        "-std=c++20",
+        "-shared",
+        "-fPIC",
+    ]
 
 
 def _build(out: Path, sources: dict[str, bytes]) -> None:
@@ -102,12 +115,20 @@ def _build(out: Path, sources: dict[str, bytes]) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         for name, text in sources.items():
             (Path(tmp) / name).write_bytes(text)
-        cmd = ["g++", *_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *[f"-I{p}" for p in cpp_extension.include_paths()],
-               f"-I{sysconfig.get_paths()['include']}",
-               *(str(Path(tmp) / src.name) for src in _SOURCES), "-o", str(out),
-               *[f"-L{p}" for p in cpp_extension.library_paths()],
-               "-lc10", "-ltorch_cpu", "-lmvec"]
+        cmd = [
+            "g++",
+            *_flags(),
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *[f"-I{p}" for p in cpp_extension.include_paths()],
+            f"-I{sysconfig.get_paths()['include']}",
+            *(str(Path(tmp) / src.name) for src in _SOURCES),
+            "-o",
+            str(out),
+            *[f"-L{p}" for p in cpp_extension.library_paths()],
+            "-lc10",
+            "-ltorch_cpu",
+            "-lmvec",
+        ]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
@@ -126,7 +147,9 @@ def load() -> bool:
         key.update(" ".join(_flags()).encode())
         key.update(torch.__version__.encode())
         key.update(_cpu_flags().encode())
-        cache = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels"))
+        cache = Path(
+            os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels")
+        )
         lib = cache / key.hexdigest()[:16] / "pdserve_cpu.so"
         lib.parent.mkdir(parents=True, exist_ok=True)
         with open(lib.parent / "lock", "w") as lock:
@@ -149,42 +172,74 @@ def vector_isa() -> str:
     return torch.ops.pdserve_cpu.vector_isa()
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, window: int | None = None,
-                 soft_cap: float | None = None) -> torch.Tensor:
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """See the module docstring; `load()` must have returned True."""
-    return torch.ops.pdserve_cpu.paged_decode(query, kv_cache, layer, block_tables, seq_lens,
-                                              scale, window or 0, soft_cap or 0.0)
+    return torch.ops.pdserve_cpu.paged_decode(
+        query, kv_cache, layer, block_tables, seq_lens, scale, window or 0, soft_cap or 0.0
+    )
 
 
 def prefills_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `paged_prefill` serves this query and pool: bf16 both, head_dim a multiple of
     32, a block size that is a multiple of 16, on a CPU with AVX512-BF16 or AMX-BF16 (the op
     is built only there) and the kernels loaded."""
-    return (query.device.type == "cpu" and query.dtype == kv_cache.dtype == torch.bfloat16
-            and query.stride(-1) == 1 and query.shape[-1] % 32 == 0 and kv_cache.shape[3] % 16 == 0
-            and kv_cache.shape[-1] == query.shape[-1] and load()
-            and hasattr(torch.ops.pdserve_cpu, "paged_prefill"))
+    return (
+        query.device.type == "cpu"
+        and query.dtype == kv_cache.dtype == torch.bfloat16
+        and query.stride(-1) == 1
+        and query.shape[-1] % 32 == 0
+        and kv_cache.shape[3] % 16 == 0
+        and kv_cache.shape[-1] == query.shape[-1]
+        and load()
+        and hasattr(torch.ops.pdserve_cpu, "paged_prefill")
+    )
 
 
-def paged_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """See the module docstring; `prefills_in_place` must have returned True."""
-    return torch.ops.pdserve_cpu.paged_prefill(query, kv_cache, layer, block_tables, seq_lens,
-                                               query_lens, scale)
+    return torch.ops.pdserve_cpu.paged_prefill(
+        query, kv_cache, layer, block_tables, seq_lens, query_lens, scale
+    )
 
 
 def stores_in_place(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `store_kv_` serves these rows and pool (CPU, the pool in their dtype, each
     token's heads contiguous) and the kernels loaded."""
-    return (key.device.type == "cpu" and kv_cache.dtype == key.dtype == value.dtype
-            and key.stride(-1) == 1 and value.stride(-1) == 1
-            and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]
-            and load())
+    return (
+        key.device.type == "cpu"
+        and kv_cache.dtype == key.dtype == value.dtype
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and key.stride(-2) == key.shape[-1]
+        and value.stride(-2) == value.shape[-1]
+        and load()
+    )
 
 
-def store_kv_(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-              slot_mapping: torch.Tensor) -> None:
+def store_kv_(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+) -> None:
     """See the module docstring; `stores_in_place` must have returned True."""
     torch.ops.pdserve_cpu.store_kv_(key, value, kv_cache, layer, slot_mapping)
 
@@ -194,8 +249,9 @@ def exp_chunk_totals_(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.ops.pdserve_cpu.exp_chunk_totals_(x, chunk)
 
 
-def sample_rows(x: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor | None,
-                chunk: int) -> torch.Tensor:
+def sample_rows(
+    x: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor | None, chunk: int
+) -> torch.Tensor:
     """See the module docstring; `load()` must have returned True."""
     return torch.ops.pdserve_cpu.sample_rows(x, uniforms, temperatures, chunk)
 
@@ -213,8 +269,13 @@ def first_uniforms(keys: torch.Tensor) -> torch.Tensor:
 def reads_logits(x: torch.Tensor) -> bool:
     """Whether `sample_rows` / `argmax_rows` serve these logits (CPU, float32 or bfloat16,
     unit last stride) and the kernels loaded."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and x.dim() == 2 and x.stride(-1) == 1 and load())
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() == 2
+        and x.stride(-1) == 1
+        and load()
+    )
 
 
 _EXTRA_BYTES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 0, torch.int8: SCALE_BYTES}
@@ -224,8 +285,11 @@ _EXTRA_BYTES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 0, torch.int8: SCALE_
 def fits(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `paged_decode` serves this query and pool (CPU; the pool in query's dtype or
     one of the quantized formats, with the matching head size)."""
-    if (query.device.type != "cpu" or query.stride(-1) != 1
-            or query.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+    if (
+        query.device.type != "cpu"
+        or query.stride(-1) != 1
+        or query.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    ):
         return False
     extra = 0 if kv_cache.dtype == query.dtype else _EXTRA_BYTES.get(kv_cache.dtype)
     return extra is not None and kv_cache.shape[-1] == query.shape[-1] + extra
@@ -243,14 +307,16 @@ class LayerOps:
         return torch.ops.pdserve_cpu.rms_norm(x.contiguous(), weight, eps)
 
     @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
         return torch.ops.pdserve_cpu.add_rms_norm(x, residual, weight, eps)
 
     @staticmethod
-    def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                   cos_sin_cache: torch.Tensor) -> None:
+    def apply_rope(
+        q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+    ) -> None:
         """q [T, Hq, D], k [T, Hk, D] (strided views allowed) rotated in place at `positions`
         by the fp32 `cos | sin` table [P, R]; dims past R pass through."""
         torch.ops.pdserve_cpu.rope_(q, k, positions.to(torch.int64), cos_sin_cache)

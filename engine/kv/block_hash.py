@@ -8,6 +8,7 @@ workers hold a prompt's prefix: the same bytes in, the same hashes out, in any p
 `block_hash_probe` is a short fingerprint of this hashing that workers publish, so that a
 process hashing the same tokens differently is found at start (cluster/block_hash_agreement.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,8 +23,12 @@ BlockHash = bytes  # 32-byte sha256 digest
 _ROOT = b"pdserve-block-hash-v1"
 
 
-def hash_extras(cache_salt: str | None = None, lora_id: int | None = None,
-                kv_cache_dtype: str = "auto", weights_version: int = 0) -> bytes:
+def hash_extras(
+    cache_salt: str | None = None,
+    lora_id: int | None = None,
+    kv_cache_dtype: str = "auto",
+    weights_version: int = 0,
+) -> bytes:
     """Bytes mixed into every block hash of a request (empty when there are no extras). A
     quantized KV cache (`kv_cache_dtype` other than auto) is an extra: its blocks hold other
     bytes than the model dtype's for the same tokens; so is the weights version (bumped by
@@ -36,7 +41,9 @@ def hash_extras(cache_salt: str | None = None, lora_id: int | None = None,
     return struct.pack("<qI", -1 if lora_id is None else lora_id, len(salt)) + salt + kv + version
 
 
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extras: bytes = b"") -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extras: bytes = b""
+) -> BlockHash:
     h = hashlib.sha256(parent if parent is not None else _ROOT)
     h.update(struct.pack("<I", len(extras)))
     h.update(extras)
@@ -54,8 +61,12 @@ def compute_block_hashes(
 ) -> list[BlockHash]:
     """Hashes of the full blocks of `token_ids` (a trailing partial block gets none)."""
     hashes: list[BlockHash] = []
-    extend_block_hashes(hashes, token_ids, block_size,
-                        hash_extras(cache_salt, lora_id, kv_cache_dtype, weights_version))
+    extend_block_hashes(
+        hashes,
+        token_ids,
+        block_size,
+        hash_extras(cache_salt, lora_id, kv_cache_dtype, weights_version),
+    )
     return hashes
 
 
@@ -73,13 +84,16 @@ _PROBE_SALT, _PROBE_LORA_ID = "pdserve-probe", 7
 
 
 @functools.lru_cache(maxsize=64)
-def block_hash_probe(block_size: int, kv_cache_dtype: str = "auto", weights_version: int = 0) -> str:
+def block_hash_probe(
+    block_size: int, kv_cache_dtype: str = "auto", weights_version: int = 0
+) -> str:
     """A fingerprint (16 hex digits) of how this code hashes blocks under these settings: the
     last chained hash of a fixed two-block token sequence, without extras and with a salt and
     a LoRA id, digested together. Two processes that publish different probes for the same
     (block size, KV cache dtype, weights version) would never find each other's blocks."""
     tokens = [(i * 7919 + 13) % 30011 for i in range(2 * block_size)]
     plain = compute_block_hashes(tokens, block_size, None, None, kv_cache_dtype, weights_version)
-    salted = compute_block_hashes(tokens, block_size, _PROBE_SALT, _PROBE_LORA_ID, kv_cache_dtype,
-                                  weights_version)
+    salted = compute_block_hashes(
+        tokens, block_size, _PROBE_SALT, _PROBE_LORA_ID, kv_cache_dtype, weights_version
+    )
     return hashlib.sha256(plain[-1] + salted[-1]).hexdigest()[:16]

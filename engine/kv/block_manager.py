@@ -26,15 +26,16 @@ Invariants:
   block (PrefixMatch.swapped), which `allocate` swaps into a fresh pool block; `allocate` and
   `free` drop an unused one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from engine.core.request import Request
 from engine.kv.block_hash import BlockHash, extend_block_hashes
 from engine.kv.block_pool import TIER, BlockPool
 from engine.kv.kv_tier import KVTier, TierKey
-from engine.core.request import Request
 
 RELEASED = -1
 """A table entry whose block slid out of its group's window and went back to the pool."""
@@ -60,9 +61,15 @@ class BlockManager:
     """The block tables of requests, over one BlockPool (`pool`, built here): what concerns
     blocks rather than requests — free blocks, pins, KV events, peers — is asked of it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False, group_windows: tuple[int | None, ...] = (None,),
-                 tier: KVTier | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        group_windows: tuple[int | None, ...] = (None,),
+        tier: KVTier | None = None,
+    ) -> None:
         """`num_blocks`, `record_events`, `tier`: the pool's (BlockPool). `group_windows`:
         each KV group's sliding window (None: full attention; engine/kv/kv_groups.py); a group
         with a window gives back the blocks that slid out of it."""
@@ -150,8 +157,14 @@ class BlockManager:
             return 0
         return max(0, first_query - window + 1) // self.block_size
 
-    def allocate(self, request: Request, num_new_tokens: int, prefix: PrefixMatch,
-                 first_query: int | None = None, keep_from: list[int] | None = None) -> bool:
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: PrefixMatch,
+        first_query: int | None = None,
+        keep_from: list[int] | None = None,
+    ) -> bool:
         """First allocation for `request`: take the prefix hit's blocks and enough new ones
         for `num_new_tokens` more, in every group. `first_query`: the first position this
         worker computes (default: right after the hit; a remote prompt's KV arrives, so its
@@ -170,8 +183,9 @@ class BlockManager:
                 skip = min(skip, keep_from[g])
             taken = prefix.block_ids[g][skip:hit]  # never RELEASED: skip is past the hit's own
             plan.append((skip, taken, total - max(skip, hit)))
-        revived = sum(1 for _, taken, _ in plan for b in taken
-                      if b == TIER or pool.blocks[b].ref_count == 0)
+        revived = sum(
+            1 for _, taken, _ in plan for b in taken if b == TIER or pool.blocks[b].ref_count == 0
+        )
         if sum(new for _, _, new in plan) + revived > pool.num_free_blocks:
             return False
         # Every group's pool hits are taken before anything is popped (a pop may evict any
@@ -179,8 +193,12 @@ class BlockManager:
         for _, taken, _ in plan:
             pool.pin([b for b in taken if b != TIER])
         hashes = request.block_hashes
-        promote = [(g, skip + i) for g, (skip, taken, _) in enumerate(plan)
-                   for i, b in enumerate(taken) if b == TIER]
+        promote = [
+            (g, skip + i)
+            for g, (skip, taken, _) in enumerate(plan)
+            for i, b in enumerate(taken)
+            if b == TIER
+        ]
         tables = [[RELEASED] * skip + taken for skip, taken, _ in plan]
         for (g, i), block_id in zip(promote, pool.promote([(g, hashes[i]) for g, i in promote])):
             tables[g][i] = block_id
@@ -231,8 +249,11 @@ class BlockManager:
         start = request.num_computed_tokens
         needed = max(0, self.blocks_for(start + num_new_tokens) - len(tables[0]))
         write_block = start // self.block_size
-        cows = [g for g in self._groups
-                if write_block < len(tables[g]) and pool.blocks[tables[g][write_block]].ref_count > 1]
+        cows = [
+            g
+            for g in self._groups
+            if write_block < len(tables[g]) and pool.blocks[tables[g][write_block]].ref_count > 1
+        ]
         if needed * self.num_groups + len(cows) > pool.num_free_blocks:
             return False
         for g in cows:
@@ -275,8 +296,10 @@ class BlockManager:
             return
         if len(request.block_hashes) < num_full:
             extend_block_hashes(
-                request.block_hashes, request.token_ids[: num_full * self.block_size],
-                self.block_size, request.hash_extras,
+                request.block_hashes,
+                request.token_ids[: num_full * self.block_size],
+                self.block_size,
+                request.hash_extras,
             )
         for g in self._groups:
             table = tables[g]
@@ -293,7 +316,7 @@ class BlockManager:
         released = self._num_released.pop(request.request_id, None) or [0] * len(tables)
         for g, table in enumerate(tables):
             # Leaves before roots on the free list.
-            self.pool.release(list(reversed(table[released[g]:])))
+            self.pool.release(list(reversed(table[released[g] :])))
         self._drop_swapped(request.request_id)
 
     # ---- swap on preemption --------------------------------------------------------------
@@ -323,8 +346,10 @@ class BlockManager:
             self._swapped[rid] = computed
             # The blocks it resumes after (every group's, a sliding one's window) stay put.
             pins = self._swap_pins[rid] = [
-                (g, h) for g in self._groups
-                for h in request.block_hashes[self._skip(request, g, full * self.block_size):full]]
+                (g, h)
+                for g in self._groups
+                for h in request.block_hashes[self._skip(request, g, full * self.block_size) : full]
+            ]
             tier.pin(pins)
             tier.stats.swap_outs += 1
         return kept

@@ -18,6 +18,7 @@ Invariants:
   back into a fresh pool block. (g, h) is in `_cached[g]` or in the tier, never both; group
   0's hashes in either are what this worker announces as held (KV events, `cached_hashes`).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -203,7 +204,9 @@ class BlockPool:
         assert h is not None  # only cached blocks are evicted
         del self._cached[g][h]
         block.block_hash = None
-        kept, dropped = (False, []) if self.tier is None else self.tier.demote((g, h), block.block_id)
+        kept, dropped = (
+            (False, []) if self.tier is None else self.tier.demote((g, h), block.block_id)
+        )
         if self.record_events and g == 0:
             self._events.append(KVEvent(True, h, tier=1) if kept else KVEvent(False, h))
         self._dropped(dropped)
@@ -253,5 +256,7 @@ class BlockPool:
 
     def _check_one_group(self) -> None:
         if self.num_groups != 1:
-            raise ValueError("KV is exchanged with peers only for models whose layers all "
-                             f"attend alike (this one has {self.num_groups} KV groups)")
+            raise ValueError(
+                "KV is exchanged with peers only for models whose layers all "
+                f"attend alike (this one has {self.num_groups} KV groups)"
+            )

@@ -12,6 +12,7 @@
 A block is self-describing either way (its scales live inside it), so a block is still one
 contiguous region and one KV-transfer descriptor. The Triton kernels (kernels/store_kv.py,
 kernels/paged_attention.py) implement the same encoding."""
+
 from __future__ import annotations
 
 import torch

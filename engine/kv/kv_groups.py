@@ -12,6 +12,7 @@ layers and 15 sliding ones -> one full group and five sliding groups of 3); a ki
 is not a multiple leaves the last group's spare layer slots unused. Full-attention groups come
 first, so group 0 keeps every block whenever the model has a full-attention layer.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,26 +1,35 @@
 """Sizing and allocating the KV pool: one tensor, block-major, so one block (all layers, K and
 V) is one contiguous region — one descriptor for a KV transfer."""
+
 from __future__ import annotations
 
 import torch
 
+from engine.config import EngineConfig, GiB
 from engine.kv import kv_format
-from engine.config import GiB, EngineConfig
 from engine.models.config import ModelArgs
 
 DEFAULT_CPU_KV_MEMORY = 2 * GiB
 
 
-def kv_block_shape(args: ModelArgs, block_size: int, kv_cache_dtype: str = "auto") -> tuple[int, ...]:
+def kv_block_shape(
+    args: ModelArgs, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[int, ...]:
     """One block: [layers of a KV group, K/V, tokens, kv heads, stored head dim] (all the
     layers when they attend alike, engine/kv/kv_groups.py; head_dim + 4 for int8: the per-token
     scales live in the block, engine/kv/kv_format.py)."""
-    return (args.kv_groups().group_size, 2, block_size, args.n_kv_heads,
-            kv_format.stored_head_dim(kv_cache_dtype, args.head_dim))
+    return (
+        args.kv_groups().group_size,
+        2,
+        block_size,
+        args.n_kv_heads,
+        kv_format.stored_head_dim(kv_cache_dtype, args.head_dim),
+    )
 
 
-def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype,
-                   kv_cache_dtype: str = "auto") -> int:
+def kv_block_bytes(
+    args: ModelArgs, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes of one block; `dtype` is the model's (what `auto` stores)."""
     n = 1
     for d in kv_block_shape(args, block_size, kv_cache_dtype):
@@ -30,7 +39,10 @@ def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype,
 
 
 def num_blocks_for_budget(
-    config: EngineConfig, args: ModelArgs, dtype: torch.dtype, device: torch.device,
+    config: EngineConfig,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
     profile_peak_bytes: int | None = None,
 ) -> int:
     """Blocks that fit `kv_cache_memory`; on CUDA without it, what is left of
@@ -53,15 +65,22 @@ def num_blocks_for_budget(
 
 
 def allocate_kv_pool(
-    num_blocks: int, args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
+    num_blocks: int,
+    args: ModelArgs,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """[num_blocks, layers per block (engine/kv/kv_groups.py), 2, block_size, num_kv_heads,
     head_dim], zero-filled. On CPU
     the pool asks for transparent huge pages before its pages are first touched: KV
     transfers (NIXL/CMA pins the receiver's pages) run about twice as fast on them."""
-    pool = torch.empty((num_blocks, *kv_block_shape(args, block_size, kv_cache_dtype)),
-                       dtype=kv_format.storage_dtype(kv_cache_dtype, dtype), device=device)
+    pool = torch.empty(
+        (num_blocks, *kv_block_shape(args, block_size, kv_cache_dtype)),
+        dtype=kv_format.storage_dtype(kv_cache_dtype, dtype),
+        device=device,
+    )
     if pool.device.type == "cpu":
         advise_huge_pages(pool)
     return pool.zero_()
@@ -83,8 +102,14 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), madv_hugepage)
 
 
-def profile_peak(model, backend, config: EngineConfig, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device) -> int:
+def profile_peak(
+    model,
+    backend,
+    config: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
     """Peak CUDA memory of a forward over a full token budget (weights included, the
     temporary pool not)."""
     from engine.attention import AttentionMetadata
@@ -99,8 +124,11 @@ def profile_peak(model, backend, config: EngineConfig, max_model_len: int, dtype
         model(
             torch.zeros(n, dtype=torch.long, device=device),
             torch.arange(n, device=device),
-            ForwardContext.for_groups(backend, pool, AttentionMetadata.single_sequence_groups(
-                0, n, bs, blocks, groups, device)),
+            ForwardContext.for_groups(
+                backend,
+                pool,
+                AttentionMetadata.single_sequence_groups(0, n, bs, blocks, groups, device),
+            ),
             # A full decode step samples max_num_seqs rows: their logits are part of the peak.
             logits_indices=torch.arange(n - min(n, config.max_num_seqs), n, device=device),
         )

@@ -28,6 +28,7 @@ On CUDA the copies are device <-> pinned host copies the host waits for (the str
 schedule time: the previous step synchronised on its samples). Every flush measures its
 seconds per block (`copy_times`), which the scheduler weighs against recomputing.
 """
+
 from __future__ import annotations
 
 import time
@@ -39,8 +40,17 @@ from typing import Iterator
 from engine.kv.block_hash import BlockHash
 from engine.kv.kv_tier_storage import FakeTierStorage, HostTierStorage, TierStorage
 
-__all__ = ["CopyTimes", "FakeTierStorage", "HostTierStorage", "KVTier", "SwapKey", "TierKey",
-           "TierStats", "TierStorage", "tier_slots"]
+__all__ = [
+    "CopyTimes",
+    "FakeTierStorage",
+    "HostTierStorage",
+    "KVTier",
+    "SwapKey",
+    "TierKey",
+    "TierStats",
+    "TierStorage",
+    "tier_slots",
+]
 
 TierKey = tuple[int, BlockHash]
 """(KV group, block hash): one pool block's worth of KV."""

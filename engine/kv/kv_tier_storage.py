@@ -1,6 +1,7 @@
 """Where the KV tier's bytes live (engine/kv/kv_tier.py keeps the map of what is where): host
 memory or a mapped file shaped like the pool's blocks, and a fake for tests of the bookkeeping.
 Copies are gathered: one call moves a list of blocks."""
+
 from __future__ import annotations
 
 import ctypes
@@ -40,8 +41,9 @@ class HostTierStorage:
                 numel *= d
             with open(path, "ab"):  # exists before it is mapped (from_file sizes it)
                 pass
-            self.slots = torch.from_file(os.fspath(path), shared=True, size=numel,
-                                         dtype=pool.dtype).view(shape)
+            self.slots = torch.from_file(
+                os.fspath(path), shared=True, size=numel, dtype=pool.dtype
+            ).view(shape)
         else:
             pin = pool.device.type == "cuda"
             self.slots = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
@@ -58,7 +60,9 @@ class HostTierStorage:
         _gather_copy(self.pool, block_ids, self.slots, slots)
 
 
-def _gather_copy(dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]) -> None:
+def _gather_copy(
+    dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]
+) -> None:
     """dst[dst_idx[i]] <- src[src_idx[i]] for every i (blocks along dim 0, one dtype).
     Host to host: one memmove per block in this thread (torch's copy_ and index ops split
     the work over the intra-op threads, and on a busy CPU waiting for them cost milliseconds;

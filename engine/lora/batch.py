@@ -13,6 +13,7 @@ Three paths, the same arithmetic:
 - Triton (with the fused kernels on, CUDA): kernels.lora_shrink / kernels.lora_expand, one
   launch each per target over all rows, each row gathering its slot's weights (Punica's
   BGMV)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from types import ModuleType
 import torch
 
 from engine.lora.slots import LoRASlots
-
 
 SMALL_BATCH = 64
 
@@ -35,25 +35,37 @@ class LoRABatch:
     mask: torch.Tensor | None = None  # [T, slots x rank]: the small-batch torch path
 
     @classmethod
-    def build(cls, slots: LoRASlots, row_slots: list[int], device: torch.device,
-              kernels: ModuleType | None = None) -> "LoRABatch":
+    def build(
+        cls,
+        slots: LoRASlots,
+        row_slots: list[int],
+        device: torch.device,
+        kernels: ModuleType | None = None,
+    ) -> "LoRABatch":
         token_slots = torch.tensor(row_slots, dtype=torch.long)
-        groups = [(s, (token_slots == s).nonzero().squeeze(1).to(device))
-                  for s in sorted(set(row_slots) - {-1})]
+        groups = [
+            (s, (token_slots == s).nonzero().squeeze(1).to(device))
+            for s in sorted(set(row_slots) - {-1})
+        ]
         mask = None
         if kernels is None and len(row_slots) <= SMALL_BATCH:
-            mask = torch.zeros(len(row_slots), slots.max_loras, slots.max_rank,
-                               dtype=slots.a["q_proj"].dtype)
+            mask = torch.zeros(
+                len(row_slots), slots.max_loras, slots.max_rank, dtype=slots.a["q_proj"].dtype
+            )
             rows = token_slots >= 0
             mask[rows, token_slots[rows]] = 1
             mask = mask.view(len(row_slots), -1).to(device)
         return cls(slots, token_slots.to(device), groups, kernels, mask)
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int], ...]) -> None:
+    def add(
+        self, y: torch.Tensor, x: torch.Tensor, layer: int, parts: tuple[tuple[str, int], ...]
+    ) -> None:
         """y [T, out_total] += the deltas of `parts` ((target, column offset in y)) for
         x [T, in]."""
         for target, offset in parts:
-            users = [(slot, rows) for slot, rows in self.groups if target in self.slots.targets[slot]]
+            users = [
+                (slot, rows) for slot, rows in self.groups if target in self.slots.targets[slot]
+            ]
             if not users:
                 continue
             a, b = self.slots.a[target][layer], self.slots.b[target][layer]
@@ -64,8 +76,9 @@ class LoRABatch:
                 continue
             if self.mask is not None:
                 bt = self.slots.bt[target][layer]
-                out.addmm_((x @ a.reshape(-1, a.shape[-1]).T).mul_(self.mask),
-                           bt.reshape(-1, bt.shape[-1]))
+                out.addmm_(
+                    (x @ a.reshape(-1, a.shape[-1]).T).mul_(self.mask), bt.reshape(-1, bt.shape[-1])
+                )
                 continue
             for slot, rows in users:
                 out.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot].T)

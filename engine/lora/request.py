@@ -1,4 +1,5 @@
 """Which adapter a request runs with (vLLM's `LoRARequest`)."""
+
 from __future__ import annotations
 
 import hashlib

@@ -6,6 +6,7 @@ max_loras, out, max_rank] (B pre-multiplied by the adapter's scale; ranks below 
 zero-padded, so padded columns add nothing). A slot is (re)filled when a step needs an adapter
 that is not resident: the least recently used slot not needed by the same step is reused.
 The scheduler guarantees a step needs at most `max_loras` adapters."""
+
 from __future__ import annotations
 
 import threading
@@ -19,21 +20,35 @@ from engine.models.config import ModelArgs
 
 
 class LoRASlots:
-    def __init__(self, args: ModelArgs, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
         shapes = target_shapes(args)
         layers = args.n_layers
-        self.a = {t: torch.zeros(layers, max_loras, max_rank, shapes[t][0], dtype=dtype, device=device)
-                  for t in TARGETS}
-        self.b = {t: torch.zeros(layers, max_loras, shapes[t][1], max_rank, dtype=dtype, device=device)
-                  for t in TARGETS}
+        self.a = {
+            t: torch.zeros(layers, max_loras, max_rank, shapes[t][0], dtype=dtype, device=device)
+            for t in TARGETS
+        }
+        self.b = {
+            t: torch.zeros(layers, max_loras, shapes[t][1], max_rank, dtype=dtype, device=device)
+            for t in TARGETS
+        }
         # B transposed, [layers, max_loras, max_rank, out]: all slots' B as one (slots x rank,
         # out) matrix for the torch path's small batches (engine/lora/batch.py).
-        self.bt = {t: torch.zeros(layers, max_loras, max_rank, shapes[t][1], dtype=dtype, device=device)
-                   for t in TARGETS}
+        self.bt = {
+            t: torch.zeros(layers, max_loras, max_rank, shapes[t][1], dtype=dtype, device=device)
+            for t in TARGETS
+        }
         self.targets: list[set[str]] = [set() for _ in range(max_loras)]  # what each slot adds
-        self.unit_scale = torch.ones(max_loras, dtype=torch.float32, device=device)  # B is pre-scaled
+        self.unit_scale = torch.ones(
+            max_loras, dtype=torch.float32, device=device
+        )  # B is pre-scaled
         self._resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
 
     def slot_of(self, lora_id: int) -> int | None:
@@ -100,8 +115,10 @@ class LoRACache:
             adapter = self._adapters.get(request.lora_int_id)
             if adapter is not None:
                 if adapter.request.lora_name != request.lora_name:
-                    raise LoRAError(f"lora_int_id {request.lora_int_id} is already adapter "
-                                    f"{adapter.request.lora_name!r}, not {request.lora_name!r}")
+                    raise LoRAError(
+                        f"lora_int_id {request.lora_int_id} is already adapter "
+                        f"{adapter.request.lora_name!r}, not {request.lora_name!r}"
+                    )
                 self._adapters.move_to_end(request.lora_int_id)
                 return adapter
         adapter = load_adapter(request, self.args, self.max_rank)  # disk: outside the lock

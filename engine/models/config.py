@@ -6,6 +6,7 @@ fields all the HF layouts name alike; each model file (llama.py, qwen.py, mistra
 gemma.py, phi3.py, moe_models.py) passes the options its architecture implies. A config
 field that changes the math and that these layers cannot run is refused by name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -121,8 +122,12 @@ class ModelArgs:
             return self.local_rope
         if self.rope is not None:
             return self.rope
-        return RopeSpec(head_dim=self.head_dim, rotary_dim=self.head_dim, theta=self.rope_theta,
-                        max_position_embeddings=self.max_position_embeddings)
+        return RopeSpec(
+            head_dim=self.head_dim,
+            rotary_dim=self.head_dim,
+            theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], **options: Any) -> "ModelArgs":
@@ -131,16 +136,21 @@ class ModelArgs:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         model_type = cfg.get("model_type", "llama")
         if model_type not in HF_ARCHITECTURES.get(archs[0], ()):
-            raise ValueError(f"unsupported architecture {archs} with model_type {model_type!r} "
-                             f"(built in: {', '.join(HF_ARCHITECTURES)})")
+            raise ValueError(
+                f"unsupported architecture {archs} with model_type {model_type!r} "
+                f"(built in: {', '.join(HF_ARCHITECTURES)})"
+            )
         if cfg.get("mlp_bias"):
             raise ValueError(f"{archs[0]}: mlp_bias is not supported")
         if cfg.get("use_bidirectional_attention"):
-            raise ValueError(f"{archs[0]}: use_bidirectional_attention (an encoder) is not supported")
+            raise ValueError(
+                f"{archs[0]}: use_bidirectional_attention (an encoder) is not supported"
+            )
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"{archs[0]}: hidden activation {act!r} is not supported "
-                             "(silu, gelu_pytorch_tanh)")
+            raise ValueError(
+                f"{archs[0]}: hidden activation {act!r} is not supported (silu, gelu_pytorch_tanh)"
+            )
         n_heads, n_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         rope = options.pop("rope", None) or RopeSpec.from_hf_config(cfg, head_dim=head_dim)
@@ -162,18 +172,23 @@ class ModelArgs:
         fields.update(options)
         args = cls(**fields)
         if args.layer_types and len(args.layer_types) < n_layers:
-            raise ValueError(f"{archs[0]}: layer_types names {len(args.layer_types)} layers, "
-                             f"the model has {n_layers}")
+            raise ValueError(
+                f"{archs[0]}: layer_types names {len(args.layer_types)} layers, "
+                f"the model has {n_layers}"
+            )
         if args.layer_types and not set(args.layer_types) <= {SLIDING, FULL}:
-            raise ValueError(f"{archs[0]}: layer_types {sorted(set(args.layer_types))} "
-                             f"(supported: {SLIDING}, {FULL})")
+            raise ValueError(
+                f"{archs[0]}: layer_types {sorted(set(args.layer_types))} "
+                f"(supported: {SLIDING}, {FULL})"
+            )
         if SLIDING in args.layer_types and not args.sliding_window:
             raise ValueError(f"{archs[0]}: sliding layers without a sliding_window")
         return args
 
 
-def hf_layer_types(cfg: dict[str, Any], n_layers: int, window: int | None,
-                   default_sliding: Any = None) -> tuple[str, ...]:
+def hf_layer_types(
+    cfg: dict[str, Any], n_layers: int, window: int | None, default_sliding: Any = None
+) -> tuple[str, ...]:
     """The config's `layer_types`, else the architecture's rule (`default_sliding(i)` ->
     whether layer i slides), else every layer sliding when there is a window."""
     if cfg.get("layer_types"):

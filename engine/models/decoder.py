@@ -17,6 +17,7 @@ engine/models/tp_slices.py) the same classes hold that rank's heads, rows and vo
 slice, and with `use_communicator` they all-reduce / all-gather where a layer's output is
 a partial one.
 """
+
 from __future__ import annotations
 
 import re
@@ -69,11 +70,10 @@ class DecoderLM(CausalLMBase):
         self._rope_specs = specs or [args.rope_spec(0)]
         self.layers = nn.ModuleList(
             TransformerBlock(args, i, self.make_mlp(args, i), specs.index(args.rope_spec(i)))
-            for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-        self.lm_head = (
-            None if args.tie_word_embeddings else Linear(args.dim, vocab, bias=False)
+            for i in range(args.n_layers)
         )
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.dim, vocab, bias=False)
         self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
         # RMSNorm / RoPE / SiLU-and-mul kernels: Triton's or the CPU's.
@@ -106,8 +106,16 @@ class DecoderLM(CausalLMBase):
         if moe is None or layer not in moe.sparse_layers:
             return FeedForward(args, layer)
         experts = None if args.tp is None else args.tp.experts(moe.num_experts)
-        return SparseMoE(args.dim, moe.num_experts, moe.top_k, moe.intermediate_size,
-                         moe.renormalize, layer, moe.round_routing_weights, experts)
+        return SparseMoE(
+            args.dim,
+            moe.num_experts,
+            moe.top_k,
+            moe.intermediate_size,
+            moe.renormalize,
+            layer,
+            moe.round_routing_weights,
+            experts,
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """HF tensors by name, each into the parameter (or row range of a fused one) that
@@ -123,8 +131,10 @@ class DecoderLM(CausalLMBase):
                 if target is None:
                     continue
                 if tuple(tensor.shape) != tuple(target.shape):
-                    raise KeyError(f"{name} has shape {tuple(tensor.shape)}, the model's is "
-                                   f"{tuple(target.shape)}")
+                    raise KeyError(
+                        f"{name} has shape {tuple(tensor.shape)}, the model's is "
+                        f"{tuple(target.shape)}"
+                    )
                 pname, param = by_storage[target.untyped_storage().data_ptr()]
                 if target.shape == param.shape:
                     param.data = tensor
@@ -154,7 +164,11 @@ class DecoderLM(CausalLMBase):
         return self
 
     def residual(
-        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, num_layers: int | None = None
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
     ) -> Tensor:
         """The residual stream after the last layer, [T, dim] (before the final norm).
         `num_layers`: stop after the first N layers (a layer-skip self-draft)."""
@@ -181,8 +195,9 @@ class DecoderLM(CausalLMBase):
     def head_logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         """`logits` before their widening to fp32: in the LM head's dtype where widening is
         all `logits` adds, fp32 where the model scales or caps them."""
-        logits = linear(self.hidden(x, ctx, indices), self.lm_head_weight(), None,
-                        self.lm_head_packed)
+        logits = linear(
+            self.hidden(x, ctx, indices), self.lm_head_weight(), None, self.lm_head_packed
+        )
         if self.comm is not None and self.args.tp is not None:
             # Vocab-parallel LM head: the ranks' slices side by side.
             logits = gather_vocab(logits, self.args.tp, self.comm)

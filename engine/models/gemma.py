@@ -10,6 +10,7 @@ sliding-window and full-attention layers as `layer_types` says; logits soft-capp
 - Gemma 3: per-head q/k RMSNorm; five sliding layers to one global (`sliding_window_pattern`
   6); sliding layers use their own RoPE base (`rope_local_base_freq`, 10 000).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,8 +40,9 @@ class Gemma2ForCausalLM(DecoderLM):
     @classmethod
     def model_args(cls, config: dict) -> ModelArgs:
         options = _gemma_options(config, lambda i: (i + 1) % 2 == 1)
-        return ModelArgs.from_hf_config(config, attn_softcap=config.get("attn_logit_softcapping"),
-                                        **options)
+        return ModelArgs.from_hf_config(
+            config, attn_softcap=config.get("attn_logit_softcapping"), **options
+        )
 
 
 class Gemma3ForCausalLM(DecoderLM):
@@ -54,10 +56,17 @@ class Gemma3ForCausalLM(DecoderLM):
             full = RopeSpec.from_hf_config(config, head_dim=head_dim, params=rope[FULL])
             local = RopeSpec.from_hf_config(config, head_dim=head_dim, params=rope[SLIDING])
         else:  # older configs: rope_theta (+ rope_scaling) global, rope_local_base_freq local
-            full = RopeSpec.from_hf_config(config, head_dim=head_dim,
-                                           theta=config.get("rope_theta", 1e6))
-            local = RopeSpec.from_hf_config(config, head_dim=head_dim, params={},
-                                            theta=config.get("rope_local_base_freq", 1e4))
+            full = RopeSpec.from_hf_config(
+                config, head_dim=head_dim, theta=config.get("rope_theta", 1e6)
+            )
+            local = RopeSpec.from_hf_config(
+                config, head_dim=head_dim, params={}, theta=config.get("rope_local_base_freq", 1e4)
+            )
         return ModelArgs.from_hf_config(
-            config, qk_norm=True, attn_softcap=config.get("attn_logit_softcapping"),
-            rope=full, local_rope=local, **options)
+            config,
+            qk_norm=True,
+            attn_softcap=config.get("attn_logit_softcapping"),
+            rope=full,
+            local_rope=local,
+            **options,
+        )

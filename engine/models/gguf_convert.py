@@ -1,6 +1,7 @@
 """Turn a GGUF file (LLaMA, Qwen2, Qwen3, Gemma 2, Gemma 3: engine/models/gguf_families.py)
 into HF-format pieces: config, fp32 state dict and a `tokenizers` tokenizer. Used both by
 model preparation (written to disk once) and by loading a GGUF file directly."""
+
 from __future__ import annotations
 
 import json
@@ -67,9 +68,16 @@ def convert_gguf(path: Path) -> ConvertedModel:
     tokens = list(meta.get("tokenizer.ggml.tokens"))
     state = _state_dict(gguf_file, path, meta, family)
     special = _special_tokens(meta)
-    config = hf_config(meta, len(tokens), tie_word_embeddings="lm_head.weight" not in state,
-                       special={"bos_token_id": special.bos, "eos_token_id": special.eos,
-                                "pad_token_id": special.pad})
+    config = hf_config(
+        meta,
+        len(tokens),
+        tie_word_embeddings="lm_head.weight" not in state,
+        special={
+            "bos_token_id": special.bos,
+            "eos_token_id": special.eos,
+            "pad_token_id": special.pad,
+        },
+    )
     tok_json = tokenizer_json(
         meta.arch,
         str(meta.get("tokenizer.ggml.model")),
@@ -80,13 +88,17 @@ def convert_gguf(path: Path) -> ConvertedModel:
         unk_token=tokens[special.unk],
     )
     tokenizer_config = _tokenizer_config(meta, tokens, special, config["max_position_embeddings"])
-    generation_config = {"bos_token_id": special.bos, "eos_token_id": special.eos,
-                         "pad_token_id": special.pad}
+    generation_config = {
+        "bos_token_id": special.bos,
+        "eos_token_id": special.eos,
+        "pad_token_id": special.pad,
+    }
     return ConvertedModel(config, state, tok_json, tokenizer_config, generation_config)
 
 
-def _state_dict(gguf_file: GgufFile, path: Path, meta: Metadata,
-                family: GgufFamily) -> dict[str, torch.Tensor]:
+def _state_dict(
+    gguf_file: GgufFile, path: Path, meta: Metadata, family: GgufFamily
+) -> dict[str, torch.Tensor]:
     """Every tensor the HF model uses, dequantized to fp32 under its HF name, with llama.cpp's
     transforms undone: Q/K un-permuted (LLaMA), norm offsets subtracted (Gemma)."""
     num_heads = int(meta.of_arch("attention.head_count"))
@@ -122,8 +134,9 @@ def _special_tokens(meta: Metadata) -> _SpecialTokens:
     )
 
 
-def _tokenizer_config(meta: Metadata, tokens: list[str], special: _SpecialTokens,
-                      model_max_length: int) -> dict[str, Any]:
+def _tokenizer_config(
+    meta: Metadata, tokens: list[str], special: _SpecialTokens, model_max_length: int
+) -> dict[str, Any]:
     """HF tokenizer_config.json, chat template included (None where the file has none).
     llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise."""
     sentencepiece = meta.get("tokenizer.ggml.model") == "llama"

@@ -8,6 +8,7 @@ and llama.cpp's own hard-coded values (e.g. Gemma 3's local RoPE base and window
 Mistral 7B has no family of its own: llama.cpp writes it as `llama`, and HF's Mistral with no
 sliding window computes exactly what HF's LLaMA does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -81,8 +82,11 @@ def _no_sliding_window(meta: Metadata, num_layers: int) -> dict[str, Any]:
 
 
 def _llama(meta: Metadata, num_layers: int) -> dict[str, Any]:
-    return {"hidden_act": "silu", "mlp_bias": False,
-            "attention_bias": "blk.0.attn_q.bias" in meta.tensor_names}
+    return {
+        "hidden_act": "silu",
+        "mlp_bias": False,
+        "attention_bias": "blk.0.attn_q.bias" in meta.tensor_names,
+    }
 
 
 def _qwen2(meta: Metadata, num_layers: int) -> dict[str, Any]:
@@ -133,8 +137,7 @@ def _gemma3(meta: Metadata, num_layers: int) -> dict[str, Any]:
     full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": global_theta}
     rope_scaling = None
     if meta.of_arch("rope.scaling.type", "none") == "linear":  # the 4B/12B/27B models: 8x
-        rope_scaling = {"rope_type": "linear",
-                        "factor": float(meta.of_arch("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": float(meta.of_arch("rope.scaling.factor"))}
         full_rope |= rope_scaling
     return {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -158,18 +161,46 @@ def _gemma3(meta: Metadata, num_layers: int) -> dict[str, Any]:
 
 
 FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily("LlamaForCausalLM", "llama", {**_ATTENTION, **_PRE_MLP_NORM},
-                        unpermute_qk=True, norm_offset=0.0, extra_config=_llama),
-    "qwen2": GgufFamily("Qwen2ForCausalLM", "qwen2", {**_ATTENTION, **_PRE_MLP_NORM},
-                        unpermute_qk=False, norm_offset=0.0, extra_config=_qwen2),
-    "qwen3": GgufFamily("Qwen3ForCausalLM", "qwen3",
-                        {**_ATTENTION, **_QK_NORM, **_PRE_MLP_NORM},
-                        unpermute_qk=False, norm_offset=0.0, extra_config=_qwen3),
-    "gemma2": GgufFamily("Gemma2ForCausalLM", "gemma2", {**_ATTENTION, **_SANDWICH_NORMS},
-                         unpermute_qk=False, norm_offset=1.0, extra_config=_gemma2),
-    "gemma3": GgufFamily("Gemma3ForCausalLM", "gemma3_text",
-                         {**_ATTENTION, **_QK_NORM, **_SANDWICH_NORMS},
-                         unpermute_qk=False, norm_offset=1.0, extra_config=_gemma3),
+    "llama": GgufFamily(
+        "LlamaForCausalLM",
+        "llama",
+        {**_ATTENTION, **_PRE_MLP_NORM},
+        unpermute_qk=True,
+        norm_offset=0.0,
+        extra_config=_llama,
+    ),
+    "qwen2": GgufFamily(
+        "Qwen2ForCausalLM",
+        "qwen2",
+        {**_ATTENTION, **_PRE_MLP_NORM},
+        unpermute_qk=False,
+        norm_offset=0.0,
+        extra_config=_qwen2,
+    ),
+    "qwen3": GgufFamily(
+        "Qwen3ForCausalLM",
+        "qwen3",
+        {**_ATTENTION, **_QK_NORM, **_PRE_MLP_NORM},
+        unpermute_qk=False,
+        norm_offset=0.0,
+        extra_config=_qwen3,
+    ),
+    "gemma2": GgufFamily(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        {**_ATTENTION, **_SANDWICH_NORMS},
+        unpermute_qk=False,
+        norm_offset=1.0,
+        extra_config=_gemma2,
+    ),
+    "gemma3": GgufFamily(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        {**_ATTENTION, **_QK_NORM, **_SANDWICH_NORMS},
+        unpermute_qk=False,
+        norm_offset=1.0,
+        extra_config=_gemma3,
+    ),
 }
 
 
@@ -177,7 +208,8 @@ def family_of(meta: Metadata) -> GgufFamily:
     family = FAMILIES.get(meta.arch)
     if family is None:
         raise ModelFileError(
-            f"GGUF architecture {meta.arch!r} is not supported (supported: {', '.join(FAMILIES)})")
+            f"GGUF architecture {meta.arch!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
     return family
 
 
@@ -190,15 +222,19 @@ def hf_tensor_name(family: GgufFamily, name: str) -> str | None:
     return GLOBAL_TENSORS.get(name)
 
 
-def hf_config(meta: Metadata, vocab_size: int, tie_word_embeddings: bool,
-              special: Mapping[str, int]) -> dict[str, Any]:
+def hf_config(
+    meta: Metadata, vocab_size: int, tie_word_embeddings: bool, special: Mapping[str, int]
+) -> dict[str, Any]:
     """config.json of the HF model the GGUF file describes."""
     family = family_of(meta)
     hidden = int(meta.of_arch("embedding_length"))
     num_heads = int(meta.of_arch("attention.head_count"))
     num_layers = int(meta.of_arch("block_count"))
-    head_dim = meta.of_arch("attention.key_length", None) or meta.of_arch(
-        "rope.dimension_count", None) or hidden // num_heads
+    head_dim = (
+        meta.of_arch("attention.key_length", None)
+        or meta.of_arch("rope.dimension_count", None)
+        or hidden // num_heads
+    )
     return {
         "architectures": [family.hf_architecture],
         "model_type": family.model_type,

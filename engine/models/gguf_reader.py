@@ -5,6 +5,7 @@ takes it ~30 s. Here the header is parsed with `struct` (well under a second) an
 data stays a memory map, dequantized by gguf-py (`gguf.dequantize`, the reference).
 Little-endian GGUF v2/v3 only (what llama.cpp writes); anything else is a ModelFileError.
 """
+
 from __future__ import annotations
 
 import struct
@@ -17,8 +18,19 @@ import numpy as np
 from engine.models.errors import ModelFileError
 
 _MAGIC = b"GGUF"
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -51,7 +63,7 @@ class _Cursor:
         n = self.scalar("<Q")
         if self.pos + n > len(self.buf):
             raise ValueError("string runs past the end of the file")
-        text = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8")
+        text = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8")
         self.pos += n
         return text
 
@@ -65,7 +77,7 @@ class _Cursor:
                 end = self.pos + count * dtype.itemsize
                 if end > len(self.buf):
                     raise ValueError("array runs past the end of the file")
-                items = np.frombuffer(self.buf[self.pos:end], dtype=dtype).tolist()
+                items = np.frombuffer(self.buf[self.pos : end], dtype=dtype).tolist()
                 self.pos = end
                 return items
             return [self.value(item_kind) for _ in range(count)]
@@ -113,7 +125,7 @@ def read_gguf(path: Path) -> GgufFile:
             begin = start + offset
             if begin + rows * row_bytes > len(mapped):
                 raise ValueError(f"tensor {name} runs past the end of the file")
-            data = mapped[begin:begin + rows * row_bytes].reshape(rows, row_bytes)
+            data = mapped[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
             tensors.append(GgufTensor(name, dims, kind, data))
     except (ValueError, KeyError, struct.error, UnicodeDecodeError) as exc:
         raise ModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc

@@ -9,6 +9,7 @@ split (each digit alone, then GPT-2's) instead of GPT-2's alone.
   `▁`); the file has no merges, so they are rebuilt from the vocabulary, best first in file
   order, as transformers does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ _QWEN2_SPLIT = (
 )
 # `tokenizer.ggml.pre` -> the regex its merges were learned with (transformers' table).
 _PRE_SPLITS = {
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"],
-                    _LLAMA3_SPLIT),
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT
+    ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
 }
 _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -38,8 +40,11 @@ _GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table of byte-level vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -54,11 +59,15 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _BYTE_CHARS = frozenset(_BYTE_TO_CHAR.values())
 
 
-
-
-def tokenizer_json(arch: str, model: str, pre: str, tokens: Sequence[str],
-                   token_types: Sequence[int], merges: Sequence[str] | None,
-                   unk_token: str) -> str:
+def tokenizer_json(
+    arch: str,
+    model: str,
+    pre: str,
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    merges: Sequence[str] | None,
+    unk_token: str,
+) -> str:
     """The tokenizer.json of a GGUF tokenizer (`tokenizer.ggml.*` fields)."""
     if model == "gpt2":
         if merges is None:
@@ -69,7 +78,8 @@ def tokenizer_json(arch: str, model: str, pre: str, tokens: Sequence[str],
     else:
         raise ModelFileError(
             f"GGUF tokenizer {model!r} for architecture {arch!r} is not supported "
-            "(byte-level 'gpt2', or Gemma's SentencePiece 'llama')")
+            "(byte-level 'gpt2', or Gemma's SentencePiece 'llama')"
+        )
     _add_special_tokens(tok, tokens, token_types, known, byte_level=model == "gpt2")
     return tok.to_str()
 
@@ -78,20 +88,26 @@ def _byte_level(tokens: Sequence[str], merges: Sequence[str], pre: str):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     # A token outside the byte alphabet (raw text in some files) is respelled into it.
-    vocab = {t if set(t) <= _BYTE_CHARS else "".join(_BYTE_TO_CHAR[b] for b in t.encode()): i
-             for i, t in enumerate(tokens)}
+    vocab = {
+        t if set(t) <= _BYTE_CHARS else "".join(_BYTE_TO_CHAR[b] for b in t.encode()): i
+        for i, t in enumerate(tokens)
+    }
     pairs = cast("list[tuple[str, str]]", [tuple(m.split(" ", 1)) for m in merges])  # "a b"
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     if pre == "smollm":  # llama.cpp: every digit on its own, then GPT-2's byte-level split
-        splits = [pre_tokenizers.Digits(individual_digits=True),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
-                                           use_regex=True)]
+        splits = [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
     elif pre in _PRE_SPLITS:
-        splits = [pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        splits = [
+            pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     else:  # "default", "gpt2" and the rest: GPT-2's regex, as transformers
-        splits = [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
-                                           use_regex=True)]
+        splits = [
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        ]
     tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
     # The binding takes no options (it ignored the ones given): add_prefix_space, trim_offsets
     # and use_regex are all true, as transformers writes them.
@@ -107,12 +123,20 @@ def _gemma(tokens: Sequence[str], unk_token: str):
 
     spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {token: i for i, token in enumerate(spelled)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_from_vocab(spelled, vocab),
-                               fuse_unk=True, unk_token=unk_token, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_vocab(spelled, vocab),
+            fuse_unk=True,
+            unk_token=unk_token,
+            byte_fallback=True,
+        )
+    )
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     return tok, set(vocab)
 
 
@@ -125,8 +149,11 @@ def _merges_from_vocab(tokens: Sequence[str], vocab: dict[str, int]) -> list[tup
     for index, token in enumerate(tokens):
         if vocab.get(token) != index:
             continue  # a duplicate spelling: transformers keeps its last position
-        local = [(token[:k], token[k:]) for k in range(1, len(token))
-                 if token[:k] in vocab and token[k:] in vocab]
+        local = [
+            (token[:k], token[k:])
+            for k in range(1, len(token))
+            if token[:k] in vocab and token[k:] in vocab
+        ]
         local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         ranked.extend((index, len(left), len(right), left, right) for left, right in local)
     # generate_merges sorts (score, len_l, len_r) descending with score -index; the sort is
@@ -135,18 +162,26 @@ def _merges_from_vocab(tokens: Sequence[str], vocab: dict[str, int]) -> list[tup
     return [(left, right) for _, _, _, left, right in ranked]
 
 
-def _add_special_tokens(tok, tokens: Sequence[str], token_types: Sequence[int],
-                        known: set[str], byte_level: bool) -> None:
+def _add_special_tokens(
+    tok, tokens: Sequence[str], token_types: Sequence[int], known: set[str], byte_level: bool
+) -> None:
     """Control tokens (e.g. `<|im_end|>`) as special tokens; user-defined ones (e.g.
     `<think>`) as plain added tokens, matched whole — as llama.cpp and transformers. In a
     byte-level vocabulary a control token outside the byte alphabet is a llama.cpp mislabel
     and is left out (transformers does the same)."""
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([
-        AddedToken(t, special=True, normalized=False)
-        for t, kind in zip(tokens, token_types)
-        if kind == TOKEN_TYPE_CONTROL and (not byte_level or set(t) <= _BYTE_CHARS)])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind in zip(tokens, token_types)
-                    if kind == TOKEN_TYPE_USER_DEFINED and t in known])
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind == TOKEN_TYPE_CONTROL and (not byte_level or set(t) <= _BYTE_CHARS)
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind == TOKEN_TYPE_USER_DEFINED and t in known
+        ]
+    )

@@ -20,6 +20,7 @@ for any model that follows this. The pool's shape comes from `args` (ModelArgs: 
 n_kv_heads, head_dim), the context length from `args.max_position_embeddings`.
 docs/models.md has the whole story.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -54,12 +55,28 @@ class ForwardContext:
     `metadata` is group 0's) and a layer attends with `layer_metadata(group)` at its slot in
     the group's blocks. With one group, `group_metadata` is None."""
 
-    __slots__ = ("backend", "kv_cache", "metadata", "group_metadata", "positions", "rope_cos_sin",
-                 "cos_sin", "kernels", "layer_ops", "lora", "comm")
+    __slots__ = (
+        "backend",
+        "kv_cache",
+        "metadata",
+        "group_metadata",
+        "positions",
+        "rope_cos_sin",
+        "cos_sin",
+        "kernels",
+        "layer_ops",
+        "lora",
+        "comm",
+    )
 
-    def __init__(self, backend: AttentionBackend, kv_cache: Tensor, metadata: AttentionMetadata,
-                 lora: LoRABatch | None = None,
-                 group_metadata: list[AttentionMetadata] | None = None):
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        kv_cache: Tensor,
+        metadata: AttentionMetadata,
+        lora: LoRABatch | None = None,
+        group_metadata: list[AttentionMetadata] | None = None,
+    ):
         self.backend, self.kv_cache, self.metadata = backend, kv_cache, metadata
         self.group_metadata = group_metadata
         self.positions: Tensor | None = None
@@ -72,8 +89,13 @@ class ForwardContext:
         self.comm: Communicator | None = None
 
     @classmethod
-    def for_groups(cls, backend: AttentionBackend, kv_cache: Tensor,
-                   metadata: list[AttentionMetadata], lora: LoRABatch | None = None) -> "ForwardContext":
+    def for_groups(
+        cls,
+        backend: AttentionBackend,
+        kv_cache: Tensor,
+        metadata: list[AttentionMetadata],
+        lora: LoRABatch | None = None,
+    ) -> "ForwardContext":
         """A context over one metadata per KV group."""
         return cls(backend, kv_cache, metadata[0], lora, metadata if len(metadata) > 1 else None)
 
@@ -106,8 +128,13 @@ class CausalLM(Protocol):
         live parameters; returns how many were applied. Raises ValueError for a name or shape
         that does not fit, before anything is copied."""
 
-    def residual(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
-                 num_layers: int | None = None) -> Tensor:
+    def residual(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
+    ) -> Tensor:
         """[T, dim] after the first `num_layers` (default all) layers, before the final norm."""
 
     def hidden(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
@@ -123,8 +150,13 @@ class CausalLM(Protocol):
         """The engine asks for "triton" with the Triton attention backend, "cpu" on the CPU
         where the C++ ops build, None for plain torch; a model may ignore it."""
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
-                 logits_indices: Tensor | None = None) -> Tensor:
+    def __call__(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        ctx: ForwardContext,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
         """`logits(residual(input_ids, positions, ctx), ctx, logits_indices)`."""
 
 
@@ -137,23 +169,37 @@ class CausalLMBase(nn.Module):
     kernels: ModuleType | None = None
 
     if TYPE_CHECKING:  # a subclass implements these (see `CausalLM`)
+
         def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None: ...
 
-        def residual(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
-                     num_layers: int | None = None) -> Tensor: ...
+        def residual(
+            self,
+            input_ids: Tensor,
+            positions: Tensor,
+            ctx: ForwardContext,
+            num_layers: int | None = None,
+        ) -> Tensor: ...
 
-        def hidden(self, x: Tensor, ctx: ForwardContext,
-                   indices: Tensor | None = None) -> Tensor: ...
+        def hidden(
+            self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None
+        ) -> Tensor: ...
 
-    def forward(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext,
-                logits_indices: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        ctx: ForwardContext,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
         """Logits at the rows asked for (all rows by default), fp32."""
         return self.logits(self.residual(input_ids, positions, ctx), ctx, logits_indices)
 
     def logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
         return nn.functional.linear(self.hidden(x, ctx, indices), self.lm_head_weight()).float()
 
-    def compute_logits(self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None) -> Tensor:
+    def compute_logits(
+        self, x: Tensor, ctx: ForwardContext, indices: Tensor | None = None
+    ) -> Tensor:
         """vLLM's name for `logits`."""
         return self.logits(x, ctx, indices)
 

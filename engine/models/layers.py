@@ -12,6 +12,7 @@ Each module maps the checkpoint's names below it onto its (fused) parameters wit
 `weight_target(name)`: the tensor, or the row range of a fused one, that an HF tensor fills —
 the model's `load_weights` and `update_weights` both go through it.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,6 @@ from torch import Tensor, nn
 from engine.models.config import ModelArgs
 from engine.models.interface import ForwardContext
 from engine.parallel.shard import all_reduce
-
 
 PACKED_MAX_ROWS = 256
 """bf16 projections on the CPU with at most this many input rows (decode batches, small
@@ -61,7 +61,12 @@ class PackedWeight:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight | None) -> Tensor:
     """F.linear, from the packed weight where `pack_linears` set one and `x` fits."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
+    if (
+        packed is not None
+        and x.dim() == 2
+        and x.shape[0] <= PACKED_MAX_ROWS
+        and x.dtype == weight.dtype
+    ):
         w = packed.get(weight)
         if w is not None:
             return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
@@ -81,9 +86,14 @@ def pack_linears(model: nn.Module, enabled: bool = True) -> bool:
     (`bf16_packing_supported`), and unless PDSERVE_PACKED_LINEARS=0. Returns whether they are
     on. The packed copies double the projections' memory."""
     weight = next(model.parameters(), None)
-    enabled = (enabled and os.environ.get("PDSERVE_PACKED_LINEARS", "1") != "0"
-               and weight is not None and weight.device.type == "cpu"
-               and weight.dtype == torch.bfloat16 and bf16_packing_supported())
+    enabled = (
+        enabled
+        and os.environ.get("PDSERVE_PACKED_LINEARS", "1") != "0"
+        and weight is not None
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and bf16_packing_supported()
+    )
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed = PackedWeight() if enabled else None
@@ -129,7 +139,9 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def add_and_norm(self, x: Tensor, residual: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+    def add_and_norm(
+        self, x: Tensor, residual: Tensor, ctx: ForwardContext
+    ) -> tuple[Tensor, Tensor]:
         """(self(x + residual), x + residual): one fused pass where `ctx.layer_ops` has one."""
         if ctx.layer_ops is not None and not self.unit_offset:
             return ctx.layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
@@ -188,15 +200,23 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, args.dim, bias=args.o_bias)
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         # Only the options a layer has reach the backend (none for plain LLaMA).
-        self.options: dict[str, Any] = {k: v for k, v in (("sliding_window", args.window(layer)),
-                                          ("logits_soft_cap", args.attn_softcap)) if v is not None}
+        self.options: dict[str, Any] = {
+            k: v
+            for k, v in (
+                ("sliding_window", args.window(layer)),
+                ("logits_soft_cap", args.attn_softcap),
+            )
+            if v is not None
+        }
         # Qwen3, Gemma 3: RMSNorm over each head's head_dim, before RoPE; OLMo 2: over all
         # of q's (k's) heads at once.
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         self.qk_norm_whole = args.qk_norm_whole
         if args.qk_norm:
-            q_dim, k_dim = (self.q_size, self.kv_size) if args.qk_norm_whole else (args.head_dim,) * 2
+            q_dim, k_dim = (
+                (self.q_size, self.kv_size) if args.qk_norm_whole else (args.head_dim,) * 2
+            )
             self.q_norm = RMSNorm(q_dim, args.norm_eps, args.norm_unit_offset)
             self.k_norm = RMSNorm(k_dim, args.norm_eps, args.norm_unit_offset)
         # Tensor parallel: an RMSNorm over all heads sums squares across the ranks.
@@ -208,13 +228,19 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         if ctx.lora is not None:
-            ctx.lora.add(qkv, x, self.layer, (("q_proj", 0), ("k_proj", self.q_size),
-                                              ("v_proj", self.q_size + self.kv_size)))
+            ctx.lora.add(
+                qkv,
+                x,
+                self.layer,
+                (("q_proj", 0), ("k_proj", self.q_size), ("v_proj", self.q_size + self.kv_size)),
+            )
         if self.q_norm is None and ctx.layer_ops is None:
             assert ctx.cos_sin is not None  # the model fills it where there are no layer_ops
             # q and k side by side in qkv: one RoPE over their heads (same values as two).
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim),
-                            ctx.cos_sin[self.rope_index])
+            qk = apply_rope(
+                qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim),
+                ctx.cos_sin[self.rope_index],
+            )
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv_heads, self.head_dim)
             return self._attend(q, k, v, ctx)
@@ -234,7 +260,9 @@ class Attention(nn.Module):
             q, k = q_norm(q, ctx), k_norm(k, ctx)
         if ctx.layer_ops is not None:
             assert ctx.positions is not None and ctx.rope_cos_sin is not None  # the model's
-            ctx.layer_ops.apply_rope(q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index])  # in place
+            ctx.layer_ops.apply_rope(
+                q, k, ctx.positions, ctx.rope_cos_sin[self.rope_index]
+            )  # in place
         else:
             assert ctx.cos_sin is not None  # the model fills it where there are no layer_ops
             rows = ctx.cos_sin[self.rope_index]
@@ -244,8 +272,16 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
         """Attention over the pool, then o_proj (+ its LoRA)."""
         T = q.shape[0]
-        o = ctx.backend.forward(q, k, v, ctx.kv_cache, self.kv_slot,
-                                ctx.layer_metadata(self.kv_group), self.scale, **self.options)
+        o = ctx.backend.forward(
+            q,
+            k,
+            v,
+            ctx.kv_cache,
+            self.kv_slot,
+            ctx.layer_metadata(self.kv_group),
+            self.scale,
+            **self.options,
+        )
         o = o.reshape(T, self.q_size)
         out = self.o_proj(o)
         if ctx.lora is not None:
@@ -258,9 +294,13 @@ class Attention(nn.Module):
         if proj in ("q_norm", "k_norm") and kind == "weight" and self.q_norm is not None:
             return getattr(self, proj).weight
         q, kv = self.q_size, self.kv_size
-        rows = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
-                "v_proj": ("qkv_proj", q + kv, kv), "qkv_proj": ("qkv_proj", 0, None),
-                "o_proj": ("o_proj", 0, None)}
+        rows = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "qkv_proj": ("qkv_proj", 0, None),
+            "o_proj": ("o_proj", 0, None),
+        }
         if proj not in rows or kind not in ("weight", "bias"):
             raise KeyError(name)
         param, start, length = rows[proj]
@@ -298,10 +338,12 @@ class FeedForward(nn.Module):
     def weight_target(self, name: str) -> Tensor:
         """`gate_proj.weight`, `up_proj.weight`, `down_proj.weight`, or Phi-3's fused
         `gate_up_proj.weight`."""
-        rows = {"gate_proj.weight": ("gate_up_proj", 0, self.inter),
-                "up_proj.weight": ("gate_up_proj", self.inter, self.inter),
-                "gate_up_proj.weight": ("gate_up_proj", 0, None),
-                "down_proj.weight": ("down_proj", 0, None)}
+        rows = {
+            "gate_proj.weight": ("gate_up_proj", 0, self.inter),
+            "up_proj.weight": ("gate_up_proj", self.inter, self.inter),
+            "gate_up_proj.weight": ("gate_up_proj", 0, None),
+            "down_proj.weight": ("down_proj", 0, None),
+        }
         if name not in rows:
             raise KeyError(name)
         param, start, length = rows[name]
@@ -339,7 +381,8 @@ class TransformerBlock(nn.Module):
         if self.layout == "pre":
             a = self.self_attn(self.input_layernorm(x, ctx), ctx)
             normed, h = self.post_attention_layernorm.add_and_norm(
-                a if self.residual_scale is None else a * self.residual_scale, x, ctx)
+                a if self.residual_scale is None else a * self.residual_scale, x, ctx
+            )
             m = self.mlp(normed, ctx)
             return h + (m if self.residual_scale is None else m * self.residual_scale)
         if self.layout == "post":

@@ -1,5 +1,6 @@
 """LLaMA (RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings): the HF decoder layout of
 engine/models/decoder.py with no options beyond `attention_bias` (biases on q/k/v and o)."""
+
 from __future__ import annotations
 
 from engine.models.config import ModelArgs

@@ -5,6 +5,7 @@ architectures of engine/models/registry.py; out-of-tree ones by plugin); every c
 is built with `from_config` and fed the checkpoint's tensors through `load_weights`
 (engine/models/interface.py) — the loader knows no architecture. A GGUF file's converted
 config names its family (engine/models/gguf_families.py)."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from engine.models.prepare import DEFAULT_MODEL, resolve_model_path
 from engine.models.registry import ModelRegistry
 from engine.parallel.shard import TPShard
 from engine.processing.tokenizer import Tokenizer
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -97,8 +99,14 @@ def load_model(
         raise ModelFileError(f"{path}: weight {exc} is missing or unexpected") from exc
     module = cast(torch.nn.Module, net)  # implementations are modules (interface.CausalLM)
     net = cast(CausalLM, module.to(device=device, dtype=dtype).eval().requires_grad_(False))
-    return LoadedModel(net, tokenizer, net.args, model_id=path.name, model_dir=path,
-                       architecture=architecture_of(config))
+    return LoadedModel(
+        net,
+        tokenizer,
+        net.args,
+        model_id=path.name,
+        model_dir=path,
+        architecture=architecture_of(config),
+    )
 
 
 def _sharded(model_cls: type, config: dict, shard: TPShard, weights):
@@ -107,8 +115,10 @@ def _sharded(model_cls: type, config: dict, shard: TPShard, weights):
     from engine.models.tp_slices import shard_args, slice_weights
 
     if not (isinstance(model_cls, type) and issubclass(model_cls, DecoderLM)):
-        raise ModelFileError(f"{architecture_of(config)}: tensor parallelism needs a built-in "
-                             "decoder architecture (engine/models/decoder.py); this one is a plugin")
+        raise ModelFileError(
+            f"{architecture_of(config)}: tensor parallelism needs a built-in "
+            "decoder architecture (engine/models/decoder.py); this one is a plugin"
+        )
     full = model_cls.model_args(config)
     try:
         args = shard_args(full, shard)

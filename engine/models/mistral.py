@@ -2,6 +2,7 @@
 v0.1: 4096; later versions: none). Mixtral: Mistral with a sparse mixture of experts
 (engine/models/moe.py) as every layer's MLP, checkpoint module `block_sparse_moe`; top-k
 routing weights always re-normalised."""
+
 from __future__ import annotations
 
 from engine.models.config import ModelArgs, MoEArgs, hf_layer_types
@@ -14,8 +15,9 @@ class MistralForCausalLM(DecoderLM):
         window = config.get("sliding_window")
         types = hf_layer_types(config, config["num_hidden_layers"], window)
         bias = bool(config.get("attention_bias", False))
-        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, layer_types=types,
-                                        sliding_window=window)
+        return ModelArgs.from_hf_config(
+            config, qkv_bias=bias, o_bias=bias, layer_types=types, sliding_window=window
+        )
 
 
 class MixtralForCausalLM(DecoderLM):
@@ -25,8 +27,14 @@ class MixtralForCausalLM(DecoderLM):
     def model_args(cls, config: dict) -> ModelArgs:
         window = config.get("sliding_window")
         n = config["num_hidden_layers"]
-        moe = MoEArgs(num_experts=config["num_local_experts"], top_k=config["num_experts_per_tok"],
-                      intermediate_size=config["intermediate_size"], renormalize=True,
-                      round_routing_weights=False, sparse_layers=frozenset(range(n)))
-        return ModelArgs.from_hf_config(config, layer_types=hf_layer_types(config, n, window),
-                                        sliding_window=window, moe=moe)
+        moe = MoEArgs(
+            num_experts=config["num_local_experts"],
+            top_k=config["num_experts_per_tok"],
+            intermediate_size=config["intermediate_size"],
+            renormalize=True,
+            round_routing_weights=False,
+            sparse_layers=frozenset(range(n)),
+        )
+        return ModelArgs.from_hf_config(
+            config, layer_types=hf_layer_types(config, n, window), sliding_window=window, moe=moe
+        )

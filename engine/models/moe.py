@@ -34,6 +34,7 @@ transformers 5.24's `save_pretrained` writes the per-expert names (Mixtral under
 `block_sparse_moe` with w1/w2/w3; Qwen3-MoE under `mlp` with gate/up/down_proj), as published
 checkpoints have them; the fused names appear only with `save_original_format=False`.
 """
+
 from __future__ import annotations
 
 import re
@@ -48,7 +49,14 @@ from engine.models.layers import Linear
 from engine.parallel.shard import Span, all_reduce
 
 _EXPERT_NAME = re.compile(r"^experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
+_PART = {
+    "w1": "gate",
+    "gate_proj": "gate",
+    "w3": "up",
+    "up_proj": "up",
+    "w2": "down",
+    "down_proj": "down",
+}
 
 
 class WeightSlot(NamedTuple):
@@ -80,7 +88,9 @@ def expert_weight_slot(local_name: str, moe_intermediate_size: int) -> WeightSlo
     return WeightSlot("w13", expert, slice(0, inter) if part == "gate" else slice(inter, 2 * inter))
 
 
-def route(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+def route(
+    logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor]:
     """transformers' top-k router on logits [T, E]: (weights [T, top_k], expert ids [T, top_k]).
     Weights are fp32, or rounded to `dtype` when given (Qwen3-MoE)."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -90,8 +100,14 @@ def route(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | No
     return (weights if dtype is None else weights.to(dtype)), ids
 
 
-def grouped_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
-                first_expert: int | None = None) -> Tensor:
+def grouped_moe(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    first_expert: int | None = None,
+) -> Tensor:
     """The experts in torch, grouped by expert (kernels.fused_moe's contract, x [T, D] ->
     [T, D]). One host read of the per-expert counts; a Python loop over experts with tokens.
     `first_expert` (expert parallelism): `w13`/`w2` hold experts first_expert.. only, and
@@ -125,9 +141,17 @@ class SparseMoE(nn.Module):
     dim -> E, no bias), `w13` [E, 2I, dim], `w2` [E, dim, I]; all uninitialised until loaded.
     Activation is SiLU (`hidden_act: silu` in both architectures)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, moe_intermediate_size: int,
-                 renormalize: bool, layer: int, round_routing_weights: bool = False,
-                 experts: Span | None = None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        renormalize: bool,
+        layer: int,
+        round_routing_weights: bool = False,
+        experts: Span | None = None,
+    ) -> None:
         """`experts`: the experts this rank holds (expert parallelism); None: all."""
         super().__init__()
         self.layer, self.num_experts, self.top_k = layer, num_experts, top_k
@@ -140,8 +164,12 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts.count, dim, moe_intermediate_size))
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize,
-                             x.dtype if self.round_routing_weights else None)
+        weights, ids = route(
+            self.gate(x),
+            self.top_k,
+            self.renormalize,
+            x.dtype if self.round_routing_weights else None,
+        )
         if ctx.kernels is not None and self.first_expert is None:
             out = ctx.kernels.fused_moe(x, self.w13, self.w2, weights, ids)
         else:
@@ -158,4 +186,3 @@ class SparseMoE(nn.Module):
                 raise KeyError(local_name)
             target = target[slot.expert]
         return target if slot.rows is None else target[slot.rows]
-

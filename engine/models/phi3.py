@@ -1,6 +1,7 @@
 """Phi-3: LLaMA's math with fused checkpoint tensors (`self_attn.qkv_proj`,
 `mlp.gate_up_proj` — the engine's own fused layout, loaded as they are) and an optional
 `sliding_window` on every layer."""
+
 from __future__ import annotations
 
 from engine.models.config import ModelArgs, hf_layer_types

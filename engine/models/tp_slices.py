@@ -21,6 +21,7 @@ like `mlp`):
 | experts.gate_up_proj / experts.down_proj (fused) | either | the same, on the stacked tensor |
 | norms, per-head q/k norms, the router `gate` | replicated | whole |
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,21 +40,34 @@ _EXPERT = re.compile(r"^experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.
 
 def shard_args(args: ModelArgs, shard: TPShard) -> ModelArgs:
     """The ModelArgs of rank `shard.rank` of a model whose full ModelArgs are `args`."""
-    shard = dataclasses.replace(shard, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                                head_dim=args.head_dim, vocab_size=args.vocab_size)
+    shard = dataclasses.replace(
+        shard,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
+    )
     heads = shard.heads()  # ValueError for a split that leaves a rank without heads
     moe = args.moe
     if moe is not None:
         shard.experts(moe.num_experts)  # checks there are enough experts to split
         if not shard.expert_parallel:
-            moe = dataclasses.replace(moe, intermediate_size=shard.rows(moe.intermediate_size).count)
-    return dataclasses.replace(args, n_heads=heads.q.count, n_kv_heads=heads.kv.count,
-                               intermediate_size=shard.rows(args.intermediate_size).count,
-                               moe=moe, tp=shard)
+            moe = dataclasses.replace(
+                moe, intermediate_size=shard.rows(moe.intermediate_size).count
+            )
+    return dataclasses.replace(
+        args,
+        n_heads=heads.q.count,
+        n_kv_heads=heads.kv.count,
+        intermediate_size=shard.rows(args.intermediate_size).count,
+        moe=moe,
+        tp=shard,
+    )
 
 
-def slice_weights(weights: Iterable[tuple[str, Tensor]], args: ModelArgs,
-                  shard: TPShard) -> Iterator[tuple[str, Tensor]]:
+def slice_weights(
+    weights: Iterable[tuple[str, Tensor]], args: ModelArgs, shard: TPShard
+) -> Iterator[tuple[str, Tensor]]:
     """The rank's (name, tensor) for each checkpoint (name, tensor); tensors the rank does
     not hold (other ranks' experts) are left out. `args`: the full model's; `shard` as
     `shard_args` filled it (`args.tp` of the rank's ModelArgs)."""

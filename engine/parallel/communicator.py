@@ -10,6 +10,7 @@ that died or hangs makes the others' collective raise within it. Waiting for the
 (`broadcast_payload` on a non-zero rank) is not bounded — an idle worker is not a failure; a
 rank 0 that dies closes its connections (and its children get SIGKILL, rank_worker.py).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -44,15 +45,22 @@ class DistributedCommunicator:
     """torch.distributed process groups of one worker: the default group (gloo or NCCL) for
     the forward's collectives, a gloo group with a long timeout for step payloads."""
 
-    def __init__(self, rank: int, size: int, port: int, timeout_s: float, device: torch.device) -> None:
+    def __init__(
+        self, rank: int, size: int, port: int, timeout_s: float, device: torch.device
+    ) -> None:
         """Joins the group (rank 0 hosts the rendezvous on 127.0.0.1:`port`); every rank must
         call this within `timeout_s`."""
         import torch.distributed as dist
 
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout_s),
+        )
         self._payloads = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self.calls = 0  # collectives run by the forward (all-reduces and all-gathers)
 
@@ -77,7 +85,9 @@ class DistributedCommunicator:
             data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
             length = torch.tensor([len(data)], dtype=torch.int64)
             dist.broadcast(length, 0, group=self._payloads)
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self._payloads)
+            dist.broadcast(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self._payloads
+            )
             return payload
         length = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(length, 0, group=self._payloads)

@@ -2,6 +2,7 @@
 tests of the sharded layers (never used outside tests). Each "rank" is a thread holding its
 own FakeCommunicator of one shared `FakeGroup`; collectives meet at a barrier and combine the
 ranks' tensors exactly as the real ones do (sum in rank order, concatenation in rank order)."""
+
 from __future__ import annotations
 
 import threading

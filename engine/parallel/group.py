@@ -15,6 +15,7 @@ raises RankFailedError, and `on_failure(reason)` is called at once from the moni
 missing rank cannot serve). A rank that dies or hangs during a step makes rank 0's collective
 raise within the timeout (communicator.py). Children exit when rank 0 dies (rank_worker.py).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -100,9 +101,14 @@ def rank_threads(size: int, total: int | None = None) -> int:
 
 
 class ParallelGroup:
-    def __init__(self, size: int, timeout_s: float = 60.0, device: str = "cpu",
-                 threads: int | None = None,
-                 on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        timeout_s: float = 60.0,
+        device: str = "cpu",
+        threads: int | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         """Start ranks 1..size-1 and join them (rank 0 is this process). `threads`: torch
         threads per rank (default: this process's threads split evenly; rank 0 is set to
         the same)."""
@@ -111,8 +117,10 @@ class ParallelGroup:
         if size < 2:
             raise ValueError("a parallel group has at least 2 ranks")
         if dist.is_initialized():
-            raise RuntimeError("this process already runs a tensor-parallel group (one at a time: "
-                               "close the engine that owns it first, LLM.close())")
+            raise RuntimeError(
+                "this process already runs a tensor-parallel group (one at a time: "
+                "close the engine that owns it first, LLM.close())"
+            )
         self.size, self.timeout_s = size, timeout_s
         self.threads = threads or rank_threads(size)
         self.on_failure = on_failure
@@ -124,11 +132,17 @@ class ParallelGroup:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.children = []
         for rank in range(1, size):
-            child = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank_worker"],
-                                     stdin=subprocess.PIPE, env=env)
+            child = subprocess.Popen(
+                [sys.executable, "-m", "engine.parallel.rank_worker"],
+                stdin=subprocess.PIPE,
+                env=env,
+            )
             assert child.stdin is not None  # stdin=PIPE
-            child.stdin.write(pickle.dumps(RankSpec(rank, size, port, timeout_s, self.threads,
-                                                    device, os.getpid())))
+            child.stdin.write(
+                pickle.dumps(
+                    RankSpec(rank, size, port, timeout_s, self.threads, device, os.getpid())
+                )
+            )
             child.stdin.close()
             self.children.append(child)
         atexit.register(self._kill)
@@ -203,7 +217,9 @@ class ParallelGroup:
             for rank, child in enumerate(self.children, start=1):
                 code = child.poll()
                 if code is not None and not self._closing:
-                    self._fail(f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}")
+                    self._fail(
+                        f"tensor-parallel rank {rank} (pid {child.pid}) exited with code {code}"
+                    )
                     return
             threading.Event().wait(0.2)
 

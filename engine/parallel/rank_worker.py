@@ -3,6 +3,7 @@ join the group, then handle rank 0's messages in order — load the model's shar
 KV pool (rank 0's block count: block ids are the same on every rank), run each step's forward
 (step.py), release, exit. Any error exits non-zero (rank 0 notices: group.py); so does the
 death of rank 0 (its parent: polled every second)."""
+
 from __future__ import annotations
 
 import gc
@@ -15,11 +16,11 @@ import time
 
 import torch
 
-from engine.runner.device import keep_freed_host_memory
 from engine.parallel.communicator import DistributedCommunicator
 from engine.parallel.group import AllocatePool, LoadModel, RankSpec, Release, Shutdown
 from engine.parallel.shard import TPShard
 from engine.parallel.step import StepInputs, copy_blocks, forward
+from engine.runner.device import keep_freed_host_memory
 
 log = logging.getLogger("engine.parallel.rank_worker")
 
@@ -29,15 +30,17 @@ class RankEngine:
 
     def __init__(self, config, spec: RankSpec, comm: DistributedCommunicator) -> None:
         from engine.attention.selector import fused_kernels, make_attention_backend
-        from engine.runner.device import resolve_device_dtype
         from engine.models.layers import pack_linears
         from engine.models.loader import load_model
+        from engine.runner.device import resolve_device_dtype
 
         self.config = config
         device, self.dtype = resolve_device_dtype(config)
         self.device = torch.device("cuda", spec.rank) if device.type == "cuda" else device
         shard = TPShard(spec.rank, spec.size, config.enable_expert_parallel)
-        self.loaded = load_model(config.model, self.dtype, self.device, config.num_layers, shard=shard)
+        self.loaded = load_model(
+            config.model, self.dtype, self.device, config.num_layers, shard=shard
+        )
         self.model = self.loaded.model
         self.model.use_communicator(comm)
         self.backend = make_attention_backend(config.attention_backend, self.device)
@@ -58,8 +61,14 @@ class RankEngine:
     def allocate(self, num_blocks: int) -> None:
         from engine.kv.kv_pool import allocate_kv_pool
 
-        self.kv_cache = allocate_kv_pool(num_blocks, self.loaded.args, self.config.block_size,
-                                         self.dtype, self.device, self.config.kv_cache_dtype)
+        self.kv_cache = allocate_kv_pool(
+            num_blocks,
+            self.loaded.args,
+            self.config.block_size,
+            self.dtype,
+            self.device,
+            self.config.kv_cache_dtype,
+        )
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> None:

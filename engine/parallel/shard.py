@@ -14,6 +14,7 @@ Collectives in the forward (`ctx.comm`): an all-reduce after each row-parallel p
 (o_proj, down_proj, the experts) and after the vocab-parallel embedding lookup, an all-gather
 of the LM head's vocabulary slices. With one rank none of this runs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,12 +59,16 @@ def head_split(n_heads: int, n_kv_heads: int, size: int, rank: int) -> HeadSplit
         kv = even_span(n_kv_heads, size, rank)
         return HeadSplit(Span(kv.start * group, kv.count * group), kv)
     if size % n_kv_heads:
-        raise ValueError(f"tensor_parallel_size {size} must divide or be a multiple of the "
-                         f"model's {n_kv_heads} KV heads")
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide or be a multiple of the "
+            f"model's {n_kv_heads} KV heads"
+        )
     replicas = size // n_kv_heads
     if group < replicas:
-        raise ValueError(f"tensor_parallel_size {size}: each of the {n_kv_heads} KV heads would be "
-                         f"replicated on {replicas} ranks but has only {group} query heads")
+        raise ValueError(
+            f"tensor_parallel_size {size}: each of the {n_kv_heads} KV heads would be "
+            f"replicated on {replicas} ranks but has only {group} query heads"
+        )
     kv_head = rank // replicas
     part = even_span(group, replicas, rank % replicas)
     return HeadSplit(Span(kv_head * group + part.start, part.count), Span(kv_head, 1))
@@ -85,8 +90,9 @@ class TPShard:
     vocab_size: int = 0
 
     def heads(self, rank: int | None = None) -> HeadSplit:
-        return head_split(self.n_heads, self.n_kv_heads, self.size,
-                          self.rank if rank is None else rank)
+        return head_split(
+            self.n_heads, self.n_kv_heads, self.size, self.rank if rank is None else rank
+        )
 
     @property
     def vocab_rows(self) -> int:
@@ -106,8 +112,10 @@ class TPShard:
         if not self.expert_parallel:
             return Span(0, num_experts)
         if num_experts < self.size:
-            raise ValueError(f"expert parallelism over {self.size} ranks needs at least as many "
-                             f"experts, the model has {num_experts}")
+            raise ValueError(
+                f"expert parallelism over {self.size} ranks needs at least as many "
+                f"experts, the model has {num_experts}"
+            )
         return even_span(num_experts, self.size, self.rank)
 
     def whole_norm_dims(self, kv: bool) -> int:
@@ -125,8 +133,9 @@ def all_reduce(x: "Tensor", comm: "Communicator | None") -> "Tensor":
     return x
 
 
-def vocab_parallel_embed(weight: "Tensor", ids: "Tensor", shard: TPShard,
-                         comm: "Communicator") -> "Tensor":
+def vocab_parallel_embed(
+    weight: "Tensor", ids: "Tensor", shard: TPShard, comm: "Communicator"
+) -> "Tensor":
     """Rows of the full embedding at `ids` from each rank's slice: a rank looks up the ids in
     its range (zeros elsewhere), the all-reduce sums them."""
     import torch

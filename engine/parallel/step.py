@@ -9,6 +9,7 @@ rank reaches every collective in the same order. Block ids, slots and tables are
 every rank (each pool holds its own heads of the same blocks). Rank 0 alone samples, pools and
 computes prompt logprobs from what `forward` returns.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,8 +19,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.interface import CausalLM, ForwardContext
 from engine.lora.batch import LoRABatch
+from engine.models.interface import CausalLM, ForwardContext
 
 
 @dataclass(slots=True)
@@ -37,7 +38,8 @@ class GroupArrays:
         block_tables = np.zeros((len(tables), int(lens.max())), dtype=np.int32)
         # Row-major fill of each row's first len(table) columns (one pass, no per-row copy).
         block_tables[np.arange(block_tables.shape[1])[None, :] < lens[:, None]] = np.fromiter(
-            chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+            chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum())
+        )
         return cls(np.concatenate(slots).astype(np.int64, copy=False), block_tables)
 
 
@@ -73,8 +75,9 @@ class StepInputs:
         return [attention_metadata(device, g, self.query_lens, self.seq_lens) for g in self.groups]
 
 
-def attention_metadata(device: torch.device, group: GroupArrays, query_lens: list[int],
-                       seq_lens: list[int]) -> AttentionMetadata:
+def attention_metadata(
+    device: torch.device, group: GroupArrays, query_lens: list[int], seq_lens: list[int]
+) -> AttentionMetadata:
     to = lambda a, dtype: torch.from_numpy(np.asarray(a, dtype=dtype)).to(device)  # noqa: E731
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
@@ -97,17 +100,25 @@ def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
         kv_cache[dst].copy_(kv_cache[src])
 
 
-def forward(model: CausalLM, backend: AttentionBackend, kv_cache: torch.Tensor,
-            step: StepInputs, lora: LoRABatch | None = None, head_logits: bool = False,
-            ) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
+def forward(
+    model: CausalLM,
+    backend: AttentionBackend,
+    kv_cache: torch.Tensor,
+    step: StepInputs,
+    lora: LoRABatch | None = None,
+    head_logits: bool = False,
+) -> tuple[torch.Tensor, ForwardContext, torch.Tensor | None]:
     """The step's residual stream [T, dim], its context (for `model.hidden`) and the logits
     at `step.logits_rows` (None when it names none): the same collectives on every rank.
     The logits are fp32, or with `head_logits` the model's `head_logits` where it has them
     (the LM head's dtype, no fp32 copy: for a sampler that reads them so)."""
     device = kv_cache.device
     ctx = ForwardContext.for_groups(backend, kv_cache, step.metadata(device), lora)
-    x = model.residual(torch.from_numpy(step.input_ids).to(device),
-                       torch.from_numpy(step.positions).to(device), ctx)
+    x = model.residual(
+        torch.from_numpy(step.input_ids).to(device),
+        torch.from_numpy(step.positions).to(device),
+        ctx,
+    )
     logits = None
     if step.logits_rows is not None:
         rows = torch.from_numpy(step.logits_rows).to(device)

@@ -1,11 +1,12 @@
 """From scheduler updates to what the caller sees: per-completion detokenizers (vLLM's stop
 strings included), the caller's groups of completions, and one CompletionDelta per update."""
+
 from __future__ import annotations
 
-from engine.processing.detokenizer import IncrementalDetokenizer
-from engine.processing.outputs import CompletionDelta
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.processing.detokenizer import IncrementalDetokenizer
+from engine.processing.outputs import CompletionDelta
 from engine.processing.tokenizer import Tokenizer
 from engine.processing.tokens import Logprob
 
@@ -27,7 +28,11 @@ class Deltas:
     def new_detokenizer(self, request: Request) -> IncrementalDetokenizer:
         p = request.sampling
         detok = IncrementalDetokenizer(
-            self.tokenizer, p.skip_special_tokens, p.stop, p.include_stop_str_in_output, p.min_tokens
+            self.tokenizer,
+            p.skip_special_tokens,
+            p.stop,
+            p.include_stop_str_in_output,
+            p.min_tokens,
         )
         if request.resume is not None:
             detok.resume(request.resume.output_token_ids, request.resume.num_text_chars)
@@ -48,29 +53,40 @@ class Deltas:
             if detok is None:  # a fork seen for the first time
                 self.track(request)
                 detok = self._detok[request.request_id]
-            tokens = self._detokenize(request, detok, request.token_ids[-num_new:] if num_new else [])
+            tokens = self._detokenize(
+                request, detok, request.token_ids[-num_new:] if num_new else []
+            )
             status, sampling = request.status, request.sampling
             finished = status.is_finished
-            deltas.append(CompletionDelta(
-                request_id=request.group_id,
-                index=request.completion_index,
-                token_ids=tokens,
-                text=detok.take_delta(finished),
-                logprobs=request.logprobs[-len(tokens):] if tokens and sampling.logprobs is not None else [],
-                finish_reason=status.finish_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                num_output_tokens=request.num_output_tokens,
-                stop_reason=request.stop_reason,
-                prompt_logprobs=(self._first_prompt_logprobs(request, tokens)
-                                 if sampling.prompt_logprobs is not None else None),
-                embedding=request.embedding,
-            ))
+            deltas.append(
+                CompletionDelta(
+                    request_id=request.group_id,
+                    index=request.completion_index,
+                    token_ids=tokens,
+                    text=detok.take_delta(finished),
+                    logprobs=request.logprobs[-len(tokens) :]
+                    if tokens and sampling.logprobs is not None
+                    else [],
+                    finish_reason=status.finish_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_output_tokens=request.num_output_tokens,
+                    stop_reason=request.stop_reason,
+                    prompt_logprobs=(
+                        self._first_prompt_logprobs(request, tokens)
+                        if sampling.prompt_logprobs is not None
+                        else None
+                    ),
+                    embedding=request.embedding,
+                )
+            )
             if finished:
                 self._forget(request)
         return deltas
 
-    def _detokenize(self, request: Request, detok: IncrementalDetokenizer, tokens: list[int]) -> list[int]:
+    def _detokenize(
+        self, request: Request, detok: IncrementalDetokenizer, tokens: list[int]
+    ) -> list[int]:
         """Detokenize a step's new tokens one by one; the ones kept. A stop string ends the
         request with finish "stop" at the token completing it (tokens after it are dropped),
         even one that also hit a length limit or a stop token (vLLM: the detokenizer's

@@ -9,6 +9,7 @@ as re-decoding that window here, or up to 1.4x faster, with the same text: docs/
 `len(longest stop string) - 1` characters until they can no longer begin a stop string that
 would be cut out (nothing is held back when stop strings stay in the text: a match always
 ends in new text, so nothing already sent is ever cut)."""
+
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
@@ -30,7 +31,9 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop_str = include_stop_str_in_output
         self.min_tokens = min_tokens
-        self.holdback = max(len(s) for s in stop) - 1 if stop and not include_stop_str_in_output else 0
+        self.holdback = (
+            max(len(s) for s in stop) - 1 if stop and not include_stop_str_in_output else 0
+        )
         self.ids: list[int] = []
         self.text = ""
         self._num_tokens = 0  # output tokens seen, a left-out stop token included
@@ -58,8 +61,10 @@ class IncrementalDetokenizer:
             self._num_tokens += 1
             self._decode(token_id)
         if num_text_chars > len(self.text):
-            raise ValueError(f"resume_text_chars: {num_text_chars} characters sent, but the "
-                             f"outputs decode to {len(self.text)}")
+            raise ValueError(
+                f"resume_text_chars: {num_text_chars} characters sent, but the "
+                f"outputs decode to {len(self.text)}"
+            )
         self._sent = num_text_chars
 
     def take_delta(self, finished: bool) -> str:

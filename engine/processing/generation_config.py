@@ -4,6 +4,7 @@ model's value instead of the engine's built-in default.
 
 `source` is "auto" (the model's own file), "vllm" (none: built-in defaults only) or a folder
 holding a `generation_config.json`."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ _FIELDS = {
 def sampling_defaults(generation_config: dict[str, Any] | None) -> dict[str, Any]:
     """SamplingParams field -> value, for the fields the generation config sets."""
     config = generation_config or {}
-    return {ours: config[theirs] for theirs, ours in _FIELDS.items() if config.get(theirs) is not None}
+    return {
+        ours: config[theirs] for theirs, ours in _FIELDS.items() if config.get(theirs) is not None
+    }
 
 
 def load_generation_config(source: str, model_config: dict[str, Any] | None) -> dict[str, Any]:
@@ -35,6 +38,8 @@ def load_generation_config(source: str, model_config: dict[str, Any] | None) -> 
         return {}
     path = Path(source).expanduser() / "generation_config.json"
     if not path.is_file():
-        raise ValueError(f"--generation-config must be auto, vllm or a folder with "
-                         f"generation_config.json; {path} does not exist")
+        raise ValueError(
+            f"--generation-config must be auto, vllm or a folder with "
+            f"generation_config.json; {path} does not exist"
+        )
     return json.loads(path.read_text())

@@ -1,9 +1,10 @@
 """What the engine hands back: per-step deltas (streaming) and whole results (offline)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from engine.processing.tokens import Logprob
 
+from engine.processing.tokens import Logprob
 
 
 @dataclass(slots=True)

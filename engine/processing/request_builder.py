@@ -4,6 +4,7 @@ words as token sequences.
 
 Safe from any thread: it reads only the tokenizer (stateless) and fixed sizes, and draws
 seeds under a lock."""
+
 from __future__ import annotations
 
 import random
@@ -11,14 +12,14 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
+from engine.core.request import Request
 from engine.kv.block_hash import compute_block_hashes, hash_extras
 from engine.lora.adapter import LoRAAdapter
-from engine.sampling.pooling import PoolingParams
-from engine.core.request import Request
-from engine.sampling.sampling_params import SamplingParams
-from engine.structured.compile_process import CompileLimits
 from engine.processing.tokenizer import Tokenizer
 from engine.processing.tokens import Resume
+from engine.sampling.pooling import PoolingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.structured.compile_process import CompileLimits
 
 if TYPE_CHECKING:
     from engine.structured.compiler import GrammarCompiler
@@ -26,8 +27,14 @@ if TYPE_CHECKING:
 
 class RequestBuilder:
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, block_size: int, seed: int,
-        kv_cache_dtype: str = "auto", grammar_limits: CompileLimits = CompileLimits(),
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        seed: int,
+        kv_cache_dtype: str = "auto",
+        grammar_limits: CompileLimits = CompileLimits(),
     ) -> None:
         self.tokenizer = tokenizer
         self.kv_cache_dtype = kv_cache_dtype  # normalized; enters the block hashes
@@ -49,8 +56,12 @@ class RequestBuilder:
             if self._grammars is None:
                 from engine.structured.compiler import GrammarCompiler
 
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
-                                                 self.tokenizer.stop_token_ids, self._grammar_limits)
+                self._grammars = GrammarCompiler(
+                    self.tokenizer,
+                    self.vocab_size,
+                    self.tokenizer.stop_token_ids,
+                    self._grammar_limits,
+                )
             return self._grammars
 
     def build(
@@ -89,7 +100,9 @@ class RequestBuilder:
         ):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+                raise ValueError(
+                    f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
+                )
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
         room = self.max_model_len - len(token_ids)  # <= 0 is rejected by the scheduler
@@ -102,17 +115,21 @@ class RequestBuilder:
         max_tokens = max(1, min(params.max_tokens or room, room))
         outputs = list(resume.output_token_ids) if resume else []
         if resume is not None and (params.n != 1 or len(outputs) >= max_tokens):
-            raise ValueError(f"resume_output_token_ids: a resumed request needs n == 1 and "
-                             f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
-                             f"{len(outputs)} outputs")
+            raise ValueError(
+                f"resume_output_token_ids: a resumed request needs n == 1 and "
+                f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
+                f"{len(outputs)} outputs"
+            )
         lora_id = lora.lora_int_id if lora is not None else None
         grammar = None
         if params.structured_outputs is not None and pooling is None:
             # The gate follows from the prompt, then from the replayed outputs.
             grammar = self.grammars.matcher(params.structured_outputs, token_ids)
             if grammar.valid_prefix(outputs) != len(outputs):
-                raise ValueError("resume_output_token_ids: the outputs do not follow the "
-                                 "request's structured_outputs")
+                raise ValueError(
+                    "resume_output_token_ids: the outputs do not follow the "
+                    "request's structured_outputs"
+                )
             for token in outputs:
                 grammar.accept(token)
         return Request(
@@ -125,8 +142,14 @@ class RequestBuilder:
             token_ids=token_ids + outputs,
             resume=resume,
             # Over the outputs too: a request resumed again on this worker finds them cached.
-            block_hashes=compute_block_hashes(token_ids + outputs, self.block_size, cache_salt,
-                                              lora_id, self.kv_cache_dtype, weights_version),
+            block_hashes=compute_block_hashes(
+                token_ids + outputs,
+                self.block_size,
+                cache_salt,
+                lora_id,
+                self.kv_cache_dtype,
+                weights_version,
+            ),
             hash_extras=hash_extras(cache_salt, lora_id, self.kv_cache_dtype, weights_version),
             cache_salt=cache_salt,
             priority=priority,

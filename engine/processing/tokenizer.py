@@ -1,5 +1,6 @@
 """Tokenizer (HF `tokenizers`) and chat-template rendering (jinja2, the template shipped with
 the model). Stateless after construction; safe to share between threads."""
+
 from __future__ import annotations
 
 import functools
@@ -74,7 +75,8 @@ class Tokenizer:
         spec = json.loads(tokenizer_json)
         decoder = spec.get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel" or any(
-            d.get("type") == "ByteLevel" for d in decoder.get("decoders", ()))
+            d.get("type") == "ByteLevel" for d in decoder.get("decoders", ())
+        )
         # SentencePiece-style BPE (Gemma, LLaMA 2): `<0xE2>` tokens are raw bytes, `▁` a space.
         self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
 
@@ -169,12 +171,16 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError(
-                "continue_final_message and add_generation_prompt cannot both be true")
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
         context = {
-            "bos_token": self.special.bos or "", "eos_token": self.special.eos or "",
-            "pad_token": self.special.pad or "", "unk_token": self.special.unk or "",
+            "bos_token": self.special.bos or "",
+            "eos_token": self.special.eos or "",
+            "pad_token": self.special.pad or "",
+            "unk_token": self.special.unk or "",
             **extra,
-            "messages": list(messages), "add_generation_prompt": add_generation_prompt,
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
         }
         try:
@@ -191,8 +197,9 @@ class Tokenizer:
             at = text.rfind(needle) if needle else -1
             if at >= 0:
                 return text[: at + len(needle)]
-        raise ChatTemplateError("continue_final_message: the final message does not appear in "
-                                "the rendered chat")
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in the rendered chat"
+        )
 
     def encode_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
@@ -202,8 +209,11 @@ class Tokenizer:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -229,11 +239,16 @@ def _template_names(template: str) -> frozenset[str]:
     from jinja2 import nodes
 
     names = set()
-    for node in _environment().parse(template).find_all((nodes.Name, nodes.Getattr,
-                                                         nodes.Const)):
-        value = (node.name if isinstance(node, nodes.Name) else
-                 node.attr if isinstance(node, nodes.Getattr) else
-                 node.value if isinstance(node, nodes.Const) else None)
+    for node in _environment().parse(template).find_all((nodes.Name, nodes.Getattr, nodes.Const)):
+        value = (
+            node.name
+            if isinstance(node, nodes.Name)
+            else node.attr
+            if isinstance(node, nodes.Getattr)
+            else node.value
+            if isinstance(node, nodes.Const)
+            else None
+        )
         if isinstance(value, str):
             names.add(value)
     return frozenset(names)

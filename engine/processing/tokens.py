@@ -1,6 +1,7 @@
 """Plain values about tokens that cross process boundaries — a sampled token, a logprob
 entry, a migrated request's outputs so far. Nothing here imports torch or the engine's
 internals: the router, the conversions in `cluster/convert.py` and the engine share them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -27,6 +27,7 @@ parallelism, the torch attention backend (its Python loops read the host copies 
 lengths) and batches larger than the largest size. If a capture fails (a model whose forward
 synchronises with the host, say), graphs are off for the engine's life and `disabled` says why.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -56,8 +57,14 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_num_seqs}))
 
 
-def decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
-                  kv_cache: torch.Tensor, num_groups: int, max_model_len: int) -> DecodeGraphs | None:
+def decode_graphs(
+    config: EngineConfig,
+    model: CausalLM,
+    backend: AttentionBackend,
+    kv_cache: torch.Tensor,
+    num_groups: int,
+    max_model_len: int,
+) -> DecodeGraphs | None:
     """An engine's decode graphs: on CUDA with the Triton backend and one rank, unless
     `enforce_eager`; the sizes from `cuda_graph_sizes`, else the default. Sizes given for an
     engine that captures none are refused (EngineConfig refuses them with enforce_eager and
@@ -66,9 +73,16 @@ def decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBacke
         return None
     if kv_cache.device.type != "cuda" or backend.name != "triton":
         if config.cuda_graph_sizes:
-            where = "the CPU" if kv_cache.device.type != "cuda" else f"the {backend.name} attention backend"
-            raise FieldError("cuda_graph_sizes", f"cuda_graph_sizes: decode steps on {where} run "
-                             "eagerly (CUDA graphs need CUDA and the triton backend)")
+            where = (
+                "the CPU"
+                if kv_cache.device.type != "cuda"
+                else f"the {backend.name} attention backend"
+            )
+            raise FieldError(
+                "cuda_graph_sizes",
+                f"cuda_graph_sizes: decode steps on {where} run "
+                "eagerly (CUDA graphs need CUDA and the triton backend)",
+            )
         return None
     sizes = config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs)
     return DecodeGraphs(model, backend, kv_cache, num_groups, max_model_len, sizes)
@@ -91,9 +105,16 @@ def cuda_capture(forward: Callable[[], torch.Tensor], pool) -> tuple[Replay, tor
 class DecodeGraphs:
     """Captured decode forwards by batch size, and the static buffers they read."""
 
-    def __init__(self, model: CausalLM, backend: AttentionBackend, kv_cache: torch.Tensor,
-                 num_groups: int, max_model_len: int, sizes: Sequence[int],
-                 capture: Capture = cuda_capture) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+        num_groups: int,
+        max_model_len: int,
+        sizes: Sequence[int],
+        capture: Capture = cuda_capture,
+    ) -> None:
         """`capture`: how a forward is recorded (`cuda_capture`; tests on the CPU pass one
         that re-runs the forward on replay)."""
         if not sizes or min(sizes) < 1:
@@ -106,9 +127,12 @@ class DecodeGraphs:
         width = -(-max_model_len // kv_cache.shape[3])  # blocks of the longest context
         self.input_ids = torch.zeros(most, dtype=torch.int64, device=device)
         self.positions = torch.zeros(most, dtype=torch.int64, device=device)
-        self.slots = [torch.full((most,), -1, dtype=torch.int64, device=device) for _ in range(num_groups)]
-        self.tables = [torch.zeros((most, width), dtype=torch.int32, device=device)
-                       for _ in range(num_groups)]
+        self.slots = [
+            torch.full((most,), -1, dtype=torch.int64, device=device) for _ in range(num_groups)
+        ]
+        self.tables = [
+            torch.zeros((most, width), dtype=torch.int32, device=device) for _ in range(num_groups)
+        ]
         self.seq_lens = torch.ones(most, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(most + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(most, dtype=torch.int64, device=device)
@@ -178,12 +202,20 @@ class DecodeGraphs:
                 slots[n:size].fill_(-1)
 
     def _metadata(self, size: int) -> list[AttentionMetadata]:
-        return [AttentionMetadata(
-            slot_mapping=slots[:size], query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=tables[:size],
-            query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
-            num_decodes=size, max_query_len=1, max_seq_len=self.max_model_len,
-        ) for slots, tables in zip(self.slots, self.tables)]
+        return [
+            AttentionMetadata(
+                slot_mapping=slots[:size],
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens[:size],
+                block_tables=tables[:size],
+                query_lens_cpu=[1] * size,
+                seq_lens_cpu=[self.max_model_len] * size,
+                num_decodes=size,
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+            )
+            for slots, tables in zip(self.slots, self.tables)
+        ]
 
     def _record(self, size: int) -> tuple[Replay, torch.Tensor] | None:
         metadata = self._metadata(size)  # one object: the backend plans once, at capture
@@ -201,8 +233,11 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001 - any failure: eager for good, saying why
             self.disabled = f"{type(e).__name__}: {e}"
             self.drop()
-            log.warning("CUDA graph capture failed at batch size %d, decode runs eagerly: %s",
-                        size, self.disabled)
+            log.warning(
+                "CUDA graph capture failed at batch size %d, decode runs eagerly: %s",
+                size,
+                self.disabled,
+            )
             return None
         self._graphs[size] = (replay, out)
         return replay, out

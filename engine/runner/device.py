@@ -1,4 +1,5 @@
 """Where the engine runs and in which dtype (`device` / `dtype` = auto resolved)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -45,11 +46,16 @@ def keep_freed_host_memory() -> bool:
     malloc already (GLIBC_TUNABLES, MALLOC_*_ variables), not without glibc, and not with
     PDSERVE_MALLOC_TUNING=0."""
     env = os.environ
-    if (env.get("PDSERVE_MALLOC_TUNING", "1") == "0" or "malloc" in env.get("GLIBC_TUNABLES", "")
-            or any(k.startswith("MALLOC_") for k in env)):
+    if (
+        env.get("PDSERVE_MALLOC_TUNING", "1") == "0"
+        or "malloc" in env.get("GLIBC_TUNABLES", "")
+        or any(k.startswith("MALLOC_") for k in env)
+    ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+        return bool(
+            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+        )
     except (OSError, AttributeError):
         return False

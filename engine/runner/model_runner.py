@@ -11,6 +11,7 @@ logits, at the rows it pools and never samples. Everyone else only gets logits w
 samples. What a step computed comes back as one RunnerOutput; the runner never writes a
 request. What it keeps across steps (the sampler's penalty counts, mean-pooling sums) is
 keyed by request id and dropped when the scheduler says a request left (`prepare`)."""
+
 from __future__ import annotations
 
 import time
@@ -21,21 +22,21 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
+from engine.core.request import Request
+from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.kv.block_manager import BlockManager
-from engine.runner.cuda_graphs import DecodeGraphs
 from engine.lora.batch import LoRABatch
 from engine.lora.slots import LoRASlots
 from engine.models.interface import CausalLM, ForwardContext
 from engine.models.layers import pack_linears
 from engine.parallel.step import GroupArrays, StepInputs, copy_blocks, forward
+from engine.processing.tokens import Logprob, SampledToken
+from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.pooler import Pooler
-from engine.core.request import Request
+from engine.runner.step_layout import StepLayout, build_layout, slots_of
 from engine.sampling.sample_row import SampleRow
 from engine.sampling.sampler import Sampler, raw_logprobs, token_ranks, with_logprobs
-from engine.core.scheduler_output import RunnerOutput, SchedulerOutput
 from engine.spec_decode.verify import accepted_prefix, rejection_sample
-from engine.runner.step_layout import StepLayout, build_layout, slots_of
-from engine.processing.tokens import Logprob, SampledToken
 
 
 class _Forward(NamedTuple):
@@ -117,8 +118,12 @@ class ModelRunner:
             if logits is not None:
                 return _Forward(None, None, logits, False)
         # The LM head's own dtype where the sampler reads it so (no fp32 copy of the logits).
-        head = (bool(layout.sample_rows) and not layout.prompt_rows and not layout.verify
-                and self.sampler.reads_head_logits(layout.sample_rows, self.device))
+        head = (
+            bool(layout.sample_rows)
+            and not layout.prompt_rows
+            and not layout.verify
+            and self.sampler.reads_head_logits(layout.sample_rows, self.device)
+        )
         x, ctx, logits = forward(self.model, self.backend, self.kv_cache, step, lora, head)
         return _Forward(x, ctx, logits, head)
 
@@ -132,8 +137,7 @@ class ModelRunner:
             return result
         num_samples = len(layout.sample_at)
         if layout.prompt_spans:
-            result.prompt_logprobs = _prompt_logprobs(ran.logits[num_samples:],
-                                                      layout.prompt_spans)
+            result.prompt_logprobs = _prompt_logprobs(ran.logits[num_samples:], layout.prompt_spans)
         if num_samples:
             result.sampled = self._sample(ran.logits[:num_samples], layout, ran.head_logits)
         return result
@@ -151,14 +155,18 @@ class ModelRunner:
         return pooled
 
     def _sample(
-        self, logits: torch.Tensor, layout: StepLayout, plainly: bool,
+        self,
+        logits: torch.Tensor,
+        layout: StepLayout,
+        plainly: bool,
     ) -> dict[str, list[SampledToken]]:
         """Draw every row; a request with drafts keeps what verification accepts
         (engine/spec_decode/verify.py) plus the target's token. `plainly`: the sampler said
         it reads these rows' logits as the LM head made them."""
         rows = layout.sample_rows
-        tokens = self._draw(logits, rows, {i for v in layout.verify if v.probs is not None
-                                           for i in v.rows}, plainly)
+        tokens = self._draw(
+            logits, rows, {i for v in layout.verify if v.probs is not None for i in v.rows}, plainly
+        )
         out: dict[str, list[SampledToken]] = {}
         for v in layout.verify:
             span = slice(v.rows.start, v.rows.stop)
@@ -174,8 +182,9 @@ class ModelRunner:
                 out.setdefault(row.request.request_id, []).append(token)
         return out
 
-    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], q_rows: set[int],
-              plainly: bool) -> list[SampledToken | None]:
+    def _draw(
+        self, logits: torch.Tensor, rows: list[SampleRow], q_rows: set[int], plainly: bool
+    ) -> list[SampledToken | None]:
         """Each row's draw, except the rows of drafts that came with their distributions
         (`q_rows`: None there; rejection sampling draws them)."""
         if not q_rows:  # the usual step: every row samples at once (a view, no copy)
@@ -202,9 +211,14 @@ class ModelRunner:
         positions = np.arange(prompt_len)
         for rows in (positions, positions[-1:]):  # the prompt; its next token's decode row
             slots = slots_of(table, rows, self.block_size)
-            step = StepInputs(np.zeros(len(rows), dtype=np.int64), rows.astype(np.int64),
-                              [GroupArrays.build([slots], [table]) for _ in range(self.bm.num_groups)],
-                              [len(rows)], [int(rows[-1]) + 1], np.array([len(rows) - 1]))
+            step = StepInputs(
+                np.zeros(len(rows), dtype=np.int64),
+                rows.astype(np.int64),
+                [GroupArrays.build([slots], [table]) for _ in range(self.bm.num_groups)],
+                [len(rows)],
+                [int(rows[-1]) + 1],
+                np.array([len(rows) - 1]),
+            )
             if self.send_step is not None:
                 self.send_step(step)
             forward(self.model, self.backend, self.kv_cache, step, None, True)
@@ -218,8 +232,11 @@ class ModelRunner:
             return None
         assert self.lora_slots is not None  # the engine admits adapters only with slots
         slot_of = self.lora_slots.prepare(adapters)
-        row_slots = [slot_of[r.lora.lora_int_id] if r.lora is not None else -1
-                     for r, n in order for _ in range(n)]
+        row_slots = [
+            slot_of[r.lora.lora_int_id] if r.lora is not None else -1
+            for r, n in order
+            for _ in range(n)
+        ]
         return LoRABatch.build(self.lora_slots, row_slots, self.device, self.model.kernels)
 
     def evict_lora(self, lora_id: int) -> None:
@@ -229,16 +246,21 @@ class ModelRunner:
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _rejection_sample(self, logits: torch.Tensor, rows: list[SampleRow], drafts: list[int],
-                          q: torch.Tensor) -> list[SampledToken]:
+    def _rejection_sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], drafts: list[int], q: torch.Tensor
+    ) -> list[SampledToken]:
         """Drafts that came with their distributions `q`: the standard min(1, p/q) rule."""
         raw_idx, raw = raw_logprobs(logits, rows)
         kept = rejection_sample(self.sampler.target_probs(logits, rows), q, drafts, rows)
         n = len(kept)
-        return with_logprobs(kept, rows[:n], ([i for i in raw_idx if i < n], None if raw is None else raw[:n]))
+        return with_logprobs(
+            kept, rows[:n], ([i for i in raw_idx if i < n], None if raw is None else raw[:n])
+        )
 
 
-def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict[str, list[Logprob]]:
+def _prompt_logprobs(
+    logits: torch.Tensor, spans: list[tuple[Request, int, int]]
+) -> dict[str, list[Logprob]]:
     """`logits`: one row per prompt position of `spans` (request, first, end), in order;
     a Logprob for prompt tokens first + 1 .. end of each request, by request id."""
     logprobs = logits.log_softmax(-1)

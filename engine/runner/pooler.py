@@ -1,5 +1,6 @@
 """The model runner's side of pooling requests (engine/sampling/pooling.py): which rows of a chunk a
 request needs, and the partial sums of mean pooling, by request id."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable

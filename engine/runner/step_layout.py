@@ -5,6 +5,7 @@ collects the step's RunnerOutput from it.
 
 Row order (AttentionMetadata invariant): one-token (decode) rows first, then every other
 request's rows, request after request; rows of one request are consecutive."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,12 +14,12 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.core.request import Request
+from engine.core.scheduler_output import SchedulerOutput
 from engine.kv.block_manager import BlockManager
 from engine.parallel.step import GroupArrays, StepInputs, attention_metadata
 from engine.runner.pooler import Pooler
-from engine.core.request import Request
 from engine.sampling.sample_row import SampleRow
-from engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -56,8 +57,12 @@ class StepLayout:
     @property
     def all_decode(self) -> bool:
         """Only plain decode rows: what a CUDA graph replays (no LoRA check here)."""
-        return (self.num_decodes == len(self.order) and not self.prompt_rows
-                and not self.verify and not self.pool_spans)
+        return (
+            self.num_decodes == len(self.order)
+            and not self.prompt_rows
+            and not self.verify
+            and not self.pool_spans
+        )
 
 
 class _Rows:
@@ -137,7 +142,8 @@ class _Rows:
             for j in range(len(drafts) + 1):
                 layout.sample_at.append(last - len(drafts) + j)
                 layout.sample_rows.append(
-                    SampleRow(request, request.completion_index, tuple(drafts[:j])))
+                    SampleRow(request, request.completion_index, tuple(drafts[:j]))
+                )
         elif start + n == request.num_tokens and request.pooling is None:  # draw the next
             for index in range(request.sampling.n if request.pending_forks else 1):
                 layout.sample_at.append(last)
@@ -148,13 +154,28 @@ class _Rows:
         inputs = StepInputs(
             np.concatenate([_flat(self.decode_ids), *self.input_ids]).astype(np.int64, copy=False),
             np.concatenate([_flat(self.decode_positions), *self.positions]).astype(
-                np.int64, copy=False),
-            [GroupArrays.build([_flat(self.decode_slots[g]), *self.slots[g]], self.tables[g])
-             for g in self.groups],
-            self.query_lens, self.seq_lens, _flat(logits_rows) if logits_rows else None)
-        return StepLayout(order, inputs, len(self.decode_ids), self.sample_at, self.sample_rows,
-                          self.prompt_spans, self.prompt_rows, self.pool_spans, self.pool_rows,
-                          self.verify)
+                np.int64, copy=False
+            ),
+            [
+                GroupArrays.build([_flat(self.decode_slots[g]), *self.slots[g]], self.tables[g])
+                for g in self.groups
+            ],
+            self.query_lens,
+            self.seq_lens,
+            _flat(logits_rows) if logits_rows else None,
+        )
+        return StepLayout(
+            order,
+            inputs,
+            len(self.decode_ids),
+            self.sample_at,
+            self.sample_rows,
+            self.prompt_spans,
+            self.prompt_rows,
+            self.pool_spans,
+            self.pool_rows,
+            self.verify,
+        )
 
 
 def build_layout(output: SchedulerOutput, bm: BlockManager, pooler: Pooler) -> StepLayout:
@@ -168,8 +189,11 @@ def build_layout(output: SchedulerOutput, bm: BlockManager, pooler: Pooler) -> S
 
 
 def batch_metadata(
-    device: torch.device, slots: list[np.ndarray], tables: list[list[int]],
-    query_lens: list[int], seq_lens: list[int],
+    device: torch.device,
+    slots: list[np.ndarray],
+    tables: list[list[int]],
+    query_lens: list[int],
+    seq_lens: list[int],
 ) -> AttentionMetadata:
     """AttentionMetadata of a ragged batch laid out sequence after sequence (one-token
     sequences first: the caller orders them so)."""

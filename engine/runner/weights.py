@@ -4,6 +4,7 @@
 e.g. the policy an RL trainer just produced — or a safetensors file / directory. Where each
 name lives is the model's business (`CausalLM.update_weights`; the built-in LLaMA maps HF
 names onto its fused projections); `copy_weights` is the checked copy a model does it with."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,9 @@ def read_weights(path: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
         yield from load_file(str(f)).items()
 
 
-def copy_weights(target_of: Callable[[str], torch.Tensor | None],
-                 weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+def copy_weights(
+    target_of: Callable[[str], torch.Tensor | None], weights: Iterable[tuple[str, torch.Tensor]]
+) -> int:
     """Copy each named tensor into `target_of(name)` (None: a weight the model skips, e.g. a
     layer past a truncated model's last; KeyError: not a weight of the model); returns how
     many were applied. Checks every name and shape first: a bad update changes nothing."""
@@ -38,8 +40,10 @@ def copy_weights(target_of: Callable[[str], torch.Tensor | None],
         if target is None:
             continue
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's "
-                             f"is {tuple(target.shape)}")
+            raise ValueError(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's "
+                f"is {tuple(target.shape)}"
+            )
         plan.append((target, tensor))
     with torch.no_grad():
         for target, tensor in plan:

@@ -3,6 +3,7 @@ allowed_token_ids, bad_words, min_tokens, logit_bias, then the structured-output
 
 A row pays for these only when its request asks for one of them (`needs_masks`); a batch
 where no row does costs one attribute check per row."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -88,8 +89,11 @@ def _apply_request_masks(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         if banned:
             logits[i, ids(banned)] = _NEG_INF
         if p.logit_bias:
-            logits[i].index_add_(0, ids(list(p.logit_bias)), torch.tensor(
-                list(p.logit_bias.values()), dtype=logits.dtype, device=device))
+            logits[i].index_add_(
+                0,
+                ids(list(p.logit_bias)),
+                torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device),
+            )
 
 
 def _grammar(row: SampleRow) -> GrammarState:

@@ -6,6 +6,7 @@ a step costs O(new tokens) per request plus one batched pass over the penalized 
 scan of the whole context (vLLM's rules: repetition over prompt + output, presence and
 frequency over the output only). Counts of a request that left (finished, aborted,
 preempted) are dropped by `forget`; a preempted one's are rebuilt when it samples again."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -26,19 +27,27 @@ class PenaltyCounts:
     num_folded: int  # request.token_ids[:num_folded] are counted
 
     @classmethod
-    def of(cls, request: Request, state: PenaltyCounts | None, vocab: int,
-           device: torch.device) -> PenaltyCounts:
+    def of(
+        cls, request: Request, state: PenaltyCounts | None, vocab: int, device: torch.device
+    ) -> PenaltyCounts:
         """`state` (the request's counts so far, or None) brought up to date with its tokens.
         Rebuilt when the token list shrank (a stop string trims trailing tokens) or the width
         changed."""
-        if (state is None or state.num_folded > request.num_tokens
-                or state.output_counts.shape[0] != vocab or state.output_counts.device != device):
+        if (
+            state is None
+            or state.num_folded > request.num_tokens
+            or state.output_counts.shape[0] != vocab
+            or state.output_counts.device != device
+        ):
             prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
             prompt_seen[_ids(request.prompt_token_ids, vocab, device)] = True
-            state = cls(torch.zeros(vocab, dtype=torch.float32, device=device), prompt_seen,
-                        request.num_prompt_tokens)
+            state = cls(
+                torch.zeros(vocab, dtype=torch.float32, device=device),
+                prompt_seen,
+                request.num_prompt_tokens,
+            )
         if state.num_folded < request.num_tokens:
-            _count(state.output_counts, request.token_ids[state.num_folded:])
+            _count(state.output_counts, request.token_ids[state.num_folded :])
             state.num_folded = request.num_tokens
         return state
 
@@ -80,8 +89,11 @@ class Penalties:
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             present = (counts > 0).to(logits.dtype)
-            sub = sub - column([p.frequency_penalty for p in params]) * counts \
+            sub = (
+                sub
+                - column([p.frequency_penalty for p in params]) * counts
                 - column([p.presence_penalty for p in params]) * present
+            )
         if whole:
             logits.copy_(sub)
         else:
@@ -95,4 +107,6 @@ def _ids(tokens: list[int] | tuple[int, ...], vocab: int, device: torch.device) 
 
 def _count(row: torch.Tensor, tokens: list[int] | tuple[int, ...]) -> None:
     ids = _ids(tokens, row.shape[0], row.device)
-    row.index_put_((ids,), torch.ones(len(ids), dtype=row.dtype, device=row.device), accumulate=True)
+    row.index_put_(
+        (ids,), torch.ones(len(ids), dtype=row.dtype, device=row.device), accumulate=True
+    )

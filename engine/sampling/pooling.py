@@ -10,6 +10,7 @@ position carries the embedding, and the scheduler sets `Request.embedding` and f
 request ("stop") without sampling. Mean pooling needs every position's hidden state, so it
 gets no prefix-cache hits (like prompt logprobs); last-token pooling reuses cached prefix
 blocks (the last position is always computed)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,10 @@ class PoolingParams:
     """L2-normalize the pooled vector (vLLM's default for embeddings)."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [(self.pooling_type in ("last", "mean"), "pooling_type",
-                             "must be 'last' or 'mean'")])
+        check_fields(
+            self,
+            [(self.pooling_type in ("last", "mean"), "pooling_type", "must be 'last' or 'mean'")],
+        )
 
     @property
     def needs_every_position(self) -> bool:

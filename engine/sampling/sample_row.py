@@ -1,4 +1,5 @@
 """What the sampler draws one token for: a request's completion at one position."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

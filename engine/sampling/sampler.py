@@ -11,6 +11,7 @@ The hot path is batched: no per-row generators or kernels, one host transfer of 
 per step; penalties come from incrementally maintained counts (engine/sampling/penalties.py), the
 one per-request state a `Sampler` keeps (by request id; the model runner tells it which requests
 left)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -19,10 +20,10 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
+from engine.processing.tokens import SampledToken
 from engine.sampling.logits_masks import apply_masks
 from engine.sampling.penalties import Penalties
 from engine.sampling.sample_row import SampleRow
-from engine.processing.tokens import SampledToken
 
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -48,7 +49,9 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         ks = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf")))
+        logits = logits.scatter(
+            1, order, sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
+        )
     if any(p.top_p < 1.0 for p in params):
         top_p = column([p.top_p for p in params])
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -59,7 +62,9 @@ def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if any(p.min_p > 0.0 for p in params):
         min_p = column([p.min_p for p in params])
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        logits = logits.masked_fill(
+            probs < min_p * probs.max(-1, keepdim=True).values, float("-inf")
+        )
     return logits
 
 
@@ -86,8 +91,11 @@ def row_uniforms(rows: list[SampleRow], count: int = 1) -> np.ndarray:
     (seed, completion index, output position), vectorized over the batch. Uniform k of a
     row is splitmix64(draw_seed + k * golden gamma) scaled from its top 53 bits, so every
     worker draws the same numbers for the same row."""
-    seeds = np.fromiter((draw_seed(r.request.seed, r.completion_index, r.num_output_tokens)
-                         for r in rows), dtype=np.uint64, count=len(rows))
+    seeds = np.fromiter(
+        (draw_seed(r.request.seed, r.completion_index, r.num_output_tokens) for r in rows),
+        dtype=np.uint64,
+        count=len(rows),
+    )
     gamma = np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):
         steps = (np.arange(1, count + 1, dtype=np.uint64) * gamma)[None, :]
@@ -108,7 +116,9 @@ def _chunk_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return body, (x[:, full:] if full < vocab else None)
 
 
-def _chunk_of(x: torch.Tensor, chunk: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_of(
+    x: torch.Tensor, chunk: torch.Tensor, fill: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(columns [rows, _CHUNK], values [rows, _CHUNK]) of chunk index `chunk` ([rows, 1]) of
     each row; columns past the vocabulary hold `fill`."""
     vocab = x.shape[-1]
@@ -139,7 +149,9 @@ def chunk_totals(probs: torch.Tensor) -> torch.Tensor:
     return totals if rest is None else torch.cat([totals, rest.sum(-1, keepdim=True)], 1)
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, totals: torch.Tensor | None = None) -> torch.Tensor:
+def inverse_cdf(
+    probs: torch.Tensor, uniforms: torch.Tensor, totals: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token per row of `probs` ([rows, vocab], unnormalized is fine) for `uniforms`
     ([rows, 1] in [0, 1)): the first index whose cdf exceeds u * total, always one with
     p > 0. The cdf is taken over chunk totals (`totals`, else `chunk_totals(probs)`), then
@@ -150,7 +162,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, totals: torch.Tenso
     target = uniforms.to(probs.dtype) * cdf[:, -1:]
     index = torch.arange(cdf.shape[1], device=probs.device)[None, :]
     last_chunk = torch.where(totals > 0, index, 0).amax(-1, keepdim=True)
-    chunk = torch.searchsorted(cdf, target, right=True).minimum(last_chunk)  # rounding: u * total >= total
+    chunk = torch.searchsorted(cdf, target, right=True).minimum(
+        last_chunk
+    )  # rounding: u * total >= total
     before = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), 0)
     cols, values = _chunk_of(probs, chunk, 0.0)
     inside = torch.searchsorted(values.cumsum(-1), target - before, right=True)
@@ -192,11 +206,17 @@ def draws_plainly(row: SampleRow) -> bool:
     from the LM head's output."""
     request = row.request
     p = request.sampling
-    return (p.plain_draw and request.grammar is None and not request.bad_words_token_ids
-            and (not p.min_tokens or row.num_output_tokens >= p.min_tokens))
+    return (
+        p.plain_draw
+        and request.grammar is None
+        and not request.bad_words_token_ids
+        and (not p.min_tokens or row.num_output_tokens >= p.min_tokens)
+    )
 
 
-def raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor | None]:
+def raw_logprobs(
+    logits: torch.Tensor, rows: list[SampleRow]
+) -> tuple[list[int], torch.Tensor | None]:
     """(rows asking for logprobs, their log-softmax before any mask or penalty)."""
     lp_idx = [i for i, r in enumerate(rows) if r.request.sampling.logprobs is not None]
     return lp_idx, (logits[lp_idx].log_softmax(-1) if lp_idx else None)
@@ -224,8 +244,12 @@ class Sampler:
         read the logits in place."""
         return device.type == "cpu" and all(map(draws_plainly, rows)) and cpu_kernels.load()
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow], plainly: bool | None = None,
-               ) -> list[SampledToken]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        plainly: bool | None = None,
+    ) -> list[SampledToken]:
         """One token per row. `logits`: [len(rows), vocab], fp32 (modified in place), or in
         the LM head's dtype where `reads_head_logits` said so (`plainly`: what it said, when
         the caller asked already)."""
@@ -246,8 +270,10 @@ class Sampler:
         whole = len(random_idx) == len(rows)
         sub_rows = rows if whole else [rows[i] for i in random_idx]
         # Inverse CDF: one uniform per row, from that row's own (seed, index, position) stream.
-        drawn = draw(_filter(logits if whole else logits[random_idx], sub_rows),
-                     torch.from_numpy(row_uniforms(sub_rows)))
+        drawn = draw(
+            _filter(logits if whole else logits[random_idx], sub_rows),
+            torch.from_numpy(row_uniforms(sub_rows)),
+        )
         if whole:
             tokens = drawn
         else:
@@ -264,8 +290,9 @@ class Sampler:
             tokens = cpu_kernels.argmax_rows(logits)
         else:
             uniforms = cpu_kernels.first_uniforms(draw_keys(rows))  # row_uniforms' own, in C++
-            tokens = cpu_kernels.sample_rows(logits, uniforms, torch.tensor(temperatures, dtype=torch.float32),
-                                             _CHUNK)
+            tokens = cpu_kernels.sample_rows(
+                logits, uniforms, torch.tensor(temperatures, dtype=torch.float32), _CHUNK
+            )
         return [SampledToken(t) for t in tokens.tolist()]
 
     def target_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -279,7 +306,9 @@ class Sampler:
         if greedy:
             probs[greedy] = probs[greedy].scatter(1, argmax_rows(logits[greedy])[:, None], 1.0)
         if random_idx:
-            probs[random_idx] = _filter(logits[random_idx], [rows[i] for i in random_idx]).softmax(-1)
+            probs[random_idx] = _filter(logits[random_idx], [rows[i] for i in random_idx]).softmax(
+                -1
+            )
         return probs
 
 
@@ -291,7 +320,9 @@ def with_logprobs(
     lp_idx, logprobs = raw
     if logprobs is None:
         return out
-    chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in lp_idx], device=logprobs.device)[:, None])
+    chosen = logprobs.gather(
+        1, torch.tensor([tokens[i] for i in lp_idx], device=logprobs.device)[:, None]
+    )
     ranks = token_ranks(logprobs, chosen).tolist()
     for j, (i, value) in enumerate(zip(lp_idx, chosen.squeeze(1).tolist())):
         n = rows[i].request.sampling.logprobs

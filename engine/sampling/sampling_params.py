@@ -1,5 +1,6 @@
 """Per-request sampling settings, validated once at construction. Field names and meanings
 follow vLLM's `SamplingParams`."""
+
 from __future__ import annotations
 
 import functools
@@ -67,37 +68,70 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+            object.__setattr__(
+                self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
+            )
         if isinstance(self.structured_outputs, dict):
-            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs)
+            )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        check_fields(self, [
-            (self.n >= 1, "n", "must be >= 1"),
-            (self.temperature >= 0.0, "temperature", "must be >= 0"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (or -1 to disable)"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
-            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             "must be in [0, 20]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()), "logit_bias",
-             "values must be in [-100, 100]"),
-            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
-             "must not be empty"),
-            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
-             "must be non-empty strings"),
-            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-             "truncate_prompt_tokens", "must be >= 1"),
-        ])
+        check_fields(
+            self,
+            [
+                (self.n >= 1, "n", "must be >= 1"),
+                (self.temperature >= 0.0, "temperature", "must be >= 0"),
+                (self.top_k >= 0, "top_k", "must be >= 0 (or -1 to disable)"),
+                (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+                (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+                (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+                (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+                (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+                (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+                (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+                (
+                    self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                    "min_tokens",
+                    "must be <= max_tokens",
+                ),
+                (
+                    self.logprobs is None or 0 <= self.logprobs <= 20,
+                    "logprobs",
+                    "must be in [0, 20]",
+                ),
+                (
+                    self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                    "prompt_logprobs",
+                    "must be in [0, 20]",
+                ),
+                (
+                    all(isinstance(s, str) and s for s in self.stop),
+                    "stop",
+                    "must be non-empty strings",
+                ),
+                (
+                    all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()),
+                    "logit_bias",
+                    "values must be in [-100, 100]",
+                ),
+                (
+                    self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                    "allowed_token_ids",
+                    "must not be empty",
+                ),
+                (
+                    all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                    "bad_words",
+                    "must be non-empty strings",
+                ),
+                (
+                    self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+                    "truncate_prompt_tokens",
+                    "must be >= 1",
+                ),
+            ],
+        )
 
     @property
     def remote_prefill_ok(self) -> bool:
@@ -111,7 +145,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @functools.cached_property
     def plain_draw(self) -> bool:
@@ -119,6 +155,12 @@ class SamplingParams:
         from softmax(logits / temperature): no logprobs, penalties, top-k, top-p, min-p,
         logit bias or allowed tokens (the request may still mask: engine/sampling/sampler.py
         `draws_plainly`). Once per request (the sampler asks every step)."""
-        return (self.logprobs is None and not self.has_penalties and not self.top_k
-                and self.top_p >= 1.0 and self.min_p <= 0.0 and not self.logit_bias
-                and self.allowed_token_ids is None)
+        return (
+            self.logprobs is None
+            and not self.has_penalties
+            and not self.top_k
+            and self.top_p >= 1.0
+            and self.min_p <= 0.0
+            and not self.logit_bias
+            and self.allowed_token_ids is None
+        )

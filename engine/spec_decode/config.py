@@ -1,5 +1,6 @@
 """`speculative_config`, as vLLM spells it: parsed once (from a dict or the JSON of
 `--speculative-config`) into one frozen object, checked before any model loads."""
+
 from __future__ import annotations
 
 import json
@@ -31,18 +32,34 @@ class SpeculativeConfig:
     engine.spec_decode.policy); off: always draft k."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [
-            (self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}"),
-            (isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
-             "num_speculative_tokens", "must be an integer >= 1"),
-            (self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1"),
-            (self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
-             "must be >= prompt_lookup_min"),
-            (self.method != "draft_model" or bool(self.model), "model",
-             "must name the draft model (a path, or self:N) for method draft_model"),
-            (self.method == "draft_model" or self.model is None, "model",
-             "is only for method draft_model"),
-        ])
+        check_fields(
+            self,
+            [
+                (self.method in METHODS, "method", f"must be one of {', '.join(METHODS)}"),
+                (
+                    isinstance(self.num_speculative_tokens, int)
+                    and self.num_speculative_tokens >= 1,
+                    "num_speculative_tokens",
+                    "must be an integer >= 1",
+                ),
+                (self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be >= 1"),
+                (
+                    self.prompt_lookup_max >= self.prompt_lookup_min,
+                    "prompt_lookup_max",
+                    "must be >= prompt_lookup_min",
+                ),
+                (
+                    self.method != "draft_model" or bool(self.model),
+                    "model",
+                    "must name the draft model (a path, or self:N) for method draft_model",
+                ),
+                (
+                    self.method == "draft_model" or self.model is None,
+                    "model",
+                    "is only for method draft_model",
+                ),
+            ],
+        )
         if self.self_draft_layers is not None and self.self_draft_layers < 1:
             raise FieldError("model", f"model self:N needs N >= 1, got {self.model!r}")
 
@@ -52,12 +69,16 @@ class SpeculativeConfig:
         if self.model is None or not self.model.startswith("self:"):
             return None
         try:
-            return int(self.model[len("self:"):])
+            return int(self.model[len("self:") :])
         except ValueError:
-            raise FieldError("model", f"model self:N needs an integer N, got {self.model!r}") from None
+            raise FieldError(
+                "model", f"model self:N needs an integer N, got {self.model!r}"
+            ) from None
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
+    def parse(
+        cls, value: "SpeculativeConfig | dict[str, Any] | str | None"
+    ) -> "SpeculativeConfig | None":
         """From a dict (LLM(speculative_config={...})), its JSON text (the CLI flag), an
         instance, or None/empty (no speculation). Unknown keys are errors, not ignored."""
         if value is None or isinstance(value, cls):
@@ -68,19 +89,29 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise FieldError("speculative_config", f"speculative_config is not JSON: {e}") from None
+                raise FieldError(
+                    "speculative_config", f"speculative_config is not JSON: {e}"
+                ) from None
         if not isinstance(value, dict):
             raise FieldError("speculative_config", "speculative_config must be a JSON object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise FieldError("speculative_config",
-                             f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+            raise FieldError(
+                "speculative_config",
+                f"speculative_config has unknown keys {unknown}; known: {sorted(known)}",
+            )
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise FieldError(required, f"speculative_config needs {required!r}")
         return cls(**value)
 
     def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)
-                           if getattr(self, f.name) != f.default or f.name in ("method", "num_speculative_tokens")})
+        return json.dumps(
+            {
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if getattr(self, f.name) != f.default
+                or f.name in ("method", "num_speculative_tokens")
+            }
+        )

@@ -14,16 +14,17 @@ Two kinds of drafter:
 
 Drafts see the request's masks and penalties (so a constrained or penalized request is not
 drafted tokens its target can never pick); the argmax is the draft."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.kv.block_manager import BlockManager
-from engine.runner.step_layout import batch_metadata, slots_of
-from engine.models.interface import CausalLM, ForwardContext
 from engine.core.request import Request
+from engine.kv.block_manager import BlockManager
+from engine.models.interface import CausalLM, ForwardContext
+from engine.runner.step_layout import batch_metadata, slots_of
 from engine.sampling.sample_row import SampleRow
 from engine.sampling.sampler import Sampler
 from engine.spec_decode.proposer import Proposal
@@ -76,8 +77,10 @@ class DraftModelProposer:
         if not self.owns_kv:
             return [Proposal(d) for d in drafts]
         # Draft KV now covers every input fed: the sequence's tokens and all drafts but the last.
-        return [Proposal(d, num_draft_computed=request.num_tokens - 1 + len(d) if d else None)
-                for (request, _), d in zip(batch, drafts)]
+        return [
+            Proposal(d, num_draft_computed=request.num_tokens - 1 + len(d) if d else None)
+            for (request, _), d in zip(batch, drafts)
+        ]
 
     def _next_tokens(self, feeds, batch, drafts) -> list[int]:
         """One forward over `feeds` (one-token rows first, as attention expects); the greedy
@@ -103,14 +106,25 @@ class DraftModelProposer:
             last_rows.append(row - 1)
         device = self.kv_cache.device
         ctx = ForwardContext.for_groups(
-            self.backend, self.kv_cache,
-            [batch_metadata(device, slots[g], tables[g], query_lens, seq_lens) for g in groups])
-        x = self.model.residual(torch.from_numpy(np.concatenate(input_ids)).to(device),
-                                torch.from_numpy(np.concatenate(positions)).to(device), ctx,
-                                self.num_layers)
+            self.backend,
+            self.kv_cache,
+            [batch_metadata(device, slots[g], tables[g], query_lens, seq_lens) for g in groups],
+        )
+        x = self.model.residual(
+            torch.from_numpy(np.concatenate(input_ids)).to(device),
+            torch.from_numpy(np.concatenate(positions)).to(device),
+            ctx,
+            self.num_layers,
+        )
         logits = self.model.logits(x, ctx, torch.tensor(last_rows, device=device))
-        rows = [SampleRow(batch[feeds[j][0]][0], batch[feeds[j][0]][0].completion_index,
-                          tuple(drafts[feeds[j][0]])) for j in order]
+        rows = [
+            SampleRow(
+                batch[feeds[j][0]][0],
+                batch[feeds[j][0]][0].completion_index,
+                tuple(drafts[feeds[j][0]]),
+            )
+            for j in order
+        ]
         self.sampler.adjust_logits(logits, rows)
         tokens = logits.argmax(-1).tolist()
         out = [0] * len(feeds)

@@ -1,6 +1,7 @@
 """N-gram (prompt-lookup) proposer: if the sequence's last n tokens occurred earlier in it,
 draft the tokens that followed that occurrence (the most recent one; the longest n from
 prompt_lookup_max down to prompt_lookup_min). Pure CPU over token ids: no model, no KV."""
+
 from __future__ import annotations
 
 import numpy as np

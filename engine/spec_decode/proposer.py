@@ -21,6 +21,7 @@ proposals (`SchedulerOutput.with_drafts`, then `Scheduler.update_from_output`).
 
 `copy_blocks(copies)`: copy-on-write block copies the scheduler issued this step, for a
 proposer that keeps KV of its own indexed by the target's block ids."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,13 +3,14 @@ role): how many drafts a decoding sequence may verify, taking back the drafts th
 (`SchedulerOutput.with_drafts` sized it to them), and applying a verify result — kept
 tokens under the stop rules, rejected drafts rolled back.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from engine.core.request import Request, RequestStatus
-from engine.spec_decode.proposer import Proposal
 from engine.processing.tokens import SampledToken
+from engine.spec_decode.proposer import Proposal
 
 if TYPE_CHECKING:
     from engine.kv.block_manager import BlockManager
@@ -22,6 +23,7 @@ class SpeculationScheduling:
     spec_stats: SpecDecodeStats
 
     if TYPE_CHECKING:  # provided by Scheduler
+
         def _append_token(self, request: Request, token: SampledToken) -> RequestStatus | None: ...
 
         def finish_request(self, request_id: str, status: RequestStatus) -> Request | None: ...
@@ -42,12 +44,16 @@ class SpeculationScheduling:
         and max_model_len (it keeps at most drafts + 1)."""
         if request.spec is None or request.pooling is not None:
             return 0
-        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
         return max(0, min(request.spec.allowance(), room)) if room > 0 else 0
 
-    def _apply_verified(self, request: Request, drafts: list[int],
-                        tokens: list[SampledToken]) -> int:
+    def _apply_verified(
+        self, request: Request, drafts: list[int], tokens: list[SampledToken]
+    ) -> int:
         """A verify step's result for `drafts`: `tokens` = the accepted drafts, then the
         target's token.
         They are kept one by one under the stop rules (a stop drops the rest, so max_tokens,

@@ -9,6 +9,7 @@ doubles each time it fails again (up to `MAX_COOLDOWN` steps), then probes with 
 (p restarts just above the threshold, so one failed probe ends it). A sequence whose drafts
 are never accepted thus verifies about log2(steps) failed drafts, and one whose drafts are
 accepted reaches the full k after one step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Speculative decoding counters, named after vLLM's spec_decode metrics."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -20,6 +20,7 @@ the target's distribution exactly:
   logits — for every seed, at any acceptance length. (The logits themselves are those of a
   k + 1-row forward: in float32 they equal one-row decoding's here; in bfloat16 they may
   round differently, as a different batch composition does, and a near-tie can then flip.)"""
+
 from __future__ import annotations
 
 import torch
@@ -60,4 +61,6 @@ def rejection_sample(
 
 
 def _draw(probs: torch.Tensor, u: float) -> int:
-    return int(inverse_cdf(probs[None], torch.tensor([[u]], dtype=probs.dtype, device=probs.device)))
+    return int(
+        inverse_cdf(probs[None], torch.tensor([[u]], dtype=probs.dtype, device=probs.device))
+    )

@@ -7,6 +7,7 @@ except its small FFI runtime.
 Here a constraint becomes an xgrammar `CompiledGrammar`, in the caller's thread and without a
 limit: engine/structured/compiler.py decides where that runs (in a compile process, killed at
 the time limit, or in the request's thread) and caches the results."""
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,13 @@ from engine.checks import FieldError
 from engine.structured.params import StructuredOutputsParams
 
 
-def tokenizer_info(vocab: Sequence[bytes], vocab_size: int,
-                   stop_token_ids: frozenset[int]) -> xgr.TokenizerInfo:
+def tokenizer_info(
+    vocab: Sequence[bytes], vocab_size: int, stop_token_ids: frozenset[int]
+) -> xgr.TokenizerInfo:
     """xgrammar's index of the vocabulary (raw bytes per token id)."""
-    return xgr.TokenizerInfo(list(vocab), xgr.VocabType.RAW, vocab_size=vocab_size,
-                             stop_token_ids=sorted(stop_token_ids))
+    return xgr.TokenizerInfo(
+        list(vocab), xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+    )
 
 
 def xgrammar_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
@@ -54,10 +57,13 @@ def _compile(c: xgr.GrammarCompiler, p: StructuredOutputsParams) -> xgr.Compiled
             schema = _no_additional_properties(schema)
         # strict_mode (xgrammar's default, as vLLM calls it): an object schema without
         # "additionalProperties" allows no properties beyond the listed ones.
-        return c.compile_json_schema(json.dumps(schema), any_whitespace=not p.disable_any_whitespace)
+        return c.compile_json_schema(
+            json.dumps(schema), any_whitespace=not p.disable_any_whitespace
+        )
     if p.json_object:  # any object: extra properties allowed (not strict)
-        return c.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                     any_whitespace=not p.disable_any_whitespace)
+        return c.compile_json_schema(
+            '{"type": "object"}', strict_mode=False, any_whitespace=not p.disable_any_whitespace
+        )
     if p.regex is not None:
         return c.compile_regex(p.regex)
     if p.choice is not None:

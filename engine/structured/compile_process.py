@@ -15,6 +15,7 @@ Life cycle of a child: started on a slot's first use -> "ready" -> one (params, 
 at a time -> killed at the time limit (its slot starts a fresh one next time), or stopped by
 `close`, or it exits when its parent's end of the socket closes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,6 +40,7 @@ _START_TIMEOUT_S = 120.0  # a child's start (imports, vocabulary index): not the
 class CompileLimits:
     """What a process compiles, and how: the fields of the same name in EngineConfig (workers)
     and the router's LimitsConfig."""
+
     timeout_s: float = 10.0
     """A constraint that does not compile within this many seconds is refused (its child is
     killed); 0: compile in the caller's thread, without a limit."""
@@ -54,8 +56,11 @@ class CompileTimeout(Exception):
 
 def timeout_error(params: StructuredOutputsParams, timeout_s: float) -> FieldError:
     """The refusal of a constraint that did not compile in time, naming its field."""
-    return FieldError(params.kind, f"{params.kind} did not compile within {timeout_s:g} s (the "
-                      "server's --grammar-compile-timeout); simplify it")
+    return FieldError(
+        params.kind,
+        f"{params.kind} did not compile within {timeout_s:g} s (the "
+        "server's --grammar-compile-timeout); simplify it",
+    )
 
 
 def _serve(conn: Connection) -> None:
@@ -64,8 +69,11 @@ def _serve(conn: Connection) -> None:
     from engine.structured.backend import compile_params, tokenizer_info, xgrammar_compiler
 
     header = json.loads(conn.recv_bytes())
-    compiler = xgrammar_compiler(tokenizer_info(_unpack(conn.recv_bytes()), header["vocab_size"],
-                                                frozenset(header["stop_token_ids"])))
+    compiler = xgrammar_compiler(
+        tokenizer_info(
+            _unpack(conn.recv_bytes()), header["vocab_size"], frozenset(header["stop_token_ids"])
+        )
+    )
     conn.send_bytes(b'"ready"')
     while True:
         try:
@@ -90,10 +98,10 @@ def _pack(vocab: Sequence[bytes]) -> bytes:
 def _unpack(blob: bytes) -> list[bytes]:
     n = int.from_bytes(blob[:4], "little")
     lengths = array("I")
-    lengths.frombytes(blob[4:4 + 4 * n])
+    lengths.frombytes(blob[4 : 4 + 4 * n])
     out, at = [], 4 + 4 * n
     for length in lengths:
-        out.append(blob[at:at + length])
+        out.append(blob[at : at + length])
         at += length
     return out
 
@@ -108,7 +116,10 @@ class _Child:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine.structured.compile_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         theirs.close()
         self.conn = Connection(mine.detach())
         try:
@@ -121,10 +132,12 @@ class _Child:
             self.kill()
             raise RuntimeError("the grammar compile process did not start")
 
-    def compile(self, params: StructuredOutputsParams, want_grammar: bool,
-                timeout_s: float) -> str | None:
-        self.conn.send_bytes(json.dumps({"params": dataclasses.asdict(params),
-                                         "grammar": want_grammar}).encode())
+    def compile(
+        self, params: StructuredOutputsParams, want_grammar: bool, timeout_s: float
+    ) -> str | None:
+        self.conn.send_bytes(
+            json.dumps({"params": dataclasses.asdict(params), "grammar": want_grammar}).encode()
+        )
         if not self.conn.poll(timeout_s):
             raise CompileTimeout
         answer = json.loads(self.conn.recv_bytes())
@@ -143,14 +156,20 @@ class CompileProcesses:
     a call blocks until a child is free (waiting does not count against the time limit).
     Thread-safe."""
 
-    def __init__(self, vocab: Sequence[bytes], vocab_size: int, stop_token_ids: frozenset[int],
-                 processes: int) -> None:
+    def __init__(
+        self,
+        vocab: Sequence[bytes],
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        processes: int,
+    ) -> None:
         """`vocab`: each token id's bytes (engine/structured/vocab.py `vocabulary`);
         `vocab_size`: the model's (logit rows), at least len(vocab)."""
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
-        self._header = json.dumps({"vocab_size": vocab_size,
-                                   "stop_token_ids": sorted(stop_token_ids)}).encode()
+        self._header = json.dumps(
+            {"vocab_size": vocab_size, "stop_token_ids": sorted(stop_token_ids)}
+        ).encode()
         self._vocab = _pack(vocab)
         self._free: queue.Queue[_Child | None] = queue.Queue()
         for _ in range(processes):
@@ -169,8 +188,9 @@ class CompileProcesses:
         assert text is not None
         return text
 
-    def _run(self, params: StructuredOutputsParams, want_grammar: bool,
-             timeout_s: float) -> str | None:
+    def _run(
+        self, params: StructuredOutputsParams, want_grammar: bool, timeout_s: float
+    ) -> str | None:
         child = self._free.get()
         try:
             if child is None:
@@ -185,8 +205,9 @@ class CompileProcesses:
             if child is not None:
                 child.kill()
             child = None
-            raise FieldError(params.kind, f"{params.kind} could not be compiled (the "
-                             "compiler failed on it)") from None
+            raise FieldError(
+                params.kind, f"{params.kind} could not be compiled (the compiler failed on it)"
+            ) from None
         finally:
             self._free.put(child)
 

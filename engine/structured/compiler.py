@@ -9,6 +9,7 @@ Either way the grammar a matcher gets is the same (tests/engine/test_grammar_pro
 Thread-safe: workers compile on their request threads, never on the engine thread; equal
 constraints compile once (cached by content, refusals too; a caller asking for a constraint
 another thread is compiling waits for that compile)."""
+
 from __future__ import annotations
 
 import threading
@@ -20,32 +21,42 @@ from typing import NamedTuple, Sequence
 import xgrammar as xgr
 
 from engine.checks import FieldError
+from engine.processing.tokenizer import Tokenizer
 from engine.structured.backend import compile_params, tokenizer_info, xgrammar_compiler
-from engine.structured.compile_process import (CompileLimits, CompileProcesses, CompileTimeout,
-                                               timeout_error)
+from engine.structured.compile_process import (
+    CompileLimits,
+    CompileProcesses,
+    CompileTimeout,
+    timeout_error,
+)
 from engine.structured.gate import ReasoningGate
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.state import GrammarState
 from engine.structured.vocab import vocabulary
-from engine.processing.tokenizer import Tokenizer
 
 CACHE_ENTRIES = 1024
 
 
 class _Refusal(NamedTuple):
     """A constraint that does not compile (or not in time): refused again at once."""
+
     field: str
     message: str
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Tokenizer | Sequence[bytes], vocab_size: int,
-                 stop_token_ids: frozenset[int], limits: CompileLimits = CompileLimits()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | Sequence[bytes],
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        limits: CompileLimits = CompileLimits(),
+    ) -> None:
         """`tokenizer`: the tokenizer, or its `vocabulary` (engine/structured/vocab.py).
         `vocab_size`: the model's (logit rows), at least the tokenizer's. Special tokens
         other than the stop tokens are never allowed inside a constrained output. `limits`:
         the size and time limits, and the child processes compiles run in."""
-        vocab = (vocabulary(tokenizer) if isinstance(tokenizer, Tokenizer) else list(tokenizer))
+        vocab = vocabulary(tokenizer) if isinstance(tokenizer, Tokenizer) else list(tokenizer)
         self._info = tokenizer_info(vocab, vocab_size, stop_token_ids)
         self._limits = limits
         self._processes: CompileProcesses | None = None
@@ -71,8 +82,11 @@ class GrammarCompiler:
         """`params` compiled (cached by content). Raises FieldError naming its field."""
         max_bytes = self._limits.max_bytes
         if max_bytes and (size := params.num_bytes()) > max_bytes:
-            raise FieldError(params.kind, f"{params.kind}: the constraint has {size} bytes, more "
-                             f"than the {max_bytes} this server compiles (--max-grammar-bytes)")
+            raise FieldError(
+                params.kind,
+                f"{params.kind}: the constraint has {size} bytes, more "
+                f"than the {max_bytes} this server compiles (--max-grammar-bytes)",
+            )
         key = params.key()
         mine: Future | None = None
         with self._lock:
@@ -96,8 +110,9 @@ class GrammarCompiler:
         if self._processes is not None:
             self._processes.close()
 
-    def _compile_for_all(self, key: tuple, params: StructuredOutputsParams,
-                         pending: Future) -> xgr.CompiledGrammar | _Refusal:
+    def _compile_for_all(
+        self, key: tuple, params: StructuredOutputsParams, pending: Future
+    ) -> xgr.CompiledGrammar | _Refusal:
         """Compile a cache miss; cache it and hand it to the threads waiting on `pending`."""
         try:
             entry = self._compile_miss(params)

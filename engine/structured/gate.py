@@ -15,6 +15,7 @@ The rule, for a request whose StructuredOutputsParams carry `reasoning_start` an
 The gate is a function of prompt + output tokens alone, so wherever a sequence's matcher is
 rebuilt or copied (a fork, a resumed request, the decode worker after remote prefill) the
 gate follows from the same tokens."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,9 @@ class ReasoningGate:
     """The output's last tokens that are a proper prefix of `end` (the marker in progress)."""
 
     @staticmethod
-    def for_prompt(start: tuple[int, ...] | None, end: tuple[int, ...] | None,
-                   prompt: Sequence[int]) -> ReasoningGate | None:
+    def for_prompt(
+        start: tuple[int, ...] | None, end: tuple[int, ...] | None, prompt: Sequence[int]
+    ) -> ReasoningGate | None:
         """The gate at the first output token: None (open) without markers or when the
         prompt's last marker is `end`; closed when it is `start` or neither is there."""
         if start is None or end is None:
@@ -47,7 +49,7 @@ class ReasoningGate:
     def after(self, token_id: int) -> ReasoningGate | None:
         """The gate after one more output token: None once it completes the end marker."""
         seen = self.tail + (token_id,)
-        if seen[-len(self.end):] == self.end:
+        if seen[-len(self.end) :] == self.end:
             return None
         for keep in range(min(len(seen), len(self.end) - 1), 0, -1):
             if seen[-keep:] == self.end[:keep]:
@@ -56,4 +58,4 @@ class ReasoningGate:
 
 
 def _ends_with(tokens: Sequence[int], stop: int, marker: tuple[int, ...]) -> bool:
-    return stop >= len(marker) and tuple(tokens[stop - len(marker):stop]) == marker
+    return stop >= len(marker) and tuple(tokens[stop - len(marker) : stop]) == marker

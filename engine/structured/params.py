@@ -1,5 +1,6 @@
 """What a request asks its output to follow: vLLM's `StructuredOutputsParams` (its fields,
 its names; the OpenAI `response_format` and vLLM's older `guided_*` fields map onto it)."""
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,14 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise FieldError("structured_outputs", "structured_outputs needs exactly one of "
-                             f"{', '.join(KINDS)}; got {given or 'none'}")
-        if self.choice is not None and (not self.choice or not all(
-                isinstance(c, str) and c for c in self.choice)):
+            raise FieldError(
+                "structured_outputs",
+                "structured_outputs needs exactly one of "
+                f"{', '.join(KINDS)}; got {given or 'none'}",
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
             raise FieldError("choice", "choice must be a non-empty list of non-empty strings")
         for name in ("reasoning_start", "reasoning_end"):
             ids = getattr(self, name)
@@ -55,11 +60,14 @@ class StructuredOutputsParams:
                 ids = tuple(ids)
                 object.__setattr__(self, name, ids)
                 if not ids or not all(type(t) is int and t >= 0 for t in ids):
-                    raise FieldError(name, f"{name} must be a non-empty list of token ids, "
-                                     f"got {list(ids)}")
+                    raise FieldError(
+                        name, f"{name} must be a non-empty list of token ids, got {list(ids)}"
+                    )
         if (self.reasoning_start is None) != (self.reasoning_end is None):
-            raise FieldError("reasoning_end" if self.reasoning_end is None else "reasoning_start",
-                             "reasoning_start and reasoning_end go together: both or neither")
+            raise FieldError(
+                "reasoning_end" if self.reasoning_end is None else "reasoning_start",
+                "reasoning_start and reasoning_end go together: both or neither",
+            )
 
     @property
     def kind(self) -> str:

@@ -3,6 +3,7 @@ it keeps. Preemption does not touch it (the tokens it has accepted stay the sequ
 forked completion gets its own copy; speculative drafts are checked against it and rolled
 back. A reasoning request's state also holds its gate (engine/structured/gate.py): until the
 reasoning ends, every token is allowed and the matcher sees none."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

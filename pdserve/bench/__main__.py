@@ -1,4 +1,5 @@
 """`python -m pdserve.bench ...` = `pdserve bench ...`."""
+
 import sys
 
 from pdserve.bench.cli import main

@@ -6,6 +6,7 @@ awaits `OpenAIClient.stream`, which POSTs with `stream: true` and reads SSE `dat
 usage chunk sets the token counts; an `error` event, a non-200 status, a transport error or a
 stream that ends without `[DONE]` sets `error`. `end` is set last, on success and on failure;
 if the runner cancels the request (run deadline), it sets the error itself."""
+
 from __future__ import annotations
 
 import json
@@ -130,8 +131,11 @@ class OpenAIClient:
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model, "max_tokens": spec.max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True},
+            "model": self.model,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if self.chat:
             body["messages"] = spec.chat_messages()
@@ -146,8 +150,9 @@ class OpenAIClient:
         result.prompt_tokens = spec.prompt_len
         t0 = time.perf_counter()
         try:
-            async with self.http.stream("POST", self.url, json=self.body(spec),
-                                        headers=self.headers) as resp:
+            async with self.http.stream(
+                "POST", self.url, json=self.body(spec), headers=self.headers
+            ) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     result.error = f"HTTP {resp.status_code}: {_error_text(text)}"

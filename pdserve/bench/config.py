@@ -1,6 +1,7 @@
 """The benchmark's configuration: one frozen tree, built once from the command line
 (`cli.config_from_args`) and passed down. Importing this module is cheap (no third-party
 imports)."""
+
 from __future__ import annotations
 
 import math

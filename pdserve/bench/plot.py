@@ -1,5 +1,6 @@
 """PNG of the run's latency CDFs (TTFT, ITL, e2e) with the SLOs drawn in. Uses matplotlib's
 Agg canvas directly (no pyplot, no global backend switch)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,13 @@ def plot_cdfs(results: list[RequestResult], slo: SloConfig, path: Path, title: s
             y = np.arange(1, len(x) + 1) / len(x)
             ax.step(np.r_[x[0], x], np.r_[0.0, y], where="post")
             for q, style in ((50, ":"), (99, "--")):
-                ax.axvline(np.percentile(x, q), color="gray", linestyle=style, linewidth=1,
-                           label=f"p{q} {np.percentile(x, q):.1f} ms")
+                ax.axvline(
+                    np.percentile(x, q),
+                    color="gray",
+                    linestyle=style,
+                    linewidth=1,
+                    label=f"p{q} {np.percentile(x, q):.1f} ms",
+                )
         else:
             ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
         if limit is not None:

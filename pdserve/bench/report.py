@@ -8,6 +8,7 @@ Only completed requests (no error) contribute to latency statistics and throughp
 - e2e: request sent -> end of stream.
 - goodput: completed requests per second whose TTFT <= slo.ttft_ms and whose largest ITL
   (every gap) <= slo.itl_ms; an SLO that is not set is not checked."""
+
 from __future__ import annotations
 
 import json
@@ -89,8 +90,12 @@ def meets_slo(r: RequestResult, slo: SloConfig) -> bool:
 
 
 def peak_concurrency(results: list[RequestResult]) -> int:
-    events = sorted(ev for r in results if r.start is not None and r.end is not None
-                    for ev in ((r.start, 1), (r.start + r.end, -1)))
+    events = sorted(
+        ev
+        for r in results
+        if r.start is not None and r.end is not None
+        for ev in ((r.start, 1), (r.start + r.end, -1))
+    )
     peak = cur = 0
     for _, step in events:  # at equal times the end (-1) sorts first: touching is not overlap
         cur += step
@@ -106,18 +111,25 @@ def summarize(run: BenchRun, slo: SloConfig) -> Report:
     out = sum(r.output_tokens for r in done)
     good = sum(meets_slo(r, slo) for r in done) if slo.enabled else None
     return Report(
-        num_requests=len(run.results), completed=len(done),
-        failed=len(run.results) - len(done) - unsent, unsent=unsent, duration_s=dur,
-        input_tokens=inp, output_tokens=out,
-        request_throughput=len(done) / dur, output_throughput=out / dur,
+        num_requests=len(run.results),
+        completed=len(done),
+        failed=len(run.results) - len(done) - unsent,
+        unsent=unsent,
+        duration_s=dur,
+        input_tokens=inp,
+        output_tokens=out,
+        request_throughput=len(done) / dur,
+        output_throughput=out / dur,
         total_token_throughput=(inp + out) / dur,
         peak_concurrency=peak_concurrency(run.results),
         ttft_ms=Stats.of([r.ttft * 1e3 for r in done if r.ttft is not None]),
         itl_ms=Stats.of([g * 1e3 for r in done for g in r.itls]),
         tpot_ms=Stats.of([r.tpot * 1e3 for r in done if r.tpot is not None]),
         e2e_ms=Stats.of([r.end * 1e3 for r in done if r.end is not None]),
-        slo_ttft_ms=slo.ttft_ms, slo_itl_ms=slo.itl_ms,
-        good_requests=good, goodput=None if good is None else good / dur,
+        slo_ttft_ms=slo.ttft_ms,
+        slo_itl_ms=slo.itl_ms,
+        good_requests=good,
+        goodput=None if good is None else good / dur,
         errors=dict(Counter(r.error for r in run.results if r.error is not None)),
     )
 
@@ -130,15 +142,29 @@ def to_json(cfg: BenchConfig, run: BenchRun, report: Report) -> dict[str, Any]:
     config["out"] = str(cfg.out) if cfg.out else None
     config["plot"] = str(cfg.plot) if cfg.plot else None
     config["load"]["request_rate"] = _finite(cfg.load.request_rate)
-    requests = [{
-        "index": r.index, "start_s": r.start, "ttft_ms": _ms(r.ttft), "e2e_ms": _ms(r.end),
-        "itl_ms": [g * 1e3 for g in r.itls], "tpot_ms": _ms(r.tpot),
-        "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-        "usage_reported": r.usage_reported, "error": r.error,
-    } for r in run.results]
-    return {"schema_version": SCHEMA_VERSION, "started_at": run.started_at,
-            "timed_out": run.timed_out, "config": config, "summary": asdict(report),
-            "requests": requests}
+    requests = [
+        {
+            "index": r.index,
+            "start_s": r.start,
+            "ttft_ms": _ms(r.ttft),
+            "e2e_ms": _ms(r.end),
+            "itl_ms": [g * 1e3 for g in r.itls],
+            "tpot_ms": _ms(r.tpot),
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "usage_reported": r.usage_reported,
+            "error": r.error,
+        }
+        for r in run.results
+    ]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "started_at": run.started_at,
+        "timed_out": run.timed_out,
+        "config": config,
+        "summary": asdict(report),
+        "requests": requests,
+    }
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -156,8 +182,10 @@ def _finite(x: float) -> float | str:
 
 def format_table(report: Report) -> str:
     rows = [
-        ("requests completed / failed / unsent",
-         f"{report.completed} / {report.failed} / {report.unsent}"),
+        (
+            "requests completed / failed / unsent",
+            f"{report.completed} / {report.failed} / {report.unsent}",
+        ),
         ("duration (s)", f"{report.duration_s:.2f}"),
         ("input / output tokens", f"{report.input_tokens} / {report.output_tokens}"),
         ("request throughput (req/s)", f"{report.request_throughput:.2f}"),
@@ -166,14 +194,23 @@ def format_table(report: Report) -> str:
         ("peak concurrency", str(report.peak_concurrency)),
     ]
     if report.goodput is not None:
-        rows.append((f"goodput (req/s; TTFT<={report.slo_ttft_ms} ms, ITL<={report.slo_itl_ms} ms)",
-                     f"{report.goodput:.2f} ({report.good_requests} requests)"))
+        rows.append(
+            (
+                f"goodput (req/s; TTFT<={report.slo_ttft_ms} ms, ITL<={report.slo_itl_ms} ms)",
+                f"{report.goodput:.2f} ({report.good_requests} requests)",
+            )
+        )
     lines = [f"{k:<58} {v}" for k, v in rows]
     lines.append(f"{'latency (ms)':<10} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'n':>7}")
-    for name, s in (("TTFT", report.ttft_ms), ("ITL", report.itl_ms),
-                    ("TPOT", report.tpot_ms), ("e2e", report.e2e_ms)):
-        vals = [f"{v:10.2f}" if v is not None else f"{'-':>10}"
-                for v in (s.mean, s.p50, s.p90, s.p99)]
+    for name, s in (
+        ("TTFT", report.ttft_ms),
+        ("ITL", report.itl_ms),
+        ("TPOT", report.tpot_ms),
+        ("e2e", report.e2e_ms),
+    ):
+        vals = [
+            f"{v:10.2f}" if v is not None else f"{'-':>10}" for v in (s.mean, s.p50, s.p90, s.p99)
+        ]
         lines.append(f"{name:<10} {' '.join(vals)} {s.count:>7}")
     for msg, n in sorted(report.errors.items(), key=lambda kv: -kv[1])[:5]:
         lines.append(f"error x{n}: {msg}")

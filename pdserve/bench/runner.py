@@ -2,6 +2,7 @@
 process at `request_rate`, or all at t=0 when the rate is inf), waits for a slot when
 `max_concurrency` is set, then streams. The run ends when every request has finished or at
 the deadline (`timeout_s`), whichever comes first; a tqdm bar counts finished requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -94,5 +95,10 @@ async def _run(cfg: BenchConfig, specs: list[RequestSpec]) -> BenchRun:
         for r in results:
             if r.start is None:
                 r.error = UNSENT
-        return BenchRun(model=model, results=results, duration_s=duration,
-                        timed_out=bool(pending), started_at=started_at)
+        return BenchRun(
+            model=model,
+            results=results,
+            duration_s=duration,
+            timed_out=bool(pending),
+            started_at=started_at,
+        )

@@ -4,6 +4,7 @@ Prompts are random common English words separated by spaces. Most such words are
 (with or without the leading space) in BPE vocabularies, so n words are about n tokens. With a
 tokenizer, only the words that are exactly one token both ways are kept, and a prompt of n words
 is exactly n tokens (pre-tokenizers split on spaces, so words never merge)."""
+
 from __future__ import annotations
 
 import random
@@ -73,11 +74,12 @@ def word_source(tokenizer: str | None) -> WordSource:
     from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model_path(tokenizer))
-    words = tuple(w for w in _WORDS
-                  if len(tok.encode(w)) == 1 and len(tok.encode(" " + w)) == 1)
+    words = tuple(w for w in _WORDS if len(tok.encode(w)) == 1 and len(tok.encode(" " + w)) == 1)
     if len(words) < 16:
-        raise ValueError(f"tokenizer {tokenizer!r}: only {len(words)} single-token words; "
-                         "run without --tokenizer (approximate lengths)")
+        raise ValueError(
+            f"tokenizer {tokenizer!r}: only {len(words)} single-token words; "
+            "run without --tokenizer (approximate lengths)"
+        )
     return WordSource(words, exact=True)
 
 
@@ -102,6 +104,14 @@ def build_workload(cfg: WorkloadConfig, words: WordSource | None = None) -> list
     for i in range(cfg.num_requests):
         t = rng.randrange(cfg.num_tenants)
         n = draw(cfg.input_len)
-        specs.append(RequestSpec(i, words.text(rng, n), draw(cfg.output_len),
-                                 cfg.prefix_len + n, prefix=prefixes[t], tenant=t))
+        specs.append(
+            RequestSpec(
+                i,
+                words.text(rng, n),
+                draw(cfg.output_len),
+                cfg.prefix_len + n,
+                prefix=prefixes[t],
+                tenant=t,
+            )
+        )
     return specs

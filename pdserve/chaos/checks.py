@@ -1,6 +1,7 @@
 """What must hold once a chaos run is idle: no worker holds a KV block, no second-tier slot is
 held beyond the blocks its worker announces, the router's KV index agrees with what the
 workers have cached (pools and tiers), and no long-lived process grew (RSS)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,9 @@ class Settled(Generic[T]):
     "router": its /metrics did not answer. Empty: every registered worker answered."""
 
 
-async def _workers(etcd: str, cluster: str,
-                   credentials: EtcdCredentials | None) -> list[WorkerInfo] | None:
+async def _workers(
+    etcd: str, cluster: str, credentials: EtcdCredentials | None
+) -> list[WorkerInfo] | None:
     """The non-draining workers, or None while etcd is unreachable (a fault may have just
     restarted it): the callers poll until their deadline."""
     try:
@@ -43,9 +45,13 @@ async def _workers(etcd: str, cluster: str,
         return None
 
 
-async def sweep(etcd: str, cluster: str, auth: ClusterAuth,
-                call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
-                credentials: EtcdCredentials | None = None) -> Settled[dict[str, Any]]:
+async def sweep(
+    etcd: str,
+    cluster: str,
+    auth: ClusterAuth,
+    call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+    credentials: EtcdCredentials | None = None,
+) -> Settled[dict[str, Any]]:
     """`call` on every registered worker (presenting `auth`): worker id -> its reply. A worker
     that refuses or times out is unsettled, never an exception."""
     workers = await _workers(etcd, cluster, credentials)
@@ -62,11 +68,16 @@ async def sweep(etcd: str, cluster: str, auth: ClusterAuth,
     return Settled(replies, unsettled)
 
 
-async def settle(etcd: str, cluster: str, auth: ClusterAuth,
-                 call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
-                 measure: Callable[[Settled[dict[str, Any]]], Settled[T]],
-                 ok: Callable[[T], bool], timeout_s: float,
-                 credentials: EtcdCredentials | None = None) -> Settled[T]:
+async def settle(
+    etcd: str,
+    cluster: str,
+    auth: ClusterAuth,
+    call: Callable[[pb_grpc.WorkerStub], Awaitable[Any]],
+    measure: Callable[[Settled[dict[str, Any]]], Settled[T]],
+    ok: Callable[[T], bool],
+    timeout_s: float,
+    credentials: EtcdCredentials | None = None,
+) -> Settled[T]:
     """`sweep` with `call` every 0.5 s and `measure` the replies, until every registered worker
     answers (a dead one's registration lapses with its lease) and the value is `ok`, or
     `timeout_s` ran out: the last measurement, with what had not settled."""
@@ -86,10 +97,16 @@ def _cached_blocks(stub: pb_grpc.WorkerStub) -> Awaitable[pb.CachedBlocksRespons
     return stub.GetCachedBlocks(pb.CachedBlocksRequest(), timeout=5)
 
 
-async def leaked_blocks(etcd: str, cluster: str, auth: ClusterAuth, timeout_s: float = 60.0,
-                        credentials: EtcdCredentials | None = None) -> Settled[dict[str, int]]:
+async def leaked_blocks(
+    etcd: str,
+    cluster: str,
+    auth: ClusterAuth,
+    timeout_s: float = 60.0,
+    credentials: EtcdCredentials | None = None,
+) -> Settled[dict[str, int]]:
     """worker id -> blocks still in use (or requests still running/waiting) once the cluster
     went idle, waiting up to `timeout_s`; empty when nothing leaked."""
+
     def leaks(s: Settled[dict[str, Any]]) -> Settled[dict[str, int]]:
         held = {}
         for worker_id, reply in s.value.items():
@@ -98,17 +115,22 @@ async def leaked_blocks(etcd: str, cluster: str, auth: ClusterAuth, timeout_s: f
                 held[worker_id] = c.total_blocks - c.free_blocks or c.running + c.waiting
         return Settled(held, s.unsettled)
 
-    return await settle(etcd, cluster, auth, _health, leaks, lambda held: not held, timeout_s,
-                        credentials)
+    return await settle(
+        etcd, cluster, auth, _health, leaks, lambda held: not held, timeout_s, credentials
+    )
 
 
-async def stranded_tier_blocks(etcd: str, cluster: str, auth: ClusterAuth,
-                               timeout_s: float = 15.0,
-                               credentials: EtcdCredentials | None = None
-                               ) -> Settled[dict[str, int]]:
+async def stranded_tier_blocks(
+    etcd: str,
+    cluster: str,
+    auth: ClusterAuth,
+    timeout_s: float = 15.0,
+    credentials: EtcdCredentials | None = None,
+) -> Settled[dict[str, int]]:
     """worker id -> second-tier slots held beyond the tier blocks it announces (KV events,
     GetCachedBlocks), once idle, waiting up to `timeout_s`; empty when every tier holds
     exactly what its worker announces (a slot held by nothing would be lost capacity)."""
+
     async def both(stub: pb_grpc.WorkerStub) -> tuple[pb.HealthResponse, pb.CachedBlocksResponse]:
         return await _health(stub), await _cached_blocks(stub)
 
@@ -120,16 +142,23 @@ async def stranded_tier_blocks(etcd: str, cluster: str, auth: ClusterAuth,
                 held[worker_id] = extra
         return Settled(held, s.unsettled)
 
-    return await settle(etcd, cluster, auth, both, stranded, lambda held: not held, timeout_s,
-                        credentials)
+    return await settle(
+        etcd, cluster, auth, both, stranded, lambda held: not held, timeout_s, credentials
+    )
 
 
-async def index_mismatch(router_url: str, etcd: str, cluster: str, auth: ClusterAuth,
-                         timeout_s: float = 15.0,
-                         credentials: EtcdCredentials | None = None) -> Settled[int]:
+async def index_mismatch(
+    router_url: str,
+    etcd: str,
+    cluster: str,
+    auth: ClusterAuth,
+    timeout_s: float = 15.0,
+    credentials: EtcdCredentials | None = None,
+) -> Settled[int]:
     """|router's indexed block hashes - the union of the workers' cached hashes| once both
     settled, waiting up to `timeout_s` (0 when consistent; -1: the workers could not be
     listed, or the router's /metrics did not answer)."""
+
     def mismatch(s: Settled[dict[str, Any]]) -> Settled[int]:
         if "etcd" in s.unsettled:
             return Settled(-1, s.unsettled)
@@ -140,8 +169,16 @@ async def index_mismatch(router_url: str, etcd: str, cluster: str, auth: Cluster
         cached = {h for reply in s.value.values() for h in reply.block_hashes}
         return Settled(abs(int(indexed) - len(cached)), s.unsettled)
 
-    return await settle(etcd, cluster, auth, _cached_blocks, mismatch, lambda diff: diff == 0,
-                        timeout_s, credentials)
+    return await settle(
+        etcd,
+        cluster,
+        auth,
+        _cached_blocks,
+        mismatch,
+        lambda diff: diff == 0,
+        timeout_s,
+        credentials,
+    )
 
 
 def router_metric(router_url: str, name: str, **labels: str) -> float:
@@ -150,13 +187,15 @@ def router_metric(router_url: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
         if (line.startswith(name + "{") or line.startswith(name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-async def workers_metric(etcd: str, cluster: str, name: str,
-                         credentials: EtcdCredentials | None = None, **labels: str) -> float:
+async def workers_metric(
+    etcd: str, cluster: str, name: str, credentials: EtcdCredentials | None = None, **labels: str
+) -> float:
     """Sum of a metric over the registered workers' /metrics (each since its own start: a
     restarted worker counts from 0); unreachable ones count 0."""
     total = 0.0

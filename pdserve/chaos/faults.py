@@ -8,6 +8,7 @@ port lists them). Every fault is one that the cluster must absorb without a fail
 - restart-router: SIGTERM the router (it drains its streams, the supervisor starts it again
   on the same port; clients retry their connection meanwhile).
 Client disconnects at random points are part of the load (load.py)."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,14 @@ from dataclasses import dataclass
 from cluster.roles import ROLES
 from local_cluster.run_file import control_request
 
-KINDS = ("kill-prefill", "kill-decode", "stall-prefill", "stall-decode", "restart-etcd", "restart-router")
+KINDS = (
+    "kill-prefill",
+    "kill-decode",
+    "stall-prefill",
+    "stall-decode",
+    "restart-etcd",
+    "restart-router",
+)
 """Every fault kind, `<action>-<target>` (the target: a slot role of `pdserve up`)."""
 
 
@@ -46,7 +54,9 @@ class Injector:
         """Apply one random fault to a ready target; None if no target is ready now."""
         kind = self.rng.choice(self.kinds)
         action, _, role = kind.partition("-")
-        ready = [s for s in self.slots() if s["role"] == role and s["state"] == "ready" and s["pid"]]
+        ready = [
+            s for s in self.slots() if s["role"] == role and s["state"] == "ready" and s["pid"]
+        ]
         if role in ROLES and len(ready) < 2 and action == "kill":
             return None  # keep one of each role serving: a kill is absorbed by its peers
         if not ready:

@@ -8,6 +8,7 @@ completion). Connection errors before any response (the router restarting) are r
 a short backoff and counted, not failed, unless the retries run out. Each (prompt, seed) is
 asked more than once over the run: its texts must all be equal — a migrated seeded request
 must produce exactly what an undisturbed one does (`diverged` otherwise)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +23,12 @@ import httpx
 # Several KV blocks each (16 tokens a block): repeated prompts are prefix-cache hits, on the
 # worker that served them before or pulled from it (the KV fabric), and evicted blocks go to a
 # worker's second tier when it has one.
-PROMPTS = [f"Story {i}: once upon a time in a land far away, beyond seven rivers and seven "
-           "mountains, where the winters were long and the summers short, there lived an old "
-           "miller with three sons, a grey cat and a mill that had not turned for many years"
-           for i in range(8)]
+PROMPTS = [
+    f"Story {i}: once upon a time in a land far away, beyond seven rivers and seven "
+    "mountains, where the winters were long and the summers short, there lived an old "
+    "miller with three sons, a grey cat and a mill that had not turned for many years"
+    for i in range(8)
+]
 
 
 @dataclass
@@ -42,8 +45,15 @@ class LoadStats:
 
 
 class Load:
-    def __init__(self, url: str, model: str, concurrency: int, max_tokens: int,
-                 cancel_share: float, seed: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        concurrency: int,
+        max_tokens: int,
+        cancel_share: float,
+        seed: int,
+    ) -> None:
         self.url, self.model = url, model
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.cancel_share = cancel_share
@@ -55,23 +65,36 @@ class Load:
         self._stop.set()
 
     async def run(self) -> LoadStats:
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(120, connect=5)) as http:
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=httpx.Timeout(120, connect=5)
+        ) as http:
             await asyncio.gather(*(self._client(http) for _ in range(self.concurrency)))
         return self.stats
 
     async def _client(self, http: httpx.AsyncClient) -> None:
         while not self._stop.is_set():
             prompt, seed = self.rng.randrange(len(PROMPTS)), self.rng.randrange(4)
-            cancel_after = self.rng.randrange(1, self.max_tokens) if self.rng.random() < self.cancel_share else None
+            cancel_after = (
+                self.rng.randrange(1, self.max_tokens)
+                if self.rng.random() < self.cancel_share
+                else None
+            )
             outcome, detail = await self._one(http, prompt, seed, cancel_after)
             self.stats.outcomes[outcome] += 1
             if outcome == "failed":
                 self.stats.failures.append(f"prompt {prompt} seed {seed}: {detail}")
 
     async def _one(self, http, prompt: int, seed: int, cancel_after: int | None) -> tuple[str, str]:
-        body = {"model": self.model, "prompt": PROMPTS[prompt], "max_tokens": self.max_tokens,
-                "temperature": 0.8, "seed": seed, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": PROMPTS[prompt],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.8,
+            "seed": seed,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         give_up = time.monotonic() + 60.0
         while time.monotonic() < give_up:
             try:

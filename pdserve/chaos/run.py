@@ -9,6 +9,7 @@ registered worker answered the idle checks within their bounds (what did not is 
 under "unsettled"), and no process that lived through the whole run grew its RSS by more
 than --max-rss-growth. The report (JSON) also has the faults, the router's migration
 counters, the per-request longest chunk gap (the seam) and RSS."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,25 @@ import time
 import urllib.request
 from pathlib import Path
 
+from local_cluster.launcher import UpProcess
+from local_cluster.run_file import cluster_auth, etcd_credentials
 from pdserve.chaos.checks import (
-    index_mismatch, leaked_blocks, router_metric, rss_bytes, stranded_tier_blocks, workers_metric,
+    index_mismatch,
+    leaked_blocks,
+    router_metric,
+    rss_bytes,
+    stranded_tier_blocks,
+    workers_metric,
 )
 from pdserve.chaos.faults import KINDS, Fault, Injector
 from pdserve.chaos.load import Load
-from local_cluster.launcher import UpProcess
-from local_cluster.run_file import cluster_auth, etcd_credentials
 
 # Test-sized workers (2 layers, fp32) unless --full-model.
-SMALL_WORKERS = ["--worker-arg=--num-layers=2", "--worker-arg=--kv-cache-memory=64MiB",
-                 "--worker-arg=--dtype=float32"]
+SMALL_WORKERS = [
+    "--worker-arg=--num-layers=2",
+    "--worker-arg=--kv-cache-memory=64MiB",
+    "--worker-arg=--dtype=float32",
+]
 
 
 class Cluster(UpProcess):
@@ -38,14 +47,28 @@ class Cluster(UpProcess):
 
     def __init__(self, args: argparse.Namespace, home: Path) -> None:
         flags = [] if args.full_model else SMALL_WORKERS
-        super().__init__(home, "--prefill", str(args.prefill), "--decode", str(args.decode),
-                         "--num-threads", "1", "--log-dir", str(args.log_dir or home / "logs"),
-                         *flags, f"--router-arg=--stall-timeout={args.stall_timeout}",
-                         # Faults here are deliberate and frequent: no crash-loop verdict and no
-                         # growing backoff for them (a crash is forgotten after 10 s), and the
-                         # router waits for a worker long enough to ride out a restart.
-                         "--max-restarts", "1000", "--restart-window", "10",
-                         "--router-arg=--queue-timeout=60", *args.up_arg)
+        super().__init__(
+            home,
+            "--prefill",
+            str(args.prefill),
+            "--decode",
+            str(args.decode),
+            "--num-threads",
+            "1",
+            "--log-dir",
+            str(args.log_dir or home / "logs"),
+            *flags,
+            f"--router-arg=--stall-timeout={args.stall_timeout}",
+            # Faults here are deliberate and frequent: no crash-loop verdict and no
+            # growing backoff for them (a crash is forgotten after 10 s), and the
+            # router waits for a worker long enough to ride out a restart.
+            "--max-restarts",
+            "1000",
+            "--restart-window",
+            "10",
+            "--router-arg=--queue-timeout=60",
+            *args.up_arg,
+        )
 
     def child_pids(self) -> list[int]:
         return [pid for pids in self.control()["pids"].values() for pid in pids]
@@ -91,8 +114,13 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
     stats = await load_task
     print(f"[chaos] load done: {dict(stats.outcomes)}; checking the idle cluster", flush=True)
     if cluster_error is not None:
-        return {"passed": False, "cluster_error": cluster_error, "faults": [f.kind for f in faults],
-                "requests": dict(stats.outcomes), "failures": stats.failures[:20]}
+        return {
+            "passed": False,
+            "cluster_error": cluster_error,
+            "faults": [f.kind for f in faults],
+            "requests": dict(stats.outcomes),
+            "failures": stats.failures[:20],
+        }
     etcd, name = cluster.run["etcd"], cluster.run["cluster"]
     credentials = etcd_credentials(cluster.run)
     auth = cluster_auth(cluster.run)  # the token `up` gave its workers
@@ -101,37 +129,59 @@ async def _drive(args, cluster: Cluster, kinds: tuple[str, ...]) -> dict:
     mismatch = await index_mismatch(cluster.url, etcd, name, auth, credentials=credentials)
     unsettled = {**leaks.unsettled, **tiers.unsettled, **mismatch.unsettled}
     # What the KV fabric did: the workers alive at the end, each counted since its start.
-    fabric = {key: await workers_metric(etcd, name, f"pdserve_worker_{key}_total", credentials,
-                                        **labels)
-              for key, labels in (("kv_offload_demotions", {}), ("kv_offload_promotions", {}),
-                                  ("kv_pulls", {"outcome": "pulled"}),
-                                  ("kv_exports", {"outcome": "sent"}))}
+    fabric = {
+        key: await workers_metric(etcd, name, f"pdserve_worker_{key}_total", credentials, **labels)
+        for key, labels in (
+            ("kv_offload_demotions", {}),
+            ("kv_offload_promotions", {}),
+            ("kv_pulls", {"outcome": "pulled"}),
+            ("kv_exports", {"outcome": "sent"}),
+        )
+    }
     # Processes that lived through the whole run (a killed one is a new pid).
     rss_end = {pid: rss_bytes(pid) for pid in cluster.child_pids() if rss_start.get(pid)}
-    growths = {pid: (end - start) / start for pid, end in rss_end.items()
-               if end and (start := rss_start[pid])}
+    growths = {
+        pid: (end - start) / start
+        for pid, end in rss_end.items()
+        if end and (start := rss_start[pid])
+    }
     growth = max(growths.values(), default=None)
     seams = sorted(stats.seams)
     report = {
-        "duration_s": args.duration, "faults": [f.kind for f in faults],
+        "duration_s": args.duration,
+        "faults": [f.kind for f in faults],
         "fault_counts": {k: sum(f.kind == k for f in faults) for k in kinds},
-        "requests": dict(stats.outcomes), "failures": stats.failures[:20],
-        "diverged": [list(k) for k in stats.diverged], "router_connection_retries": stats.router_retries,
+        "requests": dict(stats.outcomes),
+        "failures": stats.failures[:20],
+        "diverged": [list(k) for k in stats.diverged],
+        "router_connection_retries": stats.router_retries,
         # Counters of the router now running (a restart-router fault resets them).
-        "migrations_since_router_start": _router_metric_or_none(cluster.url,
-                                                                "pdserve_router_migrations_total"),
+        "migrations_since_router_start": _router_metric_or_none(
+            cluster.url, "pdserve_router_migrations_total"
+        ),
         "fabric": fabric,
-        "leaked_blocks": leaks.value, "stranded_tier_blocks": tiers.value,
+        "leaked_blocks": leaks.value,
+        "stranded_tier_blocks": tiers.value,
         "kv_index_mismatch": mismatch.value,
         "unsettled": unsettled,
-        "rss_growth_max": growth, "rss_processes_lived_through": len(growths),
-        "seam_s": {"p50": _pct(seams, 0.5), "p99": _pct(seams, 0.99), "max": seams[-1] if seams else None},
+        "rss_growth_max": growth,
+        "rss_processes_lived_through": len(growths),
+        "seam_s": {
+            "p50": _pct(seams, 0.5),
+            "p99": _pct(seams, 0.99),
+            "max": seams[-1] if seams else None,
+        },
     }
-    report["passed"] = (not stats.outcomes.get("failed") and not stats.diverged
-                        and not leaks.value and not tiers.value and mismatch.value == 0
-                        and not unsettled
-                        and (growth is None or growth <= args.max_rss_growth)
-                        and stats.outcomes.get("completed", 0) > 0)
+    report["passed"] = (
+        not stats.outcomes.get("failed")
+        and not stats.diverged
+        and not leaks.value
+        and not tiers.value
+        and mismatch.value == 0
+        and not unsettled
+        and (growth is None or growth <= args.max_rss_growth)
+        and stats.outcomes.get("completed", 0) > 0
+    )
     return report
 
 

@@ -1,5 +1,6 @@
 """The endpoint picker's part of the router's configuration (router/endpoint_picker/picker.py,
 router/endpoint_picker/ext_proc.py; docs/kubernetes.md, "Router as endpoint picker")."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,18 +22,25 @@ class EndpointPickerConfig:
     endpoint to send it to (x-gateway-destination-endpoint) and the chosen workers
     (x-pdserve-decode-worker, x-pdserve-prefill-worker), which this router then follows.
     0: off (the HTTP API alone; the headers are ignored)."""
-    endpoint: str | None = option(None, name="--endpoint-picker-endpoint", group=GROUP,
-                                  metavar="IP:PORT")
+    endpoint: str | None = option(
+        None, name="--endpoint-picker-endpoint", group=GROUP, metavar="IP:PORT"
+    )
     """This router's HTTP endpoint as the gateway reaches it (its InferencePool endpoint), the
     picker's answer unless the gateway restricts the choice to a subset without it. Default:
     --host:--port (in Kubernetes: $(POD_IP):8000)."""
 
     def __post_init__(self) -> None:
-        check_fields(self, [
-            (0 <= self.port < 65536, "port", "must be in 0..65535 (0: off)"),
-            (self.endpoint is None or _is_host_port(self.endpoint), "endpoint",
-             "must be IP:PORT"),
-        ])
+        check_fields(
+            self,
+            [
+                (0 <= self.port < 65536, "port", "must be in 0..65535 (0: off)"),
+                (
+                    self.endpoint is None or _is_host_port(self.endpoint),
+                    "endpoint",
+                    "must be IP:PORT",
+                ),
+            ],
+        )
 
 
 def _is_host_port(text: str) -> bool:

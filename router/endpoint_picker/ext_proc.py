@@ -17,6 +17,7 @@ One `Process` stream per HTTP request. Life cycle of a request here:
    A refusal is an `ImmediateResponse`: the router's own status and OpenAI error body.
 4. Response headers, bodies and trailers (if the gateway sends them) pass unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,11 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.picker = picker
         self.max_body_bytes = max_body_bytes
 
-    async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ep.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ep.ProcessingResponse]:
         """/// One HTTP request through the gateway: answers each message (module docstring)."""
         ex = _Exchange()
         async for req in request_iterator:
@@ -81,8 +85,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             ex.subset = _subset(req.metadata_context)
         phase = req.WhichOneof("request")
         if phase == "request_headers":
-            ex.headers = {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
-                          for h in req.request_headers.headers.headers}
+            ex.headers = {
+                h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
+                for h in req.request_headers.headers.headers
+            }
             ex.path = ex.headers.get(":path", "/")
             if req.request_headers.end_of_stream:
                 return await self._answer(ex, body_follows=False)
@@ -93,11 +99,17 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             ex.body += req.request_body.body
             if len(ex.body) > self.max_body_bytes:  # not held until the end of a longer body
                 ex.picked = True
-                return [ep.ProcessingResponse(immediate_response=immediate(
-                    too_large(self.max_body_bytes)))]
+                return [
+                    ep.ProcessingResponse(
+                        immediate_response=immediate(too_large(self.max_body_bytes))
+                    )
+                ]
             if not req.request_body.end_of_stream:
-                return [] if ex.full_duplex else [ep.ProcessingResponse(
-                    request_body=ep.BodyResponse())]
+                return (
+                    []
+                    if ex.full_duplex
+                    else [ep.ProcessingResponse(request_body=ep.BodyResponse())]
+                )
             return await self._answer(ex, body_follows=True)
         if phase == "request_trailers":
             early = [] if ex.picked or not ex.full_duplex else await self._answer(ex, True)
@@ -108,8 +120,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             if not ex.full_duplex:
                 return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
             chunk = req.response_body
-            return [ep.ProcessingResponse(response_body=ep.BodyResponse(response=_streamed(
-                chunk.body, chunk.end_of_stream)))]
+            return [
+                ep.ProcessingResponse(
+                    response_body=ep.BodyResponse(
+                        response=_streamed(chunk.body, chunk.end_of_stream)
+                    )
+                )
+            ]
         if phase == "response_trailers":
             return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
         return []
@@ -122,21 +139,34 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return [ep.ProcessingResponse(immediate_response=immediate(exc))]
         except Exception:  # noqa: BLE001 - the gateway gets a 500, the detail stays here
             log.exception("endpoint picker failed on %s", ex.path)
-            return [ep.ProcessingResponse(immediate_response=immediate(
-                APIError(500, "internal server error")))]
+            return [
+                ep.ProcessingResponse(
+                    immediate_response=immediate(APIError(500, "internal server error"))
+                )
+            ]
         log.debug("%s -> %s, %s (%s)", ex.path, pick.endpoint, pick.hint, pick.reason)
         common = ep.CommonResponse(header_mutation=_mutation(pick), clear_route_cache=True)
         metadata = _metadata(pick.endpoint)
         if not body_follows:
-            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
-                                          dynamic_metadata=metadata)]
+            return [
+                ep.ProcessingResponse(
+                    request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
         if not ex.full_duplex:
-            return [ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),
-                                          dynamic_metadata=metadata)]
-        return [ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common),
-                                      dynamic_metadata=metadata),
-                ep.ProcessingResponse(request_body=ep.BodyResponse(
-                    response=_streamed(bytes(ex.body), True)))]
+            return [
+                ep.ProcessingResponse(
+                    request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
+        return [
+            ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+            ),
+            ep.ProcessingResponse(
+                request_body=ep.BodyResponse(response=_streamed(bytes(ex.body), True))
+            ),
+        ]
 
 
 def immediate(exc: APIError) -> ep.ImmediateResponse:
@@ -145,21 +175,25 @@ def immediate(exc: APIError) -> ep.ImmediateResponse:
     return ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=exc.status),
         headers=ep.HeaderMutation(set_headers=[_header(k, v) for k, v in headers.items()]),
-        body=json.dumps(exc.body()).encode(), details=f"pdserve endpoint picker: {exc.message}")
+        body=json.dumps(exc.body()).encode(),
+        details=f"pdserve endpoint picker: {exc.message}",
+    )
 
 
 def _header(key: str, value: str) -> core.HeaderValueOption:
     return core.HeaderValueOption(
         header=core.HeaderValue(key=key, raw_value=value.encode("latin-1")),
-        append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
 def _mutation(pick: Pick) -> ep.HeaderMutation:
     # The hint headers are always written (empty: none), so a client cannot smuggle its own.
-    hint = pick.hint.headers() if pick.hint is not None else {DECODE_HEADER: "",
-                                                               PREFILL_HEADER: ""}
-    return ep.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, pick.endpoint)]
-                             + [_header(k, v) for k, v in hint.items()])
+    hint = pick.hint.headers() if pick.hint is not None else {DECODE_HEADER: "", PREFILL_HEADER: ""}
+    return ep.HeaderMutation(
+        set_headers=[_header(DESTINATION_HEADER, pick.endpoint)]
+        + [_header(k, v) for k, v in hint.items()]
+    )
 
 
 def _metadata(endpoint: str) -> struct_pb2.Struct:
@@ -169,8 +203,11 @@ def _metadata(endpoint: str) -> struct_pb2.Struct:
 
 
 def _streamed(body: bytes, end: bool) -> ep.CommonResponse:
-    return ep.CommonResponse(body_mutation=ep.BodyMutation(
-        streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end)))
+    return ep.CommonResponse(
+        body_mutation=ep.BodyMutation(
+            streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end)
+        )
+    )
 
 
 def _subset(metadata: core.Metadata) -> list[str] | None:
@@ -181,21 +218,31 @@ def _subset(metadata: core.Metadata) -> list[str] | None:
     return [v.string_value for v in hint.fields[SUBSET_KEY].list_value.values]
 
 
-async def start_picker_server(picker: EndpointPicker, host: str, port: int,
-                              max_body_bytes: int
-                              ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+async def start_picker_server(
+    picker: EndpointPicker, host: str, port: int, max_body_bytes: int
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """The ext_proc + health gRPC server on host:port, started; its health services but
     `liveness` read NOT_SERVING until the caller marks them (`set_serving`). A message may
     carry a whole body up to `max_body_bytes` (a larger one is the picker's 413)."""
     limit = max_body_bytes + (64 << 10)  # + the headers and framing around it
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", limit)])
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker, max_body_bytes), server)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
+    ep_grpc.add_ExternalProcessorServicer_to_server(
+        ExternalProcessor(picker, max_body_bytes), server
+    )
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     for name in HEALTH_SERVICES:  # alive at once; ready once set_serving says so
-        await checks.set(name, health_pb2.HealthCheckResponse.SERVING if name == "liveness"
-                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await checks.set(
+            name,
+            health_pb2.HealthCheckResponse.SERVING
+            if name == "liveness"
+            else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
     if server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"endpoint picker: cannot listen on {host}:{port}")
     await server.start()

@@ -14,6 +14,7 @@ with the in-flight accounting of the process that decided; when the gateway rest
 choice to a subset without it (metadata `envoy.lb.subset_hint`), one of the subset, chosen by
 rendezvous hashing on the decode worker, so one decode worker's requests meet in one router.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,10 @@ from router.placement.hint import PlacementHint
 from router.placement.placer import PromptKey
 from router.services import Services
 
-GENERATION_PATHS: dict[str, Kind] = {"/v1/chat/completions": "chat",
-                                     "/v1/completions": "completion"}
+GENERATION_PATHS: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
 """Paths whose requests are placed here; any other path goes to a router that places it (or
 needs no worker)."""
 
@@ -56,8 +59,9 @@ class EndpointPicker:
         self.endpoint = endpoint
         self._turn = itertools.count()
 
-    async def pick(self, path: str, headers: Mapping[str, str], body: bytes,
-                   subset: list[str] | None = None) -> Pick:
+    async def pick(
+        self, path: str, headers: Mapping[str, str], body: bytes, subset: list[str] | None = None
+    ) -> Pick:
         """Raises `APIError` for what the gateway must answer itself: the router's own 4xx for
         the request (bad key, body, model; an unknown path is left to the router), 503 when
         no decode worker is usable or the subset offered is empty."""
@@ -65,11 +69,15 @@ class EndpointPicker:
         metrics = self.services.metrics
         try:
             if subset is not None and not subset:
-                raise APIError(503, "the gateway offered no endpoint to pick from",
-                               code="no_endpoint")
+                raise APIError(
+                    503, "the gateway offered no endpoint to pick from", code="no_endpoint"
+                )
             kind = GENERATION_PATHS.get(path.partition("?")[0])
-            hint, reason = (None, "not_generation") if kind is None else (
-                await self._place(kind, path, headers, body))
+            hint, reason = (
+                (None, "not_generation")
+                if kind is None
+                else (await self._place(kind, path, headers, body))
+            )
             pick = Pick(self._endpoint(subset, hint), hint, reason)
         except APIError:
             metrics.endpoint_picks.labels("refused").inc()
@@ -78,35 +86,50 @@ class EndpointPicker:
         metrics.endpoint_pick_seconds.observe(time.perf_counter() - t0)
         return pick
 
-    async def _place(self, kind: Kind, path: str, headers: Mapping[str, str],
-                     body: bytes) -> tuple[PlacementHint | None, str]:
+    async def _place(
+        self, kind: Kind, path: str, headers: Mapping[str, str], body: bytes
+    ) -> tuple[PlacementHint | None, str]:
         s = self.services
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         scope = {"type": "http", "path": path.partition("?")[0], "headers": raw}
         denied = authorize(s.keys, scope) or head_refusal(
-            headers.get(":method", "POST"), dict(raw),
-            s.config.limits.max_request_body_bytes)
+            headers.get(":method", "POST"), dict(raw), s.config.limits.max_request_body_bytes
+        )
         if denied is not None:
             raise denied
         if len(body) > s.config.limits.max_request_body_bytes:  # no Content-Length: chunked
             raise too_large(s.config.limits.max_request_body_bytes)
-        prepared = await s.tokenizing(len(body), prepare, kind, body, s.card, s.max_model_len(),
-                                      s.loras.served(), s.config.limits)
+        prepared = await s.tokenizing(
+            len(body),
+            prepare,
+            kind,
+            body,
+            s.card,
+            s.max_model_len(),
+            s.loras.served(),
+            s.config.limits,
+        )
         if not s.registry.ready(Role.DECODE):
-            raise APIError(503, "no decode worker is usable", code="overloaded",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                503, "no decode worker is usable", code="overloaded", headers={"Retry-After": "1"}
+            )
         if len(prepared.prompts) != 1:
             return None, "batch"
-        prompt = PromptKey(prepared.prompts[0], effective_salt(scope, prepared.cache_salt),
-                           prepared.lora)
+        prompt = PromptKey(
+            prepared.prompts[0], effective_salt(scope, prepared.cache_salt), prepared.lora
+        )
         placement = s.dispatcher.placer.place(
-            prompt, remote_prefill=prepared.sampling.remote_prefill_ok,
-            context=context_needed(prompt, prepared.sampling))
+            prompt,
+            remote_prefill=prepared.sampling.remote_prefill_ok,
+            context=context_needed(prompt, prepared.sampling),
+        )
         if placement is None:
             return None, "no_capacity"
         prefill = placement.prefill.info.worker_id if placement.prefill is not None else None
-        return (PlacementHint(placement.decode.info.worker_id, prefill),
-                placement.decision.reason.value)
+        return (
+            PlacementHint(placement.decode.info.worker_id, prefill),
+            placement.decision.reason.value,
+        )
 
     def _endpoint(self, subset: list[str] | None, hint: PlacementHint | None) -> str:
         if subset is None or self.endpoint in subset:

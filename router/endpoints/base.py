@@ -19,6 +19,7 @@ comes back); the router builds plain dicts on the hot path and tests validate th
 these models (tests/router/api_fuzz.py). A field with a default may be left out of a body;
 one without is always present (maybe null).
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,8 +85,10 @@ class StreamOptions(RequestModel):
 # ---- errors ---------------------------------------------------------------------------------
 class ErrorInfo(ResponseModel):
     message: str
-    type: str = Field(description="invalid_request_error, authentication_error, "
-                                  "not_found_error, server_error, ...")
+    type: str = Field(
+        description="invalid_request_error, authentication_error, "
+        "not_found_error, server_error, ..."
+    )
     param: str | None = Field(description="the request field at fault (`messages.0.role`)")
     code: str | None = Field(description="e.g. context_length_exceeded, invalid_value")
 
@@ -106,7 +109,9 @@ class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: Union[PromptTokensDetails, None]  # null unless --enable-prompt-tokens-details
+    prompt_tokens_details: Union[
+        PromptTokensDetails, None
+    ]  # null unless --enable-prompt-tokens-details
 
 
 class PromptLogprob(ResponseModel):
@@ -126,5 +131,3 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 # ---- side endpoints ---------------------------------------------------------------------------
-
-

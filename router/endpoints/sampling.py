@@ -3,6 +3,7 @@ vLLM extensions and the structured-output constraints. Ranges are checked later,
 `engine.SamplingParams` and router/generation/prepare.py; `LACKING` lists the vLLM fields
 whose effect pdserve lacks (refused by name when set: router/generation/unsupported.py).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Literal
@@ -130,5 +131,3 @@ class SamplingFields(RequestModel):
     structural_tag: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-
-

@@ -3,6 +3,7 @@
 index (completions accept a batch of prompts). Every choice carries vLLM's `stop_reason`.
 `usage.prompt_tokens_details` (cached tokens) only with --enable-prompt-tokens-details (vLLM's
 switch), else null: the count tells whether a prefix was cached, possibly by another client."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,13 @@ class _Choice:
 
 
 class _Base:
-    def __init__(self, prepared: Prepared, tokens: TokenText, request_id: str,
-                 prompt_tokens_details: bool = False) -> None:
+    def __init__(
+        self,
+        prepared: Prepared,
+        tokens: TokenText,
+        request_id: str,
+        prompt_tokens_details: bool = False,
+    ) -> None:
         self.p = prepared
         self.details = prompt_tokens_details
         self.tokens = tokens
@@ -47,8 +53,10 @@ class _Base:
         self.created = int(time.time())
         n = prepared.sampling.n
         output = prepared.output
-        self.choices = [_Choice(parser=MessageParser(output) if output is not None else None)
-                        for _ in range(n * len(prepared.prompts))]
+        self.choices = [
+            _Choice(parser=MessageParser(output) if output is not None else None)
+            for _ in range(n * len(prepared.prompts))
+        ]
         self.cached = [0] * len(prepared.prompts)
         self.prompt_lps: list[list[Logprob] | None] = [None] * len(prepared.prompts)
 
@@ -76,18 +84,23 @@ class _Base:
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(ids) for ids in self.p.prompts)
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": ({"cached_tokens": sum(self.cached)} if self.details
-                                          else None)}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": (
+                {"cached_tokens": sum(self.cached)} if self.details else None
+            ),
+        }
 
     def _chat_logprobs(self, lps: list[Logprob]) -> dict[str, Any] | None:
         if not self.p.chat_logprobs:
             return None
         return chat_logprobs(self.tokens, lps, self.p.sampling.logprobs or 0, self.p.tokens_as_ids)
 
-    def _completion(self, prompt_idx: int, c: _Choice, text: str, lps: list[Logprob]
-                    ) -> tuple[str, dict[str, Any] | None]:
+    def _completion(
+        self, prompt_idx: int, c: _Choice, text: str, lps: list[Logprob]
+    ) -> tuple[str, dict[str, Any] | None]:
         """A completion choice's text and logprobs for these output tokens; the first time,
         with echo, the prompt (text, and its logprobs: null for its first token) comes first."""
         k, as_id = self.p.sampling.logprobs, self.p.tokens_as_ids
@@ -98,14 +111,21 @@ class _Base:
             text = prompt_text + text
             if k is not None:
                 ids, plps = self.p.prompts[prompt_idx], self.prompt_lps[prompt_idx] or []
-                entries = [(t, plps[i - 1] if 0 < i <= len(plps) else None)
-                           for i, t in enumerate(ids)]
+                entries = [
+                    (t, plps[i - 1] if 0 < i <= len(plps) else None) for i, t in enumerate(ids)
+                ]
                 echoed = completion_logprobs(self.tokens, entries, k, TextOffsets(), False, as_id)
             c.offsets = TextOffsets(len(prompt_text))
         if k is None:
             return text, None
-        out = completion_logprobs(self.tokens, [(lp.token_id, lp) for lp in lps], k, c.offsets,
-                                  self.p.sampling.skip_special_tokens, as_id)
+        out = completion_logprobs(
+            self.tokens,
+            [(lp.token_id, lp) for lp in lps],
+            k,
+            c.offsets,
+            self.p.sampling.skip_special_tokens,
+            as_id,
+        )
         return text, out if echoed is None else {key: echoed[key] + out[key] for key in out}
 
     def _prompt_logprobs(self, prompt_idx: int) -> list | None:
@@ -127,18 +147,35 @@ class Collector(_Base):
         for i, c in enumerate(self.choices):
             text = "".join(c.text)
             if self.chat:
-                choices.append({"index": i, "message": self._message(c, text),
-                                "logprobs": self._chat_logprobs(c.logprobs),
-                                "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": self._message(c, text),
+                        "logprobs": self._chat_logprobs(c.logprobs),
+                        "finish_reason": _finish_reason(c),
+                        "stop_reason": c.stop_reason,
+                    }
+                )
             else:
                 text, lp = self._completion(i // n, c, text, c.logprobs)
-                choices.append({"index": i, "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                "prompt_logprobs": self._prompt_logprobs(i // n)})
+                choices.append(
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                        "prompt_logprobs": self._prompt_logprobs(i // n),
+                    }
+                )
         body: dict[str, Any] = {
-                "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.p.model, "choices": choices,
-                "usage": self.usage()}
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.p.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
         if self.chat:
             body["prompt_logprobs"] = self._prompt_logprobs(0)
         return body
@@ -148,8 +185,10 @@ class Collector(_Base):
             return {"role": "assistant", "content": text}
         parsed = c.parser.feed(text).extend(c.parser.finish())
         calls = assemble(parsed.tool_calls)
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": parsed.content or (None if calls else "")}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": parsed.content or (None if calls else ""),
+        }
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         if c.parser.setup.reasoning is not None:
@@ -185,9 +224,13 @@ class ChunkWriter(_Base):
     """Turns deltas into SSE chunks (`chat.completion.chunk` / `text_completion`)."""
 
     def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
-        body: dict[str, Any] = {"id": self.id,
-                                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                                "created": self.created, "model": self.p.model, "choices": choices}
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.p.model,
+            "choices": choices,
+        }
         if self.p.include_usage:
             body["usage"] = self.usage() if self.p.continuous_usage else None
         return sse(body)
@@ -197,8 +240,16 @@ class ChunkWriter(_Base):
         if not self.chat:
             return b""
         return b"".join(
-            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
+            self._chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
             for i in range(len(self.choices))
         )
 
@@ -215,14 +266,29 @@ class ChunkWriter(_Base):
                 d = _parsed_delta(c.parser, delta)
                 if not (d or delta.logprobs or delta.finish_reason):
                     return b""  # the parser holds the text back (a call marker may begin)
-            return self._chunk([{"index": i, "delta": d,
-                                 "logprobs": self._chat_logprobs(delta.logprobs),
-                                 "finish_reason": _finish_reason(c),
-                                 "stop_reason": delta.stop_reason}])
+            return self._chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": d,
+                        "logprobs": self._chat_logprobs(delta.logprobs),
+                        "finish_reason": _finish_reason(c),
+                        "stop_reason": delta.stop_reason,
+                    }
+                ]
+            )
         text, lp = self._completion(prompt_idx, c, delta.text, delta.logprobs)
-        return self._chunk([{"index": i, "text": text, "logprobs": lp,
-                             "finish_reason": delta.finish_reason,
-                             "stop_reason": delta.stop_reason}])
+        return self._chunk(
+            [
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": delta.finish_reason,
+                    "stop_reason": delta.stop_reason,
+                }
+            ]
+        )
 
     def failed(self, exc: WorkerFailed | APIError) -> bytes:
         """The end of a stream that failed after its first update: an error event, then
@@ -234,8 +300,14 @@ class ChunkWriter(_Base):
         """The usage chunk (when asked for) and the terminator."""
         out = b""
         if self.p.include_usage:
-            out += sse({"id": self.id,
-                        "object": "chat.completion.chunk" if self.chat else "text_completion",
-                        "created": self.created, "model": self.p.model, "choices": [],
-                        "usage": self.usage()})
+            out += sse(
+                {
+                    "id": self.id,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": self.p.model,
+                    "choices": [],
+                    "usage": self.usage(),
+                }
+            )
         return out + sse("[DONE]")

@@ -1,6 +1,7 @@
 """A chat conversation as the model's chat template sees it: the request's messages as
 template input (text parts joined, tool calls' arguments as objects), rendered with the
 template; every refusal a 400 naming the field."""
+
 from __future__ import annotations
 
 import json
@@ -24,16 +25,19 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             for j, part in enumerate(m.content):
                 if not isinstance(part, TextPart):
                     where = f"messages.{i}.content.{j}.type"
-                    raise bad_request(f"{where}: content part type {part.type!r} is not "
-                                      "supported (only text)", where)
+                    raise bad_request(
+                        f"{where}: content part type {part.type!r} is not supported (only text)",
+                        where,
+                    )
                 parts.append(part.text)
             text = "\n".join(parts)
         message: dict[str, Any] = {"role": m.role, "content": text}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
-            message["tool_calls"] = [_template_call(i, j, call)
-                                     for j, call in enumerate(m.tool_calls)]
+            message["tool_calls"] = [
+                _template_call(i, j, call) for j, call in enumerate(m.tool_calls)
+            ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
@@ -43,18 +47,27 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tok: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, kwargs: dict | None, explicit_agp: bool) -> str:
+def render_chat(
+    tok: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    kwargs: dict | None,
+    explicit_agp: bool,
+) -> str:
     """`explicit_agp`: add_generation_prompt was set in the request (its default, true, yields
     to continue_final_message)."""
     if continue_final_message:
         if add_generation_prompt and explicit_agp:
-            raise bad_request("continue_final_message and add_generation_prompt cannot both "
-                              "be true", "continue_final_message")
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
         add_generation_prompt = False
     try:
-        return tok.render_chat(chat_messages(messages), add_generation_prompt,
-                               continue_final_message, **(kwargs or {}))
+        return tok.render_chat(
+            chat_messages(messages), add_generation_prompt, continue_final_message, **(kwargs or {})
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -67,15 +80,25 @@ def _template_call(i: int, j: int, call) -> dict[str, Any]:
         raise bad_request(f"{where} must be JSON text of an object", where) from None
     if not isinstance(arguments, dict):
         raise bad_request(f"{where} must be JSON text of an object", where)
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.function.name, "arguments": arguments}}
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
-def chat_text(req: ChatCompletionRequest, tok: Tokenizer,
-              extra: Mapping[str, Any] | None = None) -> str:
+def chat_text(
+    req: ChatCompletionRequest, tok: Tokenizer, extra: Mapping[str, Any] | None = None
+) -> str:
     """The rendered conversation. `extra`: template variables the router adds (`tools`)."""
     kwargs = {**(req.chat_template_kwargs or {}), **(extra or {})}
     if req.documents is not None:
         kwargs["documents"] = req.documents
-    return render_chat(tok, req.messages, req.add_generation_prompt, req.continue_final_message,
-                       kwargs, "add_generation_prompt" in req.model_fields_set)
+    return render_chat(
+        tok,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        kwargs,
+        "add_generation_prompt" in req.model_fields_set,
+    )

@@ -1,6 +1,7 @@
 """Logprobs as OpenAI / vLLM render them: completions (`tokens`, `token_logprobs`,
 `top_logprobs`, `text_offset`), chat (`content` entries with real token bytes) and vLLM's
 `prompt_logprobs`."""
+
 from __future__ import annotations
 
 import codecs
@@ -30,8 +31,11 @@ class TokenText:
 
     def chat_entry(self, token_id: int, logprob: float, as_id: bool) -> dict[str, Any]:
         raw = self.label(token_id, True).encode() if as_id else self.bytes(token_id)
-        return {"token": self.label(token_id, as_id), "logprob": _clamp(logprob),
-                "bytes": list(raw)}
+        return {
+            "token": self.label(token_id, as_id),
+            "logprob": _clamp(logprob),
+            "bytes": list(raw),
+        }
 
 
 class TextOffsets:
@@ -49,12 +53,22 @@ class TextOffsets:
         return offset
 
 
-def completion_logprobs(tokens: TokenText, entries: list[tuple[int, Logprob | None]], k: int,
-                        offsets: TextOffsets, skip_special: bool, as_id: bool) -> dict[str, Any]:
+def completion_logprobs(
+    tokens: TokenText,
+    entries: list[tuple[int, Logprob | None]],
+    k: int,
+    offsets: TextOffsets,
+    skip_special: bool,
+    as_id: bool,
+) -> dict[str, Any]:
     """`entries`: (token id, its logprob or None for a prompt's first token). Top entries, as
     vLLM: the sampled token first (also when it is not among the k most likely), then the k."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                            "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     tok = tokens.tokenizer
     for token_id, lp in entries:
         out["tokens"].append(tokens.label(token_id, as_id))
@@ -73,15 +87,20 @@ def completion_logprobs(tokens: TokenText, entries: list[tuple[int, Logprob | No
 
 
 def chat_logprobs(tokens: TokenText, lps: list[Logprob], k: int, as_id: bool) -> dict[str, Any]:
-    return {"content": [
-        {**tokens.chat_entry(lp.token_id, lp.logprob, as_id),
-         "top_logprobs": [tokens.chat_entry(t, v, as_id) for t, v in lp.top[:k]]}
-        for lp in lps
-    ]}
+    return {
+        "content": [
+            {
+                **tokens.chat_entry(lp.token_id, lp.logprob, as_id),
+                "top_logprobs": [tokens.chat_entry(t, v, as_id) for t, v in lp.top[:k]],
+            }
+            for lp in lps
+        ]
+    }
 
 
-def prompt_logprobs(tokens: TokenText, lps: list[Logprob] | None, k: int
-                    ) -> list[dict[str, Any] | None] | None:
+def prompt_logprobs(
+    tokens: TokenText, lps: list[Logprob] | None, k: int
+) -> list[dict[str, Any] | None] | None:
     """vLLM's shape: null for the first prompt token, then {"<id>": {logprob, rank,
     decoded_token}} holding the prompt token and the k most likely."""
     if lps is None:

@@ -1,5 +1,6 @@
 """What the router serves (`ModelCard`): one model's name, tokenizer, context length, sampling
 defaults and how its chat output is read; built once by router/server.py."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,5 +30,6 @@ class ModelCard:
 
     def __post_init__(self) -> None:
         tok = self.tokenizer
-        object.__setattr__(self, "longest_token_chars",
-                           max(len(tok.token_str(i)) for i in range(tok.vocab_size)))
+        object.__setattr__(
+            self, "longest_token_chars", max(len(tok.token_str(i)) for i in range(tok.vocab_size))
+        )

@@ -1,6 +1,7 @@
 """From an HTTP body to a `Prepared` request: parse, check ranges, apply the chat template
 (router/generation/chat_render.py), tokenize, apply defaults (OpenAI's, then the model's generation
 config), check the context length. Every refusal is a 400 `APIError` naming the field."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -8,8 +9,8 @@ from typing import Literal, Mapping
 
 from engine.checks import FieldError
 from engine.lora.request import LoRARequest, lora_id_for
-from engine.sampling.sampling_params import SamplingParams
 from engine.processing.tokenizer import Tokenizer
+from engine.sampling.sampling_params import SamplingParams
 from router.config import LimitsConfig
 from router.endpoints.base import parse_json
 from router.endpoints.chat.protocol import ChatCompletionRequest
@@ -62,8 +63,9 @@ def parse_body(kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionReq
     return parse_json(CompletionRequest, body)
 
 
-def check_model(name: str | None, card: ModelCard,
-                adapters: Mapping[str, str] | None = None) -> LoRARequest | None:
+def check_model(
+    name: str | None, card: ModelCard, adapters: Mapping[str, str] | None = None
+) -> LoRARequest | None:
     """The LoRA adapter `name` selects (None: the base model). `adapters`: the LoRA adapters
     served now, name -> path (router/endpoints/loras/serving.py). An unknown name is vLLM's 404."""
     if name is None or name == card.name or name in card.aliases:
@@ -74,26 +76,39 @@ def check_model(name: str | None, card: ModelCard,
     return LoRARequest(name, lora_id_for(name), path)
 
 
-def prepare(kind: Kind, body: bytes, card: ModelCard, limit: int | None = None,
-            adapters: Mapping[str, str] | None = None,
-            limits: LimitsConfig | None = None) -> Prepared:
+def prepare(
+    kind: Kind,
+    body: bytes,
+    card: ModelCard,
+    limit: int | None = None,
+    adapters: Mapping[str, str] | None = None,
+    limits: LimitsConfig | None = None,
+) -> Prepared:
     """`limit`: the longest prompt + output a live worker holds (default: the model card's).
     `adapters`: the LoRA adapters served now (name -> path); `model` may name one. `limits`:
     the caps on a request's inputs (default: LimitsConfig's), checked before tokenizing."""
     return prepare_request(kind, parse_body(kind, body), card, limit, adapters, limits)
 
 
-def prepare_chat(req: ChatCompletionRequest, card: ModelCard, limit: int | None = None,
-                 adapters: Mapping[str, str] | None = None,
-                 limits: LimitsConfig | None = None) -> Prepared:
+def prepare_chat(
+    req: ChatCompletionRequest,
+    card: ModelCard,
+    limit: int | None = None,
+    adapters: Mapping[str, str] | None = None,
+    limits: LimitsConfig | None = None,
+) -> Prepared:
     """`prepare` for a chat request parsed already (the Responses API builds one)."""
     return prepare_request("chat", req, card, limit, adapters, limits)
 
 
-def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
-                    card: ModelCard, limit: int | None = None,
-                    adapters: Mapping[str, str] | None = None,
-                    limits: LimitsConfig | None = None) -> Prepared:
+def prepare_request(
+    kind: Kind,
+    req: ChatCompletionRequest | CompletionRequest,
+    card: ModelCard,
+    limit: int | None = None,
+    adapters: Mapping[str, str] | None = None,
+    limits: LimitsConfig | None = None,
+) -> Prepared:
     limit = limit or card.max_model_len
     limits = limits or LimitsConfig()
     lora = check_model(req.model, card, adapters)
@@ -105,10 +120,16 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     if isinstance(req, ChatCompletionRequest):
         tools = read_tools(req, card.chat, card.tokenizer)
         text = chat_text(req, card.tokenizer, tools.template_kwargs)
-        prompts, prompt_param = [encode_text(card.tokenizer, text, req.add_special_tokens,
-                                             max_chars, "messages")], "messages"
-        max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        prompts, prompt_param = (
+            [encode_text(card.tokenizer, text, req.add_special_tokens, max_chars, "messages")],
+            "messages",
+        )
+        max_tokens_param = (
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        )
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         if req.top_logprobs is not None and not req.logprobs and req.top_logprobs > 0:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -129,8 +150,9 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
         echo = _echo_texts(req, prompts, truncate is not None, card.tokenizer)
     prompt_logprobs = req.prompt_logprobs
     if req.stream and prompt_logprobs:
-        raise bad_request("prompt_logprobs are not available when stream is true",
-                          "prompt_logprobs")
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
     if prompt_logprobs is None and echo is not None:
         prompt_logprobs = logprobs  # vLLM: echo with logprobs returns the prompt's too
     if max_tokens is None and "max_tokens" in card.sampling_defaults:
@@ -140,18 +162,29 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     structured = combine(tools, constraint(req, limits.max_grammar_bytes))
     if structured is not None and tools.setup is not None and card.chat.reasoning_markers:
         start, end = card.chat.reasoning_markers  # the constraint binds the answer only
-        structured = Constraint(replace(structured.params, reasoning_start=start,
-                                        reasoning_end=end), structured.param)
-    sampling = _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card,
-                         {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
-                         structured)
+        structured = Constraint(
+            replace(structured.params, reasoning_start=start, reasoning_end=end), structured.param
+        )
+    sampling = _sampling(
+        req,
+        max_tokens,
+        logprobs,
+        prompt_logprobs,
+        truncate,
+        card,
+        {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
+        structured,
+    )
     if tools.keep_special_tokens:
         sampling = replace(sampling, skip_special_tokens=False)
     for ids in prompts:
         check_length(ids, sampling.max_tokens, limit, prompt_param, max_tokens_param)
         if sampling.max_tokens is None and sampling.min_tokens > limit - len(ids):
-            raise bad_request(f"min_tokens must be <= the {limit - len(ids)} tokens the context "
-                              f"leaves, got {sampling.min_tokens}", "min_tokens")
+            raise bad_request(
+                f"min_tokens must be <= the {limit - len(ids)} tokens the context "
+                f"leaves, got {sampling.min_tokens}",
+                "min_tokens",
+            )
     if req.cache_salt is not None and not req.cache_salt:
         raise bad_request("cache_salt must be a non-empty string when given", "cache_salt")
     if not _INT32[0] <= req.priority <= _INT32[1]:
@@ -159,12 +192,21 @@ def prepare_request(kind: Kind, req: ChatCompletionRequest | CompletionRequest,
     opts = req.stream_options
     include_usage = bool(req.stream and opts and opts.include_usage)
     return Prepared(
-        kind=kind, model=lora.lora_name if lora else card.name, prompts=prompts, sampling=sampling,
-        cache_salt=req.cache_salt, stream=req.stream, include_usage=include_usage,
+        kind=kind,
+        model=lora.lora_name if lora else card.name,
+        prompts=prompts,
+        sampling=sampling,
+        cache_salt=req.cache_salt,
+        stream=req.stream,
+        include_usage=include_usage,
         continuous_usage=bool(include_usage and opts and opts.continuous_usage_stats),
-        chat_logprobs=kind == "chat" and logprobs is not None, priority=req.priority,
-        echo=echo, tokens_as_ids=bool(req.return_tokens_as_token_ids),
-        request_id=req.request_id, constraint=structured, lora=lora,
+        chat_logprobs=kind == "chat" and logprobs is not None,
+        priority=req.priority,
+        echo=echo,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
+        request_id=req.request_id,
+        constraint=structured,
+        lora=lora,
         output=_with_prompt(tools.setup, text) if kind == "chat" else None,
     )
 
@@ -175,8 +217,11 @@ def _with_prompt(setup: OutputSetup | None, prompt_text: str) -> OutputSetup | N
     if setup is None or setup.reasoning is None:
         return setup
     r, tail = setup.reasoning, prompt_text.rstrip()
-    return replace(setup, prompt_ends_reasoning=tail.endswith(r.end),
-                   prompt_starts_reasoning=tail.endswith(r.start))
+    return replace(
+        setup,
+        prompt_ends_reasoning=tail.endswith(r.end),
+        prompt_starts_reasoning=tail.endswith(r.start),
+    )
 
 
 def _truncation(k: int, max_input: int) -> int:
@@ -184,18 +229,27 @@ def _truncation(k: int, max_input: int) -> int:
     that is refused."""
     kept = max_input if k == -1 else k
     if not 1 <= kept <= max_input:
-        raise bad_request(f"truncate_prompt_tokens must be in [1, max_model_len - max_tokens = "
-                          f"{max_input}] (or -1), got {k}", "truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens must be in [1, max_model_len - max_tokens = "
+            f"{max_input}] (or -1), got {k}",
+            "truncate_prompt_tokens",
+        )
     return kept
 
 
-def _echo_texts(req: CompletionRequest, prompts: list[list[int]], truncated: bool,
-                tok: Tokenizer) -> list[str]:
+def _echo_texts(
+    req: CompletionRequest, prompts: list[list[int]], truncated: bool, tok: Tokenizer
+) -> list[str]:
     """What echo puts first: a text prompt as sent; token ids (or a truncated prompt) decoded."""
-    raw = req.prompt if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list)) \
+    raw = (
+        req.prompt
+        if isinstance(req.prompt, list) and isinstance(req.prompt[0], (str, list))
         else [req.prompt]
-    return [p if isinstance(p, str) and not truncated else tok.decode(ids)
-            for p, ids in zip(raw, prompts)]
+    )
+    return [
+        p if isinstance(p, str) and not truncated else tok.decode(ids)
+        for p, ids in zip(raw, prompts)
+    ]
 
 
 def _raw_prompts(req: CompletionRequest) -> list:
@@ -206,14 +260,18 @@ def _raw_prompts(req: CompletionRequest) -> list:
     return list(p)
 
 
-def _completion_prompts(req: CompletionRequest, raw: list, card: ModelCard,
-                        max_chars: int) -> list[list[int]]:
+def _completion_prompts(
+    req: CompletionRequest, raw: list, card: ModelCard, max_chars: int
+) -> list[list[int]]:
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
     out = []
     for item in raw:
-        ids = (encode_text(card.tokenizer, item, req.add_special_tokens, max_chars, "prompt")
-               if isinstance(item, str) else list(item))
+        ids = (
+            encode_text(card.tokenizer, item, req.add_special_tokens, max_chars, "prompt")
+            if isinstance(item, str)
+            else list(item)
+        )
         check_token_ids(ids, card, "prompt")
         out.append(ids)
     return out
@@ -227,8 +285,9 @@ def _logit_bias(bias: dict[str, float] | None, card: ModelCard) -> dict[int, flo
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                              "logit_bias") from None
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
         out[token] = value
     check_token_ids(out, card, "logit_bias")
     return out
@@ -241,8 +300,16 @@ def _default(value, name: str, card: ModelCard, builtin):
     return card.sampling_defaults.get(name, builtin)
 
 
-def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelCard,
-              names: dict[str, str], structured: Constraint | None) -> SamplingParams:
+def _sampling(
+    req,
+    max_tokens,
+    logprobs,
+    prompt_logprobs,
+    truncate,
+    card: ModelCard,
+    names: dict[str, str],
+    structured: Constraint | None,
+) -> SamplingParams:
     if not 1 <= req.n <= card.max_n:
         raise bad_request(f"n must be in [1, {card.max_n}], got {req.n}", "n")
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
@@ -282,5 +349,3 @@ def _sampling(req, max_tokens, logprobs, prompt_logprobs, truncate, card: ModelC
     except FieldError as exc:  # named as the request names it (chat: max_completion_tokens)
         param = names.get(exc.field, exc.field)
         raise bad_request(str(exc).replace(exc.field, param, 1), param) from None
-
-

@@ -16,6 +16,7 @@ and chat through router/generation/serve.py, router/endpoints/responses/serving.
    statuses) and a failure later ends the stream with the writer's error event. `ended` is
    called once, before the client reads the end (completed or not: failed, client gone).
 """
+
 from __future__ import annotations
 
 from contextlib import aclosing
@@ -48,24 +49,38 @@ Updates = AsyncGenerator[tuple[int, Delta], None]
 """(prompt index, delta) of every prompt of a request, as they come."""
 
 
-async def dispatch(services: Services, request: Request, prepared: Prepared,
-                   arrival: float) -> Updates:
+async def dispatch(
+    services: Services, request: Request, prepared: Prepared, arrival: float
+) -> Updates:
     if prepared.constraint is not None:
         await services.grammars.check(prepared.constraint)
     _count_chat_features(services, prepared)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     salt = effective_salt(request.scope, prepared.cache_salt)
     ticket = request.scope.get(TICKET)  # the key's tokens: reserved here, reconciled at the end
-    services.key_limits.reserve(ticket, sum(map(len, prepared.prompts)),
-                                completion_budget(prepared, services.max_model_len()))
+    services.key_limits.reserve(
+        ticket,
+        sum(map(len, prepared.prompts)),
+        completion_budget(prepared, services.max_model_len()),
+    )
     # Behind the endpoint picker, a one-prompt request may carry its placement.
-    hint = (PlacementHint.from_headers(request.headers)
-            if services.config.endpoint_picker.port and len(prepared.prompts) == 1 else None)
-    streams = merge([
-        services.dispatcher.generate(PromptKey(ids, salt, prepared.lora), prepared.sampling,
-                                     arrival, prepared.priority, hint)
-        for ids in prepared.prompts
-    ])
+    hint = (
+        PlacementHint.from_headers(request.headers)
+        if services.config.endpoint_picker.port and len(prepared.prompts) == 1
+        else None
+    )
+    streams = merge(
+        [
+            services.dispatcher.generate(
+                PromptKey(ids, salt, prepared.lora),
+                prepared.sampling,
+                arrival,
+                prepared.priority,
+                hint,
+            )
+            for ids in prepared.prompts
+        ]
+    )
     return streams if ticket is None else _counted(streams, ticket)
 
 
@@ -100,8 +115,13 @@ class Streaming(Protocol):
     def failed(self, exc: WorkerFailed | APIError) -> bytes: ...
 
 
-async def answer(request: Request, streams: Updates, stream: bool,
-                 writer: Collecting | Streaming, ended: Callable[[bool], None]) -> Response:
+async def answer(
+    request: Request,
+    streams: Updates,
+    stream: bool,
+    writer: Collecting | Streaming,
+    ended: Callable[[bool], None],
+) -> Response:
     """The response to `streams`: `stream` false, collected by `writer` (a `Collecting`),
     else streamed by it (a `Streaming`); 499 when the client left before it was ready."""
     try:
@@ -114,13 +134,16 @@ async def answer(request: Request, streams: Updates, stream: bool,
         first = await settle(request, streams, anext(streams))
     except ClientGone:
         return Response(status_code=499)
-    return StreamingResponse(_events(cast(Streaming, writer), first, streams, ended),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _events(cast(Streaming, writer), first, streams, ended),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
-async def _events(writer: Streaming, first: tuple[int, Delta], streams: Updates,
-                  ended: Callable[[bool], None]) -> AsyncIterator[bytes]:
+async def _events(
+    writer: Streaming, first: tuple[int, Delta], streams: Updates, ended: Callable[[bool], None]
+) -> AsyncIterator[bytes]:
     done = False
     try:
         async with aclosing(streams):
@@ -154,9 +177,15 @@ def completion_budget(prepared: Prepared, max_model_len: int) -> int:
     """The most tokens a request may generate: max_tokens (else what the context leaves) x n,
     for each prompt."""
     sampling = prepared.sampling
-    return sum(sampling.n * (sampling.max_tokens if sampling.max_tokens is not None
-                             else max(0, max_model_len - len(ids)))
-               for ids in prepared.prompts)
+    return sum(
+        sampling.n
+        * (
+            sampling.max_tokens
+            if sampling.max_tokens is not None
+            else max(0, max_model_len - len(ids))
+        )
+        for ids in prepared.prompts
+    )
 
 
 def _count_chat_features(services: Services, prepared: Prepared) -> None:
@@ -181,4 +210,3 @@ async def _counted(streams: Updates, ticket: Ticket) -> Updates:
         async for item in streams:
             ticket.generated += len(item[1].token_ids)
             yield item
-

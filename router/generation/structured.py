@@ -9,6 +9,7 @@ the field the client used.
 
 `structured_outputs` may also carry only flags (`disable_any_whitespace`, ...) beside a
 constraint given another way; two constraints are refused, as vLLM refuses them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,26 +21,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.checks import FieldError
+from engine.processing.tokenizer import Tokenizer
 from engine.structured.compile_process import (
     CompileProcesses,
     CompileTimeout,
     timeout_error,
 )
 from engine.structured.params import KINDS, StructuredOutputsParams
-from engine.processing.tokenizer import Tokenizer
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
 from router.endpoints.sampling import ResponseFormat
 from router.http.errors import bad_request
 
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar", "structural_tag": "structural_tag"}
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
 _BACKENDS = ("xgrammar", "auto")
 CACHE_ENTRIES = 4096  # compile results remembered (constraint key -> refusal or None)
 # vLLM's backend options ("xgrammar:no-fallback,disable-any-whitespace") -> flags.
-_BACKEND_OPTIONS = {"no-fallback": "disable_fallback",
-                    "disable-any-whitespace": "disable_any_whitespace",
-                    "disable-additional-properties": "disable_additional_properties"}
+_BACKEND_OPTIONS = {
+    "no-fallback": "disable_fallback",
+    "disable-any-whitespace": "disable_any_whitespace",
+    "disable-additional-properties": "disable_additional_properties",
+}
 
 
 @dataclass(frozen=True)
@@ -49,8 +57,9 @@ class Constraint:
     """The request field the constraint came from: a 400 about it names this field."""
 
 
-def constraint(req: ChatCompletionRequest | CompletionRequest,
-               max_bytes: int | None = None) -> Constraint | None:
+def constraint(
+    req: ChatCompletionRequest | CompletionRequest, max_bytes: int | None = None
+) -> Constraint | None:
     """The request's structured-output constraint (None: unconstrained). Raises a 400
     APIError for two constraints, an unknown backend, a whitespace pattern, a constraint
     larger than `max_bytes` (`StructuredOutputsParams.num_bytes`), or a malformed constraint
@@ -64,13 +73,25 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
     if so is not None:
         if so.whitespace_pattern is not None:
             raise _no_whitespace_pattern("structured_outputs")
-        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                   ("grammar", so.grammar), ("json_object", so.json_object),
-                                   ("structural_tag", so.structural_tag)) if v not in (None, False)}
+        given = {
+            k: v
+            for k, v in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json_object", so.json_object),
+                ("structural_tag", so.structural_tag),
+            )
+            if v not in (None, False)
+        }
         if given:
             found.append(("structured_outputs", given))
-        flags = {k: True for k in ("disable_any_whitespace", "disable_additional_properties",
-                                   "disable_fallback") if getattr(so, k)}
+        flags = {
+            k: True
+            for k in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+            if getattr(so, k)
+        }
     for name, kind in _GUIDED.items():
         value = getattr(req, name)
         if value is not None:
@@ -81,12 +102,15 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
         flags.update(_backend(req.guided_decoding_backend))
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
-        raise bad_request(f"only one structured-output constraint is allowed per request; got "
-                          f"{names}", found[1][0])
+        raise bad_request(
+            f"only one structured-output constraint is allowed per request; got {names}",
+            found[1][0],
+        )
     if not found:
         if so is not None:
-            raise bad_request(f"structured_outputs needs one of {', '.join(KINDS)}",
-                              "structured_outputs")
+            raise bad_request(
+                f"structured_outputs needs one of {', '.join(KINDS)}", "structured_outputs"
+            )
         return None
     param, kwargs = found[0]
     try:
@@ -94,9 +118,12 @@ def constraint(req: ChatCompletionRequest | CompletionRequest,
     except FieldError as exc:
         raise _invalid(exc, param) from None
     if max_bytes is not None and (size := params.num_bytes()) > max_bytes:
-        raise bad_request(f"{param}: the {params.kind} constraint has {size} bytes, more than "
-                          f"the {max_bytes} this server compiles (--max-grammar-bytes)", param,
-                          "grammar_too_large")
+        raise bad_request(
+            f"{param}: the {params.kind} constraint has {size} bytes, more than "
+            f"the {max_bytes} this server compiles (--max-grammar-bytes)",
+            param,
+            "grammar_too_large",
+        )
     return Constraint(params, param)
 
 
@@ -109,8 +136,9 @@ class Grammars:
     Results are cached by content, refusals too: a constraint refused once is refused at
     once."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, processes: int = 1,
-                 timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, processes: int = 1, timeout_s: float = 10.0
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._processes = processes
@@ -159,8 +187,12 @@ class Grammars:
                 from engine.structured.vocab import vocabulary
 
                 tok = self._tokenizer
-                self._pool = CompileProcesses(vocabulary(tok), max(self._vocab_size, tok.vocab_size),
-                                              tok.stop_token_ids, self._processes)
+                self._pool = CompileProcesses(
+                    vocabulary(tok),
+                    max(self._vocab_size, tok.vocab_size),
+                    tok.stop_token_ids,
+                    self._processes,
+                )
             return self._pool
 
 
@@ -169,33 +201,53 @@ def _response_format(rf: ResponseFormat) -> dict[str, Any]:
         return {"json_object": True}
     if rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise bad_request("response_format of type json_schema needs json_schema.schema",
-                              "response_format")
+            raise bad_request(
+                "response_format of type json_schema needs json_schema.schema", "response_format"
+            )
         return {"json": rf.json_schema.schema_}
     # structural_tag: xgrammar's format, or vLLM's older structures + triggers in it.
     if rf.format is not None:
         return {"structural_tag": json.dumps({"type": "structural_tag", "format": rf.format})}
     if rf.structures is None or rf.triggers is None:
-        raise bad_request("response_format of type structural_tag needs format (or structures "
-                          "and triggers)", "response_format")
-    tags = [{"type": "tag", "begin": s.begin, "end": s.end,
-             "content": {"type": "json_schema", "json_schema": s.schema_ or {}}}
-            for s in rf.structures]
-    return {"structural_tag": json.dumps({"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": rf.triggers, "tags": tags}})}
+        raise bad_request(
+            "response_format of type structural_tag needs format (or structures and triggers)",
+            "response_format",
+        )
+    tags = [
+        {
+            "type": "tag",
+            "begin": s.begin,
+            "end": s.end,
+            "content": {"type": "json_schema", "json_schema": s.schema_ or {}},
+        }
+        for s in rf.structures
+    ]
+    return {
+        "structural_tag": json.dumps(
+            {
+                "type": "structural_tag",
+                "format": {"type": "triggered_tags", "triggers": rf.triggers, "tags": tags},
+            }
+        )
+    }
 
 
 def _backend(value: str) -> dict[str, bool]:
     name, _, options = value.partition(":")
     if name not in _BACKENDS:
-        raise bad_request(f"guided_decoding_backend {name!r} is not available: this server "
-                          f"compiles constraints with xgrammar (use 'xgrammar' or 'auto')",
-                          "guided_decoding_backend")
+        raise bad_request(
+            f"guided_decoding_backend {name!r} is not available: this server "
+            f"compiles constraints with xgrammar (use 'xgrammar' or 'auto')",
+            "guided_decoding_backend",
+        )
     flags = {}
     for option in filter(None, options.split(",")):
         if option not in _BACKEND_OPTIONS:
-            raise bad_request(f"guided_decoding_backend option {option!r} is not known (known: "
-                              f"{', '.join(_BACKEND_OPTIONS)})", "guided_decoding_backend")
+            raise bad_request(
+                f"guided_decoding_backend option {option!r} is not known (known: "
+                f"{', '.join(_BACKEND_OPTIONS)})",
+                "guided_decoding_backend",
+            )
         flags[_BACKEND_OPTIONS[option]] = True
     return flags
 
@@ -206,6 +258,9 @@ def _invalid(exc: FieldError, param: str):
 
 
 def _no_whitespace_pattern(param: str):
-    return bad_request(f"{param}: a whitespace pattern cannot be honoured: xgrammar, this "
-                       "server's grammar backend, has no whitespace pattern (for JSON without "
-                       "optional whitespace use structured_outputs.disable_any_whitespace)", param)
+    return bad_request(
+        f"{param}: a whitespace pattern cannot be honoured: xgrammar, this "
+        "server's grammar backend, has no whitespace pattern (for JSON without "
+        "optional whitespace use structured_outputs.disable_any_whitespace)",
+        param,
+    )

@@ -2,6 +2,7 @@
 (router/endpoints/sampling.py: `LACKING`) are a 400 naming the field, so a client moving from
 vLLM never gets a silent difference. Any other unknown field is ignored with one warning per
 field name (the one policy of every request body: router/endpoints/base.py)."""
+
 from __future__ import annotations
 
 from router.endpoints.chat.protocol import ChatCompletionRequest
@@ -25,4 +26,3 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         lacking = LACKING.get(name)
         if lacking is not None and lacking(value):
             raise bad_request(f"{name} is not supported by this server", name)
-

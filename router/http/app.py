@@ -5,6 +5,7 @@ Every error leaves as an OpenAI error body (router/http/errors.py). A request is
 (validated, tokenized) before any worker is involved; a streamed response starts only once
 its first update has arrived (router/generation/run.py: `answer`).
 """
+
 from __future__ import annotations
 
 import logging

@@ -29,6 +29,7 @@ Per-key limits (router/http/key_limits.py): `authorize` names the tenant of a re
 presented an inference key (its digest, `key_limits.TENANT`); admin keys are not limited, and
 the limits need inference keys (refused at start otherwise).
 """
+
 from __future__ import annotations
 
 import enum
@@ -48,12 +49,35 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENVS = ("PDSERVE_API_KEY", "VLLM_API_KEY")
 ADMIN_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
-PLACEHOLDERS = frozenset({
-    "replace-me", "replace_me", "replaceme", "changeme", "change-me", "change_me",
-    "your-api-key", "your_api_key", "yourapikey", "your-key", "api-key", "api_key", "apikey",
-    "secret", "password", "placeholder", "empty", "none", "null", "xxx", "sk-xxx",
-    "<api-key>", "<your-api-key>", "${pdserve_api_key}", "$(pdserve_api_key)",
-})
+PLACEHOLDERS = frozenset(
+    {
+        "replace-me",
+        "replace_me",
+        "replaceme",
+        "changeme",
+        "change-me",
+        "change_me",
+        "your-api-key",
+        "your_api_key",
+        "yourapikey",
+        "your-key",
+        "api-key",
+        "api_key",
+        "apikey",
+        "secret",
+        "password",
+        "placeholder",
+        "empty",
+        "none",
+        "null",
+        "xxx",
+        "sk-xxx",
+        "<api-key>",
+        "<your-api-key>",
+        "${pdserve_api_key}",
+        "$(pdserve_api_key)",
+    }
+)
 """Values that are never a real key (compared case-insensitively). "EMPTY" is the `openai`
 client's conventional dummy key for servers without one: as a server key it is a mistake."""
 TENANT_SALT = "pdserve.tenant_salt"
@@ -92,8 +116,7 @@ class Keys:
         return f"Keys(api={len(self.api)}, admin={len(self.admin)}, salted={bool(self.salts)})"
 
     @classmethod
-    def of(cls, api: Iterable[str] = (), admin: Iterable[str] = (),
-           salted: bool = False) -> "Keys":
+    def of(cls, api: Iterable[str] = (), admin: Iterable[str] = (), salted: bool = False) -> "Keys":
         api, admin = tuple(dict.fromkeys(api)), tuple(dict.fromkeys(admin))
         salts = {_digest(k): tenant_salt(k) for k in (*api, *admin)} if salted else {}
         return cls(tuple(map(_digest, api)), tuple(map(_digest, admin)), salts)
@@ -128,8 +151,12 @@ def authorize(keys: Keys, scope: dict) -> APIError | None:
     presented = _presented(scope)
     if not _matches(presented, allowed):
         if allowed is keys.admin and _matches(presented, keys.api):
-            return APIError(403, "This endpoint needs the admin API key (--admin-api-key); "
-                            "an inference key is not enough.", code="admin_key_required")
+            return APIError(
+                403,
+                "This endpoint needs the admin API key (--admin-api-key); "
+                "an inference key is not enough.",
+                code="admin_key_required",
+            )
         return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
     if presented is not None and presented in keys.salts:
         scope[TENANT_SALT] = keys.salts[presented]
@@ -163,33 +190,52 @@ def _matches(presented: bytes | None, digests: tuple[bytes, ...]) -> bool:
 
 # ---- resolution at start ----------------------------------------------------------------------
 
+
 def resolve_keys(config: RouterConfig, environ: Mapping[str, str]) -> Keys:
     """The router's keys from its flags and `environ` (module docstring). Raises ValueError
     naming the source of a refused key, or an option that cannot be honoured."""
-    api, api_source = _resolve("--api-key", config.api_key, config.api_key_file, API_KEY_ENVS,
-                               environ)
-    admin, admin_source = _resolve("--admin-api-key", config.admin_api_key,
-                                   config.admin_api_key_file, (ADMIN_KEY_ENV,), environ)
+    api, api_source = _resolve(
+        "--api-key", config.api_key, config.api_key_file, API_KEY_ENVS, environ
+    )
+    admin, admin_source = _resolve(
+        "--admin-api-key",
+        config.admin_api_key,
+        config.admin_api_key_file,
+        (ADMIN_KEY_ENV,),
+        environ,
+    )
     if set(api) & set(admin):
-        raise ValueError(f"{admin_source}: an admin key is also an API key ({api_source}); "
-                         "they must differ, or the inference key would reach the admin "
-                         "endpoints")
+        raise ValueError(
+            f"{admin_source}: an admin key is also an API key ({api_source}); "
+            "they must differ, or the inference key would reach the admin "
+            "endpoints"
+        )
     if config.cache_salt_from_api_key:
         if not api:
-            raise ValueError("--cache-salt-from-api-key needs an API key (--api-key, "
-                             "--api-key-file, PDSERVE_API_KEY or VLLM_API_KEY): the salt "
-                             "is derived from the key a request presents")
+            raise ValueError(
+                "--cache-salt-from-api-key needs an API key (--api-key, "
+                "--api-key-file, PDSERVE_API_KEY or VLLM_API_KEY): the salt "
+                "is derived from the key a request presents"
+            )
         if len(api) > 1 and not admin:
-            raise ValueError("--cache-salt-from-api-key with several API keys needs "
-                             "--admin-api-key: otherwise every tenant's key reaches "
-                             "/dashboard/data and the admin endpoints")
+            raise ValueError(
+                "--cache-salt-from-api-key with several API keys needs "
+                "--admin-api-key: otherwise every tenant's key reaches "
+                "/dashboard/data and the admin endpoints"
+            )
     _check_key_limits(config, api)
-    log.info("API keys: %s; admin keys: %s%s", _count(api, api_source),
-             _count(admin, admin_source),
-             "; tenant cache salts from the API key" if config.cache_salt_from_api_key else "")
+    log.info(
+        "API keys: %s; admin keys: %s%s",
+        _count(api, api_source),
+        _count(admin, admin_source),
+        "; tenant cache salts from the API key" if config.cache_salt_from_api_key else "",
+    )
     if len(api) > 1 and not admin:
-        log.warning("%d API keys and no --admin-api-key: every one of them reaches the admin "
-                    "endpoints and /dashboard/data", len(api))
+        log.warning(
+            "%d API keys and no --admin-api-key: every one of them reaches the admin "
+            "endpoints and /dashboard/data",
+            len(api),
+        )
     return Keys.of(api, admin, salted=config.cache_salt_from_api_key)
 
 
@@ -197,22 +243,34 @@ def _check_key_limits(config: RouterConfig, api: tuple[str, ...]) -> None:
     """The per-key limits need keys: without them every client is the same tenant, and a
     "per key" limit would silently be one limit shared by all."""
     limits = config.limits
-    given = [flag for flag, value in (
-        ("--max-concurrent-requests-per-key", limits.max_concurrent_requests_per_key),
-        ("--max-tokens-per-minute-per-key", limits.max_tokens_per_minute_per_key)) if value]
+    given = [
+        flag
+        for flag, value in (
+            ("--max-concurrent-requests-per-key", limits.max_concurrent_requests_per_key),
+            ("--max-tokens-per-minute-per-key", limits.max_tokens_per_minute_per_key),
+        )
+        if value
+    ]
     if given and not api:
-        raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} API keys (--api-key-file, "
-                         "PDSERVE_API_KEY, VLLM_API_KEY or --api-key): requests are limited "
-                         "per key, and without keys no client can be told from another (for a "
-                         "cap on all requests: --limit-concurrency, --max-queued-requests)")
+        raise ValueError(
+            f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} API keys (--api-key-file, "
+            "PDSERVE_API_KEY, VLLM_API_KEY or --api-key): requests are limited "
+            "per key, and without keys no client can be told from another (for a "
+            "cap on all requests: --limit-concurrency, --max-queued-requests)"
+        )
 
 
 def _count(keys: tuple[str, ...], source: str | None) -> str:
     return f"{len(keys)} from {source}" if keys else "none"
 
 
-def _resolve(flag: str, given: tuple[str, ...], path: str | None, envs: tuple[str, ...],
-             environ: Mapping[str, str]) -> tuple[tuple[str, ...], str | None]:
+def _resolve(
+    flag: str,
+    given: tuple[str, ...],
+    path: str | None,
+    envs: tuple[str, ...],
+    environ: Mapping[str, str],
+) -> tuple[tuple[str, ...], str | None]:
     """(keys, the source they came from): the flag, else its file, else the first variable
     set in `environ`; ((), None) when none is given."""
     if given and path is not None:
@@ -245,12 +303,18 @@ def _checked(keys: tuple[str, ...], source: str) -> tuple[str, ...]:
     for i, key in enumerate(keys):
         where = f"{source} (key {i + 1})" if len(keys) > 1 else source
         if not key:
-            raise ValueError(f"{where}: the API key is empty (an empty key would turn "
-                             "authentication off; to run without a key, give none)")
+            raise ValueError(
+                f"{where}: the API key is empty (an empty key would turn "
+                "authentication off; to run without a key, give none)"
+            )
         if key.casefold() in PLACEHOLDERS:
-            raise ValueError(f"{where}: {key!r} is a placeholder, not a key; generate one, "
-                             "e.g. `openssl rand -hex 32`")
+            raise ValueError(
+                f"{where}: {key!r} is a placeholder, not a key; generate one, "
+                "e.g. `openssl rand -hex 32`"
+            )
         if not all("!" <= c <= "~" for c in key):
-            raise ValueError(f"{where}: an API key must be printable ASCII without spaces "
-                             "(a client could not send it as `Authorization: Bearer <key>`)")
+            raise ValueError(
+                f"{where}: an API key must be printable ASCII without spaces "
+                "(a client could not send it as `Authorization: Bearer <key>`)"
+            )
     return tuple(dict.fromkeys(keys))

@@ -3,6 +3,7 @@ external URLs) polls GET /dashboard/data every second. The data (per-request rou
 decisions with their predicted cached tokens among it) needs the admin key, else the API key,
 when one is set (router/http/auth.py); the page holds no data and needs none: it sends the key
 given in its URL fragment (`/dashboard#key=...`, never sent to the server) or typed in."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,6 @@ from router.placement.registry import WorkerState
 from router.services import Services
 
 _GENERATE = ("/v1/completions", "/v1/chat/completions")
-
 
 
 class DashboardWorker(ResponseModel):
@@ -81,13 +81,17 @@ async def kv_bytes_moved(workers: list[WorkerState], timeout_s: float = 0.5) -> 
     """worker id -> KV bytes it has sent and received so far, from its own /metrics
     (`pdserve_kv_transfer_bytes_total`; the router does not see the transfers). Workers that
     do not answer in time are left out."""
+
     async def one(http: httpx.AsyncClient, w: WorkerState) -> float | None:
         try:
             text = (await http.get(f"http://{w.info.metrics_address}/metrics")).text
         except httpx.HTTPError:
             return None
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("pdserve_kv_transfer_bytes_total{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("pdserve_kv_transfer_bytes_total{")
+        )
 
     scraped = [w for w in workers if w.info.metrics_address]
     async with httpx.AsyncClient(timeout=timeout_s) as http:
@@ -101,15 +105,23 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
     workers = []
     for w in sorted(registry.all(), key=lambda w: (w.info.role != Role.PREFILL, w.info.worker_id)):
         c = w.info.capacity
-        workers.append({
-            "worker_id": w.info.worker_id, "role": w.info.role,
-            "state": registry.state_of(w, now), "address": w.info.grpc_address,
-            "kv_usage": (1 - c.free_blocks / c.total_blocks) if c.total_blocks else 0.0,
-            "total_blocks": c.total_blocks, "free_blocks": c.free_blocks,
-            "running": c.running, "waiting": c.waiting,
-            "queued_prefill_tokens": c.queued_prefill_tokens,
-            "prefill_tokens_per_s": c.prefill_tokens_per_s, "inflight": w.inflight,
-            "kv_bytes": kv_bytes.get(w.info.worker_id)})
+        workers.append(
+            {
+                "worker_id": w.info.worker_id,
+                "role": w.info.role,
+                "state": registry.state_of(w, now),
+                "address": w.info.grpc_address,
+                "kv_usage": (1 - c.free_blocks / c.total_blocks) if c.total_blocks else 0.0,
+                "total_blocks": c.total_blocks,
+                "free_blocks": c.free_blocks,
+                "running": c.running,
+                "waiting": c.waiting,
+                "queued_prefill_tokens": c.queued_prefill_tokens,
+                "prefill_tokens_per_s": c.prefill_tokens_per_s,
+                "inflight": w.inflight,
+                "kv_bytes": kv_bytes.get(w.info.worker_id),
+            }
+        )
     requests = 0
     by_reason: dict[str, int] = {}
     for family in metrics.requests.collect():
@@ -123,7 +135,9 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
                 by_reason[reason] = by_reason.get(reason, 0) + int(s.value)
     value = lambda name, **labels: int(metrics.registry.get_sample_value(name, labels) or 0)
     return {
-        "time": time.time(), "model": services.card.name, "workers": workers,
+        "time": time.time(),
+        "model": services.card.name,
+        "workers": workers,
         "requests_total": requests,
         "running": int(metrics.registry.get_sample_value("pdserve_router_running_requests") or 0),
         "waiting": int(metrics.registry.get_sample_value("pdserve_router_waiting_requests") or 0),
@@ -131,12 +145,17 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
         "prompt_tokens": value("pdserve_router_prompt_tokens_total"),
         "generation_tokens": value("pdserve_router_generation_tokens_total"),
         "prefix_hit_tokens": value("pdserve_router_prefix_hit_tokens_total", source="reported"),
-        "tool_requests": sum(value("pdserve_router_tool_requests_total", tool_choice=c)
-                             for c in ("none", "auto", "required", "function")),
-        "tool_calls": sum(value("pdserve_router_tool_calls_total", tool_choice=c)
-                          for c in ("none", "auto", "required", "function")),
+        "tool_requests": sum(
+            value("pdserve_router_tool_requests_total", tool_choice=c)
+            for c in ("none", "auto", "required", "function")
+        ),
+        "tool_calls": sum(
+            value("pdserve_router_tool_calls_total", tool_choice=c)
+            for c in ("none", "auto", "required", "function")
+        ),
         "reasoning_requests": value("pdserve_router_reasoning_requests_total"),
-        "ttft_s": list(metrics.recent_ttft), "itl_s": list(metrics.recent_itl),
+        "ttft_s": list(metrics.recent_ttft),
+        "itl_s": list(metrics.recent_itl),
         "recent_decisions": list(metrics.recent_decisions)[::-1],
     }
 
@@ -144,9 +163,16 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
 def add_dashboard_routes(app: FastAPI, services: Services) -> None:
     page = _page()
 
-    @app.get("/dashboard", response_model=None, responses={200: {
-        "description": "The live cluster page (HTML with inline CSS and JS)",
-        "content": {"text/html": {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/dashboard",
+        response_model=None,
+        responses={
+            200: {
+                "description": "The live cluster page (HTML with inline CSS and JS)",
+                "content": {"text/html": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 

@@ -3,6 +3,7 @@
 Everything the router refuses is an `APIError`; the app maps it (and Starlette's own HTTP
 errors, and request-body validation errors) to this body, so a client never sees another shape.
 """
+
 from __future__ import annotations
 
 import re
@@ -10,9 +11,16 @@ from typing import Any, Mapping, Sequence
 
 from fastapi.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class APIError(Exception):
@@ -33,11 +41,19 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return _TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -62,9 +78,11 @@ def pydantic_param(loc: tuple) -> tuple[str | None, bool]:
     return ".".join(parts) or None, False
 
 
-def from_validation_errors(errors: Sequence[Mapping[str, Any]],
-                           tags: Mapping[str, str] | None = None,
-                           where: str = "this server") -> APIError:
+def from_validation_errors(
+    errors: Sequence[Mapping[str, Any]],
+    tags: Mapping[str, str] | None = None,
+    where: str = "this server",
+) -> APIError:
     """The one mapper of request-body validation errors: the first (most specific) pydantic
     error as a 400 naming its field.
 
@@ -95,25 +113,31 @@ def _path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.search(p)))
 
 
-def _tagged(errors: Sequence[Mapping[str, Any]], tags: Mapping[str, str],
-            where: str) -> APIError | None:
+def _tagged(
+    errors: Sequence[Mapping[str, Any]], tags: Mapping[str, str], where: str
+) -> APIError | None:
     """The refusal of a body of tagged unions: an unserved `type` first; else the first error
     (a missing field first, then the deepest) at its path through the union members; None
     when the body is not even an object (the plain reading answers)."""
     for e in errors:
-        if e["type"] == "union_tag_invalid" or (e["type"] == "literal_error"
-                                                and e["loc"][-1:] == ("type",)):
+        if e["type"] == "union_tag_invalid" or (
+            e["type"] == "literal_error" and e["loc"][-1:] == ("type",)
+        ):
             param = _path(e["loc"])
             if e["type"] == "union_tag_invalid":
                 param += ".type"
                 value, expected = e["ctx"]["tag"], _expected_tags(e["ctx"]["expected_tags"], tags)
             else:
                 value, expected = e["input"], e["ctx"]["expected"]
-            return bad_request(f"{param}: {value!r} is not supported by {where} "
-                               f"(supported: {expected})", param, "unsupported_value")
+            return bad_request(
+                f"{param}: {value!r} is not supported by {where} (supported: {expected})",
+                param,
+                "unsupported_value",
+            )
     paths = [_path(e["loc"]) for e in errors]
-    first = min(range(len(errors)), key=lambda i: (errors[i]["type"] != "missing",
-                                                   -len(errors[i]["loc"])))
+    first = min(
+        range(len(errors)), key=lambda i: (errors[i]["type"] != "missing", -len(errors[i]["loc"]))
+    )
     param, message = paths[first], errors[first]["msg"]
     if not param:  # not JSON, not an object
         return None

@@ -42,6 +42,7 @@ The bucket holds at most one minute's tokens and refills continuously (rate / 60
 second); it starts full. So a key spends at most the rate per minute in the long run, plus a
 burst of one minute's budget.
 """
+
 from __future__ import annotations
 
 import enum
@@ -56,8 +57,9 @@ TENANT = "pdserve.tenant"
 """The ASGI scope entry router/http/auth.py sets to the digest of the inference key presented."""
 TICKET = "pdserve.key_ticket"
 """The ASGI scope entry holding a limited request's `Ticket` (set by `admit`'s caller)."""
-LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
-                           "/v1/embeddings"})
+LIMITED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
+)
 """The paths whose requests run on workers: the ones limited per key."""
 
 
@@ -98,9 +100,13 @@ class KeyLimits:
     loop: no locking). `clock` is monotonic seconds (tests inject a fake); `on_refused` is
     told each refusal's reason (the metric)."""
 
-    def __init__(self, max_concurrent: int, tokens_per_minute: int,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_refused: Callable[[LimitReason], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        tokens_per_minute: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[LimitReason], None] = lambda reason: None,
+    ) -> None:
         if max_concurrent < 0 or tokens_per_minute < 0:
             raise ValueError("per-key limits must be >= 0 (0: off)")
         self.max_concurrent = max_concurrent
@@ -119,10 +125,13 @@ class KeyLimits:
             return None
         state = self._state(tenant)
         if self.max_concurrent and state.in_flight >= self.max_concurrent:
-            raise self._refuse(LimitReason.CONCURRENCY, 1,
-                               f"This API key has {state.in_flight} requests in progress, the "
-                               f"most this server allows one key "
-                               f"(--max-concurrent-requests-per-key); retry when one ends.")
+            raise self._refuse(
+                LimitReason.CONCURRENCY,
+                1,
+                f"This API key has {state.in_flight} requests in progress, the "
+                f"most this server allows one key "
+                f"(--max-concurrent-requests-per-key); retry when one ends.",
+            )
         if self.tokens_per_minute:  # in debt or empty: refused before its body is read
             self._refill(state)
             if state.level < 1:
@@ -141,9 +150,12 @@ class KeyLimits:
             take = min(cost, self.tokens_per_minute)  # larger: a full bucket, the rest as debt
             if state.level < take:
                 raise self._tokens_refused(
-                    state, take, f"This request needs {cost} tokens ({prompt_tokens} prompt + "
+                    state,
+                    take,
+                    f"This request needs {cost} tokens ({prompt_tokens} prompt + "
                     f"{completion_tokens} completion at most); this API key has "
-                    f"{max(0, int(state.level))} left")
+                    f"{max(0, int(state.level))} left",
+                )
             state.level -= take
             ticket.reserved = take
         ticket.prompt = prompt_tokens
@@ -188,12 +200,16 @@ class KeyLimits:
         """429 for a request needing `need` tokens: Retry-After = whole seconds until the
         bucket holds them."""
         wait = (need - state.level) * 60.0 / self.tokens_per_minute
-        return self._refuse(LimitReason.TOKENS, max(1, math.ceil(wait - 1e-9)),
-                            f"{what} of its {self.tokens_per_minute} tokens per minute "
-                            f"(--max-tokens-per-minute-per-key). Lower max_tokens, or retry "
-                            f"later.")
+        return self._refuse(
+            LimitReason.TOKENS,
+            max(1, math.ceil(wait - 1e-9)),
+            f"{what} of its {self.tokens_per_minute} tokens per minute "
+            f"(--max-tokens-per-minute-per-key). Lower max_tokens, or retry "
+            f"later.",
+        )
 
     def _refuse(self, reason: LimitReason, retry_after: int, message: str) -> APIError:
         self.on_refused(reason)
-        return APIError(429, message, code="rate_limit_exceeded",
-                        headers={"Retry-After": str(retry_after)})
+        return APIError(
+            429, message, code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)}
+        )

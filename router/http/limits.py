@@ -17,6 +17,7 @@
 `uvicorn_options` gives uvicorn its share: the protocol above, `limit_concurrency`,
 `timeout_keep_alive`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,9 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 def is_json(content_type: bytes) -> bool:
     """`application/json` or `application/<x>+json`, parameters (charset) allowed."""
     media = content_type.split(b";", 1)[0].strip().lower()
-    return media == b"application/json" or (media.startswith(b"application/")
-                                            and media.endswith(b"+json"))
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
 
 
 def head_refusal(method: str, headers: dict[bytes, bytes], cap: int) -> APIError | None:
@@ -50,7 +52,7 @@ def head_refusal(method: str, headers: dict[bytes, bytes], cap: int) -> APIError
     content_type = headers.get(b"content-type")
     if content_type is not None:
         return None if is_json(content_type) else _not_json(content_type)
-    bodiless = (length in (None, b"0") and b"transfer-encoding" not in headers)
+    bodiless = length in (None, b"0") and b"transfer-encoding" not in headers
     if bodiless and b"origin" not in headers:
         return None
     return _not_json(None)
@@ -92,9 +94,12 @@ class RequestLimits:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                raise APIError(408, f"the request body did not arrive within "
-                               f"{self.body_timeout_s:g} s", code="request_timeout",
-                               headers={"Connection": "close"}) from None
+                raise APIError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout_s:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},
+                ) from None
             if message["type"] == "http.request":
                 state["read"] += len(message.get("body", b""))
                 if state["read"] > self.cap:
@@ -108,15 +113,22 @@ class RequestLimits:
 
 
 def too_large(cap: int) -> APIError:
-    return APIError(413, f"the request body is larger than this server accepts ({cap} bytes; "
-                    "--max-request-body-bytes)", code="request_too_large",
-                    headers={"Connection": "close"})
+    return APIError(
+        413,
+        f"the request body is larger than this server accepts ({cap} bytes; "
+        "--max-request-body-bytes)",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
 
 
 def _not_json(content_type: bytes | None) -> APIError:
     got = content_type.decode("latin-1") if content_type is not None else "none"
-    return APIError(415, f"the request body must be JSON: send Content-Type: application/json "
-                    f"(got {got})", code="unsupported_media_type")
+    return APIError(
+        415,
+        f"the request body must be JSON: send Content-Type: application/json (got {got})",
+        code="unsupported_media_type",
+    )
 
 
 def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
@@ -164,6 +176,8 @@ def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
 def uvicorn_options(limits: LimitsConfig) -> dict[str, Any]:
     """The keyword arguments of `uvicorn.Config` that enforce `limits`."""
-    return {"http": guarded_h11_protocol(limits.request_header_timeout_s),
-            "limit_concurrency": limits.limit_concurrency,
-            "timeout_keep_alive": limits.timeout_keep_alive_s}
+    return {
+        "http": guarded_h11_protocol(limits.request_header_timeout_s),
+        "limit_concurrency": limits.limit_concurrency,
+        "timeout_keep_alive": limits.timeout_keep_alive_s,
+    }

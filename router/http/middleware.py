@@ -1,6 +1,7 @@
 """The ASGI middleware every request passes (inside it, router/http/limits.py's
 `RequestLimits`): the key check, the per-key concurrency slot, requests counted by endpoint and
 status, and the `X-Request-Id` header."""
+
 from __future__ import annotations
 
 import uuid
@@ -12,10 +13,23 @@ from router.http.errors import APIError
 from router.http.key_limits import LIMITED_PATHS, TENANT, TICKET
 from router.services import Services
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
-              "/health", "/metrics", "/tokenize", "/detokenize", "/version", "/v1/embeddings",
-              "/dashboard", "/dashboard/data", "/v1/load_lora_adapter",
-              "/v1/unload_lora_adapter", *ADMIN_PATHS}
+_ENDPOINTS = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/v1/embeddings",
+    "/dashboard",
+    "/dashboard/data",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    *ADMIN_PATHS,
+}
 """The paths counted by name (`/v1/models/{id}` and "other" for the rest)."""
 
 
@@ -36,17 +50,26 @@ class AuthAndCount:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        endpoint = (path if path in _ENDPOINTS
-                    else "/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        endpoint = (
+            path
+            if path in _ENDPOINTS
+            else "/v1/models/{id}"
+            if path.startswith("/v1/models/")
+            else "other"
+        )
         status = {"code": 499}
-        request_id = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"),
-                          None) or uuid.uuid4().hex.encode()
+        request_id = (
+            next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+            or uuid.uuid4().hex.encode()
+        )
 
         async def counting_send(message: Any) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", request_id)]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (b"x-request-id", request_id)],
+                }
             await send(message)
 
         try:

@@ -1,5 +1,6 @@
 """Async plumbing for the HTTP layer: merging the streams of a batch of prompts, and running
 work only for as long as the client stays connected."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,9 @@ class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
 
-async def merge(streams: list[AsyncGenerator[Delta, None]]
-                ) -> AsyncGenerator[tuple[int, Delta], None]:
+async def merge(
+    streams: list[AsyncGenerator[Delta, None]],
+) -> AsyncGenerator[tuple[int, Delta], None]:
     """(stream index, delta) from every stream as they come. The first error ends the merge;
     closing the merge closes every stream (which cancels their worker calls)."""
     if len(streams) == 1:

@@ -1,4 +1,5 @@
 """Finding markers (`<tool_call>`, `</think>`, ...) in text that arrives in pieces."""
+
 from __future__ import annotations
 
 import re

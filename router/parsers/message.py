@@ -13,6 +13,7 @@ depends on `tool_choice`:
 With a reasoning parser, the text before the end of reasoning is `reasoning` and only the
 answer after it is read for calls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,9 +68,11 @@ class OutputSetup:
 class MessageParser:
     def __init__(self, setup: OutputSetup) -> None:
         self.setup = setup
-        self._reasoning = (setup.reasoning(setup.prompt_ends_reasoning,
-                                           setup.prompt_starts_reasoning)
-                           if setup.reasoning is not None else None)
+        self._reasoning = (
+            setup.reasoning(setup.prompt_ends_reasoning, setup.prompt_starts_reasoning)
+            if setup.reasoning is not None
+            else None
+        )
         self._calls = _call_reader(setup)
         self._num_calls = 0
 
@@ -161,11 +164,19 @@ def required_calls_schema(tools: list[FunctionTool], parallel: bool) -> dict:
     """The JSON schema tool_choice "required" constrains the output to: a non-empty array
     (one element when parallel_tool_calls is false) of calls to the request's tools, each
     with arguments valid against its tool's schema."""
-    call = {"anyOf": [{"type": "object",
-                       "properties": {"name": {"type": "string", "enum": [t.name]},
-                                      "parameters": t.parameters or {"type": "object"}},
-                       "required": ["name", "parameters"]}
-                      for t in tools]}
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t.name]},
+                    "parameters": t.parameters or {"type": "object"},
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ]
+    }
     schema = {"type": "array", "minItems": 1, "items": call}
     if not parallel:
         schema["maxItems"] = 1

@@ -6,6 +6,7 @@ A class registers itself with `@registry.register(name)` (built-ins on import, a
 when loaded: `load_plugin`); a second class for a name replaces the first, so a plugin may
 override a built-in. `get(name)` is the class, or a ValueError listing the known names.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,18 +24,21 @@ class ParserRegistry(Generic[P]):
 
     def register(self, name: str) -> Callable[[P], P]:
         """Class decorator: `name` selects the class (whose `name` it sets)."""
+
         def add(cls: P) -> P:
             setattr(cls, "name", name)
             self._classes[name] = cls
             return cls
+
         return add
 
     def get(self, name: str) -> P:
         try:
             return self._classes[name]
         except KeyError:
-            raise ValueError(f"unknown {self.kind} parser {name!r} (known: "
-                             f"{', '.join(sorted(self._classes))})") from None
+            raise ValueError(
+                f"unknown {self.kind} parser {name!r} (known: {', '.join(sorted(self._classes))})"
+            ) from None
 
     def remove(self, name: str) -> None:
         """Forgets `name` (no error if unknown)."""

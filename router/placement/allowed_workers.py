@@ -8,6 +8,7 @@ another address by the time the router connects (DNS rebinding), so a check at r
 would not bind where the prompts go. Workers behind such a list advertise IP addresses
 (`--advertise-host`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,10 @@ from cluster.registration import WorkerInfo
 
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 ANY: tuple[IPNetwork, ...] = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
-LOOPBACK: tuple[IPNetwork, ...] = (ipaddress.ip_network("127.0.0.0/8"),
-                                   ipaddress.ip_network("::1/128"))
+LOOPBACK: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+)
 
 
 def parse_network(text: str) -> IPNetwork:
@@ -28,7 +31,8 @@ def parse_network(text: str) -> IPNetwork:
         return ipaddress.ip_network(text.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a network in CIDR form (e.g. 10.0.0.0/8, ::1/128): {exc}") from None
+            f"{text!r} is not a network in CIDR form (e.g. 10.0.0.0/8, ::1/128): {exc}"
+        ) from None
 
 
 def split_host(address: str) -> str:
@@ -54,11 +58,15 @@ class AllowedWorkers:
             try:
                 ip = ipaddress.ip_address(host)
             except ValueError:
-                return (f"its {what} address {address!r} names a host, not an IP address "
-                        "(refused: --allowed-worker-cidrs checks IP addresses)")
+                return (
+                    f"its {what} address {address!r} names a host, not an IP address "
+                    "(refused: --allowed-worker-cidrs checks IP addresses)"
+                )
             if ip.version == 6 and ip.ipv4_mapped is not None:
                 ip = ip.ipv4_mapped  # ::ffff:10.0.0.1 is 10.0.0.1
             if not any(ip in n for n in self.networks):
-                return (f"its {what} address {address} is outside --allowed-worker-cidrs "
-                        f"({' '.join(map(str, self.networks))})")
+                return (
+                    f"its {what} address {address} is outside --allowed-worker-cidrs "
+                    f"({' '.join(map(str, self.networks))})"
+                )
         return None

@@ -1,6 +1,7 @@
 """One worker as placement sees it for one request (`Candidate`), and the blocks it could pull
 from a peer instead of computing them (`PullPlan`). Plain values: router/placement/placer.py builds
 them, router/placement/policy.py and router/placement/reuse.py read them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

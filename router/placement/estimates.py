@@ -20,6 +20,7 @@ Until a decode worker has measured steps of both kinds far enough apart to fit t
 per-token cost is the prefill worker's measured rate, then its own (mixed) rate, then the
 configured default; its overhead comes from whichever kind of step it measured.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,7 +40,12 @@ def step_cost(own: Capacity, peer_rate: float, default_rate: float) -> StepCost:
     """A worker's step cost from its published step timings. `peer_rate`: the measured
     prefill rate of the worker it is compared with (0: unmeasured); `default_rate`: the
     configured rate for when nothing is measured."""
-    timings = (own.decode_step_s, own.decode_step_tokens, own.prefill_step_s, own.prefill_step_tokens)
+    timings = (
+        own.decode_step_s,
+        own.decode_step_tokens,
+        own.prefill_step_s,
+        own.prefill_step_tokens,
+    )
     per_token = fitted_slope(*timings)
     if per_token is None:
         per_token = 1.0 / (peer_rate or own.prefill_tokens_per_s or default_rate)
@@ -51,8 +57,9 @@ def step_cost(own: Capacity, peer_rate: float, default_rate: float) -> StepCost:
     return step_cost_from(*timings, per_token)
 
 
-def queue_ttft_s(queued_tokens: int, uncached_tokens: int, rate: float,
-                 before_s: float = 0.0) -> float:
+def queue_ttft_s(
+    queued_tokens: int, uncached_tokens: int, rate: float, before_s: float = 0.0
+) -> float:
     """A prefill worker: its queue, then this prompt, at `rate` tokens/s; `before_s`: what
     this prompt waits for besides (reused KV promoted or pulled first, an adapter loaded)."""
     return (queued_tokens + uncached_tokens) / rate + before_s
@@ -69,8 +76,9 @@ class LocalEstimate:
     its steps: the prompt's compute time (0 with nothing decoding)."""
 
 
-def local_prefill(own: Capacity, queued_tokens: int, uncached_tokens: int, decoding: int,
-                  cost: StepCost) -> LocalEstimate | None:
+def local_prefill(
+    own: Capacity, queued_tokens: int, uncached_tokens: int, decoding: int, cost: StepCost
+) -> LocalEstimate | None:
     """A decode worker prefilling `uncached_tokens` behind its `queued_tokens`, beside
     `decoding` running decodes (one token each per step). None: the decodes fill its step
     budget, so no prefill chunk fits."""

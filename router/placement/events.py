@@ -9,6 +9,7 @@ the snapshot are replayed on top of it; each hash ends in the state of its last 
 result is exact.
 On any stream error the worker's entries are dropped and the loop starts over after a backoff.
 """
+
 from __future__ import annotations
 
 import asyncio

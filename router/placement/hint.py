@@ -10,6 +10,7 @@ choice is the one executed unless those workers have gone, are draining, stale o
 then it places the request itself, as if no hint had come. A retry or a migration never
 follows the hint (the hinted worker is the one that failed). Other routers ignore the headers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

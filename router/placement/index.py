@@ -11,6 +11,7 @@ Holders of a block are a bit set (an int, one bit per worker slot): matching a p
 every worker is one dict lookup and one AND per block, whatever the number of workers (plus
 one more AND, and a count per holder, for the blocks someone holds in a tier).
 """
+
 from __future__ import annotations
 
 from itertools import chain, repeat
@@ -20,8 +21,12 @@ from engine.kv.block_hash import BlockHash, compute_block_hashes
 
 
 def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-    lora_id: int | None = None, kv_cache_dtype: str = "auto", weights_version: int = 0,
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_id: int | None = None,
+    kv_cache_dtype: str = "auto",
+    weights_version: int = 0,
 ) -> list[BlockHash]:
     """Hashes of the prompt blocks a worker can reuse: full blocks, leaving at least the last
     token to compute (the engine's prefix matching never reuses further). `lora_id`: the
@@ -30,8 +35,9 @@ def prompt_block_hashes(
     quantized one enters every hash too, so workers of one format share hashes.
     `weights_version`: the worker's (WorkerInfo.weights_version), also in every hash."""
     usable = (len(token_ids) - 1) // block_size * block_size if token_ids else 0
-    return compute_block_hashes(token_ids[:usable], block_size, cache_salt or None, lora_id,
-                                kv_cache_dtype, weights_version)
+    return compute_block_hashes(
+        token_ids[:usable], block_size, cache_salt or None, lora_id, kv_cache_dtype, weights_version
+    )
 
 
 class PrefixHit(NamedTuple):
@@ -62,8 +68,9 @@ class KVIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
-    def stored(self, worker_id: str, hashes: Iterable[BlockHash],
-               tiers: Sequence[int] = ()) -> None:
+    def stored(
+        self, worker_id: str, hashes: Iterable[BlockHash], tiers: Sequence[int] = ()
+    ) -> None:
         """The worker now holds `hashes`; `tiers[i]`: where hashes[i] is (0 the pool, else
         the second tier; missing: the pool). A hash held already moves to its new tier."""
         slot = self._add_worker(worker_id)
@@ -134,8 +141,9 @@ class KVIndex:
         self._record(alive, len(hashes), slow, out)
         return out
 
-    def _record(self, bits: int, depth: int, slow: dict[int, int],
-                out: dict[str, PrefixHit]) -> None:
+    def _record(
+        self, bits: int, depth: int, slow: dict[int, int], out: dict[str, PrefixHit]
+    ) -> None:
         while bits:
             low = bits & -bits
             if depth:

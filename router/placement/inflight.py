@@ -1,5 +1,6 @@
 """A router's own load on the workers of one call, counted while the call runs (see
 `InFlight`). Used by router/dispatch.py around every Generate call."""
+
 from __future__ import annotations
 
 from router.metrics import RouterMetrics
@@ -17,8 +18,13 @@ class InFlight:
 
     __slots__ = ("decode", "prefill", "prefill_work", "metrics", "registry")
 
-    def __init__(self, placement: Placement, num_prompt: int, metrics: RouterMetrics,
-                 registry: WorkerRegistry) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        num_prompt: int,
+        metrics: RouterMetrics,
+        registry: WorkerRegistry,
+    ) -> None:
         self.decode: WorkerState = placement.decode
         decision = placement.decision
         # Who computes the prompt; None once its part is done.

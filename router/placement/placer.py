@@ -3,6 +3,7 @@ staleness, this router's in-flight work) and the KV index (each worker's cached 
 this prompt, and how much of it sits in its second tier), asks the policy, and returns the
 workers' registrations with its decision — and, when the worker computing the prompt should
 pull blocks a peer holds, that peer (`KVSource`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,14 +34,18 @@ class PromptKey:
     workers that have it loaded."""
     _hashes: dict[tuple[int, str, int], list[BlockHash]] = field(default_factory=dict, repr=False)
 
-    def hashes(self, block_size: int, kv_cache_dtype: str = "auto",
-               weights_version: int = 0) -> list[BlockHash]:
+    def hashes(
+        self, block_size: int, kv_cache_dtype: str = "auto", weights_version: int = 0
+    ) -> list[BlockHash]:
         key = (block_size, kv_cache_dtype, weights_version)
         h = self._hashes.get(key)
         if h is None:
             h = self._hashes[key] = prompt_block_hashes(
-                self.token_ids, block_size, self.cache_salt,
-                self.lora.lora_int_id if self.lora is not None else None, kv_cache_dtype,
+                self.token_ids,
+                block_size,
+                self.cache_salt,
+                self.lora.lora_int_id if self.lora is not None else None,
+                kv_cache_dtype,
                 weights_version,
             )
         return h
@@ -73,27 +78,46 @@ class Placement:
 
 
 class Placer:
-    def __init__(self, registry: WorkerRegistry, index: KVIndex, policy: Policy,
-                 metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        index: KVIndex,
+        policy: Policy,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         """`metrics`: where pull decisions are counted (None: not counted)."""
         self.registry = registry
         self.index = index
         self.policy = policy
         self.metrics = metrics
 
-    def place(self, prompt: PromptKey, exclude: frozenset[str] = frozenset(),
-              remote_prefill: bool = True, context: int = 0) -> Placement | None:
+    def place(
+        self,
+        prompt: PromptKey,
+        exclude: frozenset[str] = frozenset(),
+        remote_prefill: bool = True,
+        context: int = 0,
+    ) -> Placement | None:
         """`remote_prefill=False`: the decode worker must prefill (n > 1, prompt logprobs).
         `context`: prompt + output tokens; decode workers whose published max_model_len is
         smaller are never chosen (unpublished, 0: assumed to fit)."""
         num_tokens = len(prompt.token_ids)
         candidate = self._candidates(prompt)
-        states = {s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude}
+        states = {
+            s.info.worker_id: s for s in self.registry.all() if s.info.worker_id not in exclude
+        }
         cands = {wid: candidate(s) for wid, s in states.items()}
-        decode = [cands[wid] for wid, s in states.items() if s.info.role == Role.DECODE
-                  and (s.info.max_model_len == 0 or context <= s.info.max_model_len)]
-        prefill = [cands[wid] for wid, s in states.items()
-                   if s.info.role == Role.PREFILL and remote_prefill]
+        decode = [
+            cands[wid]
+            for wid, s in states.items()
+            if s.info.role == Role.DECODE
+            and (s.info.max_model_len == 0 or context <= s.info.max_model_len)
+        ]
+        prefill = [
+            cands[wid]
+            for wid, s in states.items()
+            if s.info.role == Role.PREFILL and remote_prefill
+        ]
         peers = [c for c in cands.values() if c.cached_tokens > 0]  # any role: they hold KV
         decision = self.policy.place(num_tokens, decode, prefill, peers)
         if decision is None:
@@ -101,21 +125,32 @@ class Placer:
         p, plan = decision.prefill, decision.kv_pull
         if self.metrics is not None and (plan is not None or decision.kv_pull_declined):
             self.metrics.kv_pull_decisions.labels("pull" if plan else "recompute").inc()
-        source = None if plan is None else KVSource(
-            states[plan.holder.worker_id], plan.num_blocks, plan.num_tier_blocks)
-        return Placement(decision, states[decision.decode.worker_id],
-                         states[p.worker_id] if p is not None else None, source)
+        source = (
+            None
+            if plan is None
+            else KVSource(states[plan.holder.worker_id], plan.num_blocks, plan.num_tier_blocks)
+        )
+        return Placement(
+            decision,
+            states[decision.decode.worker_id],
+            states[p.worker_id] if p is not None else None,
+            source,
+        )
 
-    def place_prefill(self, prompt: PromptKey, exclude: frozenset[str] = frozenset()
-                      ) -> WorkerState | None:
+    def place_prefill(
+        self, prompt: PromptKey, exclude: frozenset[str] = frozenset()
+    ) -> WorkerState | None:
         """A prefill worker alone, for prompt-only work (embeddings): the policy's prefill
         choice (prefix affinity vs queued prefill work) among prefill workers whose
         published max_model_len holds the prompt. None: no usable one."""
         candidate = self._candidates(prompt)
         num_tokens = len(prompt.token_ids)
-        states = {s.info.worker_id: s for s in self.registry.by_role(Role.PREFILL)
-                  if s.info.worker_id not in exclude
-                  and (s.info.max_model_len == 0 or num_tokens < s.info.max_model_len)}
+        states = {
+            s.info.worker_id: s
+            for s in self.registry.by_role(Role.PREFILL)
+            if s.info.worker_id not in exclude
+            and (s.info.max_model_len == 0 or num_tokens < s.info.max_model_len)
+        }
         chosen = self.policy.place_prefill(num_tokens, [candidate(s) for s in states.values()])
         return states[chosen.worker_id] if chosen is not None else None
 
@@ -137,10 +172,15 @@ class Placer:
                 match = matches[bs, kv, wv] = self.index.match(prompt.hashes(bs, kv, wv))
             hit = match.get(info.worker_id, _NO_HIT)
             return Candidate(
-                worker_id=info.worker_id, capacity=info.capacity, block_size=bs,
-                cached_tokens=hit.blocks * bs, cached_tier_blocks=hit.tier_blocks,
-                inflight=state.inflight, inflight_prefill_tokens=state.inflight_prefill_tokens,
-                compat=f"{info.compat_hash}/w{wv}", draining=info.draining or info.sleeping,
+                worker_id=info.worker_id,
+                capacity=info.capacity,
+                block_size=bs,
+                cached_tokens=hit.blocks * bs,
+                cached_tier_blocks=hit.tier_blocks,
+                inflight=state.inflight,
+                inflight_prefill_tokens=state.inflight_prefill_tokens,
+                compat=f"{info.compat_hash}/w{wv}",
+                draining=info.draining or info.sleeping,
                 stale=self.registry.is_stale(state, now),
                 lora_missing=adapter is not None and adapter not in info.resident_loras,
             )

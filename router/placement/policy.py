@@ -24,6 +24,7 @@ Contract shared by every policy:
   them (`Decision.kv_pull`); what it pulls is not computed, in the TTFT estimates and the
   local-vs-remote choice alike. The decode choice weighs a worker's own cache only.
 """
+
 from __future__ import annotations
 
 import enum
@@ -106,7 +107,10 @@ class Policy:
         """Learned per path; the dispatcher feeds it each request's observed TTFT."""
 
     def place(
-        self, num_prompt_tokens: int, decode: Sequence[Candidate], prefill: Sequence[Candidate],
+        self,
+        num_prompt_tokens: int,
+        decode: Sequence[Candidate],
+        prefill: Sequence[Candidate],
         peers: Sequence[Candidate] = (),
     ) -> Decision | None:
         """`peers`: workers (any role) whose blocks of the prompt the computing worker may
@@ -122,8 +126,11 @@ class Policy:
         usable = [c for c in prefill if c.usable and c.compat == d.compat]
         if not usable:
             return Decision(d, None, Reason.LOCAL_NO_PREFILL, d.cached_tokens)
-        open_ = [self.with_pull(c, peers) for c in usable
-                 if c.queued_prefill_tokens <= self.config.prefill_queue_limit]
+        open_ = [
+            self.with_pull(c, peers)
+            for c in usable
+            if c.queued_prefill_tokens <= self.config.prefill_queue_limit
+        ]
         if not open_:
             return Decision(d, None, Reason.LOCAL_SATURATED, d.cached_tokens)
         p = self.pick_prefill(num_prompt_tokens, open_)
@@ -151,17 +158,20 @@ class Policy:
         plan = best_pull(c, peers, self.config) if peers else None
         return c if plan is None else replace(c, pull=plan)
 
-    def local_estimate(self, num_prompt_tokens: int, d: Candidate,
-                       p: Candidate) -> LocalEstimate | None:
+    def local_estimate(
+        self, num_prompt_tokens: int, d: Candidate, p: Candidate
+    ) -> LocalEstimate | None:
         """`d` prefilling the prompt itself, beside its running decodes (the more of its
         published running count and this router's requests on it); `p`'s measured rate
         stands in for d's speed until d has measured its own. Its reused KV (promoted, pulled)
         and a LoRA adapter to load come first."""
-        cost = step_cost(d.capacity, p.capacity.prefill_tokens_per_s,
-                         self.config.default_prefill_rate)
+        cost = step_cost(
+            d.capacity, p.capacity.prefill_tokens_per_s, self.config.default_prefill_rate
+        )
         decoding = max(d.capacity.running, d.inflight)
-        est = local_prefill(d.capacity, d.queued_prefill_tokens,
-                            num_prompt_tokens - found_tokens(d), decoding, cost)
+        est = local_prefill(
+            d.capacity, d.queued_prefill_tokens, num_prompt_tokens - found_tokens(d), decoding, cost
+        )
         before_s = reuse_s(d, self.config) + (self.config.lora_load_s if d.lora_missing else 0.0)
         if est is None or not before_s:
             return est
@@ -173,7 +183,9 @@ class Policy:
         slo_s = self.config.itl_slo_ms / 1000
         return not slo_s or max(d.capacity.running, d.inflight) == 0 or local.step_s <= slo_s
 
-    def place_prefill(self, num_prompt_tokens: int, prefill: Sequence[Candidate]) -> Candidate | None:
+    def place_prefill(
+        self, num_prompt_tokens: int, prefill: Sequence[Candidate]
+    ) -> Candidate | None:
         """Prompt-only work (embeddings), which no decode worker takes: `pick_prefill` among
         the usable prefill candidates, over the queue limit too (there is no local
         fallback). None: none usable."""
@@ -191,8 +203,9 @@ class Policy:
         needed = -(-(num_prompt_tokens + 1) // bs) - (c.cached_tokens // bs - c.cached_tier_blocks)
         return c.capacity.free_blocks >= needed
 
-    def estimated_ttft_s(self, num_prompt_tokens: int, p: Candidate,
-                         queued: int | None = None) -> float:
+    def estimated_ttft_s(
+        self, num_prompt_tokens: int, p: Candidate, queued: int | None = None
+    ) -> float:
         """A prefill worker's: (queued prefill tokens + this request's tokens it neither
         holds nor pulls) / its measured prefill rate (the configured default until measured),
         plus its reuse time (promotions, the pull) and the time to load the request's LoRA
@@ -200,8 +213,12 @@ class Policy:
         cfg = self.config
         load_lora = cfg.lora_load_s if p.lora_missing else 0.0
         queued = p.queued_prefill_tokens if queued is None else queued
-        return queue_ttft_s(queued, num_prompt_tokens - found_tokens(p), prefill_rate(p, cfg),
-                            reuse_s(p, cfg) + load_lora)
+        return queue_ttft_s(
+            queued,
+            num_prompt_tokens - found_tokens(p),
+            prefill_rate(p, cfg),
+            reuse_s(p, cfg) + load_lora,
+        )
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:
         raise NotImplementedError
@@ -233,8 +250,10 @@ class AffinityPolicy(Policy):
         saved = effective_cached_tokens(c, cfg, own_only=True)
         hit = saved / num_prompt_tokens if num_prompt_tokens else 0.0
         return (
-            cfg.prefix_weight * hit - cfg.load_weight * c.load / cfg.load_scale
-            - cfg.kv_weight * c.kv_usage - cfg.lora_weight * c.lora_missing
+            cfg.prefix_weight * hit
+            - cfg.load_weight * c.load / cfg.load_scale
+            - cfg.kv_weight * c.kv_usage
+            - cfg.lora_weight * c.lora_missing
         )
 
     def pick_decode(self, num_prompt_tokens: int, cands: Sequence[Candidate]) -> Candidate:

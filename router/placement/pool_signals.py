@@ -2,6 +2,7 @@
 computed from the registry the router places with, so they cover every worker, include this
 router's own in-flight work that the workers have not reported yet, and need no per-pod
 aggregation in Prometheus."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,5 +37,4 @@ def pool_signals(registry: WorkerRegistry, default_prefill_rate: float) -> PoolS
         used += cap.total_blocks - cap.free_blocks
         total += cap.total_blocks
         waiting += cap.waiting
-    return PoolSignals(tokens / rate if rate > 0 else 0.0, used / total if total else 0.0,
-                       waiting)
+    return PoolSignals(tokens / rate if rate > 0 else 0.0, used / total if total else 0.0, waiting)

@@ -15,6 +15,7 @@ this router's hashing (cluster/block_hash_agreement.py), and whatever the router
 says (another model, an address outside --allowed-worker-cidrs). A refused worker is not
 listed: it gets no request and no KV-index subscription.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -117,8 +118,9 @@ class WorkerRegistry:
             if info.worker_id in self._workers:  # its registration changed: no longer accepted
                 self.delete(info.worker_id)
             if info.worker_id not in self.refused:
-                log.warning("ignoring worker %s (%s): %s", info.worker_id, info.role,
-                            refusal.detail)
+                log.warning(
+                    "ignoring worker %s (%s): %s", info.worker_id, info.role, refusal.detail
+                )
             self.refused[info.worker_id] = refusal
             return
         self.refused.pop(info.worker_id, None)
@@ -127,14 +129,23 @@ class WorkerRegistry:
             self.delete(info.worker_id)  # restarted elsewhere: a new worker
             old = None
         if old is not None and old.info.role != info.role:
-            log.info("worker %s switched from the %s role to the %s role", info.worker_id,
-                     old.info.role, info.role)
+            log.info(
+                "worker %s switched from the %s role to the %s role",
+                info.worker_id,
+                old.info.role,
+                info.role,
+            )
         if old is None:
             # First sight (possibly an old listing): as fresh as its publication time says.
             age = max(0.0, time.time() - info.updated_at) if info.updated_at else 0.0
             self._workers[info.worker_id] = WorkerState(info, self.clock() - age)
-            log.info("worker %s (%s, KV %s) at %s joined", info.worker_id, info.role,
-                     info.kv_cache_dtype, info.grpc_address)
+            log.info(
+                "worker %s (%s, KV %s) at %s joined",
+                info.worker_id,
+                info.role,
+                info.kv_cache_dtype,
+                info.grpc_address,
+            )
             self._warn_unpaired(info)
             for listener in self._on_added:
                 listener(info)
@@ -144,8 +155,9 @@ class WorkerRegistry:
             new_weights = old.info.weights_version != info.weights_version
             old.info = info
             if new_weights:
-                log.info("worker %s now runs weights version %d", info.worker_id,
-                         info.weights_version)
+                log.info(
+                    "worker %s now runs weights version %d", info.worker_id, info.weights_version
+                )
                 for listener in self._on_new_weights:
                     listener(info)
         self.notify()
@@ -155,11 +167,23 @@ class WorkerRegistry:
         block size) no worker of the other role shares never pairs with them: say so once."""
         other = [w.info for w in self._workers.values() if w.info.role != info.role]
         if other and all(o.compat_hash != info.compat_hash for o in other):
-            log.warning("worker %s (%s, KV %s, block size %d) shares its KV layout with no %s "
-                        "worker (%s): no KV transfers between them", info.worker_id, info.role,
-                        info.kv_cache_dtype, info.block_size, other[0].role,
-                        ", ".join(sorted({f"{o.worker_id}: KV {o.kv_cache_dtype}, block size "
-                                          f"{o.block_size}" for o in other})))
+            log.warning(
+                "worker %s (%s, KV %s, block size %d) shares its KV layout with no %s "
+                "worker (%s): no KV transfers between them",
+                info.worker_id,
+                info.role,
+                info.kv_cache_dtype,
+                info.block_size,
+                other[0].role,
+                ", ".join(
+                    sorted(
+                        {
+                            f"{o.worker_id}: KV {o.kv_cache_dtype}, block size {o.block_size}"
+                            for o in other
+                        }
+                    )
+                ),
+            )
 
     def delete(self, worker_id: str, role: str | None = None) -> None:
         """The worker left; with `role` (its key's), only if it is registered in that role
@@ -203,15 +227,21 @@ class WorkerRegistry:
 
 def parse_key(key: bytes, prefix: bytes) -> tuple[str, str] | None:
     """(role, worker_id) of a registration key, None for keys of other shapes."""
-    role, _, worker_id = key[len(prefix):].decode(errors="replace").partition("/")
+    role, _, worker_id = key[len(prefix) :].decode(errors="replace").partition("/")
     return (role, worker_id) if role in ROLES and worker_id else None
 
 
 class EtcdWatcher:
     """Keeps a WorkerRegistry equal to the registrations under the cluster's prefix."""
 
-    def __init__(self, registry: WorkerRegistry, endpoint: str, cluster: str,
-                 resync_after_s: float = 5.0, credentials: EtcdCredentials | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        endpoint: str,
+        cluster: str,
+        resync_after_s: float = 5.0,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
         self.registry = registry
         self.endpoint = endpoint
         self.credentials = credentials

@@ -9,6 +9,7 @@ default. Pure: candidates and config in, seconds and plans out (router/placement
 A pull is worth it when it is estimated faster than computing the same tokens at the worker's
 measured prefill rate (the rate the TTFT estimates use): no token threshold, the rates decide.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,8 +31,12 @@ def promote_s(c: Candidate, config: PlacementConfig) -> float:
 def can_pull_from(c: Candidate, holder: Candidate) -> bool:
     """`holder` may serve `c` blocks: another usable worker whose KV `c` may join (the P/D
     pairing rule: compat hash and weights version) in blocks of the same size."""
-    return (holder.worker_id != c.worker_id and holder.usable and holder.compat == c.compat
-            and holder.block_size == c.block_size)
+    return (
+        holder.worker_id != c.worker_id
+        and holder.usable
+        and holder.compat == c.compat
+        and holder.block_size == c.block_size
+    )
 
 
 def best_pull(c: Candidate, peers: Sequence[Candidate], config: PlacementConfig) -> PullPlan | None:
@@ -53,9 +58,14 @@ def best_pull(c: Candidate, peers: Sequence[Candidate], config: PlacementConfig)
         # A holder's tier blocks are the tail of its prefix (demotion takes leaves first),
         # so they are counted among the extra blocks first: the costlier estimate.
         tier = min(h.cached_tier_blocks, extra)
-        plan = PullPlan(h, own + extra, h.cached_tier_blocks, extra * bs,
-                        overhead + extra / rate + tier * promote_s(h, config),
-                        extra * bs / compute_rate)
+        plan = PullPlan(
+            h,
+            own + extra,
+            h.cached_tier_blocks,
+            extra * bs,
+            overhead + extra / rate + tier * promote_s(h, config),
+            extra * bs / compute_rate,
+        )
         if best is None or _gain(plan) > _gain(best):
             best = plan
     return best

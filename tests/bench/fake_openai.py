@@ -6,6 +6,7 @@ Each request gets an arrival number n (0, 1, 2, ... in the order the server sees
 tokens, or an HTTP / mid-stream error. The server records every arrival (`served`) and the
 most streams it had open at once (`max_active`; a stream counts from its arrival until just
 before its last event, so the count never exceeds the client's true concurrency)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -73,11 +74,13 @@ class FakeOpenAIServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self._app(), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            self._app(), log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
 
     def __enter__(self) -> FakeOpenAIServer:
         self._thread.start()
@@ -111,14 +114,17 @@ class FakeOpenAIServer:
 
         def unauthorized(request: Request) -> JSONResponse | None:
             if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-                return JSONResponse({"error": {"message": "bad key", "code": "invalid_api_key"}},
-                                    status_code=401)
+                return JSONResponse(
+                    {"error": {"message": "bad key", "code": "invalid_api_key"}}, status_code=401
+                )
             return None
 
         @app.get("/v1/models")
         async def models(request: Request):
             return unauthorized(request) or {
-                "object": "list", "data": [{"id": self.model, "object": "model"}]}
+                "object": "list",
+                "data": [{"id": self.model, "object": "model"}],
+            }
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -135,8 +141,10 @@ class FakeOpenAIServer:
         plan = served.plan
         if plan.http_status != 200:
             self._finish()
-            return JSONResponse({"error": {"message": f"scripted failure {plan.http_status}",
-                                           "code": "fake"}}, status_code=plan.http_status)
+            return JSONResponse(
+                {"error": {"message": f"scripted failure {plan.http_status}", "code": "fake"}},
+                status_code=plan.http_status,
+            )
         return StreamingResponse(self._stream(body, plan, chat), media_type="text/event-stream")
 
     async def _stream(self, body: dict[str, Any], plan: Plan, chat: bool):
@@ -148,15 +156,22 @@ class FakeOpenAIServer:
             return f"data: {payload}\n\n".encode()
 
         def chunk(text: str) -> bytes:
-            choice = ({"index": 0, "delta": {"content": text}, "finish_reason": None} if chat
-                      else {"index": 0, "text": text, "finish_reason": None})
+            choice = (
+                {"index": 0, "delta": {"content": text}, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": None}
+            )
             return event({"object": obj, "model": self.model, "choices": [choice]})
 
         finished = False
         try:
             if chat:
-                yield event({"object": obj, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                yield event(
+                    {
+                        "object": obj,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                    }
+                )
             await asyncio.sleep(plan.ttft_s)
             sent = 0
             while sent < total:
@@ -174,9 +189,17 @@ class FakeOpenAIServer:
             include = (body.get("stream_options") or {}).get("include_usage")
             if include and plan.usage:
                 prompt = prompt_words(body)
-                yield event({"object": obj, "choices": [], "usage": {
-                    "prompt_tokens": prompt, "completion_tokens": total,
-                    "total_tokens": prompt + total}})
+                yield event(
+                    {
+                        "object": obj,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt,
+                            "completion_tokens": total,
+                            "total_tokens": prompt + total,
+                        },
+                    }
+                )
             self._finish()
             finished = True
             yield event("[DONE]")

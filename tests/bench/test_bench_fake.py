@@ -1,6 +1,7 @@
 """`pdserve bench` end to end against `FakeOpenAIServer` (scripted token timing, loopback).
 Each test runs the real command (`pdserve.bench.cli.main`) and checks its JSON result
 against what the fake was told to do and what it saw."""
+
 import json
 import statistics
 import struct
@@ -13,14 +14,40 @@ from pdserve.bench.cli import main as bench_main
 from pdserve.bench.runner import CANCELLED, arrival_offsets
 
 SUMMARY_FIELDS = {
-    "num_requests", "completed", "failed", "unsent", "duration_s", "input_tokens",
-    "output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
-    "peak_concurrency", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "slo_ttft_ms", "slo_itl_ms",
-    "good_requests", "goodput", "errors",
+    "num_requests",
+    "completed",
+    "failed",
+    "unsent",
+    "duration_s",
+    "input_tokens",
+    "output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "peak_concurrency",
+    "ttft_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "slo_ttft_ms",
+    "slo_itl_ms",
+    "good_requests",
+    "goodput",
+    "errors",
 }
 STATS_FIELDS = {"count", "mean", "p50", "p90", "p99", "min", "max"}
-REQUEST_FIELDS = {"index", "start_s", "ttft_ms", "e2e_ms", "itl_ms", "tpot_ms", "prompt_tokens",
-                  "output_tokens", "usage_reported", "error"}
+REQUEST_FIELDS = {
+    "index",
+    "start_s",
+    "ttft_ms",
+    "e2e_ms",
+    "itl_ms",
+    "tpot_ms",
+    "prompt_tokens",
+    "output_tokens",
+    "usage_reported",
+    "error",
+}
 
 
 def bench(tmp_path, url: str, *args: str, rc: int = 0) -> dict:
@@ -33,17 +60,37 @@ def test_counts_latencies_json_and_png(tmp_path):
     plan = Plan(ttft_s=0.06, itl_s=0.02)
     with FakeOpenAIServer(plan=lambda n, body: plan) as fake:
         png = tmp_path / "cdf.png"
-        doc = bench(tmp_path, fake.url, "--num-requests", "12", "--output-len", "6",
-                    "--input-len-range", "8,16", "--max-concurrency", "4", "--ignore-eos",
-                    "--slo-ttft-ms", "1000", "--plot", str(png))
+        doc = bench(
+            tmp_path,
+            fake.url,
+            "--num-requests",
+            "12",
+            "--output-len",
+            "6",
+            "--input-len-range",
+            "8,16",
+            "--max-concurrency",
+            "4",
+            "--ignore-eos",
+            "--slo-ttft-ms",
+            "1000",
+            "--plot",
+            str(png),
+        )
         bodies = [s.body for s in fake.served]
 
     s = doc["summary"]
     assert set(s) == SUMMARY_FIELDS
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert set(s[key]) == STATS_FIELDS
-    assert set(doc) == {"schema_version", "started_at", "timed_out", "config", "summary",
-                        "requests"}
+    assert set(doc) == {
+        "schema_version",
+        "started_at",
+        "timed_out",
+        "config",
+        "summary",
+        "requests",
+    }
     assert [set(r) for r in doc["requests"]] == [REQUEST_FIELDS] * 12
     assert doc["config"]["endpoint"]["model"] == "fake-model"  # from GET /v1/models
 
@@ -60,9 +107,15 @@ def test_counts_latencies_json_and_png(tmp_path):
     assert s["good_requests"] == 12
     assert s["peak_concurrency"] <= 4
 
-    assert all(b["stream"] and b["stream_options"] == {"include_usage": True}
-               and b["ignore_eos"] is True and b["model"] == "fake-model"
-               and b["max_tokens"] == 6 and 8 <= prompt_words(b) <= 16 for b in bodies)
+    assert all(
+        b["stream"]
+        and b["stream_options"] == {"include_usage": True}
+        and b["ignore_eos"] is True
+        and b["model"] == "fake-model"
+        and b["max_tokens"] == 6
+        and 8 <= prompt_words(b) <= 16
+        for b in bodies
+    )
 
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
@@ -80,10 +133,32 @@ def _slo_plan(n: int, body) -> Plan:
 
 def test_goodput_counts_exactly_the_requests_meeting_the_slos(tmp_path):
     with FakeOpenAIServer(plan=_slo_plan) as fake:
-        both = bench(tmp_path, fake.url, "--num-requests", "16", "--output-len", "4",
-                     "--max-concurrency", "8", "--slo-ttft-ms", "500", "--slo-itl-ms", "500")
-        ttft_only = bench(tmp_path, fake.url, "--num-requests", "16", "--output-len", "4",
-                          "--max-concurrency", "8", "--slo-ttft-ms", "500")
+        both = bench(
+            tmp_path,
+            fake.url,
+            "--num-requests",
+            "16",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "8",
+            "--slo-ttft-ms",
+            "500",
+            "--slo-itl-ms",
+            "500",
+        )
+        ttft_only = bench(
+            tmp_path,
+            fake.url,
+            "--num-requests",
+            "16",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "8",
+            "--slo-ttft-ms",
+            "500",
+        )
         assert len(fake.served) == 32
 
     s = both["summary"]
@@ -98,8 +173,18 @@ def test_goodput_counts_exactly_the_requests_meeting_the_slos(tmp_path):
 def test_poisson_arrivals_match_the_rate(tmp_path):
     rate, n = 40.0, 80
     with FakeOpenAIServer(plan=lambda i, body: Plan(ttft_s=0.002, itl_s=0.002)) as fake:
-        doc = bench(tmp_path, fake.url, "--num-requests", str(n), "--output-len", "2",
-                    "--request-rate", str(rate), "--seed", "3")
+        doc = bench(
+            tmp_path,
+            fake.url,
+            "--num-requests",
+            str(n),
+            "--output-len",
+            "2",
+            "--request-rate",
+            str(rate),
+            "--seed",
+            "3",
+        )
         arrivals = sorted(s.arrival for s in fake.served)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     mean = statistics.fmean(gaps)
@@ -136,17 +221,32 @@ def _failing_plan(n: int, body) -> Plan:
 
 def test_error_responses_are_counted(tmp_path):
     with FakeOpenAIServer(plan=_failing_plan) as fake:
-        doc = bench(tmp_path, fake.url, "--num-requests", "15", "--output-len", "4",
-                    "--max-concurrency", "5", "--slo-ttft-ms", "1000", "--slo-itl-ms", "1000")
+        doc = bench(
+            tmp_path,
+            fake.url,
+            "--num-requests",
+            "15",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "5",
+            "--slo-ttft-ms",
+            "1000",
+            "--slo-itl-ms",
+            "1000",
+        )
     s = doc["summary"]
     assert (s["completed"], s["failed"], s["unsent"]) == (9, 6, 0)
-    assert s["errors"] == {"HTTP 500: scripted failure 500": 3,
-                           "error event: scripted mid-stream failure": 3}
+    assert s["errors"] == {
+        "HTTP 500: scripted failure 500": 3,
+        "error event: scripted mid-stream failure": 3,
+    }
     assert s["output_tokens"] == 9 * 4 and s["good_requests"] == 9
     assert s["ttft_ms"]["count"] == 9  # failed requests add no latency samples
     failed = [r for r in doc["requests"] if r["error"]]
-    assert len(failed) == 6 and all(r["output_tokens"] == 0 or r["error"].startswith("error event")
-                                    for r in failed)
+    assert len(failed) == 6 and all(
+        r["output_tokens"] == 0 or r["error"].startswith("error event") for r in failed
+    )
 
 
 def test_unreachable_server_and_bad_key(tmp_path, capsys):
@@ -154,8 +254,9 @@ def test_unreachable_server_and_bad_key(tmp_path, capsys):
         # Without --model the bench asks /v1/models first: a clean usage error (rc 2).
         assert bench_main(["--url", fake.url, "--num-requests", "2", "--no-progress"]) == 2
         assert "HTTP 401" in capsys.readouterr().err
-        doc = bench(tmp_path, fake.url, "--api-key", "sekret", "--num-requests", "2",
-                    "--output-len", "2")
+        doc = bench(
+            tmp_path, fake.url, "--api-key", "sekret", "--num-requests", "2", "--output-len", "2"
+        )
         assert doc["summary"]["completed"] == 2
         assert doc["config"]["endpoint"]["api_key"] == "***"
         url = fake.url
@@ -173,8 +274,18 @@ def test_run_deadline_cancels_and_leaves_unsent(tmp_path):
 
     with FakeOpenAIServer(plan=plan) as fake:
         t = time.monotonic()
-        doc = bench(tmp_path, fake.url, "--num-requests", "12", "--output-len", "2",
-                    "--request-rate", "4", "--timeout", "1.0")
+        doc = bench(
+            tmp_path,
+            fake.url,
+            "--num-requests",
+            "12",
+            "--output-len",
+            "2",
+            "--request-rate",
+            "4",
+            "--timeout",
+            "1.0",
+        )
         elapsed = time.monotonic() - t
     s = doc["summary"]
     assert elapsed < 8 and doc["timed_out"] is True
@@ -187,9 +298,24 @@ def test_run_deadline_cancels_and_leaves_unsent(tmp_path):
 def test_chat_shared_prefix_without_usage(tmp_path):
     plan = Plan(ttft_s=0.005, itl_s=0.005, tokens_per_chunk=2, usage=False)
     with FakeOpenAIServer(plan=lambda n, body: plan) as fake:
-        doc = bench(tmp_path, fake.url, "--endpoint", "chat", "--dataset", "shared-prefix",
-                    "--num-tenants", "3", "--prefix-len", "40", "--input-len", "5",
-                    "--num-requests", "12", "--output-len", "6")
+        doc = bench(
+            tmp_path,
+            fake.url,
+            "--endpoint",
+            "chat",
+            "--dataset",
+            "shared-prefix",
+            "--num-tenants",
+            "3",
+            "--prefix-len",
+            "40",
+            "--input-len",
+            "5",
+            "--num-requests",
+            "12",
+            "--output-len",
+            "6",
+        )
         bodies = [s.body for s in fake.served]
     systems = {b["messages"][0]["content"] for b in bodies}
     assert len(systems) == 3

@@ -1,5 +1,6 @@
 """The benchmark's pieces without a server: SSE parsing, arrival schedule, workloads, metrics
 on hand-built results, the command line and its import cost."""
+
 import math
 import statistics
 import subprocess
@@ -24,10 +25,15 @@ def test_parse_sse_line():
     assert parse_sse_line('data:{"choices":[{"text":"ab"},{"text":"c"}]}', chat=False).text == "abc"
     ev = parse_sse_line('data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}', chat=True)
     assert ev.text == "hi" and ev.usage is None and ev.error is None
-    assert parse_sse_line('data: {"choices":[{"delta":{"role":"assistant"}}]}', chat=True).text == ""
+    assert (
+        parse_sse_line('data: {"choices":[{"delta":{"role":"assistant"}}]}', chat=True).text == ""
+    )
     ev = parse_sse_line('data: {"choices":[],"usage":{"completion_tokens":5}}', chat=False)
     assert ev.usage == {"completion_tokens": 5} and ev.text == ""
-    assert parse_sse_line('data: {"error":{"message":"boom"}}', chat=False).error == "error event: boom"
+    assert (
+        parse_sse_line('data: {"error":{"message":"boom"}}', chat=False).error
+        == "error event: boom"
+    )
     assert parse_sse_line("data: {not json", chat=False).error.startswith("malformed")
 
 
@@ -46,19 +52,28 @@ def test_random_workload_is_seeded_and_in_range():
     cfg = WorkloadConfig(num_requests=200, input_len=(5, 9), output_len=(3, 4), seed=7)
     specs = build_workload(cfg)
     assert specs == build_workload(cfg)
-    assert specs != build_workload(WorkloadConfig(num_requests=200, input_len=(5, 9),
-                                                  output_len=(3, 4), seed=8))
+    assert specs != build_workload(
+        WorkloadConfig(num_requests=200, input_len=(5, 9), output_len=(3, 4), seed=8)
+    )
     assert {s.prompt_len for s in specs} == set(range(5, 10))
     assert {s.max_tokens for s in specs} == {3, 4}
     assert all(len(s.completion_prompt().split()) == s.prompt_len for s in specs)
-    assert all(s.prefix is None and s.chat_messages() == [{"role": "user", "content": s.prompt}]
-               for s in specs)
+    assert all(
+        s.prefix is None and s.chat_messages() == [{"role": "user", "content": s.prompt}]
+        for s in specs
+    )
     assert len({s.prompt for s in specs}) == 200
 
 
 def test_shared_prefix_workload():
-    cfg = WorkloadConfig(dataset="shared-prefix", num_requests=60, num_tenants=4, prefix_len=30,
-                         input_len=(4, 4), output_len=(2, 2))
+    cfg = WorkloadConfig(
+        dataset="shared-prefix",
+        num_requests=60,
+        num_tenants=4,
+        prefix_len=30,
+        input_len=(4, 4),
+        output_len=(2, 2),
+    )
     specs = build_workload(cfg)
     by_tenant = {}
     for s in specs:
@@ -79,23 +94,31 @@ def test_tokenizer_gives_exact_prompt_lengths():
     assert words.exact and len(words.words) >= 100
     tok = Tokenizer.from_dir(resolve_model_path("default"))
     for dataset in ("random", "shared-prefix"):
-        cfg = WorkloadConfig(dataset=dataset, num_requests=20, input_len=(1, 60), prefix_len=50,
-                             seed=5)
+        cfg = WorkloadConfig(
+            dataset=dataset, num_requests=20, input_len=(1, 60), prefix_len=50, seed=5
+        )
         for s in build_workload(cfg, words):
             assert len(tok.encode(s.completion_prompt())) == s.prompt_len
 
 
 def _result(index, start, chunks, end, tokens, error=None) -> RequestResult:
-    return RequestResult(index=index, start=start, chunk_times=list(chunks), end=end,
-                         output_tokens=tokens, prompt_tokens=10, error=error)
+    return RequestResult(
+        index=index,
+        start=start,
+        chunk_times=list(chunks),
+        end=end,
+        output_tokens=tokens,
+        prompt_tokens=10,
+        error=error,
+    )
 
 
 def test_metrics_on_hand_built_results():
     results = [
         _result(0, 0.0, [0.1, 0.2, 0.3], 0.3, 3),
-        _result(1, 0.5, [0.4, 0.45, 0.9], 1.0, 3),     # TTFT 400 ms
-        _result(2, 1.0, [0.05, 0.6, 0.65], 0.7, 3),    # one 550 ms gap; p50 gap is 50 ms
-        _result(3, 1.0, [0.05], 0.05, 1),              # one chunk: no ITL, no TPOT
+        _result(1, 0.5, [0.4, 0.45, 0.9], 1.0, 3),  # TTFT 400 ms
+        _result(2, 1.0, [0.05, 0.6, 0.65], 0.7, 3),  # one 550 ms gap; p50 gap is 50 ms
+        _result(3, 1.0, [0.05], 0.05, 1),  # one chunk: no ITL, no TPOT
         _result(4, 1.02, [], 0.2, 0, error="HTTP 500: x"),
         _result(5, None, [], None, 0, error=UNSENT),
     ]
@@ -130,17 +153,28 @@ def test_registered_in_pdserve_and_cheap_to_import():
     from pdserve.bench import cli as bench_cli
     from pdserve.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--url", "http://h:1", "--request-rate", "inf",
-                                      "--input-len-range", "3,9", "--slo-itl-ms", "50"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--url",
+            "http://h:1",
+            "--request-rate",
+            "inf",
+            "--input-len-range",
+            "3,9",
+            "--slo-itl-ms",
+            "50",
+        ]
+    )
     assert args.func is bench_cli._run
     cfg = bench_cli.config_from_args(args)
     assert math.isinf(cfg.load.request_rate) and cfg.workload.input_len == (3, 9)
     assert cfg.slo.itl_ms == 50 and cfg.endpoint.url == "http://h:1"
     heavy = ["httpx", "matplotlib", "torch", "numpy", "tqdm"]
-    code = ("import sys, pdserve.bench.cli; "
-            f"print([m for m in {heavy!r} if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
+    code = f"import sys, pdserve.bench.cli; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 

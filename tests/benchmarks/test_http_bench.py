@@ -1,4 +1,5 @@
 """benchmarks/http_bench.py runs: every case answers the status it is timed for."""
+
 import asyncio
 
 from cpu_info import cpu_isa

@@ -1,19 +1,27 @@
 """benchmarks/multi_turn.py without a cluster: conversations carry the model's answers into the
 next turn, statistics count turns >= 2 only, unknown flags are caught before a cluster starts,
 and one turn's SSE stream is read into TTFT / prompt / cached tokens."""
+
 import asyncio
 
 import httpx
-
-from multi_turn import (
-    Conversation, TurnResult, build_conversations, chat_turn, percentile, ratio, summarize,
-)
 from bench_cluster import unknown_flags
+from multi_turn import (
+    Conversation,
+    TurnResult,
+    build_conversations,
+    chat_turn,
+    percentile,
+    ratio,
+    summarize,
+)
 
 
 def test_conversations_are_seeded_distinct_and_grow_with_the_answers():
     a = build_conversations(3, 4, (5, 9), seed=1)
-    assert [c.user_messages for c in a] == [c.user_messages for c in build_conversations(3, 4, (5, 9), 1)]
+    assert [c.user_messages for c in a] == [
+        c.user_messages for c in build_conversations(3, 4, (5, 9), 1)
+    ]
     assert all(len(c.user_messages) == 4 for c in a)
     assert all(5 <= len(m.split(":", 1)[1].split()) <= 9 for c in a for m in c.user_messages)
     assert a[0].user_messages[0].startswith("Conversation 0, message 1:")
@@ -50,12 +58,20 @@ def test_statistics_count_the_later_turns_only():
 
 def test_unknown_flags_are_named_per_program():
     up, router, worker = {"--model", "--kv-cache-memory"}, {"--policy"}, {"--kv-offloading-size"}
-    args = ["--model", "/m", "--kv-cache-memory=1GiB", "--router-arg=--policy=round_robin",
-            "--worker-arg=--kv-offloading-size=1GiB"]
+    args = [
+        "--model",
+        "/m",
+        "--kv-cache-memory=1GiB",
+        "--router-arg=--policy=round_robin",
+        "--worker-arg=--kv-offloading-size=1GiB",
+    ]
     assert unknown_flags(args, up, router, worker) == []
-    assert unknown_flags([*args, "--router-arg=--no-kv-pull", "--bogus=1",
-                          "--decode-arg=--kv-pull"], up, router, worker) == [
-        "--router-arg=--no-kv-pull", "--bogus=1", "--decode-arg=--kv-pull"]
+    assert unknown_flags(
+        [*args, "--router-arg=--no-kv-pull", "--bogus=1", "--decode-arg=--kv-pull"],
+        up,
+        router,
+        worker,
+    ) == ["--router-arg=--no-kv-pull", "--bogus=1", "--decode-arg=--kv-pull"]
 
 
 def test_a_turn_reads_ttft_usage_and_keeps_the_answer():

@@ -1,6 +1,7 @@
 """benchmarks/spec_decode_bench.py in its smoke configuration (2 layers, 16 tokens, one rep):
 in float32 every spec run's tokens equal the no-spec run's, the spec counters moved, and the
 printed table holds a positive ratio for every row. No timed assertion."""
+
 import re
 
 from spec_decode_bench import main
@@ -11,8 +12,13 @@ def test_spec_decode_bench_quick(capsys):
     out = capsys.readouterr().out
     cases = {case for case, _ in totals}
     methods = {method for _, method in totals}
-    assert cases == {"copy x1 greedy", "copy x4 greedy", "free x1 greedy", "free x4 greedy",
-                     "copy x1 T=0.8 seeded"}
+    assert cases == {
+        "copy x1 greedy",
+        "copy x4 greedy",
+        "free x1 greedy",
+        "free x4 greedy",
+        "copy x1 T=0.8 seeded",
+    }
     assert methods == {"no spec", "ngram k=4", "self:1 k=3"}
     for (case, method), t in totals.items():
         assert t.mismatches == [], (case, method)  # float32: the verifier is exact

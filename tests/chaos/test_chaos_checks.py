@@ -2,6 +2,7 @@
 in-process worker and registrations of dead ones (their gRPC address a closed port): they
 wait for a dead worker's registration to lapse, and report what never settles instead of
 raising."""
+
 import asyncio
 import threading
 import time
@@ -10,11 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import pytest
 
-from pdserve.chaos.checks import index_mismatch, leaked_blocks
 from cluster.etcd_server import EtcdServer
 from cluster.grpc_security import OPEN
 from cluster.net import free_port
 from cluster.registration import WorkerInfo, make_client, worker_key
+from pdserve.chaos.checks import index_mismatch, leaked_blocks
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -31,6 +32,7 @@ def etcd():
 @pytest.fixture(scope="module")
 def router_url():
     """A router's /metrics as the index check reads it: the index holds len(CACHED) blocks."""
+
     class Metrics(BaseHTTPRequestHandler):
         def do_GET(self):
             body = f"pdserve_router_kv_index_blocks {float(len(CACHED))}\n".encode()
@@ -118,8 +120,9 @@ def test_a_worker_that_never_settles_is_reported_not_raised(etcd, router_url):
 
 def test_an_unreachable_router_or_etcd_is_reported_not_raised(etcd):
     async def body():
-        return await index_mismatch(f"http://127.0.0.1:{free_port()}", etcd, CLUSTER, OPEN,
-                                    timeout_s=0.5)
+        return await index_mismatch(
+            f"http://127.0.0.1:{free_port()}", etcd, CLUSTER, OPEN, timeout_s=0.5
+        )
 
     mismatch = asyncio.run(_with_cluster(etcd, body, dead_lease_s=None))
     assert mismatch.value == -1 and {"dead", "router"} == set(mismatch.unsettled)

@@ -1,6 +1,7 @@
 """Block-hash agreement: the probe is a fingerprint of the hashing under a worker's settings,
 a starting worker refuses a cluster whose workers of its layout publish another probe (before
 registering anything), and a registration's probe is checked against this process's."""
+
 import asyncio
 import dataclasses
 
@@ -8,7 +9,13 @@ import pytest
 
 from cluster.block_hash_agreement import BlockHashMismatch, check_peers, probe_refusal
 from cluster.etcd_server import EtcdServer
-from cluster.registration import Registrar, RegistrationRefused, WorkerInfo, list_workers, make_client
+from cluster.registration import (
+    Registrar,
+    RegistrationRefused,
+    WorkerInfo,
+    list_workers,
+    make_client,
+)
 from engine.kv import block_hash
 from engine.kv.block_hash import block_hash_probe
 
@@ -18,14 +25,27 @@ WRONG = "0123456789abcdef"
 def worker(wid, probe=None, compat="c", version=0, block_size=16, kv="auto"):
     if probe is None:
         probe = block_hash_probe(block_size, kv, version)
-    return WorkerInfo(wid, "decode", f"127.0.0.1:{len(wid)}", "m", compat, block_size,
-                      kv_cache_dtype=kv, weights_version=version, block_hash_probe=probe)
+    return WorkerInfo(
+        wid,
+        "decode",
+        f"127.0.0.1:{len(wid)}",
+        "m",
+        compat,
+        block_size,
+        kv_cache_dtype=kv,
+        weights_version=version,
+        block_hash_probe=probe,
+    )
 
 
 def test_probe_follows_every_hash_input_and_the_hashing_code(monkeypatch):
     p = block_hash_probe(16)
     assert len(p) == 16 and p == block_hash_probe(16)  # stable
-    others = {block_hash_probe(32), block_hash_probe(16, "fp8_e4m3"), block_hash_probe(16, "auto", 1)}
+    others = {
+        block_hash_probe(32),
+        block_hash_probe(16, "fp8_e4m3"),
+        block_hash_probe(16, "auto", 1),
+    }
     assert p not in others and len(others) == 3
     # Another hashing (here: another root, as a changed hash version would have) -> another probe.
     block_hash_probe.cache_clear()
@@ -47,13 +67,16 @@ def test_startup_check_names_the_other_worker_and_both_probes():
 
 def test_startup_check_compares_only_workers_of_the_same_layout_and_weights():
     own = worker("new")
-    check_peers(own, [
-        worker("other-layout", probe=WRONG, compat="c2"),
-        worker("other-weights", probe=WRONG, version=3),
-        worker("before-probes", probe=""),  # an older worker publishes none
-        dataclasses.replace(own, block_hash_probe=WRONG),  # itself (an old registration)
-        worker("agrees"),
-    ])
+    check_peers(
+        own,
+        [
+            worker("other-layout", probe=WRONG, compat="c2"),
+            worker("other-weights", probe=WRONG, version=3),
+            worker("before-probes", probe=""),  # an older worker publishes none
+            dataclasses.replace(own, block_hash_probe=WRONG),  # itself (an old registration)
+            worker("agrees"),
+        ],
+    )
 
 
 def test_router_side_recomputes_the_probe_for_the_registration_settings():
@@ -70,8 +93,9 @@ def test_registrar_refuses_to_register_next_to_a_disagreeing_worker():
     async def main(etcd):
         first = Registrar(etcd.endpoint, "t", lambda: worker("w1", probe=WRONG), ttl_s=2)
         await first.start()
-        second = Registrar(etcd.endpoint, "t", lambda: worker("w2"), ttl_s=2,
-                           startup_check=check_peers)
+        second = Registrar(
+            etcd.endpoint, "t", lambda: worker("w2"), ttl_s=2, startup_check=check_peers
+        )
         with pytest.raises(BlockHashMismatch, match="w1"):
             await second.start(timeout_s=30)  # refused at once, not retried until the deadline
         async with make_client(etcd.endpoint) as c:

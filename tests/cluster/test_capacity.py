@@ -1,13 +1,22 @@
 """Capacity documents in etcd: the step timings and budgets placement needs travel with a
 registration, and documents of older and newer workers still parse (pure: no etcd)."""
+
 import json
 
 from cluster.registration import Capacity, WorkerInfo
 
 MEASURED = Capacity(
-    total_blocks=20, free_blocks=7, running=3, waiting=1, queued_prefill_tokens=300,
-    prefill_tokens_per_s=1234.5, decode_step_s=0.04, decode_step_tokens=3.0,
-    prefill_step_s=0.2, prefill_step_tokens=259.0, max_num_batched_tokens=2048,
+    total_blocks=20,
+    free_blocks=7,
+    running=3,
+    waiting=1,
+    queued_prefill_tokens=300,
+    prefill_tokens_per_s=1234.5,
+    decode_step_s=0.04,
+    decode_step_tokens=3.0,
+    prefill_step_s=0.2,
+    prefill_step_tokens=259.0,
+    max_num_batched_tokens=2048,
     long_prefill_token_threshold=256,
 )
 
@@ -22,12 +31,22 @@ def test_step_timings_round_trip():
 
 def test_an_older_workers_document_reads_as_unmeasured():
     doc = json.loads(_info(MEASURED).to_json())
-    doc["capacity"] = {"total_blocks": 20, "free_blocks": 7, "running": 3, "waiting": 1,
-                       "queued_prefill_tokens": 300, "prefill_tokens_per_s": 1234.5}
+    doc["capacity"] = {
+        "total_blocks": 20,
+        "free_blocks": 7,
+        "running": 3,
+        "waiting": 1,
+        "queued_prefill_tokens": 300,
+        "prefill_tokens_per_s": 1234.5,
+    }
     cap = WorkerInfo.from_json(json.dumps(doc).encode()).capacity
     assert (cap.free_blocks, cap.prefill_tokens_per_s) == (7, 1234.5)
-    assert (cap.decode_step_s, cap.prefill_step_s, cap.max_num_batched_tokens,
-            cap.long_prefill_token_threshold) == (0.0, 0.0, 0, 0)
+    assert (
+        cap.decode_step_s,
+        cap.prefill_step_s,
+        cap.max_num_batched_tokens,
+        cap.long_prefill_token_threshold,
+    ) == (0.0, 0.0, 0, 0)
     doc.pop("capacity")
     assert WorkerInfo.from_json(json.dumps(doc).encode()).capacity == Capacity()
 

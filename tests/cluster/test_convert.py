@@ -1,5 +1,6 @@
 """cluster/convert.py: SamplingParams survive the wire both ways (structured outputs included:
 a JSON schema travels as JSON text; reasoning markers as token ids, absent as None)."""
+
 import json
 
 import pytest
@@ -14,21 +15,43 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 def test_plain_sampling_round_trips():
-    p = SamplingParams(n=2, temperature=0.75, top_k=5, top_p=0.5, min_p=0.125, seed=7, max_tokens=9,
-                       min_tokens=1, stop=("x",), stop_token_ids=(3,), logprobs=2,
-                       logit_bias={5: 1.5}, allowed_token_ids=(1, 2), bad_words=("no",),
-                       prompt_logprobs=1, truncate_prompt_tokens=4)
+    p = SamplingParams(
+        n=2,
+        temperature=0.75,
+        top_k=5,
+        top_p=0.5,
+        min_p=0.125,
+        seed=7,
+        max_tokens=9,
+        min_tokens=1,
+        stop=("x",),
+        stop_token_ids=(3,),
+        logprobs=2,
+        logit_bias={5: 1.5},
+        allowed_token_ids=(1, 2),
+        bad_words=("no",),
+        prompt_logprobs=1,
+        truncate_prompt_tokens=4,
+    )
     assert sampling_from_pb(sampling_to_pb(p)) == p
     assert not sampling_to_pb(p).HasField("structured_outputs")
 
 
-@pytest.mark.parametrize("so", [
-    S(regex="[0-9]{3}"), S(choice=("yes", "no")), S(grammar='root ::= "a" | "b"'),
-    S(json_object=True), S(json=json.dumps(SCHEMA), disable_any_whitespace=True),
-    S(structural_tag='{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'),
-    S(regex="a", disable_additional_properties=True, disable_fallback=True),
-    S(choice=("yes", "no"), reasoning_start=(151667,), reasoning_end=(198, 151668)),
-])
+@pytest.mark.parametrize(
+    "so",
+    [
+        S(regex="[0-9]{3}"),
+        S(choice=("yes", "no")),
+        S(grammar='root ::= "a" | "b"'),
+        S(json_object=True),
+        S(json=json.dumps(SCHEMA), disable_any_whitespace=True),
+        S(
+            structural_tag='{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'
+        ),
+        S(regex="a", disable_additional_properties=True, disable_fallback=True),
+        S(choice=("yes", "no"), reasoning_start=(151667,), reasoning_end=(198, 151668)),
+    ],
+)
 def test_structured_outputs_round_trip(so):
     p = SamplingParams(max_tokens=4, structured_outputs=so)
     m = sampling_to_pb(p)

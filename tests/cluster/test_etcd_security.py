@@ -3,18 +3,19 @@ real etcd processes: an etcd started with auth refuses anonymous clients, its wo
 registers (only under the cluster's prefix), its router user reads and watches but cannot
 write, a restart on the same data keeps the users; TLS with a throwaway CA (openssl); and the
 configuration errors, each naming its flag."""
+
 import asyncio
 import os
 import stat
 from dataclasses import replace
 
 import pytest
+from throwaway_pki import etcd_tls, openssl_available
 
 from cluster.etcd_auth import WORKER_USER, etcd_users
 from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
-from throwaway_pki import etcd_tls, openssl_available
 from engine.checks import FieldError
 
 CLUSTER = "sec"
@@ -37,8 +38,10 @@ def test_password_files_are_0600_and_hold_no_one_elses_password(secured):
     for security in (users.root, users.worker, users.router):
         mode = stat.S_IMODE(os.stat(security.etcd_password_file).st_mode)
         assert mode == 0o600, oct(mode)
-    assert len({open(s.etcd_password_file).read() for s in (users.root, users.worker,
-                                                            users.router)}) == 3
+    assert (
+        len({open(s.etcd_password_file).read() for s in (users.root, users.worker, users.router)})
+        == 3
+    )
 
 
 def test_an_authenticated_etcd_refuses_anonymous_and_wrong_password_clients(secured):
@@ -88,8 +91,9 @@ def test_a_restart_on_the_same_data_keeps_the_users(tmp_path):
     first = EtcdServer(data_dir=data, auth=users.auth).start()
     ports = first.client_port, first.peer_port
     first.stop()
-    with EtcdServer(data_dir=data, client_port=ports[0], peer_port=ports[1],
-                    auth=users.auth) as etcd:
+    with EtcdServer(
+        data_dir=data, client_port=ports[0], peer_port=ports[1], auth=users.auth
+    ) as etcd:
 
         async def main():
             async with make_client(etcd.endpoint, users.router.resolve({})) as client:
@@ -103,13 +107,15 @@ def test_a_restart_on_the_same_data_keeps_the_users(tmp_path):
 
 # ---- TLS ----------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(not openssl_available(), reason="no openssl CLI to make a throwaway CA")
 def test_tls_with_client_certificates_and_a_user(tmp_path):
     tls = etcd_tls(tmp_path)
     users = etcd_users(CLUSTER, tmp_path)
     with EtcdServer(auth=users.auth, tls=tls) as etcd:
-        security = replace(users.worker, etcd_ca=str(tls.ca), etcd_cert=str(tls.cert),
-                           etcd_key=str(tls.key))
+        security = replace(
+            users.worker, etcd_ca=str(tls.ca), etcd_cert=str(tls.cert), etcd_key=str(tls.key)
+        )
         credentials = security.resolve({})
         no_cert = replace(security, etcd_cert=None, etcd_key=None).resolve({})
 
@@ -128,6 +134,7 @@ def test_tls_with_client_certificates_and_a_user(tmp_path):
 
 
 # ---- configuration ------------------------------------------------------------------------
+
 
 def test_configuration_errors_name_the_flag(tmp_path):
     password = tmp_path / "pw"
@@ -152,10 +159,13 @@ def test_configuration_errors_name_the_flag(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             security.resolve(environ)
-    for kwargs, field in [(dict(etcd_password_file="p"), "etcd_password_file"),
-                          (dict(etcd_cert="c"), "etcd_cert"), (dict(etcd_key="k"), "etcd_key"),
-                          (dict(etcd_cert="c", etcd_key="k"), "etcd_cert"),
-                          (dict(etcd_user=" "), "etcd_user")]:
+    for kwargs, field in [
+        (dict(etcd_password_file="p"), "etcd_password_file"),
+        (dict(etcd_cert="c"), "etcd_cert"),
+        (dict(etcd_key="k"), "etcd_key"),
+        (dict(etcd_cert="c", etcd_key="k"), "etcd_cert"),
+        (dict(etcd_user=" "), "etcd_user"),
+    ]:
         with pytest.raises(FieldError) as err:
             EtcdSecurity(**kwargs)
         assert err.value.field == field
@@ -164,6 +174,7 @@ def test_configuration_errors_name_the_flag(tmp_path):
 def test_the_default_etcd_server_stays_open():
     """EtcdServer() as the other tests use it: no users, anyone on loopback may write."""
     with EtcdServer() as etcd:
+
         async def main():
             async with make_client(etcd.endpoint) as client:
                 await client.put(b"/pdserve/x", b"1")

@@ -9,14 +9,15 @@ reaching them:
   certificate, or with one from another CA, or without TLS, is refused;
 - bad configuration (empty or unreadable token file, a short or multi-line token, TLS half
   set) is refused at start by name, and `pdserve` exits 2 before loading anything."""
+
 import asyncio
 import logging
 from pathlib import Path
 
 import grpc
 import pytest
-
 from throwaway_pki import Pki, make_pki, openssl_available
+
 from cluster.grpc_auth import add_port, aio_channel, channel
 from cluster.grpc_security import OPEN, TOKEN_ENV, ClusterAuth, GrpcSecurity, resolve
 from proto import pdserve_pb2 as pb
@@ -128,8 +129,10 @@ def test_an_open_server_serves_plain_channels_as_before():
 def pki(tmp_path_factory) -> tuple[Pki, Pki]:
     """The cluster's CA and certificate, and a stranger's from another CA."""
     if not openssl_available():
-        pytest.skip("no `openssl` command (and the `cryptography` package is not installed): "
-                    "cannot make test certificates")
+        pytest.skip(
+            "no `openssl` command (and the `cryptography` package is not installed): "
+            "cannot make test certificates"
+        )
     tmp = tmp_path_factory.mktemp("pki")
     return make_pki(tmp / "cluster"), make_pki(tmp / "other", name="stranger")
 
@@ -182,7 +185,9 @@ def test_the_tls_server_name_is_checked_instead_of_the_host_dialled(tmp_path):
     async def health(address: str, auth: ClusterAuth) -> str | grpc.StatusCode:
         async with aio_channel(address, auth) as ch:
             try:
-                return (await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5)).worker_id
+                return (
+                    await pb_grpc.WorkerStub(ch).Health(pb.HealthRequest(), timeout=5)
+                ).worker_id
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
 
@@ -191,8 +196,12 @@ def test_the_tls_server_name_is_checked_instead_of_the_host_dialled(tmp_path):
         server, address, _ = await _serve(auth)
         address = address.replace("localhost", "127.0.0.1")
         try:
-            return (await health(address, auth), await health(address, resolve(
-                GrpcSecurity(**files, tls_server_name="pdserve-worker"), {})))
+            return (
+                await health(address, auth),
+                await health(
+                    address, resolve(GrpcSecurity(**files, tls_server_name="pdserve-worker"), {})
+                ),
+            )
         finally:
             await server.stop(0)
 
@@ -200,6 +209,7 @@ def test_the_tls_server_name_is_checked_instead_of_the_host_dialled(tmp_path):
 
 
 # ---- configuration -------------------------------------------------------------------------
+
 
 def test_the_token_comes_from_its_file_else_the_environment(tmp_path):
     f = tmp_path / "token"
@@ -212,13 +222,16 @@ def test_the_token_comes_from_its_file_else_the_environment(tmp_path):
     assert TOKEN not in repr(from_env) and TOKEN not in from_env.describe()
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "the file is empty"),
-    ("\n", "the file is empty"),
-    ("short\n", "the cluster token has 5 characters; use at least 16"),
-    (TOKEN + "\n" + TOKEN + "\n", "the cluster token is one line"),
-    ("has a space in it, 0123456789", "printable ASCII without spaces"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "the file is empty"),
+        ("\n", "the file is empty"),
+        ("short\n", "the cluster token has 5 characters; use at least 16"),
+        (TOKEN + "\n" + TOKEN + "\n", "the cluster token is one line"),
+        ("has a space in it, 0123456789", "printable ASCII without spaces"),
+    ],
+)
 def test_bad_token_files_are_refused_by_name(tmp_path, content, message):
     f = tmp_path / "token"
     f.write_text(content)
@@ -232,8 +245,9 @@ def test_bad_security_settings_are_refused_by_name(tmp_path):
         resolve(GrpcSecurity(cluster_token_file=missing), {})
     with pytest.raises(ValueError, match=f"^{TOKEN_ENV}: the cluster token is empty"):
         resolve(GrpcSecurity(), {TOKEN_ENV: ""})
-    with pytest.raises(ValueError, match="^--tls-cert without --tls-key, --tls-ca: mutual TLS "
-                                         "needs all three"):
+    with pytest.raises(
+        ValueError, match="^--tls-cert without --tls-key, --tls-ca: mutual TLS needs all three"
+    ):
         resolve(GrpcSecurity(tls_cert=missing), {})
     with pytest.raises(ValueError, match="^--tls-key, --tls-ca without --tls-cert"):
         resolve(GrpcSecurity(tls_key=missing, tls_ca=missing), {})
@@ -247,17 +261,21 @@ def test_bad_security_settings_are_refused_by_name(tmp_path):
         resolve(GrpcSecurity(tls_cert=str(text), tls_key=str(text), tls_ca=str(text)), {})
 
 
-@pytest.mark.parametrize("command", [["decode", "--etcd", "127.0.0.1:1"],
-                                     ["router", "--etcd", "127.0.0.1:1"]])
+@pytest.mark.parametrize(
+    "command", [["decode", "--etcd", "127.0.0.1:1"], ["router", "--etcd", "127.0.0.1:1"]]
+)
 def test_workers_and_the_router_exit_2_on_bad_security_before_loading_anything(
-        command, tmp_path, capsys, monkeypatch):
+    command, tmp_path, capsys, monkeypatch
+):
     from pdserve.cli import main
 
     empty = tmp_path / "token"
     empty.write_text("")
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     assert main([*command, "--cluster-token-file", str(empty)]) == 2
-    assert (f"pdserve {command[0]}: error: --cluster-token-file {empty}: the file is empty"
-            in capsys.readouterr().err)
+    assert (
+        f"pdserve {command[0]}: error: --cluster-token-file {empty}: the file is empty"
+        in capsys.readouterr().err
+    )
     assert main([*command, "--tls-cert", str(Path("c.pem"))]) == 2
     assert "--tls-cert without --tls-key, --tls-ca" in capsys.readouterr().err

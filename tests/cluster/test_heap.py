@@ -1,4 +1,5 @@
 """cluster/heap.py: a server freezes its start-up heap, so later full collections skip it."""
+
 import gc
 import weakref
 

@@ -6,7 +6,12 @@ import pytest
 
 from cluster.etcd_server import EtcdServer
 from cluster.registration import (
-    Capacity, EtcdUnavailable, Registrar, WorkerInfo, list_workers, make_client,
+    Capacity,
+    EtcdUnavailable,
+    Registrar,
+    WorkerInfo,
+    list_workers,
+    make_client,
 )
 
 
@@ -17,14 +22,24 @@ def etcd():
 
 
 def _info(free=10, draining=False):
-    return WorkerInfo("w1", "decode", "127.0.0.1:1", "m", "hash", 16,
-                      draining=draining, capacity=Capacity(total_blocks=20, free_blocks=free))
+    return WorkerInfo(
+        "w1",
+        "decode",
+        "127.0.0.1:1",
+        "m",
+        "hash",
+        16,
+        draining=draining,
+        capacity=Capacity(total_blocks=20, free_blocks=free),
+    )
 
 
 def test_register_refresh_and_deregister(etcd):
     async def main():
         state = {"free": 10}
-        reg = Registrar(etcd.endpoint, "t", lambda: _info(state["free"]), ttl_s=2, publish_interval_s=0.05)
+        reg = Registrar(
+            etcd.endpoint, "t", lambda: _info(state["free"]), ttl_s=2, publish_interval_s=0.05
+        )
         await reg.start()
         async with make_client(etcd.endpoint) as c:
             [w] = await list_workers(c, "t")
@@ -102,6 +117,7 @@ def test_a_role_move_during_a_publication_of_the_old_role_still_deletes_the_old_
     """The race CI hit: a periodic publication reads role=prefill, the role switches and
     move() retires the prefill key while that put is in flight; the stale publication must
     not take the retirement back, or the prefill key stays on the live lease for good."""
+
     async def main():
         role = {"now": "prefill"}
         reg = Registrar("unused:0", "t", lambda: replace(_info(), role=role["now"]))

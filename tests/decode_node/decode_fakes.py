@@ -9,6 +9,7 @@ one over the fake transport; the prefill worker is a fake gRPC stub whose calls 
 resolves by hand. The worker is built as production builds it: its room contexts come from
 `worker_runtime.wiring.room_contexts`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,19 +59,31 @@ class FakeBlockPool:
 
 @dataclass
 class FakeEngine:
-    block_manager: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(pool=FakeBlockPool()))
+    block_manager: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(pool=FakeBlockPool())
+    )
     allocated: dict[str, list[int]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     next_block: int = 0
-    kv_cache: torch.Tensor = field(default_factory=lambda: torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4)))
+    kv_cache: torch.Tensor = field(
+        default_factory=lambda: torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
+    )
 
-    limits = SimpleNamespace(check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE),
-                             kv_groups=1)
-    loaded = SimpleNamespace(model_id="m", architecture="LlamaForCausalLM",
-                             args=SimpleNamespace(n_layers=1, window=lambda layer: None))
-    config = SimpleNamespace(kv_cache_dtype="auto", enable_sleep_mode=False, lora_modules=(),
-                             block_size=BLOCK_SIZE,
-                             parallel=False)
+    limits = SimpleNamespace(
+        check_fits=lambda n: None, blocks_for=lambda n: -(-n // BLOCK_SIZE), kv_groups=1
+    )
+    loaded = SimpleNamespace(
+        model_id="m",
+        architecture="LlamaForCausalLM",
+        args=SimpleNamespace(n_layers=1, window=lambda layer: None),
+    )
+    config = SimpleNamespace(
+        kv_cache_dtype="auto",
+        enable_sleep_mode=False,
+        lora_modules=(),
+        block_size=BLOCK_SIZE,
+        parallel=False,
+    )
 
     def stats(self):
         return None
@@ -78,13 +91,31 @@ class FakeEngine:
     def close(self):
         pass
 
-    def make_request(self, rid, prompt, params, cache_salt=None, priority=0, resume=None,
-                     pooling=None, lora_request=None):
+    def make_request(
+        self,
+        rid,
+        prompt,
+        params,
+        cache_salt=None,
+        priority=0,
+        resume=None,
+        pooling=None,
+        lora_request=None,
+    ):
         outputs = len(resume.output_token_ids) if resume is not None else 0
-        return SimpleNamespace(request_id=rid, prompt_token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                               num_tokens=len(prompt) + outputs, sampling=params, cache_salt=cache_salt,
-                               priority=priority, seed=7, num_cached_tokens=0, lora=None,
-                               remote_prefill_ok=params.remote_prefill_ok and resume is None)
+        return SimpleNamespace(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            num_prompt_tokens=len(prompt),
+            num_tokens=len(prompt) + outputs,
+            sampling=params,
+            cache_salt=cache_salt,
+            priority=priority,
+            seed=7,
+            num_cached_tokens=0,
+            lora=None,
+            remote_prefill_ok=params.remote_prefill_ok and resume is None,
+        )
 
     def add_remote_prefill_request(self, req):
         n = self.limits.blocks_for(req.num_prompt_tokens)
@@ -97,9 +128,19 @@ class FakeEngine:
     def finish_remote_prefill(self, rid, token):
         self.running.append(rid)  # and finished at once: one token, max_tokens reached
         n = len(self.allocated[rid]) * BLOCK_SIZE
-        return [CompletionDelta(request_id=rid, index=0, token_ids=[token.token_id], text="", logprobs=[],
-                                finish_reason="length", num_prompt_tokens=n, num_cached_tokens=n,
-                                num_output_tokens=1)]
+        return [
+            CompletionDelta(
+                request_id=rid,
+                index=0,
+                token_ids=[token.token_id],
+                text="",
+                logprobs=[],
+                finish_reason="length",
+                num_prompt_tokens=n,
+                num_cached_tokens=n,
+                num_output_tokens=1,
+            )
+        ]
 
     def submit(self, req):
         self.running.append(req.request_id)
@@ -180,17 +221,29 @@ class FakeCall:
 class Harness:
     """A DecodeWorker on a fake runtime (see the module docstring)."""
 
-    def __init__(self, kv_timeout_s: float = 30.0, allowed_model_paths: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, kv_timeout_s: float = 30.0, allowed_model_paths: tuple[str, ...] = ()
+    ) -> None:
         from decode_node.worker import DecodeWorker
         from worker_runtime.kv_pull import KVPuller
 
         self.engine = FakeEngine()
         fabric = FakeFabric()
-        config = WorkerConfig(role="decode", etcd="unused:0", kv_timeout_s=kv_timeout_s,
-                              allowed_model_paths=allowed_model_paths)
-        rt = WorkerRuntime(config, self.engine, FakeTransferBackend(fabric, KVTransferConfig(agent_name="D")),
-                           lambda info: FakeRegistration(), auth=OPEN,
-                           metrics=mock.MagicMock(), engine_loop=ManualEngineLoop)
+        config = WorkerConfig(
+            role="decode",
+            etcd="unused:0",
+            kv_timeout_s=kv_timeout_s,
+            allowed_model_paths=allowed_model_paths,
+        )
+        rt = WorkerRuntime(
+            config,
+            self.engine,
+            FakeTransferBackend(fabric, KVTransferConfig(agent_name="D")),
+            lambda info: FakeRegistration(),
+            auth=OPEN,
+            metrics=mock.MagicMock(),
+            engine_loop=ManualEngineLoop,
+        )
         rt.attach(asyncio.get_running_loop())
         self.p_kv = _backend(fabric, "P")  # the prefill worker's side, to land KV by hand
         self.p_kv.add_peer(rt.kv.metadata())
@@ -218,13 +271,16 @@ class Harness:
 
         async def set_destination(dest, timeout=None):
             """The deferred destination lands in its call's request, as P would apply it."""
-            [call] = [c for c in self.calls if c.request.destination.transfer_id == dest.transfer_id]
+            [call] = [
+                c for c in self.calls if c.request.destination.transfer_id == dest.transfer_id
+            ]
             assert call.request.destination.deferred and not call.request.destination.block_ids
             call.request.destination.block_ids[:] = dest.block_ids
             call.request.destination.num_skip_blocks = dest.num_skip_blocks
             call.request.destination.group_skip_blocks[:] = dest.group_skip_blocks
             self.destinations.append(dest.transfer_id)
             return pb.SetDestinationResponse()
+
         return SimpleNamespace(Prefill=prefill, SetDestination=set_destination)
 
     def _worker_stub(self, channel):
@@ -235,6 +291,7 @@ class Harness:
             if self.abort_reply is not None:
                 await self.abort_reply
             return pb.AbortResponse(found=True)
+
         return SimpleNamespace(Abort=abort)
 
     def run_engine(self) -> None:
@@ -257,22 +314,29 @@ class Harness:
             await asyncio.sleep(0.005)
             self.run_engine()
 
-    def generate(self, rid: str, num_tokens: int = 10, lora: pb.LoRAAdapter | None = None) -> asyncio.Task:
+    def generate(
+        self, rid: str, num_tokens: int = 10, lora: pb.LoRAAdapter | None = None
+    ) -> asyncio.Task:
         request = pb.GenerateRequest(
-            request_id=rid, prompt_token_ids=list(range(1, num_tokens + 1)),
+            request_id=rid,
+            prompt_token_ids=list(range(1, num_tokens + 1)),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=3),
-            prefill_worker=pb.WorkerRef(worker_id="P", address="p:1"), lora=lora)
+            prefill_worker=pb.WorkerRef(worker_id="P", address="p:1"),
+            lora=lora,
+        )
         assert sampling_from_pb(request.sampling).remote_prefill_ok
 
         async def consume():
             return [r async for r in self.worker.Generate(request, _Context())]
+
         return asyncio.ensure_future(consume())
 
     async def land_kv(self, call: FakeCall) -> None:
         """P writes every block the call asked for (final batch included)."""
         dest = call.request.destination
-        self.p_kv.sender.send(dest.transfer_id, "D", [(i, b) for i, b in enumerate(dest.block_ids)],
-                              final=True)
+        self.p_kv.sender.send(
+            dest.transfer_id, "D", [(i, b) for i, b in enumerate(dest.block_ids)], final=True
+        )
         self.p_kv.sender.poll()  # the fake copies here, then notifies D
 
     @property
@@ -286,20 +350,29 @@ class Harness:
 
 
 def unavailable() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details="connection refused")
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="connection refused",
+    )
 
 
 def unauthenticated() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(), details="wrong cluster token: ...")
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="wrong cluster token: ...",
+    )
 
 
 def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:
     backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
     pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
-    backend.register_pool(pool, KVCompat.for_pool(pool, "m", architecture="LlamaForCausalLM",
-                                                  layer_windows="full"))
+    backend.register_pool(
+        pool, KVCompat.for_pool(pool, "m", architecture="LlamaForCausalLM", layer_windows="full")
+    )
     return backend
 
 

@@ -1,11 +1,12 @@
 """--allowed-model-paths confines the LoRA adapters a caller can make the worker read — by
 LoadLoRAAdapter or by naming one in a Generate — and the refusal says nothing about whether
 the path exists; adapters the worker already serves (--lora-modules) stay usable."""
+
 import asyncio
 
 import pytest
-
 from decode_fakes import Harness
+
 from proto import pdserve_pb2 as pb
 from worker_runtime.grpc_errors import PermissionDenied
 
@@ -32,7 +33,9 @@ def test_adapters_outside_the_roots_are_refused_before_they_are_looked_at(tmp_pa
                 await task
             assert h.calls == [] and h.engine.allocated == {} and h.rt.streams == {}
 
-            h.rt.adapters.by_name["served"] = "/opt/served"  # what --lora-modules serves is not re-checked
+            h.rt.adapters.by_name["served"] = (
+                "/opt/served"  # what --lora-modules serves is not re-checked
+            )
             task = h.generate("s", lora=pb.LoRAAdapter(name="served", path="/opt/served"))
             await h.spin_until(lambda: h.calls)
             assert len(h.calls) == 1

@@ -3,6 +3,7 @@
 The harness never runs the engine thread on its own: each test chooses exactly which engine
 commands have run when the cancel arrives. Whatever the interleaving, once the prefill worker
 can no longer write, no block may stay held."""
+
 import asyncio
 
 import pytest
@@ -20,6 +21,7 @@ def test_cancel_while_the_call_ended_command_is_queued_leaves_nothing_quarantine
     that is queued for the engine thread; the client cancels before the engine thread runs
     it. The cancelled command must not be dropped, or the request's blocks are quarantined
     waiting for a call end that never comes."""
+
     async def main():
         h = Harness()
         try:
@@ -84,7 +86,10 @@ def test_cancel_while_p_may_write_quarantines_until_p_confirms(kv_landed):
             if kv_landed:
                 await h.land_kv(call)
                 await h.spin()
-                assert h.worker.prefill.remote.state(call.request.destination.transfer_id).name == "KV_LANDED"
+                assert (
+                    h.worker.prefill.remote.state(call.request.destination.transfer_id).name
+                    == "KV_LANDED"
+                )
             h.abort_reply = asyncio.get_running_loop().create_future()  # P has not answered yet
             await _settled(h, task)
             assert call.cancelled and h.aborts == ["r"]
@@ -107,7 +112,10 @@ def test_cancel_after_the_first_token_while_waiting_for_kv_releases_at_once():
             await h.spin()
             h.calls[0].future.set_result(h.response())
             await h.spin()  # FIRST_TOKEN: P writes nothing more
-            assert h.worker.prefill.remote.state(h.calls[0].request.destination.transfer_id).name == "FIRST_TOKEN"
+            assert (
+                h.worker.prefill.remote.state(h.calls[0].request.destination.transfer_id).name
+                == "FIRST_TOKEN"
+            )
             await _settled(h, task)
             assert h.aborts == []
             _nothing_left(h)
@@ -135,8 +143,11 @@ def test_kv_and_first_token_in_either_order_run_the_request(kv_first):
                 await h.spin()
             responses = await asyncio.wait_for(task, 5)
             assert [(r.prefill_mode, list(r.token_ids), r.finish_reason) for r in responses] == [
-                ("remote", [42], "length")]
-            assert h.engine.running == ["r"] and h.held == [] and not h.worker.prefill.remote.in_flight
+                ("remote", [42], "length")
+            ]
+            assert (
+                h.engine.running == ["r"] and h.held == [] and not h.worker.prefill.remote.in_flight
+            )
         finally:
             h.close()
 
@@ -190,6 +201,7 @@ def test_a_prefill_worker_that_fails_falls_back_and_releases_once_it_cannot_writ
     """Nothing serves at P's address (UNAVAILABLE): released once nothing answered three times
     in a row. P's interceptor refuses our token (UNAUTHENTICATED, a token rotation rolling
     out): P never started the attempt, so released on the first refused Abort."""
+
     async def main():
         import decode_fakes
 

@@ -1,4 +1,5 @@
 """The remote-prefill state machine: its transition table, idempotence, illegal moves."""
+
 import pytest
 
 from decode_node.remote_prefill import _NEXT, IllegalTransition, RemotePrefill, RemoteState

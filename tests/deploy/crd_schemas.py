@@ -11,6 +11,7 @@ neither `additionalProperties` nor `x-kubernetes-preserve-unknown-fields` refuse
 field, so a misspelt field fails here instead of vanishing on apply. CEL rules
 (`x-kubernetes-validations`) are not evaluated.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,12 @@ HERE = Path(__file__).parent / "crd_schemas"
 def _strict(node: Any) -> Any:
     if isinstance(node, dict):
         out = {k: _strict(v) for k, v in node.items()}
-        if (out.get("type") == "object" and "properties" in out
-                and "additionalProperties" not in out
-                and not out.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            out.get("type") == "object"
+            and "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         if out.get("x-kubernetes-int-or-string"):
             out.pop("type", None)
@@ -47,23 +51,30 @@ def load(api_version: str, kind: str) -> dict:
         doc = json.loads(path.read_text())
         if doc["apiVersion"] == api_version and doc["kind"] == kind:
             return doc
-    raise KeyError(f"no vendored schema for {api_version} {kind}: "
-                   f"{sorted(p.name for p in HERE.glob('*.json'))}")
+    raise KeyError(
+        f"no vendored schema for {api_version} {kind}: "
+        f"{sorted(p.name for p in HERE.glob('*.json'))}"
+    )
 
 
 def errors(manifest: dict) -> list[str]:
     """Why `manifest` does not match its kind's vendored schema (empty: it does)."""
     doc = load(manifest["apiVersion"], manifest["kind"])
     validator = jsonschema.Draft7Validator(_strict(doc["schema"]))
-    return [f"{manifest['kind']}/{manifest.get('metadata', {}).get('name')}: "
-            f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-            for e in validator.iter_errors(manifest)]
+    return [
+        f"{manifest['kind']}/{manifest.get('metadata', {}).get('name')}: "
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(manifest)
+    ]
 
 
 def _drop_descriptions(node: Any) -> Any:
     if isinstance(node, dict):
-        return {k: _drop_descriptions(v) for k, v in node.items() if k != "description"
-                or not isinstance(v, str)}
+        return {
+            k: _drop_descriptions(v)
+            for k, v in node.items()
+            if k != "description" or not isinstance(v, str)
+        }
     if isinstance(node, list):
         return [_drop_descriptions(v) for v in node]
     return node
@@ -79,11 +90,21 @@ def vendor(crd_path: str, repo: str, tag: str, commit: str) -> list[Path]:
             continue
         api_version = f"{spec['group']}/{version['name']}"
         out = HERE / f"{spec['names']['plural']}.{spec['group']}.{version['name']}.json"
-        out.write_text(json.dumps({
-            "apiVersion": api_version, "kind": spec["names"]["kind"],
-            "source": f"{repo} {Path(crd_path).name}", "tag": tag, "commit": commit,
-            "schema": _drop_descriptions(version["schema"]["openAPIV3Schema"]),
-        }, sort_keys=True, separators=(",", ":")) + "\n")
+        out.write_text(
+            json.dumps(
+                {
+                    "apiVersion": api_version,
+                    "kind": spec["names"]["kind"],
+                    "source": f"{repo} {Path(crd_path).name}",
+                    "tag": tag,
+                    "commit": commit,
+                    "schema": _drop_descriptions(version["schema"]["openAPIV3Schema"]),
+                },
+                sort_keys=True,
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
         written.append(out)
     return written
 

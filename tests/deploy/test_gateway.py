@@ -4,14 +4,14 @@ its endpointPickerRef reaches the routers' picker port through a Service; the ro
 picker with flags the router's own parser accepts, advertising their pod IP; the HTTPRoute
 sends the Gateway's traffic to the pool; custom resources validate against the vendored CRD
 schemas (tests/deploy/crd_schemas.py), which refuse a broken one."""
+
 from __future__ import annotations
 
 import argparse
 import copy
 
-import pytest
-
 import crd_schemas
+import pytest
 from test_k8s import _args, _env, _selects, container, needs_kubectl, of_kind, render
 
 _docs: list[dict] = []
@@ -37,10 +37,15 @@ def test_the_pool_is_the_routers_and_its_picker_is_their_picker_port():
     [pool] = of_kind(docs, "InferencePool").values()
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     spec = pool["spec"]
-    pods = {n: d["spec"]["template"]["metadata"]["labels"]
-            for n, d in of_kind(docs, "Deployment").items()}
-    assert {n for n, labels in pods.items()
-            if _selects({"matchLabels": spec["selector"]["matchLabels"]}, labels)} == {"router"}
+    pods = {
+        n: d["spec"]["template"]["metadata"]["labels"]
+        for n, d in of_kind(docs, "Deployment").items()
+    }
+    assert {
+        n
+        for n, labels in pods.items()
+        if _selects({"matchLabels": spec["selector"]["matchLabels"]}, labels)
+    } == {"router"}
     router = container(of_kind(docs, "Deployment")["router"])
     args = _args(router)
     assert [p["number"] for p in spec["targetPorts"]] == [int(args["port"])]
@@ -65,8 +70,7 @@ def test_the_routers_arguments_parse_with_the_routers_own_parser():
     c = container(of_kind(gateway(), "Deployment")["router"])
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    env = {"$(PDSERVE_ETCD)": "etcd:2379", "$(PDSERVE_CLUSTER)": "default",
-           "$(POD_IP)": "10.1.2.3"}
+    env = {"$(PDSERVE_ETCD)": "etcd:2379", "$(PDSERVE_CLUSTER)": "default", "$(POD_IP)": "10.1.2.3"}
     argv = [c["command"][1]]
     for a in c["args"]:
         for k, v in env.items():
@@ -83,34 +87,46 @@ def test_the_route_sends_the_gateways_traffic_to_the_pool():
     [route] = of_kind(docs, "HTTPRoute").values()
     [pool] = of_kind(docs, "InferencePool")
     backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
-    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                         "name": pool}]
+    assert backends == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool}
+    ]
     assert route["spec"]["parentRefs"][0]["kind"] == "Gateway"
-    assert any(m["path"]["value"] == "/v1" for rule in route["spec"]["rules"]
-               for m in rule["matches"])
+    assert any(
+        m["path"]["value"] == "/v1" for rule in route["spec"]["rules"] for m in rule["matches"]
+    )
 
 
 @needs_kubectl
 def test_the_picker_port_is_open_to_the_gateway():
     pols = of_kind(gateway(), "NetworkPolicy").values()
-    assert any({"port": 9002, "protocol": "TCP"} in rule.get("ports", [])
-               and _selects(p["spec"]["podSelector"],
-                            {"app.kubernetes.io/name": "router"})
-               for p in pols for rule in p["spec"].get("ingress", []))
+    assert any(
+        {"port": 9002, "protocol": "TCP"} in rule.get("ports", [])
+        and _selects(p["spec"]["podSelector"], {"app.kubernetes.io/name": "router"})
+        for p in pols
+        for rule in p["spec"].get("ingress", [])
+    )
 
 
-POOL = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-        "metadata": {"name": "p"},
-        "spec": {"selector": {"matchLabels": {"app": "router"}}, "targetPorts": [{"number": 8000}],
-                 "endpointPickerRef": {"name": "router", "port": {"number": 9002}}}}
+POOL = {
+    "apiVersion": "inference.networking.k8s.io/v1",
+    "kind": "InferencePool",
+    "metadata": {"name": "p"},
+    "spec": {
+        "selector": {"matchLabels": {"app": "router"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "router", "port": {"number": 9002}},
+    },
+}
 
 
 def test_the_vendored_schemas_are_pinned_and_refuse_broken_resources():
     assert crd_schemas.errors(POOL) == []
-    for api, kind in (("inference.networking.k8s.io/v1", "InferencePool"),
-                      ("gateway.networking.k8s.io/v1", "HTTPRoute"),
-                      ("keda.sh/v1alpha1", "ScaledObject"),
-                      ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")):
+    for api, kind in (
+        ("inference.networking.k8s.io/v1", "InferencePool"),
+        ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+        ("keda.sh/v1alpha1", "ScaledObject"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+    ):
         doc = crd_schemas.load(api, kind)
         assert doc["tag"].startswith("v") and len(doc["commit"]) == 40, (kind, doc["tag"])
     misspelt = copy.deepcopy(POOL)
@@ -129,13 +145,14 @@ def test_the_vendored_schemas_are_pinned_and_refuse_broken_resources():
 def test_custom_resources_as_written_validate_without_kubectl():
     """The pure-Python path for the custom resources' files (the overlays render them too)."""
     import yaml
-
     from test_k8s import K8S
 
-    files = [K8S / "overlays" / "gateway" / "inferencepool.yaml",
-             K8S / "overlays" / "gateway" / "httproute.yaml",
-             K8S / "overlays" / "lws" / "leaderworkersets.yaml",
-             K8S / "components" / "keda" / "scaledobjects.yaml"]
+    files = [
+        K8S / "overlays" / "gateway" / "inferencepool.yaml",
+        K8S / "overlays" / "gateway" / "httproute.yaml",
+        K8S / "overlays" / "lws" / "leaderworkersets.yaml",
+        K8S / "components" / "keda" / "scaledobjects.yaml",
+    ]
     kinds = []
     for path in files:
         for doc in yaml.safe_load_all(path.read_text()):

@@ -18,24 +18,31 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import crd_schemas
 import pytest
 import yaml
 
-import crd_schemas
-
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e .[test])")
+    "kubernetes_validate", reason="kubernetes-validate is not installed (pip install -e .[test])"
+)
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-ALL_OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir()
-                      if (p / "kustomization.yaml").exists())
+ALL_OVERLAYS = sorted(
+    p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()
+)
 LWS_OVERLAYS = {"lws"}  # workers as LeaderWorkerSets, not Deployments: tests/deploy/test_lws.py
 OVERLAYS = [o for o in ALL_OVERLAYS if o not in LWS_OVERLAYS]
 K8S_VERSION = "1.32.0"  # schemas checked against (strict: unknown fields are errors)
 KUBECTL = shutil.which("kubectl")
-CRD_GROUPS = {"inference.networking.k8s.io", "gateway.networking.k8s.io", "keda.sh",
-              "leaderworkerset.x-k8s.io"}
-needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH: cannot render the kustomize overlays")
+CRD_GROUPS = {
+    "inference.networking.k8s.io",
+    "gateway.networking.k8s.io",
+    "keda.sh",
+    "leaderworkerset.x-k8s.io",
+}
+needs_kubectl = pytest.mark.skipif(
+    KUBECTL is None, reason="kubectl not on PATH: cannot render the kustomize overlays"
+)
 WORKERS = ("prefill", "decode")
 KEY_FILE = "base/api-key.txt"  # git-ignored: the operator creates it (docs/kubernetes.md)
 TEST_KEY = "test-key-0123456789abcdef"
@@ -46,13 +53,20 @@ ETCD_PASSWORD_FILES = {  # likewise: etcd user -> (file, test password)
     "pdserve-worker": ("base/etcd-worker-password.txt", "test-etcd-worker-0123456789abcdef"),
     "pdserve-router": ("base/etcd-router-password.txt", "test-etcd-router-0123456789abcdef"),
 }
-OPERATOR_FILES = ("api-key.txt", "cluster-token.txt",
-                  *(Path(f).name for f, _ in ETCD_PASSWORD_FILES.values()))
+OPERATOR_FILES = (
+    "api-key.txt",
+    "cluster-token.txt",
+    *(Path(f).name for f, _ in ETCD_PASSWORD_FILES.values()),
+)
 
 
 def _kustomize(root: Path, overlay: str) -> subprocess.CompletedProcess:
-    return subprocess.run([KUBECTL, "kustomize", str(root / "overlays" / overlay)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [KUBECTL, "kustomize", str(root / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def render(overlay: str) -> list[dict]:
@@ -73,7 +87,9 @@ def render(overlay: str) -> list[dict]:
 _cache: dict[str, list[dict]] = {}
 
 
-@pytest.fixture(params=OVERLAYS, ids=lambda o: f"overlay-{o}")  # not "gpu": conftest skips that keyword
+@pytest.fixture(
+    params=OVERLAYS, ids=lambda o: f"overlay-{o}"
+)  # not "gpu": conftest skips that keyword
 def rendered(request) -> tuple[str, list[dict]]:
     if KUBECTL is None:
         pytest.skip("kubectl not on PATH: cannot render the kustomize overlays")
@@ -128,13 +144,21 @@ def test_renders_and_validates(rendered):
     for doc in docs:
         validate(doc)
         if doc["kind"] != "Namespace":
-            assert doc["metadata"].get("namespace") == "pdserve", (name, doc["kind"], doc["metadata"]["name"])
+            assert doc["metadata"].get("namespace") == "pdserve", (
+                name,
+                doc["kind"],
+                doc["metadata"]["name"],
+            )
 
 
 def test_a_broken_manifest_fails_validation():
     """The validator is really strict (guards the test above against passing vacuously)."""
-    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
-           "spec": {"replicas": "two", "selector": {}, "template": {}, "bogus": 1}}
+    bad = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {"replicas": "two", "selector": {}, "template": {}, "bogus": 1},
+    }
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
 
@@ -150,8 +174,9 @@ def test_separate_worker_deployments(rendered):
         labels = deps[role]["spec"]["selector"]["matchLabels"]
         others = [r for r in WORKERS if r != role]
         tmpl = deps[others[0]]["spec"]["template"]["metadata"]["labels"]
-        assert not all(tmpl.get(k) == v for k, v in labels.items()), \
+        assert not all(tmpl.get(k) == v for k, v in labels.items()), (
             f"{name}: {role}'s selector also matches {others[0]}'s pods"
+        )
 
 
 def _args(c: dict) -> dict[str, str]:
@@ -182,8 +207,12 @@ def test_workers_advertise_pod_ip_and_drain_in_grace_period(rendered):
         assert src == "status.podIP", (name, role, src)
         drain = float(args.get("drain-timeout", 30.0))  # pdserve's default
         grace = spec.get("terminationGracePeriodSeconds", 30)
-        assert grace > drain, f"{name}/{role}: terminationGracePeriodSeconds {grace} <= --drain-timeout {drain}"
-        assert c["command"][0] == "pdserve", f"{name}/{role}: SIGTERM must reach pdserve (no shell wrapper)"
+        assert grace > drain, (
+            f"{name}/{role}: terminationGracePeriodSeconds {grace} <= --drain-timeout {drain}"
+        )
+        assert c["command"][0] == "pdserve", (
+            f"{name}/{role}: SIGTERM must reach pdserve (no shell wrapper)"
+        )
         ports = {p["containerPort"] for p in c["ports"]}
         assert {int(args["port"]), int(args["metrics-port"])} <= ports, (name, role)
         assert c.get("readinessProbe") and c.get("livenessProbe"), (name, role)
@@ -196,7 +225,9 @@ def test_speculative_config_on_decode_workers_only_off_by_default(rendered):
     c = container(deps["decode"])
     m = re.fullmatch(r"\$\((\w+)\)", _args(c).get("speculative-config", ""))
     assert m, f"{name}: decode --speculative-config is not an env var"
-    assert _env(c)[m.group(1)]["value"] == "", name  # defined (else $(...) stays literal), empty: off
+    assert _env(c)[m.group(1)]["value"] == "", (
+        name
+    )  # defined (else $(...) stays literal), empty: off
     assert "speculative-config" not in _args(container(deps["prefill"])), name
 
 
@@ -204,12 +235,16 @@ def test_speculative_config_on_decode_workers_only_off_by_default(rendered):
 def test_kv_cache_dtype_is_one_setting_for_workers_of_both_roles(rendered):
     name, docs = rendered
     deps = of_kind(docs, "Deployment")
-    [config] = [m for m in of_kind(docs, "ConfigMap").values() if "PDSERVE_ETCD" in m.get("data", {})]
+    [config] = [
+        m for m in of_kind(docs, "ConfigMap").values() if "PDSERVE_ETCD" in m.get("data", {})
+    ]
     for role in WORKERS:
         c = container(deps[role])
         assert _args(c).get("kv-cache-dtype") == "$(PDSERVE_KV_CACHE_DTYPE)", (name, role)
-        assert any(ref.get("configMapRef", {}).get("name") == config["metadata"]["name"]
-                   for ref in c.get("envFrom", [])), (name, role)
+        assert any(
+            ref.get("configMapRef", {}).get("name") == config["metadata"]["name"]
+            for ref in c.get("envFrom", [])
+        ), (name, role)
     assert config["data"]["PDSERVE_KV_CACHE_DTYPE"] == "auto", name
 
 
@@ -227,15 +262,17 @@ def test_router_ready_on_health_and_key_from_secret(rendered):
     data = secrets[ref["name"]]["data"]
     value = base64.b64decode(data[ref["key"]]).decode()
     assert value == TEST_KEY + "\n", name  # the file's bytes, its newline included ...
-    from router.http.auth import Keys, resolve_keys
     from router.config import RouterConfig
+    from router.http.auth import Keys, resolve_keys
 
     resolved = resolve_keys(RouterConfig(etcd="etcd:2379"), {"PDSERVE_API_KEY": value})
     assert resolved == Keys.of([TEST_KEY]), name  # ... which the router does not take as key
     for dname, d in deps.items():
         for cc in d["spec"]["template"]["spec"]["containers"]:
             for a in cc.get("args", []) + cc.get("command", []):
-                assert "api-key" not in a and "API_KEY" not in a, f"{name}/{dname}: key on argv: {a}"
+                assert "api-key" not in a and "API_KEY" not in a, (
+                    f"{name}/{dname}: key on argv: {a}"
+                )
             for e in cc.get("env", []):
                 if "key" in e["name"].lower():
                     assert "value" not in e, f"{name}/{dname}: env {e['name']} is a literal"
@@ -252,8 +289,10 @@ def test_the_router_and_every_worker_get_the_cluster_token_from_one_secret(rende
         c = container(deps[dname])
         ref = _env(c)["PDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
         refs.add((ref["name"], ref["key"]))
-        assert not any("cluster-token" in a or "CLUSTER_TOKEN" in a
-                       for a in c.get("args", []) + c.get("command", [])), (name, dname)
+        assert not any(
+            "cluster-token" in a or "CLUSTER_TOKEN" in a
+            for a in c.get("args", []) + c.get("command", [])
+        ), (name, dname)
     [(secret, key)] = refs  # one token for the whole cluster
     value = base64.b64decode(secrets[secret]["data"][key]).decode()
     assert value == TEST_TOKEN + "\n", name  # the file's bytes; its newline is not the token's
@@ -270,8 +309,12 @@ def _secret_value(docs: list[dict], ref: dict) -> str:
 def test_a_job_makes_etcds_users_with_every_password_from_a_secret(rendered):
     """`pdserve etcd-users` against the cluster's etcd (the bundled one or yours), before
     which the router's and the workers' users do not exist."""
-    from cluster.etcd_users_config import (ROOT_PASSWORD_ENV, ROUTER_PASSWORD_ENV,
-                                           WORKER_PASSWORD_ENV, EtcdUsersConfig)
+    from cluster.etcd_users_config import (
+        ROOT_PASSWORD_ENV,
+        ROUTER_PASSWORD_ENV,
+        WORKER_PASSWORD_ENV,
+        EtcdUsersConfig,
+    )
     from engine.flags import add_flags, from_args
 
     name, docs = rendered
@@ -282,12 +325,17 @@ def test_a_job_makes_etcds_users_with_every_password_from_a_secret(rendered):
     assert _args(c) == {"etcd": "$(PDSERVE_ETCD)", "cluster": "$(PDSERVE_CLUSTER)"}, name
     parser = argparse.ArgumentParser()  # the command's own parser takes the arguments
     add_flags(parser, EtcdUsersConfig)
-    config = from_args(EtcdUsersConfig, parser.parse_args(
-        [a.replace("$(PDSERVE_ETCD)", "etcd:2379") for a in c["args"]]))
+    config = from_args(
+        EtcdUsersConfig,
+        parser.parse_args([a.replace("$(PDSERVE_ETCD)", "etcd:2379") for a in c["args"]]),
+    )
     env = _env(c)
-    plan = config.plan({variable: _secret_value(docs, env[variable]["valueFrom"]["secretKeyRef"])
-                        for variable in (ROOT_PASSWORD_ENV, WORKER_PASSWORD_ENV,
-                                         ROUTER_PASSWORD_ENV)})
+    plan = config.plan(
+        {
+            variable: _secret_value(docs, env[variable]["valueFrom"]["secretKeyRef"])
+            for variable in (ROOT_PASSWORD_ENV, WORKER_PASSWORD_ENV, ROUTER_PASSWORD_ENV)
+        }
+    )
     passwords = {u.name: u.password for u in plan.users} | {"root": plan.root_password}
     assert passwords == {user: pw for user, (_, pw) in ETCD_PASSWORD_FILES.items()}, name
     assert spec["restartPolicy"] == "OnFailure" and job["spec"]["backoffLimit"] >= 5, name
@@ -302,10 +350,14 @@ def test_the_router_and_every_worker_get_their_own_etcd_user_from_a_secret(rende
 
     name, docs = rendered
     deps = of_kind(docs, "Deployment")
-    root_secret = _env(container(of_kind(docs, "Job")["etcd-users"]))[
-        "PDSERVE_ETCD_ROOT_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"]
-    for dname, user in (("router", "pdserve-router"), ("prefill", "pdserve-worker"),
-                        ("decode", "pdserve-worker")):
+    root_secret = _env(container(of_kind(docs, "Job")["etcd-users"]))["PDSERVE_ETCD_ROOT_PASSWORD"][
+        "valueFrom"
+    ]["secretKeyRef"]["name"]
+    for dname, user in (
+        ("router", "pdserve-router"),
+        ("prefill", "pdserve-worker"),
+        ("decode", "pdserve-worker"),
+    ):
         c = container(deps[dname])
         assert _args(c).get("etcd-user") == user, (name, dname)
         ref = _env(c)[PASSWORD_ENV]["valueFrom"]["secretKeyRef"]
@@ -318,15 +370,19 @@ def test_the_router_and_every_worker_get_their_own_etcd_user_from_a_secret(rende
     for kind in ("Deployment", "StatefulSet"):  # root's password reaches the Job alone
         for dname, d in of_kind(docs, kind).items():
             for cc in d["spec"]["template"]["spec"]["containers"]:
-                refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in cc.get("env", [])
-                        if "secretKeyRef" in e.get("valueFrom", {})]
+                refs = [
+                    e["valueFrom"]["secretKeyRef"]["name"]
+                    for e in cc.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})
+                ]
                 assert root_secret not in refs, (name, dname)
     sts = of_kind(docs, "StatefulSet").get("etcd")
     if sts is not None:  # the bundled etcd: the hashes' cost from the ConfigMap (10)
         [etcd] = sts["spec"]["template"]["spec"]["containers"]
         assert "--bcrypt-cost=$(PDSERVE_ETCD_BCRYPT_COST)" in etcd["command"], name
-        assert of_kind(docs, "ConfigMap")["pdserve-config"]["data"][
-            "PDSERVE_ETCD_BCRYPT_COST"] == "10", name
+        assert (
+            of_kind(docs, "ConfigMap")["pdserve-config"]["data"]["PDSERVE_ETCD_BCRYPT_COST"] == "10"
+        ), name
 
 
 def test_the_repository_ships_no_key():
@@ -334,8 +390,9 @@ def test_the_repository_ships_no_key():
     on every apply): the key and token files are git-ignored and no manifest holds a Secret's
     data."""
     repo = K8S.parents[1]
-    tracked = subprocess.run(["git", "ls-files", "deploy/k8s"], cwd=repo, capture_output=True,
-                             text=True, check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "deploy/k8s"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.split()
     for operators in (KEY_FILE, TOKEN_FILE, *(f for f, _ in ETCD_PASSWORD_FILES.values())):
         assert "deploy/k8s/" + operators not in tracked
         ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/k8s/" + operators], cwd=repo)
@@ -381,10 +438,16 @@ def _is_outside(peer_list) -> bool:
 def test_only_router_reachable_from_outside(rendered):
     name, docs = rendered
     pols = list(of_kind(docs, "NetworkPolicy").values())
-    assert any(p["spec"]["podSelector"] == {} and p["spec"].get("policyTypes") == ["Ingress"]
-               and not p["spec"].get("ingress") for p in pols), f"{name}: no default-deny ingress policy"
-    pods = {n: d["spec"]["template"]["metadata"]["labels"]
-            for n, d in {**of_kind(docs, "Deployment"), **of_kind(docs, "StatefulSet")}.items()}
+    assert any(
+        p["spec"]["podSelector"] == {}
+        and p["spec"].get("policyTypes") == ["Ingress"]
+        and not p["spec"].get("ingress")
+        for p in pols
+    ), f"{name}: no default-deny ingress policy"
+    pods = {
+        n: d["spec"]["template"]["metadata"]["labels"]
+        for n, d in {**of_kind(docs, "Deployment"), **of_kind(docs, "StatefulSet")}.items()
+    }
     metrics_ports = {}
     for n, d in of_kind(docs, "Deployment").items():
         if n in WORKERS:
@@ -398,12 +461,22 @@ def test_only_router_reachable_from_outside(rendered):
                 if not _selects(p["spec"]["podSelector"], labels):
                     continue
                 ports = {x.get("port") for x in rule.get("ports", [])}
-                if pod in metrics_ports and ports and ports <= metrics_ports[pod] \
-                        and all("namespaceSelector" in f and "podSelector" not in f and f["namespaceSelector"]
-                                for f in rule["from"]):
+                if (
+                    pod in metrics_ports
+                    and ports
+                    and ports <= metrics_ports[pod]
+                    and all(
+                        "namespaceSelector" in f
+                        and "podSelector" not in f
+                        and f["namespaceSelector"]
+                        for f in rule["from"]
+                    )
+                ):
                     continue  # Prometheus in a named namespace scraping /metrics only
                 reachable.add(pod)
-    assert reachable == {"router"}, f"{name}: reachable from outside the namespace: {sorted(reachable)}"
+    assert reachable == {"router"}, (
+        f"{name}: reachable from outside the namespace: {sorted(reachable)}"
+    )
     # and the router Service is the only Service selecting a reachable pod / leaving the cluster
     for sname, svc in of_kind(docs, "Service").items():
         sel = svc["spec"]["selector"]
@@ -423,14 +496,23 @@ def test_gpu_only_on_workers(rendered):
         for dname, d in of_kind(docs, kind).items():
             for c in d["spec"]["template"]["spec"]["containers"]:
                 res = c.get("resources", {})
-                assert res.get("requests") and res.get("limits"), f"{name}/{dname}: no requests/limits"
+                assert res.get("requests") and res.get("limits"), (
+                    f"{name}/{dname}: no requests/limits"
+                )
                 gpu = "nvidia.com/gpu" in res.get("limits", {})
                 expect = want and dname in WORKERS
-                assert gpu == expect, f"{name}/{dname}: nvidia.com/gpu {'missing' if expect else 'requested'}"
+                assert gpu == expect, (
+                    f"{name}/{dname}: nvidia.com/gpu {'missing' if expect else 'requested'}"
+                )
                 if expect:
                     assert "--device=cuda" in c["args"]
-                sc = {**d["spec"]["template"]["spec"].get("securityContext", {}), **c.get("securityContext", {})}
-                assert sc.get("runAsNonRoot") is True and sc.get("allowPrivilegeEscalation") is False, (name, dname)
+                sc = {
+                    **d["spec"]["template"]["spec"].get("securityContext", {}),
+                    **c.get("securityContext", {}),
+                }
+                assert (
+                    sc.get("runAsNonRoot") is True and sc.get("allowPrivilegeEscalation") is False
+                ), (name, dname)
     if want:
         cm = of_kind(docs, "ConfigMap")["pdserve-config"]["data"]
         assert "rc" in cm["UCX_TLS"].split(",") and "cuda_ipc" in cm["UCX_TLS"].split(","), cm
@@ -452,7 +534,9 @@ def test_tensor_parallel_decode_pods_get_a_gpu_per_rank_and_prefill_pods_stay_at
     parser = argparse.ArgumentParser()  # the worker's own parser takes the arguments
     add_args(parser)
     values = {"PDSERVE_KV_CACHE_DTYPE": "auto", "SPECULATIVE_CONFIG": ""}  # the rest: any string
-    args = [re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), "x"), a) for a in decode["args"]]
+    args = [
+        re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), "x"), a) for a in decode["args"]
+    ]
     parsed = parser.parse_args(args)
     # on CUDA a tensor-parallel worker refuses to start without an explicit KV budget
     assert parsed.tensor_parallel_size == 2 and parsed.kv_cache_memory
@@ -464,13 +548,19 @@ def test_hpas_scale_each_pool_on_worker_metrics():
     hpas = of_kind(docs, "HorizontalPodAutoscaler")
     targets = {h["spec"]["scaleTargetRef"]["name"]: h for h in hpas.values()}
     assert set(targets) == set(WORKERS), sorted(targets)
-    exported = set(re.findall(r'\("(\w+)",', (K8S.parents[1] / "worker_runtime" / "metrics.py").read_text()))
+    exported = set(
+        re.findall(r'\("(\w+)",', (K8S.parents[1] / "worker_runtime" / "metrics.py").read_text())
+    )
     names = {}
     for role, h in targets.items():
         assert h["apiVersion"] == "autoscaling/v2"
-        names[role] = {m["pods"]["metric"]["name"] for m in h["spec"]["metrics"] if m["type"] == "Pods"}
+        names[role] = {
+            m["pods"]["metric"]["name"] for m in h["spec"]["metrics"] if m["type"] == "Pods"
+        }
         for n in names[role]:
-            assert n.startswith("pdserve_worker_") and n.removeprefix("pdserve_worker_") in exported, n
+            assert (
+                n.startswith("pdserve_worker_") and n.removeprefix("pdserve_worker_") in exported
+            ), n
     assert "pdserve_worker_queued_prefill_tokens" in names["prefill"]
     assert {"pdserve_worker_kv_usage", "pdserve_worker_running"} & names["decode"]
 

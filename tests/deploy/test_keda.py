@@ -3,15 +3,15 @@ gauges the router really exports (router/metrics.py, rendered from a live regist
 seconds of queued prefill work, decode on KV usage and waiting requests, with scale-up and
 scale-down policies; a ScaledObject's target exists in the overlay, and no overlay has both a
 ScaledObject and a plain HPA for one workload (KEDA owns an HPA of its own)."""
+
 from __future__ import annotations
 
 import copy
 import re
 from pathlib import Path
 
-import yaml
-
 import crd_schemas
+import yaml
 from test_k8s import ALL_OVERLAYS, K8S, needs_kubectl, of_kind, render
 
 SCALED = K8S / "components" / "keda" / "scaledobjects.yaml"
@@ -46,8 +46,10 @@ def test_each_role_scales_on_router_gauges_with_policies():
         assert 1 <= spec["minReplicaCount"] < spec["maxReplicaCount"]  # never to zero: cold loads
         behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         assert behavior["scaleUp"]["policies"] and behavior["scaleDown"]["policies"], role
-        assert (behavior["scaleDown"]["stabilizationWindowSeconds"]
-                > behavior["scaleUp"]["stabilizationWindowSeconds"]), role
+        assert (
+            behavior["scaleDown"]["stabilizationWindowSeconds"]
+            > behavior["scaleUp"]["stabilizationWindowSeconds"]
+        ), role
         for t in spec["triggers"]:
             assert t["type"] == "prometheus" and float(t["metadata"]["threshold"]) > 0
             assert t["metadata"]["serverAddress"].startswith("http")
@@ -69,11 +71,13 @@ def test_a_broken_scaled_object_fails_validation():
     assert any("triggers" in e for e in crd_schemas.errors(no_trigger))
     misplaced = copy.deepcopy(so)
     misplaced["spec"]["behavior"] = misplaced["spec"]["advanced"].pop(
-        "horizontalPodAutoscalerConfig")["behavior"]
+        "horizontalPodAutoscalerConfig"
+    )["behavior"]
     assert any("behavior" in e for e in crd_schemas.errors(misplaced))
     bad_policy = copy.deepcopy(so)
     bad_policy["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"][
-        "policies"][0]["value"] = "two"
+        "policies"
+    ][0]["value"] = "two"
     assert crd_schemas.errors(bad_policy)
 
 
@@ -83,8 +87,10 @@ def test_targets_exist_and_keda_never_meets_an_hpa_of_the_same_workload():
     for overlay in ALL_OVERLAYS:
         docs = render(overlay)
         scaled = of_kind(docs, "ScaledObject")
-        hpa_targets = {h["spec"]["scaleTargetRef"]["name"]
-                       for h in of_kind(docs, "HorizontalPodAutoscaler").values()}
+        hpa_targets = {
+            h["spec"]["scaleTargetRef"]["name"]
+            for h in of_kind(docs, "HorizontalPodAutoscaler").values()
+        }
         for so in scaled.values():
             ref = so["spec"]["scaleTargetRef"]
             assert ref["kind"] in WORKLOAD_KINDS, (overlay, ref)

@@ -5,10 +5,10 @@ LeaderWorkerSet's pod template as a Deployment); and what the overlay adds holds
 group until pdserve's tensor parallelism lands, whole-group restarts, startup probes that wait
 for long weight loads, in-memory /dev/shm, the model cache volume with PDSERVE_CACHE on it, and
 KEDA scaling the LeaderWorkerSets with no worker Deployment or HPA left."""
+
 from __future__ import annotations
 
 import pytest
-
 import test_k8s as k8s
 from test_k8s import _args, _env, container, needs_kubectl, of_kind, render
 
@@ -30,25 +30,37 @@ def deployment_view(docs: list[dict]) -> list[dict]:
             out.append(d)
             continue
         tmpl = d["spec"]["leaderWorkerTemplate"]
-        out.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": d["metadata"],
-                    "spec": {"selector": {"matchLabels": {
-                        "app.kubernetes.io/name": d["metadata"]["name"]}},
-                             "template": tmpl.get("leaderTemplate") or tmpl["workerTemplate"]}})
+        out.append(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": d["metadata"],
+                "spec": {
+                    "selector": {"matchLabels": {"app.kubernetes.io/name": d["metadata"]["name"]}},
+                    "template": tmpl.get("leaderTemplate") or tmpl["workerTemplate"],
+                },
+            }
+        )
     return out
 
 
 @needs_kubectl
-@pytest.mark.parametrize("check", [
-    k8s.test_renders_and_validates, k8s.test_separate_worker_deployments,
-    k8s.test_workers_advertise_pod_ip_and_drain_in_grace_period,
-    k8s.test_speculative_config_on_decode_workers_only_off_by_default,
-    k8s.test_kv_cache_dtype_is_one_setting_for_workers_of_both_roles,
-    k8s.test_router_ready_on_health_and_key_from_secret,
-    k8s.test_the_router_and_every_worker_get_the_cluster_token_from_one_secret,
-    k8s.test_a_job_makes_etcds_users_with_every_password_from_a_secret,
-    k8s.test_the_router_and_every_worker_get_their_own_etcd_user_from_a_secret,
-    k8s.test_only_router_reachable_from_outside,
-], ids=lambda f: f.__name__.removeprefix("test_"))
+@pytest.mark.parametrize(
+    "check",
+    [
+        k8s.test_renders_and_validates,
+        k8s.test_separate_worker_deployments,
+        k8s.test_workers_advertise_pod_ip_and_drain_in_grace_period,
+        k8s.test_speculative_config_on_decode_workers_only_off_by_default,
+        k8s.test_kv_cache_dtype_is_one_setting_for_workers_of_both_roles,
+        k8s.test_router_ready_on_health_and_key_from_secret,
+        k8s.test_the_router_and_every_worker_get_the_cluster_token_from_one_secret,
+        k8s.test_a_job_makes_etcds_users_with_every_password_from_a_secret,
+        k8s.test_the_router_and_every_worker_get_their_own_etcd_user_from_a_secret,
+        k8s.test_only_router_reachable_from_outside,
+    ],
+    ids=lambda f: f.__name__.removeprefix("test_"),
+)
 def test_the_worker_groups_pass_the_deployment_checks(check):
     docs = lws() if check is k8s.test_renders_and_validates else deployment_view(lws())
     check(("lws", docs))
@@ -94,5 +106,8 @@ def test_groups_are_one_rank_restarted_whole_and_patient_with_weight_loads():
 @needs_kubectl
 def test_keda_scales_the_leaderworkersets():
     for role, so in of_kind(lws(), "ScaledObject").items():
-        assert so["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1",
-                                                "kind": "LeaderWorkerSet", "name": role}
+        assert so["spec"]["scaleTargetRef"] == {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "name": role,
+        }

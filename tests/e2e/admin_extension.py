@@ -2,6 +2,7 @@
 extension looks like, and the one way a test reaches inside a worker's engine over the
 network (`CollectiveRPC` calls only an extension's methods). The worker processes import it
 through PYTHONPATH (`EXTENSION_PATH`)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """Multi-process test harness: real etcd, `pdserve prefill` / `pdserve decode` processes on
 free loopback ports, stopped by PID by the test that started them."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ from typing import Iterator
 
 import grpc
 
-from local_cluster.launcher import ServiceProcess
 from cluster.net import free_port
+from local_cluster.launcher import ServiceProcess
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -22,14 +23,28 @@ NUM_LAYERS = 2
 class WorkerProcess(ServiceProcess):
     """A `pdserve prefill|decode` process with the test settings (2 layers, fp32, 1 thread)."""
 
-    def __init__(self, role: str, etcd_endpoint: str, *extra: str, log_dir: Path, cluster: str = "default"):
+    def __init__(
+        self, role: str, etcd_endpoint: str, *extra: str, log_dir: Path, cluster: str = "default"
+    ):
         self.role = role
         self.port = free_port()
         super().__init__(
             [
-                role, "--etcd", etcd_endpoint, "--cluster", cluster, "--port", str(self.port),
-                "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
-                "--dtype", "float32",  # exact parity with the fp32 reference engine
+                role,
+                "--etcd",
+                etcd_endpoint,
+                "--cluster",
+                cluster,
+                "--port",
+                str(self.port),
+                "--num-layers",
+                str(NUM_LAYERS),
+                "--kv-cache-memory",
+                "32MiB",
+                "--num-threads",
+                "1",
+                "--dtype",
+                "float32",  # exact parity with the fp32 reference engine
                 *extra,
             ],
             log_dir / f"{role}-{self.port}.log",
@@ -49,8 +64,9 @@ async def ahealth(address: str) -> pb.HealthResponse:
 
 
 @contextmanager
-def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...] = (),
-                           router_args: tuple[str, ...] = ()) -> Iterator[tuple[str, "WorkerProcess", "WorkerProcess"]]:
+def remote_prefill_cluster(
+    logs: Path, cluster: str, worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()
+) -> Iterator[tuple[str, "WorkerProcess", "WorkerProcess"]]:
     """etcd + one prefill and one decode worker (both given `worker_args`) + a router that
     prefills every prompt on the prefill worker (`router_args` added). Yields (router URL,
     prefill, decode) once the router sees both workers; stops them all by PID and checks that
@@ -58,13 +74,28 @@ def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...
     from cluster.etcd_server import EtcdServer
 
     with EtcdServer() as etcd:
-        prefill = WorkerProcess("prefill", etcd.endpoint, *worker_args, log_dir=logs, cluster=cluster)
+        prefill = WorkerProcess(
+            "prefill", etcd.endpoint, *worker_args, log_dir=logs, cluster=cluster
+        )
         decode = WorkerProcess("decode", etcd.endpoint, *worker_args, log_dir=logs, cluster=cluster)
         port = free_port()
-        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", cluster,
-                                 "--port", str(port), "--local-prefill-threshold", "0",
-                                 "--local-prefill-max-tokens", "0",
-                                 *router_args], logs / "router.log")
+        router = ServiceProcess(
+            [
+                "router",
+                "--etcd",
+                etcd.endpoint,
+                "--cluster",
+                cluster,
+                "--port",
+                str(port),
+                "--local-prefill-threshold",
+                "0",
+                "--local-prefill-max-tokens",
+                "0",
+                *router_args,
+            ],
+            logs / "router.log",
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             prefill.wait_ready()
@@ -79,8 +110,9 @@ def remote_prefill_cluster(logs: Path, cluster: str, worker_args: tuple[str, ...
     assert codes == [0, 0, 0]
 
 
-def wait_router_sees(url: str, router: ServiceProcess, prefill: int = 1, decode: int = 1,
-                     timeout: float = 60.0) -> None:
+def wait_router_sees(
+    url: str, router: ServiceProcess, prefill: int = 1, decode: int = 1, timeout: float = 60.0
+) -> None:
     """Wait until the router at `url` has that many workers of each pool registered."""
     import httpx
 
@@ -109,7 +141,9 @@ def wait_all_blocks_free(address: str, timeout: float = 5.0) -> pb.HealthRespons
         if c.free_blocks == c.total_blocks and c.running == 0 and c.waiting == 0:
             return h
         if time.monotonic() > deadline:
-            raise AssertionError(f"{address}: {c.total_blocks - c.free_blocks} blocks still in use, {c}")
+            raise AssertionError(
+                f"{address}: {c.total_blocks - c.free_blocks} blocks still in use, {c}"
+            )
         time.sleep(0.05)
 
 
@@ -140,8 +174,9 @@ def metric(address: str, name: str, **labels: str) -> float:
     return total
 
 
-def cancel_once_started(decode_address: str, request: pb.GenerateRequest, started,
-                        timeout: float = 30.0) -> None:
+def cancel_once_started(
+    decode_address: str, request: pb.GenerateRequest, started, timeout: float = 30.0
+) -> None:
     """Start `request` on the decode worker, cancel the call as soon as `await started()` is
     true (e.g. the prefill worker computes it), and check that the call ended cancelled."""
 

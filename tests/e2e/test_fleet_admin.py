@@ -9,18 +9,19 @@ pools re-registered at new addresses) and greedy output through a remote prefill
 update_weights from a safetensors path bumps every worker's weights version and the
 disaggregated output equals an offline engine loaded with those weights; collective_rpc
 (an extension method) answers once per worker; a worker that fails is named in the error."""
+
 import os
 
 import httpx
 import pytest
 import torch
-
 from admin_extension import EXTENSION_PATH, SPEC
+from pd_cluster import NUM_LAYERS, WorkerProcess, wait_router_sees
+
 from cluster.etcd_server import EtcdServer
 from cluster.net import free_port
 from engine import LLM, SamplingParams
 from local_cluster.launcher import ServiceProcess
-from pd_cluster import NUM_LAYERS, WorkerProcess, wait_router_sees
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +35,49 @@ GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet-logs")
     with EtcdServer() as etcd, pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [EXTENSION_PATH, os.environ.get("PYTHONPATH")])))
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(filter(None, [EXTENSION_PATH, os.environ.get("PYTHONPATH")])),
+        )
         strict = {"prefill": (), "decode": ("--strict-remote-prefill",)}  # no local fallback
-        workers = [WorkerProcess(role, etcd.endpoint, "--enable-sleep-mode", "--enable-admin-rpcs",
-                                 "--worker-extension-cls", SPEC, *strict[role],
-                                 log_dir=logs, cluster=CLUSTER)
-                   for role in ("prefill", "decode", "decode")]
+        workers = [
+            WorkerProcess(
+                role,
+                etcd.endpoint,
+                "--enable-sleep-mode",
+                "--enable-admin-rpcs",
+                "--worker-extension-cls",
+                SPEC,
+                *strict[role],
+                log_dir=logs,
+                cluster=CLUSTER,
+            )
+            for role in ("prefill", "decode", "decode")
+        ]
         port = free_port()
-        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", CLUSTER,
-                                 "--port", str(port), "--local-prefill-threshold", "0",
-                                 "--local-prefill-max-tokens", "0", "--enable-dev-endpoints",
-                                 "--queue-timeout", "1", "--api-key", KEY,
-                                 "--log-level", "warning"], logs / "router.log")
+        router = ServiceProcess(
+            [
+                "router",
+                "--etcd",
+                etcd.endpoint,
+                "--cluster",
+                CLUSTER,
+                "--port",
+                str(port),
+                "--local-prefill-threshold",
+                "0",
+                "--local-prefill-max-tokens",
+                "0",
+                "--enable-dev-endpoints",
+                "--queue-timeout",
+                "1",
+                "--api-key",
+                KEY,
+                "--log-level",
+                "warning",
+            ],
+            logs / "router.log",
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             for w in workers:
@@ -100,12 +132,25 @@ def _stream_then(url: str, max_tokens: int, path: str) -> tuple[list[str], httpx
     another thread. Returns the stream's data lines and the admin call's response."""
     from concurrent.futures import ThreadPoolExecutor
 
-    body = {"model": "default", "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True,
-            "max_tokens": max_tokens, "stream": True}
+    body = {
+        "model": "default",
+        "prompt": PROMPT,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     lines, admin = [], None
-    with ThreadPoolExecutor(1) as pool, httpx.stream(
-            "POST", url + "/v1/completions", json=body, timeout=120,
-            headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with (
+        ThreadPoolExecutor(1) as pool,
+        httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json=body,
+            timeout=120,
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -135,17 +180,26 @@ def test_update_weights_equals_an_engine_with_those_weights(cluster, model_dir, 
     before = _tokens(url)
     state = load_file(str(model_dir / "model.safetensors"))
     torch.manual_seed(0)
-    changed = {n: t + 0.1 * torch.randn_like(t) for n, t in state.items()
-               if n.startswith("model.layers.1.") and n.endswith("proj.weight")}
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    changed = {
+        n: t + 0.1 * torch.randn_like(t)
+        for n, t in state.items()
+        if n.startswith("model.layers.1.") and n.endswith("proj.weight")
+    }
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         (tmp_path / name).write_bytes((model_dir / name).read_bytes())
     save_file({**state, **changed}, str(tmp_path / "model.safetensors"))
     r = _post(url, "/update_weights", {"path": str(tmp_path / "model.safetensors")})
     assert r.status_code == 200, r.text
     assert set(r.json()["weights_version"].values()) == {1}
     fresh = LLM(str(tmp_path), num_layers=NUM_LAYERS, dtype="float32", kv_cache_memory=16 << 20)
-    out = fresh.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=10,
-                                                   ignore_eos=True), use_tqdm=False)
+    out = fresh.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     expected = out[0].outputs[0].text
     assert expected != before
     for _ in range(3):  # the second and third hit the (new-version) prefix cache

@@ -4,16 +4,24 @@ prefill equal a single engine's with the same kv_cache_dtype exactly (the quanti
 int8's scales inside them, travel byte for byte); a prefill worker of another KV format is
 refused by name (FAILED_PRECONDITION naming both formats) and the decode worker prefills
 locally instead."""
+
 import asyncio
 import random
 
 import grpc
 import pytest
+from pd_cluster import (
+    NUM_LAYERS,
+    WorkerProcess,
+    generate,
+    metric,
+    tokens_by_index,
+    wait_all_blocks_free,
+)
 
 from cluster.etcd_server import EtcdServer
 from cluster.registration import list_workers, make_client
 from engine import LLM, SamplingParams
-from pd_cluster import NUM_LAYERS, WorkerProcess, generate, metric, tokens_by_index, wait_all_blocks_free
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -32,11 +40,23 @@ def etcd():
 def cluster(etcd, tmp_path_factory):
     """A prefill and a decode worker per KV format, all in one cluster: {flag: (P, D)}."""
     logs = tmp_path_factory.mktemp("logs")
-    procs = {kv: (WorkerProcess("prefill", etcd.endpoint, "--kv-cache-dtype", kv,
-                                "--max-num-batched-tokens", "32", log_dir=logs),
-                  WorkerProcess("decode", etcd.endpoint, "--kv-cache-dtype", kv,
-                                "--kv-timeout", "30", log_dir=logs))
-             for kv in FORMATS}  # started together, waited for below
+    procs = {
+        kv: (
+            WorkerProcess(
+                "prefill",
+                etcd.endpoint,
+                "--kv-cache-dtype",
+                kv,
+                "--max-num-batched-tokens",
+                "32",
+                log_dir=logs,
+            ),
+            WorkerProcess(
+                "decode", etcd.endpoint, "--kv-cache-dtype", kv, "--kv-timeout", "30", log_dir=logs
+            ),
+        )
+        for kv in FORMATS
+    }  # started together, waited for below
     try:
         yield {kv: (p.wait_ready(), d.wait_ready()) for kv, (p, d) in procs.items()}
     finally:
@@ -51,9 +71,15 @@ def reference(model_dir):
 
     def get(kv):
         if kv not in cache:
-            cache[kv] = LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20,
-                            dtype="float32", kv_cache_dtype=kv)
+            cache[kv] = LLM(
+                str(model_dir),
+                num_layers=NUM_LAYERS,
+                kv_cache_memory=32 << 20,
+                dtype="float32",
+                kv_cache_dtype=kv,
+            )
         return cache[kv]
+
     return get
 
 
@@ -63,8 +89,11 @@ def _prompts(n, seed):
 
 
 def _request(rid, tokens, prefill=None):
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens,
-                             sampling=pb.SamplingParams(temperature=0.0, max_tokens=12))
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=12),
+    )
     if prefill is not None:
         req.prefill_worker.CopyFrom(prefill.ref())
     return req
@@ -74,12 +103,16 @@ def test_workers_publish_their_kv_format(etcd, cluster):
     async def listing():
         async with make_client(etcd.endpoint) as client:
             return await list_workers(client, "default")
+
     infos = {i.worker_id: i for i in asyncio.run(listing())}
     for kv, (p, d) in cluster.items():
         assert infos[p.worker_id].kv_cache_dtype == infos[d.worker_id].kv_cache_dtype == FORMATS[kv]
         assert infos[p.worker_id].compat_hash == infos[d.worker_id].compat_hash
     assert cluster["fp8"][0].worker_id != cluster["int8"][0].worker_id
-    assert infos[cluster["fp8"][0].worker_id].compat_hash != infos[cluster["int8"][0].worker_id].compat_hash
+    assert (
+        infos[cluster["fp8"][0].worker_id].compat_hash
+        != infos[cluster["int8"][0].worker_id].compat_hash
+    )
 
 
 @pytest.mark.parametrize("kv", list(FORMATS))
@@ -89,16 +122,24 @@ def test_disaggregated_greedy_equals_single_engine_with_the_same_kv_dtype(cluste
     before = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
 
     async def run_all():
-        return await asyncio.gather(*[generate(decode.address, _request(f"{kv}-{i}", p, prefill))
-                                      for i, p in enumerate(prompts)])
+        return await asyncio.gather(
+            *[
+                generate(decode.address, _request(f"{kv}-{i}", p, prefill))
+                for i, p in enumerate(prompts)
+            ]
+        )
 
     results = asyncio.run(run_all())
-    expected = reference(kv).generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
-                                      use_tqdm=False)
+    expected = reference(kv).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
     for responses, ref in zip(results, expected):
         assert {r.prefill_mode for r in responses} == {"remote"}
         assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
-    landed = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") - before
+    landed = (
+        metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+        - before
+    )
     assert landed == sum(-(-len(p) // 16) for p in prompts)
     wait_all_blocks_free(prefill.address)
     wait_all_blocks_free(decode.address)
@@ -111,14 +152,22 @@ def test_prefill_worker_of_another_kv_format_is_refused_by_name(cluster, etcd):
 
     async def d_metadata():
         async with make_client(etcd.endpoint) as client:
-            [info] = [i for i in await list_workers(client, "default") if i.worker_id == d_fp8.worker_id]
+            [info] = [
+                i for i in await list_workers(client, "default") if i.worker_id == d_fp8.worker_id
+            ]
         return info.kv_metadata.encode("ascii")
 
     request = pb.PrefillRequest(
-        request_id="mismatch", prompt_token_ids=list(range(100, 132)),
+        request_id="mismatch",
+        prompt_token_ids=list(range(100, 132)),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=1, seed=1),
-        destination=pb.KVDestination(peer_metadata=asyncio.run(d_metadata()), block_ids=[0, 1],
-                                     transfer_id="mismatch:0", deadline_s=5))
+        destination=pb.KVDestination(
+            peer_metadata=asyncio.run(d_metadata()),
+            block_ids=[0, 1],
+            transfer_id="mismatch:0",
+            deadline_s=5,
+        ),
+    )
 
     async def call():
         async with grpc.aio.insecure_channel(p_int8.address) as ch:
@@ -133,13 +182,17 @@ def test_prefill_worker_of_another_kv_format_is_refused_by_name(cluster, etcd):
     assert "theirs fp8_e4m3 (float8_e4m3fn, scales: unit)" in details
     wait_all_blocks_free(p_int8.address)
     # P's peer warm-up (etcd listing every second) said so once, not every second
-    warm = [line for line in p_int8.log_path.read_text().splitlines()
-            if f"worker {d_fp8.worker_id} is not a KV peer" in line]
+    warm = [
+        line
+        for line in p_int8.log_path.read_text().splitlines()
+        if f"worker {d_fp8.worker_id} is not a KV peer" in line
+    ]
     assert len(warm) == 1 and "KV cache formats differ" in warm[0]
 
 
 def test_decode_worker_prefills_locally_when_its_prefill_worker_is_of_another_format(
-        cluster, reference):
+    cluster, reference
+):
     """The existing fallback for a failing P (docs/workers.md): the request still succeeds,
     prefilled by D itself, and equals the single fp8 engine's output."""
     p_int8, _ = cluster["int8"]
@@ -148,10 +201,14 @@ def test_decode_worker_prefills_locally_when_its_prefill_worker_is_of_another_fo
     before = metric(d_fp8.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
     responses = asyncio.run(generate(d_fp8.address, _request("fallback", prompt, p_int8)))
     assert {r.prefill_mode for r in responses} == {"local_fallback"}
-    [ref] = reference("fp8").generate([prompt], SamplingParams(temperature=0.0, max_tokens=12),
-                                      use_tqdm=False)
+    [ref] = reference("fp8").generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
     assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
-    assert metric(d_fp8.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") == before
+    assert (
+        metric(d_fp8.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+        == before
+    )
     log = d_fp8.log_path.read_text()
     assert "FAILED_PRECONDITION" in log and "KV cache formats differ" in log
     wait_all_blocks_free(d_fp8.address)
@@ -164,21 +221,40 @@ def test_pdserve_up_kv_cache_dtype_reaches_both_roles_and_serves(tmp_path, refer
     import httpx
     from up_cluster import Up
 
-    up = Up(tmp_path, "--prefill", "1", "--decode", "1", "--kv-cache-dtype", "int8",
-            "--router-arg=--local-prefill-threshold=0", "--router-arg=--local-prefill-max-tokens=0")
+    up = Up(
+        tmp_path,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--kv-cache-dtype",
+        "int8",
+        "--router-arg=--local-prefill-threshold=0",
+        "--router-arg=--local-prefill-max-tokens=0",
+    )
     try:
         workers = up.workers()
         assert sorted(w.role for w in workers) == ["decode", "prefill"]
         assert {w.kv_cache_dtype for w in workers} == {"int8"}
         [decode] = [w for w in workers if w.role == "decode"]
         [prompt] = _prompts(1, seed=21)
-        r = httpx.post(up.url + "/v1/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 0.0})
+        r = httpx.post(
+            up.url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "prompt": prompt,
+                "max_tokens": 8,
+                "temperature": 0.0,
+            },
+        )
         assert r.status_code == 200, r.text
-        [ref] = reference("int8").generate([prompt], SamplingParams(temperature=0.0, max_tokens=8),
-                                           use_tqdm=False)
+        [ref] = reference("int8").generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
+        )
         assert r.json()["choices"][0]["text"] == ref.outputs[0].text
-        assert metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total",
-                      direction="receive") == -(-len(prompt) // 16)
+        assert metric(
+            decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive"
+        ) == -(-len(prompt) // 16)
     finally:
         assert up.stop() == 0

@@ -5,19 +5,20 @@ turns >= 2 find their history cached somewhere — pulled from the worker that h
 of recomputed — and afterwards nothing is held anywhere: no block in use on any worker, each
 worker's tier holding exactly the blocks it announces, the router's index equal to the
 workers' pools and tiers."""
+
 import asyncio
 import random
 
 import httpx
 import pytest
+from pd_cluster import metric
+from up_cluster import Up
 
 from cluster.grpc_auth import aio_channel
 from engine import LLM, SamplingParams
 from local_cluster.run_file import cluster_auth
-from pd_cluster import metric
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from up_cluster import Up
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,14 +26,40 @@ MAX_TOKENS = 24
 
 
 def _words(rng: random.Random, n: int) -> str:
-    vocab = ["river", "stone", "lamp", "orange", "quiet", "north", "paper", "seven", "window",
-             "garden", "copper", "signal", "winter", "harbor", "velvet", "engine", "meadow"]
+    vocab = [
+        "river",
+        "stone",
+        "lamp",
+        "orange",
+        "quiet",
+        "north",
+        "paper",
+        "seven",
+        "window",
+        "garden",
+        "copper",
+        "signal",
+        "winter",
+        "harbor",
+        "velvet",
+        "engine",
+        "meadow",
+    ]
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
 def test_multi_turn_chats_reuse_kv_across_workers(tmp_path, model_dir):
-    up = Up(tmp_path, "--prefill", "1", "--decode", "2", "--kv-offloading-size", "8MiB",
-            "--router-arg=--policy=round_robin", "--router-arg=--enable-prompt-tokens-details")
+    up = Up(
+        tmp_path,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--kv-offloading-size",
+        "8MiB",
+        "--router-arg=--policy=round_robin",
+        "--router-arg=--enable-prompt-tokens-details",
+    )
     try:
         reference = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, dtype="float32")
         http = httpx.Client(base_url=up.url, timeout=120)
@@ -43,14 +70,28 @@ def test_multi_turn_chats_reuse_kv_across_workers(tmp_path, model_dir):
         for turn in range(3):
             for c, messages in enumerate(conversations):
                 messages.append({"role": "user", "content": _words(rng, 40)})
-                reply = http.post("/v1/chat/completions", json={
-                    "model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
-                    "temperature": 0}).raise_for_status().json()
+                reply = (
+                    http.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": MODEL,
+                            "messages": messages,
+                            "max_tokens": MAX_TOKENS,
+                            "temperature": 0,
+                        },
+                    )
+                    .raise_for_status()
+                    .json()
+                )
                 text = reply["choices"][0]["message"]["content"]
-                ids = http.post("/tokenize", json={"model": MODEL, "messages": messages}
-                                ).raise_for_status().json()["tokens"]
-                [ref] = reference.generate([ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                                           use_tqdm=False)
+                ids = (
+                    http.post("/tokenize", json={"model": MODEL, "messages": messages})
+                    .raise_for_status()
+                    .json()["tokens"]
+                )
+                [ref] = reference.generate(
+                    [ids], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False
+                )
                 assert text == ref.outputs[0].text, (turn, messages)
                 usage = reply["usage"]
                 if turn:
@@ -58,17 +99,27 @@ def test_multi_turn_chats_reuse_kv_across_workers(tmp_path, model_dir):
                     # answer's last token is never computed) as far as this prompt repeats
                     # them token for token (an answer's text may tokenize differently).
                     held = previous[c][:-1]
-                    same = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b),
-                                min(len(held), len(ids) - 1))
+                    same = next(
+                        (i for i, (a, b) in enumerate(zip(held, ids)) if a != b),
+                        min(len(held), len(ids) - 1),
+                    )
                     cacheable += same // 16 * 16
                     cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
                 previous[c] = ids + ref.outputs[0].token_ids
                 messages.append({"role": "assistant", "content": text})
         workers = up.workers()
-        assert metric(up.url.removeprefix("http://"), "pdserve_router_kv_pull_decisions_total",
-                      outcome="pull") >= 1
-        pulled = sum(metric(w.metrics_address, "pdserve_worker_kv_pulls_total", outcome="pulled")
-                     for w in workers)
+        assert (
+            metric(
+                up.url.removeprefix("http://"),
+                "pdserve_router_kv_pull_decisions_total",
+                outcome="pull",
+            )
+            >= 1
+        )
+        pulled = sum(
+            metric(w.metrics_address, "pdserve_worker_kv_pulls_total", outcome="pulled")
+            for w in workers
+        )
         assert pulled >= 1
         # Round robin sends every later turn to a worker that did not serve the one before,
         # yet nearly all of the history is found (pulled, or held by the worker placed on).
@@ -96,8 +147,9 @@ async def _nothing_held(up: Up, workers, timeout_s: float = 15.0) -> None:
             if c.free_blocks != c.total_blocks or c.running or c.waiting:
                 problems.append(f"{w.worker_id}: {c.total_blocks - c.free_blocks} blocks in use")
             if c.kv_offload_used_blocks != sum(tiers):
-                problems.append(f"{w.worker_id}: tier holds {c.kv_offload_used_blocks}, "
-                                f"announces {sum(tiers)}")
+                problems.append(
+                    f"{w.worker_id}: tier holds {c.kv_offload_used_blocks}, announces {sum(tiers)}"
+                )
         indexed = metric(up.url.removeprefix("http://"), "pdserve_router_kv_index_blocks")
         if indexed != len(announced):
             problems.append(f"router indexes {indexed} blocks, workers hold {len(announced)}")

@@ -4,6 +4,7 @@ another worker holds pulls those blocks (`kv_source`) instead of computing them.
 Outputs must equal a single engine's whether the KV was computed or pulled; a pull that
 cannot happen (the holder lost the blocks, or is gone) falls back to computing, and the
 request completes; no block stays in use on any side afterwards."""
+
 import asyncio
 import os
 import random
@@ -12,12 +13,18 @@ import time
 
 import grpc
 import pytest
+from pd_cluster import (
+    NUM_LAYERS,
+    WorkerProcess,
+    generate,
+    health,
+    metric,
+    tokens_by_index,
+    wait_all_blocks_free,
+)
 
 from cluster.etcd_server import EtcdServer
 from engine import LLM, SamplingParams
-from pd_cluster import (
-    NUM_LAYERS, WorkerProcess, generate, health, metric, tokens_by_index, wait_all_blocks_free,
-)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -35,8 +42,9 @@ def etcd():
 def workers(etcd, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     prefill = WorkerProcess("prefill", etcd.endpoint, log_dir=logs)
-    decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "20", "--enable-admin-rpcs",
-                           log_dir=logs)
+    decode = WorkerProcess(
+        "decode", etcd.endpoint, "--kv-timeout", "20", "--enable-admin-rpcs", log_dir=logs
+    )
     try:
         yield prefill.wait_ready(), decode.wait_ready()
     finally:
@@ -60,13 +68,15 @@ def _request(rid, tokens, prefill=None, source=None, num_blocks=0, **sampling):
     sampling.setdefault("temperature", 0.0)
     sampling.setdefault("max_tokens", 12)
     sampling.setdefault("logprobs", 1)
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens,
-                             sampling=pb.SamplingParams(**sampling))
+    req = pb.GenerateRequest(
+        request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling)
+    )
     if prefill is not None:
         req.prefill_worker.CopyFrom(prefill.ref())
     if source is not None:
-        req.kv_source.CopyFrom(pb.KVSource(worker_id=source.worker_id, address=source.address,
-                                           num_blocks=num_blocks))
+        req.kv_source.CopyFrom(
+            pb.KVSource(worker_id=source.worker_id, address=source.address, num_blocks=num_blocks)
+        )
     return req
 
 
@@ -106,11 +116,14 @@ def test_prefill_worker_pulls_the_decode_workers_previous_turn(workers, referenc
     turn2 = turn1 + answer + _prompt(2, 20)
     held = (len(turn1) + len(answer) - 1) // BLOCK  # full blocks D computed and cached
     assert held * BLOCK > len(turn1) + BLOCK  # the answer's blocks are among them
-    pulled_before, sent_before = _pulled(prefill), metric(
-        decode.metrics_address, "pdserve_worker_kv_exports_total", outcome="sent")
+    pulled_before, sent_before = (
+        _pulled(prefill),
+        metric(decode.metrics_address, "pdserve_worker_kv_exports_total", outcome="sent"),
+    )
     hits_before = metric(prefill.metrics_address, "vllm:prefix_cache_hits_total")
-    responses = asyncio.run(generate(decode.address, _request(
-        "turn-2", turn2, prefill, source=decode, num_blocks=held)))
+    responses = asyncio.run(
+        generate(decode.address, _request("turn-2", turn2, prefill, source=decode, num_blocks=held))
+    )
     ref = _expected(reference_llm, turn2)
     assert {r.prefill_mode for r in responses} == {"remote"}
     _assert_same(responses, ref)
@@ -118,10 +131,14 @@ def test_prefill_worker_pulls_the_decode_workers_previous_turn(workers, referenc
     p_had = len(turn1) // BLOCK
     assert _pulled(prefill) - pulled_before == held - p_had
     # ... and computed none of them: they were prefix hits there (so the KV was used).
-    assert metric(prefill.metrics_address, "vllm:prefix_cache_hits_total") - hits_before \
+    assert (
+        metric(prefill.metrics_address, "vllm:prefix_cache_hits_total") - hits_before
         == held * BLOCK
-    assert metric(decode.metrics_address, "pdserve_worker_kv_exports_total",
-                  outcome="sent") == sent_before + 1
+    )
+    assert (
+        metric(decode.metrics_address, "pdserve_worker_kv_exports_total", outcome="sent")
+        == sent_before + 1
+    )
 
 
 def test_decode_worker_pulls_what_the_prefill_worker_holds(workers, reference_llm):
@@ -132,11 +149,17 @@ def test_decode_worker_pulls_what_the_prefill_worker_holds(workers, reference_ll
     asyncio.run(generate(decode.address, _request("warm-p", shared + [7, 8, 9], prefill)))
     # D received those blocks from P and holds them too: make D forget them.
     asyncio.run(_reset_prefix_cache(decode))
-    for rid, extra, sampling in (("greedy", [11, 12, 13], {}),
-                                 ("seeded", [14, 15], dict(temperature=0.8, seed=5))):
+    for rid, extra, sampling in (
+        ("greedy", [11, 12, 13], {}),
+        ("seeded", [14, 15], dict(temperature=0.8, seed=5)),
+    ):
         before = _pulled(decode)
-        responses = asyncio.run(generate(decode.address, _request(
-            rid, shared + extra, source=prefill, num_blocks=6, **sampling)))
+        responses = asyncio.run(
+            generate(
+                decode.address,
+                _request(rid, shared + extra, source=prefill, num_blocks=6, **sampling),
+            )
+        )
         assert {r.prefill_mode for r in responses} == {"local"}
         _assert_same(responses, _expected(reference_llm, shared + extra, **sampling))
         assert responses[-1].usage.cached_tokens >= 6 * BLOCK
@@ -152,11 +175,14 @@ def test_a_pull_the_holder_cannot_serve_falls_back_to_computing(workers, referen
     for seed, rid, source in ((21, "not-held", prefill), (22, "holder-gone", gone)):
         prompt = _prompt(seed, 80)
         failed = metric(decode.metrics_address, "pdserve_worker_kv_pulls_total", outcome="failed")
-        responses = asyncio.run(generate(decode.address, _request(rid, prompt, source=source,
-                                                                   num_blocks=4)))
+        responses = asyncio.run(
+            generate(decode.address, _request(rid, prompt, source=source, num_blocks=4))
+        )
         _assert_same(responses, _expected(reference_llm, prompt))
-        assert metric(decode.metrics_address, "pdserve_worker_kv_pulls_total",
-                      outcome="failed") == failed + 1
+        assert (
+            metric(decode.metrics_address, "pdserve_worker_kv_pulls_total", outcome="failed")
+            == failed + 1
+        )
 
 
 def test_a_stalled_holder_delays_the_request_little_and_strands_nothing(workers, reference_llm):
@@ -173,8 +199,11 @@ def test_a_stalled_holder_delays_the_request_little_and_strands_nothing(workers,
     os.kill(prefill.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        responses = asyncio.run(generate(decode.address, _request(
-            "stalled", shared + [2, 3], source=prefill, num_blocks=6)))
+        responses = asyncio.run(
+            generate(
+                decode.address, _request("stalled", shared + [2, 3], source=prefill, num_blocks=6)
+            )
+        )
         assert time.monotonic() - started < 10  # far below --kv-timeout 20
         _assert_same(responses, _expected(reference_llm, shared + [2, 3]))
         c = health(decode.address).capacity
@@ -190,8 +219,12 @@ def test_a_stalled_holder_delays_the_request_little_and_strands_nothing(workers,
 
 def test_send_blocks_refuses_unregistered_destinations(workers):
     prefill, _ = workers
-    request = pb.SendBlocksRequest(block_hashes=[b"x" * 32], destination=pb.KVDestination(
-        peer_metadata=b"{}", block_ids=[0], transfer_id="pull:forged:0", deadline_s=5))
+    request = pb.SendBlocksRequest(
+        block_hashes=[b"x" * 32],
+        destination=pb.KVDestination(
+            peer_metadata=b"{}", block_ids=[0], transfer_id="pull:forged:0", deadline_s=5
+        ),
+    )
 
     async def call():
         async with grpc.aio.insecure_channel(prefill.address) as ch:

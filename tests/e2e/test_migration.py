@@ -2,17 +2,18 @@
 router`. Seeded streamed requests run; the decode worker serving most of them is SIGKILLed
 after a few tokens; every client stream still completes, with exactly the text a single
 engine produces for the same seed — zero failed requests. Prints the seam it measured."""
+
 import threading
 import time
 
 import httpx
 import pytest
+from pd_cluster import NUM_LAYERS, WorkerProcess, health
 
 from cluster.etcd_server import EtcdServer
 from cluster.net import free_port
 from engine import LLM, SamplingParams
 from local_cluster.launcher import ServiceProcess
-from pd_cluster import NUM_LAYERS, WorkerProcess, health
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +23,14 @@ MAX_TOKENS = 64  # each stream is killed after about 3 tokens: the rest come aft
 
 
 def _sampling(i: int) -> dict:
-    return {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "frequency_penalty": 0.2}
+    return {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "seed": 1000 + i,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "frequency_penalty": 0.2,
+    }
 
 
 class _Stream(threading.Thread):
@@ -31,8 +38,13 @@ class _Stream(threading.Thread):
 
     def __init__(self, url: str, prompt: list[int], sampling: dict) -> None:
         super().__init__(daemon=True)
-        self.body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "stream": True,
-                     "stream_options": {"include_usage": True}, **sampling}
+        self.body = {
+            "model": "SmolLM2-135M-Instruct",
+            "prompt": prompt,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **sampling,
+        }
         self.url = url
         self.text, self.times, self.errors = [], [], []
         self.finish_reason = self.usage = None
@@ -63,18 +75,32 @@ def _router_metric(url: str, name: str) -> float:
 
 
 def test_sigkill_mid_stream_migrates_without_a_seam(model_dir, tmp_path):
-    reference = LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20,
-                    dtype="float32")
+    reference = LLM(
+        str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20, dtype="float32"
+    )
     prompts = [reference.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS]
     params = [SamplingParams(**_sampling(i)) for i in range(len(prompts))]
     expected = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
     with EtcdServer() as etcd:
-        decodes = [WorkerProcess("decode", etcd.endpoint, log_dir=tmp_path, cluster=CLUSTER)
-                   for _ in range(2)]
+        decodes = [
+            WorkerProcess("decode", etcd.endpoint, log_dir=tmp_path, cluster=CLUSTER)
+            for _ in range(2)
+        ]
         port = free_port()
-        router = ServiceProcess(["router", "--etcd", etcd.endpoint, "--cluster", CLUSTER,
-                                 "--port", str(port), "--log-level", "warning"],
-                                tmp_path / "router.log")
+        router = ServiceProcess(
+            [
+                "router",
+                "--etcd",
+                etcd.endpoint,
+                "--cluster",
+                CLUSTER,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            tmp_path / "router.log",
+        )
         url = f"http://127.0.0.1:{port}"
         victim = None
         try:
@@ -120,12 +146,19 @@ def test_sigkill_mid_stream_migrates_without_a_seam(model_dir, tmp_path):
             assert migrated == max(running) >= 1
             assert _router_metric(url, "pdserve_router_migration_failures_total") == 0
             # The seam as clients saw it: the longest gap between chunks straddling the kill.
-            gaps = sorted(max((b - a for a, b in zip(s.times, s.times[1:])
-                               if a <= killed_at <= b), default=0.0) for s in streams)
+            gaps = sorted(
+                max(
+                    (b - a for a, b in zip(s.times, s.times[1:]) if a <= killed_at <= b),
+                    default=0.0,
+                )
+                for s in streams
+            )
             seam_sum = _router_metric(url, "pdserve_router_migration_seam_seconds_sum")
-            print(f"\nmigrated {migrated:g} of {len(streams)} requests, failed 0; client gap "
-                  f"across the kill (s): {[round(g, 3) for g in gaps]}; router seam "
-                  f"(failure -> next token) mean {seam_sum / migrated:.3f} s")
+            print(
+                f"\nmigrated {migrated:g} of {len(streams)} requests, failed 0; client gap "
+                f"across the kill (s): {[round(g, 3) for g in gaps]}; router seam "
+                f"(failure -> next token) mean {seam_sum / migrated:.3f} s"
+            )
         finally:
             code = router.terminate(30)
             codes = [d.terminate(30) for d in decodes if d is not victim]

@@ -8,12 +8,12 @@ holds the example package and a dist-info declaring its `pdserve.model_plugins` 
 it — nothing in the worker command names the plugin. Completions through the router (prefilled
 on the prefill worker, KV over NIXL into the decode worker's pool) equal the offline engine's
 and the example's own plain-torch reference."""
+
 import os
 import sys
 
 import httpx
 import pytest
-
 from pd_cluster import metric, remote_prefill_cluster
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
@@ -22,8 +22,10 @@ from tiny_plugin import EXAMPLE_ROOT, write_entry_point_dist  # noqa: E402
 pytestmark = pytest.mark.slow
 
 CLUSTER = "model-plugin"
-TEXTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",
-         "Paged attention stores keys and values in fixed-size blocks of the pool."]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, again and again and again.",
+    "Paged attention stores keys and values in fixed-size blocks of the pool.",
+]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 
@@ -32,15 +34,18 @@ def checkpoint(tmp_path_factory, model_dir):
     sys.path.insert(0, str(EXAMPLE_ROOT))
     from tiny_arch.make_checkpoint import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("plugin") / "tiny-ckpt", layers=2, seed=1,
-                           tokenizer_dir=model_dir)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("plugin") / "tiny-ckpt", layers=2, seed=1, tokenizer_dir=model_dir
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, checkpoint):
     logs = tmp_path_factory.mktemp("plugin-logs")
     site = write_entry_point_dist(tmp_path_factory.mktemp("plugin-site"))
-    path = os.pathsep.join(filter(None, [str(site), str(EXAMPLE_ROOT), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(
+        filter(None, [str(site), str(EXAMPLE_ROOT), os.environ.get("PYTHONPATH")])
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", path)  # read by the processes started below
         model = ("--model", str(checkpoint))
@@ -49,10 +54,11 @@ def cluster(tmp_path_factory, checkpoint):
 
 
 def test_plugin_architecture_through_the_cluster_equals_offline(cluster, checkpoint):
-    from engine import LLM, SamplingParams
-    from engine.models.registry import ModelRegistry
     from tiny_arch import register
     from tiny_arch.reference import reference_greedy
+
+    from engine import LLM, SamplingParams
+    from engine.models.registry import ModelRegistry
 
     url, prefill, decode = cluster
     register()  # this process: registered directly (the workers found the entry point)
@@ -62,9 +68,14 @@ def test_plugin_architecture_through_the_cluster_equals_offline(cluster, checkpo
     offline = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
     model = llm.engine.loaded.model
     for prompt, out in zip(prompts, offline):
-        assert list(out.outputs[0].token_ids) == reference_greedy(model, prompt, GREEDY["max_tokens"])
-        r = httpx.post(url + "/v1/completions", timeout=120,
-                       json={"model": checkpoint.name, "prompt": prompt, **GREEDY})
+        assert list(out.outputs[0].token_ids) == reference_greedy(
+            model, prompt, GREEDY["max_tokens"]
+        )
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"model": checkpoint.name, "prompt": prompt, **GREEDY},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == out.outputs[0].text
     # the prompts were prefilled remotely: the plugin's KV went over NIXL into the decode pool

@@ -2,6 +2,7 @@
 --prefill-arg, the per-role flag, so only that role fails) is retried with backoff until the
 crash-loop limit, `up` serves anyway (decode workers prefill locally), `pdserve status` and the
 up log report the crash loop, and shutdown leaves no process behind."""
+
 import asyncio
 import time
 
@@ -13,8 +14,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_worker_failing_at_start_is_retried_and_not_fatal(tmp_path):
-    up = Up(tmp_path, "--prefill", "1", "--decode", "1", "--prefill-arg=--no-such-flag",
-            "--restart-backoff", "0.2", "--max-restarts", "2")
+    up = Up(
+        tmp_path,
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--prefill-arg=--no-such-flag",
+        "--restart-backoff",
+        "0.2",
+        "--max-restarts",
+        "2",
+    )
     pids = set()
     try:
         pids |= {p for ps in up.children().values() for p in ps}
@@ -28,10 +39,15 @@ def test_a_worker_failing_at_start_is_retried_and_not_fatal(tmp_path):
 
         assert asyncio.run(one())
         status = up.cli("status")
-        assert any(line.split()[:2] == ["prefill-1", "prefill"] and line.split()[2:6] == ["-", "crash-loop", "2", "2"]
-                   for line in status.splitlines()), status
-        assert any(line.startswith("[") and "error: prefill-1 (prefill) crashed 3 times" in line
-                   for line in up.output), "".join(up.output)
+        assert any(
+            line.split()[:2] == ["prefill-1", "prefill"]
+            and line.split()[2:6] == ["-", "crash-loop", "2", "2"]
+            for line in status.splitlines()
+        ), status
+        assert any(
+            line.startswith("[") and "error: prefill-1 (prefill) crashed 3 times" in line
+            for line in up.output
+        ), "".join(up.output)
         pids |= {p for ps in up.children().values() for p in ps}
     finally:
         code = up.stop()

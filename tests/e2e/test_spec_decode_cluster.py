@@ -5,31 +5,35 @@ Completions of copy-heavy prompts through the router (prefilled on the prefill w
 NIXL, decoded with drafts) equal a single engine's without speculation, greedy and seeded; the
 decode worker counts drafts and accepted tokens under vLLM's names; the prefill worker, given
 the same flag (as `--worker-arg` gives it to both roles), drops it with one warning."""
+
 import json
 import time
 
 import httpx
 import pytest
-
-from engine import LLM, SamplingParams
 from metrics_catalog import documented, speculative_only, type_lines
 from pd_cluster import NUM_LAYERS, metric, remote_prefill_cluster
+
+from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
 CLUSTER = "spec-decode"
 MODEL = "SmolLM2-135M-Instruct"
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
-TEXTS = ["The cat sat on the mat. " * 4,
-         "Roses are red, violets are blue, sugar is sweet and so are you. " * 3]
+TEXTS = [
+    "The cat sat on the mat. " * 4,
+    "Roses are red, violets are blue, sugar is sweet and so are you. " * 3,
+]
 GREEDY = {"temperature": 0.0, "max_tokens": 32}
 SEEDED = {"temperature": 0.8, "seed": 1234, "max_tokens": 32}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with remote_prefill_cluster(tmp_path_factory.mktemp("spec-logs"), CLUSTER,
-                                worker_args=("--speculative-config", SPEC)) as c:
+    with remote_prefill_cluster(
+        tmp_path_factory.mktemp("spec-logs"), CLUSTER, worker_args=("--speculative-config", SPEC)
+    ) as c:
         yield c
 
 
@@ -40,8 +44,9 @@ def reference(model_dir):
 
 
 def _complete(url: str, prompt: list[int], sampling: dict) -> str:
-    r = httpx.post(url + "/v1/completions", timeout=120,
-                   json={"model": MODEL, "prompt": prompt, **sampling})
+    r = httpx.post(
+        url + "/v1/completions", timeout=120, json={"model": MODEL, "prompt": prompt, **sampling}
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -50,8 +55,10 @@ def test_outputs_equal_a_single_engine_without_speculation(cluster, reference):
     url, prefill, decode = cluster
     prompts = [reference.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS]
     for sampling in (GREEDY, SEEDED):
-        expected = [o.outputs[0].text for o in
-                    reference.generate(prompts, SamplingParams(**sampling), use_tqdm=False)]
+        expected = [
+            o.outputs[0].text
+            for o in reference.generate(prompts, SamplingParams(**sampling), use_tqdm=False)
+        ]
         assert [_complete(url, p, sampling) for p in prompts] == expected, sampling
     # the prompts were prefilled remotely, so drafting started from KV that came over NIXL
     assert metric(decode.metrics_address, "pdserve_worker_prefill_mode_total", mode="remote") > 0
@@ -81,8 +88,10 @@ def test_decode_worker_counts_drafts_under_vllm_names(cluster, reference):
     drafts = metric(address, "vllm:spec_decode_num_drafts_total", role="decode")
     assert drafted >= accepted > 0 and drafts > 0
     assert drafted <= 3 * drafts  # at most num_speculative_tokens per draft
-    per_pos = [metric(address, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-               for i in range(3)]
+    per_pos = [
+        metric(address, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(3)
+    ]
     assert sum(per_pos) == accepted and per_pos[0] >= per_pos[1] >= per_pos[2]
     assert metric(address, "pdserve_worker_spec_accepted_tokens_total", role="decode") == accepted
 

@@ -2,6 +2,7 @@
 through the router (prefilling locally: --prefill 0; tests/e2e/test_tp_disagg.py moves KV
 between tensor-parallel workers), its ranks
 are its children, and killing one fails the worker, which the supervisor restarts."""
+
 import asyncio
 import os
 import signal
@@ -21,8 +22,16 @@ def chats(url: str, n: int) -> list[str]:
 
 
 def test_tp2_decode_worker_serves_and_a_killed_rank_restarts_it(tmp_path):
-    up = Up(tmp_path, "--prefill", "0", "--decode", "1", "-tp", "2",
-            "--worker-arg=--distributed-timeout=10")
+    up = Up(
+        tmp_path,
+        "--prefill",
+        "0",
+        "--decode",
+        "1",
+        "-tp",
+        "2",
+        "--worker-arg=--distributed-timeout=10",
+    )
     try:
         assert all(chats(up.url, 3))
         worker = up.children()["decode"][0]

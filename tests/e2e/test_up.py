@@ -5,6 +5,7 @@ made, in a 0600 file, never on a command line): concurrent streaming chats,
 scale-out and scale-in under load with zero failed requests, a decode worker SIGKILLed under
 load (replaced: the pool is restored), the router SIGKILLed (back on the same port), and
 nothing left running after SIGTERM."""
+
 import asyncio
 import glob
 import os
@@ -48,8 +49,9 @@ def _etcd_is_closed(up) -> None:
     for path in glob.glob(os.path.join(os.path.dirname(password_file), "etcd-*.password")):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
         password = open(path).read().strip()
-        assert not any(password in " ".join(_cmdline(p))
-                       for ps in up.children().values() for p in ps)
+        assert not any(
+            password in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps
+        )
     assert len(glob.glob(os.path.join(os.path.dirname(password_file), "etcd-*.password"))) == 3
     assert up.workers()  # the router's user reads the registrations
 
@@ -67,8 +69,11 @@ def _etcd_is_closed(up) -> None:
 
 async def _direct_generate(address: str, auth: ClusterAuth) -> grpc.StatusCode:
     """A one-token Generate straight to a decode worker (bypassing the router)."""
-    req = pb.GenerateRequest(request_id="direct", prompt_token_ids=[1, 2, 3],
-                             sampling=pb.SamplingParams(temperature=0, max_tokens=1))
+    req = pb.GenerateRequest(
+        request_id="direct",
+        prompt_token_ids=[1, 2, 3],
+        sampling=pb.SamplingParams(temperature=0, max_tokens=1),
+    )
     async with aio_channel(address, auth) as ch:
         try:
             async for _ in pb_grpc.DecodeWorkerStub(ch).Generate(req, timeout=60):
@@ -85,6 +90,7 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
     pids = set()
     token_file = ""
     try:
+
         async def concurrent(api_key: str = KEY):
             client = openai.AsyncOpenAI(base_url=up.url + "/v1", api_key=api_key, max_retries=0)
             return await asyncio.gather(*[chat(client, i) for i in range(6)])
@@ -98,11 +104,19 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         token_file = up.run["grpc_security"]["cluster_token_file"]
         assert os.stat(token_file).st_mode & 0o777 == 0o600
         auth = cluster_auth(up.run)
-        assert not any(auth.token in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps)
+        assert not any(
+            auth.token in " ".join(_cmdline(p)) for ps in up.children().values() for p in ps
+        )
         decode = next(w for w in up.workers() if w.role == "decode")
-        assert asyncio.run(_direct_generate(decode.grpc_address, OPEN)) is grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            asyncio.run(_direct_generate(decode.grpc_address, OPEN))
+            is grpc.StatusCode.UNAUTHENTICATED
+        )
         wrong = ClusterAuth(token="not-the-cluster-token-0123456789")
-        assert asyncio.run(_direct_generate(decode.grpc_address, wrong)) is grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            asyncio.run(_direct_generate(decode.grpc_address, wrong))
+            is grpc.StatusCode.UNAUTHENTICATED
+        )
         assert asyncio.run(_direct_generate(decode.grpc_address, auth)) is grpc.StatusCode.OK
         pids |= {p for ps in up.children().values() for p in ps}
         assert {"prefill", "decode", "router", "etcd"} <= {k for k, v in up.children().items() if v}
@@ -116,8 +130,16 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         new = max(up.workers(), key=lambda w: w.worker_id if w.role == "decode" else "")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            metrics = urllib.request.urlopen(f"http://{new.metrics_address}/metrics", timeout=5).read().decode()
-            served = [l for l in metrics.splitlines() if l.startswith("pdserve_worker_generation_tokens_total")]
+            metrics = (
+                urllib.request.urlopen(f"http://{new.metrics_address}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+            served = [
+                l
+                for l in metrics.splitlines()
+                if l.startswith("pdserve_worker_generation_tokens_total")
+            ]
             if served and float(served[0].split()[-1]) > 0:
                 break
             time.sleep(0.5)
@@ -161,8 +183,10 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
         assert load.ok > 0
         assert asyncio.run(concurrent())
         status = up.cli("status")
-        assert any(line.split()[:2] == [name, "decode"] and line.split()[3:6] == ["ready", "1", "-9"]
-                   for line in status.splitlines()), status
+        assert any(
+            line.split()[:2] == [name, "decode"] and line.split()[3:6] == ["ready", "1", "-9"]
+            for line in status.splitlines()
+        ), status
 
         # SIGKILL the router: it comes back on the same port; clients keep their URL.
         router = up.children()["router"][0]

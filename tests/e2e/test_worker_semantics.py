@@ -3,6 +3,7 @@
   nothing is leaked, and a request aborted while its KV is still being written does not take
   the engine down when the KV lands;
 - `--max-num-seqs` also bounds requests parked for KV from a prefill worker."""
+
 import asyncio
 import random
 import signal
@@ -10,9 +11,9 @@ import time
 
 import grpc
 import pytest
+from pd_cluster import WorkerProcess, ahealth, generate, wait_all_blocks_free
 
 from cluster.etcd_server import EtcdServer
-from pd_cluster import WorkerProcess, ahealth, generate, wait_all_blocks_free
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -25,9 +26,18 @@ def workers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with EtcdServer() as etcd:
         # A tiny prefill budget: a long prompt takes P many steps, so D waits for its KV.
-        prefill = WorkerProcess("prefill", etcd.endpoint, "--max-num-batched-tokens", "16", log_dir=logs)
-        decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "30", "--max-num-seqs",
-                               str(MAX_NUM_SEQS), log_dir=logs)
+        prefill = WorkerProcess(
+            "prefill", etcd.endpoint, "--max-num-batched-tokens", "16", log_dir=logs
+        )
+        decode = WorkerProcess(
+            "decode",
+            etcd.endpoint,
+            "--kv-timeout",
+            "30",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            log_dir=logs,
+        )
         try:
             yield prefill.wait_ready(), decode.wait_ready()
         finally:
@@ -36,8 +46,11 @@ def workers(tmp_path_factory):
 
 
 def _request(rid, tokens, prefill=None, **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens,
-                             sampling=pb.SamplingParams(temperature=0.0, **sampling))
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling=pb.SamplingParams(temperature=0.0, **sampling),
+    )
     if prefill is not None:
         req.prefill_worker.CopyFrom(prefill.ref())
     return req
@@ -50,7 +63,9 @@ def _prompt(n, seed):
 
 async def _abort(address: str, request_id: str) -> bool:
     async with grpc.aio.insecure_channel(address) as ch:
-        return (await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id=request_id), timeout=10)).found
+        return (
+            await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id=request_id), timeout=10)
+        ).found
 
 
 def test_abort_of_a_running_request_ends_its_stream_with_a_final_update(workers):
@@ -59,7 +74,15 @@ def test_abort_of_a_running_request_ends_its_stream_with_a_final_update(workers)
     async def run():
         async with grpc.aio.insecure_channel(decode.address) as ch:
             call = pb_grpc.DecodeWorkerStub(ch).Generate(
-                _request("abort-running", _prompt(40, 1), prefill, n=2, max_tokens=100000, ignore_eos=True))
+                _request(
+                    "abort-running",
+                    _prompt(40, 1),
+                    prefill,
+                    n=2,
+                    max_tokens=100000,
+                    ignore_eos=True,
+                )
+            )
             responses = [await call.read()]  # a token is out: the request is running
             assert await _abort(decode.address, "abort-running")
             while (r := await call.read()) is not grpc.aio.EOF:
@@ -81,7 +104,9 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
 
     async def run():
         async with grpc.aio.insecure_channel(decode.address) as ch:
-            call = pb_grpc.DecodeWorkerStub(ch).Generate(_request("abort-parked", long_prompt, prefill, max_tokens=4))
+            call = pb_grpc.DecodeWorkerStub(ch).Generate(
+                _request("abort-parked", long_prompt, prefill, max_tokens=4)
+            )
             deadline = time.monotonic() + 20
             while (await ahealth(prefill.address)).capacity.running == 0:  # P is computing it
                 assert time.monotonic() < deadline
@@ -107,7 +132,9 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
     wait_all_blocks_free(decode.address, timeout=15)
     wait_all_blocks_free(prefill.address, timeout=15)
     # The engine thread is alive: a new request runs to completion through both workers.
-    after = asyncio.run(generate(decode.address, _request("after-abort", _prompt(30, 3), prefill, max_tokens=3)))
+    after = asyncio.run(
+        generate(decode.address, _request("after-abort", _prompt(30, 3), prefill, max_tokens=3))
+    )
     assert [r.finish_reason for r in after if r.finish_reason] == ["length"]
     assert {r.prefill_mode for r in after} == {"remote"}
 
@@ -116,8 +143,15 @@ def test_max_num_seqs_bounds_requests_waiting_for_kv(workers):
     prefill, decode = workers
 
     async def run():
-        calls = [asyncio.ensure_future(generate(decode.address, _request(
-            f"seqs-{i}", _prompt(600, 10 + i), prefill, max_tokens=2))) for i in range(4)]
+        calls = [
+            asyncio.ensure_future(
+                generate(
+                    decode.address,
+                    _request(f"seqs-{i}", _prompt(600, 10 + i), prefill, max_tokens=2),
+                )
+            )
+            for i in range(4)
+        ]
         peak = 0
         while not all(c.done() for c in calls):
             peak = max(peak, (await ahealth(decode.address)).capacity.running)  # running + parked

@@ -2,20 +2,27 @@
 
 The headline: greedy outputs through decode + prefill (KV streamed block by block over NIXL,
 several transfer batches per request) are token-identical to a single engine's."""
+
 import asyncio
 import random
 import time
 
 import grpc
 import pytest
+from pd_cluster import (
+    NUM_LAYERS,
+    WorkerProcess,
+    ahealth,
+    cancel_once_started,
+    generate,
+    metric,
+    tokens_by_index,
+    wait_all_blocks_free,
+)
 
 from cluster.etcd_server import EtcdServer
 from cluster.registration import list_workers, make_client
 from engine import LLM, SamplingParams
-from pd_cluster import (
-    NUM_LAYERS, WorkerProcess, ahealth, cancel_once_started, generate, metric, tokens_by_index,
-    wait_all_blocks_free,
-)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -32,7 +39,9 @@ def etcd():
 def workers(etcd, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     # A tiny prefill token budget: every prompt is chunked into several transfer batches.
-    prefill = WorkerProcess("prefill", etcd.endpoint, "--max-num-batched-tokens", "24", log_dir=logs)
+    prefill = WorkerProcess(
+        "prefill", etcd.endpoint, "--max-num-batched-tokens", "24", log_dir=logs
+    )
     decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "20", log_dir=logs)
     try:
         yield prefill.wait_ready(), decode.wait_ready()
@@ -58,7 +67,9 @@ def reference_llm(model_dir):
 def _request(rid, tokens, prefill=None, **sampling):
     sampling.setdefault("temperature", 0.0)
     sampling.setdefault("max_tokens", 12)
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling))
+    req = pb.GenerateRequest(
+        request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling)
+    )
     if prefill is not None:
         req.prefill_worker.CopyFrom(prefill.ref())
     return req
@@ -72,34 +83,62 @@ def _prompts(n, seed=0):
 def test_disaggregated_greedy_equals_single_engine(workers, reference_llm):
     prefill, decode = workers
     prompts = _prompts(8)
-    sent_before = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+    sent_before = metric(
+        decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive"
+    )
 
     async def run_all():
-        return await asyncio.gather(*[
-            generate(decode.address, _request(f"parity-{i}", p, prefill)) for i, p in enumerate(prompts)
-        ])
+        return await asyncio.gather(
+            *[
+                generate(decode.address, _request(f"parity-{i}", p, prefill))
+                for i, p in enumerate(prompts)
+            ]
+        )
 
     results = asyncio.run(run_all())
-    expected = reference_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    expected = reference_llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
     for responses, ref in zip(results, expected):
         assert {r.prefill_mode for r in responses} == {"remote"}
         assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
         assert responses[-1].finish_reason == ref.outputs[0].finish_reason
         assert "".join(r.text for r in responses) == ref.outputs[0].text
-    landed = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") - sent_before
+    landed = (
+        metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+        - sent_before
+    )
     assert landed == sum(-(-len(p) // 16) for p in prompts)
     # Per-request transfer latency is a histogram on both sides' /metrics.
     for worker, direction in ((decode, "receive"), (prefill, "send")):
-        assert metric(worker.metrics_address, "pdserve_kv_transfer_latency_seconds_count",
-                      direction=direction) >= len(prompts)
+        assert metric(
+            worker.metrics_address, "pdserve_kv_transfer_latency_seconds_count", direction=direction
+        ) >= len(prompts)
 
 
 def test_seeded_sampling_across_workers_equals_single_engine(workers, reference_llm):
     prefill, decode = workers
     [prompt] = _prompts(1, seed=3)
-    responses = asyncio.run(generate(decode.address, _request(
-        "seeded", prompt, prefill, temperature=0.9, top_p=0.9, seed=42, max_tokens=10, logprobs=2)))
-    [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, logprobs=2), use_tqdm=False)
+    responses = asyncio.run(
+        generate(
+            decode.address,
+            _request(
+                "seeded",
+                prompt,
+                prefill,
+                temperature=0.9,
+                top_p=0.9,
+                seed=42,
+                max_tokens=10,
+                logprobs=2,
+            ),
+        )
+    )
+    [ref] = reference_llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=10, logprobs=2),
+        use_tqdm=False,
+    )
     assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
     got = [lp.logprob for r in responses for lp in r.logprobs]
     assert got == pytest.approx([lp.logprob for lp in ref.outputs[0].logprobs], abs=1e-4)
@@ -112,7 +151,10 @@ def test_decode_side_prefix_reuse_transfers_only_missing_blocks(workers):
     asyncio.run(generate(decode.address, _request("prefix-a", first, prefill)))
     before = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
     responses = asyncio.run(generate(decode.address, _request("prefix-b", second, prefill)))
-    landed = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive") - before
+    landed = (
+        metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
+        - before
+    )
     assert landed == -(-len(second) // 16) - 12  # only the blocks after the shared 12
     assert responses[-1].usage.cached_tokens >= 192
 
@@ -120,10 +162,14 @@ def test_decode_side_prefix_reuse_transfers_only_missing_blocks(workers):
 def test_local_prefill_without_a_prefill_worker(workers, reference_llm):
     _, decode = workers
     [prompt] = _prompts(1, seed=5)
-    responses = asyncio.run(generate(decode.address, _request("local", prompt, n=2, temperature=0.7, seed=3)))
+    responses = asyncio.run(
+        generate(decode.address, _request("local", prompt, n=2, temperature=0.7, seed=3))
+    )
     assert {r.prefill_mode for r in responses} == {"local"}
     got = tokens_by_index(responses)
-    [ref] = reference_llm.generate([prompt], SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=12), use_tqdm=False)
+    [ref] = reference_llm.generate(
+        [prompt], SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=12), use_tqdm=False
+    )
     assert [got[0], got[1]] == [c.token_ids for c in ref.outputs]
 
 
@@ -134,18 +180,23 @@ def test_unreachable_prefill_worker_falls_back_to_local(workers, reference_llm):
     req.prefill_worker.CopyFrom(pb.WorkerRef(worker_id="gone", address="127.0.0.1:1"))
     responses = asyncio.run(generate(decode.address, req))
     assert {r.prefill_mode for r in responses} == {"local_fallback"}
-    [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    [ref] = reference_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
     assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(prompt_token_ids=[]), "empty"),
-    (dict(prompt_token_ids=[1] * 9000), "maximum context length"),
-    (dict(prompt_token_ids=[1, 10**7]), "token ids"),
-    (dict(sampling=pb.SamplingParams(temperature=-1)), "temperature"),
-    (dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
-    (dict(request_id=""), "request_id"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=[1] * 9000), "maximum context length"),
+        (dict(prompt_token_ids=[1, 10**7]), "token ids"),
+        (dict(sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+        (dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+        (dict(request_id=""), "request_id"),
+    ],
+)
 def test_invalid_requests_are_invalid_argument(workers, bad, message):
     _, decode = workers
     req = _request("bad", [1, 2, 3])
@@ -171,21 +222,27 @@ def test_prefill_writes_only_into_registered_workers(workers, etcd):
 
     async def decode_metadata() -> bytes:
         async with make_client(etcd.endpoint) as client:
-            [info] = [i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id]
+            [info] = [
+                i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id
+            ]
         return info.kv_metadata.encode("ascii")
 
     registered = asyncio.run(decode_metadata())
 
     def prefill_to(metadata: bytes, rid: str):
         request = pb.PrefillRequest(
-            request_id=rid, prompt_token_ids=list(range(100, 132)),
+            request_id=rid,
+            prompt_token_ids=list(range(100, 132)),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=1, seed=1),
-            destination=pb.KVDestination(peer_metadata=metadata, block_ids=[0, 1],
-                                         transfer_id=f"{rid}:0", deadline_s=5))
+            destination=pb.KVDestination(
+                peer_metadata=metadata, block_ids=[0, 1], transfer_id=f"{rid}:0", deadline_s=5
+            ),
+        )
 
         async def call():
             async with grpc.aio.insecure_channel(prefill.address) as ch:
                 return await pb_grpc.PrefillWorkerStub(ch).Prefill(request, timeout=30)
+
         return asyncio.run(call())
 
     for forged in (registered[:-8] + b"AAAAAAAA", b"{}", b""):
@@ -196,7 +253,9 @@ def test_prefill_writes_only_into_registered_workers(workers, etcd):
 
 
 @pytest.mark.parametrize("order", ["prefill_first", "destination_first"])
-def test_a_deferred_destination_that_does_not_fit_the_prompt_fails_that_prefill(workers, etcd, order):
+def test_a_deferred_destination_that_does_not_fit_the_prompt_fails_that_prefill(
+    workers, etcd, order
+):
     """Prefill with its destination deferred, then SetDestination naming 3 blocks for a
     2-block prompt (or the two calls the other way round): INVALID_ARGUMENT on the Prefill
     call, nothing written, every block of P free again."""
@@ -204,13 +263,21 @@ def test_a_deferred_destination_that_does_not_fit_the_prompt_fails_that_prefill(
 
     async def run() -> grpc.aio.AioRpcError:
         async with make_client(etcd.endpoint) as client:
-            [info] = [i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id]
+            [info] = [
+                i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id
+            ]
         tid = f"deferred-{order}:0"
         request = pb.PrefillRequest(
-            request_id=f"deferred-{order}", prompt_token_ids=list(range(100, 132)),
+            request_id=f"deferred-{order}",
+            prompt_token_ids=list(range(100, 132)),
             sampling=pb.SamplingParams(temperature=0.0, max_tokens=1, seed=1),
-            destination=pb.KVDestination(peer_metadata=info.kv_metadata.encode("ascii"),
-                                         transfer_id=tid, deadline_s=20, deferred=True))
+            destination=pb.KVDestination(
+                peer_metadata=info.kv_metadata.encode("ascii"),
+                transfer_id=tid,
+                deadline_s=20,
+                deferred=True,
+            ),
+        )
         wrong = pb.KVDestination(transfer_id=tid, block_ids=[0, 1, 2])
         async with grpc.aio.insecure_channel(prefill.address) as ch:
             stub = pb_grpc.PrefillWorkerStub(ch)
@@ -239,7 +306,14 @@ def test_client_cancel_aborts_and_frees_within_a_second(workers):
             from proto import pdserve_pb2_grpc as pb_grpc
 
             call = pb_grpc.DecodeWorkerStub(ch).Generate(
-                _request("cancel-me", _prompts(1, seed=11)[0], prefill, max_tokens=100000, ignore_eos=True))
+                _request(
+                    "cancel-me",
+                    _prompts(1, seed=11)[0],
+                    prefill,
+                    max_tokens=100000,
+                    ignore_eos=True,
+                )
+            )
             async for _ in call:
                 break  # got the first token: the request is running
             call.cancel()
@@ -256,8 +330,9 @@ def test_client_cancel_aborts_and_frees_within_a_second(workers):
 
 def test_kv_deadline_fails_clearly_and_frees(etcd, tmp_path, workers):
     prefill, _ = workers
-    decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "0.001", "--cluster", "deadline",
-                           log_dir=tmp_path).wait_ready()
+    decode = WorkerProcess(
+        "decode", etcd.endpoint, "--kv-timeout", "0.001", "--cluster", "deadline", log_dir=tmp_path
+    ).wait_ready()
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             asyncio.run(generate(decode.address, _request("late", _prompts(1, seed=2)[0], prefill)))
@@ -272,7 +347,9 @@ def test_registration_and_lease_expiry_after_kill(etcd, tmp_path):
         async with make_client(etcd.endpoint) as client:
             return sorted((w.role, w.worker_id) for w in await list_workers(client, cluster))
 
-    decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "lease", log_dir=tmp_path).wait_ready()
+    decode = WorkerProcess(
+        "decode", etcd.endpoint, "--cluster", "lease", log_dir=tmp_path
+    ).wait_ready()
     try:
         [(role, worker_id)] = asyncio.run(roles("lease"))
         assert (role, worker_id) == ("decode", decode.worker_id)
@@ -287,12 +364,16 @@ def test_registration_and_lease_expiry_after_kill(etcd, tmp_path):
 
 
 def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
-    decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "drain", log_dir=tmp_path).wait_ready()
+    decode = WorkerProcess(
+        "decode", etcd.endpoint, "--cluster", "drain", log_dir=tmp_path
+    ).wait_ready()
 
     async def main():
         # Long enough to be in flight well past the SIGTERM on a fast CPU (2 layers decode
         # at a few ms per token), bounded on a slow one.
-        task = asyncio.create_task(generate(decode.address, _request("drain", [5] * 20, max_tokens=400, ignore_eos=True)))
+        task = asyncio.create_task(
+            generate(decode.address, _request("drain", [5] * 20, max_tokens=400, ignore_eos=True))
+        )
         await asyncio.sleep(0.3)
         decode.proc.send_signal(15)
         await asyncio.sleep(0.3)
@@ -305,7 +386,9 @@ def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
     responses, during, refused_code = asyncio.run(main())
     assert [w.draining for w in during] == [True]
     assert refused_code is grpc.StatusCode.UNAVAILABLE
-    assert sum(len(r.token_ids) for r in responses) == 400 and responses[-1].finish_reason == "length"
+    assert (
+        sum(len(r.token_ids) for r in responses) == 400 and responses[-1].finish_reason == "length"
+    )
     assert decode.proc.wait(30) == 0
 
     async def registered():
@@ -315,14 +398,18 @@ def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
     assert asyncio.run(registered()) == []
 
 
-def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(etcd, tmp_path, workers, reference_llm):
+def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(
+    etcd, tmp_path, workers, reference_llm
+):
     prefill, decode = workers
     # In the prefill worker's cluster: it writes only into registered workers.
     doomed = WorkerProcess("decode", etcd.endpoint, log_dir=tmp_path).wait_ready()
     long_prompt = [random.Random(4).randrange(100, 40000) for _ in range(3000)]
 
     async def start_then_kill():
-        task = asyncio.create_task(generate(doomed.address, _request("doomed", long_prompt, prefill)))
+        task = asyncio.create_task(
+            generate(doomed.address, _request("doomed", long_prompt, prefill))
+        )
         deadline = time.monotonic() + 20
         while (await ahealth(prefill.address)).capacity.running == 0:  # prefill under way
             assert time.monotonic() < deadline
@@ -338,7 +425,9 @@ def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(etcd, tmp_pat
     wait_all_blocks_free(prefill.address, timeout=15)  # aborted, pinned blocks released
     [prompt] = _prompts(1, seed=12)  # and it keeps serving
     responses = asyncio.run(generate(decode.address, _request("after-death", prompt, prefill)))
-    [ref] = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    [ref] = reference_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )
     assert {r.prefill_mode for r in responses} == {"remote"}
     assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids
 
@@ -350,8 +439,12 @@ def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
     async def prefill_computes_it():
         return (await ahealth(prefill.address)).capacity.running > 0
 
-    cancel_once_started(decode.address, _request("cancel-mid", long_prompt, prefill),
-                        prefill_computes_it, timeout=20)
+    cancel_once_started(
+        decode.address,
+        _request("cancel-mid", long_prompt, prefill),
+        prefill_computes_it,
+        timeout=20,
+    )
     # The decode side holds its blocks until the prefill side confirmed the abort (no late
     # write can land in reused blocks), then frees them; the prefill side frees its own.
     wait_all_blocks_free(decode.address, timeout=10)
@@ -360,7 +453,9 @@ def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
 
 def test_etcd_lost_and_back_keeps_serving_and_reregisters(tmp_path):
     etcd = EtcdServer(data_dir=tmp_path / "etcd").start()
-    decode = WorkerProcess("decode", etcd.endpoint, "--cluster", "loss", log_dir=tmp_path).wait_ready()
+    decode = WorkerProcess(
+        "decode", etcd.endpoint, "--cluster", "loss", log_dir=tmp_path
+    ).wait_ready()
 
     async def registered(endpoint, since=0.0):
         async with make_client(endpoint) as client:
@@ -369,10 +464,13 @@ def test_etcd_lost_and_back_keeps_serving_and_reregisters(tmp_path):
     try:
         assert asyncio.run(registered(etcd.endpoint)) == [decode.worker_id]
         etcd.stop()
-        responses = asyncio.run(generate(decode.address, _request("no-etcd", [5] * 20, max_tokens=4)))
+        responses = asyncio.run(
+            generate(decode.address, _request("no-etcd", [5] * 20, max_tokens=4))
+        )
         assert sum(len(r.token_ids) for r in responses) == 4  # still serving without etcd
-        etcd = EtcdServer(data_dir=tmp_path / "etcd", client_port=etcd.client_port,
-                          peer_port=etcd.peer_port).start()
+        etcd = EtcdServer(
+            data_dir=tmp_path / "etcd", client_port=etcd.client_port, peer_port=etcd.peer_port
+        ).start()
         restarted = time.time()
         deadline = time.monotonic() + 20
         # Published again after the restart (not a key left over from before the outage).

@@ -1,6 +1,7 @@
 """Running tests in a child process as a CPU with less than this one would: the kernels
 built for another -march, ATen and oneDNN capped by their environment variables (used by
 test_cpu_kernels_avx2.py and test_cpu_prefill_avx512_bf16.py)."""
+
 import os
 import subprocess
 import sys
@@ -19,8 +20,14 @@ def cpu_has(*flags: str) -> bool:
 
 def run_as(host: dict[str, str], args: list[str], timeout: float) -> subprocess.CompletedProcess:
     """`python *args` from the repository root with `host`'s variables added."""
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, **host}, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env={**os.environ, **host},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_tests_as(host: dict[str, str], tests: list[str], timeout: float) -> None:

@@ -1,16 +1,17 @@
 """Factories for engine unit tests: requests, block managers, schedulers, and a hand-driven
 step that stands in for the model (vLLM tests/v1/core style)."""
+
 from __future__ import annotations
 
 import itertools
 
-from engine.kv.block_hash import compute_block_hashes, hash_extras
-from engine.kv.block_manager import BlockManager
 from engine.core.request import Request
-from engine.sampling.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import RunnerOutput, SchedulerOutput, StepInput
+from engine.kv.block_hash import compute_block_hashes, hash_extras
+from engine.kv.block_manager import BlockManager
 from engine.processing.tokens import SampledToken
+from engine.sampling.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
@@ -54,7 +55,9 @@ def make_scheduler(
     group_windows: tuple[int | None, ...] = (None,),
 ) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching, group_windows=group_windows)
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
+    return Scheduler(
+        bm, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill
+    )
 
 
 def fake_model_output(output: SchedulerOutput, token: int = 7) -> RunnerOutput:

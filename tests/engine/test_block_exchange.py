@@ -2,6 +2,7 @@
 `adopt`): what a holder pins (pool blocks as they are, tier blocks promoted), what a puller
 reserves and how pulled blocks join its prefix cache — with the free-list accounting that
 proves nothing leaks on either side."""
+
 import pytest
 
 from engine.kv.block_manager import BlockManager

@@ -1,8 +1,8 @@
 import pytest
+from engine_factories import make_request
 
 from engine.kv.block_hash import compute_block_hashes
 from engine.kv.block_manager import BlockManager
-from engine_factories import make_request
 
 BS = 4
 
@@ -171,16 +171,22 @@ def test_events_report_stores_and_evictions():
     assert [e.stored for e in stored] == [True]
     hog = make_request(list(range(300, 308)), BS)
     _admit(bm, hog)
-    assert [(e.stored, e.block_hash) for e in bm.pool.take_events()][0] == (False, stored[0].block_hash)
+    assert [(e.stored, e.block_hash) for e in bm.pool.take_events()][0] == (
+        False,
+        stored[0].block_hash,
+    )
     bm.free(hog)
 
 
 def test_block_hashes_are_stable_bytes():
     # Pinned values: a change to the hash breaks router <-> worker agreement across versions.
     h = compute_block_hashes([1, 2, 3, 4], 4)
-    assert [x.hex() for x in h] == ["2d790034a8dec2c984f9da697f7f0e9cbdee5fddeef98c2119e4a53710057cd2"]
+    assert [x.hex() for x in h] == [
+        "2d790034a8dec2c984f9da697f7f0e9cbdee5fddeef98c2119e4a53710057cd2"
+    ]
     assert compute_block_hashes([1, 2, 3, 4], 4, cache_salt="x")[0].hex() == (
-        "a89b6ff141b7510b04b1d8a851663ad9ef2ff2de6a3810c0b977bcce6c23bf49")
+        "a89b6ff141b7510b04b1d8a851663ad9ef2ff2de6a3810c0b977bcce6c23bf49"
+    )
     assert compute_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)[0] == h[0]
     assert compute_block_hashes([1, 2, 3, 4], 4, cache_salt="x")[0] != h[0]
     assert compute_block_hashes([1, 2, 3], 4) == []

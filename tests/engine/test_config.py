@@ -1,5 +1,6 @@
 """EngineConfig on the command line: every field has a vLLM-named flag whose default is the
 field's default."""
+
 import argparse
 import dataclasses
 
@@ -53,7 +54,9 @@ def test_lora_modules_are_parsed_once_into_name_and_path():
     assert dict(config.lora_modules) == {"a": "/x", "b": "/y=z"}
     assert EngineConfig(enable_lora=True, lora_modules=("a=/x", LoRAModule("b", "/y=z"))) == config
     for bad in ("a", "=/x", "a="):
-        with pytest.raises(FieldError, match=f"^--lora-modules: lora_modules must be name=path, got '{bad}'$"):
+        with pytest.raises(
+            FieldError, match=f"^--lora-modules: lora_modules must be name=path, got '{bad}'$"
+        ):
             _parse(["--enable-lora", "--lora-modules", bad])
     with pytest.raises(FieldError, match="^--lora-modules: lora_modules needs enable_lora"):
         _parse(["--lora-modules", "a=/x"])
@@ -61,6 +64,8 @@ def test_lora_modules_are_parsed_once_into_name_and_path():
 
 def test_a_bad_speculative_config_names_the_flag_not_a_key_that_shares_a_field_name():
     # "model" is also an EngineConfig field: the error must still point at --speculative-config.
-    with pytest.raises(FieldError, match="^--speculative-config: speculative_config: model must name") as info:
+    with pytest.raises(
+        FieldError, match="^--speculative-config: speculative_config: model must name"
+    ) as info:
         _parse(["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'])
     assert info.value.field == "speculative_config"

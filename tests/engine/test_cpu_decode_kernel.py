@@ -2,6 +2,7 @@
 gather + SDPA decode path: ragged contexts over shuffled blocks, block sizes 16 and 32, GQA
 groups, a head_dim that is not a multiple of 16, sliding windows, soft-capping, bf16, and
 quantized pools (fp8 e4m3 / e5m2, int8 with per-row scales) read in place."""
+
 import pytest
 import torch
 
@@ -10,15 +11,21 @@ from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kv.kv_format import quantize
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels"
+)
 
 
-def _decode_batch(seq_lens, block_size, num_q_heads, num_kv_heads, head_dim, dtype, layers=3, seed=0):
+def _decode_batch(
+    seq_lens, block_size, num_q_heads, num_kv_heads, head_dim, dtype, layers=3, seed=0
+):
     """A pool with each sequence's blocks scattered at random, and its metadata."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 3
-    pool = torch.randn(num_blocks, layers, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    pool = torch.randn(num_blocks, layers, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
+        dtype
+    )
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32)
     for s, nb in enumerate(per_seq):
@@ -27,9 +34,14 @@ def _decode_batch(seq_lens, block_size, num_q_heads, num_kv_heads, head_dim, dty
     md = AttentionMetadata(
         slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
         query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=list(seq_lens), num_decodes=len(seq_lens),
-        max_query_len=1, max_seq_len=max(seq_lens))
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+        num_decodes=len(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
     return query, pool, md
 
 
@@ -37,18 +49,26 @@ CASES = [  # seq_lens, block_size, q heads, kv heads, head_dim
     ([1, 17, 300, 64, 1000], 16, 9, 3, 64),
     ([5, 33, 129], 32, 4, 4, 64),
     ([70, 2, 511], 16, 8, 2, 40),
-    ([3, 29, 66, 7], 7, 6, 2, 32),  # a block size no multiple of 4: key groups stop at each block's end
+    (
+        [3, 29, 66, 7],
+        7,
+        6,
+        2,
+        32,
+    ),  # a block size no multiple of 4: key groups stop at each block's end
     ([1, 2, 9, 40], 1, 2, 1, 128),
 ]
 
 
-@pytest.mark.parametrize("window,cap", [(None, None), (1, None), (24, None), (None, 30.0), (50, 2.0)])
+@pytest.mark.parametrize(
+    "window,cap", [(None, None), (1, None), (24, None), (None, 30.0), (50, 2.0)]
+)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_gather_path(case, window, cap, dtype):
     seq_lens, block_size, hq, hkv, d = case
     query, pool, md = _decode_batch(seq_lens, block_size, hq, hkv, d, dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     ref = TorchAttentionBackend._decode(query, pool, 1, md, scale, window, cap)
     out = cpu_kernels.paged_decode(query, pool, 1, md.block_tables, md.seq_lens, scale, window, cap)
     assert out.dtype == dtype and out.shape == query.shape
@@ -81,8 +101,10 @@ def test_quantized_pool_matches_the_dequantizing_gather_path(case, storage, dtyp
     stored = quantize(pool, storage)
     assert cpu_kernels.fits(query, stored)
     for window, cap in [(None, None), (24, 2.0)]:
-        ref = TorchAttentionBackend._decode(query, stored, 1, md, d ** -0.5, window, cap)
-        out = cpu_kernels.paged_decode(query, stored, 1, md.block_tables, md.seq_lens, d ** -0.5, window, cap)
+        ref = TorchAttentionBackend._decode(query, stored, 1, md, d**-0.5, window, cap)
+        out = cpu_kernels.paged_decode(
+            query, stored, 1, md.block_tables, md.seq_lens, d**-0.5, window, cap
+        )
         assert out.dtype == dtype and out.shape == query.shape
         # The gather path rounds dequantized values to the query's dtype; the kernel keeps fp32.
         tol = dict(atol=2e-5, rtol=2e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
@@ -124,7 +146,9 @@ def test_same_bits_at_any_thread_count():
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(cpu_kernels.paged_decode(query, pool, 0, md.block_tables, md.seq_lens, 0.125))
+            outs.append(
+                cpu_kernels.paged_decode(query, pool, 0, md.block_tables, md.seq_lens, 0.125)
+            )
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])

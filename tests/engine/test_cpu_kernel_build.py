@@ -1,6 +1,7 @@
 """How the CPU kernels are built (engine/cpu_kernels/__init__.py): the compiler sees exactly
 the bytes the cache key was taken from, so a source edited while a build runs (a developer
 saving a file, a checkout) can never land in the cache under the old key."""
+
 import subprocess
 from pathlib import Path
 

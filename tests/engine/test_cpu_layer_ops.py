@@ -2,6 +2,7 @@
 the Triton kernels with the same contracts (kernels/*.py) and the model layers' own torch path:
 odd widths (vector tails), strided q/k views of a fused qkv, partial rotary dims, every float
 dtype; bf16 results equal the layers' torch path bit for bit."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,9 @@ import kernels
 from engine import cpu_kernels
 from engine.models.layers import RMSNorm, apply_rope, rope_rows
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels"
+)
 OPS = cpu_kernels.LAYER_OPS
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = list(TOL)
@@ -125,7 +128,9 @@ def test_store_kv_writes_the_bytes_the_torch_store_writes(dtype):
         assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
         assert not torch.equal(ours, pool)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        cpu_kernels.store_kv_(k, v, pool.clone(), 0, torch.tensor([0, 1, 2, 3, 4, num_blocks * block]))
+        cpu_kernels.store_kv_(
+            k, v, pool.clone(), 0, torch.tensor([0, 1, 2, 3, 4, num_blocks * block])
+        )
     with pytest.raises(RuntimeError, match="layer out of range"):
         cpu_kernels.store_kv_(k, v, pool.clone(), layers, slots)
     # Quantized pools and heads that are not contiguous per token keep the torch path.

@@ -5,6 +5,7 @@ An AMX host builds and tests only the AMX tiles in this process, yet Zen 4 and C
 CPUs run the vdpbf16ps version. Here the prefill kernel's tests run again in a child process
 as such a CPU would: the kernels built with -march=cooperlake (AVX-512 with BF16, no AMX) and
 oneDNN capped below AMX. On a CPU with AVX512-BF16 and no AMX the main run covers this."""
+
 import pytest
 from emulated_host import cpu_has, run_as, run_tests_as
 
@@ -18,7 +19,8 @@ AVX512_BF16_HOST = {
 
 pytestmark = pytest.mark.skipif(
     not cpu_has("amx_bf16", "amx_tile", "avx512_bf16") or not cpu_kernels.load(),
-    reason="needs an AMX host with a C++ toolchain (an AVX512-BF16 host without AMX tests this natively)")
+    reason="needs an AMX host with a C++ toolchain (an AVX512-BF16 host without AMX tests this natively)",
+)
 
 
 def test_prefill_kernel_on_an_avx512_bf16_host():

@@ -5,6 +5,7 @@ an fp32 reference, no further from it than the torch backend's gather + SDPA pat
 sequence's end never reach the output; torch's own AMX users (SDPA, oneDNN) are unaffected by
 its tile state; the backend sends prefill chunks to it and the engine's prompt logprobs match
 the torch path's."""
+
 import math
 import random
 
@@ -17,7 +18,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.load() or not hasattr(torch.ops.pdserve_cpu, "paged_prefill"),
-    reason="the prefill kernel is built only for CPUs with AVX512-BF16 (or AMX-BF16)")
+    reason="the prefill kernel is built only for CPUs with AVX512-BF16 (or AMX-BF16)",
+)
 
 
 def _case(seqs, Hq=9, Hkv=3, D=64, B=16, layers=2, spare=6, seed=0):
@@ -66,11 +68,17 @@ def _metadata(seqs, tables, B):
     q_lens = [q for q, _ in seqs]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32), block_tables=tables,
-        query_lens_cpu=q_lens, seq_lens_cpu=[n for _, n in seqs],
-        num_decodes=sum(1 for q, _ in seqs if q == 1), max_query_len=max(q_lens),
-        max_seq_len=max(n for _, n in seqs))
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32
+        ),
+        seq_lens=torch.tensor([n for _, n in seqs], dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=[n for _, n in seqs],
+        num_decodes=sum(1 for q, _ in seqs if q == 1),
+        max_query_len=max(q_lens),
+        max_seq_len=max(n for _, n in seqs),
+    )
 
 
 def _torch_path(pool, tables, query, seqs, layer, scale):
@@ -79,8 +87,11 @@ def _torch_path(pool, tables, query, seqs, layer, scale):
     meta = _metadata(seqs, tables, B)
     out, start = [], 0
     for s, (q, _) in enumerate(seqs):
-        out.append(TorchAttentionBackend._prefill(query[start : start + q], pool, layer, meta, s, scale,
-                                                  None, None))
+        out.append(
+            TorchAttentionBackend._prefill(
+                query[start : start + q], pool, layer, meta, s, scale, None, None
+            )
+        )
         start += q
     return torch.cat(out)
 
@@ -96,8 +107,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("seqs", CASES)
-@pytest.mark.parametrize("Hq,Hkv,D,B", [(9, 3, 64, 16), (4, 2, 128, 32), (4, 4, 64, 16), (8, 1, 256, 16),
-                                        (6, 3, 96, 16)])
+@pytest.mark.parametrize(
+    "Hq,Hkv,D,B", [(9, 3, 64, 16), (4, 2, 128, 32), (4, 4, 64, 16), (8, 1, 256, 16), (6, 3, 96, 16)]
+)
 def test_matches_the_reference(seqs, Hq, Hkv, D, B):
     pool, tables, query, seq_lens, query_lens = _case(seqs, Hq, Hkv, D, B)
     scale = D**-0.5
@@ -135,7 +147,9 @@ def test_refusals():
     with pytest.raises(RuntimeError, match="as many rows"):
         cpu_kernels.paged_prefill(query[:7], pool, 0, tables, seq_lens, query_lens, 0.125)
     with pytest.raises(RuntimeError, match="query_len in 1..seq_len"):
-        cpu_kernels.paged_prefill(query, pool, 0, tables, torch.tensor([6], dtype=torch.int32), query_lens, 0.125)
+        cpu_kernels.paged_prefill(
+            query, pool, 0, tables, torch.tensor([6], dtype=torch.int32), query_lens, 0.125
+        )
     small, t8, q8, s8, l8 = _case(seqs, B=8)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cpu_kernels.paged_prefill(q8, small, 0, t8, s8, l8, 0.125)
@@ -149,11 +163,16 @@ def test_torch_amx_users_unaffected_by_its_tile_state():
     and after the kernel ran on the same threads: the same results."""
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 9, 300, 64, generator=gen).bfloat16() for _ in range(3))
-    x, w = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(960, 576, generator=gen).bfloat16()
+    x, w = (
+        torch.randn(300, 576, generator=gen).bfloat16(),
+        torch.randn(960, 576, generator=gen).bfloat16(),
+    )
 
     def torch_ops():
-        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                torch.nn.functional.linear(x, w))
+        return (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            torch.nn.functional.linear(x, w),
+        )
 
     before = torch_ops()
     pool, tables, query, seq_lens, query_lens = _case([(300, 300)])
@@ -176,9 +195,15 @@ def test_backend_sends_prefills_to_the_kernel(monkeypatch):
     key, value = (torch.stack([pool[s // B, 1, kv, s % B] for s in slots]) for kv in (0, 1))
     calls = []
     real = cpu_kernels.paged_prefill
-    monkeypatch.setattr(cpu_kernels, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    ours = TorchAttentionBackend(cpu_kernels=True).forward(query, key, value, pool.clone(), 1, meta, 0.125)
-    theirs = TorchAttentionBackend(cpu_kernels=False).forward(query, key, value, pool.clone(), 1, meta, 0.125)
+    monkeypatch.setattr(
+        cpu_kernels, "paged_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    ours = TorchAttentionBackend(cpu_kernels=True).forward(
+        query, key, value, pool.clone(), 1, meta, 0.125
+    )
+    theirs = TorchAttentionBackend(cpu_kernels=False).forward(
+        query, key, value, pool.clone(), 1, meta, 0.125
+    )
     assert calls == [50 + 30 + 17]  # after the two decodes and the 4-row verify chunk
     ref = _reference(pool, tables, query, seqs, 1, 0.125)
     assert (ours.float() - ref).abs().max() <= 1.5 * (theirs.float() - ref).abs().max() + 2e-3
@@ -189,19 +214,29 @@ def test_engine_prompt_logprobs_as_close_to_fp32_as_the_torch_path(monkeypatch):
     """Teacher-forced prompt logprobs of a bf16 model (whole prompts, a chunked long one and a
     prefix-cache hit) with the kernel and with the gather + SDPA path, each against the same
     model in fp32: the kernel is no further from it."""
-    prompts = ["The capital of France is Paris, and the capital of Italy is",
-               "def add(a, b):\n    return a + b\n\n" * 12,
-               "The capital of France is Paris, and the capital of Spain is"]
+    prompts = [
+        "The capital of France is Paris, and the capital of Italy is",
+        "def add(a, b):\n    return a + b\n\n" * 12,
+        "The capital of France is Paris, and the capital of Spain is",
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
 
     def run(llm):
         llm.reset_prefix_cache()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs if lp is not None])
+        return torch.tensor(
+            [lp.logprob for o in outs for lp in o.prompt_logprobs if lp is not None]
+        )
 
     def engine(dtype):
-        return LLM("default", num_layers=2, dtype=dtype, kv_cache_memory=64 << 20,
-                   max_num_batched_tokens=96, enable_prefix_caching=True)
+        return LLM(
+            "default",
+            num_layers=2,
+            dtype=dtype,
+            kv_cache_memory=64 << 20,
+            max_num_batched_tokens=96,
+            enable_prefix_caching=True,
+        )
 
     exact = run(engine("float32"))
     bf16 = engine("bfloat16")

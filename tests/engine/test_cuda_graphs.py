@@ -4,17 +4,24 @@ re-runs the recorded forward over those buffers (`rerun_capture`, a fake of the 
 used only here); a failed capture turns graphs off and loses nothing; sleep and weight
 updates drop the graphs; the capture sizes and the flag. The real capture runs in the GPU
 check (tests/engine/test_gpu_engine.py)."""
+
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 from engine.parallel.step import GroupArrays, StepInputs
+from engine.runner.cuda_graphs import DecodeGraphs, default_capture_sizes
 
-PROMPTS = ["The capital of France is", "def square(x):", "Hello, my name is",
-           "One, two, three,", "Paris is", "The sky"]
+PROMPTS = [
+    "The capital of France is",
+    "def square(x):",
+    "Hello, my name is",
+    "One, two, three,",
+    "Paris is",
+    "The sky",
+]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
@@ -29,14 +36,30 @@ def failing_capture(forward, pool):
 
 
 def _llm(model_dir, **kw):
-    return LLM(str(model_dir), num_layers=2, kv_cache_memory=8 << 20, block_size=16, dtype="float32",
-               attention_backend="triton", max_model_len=256, enable_sleep_mode=True, **kw)
+    return LLM(
+        str(model_dir),
+        num_layers=2,
+        kv_cache_memory=8 << 20,
+        block_size=16,
+        dtype="float32",
+        attention_backend="triton",
+        max_model_len=256,
+        enable_sleep_mode=True,
+        **kw,
+    )
 
 
 def _with_graphs(llm, sizes, capture=rerun_capture) -> DecodeGraphs:
     engine = llm.engine
-    graphs = DecodeGraphs(engine.loaded.model, engine.backend, engine.kv_cache,
-                          engine.block_manager.num_groups, engine.max_model_len, sizes, capture)
+    graphs = DecodeGraphs(
+        engine.loaded.model,
+        engine.backend,
+        engine.kv_cache,
+        engine.block_manager.num_groups,
+        engine.max_model_len,
+        sizes,
+        capture,
+    )
     engine.runner.graphs = graphs
     engine.lifecycle.moved = graphs.drop
     return graphs
@@ -66,8 +89,14 @@ def _decode_step(rows: int, block: int) -> StepInputs:
     """`rows` decode rows at position 3 of their own block (block, block + 1, ...)."""
     tables = [[block + r] for r in range(rows)]
     slots = [np.array([t[0] * 16 + 3 for t in tables])]
-    return StepInputs(np.arange(rows, dtype=np.int64), np.full(rows, 3, dtype=np.int64),
-                      [GroupArrays.build(slots, tables)], [1] * rows, [4] * rows, np.arange(rows))
+    return StepInputs(
+        np.arange(rows, dtype=np.int64),
+        np.full(rows, 3, dtype=np.int64),
+        [GroupArrays.build(slots, tables)],
+        [1] * rows,
+        [4] * rows,
+        np.arange(rows),
+    )
 
 
 def test_padding_rows_store_nothing_after_a_larger_step(model_dir):
@@ -138,10 +167,16 @@ def test_cuda_graph_sizes_flag_is_checked_and_refused_where_no_graph_is_captured
     assert EngineConfig(model="m", cuda_graph_sizes=[4, 1]).cuda_graph_sizes == (4, 1)
     with pytest.raises(ValueError, match="cuda_graph_sizes"):
         EngineConfig(model="m", cuda_graph_sizes=(0,))
-    with pytest.raises(ValueError, match="cuda_graph_sizes needs CUDA graphs, which enforce_eager turns off"):
+    with pytest.raises(
+        ValueError, match="cuda_graph_sizes needs CUDA graphs, which enforce_eager turns off"
+    ):
         EngineConfig(model="m", cuda_graph_sizes=(8,), enforce_eager=True)
-    with pytest.raises(ValueError, match="cuda_graph_sizes is not supported with tensor_parallel_size > 1"):
-        EngineConfig(model="m", cuda_graph_sizes=(8,), tensor_parallel_size=2, kv_cache_memory=1 << 20)
+    with pytest.raises(
+        ValueError, match="cuda_graph_sizes is not supported with tensor_parallel_size > 1"
+    ):
+        EngineConfig(
+            model="m", cuda_graph_sizes=(8,), tensor_parallel_size=2, kv_cache_memory=1 << 20
+        )
 
 
 def test_graphs_are_off_on_the_cpu_and_sizes_for_them_refused(model_dir):

@@ -1,5 +1,6 @@
 """IncrementalDetokenizer on the real tokenizer: streamed deltas against the tokenizer's own
 full decode, and vLLM's stop-string rules (tests/detokenizer/test_min_tokens.py there)."""
+
 import pytest
 
 from engine.processing.detokenizer import IncrementalDetokenizer
@@ -25,7 +26,9 @@ def _stream(detok, ids, stop_terminated_last=False):
     return deltas, stop
 
 
-@pytest.mark.parametrize("text", ["日本語のテキストです。", "Party time 🎉👍 done", "naïve café 😀!"])
+@pytest.mark.parametrize(
+    "text", ["日本語のテキストです。", "Party time 🎉👍 done", "naïve café 😀!"]
+)
 def test_multibyte_characters_split_across_tokens_stream_whole(tok, text):
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([t]) for t in ids)  # some character spans tokens

@@ -1,5 +1,6 @@
 """A step that raises kills the engine loop, and nothing that awaits the engine waits
 forever: commands queued while it dies and every later call fail with EngineLoopDied."""
+
 import threading
 from types import SimpleNamespace
 
@@ -7,15 +8,21 @@ import pytest
 
 from engine.engine_loop import EngineLoop, EngineLoopDied
 
-pytestmark = [pytest.mark.timeout(30),
-              pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")]
+pytestmark = [
+    pytest.mark.timeout(30),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning"),
+]
 
 
 class BrokenEngine:
     """Once `broken` is set, the next step waits for `proceed`, then raises."""
 
     def __init__(self) -> None:
-        self.broken, self.stepping, self.proceed = threading.Event(), threading.Event(), threading.Event()
+        self.broken, self.stepping, self.proceed = (
+            threading.Event(),
+            threading.Event(),
+            threading.Event(),
+        )
         self.scheduler = SimpleNamespace(stats=SimpleNamespace(prompt_tokens=0), running=[])
 
     def has_schedulable_work(self) -> bool:

@@ -1,6 +1,7 @@
 """Greedy outputs of the paged engine, many prompts at once, token-identical to HF
 transformers' generate() run one prompt at a time on the same (4-layer) weights — under the
 default settings, chunked prefill, preemption and prefix caching."""
+
 import pytest
 import torch
 
@@ -23,9 +24,19 @@ PROMPTS = [
     "In 1969, the first humans landed on",
     "Q: What is the boiling point of water at sea level?\nA:",
 ]
-PREFIXED = [f"{SHARED} {q}" for q in ("What is 2+2?", "Name a color.", "Who wrote Hamlet?",
-                                       "What is the capital of Italy?", "Say hello.", "Count to 3.",
-                                       "What is water made of?", "Define gravity.")]
+PREFIXED = [
+    f"{SHARED} {q}"
+    for q in (
+        "What is 2+2?",
+        "Name a color.",
+        "Who wrote Hamlet?",
+        "What is the capital of Italy?",
+        "Say hello.",
+        "Count to 3.",
+        "What is water made of?",
+        "Define gravity.",
+    )
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +51,13 @@ def hf_model(model_dir):
 def _hf_greedy(hf_model, token_ids):
     with torch.inference_mode():
         out = hf_model.generate(
-            torch.tensor([token_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
+            torch.tensor([token_ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    tokens = out.sequences[0, len(token_ids):].tolist()
+    tokens = out.sequences[0, len(token_ids) :].tolist()
     logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
     return tokens, logprobs
 

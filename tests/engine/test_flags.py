@@ -1,5 +1,6 @@
 """engine.flags: a frozen config's fields are its flags (name, type, default, choices, help from
 the docstring) and `to_argv` gives the flags that rebuild a config."""
+
 import argparse
 import dataclasses
 import enum
@@ -77,10 +78,14 @@ def test_fields_become_flags_with_their_types_defaults_choices_and_docstrings():
     assert actions["--color"].choices == [Color.RED, Color.BLUE]
     assert actions["--mode"].choices == ["a", "b"] and actions["--size"].choices == ["s", "m", "l"]
     assert actions["--limit"].default is None and actions["--limit"].type is int
-    assert actions["--limit"].help == "Optional: None means not given (100%% honest)."  # argparse escape
+    assert (
+        actions["--limit"].help == "Optional: None means not given (100%% honest)."
+    )  # argparse escape
     assert isinstance(actions["--verbose"], argparse._StoreTrueAction)
     assert "--no-cache" in actions and actions["--cache"].default is True
-    assert actions["--items"].nargs == "+" and isinstance(actions["--extra-arg"], argparse._AppendAction)
+    assert actions["--items"].nargs == "+" and isinstance(
+        actions["--extra-arg"], argparse._AppendAction
+    )
     groups = {g.title: g for g in parser._action_groups}
     assert groups["inner things"].description == "The nested config's group description."
     assert [a.dest for a in groups["inner things"]._group_actions] == ["inner.depth"]
@@ -92,15 +97,48 @@ def test_from_args_builds_the_tree_and_to_argv_reproduces_it():
     default = from_args(Sample, parser.parse_args(["--endpoint", "h:1"]), name="n")
     assert default == Sample(name="n", endpoint="h:1")
     assert to_argv(default) == ["--endpoint", "h:1"]  # required flags always; defaults never
-    config = Sample(name="n", endpoint="h:2", timeout_s=0.5, color=Color.BLUE, mode="b", size="l",
-                    limit=-3, verbose=True, cache=False, items=("x", "y"), extra=("--a=1", "-b"),
-                    inner=Inner(depth=4))
-    assert all(getattr(config, f.name) != getattr(default, f.name)
-               for f in dataclasses.fields(Sample) if f.name != "name")
+    config = Sample(
+        name="n",
+        endpoint="h:2",
+        timeout_s=0.5,
+        color=Color.BLUE,
+        mode="b",
+        size="l",
+        limit=-3,
+        verbose=True,
+        cache=False,
+        items=("x", "y"),
+        extra=("--a=1", "-b"),
+        inner=Inner(depth=4),
+    )
+    assert all(
+        getattr(config, f.name) != getattr(default, f.name)
+        for f in dataclasses.fields(Sample)
+        if f.name != "name"
+    )
     argv = to_argv(config)
-    assert argv == ["--endpoint", "h:2", "--timeout", "0.5", "--color", "blue", "--mode", "b",
-                    "--size", "l", "--limit=-3", "--verbose", "--no-cache", "--items", "x", "y",
-                    "--extra-arg=--a=1", "--extra-arg=-b", "--depth", "4"]
+    assert argv == [
+        "--endpoint",
+        "h:2",
+        "--timeout",
+        "0.5",
+        "--color",
+        "blue",
+        "--mode",
+        "b",
+        "--size",
+        "l",
+        "--limit=-3",
+        "--verbose",
+        "--no-cache",
+        "--items",
+        "x",
+        "y",
+        "--extra-arg=--a=1",
+        "--extra-arg=-b",
+        "--depth",
+        "4",
+    ]
     assert from_args(Sample, parser.parse_args(argv), name="n") == config
 
 
@@ -137,8 +175,9 @@ def test_a_type_without_a_parser_is_refused_when_the_flags_are_built():
 
 
 def test_a_class_without_source_gets_flags_without_help():
-    cls = dataclasses.make_dataclass("Made", [("count", int, dataclasses.field(default=2))],
-                                     frozen=True)
+    cls = dataclasses.make_dataclass(
+        "Made", [("count", int, dataclasses.field(default=2))], frozen=True
+    )
     parser = _parser(cls)
     assert _actions(parser)["--count"].help is None
     assert from_args(cls, parser.parse_args(["--count", "5"])) == cls(count=5)

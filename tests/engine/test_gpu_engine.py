@@ -7,6 +7,7 @@ from CUDA graphs (the default) and eagerly; and the KV pool is sized from
 The model is $PDSERVE_GPU_MODEL when set (tools/gpu/gpu_check writes a random-weight copy
 of the default model's shape there: the GPU machine has no network and cannot carry the real
 weights), else the bundled default model."""
+
 import gc
 import os
 from pathlib import Path
@@ -39,8 +40,12 @@ def prompts(gpu_model) -> list[list[int]]:
     from engine.processing.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(gpu_model)
-    texts = ["Hi", "The capital of France is", "def add(a, b):\n    return",
-             *(SHARED + q for q in ("What is 2+2?", "Name a color.", "Who wrote Hamlet?"))]
+    texts = [
+        "Hi",
+        "The capital of France is",
+        "def add(a, b):\n    return",
+        *(SHARED + q for q in ("What is 2+2?", "Name a color.", "Who wrote Hamlet?")),
+    ]
     ids = [tok.encode(t) for t in texts]
     long = (tok.encode("Once upon a time, in a small village by the sea, ") * 200)[:1500]
     return ids + [long]
@@ -51,7 +56,7 @@ def until_eos(tokens: list[int], eos: int | list[int] | None) -> list[int]:
     eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
     for i, t in enumerate(tokens):
         if t in eos_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 
@@ -60,11 +65,19 @@ def _free_cuda() -> None:
     torch.cuda.empty_cache()
 
 
-def _greedy(model: Path, prompts, backend: str, dtype: str = "float32", graphs: list | None = None,
-            **kw) -> list[list[int]]:
+def _greedy(
+    model: Path, prompts, backend: str, dtype: str = "float32", graphs: list | None = None, **kw
+) -> list[list[int]]:
     """`graphs`: gets the engine's CUDA graphs' (captured sizes, disabled reason) appended."""
-    llm = LLM(str(model), device="cuda", dtype=dtype, attention_backend=backend,
-              kv_cache_memory=1 << 30, max_num_batched_tokens=512, **kw)
+    llm = LLM(
+        str(model),
+        device="cuda",
+        dtype=dtype,
+        attention_backend=backend,
+        kv_cache_memory=1 << 30,
+        max_num_batched_tokens=512,
+        **kw,
+    )
     assert llm.engine.backend.name == backend
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -86,8 +99,11 @@ def test_cuda_graph_decode_equals_eager(gpu_model, prompts, triton_tokens):
     seven prompts decode together (size 8), the long one alone at the end (size 1); its
     chunks and the steps they share run eagerly."""
     graphs: list = []
-    assert _greedy(gpu_model, prompts, "triton", cuda_graph_sizes=[1, 8], graphs=graphs) == triton_tokens
-    (captured, disabled), = graphs
+    assert (
+        _greedy(gpu_model, prompts, "triton", cuda_graph_sizes=[1, 8], graphs=graphs)
+        == triton_tokens
+    )
+    ((captured, disabled),) = graphs
     assert disabled is None and 8 in captured and set(captured) <= {1, 8}
     assert _greedy(gpu_model, prompts, "triton", enforce_eager=True, graphs=graphs) == triton_tokens
     assert graphs[1] is None
@@ -104,11 +120,12 @@ def test_triton_backend_equals_transformers(gpu_model, prompts, triton_tokens):
     try:
         for ids, ours in zip(prompts, triton_tokens):
             with torch.inference_mode():
-                ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_TOKENS,
-                                  do_sample=False)
-            ref_tokens = until_eos(ref[0, len(ids):].tolist(), hf.generation_config.eos_token_id)
+                ref = hf.generate(
+                    torch.tensor([ids], device="cuda"), max_new_tokens=MAX_TOKENS, do_sample=False
+                )
+            ref_tokens = until_eos(ref[0, len(ids) :].tolist(), hf.generation_config.eos_token_id)
             # transformers stops at EOS; the engine ran on (ignore_eos): compare up to there.
-            assert ours[:len(ref_tokens)] == ref_tokens, f"prompt of {len(ids)} tokens"
+            assert ours[: len(ref_tokens)] == ref_tokens, f"prompt of {len(ids)} tokens"
     finally:
         del hf
         _free_cuda()
@@ -131,8 +148,9 @@ def test_kv_pool_sized_from_gpu_memory_utilization(gpu_model):
     # fills it to within the profiled peak's estimate (weights + activations < 2 GiB here).
     assert torch.cuda.memory_allocated() <= 0.2 * total + block
     assert pool_bytes >= 0.2 * total - (2 << 30)
-    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate(
+        ["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4
     del llm, engine, pool
     _free_cuda()

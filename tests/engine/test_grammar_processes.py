@@ -4,6 +4,7 @@ the next constraint compiles in a fresh child; the grammar the child sends back 
 rebuilt here) masks exactly as one compiled in this thread; equal constraints compile once,
 concurrent askers included; an over-size constraint is refused before any compile; an engine
 refuses such a request and takes nothing, then generates what an in-thread compile gives."""
+
 import threading
 import time
 
@@ -13,10 +14,10 @@ import xgrammar as xgr
 
 from engine import LLM, SamplingParams
 from engine.checks import FieldError
+from engine.processing.tokenizer import Tokenizer
 from engine.structured.compile_process import CompileLimits
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.params import StructuredOutputsParams as Params
-from engine.processing.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,13 +25,26 @@ pytestmark = pytest.mark.timeout(180)
 PATHOLOGICAL = {"type": "string", "pattern": "(((ab|a){0,20}){0,20}){0,20}"}
 LIMIT_S = 1.0
 MARGIN_S = 1.5  # the kill, the answer and a loaded machine
-POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                                          "y": {"type": "integer"}}, "required": ["x", "y"]}
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "integer"}},
+    "required": ["x", "y"],
+}
 CONSTRAINTS = [
-    Params(json={"$defs": {"p": POINT}, "type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 8}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        "at": {"$ref": "#/$defs/p"}}, "required": ["name", "at"]}, disable_any_whitespace=True),
+    Params(
+        json={
+            "$defs": {"p": POINT},
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                "at": {"$ref": "#/$defs/p"},
+            },
+            "required": ["name", "at"],
+        },
+        disable_any_whitespace=True,
+    ),
     Params(json=POINT),  # optional whitespace allowed
     Params(regex=r"[A-Z][a-z]{2,6}-[0-9]{2,3}"),
     Params(choice=("red", "green", "light blue")),
@@ -62,6 +76,7 @@ def _counting(compiler: GrammarCompiler, monkeypatch) -> list:
     def compile(params, timeout_s):
         sent.append(params)
         return inner(params, timeout_s)
+
     monkeypatch.setattr(compiler._processes, "compile", compile)
     return sent
 
@@ -84,7 +99,9 @@ def test_a_pathological_schema_is_refused_at_the_limit_and_the_pool_recovers(in_
     sent = _counting(in_child, monkeypatch)
     start = time.monotonic()
     with pytest.raises(FieldError, match="did not compile"):
-        in_child.compile(Params(json='{"type": "string", "pattern": "(((ab|a){0,20}){0,20}){0,20}"}'))
+        in_child.compile(
+            Params(json='{"type": "string", "pattern": "(((ab|a){0,20}){0,20}){0,20}"}')
+        )
     assert sent == [] and time.monotonic() - start < 0.5
 
 
@@ -122,6 +139,7 @@ def test_equal_constraints_compile_once_even_when_asked_at_once(in_child, monkey
     def ask():
         barrier.wait()
         got.append(in_child.compile(params))
+
     threads = [threading.Thread(target=ask) for _ in range(4)]
     for t in threads:
         t.start()
@@ -153,8 +171,11 @@ def test_an_engine_refuses_a_pathological_request_and_takes_nothing(model_dir):
     assert isinstance(refused.value, ValueError)  # a worker's INVALID_ARGUMENT
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (0, 0, stats.num_blocks)
-    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={
-        "json": CONSTRAINTS[0].json, "disable_any_whitespace": True})
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        structured_outputs={"json": CONSTRAINTS[0].json, "disable_any_whitespace": True},
+    )
     out = llm.generate(["Describe a person as JSON:"], params, use_tqdm=False)[0].outputs[0]
     reference = LLM(str(model_dir), grammar_compile_timeout_s=0, **kw)
     want = reference.generate(["Describe a person as JSON:"], params, use_tqdm=False)[0].outputs[0]

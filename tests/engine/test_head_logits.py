@@ -2,13 +2,16 @@
 bf16 model's batch where every row draws plainly is sampled from its bf16 logits with no
 fp32 copy, any row that needs more (logprobs here) makes the step widen them, and the
 tokens are the same either way."""
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.sampling.sampler import Sampler
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(), reason="no C++ toolchain for the CPU kernels"
+)
 
 _PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
 
@@ -29,8 +32,10 @@ def _generate(llm: LLM, params: list[SamplingParams], monkeypatch) -> tuple[list
 
 def test_plain_rows_sample_bf16_logits_and_the_same_tokens(monkeypatch):
     llm = LLM("default", num_layers=2, kv_cache_memory=64 << 20, dtype="bfloat16")
-    params = [SamplingParams(temperature=t, seed=7, max_tokens=10, ignore_eos=True)
-              for t in (0.0, 0.8, 1.0, 0.0)]
+    params = [
+        SamplingParams(temperature=t, seed=7, max_tokens=10, ignore_eos=True)
+        for t in (0.0, 0.8, 1.0, 0.0)
+    ]
     narrow, dtypes = _generate(llm, params, monkeypatch)
     assert dtypes == {torch.bfloat16}
     monkeypatch.setattr(Sampler, "reads_head_logits", lambda self, rows, device: False)
@@ -38,7 +43,9 @@ def test_plain_rows_sample_bf16_logits_and_the_same_tokens(monkeypatch):
     assert dtypes == {torch.float32}
     assert narrow == wide
     monkeypatch.undo()
-    with_logprobs = params[:3] + [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)]
+    with_logprobs = params[:3] + [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)
+    ]
     tokens, dtypes = _generate(llm, with_logprobs, monkeypatch)
     assert dtypes == {torch.float32} and tokens == narrow
     assert llm.engine.block_manager.pool.num_free_blocks == llm.engine.block_manager.pool.num_blocks

@@ -2,6 +2,7 @@
 from the heap instead of being mapped and page-faulted afresh; PDSERVE_MALLOC_TUNING=0 and the
 user's own malloc settings leave glibc alone. Each case in a fresh process (mallopt is
 process-wide)."""
+
 import json
 import os
 import subprocess
@@ -28,10 +29,18 @@ print(json.dumps({"applied": applied, "faults": faults()}))
 
 
 def _probe(**env) -> dict:
-    environ = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    environ = {
+        k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")
+    }
     environ.update(env)
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=environ, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,24 +1,33 @@
 """Prefill chunks paced beside running decodes: the scheduler's per-step prompt budget, the
 cap that keeps a step within an inter-token latency target (engine/core/step_cost.py), and the
 engine loop applying it from its own measured step costs."""
+
 import time
 
 import pytest
+from engine_factories import drain, make_request, step
 
-from engine.kv.block_manager import BlockManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import StepInput
 from engine.core.step_cost import (
-    StepCost, even_chunk, fitted_slope, prompt_token_cap, step_cost_from,
+    StepCost,
+    even_chunk,
+    fitted_slope,
+    prompt_token_cap,
+    step_cost_from,
 )
-from engine_factories import drain, make_request, step
+from engine.kv.block_manager import BlockManager
 
 NUM_LAYERS = 2
 
 
 def _scheduler(budget: int = 64) -> Scheduler:
-    return Scheduler(BlockManager(256, 4, True), max_num_seqs=16, max_num_batched_tokens=budget,
-                     max_model_len=1024)
+    return Scheduler(
+        BlockManager(256, 4, True),
+        max_num_seqs=16,
+        max_num_batched_tokens=budget,
+        max_model_len=1024,
+    )
 
 
 def _paced_chunks(s: Scheduler, decodes, a, b, until, budget: int) -> list[tuple[int, int]]:
@@ -117,8 +126,15 @@ def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
     from engine.llm_engine import LLMEngine
     from engine.sampling.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_layers=NUM_LAYERS, dtype="float32",
-                                    kv_cache_memory=64 << 20, max_num_batched_tokens=512))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            num_layers=NUM_LAYERS,
+            dtype="float32",
+            kv_cache_memory=64 << 20,
+            max_num_batched_tokens=512,
+        )
+    )
     chunks: list[tuple[int, int, int]] = []  # (prompt tokens, decodes, budget) of mixed steps
     inner = engine.scheduler.schedule
 
@@ -140,8 +156,11 @@ def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
         time.sleep(0.5)  # the short prompts are decoding
         for i in range(3):
             prompt = [1000 + (i * 977 + j) % 9000 for j in range(600)]
-            loop.call(lambda e, i=i, p=prompt: e.add_request(
-                f"long{i}", p, SamplingParams(temperature=0.0, max_tokens=1))).result(30)
+            loop.call(
+                lambda e, i=i, p=prompt: e.add_request(
+                    f"long{i}", p, SamplingParams(temperature=0.0, max_tokens=1)
+                )
+            ).result(30)
         deadline = time.monotonic() + 120
         while loop.call(lambda e: e.has_unfinished_requests()).result(30):
             assert time.monotonic() < deadline, "requests did not finish in time"
@@ -157,7 +176,8 @@ def test_engine_loop_paces_a_long_prompt_beside_decodes(model_dir):
     d, p = loop.decode_steps, loop.prefill_steps
     slope = fitted_slope(d.seconds, d.tokens, p.seconds, p.tokens)
     assert slope is not None
-    expected = prompt_token_cap(step_cost_from(d.seconds, d.tokens, p.seconds, p.tokens, slope),
-                                1, 0.05, block, 512)
+    expected = prompt_token_cap(
+        step_cost_from(d.seconds, d.tokens, p.seconds, p.tokens, slope), 1, 0.05, block, 512
+    )
     assert loop._prompt_cap(1) == expected
     assert any(budget != chunks[0][2] for _, _, budget in chunks)

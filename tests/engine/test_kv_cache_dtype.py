@@ -2,6 +2,7 @@
 model: perplexity, top-1 agreement, largest logprob change — thresholds from the measured
 values in docs/kv_cache_dtype.md with a margin), pool sizing, the encoding's round trip, and
 that quantized blocks are reused exactly (prefix hits) and never confused with other formats."""
+
 import math
 from pathlib import Path
 
@@ -17,13 +18,21 @@ HELDOUT = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
 # int8 +0.35% / 97.9% / 0.20. e4m3's 3 mantissa bits make its perplexity sensitive to
 # last-bit differences in K before rounding: with the fused C++ layer ops (same fp32 values to
 # ~1e-7) it measured +0.32% (2 threads) and +1.05% (1 thread), without them +0.35% / +0.39%.
-TOLERANCES = {"fp8_e4m3": (0.015, 0.95, 1.0), "int8": (0.01, 0.95, 0.4),
-              "fp8_e5m2": (0.03, 0.85, 1.5)}
+TOLERANCES = {
+    "fp8_e4m3": (0.015, 0.95, 1.0),
+    "int8": (0.01, 0.95, 0.4),
+    "fp8_e5m2": (0.03, 0.85, 1.5),
+}
 
 
 def _teacher_forced(model_dir, kv_cache_dtype):
-    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=256 << 20,
-              kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64)  # chunks read the pool
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        kv_cache_memory=256 << 20,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=64,
+    )  # chunks read the pool
     ids = llm.tokenizer.encode(HELDOUT, add_special_tokens=True)
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     lps = out.prompt_logprobs[1:]
@@ -48,9 +57,16 @@ def test_accuracy_against_the_unquantized_cache(model_dir, unquantized, kv_cache
 
 
 def test_the_pool_holds_more_blocks_of_smaller_formats(model_dir):
-    blocks = {d: LLM(str(model_dir), num_layers=2, dtype="float32", kv_cache_memory=32 << 20,
-                     kv_cache_dtype=d).engine.block_manager.pool.num_blocks
-              for d in ("auto", "fp8", "fp8_e5m2", "int8")}
+    blocks = {
+        d: LLM(
+            str(model_dir),
+            num_layers=2,
+            dtype="float32",
+            kv_cache_memory=32 << 20,
+            kv_cache_dtype=d,
+        ).engine.block_manager.pool.num_blocks
+        for d in ("auto", "fp8", "fp8_e5m2", "int8")
+    }
     row = 2 * 2 * 16 * 3  # layers x K/V x tokens x kv heads
     assert blocks["auto"] == (32 << 20) // (row * 64 * 4)  # fp32
     assert blocks["fp8"] == blocks["fp8_e5m2"] == (32 << 20) // (row * 64)  # 4x: one byte
@@ -71,8 +87,14 @@ def test_encoding_round_trip():
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_quantized_blocks_are_reused_exactly_and_hashed_apart(model_dir, kv_cache_dtype):
-    llm = LLM(str(model_dir), num_layers=2, dtype="float32", kv_cache_memory=32 << 20,
-              kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32)
+    llm = LLM(
+        str(model_dir),
+        num_layers=2,
+        dtype="float32",
+        kv_cache_memory=32 << 20,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_batched_tokens=32,
+    )
     prompt = HELDOUT[:600]
     params = SamplingParams(temperature=0.0, max_tokens=16)
     first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -98,9 +120,22 @@ def test_triton_backend_reads_and_writes_the_same_format(model_dir, kv_cache_dty
     """The Triton kernels (interpreter here) and the torch path over a quantized pool."""
     outputs = []
     for backend in ("torch", "triton"):
-        llm = LLM(str(model_dir), num_layers=2, dtype="float32", kv_cache_memory=8 << 20,
-                  kv_cache_dtype=kv_cache_dtype, attention_backend=backend, max_num_batched_tokens=8)
+        llm = LLM(
+            str(model_dir),
+            num_layers=2,
+            dtype="float32",
+            kv_cache_memory=8 << 20,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_backend=backend,
+            max_num_batched_tokens=8,
+        )
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        outputs.append([o.outputs[0].token_ids for o in llm.generate(
-            ["The capital of France is", "def add(a, b):"], params, use_tqdm=False)])
+        outputs.append(
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate(
+                    ["The capital of France is", "def add(a, b):"], params, use_tqdm=False
+                )
+            ]
+        )
     assert outputs[0] == outputs[1]

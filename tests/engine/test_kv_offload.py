@@ -2,6 +2,7 @@
 demotions (evicted cached blocks, leaves first) and promotions (a prefix hit in the tier), and
 outputs through a tiny random LLaMA that are identical whether a prefix was computed, hit in
 the pool or promoted from the tier — and identical to the tier-off engine."""
+
 import dataclasses
 import shutil
 
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv.block_manager import BlockManager
-from engine.kv.block_pool import TIER, KVEvent
 from engine.checks import FieldError
 from engine.config import EngineConfig, parse_offloading_size
+from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import TIER, KVEvent
 from engine.kv.kv_pool import kv_block_bytes
 from engine.kv.kv_tier import FakeTierStorage, KVTier, tier_slots
 from tests.engine.engine_factories import make_request
@@ -35,6 +36,7 @@ def run_once(bm: BlockManager, request) -> None:
 
 
 # ---- the tier alone ------------------------------------------------------------------------
+
 
 def test_tier_lru_evicts_its_least_recent_entry():
     tier = KVTier(FakeTierStorage(2))
@@ -85,11 +87,14 @@ def test_flag_round_trips_through_argv():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert EngineConfig.from_args(parser.parse_args(to_argv(config))) == config
-    assert EngineConfig.from_args(parser.parse_args(["--kv-offloading-size", "1"])
-                                  ).kv_offloading_size == 1 << 30
+    assert (
+        EngineConfig.from_args(parser.parse_args(["--kv-offloading-size", "1"])).kv_offloading_size
+        == 1 << 30
+    )
 
 
 # ---- the block manager with a tier ---------------------------------------------------------
+
 
 def test_evicted_blocks_are_demoted_leaves_first_and_promoted_back():
     bm, tier = make_bm(num_blocks=4, slots=8, record_events=True)
@@ -147,7 +152,9 @@ def test_full_tier_drops_its_oldest_and_announces_it():
     bm.pool.take_events()
     run_once(bm, make_request(list(range(700, 709)), BS))  # demotes the 2nd: a's are dropped
     events = bm.pool.take_events()
-    assert KVEvent(False, a.block_hashes[0]) in events and KVEvent(False, a.block_hashes[1]) in events
+    assert (
+        KVEvent(False, a.block_hashes[0]) in events and KVEvent(False, a.block_hashes[1]) in events
+    )
     assert set(bm.pool.cached_hashes()) == set(bm.pool._cached[0]) | {h for _, h in tier.keys()}
     assert len(tier.keys()) == 2 and tier.stats.evictions == 2
 
@@ -193,7 +200,7 @@ def test_sliding_groups_demote_and_promote_per_group():
     tables = bm.block_tables(again.request_id)
     for g in (0, 1):
         held = [bm.pool.blocks[b].block_hash for b in tables[g][:4] if b >= 0]
-        assert held == [h for h in a.block_hashes[4 - len(held):4]]
+        assert held == [h for h in a.block_hashes[4 - len(held) : 4]]
     bm.free(again)
 
 
@@ -210,11 +217,22 @@ def tiny_llama(model_dir, tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        tie_word_embeddings=True))
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+            tie_word_embeddings=True,
+        )
+    )
     out = tmp_path_factory.mktemp("tiny_llama")
     hf.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
@@ -234,8 +252,15 @@ def _block_bytes(model: str) -> int:
 
 def _llm(model: str, pool_blocks: int, tier_blocks: int = 0, **kw) -> LLM:
     bb = _block_bytes(model)
-    return LLM(model, dtype="float32", block_size=BLOCK, kv_cache_memory=pool_blocks * bb,
-               kv_offloading_size=tier_blocks * bb, max_num_seqs=1, **kw)
+    return LLM(
+        model,
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_memory=pool_blocks * bb,
+        kv_offloading_size=tier_blocks * bb,
+        max_num_seqs=1,
+        **kw,
+    )
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -319,7 +344,9 @@ def test_file_backed_tier_and_aborts_leave_nothing_held(tiny_llama, tmp_path):
     bm, tier = engine.block_manager, engine.block_manager.pool.tier
     assert bm.pool.num_free_blocks == bm.pool.num_blocks and tier.num_used == len(tier.keys())
     again, cached = _gen(llm, PREFIX, GREEDY)
-    assert _tokens(again) == _tokens(cold) and _logprobs(again) == pytest.approx(_logprobs(cold), rel=1e-4)
+    assert _tokens(again) == _tokens(cold) and _logprobs(again) == pytest.approx(
+        _logprobs(cold), rel=1e-4
+    )
     assert cached == 5 * BLOCK
 
 
@@ -327,8 +354,13 @@ def test_tier_off_is_unchanged(tiny_llama):
     """The flag's default builds no tier and the block manager drops what it evicts."""
     llm = _llm(tiny_llama, pool_blocks=7)
     assert llm.engine.block_manager.pool.tier is None
-    assert llm.engine.config == EngineConfig(model=tiny_llama, dtype="float32", block_size=BLOCK,
-                                             kv_cache_memory=7 * _block_bytes(tiny_llama), max_num_seqs=1)
+    assert llm.engine.config == EngineConfig(
+        model=tiny_llama,
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_memory=7 * _block_bytes(tiny_llama),
+        max_num_seqs=1,
+    )
     assert llm.engine.stats().kv_offload_blocks == 0
 
 

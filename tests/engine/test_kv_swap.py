@@ -3,16 +3,17 @@ copies: a preempted request's partial last block goes to the KV tier and comes b
 resumes; outputs through a tiny random LLaMA are the same swapped, recomputed, or never
 preempted; nothing stays held in the pool or the tier after requests finish or are aborted
 while swapped out."""
+
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv.block_manager import BlockManager
-from engine.kv.kv_tier import CopyTimes, FakeTierStorage, KVTier
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.swap_policy import SwapPolicy
-from tests.engine.engine_factories import make_request, step
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_tier import CopyTimes, FakeTierStorage, KVTier
 from tests.engine import test_kv_offload
+from tests.engine.engine_factories import make_request, step
 from tests.engine.test_kv_offload import BLOCK, _block_bytes
 
 tiny_llama = test_kv_offload.tiny_llama  # the fixture: a tiny random LLaMA checkpoint
@@ -36,6 +37,7 @@ def _no_leaks(bm: BlockManager) -> None:
 
 # ---- the policy ----------------------------------------------------------------------------
 
+
 def test_policy_weighs_measured_copies_against_measured_prefill():
     times = CopyTimes()
     policy = SwapPolicy(times)
@@ -52,6 +54,7 @@ def test_policy_weighs_measured_copies_against_measured_prefill():
 
 
 # ---- the block manager and scheduler with a fake tier ---------------------------------------
+
 
 def test_swap_out_and_in_through_the_scheduler(monkeypatch):
     """A preempted request resumes at its computed tokens: its full blocks are a prefix hit,
@@ -180,10 +183,17 @@ def test_a_steps_copies_run_as_one_gathered_store_and_one_load():
 
 # ---- through the engine, on a tiny random LLaMA -------------------------------------------
 
+
 def _llm(model: str, pool_blocks: int, tier_blocks: int = 0, max_num_seqs: int = 2) -> LLM:
     bb = _block_bytes(model)
-    return LLM(model, dtype="float32", block_size=BLOCK, kv_cache_memory=pool_blocks * bb,
-               kv_offloading_size=tier_blocks * bb, max_num_seqs=max_num_seqs)
+    return LLM(
+        model,
+        dtype="float32",
+        block_size=BLOCK,
+        kv_cache_memory=pool_blocks * bb,
+        kv_offloading_size=tier_blocks * bb,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 # 21 and 22 tokens: the second is preempted mid-block (a partial block to swap).
@@ -201,10 +211,14 @@ def _same(got, ref) -> None:
         assert [lp for _, lp in g] == pytest.approx([lp for _, lp in r], rel=1e-4, abs=1e-5)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=0),
-    SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True, logprobs=0),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=0),
+        SamplingParams(max_tokens=14, temperature=1.0, seed=7, ignore_eos=True, logprobs=0),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_swapped_recomputed_and_unpreempted_outputs_agree(tiny_llama, params, monkeypatch):
     ref = _run(_llm(tiny_llama, pool_blocks=64), params)
 

@@ -2,6 +2,7 @@
 identical output; sleep(2) drops the weights and wakes from an update or the checkpoint;
 update_weights changes outputs exactly as a fresh engine loaded with those weights, and no
 block cached before the update is ever hit after it; collective_rpc reaches the extension."""
+
 import pytest
 import torch
 
@@ -38,8 +39,15 @@ def test_sleep_level_1_frees_the_pool_and_wakes_to_the_same_output(model_dir):
     import sys
 
     # RSS in a fresh process: this one's allocator history (other tests) would blur it.
-    freed = int(subprocess.run([sys.executable, "-c", _SLEEP_RSS, str(model_dir)], check=True,
-                               capture_output=True, text=True, timeout=300).stdout.split()[-1])
+    freed = int(
+        subprocess.run(
+            [sys.executable, "-c", _SLEEP_RSS, str(model_dir)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout.split()[-1]
+    )
     assert freed > 200 << 20  # the 256 MiB pool went back to the OS
     llm = _llm(model_dir)
     before = _greedy(llm)
@@ -67,8 +75,11 @@ def test_update_weights_equals_a_fresh_engine_with_those_weights(model_dir, tmp_
     before = _greedy(llm, long)
     state = load_file(str(model_dir / "model.safetensors"))
     torch.manual_seed(0)
-    changed = {n: t + 0.1 * torch.randn_like(t) for n, t in state.items()
-               if n.startswith("model.layers.1.") and n.endswith("proj.weight")}
+    changed = {
+        n: t + 0.1 * torch.randn_like(t)
+        for n, t in state.items()
+        if n.startswith("model.layers.1.") and n.endswith("proj.weight")
+    }
     hits = llm.engine.stats().prefix_cache_hits
     assert llm.update_weights(changed.items()) == len(changed)
     assert llm.engine.weights_version == 1
@@ -110,8 +121,7 @@ class Extension:
 
 
 def test_collective_rpc_calls_the_extension_then_the_engine(model_dir):
-    llm = _llm(model_dir, kv_cache_memory=16 << 20,
-               worker_extension_cls=f"{__name__}:Extension")
+    llm = _llm(model_dir, kv_cache_memory=16 << 20, worker_extension_cls=f"{__name__}:Extension")
     assert llm.collective_rpc("num_blocks") == [llm.engine.block_manager.pool.num_blocks]
     assert llm.collective_rpc("is_sleeping") == [False]
     with pytest.raises(ValueError, match="no method"):

@@ -1,20 +1,26 @@
 """`long_prefill_token_threshold` (vLLM's knob): no request computes more prompt tokens than
 that in one step, so a long prompt prefilled beside running decodes takes many short steps
 and every decode still gets its token each step."""
+
 import argparse
 
 import pytest
+from engine_factories import drain, make_request, step
 
-from engine.kv.block_manager import BlockManager
 from engine.config import EngineConfig, add_engine_args
 from engine.core.scheduler import Scheduler
-from engine_factories import drain, make_request, step
+from engine.kv.block_manager import BlockManager
 
 
 def _scheduler(threshold: int, budget: int = 64, chunked: bool = True) -> Scheduler:
-    return Scheduler(BlockManager(256, 4, True), max_num_seqs=16, max_num_batched_tokens=budget,
-                     max_model_len=1024, enable_chunked_prefill=chunked,
-                     long_prefill_token_threshold=threshold)
+    return Scheduler(
+        BlockManager(256, 4, True),
+        max_num_seqs=16,
+        max_num_batched_tokens=budget,
+        max_model_len=1024,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=threshold,
+    )
 
 
 def test_long_prompt_is_chunked_at_the_threshold_beside_running_decodes():

@@ -2,14 +2,23 @@
 bit-identical to F.linear for decode batches up to 32 rows, within one bf16 rounding of it up
 to PACKED_MAX_ROWS, rebuilt when a weight changes in place,
 and the engine's greedy tokens and logprobs are the same with and without them."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.models.layers import PACKED_MAX_ROWS, Linear, PackedWeight, bf16_packing_supported, pack_linears
+from engine.models.layers import (
+    PACKED_MAX_ROWS,
+    Linear,
+    PackedWeight,
+    bf16_packing_supported,
+    pack_linears,
+)
 
-packing = pytest.mark.skipif(not bf16_packing_supported(), reason="no bf16 oneDNN on this CPU (AVX2)")
+packing = pytest.mark.skipif(
+    not bf16_packing_supported(), reason="no bf16 oneDNN on this CPU (AVX2)"
+)
 
 
 def _linear(out_features=96, in_features=64, bias=True):
@@ -42,7 +51,7 @@ def test_larger_batches_round_like_f_linear(rows):
     x = torch.randn(rows, 1536, dtype=torch.bfloat16)
     ours, theirs = layer(x).float(), F.linear(x, layer.weight).float()
     exact = x.float() @ layer.weight.float().t()
-    ulp = theirs.abs().clamp(min=1e-30) * 2.0 ** -7  # bf16: 8 significant bits
+    ulp = theirs.abs().clamp(min=1e-30) * 2.0**-7  # bf16: 8 significant bits
     assert ((ours - theirs).abs() <= ulp).all()
     assert (ours - exact).abs().max() <= (theirs - exact).abs().max() * 1.01 + 1e-6
 
@@ -81,7 +90,10 @@ def test_engine_outputs_unchanged():
 
     def run():
         llm.reset_prefix_cache()
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
 
     packed = run()
     pack_linears(model, False)

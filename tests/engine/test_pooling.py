@@ -2,6 +2,7 @@
 hidden state after the final norm, pooled (last token / mean) and L2-normalized — whole
 prompts in one batch, next to a generating request in the same steps, chunked prefill, a
 prefix-cached prompt, preemption."""
+
 import pytest
 import torch
 
@@ -29,8 +30,9 @@ def hidden(model_dir, tok):
     """Per prompt: HF's final-normed last-layer hidden states [T, dim] (fp32)."""
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(model_dir, num_hidden_layers=NUM_LAYERS,
-                                          dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(
+        model_dir, num_hidden_layers=NUM_LAYERS, dtype=torch.float32
+    ).eval()
     with torch.inference_mode():
         return {p: hf.model(torch.tensor([tok.encode(p)])).last_hidden_state[0] for p in PROMPTS}
 
@@ -41,8 +43,13 @@ def reference(states: torch.Tensor, pooling: PoolingParams) -> torch.Tensor:
 
 
 def _llm(model_dir, **engine_args):
-    return LLM(str(model_dir), num_layers=NUM_LAYERS, dtype="float32", kv_cache_memory=64 << 20,
-               **engine_args)
+    return LLM(
+        str(model_dir),
+        num_layers=NUM_LAYERS,
+        dtype="float32",
+        kv_cache_memory=64 << 20,
+        **engine_args,
+    )
 
 
 def _check(outs, hidden, pooling, prompts=PROMPTS):
@@ -55,9 +62,16 @@ def _check(outs, hidden, pooling, prompts=PROMPTS):
             assert got.norm().item() == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("pooling", [LAST, MEAN, PoolingParams(normalize=False),
-                                     PoolingParams(pooling_type="mean", normalize=False)],
-                         ids=["last", "mean", "last-raw", "mean-raw"])
+@pytest.mark.parametrize(
+    "pooling",
+    [
+        LAST,
+        MEAN,
+        PoolingParams(normalize=False),
+        PoolingParams(pooling_type="mean", normalize=False),
+    ],
+    ids=["last", "mean", "last-raw", "mean-raw"],
+)
 def test_pooling_matches_transformers(model_dir, hidden, pooling):
     llm = _llm(model_dir)
     _check(llm.embed(PROMPTS, pooling), hidden, pooling)
@@ -108,13 +122,19 @@ def test_prefix_cached_prompt(model_dir, hidden):
 
 def test_mean_pooling_survives_preemption(model_dir, hidden):
     block_bytes = NUM_LAYERS * 2 * 16 * 3 * 64 * 4
-    llm = LLM(str(model_dir), num_layers=NUM_LAYERS, dtype="float32",
-              kv_cache_memory=3 * block_bytes, max_num_batched_tokens=2)
+    llm = LLM(
+        str(model_dir),
+        num_layers=NUM_LAYERS,
+        dtype="float32",
+        kv_cache_memory=3 * block_bytes,
+        max_num_batched_tokens=2,
+    )
     engine = llm.engine
     # A long generation first; the embedding arrives later, prefills one token per step and
     # is preempted when the generation's growth takes the block it needs.
-    engine.add_request("gen", PROMPTS[2], SamplingParams(temperature=0, max_tokens=40,
-                                                         ignore_eos=True))
+    engine.add_request(
+        "gen", PROMPTS[2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )
     engine.add_request("emb", PROMPTS[0], SamplingParams(max_tokens=1), pooling=MEAN)
     out = None
     while engine.has_unfinished_requests():

@@ -3,6 +3,7 @@ vocabulary: the prompt decides where the gate starts; the end marker opens it (a
 partial matches); while closed nothing is masked and the matcher sees nothing; drafts that
 cross the marker are checked against the grammar after it and rolled back exactly; a fork
 carries the gate."""
+
 import pytest
 import torch
 import xgrammar as xgr
@@ -17,14 +18,17 @@ VOCAB = [b"", b"a", b"b", b"<", b">"]  # EOS: special, never inside an output
 MARKERS = {"reasoning_start": (START,), "reasoning_end": (END, END)}
 
 
-@pytest.mark.parametrize("prompt, is_open", [
-    ([A, B], False),  # no marker: the model starts by thinking
-    ([A, START], False),
-    ([START, A, END, END], True),  # the template closed the thinking
-    ([START, END, END, A, B], True),
-    ([END, END, START, A], False),  # the last marker is the start
-    ([START, END, A, END], False),  # a broken end marker is no marker
-])
+@pytest.mark.parametrize(
+    "prompt, is_open",
+    [
+        ([A, B], False),  # no marker: the model starts by thinking
+        ([A, START], False),
+        ([START, A, END, END], True),  # the template closed the thinking
+        ([START, END, END, A, B], True),
+        ([END, END, START, A], False),  # the last marker is the start
+        ([START, END, A, END], False),  # a broken end marker is no marker
+    ],
+)
 def test_the_prompts_last_marker_sets_the_gate(prompt, is_open):
     gate = ReasoningGate.for_prompt((START,), (END, END), prompt)
     assert (gate is None) == is_open
@@ -95,13 +99,16 @@ def test_a_prompt_that_closed_the_reasoning_is_constrained_at_once(compiler):
     assert plain.active and _allowed(plain) == {A}
 
 
-@pytest.mark.parametrize("fields, field", [
-    ({"reasoning_start": (1,)}, "reasoning_end"),
-    ({"reasoning_end": (1,)}, "reasoning_start"),
-    ({"reasoning_start": (), "reasoning_end": (1,)}, "reasoning_start"),
-    ({"reasoning_start": (1,), "reasoning_end": ("x",)}, "reasoning_end"),
-    ({"reasoning_start": (1,), "reasoning_end": (-1,)}, "reasoning_end"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"reasoning_start": (1,)}, "reasoning_end"),
+        ({"reasoning_end": (1,)}, "reasoning_start"),
+        ({"reasoning_start": (), "reasoning_end": (1,)}, "reasoning_start"),
+        ({"reasoning_start": (1,), "reasoning_end": ("x",)}, "reasoning_end"),
+        ({"reasoning_start": (1,), "reasoning_end": (-1,)}, "reasoning_end"),
+    ],
+)
 def test_malformed_markers_are_refused(fields, field):
     from engine.checks import FieldError
 

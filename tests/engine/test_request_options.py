@@ -1,6 +1,7 @@
 """Per-request options through the whole engine (2-layer model, like test_sampling.py): stop
 tokens and strings with stop_reason, priority, make_request's tokenization and validation,
 and the offline API's generation-config defaults."""
+
 import json
 
 import pytest
@@ -61,8 +62,9 @@ def test_min_tokens_holds_stop_tokens_and_strings_back(llm, greedy):
 
 
 def test_lower_priority_value_runs_first_with_one_slot(model_dir):
-    one_slot = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, max_num_seqs=1,
-                   dtype="float32")
+    one_slot = LLM(
+        str(model_dir), num_layers=2, kv_cache_memory=32 << 20, max_num_seqs=1, dtype="float32"
+    )
     engine = one_slot.engine
     params = SamplingParams(temperature=0, max_tokens=3)
     engine.add_request("background", PROMPT, params, priority=1)
@@ -82,7 +84,11 @@ def test_make_request_tokenizes_bad_words_as_vllm_does(llm):
     req = llm.engine.make_request("bw", PROMPT, SamplingParams(bad_words=("Hugging", " zebra")))
     # "Hugging": both spellings (different first token, same length); "zebra" (left-stripped)
     # with a space is one token instead of two: only the plain spelling.
-    assert req.bad_words_token_ids == [tok.encode("Hugging"), tok.encode(" Hugging"), tok.encode("zebra")]
+    assert req.bad_words_token_ids == [
+        tok.encode("Hugging"),
+        tok.encode(" Hugging"),
+        tok.encode("zebra"),
+    ]
     assert len(tok.encode(" zebra")) != len(tok.encode("zebra"))
     out = _one(llm, max_tokens=3, bad_words=("a",))  # " a" was the greedy second token
     assert llm.tokenizer.encode(" a")[0] not in out.token_ids
@@ -104,14 +110,25 @@ def test_generation_config_defaults(model_dir, tmp_path, llm):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.0, "top_k": 20, "max_new_tokens": 4, "eos_token_id": 2})
     )
-    custom = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, generation_config=str(tmp_path))
-    assert custom.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=20, max_tokens=4)
+    custom = LLM(
+        str(model_dir), num_layers=2, kv_cache_memory=32 << 20, generation_config=str(tmp_path)
+    )
+    assert custom.get_default_sampling_params() == SamplingParams(
+        temperature=0.0, top_k=20, max_tokens=4
+    )
     [out] = custom.generate([PROMPT], use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
-    vllm_defaults = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, generation_config="vllm")
+    vllm_defaults = LLM(
+        str(model_dir), num_layers=2, kv_cache_memory=32 << 20, generation_config="vllm"
+    )
     assert vllm_defaults.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation-config"):
-        LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, generation_config=str(tmp_path / "no"))
+        LLM(
+            str(model_dir),
+            num_layers=2,
+            kv_cache_memory=32 << 20,
+            generation_config=str(tmp_path / "no"),
+        )
 
 
 def test_generation_config_eos_ids_follow_vllm(model_dir):

@@ -2,6 +2,7 @@
 continues exactly as the uninterrupted request: the same remaining tokens (greedy and seeded,
 with penalties and min_tokens), and the text streamed before the seam + after it is the
 uninterrupted text (stop-string hold-back and characters split across tokens at the seam)."""
+
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -65,17 +66,31 @@ def prompt(llm):
 
 
 def test_greedy_with_penalties_and_min_tokens(llm, prompt):
-    params = SamplingParams(temperature=0.0, max_tokens=14, min_tokens=8, repetition_penalty=1.3,
-                            presence_penalty=0.5, frequency_penalty=0.5)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=14,
+        min_tokens=8,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
     _check_every_seam(llm, prompt, params)
 
 
 def test_seeded_top_p_top_k_with_held_back_stop_text(llm, prompt):
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=14,
-                            min_tokens=4, frequency_penalty=0.3, stop=["never appears here"])
+    params = SamplingParams(
+        temperature=0.9,
+        top_p=0.9,
+        top_k=50,
+        seed=1234,
+        max_tokens=14,
+        min_tokens=4,
+        frequency_penalty=0.3,
+        stop=["never appears here"],
+    )
     whole = _check_every_seam(llm, prompt, params)
     # A stop string found after the seam (it may begin before it) still ends the request.
-    stop = whole.text[len(whole.text) // 2:][:4]
+    stop = whole.text[len(whole.text) // 2 :][:4]
     stopped = _check_every_seam(llm, prompt, replace(params, stop=[stop]))
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
 

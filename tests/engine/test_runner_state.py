@@ -1,6 +1,7 @@
 """What the model runner keeps across steps (the sampler's penalty counts, mean-pooling sums)
 is keyed by request id and dropped when the request leaves: finished, aborted or preempted.
 Nothing of it lives on the Request."""
+
 from engine import LLM, PoolingParams, SamplingParams
 
 NUM_LAYERS = 2
@@ -21,8 +22,9 @@ def test_state_of_finished_and_aborted_requests_is_dropped(model_dir):
     assert counts.keys() == {"long", "short"}
     while "short" in engine.scheduler.requests:
         engine.step()
-    engine.add_request("mean", list(range(300, 400)), SamplingParams(max_tokens=1),
-                       pooling=PoolingParams("mean"))
+    engine.add_request(
+        "mean", list(range(300, 400)), SamplingParams(max_tokens=1), pooling=PoolingParams("mean")
+    )
     engine.step()  # the finished request leaves; the embedding is part of the way in
     assert counts.keys() == {"long"} and partial.keys() == {"mean"}
     assert engine.abort_request("long") and engine.abort_request("mean")
@@ -44,7 +46,9 @@ def test_state_of_a_preempted_request_is_dropped_and_rebuilt(model_dir):
 
     engine.runner.prepare = checked_prepare
     for rid, start in (("a", 100), ("b", 200)):
-        engine.add_request(rid, list(range(start, start + 20)), SamplingParams(max_tokens=40, **PENALIZED))
+        engine.add_request(
+            rid, list(range(start, start + 20)), SamplingParams(max_tokens=40, **PENALIZED)
+        )
     tokens = {"a": [], "b": []}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -54,8 +58,11 @@ def test_state_of_a_preempted_request_is_dropped_and_rebuilt(model_dir):
     assert not counts
     alone = _engine(model_dir, kv_cache_memory=64 << 20)  # rebuilt counts: the same tokens
     for rid, start in (("a", 100), ("b", 200)):
-        alone.add_request(rid, list(range(start, start + 20)),
-                          SamplingParams(max_tokens=len(tokens[rid]), **PENALIZED))
+        alone.add_request(
+            rid,
+            list(range(start, start + 20)),
+            SamplingParams(max_tokens=len(tokens[rid]), **PENALIZED),
+        )
     expected = {"a": [], "b": []}
     while alone.has_unfinished_requests():
         for delta in alone.step():

@@ -1,6 +1,7 @@
 """The sampler's batched pieces against plain references: the chunked argmax and inverse CDF
 (torch.argmax / a float64 full-vocabulary cdf), the counter-based uniforms, and the
 incrementally maintained penalty counts (a from-scratch count of the whole context)."""
+
 import itertools
 
 import numpy as np
@@ -8,11 +9,16 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.sampling.penalties import Penalties
 from engine.core.request import Request
+from engine.sampling.penalties import Penalties
 from engine.sampling.sample_row import SampleRow
 from engine.sampling.sampler import (
-    Sampler, argmax_rows, chunk_totals, inverse_cdf, row_uniforms, softmax_,
+    Sampler,
+    argmax_rows,
+    chunk_totals,
+    inverse_cdf,
+    row_uniforms,
+    softmax_,
 )
 from engine.sampling.sampling_params import SamplingParams
 
@@ -20,8 +26,15 @@ _ids = itertools.count()
 
 
 def _row(params: SamplingParams, output=(), prompt=(3,), seed=0, index=0, drafts=()) -> SampleRow:
-    r = Request(f"r{next(_ids)}", list(prompt), params, seed=seed, eos_token_ids=frozenset(), max_tokens=64,
-                block_hashes=[])
+    r = Request(
+        f"r{next(_ids)}",
+        list(prompt),
+        params,
+        seed=seed,
+        eos_token_ids=frozenset(),
+        max_tokens=64,
+        block_hashes=[],
+    )
     for t in output:
         r.append_token(t)
     return SampleRow(r, index, tuple(drafts))
@@ -53,8 +66,10 @@ def test_argmax_rows_is_torch_argmax_including_ties_masks_and_nans(vocab, kernel
 
 def _reference_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     cdf = probs.double().cumsum(-1)
-    return [int(torch.searchsorted(c, ui.double() * c[-1], right=True).clamp(max=len(c) - 1))
-            for c, ui in zip(cdf, u)]
+    return [
+        int(torch.searchsorted(c, ui.double() * c[-1], right=True).clamp(max=len(c) - 1))
+        for c, ui in zip(cdf, u)
+    ]
 
 
 @pytest.mark.parametrize("vocab", [5, 300, 49152, 4099])
@@ -87,14 +102,22 @@ def test_inverse_cdf_follows_the_distribution():
 
 def test_row_uniforms_depend_only_on_seed_index_and_position():
     params = SamplingParams(temperature=1.0)
-    rows = [_row(params, seed=s, index=i, output=[1] * p) for s in (0, 7) for i in (0, 1) for p in (0, 3)]
+    rows = [
+        _row(params, seed=s, index=i, output=[1] * p)
+        for s in (0, 7)
+        for i in (0, 1)
+        for p in (0, 3)
+    ]
     together = row_uniforms(rows, 2)
     alone = np.concatenate([row_uniforms([r], 2) for r in rows])
     assert np.array_equal(together, alone)
     assert np.array_equal(row_uniforms(rows)[:, 0], together[:, 0])  # the first of a row's stream
     assert len({float(u) for u in together.ravel()}) == together.size
     # A draft counts as an output position: the row after one draft draws position 1.
-    assert row_uniforms([_row(params, drafts=(5,))])[0, 0] == row_uniforms([_row(params, output=[9])])[0, 0]
+    assert (
+        row_uniforms([_row(params, drafts=(5,))])[0, 0]
+        == row_uniforms([_row(params, output=[9])])[0, 0]
+    )
     many = row_uniforms([_row(params, seed=3, output=[1] * p) for p in range(4000)])
     assert ((many >= 0) & (many < 1)).all() and abs(many.mean() - 0.5) < 0.02
     assert abs(np.histogram(many, bins=10, range=(0, 1))[0] / 4000 - 0.1).max() < 0.03
@@ -106,25 +129,32 @@ def _from_scratch(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     seen = sorted(set(row.token_ids))
     vals = out[seen]
     out[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=len(out)).float()
+    counts = torch.bincount(
+        torch.tensor(row.output_token_ids, dtype=torch.long), minlength=len(out)
+    ).float()
     return out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
 
 
 def test_incremental_penalty_counts_equal_a_count_of_the_whole_context():
     vocab = 50
     g = torch.Generator().manual_seed(0)
-    penalized = SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4,
-                               presence_penalty=0.2)
+    penalized = SamplingParams(
+        temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2
+    )
     plain = SamplingParams(temperature=1.0)
     rows = [_row(penalized, prompt=[1, 2, 2, 40]), _row(plain), _row(penalized, prompt=[7])]
     penalties = Penalties()
     for step in range(6):
         for k, row in enumerate(rows):
-            row.request.append_token(int(torch.randint(vocab, (1,), generator=g)) if step else 2 + k)
+            row.request.append_token(
+                int(torch.randint(vocab, (1,), generator=g)) if step else 2 + k
+            )
         if step == 4:  # a stop string trims the last tokens: the counts are rebuilt
             del rows[0].request.token_ids[-2:]
         logits = torch.randn(len(rows), vocab, generator=g)
-        expected = torch.stack([_from_scratch(logits[0], rows[0]), logits[1], _from_scratch(logits[2], rows[2])])
+        expected = torch.stack(
+            [_from_scratch(logits[0], rows[0]), logits[1], _from_scratch(logits[2], rows[2])]
+        )
         penalties.apply(logits, rows)
         assert torch.allclose(logits, expected, atol=1e-6), step
     assert rows[1].request.request_id not in penalties.counts  # no penalty: no counts kept
@@ -142,12 +172,18 @@ def test_mixed_batch_rows_sample_as_they_would_alone():
         _row(SamplingParams(temperature=0.0), seed=1),
         _row(SamplingParams(temperature=0.7), seed=2),
         _row(SamplingParams(temperature=1.0, top_k=20, top_p=0.9), seed=3),
-        _row(SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.5), seed=4, output=[5, 6]),
+        _row(
+            SamplingParams(temperature=1.2, min_p=0.05, repetition_penalty=1.5),
+            seed=4,
+            output=[5, 6],
+        ),
         _row(SamplingParams(temperature=1.0), seed=5, index=2),
     ]
     logits = torch.randn(len(rows), 4099, generator=g)
     together = [t.token_id for t in Sampler().sample(logits.clone(), rows)]
-    alone = [Sampler().sample(logits[i : i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)]
+    alone = [
+        Sampler().sample(logits[i : i + 1].clone(), [row])[0].token_id for i, row in enumerate(rows)
+    ]
     assert together == alone
     assert together[0] == int(logits[0].argmax())
 
@@ -241,8 +277,9 @@ def test_sample_rows_temperatures_and_bf16_logits(vocab):
     assert drawn == cpu_kernels.sample_rows(wide, u, t, 256).tolist()
     drawing = t > 0
     divided = wide[drawing] / t[drawing, None]
-    assert [d for d, keep in zip(drawn, drawing) if keep] == \
-        cpu_kernels.sample_rows(divided, u[drawing].contiguous(), None, 256).tolist()
+    assert [d for d, keep in zip(drawn, drawing) if keep] == cpu_kernels.sample_rows(
+        divided, u[drawing].contiguous(), None, 256
+    ).tolist()
     assert [d for d, keep in zip(drawn, drawing) if not keep] == wide[~drawing].argmax(-1).tolist()
     assert drawn[5] == vocab - 1
 
@@ -253,8 +290,10 @@ def test_plain_rows_draw_the_same_tokens_with_and_without_the_kernels(dtype, mon
     given) and the fallback (fp32 copy, in-place temperature, softmax + inverse CDF) give the
     same tokens, bf16 logits included."""
     logits = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
-    rows = [_row(SamplingParams(temperature=(0.8, 0.0, 1.0, 1.7)[i % 4]), seed=i, output=range(i % 5))
-            for i in range(64)]
+    rows = [
+        _row(SamplingParams(temperature=(0.8, 0.0, 1.0, 1.7)[i % 4]), seed=i, output=range(i % 5))
+        for i in range(64)
+    ]
     sampler = Sampler()
     assert sampler.reads_head_logits(rows, logits.device) == cpu_kernels.load()
     fast = [t.token_id for t in sampler.sample(logits.clone(), rows)]
@@ -269,10 +308,17 @@ def test_rows_that_need_the_logits_widened_are_not_drawn_plainly():
     sampler = Sampler()
     cpu = torch.device("cpu")
     plain = _row(SamplingParams(temperature=0.5))
-    for params in (SamplingParams(logprobs=1), SamplingParams(top_k=5), SamplingParams(top_p=0.9),
-                   SamplingParams(min_p=0.1), SamplingParams(presence_penalty=0.5),
-                   SamplingParams(logit_bias={1: 2.0}), SamplingParams(allowed_token_ids=[1, 2]),
-                   SamplingParams(min_tokens=2), SamplingParams(repetition_penalty=1.1)):
+    for params in (
+        SamplingParams(logprobs=1),
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.1),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(logit_bias={1: 2.0}),
+        SamplingParams(allowed_token_ids=[1, 2]),
+        SamplingParams(min_tokens=2),
+        SamplingParams(repetition_penalty=1.1),
+    ):
         assert not sampler.reads_head_logits([plain, _row(params)], cpu), params
     banned = _row(SamplingParams())
     banned.request.bad_words_token_ids = [[4]]

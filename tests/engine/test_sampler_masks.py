@@ -1,5 +1,6 @@
 """The sampler's per-request masks on hand-built logits: allowed_token_ids, bad_words,
 min_tokens, logit_bias, and the rank of the sampled token's logprob."""
+
 import math
 
 import torch
@@ -20,8 +21,16 @@ def sample(logits, rows):
 
 def _row(output=(), bad_words=(), **params) -> SampleRow:
     p = SamplingParams(max_tokens=20, **{"temperature": 0.0, **params})
-    r = Request("r", [7, 7], p, seed=p.seed or 0, eos_token_ids=frozenset({EOS}), max_tokens=20,
-                block_hashes=[], bad_words_token_ids=[list(w) for w in bad_words])
+    r = Request(
+        "r",
+        [7, 7],
+        p,
+        seed=p.seed or 0,
+        eos_token_ids=frozenset({EOS}),
+        max_tokens=20,
+        block_hashes=[],
+        bad_words_token_ids=[list(w) for w in bad_words],
+    )
     for t in output:
         r.append_token(t)
     return SampleRow(r, 0)

@@ -1,12 +1,12 @@
 import random
 
 import pytest
+from engine_factories import drain, make_request, make_requests, make_scheduler, step
 
-from engine.core.request import RequestStatus
 from engine.core.limits import RequestRejected
+from engine.core.request import RequestStatus
 from engine.core.scheduler_output import RunnerOutput
 from engine.processing.tokens import SampledToken
-from engine_factories import drain, make_request, make_requests, make_scheduler, step
 
 
 def test_token_budget_and_max_num_seqs_are_never_exceeded():
@@ -69,7 +69,10 @@ def test_prefill_chunks_and_decodes_share_a_step():
     step(s)
     s.add_request(long)
     out = step(s)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [(short.request_id, 1), (long.request_id, 9)]
+    assert [(r.request_id, n) for r, n in out.scheduled] == [
+        (short.request_id, 1),
+        (long.request_id, 9),
+    ]
     drain(s)
 
 
@@ -139,7 +142,9 @@ def test_fork_for_n_completions_shares_the_prompt_blocks():
     assert len(first_blocks) == 1 and s.bm.pool.blocks[first_blocks.pop()].ref_count == 3
     out = s.schedule()
     assert len(out.block_copies) == 2  # two of three diverge from the shared partial block
-    s.update_from_output(out, RunnerOutput({x.request_id: [SampledToken(7)] for x, _ in out.scheduled}))
+    s.update_from_output(
+        out, RunnerOutput({x.request_id: [SampledToken(7)] for x, _ in out.scheduled})
+    )
     drain(s)
     assert all(x.num_output_tokens == 4 for x in group)
 
@@ -200,7 +205,11 @@ def test_a_sequence_that_outgrows_the_whole_pool_stops_with_length():
 
 def test_waiting_requests_run_in_priority_then_arrival_order():
     s = make_scheduler(max_num_seqs=1)
-    low, high, high_later = make_request(4, priority=1), make_request(4, priority=0), make_request(4, priority=0)
+    low, high, high_later = (
+        make_request(4, priority=1),
+        make_request(4, priority=0),
+        make_request(4, priority=0),
+    )
     for r in (low, high, high_later):
         s.add_request(r)
     order = []

@@ -3,13 +3,14 @@
 prompt never take the early ones, a prefill worker keeps what it streams, and everything
 comes back when the request ends. Greedy parity of such a model with transformers, in a pool
 too small for its history, is in tests/models/test_arch_parity.py."""
-import pytest
 
-from engine.kv.block_manager import RELEASED, BlockManager
+import pytest
+from engine_factories import drain, make_request, make_scheduler, step
+
 from engine.core.limits import RequestRejected
 from engine.core.request import RequestStatus
+from engine.kv.block_manager import RELEASED, BlockManager
 from engine.processing.tokens import SampledToken
-from engine_factories import drain, make_request, make_scheduler, step
 
 BS, W = 4, 8
 

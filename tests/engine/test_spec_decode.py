@@ -2,6 +2,7 @@
 engine produces without it (greedy and seeded random, every stop rule, chunked prefill,
 preemption, prefix caching), for the n-gram proposer, a layer-skip self-draft and a separate
 draft model; no block is held for rejected drafts; bad configs fail at start."""
+
 import json
 import shutil
 
@@ -27,8 +28,13 @@ PROMPTS = REPEATING + FREE
 
 def _llm(model_dir, spec=None, **engine_args):
     engine_args.setdefault("kv_cache_memory", 64 << 20)
-    return LLM(str(model_dir), num_layers=NUM_LAYERS, dtype="float32", speculative_config=spec,
-               **engine_args)
+    return LLM(
+        str(model_dir),
+        num_layers=NUM_LAYERS,
+        dtype="float32",
+        speculative_config=spec,
+        **engine_args,
+    )
 
 
 class _Logprobs(list):
@@ -40,9 +46,17 @@ class _Logprobs(list):
 
 
 def _outputs(llm, prompts, params):
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-             _Logprobs(lp.logprob for lp in c.logprobs))
-            for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    return [
+        (
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            _Logprobs(lp.logprob for lp in c.logprobs),
+        )
+        for o in llm.generate(prompts, params, use_tqdm=False)
+        for c in o.outputs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +93,19 @@ def _accepted(llm) -> int:
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
 SEEDED_PROMPTS = REPEATING + FREE[:1]
-SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=20,
-                         frequency_penalty=0.3, presence_penalty=0.2, min_tokens=5, logprobs=1)
-          for i in range(len(SEEDED_PROMPTS))]
+SEEDED = [
+    SamplingParams(
+        temperature=0.9,
+        top_p=0.95,
+        seed=7 + i,
+        max_tokens=20,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        min_tokens=5,
+        logprobs=1,
+    )
+    for i in range(len(SEEDED_PROMPTS))
+]
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +134,28 @@ def test_stop_rules_hold_at_any_acceptance_length(reference, model_dir):
     drafts exactly where they cut one token at a time."""
     spec_llm = _llm(model_dir, {**NGRAM, "adaptive": False})
     prompt = REPEATING[0]
-    text = reference.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30),
-                              use_tqdm=False)[0].outputs[0]
+    text = reference.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False
+    )[0].outputs[0]
     cases = [SamplingParams(temperature=0.0, max_tokens=m) for m in (1, 2, 3, 5, 7, 11)]
-    cases += [SamplingParams(temperature=0.0, max_tokens=30, stop=[text.text[i : i + 4]])
-              for i in (3, 9, 17)]
-    cases += [SamplingParams(temperature=0.0, max_tokens=30, stop=[text.text[9:13]],
-                             include_stop_str_in_output=True)]
-    cases += [SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[text.token_ids[i]])
-              for i in (2, 6)]
-    cases += [SamplingParams(temperature=0.0, max_tokens=30, min_tokens=8,
-                             stop_token_ids=[text.token_ids[2]])]
+    cases += [
+        SamplingParams(temperature=0.0, max_tokens=30, stop=[text.text[i : i + 4]])
+        for i in (3, 9, 17)
+    ]
+    cases += [
+        SamplingParams(
+            temperature=0.0, max_tokens=30, stop=[text.text[9:13]], include_stop_str_in_output=True
+        )
+    ]
+    cases += [
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[text.token_ids[i]])
+        for i in (2, 6)
+    ]
+    cases += [
+        SamplingParams(
+            temperature=0.0, max_tokens=30, min_tokens=8, stop_token_ids=[text.token_ids[2]]
+        )
+    ]
     # one batch of every case (each sequence drafts, and is cut, on its own)
     ours, expected = (_outputs(llm, [prompt] * len(cases), cases) for llm in (spec_llm, reference))
     for params, a, b in zip(cases, ours, expected):
@@ -136,13 +171,18 @@ def reference_40(reference):
     return prompts, params, _outputs(reference, prompts, params)
 
 
-@pytest.mark.parametrize("engine_args", [
-    {"max_num_batched_tokens": 8},  # chunked prefill; the budget also cuts drafts
-    {"kv_cache_memory": 12 * 4 * 2 * 16 * 3 * 64 * 4, "max_num_seqs": 6},  # 12 blocks: preempts
-    {"enable_prefix_caching": True},
-], ids=["chunked", "preemption", "prefix_cache"])
-def test_identical_under_chunked_prefill_preemption_and_prefix_caching(reference_40, model_dir,
-                                                                      engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"max_num_batched_tokens": 8},  # chunked prefill; the budget also cuts drafts
+        {"kv_cache_memory": 12 * 4 * 2 * 16 * 3 * 64 * 4, "max_num_seqs": 6},  # 12 blocks: preempts
+        {"enable_prefix_caching": True},
+    ],
+    ids=["chunked", "preemption", "prefix_cache"],
+)
+def test_identical_under_chunked_prefill_preemption_and_prefix_caching(
+    reference_40, model_dir, engine_args
+):
     llm = _llm(model_dir, NGRAM, **engine_args)
     prompts, params, expected = reference_40
     assert _outputs(llm, prompts, params) == expected
@@ -185,18 +225,37 @@ def test_metrics_count_drafts_and_accepted_tokens_per_position(model_dir):
     assert "vllm:spec_decode_num_drafts" not in {m.name for m in _llm(model_dir).get_metrics()}
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
-    ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
-    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys ['lookahead']"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "must name the draft model"),
-    ({"method": "draft_model", "model": "self:x", "num_speculative_tokens": 2}, "integer N"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1,
-      "prompt_lookup_min": 3}, "prompt_lookup_max must be >= prompt_lookup_min"),
-    ("{not json", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 0},
+            "num_speculative_tokens must be an integer >= 1",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens"),
+        (
+            {"method": "eagle", "num_speculative_tokens": 2},
+            "method must be one of ngram, draft_model",
+        ),
+        ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
+            "unknown keys ['lookahead']",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "must name the draft model"),
+        ({"method": "draft_model", "model": "self:x", "num_speculative_tokens": 2}, "integer N"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 1,
+                "prompt_lookup_min": 3,
+            },
+            "prompt_lookup_max must be >= prompt_lookup_min",
+        ),
+        ("{not json", "not JSON"),
+    ],
+)
 def test_bad_configs_are_clear_errors_before_anything_loads(spec, message):
     with pytest.raises(FieldError, match=message.replace("[", r"\[").replace("]", r"\]")):
         EngineConfig(speculative_config=spec)
@@ -211,24 +270,37 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model_dir, tmp_path):
     from safetensors.torch import save_file
 
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config.update(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, tmp_path / name)
-    shapes = {"model.embed_tokens.weight": (1024, 64), "model.norm.weight": (64,),
-              "model.layers.0.input_layernorm.weight": (64,),
-              "model.layers.0.post_attention_layernorm.weight": (64,),
-              "model.layers.0.self_attn.q_proj.weight": (64, 64),
-              "model.layers.0.self_attn.k_proj.weight": (32, 64),
-              "model.layers.0.self_attn.v_proj.weight": (32, 64),
-              "model.layers.0.self_attn.o_proj.weight": (64, 64),
-              "model.layers.0.mlp.gate_proj.weight": (128, 64),
-              "model.layers.0.mlp.up_proj.weight": (128, 64),
-              "model.layers.0.mlp.down_proj.weight": (64, 128)}
+    shapes = {
+        "model.embed_tokens.weight": (1024, 64),
+        "model.norm.weight": (64,),
+        "model.layers.0.input_layernorm.weight": (64,),
+        "model.layers.0.post_attention_layernorm.weight": (64,),
+        "model.layers.0.self_attn.q_proj.weight": (64, 64),
+        "model.layers.0.self_attn.k_proj.weight": (32, 64),
+        "model.layers.0.self_attn.v_proj.weight": (32, 64),
+        "model.layers.0.self_attn.o_proj.weight": (64, 64),
+        "model.layers.0.mlp.gate_proj.weight": (128, 64),
+        "model.layers.0.mlp.up_proj.weight": (128, 64),
+        "model.layers.0.mlp.down_proj.weight": (64, 128),
+    }
     save_file({k: torch.zeros(v) for k, v in shapes.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(FieldError, match="another vocabulary"):
-        _llm(model_dir, {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+        _llm(
+            model_dir,
+            {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
+        )
 
 
 def test_parallel_completions_speculate_each_on_their_own(reference, model_dir):

@@ -1,5 +1,6 @@
 """The per-sequence speculation policy: full k after one fully accepted step, few failed
 drafts when nothing is ever accepted, k shaped by the acceptance estimate."""
+
 from engine.spec_decode.state import SpecState
 
 

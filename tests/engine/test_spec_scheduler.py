@@ -1,12 +1,14 @@
 """The scheduler's side of speculation, with hand-built drafts and verify results: k + 1
 tokens counted against the budget, drafts cut to max_tokens / max_model_len / the budget,
 rejected drafts rolled back (counters, slots, blocks) and never hashed."""
-from engine.kv.block_hash import BlockHash
+
+from engine_factories import fake_model_output, make_request, make_scheduler
+
 from engine.core.scheduler_output import RunnerOutput
+from engine.kv.block_hash import BlockHash
+from engine.processing.tokens import SampledToken
 from engine.spec_decode.proposer import Proposal
 from engine.spec_decode.state import SpecState
-from engine.processing.tokens import SampledToken
-from engine_factories import fake_model_output, make_request, make_scheduler
 
 
 def _decoding(scheduler, request, k=4):

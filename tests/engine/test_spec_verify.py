@@ -2,6 +2,7 @@
 small vocabulary, for drafts with a distribution q (min(1, p/q) + residual) and for point
 mass drafts (the target's own draw decides); a deliberately biased verifier fails the same
 test, so the test can fail."""
+
 import torch
 
 from engine.core.request import Request
@@ -18,7 +19,9 @@ CHI2_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0
 
 def _rows(seed: int) -> list[SampleRow]:
     p = SamplingParams(temperature=1.0, seed=seed, max_tokens=8)
-    r = Request("r", [1, 2, 3], p, seed=seed, eos_token_ids=frozenset(), max_tokens=8, block_hashes=[])
+    r = Request(
+        "r", [1, 2, 3], p, seed=seed, eos_token_ids=frozenset(), max_tokens=8, block_hashes=[]
+    )
     return [SampleRow(r, 0), SampleRow(r, 0, (0,))]  # first position; the one after a draft
 
 

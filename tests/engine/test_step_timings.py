@@ -1,6 +1,7 @@
 """The step timings a worker publishes for placement (engine/engine_loop.py StepTimings ->
 cluster.registration.Capacity via WorkerRuntime.capacity) are measured from its own steps:
 exponentially weighted means over recent steps of each kind, zero until measured."""
+
 import time
 from unittest import mock
 
@@ -33,9 +34,16 @@ def test_a_worker_publishes_its_measured_step_timings(model_dir):
     from worker_runtime.args import WorkerConfig
     from worker_runtime.runtime import WorkerRuntime
 
-    engine = LLMEngine(EngineConfig(
-        model=str(model_dir), num_layers=NUM_LAYERS, dtype="float32", kv_cache_memory=32 << 20,
-        max_num_batched_tokens=64, long_prefill_token_threshold=32))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            num_layers=NUM_LAYERS,
+            dtype="float32",
+            kv_cache_memory=32 << 20,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=32,
+        )
+    )
     # Time every step from outside the loop, with what it computed.
     observed: list[tuple[float, int]] = []  # (seconds, prompt tokens)
     inner_step = engine.step
@@ -48,10 +56,14 @@ def test_a_worker_publishes_its_measured_step_timings(model_dir):
         return deltas
 
     engine.step = timed_step
-    runtime = WorkerRuntime(WorkerConfig(role="decode", etcd="unused:0"), engine,
-                            FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="w")),
-                            lambda info: mock.AsyncMock(), auth=OPEN,
-                            metrics=mock.MagicMock())
+    runtime = WorkerRuntime(
+        WorkerConfig(role="decode", etcd="unused:0"),
+        engine,
+        FakeTransferBackend(FakeFabric(), KVTransferConfig(agent_name="w")),
+        lambda info: mock.AsyncMock(),
+        auth=OPEN,
+        metrics=mock.MagicMock(),
+    )
     loop = runtime.loop
     fresh = runtime.capacity()
     assert (fresh.prefill_tokens_per_s, fresh.decode_step_s, fresh.prefill_step_s) == (0, 0, 0)
@@ -82,7 +94,8 @@ def test_a_worker_publishes_its_measured_step_timings(model_dir):
     assert 1 <= cap.decode_step_tokens <= 4
     assert 1 <= cap.prefill_step_tokens <= 64  # within the step budget
     assert cap.prefill_tokens_per_s == pytest.approx(
-        loop.prefill_steps.prompt_tokens / loop.prefill_steps.seconds)
+        loop.prefill_steps.prompt_tokens / loop.prefill_steps.seconds
+    )
     # The recent rate agrees in magnitude with the worker's whole-life prefill rate.
     lifetime = runtime.stats.prompt_tokens / loop.prefill_seconds
     assert lifetime / 4 < cap.prefill_tokens_per_s < lifetime * 4

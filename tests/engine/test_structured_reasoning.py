@@ -8,6 +8,7 @@ reproduce that output up to and including the marker (nothing is masked while it
 and then answer with one of the choices. A prompt that already closed the thinking is
 constrained from its first token. Forks, speculation (drafts cross the marker), preemption,
 resume at every seam and the P/D path give the same tokens."""
+
 from dataclasses import dataclass, replace
 
 import pytest
@@ -15,14 +16,16 @@ import pytest
 from decode_node.prefill_client import _for_prefill
 from engine import LLM, SamplingParams
 from engine.core.request import Request
-from engine.structured.params import StructuredOutputsParams
 from engine.processing.tokens import Resume, SampledToken
+from engine.structured.params import StructuredOutputsParams
 
 NUM_LAYERS = 4
 CHOICES = ("yes", "no", "maybe")
 PROMPT = "Is the sky blue? Think first."
-BASE = {"greedy": SamplingParams(temperature=0.0, max_tokens=40),
-        "seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=40)}
+BASE = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=40),
+    "seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=40),
+}
 
 
 def _llm(model_dir, **engine_args):
@@ -61,8 +64,8 @@ def _end_marker(plain: list[int], first: int = 6) -> tuple[tuple[int, ...], int]
     """A two-token sequence of `plain` at `first` or later that does not occur before: (it,
     the position after it)."""
     for i in range(first, len(plain) - 1):
-        if all(plain[j:j + 2] != plain[i:i + 2] for j in range(i)):
-            return tuple(plain[i:i + 2]), i + 2
+        if all(plain[j : j + 2] != plain[i : i + 2] for j in range(i)):
+            return tuple(plain[i : i + 2]), i + 2
     pytest.fail(f"no new two-token sequence in {plain}")
 
 
@@ -75,8 +78,8 @@ def _output(llm, prompt, params):
 
 
 def _answer(llm, case: Case, tokens: list[int]) -> str:
-    assert tokens[:len(case.thinking)] == case.thinking  # nothing masked while it thinks
-    return llm.tokenizer.decode(tokens[len(case.thinking):], skip_special_tokens=True)
+    assert tokens[: len(case.thinking)] == case.thinking  # nothing masked while it thinks
+    return llm.tokenizer.decode(tokens[len(case.thinking) :], skip_special_tokens=True)
 
 
 def test_the_grammar_binds_the_answer_only(llm, case):
@@ -98,12 +101,24 @@ def test_a_prompt_that_closed_the_reasoning_is_constrained_at_once(llm, case):
 def others(model_dir):
     """Engines that must give the same tokens: forks aside, speculation both ways and a pool
     so small that the batch below is preempted."""
-    return {"ngram": _llm(model_dir, speculative_config={
-                "method": "ngram", "num_speculative_tokens": 4}),
-            "self_draft": _llm(model_dir, speculative_config={
-                "method": "draft_model", "model": "self:3", "num_speculative_tokens": 3}),
-            "small": _llm(model_dir, block_size=8,  # 6 blocks of 8 tokens
-                          kv_cache_memory=6 * NUM_LAYERS * 2 * 8 * 3 * 64 * 4)}
+    return {
+        "ngram": _llm(
+            model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
+        ),
+        "self_draft": _llm(
+            model_dir,
+            speculative_config={
+                "method": "draft_model",
+                "model": "self:3",
+                "num_speculative_tokens": 3,
+            },
+        ),
+        "small": _llm(
+            model_dir,
+            block_size=8,  # 6 blocks of 8 tokens
+            kv_cache_memory=6 * NUM_LAYERS * 2 * 8 * 3 * 64 * 4,
+        ),
+    }
 
 
 def test_forks_speculation_and_preemption_give_the_same_tokens(llm, case, others):
@@ -163,7 +178,7 @@ def _pd(prefill: LLM, decode: LLM, prompt: list[int], params: SamplingParams) ->
     assert dest
     sent = _run(prefill, prompt, _for_prefill(req))
     blocks = decode.engine.limits.blocks_for(len(prompt))
-    src = sent.block_tables[0][blocks - len(dest):blocks]  # kept after the request ended
+    src = sent.block_tables[0][blocks - len(dest) : blocks]  # kept after the request ended
     decode.engine.runner.kv_cache[dest] = prefill.engine.runner.kv_cache[src]
     decode.engine.finish_remote_prefill(rid, SampledToken(sent.output_token_ids[0]))
     while decode.engine.has_unfinished_requests():

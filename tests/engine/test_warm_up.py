@@ -2,6 +2,7 @@
 leaves no trace — every block free and unhashed, no KV event, no counter — the engine then
 generates exactly what a fresh one does (the dummy K/V in the first blocks is never read),
 and it is refused once a request has run."""
+
 import pytest
 
 from engine import LLM, SamplingParams

@@ -9,6 +9,7 @@ arguments become the compile signature (tensors -> pointer types, keyword args -
 divisibility by 16 -> the same specialisation attributes a real launch gets).
 Prints one line per distinct variant; exits non-zero on the first failure.
 """
+
 import argparse
 import importlib
 import re
@@ -35,8 +36,15 @@ KERNELS = {  # module -> name of its kernel global
     "kernels.lora_shrink": "_lora_shrink_kernel",
     "kernels.lora_expand": "_lora_expand_kernel",
 }
-TYPE_CODES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-              torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8"}
+TYPE_CODES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+}
 
 
 class Recorder:
@@ -55,7 +63,7 @@ def _type_code(value) -> str:
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no Triton type for {value!r}")
@@ -70,7 +78,9 @@ def _resource_usage(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
     found = dict(re.findall(r"\b(REG|STACK):(\d+)", out))
     return f"regs={found.get('REG', '?')} stack={found.get('STACK', '?')}"
 
@@ -83,8 +93,18 @@ def _divisible_by_16(value) -> bool:
 
 def record_launches() -> list:
     import kernels
-    from kernels import (add_rms_norm, apply_rope, lora_expand, lora_shrink, paged_attention,
-                         plan_paged_attention, rms_norm, rope_cos_sin_cache, silu_and_mul, store_kv)
+    from kernels import (
+        add_rms_norm,
+        apply_rope,
+        lora_expand,
+        lora_shrink,
+        paged_attention,
+        plan_paged_attention,
+        rms_norm,
+        rope_cos_sin_cache,
+        silu_and_mul,
+        store_kv,
+    )
 
     launches: list = []
     for module_name, attr in KERNELS.items():
@@ -96,18 +116,52 @@ def record_launches() -> list:
         d_stored = head_dim + 4 if dtype == torch.int8 else head_dim  # int8: + the scale bytes
         return torch.zeros(8, 2, 2, block_size, kv_heads, d_stored, dtype=dtype)
 
-    def attention(dtype, q_lens, seq_lens, partition_size, gqa=3, kv_heads=3, head_dim=64, kv_dtype=None,
-                  sliding_window=None, logits_soft_cap=None, **launch):
+    def attention(
+        dtype,
+        q_lens,
+        seq_lens,
+        partition_size,
+        gqa=3,
+        kv_heads=3,
+        head_dim=64,
+        kv_dtype=None,
+        sliding_window=None,
+        logits_soft_cap=None,
+        **launch,
+    ):
         cache = pool(kv_dtype or dtype, kv_heads=kv_heads, head_dim=head_dim)
         query = torch.zeros(sum(q_lens), kv_heads * gqa, head_dim, dtype=dtype)
         tables = torch.zeros(len(q_lens), 8, dtype=torch.int32)
         qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
         lens = torch.tensor(seq_lens, dtype=torch.int32)
-        plan = plan_paged_attention(query.device, query.shape[0], len(q_lens), query.shape[1], kv_heads,
-                                    head_dim, max(q_lens), max(seq_lens), partition_size=partition_size,
-                                    sliding_window=sliding_window, kv_dtype=cache.dtype, **launch)
-        paged_attention(query, cache, 1, tables, qsl, lens, 0.125, max(q_lens), max(seq_lens), plan=plan,
-                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        plan = plan_paged_attention(
+            query.device,
+            query.shape[0],
+            len(q_lens),
+            query.shape[1],
+            kv_heads,
+            head_dim,
+            max(q_lens),
+            max(seq_lens),
+            partition_size=partition_size,
+            sliding_window=sliding_window,
+            kv_dtype=cache.dtype,
+            **launch,
+        )
+        paged_attention(
+            query,
+            cache,
+            1,
+            tables,
+            qsl,
+            lens,
+            0.125,
+            max(q_lens),
+            max(seq_lens),
+            plan=plan,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         attention(dtype, [1, 1], [100, 30], partition_size=32)  # split-KV decode + merge
@@ -116,10 +170,15 @@ def record_launches() -> list:
     attention(torch.bfloat16, [1, 1], [100, 30], partition_size=32, num_warps=8, num_stages=2)
     attention(torch.bfloat16, [1, 1], [100, 30], partition_size=0, head_dim=128, kv_heads=2, gqa=4)
     for dtype in (torch.bfloat16, torch.float16):  # sliding window + soft-cap (Gemma 2 / Mistral)
-        attention(dtype, [1, 1], [100, 30], partition_size=32, sliding_window=40, logits_soft_cap=50.0)
-        attention(dtype, [64, 1], [100, 30], partition_size=0, sliding_window=40, logits_soft_cap=50.0)
-    attention(torch.bfloat16, [64, 1], [100, 30], partition_size=0, sliding_window=40,
-              kv_dtype=torch.int8)
+        attention(
+            dtype, [1, 1], [100, 30], partition_size=32, sliding_window=40, logits_soft_cap=50.0
+        )
+        attention(
+            dtype, [64, 1], [100, 30], partition_size=0, sliding_window=40, logits_soft_cap=50.0
+        )
+    attention(
+        torch.bfloat16, [64, 1], [100, 30], partition_size=0, sliding_window=40, kv_dtype=torch.int8
+    )
     for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):  # quantized pools
         attention(torch.bfloat16, [1, 1], [100, 30], partition_size=32, kv_dtype=kv_dtype)
         attention(torch.bfloat16, [64, 1], [100, 30], partition_size=0, kv_dtype=kv_dtype)
@@ -143,8 +202,13 @@ def record_launches() -> list:
             shrunk = lora_shrink(x, torch.zeros(2, rank, 576, dtype=dtype), slots)
             lora_shrink(x, torch.zeros(2, rank, 576, dtype=dtype), slots, split_k=4)
             qkv = torch.zeros(4, 3 * 576, dtype=dtype)
-            lora_expand(qkv[:, 576:1152], shrunk, torch.zeros(2, 576, rank, dtype=dtype), slots,
-                        torch.ones(2))
+            lora_expand(
+                qkv[:, 576:1152],
+                shrunk,
+                torch.zeros(2, 576, rank, dtype=dtype),
+                slots,
+                torch.ones(2),
+            )
     return launches
 
 
@@ -168,15 +232,38 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         # Triton's launch-time specialisation: 16-byte-aligned pointers and ints divisible by 16
         # are compiled as such (this is what lets loads vectorise).
-        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-                 for name, value in zip(params, call_args) if _divisible_by_16(value)}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
-        shown = {k: v for k, v in kwargs.items()
-                 if k in ("BLOCK_M", "TILE_N", "SPLIT_KV", "HAS_RESIDUAL", "SPLIT_K", "BLOCK_R", "KV_FORMAT",
-                               "USE_WINDOW", "USE_SOFT_CAP", "num_warps", "num_stages")}
+        attrs = {
+            (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+            for name, value in zip(params, call_args)
+            if _divisible_by_16(value)
+        }
+        compiled = triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=target, options=options
+        )
+        shown = {
+            k: v
+            for k, v in kwargs.items()
+            if k
+            in (
+                "BLOCK_M",
+                "TILE_N",
+                "SPLIT_KV",
+                "HAS_RESIDUAL",
+                "SPLIT_K",
+                "BLOCK_R",
+                "KV_FORMAT",
+                "USE_WINDOW",
+                "USE_SOFT_CAP",
+                "num_warps",
+                "num_stages",
+            )
+        }
         dtype = signature[params[0]] if params else ""
-        print(f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "
-              f"{_resource_usage(compiled.asm['cubin'])} ({time.perf_counter() - start:.1f} s)", flush=True)
+        print(
+            f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "
+            f"{_resource_usage(compiled.asm['cubin'])} ({time.perf_counter() - start:.1f} s)",
+            flush=True,
+        )
     return 0
 
 

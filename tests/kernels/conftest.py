@@ -1,5 +1,6 @@
 """Kernel tests run on CUDA where there is one, else on CPU under the Triton interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1 there before anything imports triton)."""
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 keys/values) that can be laid out in pools of different block sizes, with shuffled (non-
 contiguous) block ids, prefix blocks shared between sequences and a NaN-filled pool so that
 reading any slot that was never written poisons the result."""
+
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,9 @@ class LogicalBatch:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        return torch.tensor([s.seq_len for s in self.specs], dtype=torch.int32, device=self.query.device)
+        return torch.tensor(
+            [s.seq_len for s in self.specs], dtype=torch.int32, device=self.query.device
+        )
 
     @property
     def max_query_len(self) -> int:
@@ -65,11 +68,26 @@ class PagedBatch:
 
     def args(self) -> tuple:
         lb = self.logical
-        return (lb.query, self.kv_cache, self.layer, self.block_tables, lb.query_start_loc, lb.seq_lens)
+        return (
+            lb.query,
+            self.kv_cache,
+            self.layer,
+            self.block_tables,
+            lb.query_start_loc,
+            lb.seq_lens,
+        )
 
 
-def make_logical(specs, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu", seed: int = 0) -> LogicalBatch:
+def make_logical(
+    specs,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+) -> LogicalBatch:
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -77,10 +95,13 @@ def make_logical(specs, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
 
     keys, values = [], []
     for spec in specs:
-        k, v = rand(spec.seq_len, num_kv_heads, head_dim), rand(spec.seq_len, num_kv_heads, head_dim)
+        k, v = (
+            rand(spec.seq_len, num_kv_heads, head_dim),
+            rand(spec.seq_len, num_kv_heads, head_dim),
+        )
         if spec.share_from is not None:
-            k[:spec.shared_tokens] = keys[spec.share_from][:spec.shared_tokens]
-            v[:spec.shared_tokens] = values[spec.share_from][:spec.shared_tokens]
+            k[: spec.shared_tokens] = keys[spec.share_from][: spec.shared_tokens]
+            v[: spec.shared_tokens] = values[spec.share_from][: spec.shared_tokens]
         keys.append(k)
         values.append(v)
     query = rand(sum(s.q_len for s in specs), num_q_heads, head_dim)
@@ -92,9 +113,18 @@ def poison_value(kv_dtype: torch.dtype):
     return -1 if kv_dtype == torch.int8 else float("nan")
 
 
-def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, layer: int = 1,
-            spare_blocks: int = 3, unused_entry: int = -1, seed: int = 1,
-            kv_dtype: torch.dtype | None = None, poison: bool = True) -> PagedBatch:
+def lay_out(
+    logical: LogicalBatch,
+    block_size: int,
+    *,
+    num_layers: int = 2,
+    layer: int = 1,
+    spare_blocks: int = 3,
+    unused_entry: int = -1,
+    seed: int = 1,
+    kv_dtype: torch.dtype | None = None,
+    poison: bool = True,
+) -> PagedBatch:
     """Place the logical batch in a fresh NaN-filled pool with shuffled block ids. kv_dtype: the
     pool's dtype (default the query's; fp8 / int8 make a quantized pool, int8 with head_dim + 4
     bytes per row, filled with -1 bytes so that an unwritten scale reads as NaN). poison=False
@@ -110,8 +140,12 @@ def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, laye
     device = logical.query.device
     kv_dtype = kv_dtype or logical.query.dtype
     d_stored = head_dim + 4 if kv_dtype == torch.int8 else head_dim
-    kv_cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, d_stored),
-                          poison_value(kv_dtype) if poison else 0, dtype=kv_dtype, device=device)
+    kv_cache = torch.full(
+        (num_blocks, num_layers, 2, block_size, num_kv_heads, d_stored),
+        poison_value(kv_dtype) if poison else 0,
+        dtype=kv_dtype,
+        device=device,
+    )
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = torch.full((len(specs), max(blocks_per_seq) + 2), unused_entry, dtype=torch.int32)
     slots, keys, values = [], [], []
@@ -122,15 +156,24 @@ def lay_out(logical: LogicalBatch, block_size: int, *, num_layers: int = 2, laye
         for j in range(n_shared, blocks_per_seq[i]):
             tables[i, j] = free.pop()
         positions = torch.arange(spec.shared_tokens, spec.seq_len)
-        slots.append(tables[i, positions // block_size].long() * block_size + positions % block_size)
-        keys.append(logical.keys[i][spec.shared_tokens:])
-        values.append(logical.values[i][spec.shared_tokens:])
-    store_kv_reference(torch.cat(keys), torch.cat(values), kv_cache, layer, torch.cat(slots).to(device))
+        slots.append(
+            tables[i, positions // block_size].long() * block_size + positions % block_size
+        )
+        keys.append(logical.keys[i][spec.shared_tokens :])
+        values.append(logical.values[i][spec.shared_tokens :])
+    store_kv_reference(
+        torch.cat(keys), torch.cat(values), kv_cache, layer, torch.cat(slots).to(device)
+    )
     return PagedBatch(logical, kv_cache, layer, tables.to(device))
 
 
-def dense_causal_attention(logical: LogicalBatch, scale: float, *, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None) -> torch.Tensor:
+def dense_causal_attention(
+    logical: LogicalBatch,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """Independent oracle: each sequence's contiguous K/V through torch SDPA with an explicit
     causal mask for its last q_len positions; with a window the mask also hides keys j with
     p - j >= sliding_window; with a soft-cap, explicit fp32 scores c * tanh(s / c) instead."""
@@ -141,7 +184,7 @@ def dense_causal_attention(logical: LogicalBatch, scale: float, *, sliding_windo
         if spec.q_len == 0:
             continue
         group = num_q_heads // k.shape[1]
-        q = logical.query[start:start + spec.q_len].float().transpose(0, 1)  # [H, q, D]
+        q = logical.query[start : start + spec.q_len].float().transpose(0, 1)  # [H, q, D]
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, n, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         q_pos = torch.arange(spec.seq_len - spec.q_len, spec.seq_len, device=q.device)
@@ -150,10 +193,12 @@ def dense_causal_attention(logical: LogicalBatch, scale: float, *, sliding_windo
         if sliding_window is not None:
             mask &= q_pos[:, None] - k_pos < sliding_window
         if logits_soft_cap is None:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale
+            )
         else:
             scores = logits_soft_cap * torch.tanh(q @ k.transpose(1, 2) * scale / logits_soft_cap)
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        out[start:start + spec.q_len] = o.transpose(0, 1)
+        out[start : start + spec.q_len] = o.transpose(0, 1)
         start += spec.q_len
     return out

@@ -1,5 +1,6 @@
 """fused_moe (Triton grouped GEMMs) == fused_moe_reference (torch, expert by expert) == the
 per-token formula; align_assignments groups every assignment exactly once."""
+
 import pytest
 import torch
 
@@ -49,7 +50,7 @@ def test_alignment_groups_each_assignment_once(num_tokens, block_m):
     assert sorted(real.tolist()) == list(range(n))
     assert (sorted_ids[sorted_ids >= n] == n).all()  # padding is the sentinel
     used = blocks >= 0
-    assert used.sum() > 0 and not used[used.sum():].any()  # used blocks first, then -1
+    assert used.sum() > 0 and not used[used.sum() :].any()  # used blocks first, then -1
     for b, e in enumerate(blocks.tolist()):
         rows = sorted_ids[b * block_m : (b + 1) * block_m]
         rows = rows[rows < n]

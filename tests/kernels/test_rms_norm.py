@@ -1,12 +1,16 @@
 """rms_norm / add_rms_norm (Triton) == their torch references == HF LlamaRMSNorm's formula."""
+
 import pytest
 import torch
 
 from kernels import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 EPS = 1e-5
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 def _inputs(rows, hidden, dtype, device="cpu"):
@@ -27,7 +31,9 @@ def _hf_rms_norm(x, weight, eps):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reference_matches_hf_formula(dtype):
     x, residual, weight = _inputs(7, 576, dtype)
-    torch.testing.assert_close(rms_norm_reference(x, weight, EPS), _hf_rms_norm(x, weight, EPS), **TOL[dtype])
+    torch.testing.assert_close(
+        rms_norm_reference(x, weight, EPS), _hf_rms_norm(x, weight, EPS), **TOL[dtype]
+    )
     normed, summed = add_rms_norm_reference(x, residual, weight, EPS)
     torch.testing.assert_close(summed, x + residual)
     torch.testing.assert_close(normed, _hf_rms_norm(x + residual, weight, EPS), **TOL[dtype])
@@ -37,7 +43,9 @@ def test_reference_matches_hf_formula(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_reference(dtype, hidden, device):
     x, _, weight = _inputs(7, hidden, dtype, device)
-    torch.testing.assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TOL[dtype])
+    torch.testing.assert_close(
+        rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -75,6 +83,10 @@ def test_rejects_bad_arguments():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_matches_reference(dtype):
     x, residual, weight = _inputs(8192, 576, dtype, "cuda")
-    torch.testing.assert_close(rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TOL[dtype])
-    for got, want in zip(add_rms_norm(x, residual, weight, EPS), add_rms_norm_reference(x, residual, weight, EPS)):
+    torch.testing.assert_close(
+        rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TOL[dtype]
+    )
+    for got, want in zip(
+        add_rms_norm(x, residual, weight, EPS), add_rms_norm_reference(x, residual, weight, EPS)
+    ):
         torch.testing.assert_close(got, want, **TOL[dtype])

@@ -1,4 +1,5 @@
 """apply_rope (Triton) == apply_rope_reference (torch) == HF LLaMA rotate_half RoPE."""
+
 import pytest
 import torch
 
@@ -6,8 +7,11 @@ from kernels import apply_rope, apply_rope_reference, rope_cos_sin_cache
 
 THETA = 100_000.0
 HEAD_DIM = 64
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 def _qk(num_tokens, dtype, device="cpu", num_q_heads=9, num_kv_heads=3):
@@ -15,8 +19,10 @@ def _qk(num_tokens, dtype, device="cpu", num_q_heads=9, num_kv_heads=3):
     gen = torch.Generator().manual_seed(0)
     width = (num_q_heads + 2 * num_kv_heads) * HEAD_DIM
     qkv = torch.randn(num_tokens, width, generator=gen).to(dtype=dtype, device=device)
-    q = qkv[:, :num_q_heads * HEAD_DIM].view(num_tokens, num_q_heads, HEAD_DIM)
-    k = qkv[:, num_q_heads * HEAD_DIM:(num_q_heads + num_kv_heads) * HEAD_DIM].view(num_tokens, num_kv_heads, HEAD_DIM)
+    q = qkv[:, : num_q_heads * HEAD_DIM].view(num_tokens, num_q_heads, HEAD_DIM)
+    k = qkv[:, num_q_heads * HEAD_DIM : (num_q_heads + num_kv_heads) * HEAD_DIM].view(
+        num_tokens, num_kv_heads, HEAD_DIM
+    )
     positions = torch.randint(0, 2048, (num_tokens,), generator=gen).to(device)
     return qkv, q, k, positions
 
@@ -28,7 +34,7 @@ def _hf_rope(x, positions, theta):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-    rotate_half = torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
+    rotate_half = torch.cat((-x[..., dim // 2 :], x[..., : dim // 2]), dim=-1)
     return x.float() * cos + rotate_half.float() * sin
 
 
@@ -48,7 +54,7 @@ def test_kernel_matches_reference(dtype, device):
     apply_rope(q, k, positions, cache)
     apply_rope_reference(ref_q, ref_k, positions, cache)
     torch.testing.assert_close(qkv, ref_qkv, **TOL[dtype])  # v (the tail) untouched by both
-    assert torch.equal(qkv[:, 12 * HEAD_DIM:], _qk(13, dtype, device)[0][:, 12 * HEAD_DIM:])
+    assert torch.equal(qkv[:, 12 * HEAD_DIM :], _qk(13, dtype, device)[0][:, 12 * HEAD_DIM :])
 
 
 def test_partial_rotary_dim_leaves_tail(device):
@@ -58,7 +64,9 @@ def test_partial_rotary_dim_leaves_tail(device):
     apply_rope(q, k, positions, cache)
     apply_rope_reference(ref_q, ref_k, positions, cache)
     torch.testing.assert_close(qkv, ref_qkv, **TOL[torch.float32])
-    assert torch.equal(q[..., 32:], _qk(4, torch.float32, device, num_q_heads=2, num_kv_heads=1)[1][..., 32:])
+    assert torch.equal(
+        q[..., 32:], _qk(4, torch.float32, device, num_q_heads=2, num_kv_heads=1)[1][..., 32:]
+    )
 
 
 def test_rejects_bad_arguments():

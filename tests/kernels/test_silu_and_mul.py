@@ -1,11 +1,15 @@
 """silu_and_mul (Triton) == silu_and_mul_reference (torch) == HF LlamaMLP's act(gate) * up."""
+
 import pytest
 import torch
 
 from kernels import silu_and_mul, silu_and_mul_reference
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 def _x(rows, intermediate, dtype, device="cpu"):

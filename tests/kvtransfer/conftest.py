@@ -1,4 +1,5 @@
 """Fixtures of the kvtransfer tests: a fake fabric with a prefill (P) and a decode (D) backend."""
+
 import pytest
 from kv_fake_util import make
 

@@ -1,4 +1,5 @@
 """Factories for the fake-transport tests (a backend with a seeded pool; one engine step)."""
+
 import torch
 
 from kvtransfer import FakeTransferBackend, KVCompat, KVTransferConfig, TransferStatus

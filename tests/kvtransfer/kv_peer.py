@@ -4,6 +4,7 @@ The child owns a NixlTransferBackend and a seeded random pool (the parent rebuil
 pool from the seed to check bytes). Between commands it polls its sender and receiver, with
 the pipe's wait as back-off, and keeps every result until the parent asks for it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,12 @@ def _serve(conn: Any, name: str, num_blocks: int, seed: int, model: str) -> None
 
     def pump() -> None:
         for r in backend.sender.poll() + backend.receiver.poll():
-            results[r.request_id] = {"status": r.status.name, "blocks": r.num_blocks,
-                                     "error": r.error, "elapsed_s": r.elapsed_s}
+            results[r.request_id] = {
+                "status": r.status.name,
+                "blocks": r.num_blocks,
+                "error": r.error,
+                "elapsed_s": r.elapsed_s,
+            }
 
     while True:
         pump()
@@ -68,9 +73,11 @@ def _serve(conn: Any, name: str, num_blocks: int, seed: int, model: str) -> None
             elif cmd == "digest":
                 reply = block_digest(pool, args[0])
             elif cmd == "stats":
-                reply = {"outstanding": backend.sender.num_outstanding_writes,
-                         "send_active": backend.sender.num_active,
-                         "recv_active": backend.receiver.num_active}
+                reply = {
+                    "outstanding": backend.sender.num_outstanding_writes,
+                    "send_active": backend.sender.num_active,
+                    "recv_active": backend.receiver.num_active,
+                }
             elif cmd == "exit":
                 backend.close()
                 conn.send("bye")
@@ -97,8 +104,12 @@ class PeerProcess:
     def start(cls, name: str, num_blocks: int, seed: int, model: str = MODEL) -> PeerProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, name, num_blocks, seed, model),
-                           name=f"kv-peer-{name}", daemon=True)
+        proc = ctx.Process(
+            target=_serve,
+            args=(child, name, num_blocks, seed, model),
+            name=f"kv-peer-{name}",
+            daemon=True,
+        )
         proc.start()
         child.close()
         return cls(name, seed, num_blocks, proc, parent)

@@ -1,4 +1,5 @@
 """Compatibility descriptor, peer metadata encoding and the notification format."""
+
 import base64
 import json
 
@@ -18,14 +19,22 @@ from kvtransfer.protocol import HELLO, BatchNotice, decode
 
 pytestmark = pytest.mark.timeout(30)
 
-DEFAULT = KVCompat("smollm2-135m", "float32", block_size=16, num_layers=30, num_kv_heads=3,
-                   head_dim=64)
+DEFAULT = KVCompat(
+    "smollm2-135m", "float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64
+)
 
 
 def meta(**overrides) -> PeerMetadata:
-    fields = dict(agent_name="decode-0", backend="nixl", compat=DEFAULT, num_blocks=100,
-                  base_addr=0x7F0000000000, mem_type="DRAM", device_id=0,
-                  agent_metadata=b"\x00\x01blob\xff")
+    fields = dict(
+        agent_name="decode-0",
+        backend="nixl",
+        compat=DEFAULT,
+        num_blocks=100,
+        base_addr=0x7F0000000000,
+        mem_type="DRAM",
+        device_id=0,
+        agent_metadata=b"\x00\x01blob\xff",
+    )
     fields.update(overrides)
     return PeerMetadata(**fields)
 
@@ -132,8 +141,14 @@ def test_notice_roundtrip_and_malformed():
     assert decode(n.encode()) == n and n.final
     assert decode(BatchNotice("r", 0, ()).encode()).total is None
     assert decode(HELLO) is None
-    for bad in [b"hello", b"pdkv1:{", b"pdkv1:[]", b'pdkv1:{"r":1,"s":0,"b":[]}',
-                b'pdkv1:{"r":"x","s":0,"b":[1.5]}', b'pdkv1:{"r":"x","s":0,"b":[],"n":"3"}']:
+    for bad in [
+        b"hello",
+        b"pdkv1:{",
+        b"pdkv1:[]",
+        b'pdkv1:{"r":1,"s":0,"b":[]}',
+        b'pdkv1:{"r":"x","s":0,"b":[1.5]}',
+        b'pdkv1:{"r":"x","s":0,"b":[],"n":"3"}',
+    ]:
         with pytest.raises(ValueError):
             decode(bad)
 
@@ -150,19 +165,28 @@ def test_package_import_is_light():
     import subprocess
     import sys
 
-    code = ("import sys, kvtransfer; kvtransfer.PeerMetadata; kvtransfer.KVCompat; "
-            "assert not {'torch', 'nixl', 'numpy'} & set(sys.modules), sorted(sys.modules)")
+    code = (
+        "import sys, kvtransfer; kvtransfer.PeerMetadata; kvtransfer.KVCompat; "
+        "assert not {'torch', 'nixl', 'numpy'} & set(sys.modules), sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # ---- quantized KV caches (vLLM's kv_cache_dtype, engine/kv/kv_format.py) -------------------------
 
+
 def test_quantized_pools_are_described_by_format_with_the_model_head_dim():
     fp8 = KVCompat.for_pool(torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m", "fp8")
     assert (fp8.kv_cache_dtype, fp8.dtype, fp8.head_dim, fp8.scale_layout) == (
-        "fp8_e4m3", "float8_e4m3fn", 64, "unit")
+        "fp8_e4m3",
+        "float8_e4m3fn",
+        64,
+        "unit",
+    )
     assert fp8.block_bytes == 30 * 2 * 16 * 3 * 64 == DEFAULT.block_bytes // 4
-    e5m2 = KVCompat.for_pool(torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e5m2), "m", "fp8_e5m2")
+    e5m2 = KVCompat.for_pool(
+        torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e5m2), "m", "fp8_e5m2"
+    )
     assert e5m2.dtype == "float8_e5m2" and e5m2.block_bytes == fp8.block_bytes
     # int8: 64 values + a float32 scale (4 int8 elements) per token and kv head
     int8_pool = torch.zeros(4, 30, 2, 16, 3, 68, dtype=torch.int8)
@@ -176,14 +200,18 @@ def test_quantized_pools_are_described_by_format_with_the_model_head_dim():
 
 
 def test_a_pool_that_is_not_of_its_declared_format_is_refused():
-    with pytest.raises(PoolError, match="not a int8 KV cache"):  # the engine said int8, pool is fp32
+    with pytest.raises(
+        PoolError, match="not a int8 KV cache"
+    ):  # the engine said int8, pool is fp32
         KVCompat.for_pool(torch.zeros(4, 2, 2, 16, 3, 68), "m", "int8")
     with pytest.raises(PoolError, match="auto KV cache"):  # an fp8 pool described as auto
         KVCompat.for_pool(torch.zeros(4, 2, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m")
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         KVCompat("m", "int8", 16, 2, 3, 64, kv_cache_dtype="int4")
     foreign = KVCompat("m", "int8", 16, 2, 3, 64, kv_cache_dtype="int8", scale_layout="per-block")
-    with pytest.raises(PoolError, match="scale layout 'per-block'"):  # a peer may say it; we never store it
+    with pytest.raises(
+        PoolError, match="scale layout 'per-block'"
+    ):  # a peer may say it; we never store it
         foreign.check_pool(torch.zeros(4, 2, 2, 16, 3, 68, dtype=torch.int8))
 
 
@@ -210,9 +238,19 @@ def test_compat_describes_the_engines_pool_of_every_format(kv, model_dtype):
     from engine.kv.kv_pool import allocate_kv_pool, kv_block_bytes
     from engine.models.config import ModelArgs
 
-    args = ModelArgs(vocab_size=32, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12,
-                     intermediate_size=64, norm_eps=1e-5, rope_theta=1e4,
-                     max_position_embeddings=64, tie_word_embeddings=True)
+    args = ModelArgs(
+        vocab_size=32,
+        dim=48,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=12,
+        intermediate_size=64,
+        norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     pool = allocate_kv_pool(3, args, 16, model_dtype, torch.device("cpu"), kv)
     compat = KVCompat.for_pool(pool, "m", kv)
     compat.check_pool(pool)
@@ -224,16 +262,21 @@ def test_different_architectures_or_windows_are_refused_by_name():
     """Same pool shape, same directory name: a Mistral and a LLaMA checkpoint, or the same
     architecture with another sliding window, still never share KV."""
     pool = torch.zeros(4, 2, 2, 16, 2, 16)
-    llama = KVCompat.for_pool(pool, "m", architecture="LlamaForCausalLM",
-                              layer_windows=window_layers([None, None]))
-    mistral = KVCompat.for_pool(pool, "m", architecture="MistralForCausalLM",
-                                layer_windows=window_layers([8, 8]))
+    llama = KVCompat.for_pool(
+        pool, "m", architecture="LlamaForCausalLM", layer_windows=window_layers([None, None])
+    )
+    mistral = KVCompat.for_pool(
+        pool, "m", architecture="MistralForCausalLM", layer_windows=window_layers([8, 8])
+    )
     assert mistral.layer_windows == "8,8" and llama.layer_windows == "full,full"
-    with pytest.raises(IncompatiblePeerError, match="architecture: ours='LlamaForCausalLM' "
-                                                    "theirs='MistralForCausalLM'"):
+    with pytest.raises(
+        IncompatiblePeerError,
+        match="architecture: ours='LlamaForCausalLM' theirs='MistralForCausalLM'",
+    ):
         check_compatible(llama, mistral)
-    narrower = KVCompat.for_pool(pool, "m", architecture="MistralForCausalLM",
-                                 layer_windows=window_layers([4, 4]))
+    narrower = KVCompat.for_pool(
+        pool, "m", architecture="MistralForCausalLM", layer_windows=window_layers([4, 4])
+    )
     with pytest.raises(IncompatiblePeerError, match="layer_windows: ours='8,8' theirs='4,4'"):
         check_compatible(mistral, narrower)
     assert mistral.hash() != narrower.hash() != llama.hash()

@@ -1,5 +1,6 @@
 """Failure handling of the request state machines through the in-process fake transport:
 deadlines, dead and hung peers, cancellation, contradicting or malformed notifications."""
+
 import time
 
 import pytest
@@ -49,7 +50,9 @@ def test_dead_receiver_fails_sender_requests_and_other_peers_keep_working(fabric
     fabric.kill("D")
     p.sender.send("a", "D", [(2, 2), (3, 3)], final=True)
     results = step(p)
-    assert results[("send", "a")].status is S.ERROR and "disconnected" in results[("send", "a")].error
+    assert (
+        results[("send", "a")].status is S.ERROR and "disconnected" in results[("send", "a")].error
+    )
     assert results[("send", "b")].status is S.ERROR
     assert p.sender.num_active == 0 and p.sender.num_outstanding_writes == 0
     assert p.sender.metrics.peers["D"].failures == {"error": 2}
@@ -126,8 +129,9 @@ def test_receiver_fails_requests_whose_notifications_contradict_it(fabric, pd):
     d.receiver.expect("bound", [10], peer="P2")
     p.sender.send("bound", "D", [(0, 10)], final=True)
     results = step(p, p2, d)
-    errors = {rid: results[("recv", rid)].error for rid in
-              ["unexpected", "short", "two-senders", "bound"]}
+    errors = {
+        rid: results[("recv", rid)].error for rid in ["unexpected", "short", "two-senders", "bound"]
+    }
     assert all(results[("recv", rid)].status is S.ERROR for rid in errors)
     assert "not expected" in errors["unexpected"]
     assert "announced 1 blocks, 2 were expected" in errors["short"]
@@ -137,7 +141,11 @@ def test_receiver_fails_requests_whose_notifications_contradict_it(fabric, pd):
 
 def test_malformed_notifications_are_dropped(fabric, pd):
     p, _, d, _ = pd
-    d.transport.inbox += [("P", b"garbage"), ("P", b"pdkv1:{"), ("P", b'pdkv1:{"r":"zz","s":0,"b":[]}')]
+    d.transport.inbox += [
+        ("P", b"garbage"),
+        ("P", b"pdkv1:{"),
+        ("P", b'pdkv1:{"r":"zz","s":0,"b":[]}'),
+    ]
     d.receiver.expect("r", [1])
     p.sender.send("r", "D", [(0, 1)], final=True)
     results = step(p, d)

@@ -1,6 +1,7 @@
 """Planning a transfer between pools that hold different KV heads (kvtransfer/heads.py):
 exact slices for every pair of tensor-parallel sizes, replicas read once and written to every
 holder, and descriptors that address exactly those bytes."""
+
 import numpy as np
 import pytest
 
@@ -10,18 +11,27 @@ from kvtransfer.heads import HeadRange, PoolGeometry, Slice, check_ranges, plan_
 
 def ranges(n_kv: int, size: int, n_heads: int | None = None) -> list[HeadRange]:
     n_heads = n_heads or 4 * n_kv
-    return [HeadRange(s.kv.start, s.kv.stop)
-            for s in (head_split(n_heads, n_kv, size, r) for r in range(size))]
+    return [
+        HeadRange(s.kv.start, s.kv.stop)
+        for s in (head_split(n_heads, n_kv, size, r) for r in range(size))
+    ]
 
 
-@pytest.mark.parametrize("a, b, expected", [
-    (1, 1, [Slice(0, 0, 0, 0, 3, True)]),
-    # the default model's 3 KV heads: 2 + 1 at tp 2
-    (1, 2, [Slice(0, 0, 0, 0, 2, False), Slice(0, 1, 2, 0, 1, False)]),
-    (2, 1, [Slice(0, 0, 0, 0, 2, False), Slice(1, 0, 0, 2, 1, False)]),
-    (2, 2, [Slice(0, 0, 0, 0, 2, True), Slice(1, 1, 0, 0, 1, True)]),
-    (3, 2, [Slice(0, 0, 0, 0, 1, False), Slice(1, 0, 0, 1, 1, False), Slice(2, 1, 0, 0, 1, True)]),
-])
+@pytest.mark.parametrize(
+    "a, b, expected",
+    [
+        (1, 1, [Slice(0, 0, 0, 0, 3, True)]),
+        # the default model's 3 KV heads: 2 + 1 at tp 2
+        (1, 2, [Slice(0, 0, 0, 0, 2, False), Slice(0, 1, 2, 0, 1, False)]),
+        (2, 1, [Slice(0, 0, 0, 0, 2, False), Slice(1, 0, 0, 2, 1, False)]),
+        (2, 2, [Slice(0, 0, 0, 0, 2, True), Slice(1, 1, 0, 0, 1, True)]),
+        (
+            3,
+            2,
+            [Slice(0, 0, 0, 0, 1, False), Slice(1, 0, 0, 1, 1, False), Slice(2, 1, 0, 0, 1, True)],
+        ),
+    ],
+)
 def test_slices_for_three_kv_heads(a, b, expected):
     assert plan_slices(ranges(3, a), ranges(3, b)) == expected
 
@@ -39,8 +49,12 @@ def test_replicated_heads_read_once_written_to_every_replica():
     assert four == [HeadRange(0, 1), HeadRange(0, 1), HeadRange(1, 2), HeadRange(1, 2)]
     assert plan_slices(four, single) == [Slice(0, 0, 0, 0, 1, False), Slice(2, 0, 0, 1, 1, False)]
     got = plan_slices(single, four)
-    assert [(s.dst_rank, s.src_head, s.num_heads) for s in got] == [(0, 0, 1), (1, 0, 1),
-                                                                     (2, 1, 1), (3, 1, 1)]
+    assert [(s.dst_rank, s.src_head, s.num_heads) for s in got] == [
+        (0, 0, 1),
+        (1, 0, 1),
+        (2, 1, 1),
+        (3, 1, 1),
+    ]
 
 
 def test_every_destination_head_comes_from_a_holder_exactly_once():
@@ -56,7 +70,9 @@ def test_every_destination_head_comes_from_a_holder_exactly_once():
                         assert src[s.src_rank].start + s.src_head + k == head
                         assert (s.dst_rank, head) not in got
                         got[(s.dst_rank, head)] = s.src_rank
-                assert set(got) == {(j, h) for j, d in enumerate(dst) for h in range(d.start, d.stop)}
+                assert set(got) == {
+                    (j, h) for j, d in enumerate(dst) for h in range(d.start, d.stop)
+                }
 
 
 def test_missing_heads_are_refused():
@@ -73,14 +89,17 @@ def test_descriptors_address_exactly_the_slice_bytes():
     dst_pool = np.zeros((6, rows, 2, hd), dtype=np.float32)
     src = PoolGeometry(0, 3, 0, rows, hd * esize)
     dst = PoolGeometry(0, 2, 0, rows, hd * esize)
-    (s,) = [x for x in plan_slices([HeadRange(0, 3)], [HeadRange(0, 2), HeadRange(2, 3)])
-            if x.dst_rank == 1]  # head 2 of the source -> head 0 of destination rank 1
+    (s,) = [
+        x
+        for x in plan_slices([HeadRange(0, 3)], [HeadRange(0, 2), HeadRange(2, 3)])
+        if x.dst_rank == 1
+    ]  # head 2 of the source -> head 0 of destination rank 1
     local, remote = np.array([1, 4]), np.array([5, 0])
     sd, dd = slice_descs(s, src, dst, local, remote)
     assert len(sd) == len(dd) == 2 * rows and (sd[:, 1] == hd * esize).all()
     flat_src, flat_dst = src_pool.reshape(-1).view(np.uint8), dst_pool.reshape(-1).view(np.uint8)
     for (sa, n, _), (da, _, _) in zip(sd, dd):
-        flat_dst[da:da + n] = flat_src[sa:sa + n]
+        flat_dst[da : da + n] = flat_src[sa : sa + n]
     expected = np.zeros_like(dst_pool)
     expected[[5, 0], :, 0] = src_pool[[1, 4], :, 2]
     assert np.array_equal(dst_pool, expected)

@@ -3,6 +3,7 @@
 Read with `ast`, nothing is imported. Every import counts, including those inside functions
 and under `TYPE_CHECKING`: a circle hidden from the interpreter is still a circle.
 """
+
 import ast
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
 
     def visit(name: str, path: list[str]) -> list[str]:
         if name in path:
-            return path[path.index(name):] + [name]
+            return path[path.index(name) :] + [name]
         if name in done:
             return []
         for dep in sorted(graph[name]):

@@ -1,5 +1,6 @@
 """The NIXL backend with two agents in this process (UCX loopback): fast checks of the real
 transport — byte-identical writes, metadata and compatibility refusals, id checks."""
+
 import json
 import os
 import time
@@ -63,7 +64,7 @@ def test_batches_to_scattered_blocks_are_byte_identical(pd):
     pairs = list(zip(local, remote))
     d.receiver.expect("r", remote, deadline=time.monotonic() + 10)
     for i in range(0, 30, 7):
-        p.sender.send("r", d.agent_name, pairs[i:i + 7], final=i + 7 >= 30)
+        p.sender.send("r", d.agent_name, pairs[i : i + 7], final=i + 7 >= 30)
     sent, recv = drive([p, d], {"r"}, {"r"})
     assert sent["r"].status is TransferStatus.COMPLETE, sent["r"]
     assert recv["r"].status is TransferStatus.COMPLETE, recv["r"]
@@ -92,12 +93,18 @@ def test_metadata_that_nixl_cannot_use_is_a_clear_error(pd):
     with pytest.raises(MetadataError, match="its NIXL blob is"):
         p.add_peer(json.dumps(bad_blob).encode())
     meta = d.metadata()
-    garbage = PeerMetadata(**{**{f: getattr(meta, f) for f in meta.__slots__},
-                              "agent_name": "ghost", "agent_metadata": b"not nixl"})
+    garbage = PeerMetadata(
+        **{
+            **{f: getattr(meta, f) for f in meta.__slots__},
+            "agent_name": "ghost",
+            "agent_metadata": b"not nixl",
+        }
+    )
     with pytest.raises(MetadataError, match="NIXL refused"):
         p.add_peer(garbage)
-    shifted = PeerMetadata(**{**{f: getattr(meta, f) for f in meta.__slots__},
-                              "base_addr": meta.base_addr + 4096})
+    shifted = PeerMetadata(
+        **{**{f: getattr(meta, f) for f in meta.__slots__}, "base_addr": meta.base_addr + 4096}
+    )
     p.remove_peer(d.agent_name)
     with pytest.raises(MetadataError, match="not registered memory"):
         p.add_peer(shifted)
@@ -148,12 +155,18 @@ def _quantized(blocks, seed, storage):
     from engine.kv import kv_format
 
     g = torch.Generator().manual_seed(seed)
-    values = torch.randn((blocks, *SHAPE), generator=g) * torch.rand((blocks, *SHAPE[:-1], 1), generator=g) * 8
+    values = (
+        torch.randn((blocks, *SHAPE), generator=g)
+        * torch.rand((blocks, *SHAPE[:-1], 1), generator=g)
+        * 8
+    )
     return kv_format.quantize(values, storage).contiguous()
 
 
-@pytest.mark.parametrize("kv_cache_dtype,storage", [
-    ("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,storage",
+    [("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)],
+)
 def test_quantized_blocks_arrive_byte_identical_with_their_scales(kv_cache_dtype, storage):
     """The scales live inside each block (int8: the last 4 bytes of every row), so a block
     written over NIXL dequantizes on the decode side exactly as on the prefill side."""
@@ -164,7 +177,9 @@ def test_quantized_blocks_arrive_byte_identical_with_their_scales(kv_cache_dtype
     backends = []
     try:
         for pool in (ppool, dpool):
-            b = NixlTransferBackend(KVTransferConfig(agent_name=f"local-{os.getpid()}-{next(_count)}"))
+            b = NixlTransferBackend(
+                KVTransferConfig(agent_name=f"local-{os.getpid()}-{next(_count)}")
+            )
             b.register_pool(pool, KVCompat.for_pool(pool, "m", kv_cache_dtype))
             backends.append(b)
         p, d = backends
@@ -174,10 +189,15 @@ def test_quantized_blocks_arrive_byte_identical_with_their_scales(kv_cache_dtype
         d.receiver.expect("q", remote, deadline=time.monotonic() + 10)
         p.sender.send("q", d.agent_name, list(zip(local, remote)), final=True)
         sent, recv = drive([p, d], {"q"}, {"q"})
-        assert sent["q"].status is TransferStatus.COMPLETE and recv["q"].status is TransferStatus.COMPLETE
+        assert (
+            sent["q"].status is TransferStatus.COMPLETE
+            and recv["q"].status is TransferStatus.COMPLETE
+        )
         assert torch.equal(dpool[remote].view(torch.uint8), ppool[local].view(torch.uint8))
-        assert torch.equal(kv_format.dequantize(dpool[remote], 64, torch.float32),
-                           kv_format.dequantize(ppool[local], 64, torch.float32))
+        assert torch.equal(
+            kv_format.dequantize(dpool[remote], 64, torch.float32),
+            kv_format.dequantize(ppool[local], 64, torch.float32),
+        )
         assert not dpool[[0, 1, 2]].view(torch.uint8).any()  # untouched blocks untouched
     finally:
         for b in backends:
@@ -189,11 +209,15 @@ def test_a_peer_of_another_kv_format_is_refused_naming_both():
     backends = []
     try:
         for pool, kv in zip(pools, ("fp8", "int8")):
-            b = NixlTransferBackend(KVTransferConfig(agent_name=f"local-{os.getpid()}-{next(_count)}"))
+            b = NixlTransferBackend(
+                KVTransferConfig(agent_name=f"local-{os.getpid()}-{next(_count)}")
+            )
             b.register_pool(pool, KVCompat.for_pool(pool, "m", kv))
             backends.append(b)
         p, d = backends
-        with pytest.raises(IncompatiblePeerError, match=r"ours fp8_e4m3 \(float8_e4m3fn.*theirs int8 \(int8"):
+        with pytest.raises(
+            IncompatiblePeerError, match=r"ours fp8_e4m3 \(float8_e4m3fn.*theirs int8 \(int8"
+        ):
             p.add_peer(d.metadata().to_bytes())
         assert d.agent_name not in p.peers()
     finally:

@@ -1,6 +1,7 @@
 """Request state machines (sender and receiver) through the in-process fake transport:
 completion rules, validation, peers, metrics. The fake only replaces the transport, so this
 is the bookkeeping NIXL runs too."""
+
 import time
 
 import pytest
@@ -35,7 +36,7 @@ def test_batches_land_byte_identical_and_complete_only_after_final(pd):
     pairs = list(zip(local, remote))
     d.receiver.expect("r1", remote, deadline=time.monotonic() + 5)
     for i in range(3):
-        p.sender.send("r1", "D", pairs[3 * i:3 * i + 3], final=False)
+        p.sender.send("r1", "D", pairs[3 * i : 3 * i + 3], final=False)
         assert step(p, d) == {}
     assert d.receiver.progress("r1") == (9, 10)
     assert p.sender.status("r1") is S.PENDING and d.receiver.status("r1") is S.PENDING
@@ -89,8 +90,12 @@ def test_bad_block_ids_raise_and_write_nothing(pd, pairs, message):
 
 def test_receiver_refuses_bad_expectations(pd):
     _, _, d, _ = pd
-    for ids, message in [([48], "out of range"), ([-2], "out of range"), ([1, 1], "repeated"),
-                         (["a"], "integers")]:
+    for ids, message in [
+        ([48], "out of range"),
+        ([-2], "out of range"),
+        ([1, 1], "repeated"),
+        (["a"], "integers"),
+    ]:
         with pytest.raises(BlockRangeError, match=message):
             d.receiver.expect("r", ids)
     d.receiver.expect("r", [1, 2])
@@ -165,7 +170,7 @@ def test_many_interleaved_requests(fabric):
         d.receiver.expect(f"r{i}", [rb for _, rb in plan[f"r{i}"][1]])
     for k in range(3):
         for rid, (si, pairs) in plan.items():
-            senders[si][0].sender.send(rid, d.agent_name, pairs[2 * k:2 * k + 2], final=k == 2)
+            senders[si][0].sender.send(rid, d.agent_name, pairs[2 * k : 2 * k + 2], final=k == 2)
     results = step(*(s for s, _ in senders), d)
     assert {rid for kind, rid in results if kind == "recv"} == set(plan)
     assert all(r.status is S.COMPLETE for r in results.values())

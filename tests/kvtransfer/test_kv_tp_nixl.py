@@ -2,6 +2,7 @@
 process (UCX loopback): a worker is one backend (rank 0) plus a `RankAgent` per other rank,
 joined by an in-process group channel. After a transfer every destination rank's pool holds
 exactly its heads of the source blocks, byte for byte, and nothing else changed."""
+
 import os
 import time
 from types import SimpleNamespace
@@ -26,11 +27,14 @@ class Worker:
     def __init__(self, full: torch.Tensor, size: int, n_heads: int):
         n_kv = full.shape[4]
         self.full = full
-        self.ranges = [HeadRange(s.kv.start, s.kv.stop)
-                       for s in (head_split(n_heads, n_kv, size, r) for r in range(size))]
-        self.pools = [full[:, :, :, :, r.start:r.stop].contiguous() for r in self.ranges]
-        self.ctx = [SimpleNamespace(rank=r, kv_cache=p, services={})
-                    for r, p in enumerate(self.pools)]
+        self.ranges = [
+            HeadRange(s.kv.start, s.kv.stop)
+            for s in (head_split(n_heads, n_kv, size, r) for r in range(size))
+        ]
+        self.pools = [full[:, :, :, :, r.start : r.stop].contiguous() for r in self.ranges]
+        self.ctx = [
+            SimpleNamespace(rank=r, kv_cache=p, services={}) for r, p in enumerate(self.pools)
+        ]
         link = RankLink(self.ranges, self._call) if size > 1 else None
         name = f"tp-{os.getpid()}-{next(_count)}"
         self.backend = NixlTransferBackend(KVTransferConfig(agent_name=name), link)
@@ -54,7 +58,7 @@ class Worker:
         """The whole-layout pool as the ranks hold it now (first holder of each head)."""
         out = torch.zeros_like(self.full)
         for r, pool in zip(reversed(self.ranges), reversed(self.pools)):
-            out[:, :, :, :, r.start:r.stop] = pool
+            out[:, :, :, :, r.start : r.stop] = pool
         return out
 
 
@@ -63,8 +67,13 @@ def transfer(p: Worker, d: Worker, pairs, rid, batches=1, deadline_s=10.0):
     d.backend.receiver.expect(rid, [b for _, b in pairs], deadline=time.monotonic() + deadline_s)
     chunks = [pairs[i::batches] for i in range(batches)]
     for i, chunk in enumerate(chunks):
-        p.backend.sender.send(rid, d.meta.agent_name, chunk, final=i == batches - 1,
-                              deadline=time.monotonic() + deadline_s)
+        p.backend.sender.send(
+            rid,
+            d.meta.agent_name,
+            chunk,
+            final=i == batches - 1,
+            deadline=time.monotonic() + deadline_s,
+        )
     got_s, got_r = {}, {}
     end = time.monotonic() + deadline_s + 5
     while (rid not in got_s or rid not in got_r) and time.monotonic() < end:
@@ -80,10 +89,21 @@ def make(blocks, n_kv, size, seed, n_heads=None):
     return Worker(full, size, n_heads or 4 * n_kv)
 
 
-@pytest.mark.parametrize("n_kv, a, b", [
-    (3, 1, 1), (3, 1, 2), (3, 2, 1), (3, 2, 2), (3, 3, 2),
-    (1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 4, 1), (2, 1, 4),
-])
+@pytest.mark.parametrize(
+    "n_kv, a, b",
+    [
+        (3, 1, 1),
+        (3, 1, 2),
+        (3, 2, 1),
+        (3, 2, 2),
+        (3, 3, 2),
+        (1, 1, 2),
+        (1, 2, 1),
+        (1, 2, 2),
+        (2, 4, 1),
+        (2, 1, 4),
+    ],
+)
 def test_each_destination_rank_gets_exactly_its_heads(n_kv, a, b):
     p, d = make(12, n_kv, a, seed=1), make(16, n_kv, b, seed=2)
     try:
@@ -97,7 +117,7 @@ def test_each_destination_rank_gets_exactly_its_heads(n_kv, a, b):
         for src, dst in pairs:
             expected[dst] = p.full[src]
         for j, (rng, pool) in enumerate(zip(d.ranges, d.pools)):  # every replica written
-            want = expected[:, :, :, :, rng.start:rng.stop]
+            want = expected[:, :, :, :, rng.start : rng.stop]
             assert torch.equal(pool, want), f"destination rank {j}"
             untouched = [i for i in range(16) if i not in {x for _, x in pairs}]
             assert torch.equal(pool[untouched], replicas_before[j][untouched])
@@ -113,8 +133,9 @@ def test_a_dead_destination_fails_the_request_and_releases_every_rank():
     try:
         p.backend.add_peer(d.meta.to_bytes())
         d.close()  # the destination's agent is gone
-        p.backend.sender.send("x", d.meta.agent_name, [(1, 2), (3, 4)], final=True,
-                              deadline=time.monotonic() + 3)
+        p.backend.sender.send(
+            "x", d.meta.agent_name, [(1, 2), (3, 4)], final=True, deadline=time.monotonic() + 3
+        )
         end, results = time.monotonic() + 10, []
         while not results and time.monotonic() < end:
             results = p.backend.sender.poll()

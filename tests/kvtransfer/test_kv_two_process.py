@@ -3,6 +3,7 @@
 This process hosts one side (its own NixlTransferBackend) and child processes (kv_peer.py)
 the other, so every transfer crosses a process boundary. Children are killed only by pid.
 """
+
 import hashlib
 import os
 import signal
@@ -38,8 +39,11 @@ class Loop:
             for b in self.backends:
                 self.sent.update((r.request_id, r) for r in b.sender.poll())
                 self.recv.update((r.request_id, r) for r in b.receiver.poll())
-            if ((want_send or want_recv) and set(want_send) <= self.sent.keys()
-                    and set(want_recv) <= self.recv.keys()):
+            if (
+                (want_send or want_recv)
+                and set(want_send) <= self.sent.keys()
+                and set(want_recv) <= self.recv.keys()
+            ):
                 break
             time.sleep(0.0005)
         return self
@@ -76,7 +80,7 @@ def test_hundreds_of_blocks_in_batches_to_scattered_ids_are_byte_identical(peers
         pairs = list(zip(local, remote))
         loop = Loop(p)
         for i in range(0, 300, 40):  # 8 batches, the last one final
-            p.sender.send("bytes", name, pairs[i:i + 40], final=i + 40 >= 300)
+            p.sender.send("bytes", name, pairs[i : i + 40], final=i + 40 >= 300)
             loop.run(timeout_s=0.002)  # an engine step between batches
         sent = loop.run(want_send=["bytes"]).sent
         assert sent["bytes"].status is S.COMPLETE, sent["bytes"]
@@ -108,7 +112,7 @@ def test_concurrent_requests_from_two_senders_to_one_receiver(peers):
         loop = Loop(d, p)
         for k in range(4):  # interleave batches of every request, alternating senders
             for i, (rid, pairs) in enumerate(plan.items()):
-                batch, final = pairs[2 * k:2 * k + 2], k == 3
+                batch, final = pairs[2 * k : 2 * k + 2], k == 3
                 if i % 2:
                     child.call("send", rid, d.agent_name, batch, final)
                 else:
@@ -187,8 +191,10 @@ def test_sender_dies_mid_transfer(peers):
         assert d.receiver.num_active == 0
         src = make_pool(64, seed=14)
         assert torch.equal(dpool[[20, 21]], src[[0, 1]])  # landed, but never reported complete
-        assert hashlib.sha256(dpool[22].numpy().tobytes()).hexdigest() == block_digest(
-            make_pool(64, seed=25), [22])[0]
+        assert (
+            hashlib.sha256(dpool[22].numpy().tobytes()).hexdigest()
+            == block_digest(make_pool(64, seed=25), [22])[0]
+        )
     finally:
         d.close()
 

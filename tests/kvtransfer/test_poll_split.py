@@ -1,5 +1,6 @@
 """Two owners of one sender and one receiver (kvtransfer/poll_split.py): each view's poll
 returns exactly its own transfers' results, once, whichever view polled the source first."""
+
 import torch
 
 from kvtransfer import FakeFabric

@@ -1,6 +1,7 @@
 """The transfer-progress thread (kvtransfer/progress.py): it polls the shared sender/receiver
 between engine steps, each result still reaches its owner's `poll` exactly once, a listener
 hears of it on the progress thread, and the thread polls nothing while nothing is in flight."""
+
 import threading
 import time
 
@@ -29,7 +30,9 @@ def test_results_collected_between_steps_reach_listener_and_owner_once():
     push_send, pull_send = split_sender(p.sender, "pull:")
     push_recv, _ = split_receiver(d.receiver, "pull:")
     heard = []
-    push_send.listen(lambda r: heard.append((r.request_id, r.status, threading.current_thread().name)))
+    push_send.listen(
+        lambda r: heard.append((r.request_id, r.status, threading.current_thread().name))
+    )
     progress = TransferProgress([push_send, push_recv])
     progress.start()
     try:

@@ -1,5 +1,6 @@
 """`pdserve up`'s control server: every request needs the token from the run file, the run
 file is readable by its user alone, and a scale asks for a bounded number of workers."""
+
 import json
 import os
 import stat
@@ -9,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import GrpcSecurity
 from local_cluster import control
 from local_cluster.config import UpConfig
 from local_cluster.control import MAX_SCALE_DELTA, serve_control
-from cluster.etcd_security import EtcdSecurity
 from local_cluster.run_file import control_request, current, run_file
 
 
@@ -49,8 +50,12 @@ def served(tmp_path, monkeypatch):
 
 def _status(run: dict, path: str = "", body: bytes | None = None, token: str | None = None) -> int:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    req = urllib.request.Request(run["control"] + path, data=body, headers=headers,
-                                 method="POST" if body is not None else "GET")
+    req = urllib.request.Request(
+        run["control"] + path,
+        data=body,
+        headers=headers,
+        method="POST" if body is not None else "GET",
+    )
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.status

@@ -1,5 +1,6 @@
 """planner.decide on hand-built snapshots: which pool is the bottleneck, minimums and maximums,
 SLOs met, cooldown, hysteresis (a steady load never flaps), determinism."""
+
 import dataclasses
 import random
 
@@ -18,11 +19,20 @@ def decode(i: int, **kw) -> WorkerLoad:
     return WorkerLoad(worker_id=f"d{i}", role="decode", **kw)
 
 
-def snap(*workers: WorkerLoad, ttft=0.5, itl=0.1, rate=1.0, prompt=100.0, cached=0.0,
-         requests=20) -> Snapshot:
-    return Snapshot(window_s=20.0, requests=requests, arrival_rate=rate, mean_prompt_tokens=prompt,
-                    cached_fraction=cached, mean_output_tokens=64.0, ttft_s=ttft, itl_s=itl,
-                    workers=tuple(workers))
+def snap(
+    *workers: WorkerLoad, ttft=0.5, itl=0.1, rate=1.0, prompt=100.0, cached=0.0, requests=20
+) -> Snapshot:
+    return Snapshot(
+        window_s=20.0,
+        requests=requests,
+        arrival_rate=rate,
+        mean_prompt_tokens=prompt,
+        cached_fraction=cached,
+        mean_output_tokens=64.0,
+        ttft_s=ttft,
+        itl_s=itl,
+        workers=tuple(workers),
+    )
 
 
 def saturated_decode(i: int) -> WorkerLoad:
@@ -51,22 +61,34 @@ def test_decode_load_is_the_largest_of_busy_itl_need_kv_and_throughput():
         return decide(snap(prefill(1), worker, **kw), CONFIG, None).loads.decode
 
     assert load(decode(1, busy=0.3, running=1, tokens_per_busy_s=640.0)) == pytest.approx(0.3)
-    assert load(decode(1, busy=0.3, running=6, tokens_per_busy_s=40.0)) == pytest.approx(1.6)  # 64/40
-    assert load(decode(1, busy=0.3, running=6, tokens_per_busy_s=40.0), rate=0.1) == pytest.approx(0.6)
+    assert load(decode(1, busy=0.3, running=6, tokens_per_busy_s=40.0)) == pytest.approx(
+        1.6
+    )  # 64/40
+    assert load(decode(1, busy=0.3, running=6, tokens_per_busy_s=40.0), rate=0.1) == pytest.approx(
+        0.6
+    )
     assert load(decode(1, busy=0.3, kv_used=0.7)) == pytest.approx(0.7)
 
 
 def test_the_least_loaded_prefill_worker_is_the_one_moved():
-    workers = (prefill(1, queued_prefill_tokens=500), prefill(2), prefill(3, queued_prefill_tokens=90),
-               saturated_decode(1))
+    workers = (
+        prefill(1, queued_prefill_tokens=500),
+        prefill(2),
+        prefill(3, queued_prefill_tokens=90),
+        saturated_decode(1),
+    )
     assert decide(snap(*workers, itl=0.4), CONFIG, None).worker_id == "p2"
 
 
 def test_prefill_backlog_with_idle_decode_moves_a_decode_worker_only_when_there_are_two():
     backlog = dict(rate=2.0, prompt=2000.0, ttft=5.0)  # 4000 tokens/s into a 2000 tokens/s pool
     p = prefill(1, prefill_tokens_per_s=2000.0, queued_prefill_tokens=8000)
-    d = decide(snap(p, idle_decode(1, running=3), idle_decode(2, running=1), **backlog), CONFIG, None)
-    assert d.is_move and (d.worker_id, d.from_role, d.to_role) == ("d2", "decode", "prefill"), d.reason
+    d = decide(
+        snap(p, idle_decode(1, running=3), idle_decode(2, running=1), **backlog), CONFIG, None
+    )
+    assert d.is_move and (d.worker_id, d.from_role, d.to_role) == ("d2", "decode", "prefill"), (
+        d.reason
+    )
     assert d.loads.prefill == pytest.approx(2.0) and d.predicted.prefill == pytest.approx(1.0)
     assert "prefill is the bottleneck" in d.reason
 
@@ -107,11 +129,15 @@ def test_cooldown_holds_after_a_move():
 def test_a_move_that_helps_less_than_the_hysteresis_is_not_made():
     # Decode at 0.9, prefill busy with 0.7 of a worker: 0P+2D would put (0.9 + 0.7) / 2 = 0.8
     # on each decode worker, only 0.1 better.
-    workers = (prefill(1, prefill_tokens_per_s=1000.0),
-               decode(1, busy=0.9, running=1, tokens_per_busy_s=80.0))
+    workers = (
+        prefill(1, prefill_tokens_per_s=1000.0),
+        decode(1, busy=0.9, running=1, tokens_per_busy_s=80.0),
+    )
     d = decide(snap(*workers, prompt=700.0), CONFIG, None)
     assert not d.is_move and d.outcome == "no_gain", d.reason
-    assert decide(snap(*workers, prompt=700.0), dataclasses.replace(CONFIG, hysteresis=0.05), None).is_move
+    assert decide(
+        snap(*workers, prompt=700.0), dataclasses.replace(CONFIG, hysteresis=0.05), None
+    ).is_move
 
 
 class Cluster:
@@ -128,9 +154,15 @@ class Cluster:
         n_p = sum(r == "prefill" for r in self.roles.values())
         n_d = len(self.roles) - n_p
         d_load = (self.decode_work + (0.3 if n_p == 0 else 0.0)) / n_d
-        workers = [WorkerLoad(w, r, prefill_tokens_per_s=1000.0,
-                              busy=min(1.0, 0.3 / n_p if r == "prefill" else d_load))
-                   for w, r in sorted(self.roles.items())]
+        workers = [
+            WorkerLoad(
+                w,
+                r,
+                prefill_tokens_per_s=1000.0,
+                busy=min(1.0, 0.3 / n_p if r == "prefill" else d_load),
+            )
+            for w, r in sorted(self.roles.items())
+        ]
         return snap(*workers, prompt=300.0, itl=0.4 if d_load > 0.9 else 0.15)
 
 
@@ -147,17 +179,23 @@ def test_a_steady_load_moves_once_and_never_flaps(decode_work):
             moves.append((d.worker_id, d.to_role))
     assert moves == [("w0", "decode")]
     assert decide(cluster.snapshot(), CONFIG, None).outcome == (
-        "within_slo" if decode_work < 1.5 else "at_limit")
+        "within_slo" if decode_work < 1.5 else "at_limit"
+    )
 
 
 def test_minimums_and_maximums_are_respected():
     s = snap(prefill(1), saturated_decode(1), itl=0.4)
-    for config in (dataclasses.replace(CONFIG, min_prefill=1), dataclasses.replace(CONFIG, max_decode=1),
-                   dataclasses.replace(CONFIG, min_prefill=1, max_prefill=1, min_decode=1, max_decode=1)):
+    for config in (
+        dataclasses.replace(CONFIG, min_prefill=1),
+        dataclasses.replace(CONFIG, max_decode=1),
+        dataclasses.replace(CONFIG, min_prefill=1, max_prefill=1, min_decode=1, max_decode=1),
+    ):
         d = decide(s, config, None)
         assert not d.is_move and d.outcome == "at_limit", (config, d.reason)
 
-    backlog = snap(prefill(1, queued_prefill_tokens=50_000), idle_decode(1), idle_decode(2), ttft=9.0)
+    backlog = snap(
+        prefill(1, queued_prefill_tokens=50_000), idle_decode(1), idle_decode(2), ttft=9.0
+    )
     assert decide(backlog, CONFIG, None).to_role == "prefill"
     assert not decide(backlog, dataclasses.replace(CONFIG, min_decode=2), None).is_move
     assert not decide(backlog, dataclasses.replace(CONFIG, max_prefill=1), None).is_move
@@ -176,8 +214,10 @@ def test_the_decode_pool_never_goes_below_one():
 def test_local_prefills_stalling_decode_steps_bring_a_prefill_pool_back():
     # No prefill pool; ITL misses although the decode pool has headroom (0.4 each): long
     # prompts prefilled locally stall the decode steps. A prefill worker leaves decode at 0.6.
-    workers = (decode(1, busy=0.4, running=1, tokens_per_busy_s=40.0, prefill_tokens_per_s=1000.0),
-               decode(2, busy=0.4, running=2, tokens_per_busy_s=40.0, prefill_tokens_per_s=1000.0))
+    workers = (
+        decode(1, busy=0.4, running=1, tokens_per_busy_s=40.0, prefill_tokens_per_s=1000.0),
+        decode(2, busy=0.4, running=2, tokens_per_busy_s=40.0, prefill_tokens_per_s=1000.0),
+    )
     d = decide(snap(*workers, itl=0.9, rate=0.1, prompt=2000.0), CONFIG, None)
     assert d.is_move and (d.worker_id, d.to_role) == ("d1", "prefill"), d.reason
     assert d.predicted.decode == pytest.approx(0.6) and d.predicted.prefill == pytest.approx(0.2)

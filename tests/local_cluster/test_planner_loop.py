@@ -2,6 +2,7 @@
 (router/metrics.py) parsed into a window's snapshot, histogram quantiles, one planner round
 against fake etcd / workers / SetRole moving a prefill worker to decode, the slot following
 the switch (a crash restarts it in the new role), and `up` without --planner pinning pools."""
+
 import math
 import time
 from pathlib import Path
@@ -9,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from cluster.registration import Capacity, WorkerInfo
-from local_cluster.measure import Sample, Window
-from local_cluster.metrics_text import Scrape, increase, quantile, window_buckets
 from engine.flags import from_args
 from local_cluster.config import UpConfig
+from local_cluster.measure import Sample, Window
+from local_cluster.metrics_text import Scrape, increase, quantile, window_buckets
 from local_cluster.planner import PlannerConfig
 from local_cluster.planner_loop import Planner
 from local_cluster.slots import RestartPolicy, SlotState
@@ -77,10 +78,12 @@ def test_the_window_keeps_the_last_window_s_of_scrapes():
 
 
 def worker_text(step_s: float, tokens: int, role: str) -> str:
-    return (f"# TYPE pdserve_worker_engine_step_seconds counter\n"
-            f'pdserve_worker_engine_step_seconds_total{{role="{role}"}} {step_s}\n'
-            f"# TYPE pdserve_worker_generation_tokens counter\n"
-            f'pdserve_worker_generation_tokens_total{{role="{role}"}} {tokens}\n')
+    return (
+        f"# TYPE pdserve_worker_engine_step_seconds counter\n"
+        f'pdserve_worker_engine_step_seconds_total{{role="{role}"}} {step_s}\n'
+        f"# TYPE pdserve_worker_generation_tokens counter\n"
+        f'pdserve_worker_generation_tokens_total{{role="{role}"}} {tokens}\n'
+    )
 
 
 class FakeChild:
@@ -111,10 +114,26 @@ class FakeCluster:
     def __init__(self):
         self.router = RouterMetrics()
         self.workers = {
-            "p1": WorkerInfo("p1", "prefill", "127.0.0.1:7001", "m", "h", 16, metrics_address="127.0.0.1:9001",
-                             capacity=Capacity(100, 100, prefill_tokens_per_s=1000.0)),
-            "d1": WorkerInfo("d1", "decode", "127.0.0.1:7002", "m", "h", 16, metrics_address="127.0.0.1:9002",
-                             capacity=Capacity(100, 60, running=6)),
+            "p1": WorkerInfo(
+                "p1",
+                "prefill",
+                "127.0.0.1:7001",
+                "m",
+                "h",
+                16,
+                metrics_address="127.0.0.1:9001",
+                capacity=Capacity(100, 100, prefill_tokens_per_s=1000.0),
+            ),
+            "d1": WorkerInfo(
+                "d1",
+                "decode",
+                "127.0.0.1:7002",
+                "m",
+                "h",
+                16,
+                metrics_address="127.0.0.1:9002",
+                capacity=Capacity(100, 60, running=6),
+            ),
         }
         self.busy = {"p1": 0.0, "d1": 0.0}
         self.tokens = {"p1": 0, "d1": 0}
@@ -145,9 +164,14 @@ class FakeCluster:
 
 
 def make_supervisor(spawned: list) -> Supervisor:
-    sup = Supervisor(UpConfig(num_threads=1, cluster="test", restart=RestartPolicy(backoff=0.0)),
-                     "127.0.0.1:1", Path("/nonexistent-logs"))
-    sup._spawn_worker = lambda role, name: spawned.append((role, name)) or FakeChild(len(spawned), "")
+    sup = Supervisor(
+        UpConfig(num_threads=1, cluster="test", restart=RestartPolicy(backoff=0.0)),
+        "127.0.0.1:1",
+        Path("/nonexistent-logs"),
+    )
+    sup._spawn_worker = lambda role, name: (
+        spawned.append((role, name)) or FakeChild(len(spawned), "")
+    )
     return sup
 
 
@@ -158,9 +182,15 @@ def test_a_round_moves_the_idle_prefill_worker_to_decode_and_its_slot_follows():
     p_slot, d_slot = sup.add_slot("prefill"), sup.add_slot("decode")
     p_slot.child, d_slot.child = FakeChild(1, "127.0.0.1:7001"), FakeChild(2, "127.0.0.1:7002")
     p_slot.state = d_slot.state = SlotState.READY
-    planner = Planner(sup, "http://router", PlannerConfig(cooldown_s=30.0, window_s=10.0),
-                      switch=cluster.set_role, read_workers=lambda: list(cluster.workers.values()),
-                      fetch=cluster.fetch, clock=lambda: now[0])
+    planner = Planner(
+        sup,
+        "http://router",
+        PlannerConfig(cooldown_s=30.0, window_s=10.0),
+        switch=cluster.set_role,
+        read_workers=lambda: list(cluster.workers.values()),
+        fetch=cluster.fetch,
+        clock=lambda: now[0],
+    )
     sup.planner = planner  # as start_planner does
 
     assert planner.round() is None  # one scrape: no window yet
@@ -172,7 +202,12 @@ def test_a_round_moves_the_idle_prefill_worker_to_decode_and_its_slot_follows():
     assert p_slot.role == "decode" and p_slot.name == "prefill-1"
     assert planner.view()["move_count"] == 1
     move = planner.view()["moves"][0]
-    assert (move["slot"], move["from_role"], move["to_role"], move["ok"]) == ("prefill-1", "prefill", "decode", True)
+    assert (move["slot"], move["from_role"], move["to_role"], move["ok"]) == (
+        "prefill-1",
+        "prefill",
+        "decode",
+        True,
+    )
     text = planner.metrics_text().decode()
     assert 'pdserve_planner_moves_total{from_role="prefill",to_role="decode"} 1.0' in text
     assert sup.snapshot()["planner"]["moves"][0]["worker_id"] == "p1"
@@ -208,9 +243,15 @@ def test_a_failed_switch_is_counted_and_the_slot_keeps_its_role():
     def refuse(worker, role):
         raise RuntimeError("FAILED_PRECONDITION: sleeping")
 
-    planner = Planner(sup, "http://router", PlannerConfig(window_s=10.0), switch=refuse,
-                      read_workers=lambda: list(cluster.workers.values()), fetch=cluster.fetch,
-                      clock=lambda: now[0])
+    planner = Planner(
+        sup,
+        "http://router",
+        PlannerConfig(window_s=10.0),
+        switch=refuse,
+        read_workers=lambda: list(cluster.workers.values()),
+        fetch=cluster.fetch,
+        clock=lambda: now[0],
+    )
     planner.round()
     cluster.advance(10)
     now[0] = 10.0
@@ -218,8 +259,10 @@ def test_a_failed_switch_is_counted_and_the_slot_keeps_its_role():
     assert slot.role == "prefill"
     assert not planner.view()["moves"][0]["ok"]
     assert any("failed" in m for m in said)
-    assert 'pdserve_planner_move_failures_total{from_role="prefill",to_role="decode"} 1.0' in \
-        planner.metrics_text().decode()
+    assert (
+        'pdserve_planner_move_failures_total{from_role="prefill",to_role="decode"} 1.0'
+        in planner.metrics_text().decode()
+    )
 
 
 def test_no_decision_while_a_worker_restarts_or_after_the_pools_changed():
@@ -229,15 +272,23 @@ def test_no_decision_while_a_worker_restarts_or_after_the_pools_changed():
     sup.say = said.append
     slot = sup.add_slot("prefill")
     slot.child, slot.state = FakeChild(1, "127.0.0.1:7001"), SlotState.RESTARTING
-    planner = Planner(sup, "http://router", PlannerConfig(window_s=10.0),
-                      switch=cluster.set_role, read_workers=lambda: list(cluster.workers.values()),
-                      fetch=cluster.fetch, clock=lambda: now[0])
+    planner = Planner(
+        sup,
+        "http://router",
+        PlannerConfig(window_s=10.0),
+        switch=cluster.set_role,
+        read_workers=lambda: list(cluster.workers.values()),
+        fetch=cluster.fetch,
+        clock=lambda: now[0],
+    )
     planner.round()
     cluster.advance(10)
     now[0] = 10.0
     assert planner.round() is None and cluster.switched == []
     assert said == ["planner: hold: a worker is starting or restarting"]
-    assert 'pdserve_planner_decisions_total{outcome="settling"} 2.0' in planner.metrics_text().decode()
+    assert (
+        'pdserve_planner_decisions_total{outcome="settling"} 2.0' in planner.metrics_text().decode()
+    )
 
     # Back, with one more decode worker registered: a new window starts.
     slot.state = SlotState.READY
@@ -274,11 +325,35 @@ def test_without_planner_the_pools_stay_pinned():
     sup = Supervisor(config, "127.0.0.1:1", Path("/nonexistent-logs"))
     assert sup.planner is None and "planner" not in sup.snapshot()
 
-    config = parse("--planner", "--ttft-slo-ms", "1500", "--itl-slo-ms", "100", "--min-prefill", "1",
-                   "--max-decode", "3", "--planner-interval", "2", "--planner-drain-timeout", "9")
+    config = parse(
+        "--planner",
+        "--ttft-slo-ms",
+        "1500",
+        "--itl-slo-ms",
+        "100",
+        "--min-prefill",
+        "1",
+        "--max-decode",
+        "3",
+        "--planner-interval",
+        "2",
+        "--planner-drain-timeout",
+        "9",
+    )
     c = config.planner_config
-    assert config.planner and (c.ttft_slo_s, c.itl_slo_s, c.min_prefill, c.max_decode) == (1.5, 0.1, 1, 3)
-    assert (c.min_decode, c.cooldown_s, c.interval_s, c.window_s, c.drain_timeout_s) == (1, 30.0, 2.0, 20.0, 9.0)
+    assert config.planner and (c.ttft_slo_s, c.itl_slo_s, c.min_prefill, c.max_decode) == (
+        1.5,
+        0.1,
+        1,
+        3,
+    )
+    assert (c.min_decode, c.cooldown_s, c.interval_s, c.window_s, c.drain_timeout_s) == (
+        1,
+        30.0,
+        2.0,
+        20.0,
+        9.0,
+    )
     with pytest.raises(ValueError, match="--min-decode: min_decode must be >= 1"):
         parse("--planner", "--min-decode", "0")
 
@@ -287,7 +362,9 @@ def test_bad_planner_flags_stop_up_before_it_starts_anything(capsys):
     from pdserve.cli import main
 
     assert main(["up", "--planner", "--min-prefill", "2", "--max-prefill", "1"]) == 2
-    assert ("pdserve up: error: --max-prefill: max_prefill must be >= min_prefill (2), got 1"
-            in capsys.readouterr().err)
+    assert (
+        "pdserve up: error: --max-prefill: max_prefill must be >= min_prefill (2), got 1"
+        in capsys.readouterr().err
+    )
     assert main(["up", "--planner", "--planner-interval", "0"]) == 2
     assert "--planner-interval: interval_s must be > 0" in capsys.readouterr().err

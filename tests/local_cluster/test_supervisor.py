@@ -1,6 +1,7 @@
 """The supervisor's restart rules with fake children (no processes): backoff and crash loop,
 restarts off, a crash is only an exit nobody asked for, scale-in and shutdown during a backoff
 leave no child running and start none afterwards."""
+
 import itertools
 import threading
 import time
@@ -56,7 +57,9 @@ class Spawner:
 
 
 def make_supervisor(**policy) -> Supervisor:
-    config = UpConfig(num_threads=1, cluster="test", restart=RestartPolicy(**{"backoff": 0.05, **policy}))
+    config = UpConfig(
+        num_threads=1, cluster="test", restart=RestartPolicy(**{"backoff": 0.05, **policy})
+    )
     return Supervisor(config, "127.0.0.1:1", Path("/nonexistent-logs"))
 
 
@@ -95,13 +98,20 @@ def test_a_crashed_child_is_restarted_until_the_crash_loop_limit(capsys):
         for _ in range(3):
             n = len(spawn.children)
             spawn.children[-1].kill()
-            wait_for(lambda: len(spawn.children) == n + 1 and sup.states("decode") == [SlotState.READY])
+            wait_for(
+                lambda: len(spawn.children) == n + 1 and sup.states("decode") == [SlotState.READY]
+            )
         spawn.children[-1].kill()
         wait_for(lambda: sup.states("decode") == [SlotState.CRASH_LOOP])
         time.sleep(0.5)
         assert len(spawn.children) == 4  # no restart after the crash loop
         view = sup.snapshot()["slots"][0]
-        assert (view["state"], view["restarts"], view["last_exit"], view["pid"]) == ("crash-loop", 3, -9, None)
+        assert (view["state"], view["restarts"], view["last_exit"], view["pid"]) == (
+            "crash-loop",
+            3,
+            -9,
+            None,
+        )
     finally:
         sup.stop_all()
     assert "error: decode-1 (decode) crashed 4 times" in capsys.readouterr().out
@@ -129,7 +139,12 @@ def test_scale_in_is_not_a_crash_and_removes_broken_slots_first():
     sup.add_slot("decode", good)
     sup.start()
     try:
-        wait_for(lambda: sorted(sup.states("decode")) == [SlotState.READY, SlotState.READY, SlotState.RESTARTING])
+        wait_for(
+            lambda: (
+                sorted(sup.states("decode"))
+                == [SlotState.READY, SlotState.READY, SlotState.RESTARTING]
+            )
+        )
         sup.scale("decode", -1)  # the restarting slot goes first, without starting anything
         wait_for(lambda: sup.states("decode") == [SlotState.READY, SlotState.READY])
         assert len(bad.children) == 1
@@ -157,5 +172,3 @@ def test_stop_during_a_backoff_stops_every_child_and_starts_none():
     assert [c for s in spawns for c in s.children] == started
     assert not [c for c in started if c.alive()]
     assert sup.snapshot()["slots"] == []
-
-

@@ -1,6 +1,7 @@
 """`pdserve up` stops every child and removes its run directory (the secrets in it) even
 when its stdout is gone: the terminal closed, or the process reading its output died. Once a
 failed "stopping..." write ended `up` with its workers, router and etcd still running."""
+
 import time
 
 from cluster.net import free_port
@@ -27,8 +28,11 @@ def test_a_closed_stdout_does_not_keep_children_alive(tmp_path, monkeypatch):
     ports = (free_port(), free_port())
     sup = Supervisor(UpConfig(), f"127.0.0.1:{ports[0]}", tmp_path / "logs")
     (tmp_path / "logs").mkdir()
-    sup.add_slot("etcd", lambda: EtcdChild(run_dir / "etcd-data", tmp_path / "logs" / "etcd.log",
-                                           *ports), name="etcd")
+    sup.add_slot(
+        "etcd",
+        lambda: EtcdChild(run_dir / "etcd-data", tmp_path / "logs" / "etcd.log", *ports),
+        name="etcd",
+    )
     sup.start()
     deadline = time.monotonic() + 60
     while not ((child := sup.slots[0].child) is not None and child.alive()):

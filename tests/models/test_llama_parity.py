@@ -1,5 +1,6 @@
 """Our LLaMA implementation against transformers' LlamaForCausalLM on the same prepared
 weights: logits (fp32, max abs diff <= 1e-3) and 32-token greedy continuations."""
+
 import pytest
 import torch
 
@@ -47,7 +48,9 @@ def _check(model_dir, num_layers, prompts):
         assert diff <= 1e-3, f"{prompt!r}: max |logit diff| {diff}"
 
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[
+                0, len(ids) :
+            ]
         [out] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
         assert out.outputs[0].token_ids == ref.tolist(), prompt
 

@@ -2,17 +2,20 @@
 `pdserve.model_plugins` entry points, the unknown-architecture error; and the example
 out-of-tree architecture (examples/tiny_arch) served by the engine equals its own plain-torch
 reference (paged KV, chunked prefill, prefix cache)."""
+
 import importlib.metadata
 import json
 
 import pytest
 import torch
-
-from engine.models.registry import PLUGIN_GROUP, ModelRegistry, UnknownArchitectureError
 from tiny_plugin import EXAMPLE_ROOT, write_entry_point_dist
 
-TEXTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",
-         "Paged attention stores keys and values in fixed-size blocks of the pool."]
+from engine.models.registry import PLUGIN_GROUP, ModelRegistry, UnknownArchitectureError
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, again and again and again.",
+    "Paged attention stores keys and values in fixed-size blocks of the pool.",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -26,23 +29,32 @@ def fresh_registry(monkeypatch):
 
 
 def _no_plugins(monkeypatch, *eps):
-    monkeypatch.setattr(importlib.metadata, "entry_points",
-                        lambda group=None: [e for e in eps if e.group == group])
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group=None: [e for e in eps if e.group == group]
+    )
 
 
 def test_builtin_llama_resolves_lazily(monkeypatch):
     _no_plugins(monkeypatch)
     from engine.models.llama import Transformer
-
     from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
     assert ModelRegistry.resolve("LlamaForCausalLM") is Transformer
     assert ModelRegistry.resolve("Qwen2ForCausalLM") is Qwen2ForCausalLM
     assert ModelRegistry.resolve("Qwen3ForCausalLM") is Qwen3ForCausalLM
     assert ModelRegistry.get_supported_archs() == [
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM",
-        "MistralForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
-        "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "GraniteForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Olmo2ForCausalLM",
+        "Phi3ForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ]
 
 
 def test_register_by_class_and_by_string(monkeypatch):
@@ -70,12 +82,14 @@ def test_unknown_architecture_lists_supported(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NopeForCausalLM"]}))
     from engine.models.loader import load_model
 
-    with pytest.raises(UnknownArchitectureError,
-                       match=r"'NopeForCausalLM' is not supported; supported: Gemma2ForCausalLM, "
-                             r"Gemma3ForCausalLM, GraniteForCausalLM, LlamaForCausalLM, "
-                             r"MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, "
-                             r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                             r"Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        UnknownArchitectureError,
+        match=r"'NopeForCausalLM' is not supported; supported: Gemma2ForCausalLM, "
+        r"Gemma3ForCausalLM, GraniteForCausalLM, LlamaForCausalLM, "
+        r"MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, "
+        r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+        r"Qwen3MoeForCausalLM",
+    ):
         load_model(tmp_path)
 
 
@@ -101,9 +115,9 @@ def test_llama_loads_through_the_contract_and_keeps_rope_in_fp32(model_dir):
     not know the model: the model keeps it so)."""
     from safetensors.torch import load_file
 
+    from engine.models.llama import Transformer
     from engine.models.loader import load_model
     from engine.models.rope import rope_cache
-    from engine.models.llama import Transformer
 
     loaded = load_model(model_dir, num_layers=1).model
     config = json.loads((model_dir / "config.json").read_text())
@@ -126,22 +140,31 @@ def tiny_checkpoint(tmp_path_factory, model_dir):
         from tiny_arch.make_checkpoint import make_checkpoint
     finally:
         sys.path.remove(str(EXAMPLE_ROOT))
-    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-ckpt", layers=2, seed=0,
-                           tokenizer_dir=model_dir)
+    return make_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "tiny-ckpt", layers=2, seed=0, tokenizer_dir=model_dir
+    )
 
 
 def test_example_architecture_serves_like_its_reference(monkeypatch, tiny_checkpoint):
-    from engine import LLM, SamplingParams
     from tiny_arch import register
     from tiny_arch.model import TinyForCausalLM
     from tiny_arch.reference import reference_greedy
+
+    from engine import LLM, SamplingParams
 
     _no_plugins(monkeypatch)
     register()
     # small chunks and blocks: prompts span several chunks and blocks, and the second pass
     # reads the first pass's blocks from the prefix cache
-    llm = LLM(str(tiny_checkpoint), dtype="float32", kv_cache_memory=8 << 20, block_size=8,
-              enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    llm = LLM(
+        str(tiny_checkpoint),
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+        block_size=8,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8,
+    )
     model = llm.engine.loaded.model
     assert isinstance(model, TinyForCausalLM) and llm.engine.loaded.args.n_layers == 2
     prompts = [llm.tokenizer.encode(t, add_special_tokens=True) for t in TEXTS]

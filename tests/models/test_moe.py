@@ -1,6 +1,7 @@
 """SparseMoE (engine/models/moe.py) against transformers' own MixtralSparseMoeBlock and
 Qwen3MoeSparseMoeBlock, against a per-token reference, through the fused Triton kernel; and
 its checkpoint-name mapping against what transformers 5's save_pretrained writes."""
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,15 +24,33 @@ def _ctx(fused: bool = False) -> ForwardContext:
 
 
 def _mixtral_config(**kw):
-    return MixtralConfig(vocab_size=64, hidden_size=DIM, intermediate_size=INTER, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
-                         num_experts_per_tok=TOP_K, **kw)
+    return MixtralConfig(
+        vocab_size=64,
+        hidden_size=DIM,
+        intermediate_size=INTER,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        **kw,
+    )
 
 
 def _qwen3_moe_config(**kw):
-    return Qwen3MoeConfig(vocab_size=64, hidden_size=DIM, intermediate_size=64, moe_intermediate_size=INTER,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                          num_experts=EXPERTS, num_experts_per_tok=TOP_K, **kw)
+    return Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=DIM,
+        intermediate_size=64,
+        moe_intermediate_size=INTER,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        **kw,
+    )
 
 
 def _hf_block(arch: str, norm_topk_prob: bool, impl: str, seed: int = 0):
@@ -49,8 +68,15 @@ def _hf_block(arch: str, norm_topk_prob: bool, impl: str, seed: int = 0):
 
 
 def _ours(arch: str, norm_topk_prob: bool, hf_block) -> SparseMoE:
-    moe = SparseMoE(DIM, EXPERTS, TOP_K, INTER, renormalize=arch == "mixtral" or norm_topk_prob, layer=0,
-                    round_routing_weights=arch == "qwen3_moe")
+    moe = SparseMoE(
+        DIM,
+        EXPERTS,
+        TOP_K,
+        INTER,
+        renormalize=arch == "mixtral" or norm_topk_prob,
+        layer=0,
+        round_routing_weights=arch == "qwen3_moe",
+    )
     # transformers 5 keeps the experts stacked in memory: the fused names.
     with torch.no_grad():
         for name, tensor in hf_block.state_dict().items():
@@ -127,10 +153,14 @@ def test_empty_batch():
 
 # ---- checkpoint names ----
 
+
 def _saved(tmp_path, arch, **save_kw):
     torch.manual_seed(0)
-    model = (MixtralForCausalLM(_mixtral_config()) if arch == "mixtral"
-             else Qwen3MoeForCausalLM(_qwen3_moe_config(norm_topk_prob=True)))
+    model = (
+        MixtralForCausalLM(_mixtral_config())
+        if arch == "mixtral"
+        else Qwen3MoeForCausalLM(_qwen3_moe_config(norm_topk_prob=True))
+    )
     model.save_pretrained(tmp_path, **save_kw)
     return model, load_file(str(tmp_path / "model.safetensors"))
 
@@ -175,7 +205,9 @@ def test_update_one_expert_in_place(tmp_path):
     name = "model.layers.0.block_sparse_moe.experts.2.w3.weight"
     assert ours.update_weights([(name, torch.ones(INTER, DIM))]) == 1
     assert (moe.w13[2, INTER:] == 1).all()
-    assert torch.equal(moe.w13[2, :INTER], before[2, :INTER]) and torch.equal(moe.w13[:2], before[:2])
+    assert torch.equal(moe.w13[2, :INTER], before[2, :INTER]) and torch.equal(
+        moe.w13[:2], before[:2]
+    )
 
 
 def test_names_and_slots():
@@ -193,7 +225,9 @@ def test_load_refuses_missing_unknown_and_misshapen(tmp_path):
 
     def load(changed):
         config = {**model.config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
-        ModelRegistry.resolve("Qwen3MoeForCausalLM").from_config(config).load_weights(changed.items())
+        ModelRegistry.resolve("Qwen3MoeForCausalLM").from_config(config).load_weights(
+            changed.items()
+        )
 
     with pytest.raises(KeyError, match=r"no checkpoint tensor for layers\.0\.mlp\.w13"):
         load({n: t for n, t in tensors.items() if n != up})

@@ -7,7 +7,10 @@ from engine.models.gguf_convert import ModelFileError
 from engine.models.prepare import bundled_gguf_path, prepare_model
 
 EXPECTED_FILES = {
-    "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
     "generation_config.json",
 }
 
@@ -16,8 +19,15 @@ def test_prepared_directory_is_standard_hf(model_dir):
     assert EXPECTED_FILES <= {p.name for p in model_dir.iterdir()}
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
-    assert "<|im_start|>" in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    assert (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    ) == (30, 9, 3)
+    assert (
+        "<|im_start|>"
+        in json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    )
 
 
 def test_prepare_is_idempotent(model_dir):
@@ -32,7 +42,9 @@ def test_damaged_stamp_prepares_again(model_dir, tmp_path):
     (out / "pdserve-prepared.json").write_text("{not json")
     (out / "model.safetensors").write_bytes(b"garbage")
     prepare_model(bundled_gguf_path(), out)
-    assert (out / "model.safetensors").stat().st_size == (model_dir / "model.safetensors").stat().st_size
+    assert (out / "model.safetensors").stat().st_size == (
+        model_dir / "model.safetensors"
+    ).stat().st_size
 
 
 def test_missing_gguf_is_a_clear_error(tmp_path):

@@ -1,6 +1,7 @@
 """engine/models/random_weights: a random-weight copy of the bundled model's shape loads in
 our engine and in transformers alike, gives the same greedy tokens in both, and is a pure
 function of its seed."""
+
 import json
 
 import torch
@@ -27,12 +28,14 @@ def test_same_greedy_tokens_as_transformers(model_dir, tmp_path):
         ids = tok.encode(prompt)
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        ref_tokens = ref[0, len(ids):].tolist()
+        ref_tokens = ref[0, len(ids) :].tolist()
         eos = hf.generation_config.eos_token_id
         eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
         if eos_ids & set(ref_tokens):  # transformers stops (and pads) there; the engine ran on
-            ref_tokens = ref_tokens[:min(ref_tokens.index(e) for e in eos_ids & set(ref_tokens)) + 1]
-        assert tokens[:len(ref_tokens)] == ref_tokens, prompt
+            ref_tokens = ref_tokens[
+                : min(ref_tokens.index(e) for e in eos_ids & set(ref_tokens)) + 1
+            ]
+        assert tokens[: len(ref_tokens)] == ref_tokens, prompt
     # Random weights are not the real ones: the text differs from the bundled model's.
     real = LLM(str(model_dir), num_layers=2, kv_cache_memory=32 << 20, dtype="float32")
     assert [o.outputs[0].token_ids for o in real.generate(PROMPTS, params, use_tqdm=False)] != ours

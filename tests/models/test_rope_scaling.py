@@ -2,6 +2,7 @@
 table rows for positions within the original context equal transformers' cos/sin (which are
 cat(freqs, freqs): duplicated halves; ours are cos_half | sin_half), attention scaling included;
 beyond it, the rows equal what transformers' generate() computes for a token decoded there."""
+
 import dataclasses
 import math
 
@@ -13,8 +14,14 @@ from engine.models.layers import apply_rope, rope_rows
 from engine.models.rope import SUPPORTED_ROPE_TYPES, RopeSpec, rope_cache
 
 ATOL = 1e-6
-SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)  # head_dim 16
 
 
 def _hf_cos_sin(rotary, positions, **kwargs):
@@ -36,18 +43,38 @@ LLAMA_CASES = {
     "default": {"rope_type": "default", "rope_theta": 5e5},
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
     "dynamic": {"rope_type": "dynamic", "factor": 3.0, "rope_theta": 1e4},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-               "rope_theta": 5e5},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-             "rope_theta": 1e6},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 5e5,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 1e6,
+    },
     "yarn_untruncated_attention_factor": {
-        "rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 128,
-        "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.3, "truncate": False,
-        "rope_theta": 1e4},
-    "yarn_deepseek_mscale": {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0,
-                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 64,
-                             "rope_theta": 1e4},
+        "rope_type": "yarn",
+        "factor": 2.5,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "attention_factor": 1.3,
+        "truncate": False,
+        "rope_theta": 1e4,
+    },
+    "yarn_deepseek_mscale": {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 1e4,
+    },
 }
 
 
@@ -56,8 +83,9 @@ def test_llama_rope_types_match_transformers(case):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(**SMALL, max_position_embeddings=256,
-                         rope_parameters=dict(LLAMA_CASES[case]))
+    config = LlamaConfig(
+        **SMALL, max_position_embeddings=256, rope_parameters=dict(LLAMA_CASES[case])
+    )
     spec = RopeSpec.from_hf_config(config.to_dict())
     assert spec.rope_type == LLAMA_CASES[case]["rope_type"]
     table = rope_cache(spec)
@@ -76,8 +104,9 @@ def test_dynamic_beyond_the_context_matches_decoding_in_transformers():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config = LlamaConfig(**SMALL, max_position_embeddings=64,
-                         rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    config = LlamaConfig(
+        **SMALL, max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0}
+    )
     spec = RopeSpec.from_hf_config(config.to_dict())
     table = rope_cache(spec)
     assert spec.max_positions == 128
@@ -97,14 +126,21 @@ def _phi3(rope_parameters, **extra):
 
 def _longrope_params(rotary_dim):
     half = rotary_dim // 2
-    return {"rope_type": "longrope", "rope_theta": 1e4,
-            "short_factor": [1.0 + 0.05 * i for i in range(half)],
-            "long_factor": [1.0 + 0.9 * i for i in range(half)]}
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 0.9 * i for i in range(half)],
+    }
 
 
 def test_longrope_with_partial_rotary_matches_transformers_within_and_beyond():
-    config, rotary = _phi3(_longrope_params(8), partial_rotary_factor=0.5,
-                           max_position_embeddings=256, original_max_position_embeddings=64)
+    config, rotary = _phi3(
+        _longrope_params(8),
+        partial_rotary_factor=0.5,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+    )
     spec = RopeSpec.from_hf_config(config.to_dict())
     assert (spec.rotary_dim, spec.original_max_position_embeddings) == (8, 64)
     assert spec.attention_scaling == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
@@ -119,11 +155,17 @@ def test_longrope_with_partial_rotary_matches_transformers_within_and_beyond():
 
 
 def test_su_is_longrope_and_old_layout_reads_like_rope_parameters():
-    config, _ = _phi3(_longrope_params(16), max_position_embeddings=256,
-                      original_max_position_embeddings=64)
+    config, _ = _phi3(
+        _longrope_params(16), max_position_embeddings=256, original_max_position_embeddings=64
+    )
     new = RopeSpec.from_hf_config(config.to_dict())
-    old = {**SMALL, "max_position_embeddings": 256, "original_max_position_embeddings": 64,
-           "rope_theta": 1e4, "rope_scaling": {**_longrope_params(16), "type": "su"}}
+    old = {
+        **SMALL,
+        "max_position_embeddings": 256,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 1e4,
+        "rope_scaling": {**_longrope_params(16), "type": "su"},
+    }
     del old["rope_scaling"]["rope_type"], old["rope_scaling"]["rope_theta"]
     assert RopeSpec.from_hf_config(old) == new
 
@@ -132,8 +174,11 @@ def test_partial_rotary_layout_is_apply_rope_on_the_leading_slice():
     """Phi-3 rotates x[..., :rotary_dim] (halves within it) and passes the rest through."""
     from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
-    config, rotary = _phi3({"rope_type": "default", "rope_theta": 1e4},
-                           partial_rotary_factor=0.5, max_position_embeddings=64)
+    config, rotary = _phi3(
+        {"rope_type": "default", "rope_theta": 1e4},
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+    )
     spec = RopeSpec.from_hf_config(config.to_dict())
     table = rope_cache(spec)
     assert table.shape == (64, 8)
@@ -164,40 +209,53 @@ def test_gemma3_per_layer_type_parameters():
     from transformers import Gemma3TextConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    config = Gemma3TextConfig(**SMALL, head_dim=16, max_position_embeddings=256,
-                              layer_types=["sliding_attention", "full_attention"],
-                              rope_scaling={"rope_type": "linear", "factor": 8.0})
+    config = Gemma3TextConfig(
+        **SMALL,
+        head_dim=16,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
     cfg = config.to_dict()
     with pytest.raises(ValueError, match="params="):
         RopeSpec.from_hf_config(cfg)
     rotary = Gemma3RotaryEmbedding(config)
     positions = list(range(100))
-    for layer_type, (rope_type, theta) in {"full_attention": ("linear", 1e6),
-                                           "sliding_attention": ("default", 1e4)}.items():
+    for layer_type, (rope_type, theta) in {
+        "full_attention": ("linear", 1e6),
+        "sliding_attention": ("default", 1e4),
+    }.items():
         spec = RopeSpec.from_hf_config(cfg, params=cfg["rope_parameters"][layer_type])
         assert (spec.rope_type, spec.theta) == (rope_type, theta)
-        _assert_rows(rope_cache(spec), positions,
-                     *_hf_cos_sin(rotary, positions, layer_type=layer_type))
+        _assert_rows(
+            rope_cache(spec), positions, *_hf_cos_sin(rotary, positions, layer_type=layer_type)
+        )
 
 
 def test_old_layout_equals_rope_parameters_layout():
     params = dict(LLAMA_CASES["llama3"])
     theta = params.pop("rope_theta")
     old = {**SMALL, "max_position_embeddings": 256, "rope_theta": theta, "rope_scaling": params}
-    new = {**SMALL, "max_position_embeddings": 256,
-           "rope_parameters": {**params, "rope_theta": theta}}
+    new = {
+        **SMALL,
+        "max_position_embeddings": 256,
+        "rope_parameters": {**params, "rope_theta": theta},
+    }
     assert RopeSpec.from_hf_config(old) == RopeSpec.from_hf_config(new)
     assert RopeSpec.from_hf_config(old).theta == 5e5
     overridden = RopeSpec.from_hf_config(old, theta=1e4, head_dim=32)
     assert (overridden.theta, overridden.rotary_dim) == (1e4, 32)
 
 
-@pytest.mark.parametrize("rope_scaling", [
-    {"type": "mrope", "mrope_section": [2, 3, 3]},
-    {"rope_type": "default", "mrope_section": [2, 3, 3]},
-    {"rope_type": "proportional", "partial_rotary_factor": 0.25},
-    {"rope_type": "ntk-by-parts", "factor": 2.0},
-])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"type": "mrope", "mrope_section": [2, 3, 3]},
+        {"rope_type": "default", "mrope_section": [2, 3, 3]},
+        {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+        {"rope_type": "ntk-by-parts", "factor": 2.0},
+    ],
+)
 def test_unknown_rope_type_is_an_error_naming_it(rope_scaling):
     cfg = {**SMALL, "max_position_embeddings": 256, "rope_scaling": rope_scaling}
     name = rope_scaling.get("type") or rope_scaling["rope_type"]
@@ -210,8 +268,16 @@ def test_missing_parameters_and_wrong_factor_lengths_are_errors():
     with pytest.raises(ValueError, match="low_freq_factor"):
         RopeSpec.from_hf_config({**SMALL, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="short_factor has 3 entries"):
-        RopeSpec.from_hf_config({**SMALL, "rope_scaling": {
-            "rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}})
+        RopeSpec.from_hf_config(
+            {
+                **SMALL,
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 3,
+                    "long_factor": [1.0] * 8,
+                },
+            }
+        )
 
 
 def test_default_equals_todays_table():

@@ -1,4 +1,5 @@
 """Test helpers for the example out-of-tree architecture (examples/tiny_arch)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,10 @@ def write_entry_point_dist(site: Path) -> Path:
     without touching the shared virtualenv. Put `site` on sys.path / PYTHONPATH."""
     dist = site / "pdserve_tiny_arch-0.1.0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pdserve-tiny-arch\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text("[pdserve.model_plugins]\ntiny_arch = tiny_arch:register\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pdserve-tiny-arch\nVersion: 0.1.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[pdserve.model_plugins]\ntiny_arch = tiny_arch:register\n"
+    )
     return site

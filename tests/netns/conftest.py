@@ -1,6 +1,7 @@
 """Tests across two emulated hosts (network namespaces): skipped, with the reason, where
 namespaces cannot be made (not root, no iproute2). Helpers of the kvtransfer and e2e tests
 are importable here."""
+
 import sys
 from pathlib import Path
 

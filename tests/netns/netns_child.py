@@ -1,6 +1,7 @@
 """Entry point of a NetnsChild (run under `ip netns exec`): connect back, run the target.
 
 argv: socket path, "module:function"; stdin: repr() of the target's extra arguments."""
+
 import ast
 import importlib
 import socket
@@ -9,7 +10,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(TESTS.parent), str(TESTS / "kvtransfer"), str(TESTS / "e2e"), str(TESTS / "netns")]
+sys.path[:0] = [
+    str(TESTS.parent),
+    str(TESTS / "kvtransfer"),
+    str(TESTS / "e2e"),
+    str(TESTS / "netns"),
+]
 
 
 def main() -> None:

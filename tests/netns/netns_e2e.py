@@ -3,6 +3,7 @@
 Each process is started through `ip netns exec` (which execs it: its PID is the process's own)
 and stopped by that PID. Workers listen on their host's veth address and run UCX on TCP over
 that veth only (`Host.ucx_env`), with UCX_PROTO_INFO=y so their logs name the transports."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,11 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.etcd_server import etcd_binary
-from local_cluster.launcher import ServiceProcess
 from netns_util import Host
 from pd_cluster import NUM_LAYERS, generate
+
+from cluster.etcd_server import etcd_binary
+from local_cluster.launcher import ServiceProcess
 
 ETCD_PORT = 2379  # the namespaces are ours: every port is free
 
@@ -29,9 +31,22 @@ class NetnsWorker(ServiceProcess):
     def __init__(self, host: Host, role: str, etcd_endpoint: str, *extra: str, log_dir: Path):
         self.host, self.role = host, role
         self.args = [
-            role, "--etcd", etcd_endpoint, "--host", host.addr, "--port", "0",
-            "--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "32MiB", "--num-threads", "1",
-            "--dtype", "float32", *extra,
+            role,
+            "--etcd",
+            etcd_endpoint,
+            "--host",
+            host.addr,
+            "--port",
+            "0",
+            "--num-layers",
+            str(NUM_LAYERS),
+            "--kv-cache-memory",
+            "32MiB",
+            "--num-threads",
+            "1",
+            "--dtype",
+            "float32",
+            *extra,
         ]
         self.log_path = log_dir / f"{role}-{host.netns}-{secrets.token_hex(2)}.log"
         self.log = open(self.log_path, "a", buffering=1)
@@ -39,7 +54,10 @@ class NetnsWorker(ServiceProcess):
         self.proc = subprocess.Popen(
             host.exec_argv(sys.executable, "-m", "pdserve", *self.args),
             env={**os.environ, **host.ucx_env(), "UCX_PROTO_INFO": "y"},
-            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
         )
         self.worker_id = self.grpc_address = self.metrics_address = ""
         self._ready = threading.Event()
@@ -58,12 +76,27 @@ class NetnsEtcd:
         client, peer = f"http://{self.endpoint}", "http://127.0.0.1:2380"
         self.proc = subprocess.Popen(
             host.exec_argv(
-                str(etcd_binary()), "--name", "pdserve", "--data-dir", str(data_dir),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"pdserve={peer}", "--log-level", "warn",
+                str(etcd_binary()),
+                "--name",
+                "pdserve",
+                "--data-dir",
+                str(data_dir),
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"pdserve={peer}",
+                "--log-level",
+                "warn",
             ),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
     def stop(self) -> None:

@@ -3,6 +3,7 @@
 UCX_PROTO_INFO=y makes UCX print, per protocol it selects, a table naming the transport and
 device (`tcp/<veth>`, `cma/memory`, `posix/memory`, ...); `write_transports` reads the
 transports of the remote memory writes (NIXL's WRITEs are `ucp_put`) back from a log."""
+
 from __future__ import annotations
 
 import re
@@ -13,12 +14,26 @@ from netns_util import Host, NetnsChild
 _CONFIG = re.compile(r"\|\s*[\d.inf]+\s*\|[^|]*\|\s*(\S+/\S+)\s*\|")
 
 
-def start_peer(host: Host, name: str, num_blocks: int, seed: int, log_dir: Path,
-               default_timeout_s: float = 30.0) -> NetnsChild:
+def start_peer(
+    host: Host,
+    name: str,
+    num_blocks: int,
+    seed: int,
+    log_dir: Path,
+    default_timeout_s: float = 30.0,
+) -> NetnsChild:
     """A kv_peer in `host`'s namespace, UCX on TCP over its veth only (not ready yet)."""
     env = {**host.ucx_env(), "UCX_PROTO_INFO": "y"}
-    return NetnsChild(host, "netns_kv:serve_peer", name, num_blocks, seed, default_timeout_s,
-                      env=env, log_path=log_dir / f"{name}.log")
+    return NetnsChild(
+        host,
+        "netns_kv:serve_peer",
+        name,
+        num_blocks,
+        seed,
+        default_timeout_s,
+        env=env,
+        log_path=log_dir / f"{name}.log",
+    )
 
 
 def serve_peer(conn, name: str, num_blocks: int, seed: int, default_timeout_s: float) -> None:
@@ -26,11 +41,13 @@ def serve_peer(conn, name: str, num_blocks: int, seed: int, default_timeout_s: f
     (kv_peer's `send` takes none)."""
     import functools
 
-    import kvtransfer
     from kv_peer import MODEL, _serve
 
+    import kvtransfer
+
     kvtransfer.KVTransferConfig = functools.partial(
-        kvtransfer.KVTransferConfig, default_timeout_s=default_timeout_s)
+        kvtransfer.KVTransferConfig, default_timeout_s=default_timeout_s
+    )
     _serve(conn, name, num_blocks, seed, MODEL)
 
 

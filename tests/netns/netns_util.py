@@ -12,6 +12,7 @@ Link impairments: `netem()` (delay, loss: needs a kernel with sch_netem), `rate_
 (tbf) and `packet_loss()` (nftables), each removed on exit. Needs root and iproute2
 (`skip_reason()` says why not).
 """
+
 from __future__ import annotations
 
 import os
@@ -69,9 +70,15 @@ class Host:
     def link_bytes(self) -> tuple[int, int]:
         """(tx, rx) bytes counted by the kernel on this host's veth."""
         out = subprocess.run(
-            self.exec_argv("cat", f"/sys/class/net/{self.dev}/statistics/tx_bytes",
-                           f"/sys/class/net/{self.dev}/statistics/rx_bytes"),
-            capture_output=True, text=True, check=True, timeout=10,
+            self.exec_argv(
+                "cat",
+                f"/sys/class/net/{self.dev}/statistics/tx_bytes",
+                f"/sys/class/net/{self.dev}/statistics/rx_bytes",
+            ),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
         ).stdout.split()
         return int(out[0]), int(out[1])
 
@@ -95,8 +102,20 @@ def two_hosts() -> Iterator[TwoHosts]:
             _ip("netns", "add", h.netns)
             created.append(h.netns)
             _ip("-n", h.netns, "link", "set", "lo", "up")
-        _ip("link", "add", p.dev, "netns", p.netns, "type", "veth", "peer", "name", d.dev,
-            "netns", d.netns)
+        _ip(
+            "link",
+            "add",
+            p.dev,
+            "netns",
+            p.netns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            d.dev,
+            "netns",
+            d.netns,
+        )
         for h in (p, d):
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/30", "dev", h.dev)
             _ip("-n", h.netns, "link", "set", h.dev, "up")
@@ -107,8 +126,9 @@ def two_hosts() -> Iterator[TwoHosts]:
 
 
 def _tc(h: Host, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(h.exec_argv("tc", *args), capture_output=True, text=True,
-                          check=check, timeout=10)
+    return subprocess.run(
+        h.exec_argv("tc", *args), capture_output=True, text=True, check=check, timeout=10
+    )
 
 
 def netem_unavailable(hosts: TwoHosts) -> str | None:
@@ -155,23 +175,44 @@ def packet_loss(hosts: TwoHosts, percent: int) -> Iterator[Callable[[], int]]:
     try:
         for h in (hosts.prefill, hosts.decode):
             nft = ["nft", "-f", "-"]
-            rules = (f"table inet pdloss {{\n chain out {{\n type filter hook output priority 0;\n"
-                     f' oifname "{h.dev}" numgen inc mod {100 // percent} == 0 counter drop\n }}\n}}\n')
-            subprocess.run(h.exec_argv(*nft), input=rules, text=True, capture_output=True,
-                           check=True, timeout=10)
+            rules = (
+                f"table inet pdloss {{\n chain out {{\n type filter hook output priority 0;\n"
+                f' oifname "{h.dev}" numgen inc mod {100 // percent} == 0 counter drop\n }}\n}}\n'
+            )
+            subprocess.run(
+                h.exec_argv(*nft),
+                input=rules,
+                text=True,
+                capture_output=True,
+                check=True,
+                timeout=10,
+            )
             added.append(h)
 
         def dropped() -> int:
             return sum(
-                int(n) for h in added for n in re.findall(r"counter packets (\d+)", subprocess.run(
-                    h.exec_argv("nft", "list", "table", "inet", "pdloss"), capture_output=True,
-                    text=True, check=True, timeout=10).stdout))
+                int(n)
+                for h in added
+                for n in re.findall(
+                    r"counter packets (\d+)",
+                    subprocess.run(
+                        h.exec_argv("nft", "list", "table", "inet", "pdloss"),
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        timeout=10,
+                    ).stdout,
+                )
+            )
 
         yield dropped
     finally:
         for h in added:
-            subprocess.run(h.exec_argv("nft", "delete", "table", "inet", "pdloss"),
-                           capture_output=True, timeout=10)
+            subprocess.run(
+                h.exec_argv("nft", "delete", "table", "inet", "pdloss"),
+                capture_output=True,
+                timeout=10,
+            )
 
 
 class NetnsChild:
@@ -179,8 +220,14 @@ class NetnsChild:
     modules from the repository, tests/kvtransfer and tests/e2e), `conn` a multiprocessing
     Connection to this process. `call()` / `ready()` follow kv_peer.PeerProcess."""
 
-    def __init__(self, host: Host, target: str, *args: Any, env: dict[str, str] | None = None,
-                 log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        target: str,
+        *args: Any,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
         self.host = host
         self._dir = tempfile.mkdtemp(prefix="pd-netns-")  # 0700: only we can connect
         path = os.path.join(self._dir, "sock")
@@ -191,8 +238,12 @@ class NetnsChild:
             listener.settimeout(60)  # a child that dies before connecting
             self.proc = subprocess.Popen(
                 host.exec_argv(sys.executable, str(CHILD), path, target),
-                env={**os.environ, **(env or {})}, stdin=subprocess.PIPE,
-                stdout=self._log, stderr=self._log, cwd=str(REPO), start_new_session=True,
+                env={**os.environ, **(env or {})},
+                stdin=subprocess.PIPE,
+                stdout=self._log,
+                stderr=self._log,
+                cwd=str(REPO),
+                start_new_session=True,
             )
             self.proc.stdin.write(repr(args).encode())
             self.proc.stdin.close()

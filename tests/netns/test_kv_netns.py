@@ -5,6 +5,7 @@ CMA even across namespaces, and nothing would cross the link).
 What proves the KV crossed the link: the veth's kernel byte counters grew by at least the
 blocks' bytes, and UCX's own protocol report (UCX_PROTO_INFO) names `tcp/<veth>` as the only
 transport of the sender's remote writes."""
+
 import time
 
 import pytest
@@ -25,8 +26,9 @@ def link(tmp_path_factory):
         peers = {}
         try:
             peers["d"] = start_peer(hosts.decode, "netns-recv", D_BLOCKS, 31, logs)
-            peers["p"] = start_peer(hosts.prefill, "netns-send", P_BLOCKS, 32, logs,
-                                    default_timeout_s=1.0)
+            peers["p"] = start_peer(
+                hosts.prefill, "netns-send", P_BLOCKS, 32, logs, default_timeout_s=1.0
+            )
             for child in peers.values():
                 child.ready()
             peer = peers["p"].call("add_peer", peers["d"].metadata)
@@ -45,7 +47,7 @@ def _transfer(sender, receiver, peer, rid, n, seed, batch=32, timeout_s=20.0):
     receiver.call("expect", rid, remote, timeout_s)
     pairs = list(zip(local, remote))
     for i in range(0, n, batch):
-        sender.call("send", rid, peer, pairs[i:i + batch], i + batch >= n)
+        sender.call("send", rid, peer, pairs[i : i + batch], i + batch >= n)
     sent = sender.call("wait", [rid], timeout_s + 5)[rid]
     got = receiver.call("wait", [rid], timeout_s + 5)[rid]
     return sent, got, local, remote
@@ -110,8 +112,9 @@ def test_transfer_slowed_past_its_deadlines_fails_cleanly_then_the_link_recovers
     # The link recovers: a later request completes. TCP may still be backing off from the
     # throttled writes for a moment (seen under load), so up to 3 tries, 5 s each.
     for attempt in range(3):
-        sent, got, local, remote = _transfer(sender, receiver, peer, f"after-{attempt}", 16,
-                                             seed=4 + attempt, timeout_s=5.0)
+        sent, got, local, remote = _transfer(
+            sender, receiver, peer, f"after-{attempt}", 16, seed=4 + attempt, timeout_s=5.0
+        )
         if sent["status"] == "COMPLETE" and got["status"] == "COMPLETE":
             break
         time.sleep(1)

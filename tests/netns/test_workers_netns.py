@@ -2,6 +2,7 @@
 joined by a veth pair), etcd beside the decode workers: gRPC, etcd and the KV (NIXL over UCX
 TCP) all cross the veth. The test's client runs in the decode host's namespace too
 (`NetnsChild` serving pd_cluster's helpers); the reference engine runs here."""
+
 import random
 import time
 
@@ -26,20 +27,30 @@ def cluster(tmp_path_factory):
         started = []
         etcd = NetnsEtcd(hosts.decode, logs / "etcd")
         try:
-            client = NetnsChild(hosts.decode, "netns_util:serve_calls", log_path=logs / "client.log")
+            client = NetnsChild(
+                hosts.decode, "netns_util:serve_calls", log_path=logs / "client.log"
+            )
             started.append(client)
             client.ready()
             assert client.run("cluster.net:wait_for_port", hosts.decode.addr, 2379, 20.0)
             # A tiny prefill token budget: every prompt is chunked into several transfer batches.
-            prefill = NetnsWorker(hosts.prefill, "prefill", etcd.endpoint,
-                                  "--max-num-batched-tokens", "24", log_dir=logs)
+            prefill = NetnsWorker(
+                hosts.prefill,
+                "prefill",
+                etcd.endpoint,
+                "--max-num-batched-tokens",
+                "24",
+                log_dir=logs,
+            )
             started.append(prefill)
-            decode = NetnsWorker(hosts.decode, "decode", etcd.endpoint, "--kv-timeout", "20",
-                                 log_dir=logs)
+            decode = NetnsWorker(
+                hosts.decode, "decode", etcd.endpoint, "--kv-timeout", "20", log_dir=logs
+            )
             started.append(decode)
             # In the prefill worker's cluster: it writes only into registered workers.
-            hurried = NetnsWorker(hosts.decode, "decode", etcd.endpoint, "--kv-timeout", "1",
-                                  log_dir=logs)
+            hurried = NetnsWorker(
+                hosts.decode, "decode", etcd.endpoint, "--kv-timeout", "1", log_dir=logs
+            )
             started.append(hurried)
             for w in (prefill, decode, hurried):
                 w.wait_ready()
@@ -56,8 +67,11 @@ def reference_llm(model_dir):
 
 
 def _request(rid, tokens, prefill, max_tokens=12):
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens))
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens),
+    )
     req.prefill_worker.CopyFrom(pb.WorkerRef(worker_id=prefill.worker_id, address=prefill.address))
     return req
 
@@ -68,16 +82,21 @@ def _prompts(n, seed):
 
 
 def _kv_metric(client, worker, name, direction):
-    return client.run("pd_cluster:metric", worker.metrics_address,
-                      f"pdserve_kv_transfer_{name}_total", direction=direction)
+    return client.run(
+        "pd_cluster:metric",
+        worker.metrics_address,
+        f"pdserve_kv_transfer_{name}_total",
+        direction=direction,
+    )
 
 
 def _assert_parity(client, prefill, decode, reference_llm, prompts, tag):
     """Greedy outputs through decode + prefill equal a single engine's; both pools end free."""
     requests = [_request(f"{tag}-{i}", p, prefill) for i, p in enumerate(prompts)]
     results = client.run("netns_e2e:generate_all", decode.address, requests)
-    expected = reference_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
-                                      use_tqdm=False)
+    expected = reference_llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
     for responses, ref in zip(results, expected):
         assert {r.prefill_mode for r in responses} == {"remote"}
         assert tokens_by_index(responses)[0] == ref.outputs[0].token_ids

@@ -2,6 +2,7 @@
 engine at 1: greedy tokens equal, logprobs close, for a dense model, other families, MoE
 (tensor- and expert-parallel) and KV heads fewer than ranks. One process group serves every
 case (module-scoped), each engine loading its model's shards on it in turn."""
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -31,10 +32,18 @@ def run(path, group=None, warm_up=False, **extra):
         llm.close()
 
 
-@pytest.mark.parametrize("arch,ep,kv", [
-    ("llama-9q3kv", False, "auto"), ("qwen3", False, "auto"), ("gemma3", False, "auto"),
-    ("llama-kv1", False, "auto"), ("qwen3-moe", False, "auto"), ("qwen3-moe", True, "auto"),
-    ("llama-9q3kv", False, "int8")])
+@pytest.mark.parametrize(
+    "arch,ep,kv",
+    [
+        ("llama-9q3kv", False, "auto"),
+        ("qwen3", False, "auto"),
+        ("gemma3", False, "auto"),
+        ("llama-kv1", False, "auto"),
+        ("qwen3-moe", False, "auto"),
+        ("qwen3-moe", True, "auto"),
+        ("llama-9q3kv", False, "int8"),
+    ],
+)
 def test_tp2_matches_tp1(tiny_model, group, arch, ep, kv):
     """`kv`: the KV cache dtype (int8: each rank's pool quantizes its own heads)."""
     path = tiny_model(arch)
@@ -52,12 +61,23 @@ def test_tp2_matches_tp1(tiny_model, group, arch, ep, kv):
 def test_group_is_reused_and_survives_a_refused_engine(tiny_model, group):
     """A config refused at start never reaches the ranks; an engine that fails after the
     ranks loaded releases them; the group serves the next engine."""
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
-        LLM(str(tiny_model("llama-9q3kv")), parallel_group=group, tensor_parallel_size=2,
-            enable_lora=True, **ENGINE)
+    with pytest.raises(
+        ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"
+    ):
+        LLM(
+            str(tiny_model("llama-9q3kv")),
+            parallel_group=group,
+            tensor_parallel_size=2,
+            enable_lora=True,
+            **ENGINE,
+        )
     with pytest.raises(ValueError, match="holds no"):
-        LLM(str(tiny_model("llama-9q3kv")), parallel_group=group, tensor_parallel_size=2,
-            **{**ENGINE, "kv_cache_memory": 1024})
+        LLM(
+            str(tiny_model("llama-9q3kv")),
+            parallel_group=group,
+            tensor_parallel_size=2,
+            **{**ENGINE, "kv_cache_memory": 1024},
+        )
     assert run(tiny_model("llama-kv1"), group, tensor_parallel_size=2)
 
 
@@ -73,7 +93,9 @@ def test_forks_speculation_and_refused_weight_updates(tiny_model, group):
         try:
             for o in llm.generate(PROMPTS, forks, use_tqdm=False):
                 out.append(sorted(c.token_ids for c in o.outputs))
-            out.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)])
+            out.append(
+                [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+            )
             if extra:
                 with pytest.raises(RuntimeError, match="update_weights is not supported"):
                     llm.update_weights([])

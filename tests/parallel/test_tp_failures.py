@@ -1,4 +1,5 @@
 """What tensor_parallel_size > 1 refuses at start, and a rank's death failing the worker."""
+
 import os
 import signal
 import subprocess
@@ -14,15 +15,26 @@ from engine.config import EngineConfig
 TP2 = dict(tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("extra,field", [
-    (dict(enable_lora=True), "enable_lora"),
-    (dict(kv_offloading_size=1 << 20), "kv_offloading_size"),
-    (dict(enable_sleep_mode=True), "enable_sleep_mode"),
-    (dict(worker_extension_cls="m:C"), "worker_extension_cls"),
-    (dict(speculative_config={"method": "draft_model", "model": "self:1",
-                              "num_speculative_tokens": 2}), "speculative_config"),
-    (dict(device="cuda"), "kv_cache_memory"),
-])
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        (dict(enable_lora=True), "enable_lora"),
+        (dict(kv_offloading_size=1 << 20), "kv_offloading_size"),
+        (dict(enable_sleep_mode=True), "enable_sleep_mode"),
+        (dict(worker_extension_cls="m:C"), "worker_extension_cls"),
+        (
+            dict(
+                speculative_config={
+                    "method": "draft_model",
+                    "model": "self:1",
+                    "num_speculative_tokens": 2,
+                }
+            ),
+            "speculative_config",
+        ),
+        (dict(device="cuda"), "kv_cache_memory"),
+    ],
+)
 def test_unsupported_features_are_refused_by_name(extra, field):
     with pytest.raises(FieldError, match=f"{field} .*tensor_parallel_size > 1") as info:
         EngineConfig(**TP2, **extra)
@@ -31,8 +43,10 @@ def test_unsupported_features_are_refused_by_name(extra, field):
 
 
 def test_ngram_speculation_is_allowed():
-    EngineConfig(**TP2, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                            "prompt_lookup_max": 2})
+    EngineConfig(
+        **TP2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+    )
 
 
 def test_tp_flag_spellings():
@@ -62,8 +76,13 @@ def test_killed_rank_fails_rank_0_within_the_timeout(tiny_model, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    rank0 = subprocess.Popen([sys.executable, str(script), str(tiny_model("llama-kv1"))],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    rank0 = subprocess.Popen(
+        [sys.executable, str(script), str(tiny_model("llama-kv1"))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = rank0.stdout.readline()
         assert line.startswith("ranks"), rank0.stderr.read()
@@ -88,8 +107,13 @@ def test_rank_dying_while_idle_fails_the_next_step(tiny_model):
     from engine.parallel.group import RankFailedError
 
     reasons = []
-    llm = LLM(str(tiny_model("llama-kv1")), tensor_parallel_size=2, distributed_timeout_s=5.0,
-              dtype="float32", kv_cache_memory=8 << 20)
+    llm = LLM(
+        str(tiny_model("llama-kv1")),
+        tensor_parallel_size=2,
+        distributed_timeout_s=5.0,
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+    )
     group = llm.engine.parallel_group
     group.on_failure = reasons.append
     try:

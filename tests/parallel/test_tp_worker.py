@@ -1,15 +1,16 @@
 """What a tensor-parallel worker refuses at start, and what it no longer does: the prefill
 role at tp 2 (KV moves between workers of any sizes, tests/kvtransfer/test_kv_tp_nixl.py;
 tests/e2e/test_tp_disagg.py switches tp-2 workers to prefill with SetRole)."""
+
 import argparse
 
 
 def test_prefill_role_is_not_refused_at_tp2():
     from cluster.roles import Role
     from engine.config import EngineConfig
+    from engine.flags import from_args
     from pdserve.worker_main import add_args, tensor_parallel_refusal
     from worker_runtime.args import WorkerConfig
-    from engine.flags import from_args
 
     parser = argparse.ArgumentParser()
     add_args(parser)

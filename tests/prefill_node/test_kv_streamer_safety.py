@@ -1,5 +1,6 @@
 """The prefill side keeps its source blocks pinned while a write may still read them, and
 `when_ended` (what P's Worker.Abort waits for) fires only then. Fake transport, fake engine."""
+
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -65,12 +66,26 @@ def test_source_blocks_stay_pinned_until_an_uncancellable_write_is_released(how)
     fabric.stall("D")
     fabric.hold_releases("P")
     engine, streamer = _Engine(), KVStreamer(p.sender)
-    req = SimpleNamespace(request_id="r", block_tables=[[5, 6, 7]], num_prompt_tokens=3 * BLOCK,
-                          num_computed_tokens=2 * BLOCK, num_output_tokens=0,
-                          status=RequestStatus.RUNNING, output_token_ids=[], logprobs=[])
+    req = SimpleNamespace(
+        request_id="r",
+        block_tables=[[5, 6, 7]],
+        num_prompt_tokens=3 * BLOCK,
+        num_computed_tokens=2 * BLOCK,
+        num_output_tokens=0,
+        status=RequestStatus.RUNNING,
+        output_token_ids=[],
+        logprobs=[],
+    )
     ended = []
-    out = Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=[1, 2, 3], group_skips=[0],
-                   deadline=time.monotonic() + 30, on_done=lambda result, first: ended.append(result))
+    out = Outgoing(
+        request=req,
+        transfer_id="r:0",
+        peer="D",
+        dest_blocks=[1, 2, 3],
+        group_skips=[0],
+        deadline=time.monotonic() + 30,
+        on_done=lambda result, first: ended.append(result),
+    )
     streamer.add(out)
     streamer.after_step(engine)  # chunk 1 (two full blocks) is written: in flight
     assert engine.block_manager.pool.pinned == [5, 6]
@@ -108,13 +123,28 @@ def test_a_complete_transfer_answers_between_steps_once_and_releases_after_the_s
     sender, _ = split_sender(p.sender, "pull:")
     engine, streamer = _Engine(), KVStreamer(sender)
     sender.listen(streamer.answer_early)
-    req = SimpleNamespace(request_id="r", block_tables=[[5, 6, 7]], num_prompt_tokens=3 * BLOCK - 1,
-                          num_computed_tokens=3 * BLOCK - 1, num_output_tokens=1,
-                          status=RequestStatus.FINISHED_LENGTH, output_token_ids=[42], logprobs=[])
+    req = SimpleNamespace(
+        request_id="r",
+        block_tables=[[5, 6, 7]],
+        num_prompt_tokens=3 * BLOCK - 1,
+        num_computed_tokens=3 * BLOCK - 1,
+        num_output_tokens=1,
+        status=RequestStatus.FINISHED_LENGTH,
+        output_token_ids=[42],
+        logprobs=[],
+    )
     ended = []
-    streamer.add(Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=[1, 2, 3],
-                          group_skips=[0], deadline=time.monotonic() + 30,
-                          on_done=lambda result, first: ended.append((result.status, first))))
+    streamer.add(
+        Outgoing(
+            request=req,
+            transfer_id="r:0",
+            peer="D",
+            dest_blocks=[1, 2, 3],
+            group_skips=[0],
+            deadline=time.monotonic() + 30,
+            on_done=lambda result, first: ended.append((result.status, first)),
+        )
+    )
     fabric.stall("D")  # still in flight when the step ends
     streamer.after_step(engine)  # the final batch goes out
     assert ended == [] and engine.block_manager.pool.pinned == [5, 6, 7]
@@ -131,16 +161,28 @@ def test_a_complete_transfer_answers_between_steps_once_and_releases_after_the_s
 
 
 def _deferred(req, ended, deadline_s=30.0):
-    return Outgoing(request=req, transfer_id="r:0", peer="D", dest_blocks=None, group_skips=None,
-                    deadline=time.monotonic() + deadline_s,
-                    on_done=lambda result, first: ended.append((result.status, first)))
+    return Outgoing(
+        request=req,
+        transfer_id="r:0",
+        peer="D",
+        dest_blocks=None,
+        group_skips=None,
+        deadline=time.monotonic() + deadline_s,
+        on_done=lambda result, first: ended.append((result.status, first)),
+    )
 
 
 def _prompt(computed_blocks, finished):
-    return SimpleNamespace(request_id="r", block_tables=[[5, 6, 7]], num_prompt_tokens=3 * BLOCK,
-                           num_computed_tokens=computed_blocks * BLOCK, num_output_tokens=int(finished),
-                           status=RequestStatus.FINISHED_LENGTH if finished else RequestStatus.RUNNING,
-                           output_token_ids=[42] if finished else [], logprobs=[])
+    return SimpleNamespace(
+        request_id="r",
+        block_tables=[[5, 6, 7]],
+        num_prompt_tokens=3 * BLOCK,
+        num_computed_tokens=computed_blocks * BLOCK,
+        num_output_tokens=int(finished),
+        status=RequestStatus.FINISHED_LENGTH if finished else RequestStatus.RUNNING,
+        output_token_ids=[42] if finished else [],
+        logprobs=[],
+    )
 
 
 @pytest.mark.parametrize("order", ["destination_first", "prefill_first"])
@@ -164,7 +206,9 @@ def test_a_deferred_destination_sends_nothing_until_it_comes_then_everything_min
     req.status, req.output_token_ids = RequestStatus.FINISHED_LENGTH, [42]
     streamer.after_step(engine)  # the step that finished the prompt
     if order == "prefill_first":
-        assert engine.block_manager.pool.pinned == [5, 6, 7] and ended == []  # held for the destination
+        assert (
+            engine.block_manager.pool.pinned == [5, 6, 7] and ended == []
+        )  # held for the destination
         streamer.set_destination(engine, "r:0", [8, 9], [1])
     deadline = time.monotonic() + 5
     while not ended and time.monotonic() < deadline:
@@ -186,7 +230,9 @@ def test_a_deferred_destination_that_never_comes_times_out_and_releases():
     assert engine.block_manager.pool.pinned == [5, 6, 7] and ended == []
     time.sleep(0.06)
     streamer.after_step(engine)
-    assert [s for s, _ in ended] == [TransferStatus.TIMEOUT] and engine.block_manager.pool.pinned == []
+    assert [s for s, _ in ended] == [
+        TransferStatus.TIMEOUT
+    ] and engine.block_manager.pool.pinned == []
     assert not streamer.active
 
 
@@ -199,7 +245,9 @@ def test_a_cancelled_deferred_prefill_releases_its_held_blocks_at_once():
     streamer.after_step(engine)
     assert engine.block_manager.pool.pinned == [5, 6, 7]
     streamer.cancel(engine, "r:0")  # nothing was ever posted: finished here
-    assert [s for s, _ in ended] == [TransferStatus.CANCELLED] and engine.block_manager.pool.pinned == []
+    assert [s for s, _ in ended] == [
+        TransferStatus.CANCELLED
+    ] and engine.block_manager.pool.pinned == []
 
 
 def test_a_second_destination_for_the_same_transfer_is_refused():

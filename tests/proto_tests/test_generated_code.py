@@ -1,4 +1,5 @@
 """The committed generated code must be what the committed .proto generates."""
+
 from pathlib import Path
 
 from proto.generate import REPO, generate

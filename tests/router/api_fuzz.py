@@ -15,6 +15,7 @@ max_output_tokens) = cap (a chat request otherwise runs to the end of the contex
 worker). A positive generation request that leaves `stream` out gets true or false in turn
 (the generator rarely makes a streamed request that is valid all through).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,28 +28,43 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance,
-                                               negative_data_rejection,
-                                               response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
+from router.endpoints.base import ErrorResponse
 from router.endpoints.chat.protocol import ChatCompletionResponse, ChatCompletionStreamChunk
 from router.endpoints.completions.protocol import CompletionResponse, CompletionStreamChunk
-from router.endpoints.base import ErrorResponse
 from router.endpoints.responses.objects import ResponsesResponse, ResponseStreamEvent
 
-GENERATE = {"/v1/completions": (CompletionResponse, CompletionStreamChunk),
-            "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamChunk),
-            "/v1/responses": (ResponsesResponse, ResponseStreamEvent)}
+GENERATE = {
+    "/v1/completions": (CompletionResponse, CompletionStreamChunk),
+    "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamChunk),
+    "/v1/responses": (ResponsesResponse, ResponseStreamEvent),
+}
 MAX_TOKENS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
-def fuzz(url: str, headers: dict[str, str], examples: int, cap: int,
-         fill_max_tokens: bool = False, request_timeout: float = 30.0,
-         only: set[str] | None = None, skip: frozenset[str] = frozenset(),
-         derandomize: bool = True) -> Counter:
+def fuzz(
+    url: str,
+    headers: dict[str, str],
+    examples: int,
+    cap: int,
+    fill_max_tokens: bool = False,
+    request_timeout: float = 30.0,
+    only: set[str] | None = None,
+    skip: frozenset[str] = frozenset(),
+    derandomize: bool = True,
+) -> Counter:
     """Runs `examples` generated requests per operation and mode (fewer where the space is
     smaller: a GET without parameters is one request); returns counts by
     (mode, path, status, "json" | "sse"). `derandomize`: the same requests every run (CI);
@@ -67,26 +83,46 @@ def fuzz(url: str, headers: dict[str, str], examples: int, cap: int,
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 if mode is GenerationMode.NEGATIVE and not has_input:
                     continue
-                _run(op, mode, url, headers, session, examples, cap, fill_max_tokens,
-                     request_timeout, stats, derandomize)
+                _run(
+                    op,
+                    mode,
+                    url,
+                    headers,
+                    session,
+                    examples,
+                    cap,
+                    fill_max_tokens,
+                    request_timeout,
+                    stats,
+                    derandomize,
+                )
     return stats
 
 
 _STREAM_TURNS: dict[str, int] = {}
 
 
-def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats,
-         derandomize) -> None:
+def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats, derandomize) -> None:
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
 
     @given(case=op.as_strategy(generation_mode=mode))
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=derandomize,
-              phases=[Phase.generate], report_multiple_bugs=False,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=derandomize,
+        phases=[Phase.generate],
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+    )
     def one(case) -> None:
         _bound_cost(op.path, case.body, cap, fill)
-        if (mode is GenerationMode.POSITIVE and op.path in GENERATE
-                and isinstance(case.body, dict) and "stream" not in case.body):
+        if (
+            mode is GenerationMode.POSITIVE
+            and op.path in GENERATE
+            and isinstance(case.body, dict)
+            and "stream" not in case.body
+        ):
             # Streams get their share: every other case of this path that leaves it out (a
             # per-path turn, so other paths' request counts cannot line it up with failures).
             turn = _STREAM_TURNS[op.path] = _STREAM_TURNS.get(op.path, 0) + 1
@@ -96,8 +132,10 @@ def _run(op, mode, url, headers, session, examples, cap, fill, timeout, stats,
         elapsed = time.monotonic() - start
         sse = response.headers.get("content-type", [""])[0].startswith("text/event-stream")
         stats[(mode.value, op.path, response.status_code, "sse" if sse else "json")] += 1
-        where = (f"{case.as_curl_command()}\n-> {response.status_code} {response.text[:1000]}"
-                 f" ... {response.text[-1000:]!r}")
+        where = (
+            f"{case.as_curl_command()}\n-> {response.status_code} {response.text[:1000]}"
+            f" ... {response.text[-1000:]!r}"
+        )
         case.validate_response(response, checks=checks, headers=headers)
         assert elapsed <= timeout, where
         _check_body(op.path, case.body, response, cap, where)
@@ -130,12 +168,15 @@ def _check_body(path: str, body, response, cap: int, where: str) -> None:
     whole, chunk = GENERATE[path]
     stream = response.headers["content-type"][0].startswith("text/event-stream")
     if path == "/v1/responses":
-        usage = (_response_events(response.text, where) if stream
-                 else whole.model_validate_json(response.content).usage)
+        usage = (
+            _response_events(response.text, where)
+            if stream
+            else whole.model_validate_json(response.content).usage
+        )
         assert usage.output_tokens <= _max_tokens(path, body, cap), where
         return
     if stream:
-        events = [e[len("data: "):] for e in response.text.split("\n\n") if e]
+        events = [e[len("data: ") :] for e in response.text.split("\n\n") if e]
         assert events and events[-1] == "[DONE]", where
         usage = None
         for data in events[:-1]:
@@ -157,9 +198,9 @@ def response_events(text: str, where: str = "") -> list[tuple[str, dict]]:
     for i, block in enumerate(b for b in text.split("\n\n") if b):
         name, data = block.split("\n")
         assert name.startswith("event: ") and data.startswith("data: "), where
-        event = ResponseStreamEvent.model_validate_json(data[len("data: "):]).root
+        event = ResponseStreamEvent.model_validate_json(data[len("data: ") :]).root
         assert name == f"event: {event.type}" and event.sequence_number == i, where
-        out.append((event.type, json.loads(data[len("data: "):])))
+        out.append((event.type, json.loads(data[len("data: ") :])))
     return out
 
 
@@ -178,8 +219,14 @@ def _num_prompts(body: dict) -> int:
 
 
 def _max_tokens(path: str, body: dict, cap: int) -> int:
-    chosen = next((body[k] for k in ("max_output_tokens", "max_completion_tokens", "max_tokens")
-                   if body.get(k) is not None), None)
+    chosen = next(
+        (
+            body[k]
+            for k in ("max_output_tokens", "max_completion_tokens", "max_tokens")
+            if body.get(k) is not None
+        ),
+        None,
+    )
     if chosen is None:  # completions: 16; chat: up to the context (the fake worker: 32)
         return 16 if path == "/v1/completions" else 8192
     return chosen

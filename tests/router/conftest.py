@@ -1,6 +1,7 @@
 """Fixtures for router tests: one etcd and one background event loop per module; each test
 uses its own cluster name, so registrations never mix. `e2e`: one real cluster for the whole
 session (openai_cluster.py), shared by the OpenAI-client tests."""
+
 import itertools
 import sys
 from pathlib import Path
@@ -9,9 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # router_fakes, router_harness
 
-from cluster.etcd_server import EtcdServer  # noqa: E402
 from openai_cluster import KEY, NUM_LAYERS, start_cluster, workers_unavailable  # noqa: E402
 from router_harness import LoopThread  # noqa: E402
+
+from cluster.etcd_server import EtcdServer  # noqa: E402
 
 _clusters = itertools.count()
 

@@ -4,6 +4,7 @@ headers first (with `protocol_config` announcing the body mode, as Envoy sends i
 message), then the body; in BUFFERED mode it waits for the headers answer before it sends the
 body, in FULL_DUPLEX_STREAMED mode it sends the body straight after the headers. Messages are
 Envoy's own (`xds-protos`)."""
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,19 @@ class Answer:
 
 
 def _headers(path: str, extra: dict[str, str], end: bool) -> ep.HttpHeaders:
-    values = {":method": "POST", ":path": path, ":authority": "gateway",
-              "content-type": "application/json", **extra}
-    return ep.HttpHeaders(end_of_stream=end, headers=core.HeaderMap(headers=[
-        core.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]))
+    values = {
+        ":method": "POST",
+        ":path": path,
+        ":authority": "gateway",
+        "content-type": "application/json",
+        **extra,
+    }
+    return ep.HttpHeaders(
+        end_of_stream=end,
+        headers=core.HeaderMap(
+            headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+        ),
+    )
 
 
 def _metadata(subset: list[str] | None) -> core.Metadata:
@@ -54,9 +64,16 @@ def _metadata(subset: list[str] | None) -> core.Metadata:
     return meta
 
 
-async def process(address: str, path: str, body: bytes | None, *, body_mode=BUFFERED,
-                  headers: dict[str, str] | None = None, subset: list[str] | None = None,
-                  channel: grpc.aio.Channel | None = None) -> Answer:
+async def process(
+    address: str,
+    path: str,
+    body: bytes | None,
+    *,
+    body_mode=BUFFERED,
+    headers: dict[str, str] | None = None,
+    subset: list[str] | None = None,
+    channel: grpc.aio.Channel | None = None,
+) -> Answer:
     own = channel is None
     channel = channel or grpc.aio.insecure_channel(address)
     try:
@@ -64,7 +81,8 @@ async def process(address: str, path: str, body: bytes | None, *, body_mode=BUFF
         first = ep.ProcessingRequest(
             request_headers=_headers(path, headers or {}, body is None),
             metadata_context=_metadata(subset),
-            protocol_config=ep.ProtocolConfiguration(request_body_mode=body_mode))
+            protocol_config=ep.ProtocolConfiguration(request_body_mode=body_mode),
+        )
         await call.write(first)
         responses: list[ep.ProcessingResponse] = []
         if body is not None:
@@ -72,8 +90,9 @@ async def process(address: str, path: str, body: bytes | None, *, body_mode=BUFF
                 responses.append(await call.read())
                 if responses[-1].HasField("immediate_response"):
                     return _answer(responses)
-            await call.write(ep.ProcessingRequest(
-                request_body=ep.HttpBody(body=body, end_of_stream=True)))
+            await call.write(
+                ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+            )
         await call.done_writing()
         while (resp := await call.read()) is not grpc.aio.EOF:
             responses.append(resp)

@@ -6,6 +6,7 @@ the fuzz and conformance suites run with auth on.
 
 Started once per session (tests/router/conftest.py) and shared by every module that asks for
 it; a test may add routers of its own against the same etcd (`start_router`)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -22,10 +23,10 @@ from cluster.etcd_auth import etcd_users
 from cluster.etcd_security import EtcdCredentials
 from cluster.etcd_server import EtcdServer
 from cluster.grpc_security import ClusterAuth, GrpcSecurity, resolve, write_token_file
+from cluster.net import free_port
 from cluster.registration import WorkerInfo, list_workers, make_client
 from engine.flags import to_argv
 from local_cluster.launcher import ServiceProcess
-from cluster.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_LAYERS = 2
@@ -54,8 +55,13 @@ class Cluster:
 
 def workers_unavailable() -> str | None:
     try:
-        out = subprocess.run([sys.executable, "-m", "pdserve", "decode", "--help"], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve", "decode", "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`pdserve decode --help` failed: {exc!r}"
     return None if out.returncode == 0 else "`pdserve decode` is not available"
@@ -70,17 +76,35 @@ def reference_output(reference, token_ids: list[int], **sampling):
 
 
 @contextmanager
-def start_router(etcd: str, logs: Path, *flags: str, security: tuple[str, ...],
-                 name: str = "router") -> Iterator[str]:
+def start_router(
+    etcd: str, logs: Path, *flags: str, security: tuple[str, ...], name: str = "router"
+) -> Iterator[str]:
     """A router process on the cluster (`security`: Cluster.router_security); yields its URL
     once it sees both workers."""
     port = free_port()
-    router = ServiceProcess(["router", "--etcd", etcd, *security, "--cluster", CLUSTER,
-                             "--port", str(port),
-                             "--api-key", KEY, "--enable-prompt-tokens-details",
-                             "--local-prefill-threshold", "0",
-                             "--local-prefill-max-tokens", "0",
-                             "--log-level", "warning", *flags], logs / f"{name}.log")
+    router = ServiceProcess(
+        [
+            "router",
+            "--etcd",
+            etcd,
+            *security,
+            "--cluster",
+            CLUSTER,
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--enable-prompt-tokens-details",
+            "--local-prefill-threshold",
+            "0",
+            "--local-prefill-max-tokens",
+            "0",
+            "--log-level",
+            "warning",
+            *flags,
+        ],
+        logs / f"{name}.log",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -92,7 +116,9 @@ def start_router(etcd: str, logs: Path, *flags: str, security: tuple[str, ...],
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline or not router.alive():
-                raise RuntimeError("router did not see both workers:\n" + router.log_path.read_text()[-3000:])
+                raise RuntimeError(
+                    "router did not see both workers:\n" + router.log_path.read_text()[-3000:]
+                )
             time.sleep(0.2)
         yield url
     finally:
@@ -105,22 +131,47 @@ def start_cluster(logs: Path) -> Iterator[Cluster]:
     users = etcd_users(CLUSTER, logs)
     token = GrpcSecurity(cluster_token_file=str(write_token_file(logs / "cluster-token")))
     with EtcdServer(auth=users.auth) as etcd:
-        common = ["--etcd", etcd.endpoint, *to_argv(users.worker), *to_argv(token),
-                  "--cluster", CLUSTER]
+        common = [
+            "--etcd",
+            etcd.endpoint,
+            *to_argv(users.worker),
+            *to_argv(token),
+            "--cluster",
+            CLUSTER,
+        ]
         # float32 on both sides: `auto` is bfloat16 on CPUs with native bf16, and the
         # reference engine must compute exactly what the workers compute.
-        worker_flags = ["--num-layers", str(NUM_LAYERS), "--kv-cache-memory", "64MiB",
-                        "--dtype", "float32", "--num-threads", "1",
-                        "--max-model-len", str(WORKER_MAX_MODEL_LEN)]
-        workers = {role: ServiceProcess([role, *common, "--port", str(free_port()), *worker_flags],
-                                        logs / f"{role}.log") for role in ("prefill", "decode")}
+        worker_flags = [
+            "--num-layers",
+            str(NUM_LAYERS),
+            "--kv-cache-memory",
+            "64MiB",
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            str(WORKER_MAX_MODEL_LEN),
+        ]
+        workers = {
+            role: ServiceProcess(
+                [role, *common, "--port", str(free_port()), *worker_flags], logs / f"{role}.log"
+            )
+            for role in ("prefill", "decode")
+        }
         try:
             for w in workers.values():
                 w.wait_ready()
             router_security = (*to_argv(users.router), *to_argv(token))
             with start_router(etcd.endpoint, logs, security=router_security) as url:
-                yield Cluster(url, etcd.endpoint, logs, router_security,
-                              users.router.resolve(), resolve(token, {}))
+                yield Cluster(
+                    url,
+                    etcd.endpoint,
+                    logs,
+                    router_security,
+                    users.router.resolve(),
+                    resolve(token, {}),
+                )
         finally:
             codes = {role: w.terminate(30) for role, w in workers.items()}
         assert codes == {"prefill": 0, "decode": 0}, codes

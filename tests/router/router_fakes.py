@@ -12,6 +12,7 @@ migration) continues at k = len(resume_output_token_ids). Failure injection, sta
 per-token delays are set on `behavior`; every GenerateRequest received is kept in
 `requests`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,7 +58,9 @@ class FakeWorker:
     cluster: str
     worker_id: str
     block_size: int = 16
-    capacity: Capacity = field(default_factory=lambda: Capacity(total_blocks=1000, free_blocks=1000))
+    capacity: Capacity = field(
+        default_factory=lambda: Capacity(total_blocks=1000, free_blocks=1000)
+    )
     model_id: str = MODEL_ID
     compat_hash: str = "fake-compat"
     draining: bool = False
@@ -79,8 +82,9 @@ class FakeWorker:
         self.address = ""
 
     # ---- life cycle -----------------------------------------------------------------------
-    async def start(self, publish_interval_s: float = 0.1, register: bool = True,
-                    port: int = 0) -> "FakeWorker":
+    async def start(
+        self, publish_interval_s: float = 0.1, register: bool = True, port: int = 0
+    ) -> "FakeWorker":
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_WorkerServicer_to_server(_WorkerService(self), self._server)
         if self.role == "decode":
@@ -91,8 +95,9 @@ class FakeWorker:
         _LIVE[self.worker_id] = self
         if not register:
             return self
-        self.registrar = Registrar(self.etcd, self.cluster, self.info, ttl_s=2,
-                                   publish_interval_s=publish_interval_s)
+        self.registrar = Registrar(
+            self.etcd, self.cluster, self.info, ttl_s=2, publish_interval_s=publish_interval_s
+        )
         await self.registrar.start()
         return self
 
@@ -109,10 +114,19 @@ class FakeWorker:
         _LIVE.pop(self.worker_id, None)
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, self.address, self.model_id, self.compat_hash,
-                          self.block_size, draining=self.draining, capacity=self.capacity,
-                          max_model_len=self.max_model_len, loras=dict(self.loras),
-                          resident_loras=tuple(self.resident_loras))
+        return WorkerInfo(
+            self.worker_id,
+            self.role,
+            self.address,
+            self.model_id,
+            self.compat_hash,
+            self.block_size,
+            draining=self.draining,
+            capacity=self.capacity,
+            max_model_len=self.max_model_len,
+            loras=dict(self.loras),
+            resident_loras=tuple(self.resident_loras),
+        )
 
     def set_capacity(self, **changes) -> None:
         self.capacity = replace(self.capacity, **changes)
@@ -155,10 +169,13 @@ class _WorkerService(pb_grpc.WorkerServicer):
 
     async def Health(self, request, context):
         c = self.w.capacity
-        return pb.HealthResponse(role=self.w.role, worker_id=self.w.worker_id,
-                                 model_id=self.w.model_id, draining=self.w.draining,
-                                 capacity=pb.Capacity(total_blocks=c.total_blocks,
-                                                      free_blocks=c.free_blocks))
+        return pb.HealthResponse(
+            role=self.w.role,
+            worker_id=self.w.worker_id,
+            model_id=self.w.model_id,
+            draining=self.w.draining,
+            capacity=pb.Capacity(total_blocks=c.total_blocks, free_blocks=c.free_blocks),
+        )
 
     async def Abort(self, request, context):
         return pb.AbortResponse(found=request.request_id in self.w.active)
@@ -175,8 +192,9 @@ class _WorkerService(pb_grpc.WorkerServicer):
 
     async def GetCachedBlocks(self, request, context):
         cached, tiered = self.w.cached, self.w.tiered
-        return pb.CachedBlocksResponse(block_hashes=list(cached),
-                                       tiers=[int(h in tiered) for h in cached] if tiered else [])
+        return pb.CachedBlocksResponse(
+            block_hashes=list(cached), tiers=[int(h in tiered) for h in cached] if tiered else []
+        )
 
     async def LoadLoRAAdapter(self, request, context):
         """Prefill workers refuse paths containing "bad" (INVALID_ARGUMENT), as a real worker
@@ -221,16 +239,21 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
         max_tokens = s.max_tokens if s.HasField("max_tokens") else b.default_max_tokens
         if b.script is not None:
             max_tokens = min(max_tokens, len(b.script))
-        prompt_lps = ([_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
-                      if s.HasField("prompt_logprobs") else [])
+        prompt_lps = (
+            [_logprob(t, s.prompt_logprobs) for t in prompt[1:]]
+            if s.HasField("prompt_logprobs")
+            else []
+        )
         w.active.add(request.request_id)
         sent = 0
         start = len(request.resume_output_token_ids)
         try:
             texts = ["" for _ in range(s.n or 1)]
             if start:  # a migrated request: its text so far, for stop strings
-                texts[0] = "".join(b.script[k][1] if b.script is not None
-                                   else f" w{fake_token(prompt, 0, k)}" for k in range(start))
+                texts[0] = "".join(
+                    b.script[k][1] if b.script is not None else f" w{fake_token(prompt, 0, k)}"
+                    for k in range(start)
+                )
             for k in range(start, max_tokens):
                 for i in range(s.n or 1):
                     if texts[i] is None:
@@ -241,8 +264,11 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
                         await asyncio.Event().wait()
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)
-                    tok, text = (b.script[k] if b.script is not None
-                                 else (fake_token(prompt, i, k), f" w{fake_token(prompt, i, k)}"))
+                    tok, text = (
+                        b.script[k]
+                        if b.script is not None
+                        else (fake_token(prompt, i, k), f" w{fake_token(prompt, i, k)}")
+                    )
                     finish = "length" if k == max_tokens - 1 else ""
                     if finish and b.script is not None and k == len(b.script) - 1:
                         finish = b.script_finish
@@ -250,15 +276,20 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
                     if stop is not None:
                         cut, stop_str = stop
                         end = cut + (len(stop_str) if s.include_stop_str_in_output else 0)
-                        text, finish = (texts[i] + text)[:end][len(texts[i]):], "stop"
+                        text, finish = (texts[i] + text)[:end][len(texts[i]) :], "stop"
                     texts[i] = None if finish else texts[i] + text
                     sent += 1
                     msg = pb.GenerateResponse(
-                        index=i, token_ids=[tok], text=text, finish_reason=finish,
+                        index=i,
+                        token_ids=[tok],
+                        text=text,
+                        finish_reason=finish,
                         logprobs=[_logprob(tok, s.logprobs)] if s.HasField("logprobs") else [],
-                        usage=pb.Usage(prompt_tokens=len(prompt), completion_tokens=k + 1,
-                                       cached_tokens=cached),
-                        prefill_mode=mode, prompt_logprobs=prompt_lps,
+                        usage=pb.Usage(
+                            prompt_tokens=len(prompt), completion_tokens=k + 1, cached_tokens=cached
+                        ),
+                        prefill_mode=mode,
+                        prompt_logprobs=prompt_lps,
                     )
                     prompt_lps = []  # first response only
                     if stop is not None:

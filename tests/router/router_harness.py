@@ -1,5 +1,6 @@
 """An asyncio loop on a background thread hosting fake workers and in-process routers, so
 tests can drive them with blocking clients (the official `openai` client, httpx)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,14 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Coroutine, TypeVar
 
 import uvicorn
+from router_fakes import FakeWorker
 
 from cluster.net import free_port
+from router.config import PlacementConfig, RouterConfig
 from router.http.app import create_app
 from router.http.auth import resolve_keys
-from router.config import PlacementConfig, RouterConfig
 from router.http.limits import uvicorn_options
 from router.server import RouterServices, load_model_card
-from router_fakes import FakeWorker
 
 T = TypeVar("T")
 
@@ -50,18 +51,27 @@ class RunningRouter:
 _CARD: dict = {}  # (model, max_model_len, generation config) -> ModelCard: loaded once
 
 
-async def start_router(etcd: str, cluster: str, placement: PlacementConfig | None = None,
-                       **config: Any) -> RunningRouter:
+async def start_router(
+    etcd: str, cluster: str, placement: PlacementConfig | None = None, **config: Any
+) -> RunningRouter:
     port = free_port()
-    cfg = RouterConfig(etcd=etcd, cluster=cluster, port=port,
-                       placement=placement or PlacementConfig(), **config)
+    cfg = RouterConfig(
+        etcd=etcd, cluster=cluster, port=port, placement=placement or PlacementConfig(), **config
+    )
     key = (cfg.model, cfg.max_model_len, cfg.generation_config, cfg.chat)
     if key not in _CARD:
         _CARD[key] = load_model_card(cfg)
     services = RouterServices(cfg, _CARD[key], resolve_keys(cfg, {}))  # flags only, no environment
-    server = uvicorn.Server(uvicorn.Config(create_app(services), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on",
-                                           **uvicorn_options(cfg.limits)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(services),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            **uvicorn_options(cfg.limits),
+        )
+    )
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         if task.done():
@@ -104,11 +114,18 @@ class FakeCluster:
             await stop_router(self.router)
             for w in self.workers.values():
                 await w.stop()
+
         self.bg.run(main())
 
 
-def start_cluster(bg: LoopThread, etcd: str, cluster: str, specs: list[tuple[str, str]],
-                  placement: PlacementConfig | None = None, **config: Any) -> FakeCluster:
+def start_cluster(
+    bg: LoopThread,
+    etcd: str,
+    cluster: str,
+    specs: list[tuple[str, str]],
+    placement: PlacementConfig | None = None,
+    **config: Any,
+) -> FakeCluster:
     async def main():
         workers = {wid: await FakeWorker(role, etcd, cluster, wid).start() for role, wid in specs}
         router = await start_router(etcd, cluster, placement, **config)
@@ -116,4 +133,5 @@ def start_cluster(bg: LoopThread, etcd: str, cluster: str, specs: list[tuple[str
         subs = router.services.kv_subscriptions
         await wait_for(lambda: all(e.is_set() for e in subs.synced.values()))
         return FakeCluster(bg, workers, router)
+
     return bg.run(main())

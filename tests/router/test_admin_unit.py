@@ -1,6 +1,7 @@
 """The fleet admin's pieces without workers: the routes declare their schemas (when enabled),
 the gate holds generation requests while the fleet sleeps and answers 503 with Retry-After
 after the bound, and a partial failure names the workers that failed."""
+
 import asyncio
 
 import grpc
@@ -9,17 +10,24 @@ from fastapi import FastAPI
 
 from cluster.grpc_security import OPEN
 from cluster.registration import WorkerInfo
+from router.channels import ChannelPool
 from router.endpoints.admin.fleet import FleetAdmin, WorkerResult, _checked
 from router.endpoints.admin.serving import ADMIN_PATHS, add_admin_routes, dev_endpoints_enabled
-from router.channels import ChannelPool
 from router.http.errors import APIError
 from router.http.openapi import install_openapi
 from router.placement.registry import WorkerRegistry
 
 
 def info(wid, role="decode", sleeping=False):
-    return WorkerInfo(worker_id=wid, role=role, grpc_address=f"{wid}:1", model_id="m",
-                      compat_hash="c", block_size=16, sleeping=sleeping)
+    return WorkerInfo(
+        worker_id=wid,
+        role=role,
+        grpc_address=f"{wid}:1",
+        model_id="m",
+        compat_hash="c",
+        block_size=16,
+        sleeping=sleeping,
+    )
 
 
 def test_routes_declare_their_schemas():
@@ -69,12 +77,16 @@ def test_partial_failure_names_the_failed_workers():
     with pytest.raises(APIError) as exc:
         _checked("sleep", [ok, bad])
     assert exc.value.status == 502
-    assert exc.value.message == "sleep failed on 1 of 2 workers (d2: UNAVAILABLE: connection refused)"
+    assert (
+        exc.value.message == "sleep failed on 1 of 2 workers (d2: UNAVAILABLE: connection refused)"
+    )
     refused = WorkerResult("d1", error=_Err(grpc.StatusCode.FAILED_PRECONDITION, "no sleep mode"))
     with pytest.raises(APIError) as exc:
         _checked("sleep", [ok, refused])
     assert exc.value.status == 409
-    denied = WorkerResult("d1", error=_Err(grpc.StatusCode.PERMISSION_DENIED, "start it with --enable-admin-rpcs"))
+    denied = WorkerResult(
+        "d1", error=_Err(grpc.StatusCode.PERMISSION_DENIED, "start it with --enable-admin-rpcs")
+    )
     with pytest.raises(APIError) as exc:
         _checked("sleep", [ok, denied])
     assert exc.value.status == 403 and "--enable-admin-rpcs" in exc.value.message
@@ -89,13 +101,18 @@ def test_set_role_refuses_bad_input_in_openai_shape():
     registry = WorkerRegistry()
     add_admin_routes(app, FleetAdmin(registry, ChannelPool(OPEN), 0.1))
     client = TestClient(app)
-    for query, param in [({"role": "decode"}, "worker_id"),
-                         ({"worker_id": "w", "role": "both"}, "role"),
-                         ({"worker_id": "w", "role": "decode", "drain_timeout": "-1"}, "drain_timeout"),
-                         ({"worker_id": "w", "role": "decode", "drain_timeout": "soon"}, "drain_timeout")]:
+    for query, param in [
+        ({"role": "decode"}, "worker_id"),
+        ({"worker_id": "w", "role": "both"}, "role"),
+        ({"worker_id": "w", "role": "decode", "drain_timeout": "-1"}, "drain_timeout"),
+        ({"worker_id": "w", "role": "decode", "drain_timeout": "soon"}, "drain_timeout"),
+    ]:
         r = client.post("/set_role", params=query)
         assert r.status_code == 400, query
-        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+        assert (
+            r.json()["error"]["param"] == param
+            and r.json()["error"]["type"] == "invalid_request_error"
+        )
     r = client.post("/set_role", params={"worker_id": "w", "role": "decode"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
     assert "'w'" in r.json()["error"]["message"]
@@ -117,15 +134,24 @@ def test_set_role_maps_the_workers_answers():
             registry.put(info("w", role=request.role))  # the worker republished before answering
             return answer
 
-        channels = type("Channels", (), {"worker": lambda self, address: type(
-            "Stub", (), {"SetRole": staticmethod(set_role)})()})()
+        channels = type(
+            "Channels",
+            (),
+            {
+                "worker": lambda self, address: type(
+                    "Stub", (), {"SetRole": staticmethod(set_role)}
+                )()
+            },
+        )()
         admin = FleetAdmin(registry, channels, 0.1)
         answers.append(pb.SetRoleResponse(role="decode", previous_role="prefill"))
         result = await admin.set_role("w", "decode", 0.0)
         assert result.reply.previous_role == "prefill" and registry.get("w").info.role == "decode"
-        for code, status in [(grpc.StatusCode.FAILED_PRECONDITION, 409),
-                             (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-                             (grpc.StatusCode.UNAVAILABLE, 502)]:
+        for code, status in [
+            (grpc.StatusCode.FAILED_PRECONDITION, 409),
+            (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+            (grpc.StatusCode.UNAVAILABLE, 502),
+        ]:
             answers.append(_Err(code, "no"))
             with pytest.raises(APIError) as exc:
                 await admin.set_role("w", "prefill", 1.0)

@@ -1,6 +1,7 @@
 """`--allowed-worker-cidrs`: a registration whose gRPC or metrics address lies outside the
 allowed networks (or names a host) is ignored with one warning, gets no prompts, and the
 dashboard never fetches its /metrics (blind SSRF); with a real etcd and an in-process router."""
+
 import argparse
 import ipaddress
 import logging
@@ -9,12 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from router_fakes import MODEL_ID, FakeWorker
+from router_harness import start_router, stop_router, wait_for
 
 from cluster.net import free_port
 from cluster.registration import WorkerInfo, make_client, worker_key
 from router.placement.allowed_workers import ANY, LOOPBACK, AllowedWorkers, parse_network
-from router_fakes import MODEL_ID, FakeWorker
-from router_harness import start_router, stop_router, wait_for
 
 ONLY_127_0_0_1 = (ipaddress.ip_network("127.0.0.1/32"),)
 
@@ -47,27 +48,33 @@ class _Recorder:
 
 
 def test_forged_registrations_outside_the_cidrs_get_no_work_and_no_metrics_fetch(
-        etcd, bg, cluster_name, caplog):
+    etcd, bg, cluster_name, caplog
+):
     inside, outside = _Recorder("127.0.0.1"), _Recorder("127.0.0.2")  # .2: still loopback here
     caplog.set_level(logging.WARNING, logger="router.placement.registry")
 
     def forged(worker_id: str, grpc: str, metrics: str) -> WorkerInfo:
-        return WorkerInfo(worker_id, "decode", grpc, MODEL_ID, "fake-compat", 16,
-                          metrics_address=metrics)
+        return WorkerInfo(
+            worker_id, "decode", grpc, MODEL_ID, "fake-compat", 16, metrics_address=metrics
+        )
 
     async def main():
         worker = await FakeWorker("decode", etcd.endpoint, cluster_name, "d1").start()
-        router = await start_router(etcd.endpoint, cluster_name,
-                                    allowed_worker_cidrs=ONLY_127_0_0_1)
+        router = await start_router(
+            etcd.endpoint, cluster_name, allowed_worker_cidrs=ONLY_127_0_0_1
+        )
         try:
             # What anyone who can write to an open etcd can do: put registrations by hand.
             async with make_client(etcd.endpoint) as client:
-                for info in (forged("evil-grpc", "10.9.8.7:50051", outside.address),
-                             forged("evil-metrics", worker.address, outside.address),
-                             forged("evil-name", "evil.example:50051", ""),
-                             forged("ok-metrics", worker.address, inside.address)):
-                    await client.put(worker_key(cluster_name, "decode", info.worker_id),
-                                     info.to_json())
+                for info in (
+                    forged("evil-grpc", "10.9.8.7:50051", outside.address),
+                    forged("evil-metrics", worker.address, outside.address),
+                    forged("evil-name", "evil.example:50051", ""),
+                    forged("ok-metrics", worker.address, inside.address),
+                ):
+                    await client.put(
+                        worker_key(cluster_name, "decode", info.worker_id), info.to_json()
+                    )
             registry = router.services.registry
             await wait_for(lambda: registry.get("ok-metrics") is not None)
             await wait_for(lambda: registry.get("d1") is not None)
@@ -90,9 +97,11 @@ def test_forged_registrations_outside_the_cidrs_get_no_work_and_no_metrics_fetch
     assert inside.hits == ["/metrics"]  # the dashboard does fetch an accepted one
     assert {w["worker_id"]: w["kv_bytes"] for w in data["workers"]}["ok-metrics"] == 5
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for worker_id, reason in [("evil-grpc", "gRPC address 10.9.8.7:50051 is outside"),
-                              ("evil-metrics", f"metrics address {outside.address} is outside"),
-                              ("evil-name", "names a host, not an IP address")]:
+    for worker_id, reason in [
+        ("evil-grpc", "gRPC address 10.9.8.7:50051 is outside"),
+        ("evil-metrics", f"metrics address {outside.address} is outside"),
+        ("evil-name", "names a host, not an IP address"),
+    ]:
         said = [w for w in warnings if f"ignoring worker {worker_id} " in w]
         assert len(said) == 1 and reason in said[0], warnings  # once, despite the re-listings
 
@@ -125,7 +134,12 @@ def test_the_router_flag_parses_and_refuses_by_name(capsys):
     parse = lambda *a: config_from_args(build_parser().parse_args(["router", "--etcd", "e:1", *a]))  # noqa: E731
     assert parse().allowed_worker_cidrs == ANY
     assert parse("--allowed-worker-cidrs", "10.0.0.0/8", "fd00::/8").allowed_worker_cidrs == (
-        ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8"))
+        ipaddress.ip_network("10.0.0.0/8"),
+        ipaddress.ip_network("fd00::/8"),
+    )
     with pytest.raises(SystemExit):
         parse("--allowed-worker-cidrs", "10.0.0.0/33")
-    assert "--allowed-worker-cidrs: '10.0.0.0/33' is not a network in CIDR form" in capsys.readouterr().err
+    assert (
+        "--allowed-worker-cidrs: '10.0.0.0/33' is not a network in CIDR form"
+        in capsys.readouterr().err
+    )

@@ -8,13 +8,14 @@ Defences tested here: `cached_tokens` only with --enable-prompt-tokens-details (
 switch; both guesses then read none), the dashboard data behind the key, and
 --cache-salt-from-api-key (different keys never share blocks: both guesses read the same
 count even with the details on). A control run shows the attack works without them."""
+
 import json
 
 import httpx
 import pytest
+from router_harness import start_cluster
 
 from router.http.auth import tenant_salt
-from router_harness import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 PUBLIC = list(range(1000, 1032))  # two blocks everyone may know (a shared system prompt)
@@ -23,8 +24,12 @@ WRONG = list(range(3000, 3016))
 
 
 def _complete(url, key, prompt, **extra):
-    r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                   json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}, timeout=30)
+    r = httpx.post(
+        url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -41,8 +46,9 @@ def _attack(url, victim_key, attacker_key, tail):
 
 
 def _predicted(url, key, last):
-    data = httpx.get(url + "/dashboard/data", headers={"Authorization": f"Bearer {key}"},
-                     timeout=30).json()
+    data = httpx.get(
+        url + "/dashboard/data", headers={"Authorization": f"Bearer {key}"}, timeout=30
+    ).json()
     return [d["predicted_cached_tokens"] for d in data["recent_decisions"][:last]]
 
 
@@ -65,21 +71,28 @@ def test_defaults_report_no_cached_tokens_and_hide_the_dashboard(cluster):
     assert again is None and right is None and wrong is None
     for key in (None, "sk-attacker"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        assert httpx.get(url + "/dashboard/data", headers=headers,
-                         timeout=30).status_code in (401, 403)
+        assert httpx.get(url + "/dashboard/data", headers=headers, timeout=30).status_code in (
+            401,
+            403,
+        )
 
 
-@pytest.mark.parametrize("cluster", [{**TWO_TENANTS, "enable_prompt_tokens_details": True}],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "cluster", [{**TWO_TENANTS, "enable_prompt_tokens_details": True}], indirect=True
+)
 def test_control_the_attack_works_without_salts(cluster):
     """What the guessing attack reads when tenants share the cache (why the salt exists)."""
-    again, right, wrong = _attack(cluster.router.url, "sk-victim", "sk-attacker",
-                                  list(range(6000, 6016)))
+    again, right, wrong = _attack(
+        cluster.router.url, "sk-victim", "sk-attacker", list(range(6000, 6016))
+    )
     assert (again["cached_tokens"], right["cached_tokens"], wrong["cached_tokens"]) == (48, 48, 32)
 
 
-@pytest.mark.parametrize("cluster", [{**TWO_TENANTS, "enable_prompt_tokens_details": True,
-                                      "cache_salt_from_api_key": True}], indirect=True)
+@pytest.mark.parametrize(
+    "cluster",
+    [{**TWO_TENANTS, "enable_prompt_tokens_details": True, "cache_salt_from_api_key": True}],
+    indirect=True,
+)
 def test_salts_from_the_key_make_right_and_wrong_guesses_alike(cluster):
     url = cluster.router.url
     again, right, wrong = _attack(url, "sk-victim", "sk-attacker", list(range(7000, 7016)))
@@ -95,29 +108,45 @@ def test_salts_from_the_key_make_right_and_wrong_guesses_alike(cluster):
 
 def _usages(url, path, body):
     """Every `usage` of a streamed response (continuous usage stats: one per chunk)."""
-    with httpx.stream("POST", url + path, headers={"Authorization": "Bearer sk-victim"},
-                      json={"model": MODEL, "max_tokens": 3, "stream": True, **body,
-                            "stream_options": {"include_usage": True,
-                                               "continuous_usage_stats": True}},
-                      timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        url + path,
+        headers={"Authorization": "Bearer sk-victim"},
+        json={
+            "model": MODEL,
+            "max_tokens": 3,
+            "stream": True,
+            **body,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        timeout=30,
+    ) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e)["usage"] for e in events[:-1]]
 
 
-@pytest.mark.parametrize("cluster, details", [(TWO_TENANTS, False),
-                                               ({**TWO_TENANTS, "enable_prompt_tokens_details": True}, True)],
-                         indirect=["cluster"])
+@pytest.mark.parametrize(
+    "cluster, details",
+    [(TWO_TENANTS, False), ({**TWO_TENANTS, "enable_prompt_tokens_details": True}, True)],
+    indirect=["cluster"],
+)
 def test_prompt_tokens_details_only_when_enabled(cluster, details):
     """Streamed and not, chat and completions: vLLM's --enable-prompt-tokens-details."""
     url = cluster.router.url
     chat = {"messages": [{"role": "user", "content": "hello " * 40}]}
-    for path, body in (("/v1/completions", {"prompt": PUBLIC + SECRET}),
-                       ("/v1/chat/completions", chat)):
+    for path, body in (
+        ("/v1/completions", {"prompt": PUBLIC + SECRET}),
+        ("/v1/chat/completions", chat),
+    ):
         usages = _usages(url, path, body) + _usages(url, path, body)
-        whole = httpx.post(url + path, headers={"Authorization": "Bearer sk-victim"},
-                           json={"model": MODEL, "max_tokens": 2, **body}, timeout=30).json()
+        whole = httpx.post(
+            url + path,
+            headers={"Authorization": "Bearer sk-victim"},
+            json={"model": MODEL, "max_tokens": 2, **body},
+            timeout=30,
+        ).json()
         usages.append(whole["usage"])
         assert all("prompt_tokens_details" in u for u in usages)
         if details:

@@ -2,6 +2,7 @@
 scripts/test.sh installs it when missing): against the session cluster it lists both
 workers with their roles, and after a completion its request counter has grown. A
 screenshot is written under tmp_path."""
+
 import asyncio
 import html
 import re
@@ -10,24 +11,36 @@ import subprocess
 
 import httpx
 import pytest
-
 from openai_cluster import KEY, MODEL
+
 from router.http.dashboard import DashboardData
 
 pytestmark = pytest.mark.slow
 
 _CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-          "--no-first-run", "--virtual-time-budget=3000"]
+_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--virtual-time-budget=3000",
+]
 
 
 def _chromium(tmp_path, *args: str) -> str:
     if _CHROMIUM is None:
-        pytest.skip("chromium is not installed (scripts/test.sh installs Debian's chromium "
-                    "when run as root)")
+        pytest.skip(
+            "chromium is not installed (scripts/test.sh installs Debian's chromium "
+            "when run as root)"
+        )
     profile = tmp_path / "chromium-profile"
-    out = subprocess.run([_CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", *args],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [_CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split("<script>")[0]  # the rendered document, not the page's own code
 
@@ -37,8 +50,12 @@ async def _worker_ids(e2e) -> dict[str, str]:
 
 
 def _rows(dom: str) -> dict[str, str]:
-    return {html.unescape(wid): role for wid, role in
-            re.findall(r'<tr class="worker" data-worker-id="([^"]*)" data-role="([^"]*)"', dom)}
+    return {
+        html.unescape(wid): role
+        for wid, role in re.findall(
+            r'<tr class="worker" data-worker-id="([^"]*)" data-role="([^"]*)"', dom
+        )
+    }
 
 
 def _requests(dom: str) -> int:
@@ -56,7 +73,8 @@ def test_dashboard_in_browser(e2e, client, tmp_path):
     assert httpx.get(e2e.url + "/dashboard/data", timeout=30).status_code == 401
     auth = {"Authorization": f"Bearer {KEY}"}
     data = DashboardData.model_validate(
-        httpx.get(e2e.url + "/dashboard/data", headers=auth, timeout=30).json())
+        httpx.get(e2e.url + "/dashboard/data", headers=auth, timeout=30).json()
+    )
     assert {w.worker_id: w.role for w in data.workers} == workers
 
     keyless = _chromium(tmp_path, "--dump-dom", e2e.url + "/dashboard")
@@ -77,7 +95,8 @@ def test_dashboard_in_browser(e2e, client, tmp_path):
     # KV transfer throughput comes from the workers' own /metrics: both have moved KV bytes
     # (the completion was prefilled remotely) and the page has the column.
     data = DashboardData.model_validate(
-        httpx.get(e2e.url + "/dashboard/data", headers=auth, timeout=30).json())
+        httpx.get(e2e.url + "/dashboard/data", headers=auth, timeout=30).json()
+    )
     assert all(w.kv_bytes is not None and w.kv_bytes > 0 for w in data.workers), data.workers
     assert "KV transfer MB/s" in after
 

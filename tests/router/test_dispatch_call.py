@@ -1,6 +1,7 @@
 """One Generate call in the dispatcher, against a fake channel pool (no etcd, no gRPC server):
 in-flight accounting on both workers however the call ends, its metrics, failure
 classification."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -67,8 +68,12 @@ def _setup(messages):
     metrics = RouterMetrics()
     placer = SimpleNamespace(registry=WorkerRegistry(), policy=SimpleNamespace(name="affinity"))
     dispatcher = Dispatcher(RouterConfig(etcd="unused:1"), placer, channels, metrics)
-    decision = Decision(decode=None, prefill=SimpleNamespace(cached_tokens=CACHED_ON_PREFILL),
-                        reason=Reason.REMOTE, predicted_cached_tokens=CACHED_ON_PREFILL)
+    decision = Decision(
+        decode=None,
+        prefill=SimpleNamespace(cached_tokens=CACHED_ON_PREFILL),
+        reason=Reason.REMOTE,
+        predicted_cached_tokens=CACHED_ON_PREFILL,
+    )
     placement = Placement(decision, _worker("d"), _worker("p"))
     stream = dispatcher._run(placement, PROMPT, SamplingParams(max_tokens=2), 0.0, 0)
     return stream, placement, call, channels, metrics
@@ -79,8 +84,9 @@ def _value(metrics, name, **labels):
 
 
 def _msg(tokens=(), finish="", cached=0):
-    return pb.GenerateResponse(index=0, token_ids=list(tokens), finish_reason=finish,
-                               usage=pb.Usage(cached_tokens=cached))
+    return pb.GenerateResponse(
+        index=0, token_ids=list(tokens), finish_reason=finish, usage=pb.Usage(cached_tokens=cached)
+    )
 
 
 def _assert_released(placement, call, channels, metrics):
@@ -92,10 +98,13 @@ def _assert_released(placement, call, channels, metrics):
 def test_counts_follow_the_call_and_the_prefill_share_ends_at_the_first_token():
     async def main():
         stream, placement, call, channels, metrics = _setup(
-            [_msg(cached=CACHED_ON_PREFILL), _msg([7]), _msg([8], finish="length")])
+            [_msg(cached=CACHED_ON_PREFILL), _msg([7]), _msg([8], finish="length")]
+        )
         await anext(stream)  # no token yet
         assert placement.decode.inflight == 1 and channels.held == 1
-        assert placement.prefill.inflight_prefill_tokens == len(PROMPT.token_ids) - CACHED_ON_PREFILL
+        assert (
+            placement.prefill.inflight_prefill_tokens == len(PROMPT.token_ids) - CACHED_ON_PREFILL
+        )
         assert _value(metrics, "pdserve_router_running_requests") == 1
         await anext(stream)  # the first token
         assert placement.decode.inflight == 1 and placement.prefill.inflight_prefill_tokens == 0
@@ -109,8 +118,10 @@ def test_counts_follow_the_call_and_the_prefill_share_ends_at_the_first_token():
         assert _value(metrics, "pdserve_router_e2e_seconds_count") == 1
         assert _value(metrics, "pdserve_router_prompt_tokens_total") == len(PROMPT.token_ids)
         for source in ("predicted", "reported"):
-            assert _value(metrics, "pdserve_router_prefix_hit_tokens_total",
-                          source=source) == CACHED_ON_PREFILL
+            assert (
+                _value(metrics, "pdserve_router_prefix_hit_tokens_total", source=source)
+                == CACHED_ON_PREFILL
+            )
 
     asyncio.run(main())
 
@@ -150,14 +161,17 @@ def _rpc_error(code):
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no")
 
 
-@pytest.mark.parametrize("messages, expected, after_first_token", [
-    ([_msg(finish="error")], WorkerFailed, False),
-    ([_msg([7]), _msg(finish="abort")], WorkerFailed, True),
-    ([_msg([7])], WorkerFailed, True),  # the stream ended with the completion unfinished
-    ([_rpc_error(grpc.StatusCode.UNAVAILABLE)], WorkerFailed, False),
-    ([_msg([7]), _rpc_error(grpc.StatusCode.INVALID_ARGUMENT)], WorkerFailed, True),
-    ([_rpc_error(grpc.StatusCode.INVALID_ARGUMENT)], APIError, None),
-])
+@pytest.mark.parametrize(
+    "messages, expected, after_first_token",
+    [
+        ([_msg(finish="error")], WorkerFailed, False),
+        ([_msg([7]), _msg(finish="abort")], WorkerFailed, True),
+        ([_msg([7])], WorkerFailed, True),  # the stream ended with the completion unfinished
+        ([_rpc_error(grpc.StatusCode.UNAVAILABLE)], WorkerFailed, False),
+        ([_msg([7]), _rpc_error(grpc.StatusCode.INVALID_ARGUMENT)], WorkerFailed, True),
+        ([_rpc_error(grpc.StatusCode.INVALID_ARGUMENT)], APIError, None),
+    ],
+)
 def test_failures_are_classified(messages, expected, after_first_token):
     async def main():
         stream, placement, call, channels, metrics = _setup(messages)
@@ -184,13 +198,20 @@ def test_a_local_prefill_is_prefill_work_on_the_decode_worker_and_teaches_the_po
     async def main():
         call = FakeCall([_msg(), _msg([7], finish="length")])
         correction = TTFTCorrection()
-        placer = SimpleNamespace(registry=WorkerRegistry(),
-                                 policy=SimpleNamespace(name="affinity", correction=correction))
-        dispatcher = Dispatcher(RouterConfig(etcd="unused:1"), placer, FakeChannels(call),
-                                RouterMetrics())
-        decision = Decision(decode=SimpleNamespace(cached_tokens=2), prefill=None,
-                            reason=Reason.LOCAL_BACKLOG, predicted_cached_tokens=2,
-                            estimated_ttft_s=10.0)
+        placer = SimpleNamespace(
+            registry=WorkerRegistry(),
+            policy=SimpleNamespace(name="affinity", correction=correction),
+        )
+        dispatcher = Dispatcher(
+            RouterConfig(etcd="unused:1"), placer, FakeChannels(call), RouterMetrics()
+        )
+        decision = Decision(
+            decode=SimpleNamespace(cached_tokens=2),
+            prefill=None,
+            reason=Reason.LOCAL_BACKLOG,
+            predicted_cached_tokens=2,
+            estimated_ttft_s=10.0,
+        )
         placement = Placement(decision, _worker("d"), None)
         stream = dispatcher._run(placement, PROMPT, SamplingParams(max_tokens=1), 0.0, 0)
         await anext(stream)  # no token yet

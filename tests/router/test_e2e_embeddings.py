@@ -2,6 +2,7 @@
 2 layers, fp32) with the official `openai` client, against HF transformers: the last layer's
 hidden state after the final norm, pooled (last token; mean as pdserve's `pooling_type`) and
 L2-normalized. Embeddings run on the prefill worker only: the decode worker serves none."""
+
 import asyncio
 import base64
 import struct
@@ -10,7 +11,6 @@ import httpx
 import openai
 import pytest
 import torch
-
 from openai_cluster import MODEL, NUM_LAYERS, WORKER_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.slow
@@ -23,8 +23,9 @@ def hf_embed(model_dir):
     """token ids, pooling -> the normalized HF reference vector."""
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(model_dir, num_hidden_layers=NUM_LAYERS,
-                                          dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(
+        model_dir, num_hidden_layers=NUM_LAYERS, dtype=torch.float32
+    ).eval()
 
     def embed(ids: list[int], pooling: str = "last") -> torch.Tensor:
         with torch.inference_mode():
@@ -66,7 +67,9 @@ def test_batch_of_strings_and_float_format(client, reference, hf_embed):
     b64 = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="base64")
     for f, b in zip(r.data, b64.data, strict=True):
         raw = base64.b64decode(b.embedding)
-        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(f.embedding, abs=1e-6)
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(
+            f.embedding, abs=1e-6
+        )
 
 
 def test_token_ids_and_lists_of_token_ids(client, reference, hf_embed):
@@ -113,18 +116,26 @@ def test_decode_workers_serve_no_embeddings(e2e, client):
     async def workers():
         return await e2e.workers()
 
-    served = {w.role: _metric(w.metrics_address, "pdserve_worker_embeddings_total")
-              for w in asyncio.run(workers())}
+    served = {
+        w.role: _metric(w.metrics_address, "pdserve_worker_embeddings_total")
+        for w in asyncio.run(workers())
+    }
     assert served["decode"] == 0 and served["prefill"] >= 3
-    router = {role: _metric(e2e.url.removeprefix("http://"),
-                            "pdserve_router_embedding_placements_total", role)
-              for role in ("prefill", "decode")}
+    router = {
+        role: _metric(
+            e2e.url.removeprefix("http://"), "pdserve_router_embedding_placements_total", role
+        )
+        for role in ("prefill", "decode")
+    }
     assert router["decode"] == 0 and router["prefill"] >= 3
 
 
 def _metric(address: str, name: str, role: str | None = None) -> float:
     text = httpx.get(f"http://{address}/metrics", timeout=5).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + "{") and (role is None or f'role="{role}"' in line)]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and (role is None or f'role="{role}"' in line)
+    ]
     assert values, f"{name} missing at {address}"
     return sum(values)

@@ -3,6 +3,7 @@ workers' of the session cluster, after one streamed completion (prefilled remote
 The spec-decode counters are the exception: this cluster does not speculate, so they are
 absent (tests/e2e/test_spec_decode_cluster.py finds them on a speculating decode worker).
 """
+
 import asyncio
 import sys
 import time
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from openai_cluster import MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: metrics_catalog
@@ -27,14 +27,18 @@ def _value(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
         if line.startswith((name + "{", name + " ")) and all(
-                f'{k}="{v}"' in line for k, v in labels.items()):
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
 def test_every_documented_metric_is_exported_by_real_processes(e2e, client):
-    chunks = list(client.completions.create(model=MODEL, prompt="Metrics are exported by",
-                                            max_tokens=4, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Metrics are exported by", max_tokens=4, temperature=0, stream=True
+        )
+    )
     assert chunks
 
     async def workers():
@@ -56,12 +60,16 @@ def test_every_documented_metric_is_exported_by_real_processes(e2e, client):
 
     decode, prefill, router = scrapes["decode"], scrapes["prefill"], scrapes["router"]
     # vLLM's request histograms are observed by the decode worker, labelled like vLLM's
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ):
         assert _value(decode, f"vllm:{name}_count", role="decode", engine="0") >= 1, name
         assert _value(prefill, f"vllm:{name}_count") == 0, name
-    assert 'model_name="' in next(line for line in decode.splitlines()
-                                  if line.startswith("vllm:kv_cache_usage_perc{"))
+    assert 'model_name="' in next(
+        line for line in decode.splitlines() if line.startswith("vllm:kv_cache_usage_perc{")
+    )
     # engine stats are refreshed every 0.2 s: poll (the first token came from the prefill side)
     by_address = {w.role: w.metrics_address for w in asyncio.run(workers())}
     deadline = time.monotonic() + 10
@@ -74,5 +82,7 @@ def test_every_documented_metric_is_exported_by_real_processes(e2e, client):
     assert _value(prefill, "pdserve_kv_transfer_bytes_total", direction="send") > 0
     assert _value(decode, "pdserve_kv_transfer_bytes_total", direction="receive") > 0
     assert _value(router, "pdserve_router_routing_decisions_total") >= 1
-    assert _value(router, "pdserve_router_workers", role="decode", state="ready") >= 1 or \
-        _value(router, "pdserve_router_workers", role="decode") >= 1
+    assert (
+        _value(router, "pdserve_router_workers", role="decode", state="ready") >= 1
+        or _value(router, "pdserve_router_workers", role="decode") >= 1
+    )

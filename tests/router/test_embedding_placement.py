@@ -1,5 +1,6 @@
 """Prefill-only placement for embeddings (Policy.place_prefill), on hand-built candidates:
 prefix affinity against queued prefill work, no decode worker ever, no queue-limit fallback."""
+
 from test_policy import affinity, pre
 
 

@@ -6,6 +6,7 @@ real router process's picker port, over fake workers registered in a real etcd. 
 answers with the GAIE destination header + `envoy.lb` metadata and the placement the router's
 own placer makes (prefix affinity included); refusals are immediate responses with the
 router's status and OpenAI error body; the router follows the hint it gets."""
+
 import asyncio
 import json
 import statistics
@@ -14,18 +15,18 @@ import time
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from cluster.net import free_port
-from router.endpoint_picker.picker import EndpointPicker
-from router.placement.placer import PromptKey
-from router.endpoint_picker.config import EndpointPickerConfig
-from router_fakes import MODEL_ID
-from router_harness import start_cluster
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy_ext_proc import BUFFERED, FULL_DUPLEX, process
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from router_fakes import MODEL_ID
+from router_harness import start_cluster
+
+from cluster.net import free_port
+from router.endpoint_picker.config import EndpointPickerConfig
+from router.endpoint_picker.picker import EndpointPicker
+from router.placement.placer import PromptKey
 
 PROMPT = list(range(1, 201))  # token ids: 12 full blocks of 16
 JSON = {"content-type": "application/json"}
@@ -38,9 +39,13 @@ def body(prompt=PROMPT, **extra) -> bytes:
 @pytest.fixture
 def gw(bg, etcd, cluster_name):
     port = free_port()
-    c = start_cluster(bg, etcd.endpoint, cluster_name,
-                      [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")],
-                      endpoint_picker=EndpointPickerConfig(port=port))
+    c = start_cluster(
+        bg,
+        etcd.endpoint,
+        cluster_name,
+        [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")],
+        endpoint_picker=EndpointPickerConfig(port=port),
+    )
     c.picker = f"127.0.0.1:{port}"
     c.endpoint = c.router.url.removeprefix("http://")
     yield c
@@ -65,14 +70,17 @@ def test_the_answer_names_the_router_and_the_placers_workers(gw, mode):
     assert ans.headers["x-pdserve-prefill-worker"] in ("", "p1")
     expected = gw.services.placer.place(PromptKey(PROMPT), context=len(PROMPT) + 4)
     assert ans.headers["x-pdserve-prefill-worker"] == (
-        expected.prefill.info.worker_id if expected.prefill else "")
+        expected.prefill.info.worker_id if expected.prefill else ""
+    )
     if mode == FULL_DUPLEX:
         assert ans.body == data  # streamed back unchanged, after the headers answer
         assert ans.responses[0].WhichOneof("response") == "request_headers"
     else:
         assert ans.body is None
-        assert [r.WhichOneof("response") for r in ans.responses] == ["request_headers",
-                                                                     "request_body"]
+        assert [r.WhichOneof("response") for r in ans.responses] == [
+            "request_headers",
+            "request_body",
+        ]
 
 
 def test_refusals_are_immediate_responses_with_openai_bodies(gw):
@@ -95,16 +103,27 @@ def test_refusals_are_immediate_responses_with_openai_bodies(gw):
 def test_a_streamed_body_is_refused_at_the_chunk_that_crosses_the_limit(gw):
     """FULL_DUPLEX_STREAMED: the picker does not collect a body past --max-request-body-bytes
     (16 MiB here) until its end; the 413 answers the chunk that crosses it."""
+
     async def stream() -> ep.ProcessingResponse:
         async with grpc.aio.insecure_channel(gw.picker) as channel:
             call = ep_grpc.ExternalProcessorStub(channel).Process()
-            await call.write(ep.ProcessingRequest(
-                request_headers=ep.HttpHeaders(headers=core.HeaderMap(headers=[
-                    core.HeaderValue(key=":path", raw_value=b"/v1/completions"),
-                    core.HeaderValue(key="content-type", raw_value=b"application/json")])),
-                protocol_config=ep.ProtocolConfiguration(request_body_mode=FULL_DUPLEX)))
+            await call.write(
+                ep.ProcessingRequest(
+                    request_headers=ep.HttpHeaders(
+                        headers=core.HeaderMap(
+                            headers=[
+                                core.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                                core.HeaderValue(key="content-type", raw_value=b"application/json"),
+                            ]
+                        )
+                    ),
+                    protocol_config=ep.ProtocolConfiguration(request_body_mode=FULL_DUPLEX),
+                )
+            )
             for _ in range(3):  # 3 x 6 MiB, never end_of_stream
-                await call.write(ep.ProcessingRequest(request_body=ep.HttpBody(body=b" " * (6 << 20))))
+                await call.write(
+                    ep.ProcessingRequest(request_body=ep.HttpBody(body=b" " * (6 << 20)))
+                )
             return await asyncio.wait_for(call.read(), 10)
 
     first = gw.bg.run(stream())
@@ -118,13 +137,22 @@ def test_a_subset_is_obeyed_and_other_paths_pass_without_placement(gw):
     assert ans.headers["x-gateway-destination-endpoint"] in others
     assert ans.headers["x-pdserve-decode-worker"] in ("d1", "d2")
     again = ask(gw, data=body(), subset=others)  # same decode worker: same router
-    assert (again.headers["x-gateway-destination-endpoint"]
-            == ans.headers["x-gateway-destination-endpoint"])
-    assert ask(gw, data=body(), subset=[gw.endpoint, *others]).headers[
-        "x-gateway-destination-endpoint"] == gw.endpoint
+    assert (
+        again.headers["x-gateway-destination-endpoint"]
+        == ans.headers["x-gateway-destination-endpoint"]
+    )
+    assert (
+        ask(gw, data=body(), subset=[gw.endpoint, *others]).headers[
+            "x-gateway-destination-endpoint"
+        ]
+        == gw.endpoint
+    )
     models = ask(gw, "/v1/models", None)  # no body: picked on the headers
-    assert models.headers == {"x-gateway-destination-endpoint": gw.endpoint,
-                              "x-pdserve-decode-worker": "", "x-pdserve-prefill-worker": ""}
+    assert models.headers == {
+        "x-gateway-destination-endpoint": gw.endpoint,
+        "x-pdserve-decode-worker": "",
+        "x-pdserve-prefill-worker": "",
+    }
     batch = ask(gw, data=body(prompt=[PROMPT, PROMPT[:50]]))  # the router places each prompt
     assert batch.headers["x-pdserve-decode-worker"] == ""
 
@@ -135,6 +163,7 @@ def test_no_usable_decode_worker_is_a_503(gw):
             await gw.workers[wid].stop()
         while gw.services.registry.by_role("decode"):
             await asyncio.sleep(0.02)
+
     gw.bg.run(drain())
     ans = ask(gw, data=body())
     assert ans.status == 503 and ans.error["error"]["code"] == "overloaded"
@@ -143,12 +172,18 @@ def test_no_usable_decode_worker_is_a_503(gw):
 def test_the_router_follows_the_hint_and_overrides_a_stale_one(gw):
     url = gw.router.url + "/v1/completions"
     for target in ("d1", "d2"):
-        r = httpx.post(url, content=body(), headers={**JSON, "x-pdserve-decode-worker": target,
-                                                     "x-pdserve-prefill-worker": ""}, timeout=30)
+        r = httpx.post(
+            url,
+            content=body(),
+            headers={**JSON, "x-pdserve-decode-worker": target, "x-pdserve-prefill-worker": ""},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         assert gw.workers[target].requests[-1].prompt_token_ids == PROMPT
         assert not gw.workers[target].requests[-1].HasField("prefill_worker")
-    r = httpx.post(url, content=body(), headers={**JSON, "x-pdserve-decode-worker": "gone"}, timeout=30)
+    r = httpx.post(
+        url, content=body(), headers={**JSON, "x-pdserve-decode-worker": "gone"}, timeout=30
+    )
     assert r.status_code == 200
     text = gw.services.metrics.render().decode()
     assert 'pdserve_router_placement_hints_total{outcome="followed"} 2.0' in text
@@ -158,6 +193,7 @@ def test_the_router_follows_the_hint_and_overrides_a_stale_one(gw):
 def test_health_and_decision_latency(gw):
     """Prints the picker's decision latency through ext_proc next to the placer's own call
     (same router, same prompt): docs/kubernetes.md records them."""
+
     async def measure(n=200):
         async with grpc.aio.insecure_channel(gw.picker) as channel:
             check = health_pb2_grpc.HealthStub(channel).Check
@@ -174,8 +210,18 @@ def test_health_and_decision_latency(gw):
             t0 = time.perf_counter()
             await picker.pick("/v1/completions", {}, data)
             inside.append(time.perf_counter() - t0)
-        chat_body = json.dumps({"model": MODEL_ID, "max_tokens": 4, "messages": [
-            {"role": "user", "content": "Summarize the history of the printing press. " * 20}]})
+        chat_body = json.dumps(
+            {
+                "model": MODEL_ID,
+                "max_tokens": 4,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "Summarize the history of the printing press. " * 20,
+                    }
+                ],
+            }
+        )
         for _ in range(n):  # + the chat template and the tokenizer (~200 tokens)
             t0 = time.perf_counter()
             await picker.pick("/v1/chat/completions", {}, chat_body.encode())
@@ -192,11 +238,13 @@ def test_health_and_decision_latency(gw):
     def q(xs, p):
         return statistics.quantiles(xs, n=100)[p - 1] * 1e3
 
-    print(f"\next_proc decision (client round trip) p50 {q(through, 50):.3f} ms "
-          f"p99 {q(through, 99):.3f} ms; EndpointPicker.pick (parse, tokenize, place) p50 "
-          f"{q(inside, 50):.3f} ms p99 {q(inside, 99):.3f} ms; the same for a chat request "
-          f"p50 {q(chat, 50):.3f} ms p99 {q(chat, 99):.3f} ms; placer.place p50 {q(direct, 50):.3f} ms "
-          f"p99 {q(direct, 99):.3f} ms")
+    print(
+        f"\next_proc decision (client round trip) p50 {q(through, 50):.3f} ms "
+        f"p99 {q(through, 99):.3f} ms; EndpointPicker.pick (parse, tokenize, place) p50 "
+        f"{q(inside, 50):.3f} ms p99 {q(inside, 99):.3f} ms; the same for a chat request "
+        f"p50 {q(chat, 50):.3f} ms p99 {q(chat, 99):.3f} ms; placer.place p50 {q(direct, 50):.3f} ms "
+        f"p99 {q(direct, 99):.3f} ms"
+    )
     assert q(through, 50) < 100  # a loose bound: 2 shared cores
 
 
@@ -208,8 +256,14 @@ def test_the_pool_gauges_reach_metrics(gw):
     gw.workers["p1"].set_capacity(queued_prefill_tokens=4000, prefill_tokens_per_s=2000.0)
     gw.workers["d1"].set_capacity(total_blocks=1000, free_blocks=500, waiting=3)
     registry = gw.services.registry
-    gw.bg.run(wait_for(lambda: registry.get("p1").info.capacity.queued_prefill_tokens == 4000
-                       and registry.get("d1").info.capacity.waiting == 3))
+    gw.bg.run(
+        wait_for(
+            lambda: (
+                registry.get("p1").info.capacity.queued_prefill_tokens == 4000
+                and registry.get("d1").info.capacity.waiting == 3
+            )
+        )
+    )
     text = httpx.get(gw.router.url + "/metrics", timeout=10).text
     assert "pdserve_router_prefill_backlog_seconds 2.0" in text
     assert "pdserve_router_decode_kv_usage 0.25" in text  # 500 of 2000 blocks

@@ -2,16 +2,17 @@
 process: engine/structured/compile_process.py) is a 400 at the compile time limit: its process
 is killed, the next constraint compiles in a fresh one, and the same constraint again is
 refused at once."""
+
 import asyncio
 import time
 
 import pytest
 
 from router.config import RouterConfig
-from router.http.errors import APIError
 from router.endpoints.completions.protocol import CompletionRequest
-from router.server import load_model_card
 from router.generation.structured import Grammars, constraint
+from router.http.errors import APIError
+from router.server import load_model_card
 
 # 60 bytes that xgrammar compiles for 10.8 s on the 2-core box (nested counted repetitions in
 # a pattern; not monotonic: four levels, or {0,30}, are fast).
@@ -48,6 +49,11 @@ def test_a_pathological_schema_is_a_400_at_the_time_limit(grammars, monkeypatch)
     # The same schema again, from another field: refused from the cache, not compiled again.
     monkeypatch.setattr(grammars, "_compile", lambda p: pytest.fail("compiled again"))
     with pytest.raises(APIError) as again:
-        _check(grammars, response_format={"type": "json_schema", "json_schema": {
-            "name": "x", "schema": PATHOLOGICAL}})
+        _check(
+            grammars,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": PATHOLOGICAL},
+            },
+        )
     assert again.value.param == "response_format" and "did not compile" in again.value.message

@@ -3,6 +3,7 @@ workers, driven with raw sockets so that a test controls exactly what was sent: 
 the cap is a 413 before it is read (and /health answers meanwhile), a chunked one as it
 passes the cap; a body that stops arriving is a 408; connections dribbling their headers
 (slowloris) are closed at the header timeout."""
+
 import json
 import socket
 import time
@@ -10,14 +11,18 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from router_harness import start_cluster
 
 from router.config import LimitsConfig
 from router.http.limits import uvicorn_options
-from router_harness import start_cluster
 
 CAP = 1 << 20
-LIMITS = LimitsConfig(max_request_body_bytes=CAP, request_header_timeout_s=1.0,
-                      request_body_timeout_s=1.0, limit_concurrency=64)
+LIMITS = LimitsConfig(
+    max_request_body_bytes=CAP,
+    request_header_timeout_s=1.0,
+    request_body_timeout_s=1.0,
+    limit_concurrency=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +52,12 @@ def _connect(cluster) -> socket.socket:
 
 
 def _head(path: str, **headers: str) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: router", "Content-Type: application/json",
-             *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items())]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: router",
+        "Content-Type: application/json",
+        *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items()),
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -85,8 +94,9 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_read(cluster, handled):
     the client has sent 64 KiB of it when the 413 arrives, no handler ran, and /health
     answered while the connection was open."""
     with _connect(cluster) as sock:
-        sock.sendall(_head("/tokenize", Content_Length="8000000") + b'{"prompt": "'
-                     + b"a" * (64 << 10))
+        sock.sendall(
+            _head("/tokenize", Content_Length="8000000") + b'{"prompt": "' + b"a" * (64 << 10)
+        )
         assert httpx.get(cluster.router.url + "/health", timeout=5).status_code == 200
         status, headers, body = _response(sock)
         assert status == 413 and headers["connection"] == "close"

@@ -3,6 +3,7 @@ module:
 every prefix of a valid document is accepted and the document completes exactly at its end,
 in any pieces; an invalid document stops at the first character no valid document could
 have there; random documents and their random mutations agree with `json.loads`."""
+
 import json
 import random
 
@@ -11,16 +12,39 @@ import pytest
 from router.parsers.tools.json_prefix import JsonPrefix, valid_prefix
 
 VALID = [
-    '{}', '[]', '""', '{"a": 1}', ' {"a" : [1, -2.5e+3, 0, 0.25, 1E9, true, false, null]} ',
+    "{}",
+    "[]",
+    '""',
+    '{"a": 1}',
+    ' {"a" : [1, -2.5e+3, 0, 0.25, 1E9, true, false, null]} ',
     '{"s": "q\\"\\\\\\/\\b\\f\\n\\r\\t\\u00e9\\uD83D\\uDE00 日本 🌧"}',
-    '[[[]], {"a": {"b": [{}]}}, "x"]', '{"": ""}', '\n\t[1 ,\r 2]', '"\\u0041"', 'true',
+    '[[[]], {"a": {"b": [{}]}}, "x"]',
+    '{"": ""}',
+    "\n\t[1 ,\r 2]",
+    '"\\u0041"',
+    "true",
 ]
 # (text, index of the first character that cannot continue a JSON value)
 INVALID = [
-    ('{"a": 01}', 7), ('{"a": 1,}', 8), ('{a: 1}', 1), ("{'a': 1}", 1), ('[1 2]', 3),
-    ('{"a" 1}', 5), ('"\\x"', 2), ('"\\u12g4"', 5), ('"a\nb"', 2), ('[-]', 2), ('[1.]', 3),
-    ('[1e]', 3), ('[.5]', 1), ('tru!', 3), ('{"a": 1}}', 8), ('[+1]', 1), ('{,}', 1),
-    ('[1,]', 3), ('nul ', 3),
+    ('{"a": 01}', 7),
+    ('{"a": 1,}', 8),
+    ("{a: 1}", 1),
+    ("{'a': 1}", 1),
+    ("[1 2]", 3),
+    ('{"a" 1}', 5),
+    ('"\\x"', 2),
+    ('"\\u12g4"', 5),
+    ('"a\nb"', 2),
+    ("[-]", 2),
+    ("[1.]", 3),
+    ("[1e]", 3),
+    ("[.5]", 1),
+    ("tru!", 3),
+    ('{"a": 1}}', 8),
+    ("[+1]", 1),
+    ("{,}", 1),
+    ("[1,]", 3),
+    ("nul ", 3),
 ]
 
 
@@ -59,15 +83,17 @@ def _document(rng: random.Random, depth: int = 0):
         return "".join(rng.choice('ab"\\\n\t/é🌧\x01 ') for _ in range(rng.randrange(6)))
     if kind == 5:
         return [_document(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {_document(rng, 5) if rng.random() < .9 else "k": _document(rng, depth + 1)
-            for _ in range(rng.randrange(4))}
+    return {
+        _document(rng, 5) if rng.random() < 0.9 else "k": _document(rng, depth + 1)
+        for _ in range(rng.randrange(4))
+    }
 
 
 def test_random_documents_and_mutations_agree_with_json():
     rng = random.Random(0)
     for _ in range(400):
         doc = {"x": _document(rng)}
-        text = json.dumps(doc, ensure_ascii=rng.random() < .5, indent=rng.choice([None, 1]))
+        text = json.dumps(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
         assert valid_prefix(text) == (len(text), True)
         chars = list(text)
         for _ in range(rng.randrange(1, 3)):

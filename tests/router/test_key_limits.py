@@ -2,6 +2,7 @@
 taken and freed, the bucket's refill, the Retry-After of a refusal, the reconciliation of a
 reservation with what a request used, a request larger than a minute's budget (a debt), and
 refusals that take nothing."""
+
 import pytest
 
 from router.http.errors import APIError
@@ -47,7 +48,9 @@ def test_concurrency_slots_per_key():
     lim, _, refused = limits(concurrent=2)
     a1, a2 = lim.admit(A), lim.admit(A)
     err = refusal(lim.admit, A)
-    assert err.headers == {"Retry-After": "1"} and "--max-concurrent-requests-per-key" in err.message
+    assert (
+        err.headers == {"Retry-After": "1"} and "--max-concurrent-requests-per-key" in err.message
+    )
     assert refused == [LimitReason.CONCURRENCY]
     assert lim.in_flight(A) == 2  # the refused one took no slot
     b = lim.admit(B)  # another key is not affected

@@ -1,14 +1,16 @@
 """KV subscriptions against fake workers: snapshot first, then events; a worker leaving drops
 its entries; a fresh router (restart) rebuilds the index from snapshots."""
+
 import asyncio
+
+from router_fakes import FakeWorker
+from router_harness import wait_for
 
 from cluster.grpc_security import OPEN
 from engine.kv.block_hash import compute_block_hashes
 from router.channels import ChannelPool
 from router.placement.events import KVSubscriptions
 from router.placement.index import KVIndex
-from router_fakes import FakeWorker
-from router_harness import wait_for
 
 H = compute_block_hashes(list(range(160)), 16)  # 10 blocks
 

@@ -1,6 +1,7 @@
 """Placement with quantized KV caches: a worker's block hashes include its KV cache dtype
 (published in its registration), so the router hashes a prompt per format; workers of one
 format share hashes; a prefill worker pairs only with decode workers of its KV layout."""
+
 import logging
 
 from cluster.registration import Capacity, WorkerInfo
@@ -15,10 +16,16 @@ IDS = list(range(200))
 
 
 def info(wid, role, kv="auto", compat=None):
-    return WorkerInfo(worker_id=wid, role=role, grpc_address=f"{wid}:1", model_id="m",
-                      compat_hash=compat or f"compat-{kv}", block_size=16, kv_cache_dtype=kv,
-                      capacity=Capacity(total_blocks=1000, free_blocks=1000,
-                                        prefill_tokens_per_s=1000.0))
+    return WorkerInfo(
+        worker_id=wid,
+        role=role,
+        grpc_address=f"{wid}:1",
+        model_id="m",
+        compat_hash=compat or f"compat-{kv}",
+        block_size=16,
+        kv_cache_dtype=kv,
+        capacity=Capacity(total_blocks=1000, free_blocks=1000, prefill_tokens_per_s=1000.0),
+    )
 
 
 def test_registration_carries_the_kv_cache_dtype():
@@ -31,8 +38,12 @@ def test_registration_carries_the_kv_cache_dtype():
 def test_prompt_hashes_per_kv_format():
     key = PromptKey(IDS)
     assert key.hashes(16) == compute_block_hashes(IDS[:192], 16)
-    assert key.hashes(16, "fp8_e4m3") == compute_block_hashes(IDS[:192], 16, kv_cache_dtype="fp8_e4m3")
-    assert len({bytes(key.hashes(16, kv)[0]) for kv in ("auto", "fp8_e4m3", "fp8_e5m2", "int8")}) == 4
+    assert key.hashes(16, "fp8_e4m3") == compute_block_hashes(
+        IDS[:192], 16, kv_cache_dtype="fp8_e4m3"
+    )
+    assert (
+        len({bytes(key.hashes(16, kv)[0]) for kv in ("auto", "fp8_e4m3", "fp8_e5m2", "int8")}) == 4
+    )
 
 
 def test_prefix_affinity_matches_each_worker_with_its_own_format():
@@ -55,10 +66,15 @@ def test_prefill_workers_of_another_kv_layout_are_not_paired(caplog):
     registry.put(info("d", "decode", "fp8_e4m3"))
     with caplog.at_level(logging.WARNING, logger="router.placement.registry"):
         registry.put(info("p-int8", "prefill", "int8"))
-    assert "p-int8 (prefill, KV int8, block size 16) shares its KV layout with no decode worker " \
-           "(d: KV fp8_e4m3, block size 16)" in caplog.text
-    placer = Placer(registry, KVIndex(), AffinityPolicy(PlacementConfig(
-        local_prefill_threshold=0, local_prefill_max_tokens=0)))
+    assert (
+        "p-int8 (prefill, KV int8, block size 16) shares its KV layout with no decode worker "
+        "(d: KV fp8_e4m3, block size 16)" in caplog.text
+    )
+    placer = Placer(
+        registry,
+        KVIndex(),
+        AffinityPolicy(PlacementConfig(local_prefill_threshold=0, local_prefill_max_tokens=0)),
+    )
     decision = placer.place(PromptKey(IDS)).decision
     assert decision.prefill is None and decision.reason is Reason.LOCAL_NO_PREFILL
     registry.put(info("p-fp8", "prefill", "fp8_e4m3"))

@@ -1,16 +1,17 @@
 """KV index: events, eviction, snapshots, tiers, and hashes equal to the engine's by
 construction."""
+
 import random
 
 import engine.kv.block_hash
 import router.placement.index
-from engine.kv.block_hash import compute_block_hashes, hash_extras
-from engine.kv.block_manager import BlockManager
 from engine.core.request import Request
-from engine.sampling.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import RunnerOutput
+from engine.kv.block_hash import compute_block_hashes, hash_extras
+from engine.kv.block_manager import BlockManager
 from engine.processing.tokens import SampledToken
+from engine.sampling.sampling_params import SamplingParams
 from router.placement.index import KVIndex, PrefixHit, prompt_block_hashes
 
 BS = 4
@@ -92,10 +93,14 @@ def test_hashes_are_the_engines_by_construction():
 
 def _request(rid, tokens, salt=None):
     return Request(
-        request_id=rid, prompt_token_ids=list(tokens),
-        sampling=SamplingParams(max_tokens=2, temperature=0.0), seed=0,
-        eos_token_ids=frozenset(), max_tokens=2,
-        block_hashes=compute_block_hashes(tokens, BS, salt), hash_extras=hash_extras(salt),
+        request_id=rid,
+        prompt_token_ids=list(tokens),
+        sampling=SamplingParams(max_tokens=2, temperature=0.0),
+        seed=0,
+        eos_token_ids=frozenset(),
+        max_tokens=2,
+        block_hashes=compute_block_hashes(tokens, BS, salt),
+        hash_extras=hash_extras(salt),
         cache_salt=salt,
     )
 
@@ -105,10 +110,16 @@ def _run(scheduler, requests):
         scheduler.add_request(r)
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        scheduler.update_from_output(out, RunnerOutput({
-            r.request_id: [SampledToken(7)] for r, n in out.scheduled
-            if r.num_computed_tokens + n == r.num_tokens
-        }))
+        scheduler.update_from_output(
+            out,
+            RunnerOutput(
+                {
+                    r.request_id: [SampledToken(7)]
+                    for r, n in out.scheduled
+                    if r.num_computed_tokens + n == r.num_tokens
+                }
+            ),
+        )
 
 
 def test_index_fed_by_a_real_block_manager_predicts_its_prefix_hits():

@@ -2,17 +2,18 @@
 router/placement/placer.py): a tier hit is credited at its measured promotion cost, and the worker
 that computes a prompt pulls the blocks a peer holds beyond its own hit when the measured
 rates say that beats computing them."""
+
 import dataclasses
 
 import pytest
 
 from cluster.registration import Capacity, WorkerInfo
 from router.config import PlacementConfig
-from router.placement.index import KVIndex
-from router.placement.reuse import best_pull
 from router.metrics import RouterMetrics
+from router.placement.index import KVIndex
 from router.placement.placer import KVSource, Placer, PromptKey
 from router.placement.policy import AffinityPolicy, Candidate, Reason
+from router.placement.reuse import best_pull
 
 PROMPT = 1024  # 64 blocks of 16; the last is never reused (its last token is computed): 63
 HELD = 63 * 16
@@ -20,8 +21,13 @@ OVERHEAD = 0.01  # --default-kv-pull-overhead: a pull's fixed cost until the wor
 
 
 def cand(wid, cached=0, tier=0, rate=2000.0, queued=0, free=1000, **cap):
-    capacity = Capacity(total_blocks=1000, free_blocks=free, prefill_tokens_per_s=rate,
-                        queued_prefill_tokens=queued, **cap)
+    capacity = Capacity(
+        total_blocks=1000,
+        free_blocks=free,
+        prefill_tokens_per_s=rate,
+        queued_prefill_tokens=queued,
+        **cap,
+    )
     return Candidate(wid, capacity, cached_tokens=cached, cached_tier_blocks=tier, compat="c")
 
 
@@ -37,15 +43,18 @@ def test_a_tier_hit_is_credited_at_its_promotion_cost():
     assert pol.place(PROMPT, [tier, pool], []).decode.worker_id == "pool"
     # Promotion as cheap as the default (0.1 ms): a tier hit is nearly a pool hit, less the
     # tokens computed meanwhile (63 x 0.0001 s x 2000 tokens/s).
-    assert pol.decode_score(PROMPT, pool) - pol.decode_score(PROMPT, cand("t", HELD, tier=63)) \
-        == pytest.approx(63 * 0.0001 * 2000 / PROMPT)
+    assert pol.decode_score(PROMPT, pool) - pol.decode_score(
+        PROMPT, cand("t", HELD, tier=63)
+    ) == pytest.approx(63 * 0.0001 * 2000 / PROMPT)
     # A prefill worker's TTFT: its tier blocks add their promotion time.
-    assert (pol.estimated_ttft_s(PROMPT, tier) - pol.estimated_ttft_s(PROMPT, pool)
-            == pytest.approx(63 * 0.01))
+    assert pol.estimated_ttft_s(PROMPT, tier) - pol.estimated_ttft_s(PROMPT, pool) == pytest.approx(
+        63 * 0.01
+    )
     # Unmeasured: the configured default per block.
     untimed = cand("u", HELD, tier=10)
-    assert (policy(default_kv_promote_s=0.5).estimated_ttft_s(PROMPT, untimed)
-            - pol.estimated_ttft_s(PROMPT, pool) == pytest.approx(5.0))
+    assert policy(default_kv_promote_s=0.5).estimated_ttft_s(
+        PROMPT, untimed
+    ) - pol.estimated_ttft_s(PROMPT, pool) == pytest.approx(5.0)
 
 
 def test_promoted_blocks_need_free_pool_blocks():
@@ -81,7 +90,9 @@ def test_the_measured_rates_decide_between_pulling_and_computing():
     assert decision.kv_pull is None and decision.kv_pull_declined
     fast_tier = cand("h", HELD, tier=63, kv_promote_s_per_block=0.0001)
     plan = policy().place(PROMPT, [cand("d")], [], peers=[fast_tier]).kv_pull
-    assert plan.num_tier_blocks == 63 and plan.seconds == pytest.approx(OVERHEAD + 63 / 2000 + 63 * 0.0001)
+    assert plan.num_tier_blocks == 63 and plan.seconds == pytest.approx(
+        OVERHEAD + 63 / 2000 + 63 * 0.0001
+    )
 
 
 def test_only_what_the_puller_lacks_is_priced_and_the_best_holder_wins():
@@ -93,9 +104,15 @@ def test_only_what_the_puller_lacks_is_priced_and_the_best_holder_wins():
     assert policy().place(PROMPT, [cand("d", HELD)], [], peers=[far]).kv_pull is None
 
 
-@pytest.mark.parametrize("change", [
-    dict(compat="other"), dict(draining=True), dict(stale=True), dict(block_size=32),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(compat="other"),
+        dict(draining=True),
+        dict(stale=True),
+        dict(block_size=32),
+    ],
+)
 def test_no_pull_from_a_worker_whose_kv_cannot_be_joined(change):
     holder = dataclasses.replace(cand("h", HELD), **change)
     decision = policy().place(PROMPT, [cand("d")], [], peers=[holder])
@@ -110,7 +127,8 @@ def test_kv_pull_off():
 def test_the_prefill_worker_pulls_what_the_decode_worker_holds():
     d, p = cand("d", 40 * 16), cand("p", rate=1000.0)
     decision = policy(local_prefill_threshold=0, local_prefill_max_tokens=0).place(
-        PROMPT, [d], [p], peers=[d])
+        PROMPT, [d], [p], peers=[d]
+    )
     assert decision.reason is Reason.REMOTE and decision.compute.worker_id == "p"
     assert decision.kv_pull.holder.worker_id == "d" and decision.kv_pull.num_blocks == 40
     # ... and its TTFT estimate computes only the rest, after the pull.
@@ -118,8 +136,15 @@ def test_the_prefill_worker_pulls_what_the_decode_worker_holds():
 
 
 def info(wid, role, **cap):
-    return WorkerInfo(wid, role, f"{wid}:1", "m", "c", 16, capacity=Capacity(
-        total_blocks=1000, free_blocks=1000, prefill_tokens_per_s=2000.0, **cap))
+    return WorkerInfo(
+        wid,
+        role,
+        f"{wid}:1",
+        "m",
+        "c",
+        16,
+        capacity=Capacity(total_blocks=1000, free_blocks=1000, prefill_tokens_per_s=2000.0, **cap),
+    )
 
 
 def test_placer_names_the_holder_and_counts_the_decision():
@@ -136,8 +161,9 @@ def test_placer_names_the_holder_and_counts_the_decision():
     assert placement.kv_source == KVSource(registry.get("p"), 63, 3)
 
     def count(outcome):
-        return metrics.registry.get_sample_value("pdserve_router_kv_pull_decisions_total",
-                                                 {"outcome": outcome})
+        return metrics.registry.get_sample_value(
+            "pdserve_router_kv_pull_decisions_total", {"outcome": outcome}
+        )
 
     assert (count("pull"), count("recompute")) == (1, 0)
     # Excluded workers (they failed this request) are no holders.

@@ -1,8 +1,10 @@
 """LoRA adapters in the router, against fake workers: adapter affinity in placement (with
 prefix affinity and load), the adapter in Generate and in the block hashes, /v1/models,
 load / unload fanned out to both pools with rollback, and the endpoints disabled by default."""
+
 import httpx
 import pytest
+from router_harness import start_cluster
 
 from cluster.registration import Capacity
 from engine.kv.block_hash import compute_block_hashes
@@ -10,15 +12,23 @@ from engine.lora.request import LoRARequest, lora_id_for
 from router.config import PlacementConfig
 from router.placement.placer import PromptKey
 from router.placement.policy import AffinityPolicy, Candidate, Reason
-from router_harness import start_cluster
 
 PROMPT = 1024
 
 
 def cand(wid, running=0, cached=0, queued=0, lora_missing=False):
-    return Candidate(wid, Capacity(total_blocks=1000, free_blocks=1000, running=running,
-                                   queued_prefill_tokens=queued, prefill_tokens_per_s=1000.0),
-                     cached_tokens=cached, lora_missing=lora_missing)
+    return Candidate(
+        wid,
+        Capacity(
+            total_blocks=1000,
+            free_blocks=1000,
+            running=running,
+            queued_prefill_tokens=queued,
+            prefill_tokens_per_s=1000.0,
+        ),
+        cached_tokens=cached,
+        lora_missing=lora_missing,
+    )
 
 
 def test_decode_prefers_a_worker_with_the_adapter_loaded():
@@ -26,12 +36,24 @@ def test_decode_prefers_a_worker_with_the_adapter_loaded():
     decode = [cand("a", lora_missing=True), cand("b")]
     assert policy.place(PROMPT, decode, []).decode.worker_id == "b"
     # combined with prefix affinity and load: a long cached prefix or a much lighter load wins
-    assert policy.place(PROMPT, [cand("a", cached=768, lora_missing=True), cand("b")],
-                        []).decode.worker_id == "a"
-    assert policy.place(PROMPT, [cand("a", lora_missing=True), cand("b", running=16)],
-                        []).decode.worker_id == "a"
-    assert AffinityPolicy(PlacementConfig(lora_weight=0)).place(
-        PROMPT, [cand("b", running=1), cand("a", lora_missing=True)], []).decode.worker_id == "a"
+    assert (
+        policy.place(
+            PROMPT, [cand("a", cached=768, lora_missing=True), cand("b")], []
+        ).decode.worker_id
+        == "a"
+    )
+    assert (
+        policy.place(
+            PROMPT, [cand("a", lora_missing=True), cand("b", running=16)], []
+        ).decode.worker_id
+        == "a"
+    )
+    assert (
+        AffinityPolicy(PlacementConfig(lora_weight=0))
+        .place(PROMPT, [cand("b", running=1), cand("a", lora_missing=True)], [])
+        .decode.worker_id
+        == "a"
+    )
 
 
 def test_prefill_counts_the_adapter_load_time():
@@ -45,23 +67,31 @@ def test_prefill_counts_the_adapter_load_time():
 def test_block_hashes_include_the_adapter():
     ids = list(range(100))
     lora = LoRARequest("x", lora_id_for("x"), "/x")
-    assert PromptKey(ids, None, lora).hashes(16) == compute_block_hashes(ids[:96], 16, None,
-                                                                         lora_id_for("x"))
+    assert PromptKey(ids, None, lora).hashes(16) == compute_block_hashes(
+        ids[:96], 16, None, lora_id_for("x")
+    )
     assert PromptKey(ids, None, lora).hashes(16) != PromptKey(ids).hashes(16)
 
 
 @pytest.fixture(scope="module")
 def lora_cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "lora-routing", [("decode", "d1"), ("decode", "d2"),
-                                                          ("prefill", "p1"), ("prefill", "p2")],
-                      api_key="k", enable_lora=True,
-                      placement=PlacementConfig(local_prefill_threshold=0, local_prefill_max_tokens=0))
+    c = start_cluster(
+        bg,
+        etcd.endpoint,
+        "lora-routing",
+        [("decode", "d1"), ("decode", "d2"), ("prefill", "p1"), ("prefill", "p2")],
+        api_key="k",
+        enable_lora=True,
+        placement=PlacementConfig(local_prefill_threshold=0, local_prefill_max_tokens=0),
+    )
     yield c
     c.stop()
 
 
 def _post(c, path, body):
-    return httpx.post(c.router.url + path, json=body, headers={"Authorization": "Bearer k"}, timeout=30)
+    return httpx.post(
+        c.router.url + path, json=body, headers={"Authorization": "Bearer k"}, timeout=30
+    )
 
 
 def _models(c):
@@ -81,8 +111,12 @@ def test_load_fans_out_and_affinity_places_on_workers_with_the_adapter(lora_clus
         c.workers[wid].resident_loras = ("fox",)
     c.bg.run(_republish(c))
     for _ in range(4):
-        r = httpx.post(c.base_url + "/completions", headers={"Authorization": "Bearer k"},
-                       json={"model": "fox", "prompt": list(range(40)), "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            c.base_url + "/completions",
+            headers={"Authorization": "Bearer k"},
+            json={"model": "fox", "prompt": list(range(40)), "max_tokens": 2},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["model"] == "fox", r.text
     sent = c.workers["d2"].requests
     assert len(sent) == 4 and not c.workers["d1"].requests
@@ -90,8 +124,12 @@ def test_load_fans_out_and_affinity_places_on_workers_with_the_adapter(lora_clus
     assert {m.prefill_worker.worker_id for m in sent} == {"p1"}
     r = _post(c, "/v1/unload_lora_adapter", {"lora_int_id": lora_id_for("fox")})
     assert r.status_code == 200 and "fox" not in _models(c)
-    r = httpx.post(c.base_url + "/completions", headers={"Authorization": "Bearer k"},
-                   json={"model": "fox", "prompt": [1, 2], "max_tokens": 2}, timeout=30)
+    r = httpx.post(
+        c.base_url + "/completions",
+        headers={"Authorization": "Bearer k"},
+        json={"model": "fox", "prompt": [1, 2], "max_tokens": 2},
+        timeout=30,
+    )
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
@@ -117,7 +155,9 @@ def test_runtime_updates_are_off_by_default(etcd, bg):
     c = start_cluster(bg, etcd.endpoint, "lora-off", [("decode", "d1")])
     try:
         for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            r = httpx.post(c.router.url + path, json={"lora_name": "a", "lora_path": "/a"}, timeout=30)
+            r = httpx.post(
+                c.router.url + path, json={"lora_name": "a", "lora_path": "/a"}, timeout=30
+            )
             assert r.status_code == 404 and "--enable-lora" in r.json()["error"]["message"]
     finally:
         c.stop()

@@ -1,23 +1,42 @@
 """Placement policies on hand-built candidates (pure: no processes, no clocks)."""
+
 import pytest
 
 from cluster.registration import Capacity
 from router.config import PlacementConfig
 from router.placement.policy import (
-    AffinityPolicy, Candidate, LeastLoadedPolicy, Reason, RoundRobinPolicy, make_policy,
+    AffinityPolicy,
+    Candidate,
+    LeastLoadedPolicy,
+    Reason,
+    RoundRobinPolicy,
+    make_policy,
 )
 
 PROMPT = 1024
 
 
 def dec(wid, running=0, waiting=0, free=1000, total=1000, cached=0, **kw):
-    return Candidate(wid, Capacity(total_blocks=total, free_blocks=free, running=running,
-                                   waiting=waiting), cached_tokens=cached, **kw)
+    return Candidate(
+        wid,
+        Capacity(total_blocks=total, free_blocks=free, running=running, waiting=waiting),
+        cached_tokens=cached,
+        **kw,
+    )
 
 
 def pre(wid, queued=0, rate=1000.0, cached=0, **kw):
-    return Candidate(wid, Capacity(total_blocks=1000, free_blocks=1000, queued_prefill_tokens=queued,
-                                   prefill_tokens_per_s=rate), cached_tokens=cached, **kw)
+    return Candidate(
+        wid,
+        Capacity(
+            total_blocks=1000,
+            free_blocks=1000,
+            queued_prefill_tokens=queued,
+            prefill_tokens_per_s=rate,
+        ),
+        cached_tokens=cached,
+        **kw,
+    )
 
 
 def affinity(**cfg):
@@ -30,8 +49,11 @@ def remote_only(**cfg):
 
 
 def test_affinity_wins_when_load_is_balanced():
-    d = affinity().place(PROMPT, [dec("a", running=3), dec("b", running=3, cached=768),
-                                  dec("c", running=3, cached=256)], [])
+    d = affinity().place(
+        PROMPT,
+        [dec("a", running=3), dec("b", running=3, cached=768), dec("c", running=3, cached=256)],
+        [],
+    )
     assert d.decode.worker_id == "b" and d.predicted_cached_tokens == 768
 
 
@@ -54,8 +76,9 @@ def test_router_inflight_counts_as_load_before_capacity_reports_catch_up():
 
 def test_equal_workers_share_requests():
     policy = affinity()
-    picks = {policy.place(PROMPT, [dec("a"), dec("b"), dec("c")], []).decode.worker_id
-             for _ in range(6)}
+    picks = {
+        policy.place(PROMPT, [dec("a"), dec("b"), dec("c")], []).decode.worker_id for _ in range(6)
+    }
     assert picks == {"a", "b", "c"}
 
 
@@ -73,16 +96,20 @@ def test_prefill_by_estimated_ttft():
     assert d.estimated_ttft_s == pytest.approx(PROMPT / 100.0)
 
 
-@pytest.mark.parametrize("cached, threshold, reason", [
-    (0, 128, Reason.REMOTE),
-    (1024 - 128, 128, Reason.REMOTE),  # exactly the threshold uncached: remote
-    (1024 - 127, 128, Reason.LOCAL_SHORT),
-    (0, 2048, Reason.LOCAL_SHORT),
-    (0, 0, Reason.REMOTE),
-])
+@pytest.mark.parametrize(
+    "cached, threshold, reason",
+    [
+        (0, 128, Reason.REMOTE),
+        (1024 - 128, 128, Reason.REMOTE),  # exactly the threshold uncached: remote
+        (1024 - 127, 128, Reason.LOCAL_SHORT),
+        (0, 2048, Reason.LOCAL_SHORT),
+        (0, 0, Reason.REMOTE),
+    ],
+)
 def test_conditional_disaggregation_threshold(cached, threshold, reason):
     d = affinity(local_prefill_threshold=threshold, local_prefill_max_tokens=0).place(
-        PROMPT, [dec("d", cached=cached)], [pre("p")])
+        PROMPT, [dec("d", cached=cached)], [pre("p")]
+    )
     assert d.reason is reason
     assert (d.prefill is None) == (reason is not Reason.REMOTE)
 
@@ -111,8 +138,9 @@ def test_draining_and_stale_workers_get_no_work(flag):
     best_decode = dec("d1", cached=1000, **{flag: True})
     best_prefill = pre("p1", cached=1000, **{flag: True})
     for _ in range(4):
-        d = policy.place(PROMPT, [best_decode, dec("d2", running=50)],
-                         [best_prefill, pre("p2", queued=10_000)])
+        d = policy.place(
+            PROMPT, [best_decode, dec("d2", running=50)], [best_prefill, pre("p2", queued=10_000)]
+        )
         assert d.decode.worker_id == "d2" and d.prefill.worker_id == "p2"
     assert policy.place(PROMPT, [best_decode], []) is None
     assert policy.place(PROMPT, [dec("d")], [best_prefill]).reason is Reason.LOCAL_NO_PREFILL
@@ -129,8 +157,9 @@ def test_no_room_means_no_decision():
 
 
 def test_round_robin_rotates_ignoring_caches_and_load():
-    policy = RoundRobinPolicy(PlacementConfig(policy="round_robin", local_prefill_threshold=0,
-                                              local_prefill_max_tokens=0))
+    policy = RoundRobinPolicy(
+        PlacementConfig(policy="round_robin", local_prefill_threshold=0, local_prefill_max_tokens=0)
+    )
     decode = [dec("a", cached=1000), dec("b", running=40), dec("c")]
     prefill = [pre("p", queued=900), pre("q", cached=1000)]
     got = [policy.place(PROMPT, decode, prefill) for _ in range(6)]
@@ -139,18 +168,27 @@ def test_round_robin_rotates_ignoring_caches_and_load():
 
 
 def test_least_loaded_picks_fewest_requests_and_shortest_queue():
-    policy = LeastLoadedPolicy(PlacementConfig(policy="least_loaded", local_prefill_threshold=0,
-                                               local_prefill_max_tokens=0))
-    d = policy.place(PROMPT, [dec("a", running=2, cached=1000), dec("b", running=1)],
-                     [pre("p", queued=10, cached=1000), pre("q", queued=5)])
+    policy = LeastLoadedPolicy(
+        PlacementConfig(
+            policy="least_loaded", local_prefill_threshold=0, local_prefill_max_tokens=0
+        )
+    )
+    d = policy.place(
+        PROMPT,
+        [dec("a", running=2, cached=1000), dec("b", running=1)],
+        [pre("p", queued=10, cached=1000), pre("q", queued=5)],
+    )
     assert (d.decode.worker_id, d.prefill.worker_id) == ("b", "q")
     d = policy.place(PROMPT, [dec("a", running=1, free=100), dec("b", running=1, free=900)], [])
     assert d.decode.worker_id == "b"
 
 
 def test_make_policy_and_config_validation():
-    for name, cls in [("affinity", AffinityPolicy), ("round_robin", RoundRobinPolicy),
-                      ("least_loaded", LeastLoadedPolicy)]:
+    for name, cls in [
+        ("affinity", AffinityPolicy),
+        ("round_robin", RoundRobinPolicy),
+        ("least_loaded", LeastLoadedPolicy),
+    ]:
         assert isinstance(make_policy(PlacementConfig(policy=name)), cls)
     with pytest.raises(ValueError, match="policy"):
         PlacementConfig(policy="random")
@@ -167,7 +205,15 @@ def test_short_prompt_goes_local_when_the_prefill_pool_is_busy():
     idle = pre("p", queued=0, rate=1000.0)  # equal estimates: the prefill pool takes it
     assert policy.place(300, [dec("d")], [idle]).reason is Reason.REMOTE
     # The operator's cap overrides the estimate.
-    assert affinity(local_prefill_threshold=0, local_prefill_max_tokens=0).place(
-        300, [dec("d")], [busy]).reason is Reason.REMOTE
-    assert affinity(local_prefill_threshold=0, local_prefill_max_tokens=299).place(
-        300, [dec("d")], [busy]).reason is Reason.REMOTE
+    assert (
+        affinity(local_prefill_threshold=0, local_prefill_max_tokens=0)
+        .place(300, [dec("d")], [busy])
+        .reason
+        is Reason.REMOTE
+    )
+    assert (
+        affinity(local_prefill_threshold=0, local_prefill_max_tokens=299)
+        .place(300, [dec("d")], [busy])
+        .reason
+        is Reason.REMOTE
+    )

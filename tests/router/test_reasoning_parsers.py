@@ -2,6 +2,7 @@
 reasoning and content, the same in any pieces (char by char, random cuts, 3-char "tokens");
 text without a marker goes out at once and only a marker prefix is held; `in_answer`
 follows the split; the prompt's tail sets the starting phase; unknown names list the known."""
+
 import random
 
 import pytest
@@ -10,25 +11,48 @@ from router.parsers.reasoning.parser import reasoning_parser, reasoning_parser_n
 
 # (parser, flags, text, reasoning, content, in_answer at the end)
 CASES = [
-    ("deepseek_r1", {}, "<think>\nLet me see.</think>\n\nIt is 4.", "\nLet me see.",
-     "\n\nIt is 4.", True),
+    (
+        "deepseek_r1",
+        {},
+        "<think>\nLet me see.</think>\n\nIt is 4.",
+        "\nLet me see.",
+        "\n\nIt is 4.",
+        True,
+    ),
     ("deepseek_r1", {}, "Let me see.</think>It is 4.", "Let me see.", "It is 4.", True),
-    ("deepseek_r1", {}, "Still thinking <think> about it", "Still thinking <think> about it",
-     "", False),
+    (
+        "deepseek_r1",
+        {},
+        "Still thinking <think> about it",
+        "Still thinking <think> about it",
+        "",
+        False,
+    ),
     ("deepseek_r1", {}, "<think>a</think>b</think><think>c", "a", "b</think><think>c", True),
     ("deepseek_r1", {}, "<thin", "<thin", "", False),
-    ("deepseek_r1", {"prompt_ends_reasoning": True}, "<think>a</think>b", "",
-     "<think>a</think>b", True),
+    (
+        "deepseek_r1",
+        {"prompt_ends_reasoning": True},
+        "<think>a</think>b",
+        "",
+        "<think>a</think>b",
+        True,
+    ),
     ("qwen3", {}, "<think>\nHmm.\n</think>\n\nParis.", "\nHmm.\n", "\n\nParis.", True),
     ("qwen3", {}, "Just the answer, 2 < 3.", "", "Just the answer, 2 < 3.", False),
     ("qwen3", {}, "<think>cut off", "cut off", "", False),
     ("qwen3", {}, "Hi <think>x</think> there", "x", "Hi  there", True),
     ("qwen3", {"prompt_starts_reasoning": True}, "Hmm.</think>Paris.", "Hmm.", "Paris.", True),
-    ("qwen3", {"prompt_starts_reasoning": True}, "<think>Hmm.</think>Paris.", "Hmm.", "Paris.",
-     True),
+    (
+        "qwen3",
+        {"prompt_starts_reasoning": True},
+        "<think>Hmm.</think>Paris.",
+        "Hmm.",
+        "Paris.",
+        True,
+    ),
     ("qwen3", {}, "Hmm.</think>Paris.", "", "Hmm.Paris.", True),
-    ("qwen3", {"prompt_ends_reasoning": True}, "<think>a</think>b", "", "<think>a</think>b",
-     True),
+    ("qwen3", {"prompt_ends_reasoning": True}, "<think>a</think>b", "", "<think>a</think>b", True),
 ]
 
 
@@ -36,13 +60,19 @@ def _split(name, flags, pieces):
     parser = reasoning_parser(name)(**flags)
     deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
     assert not any(d.tool_calls for d in deltas)
-    return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),
-            parser.in_answer)
+    return (
+        "".join(d.reasoning for d in deltas),
+        "".join(d.content for d in deltas),
+        parser.in_answer,
+    )
 
 
 def _splits(text):
-    out = {"whole": [text], "chars": list(text),
-           "tokens": [text[i:i + 3] for i in range(0, len(text), 3)]}
+    out = {
+        "whole": [text],
+        "chars": list(text),
+        "tokens": [text[i : i + 3] for i in range(0, len(text), 3)],
+    }
     for seed in range(3):
         rng = random.Random(seed)
         cuts = sorted(rng.sample(range(1, len(text)), len(text) // 4))

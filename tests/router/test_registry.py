@@ -1,17 +1,20 @@
 """Worker registry from a real etcd: workers appear and disappear with their leases, stale
 capacity ages out, draining workers stay listed but get no work, a restart rebuilds."""
+
 import asyncio
+
+from router_fakes import FakeWorker
+from router_harness import wait_for
 
 from cluster.registration import Capacity, WorkerInfo
 from router.placement.registry import EtcdWatcher, WorkerRegistry, parse_key
-from router_fakes import FakeWorker
-from router_harness import wait_for
 
 
 def _watch(etcd, cluster, **kw):
     registry = WorkerRegistry(**kw)
     task = asyncio.get_running_loop().create_task(
-        EtcdWatcher(registry, etcd.endpoint, cluster, resync_after_s=1.0).run())
+        EtcdWatcher(registry, etcd.endpoint, cluster, resync_after_s=1.0).run()
+    )
     return registry, task
 
 
@@ -19,7 +22,9 @@ def test_workers_appear_update_and_disappear(etcd, bg, cluster_name):
     async def main():
         registry, task = _watch(etcd, cluster_name)
         added, removed = [], []
-        registry.add_listener(lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id))
+        registry.add_listener(
+            lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id)
+        )
         d = await FakeWorker("decode", etcd.endpoint, cluster_name, "d1").start()
         p = await FakeWorker("prefill", etcd.endpoint, cluster_name, "p1").start()
         await wait_for(lambda: len(registry.all()) == 2)
@@ -59,11 +64,18 @@ def test_stale_capacity_ages_out_and_draining_is_reported(etcd, bg, cluster_name
 
 def test_restart_rebuilds_from_etcd_and_ignores_other_models(etcd, bg, cluster_name):
     async def main():
-        workers = [await FakeWorker(role, etcd.endpoint, cluster_name, wid).start()
-                   for role, wid in [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")]]
-        other = await FakeWorker("decode", etcd.endpoint, cluster_name, "x", model_id="other").start()
-        registry, task = _watch(etcd, cluster_name,
-                                refusal=lambda info: "other model" if info.model_id == "other" else None)
+        workers = [
+            await FakeWorker(role, etcd.endpoint, cluster_name, wid).start()
+            for role, wid in [("decode", "d1"), ("decode", "d2"), ("prefill", "p1")]
+        ]
+        other = await FakeWorker(
+            "decode", etcd.endpoint, cluster_name, "x", model_id="other"
+        ).start()
+        registry, task = _watch(
+            etcd,
+            cluster_name,
+            refusal=lambda info: "other model" if info.model_id == "other" else None,
+        )
         await wait_for(lambda: registry.synced.is_set())
         assert sorted(w.info.worker_id for w in registry.all()) == ["d1", "d2", "p1"]
         task.cancel()
@@ -76,8 +88,15 @@ def test_restart_rebuilds_from_etcd_and_ignores_other_models(etcd, bg, cluster_n
 def test_registry_replace_all_and_key_parsing():
     async def main():
         registry = WorkerRegistry()
-        info = lambda wid, addr="a:1": WorkerInfo(wid, "decode", addr, "m", "c", 16,  # noqa: E731
-                                                  capacity=Capacity(total_blocks=1))
+        info = lambda wid, addr="a:1": WorkerInfo(
+            wid,
+            "decode",
+            addr,
+            "m",
+            "c",
+            16,  # noqa: E731
+            capacity=Capacity(total_blocks=1),
+        )
         registry.replace_all([info("a"), info("b")])
         registry.replace_all([info("b", "b:2")])  # a gone; b restarted at another address
         assert [(w.info.worker_id, w.info.grpc_address) for w in registry.all()] == [("b", "b:2")]
@@ -93,12 +112,15 @@ def test_a_worker_switching_roles_moves_keys_without_leaving(etcd, bg, cluster_n
     """Registrar.move puts the new role's key, then deletes the old one (same lease): the
     registry sees one worker change role in place — no leave, so its KV-index entries
     (dropped only by the removal listener) and this router's load on it are kept."""
+
     async def main():
         from cluster.registration import list_workers, make_client
 
         registry, task = _watch(etcd, cluster_name)
         added, removed = [], []
-        registry.add_listener(lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id))
+        registry.add_listener(
+            lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id)
+        )
         w = await FakeWorker("prefill", etcd.endpoint, cluster_name, "w1").start()
         await wait_for(lambda: registry.get("w1") is not None)
         registry.get("w1").inflight = 2

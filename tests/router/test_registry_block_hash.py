@@ -2,6 +2,7 @@
 not listed, never placed, no KV-index entries, logged once, counted in
 pdserve_router_workers_refused{reason="block_hash_mismatch"}; an agreeing or older (no probe)
 worker is placed as before."""
+
 import dataclasses
 import logging
 from types import SimpleNamespace
@@ -9,9 +10,9 @@ from types import SimpleNamespace
 from cluster.registration import Capacity, WorkerInfo
 from engine.kv.block_hash import block_hash_probe
 from router.config import PlacementConfig
+from router.metrics import RouterMetrics
 from router.placement.events import KVSubscriptions
 from router.placement.index import KVIndex
-from router.metrics import RouterMetrics
 from router.placement.placer import Placer, PromptKey
 from router.placement.policy import AffinityPolicy
 from router.placement.registry import Refusal, WorkerRegistry
@@ -23,10 +24,16 @@ IDS = list(range(200))
 
 def info(wid, role="decode", probe=None, version=0):
     return WorkerInfo(
-        worker_id=wid, role=role, grpc_address=f"{wid}:1", model_id="m", compat_hash="c",
-        block_size=16, weights_version=version,
+        worker_id=wid,
+        role=role,
+        grpc_address=f"{wid}:1",
+        model_id="m",
+        compat_hash="c",
+        block_size=16,
+        weights_version=version,
         block_hash_probe=block_hash_probe(16, "auto", version) if probe is None else probe,
-        capacity=Capacity(total_blocks=1000, free_blocks=1000, prefill_tokens_per_s=1000.0))
+        capacity=Capacity(total_blocks=1000, free_blocks=1000, prefill_tokens_per_s=1000.0),
+    )
 
 
 def test_a_disagreeing_worker_is_refused_logged_once_and_counted(caplog):
@@ -45,8 +52,12 @@ def test_a_disagreeing_worker_is_refused_logged_once_and_counted(caplog):
     warnings = [r.getMessage() for r in caplog.records if "bad" in r.getMessage()]
     assert len(warnings) == 1 and WRONG in warnings[0] and block_hash_probe(16) in warnings[0]
 
-    services = SimpleNamespace(registry=registry, metrics=RouterMetrics(), index=index,
-                               config=SimpleNamespace(placement=PlacementConfig()))
+    services = SimpleNamespace(
+        registry=registry,
+        metrics=RouterMetrics(),
+        index=index,
+        config=SimpleNamespace(placement=PlacementConfig()),
+    )
     RouterServices.update_gauges(services)
     gauge = services.metrics.workers_refused
     assert gauge.labels("block_hash_mismatch")._value.get() == 1
@@ -83,10 +94,20 @@ def test_a_registered_worker_that_starts_disagreeing_is_dropped_and_one_that_agr
 
 
 def test_the_routers_own_checks_keep_their_reasons():
-    registry = WorkerRegistry(refusal=lambda i: Refusal("model", "other model") if i.model_id == "o"
-                              else "plain" if i.model_id == "p" else None)
+    registry = WorkerRegistry(
+        refusal=lambda i: (
+            Refusal("model", "other model")
+            if i.model_id == "o"
+            else "plain"
+            if i.model_id == "p"
+            else None
+        )
+    )
     registry.put(dataclasses.replace(info("a"), model_id="o"))
     registry.put(dataclasses.replace(info("b"), model_id="p"))
     registry.put(dataclasses.replace(info("c", probe=WRONG), model_id="o"))  # the probe first
     assert {k: r.reason for k, r in registry.refused.items()} == {
-        "a": "model", "b": "refused", "c": "block_hash_mismatch"}
+        "a": "model",
+        "b": "refused",
+        "c": "block_hash_mismatch",
+    }

@@ -3,22 +3,26 @@ strictly, a refusal the OpenAI-shaped 400 naming the field; a body not declared 
 (router/http/limits.py: no CSRF from a web page). In
 process (httpx over ASGI): no worker, no etcd — each request is refused or answered before
 one would be needed."""
+
 import asyncio
 
 import httpx
 import pytest
 
+from router.config import RouterConfig
 from router.http.app import create_app
 from router.http.auth import Keys
-from router.config import RouterConfig
 from router.server import RouterServices, load_model_card
 
 # One body per route, with a field of the wrong type (a string where the model wants
 # something else: never coerced) and the param the 400 must name.
 WRONG_TYPE = [
     ("/v1/completions", {"prompt": "hi", "n": "2"}, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": "2"}, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "2"},
+        "max_tokens",
+    ),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
     ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
     ("/v1/embeddings", {"input": "hi", "priority": "1"}, "priority"),
@@ -41,6 +45,7 @@ def _post(app, path: str, content: bytes, headers: dict[str, str]) -> httpx.Resp
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.post(path, content=content, headers=headers)
+
     return asyncio.run(main())
 
 
@@ -62,26 +67,45 @@ def test_a_wrong_type_is_a_400_naming_the_field_on_every_route(app, path, body, 
 
 
 @pytest.mark.parametrize("path", sorted({path for path, _, _ in WRONG_TYPE}))
-@pytest.mark.parametrize("raw, message", [
-    (b"", "not valid JSON"),
-    (b"{not json", "not valid JSON"),
-    (b'{"prompt": "h\\ud800i"}', "not valid JSON"),  # a lone surrogate never reaches a tokenizer
-    (b"[1, 2]", "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"", "not valid JSON"),
+        (b"{not json", "not valid JSON"),
+        (
+            b'{"prompt": "h\\ud800i"}',
+            "not valid JSON",
+        ),  # a lone surrogate never reaches a tokenizer
+        (b"[1, 2]", "must be a JSON object"),
+    ],
+)
 def test_a_malformed_body_is_a_400_on_every_route(app, path, raw, message):
     err = _error(_post(app, path, raw, {"Content-Type": "application/json"}))
     assert err["code"] == "invalid_json" and err["param"] is None
     assert message in err["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
-                                          "Application/JSON", "application/vnd.api+json"])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/vnd.api+json",
+    ],
+)
 def test_a_json_content_type_is_parsed(app, content_type):
     r = _post(app, "/tokenize", b'{"prompt": "hi"}', {"Content-Type": content_type})
     assert r.status_code == 200, r.text
     assert r.json()["count"] == 1
-    err = _error(_post(app, "/v1/completions", b'{"prompt": "hi", "temperature": Infinity}',
-                       {"Content-Type": content_type}))
+    err = _error(
+        _post(
+            app,
+            "/v1/completions",
+            b'{"prompt": "hi", "temperature": Infinity}',
+            {"Content-Type": content_type},
+        )
+    )
     assert err["param"] == "temperature"
 
 

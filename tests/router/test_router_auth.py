@@ -3,6 +3,7 @@ first given wins), which ones are refused at start (empty, placeholders, unsenda
 key that is also an API key), and which paths need which key — inference keys on /v1/*,
 /tokenize and /detokenize, the admin key (else the API key) on the dev endpoints, LoRA
 load/unload and /dashboard/data; /health, /metrics, /version and the dashboard page open."""
+
 import logging
 import os
 import subprocess
@@ -11,11 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from router_harness import start_cluster
 
 from cluster.net import free_port
-from router.http.auth import Access, Keys, access_of, resolve_keys, tenant_salt
 from router.config import RouterConfig
-from router_harness import start_cluster
+from router.http.auth import Access, Keys, access_of, resolve_keys, tenant_salt
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,6 +33,7 @@ def refused(environ=None, **flags) -> str:
 
 
 # ---- where keys come from --------------------------------------------------------------------
+
 
 def test_first_source_given_wins(tmp_path):
     file = tmp_path / "keys"
@@ -62,7 +64,8 @@ def test_key_files(tmp_path):
     assert "(key 2): the API key is empty" in refused(api_key_file=str(f))
     missing = tmp_path / "nope"
     assert refused(admin_api_key_file=str(missing)) == (
-        f"--admin-api-key-file {missing}: cannot read it (No such file or directory)")
+        f"--admin-api-key-file {missing}: cannot read it (No such file or directory)"
+    )
     assert "cannot read it" in refused(api_key_file=str(tmp_path))  # a directory
 
 
@@ -73,19 +76,22 @@ def test_refused_keys_name_their_source():
     for placeholder in ("replace-me", "REPLACE-ME", "changeme", "your-api-key", "EMPTY"):
         assert f"{placeholder!r} is a placeholder" in refused(api_key=placeholder)
     assert "PDSERVE_ADMIN_API_KEY: 'changeme' is a placeholder" in refused(
-        {"PDSERVE_ADMIN_API_KEY": "changeme"})
+        {"PDSERVE_ADMIN_API_KEY": "changeme"}
+    )
     for unsendable in ("two words", "tab\there", "naïve", "line\nbreak"):
         message = refused(api_key=("ok-key", unsendable))
         assert message.startswith("--api-key (key 2): an API key must be printable ASCII")
         assert unsendable not in message  # a real key never appears in a message
     assert refused(api_key="k", api_key_file="/f") == (
-        "--api-key and --api-key-file are exclusive: give the keys one way")
+        "--api-key and --api-key-file are exclusive: give the keys one way"
+    )
 
 
 def test_admin_key_must_differ_and_salts_need_keys():
     assert "an admin key is also an API key" in refused(api_key=("a", "b"), admin_api_key="b")
     assert refused(cache_salt_from_api_key=True).startswith(
-        "--cache-salt-from-api-key needs an API key")
+        "--cache-salt-from-api-key needs an API key"
+    )
     assert "needs --admin-api-key" in refused(api_key=("a", "b"), cache_salt_from_api_key=True)
     salted = keys(api_key=("a", "b"), admin_api_key="adm", cache_salt_from_api_key=True)
     assert sorted(salted.salts.values()) == sorted(map(tenant_salt, ("a", "b", "adm")))
@@ -100,38 +106,91 @@ def test_keys_are_never_logged_or_shown(caplog):
     assert "sk-" not in caplog.text and "sk-" not in repr(resolved)
 
 
-@pytest.mark.parametrize("argv, env, message", [
-    (["--api-key", ""], {}, "--api-key: the API key is empty"),
-    (["--api-key=replace-me"], {}, "--api-key: 'replace-me' is a placeholder"),
-    ([], {"PDSERVE_API_KEY": ""}, "PDSERVE_API_KEY: the API key is empty"),
-    (["--api-key-file", "/nonexistent/key"], {}, "--api-key-file /nonexistent/key: cannot read"),
-    (["--max-concurrent-requests-per-key", "4"], {},
-     "--max-concurrent-requests-per-key needs API keys"),
-])
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--api-key", ""], {}, "--api-key: the API key is empty"),
+        (["--api-key=replace-me"], {}, "--api-key: 'replace-me' is a placeholder"),
+        ([], {"PDSERVE_API_KEY": ""}, "PDSERVE_API_KEY: the API key is empty"),
+        (
+            ["--api-key-file", "/nonexistent/key"],
+            {},
+            "--api-key-file /nonexistent/key: cannot read",
+        ),
+        (
+            ["--max-concurrent-requests-per-key", "4"],
+            {},
+            "--max-concurrent-requests-per-key needs API keys",
+        ),
+    ],
+)
 def test_pdserve_router_refuses_bad_keys_at_start(argv, env, message):
     """Exit 2 with the source named, before the model is loaded or a port is bound (today's
     router started without authentication, or with a placeholder key)."""
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("PDSERVE_API_KEY", "VLLM_API_KEY", "PDSERVE_ADMIN_API_KEY")}
-    out = subprocess.run([sys.executable, "-m", "pdserve", "router", "--etcd", "127.0.0.1:1",
-                          "--port", str(free_port()), *argv], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={**environ, **env})
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PDSERVE_API_KEY", "VLLM_API_KEY", "PDSERVE_ADMIN_API_KEY")
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "router",
+            "--etcd",
+            "127.0.0.1:1",
+            "--port",
+            str(free_port()),
+            *argv,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environ, **env},
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"pdserve router: error: {message}" in out.stderr
 
 
 # ---- which paths need which key ---------------------------------------------------------------
 
+
 def test_access_of_paths():
-    for path in ("/health", "/metrics", "/version", "/dashboard", "/openapi.json", "/docs",
-                 "/nothing"):
+    for path in (
+        "/health",
+        "/metrics",
+        "/version",
+        "/dashboard",
+        "/openapi.json",
+        "/docs",
+        "/nothing",
+    ):
         assert access_of(path) is Access.OPEN, path
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/x",
-                 "/v1/embeddings", "/v1/nothing", "/tokenize", "/detokenize"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/x",
+        "/v1/embeddings",
+        "/v1/nothing",
+        "/tokenize",
+        "/detokenize",
+    ):
         assert access_of(path) is Access.API, path
-    for path in ("/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/collective_rpc",
-                 "/update_weights", "/set_role", "/v1/load_lora_adapter",
-                 "/v1/unload_lora_adapter", "/dashboard/data"):
+    for path in (
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+        "/collective_rpc",
+        "/update_weights",
+        "/set_role",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/dashboard/data",
+    ):
         assert access_of(path) is Access.ADMIN, path
 
 
@@ -147,9 +206,12 @@ def _auth(key):
 
 
 CALLS = {  # path -> (method, body)
-    "/v1/models": ("GET", None), "/tokenize": ("POST", {"prompt": "hi"}),
-    "/detokenize": ("POST", {"tokens": [1, 2]}), "/dashboard/data": ("GET", None),
-    "/is_sleeping": ("GET", None), "/v1/unload_lora_adapter": ("POST", {"lora_name": "none"}),
+    "/v1/models": ("GET", None),
+    "/tokenize": ("POST", {"prompt": "hi"}),
+    "/detokenize": ("POST", {"tokens": [1, 2]}),
+    "/dashboard/data": ("GET", None),
+    "/is_sleeping": ("GET", None),
+    "/v1/unload_lora_adapter": ("POST", {"lora_name": "none"}),
 }
 
 
@@ -160,9 +222,16 @@ def _call(url, path, key):
 
 @pytest.fixture(scope="module")
 def admin_cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "auth-admin", [("decode", "d1")],
-                      api_key=("sk-tenant-a", "sk-tenant-b"), admin_api_key="sk-admin",
-                      enable_dev_endpoints=True, enable_lora=True)
+    c = start_cluster(
+        bg,
+        etcd.endpoint,
+        "auth-admin",
+        [("decode", "d1")],
+        api_key=("sk-tenant-a", "sk-tenant-b"),
+        admin_api_key="sk-admin",
+        enable_dev_endpoints=True,
+        enable_lora=True,
+    )
     yield c
     c.stop()
 
@@ -183,18 +252,32 @@ def test_admin_key_guards_the_admin_surface(admin_cluster):
         assert _call(url, path, "sk-admin").status_code not in (401, 403), path
     assert _call(url, "/dashboard/data", "sk-admin").status_code == 200
     # vLLM's scheme check is case-insensitive; another scheme is no key.
-    assert httpx.get(url + "/v1/models", headers={"Authorization": "bearer sk-tenant-b"},
-                     timeout=30).status_code == 200
-    _error(httpx.get(url + "/v1/models", headers={"Authorization": "Basic sk-tenant-b"},
-                     timeout=30), 401, "invalid_api_key")
+    assert (
+        httpx.get(
+            url + "/v1/models", headers={"Authorization": "bearer sk-tenant-b"}, timeout=30
+        ).status_code
+        == 200
+    )
+    _error(
+        httpx.get(url + "/v1/models", headers={"Authorization": "Basic sk-tenant-b"}, timeout=30),
+        401,
+        "invalid_api_key",
+    )
     text = httpx.get(url + "/metrics", timeout=30).text
     assert 'pdserve_router_requests_total{endpoint="/dashboard/data",status="403"}' in text
 
 
 @pytest.fixture(scope="module")
 def one_key_cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "auth-one", [("decode", "d1")], api_key="sk-only",
-                      enable_dev_endpoints=True, enable_lora=True)
+    c = start_cluster(
+        bg,
+        etcd.endpoint,
+        "auth-one",
+        [("decode", "d1")],
+        api_key="sk-only",
+        enable_dev_endpoints=True,
+        enable_lora=True,
+    )
     yield c
     c.stop()
 

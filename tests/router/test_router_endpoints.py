@@ -1,11 +1,11 @@
 """vLLM's side endpoints through the router: /tokenize, /detokenize, /version,
 /v1/models/{id}; X-Request-Id; a 500 carries no exception detail."""
+
 import importlib.metadata
 import re
 
 import httpx
 import pytest
-
 from router_harness import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -20,8 +20,9 @@ def cluster(etcd, bg):
 
 @pytest.fixture(scope="module")
 def http(cluster):
-    with httpx.Client(base_url=cluster.router.url, timeout=30,
-                      headers={"Authorization": "Bearer k"}) as c:
+    with httpx.Client(
+        base_url=cluster.router.url, timeout=30, headers={"Authorization": "Bearer k"}
+    ) as c:
         yield c
 
 
@@ -38,20 +39,36 @@ def error(response, status, param=None):
 
 
 def test_tokenize(http, tok):
-    r = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world",
-                                     "return_token_strs": True}).json()
+    r = http.post(
+        "/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True}
+    ).json()
     ids = tok.encode("Hello world", add_special_tokens=True)
-    assert r == {"count": len(ids), "max_model_len": 8192, "tokens": ids,
-                 "token_strs": ["Hello", "Ġworld"]}
+    assert r == {
+        "count": len(ids),
+        "max_model_len": 8192,
+        "tokens": ids,
+        "token_strs": ["Hello", "Ġworld"],
+    }
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
     r = http.post("/tokenize", json={"messages": messages}).json()
     assert r["tokens"] == tok.encode(tok.render_chat(messages)) and "token_strs" not in r
-    r = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
-                                     "continue_final_message": True}).json()
+    r = http.post(
+        "/tokenize",
+        json={"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
+    ).json()
     assert tok.decode(r["tokens"]).endswith("assistant\nHel")
-    error(http.post("/tokenize", json={"messages": messages, "continue_final_message": True,
-                                       "add_generation_prompt": True}), 400,
-          "continue_final_message")
+    error(
+        http.post(
+            "/tokenize",
+            json={
+                "messages": messages,
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+        ),
+        400,
+        "continue_final_message",
+    )
     error(http.post("/tokenize", json={"prompt": "x", "messages": messages}), 400, "prompt")
     error(http.post("/tokenize", json={"prompt": 5}), 400, "prompt")
     error(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
@@ -60,7 +77,7 @@ def test_tokenize(http, tok):
 def test_detokenize(http, tok):
     ids = tok.encode("Grüße 世界")
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Grüße 世界"}
-    error(http.post("/detokenize", json={"tokens": [1, 10 ** 7]}), 400, "tokens")
+    error(http.post("/detokenize", json={"tokens": [1, 10**7]}), 400, "tokens")
     error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
 
 
@@ -75,13 +92,22 @@ def test_version_and_model(http):
 
 
 def test_request_id_header(http):
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                  headers={"X-Request-Id": "abc-123"})
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"X-Request-Id": "abc-123"},
+    )
     assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
     r = http.get("/health")
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                "max_tokens": 1, "request_id": "mine"})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1,
+            "request_id": "mine",
+        },
+    )
     assert r.json()["id"] == "chatcmpl-mine" and r.headers["x-request-id"] != "mine"
     assert http.get("/nothing").headers["x-request-id"]
 

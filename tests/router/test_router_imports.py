@@ -1,5 +1,6 @@
 """router/'s own modules (sub-packages included) import one way: no circle, counting imports
 inside functions too (read with `ast`; nothing is imported)."""
+
 import ast
 from pathlib import Path
 
@@ -38,8 +39,7 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
                 sub = f"{base}.{a.name}" if base else a.name
                 out.add(sub if sub in modules else base)
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".", 1)[1] for a in node.names
-                       if a.name.startswith("router."))
+            out.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("router."))
     return out & modules
 
 
@@ -53,7 +53,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(m)
         for dep in sorted(graph[m]):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep)):
                 return found
         path.pop()
@@ -101,8 +101,15 @@ def test_router_process_loads_no_torch():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _ROUTER_PROCESS], capture_output=True,
-                         text=True, timeout=120, cwd=ROUTER.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", _ROUTER_PROCESS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROUTER.parent,
+    )
     assert out.returncode == 0, out.stderr
     loaded = out.stdout.strip().splitlines()[-1]
-    assert not {"torch", "triton", "xgrammar"} & set(json.loads(loaded)), loaded  # grammars compile in a child
+    assert not {"torch", "triton", "xgrammar"} & set(json.loads(loaded)), (
+        loaded
+    )  # grammars compile in a child

@@ -5,6 +5,7 @@ it ends and when its client disconnects; a refused request (429 or 400) holds no
 spends no tokens; a request's tokens are reserved and reconciled with what it generated; the
 flags need API keys; a request the cluster failed before a token is not charged. A real uvicorn server on loopback (lifespan off: no etcd) over a
 stand-in for the dispatcher whose calls the tests hold open."""
+
 import asyncio
 from contextlib import asynccontextmanager
 
@@ -59,14 +60,19 @@ def card():
 
 @asynccontextmanager
 async def router(card, **limits):
-    config = RouterConfig(etcd="127.0.0.1:1", api_key=(KEY_A, KEY_B), admin_api_key=(ADMIN,),
-                          limits=LimitsConfig(**limits))
+    config = RouterConfig(
+        etcd="127.0.0.1:1",
+        api_key=(KEY_A, KEY_B),
+        admin_api_key=(ADMIN,),
+        limits=LimitsConfig(**limits),
+    )
     services = RouterServices(config, card, resolve_keys(config, {}))
     app = create_app(services)
     services.dispatcher = held = HeldDispatcher()  # the handlers look it up per request
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
@@ -86,8 +92,12 @@ def post(client, key, path="/v1/completions", body=PROMPT, **kw):
 @asynccontextmanager
 async def stream(client, key, body=PROMPT):
     """A streamed completion whose first chunk has arrived (its slot is held)."""
-    request = client.build_request("POST", "/v1/completions", json={**body, "stream": True},
-                                   headers={"Authorization": f"Bearer {key}"})
+    request = client.build_request(
+        "POST",
+        "/v1/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {key}"},
+    )
     response = await client.send(request, stream=True)
     assert response.status_code == 200, await response.aread()
     lines = response.aiter_lines()
@@ -117,7 +127,8 @@ async def wait_for(predicate, timeout=5.0):
 
 def refusals(services, reason) -> float:
     return services.metrics.registry.get_sample_value(
-        "pdserve_router_rate_limited_requests_total", {"reason": reason})
+        "pdserve_router_rate_limited_requests_total", {"reason": reason}
+    )
 
 
 def test_a_key_at_its_limit_gets_429_while_another_key_is_served(card):
@@ -130,19 +141,32 @@ def test_a_key_at_its_limit_gets_429_while_another_key_is_served(card):
                 assert "--max-concurrent-requests-per-key" in err["message"]
                 assert (await post(client, KEY_A)).headers["retry-after"] == "1"
                 rate_limited(await post(client, KEY_A, "/v1/embeddings", {"input": "x"}))
-                rate_limited(await post(client, KEY_A, "/v1/chat/completions",
-                                        {"messages": [{"role": "user", "content": "hi"}]}))
+                rate_limited(
+                    await post(
+                        client,
+                        KEY_A,
+                        "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}]},
+                    )
+                )
                 # Key B and the admin key are served meanwhile; /tokenize is not limited.
                 async with stream(client, KEY_B), stream(client, ADMIN):
                     assert lim.in_flight(_digest(KEY_B)) == 1
-                    assert (await post(client, KEY_A, "/tokenize", {"prompt": "x"})).status_code == 200
+                    assert (
+                        await post(client, KEY_A, "/tokenize", {"prompt": "x"})
+                    ).status_code == 200
                 assert lim.in_flight(a) == 1  # the refusals took no slot
             assert refusals(services, "concurrency") == 4
             assert refusals(services, "tokens") == 0
-            assert services.metrics.registry.get_sample_value(
-                "pdserve_router_requests_total",
-                {"endpoint": "/v1/completions", "status": "429"}) == 2
+            assert (
+                services.metrics.registry.get_sample_value(
+                    "pdserve_router_requests_total",
+                    {"endpoint": "/v1/completions", "status": "429"},
+                )
+                == 2
+            )
             await wait_for(lambda: lim.in_flight(a) == 0)
+
     asyncio.run(main())
 
 
@@ -158,6 +182,7 @@ def test_a_stream_frees_its_slot_when_it_ends(card):
             services.dispatcher.release.clear()
             async with stream(client, KEY_A):  # the slot is free again
                 pass
+
     asyncio.run(main())
 
 
@@ -176,20 +201,23 @@ def test_a_client_disconnect_frees_the_slot(card):
             task.cancel()
             await wait_for(lambda: lim.in_flight(a) == 0 and held.closed == 4)
             assert held.started == 4 and not held.release.is_set()
+
     asyncio.run(main())
 
 
 def test_a_refused_request_holds_nothing(card):
     async def main():
-        async with router(card, max_concurrent_requests_per_key=2,
-                          max_tokens_per_minute_per_key=600) as (services, client):
+        async with router(
+            card, max_concurrent_requests_per_key=2, max_tokens_per_minute_per_key=600
+        ) as (services, client):
             lim, a = services.key_limits, _digest(KEY_A)
             lim.clock = lambda: 0.0  # no refill during the test
             async with stream(client, KEY_A, {"prompt": "hi", "max_tokens": 500}):
                 left = lim.available(a)
                 assert 0 < left < 100
-                err = rate_limited(await post(client, KEY_A, body={"prompt": "hi",
-                                                                   "max_tokens": 200}))
+                err = rate_limited(
+                    await post(client, KEY_A, body={"prompt": "hi", "max_tokens": 200})
+                )
                 assert "--max-tokens-per-minute-per-key" in err["message"]
                 # A 400 (refused before its tokens are counted) holds nothing either.
                 bad = await post(client, KEY_A, body={"prompt": "hi", "max_tokens": -1})
@@ -197,6 +225,7 @@ def test_a_refused_request_holds_nothing(card):
                 assert lim.in_flight(a) == 1 and lim.available(a) == left
                 assert services.dispatcher.started == 1
             assert refusals(services, "tokens") == 1
+
     asyncio.run(main())
 
 
@@ -223,6 +252,7 @@ def test_tokens_are_reserved_then_reconciled_with_what_was_generated(card):
             services.dispatcher = NoCapacity()
             assert (await post(client, KEY_B)).status_code == 503
             assert lim.available(_digest(KEY_B)) == 1200 - prompt - 2
+
     asyncio.run(main())
 
 

@@ -1,11 +1,11 @@
 """Migration: a decode worker failing or stalling after tokens were streamed — the router
 resumes the request on another one and the client's stream goes on without a seam; bounded;
 timeouts. Router + fake workers (router_fakes.py) + real etcd."""
+
 import json
 
 import httpx
 import pytest
-
 from router_fakes import fake_token
 from router_harness import start_cluster
 
@@ -38,8 +38,13 @@ def _expected(max_tokens):
 
 def _stream(c, **body):
     """The SSE events (parsed; "[DONE]" kept as is) of one streamed completion."""
-    body = {"model": MODEL, "prompt": PROMPT, "stream": True,
-            "stream_options": {"include_usage": True}, **body}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **body,
+    }
     with httpx.stream("POST", c.router.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -47,8 +52,10 @@ def _stream(c, **body):
 
 
 def _calls(c):
-    return sorted((r for w in c.workers.values() for r in w.requests),
-                  key=lambda r: len(r.resume_output_token_ids))
+    return sorted(
+        (r for w in c.workers.values() for r in w.requests),
+        key=lambda r: len(r.resume_output_token_ids),
+    )
 
 
 def test_failure_mid_stream_continues_on_another_worker_without_a_seam(make_cluster):
@@ -74,8 +81,11 @@ def test_failure_mid_stream_continues_on_another_worker_without_a_seam(make_clus
     assert _metric(c, "pdserve_router_migrations_total", reason="error") == 1
     assert _metric(c, "pdserve_router_migration_seam_seconds_count") == 1
     # Not streamed: one body, the same text and usage.
-    r = httpx.post(c.router.url + "/v1/completions",
-                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 7}, timeout=30).json()
+    r = httpx.post(
+        c.router.url + "/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 7},
+        timeout=30,
+    ).json()
     assert r["choices"][0]["text"] == text and r["usage"]["completion_tokens"] == 7
     assert _metric(c, "pdserve_router_migrations_total", reason="error") == 2
 
@@ -120,11 +130,15 @@ def test_first_token_timeout_retries_on_another_worker(make_cluster):
     c.workers["stuck"].behavior.stall_after_tokens = 0
     _, text = _expected(3)
     for _ in range(2):  # the tie rotation places at least one on the stuck worker first
-        r = httpx.post(c.router.url + "/v1/completions",
-                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            c.router.url + "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
     stuck = c.workers["stuck"]
     assert stuck.requests and len(stuck.cancelled) == len(stuck.requests)
     assert _metric(c, "pdserve_router_retries_total") == len(stuck.requests)
-    assert _metric(c, "pdserve_router_worker_failures_total",
-                   phase="before_first_token") == len(stuck.requests)
+    assert _metric(c, "pdserve_router_worker_failures_total", phase="before_first_token") == len(
+        stuck.requests
+    )

@@ -1,6 +1,7 @@
 """Load-aware conditional disaggregation on hand-built snapshots (pure: no processes, no
 clocks): the TTFT estimates of both paths (router/placement/estimates.py) and the decisions the
 policy takes from them."""
+
 from dataclasses import replace
 
 import pytest
@@ -8,33 +9,48 @@ import pytest
 from cluster.registration import Capacity
 from cluster.roles import PrefillPath
 from router.config import PlacementConfig
-from router.placement.policy import AffinityPolicy, Candidate, Reason
 from router.placement.estimates import (
-    LocalEstimate, StepCost, TTFTCorrection, local_prefill, step_cost,
+    LocalEstimate,
+    StepCost,
+    TTFTCorrection,
+    local_prefill,
+    step_cost,
 )
+from router.placement.policy import AffinityPolicy, Candidate, Reason
 
 LONG = 2048
 
 
-def decode_worker(running=8, overhead_s=0.036, per_token_s=0.0005, chunk=256, budget=2048,
-                  **kw):
+def decode_worker(running=8, overhead_s=0.036, per_token_s=0.0005, chunk=256, budget=2048, **kw):
     """A decode worker that measured both kinds of step: decode steps of `running` rows, and
     steps with a `chunk`-token prompt chunk beside them, both on the line
     overhead_s + per_token_s * tokens (its own published timings; nothing assumed)."""
     cap = Capacity(
-        total_blocks=10_000, free_blocks=10_000, running=running,
-        decode_step_s=overhead_s + per_token_s * running, decode_step_tokens=running,
+        total_blocks=10_000,
+        free_blocks=10_000,
+        running=running,
+        decode_step_s=overhead_s + per_token_s * running,
+        decode_step_tokens=running,
         prefill_step_s=overhead_s + per_token_s * (running + chunk),
         prefill_step_tokens=running + chunk,
         prefill_tokens_per_s=chunk / (overhead_s + per_token_s * (running + chunk)),
-        max_num_batched_tokens=budget, long_prefill_token_threshold=chunk,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=chunk,
     )
     return Candidate("d", cap, **kw)
 
 
 def prefill_worker(queued=0, rate=2000.0, wid="p", **kw):
-    return Candidate(wid, Capacity(total_blocks=10_000, free_blocks=10_000,
-                                   queued_prefill_tokens=queued, prefill_tokens_per_s=rate), **kw)
+    return Candidate(
+        wid,
+        Capacity(
+            total_blocks=10_000,
+            free_blocks=10_000,
+            queued_prefill_tokens=queued,
+            prefill_tokens_per_s=rate,
+        ),
+        **kw,
+    )
 
 
 def policy(**cfg):
@@ -43,6 +59,7 @@ def policy(**cfg):
 
 
 # ---- the decisions --------------------------------------------------------------------
+
 
 def test_backed_up_prefill_pool_sends_a_long_prompt_to_the_decode_worker():
     # Locally: 8 chunks of 256 beside 8 decodes, 0.168 s each -> 1.344 s; each step stays
@@ -70,8 +87,12 @@ def test_a_decode_worker_near_the_itl_slo_keeps_it_remote():
     assert policy(itl_slo_ms=400).place(LONG, [busy], backed_up).reason is Reason.LOCAL_BACKLOG
     assert policy(itl_slo_ms=0).place(LONG, [busy], backed_up).reason is Reason.LOCAL_BACKLOG
     # This router's own requests on it count as decodes before its report catches up.
-    assert policy().place(LONG, [decode_worker(running=0, inflight=64, overhead_s=0.168)],
-                          backed_up).reason is Reason.REMOTE
+    assert (
+        policy()
+        .place(LONG, [decode_worker(running=0, inflight=64, overhead_s=0.168)], backed_up)
+        .reason
+        is Reason.REMOTE
+    )
     # Without a long-prefill threshold the chunk is the whole budget left: a 2040-token step
     # (1.06 s) would stall the decodes.
     uncapped = Candidate("d", replace(decode_worker().capacity, long_prefill_token_threshold=0))
@@ -90,8 +111,10 @@ def test_measured_rates_change_the_decision():
     assert policy(itl_slo_ms=0).place(LONG, [slow], pool).reason is Reason.REMOTE
     # The prefill worker's measured rate moves it too: at 4000 tok/s the pool answers in
     # 1.51 s even with its queue.
-    assert policy().place(LONG, [fast], [prefill_worker(queued=4000, rate=4000.0)]
-                          ).reason is Reason.REMOTE
+    assert (
+        policy().place(LONG, [fast], [prefill_worker(queued=4000, rate=4000.0)]).reason
+        is Reason.REMOTE
+    )
 
 
 def test_a_small_gain_does_not_pay_for_stalling_the_decodes():
@@ -99,8 +122,9 @@ def test_a_small_gain_does_not_pay_for_stalling_the_decodes():
     # Sooner locally (1.34 s), but its chunks hold up 8 running decodes by 1.02 s each.
     d = policy().place(LONG, [decode_worker()], pool)
     assert d.reason is Reason.REMOTE
-    assert policy().local_estimate(LONG, decode_worker(), pool[0]).decode_delay_s == \
-        pytest.approx(LONG * 0.0005)
+    assert policy().local_estimate(LONG, decode_worker(), pool[0]).decode_delay_s == pytest.approx(
+        LONG * 0.0005
+    )
     # Nothing decoding there: nothing stalls, the sooner path wins.
     idle = Candidate("d", replace(decode_worker().capacity, running=0))
     assert policy().place(LONG, [idle], pool).prefill is None
@@ -135,10 +159,14 @@ def test_its_own_queue_counts_against_the_decode_worker():
 
 def test_operator_cap_overrides_the_estimate():
     pool = [prefill_worker(queued=6000)]
-    assert policy(local_prefill_max_tokens=1024).place(LONG, [decode_worker()], pool
-                                                       ).reason is Reason.REMOTE
-    assert policy(local_prefill_max_tokens=LONG).place(LONG, [decode_worker()], pool
-                                                       ).reason is Reason.LOCAL_BACKLOG
+    assert (
+        policy(local_prefill_max_tokens=1024).place(LONG, [decode_worker()], pool).reason
+        is Reason.REMOTE
+    )
+    assert (
+        policy(local_prefill_max_tokens=LONG).place(LONG, [decode_worker()], pool).reason
+        is Reason.LOCAL_BACKLOG
+    )
 
 
 def test_unmeasured_workers_fall_back_to_the_peer_then_the_default():
@@ -153,6 +181,7 @@ def test_unmeasured_workers_fall_back_to_the_peer_then_the_default():
 
 
 # ---- the estimates --------------------------------------------------------------------
+
 
 def test_step_cost_fits_the_measured_steps():
     cost = step_cost(decode_worker().capacity, peer_rate=4000.0, default_rate=1.0)
@@ -173,8 +202,13 @@ def test_step_cost_fallbacks():
     cost = step_cost(decode_only, 1000.0, 2000.0)
     assert (cost.overhead_s, cost.per_token_s) == pytest.approx((0.02, 0.001))
     # Prefill steps too few tokens apart from decode steps to fit a slope: no fit.
-    close = Capacity(decode_step_s=0.03, decode_step_tokens=10, prefill_step_s=0.05,
-                     prefill_step_tokens=30, prefill_tokens_per_s=400.0)
+    close = Capacity(
+        decode_step_s=0.03,
+        decode_step_tokens=10,
+        prefill_step_s=0.05,
+        prefill_step_tokens=30,
+        prefill_tokens_per_s=400.0,
+    )
     assert step_cost(close, 1000.0, 2000.0).per_token_s == pytest.approx(0.001)
 
 
@@ -184,7 +218,9 @@ def test_local_prefill_chunks_by_budget_and_threshold():
     # 250 tokens beside 20 decodes: chunks of 80 (the budget left) -> 3 x 0.11 + 0.04; each
     # decode is held up by the prompt's 250 tokens of compute.
     est = local_prefill(cap, 0, 250, 20, cost)
-    assert est == LocalEstimate(pytest.approx(3 * 0.11 + 0.04), pytest.approx(0.11), pytest.approx(0.25))
+    assert est == LocalEstimate(
+        pytest.approx(3 * 0.11 + 0.04), pytest.approx(0.11), pytest.approx(0.25)
+    )
     assert local_prefill(cap, 0, 250, 0, cost).decode_delay_s == 0.0  # nothing decoding
     # The threshold caps the chunk: 50 -> 5 steps of 0.08.
     cap = Capacity(max_num_batched_tokens=100, long_prefill_token_threshold=50)
@@ -198,6 +234,7 @@ def test_local_prefill_chunks_by_budget_and_threshold():
 
 
 # ---- learning what the estimates miss ----------------------------------------------------
+
 
 def test_correction_learns_each_path_and_forgets_the_unused_one():
     c = TTFTCorrection()

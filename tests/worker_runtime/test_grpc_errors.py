@@ -1,6 +1,7 @@
 """One interceptor maps a worker's exceptions to gRPC status codes, unary and streaming:
 validation errors are INVALID_ARGUMENT; a TypeError or KeyError from the engine is a bug,
 INTERNAL, and logged with its traceback (a real grpc.aio server on loopback)."""
+
 import asyncio
 import logging
 
@@ -49,23 +50,39 @@ async def _calls(kind: str) -> tuple[grpc.StatusCode, str, grpc.StatusCode, str,
                 await pb_grpc.WorkerStub(ch).Abort(pb.AbortRequest(request_id=kind))
             received = 0
             with pytest.raises(grpc.aio.AioRpcError) as stream:
-                async for _ in pb_grpc.DecodeWorkerStub(ch).Generate(pb.GenerateRequest(request_id=kind)):
+                async for _ in pb_grpc.DecodeWorkerStub(ch).Generate(
+                    pb.GenerateRequest(request_id=kind)
+                ):
                     received += 1
     finally:
         await server.stop(0)
-    return (unary.value.code(), unary.value.details(), stream.value.code(),
-            stream.value.details(), received)
+    return (
+        unary.value.code(),
+        unary.value.details(),
+        stream.value.code(),
+        stream.value.details(),
+        received,
+    )
 
 
-@pytest.mark.parametrize("kind, code, details", [
-    ("value", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1"),
-    ("unavailable", grpc.StatusCode.UNAVAILABLE, "worker is draining"),
-    ("timeout", grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive"),
-    ("type", grpc.StatusCode.INTERNAL, "internal error in /pdserve.v1.{service}/{method}: TypeError: "
-                                       "unsupported operand"),
-    ("key", grpc.StatusCode.INTERNAL, "internal error in /pdserve.v1.{service}/{method}: KeyError: "
-                                      "layers.7.weight"),
-])
+@pytest.mark.parametrize(
+    "kind, code, details",
+    [
+        ("value", grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1"),
+        ("unavailable", grpc.StatusCode.UNAVAILABLE, "worker is draining"),
+        ("timeout", grpc.StatusCode.DEADLINE_EXCEEDED, "KV did not arrive"),
+        (
+            "type",
+            grpc.StatusCode.INTERNAL,
+            "internal error in /pdserve.v1.{service}/{method}: TypeError: unsupported operand",
+        ),
+        (
+            "key",
+            grpc.StatusCode.INTERNAL,
+            "internal error in /pdserve.v1.{service}/{method}: KeyError: layers.7.weight",
+        ),
+    ],
+)
 def test_exceptions_end_calls_with_their_status(kind, code, details, caplog):
     with caplog.at_level(logging.ERROR, logger="worker_runtime.grpc_errors"):
         unary_code, unary_details, stream_code, stream_details, received = asyncio.run(_calls(kind))

@@ -1,6 +1,7 @@
 """Workers on one host lend each other idle cores (worker_runtime/host_cores.py): real peer
 processes, each with its own entry in a shared directory; the engine loop marks a worker busy
 only while it steps."""
+
 import os
 import subprocess
 import sys
@@ -40,8 +41,12 @@ class Peer:
     """Another worker's entry: a process that holds a HostCoreShare and flips its busy flag."""
 
     def __init__(self, directory, share: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", PEER, str(directory), str(share)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PEER, str(directory), str(share)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self._line() == "ready"
 
     def _line(self) -> str:
@@ -150,8 +155,11 @@ def test_a_borrower_that_stops_stepping_is_waited_for_once(tmp_path, peers, monk
 
 def threads_of(directory, exclude: int) -> list[int]:
     """The `threads` field of every entry but `exclude`'s."""
-    return [host_cores._RECORD.unpack(p.read_bytes()[:host_cores._RECORD.size])[2]
-            for p in directory.iterdir() if p.name != str(exclude)]
+    return [
+        host_cores._RECORD.unpack(p.read_bytes()[: host_cores._RECORD.size])[2]
+        for p in directory.iterdir()
+        if p.name != str(exclude)
+    ]
 
 
 def test_never_fewer_than_its_own_share(tmp_path, peers):
@@ -165,12 +173,16 @@ def test_never_fewer_than_its_own_share(tmp_path, peers):
 
 def make_share_in_peer_view(tmp_path):
     """What a peer process sees of this process's busy flag (its file, read directly)."""
+
     def busy_shares() -> int:
         total = 0
         for path in tmp_path.iterdir():
-            share, busy, *_ = host_cores._RECORD.unpack(path.read_bytes()[:host_cores._RECORD.size])
+            share, busy, *_ = host_cores._RECORD.unpack(
+                path.read_bytes()[: host_cores._RECORD.size]
+            )
             total += share if busy else 0
         return total
+
     return busy_shares
 
 
@@ -280,6 +292,8 @@ def test_torch_work_off_the_loop_ends_the_openmp_team_it_started():
         before = _threads()
         kept = asyncio.run(threads_after(lambda: asyncio.to_thread(parallel_op)))
         assert kept > before + 1  # the pool thread itself (gone with its loop) and its team
-        assert asyncio.run(threads_after(lambda: host_cores.off_the_loop(parallel_op))) == before + 1
+        assert (
+            asyncio.run(threads_after(lambda: host_cores.off_the_loop(parallel_op))) == before + 1
+        )
     finally:
         torch.set_num_threads(threads)

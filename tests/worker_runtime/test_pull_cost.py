@@ -1,5 +1,6 @@
 """A pull's measured cost (worker_runtime/pull_cost.py): a fixed part and a rate per block,
 fitted through the recent pulls, so a small pull's fixed cost is not charged per block."""
+
 import pytest
 
 from worker_runtime.pull_cost import PullCost
@@ -35,4 +36,6 @@ def test_a_line_below_the_origin_is_all_per_block():
     cost.observe(10, 0.001)
     cost.observe(100, 0.1)
     assert cost.overhead_s == 0.0
-    assert cost.blocks_per_s == pytest.approx((0.8 * 10 + 100) / (0.8 * 0.001 + 0.1))  # the older pull weighs 0.8
+    assert cost.blocks_per_s == pytest.approx(
+        (0.8 * 10 + 100) / (0.8 * 0.001 + 0.1)
+    )  # the older pull weighs 0.8

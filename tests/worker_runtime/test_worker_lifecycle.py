@@ -2,6 +2,7 @@
 engine thread: a sleep drains then frees the pool, a drain that does not end goes back to
 serving, sleeping deeper and updating weights while asleep need no drain, shutdown wins;
 collective_rpc reaches only the worker extension's methods."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -74,10 +75,19 @@ def make(drain_timeout_s: float = 5.0, roots: tuple[str, ...] = ()):
     async def abort_all():
         engine.unfinished = False
 
-    life = WorkerLifecycle(admission, call, pool, publish, abort_all, AllowedPaths(roots),
-                           sleep_mode=True, drain_timeout_s=drain_timeout_s)
-    return SimpleNamespace(engine=engine, pool=pool, admission=admission, life=life,
-                           published=published)
+    life = WorkerLifecycle(
+        admission,
+        call,
+        pool,
+        publish,
+        abort_all,
+        AllowedPaths(roots),
+        sleep_mode=True,
+        drain_timeout_s=drain_timeout_s,
+    )
+    return SimpleNamespace(
+        engine=engine, pool=pool, admission=admission, life=life, published=published
+    )
 
 
 def test_sleep_drains_in_flight_calls_then_frees_and_wake_up_serves_again():
@@ -127,8 +137,11 @@ def test_updating_weights_refuses_calls_then_serves_and_shutdown_refuses_changes
         await w.life.update_weights(__file__)
         assert w.life.weights_version == 1 and w.admission.phase is WorkerPhase.SERVING
         w.admission.move(WorkerPhase.SHUTTING_DOWN)
-        for change in (w.life.sleep(1, abort=False), w.life.update_weights(__file__),
-                       w.life.wake_up(None)):
+        for change in (
+            w.life.sleep(1, abort=False),
+            w.life.update_weights(__file__),
+            w.life.wake_up(None),
+        ):
             with pytest.raises(FailedPrecondition, match="shutting down"):
                 await change
         assert w.life.weights_version == 1 and w.engine.level == 0
@@ -170,8 +183,12 @@ def test_weights_outside_the_allowed_paths_are_refused_alike_whether_or_not_they
     async def main():
         w = make(roots=(str(inside),))
         refusals = []
-        for path in ("/etc/passwd", "/no/such/file", str(tmp_path / "link" / "passwd"),
-                     str(inside / ".." / "weights2")):
+        for path in (
+            "/etc/passwd",
+            "/no/such/file",
+            str(tmp_path / "link" / "passwd"),
+            str(inside / ".." / "weights2"),
+        ):
             with pytest.raises(PermissionDenied, match="outside --allowed-model-paths") as exc:
                 await w.life.update_weights(path)
             refusals.append(str(exc.value).replace(path, "P"))

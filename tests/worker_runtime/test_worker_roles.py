@@ -1,6 +1,7 @@
 """The SetRole state machine (worker_runtime/roles.py) over a real Admission and recording
 collaborators: what a switch publishes, drains, aborts and moves, and what it refuses
 (unknown role, sleeping, shutting down, a drain that cannot end)."""
+
 import asyncio
 from contextlib import ExitStack
 
@@ -24,8 +25,14 @@ class FakeWorker:
         self.events: list[tuple] = []
         self.calls: dict[str, ExitStack] = {}
         self.abort_ends_calls = True  # an aborted call ends (its in-flight count drops)
-        self.roles = WorkerRoles(self.admission, self._publish, self._move, self._abort_all,
-                                 self._switched, drain_timeout_s=drain_timeout_s)
+        self.roles = WorkerRoles(
+            self.admission,
+            self._publish,
+            self._move,
+            self._abort_all,
+            self._switched,
+            drain_timeout_s=drain_timeout_s,
+        )
 
     def start_call(self, request_id: str) -> None:
         stack = self.calls[request_id] = ExitStack()
@@ -35,8 +42,9 @@ class FakeWorker:
         self.calls.pop(request_id).close()
 
     async def _publish(self) -> None:
-        self.events.append(("publish", self.admission.role,
-                            self.admission.phase.published_draining))
+        self.events.append(
+            ("publish", self.admission.role, self.admission.phase.published_draining)
+        )
 
     async def _move(self, old_role: str) -> None:
         self.events.append(("move", old_role, self.admission.role))
@@ -86,8 +94,14 @@ def test_same_role_is_a_no_op_and_bad_arguments_are_refused():
     run(main())
 
 
-@pytest.mark.parametrize("state, message", [
-    ("sleeping", "sleeping: wake it up"), ("paused", "going to sleep"), ("draining", "shutting down")])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ("sleeping", "sleeping: wake it up"),
+        ("paused", "going to sleep"),
+        ("draining", "shutting down"),
+    ],
+)
 def test_a_switch_is_refused_while_sleeping_pausing_or_shutting_down(state, message):
     async def main():
         rt = FakeWorker("prefill")
@@ -167,8 +181,10 @@ def test_concurrent_switches_are_serialized():
         assert await first == "prefill"
         assert await second == "decode"  # already served: nothing to do
         assert await back == "decode" and rt.admission.role == "prefill"
-        assert [e for e in rt.events if e[0] == "move"] == [("move", "prefill", "decode"),
-                                                           ("move", "decode", "prefill")]
+        assert [e for e in rt.events if e[0] == "move"] == [
+            ("move", "prefill", "decode"),
+            ("move", "decode", "prefill"),
+        ]
 
     run(main())
 

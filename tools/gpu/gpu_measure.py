@@ -3,6 +3,7 @@
 attention backend, and the KV pool that `gpu_memory_utilization` gave it).
 
 On CPU (`dry_run`) the same code runs on tiny shapes under the Triton interpreter."""
+
 from __future__ import annotations
 
 import gc
@@ -31,8 +32,11 @@ GPU_VARIANTS = {
     "split=1024": {"partition_size": 1024},
     "split=512": {"partition_size": 512},
 }
-DRY_VARIANTS = {"split=32": {"partition_size": 32}, "no-split": {"partition_size": 0},
-                "split=32 w8": {"partition_size": 32, "num_warps": 8, "num_stages": 2}}
+DRY_VARIANTS = {
+    "split=32": {"partition_size": 32},
+    "no-split": {"partition_size": 0},
+    "split=32 w8": {"partition_size": 32, "num_warps": 8, "num_stages": 2},
+}
 
 
 @dataclass
@@ -115,9 +119,12 @@ def make_decode_batch(batch: int, context: int, dtype, device, num_layers: int =
 
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    kv_cache = torch.randn(num_blocks, num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                           dtype=dtype, device=device)
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    kv_cache = torch.randn(
+        num_blocks, num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device
+    )
+    block_tables = (
+        torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+    )
     query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -136,28 +143,59 @@ def decode_bandwidth(device, dtype, timer, copy_gbps: float, dry_run: bool) -> l
         kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * kv_cache.element_size()
         outputs = {}
         for name, plan_kwargs in variants.items():
-            plan = plan_paged_attention(device, batch, batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1,
-                                        context, **plan_kwargs)
-            call = partial(paged_attention, query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5,
-                           1, context, plan=plan)
+            plan = plan_paged_attention(
+                device, batch, batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, 1, context, **plan_kwargs
+            )
+            call = partial(
+                paged_attention,
+                query,
+                kv_cache,
+                0,
+                tables,
+                qsl,
+                seq_lens,
+                HEAD_DIM**-0.5,
+                1,
+                context,
+                plan=plan,
+            )
             outputs[name] = call()
             ms = timer(call)
             gbps = kv_bytes / (ms * 1e-3) / 1e9
             replayed = timer.replayed(call)
-            replayed_share = None if replayed is None else kv_bytes / (replayed * 1e-3) / 1e9 / copy_gbps
-            results.append(DecodeResult(batch, context, name, plan.num_partitions, round(ms, 4),
-                                        round(gbps, 1), round(gbps / copy_gbps, 3),
-                                        replayed and round(replayed, 4),
-                                        replayed_share and round(replayed_share, 3)))
-            graph_text = "" if replayed is None else f" | replayed {replayed:7.3f} ms = {replayed_share:6.1%}"
-            print(f"  decode batch={batch:4d} ctx={context:6d} {name:12s} partitions={plan.num_partitions:3d} "
-                  f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy{graph_text}",
-                  flush=True)
+            replayed_share = (
+                None if replayed is None else kv_bytes / (replayed * 1e-3) / 1e9 / copy_gbps
+            )
+            results.append(
+                DecodeResult(
+                    batch,
+                    context,
+                    name,
+                    plan.num_partitions,
+                    round(ms, 4),
+                    round(gbps, 1),
+                    round(gbps / copy_gbps, 3),
+                    replayed and round(replayed, 4),
+                    replayed_share and round(replayed_share, 3),
+                )
+            )
+            graph_text = (
+                ""
+                if replayed is None
+                else f" | replayed {replayed:7.3f} ms = {replayed_share:6.1%}"
+            )
+            print(
+                f"  decode batch={batch:4d} ctx={context:6d} {name:12s} partitions={plan.num_partitions:3d} "
+                f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy{graph_text}",
+                flush=True,
+            )
         first, *others = outputs.values()
         for other in others:
             torch.testing.assert_close(other, first, atol=2e-2, rtol=2e-2)
         if batch * context <= 8_192:  # the per-sequence reference is only cheap for small cases
-            ref = paged_attention_reference(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5)
+            ref = paged_attention_reference(
+                query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM**-0.5
+            )
             torch.testing.assert_close(first, ref, atol=2e-2, rtol=2e-2)
         del query, kv_cache, tables, outputs
     return results
@@ -175,12 +213,18 @@ def prefill_tflops(device, dtype, timer, dry_run: bool) -> dict:
     query = torch.randn(q_len, NUM_Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([total], dtype=torch.int32, device=device)
-    ms = timer(lambda: paged_attention(query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM ** -0.5,
-                                       q_len, total))
+    ms = timer(
+        lambda: paged_attention(
+            query, kv_cache, 0, tables, qsl, seq_lens, HEAD_DIM**-0.5, q_len, total
+        )
+    )
     # QK^T and PV over the causal region: 2 matmuls x 2 flops x keys seen per query.
     keys_seen = q_len * cached + q_len * (q_len + 1) / 2
     tflops = 4 * NUM_Q_HEADS * HEAD_DIM * keys_seen / (ms * 1e-3) / 1e12
-    print(f"  prefill chunk q_len={q_len} on {cached} cached: {ms:.3f} ms  {tflops:.1f} TFLOP/s", flush=True)
+    print(
+        f"  prefill chunk q_len={q_len} on {cached} cached: {ms:.3f} ms  {tflops:.1f} TFLOP/s",
+        flush=True,
+    )
     return {"q_len": q_len, "cached": cached, "ms": round(ms, 4), "tflops": round(tflops, 2)}
 
 
@@ -192,14 +236,20 @@ def engine_throughput(model: Path, device, dry_run: bool) -> dict:
     results: dict = {}
     tokens = {}
     # "triton": the default (CUDA graphs for decode steps); "triton_eager": enforce_eager.
-    for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True),
-                                 ("torch", "torch", False)):
+    for name, backend, eager in (
+        ("triton", "triton", False),
+        ("triton_eager", "triton", True),
+        ("torch", "torch", False),
+    ):
         results[name], tokens[name] = _generate(model, backend, device, dry_run, eager)
         print(f"  engine {name:12s}: {results[name]}", flush=True)
-    results["speedup"] = round(results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2)
+    results["speedup"] = round(
+        results["triton"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 2
+    )
     results["graph_speedup"] = {
         key: round(results["triton"][key] / results["triton_eager"][key], 2)
-        for key in ("tokens_per_s", "small_batch_tokens_per_s")}
+        for key in ("tokens_per_s", "small_batch_tokens_per_s")
+    }
     results["greedy_agreement"] = _agreement(tokens["triton"], tokens["torch"])
     results["graph_vs_eager_agreement"] = _agreement(tokens["triton"], tokens["triton_eager"])
     return results
@@ -222,8 +272,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _generate(model: Path, backend: str, device, dry_run: bool,
-              enforce_eager: bool = False) -> tuple[dict, list[list[int]]]:
+def _generate(
+    model: Path, backend: str, device, dry_run: bool, enforce_eager: bool = False
+) -> tuple[dict, list[list[int]]]:
     """The big batch (tokens and speed) and a small one (8 prompts: launch-bound decode
     steps, where CUDA graphs matter most)."""
     import torch
@@ -232,31 +283,52 @@ def _generate(model: Path, backend: str, device, dry_run: bool,
 
     num_prompts, max_tokens = (1, 2) if dry_run else (128, 128)
     utilization = 0.45  # engines live one after the other in this process
-    llm = engine.LLM(str(model), attention_backend=backend, device=device.type,
-                     gpu_memory_utilization=utilization, enforce_eager=enforce_eager,
-                     # Dry run: a 2-layer model and a small pool keep the interpreter quick.
-                     **({"num_layers": 2, "kv_cache_memory": 64 << 20} if dry_run else {}))
+    llm = engine.LLM(
+        str(model),
+        attention_backend=backend,
+        device=device.type,
+        gpu_memory_utilization=utilization,
+        enforce_eager=enforce_eager,
+        # Dry run: a 2-layer model and a small pool keep the interpreter quick.
+        **({"num_layers": 2, "kv_cache_memory": 64 << 20} if dry_run else {}),
+    )
     pool = llm.engine.kv_cache
-    kv_pool = {"num_blocks": pool.shape[0], "block_size": pool.shape[3],
-               "pool_gib": round(pool.numel() * pool.element_size() / 2**30, 3)}
+    kv_pool = {
+        "num_blocks": pool.shape[0],
+        "block_size": pool.shape[3],
+        "pool_gib": round(pool.numel() * pool.element_size() / 2**30, 3),
+    }
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        kv_pool.update(gpu_memory_utilization=utilization,
-                       allocated_fraction=round(torch.cuda.memory_allocated(device) / total, 4),
-                       tokens=pool.shape[0] * pool.shape[3])
+        kv_pool.update(
+            gpu_memory_utilization=utilization,
+            allocated_fraction=round(torch.cuda.memory_allocated(device) / total, 4),
+            tokens=pool.shape[0] * pool.shape[3],
+        )
     token_ids, seconds = _timed_greedy(llm, num_prompts, max_tokens, device)
     generated = sum(len(t) for t in token_ids)
     small_ids, small_seconds = _timed_greedy(llm, 2 if dry_run else 8, max_tokens, device)
     graphs = llm.engine.runner.graphs
-    graph_info = None if graphs is None else {"captured": graphs.captured, "disabled": graphs.disabled}
+    graph_info = (
+        None if graphs is None else {"captured": graphs.captured, "disabled": graphs.disabled}
+    )
     del llm, pool, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return ({"prompts": num_prompts, "max_tokens": max_tokens, "generated_tokens": generated,
-             "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1),
-             "small_batch_tokens_per_s": round(sum(map(len, small_ids)) / small_seconds, 1),
-             "cuda_graphs": graph_info, "kv_pool": kv_pool}, token_ids)
+    return (
+        {
+            "prompts": num_prompts,
+            "max_tokens": max_tokens,
+            "generated_tokens": generated,
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(generated / seconds, 1),
+            "small_batch_tokens_per_s": round(sum(map(len, small_ids)) / small_seconds, 1),
+            "cuda_graphs": graph_info,
+            "kv_pool": kv_pool,
+        },
+        token_ids,
+    )
 
 
 def _timed_greedy(llm, num_prompts: int, max_tokens: int, device) -> tuple[list[list[int]], float]:
@@ -295,7 +367,9 @@ def tp_parity(model: Path, device, dry_run: bool) -> dict:
     for size in (1, 2):
         results[f"tp{size}"], tokens[size] = _generate_tp(model, size, device, dry_run)
         print(f"  tensor_parallel_size {size}: {results[f'tp{size}']}", flush=True)
-    results["tp2_over_tp1"] = round(results["tp2"]["tokens_per_s"] / results["tp1"]["tokens_per_s"], 2)
+    results["tp2_over_tp1"] = round(
+        results["tp2"]["tokens_per_s"] / results["tp1"]["tokens_per_s"], 2
+    )
     results["greedy_agreement"] = _agreement(tokens[1], tokens[2])
     return results
 
@@ -304,14 +378,22 @@ def _generate_tp(model: Path, size: int, device, dry_run: bool) -> tuple[dict, l
     import engine
 
     num_prompts, max_tokens = (2, 4) if dry_run else (64, 128)
-    llm = engine.LLM(str(model), device=device.type, tensor_parallel_size=size,
-                     # With tensor_parallel_size > 1 on CUDA the KV budget must be explicit.
-                     kv_cache_memory=(64 << 20) if dry_run else (8 << 30),
-                     **({"num_layers": 2, "dtype": "float32", "attention_backend": "torch"} if dry_run else {}))
+    llm = engine.LLM(
+        str(model),
+        device=device.type,
+        tensor_parallel_size=size,
+        # With tensor_parallel_size > 1 on CUDA the KV budget must be explicit.
+        kv_cache_memory=(64 << 20) if dry_run else (8 << 30),
+        **({"num_layers": 2, "dtype": "float32", "attention_backend": "torch"} if dry_run else {}),
+    )
     try:
         token_ids, seconds = _timed_greedy(llm, num_prompts, max_tokens, device)
     finally:
         llm.close()
     generated = sum(len(t) for t in token_ids)
-    return {"prompts": num_prompts, "generated_tokens": generated, "seconds": round(seconds, 2),
-            "tokens_per_s": round(generated / seconds, 1)}, token_ids
+    return {
+        "prompts": num_prompts,
+        "generated_tokens": generated,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(generated / seconds, 1),
+    }, token_ids

@@ -1,11 +1,12 @@
 """Write a small random TinyForCausalLM checkpoint directory:
 
-    config.json          architectures ["TinyForCausalLM"], this architecture's own keys
-    model.safetensors    tensors under this architecture's own names (blocks.{i}.attn.wq, ...)
-    tokenizer*.json, generation_config.json   copied from pdserve's bundled default model
+config.json          architectures ["TinyForCausalLM"], this architecture's own keys
+model.safetensors    tensors under this architecture's own names (blocks.{i}.attn.wq, ...)
+tokenizer*.json, generation_config.json   copied from pdserve's bundled default model
 
-    python -m tiny_arch.make_checkpoint OUT_DIR [--layers N] [--seed S]
+python -m tiny_arch.make_checkpoint OUT_DIR [--layers N] [--seed S]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 def tiny_config(vocab_size: int, layers: int = 2) -> dict:
     return {
-        "architectures": ["TinyForCausalLM"], "model_type": "tiny",
-        "vocab_size": vocab_size, "num_hidden_layers": layers, "d_model": 64, "n_heads": 4,
-        "n_kv_heads": 2, "ffn_dim": 128, "norm_eps": 1e-5, "rope_base": 10000.0,
-        "max_position_embeddings": 1024, "torch_dtype": "float32",
+        "architectures": ["TinyForCausalLM"],
+        "model_type": "tiny",
+        "vocab_size": vocab_size,
+        "num_hidden_layers": layers,
+        "d_model": 64,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 128,
+        "norm_eps": 1e-5,
+        "rope_base": 10000.0,
+        "max_position_embeddings": 1024,
+        "torch_dtype": "float32",
     }
 
 
-def make_checkpoint(out_dir: Path, layers: int = 2, seed: int = 0,
-                    tokenizer_dir: Path | None = None) -> Path:
+def make_checkpoint(
+    out_dir: Path, layers: int = 2, seed: int = 0, tokenizer_dir: Path | None = None
+) -> Path:
     """Random weights (scaled so the logits have a clear argmax) + the bundled tokenizer."""
     from safetensors.torch import save_file
 
@@ -44,7 +54,11 @@ def make_checkpoint(out_dir: Path, layers: int = 2, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, p in shapes:
-        if name.endswith("norm_in.weight") or name.endswith("norm_ffn.weight") or name == "norm_out.weight":
+        if (
+            name.endswith("norm_in.weight")
+            or name.endswith("norm_ffn.weight")
+            or name == "norm_out.weight"
+        ):
             weights[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         elif name == "embed.weight":
             weights[name] = torch.randn(p.shape, generator=gen)
@@ -61,7 +75,9 @@ def make_checkpoint(out_dir: Path, layers: int = 2, seed: int = 0,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out_dir", type=Path)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

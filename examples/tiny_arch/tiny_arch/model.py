@@ -9,6 +9,7 @@ batch in, attention through the engine's paged attention layer (`ctx.backend.for
 stores K/V in the engine's pool — so prefix caching, chunked prefill and P/D KV transfer work
 without anything here knowing about them.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,11 +27,17 @@ from engine.models.interface import CausalLMBase
 def args_from_config(cfg: dict[str, Any]) -> ModelArgs:
     """This architecture's config.json keys -> the sizes the engine reads."""
     return ModelArgs(
-        vocab_size=cfg["vocab_size"], dim=cfg["d_model"], n_layers=cfg["num_hidden_layers"],
-        n_heads=cfg["n_heads"], n_kv_heads=cfg["n_kv_heads"],
-        head_dim=cfg["d_model"] // cfg["n_heads"], intermediate_size=cfg["ffn_dim"],
-        norm_eps=cfg["norm_eps"], rope_theta=cfg["rope_base"],
-        max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=False,
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["d_model"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["n_heads"],
+        n_kv_heads=cfg["n_kv_heads"],
+        head_dim=cfg["d_model"] // cfg["n_heads"],
+        intermediate_size=cfg["ffn_dim"],
+        norm_eps=cfg["norm_eps"],
+        rope_theta=cfg["rope_base"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        tie_word_embeddings=False,
     )
 
 
@@ -41,7 +48,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rope_angles(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
     """cos, sin [T, head_dim / 2] in fp32 for the positions of the batch."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    inv_freq = 1.0 / base ** (
+        torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    )
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
@@ -132,13 +141,17 @@ class TinyForCausalLM(CausalLMBase):
             if name not in params:
                 raise KeyError(name)
             module_name, _, attr = name.rpartition(".")
-            setattr(self.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+            setattr(
+                self.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False)
+            )
             seen.add(name)
         missing = sorted(params.keys() - seen)
         if missing:
             raise KeyError(missing[0])
 
-    def residual(self, input_ids: Tensor, positions: Tensor, ctx, num_layers: int | None = None) -> Tensor:
+    def residual(
+        self, input_ids: Tensor, positions: Tensor, ctx, num_layers: int | None = None
+    ) -> Tensor:
         cos, sin = rope_angles(positions, self.args.head_dim, self.args.rope_theta)
         x = self.embed(input_ids)
         for block in self.blocks[:num_layers]:

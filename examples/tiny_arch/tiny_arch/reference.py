@@ -1,6 +1,7 @@
 """A plain-torch reference for TinyForCausalLM: one sequence, no paging, no engine — dense
 causal attention over the whole sequence recomputed every step, RoPE by complex rotation.
 What the engine's output (paged KV, chunked prefill, prefix cache, P/D transfer) must equal."""
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,13 @@ def reference_logits(model: TinyForCausalLM, token_ids: list[int]) -> Tensor:
         v = (h @ blk.attn.wv.weight.T).view(T, a.n_kv_heads, a.head_dim)
         group = a.n_heads // a.n_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=a.head_dim**-0.5)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=a.head_dim**-0.5,
+        )
         x = x + o.transpose(0, 1).reshape(T, -1) @ blk.attn.wo.weight.T
         h = rms_norm(x, blk.norm_ffn.weight, a.norm_eps)
         f = blk.ffn
@@ -41,8 +47,12 @@ def reference_logits(model: TinyForCausalLM, token_ids: list[int]) -> Tensor:
     return (rms_norm(x, model.norm_out.weight, a.norm_eps) @ model.head.weight.T).float()
 
 
-def reference_greedy(model: TinyForCausalLM, prompt: list[int], max_tokens: int,
-                     eos_ids: frozenset[int] = frozenset()) -> list[int]:
+def reference_greedy(
+    model: TinyForCausalLM,
+    prompt: list[int],
+    max_tokens: int,
+    eos_ids: frozenset[int] = frozenset(),
+) -> list[int]:
     """Greedy continuation of `prompt` (stops after an EOS id, which is included)."""
     tokens, out = list(prompt), []
     for _ in range(max_tokens):

@@ -10,6 +10,7 @@ registered decode worker publishes `sleeping` (another router, or a restart of t
 Workers refuse requests on their own while asleep (UNAVAILABLE), and placement never picks a
 sleeping worker, so nothing depends on the gate for safety; it only turns refusals into waits.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,12 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 300.0
 """Per-worker bound of an admin RPC (a sleep drains first; a weight update reads a file)."""
-_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.PERMISSION_DENIED: 403,
-           grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.FAILED_PRECONDITION: 409}
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +74,13 @@ class FleetAdmin:
         while (why := self.asleep()) is not None:
             left = deadline - loop.time()
             if left <= 0:
-                raise APIError(503, f"The fleet is {why}: no worker serves until it wakes up "
-                               "(POST /wake_up); try again later.", code="overloaded",
-                               headers={"Retry-After": "5"})
+                raise APIError(
+                    503,
+                    f"The fleet is {why}: no worker serves until it wakes up "
+                    "(POST /wake_up); try again later.",
+                    code="overloaded",
+                    headers={"Retry-After": "5"},
+                )
             await self.registry.wait_changed(min(left, 0.1))
 
     # ---- the calls ------------------------------------------------------------------------------
@@ -79,8 +88,11 @@ class FleetAdmin:
         async with self._lock:
             self._closed = "sleeping"  # new requests wait from now on
             results = await self._fan_out("Sleep", pb.SleepRequest(level=level, abort=abort))
-            self._closed = "sleeping" if any(r.reply is not None and r.reply.is_sleeping
-                                             for r in results) else None
+            self._closed = (
+                "sleeping"
+                if any(r.reply is not None and r.reply.is_sleeping for r in results)
+                else None
+            )
         return _checked("sleep", results)
 
     async def wake_up(self, tags: list[str]) -> list[WorkerResult]:
@@ -99,10 +111,12 @@ class FleetAdmin:
             results = await self._fan_out("ResetPrefixCache", pb.LifecycleRequest())
         return _checked("reset_prefix_cache", results)
 
-    async def collective_rpc(self, method: str, args: list, kwargs: dict,
-                             timeout_s: float | None) -> list[WorkerResult]:
-        request = pb.CollectiveRPCRequest(method=method, args_json=json.dumps(args),
-                                          kwargs_json=json.dumps(kwargs))
+    async def collective_rpc(
+        self, method: str, args: list, kwargs: dict, timeout_s: float | None
+    ) -> list[WorkerResult]:
+        request = pb.CollectiveRPCRequest(
+            method=method, args_json=json.dumps(args), kwargs_json=json.dumps(kwargs)
+        )
         async with self._lock:
             results = await self._fan_out("CollectiveRPC", request, timeout_s)
         return _checked("collective_rpc", results)
@@ -113,9 +127,11 @@ class FleetAdmin:
             try:
                 results = await self._fan_out("UpdateWeights", pb.UpdateWeightsRequest(path=path))
                 versions = {r.worker_id: r.reply.weights_version for r in results if r.reply}
-                await self._until(lambda info: versions.get(info.worker_id,
-                                                             info.weights_version)
-                                  == info.weights_version)
+                await self._until(
+                    lambda info: (
+                        versions.get(info.worker_id, info.weights_version) == info.weights_version
+                    )
+                )
             finally:
                 self._closed = before
         return _checked("update_weights", results)
@@ -127,9 +143,12 @@ class FleetAdmin:
         time (it keeps its role), else as `_checked`."""
         state = self.registry.get(worker_id)
         if state is None:
-            raise APIError(404, f"No worker {worker_id!r} is registered here (GET "
-                           "/dashboard/data lists them).", param="worker_id",
-                           code="worker_not_found")
+            raise APIError(
+                404,
+                f"No worker {worker_id!r} is registered here (GET /dashboard/data lists them).",
+                param="worker_id",
+                code="worker_not_found",
+            )
         request = pb.SetRoleRequest(role=role, drain_timeout_s=drain_timeout_s)
         # The worker may drain for drain_timeout_s (0: its own --drain-timeout) before it
         # answers; RPC_TIMEOUT_S bounds the default case.
@@ -139,32 +158,43 @@ class FleetAdmin:
             if result.reply is not None:
                 await self._until(lambda info: info.worker_id != worker_id or info.role == role)
         if result.error is not None and result.error.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise APIError(504, f"set_role on {worker_id}: {result.error.details()}",
-                           code="worker_failed")
+            raise APIError(
+                504, f"set_role on {worker_id}: {result.error.details()}", code="worker_failed"
+            )
         return _checked("set_role", [result])[0]
 
     # ---- fan-out ----------------------------------------------------------------------------------
     def _workers(self) -> list[WorkerInfo]:
         workers = [s.info for s in self.registry.all() if not s.info.draining]
         if not workers:
-            raise APIError(503, "No worker is registered; try again when workers are up.",
-                           code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                "No worker is registered; try again when workers are up.",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         return sorted(workers, key=lambda w: (w.role != Role.PREFILL, w.worker_id))
 
-    async def _fan_out(self, method: str, request, timeout_s: float | None = None
-                       ) -> list[WorkerResult]:
+    async def _fan_out(
+        self, method: str, request, timeout_s: float | None = None
+    ) -> list[WorkerResult]:
         workers = self._workers()
-        return list(await asyncio.gather(*(self._call(w, method, request, timeout_s)
-                                           for w in workers)))
+        return list(
+            await asyncio.gather(*(self._call(w, method, request, timeout_s) for w in workers))
+        )
 
-    async def _call(self, info: WorkerInfo, method: str, request, timeout_s: float | None
-                    ) -> WorkerResult:
+    async def _call(
+        self, info: WorkerInfo, method: str, request, timeout_s: float | None
+    ) -> WorkerResult:
         rpc = getattr(self.channels.worker(info.grpc_address), method)
         try:
-            return WorkerResult(info.worker_id, await rpc(request, timeout=timeout_s or RPC_TIMEOUT_S))
+            return WorkerResult(
+                info.worker_id, await rpc(request, timeout=timeout_s or RPC_TIMEOUT_S)
+            )
         except grpc.aio.AioRpcError as exc:
-            log.warning("%s on %s failed: %s: %s", method, info.worker_id, exc.code().name,
-                        exc.details())
+            log.warning(
+                "%s on %s failed: %s: %s", method, info.worker_id, exc.code().name, exc.details()
+            )
             return WorkerResult(info.worker_id, error=exc)
 
     async def _until(self, agrees, timeout_s: float = 2.0) -> None:
@@ -185,7 +215,11 @@ def _checked(call: str, results: list[WorkerResult]) -> list[WorkerResult]:
         return results
     statuses = {_STATUS.get(error.code(), 502) for _, error in failed}
     status = statuses.pop() if len(statuses) == 1 else 502
-    names = "; ".join(f"{worker}: {error.code().name}: {error.details()}"
-                      for worker, error in failed)
-    raise APIError(status, f"{call} failed on {len(failed)} of {len(results)} workers ({names})",
-                   code="worker_failed")
+    names = "; ".join(
+        f"{worker}: {error.code().name}: {error.details()}" for worker, error in failed
+    )
+    raise APIError(
+        status,
+        f"{call} failed on {len(failed)} of {len(results)} workers ({names})",
+        code="worker_failed",
+    )

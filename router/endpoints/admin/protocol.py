@@ -1,5 +1,6 @@
 """The fleet-wide admin endpoints (router/endpoints/admin/serving.py): request and response
 bodies."""
+
 from __future__ import annotations
 
 from typing import Any

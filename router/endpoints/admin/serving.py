@@ -14,6 +14,7 @@ set (router/http/auth.py):
     POST /set_role?worker_id=W&role=decode&drain_timeout=S
                                       one worker switches pools (Worker.SetRole; engine kept)
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,17 @@ from router.http.errors import bad_request
 from router.http.openapi import route_schema
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
-ADMIN_PATHS = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
-                         "/collective_rpc", "/update_weights", "/set_role"})
+ADMIN_PATHS = frozenset(
+    {
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+        "/collective_rpc",
+        "/update_weights",
+        "/set_role",
+    }
+)
 
 
 def dev_endpoints_enabled(flag: bool) -> bool:
@@ -46,20 +56,23 @@ def dev_endpoints_enabled(flag: bool) -> bool:
     return flag or os.environ.get(DEV_MODE_ENV, "") in ("1", "true", "True")
 
 
-_ERRORS = {400: "A malformed query or body, or the workers refused the arguments",
-           401: "Missing or wrong API key (`--admin-api-key`, else `--api-key`)",
-           403: "An inference key: these need `--admin-api-key` when it is set",
-           404: "Dev endpoints not enabled, a weights path a worker cannot find, or a "
-                "worker id not registered",
-           409: "A worker was not started with `--enable-sleep-mode`, or (set_role) it "
-                "sleeps or shuts down",
-           500: "Internal error (fixed message; the detail goes to the router's log)",
-           502: "Some workers failed; the message names each one with its error",
-           503: "No worker is registered (`Retry-After` header)"}
+_ERRORS = {
+    400: "A malformed query or body, or the workers refused the arguments",
+    401: "Missing or wrong API key (`--admin-api-key`, else `--api-key`)",
+    403: "An inference key: these need `--admin-api-key` when it is set",
+    404: "Dev endpoints not enabled, a weights path a worker cannot find, or a "
+    "worker id not registered",
+    409: "A worker was not started with `--enable-sleep-mode`, or (set_role) it "
+    "sleeps or shuts down",
+    500: "Internal error (fixed message; the detail goes to the router's log)",
+    502: "Some workers failed; the message names each one with its error",
+    503: "No worker is registered (`Retry-After` header)",
+}
 
 
-def _schema(request: type[BaseModel] | None, ok: type[BaseModel],
-            query: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+def _schema(
+    request: type[BaseModel] | None, ok: type[BaseModel], query: tuple[dict[str, Any], ...] = ()
+) -> dict[str, Any]:
     kw = route_schema(request, ok, errors=(400, 404, 500, 502, 503))
     for status, text in _ERRORS.items():
         kw["responses"].setdefault(status, dict(kw["responses"][400]))["description"] = text
@@ -74,17 +87,35 @@ def _query(name: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
 
 def _state(results: list[WorkerResult]) -> JSONResponse:
     workers = {r.worker_id: r.reply.is_sleeping for r in results}
-    return JSONResponse({"is_sleeping": any(workers.values()), "workers": workers,
-                         "weights_version": {r.worker_id: r.reply.weights_version
-                                             for r in results}})
+    return JSONResponse(
+        {
+            "is_sleeping": any(workers.values()),
+            "workers": workers,
+            "weights_version": {r.worker_id: r.reply.weights_version for r in results},
+        }
+    )
 
 
 def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
-    @app.post("/sleep", **_schema(None, FleetState, (
-        _query("level", {"type": "integer", "enum": [1, 2], "default": 1},
-               "1: free the KV cache, offload weights; 2: drop weights too"),
-        _query("abort", {"type": "boolean", "default": False},
-               "abort in-flight requests instead of waiting for them"))))
+    @app.post(
+        "/sleep",
+        **_schema(
+            None,
+            FleetState,
+            (
+                _query(
+                    "level",
+                    {"type": "integer", "enum": [1, 2], "default": 1},
+                    "1: free the KV cache, offload weights; 2: drop weights too",
+                ),
+                _query(
+                    "abort",
+                    {"type": "boolean", "default": False},
+                    "abort in-flight requests instead of waiting for them",
+                ),
+            ),
+        ),
+    )
     async def sleep(request: Request) -> JSONResponse:
         q = request.query_params
         level = q.get("level", "1")
@@ -95,10 +126,20 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
             raise bad_request(f"abort must be true or false, got {abort!r}", "abort")
         return _state(await admin.sleep(int(level), abort in ("true", "1")))
 
-    @app.post("/wake_up", **_schema(None, FleetState, (
-        _query("tags", {"type": "array", "items": {"type": "string",
-                                                     "enum": ["weights", "kv_cache"]}},
-               "what to restore (repeatable); default both"),)))
+    @app.post(
+        "/wake_up",
+        **_schema(
+            None,
+            FleetState,
+            (
+                _query(
+                    "tags",
+                    {"type": "array", "items": {"type": "string", "enum": ["weights", "kv_cache"]}},
+                    "what to restore (repeatable); default both",
+                ),
+            ),
+        ),
+    )
     async def wake_up(request: Request) -> JSONResponse:
         tags = request.query_params.getlist("tags")
         bad = [t for t in tags if t not in ("weights", "kv_cache")]
@@ -124,9 +165,12 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
         if req.timeout is not None and req.timeout <= 0:
             raise bad_request("timeout must be > 0", "timeout")
         results = await admin.collective_rpc(req.method, req.args, req.kwargs, req.timeout)
-        return JSONResponse({"results": [x for r in results
-                                         for x in json.loads(r.reply.results_json)],
-                             "workers": [r.worker_id for r in results]})
+        return JSONResponse(
+            {
+                "results": [x for r in results for x in json.loads(r.reply.results_json)],
+                "workers": [r.worker_id for r in results],
+            }
+        )
 
     @app.post("/update_weights", **_schema(UpdateWeightsRequest, FleetState))
     async def update_weights(request: Request) -> JSONResponse:
@@ -135,14 +179,24 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
             raise bad_request("path must not be empty", "path")
         return _state(await admin.update_weights(req.path))
 
-    set_role_schema = _schema(None, SetRoleResponse, (
-        _query("worker_id", {"type": "string"}, "the worker to switch (required)"),
-        _query("role", {"type": "string", "enum": list(ROLES)}, "its new role (required)"),
-        _query("drain_timeout", {"type": "number", "minimum": 0, "default": 0},
-               "seconds its in-flight requests may take before they are aborted (decode: "
-               "migrated); 0 = the worker's --drain-timeout")))
-    set_role_schema["responses"][504] = dict(set_role_schema["responses"][400], description=(
-        "The worker's in-flight calls did not end in time; it keeps its role"))
+    set_role_schema = _schema(
+        None,
+        SetRoleResponse,
+        (
+            _query("worker_id", {"type": "string"}, "the worker to switch (required)"),
+            _query("role", {"type": "string", "enum": list(ROLES)}, "its new role (required)"),
+            _query(
+                "drain_timeout",
+                {"type": "number", "minimum": 0, "default": 0},
+                "seconds its in-flight requests may take before they are aborted (decode: "
+                "migrated); 0 = the worker's --drain-timeout",
+            ),
+        ),
+    )
+    set_role_schema["responses"][504] = dict(
+        set_role_schema["responses"][400],
+        description=("The worker's in-flight calls did not end in time; it keeps its role"),
+    )
 
     @app.post("/set_role", **set_role_schema)
     async def set_role(request: Request) -> JSONResponse:
@@ -157,8 +211,11 @@ def add_admin_routes(app: FastAPI, admin: FleetAdmin) -> None:
         except ValueError:
             drain_timeout = -1.0
         if not 0 <= drain_timeout < float("inf"):
-            raise bad_request(f"drain_timeout must be a number >= 0, got "
-                              f"{q.get('drain_timeout')!r}", "drain_timeout")
+            raise bad_request(
+                f"drain_timeout must be a number >= 0, got {q.get('drain_timeout')!r}",
+                "drain_timeout",
+            )
         reply = (await admin.set_role(worker_id, role, drain_timeout)).reply
-        return JSONResponse({"worker_id": worker_id, "role": reply.role,
-                             "previous_role": reply.previous_role})
+        return JSONResponse(
+            {"worker_id": worker_id, "role": reply.role, "previous_role": reply.previous_role}
+        )

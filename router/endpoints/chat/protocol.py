@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the request body (messages, tools, beside the sampling fields
 every generating request shares: router/endpoints/sampling.py) and the response bodies (the
 schemas /openapi.json publishes)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal, Union
@@ -122,12 +123,15 @@ class ToolCallOut(ResponseModel):
 class ChatCompletionMessage(ResponseModel):
     role: Literal["assistant"]
     content: str | None = Field(description="null when the message only calls tools")
-    tool_calls: list[ToolCallOut] | None = Field(default=None, description="present when the model "
-                                          "called tools")
-    reasoning_content: str | None = Field(default=None, description="with --reasoning-parser: "
-                                          "the model's reasoning (vLLM's name)")
-    reasoning: str | None = Field(default=None, description="the same as reasoning_content "
-                                  "(vLLM's newer name)")
+    tool_calls: list[ToolCallOut] | None = Field(
+        default=None, description="present when the model called tools"
+    )
+    reasoning_content: str | None = Field(
+        default=None, description="with --reasoning-parser: the model's reasoning (vLLM's name)"
+    )
+    reasoning: str | None = Field(
+        default=None, description="the same as reasoning_content (vLLM's newer name)"
+    )
 
 
 class ChatChoice(ResponseModel):

@@ -1,6 +1,7 @@
 """POST /v1/completions: the request body (the fields this router reads, beside the sampling
 fields every generating request shares: router/endpoints/sampling.py) and the response bodies
 (the schemas /openapi.json publishes)."""
+
 from __future__ import annotations
 
 from typing import Literal, Union
@@ -38,8 +39,9 @@ class CompletionChoice(ResponseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
-    stop_reason: StopReason = Field(description="the stop string or token id; null for EOS "
-                                                "or length")
+    stop_reason: StopReason = Field(
+        description="the stop string or token id; null for EOS or length"
+    )
     prompt_logprobs: PromptLogprobs | None
 
 

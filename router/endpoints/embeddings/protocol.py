@@ -1,4 +1,5 @@
 """POST /v1/embeddings: the request body and the response bodies."""
+
 from __future__ import annotations
 
 from typing import Literal, Union

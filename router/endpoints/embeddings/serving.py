@@ -15,6 +15,7 @@ Life cycle of a request here:
 4. One JSON body: OpenAI's shape, `embedding` as floats or base64 (little-endian float32).
 A client that leaves cancels the calls; the workers abort the requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,20 +62,30 @@ class PreparedEmbedding:
     request_id: str | None = None  # the client's (body) request id
 
 
-def prepare_embedding(body: bytes, card: ModelCard, limit: int,
-                      adapters: Mapping[str, str] | None = None,
-                      limits: LimitsConfig | None = None) -> PreparedEmbedding:
+def prepare_embedding(
+    body: bytes,
+    card: ModelCard,
+    limit: int,
+    adapters: Mapping[str, str] | None = None,
+    limits: LimitsConfig | None = None,
+) -> PreparedEmbedding:
     """`limit`: the prefill workers' max_model_len (an input has fewer tokens). `adapters`:
     the LoRA adapters served (embeddings run on the base model only). `limits`: the caps on
     the inputs (default: LimitsConfig's)."""
     limits = limits or LimitsConfig()
     req = parse_json(EmbeddingRequest, body)
     if check_model(req.model, card, adapters) is not None:
-        raise bad_request(f"Embeddings run on the base model only; {req.model!r} is a LoRA "
-                          f"adapter (use {card.name!r})", "model")
+        raise bad_request(
+            f"Embeddings run on the base model only; {req.model!r} is a LoRA "
+            f"adapter (use {card.name!r})",
+            "model",
+        )
     if req.dimensions is not None:
-        raise bad_request(f"Model {card.name!r} does not support matryoshka representation: "
-                          "dimensions cannot be set", "dimensions")
+        raise bad_request(
+            f"Model {card.name!r} does not support matryoshka representation: "
+            "dimensions cannot be set",
+            "dimensions",
+        )
     if not _INT32[0] <= req.priority <= _INT32[1]:
         raise bad_request(f"priority must be a 32-bit integer, got {req.priority}", "priority")
     if req.cache_salt is not None and not req.cache_salt:
@@ -87,8 +98,11 @@ def prepare_embedding(body: bytes, card: ModelCard, limit: int,
     max_chars = max_prompt_chars(card, limit, limits)
     prompts = []
     for item in items:
-        ids = (encode_text(card.tokenizer, item, req.add_special_tokens, max_chars, "input")
-               if isinstance(item, str) else list(item))
+        ids = (
+            encode_text(card.tokenizer, item, req.add_special_tokens, max_chars, "input")
+            if isinstance(item, str)
+            else list(item)
+        )
         if not ids:
             raise bad_request("input must not contain an empty string or token list", "input")
         check_token_ids(ids, card, "input")
@@ -96,19 +110,27 @@ def prepare_embedding(body: bytes, card: ModelCard, limit: int,
     if req.truncate_prompt_tokens is not None:
         keep = limit - 1 if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
         if not 1 <= keep <= limit - 1:
-            raise bad_request(f"truncate_prompt_tokens must be in [1, {limit - 1}] (or -1), got "
-                              f"{req.truncate_prompt_tokens}", "truncate_prompt_tokens")
+            raise bad_request(
+                f"truncate_prompt_tokens must be in [1, {limit - 1}] (or -1), got "
+                f"{req.truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
         prompts = [ids[-keep:] for ids in prompts]
     for i, ids in enumerate(prompts):
         if len(ids) >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, input {i} "
                 f"has {len(ids)} tokens (at most {limit - 1} can be embedded).",
-                "input", "context_length_exceeded")
+                "input",
+                "context_length_exceeded",
+            )
     return PreparedEmbedding(
-        model=card.name, prompts=prompts,
+        model=card.name,
+        prompts=prompts,
         pooling=PoolingParams(req.pooling_type, True if req.normalize is None else req.normalize),
-        encoding_format=req.encoding_format, priority=req.priority, cache_salt=req.cache_salt,
+        encoding_format=req.encoding_format,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
         request_id=req.request_id,
     )
 
@@ -126,8 +148,11 @@ class Embedder:
         prefill worker (else by any registered one), else the model card's."""
         published = [w for w in self.registry.by_role(Role.PREFILL) if w.info.max_model_len > 0]
         live = [w for w in self.registry.ready(Role.PREFILL) if w.info.max_model_len > 0]
-        return (max(w.info.max_model_len for w in live or published) if published
-                else self.card.max_model_len)
+        return (
+            max(w.info.max_model_len for w in live or published)
+            if published
+            else self.card.max_model_len
+        )
 
     async def embed(self, prompt: PromptKey, prepared: PreparedEmbedding) -> pb.EmbedResponse:
         exclude: set[str] = set()
@@ -137,24 +162,32 @@ class Embedder:
                 return await self._call(worker, prompt, prepared)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise APIError(400, f"rejected by the prefill worker: {exc.details()}") from None
+                    raise APIError(
+                        400, f"rejected by the prefill worker: {exc.details()}"
+                    ) from None
                 self.metrics.worker_failures.labels("before_first_token").inc()
-                failure = (f"prefill worker {worker.info.worker_id}: {exc.code().name}: "
-                           f"{exc.details()}")
+                failure = (
+                    f"prefill worker {worker.info.worker_id}: {exc.code().name}: {exc.details()}"
+                )
                 if attempt == self.config.max_retries:
                     raise APIError(502, failure, code="worker_failed") from None
                 exclude.add(worker.info.worker_id)
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")
 
-    async def _call(self, worker: WorkerState, prompt: PromptKey,
-                    prepared: PreparedEmbedding) -> pb.EmbedResponse:
+    async def _call(
+        self, worker: WorkerState, prompt: PromptKey, prepared: PreparedEmbedding
+    ) -> pb.EmbedResponse:
         """The Embed call, with its prompt counted as this router's queued prefill work on
         the worker until it returns (placements in between see the load)."""
         request = pb.EmbedRequest(
-            request_id=f"emb-{uuid.uuid4().hex}", prompt_token_ids=prompt.token_ids,
-            pooling_type=prepared.pooling.pooling_type, normalize=prepared.pooling.normalize,
-            cache_salt=prepared.cache_salt or "", priority=prepared.priority)
+            request_id=f"emb-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt.token_ids,
+            pooling_type=prepared.pooling.pooling_type,
+            normalize=prepared.pooling.normalize,
+            cache_salt=prepared.cache_salt or "",
+            priority=prepared.priority,
+        )
         address = worker.info.grpc_address
         stub = self.channels.hold_prefill(address)
         work = len(prompt.token_ids)
@@ -174,14 +207,23 @@ def encode(embedding, encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
 
 
-def embedding_response(prepared: PreparedEmbedding, results: list[pb.EmbedResponse],
-                       request_id: str) -> dict[str, Any]:
+def embedding_response(
+    prepared: PreparedEmbedding, results: list[pb.EmbedResponse], request_id: str
+) -> dict[str, Any]:
     num_tokens = sum(len(ids) for ids in prepared.prompts)
     return {
-        "id": request_id, "object": "list", "created": int(time.time()), "model": prepared.model,
-        "data": [{"object": "embedding", "index": i,
-                  "embedding": encode(r.embedding, prepared.encoding_format)}
-                 for i, r in enumerate(results)],
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": prepared.model,
+        "data": [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": encode(r.embedding, prepared.encoding_format),
+            }
+            for i, r in enumerate(results)
+        ],
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
 
@@ -199,20 +241,33 @@ async def _all(calls: Sequence[Awaitable[pb.EmbedResponse]]) -> list[pb.EmbedRes
 def add_embedding_routes(app: FastAPI, services: Services) -> None:
     embedder = Embedder(services)
 
-    @app.post("/v1/embeddings", **route_schema(EmbeddingRequest, EmbeddingResponse,
-                                               errors=GENERATE_ERRORS))
+    @app.post(
+        "/v1/embeddings",
+        **route_schema(EmbeddingRequest, EmbeddingResponse, errors=GENERATE_ERRORS),
+    )
     async def embeddings(request: Request) -> Response:
         body = await request.body()
-        prepared = await services.tokenizing(len(body), prepare_embedding, body, services.card,
-                                             embedder.max_model_len(), services.loras.served(),
-                                             services.config.limits)
+        prepared = await services.tokenizing(
+            len(body),
+            prepare_embedding,
+            body,
+            services.card,
+            embedder.max_model_len(),
+            services.loras.served(),
+            services.config.limits,
+        )
         await services.admin.wait_awake()
         prepared = replace(prepared, cache_salt=effective_salt(request.scope, prepared.cache_salt))
-        services.key_limits.reserve(request.scope.get(TICKET),  # the key's tokens (per minute)
-                                    sum(map(len, prepared.prompts)), 0)
+        services.key_limits.reserve(
+            request.scope.get(TICKET),  # the key's tokens (per minute)
+            sum(map(len, prepared.prompts)),
+            0,
+        )
         base = request.headers.get("x-request-id") or prepared.request_id or uuid.uuid4().hex
-        calls = [embedder.embed(PromptKey(ids, prepared.cache_salt), prepared)
-                 for ids in prepared.prompts]
+        calls = [
+            embedder.embed(PromptKey(ids, prepared.cache_salt), prepared)
+            for ids in prepared.prompts
+        ]
         try:
             results = await until_disconnect(request, _all(calls))
         except ClientGone:

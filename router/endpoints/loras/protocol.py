@@ -1,5 +1,6 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM): the request bodies (both
 answer a plain-text "Success")."""
+
 from __future__ import annotations
 
 from router.endpoints.base import RequestModel

@@ -14,6 +14,7 @@ served here at once (new requests for it are 404), then every worker drops it; r
 running with it finish with it. Both wait (briefly) until the workers' republished
 registrations agree, so /v1/models reflects the change when the call returns.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,8 +56,12 @@ def runtime_updates_allowed(enable_lora: bool) -> bool:
 class LoRAAdapters:
     """The adapters served (name -> path) and the cluster-wide load / unload."""
 
-    def __init__(self, registry: WorkerRegistry, channels: ChannelPool,
-                 lora_modules: tuple[LoRAModule, ...] = ()) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        channels: ChannelPool,
+        lora_modules: tuple[LoRAModule, ...] = (),
+    ) -> None:
         self.registry = registry
         self.channels = channels
         self._own: dict[str, str] = dict(lora_modules)
@@ -77,16 +82,31 @@ class LoRAAdapters:
         """Raises APIError (see the module docstring)."""
         async with self._lock:
             if name in self.served():
-                raise bad_request(f"The lora adapter '{name}' has already been loaded.",
-                                  "lora_name")
+                raise bad_request(
+                    f"The lora adapter '{name}' has already been loaded.", "lora_name"
+                )
             workers = self._workers()
-            results = await asyncio.gather(*(self._call(w, "LoadLoRAAdapter", pb.LoadLoRARequest(
-                adapter=pb.LoRAAdapter(name=name, path=path))) for w in workers))
-            failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, grpc.aio.AioRpcError)]
+            results = await asyncio.gather(
+                *(
+                    self._call(
+                        w,
+                        "LoadLoRAAdapter",
+                        pb.LoadLoRARequest(adapter=pb.LoRAAdapter(name=name, path=path)),
+                    )
+                    for w in workers
+                )
+            )
+            failed = [
+                (w, r) for w, r in zip(workers, results) if isinstance(r, grpc.aio.AioRpcError)
+            ]
             if failed:
                 loaded = [w for w, r in zip(workers, results) if not isinstance(r, Exception)]
-                await asyncio.gather(*(self._call(w, "UnloadLoRAAdapter",
-                                                  pb.UnloadLoRARequest(name=name)) for w in loaded))
+                await asyncio.gather(
+                    *(
+                        self._call(w, "UnloadLoRAAdapter", pb.UnloadLoRARequest(name=name))
+                        for w in loaded
+                    )
+                )
                 raise _refusal(*failed[0])
             self._removed.discard(name)
             self._own[name] = path
@@ -96,16 +116,25 @@ class LoRAAdapters:
     async def unload(self, name: str) -> None:
         async with self._lock:
             if name not in self.served():
-                raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name",
-                               "model_not_found")
+                raise APIError(
+                    404,
+                    f"The lora adapter '{name}' cannot be found.",
+                    "lora_name",
+                    "model_not_found",
+                )
             self._own.pop(name, None)
             self._removed.add(name)  # no new request selects it from here on
             workers = self._workers()
-            results = await asyncio.gather(*(self._call(w, "UnloadLoRAAdapter",
-                                                        pb.UnloadLoRARequest(name=name))
-                                             for w in workers))
+            results = await asyncio.gather(
+                *(
+                    self._call(w, "UnloadLoRAAdapter", pb.UnloadLoRARequest(name=name))
+                    for w in workers
+                )
+            )
             await self._until(lambda info: name not in info.loras, workers)
-            failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, grpc.aio.AioRpcError)]
+            failed = [
+                (w, r) for w, r in zip(workers, results) if isinstance(r, grpc.aio.AioRpcError)
+            ]
             if not any(name in s.info.loras for s in self.registry.all()):
                 self._removed.discard(name)  # no registration lists it: nothing to hide
             if failed:
@@ -118,8 +147,12 @@ class LoRAAdapters:
     def _workers(self) -> list[WorkerInfo]:
         workers = [s.info for s in self.registry.all() if not s.info.draining]
         if not workers:
-            raise APIError(503, "No worker is registered to load the adapter on; try again "
-                           "when workers are up.", code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                "No worker is registered to load the adapter on; try again when workers are up.",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
         return workers
 
     async def _call(self, info: WorkerInfo, method: str, request) -> Any:
@@ -127,8 +160,9 @@ class LoRAAdapters:
         try:
             return await rpc(request, timeout=_RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            log.warning("%s on %s failed: %s: %s", method, info.worker_id, exc.code().name,
-                        exc.details())
+            log.warning(
+                "%s on %s failed: %s: %s", method, info.worker_id, exc.code().name, exc.details()
+            )
             return exc
 
     async def _until(self, agrees, workers: list[WorkerInfo]) -> None:
@@ -145,24 +179,36 @@ class LoRAAdapters:
 
 def _refusal(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> APIError:
     status = _STATUS.get(exc.code(), 502)
-    message = exc.details() if status < 500 else (
-        f"worker {worker.worker_id} failed: {exc.code().name}: {exc.details()}")
-    return APIError(status, message, "lora_path" if status == 404 else None,
-                    "model_not_found" if status == 404 else "worker_failed" if status == 502 else None)
+    message = (
+        exc.details()
+        if status < 500
+        else (f"worker {worker.worker_id} failed: {exc.code().name}: {exc.details()}")
+    )
+    return APIError(
+        status,
+        message,
+        "lora_path" if status == 404 else None,
+        "model_not_found" if status == 404 else "worker_failed" if status == 502 else None,
+    )
 
 
 _ERRORS = (400, 401, 403, 404, 500, 502, 503)
-_DISABLED = ("Runtime LoRA updating is disabled: start the router with --enable-lora (or set "
-             f"{RUNTIME_UPDATES_ENV}=true)")
+_DISABLED = (
+    "Runtime LoRA updating is disabled: start the router with --enable-lora (or set "
+    f"{RUNTIME_UPDATES_ENV}=true)"
+)
 
 
 def _schema(request) -> dict[str, Any]:
     kw = route_schema(request, errors=_ERRORS)
-    kw["responses"][200] = {"description": "Success (plain text, as vLLM)",
-                            "content": {"text/plain": {"schema": {"type": "string"}}}}
-    kw["responses"][404] = {**kw["responses"][404], "description":
-                            "Unknown adapter, adapter path not found, or runtime LoRA "
-                            "updating disabled"}
+    kw["responses"][200] = {
+        "description": "Success (plain text, as vLLM)",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+    kw["responses"][404] = {
+        **kw["responses"][404],
+        "description": "Unknown adapter, adapter path not found, or runtime LoRA updating disabled",
+    }
     return kw
 
 
@@ -175,8 +221,10 @@ def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, enabled: bool) -> None
             raise APIError(404, _DISABLED)
         req = parse_json(LoadLoRAAdapterRequest, await request.body())
         if not req.lora_name or not req.lora_path:
-            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.",
-                              "lora_name" if not req.lora_name else "lora_path")
+            raise bad_request(
+                "Both 'lora_name' and 'lora_path' must be provided.",
+                "lora_name" if not req.lora_name else "lora_path",
+            )
         await adapters.load(req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -189,10 +237,15 @@ def add_lora_routes(app: FastAPI, adapters: LoRAAdapters, enabled: bool) -> None
         if not name and req.lora_int_id is not None:
             name = adapters.name_for_id(req.lora_int_id)
             if name is None:
-                raise APIError(404, f"The lora adapter with id {req.lora_int_id} cannot be "
-                               "found.", "lora_int_id", "model_not_found")
+                raise APIError(
+                    404,
+                    f"The lora adapter with id {req.lora_int_id} cannot be found.",
+                    "lora_int_id",
+                    "model_not_found",
+                )
         if not name:
-            raise bad_request("either 'lora_name' and 'lora_int_id' needs to be provided.",
-                              "lora_name")
+            raise bad_request(
+                "either 'lora_name' and 'lora_int_id' needs to be provided.", "lora_name"
+            )
         await adapters.unload(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

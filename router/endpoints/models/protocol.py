@@ -1,4 +1,5 @@
 """GET /v1/models, /v1/models/{id}, /version and /health: the response bodies."""
+
 from __future__ import annotations
 
 from typing import Literal

@@ -13,6 +13,7 @@ Input items -> chat messages, one assistant message per turn as a turn's output 
 - `function_call` items: `tool_calls` of the assistant message they follow (or a new one);
 - `function_call_output`: a `tool` message answering `call_id`.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,8 +34,18 @@ from router.endpoints.responses.protocol import (
 from router.http.errors import APIError
 
 _OUTPUT_AS_INPUT = TypeAdapter(list[InputItem])
-_PASSED = ("temperature", "top_p", "user", "parallel_tool_calls", "top_k", "seed", "stop",
-           "repetition_penalty", "priority", "cache_salt")
+_PASSED = (
+    "temperature",
+    "top_p",
+    "user",
+    "parallel_tool_calls",
+    "top_k",
+    "seed",
+    "stop",
+    "repetition_penalty",
+    "priority",
+    "cache_salt",
+)
 """Fields chat takes under the same name and meaning."""
 
 
@@ -46,16 +57,26 @@ def input_messages(input: str | list) -> list[dict[str, Any]]:
     for item in input:
         last = out[-1] if out and out[-1]["role"] == "assistant" else None
         if isinstance(item, MessageItem):
-            content = item.content if isinstance(item.content, str) else [
-                {"type": "text", "text": part.text} for part in item.content]
-            if (item.role == "assistant" and last is not None and last["content"] is None
-                    and "tool_calls" not in last):
+            content = (
+                item.content
+                if isinstance(item.content, str)
+                else [{"type": "text", "text": part.text} for part in item.content]
+            )
+            if (
+                item.role == "assistant"
+                and last is not None
+                and last["content"] is None
+                and "tool_calls" not in last
+            ):
                 last["content"] = content  # the answer after this turn's reasoning
             else:
                 out.append({"role": item.role, "content": content})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if last is not None:
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -64,8 +85,13 @@ def input_messages(input: str | list) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         elif isinstance(item, ReasoningItem):
             parts = item.content if item.content else item.summary
-            out.append({"role": "assistant", "content": None,
-                        "reasoning_content": "".join(part.text for part in parts)})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "".join(part.text for part in parts),
+                }
+            )
     return out
 
 
@@ -78,8 +104,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completion request for `req`, whose messages are `conversation` (earlier
     turns and this input) after the instructions."""
-    messages = ([{"role": "system", "content": req.instructions}]
-                if req.instructions is not None else []) + conversation
+    messages = (
+        [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    ) + conversation
     body: dict[str, Any] = {"messages": messages, "stream": bool(req.stream)}
     if req.model is not None:
         body["model"] = req.model
@@ -89,25 +116,37 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
     if req.tools is not None:
-        body["tools"] = [{"type": "function", "function": tool.model_dump(
-            exclude={"type"}, exclude_none=True)} for tool in req.tools]
+        body["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in req.tools
+        ]
     if req.tool_choice is not None:
-        body["tool_choice"] = (req.tool_choice if isinstance(req.tool_choice, str) else
-                               {"type": "function", "function": {"name": req.tool_choice.name}})
+        body["tool_choice"] = (
+            req.tool_choice
+            if isinstance(req.tool_choice, str)
+            else {"type": "function", "function": {"name": req.tool_choice.name}}
+        )
     fmt = req.text.format if req.text is not None else None
     if isinstance(fmt, TextFormatJsonSchema):
-        body["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
-            exclude={"type"}, exclude_none=True, by_alias=True)}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": fmt.model_dump(exclude={"type"}, exclude_none=True, by_alias=True),
+        }
     elif isinstance(fmt, TextFormatJsonObject):
         body["response_format"] = {"type": "json_object"}
     return body
 
 
-_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-            ("messages", "input"))
+_RENAMES = (
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format", "text.format"),
+    ("messages", "input"),
+)
 _CHAT_NAMES = re.compile(r"\b(max_completion_tokens|response_format|messages)\b")
-_NESTED = re.compile(r"^(tools\.\d+\.function|tool_choice\.function|"
-                     r"response_format\.json_schema)\b")
+_NESTED = re.compile(
+    r"^(tools\.\d+\.function|tool_choice\.function|"
+    r"response_format\.json_schema)\b"
+)
 
 
 def renamed(exc: APIError) -> APIError:
@@ -118,8 +157,11 @@ def renamed(exc: APIError) -> APIError:
         param = _NESTED.sub(lambda m: m.group(1).rsplit(".", 1)[0], param)  # chat nests these
         for chat, responses in _RENAMES:
             if param == chat or param.startswith(chat + "."):
-                param = responses if chat == "messages" else responses + param[len(chat):]
-    message = (exc.message if param == exc.param or exc.param is None or param is None
-               else exc.message.replace(exc.param, param))
+                param = responses if chat == "messages" else responses + param[len(chat) :]
+    message = (
+        exc.message
+        if param == exc.param or exc.param is None or param is None
+        else exc.message.replace(exc.param, param)
+    )
     message = _CHAT_NAMES.sub(lambda m: dict(_RENAMES)[m.group(1)], message)
     return APIError(exc.status, message, param, exc.code, exc.headers)

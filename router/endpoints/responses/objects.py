@@ -1,6 +1,7 @@
 """The Responses API's bodies and stream events (/v1/responses), as pydantic models: the
 schemas /openapi.json publishes; the tests validate every body and event the route emits
 against them (as router/endpoints/base.py's for the other routes)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -52,8 +53,9 @@ class FunctionCallOutput(ResponseModel):
     status: ItemStatus
 
 
-OutputItem = Annotated[Union[OutputMessage, ReasoningOutput, FunctionCallOutput],
-                       Field(discriminator="type")]
+OutputItem = Annotated[
+    Union[OutputMessage, ReasoningOutput, FunctionCallOutput], Field(discriminator="type")
+]
 
 
 class ResponseFunctionTool(ResponseModel):
@@ -134,8 +136,10 @@ class ResponsesResponse(ResponseModel):
     parallel_tool_calls: bool
     previous_response_id: str | None
     reasoning: ResponseReasoning | None
-    store: bool = Field(description="kept for previous_response_id (the router's store is on "
-                                    "and the request did not opt out)")
+    store: bool = Field(
+        description="kept for previous_response_id (the router's store is on "
+        "and the request did not opt out)"
+    )
     temperature: float
     top_p: float
     max_output_tokens: int | None
@@ -153,8 +157,13 @@ class _Event(ResponseModel):
 
 
 class ResponseLifecycleEvent(_Event):
-    type: Literal["response.created", "response.in_progress", "response.completed",
-                  "response.incomplete", "response.failed"]
+    type: Literal[
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ]
     response: ResponsesResponse
 
 
@@ -224,7 +233,17 @@ class FunctionCallArgumentsDoneEvent(_Event):
 class ResponseStreamEvent(RootModel):
     """One event of a streamed response (`event: <type>`, `data: <this>`)."""
 
-    root: Annotated[Union[ResponseLifecycleEvent, OutputItemEvent, ContentPartEvent,
-                          OutputTextDeltaEvent, OutputTextDoneEvent, ReasoningTextDeltaEvent,
-                          ReasoningTextDoneEvent, FunctionCallArgumentsDeltaEvent,
-                          FunctionCallArgumentsDoneEvent], Field(discriminator="type")]
+    root: Annotated[
+        Union[
+            ResponseLifecycleEvent,
+            OutputItemEvent,
+            ContentPartEvent,
+            OutputTextDeltaEvent,
+            OutputTextDoneEvent,
+            ReasoningTextDeltaEvent,
+            ReasoningTextDoneEvent,
+            FunctionCallArgumentsDeltaEvent,
+            FunctionCallArgumentsDoneEvent,
+        ],
+        Field(discriminator="type"),
+    ]

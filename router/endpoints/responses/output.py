@@ -18,6 +18,7 @@ empty message. Events carry no `sequence_number`: run.py numbers them as it send
 A call's pieces come before the next call's (router/parsers/tools/parser.py's contract): a piece for
 a new index opens a new function_call item.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -55,14 +56,30 @@ class _Item:
         """The item as output lists it (`done`: with its text; else as first announced)."""
         text = self.text if done else ""
         if self.kind == "function_call":
-            return {"type": "function_call", "id": self.id, "call_id": self.call_id,
-                    "name": self.name, "arguments": text, "status": self.status}
+            return {
+                "type": "function_call",
+                "id": self.id,
+                "call_id": self.call_id,
+                "name": self.name,
+                "arguments": text,
+                "status": self.status,
+            }
         content = [self.part(text)] if done else []
         if self.kind == "reasoning":
-            return {"type": "reasoning", "id": self.id, "summary": [], "content": content,
-                    "status": self.status}
-        return {"type": "message", "id": self.id, "role": "assistant", "status": self.status,
-                "content": content}
+            return {
+                "type": "reasoning",
+                "id": self.id,
+                "summary": [],
+                "content": content,
+                "status": self.status,
+            }
+        return {
+            "type": "message",
+            "id": self.id,
+            "role": "assistant",
+            "status": self.status,
+            "content": content,
+        }
 
 
 class OutputWriter:
@@ -106,8 +123,13 @@ class OutputWriter:
             item = self._open_item(kind)
         item.pieces.append(text)
         if self._keep_events:
-            self._emit(f"{_TEXT_EVENT[kind]}.delta", item, content_index=0, delta=text,
-                       **({"logprobs": []} if kind == "message" else {}))
+            self._emit(
+                f"{_TEXT_EVENT[kind]}.delta",
+                item,
+                content_index=0,
+                delta=text,
+                **({"logprobs": []} if kind == "message" else {}),
+            )
 
     def _call(self, piece: ToolCallDelta) -> None:
         item = self._open
@@ -128,11 +150,14 @@ class OutputWriter:
         self.items.append(item)
         self._open = item
         if self._keep_events:
-            self._emit("response.output_item.added", None, output_index=item.index,
-                       item=item.to_json(done=False))
+            self._emit(
+                "response.output_item.added",
+                None,
+                output_index=item.index,
+                item=item.to_json(done=False),
+            )
             if kind != "function_call":
-                self._emit("response.content_part.added", item, content_index=0,
-                           part=item.part(""))
+                self._emit("response.content_part.added", item, content_index=0, part=item.part(""))
         return item
 
     def _finish(self, item: _Item, status: str) -> None:
@@ -141,14 +166,19 @@ class OutputWriter:
             return
         text = item.text
         if item.kind == "function_call":
-            self._emit("response.function_call_arguments.done", item, name=item.name,
-                       arguments=text)
+            self._emit(
+                "response.function_call_arguments.done", item, name=item.name, arguments=text
+            )
         else:
-            self._emit(f"{_TEXT_EVENT[item.kind]}.done", item, content_index=0, text=text,
-                       **({"logprobs": []} if item.kind == "message" else {}))
+            self._emit(
+                f"{_TEXT_EVENT[item.kind]}.done",
+                item,
+                content_index=0,
+                text=text,
+                **({"logprobs": []} if item.kind == "message" else {}),
+            )
             self._emit("response.content_part.done", item, content_index=0, part=item.part(text))
-        self._emit("response.output_item.done", None, output_index=item.index,
-                   item=item.to_json())
+        self._emit("response.output_item.done", None, output_index=item.index, item=item.to_json())
 
     def _emit(self, type: str, of: _Item | None, **fields: Any) -> None:
         """An event (`of`: the item whose id and index it names by `item_id`)."""

@@ -8,6 +8,7 @@ with a warning); a known vLLM / OpenAI field this endpoint does not act on (`REF
 Output items come back as input items (a client sends the previous output with its next
 message): messages with `output_text` parts, `function_call` and `reasoning` items parse here.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -95,8 +96,12 @@ class ReasoningItem(_Param):
     status: ItemStatus | None = None
 
 
-_ITEM_TAGS = {"message": "Message", "function_call": "FunctionCall",
-              "function_call_output": "FunctionCallOutput", "reasoning": "Reasoning"}
+_ITEM_TAGS = {
+    "message": "Message",
+    "function_call": "FunctionCall",
+    "function_call_output": "FunctionCallOutput",
+    "reasoning": "Reasoning",
+}
 
 
 def _item_tag(value: Any) -> str | None:
@@ -108,11 +113,15 @@ def _item_tag(value: Any) -> str | None:
     return _ITEM_TAGS.get(kind, kind) if isinstance(kind, str) else repr(kind)
 
 
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("Message")],
-                            Annotated[FunctionCallItem, Tag("FunctionCall")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
-                            Annotated[ReasoningItem, Tag("Reasoning")]],
-                      Discriminator(_item_tag)]
+InputItem = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("Message")],
+        Annotated[FunctionCallItem, Tag("FunctionCall")],
+        Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+        Annotated[ReasoningItem, Tag("Reasoning")],
+    ],
+    Discriminator(_item_tag),
+]
 
 
 class FunctionToolParam(_Param):
@@ -146,8 +155,9 @@ class TextFormatJsonObject(_Param):
     type: Literal["json_object"]
 
 
-TextFormat = Annotated[Union[TextFormatText, TextFormatJsonSchema, TextFormatJsonObject],
-                       Field(discriminator="type")]
+TextFormat = Annotated[
+    Union[TextFormatText, TextFormatJsonSchema, TextFormatJsonObject], Field(discriminator="type")
+]
 
 
 class TextConfig(_Param):
@@ -166,13 +176,27 @@ MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 MetadataValue = Annotated[str, StringConstraints(max_length=512)]
 
 
-REFUSED = frozenset({
-    # OpenAI's Responses parameters this server does not act on.
-    "conversation", "max_tool_calls", "prompt", "prompt_cache_key", "safety_identifier",
-    "service_tier", "stream_options", "top_logprobs",
-    # What a chat or completion request takes (and vLLM's fields pdserve lacks), which a
-    # client might send here as well: /v1/responses does not take it.
-    *ChatCompletionRequest.model_fields, *LACKING, "logprobs", "echo", "suffix", "best_of"})
+REFUSED = frozenset(
+    {
+        # OpenAI's Responses parameters this server does not act on.
+        "conversation",
+        "max_tool_calls",
+        "prompt",
+        "prompt_cache_key",
+        "safety_identifier",
+        "service_tier",
+        "stream_options",
+        "top_logprobs",
+        # What a chat or completion request takes (and vLLM's fields pdserve lacks), which a
+        # client might send here as well: /v1/responses does not take it.
+        *ChatCompletionRequest.model_fields,
+        *LACKING,
+        "logprobs",
+        "echo",
+        "suffix",
+        "best_of",
+    }
+)
 """Known vLLM / OpenAI fields /v1/responses refuses by name when set (ResponsesRequest's own
 fields are left out below)."""
 
@@ -217,8 +241,7 @@ def parse_request(body: bytes) -> ResponsesRequest:
     try:
         return ResponsesRequest.model_validate_json(body or b"", strict=True)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors(), tags=_ITEM_TAGS,
-                                     where="/v1/responses") from None
+        raise from_validation_errors(exc.errors(), tags=_ITEM_TAGS, where="/v1/responses") from None
 
 
 def check(req: ResponsesRequest) -> None:
@@ -226,20 +249,39 @@ def check(req: ResponsesRequest) -> None:
     not act on (`REFUSED`, when set): a 400 naming the field."""
     for name, value in (req.model_extra or {}).items():
         if name in REFUSED and value is not None:
-            raise bad_request(f"{name}: unsupported field (/v1/responses refuses the known "
-                              "fields it does not act on)", name, "unsupported_field")
+            raise bad_request(
+                f"{name}: unsupported field (/v1/responses refuses the known "
+                "fields it does not act on)",
+                name,
+                "unsupported_field",
+            )
     if req.background:
-        raise bad_request("background responses are not supported (this server answers "
-                          "while the request is open)", "background", "unsupported_value")
+        raise bad_request(
+            "background responses are not supported (this server answers "
+            "while the request is open)",
+            "background",
+            "unsupported_value",
+        )
     if req.truncation == "auto":
-        raise bad_request("truncation 'auto' is not supported: an input that does not fit "
-                          "the context is a 400 ('disabled')", "truncation", "unsupported_value")
+        raise bad_request(
+            "truncation 'auto' is not supported: an input that does not fit "
+            "the context is a 400 ('disabled')",
+            "truncation",
+            "unsupported_value",
+        )
     if req.include:
-        raise bad_request(f"include.0: {req.include[0]!r} is not supported by /v1/responses "
-                          "(nothing can be included)", "include.0", "unsupported_value")
+        raise bad_request(
+            f"include.0: {req.include[0]!r} is not supported by /v1/responses "
+            "(nothing can be included)",
+            "include.0",
+            "unsupported_value",
+        )
     if req.reasoning is not None:
         for name, value in req.reasoning:
             if value is not None:
-                raise bad_request(f"reasoning.{name} is not supported (the model reasons as its "
-                                  "chat template and --reasoning-parser make it)",
-                                  f"reasoning.{name}", "unsupported_value")
+                raise bad_request(
+                    f"reasoning.{name} is not supported (the model reasons as its "
+                    "chat template and --reasoning-parser make it)",
+                    f"reasoning.{name}",
+                    "unsupported_value",
+                )

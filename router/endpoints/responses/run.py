@@ -12,6 +12,7 @@ max_output_tokens) with the whole response; or, when the workers fail after the 
 `data: <JSON>` carrying `type` and `sequence_number` (0, 1, ...); no `[DONE]` (OpenAI's
 Responses streams have none).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,14 @@ from router.parsers.message import MessageParser, OutputSetup
 
 
 class ResponseRun:
-    def __init__(self, req: ResponsesRequest, prepared: Prepared, response_id: str,
-                 stored: bool, cached_tokens_details: bool) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        prepared: Prepared,
+        response_id: str,
+        stored: bool,
+        cached_tokens_details: bool,
+    ) -> None:
         """`stored`: the response will be kept for previous_response_id.
         `cached_tokens_details`: report cached prompt tokens (--enable-prompt-tokens-details;
         else 0)."""
@@ -45,21 +52,31 @@ class ResponseRun:
         s = prepared.sampling
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         self._echo = {  # the request as the response object repeats it
-            "id": response_id, "object": "response", "created_at": int(time.time()),
-            "model": prepared.model, "instructions": req.instructions,
+            "id": response_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": prepared.model,
+            "instructions": req.instructions,
             "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
-            "store": stored, "temperature": s.temperature, "top_p": s.top_p,
+            "store": stored,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
             "max_output_tokens": s.max_tokens,
-            "text": {"format": fmt.model_dump(by_alias=True) if fmt is not None
-                     else {"type": "text"}},
-            "tool_choice": (req.tool_choice.model_dump() if req.tool_choice is not None
-                            and not isinstance(req.tool_choice, str)
-                            else req.tool_choice or "auto"),
+            "text": {
+                "format": fmt.model_dump(by_alias=True) if fmt is not None else {"type": "text"}
+            },
+            "tool_choice": (
+                req.tool_choice.model_dump()
+                if req.tool_choice is not None and not isinstance(req.tool_choice, str)
+                else req.tool_choice or "auto"
+            ),
             "tools": [tool.model_dump() for tool in req.tools or ()],
-            "truncation": "disabled", "user": req.user, "background": False,
+            "truncation": "disabled",
+            "user": req.user,
+            "background": False,
         }
 
     def add(self, prompt_idx: int, delta: Delta) -> None:
@@ -70,8 +87,11 @@ class ResponseRun:
         self.writer.add(parsed)
         tokens = len(delta.token_ids)
         self.output_tokens += tokens
-        if parsed.reasoning and not (parsed.content or parsed.tool_calls) or (
-                not parsed and self.writer.in_reasoning):
+        if (
+            parsed.reasoning
+            and not (parsed.content or parsed.tool_calls)
+            or (not parsed and self.writer.in_reasoning)
+        ):
             self.reasoning_tokens += tokens  # tokens whose text went to reasoning
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.finish_reason:
@@ -87,28 +107,37 @@ class ResponseRun:
     def output(self) -> list[dict[str, Any]]:
         return self.writer.output()
 
-    def response(self, status: str | None = None,
-                 error: dict[str, str] | None = None) -> dict[str, Any]:
+    def response(
+        self, status: str | None = None, error: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """The response object (`status`: default the run's)."""
         status = status or self.status
         ended = status != "in_progress"
         prompt = len(self.p.prompts[0])
-        usage = {"input_tokens": prompt,
-                 "input_tokens_details": {"cached_tokens": self.cached_tokens
-                                          if self.details else 0},
-                 "output_tokens": self.output_tokens,
-                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                 "total_tokens": prompt + self.output_tokens}
-        return {**self._echo, "status": status, "error": error,
-                "incomplete_details": ({"reason": "max_output_tokens"}
-                                       if status == "incomplete" else None),
-                "output": self.output() if ended else [], "usage": usage if ended else None}
+        usage = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens if self.details else 0},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": prompt + self.output_tokens,
+        }
+        return {
+            **self._echo,
+            "status": status,
+            "error": error,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "output": self.output() if ended else [],
+            "usage": usage if ended else None,
+        }
 
     # ---- streaming ------------------------------------------------------------------------
     def opening(self) -> bytes:
         response = self.response("in_progress")
-        return self._sse({"type": "response.created", "response": response}) + \
-            self._sse({"type": "response.in_progress", "response": response})
+        return self._sse({"type": "response.created", "response": response}) + self._sse(
+            {"type": "response.in_progress", "response": response}
+        )
 
     def chunk(self, prompt_idx: int, delta: Delta) -> bytes:
         """`add`, then what it adds to the stream (`take`)."""
@@ -126,13 +155,15 @@ class ResponseRun:
             self.finish_reason = "stop"
             self.writer.close()
         status = self.status
-        return self.take() + self._sse({"type": f"response.{status}",
-                                        "response": self.response(status)})
+        return self.take() + self._sse(
+            {"type": f"response.{status}", "response": self.response(status)}
+        )
 
     def failed(self, exc: BaseException | str) -> bytes:
         error = {"code": "server_error", "message": str(exc)}
-        return self.take() + self._sse({"type": "response.failed",
-                                        "response": self.response("failed", error)})
+        return self.take() + self._sse(
+            {"type": "response.failed", "response": self.response("failed", error)}
+        )
 
     def _sse(self, event: dict[str, Any]) -> bytes:
         event["sequence_number"] = self._sequence

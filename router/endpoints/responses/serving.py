@@ -1,5 +1,6 @@
 """POST /v1/responses: the route (its life cycle: router/endpoints/responses/__init__.py; the
 collect-or-stream skeleton it shares: router/generation/run.py, `answer`)."""
+
 from __future__ import annotations
 
 import os
@@ -41,12 +42,22 @@ def store_enabled(flag: bool) -> bool:
 
 def add_responses_routes(app: FastAPI, services: Services) -> None:
     config = services.config
-    store = (ResponseStore(config.response_store_max_entries, config.response_store_max_bytes)
-             if store_enabled(config.enable_response_store) else None)
+    store = (
+        ResponseStore(config.response_store_max_entries, config.response_store_max_bytes)
+        if store_enabled(config.enable_response_store)
+        else None
+    )
 
-    @app.post("/v1/responses", **route_schema(ResponsesRequest, ResponsesResponse,
-                                              stream=ResponseStreamEvent, typed_events=True,
-                                              errors=GENERATE_ERRORS))
+    @app.post(
+        "/v1/responses",
+        **route_schema(
+            ResponsesRequest,
+            ResponsesResponse,
+            stream=ResponseStreamEvent,
+            typed_events=True,
+            errors=GENERATE_ERRORS,
+        ),
+    )
     async def create_response(request: Request) -> Response:
         return await _respond(services, store, request)
 
@@ -58,13 +69,24 @@ async def _respond(services: Services, store: ResponseStore | None, request: Req
     check(req)
     tenant = request.scope.get(TENANT)
     conversation = _history(store, tenant, req.previous_response_id) + input_messages(req.input)
-    prepared = await services.tokenizing(len(body), _prepare, chat_body(req, conversation),
-                                         services.card, services.max_model_len(),
-                                         services.loras.served(), services.config.limits)
+    prepared = await services.tokenizing(
+        len(body),
+        _prepare,
+        chat_body(req, conversation),
+        services.card,
+        services.max_model_len(),
+        services.loras.served(),
+        services.config.limits,
+    )
     streams = await dispatch(services, request, prepared, arrival)
     keep = store is not None and req.store is not False
-    run = ResponseRun(req, prepared, f"resp_{uuid.uuid4().hex}", keep,
-                      services.config.enable_prompt_tokens_details)
+    run = ResponseRun(
+        req,
+        prepared,
+        f"resp_{uuid.uuid4().hex}",
+        keep,
+        services.config.enable_prompt_tokens_details,
+    )
 
     def finished(completed: bool) -> None:
         """The response ended (`completed`: not failed, nor left): its calls counted, it kept
@@ -76,23 +98,32 @@ async def _respond(services: Services, store: ResponseStore | None, request: Req
     return await answer(request, streams, prepared.stream, run, finished)
 
 
-def _history(store: ResponseStore | None, tenant: bytes | None,
-             previous_id: str | None) -> list[dict[str, Any]]:
+def _history(
+    store: ResponseStore | None, tenant: bytes | None, previous_id: str | None
+) -> list[dict[str, Any]]:
     """The conversation `previous_id` ended (none without one)."""
     if previous_id is None:
         return []
     if store is None:
-        raise bad_request("previous_response_id needs the router's response store "
-                          "(--enable-response-store)", "previous_response_id")
+        raise bad_request(
+            "previous_response_id needs the router's response store (--enable-response-store)",
+            "previous_response_id",
+        )
     conversation = store.get(tenant, previous_id)
     if conversation is None:
-        raise APIError(404, f"Response with id {previous_id!r} not found.",
-                       "previous_response_id", "not_found")
+        raise APIError(
+            404, f"Response with id {previous_id!r} not found.", "previous_response_id", "not_found"
+        )
     return conversation
 
 
-def _prepare(chat: dict[str, Any], card: ModelCard, limit: int, adapters: Mapping[str, str],
-             limits: LimitsConfig) -> Prepared:
+def _prepare(
+    chat: dict[str, Any],
+    card: ModelCard,
+    limit: int,
+    adapters: Mapping[str, str],
+    limits: LimitsConfig,
+) -> Prepared:
     """The chat request prepared as /v1/chat/completions prepares it; a refusal names the
     Responses field."""
     try:

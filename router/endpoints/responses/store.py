@@ -12,6 +12,7 @@ past either, the least recently used (stored or continued) entries go first. An 
 than `max_bytes` on its own is not kept. Behind several routers, a client continues a response
 on the router that answered it.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ class ResponseStore:
         self._entries.move_to_end(key)
         return list(entry.conversation)
 
-    def put(self, tenant: bytes | None, response_id: str,
-            conversation: list[dict[str, Any]]) -> None:
+    def put(
+        self, tenant: bytes | None, response_id: str, conversation: list[dict[str, Any]]
+    ) -> None:
         """Keeps `conversation` (its messages are never changed afterwards: later entries
         share them)."""
         size = len(json.dumps(conversation, separators=(",", ":")))

@@ -1,4 +1,5 @@
 """POST /tokenize and /detokenize (vLLM): request and response bodies."""
+
 from __future__ import annotations
 
 from router.endpoints.base import RequestModel, ResponseModel

@@ -1,6 +1,7 @@
 """POST /tokenize and /detokenize (vLLM's): a prompt or chat messages to token ids (rendered
 as a chat request renders them), and back. Both need the API key when one is set
 (router/http/auth.py)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,8 +31,9 @@ def add_tokenize_routes(app: FastAPI, services: Services) -> None:
     @app.post("/tokenize", **route_schema(TokenizeRequest, TokenizeResponse, errors=SIDE_ERRORS))
     async def tokenize(request: Request) -> Response:
         body = await request.body()
-        return await services.tokenizing(len(body), tokenize_body, body, services.max_model_len(),
-                                         services.loras.served())
+        return await services.tokenizing(
+            len(body), tokenize_body, body, services.max_model_len(), services.loras.served()
+        )
 
     def tokenize_body(body: bytes, limit: int, adapters: dict[str, str]) -> Response:
         """The response, rendered here (off the loop for a large body: 100k token ids take
@@ -45,21 +47,32 @@ def add_tokenize_routes(app: FastAPI, services: Services) -> None:
             kwargs = dict(req.chat_template_kwargs or {})
             if req.tools:  # as a chat request with these tools renders them (vLLM's field)
                 kwargs["tools"] = [t.to_openai() for t in function_tools(req.tools)]
-            text = render_chat(tok, req.messages, req.add_generation_prompt,
-                               req.continue_final_message, kwargs,
-                               "add_generation_prompt" in req.model_fields_set)
+            text = render_chat(
+                tok,
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                kwargs,
+                "add_generation_prompt" in req.model_fields_set,
+            )
             special = bool(req.add_special_tokens)
         else:
             text, special = req.prompt or "", req.add_special_tokens is not False
-        ids = encode_text(tok, text, special, max_prompt_chars(card, limit, services.config.limits),
-                          "messages" if req.messages is not None else "prompt")
+        ids = encode_text(
+            tok,
+            text,
+            special,
+            max_prompt_chars(card, limit, services.config.limits),
+            "messages" if req.messages is not None else "prompt",
+        )
         out: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = [tok.token_str(t) for t in ids]
         return JSONResponse(out)
 
-    @app.post("/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse,
-                                            errors=SIDE_ERRORS))
+    @app.post(
+        "/detokenize", **route_schema(DetokenizeRequest, DetokenizeResponse, errors=SIDE_ERRORS)
+    )
     async def detokenize(request: Request) -> Response:
         body = await request.body()
         return await services.tokenizing(len(body), detokenize_body, body, services.loras.served())

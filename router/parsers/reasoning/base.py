@@ -16,6 +16,7 @@ token ids for the engine, whose structured-output grammar then applies to the an
 This module holds the contract and the registry parsers add themselves to;
 router/parsers/reasoning/parser.py selects from it by name.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -30,8 +31,9 @@ class ReasoningParser(ABC):
     start: ClassVar[str] = "<think>"
     end: ClassVar[str] = "</think>"
 
-    def __init__(self, prompt_ends_reasoning: bool = False,
-                 prompt_starts_reasoning: bool = False) -> None:
+    def __init__(
+        self, prompt_ends_reasoning: bool = False, prompt_starts_reasoning: bool = False
+    ) -> None:
         self.prompt_ends_reasoning = prompt_ends_reasoning
         self.prompt_starts_reasoning = prompt_starts_reasoning
 
@@ -40,8 +42,10 @@ class ReasoningParser(ABC):
         """A parser for the output that follows the rendered `prompt`, whose end may have
         closed (`end`) or opened (`start`) the reasoning already."""
         tail = prompt.rstrip()
-        return cls(prompt_ends_reasoning=tail.endswith(cls.end),
-                   prompt_starts_reasoning=tail.endswith(cls.start))
+        return cls(
+            prompt_ends_reasoning=tail.endswith(cls.end),
+            prompt_starts_reasoning=tail.endswith(cls.start),
+        )
 
     @abstractmethod
     def feed(self, text: str) -> ParsedDelta:
@@ -58,5 +62,6 @@ class ReasoningParser(ABC):
 
 
 REASONING_PARSERS: ParserRegistry[type[ReasoningParser]] = ParserRegistry(
-    "reasoning", "--reasoning-parser-plugin")
+    "reasoning", "--reasoning-parser-plugin"
+)
 register_reasoning_parser = REASONING_PARSERS.register

@@ -11,6 +11,7 @@
 
 Both: `prompt_ends_reasoning` makes the whole output answer; markers after the reasoning
 ended are answer text."""
+
 from __future__ import annotations
 
 from enum import IntEnum
@@ -22,8 +23,9 @@ from router.parsers.tools.types import ParsedDelta
 
 class Phase(IntEnum):
     """Where the output is, in the order it moves through them."""
+
     UNDECIDED = 0  # answer text, but a `<think>` may still open reasoning (qwen3)
-    OPENING = 1    # reasoning, and a `<think>` here at the very start is dropped
+    OPENING = 1  # reasoning, and a `<think>` here at the very start is dropped
     REASONING = 2
     ANSWER = 3
 
@@ -31,8 +33,9 @@ class Phase(IntEnum):
 class ThinkParser(ReasoningParser):
     """`<think>` / `</think>` splitting from a starting phase (`_first_phase`)."""
 
-    def __init__(self, prompt_ends_reasoning: bool = False,
-                 prompt_starts_reasoning: bool = False) -> None:
+    def __init__(
+        self, prompt_ends_reasoning: bool = False, prompt_starts_reasoning: bool = False
+    ) -> None:
         super().__init__(prompt_ends_reasoning, prompt_starts_reasoning)
         self._phase = Phase.ANSWER if prompt_ends_reasoning else self._first_phase()
         self._held = ""
@@ -59,7 +62,7 @@ class ThinkParser(ReasoningParser):
                 break
             if phase == Phase.OPENING:
                 if text.startswith(self.start):
-                    text = text[len(self.start):]
+                    text = text[len(self.start) :]
                 elif self.start.startswith(text) and not final:
                     self._held = text
                     break
@@ -69,7 +72,7 @@ class ThinkParser(ReasoningParser):
             found = [(i, m) for m in markers if (i := text.find(m)) != -1]
             if found:
                 i, marker = min(found)
-                before, text = text[:i], text[i + len(marker):]
+                before, text = text[:i], text[i + len(marker) :]
                 self._phase = Phase.REASONING if marker == self.start else Phase.ANSWER
             else:
                 cut = len(text) - (0 if final else held_prefix(text, 0, markers))

@@ -20,6 +20,7 @@ and function calls, in the model family's own format. Contract, for every parser
   calls valid by construction under `tool_choice` "auto": text is free until a call marker,
   then the call follows the named tool's schema. None when the format has no such marker.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -49,8 +50,7 @@ class ToolParser(ABC):
         return None
 
 
-TOOL_PARSERS: ParserRegistry[type[ToolParser]] = ParserRegistry("tool call",
-                                                                "--tool-parser-plugin")
+TOOL_PARSERS: ParserRegistry[type[ToolParser]] = ParserRegistry("tool call", "--tool-parser-plugin")
 register_tool_parser = TOOL_PARSERS.register
 """Class decorator: `--tool-call-parser name` selects the class (a plugin file uses this
 too). A second class for a name replaces the first (a plugin may override a built-in)."""

@@ -4,6 +4,7 @@ too (the marker is a special token, which a decode that skips special tokens dro
 
     <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {...}]
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,6 +37,7 @@ class GraniteToolParser(StreamingToolParser):
 
     @classmethod
     def structural_tag(cls, tools: list[FunctionTool]) -> dict[str, Any] | None:
-        return triggered_tags([MARKER], [
-            tag(f'{MARKER}[{{"name": {quoted(t.name)}, "arguments": ', t, "}]")
-            for t in tools])
+        return triggered_tags(
+            [MARKER],
+            [tag(f'{MARKER}[{{"name": {quoted(t.name)}, "arguments": ', t, "}]") for t in tools],
+        )

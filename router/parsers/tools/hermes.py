@@ -5,6 +5,7 @@ object between tags, several in a row, text before them is content:
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,6 +28,10 @@ class HermesToolParser(StreamingToolParser):
 
     @classmethod
     def structural_tag(cls, tools: list[FunctionTool]) -> dict[str, Any] | None:
-        return triggered_tags([START], [
-            tag(f'{START}\n{{"name": {quoted(t.name)}, "arguments": ', t, f"}}\n{END}")
-            for t in tools])
+        return triggered_tags(
+            [START],
+            [
+                tag(f'{START}\n{{"name": {quoted(t.name)}, "arguments": ', t, f"}}\n{END}")
+                for t in tools
+            ],
+        )

@@ -7,6 +7,7 @@ characters), numbers without leading zeros or bare dots, `true` / `false` / `nul
 space, tab, CR, LF as whitespace. Whitespace before the value is part of it; whitespace
 after it is not consumed. A top-level number is complete only once a character that cannot
 continue it follows (inside a container the closing bracket does that)."""
+
 from __future__ import annotations
 
 import re
@@ -21,17 +22,17 @@ _ESCAPES = frozenset('"\\/bfnrt')
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
 
 # What comes next. Nesting lives on the stack ("{" / "[" per open container).
-_VALUE = 0        # a value (at the top, after ":" or after "," in an array)
-_FIRST_ITEM = 1   # a value or "]" (just after "[")
-_FIRST_KEY = 2    # a key or "}" (just after "{")
-_KEY = 3          # a key (after "," in an object)
+_VALUE = 0  # a value (at the top, after ":" or after "," in an array)
+_FIRST_ITEM = 1  # a value or "]" (just after "[")
+_FIRST_KEY = 2  # a key or "}" (just after "{")
+_KEY = 3  # a key (after "," in an object)
 _COLON = 4
-_AFTER = 5        # "," or the container's closing bracket
-_STRING = 6       # inside a string
-_ESCAPE = 7       # after a backslash
-_UNICODE = 8      # inside \uXXXX
+_AFTER = 5  # "," or the container's closing bracket
+_STRING = 6  # inside a string
+_ESCAPE = 7  # after a backslash
+_UNICODE = 8  # inside \uXXXX
 _NUMBER = 9
-_LITERAL = 10     # inside true / false / null
+_LITERAL = 10  # inside true / false / null
 _DONE = 11
 _FAILED = 12
 
@@ -39,18 +40,38 @@ _FAILED = 12
 # in the fraction, after "e", after the exponent's sign, in the exponent. A number may end
 # only in the integer, fraction or exponent digits (or after a lone "0").
 _NUMBER_STEPS: dict[tuple[int, str], int] = {
-    (0, "0"): 1, (0, "d"): 2,
-    (1, "."): 3, (1, "e"): 5,
-    (2, "d"): 2, (2, "0"): 2, (2, "."): 3, (2, "e"): 5,
-    (3, "d"): 4, (3, "0"): 4,
-    (4, "d"): 4, (4, "0"): 4, (4, "e"): 5,
-    (5, "+"): 6, (5, "-"): 6, (5, "d"): 7, (5, "0"): 7,
-    (6, "d"): 7, (6, "0"): 7,
-    (7, "d"): 7, (7, "0"): 7,
+    (0, "0"): 1,
+    (0, "d"): 2,
+    (1, "."): 3,
+    (1, "e"): 5,
+    (2, "d"): 2,
+    (2, "0"): 2,
+    (2, "."): 3,
+    (2, "e"): 5,
+    (3, "d"): 4,
+    (3, "0"): 4,
+    (4, "d"): 4,
+    (4, "0"): 4,
+    (4, "e"): 5,
+    (5, "+"): 6,
+    (5, "-"): 6,
+    (5, "d"): 7,
+    (5, "0"): 7,
+    (6, "d"): 7,
+    (6, "0"): 7,
+    (7, "d"): 7,
+    (7, "0"): 7,
 }
 _NUMBER_ENDS = frozenset((1, 2, 4, 7))
-_NUMBER_CLASS = {**{c: "d" for c in "123456789"}, "0": "0", ".": ".", "e": "e", "E": "e",
-                 "+": "+", "-": "-"}
+_NUMBER_CLASS = {
+    **{c: "d" for c in "123456789"},
+    "0": "0",
+    ".": ".",
+    "e": "e",
+    "E": "e",
+    "+": "+",
+    "-": "-",
+}
 
 
 class JsonPrefix:
@@ -63,8 +84,8 @@ class JsonPrefix:
     def __init__(self) -> None:
         self._state = _VALUE
         self._stack: list[str] = []
-        self._key = False      # the open string is an object key
-        self._left = 0         # hex digits (\uXXXX) or literal letters still expected
+        self._key = False  # the open string is an object key
+        self._left = 0  # hex digits (\uXXXX) or literal letters still expected
         self._literal = ""
         self._number = 0
 

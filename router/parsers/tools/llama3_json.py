@@ -6,6 +6,7 @@ are separated by `;`:
 
 Any `{` in the text may begin a call: text that is no call's JSON goes out as content as soon
 as that shows (a `{` not followed by `"name"` shows it at its next character)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,5 +31,7 @@ class Llama3JsonToolParser(StreamingToolParser):
 
     @classmethod
     def structural_tag(cls, tools: list[FunctionTool]) -> dict[str, Any] | None:
-        return triggered_tags(['{"name": '], [
-            tag(f'{{"name": {quoted(t.name)}, "parameters": ', t, "}") for t in tools])
+        return triggered_tags(
+            ['{"name": '],
+            [tag(f'{{"name": {quoted(t.name)}, "parameters": ', t, "}") for t in tools],
+        )

@@ -5,6 +5,7 @@
 
 The first is the older tokenizers' (up to v7); the second is v11+'s, where `[CALL_ID]id`
 may come before `[ARGS]`, and a decode that skips special tokens leaves out `[ARGS]`."""
+
 from __future__ import annotations
 
 import re
@@ -46,7 +47,14 @@ class MistralToolParser(StreamingToolParser):
 
     @classmethod
     def structural_tag(cls, tools: list[FunctionTool]) -> dict[str, Any] | None:
-        return triggered_tags([MARKER], [
-            form for t in tools for form in (
-                tag(f'{MARKER}[{{"name": {quoted(t.name)}, "arguments": ', t, "}]"),
-                tag(f"{MARKER}{t.name}[ARGS]", t, ""))])
+        return triggered_tags(
+            [MARKER],
+            [
+                form
+                for t in tools
+                for form in (
+                    tag(f'{MARKER}[{{"name": {quoted(t.name)}, "arguments": ', t, "}]"),
+                    tag(f"{MARKER}{t.name}[ARGS]", t, ""),
+                )
+            ],
+        )

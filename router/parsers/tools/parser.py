@@ -4,14 +4,20 @@ parsers (`--tool-parser-plugin FILE`). The contract every parser keeps is ToolPa
 
 The built-in parsers are registered on import of this module, before any plugin can be
 loaded, so a plugin's class for a built-in's name replaces the built-in."""
+
 from __future__ import annotations
 
 from router.parsers.tools import builtin
 from router.parsers.tools.base import TOOL_PARSERS, ToolParser, register_tool_parser
 
 del builtin  # imported for its effect: the built-in parsers registered themselves
-__all__ = ["ToolParser", "load_tool_parser_plugin", "register_tool_parser", "tool_parser",
-           "tool_parser_names"]
+__all__ = [
+    "ToolParser",
+    "load_tool_parser_plugin",
+    "register_tool_parser",
+    "tool_parser",
+    "tool_parser_names",
+]
 
 tool_parser = TOOL_PARSERS.get
 tool_parser_names = TOOL_PARSERS.names

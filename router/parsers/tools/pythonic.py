@@ -6,6 +6,7 @@ keyword arguments whose values are Python literals:
 A call is announced at the `(` after a tool's name; each argument goes out (as JSON) once
 its value is complete, read with `ast.literal_eval`; the arguments object closes at the `)`.
 A positional argument or a value that is no literal (or has no JSON form) breaks the call."""
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,11 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|")
 # Inside a value: a run of ordinary characters, or a complete string literal (any prefix
 # letters are part of the ordinary run before it).
 _PLAIN = re.compile(r"""[^'"()\[\]{},]*""")
-_STRING = re.compile(r"""'''(?:[^\\]|\\.)*?'''|\"\"\"(?:[^\\]|\\.)*?\"\"\""""
-                     r"""|'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*\"""", re.DOTALL)
+_STRING = re.compile(
+    r"""'''(?:[^\\]|\\.)*?'''|\"\"\"(?:[^\\]|\\.)*?\"\"\""""
+    r"""|'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*\"""",
+    re.DOTALL,
+)
 _OPEN, _CLOSE = "([{", ")]}"
 
 
@@ -56,8 +60,9 @@ class PythonicToolParser(StreamingToolParser):
             start = self.pos
             value = yield from self._value()
             try:
-                value = json.dumps(ast.literal_eval(value.strip()), ensure_ascii=False,
-                                   allow_nan=False)
+                value = json.dumps(
+                    ast.literal_eval(value.strip()), ensure_ascii=False, allow_nan=False
+                )
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 if value:  # no literal: it goes out as content (else: the output ended)
                     self.pos = start
@@ -87,7 +92,7 @@ class PythonicToolParser(StreamingToolParser):
                 self.pos = end
                 continue
             if depth == 0 and c in ",)":
-                return self.buf[start:self.pos]
+                return self.buf[start : self.pos]
             if c in _OPEN:
                 depth += 1
             elif c in _CLOSE:

@@ -13,6 +13,7 @@ goes on from where that showed. After a complete block, the whitespace (and the 
 
 Invariant: positions index `buf`. `_trim` drops consumed text and runs only inside
 `text_until` and `stream_args`, which are entered holding no earlier position."""
+
 from __future__ import annotations
 
 import json
@@ -98,12 +99,12 @@ class StreamingToolParser(ToolParser):
 
     def content(self, end: int) -> None:
         """Sends `buf[pos:end]` as content; `pos` moves to `end`."""
-        self._delta.content += self.buf[self.pos:end]
+        self._delta.content += self.buf[self.pos : end]
         self.pos = end
 
     def release(self, mark: int) -> None:
         """Sends the held `buf[mark:pos]` as content (it was no call)."""
-        self._delta.content += self.buf[mark:self.pos]
+        self._delta.content += self.buf[mark : self.pos]
 
     def announce(self, name: str) -> int:
         """A new call to `name` (a tool's): its index."""
@@ -144,7 +145,7 @@ class StreamingToolParser(ToolParser):
     def at_marker(self) -> Gen[bool]:
         """A marker begins at `pos` (nothing consumed)."""
         while not self._starts.match(self.buf, self.pos):
-            rest = self.buf[self.pos:]
+            rest = self.buf[self.pos :]
             if not any(m.startswith(rest) for m in self.MARKERS) or not (yield from self.more()):
                 return False
         return True
@@ -169,7 +170,7 @@ class StreamingToolParser(ToolParser):
         while True:
             self.pos = matched(chars.match(self.buf, self.pos)).end()
             if self.pos < len(self.buf) or not (yield from self.more()):
-                return self.buf[start:self.pos]
+                return self.buf[start : self.pos]
 
     def peek(self) -> Gen[str]:
         """The character at `pos` (not consumed); "" at the end of the output."""
@@ -181,13 +182,12 @@ class StreamingToolParser(ToolParser):
     def literal(self, *options: str) -> Gen[str | None]:
         """Whichever of `options` comes next (consumed), or None (nothing consumed)."""
         while True:
-            rest = self.buf[self.pos:self.pos + max(map(len, options))]
+            rest = self.buf[self.pos : self.pos + max(map(len, options))]
             for option in options:
                 if rest.startswith(option):
                     self.pos += len(option)
                     return option
-            if (not any(o.startswith(rest) for o in options)
-                    or not (yield from self.more())):
+            if not any(o.startswith(rest) for o in options) or not (yield from self.more()):
                 return None
 
     def expect(self, *literals: str | tuple[str, ...]) -> Gen[bool]:
@@ -212,7 +212,7 @@ class StreamingToolParser(ToolParser):
         while True:
             self.pos = validator.feed(self.buf, self.pos)
             if validator.done:
-                return self.buf[start:self.pos]
+                return self.buf[start : self.pos]
             if validator.failed or not (yield from self.more()):
                 return None
 
@@ -225,7 +225,7 @@ class StreamingToolParser(ToolParser):
             start = self.pos
             self.pos = validator.feed(self.buf, start)
             if self.pos > start:
-                self.arguments(index, self.buf[start:self.pos])
+                self.arguments(index, self.buf[start : self.pos])
             if validator.done:
                 return True
             if validator.failed or not (yield from self.more()):
@@ -239,8 +239,9 @@ class StreamingToolParser(ToolParser):
         """`{"name": "<tool>", "arguments": {...}}` at `pos` ("parameters" too; `{"name":
         "<tool>"}` is a call without arguments). Announced once its arguments begin."""
         name = None
-        if ((yield from self.expect("{", '"name"', ":"))
-                and (yield from self.peek_after_ws()) == '"'):
+        if (yield from self.expect("{", '"name"', ":")) and (
+            yield from self.peek_after_ws()
+        ) == '"':
             text = yield from self.json_value()
             name = json.loads(text) if text else None
         if name not in self.tools:
@@ -249,8 +250,10 @@ class StreamingToolParser(ToolParser):
         if (yield from self.expect("}")):
             self.arguments(self.announce(name), "{}")
             return True
-        if not ((yield from self.expect(",", ('"arguments"', '"parameters"'), ":"))
-                and (yield from self.peek_after_ws()) == "{"):
+        if not (
+            (yield from self.expect(",", ('"arguments"', '"parameters"'), ":"))
+            and (yield from self.peek_after_ws()) == "{"
+        ):
             self.release(mark)
             return None
         if not (yield from self.stream_args(self.announce(name))):
@@ -266,7 +269,7 @@ class StreamingToolParser(ToolParser):
         if not (yield from self.expect("[")):
             self.release(mark)
             return None
-        while (done := (yield from self.json_call(mark))):
+        while done := (yield from self.json_call(mark)):
             if not (yield from self.expect(",")):
                 return (yield from self.expect("]"))
             mark = self.pos
@@ -274,4 +277,4 @@ class StreamingToolParser(ToolParser):
 
     def _trim(self) -> None:
         if self.pos > _TRIM_AT:
-            self.buf, self.pos = self.buf[self.pos:], 0
+            self.buf, self.pos = self.buf[self.pos :], 0

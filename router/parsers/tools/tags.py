@@ -1,6 +1,7 @@
 """xgrammar structural tags for the tool formats (`ToolParser.structural_tag`): free text
 until a trigger, then one of the tags, each a tool's call whose arguments follow its schema
 (xgrammar 0.2.x's `triggered_tags` format)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,12 @@ def arguments_schema(tool: FunctionTool) -> dict[str, Any]:
 
 def tag(begin: str, tool: FunctionTool, end: str) -> dict[str, Any]:
     """`begin`, then the tool's arguments object, then `end`."""
-    return {"type": "tag", "begin": begin, "end": end,
-            "content": {"type": "json_schema", "json_schema": arguments_schema(tool)}}
+    return {
+        "type": "tag",
+        "begin": begin,
+        "end": end,
+        "content": {"type": "json_schema", "json_schema": arguments_schema(tool)},
+    }
 
 
 def triggered_tags(triggers: list[str], tags: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -28,8 +33,10 @@ def triggered_tags(triggers: list[str], tags: list[dict[str, Any]]) -> dict[str,
     `tags` (each tag's begin starts with one trigger). None without tags (no tools)."""
     if not tags:
         return None
-    return {"type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags},
+    }
 
 
 def quoted(name: str) -> str:

@@ -1,5 +1,6 @@
 """The values tool calling passes around: a request's function tools, the calls found in a
 model's text, and the pieces of them a stream sends."""
+
 from __future__ import annotations
 
 import secrets
@@ -22,8 +23,9 @@ class FunctionTool:
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
-        function["parameters"] = self.parameters if self.parameters is not None else {
-            "type": "object"}
+        function["parameters"] = (
+            self.parameters if self.parameters is not None else {"type": "object"}
+        )
         return {"type": "function", "function": function}
 
 
@@ -42,8 +44,11 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
