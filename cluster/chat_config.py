@@ -1,7 +1,8 @@
 """The chat flags (vLLM's names): how the router renders a conversation and reads a chat
-answer — the chat template, tool calling, reasoning. The router owns them (router/generation/chat_tools.py
-reads them); `pdserve up` takes the same flags and passes them on, so they live here, where
-both may import them (local_cluster never imports router: tests/test_imports.py)."""
+answer — the chat template, tool calling, reasoning. The router owns them
+(router/generation/chat_tools.py reads them); `pdserve up` takes the same flags and passes them on,
+so they live here, where both may import them (local_cluster never imports router:
+tests/test_imports.py)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ Life cycle of a request here:
 3. When every block has landed (receiver COMPLETE) and the first token is back, the request
    joins the running batch; its first token is streamed at once, then every decoded token.
 4. Failures: P unreachable or failing -> the parked request is dropped and the prompt is
-   prefilled here (`PrefillPath.LOCAL_FALLBACK`), or UNAVAILABLE with --strict-remote-prefill; KV not
-   complete by the deadline -> DEADLINE_EXCEEDED, nothing decoded from the blocks; the caller
+   prefilled here (`PrefillPath.LOCAL_FALLBACK`), or UNAVAILABLE with --strict-remote-prefill; KV
+   not complete by the deadline -> DEADLINE_EXCEEDED, nothing decoded from the blocks; the caller
    cancelling -> the request is aborted.
 5. `Worker.Abort` (an operator, or a router migrating the request): the stream ends with a
    final "abort" update per unfinished completion; a request whose KV is still on its way is
@@ -19,8 +19,8 @@ Life cycle of a request here:
 Without P (or n > 1, with prompt logprobs, or resumed after a migration) the prompt is
 prefilled here (`PrefillPath.LOCAL`). A `kv_source` (a peer holding more of the prompt's
 leading blocks) is passed to P, or, prefilling here, pulled first (worker_runtime/kv_pull.py;
-a failed pull just means computing those blocks). A worker that serves the prefill role now refuses `Generate`
-(FAILED_PRECONDITION; UNAVAILABLE while switching roles: worker_runtime/roles.py).
+a failed pull just means computing those blocks). A worker that serves the prefill role now refuses
+`Generate` (FAILED_PRECONDITION; UNAVAILABLE while switching roles: worker_runtime/roles.py).
 
 Steps 2-4 are prefill_client.py, over the state machine of remote_prefill.py (PARKED ->
 KV_LANDED / FIRST_TOKEN -> RUNNING; a drop -> QUARANTINED -> RELEASED), driven only on the

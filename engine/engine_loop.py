@@ -3,11 +3,11 @@ never stalls I/O.
 
 Other threads never touch the engine's state: they `call(fn)` to run `fn(engine)` on the loop
 thread between steps and get a concurrent Future. (Only `engine.make_request` and
-`engine.limits` are safe to use directly from another thread; they read no mutable state.) Deltas of every step go to `on_deltas` (on the loop
-thread; workers forward them to asyncio with call_soon_threadsafe). `after_step(engine)` runs
-after every step and while idle; it returns True while it has work in flight (e.g. KV
-transfers to poll), which keeps the loop polling with a short sleep instead of waiting for a
-command.
+`engine.limits` are safe to use directly from another thread; they read no mutable state.) Deltas of
+every step go to `on_deltas` (on the loop thread; workers forward them to asyncio with
+call_soon_threadsafe). `after_step(engine)` runs after every step and while idle; it returns True
+while it has work in flight (e.g. KV transfers to poll), which keeps the loop polling with a short
+sleep instead of waiting for a command.
 
 Step timings: every step's wall time is folded into exponentially weighted means over recent
 steps, one set for steps that computed prompt tokens and one for steps that did not

@@ -99,11 +99,11 @@ class LLM:
         if len(priorities) != len(prompt_list):
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
 
-        loras: list[LoRARequest | None] = (
-            list(lora_request)
-            if isinstance(lora_request, (list, tuple))
-            else [lora_request] * len(prompt_list)
-        )  # type: ignore[list-item]  # one, not a list
+        loras: list[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
         if len(loras) != len(prompt_list):
             raise ValueError(f"{len(loras)} lora requests for {len(prompt_list)} prompts")
         results: dict[str, RequestOutput] = {}

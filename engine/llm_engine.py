@@ -425,7 +425,8 @@ class LLMEngine:
         return self.process_updates(updated + [(r, 0) for r in finished if id(r) not in got_tokens])
 
     def process_updates(self, updates: list[tuple[Request, int]]) -> list[CompletionDelta]:
-        """The deltas of requests that got (n) new tokens or finished (0): engine/processing/deltas.py."""
+        """The deltas of requests that got (n) new tokens or finished (0)
+        (engine/processing/deltas.py)."""
         return self.deltas.build(updates)
 
     def has_unfinished_requests(self) -> bool:

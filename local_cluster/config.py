@@ -33,9 +33,9 @@ class UpConfig:
     """Prefill workers to start. Default: 1; 0 on a host with at most 2 cores (SMALL_HOST_CORES;
     unless --planner, which needs a worker of each role to move) and at
     --tensor-parallel-size > 1 (each worker is N processes) — one colocated decode worker with
-    every core prefills on all of them where a prefill worker has a share (docs/benchmarks/serving.md:
-    on 2 cores TTFT p99 0.82-1.19x vLLM-CPU's, against 1.28-1.64x for 1 prefill + 1 decode
-    worker)."""
+    every core prefills on all of them where a prefill worker has a share
+    (docs/benchmarks/serving.md: on 2 cores TTFT p99 0.82-1.19x vLLM-CPU's, against 1.28-1.64x for 1
+    prefill + 1 decode worker)."""
     decode: int = 1
     """Decode workers to start."""
     host: str = "127.0.0.1"

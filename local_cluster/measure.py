@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.registration import WorkerInfo
+from cluster.roles import Role
 from local_cluster.metrics_text import Scrape, increase, quantile, window_buckets
 from local_cluster.planner import Snapshot, WorkerLoad
 
@@ -109,7 +110,7 @@ def worker_load(
     )
     return WorkerLoad(
         worker_id=info.worker_id,
-        role=info.role,
+        role=Role(info.role),
         draining=info.draining,
         running=c.running,  # type: ignore[arg-type]
         waiting=c.waiting,

@@ -78,8 +78,8 @@ def bounded_openmp_spinning(env: MutableMapping[str, str]) -> None:
     thread on an idle host (a KVM guest wakes a sleeping vCPU slowly). Measured (SmolLM2, bf16,
     2 threads, ITL at batch 1): quiet 25 ms (spin), 25 (10000), 37 (passive), 1 thread 35;
     beside a busy process 510 (spin), 78 (10000), 42 (passive), 1 thread 39 (docs/benchmarks/
-    decode_profile.md); core sharing keeps workers off each other's cores. libgomp reads it when torch loads, so this runs
-    first."""
+    decode_profile.md); core sharing keeps workers off each other's cores. libgomp reads it when
+    torch loads, so this runs first."""
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
 

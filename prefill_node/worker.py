@@ -64,7 +64,8 @@ from worker_runtime.peers import RegisteredPeers
 log = logging.getLogger(__name__)
 
 MAX_PENDING_DESTINATIONS = 4096
-"""Deferred destinations a prefill worker keeps at once (SetDestination beyond: RESOURCE_EXHAUSTED)."""
+"""Deferred destinations a prefill worker keeps at once (SetDestination beyond:
+RESOURCE_EXHAUSTED)."""
 
 
 class PrefillWorker(pb_grpc.PrefillWorkerServicer):

@@ -342,8 +342,8 @@ class RouterConfig:
                     or self.endpoint_picker.endpoint is not None
                     or self.host not in WILDCARD_HOSTS,
                     "endpoint_picker",
-                    "needs --endpoint-picker-endpoint when --host is a wildcard address (the gateway "
-                    "must be told an address it can reach)",
+                    "needs --endpoint-picker-endpoint when --host is a wildcard address "
+                    "(the gateway must be told an address it can reach)",
                 ),
             ],
         )

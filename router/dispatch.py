@@ -355,5 +355,6 @@ class Dispatcher:
                 timeout = self.config.stall_timeout_s
         finally:
             if call is not None:
-                call.cancel()  # no-op when the call already ended; aborts it on the worker otherwise
+                # A no-op when the call already ended; aborts it on the worker otherwise.
+                call.cancel()
             self.channels.release(address)

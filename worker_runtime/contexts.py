@@ -4,8 +4,8 @@ rooms — the prefill and decode servicers, the peer puller and exporter, the re
 peers — see only the callables and values named here.
 
 Threads: `call`, `create_*` and abort hooks are the asyncio side's; `settle` and step hooks
-run on the engine thread. Values that change while the worker runs (its id, set when it starts serving;
-the pool's metadata, new after every wake-up; measured step rates) are callables, read when
+run on the engine thread. Values that change while the worker runs (its id, set when it starts
+serving; the pool's metadata, new after every wake-up; measured step rates) are callables, read when
 used; the others are fixed for the worker's life.
 """
 

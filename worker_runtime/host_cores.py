@@ -20,9 +20,10 @@ until the peer gives it back, which the peer does at its next step (at most one 
 by LENT_WAIT_S; a peer that does not step in that time is not waited for again until it does):
 so the host's workers never run more threads than it has cores, and a prompt arriving at an
 idle prefill worker costs the busy decode worker one step on its own share, not a step whose
-threads fight the prefill's for the cores. The directory is re-read about once a second; files of processes that are gone are
-removed (the start time tells a reused pid from the writer). Workers in different containers
-see different /dev/shm, so each keeps its own share there — the fixed split, as before.
+threads fight the prefill's for the cores. The directory is re-read about once a second; files of
+processes that are gone are removed (the start time tells a reused pid from the writer). Workers in
+different containers see different /dev/shm, so each keeps its own share there — the fixed split, as
+before.
 
 Thread counts change between steps only (`torch.set_num_threads` on the engine thread, a
 no-op when unchanged). It pays with bounded OpenMP spinning (`GOMP_SPINCOUNT`, which `pdserve`'s

@@ -7,8 +7,8 @@ large pulls look slower than computing.
 An exponentially forgetting least-squares line through (blocks, seconds) of the recent pulls.
 While no slope can be fitted (every pull the same size, or larger ones no slower) the fixed
 part is the mean pull time and the rate is unmeasured (0: the router's default rate prices the
-blocks) — measured here, a pull's time is mostly its fixed part (docs/benchmarks/kvtransfer.md, "Peer
-pull": 8.1 ms for 31 blocks, 10.8 ms for 127).
+blocks) — measured here, a pull's time is mostly its fixed part (docs/benchmarks/kvtransfer.md,
+"Peer pull": 8.1 ms for 31 blocks, 10.8 ms for 127).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from engine.attention.backend import AttentionBackend
@@ -22,7 +24,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r} (torch, triton or auto)")
 
 
-def fused_kernels(backend_name: str, device: torch.device) -> str | None:
+def fused_kernels(backend_name: str, device: torch.device) -> Literal["triton", "cpu"] | None:
     """The fused layer kernels that go with a backend (a model's `use_fused_kernels`):
     "triton" with the Triton backend, "cpu" on the CPU where the C++ ops build (not with
     PDSERVE_CPU_KERNELS=0), else None (plain torch)."""

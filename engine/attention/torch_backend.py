@@ -62,7 +62,8 @@ def gather_kv(
     kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the blocks in `block_tables` ([..., nb]) as [..., nb * B, H, D] each, in
-    `like`'s dtype and head size (dequantized when the pool is fp8 / int8, engine/kv/kv_format.py)."""
+    `like`'s dtype and head size (dequantized when the pool is fp8 / int8,
+    engine/kv/kv_format.py)."""
     num_layers = kv_cache.shape[1]
     pages = _bytes(_pages(kv_cache))
     k_pages = (block_tables.long() * num_layers + layer) * 2

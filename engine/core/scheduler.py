@@ -389,9 +389,9 @@ class Scheduler(SpeculationScheduling):
         """Allocate a prompt's blocks, reusing local prefix hits, and park the request as
         WAITING_FOR_KV. Returns the block ids a prefill worker must fill: every KV group's
         after its `Request.remote_skip_blocks` (the local hit; for a sliding group only the
-        blocks the first decode step reads), group after group. None if `max_num_seqs` requests are already running or
-        parked or the pool cannot hold the prompt now (nothing changed; the decode worker
-        then prefills it itself, releasing as it goes)."""
+        blocks the first decode step reads), group after group. None if `max_num_seqs` requests are
+        already running or parked or the pool cannot hold the prompt now (nothing changed; the
+        decode worker then prefills it itself, releasing as it goes)."""
         self.check_fits(request)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")

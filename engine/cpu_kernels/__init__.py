@@ -38,8 +38,8 @@ whether it serves a key/value/pool (quantized pools keep the torch backend's pat
 per row of x (float32 or bfloat16 [rows, vocab], unit last stride, read only; bf16 widened as
 read), int64 [rows]. A row whose temperature (float32 [rows], or None: all 1) is 0 takes its
 argmax (`argmax_rows`); any other draws for its uniform (float32 [rows] in [0, 1)) what
-engine/sampling/sampler.py's `inverse_cdf` draws from the numerators exp(x / t - max) and their chunk
-sums — x / t an fp32 division, as the sampler's fallback `div_` — without writing them (the
+engine/sampling/sampler.py's `inverse_cdf` draws from the numerators exp(x / t - max) and their
+chunk sums — x / t an fp32 division, as the sampler's fallback `div_` — without writing them (the
 chunk the draw lands in is recomputed).
 `argmax_rows(x)`: x.argmax(-1) (first index of the maximum, of the first NaN where a row has
 one) for float32 or bfloat16 [rows, vocab], unit last stride, in one read of each row.

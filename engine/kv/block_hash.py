@@ -2,10 +2,10 @@
 
 hash(block i) = sha256(hash(block i-1) || extras || token ids of block i as little-endian int64)
 
-Extras (cache_salt for tenant isolation, LoRA id, a quantized KV dtype) enter every block's hash, so equal tokens under
-different salts never share blocks. The router imports `compute_block_hashes` to predict which
-workers hold a prompt's prefix: the same bytes in, the same hashes out, in any process.
-`block_hash_probe` is a short fingerprint of this hashing that workers publish, so that a
+Extras (cache_salt for tenant isolation, LoRA id, a quantized KV dtype) enter every block's hash, so
+equal tokens under different salts never share blocks. The router imports `compute_block_hashes` to
+predict which workers hold a prompt's prefix: the same bytes in, the same hashes out, in any
+process. `block_hash_probe` is a short fingerprint of this hashing that workers publish, so that a
 process hashing the same tokens differently is found at start (cluster/block_hash_agreement.py).
 """
 

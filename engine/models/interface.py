@@ -23,7 +23,7 @@ docs/models.md has the whole story.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -149,6 +149,18 @@ class CausalLM(Protocol):
     def use_fused_kernels(self, kind: FusedKernels) -> None:
         """The engine asks for "triton" with the Triton attention backend, "cpu" on the CPU
         where the C++ ops build, None for plain torch; a model may ignore it."""
+
+    def use_communicator(self, comm: Communicator) -> None:
+        """Run as one rank of a tensor-parallel group (the loader sharded it: `args.tp` set);
+        the engine calls it only at tensor_parallel_size > 1. Raises ValueError where the
+        model is not sharded for `comm`'s group."""
+
+    # The nn.Module methods the engine uses (sleep mode, weight updates, packing).
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]: ...
 
     def __call__(
         self,

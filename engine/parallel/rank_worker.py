@@ -15,6 +15,7 @@ import threading
 import time
 
 import torch
+from torch import nn
 
 from engine.parallel.communicator import DistributedCommunicator
 from engine.parallel.group import AllocatePool, LoadModel, RankSpec, Release, Shutdown
@@ -45,6 +46,7 @@ class RankEngine:
         self.model.use_communicator(comm)
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.model.use_fused_kernels(fused_kernels(self.backend.name, self.device))
+        assert isinstance(self.model, nn.Module)  # every CausalLM is one
         pack_linears(self.model)  # as rank 0's runner does
         self.kv_cache: torch.Tensor | None = None
         self.rank = spec.rank

@@ -2,13 +2,13 @@
 
 Text grows token by token through `tokenizers`' own `DecodeStream` (it keeps the window of
 recent tokens, so multi-byte characters split across tokens come out whole; per token as fast
-as re-decoding that window here, or up to 1.4x faster, with the same text: docs/benchmarks/engine.md). Stop strings are looked for only once more than
-`min_tokens` tokens are out, and must end in text that came after the min_tokens-th token
-(they may begin before it). The text is cut before the stop string, or right after it with
-`include_stop_str_in_output`. Streamed deltas hold back the last
-`len(longest stop string) - 1` characters until they can no longer begin a stop string that
-would be cut out (nothing is held back when stop strings stay in the text: a match always
-ends in new text, so nothing already sent is ever cut)."""
+as re-decoding that window here, or up to 1.4x faster, with the same text:
+docs/benchmarks/engine.md). Stop strings are looked for only once more than `min_tokens` tokens are
+out, and must end in text that came after the min_tokens-th token (they may begin before it). The
+text is cut before the stop string, or right after it with `include_stop_str_in_output`. Streamed
+deltas hold back the last `len(longest stop string) - 1` characters until they can no longer begin a
+stop string that would be cut out (nothing is held back when stop strings stay in the text: a match
+always ends in new text, so nothing already sent is ever cut)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.core.request import Request
@@ -69,6 +70,7 @@ class ModelRunner:
         self.model = model
         self.send_step = send_step
         self.graphs = graphs
+        assert isinstance(model, nn.Module)  # every CausalLM is one (engine/models/interface.py)
         pack_linears(model)  # bf16 on the CPU: decode-sized projections from packed weights
         self.lora_slots = lora_slots
         self.kv_cache = kv_cache

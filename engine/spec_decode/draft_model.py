@@ -9,8 +9,9 @@ Two kinds of drafter:
 - A separate model (same vocabulary): its own KV pool, indexed by the target's block ids
   (same block size and count), so the block manager's tables, copy-on-write and rollback
   serve both. Each sequence's draft KV catches up from `SpecState.num_draft_computed` on
-  its first proposal (the Proposal says how far it got) (the prompt, whether prefilled here or by a prefill worker: rebuilt on
-  the decode worker, which keeps prefill workers and KV transfers unaware of drafting).
+  its first proposal (the Proposal says how far it got) (the prompt, whether prefilled here or by a
+  prefill worker: rebuilt on the decode worker, which keeps prefill workers and KV transfers unaware
+  of drafting).
 
 Drafts see the request's masks and penalties (so a constrained or penalized request is not
 drafted tokens its target can never pick); the argmax is the draft."""

@@ -21,7 +21,8 @@ class ModelCard:
     aliases: frozenset[str] = frozenset()
     max_n: int = 128
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    """SamplingParams field -> value for requests that omit it (engine.processing.generation_config)."""
+    """SamplingParams field -> value for requests that omit it
+    (engine.processing.generation_config)."""
     chat: ChatOptions = field(default_factory=ChatOptions)
     """How chat output is read: tool calls, reasoning (the router's flags)."""
     longest_token_chars: int = field(init=False, repr=False, compare=False)

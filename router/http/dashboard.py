@@ -133,7 +133,10 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
             if s.name.endswith("_total"):
                 reason = s.labels["reason"]
                 by_reason[reason] = by_reason.get(reason, 0) + int(s.value)
-    value = lambda name, **labels: int(metrics.registry.get_sample_value(name, labels) or 0)
+
+    def value(name: str, **labels: str) -> int:
+        return int(metrics.registry.get_sample_value(name, labels) or 0)
+
     return {
         "time": time.time(),
         "model": services.card.name,

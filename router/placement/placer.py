@@ -24,8 +24,8 @@ _NO_HIT = PrefixHit(0, 0)
 @dataclass
 class PromptKey:
     """A prompt's identity for the prefix cache; its block hashes are computed once per
-    (block size, KV cache dtype, weights version) in use, however often the request is placed (queueing,
-    retries)."""
+    (block size, KV cache dtype, weights version) in use, however often the request is placed
+    (queueing, retries)."""
 
     token_ids: list[int]
     cache_salt: str | None = None

@@ -163,7 +163,7 @@ class FleetAdmin:
             )
         return _checked("set_role", [result])[0]
 
-    # ---- fan-out ----------------------------------------------------------------------------------
+    # ---- fan-out ----
     def _workers(self) -> list[WorkerInfo]:
         workers = [s.info for s in self.registry.all() if not s.info.draining]
         if not workers:
