@@ -317,15 +317,18 @@ def main() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), "
-        f"AVX512-BF16/AMX: {cpu_has_bf16()}"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} "
+        f"thread(s), AVX512-BF16/AMX: {cpu_has_bf16()}"
     )
     print(
-        f"{size}\n{args.num_prompts} prompts of {args.prompt_len * 7 // 8}-{args.prompt_len} tokens -> "
-        f"{args.output_len} greedy tokens, ignore_eos; HF: one left-padded static batch; best of {args.reps}"
+        f"{size}\n{args.num_prompts} prompts of {args.prompt_len * 7 // 8}-{args.prompt_len} "
+        "tokens -> "
+        f"{args.output_len} greedy tokens, ignore_eos; HF: one left-padded static batch; best of "
+        f"{args.reps}"
     )
     print(
-        f"\n{'arch':10} {'dtype':9} {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6} {'match':>6}  HF attention"
+        f"\n{'arch':10} {'dtype':9} {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6} {'match':>6}  "
+        "HF attention"
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="arch-bench-") as tmp:
@@ -334,7 +337,8 @@ def main() -> None:
             for dtype in dtypes:
                 r = bench_arch(arch, model_dir, dtype, args)
                 print(
-                    f"{arch:10} {dtype:9} {r['ours']:10.1f} {r['hf']:9.1f} {r['ours'] / r['hf']:5.2f}x "
+                    f"{arch:10} {dtype:9} {r['ours']:10.1f} {r['hf']:9.1f} "
+                    f"{r['ours'] / r['hf']:5.2f}x "
                     f"{r['match']:>3}/{args.num_prompts:<2}  {r['attn']}",
                     flush=True,
                 )

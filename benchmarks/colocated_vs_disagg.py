@@ -224,7 +224,8 @@ def main() -> None:
                 rows.append((mode, rate, doc))
                 pools = f", pools now {_planner_pools(work)}" if mode == "planner" else ""
                 print(
-                    f"{LABELS[mode]:14s} rate {rate:4.1f}/s: TTFT p90 {doc['ttft_ms']['p90']:8.0f} ms, "
+                    f"{LABELS[mode]:14s} rate {rate:4.1f}/s: TTFT p90 {doc['ttft_ms']['p90']:8.0f} "
+                    "ms, "
                     f"ITL p99 {doc['itl_ms']['p99']:7.0f} ms, goodput {doc['goodput']:.2f} req/s "
                     f"({doc['completed']}/{doc['num_requests']} done){pools}",
                     flush=True,

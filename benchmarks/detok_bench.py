@@ -1,6 +1,6 @@
-"""Incremental detokenizing: engine/processing/detokenizer.py (over `tokenizers`' DecodeStream) against
-re-decoding a window of recent tokens per token (what it did before), on the bundled model's
-tokenizer, in the same run. Prints microseconds per token and the ratio; both texts must be
+"""Incremental detokenizing: engine/processing/detokenizer.py (over `tokenizers`' DecodeStream)
+against re-decoding a window of recent tokens per token (what it did before), on the bundled
+model's tokenizer, in the same run. Prints microseconds per token and the ratio; both texts must be
 equal, and the tokenizer's full decode (which may add a final incomplete character).
 
     python benchmarks/detok_bench.py [--tokens 4000] [--repeats 5]

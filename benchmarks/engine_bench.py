@@ -110,7 +110,8 @@ def bench_throughput(args) -> None:
         print(f"HF static {dtype:7s}: {seconds:7.1f} s {generated / seconds:8.1f} output tok/s")
     for dtype in args.dtypes.split(","):
         print(
-            f"ratio pdserve/HF, both {dtype}: {rates[('pdserve', dtype)] / rates[('hf', dtype)]:.2f}x"
+            f"ratio pdserve/HF, both {dtype}: "
+            f"{rates[('pdserve', dtype)] / rates[('hf', dtype)]:.2f}x"
         )
     if ("pdserve", "bfloat16") in rates and ("hf", "float32") in rates:
         print(
@@ -139,7 +140,8 @@ def bench_prefix(args) -> None:
     cold_s, _ = ttft(shared + tails[2])
     print(f"\n== prefix cache: {args.prefix_len}-token shared prefix + 50 new tokens ==")
     print(
-        f"prefill tokens computed: uncached {uncached_tokens}, cached {cached_tokens}  (target <= 64)"
+        f"prefill tokens computed: uncached {uncached_tokens}, cached {cached_tokens}  "
+        "(target <= 64)"
     )
     print(
         f"TTFT uncached {uncached_s * 1000:.0f} ms (after reset: {cold_s * 1000:.0f} ms), "
@@ -182,7 +184,8 @@ def bench_prefill(args) -> None:
             )
     cpu_kernels.prefills_in_place = built
     print(
-        f"\n== prefill rounds: {args.prefill_prompts} prompts of 128-512 tokens, bf16, {args.threads} threads =="
+        f"\n== prefill rounds: {args.prefill_prompts} prompts of 128-512 tokens, bf16, "
+        f"{args.threads} threads =="
     )
     built_isa = (
         torch.ops.pdserve_cpu.prefill_isa()
@@ -230,7 +233,8 @@ def bench_overhead(args) -> None:
     for name, fn in originals.items():
         setattr(model, name, timed(fn))
     print(
-        f"\n== step overhead: wall time per step outside the model forward ({args.threads} threads) =="
+        f"\n== step overhead: wall time per step outside the model forward ({args.threads} "
+        "threads) =="
     )
     for batch in (1, 64):
         for greedy in (False, True):

@@ -71,7 +71,8 @@ def ours_decode(llm: LLM, prompts: list[list[int]], max_tokens: int, tag: str) -
 
 @torch.inference_mode()
 def hf_decode(hf, prompts: list[list[int]], max_tokens: int) -> float:
-    """Decode tok/s of one static batch: `put` is called with the prompt, then each step's tokens."""
+    """Decode tok/s of one static batch: `put` is called with the prompt, then each step's
+    tokens."""
     from transformers.generation.streamers import BaseStreamer
 
     class FirstToken(BaseStreamer):
@@ -121,7 +122,8 @@ def window_memory(llm: LLM, seq_len: int) -> None:
         f"block size {block} =="
     )
     print(
-        f"layers {args.n_layers}: {len(sliding)} sliding (window {sorted(set(sliding))}), {n_global} global; "
+        f"layers {args.n_layers}: {len(sliding)} sliding (window {sorted(set(sliding))}), "
+        f"{n_global} global; "
         f"one layer's share of a block {layer_bytes[0]} / {layer_bytes[1]} bytes (bf16 / fp32)"
     )
     print(
@@ -129,12 +131,15 @@ def window_memory(llm: LLM, seq_len: int) -> None:
         f"{mib(today)}"
     )
     print(
-        f"with window release (the engine's KV groups): {n_global} x {blocks} + {len(sliding)} sliding layers x "
-        f"{-(-sliding[0] // block) if sliding else 0}-{-(-sliding[0] // block) + 1 if sliding else 0} "
+        f"with window release (the engine's KV groups): {n_global} x {blocks} + {len(sliding)} "
+        "sliding layers x "
+        f"{-(-sliding[0] // block) if sliding else 0}-"
+        f"{-(-sliding[0] // block) + 1 if sliding else 0} "
         f"= {aligned}-{upper} layer-blocks, {mib(upper)} at the upper bound"
     )
     print(
-        f"ratio without / with release: {today / upper:.2f}x (upper bound) - {today / aligned:.2f}x (aligned); "
+        f"ratio without / with release: {today / upper:.2f}x (upper bound) - "
+        f"{today / aligned:.2f}x (aligned); "
         f"release keeps {upper / today:.1%} of the KV"
     )
 
@@ -146,7 +151,8 @@ def bench(dtype: str, args) -> None:
     llm = LLM(MODEL, dtype=dtype, kv_cache_memory=512 << 20)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL), dtype=torch_dtype).eval()
     print(
-        f"\n== {MODEL} {dtype}: ours vs transformers (HF attention: {hf.config._attn_implementation}) =="
+        f"\n== {MODEL} {dtype}: ours vs transformers (HF attention: "
+        f"{hf.config._attn_implementation}) =="
     )
     warm = make_prompts(1, 16, seed=99)
     ours_ttft(llm, warm[0])
@@ -157,7 +163,8 @@ def bench(dtype: str, args) -> None:
         hf_t.append(hf_ttft(hf, prompt))
     ours_med, hf_med = statistics.median(ours_t), statistics.median(hf_t)
     print(
-        f"TTFT, {args.prompt_len}-token prompt, median of {args.ttft_reps}: ours {ours_med * 1e3:.0f} ms, "
+        f"TTFT, {args.prompt_len}-token prompt, median of {args.ttft_reps}: ours "
+        f"{ours_med * 1e3:.0f} ms, "
         f"HF {hf_med * 1e3:.0f} ms, ours/HF {ours_med / hf_med:.2f} (lower is better)"
     )
     for batch in (1, 8):
@@ -167,8 +174,8 @@ def bench(dtype: str, args) -> None:
             ours = max(ours, ours_decode(llm, batch_prompts, args.decode_tokens, f"d{batch}-{rep}"))
             theirs = max(theirs, hf_decode(hf, batch_prompts, args.decode_tokens))
         print(
-            f"decode x{batch}, best of {args.decode_reps}: ours {ours:.1f} tok/s, HF {theirs:.1f} tok/s, "
-            f"ratio {ours / theirs:.2f}x"
+            f"decode x{batch}, best of {args.decode_reps}: ours {ours:.1f} tok/s, HF {theirs:.1f} "
+            f"tok/s, ratio {ours / theirs:.2f}x"
         )
     if dtype == args.dtypes[0]:
         window_memory(llm, args.memory_seq_len)
@@ -201,8 +208,8 @@ def main() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), "
-        f"AVX512-BF16/AMX: {cpu_has_bf16()}"
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} "
+        f"thread(s), AVX512-BF16/AMX: {cpu_has_bf16()}"
     )
     start = time.perf_counter()
     for dtype in args.dtypes:

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(
                     f"{n:>6} tokens: TTFT computed {row['ttft_computed_s'] * 1e3:8.1f} ms, pulled "
                     f"{row['ttft_pulled_s'] * 1e3:7.1f} ms ({row['ttft_ratio']:.3f}x); pull "
-                    f"{row['blocks_pulled']} blocks in {pull_s / args.repeats * 1e3:.1f} ms = {row['pull_gbps']:.2f} GB/s vs "
+                    f"{row['blocks_pulled']} blocks in {pull_s / args.repeats * 1e3:.1f} ms = "
+                    f"{row['pull_gbps']:.2f} GB/s vs "
                     f"memcpy {row['memcpy_gbps']:.2f} GB/s ({row['pull_vs_memcpy']:.3f}x)",
                     flush=True,
                 )

@@ -119,8 +119,8 @@ def _copy_variants(llm, n: int) -> None:
     block = pool[0].numel() * pool.element_size()
     for name, sec in res.items():
         print(
-            f"copy {n} blocks ({block / 1024:.0f} KiB each) {name:26s} {sec * 1e6 / n:7.1f} us/block "
-            f"{n * block / sec / 1e9:6.2f} GB/s"
+            f"copy {n} blocks ({block / 1024:.0f} KiB each) {name:26s} {sec * 1e6 / n:7.1f} "
+            f"us/block {n * block / sec / 1e9:6.2f} GB/s"
         )
 
 
@@ -180,7 +180,8 @@ def _overlap_one(eng, name: str, store, n: int) -> None:
         both_s.append(timed(both))
     s, c, b = (statistics.median(x) for x in (step_s, copy_s, both_s))
     print(
-        f"overlap ({name}): decode step {s * 1e3:.2f} ms, store of {n * repeat} blocks {c * 1e3:.2f} ms; "
+        f"overlap ({name}): decode step {s * 1e3:.2f} ms, store of {n * repeat} blocks "
+        f"{c * 1e3:.2f} ms; "
         f"one after the other {(s + c) * 1e3:.2f} ms, overlapped on a thread {b * 1e3:.2f} ms "
         f"(max of the two {max(s, c) * 1e3:.2f} ms)"
     )

@@ -78,11 +78,13 @@ def fleet(prefill: int, decode: int, kv_cache_memory: int) -> None:
             t0 = time.perf_counter()
             r = client.post("/update_weights", json={"path": path})
             print(
-                f"/update_weights  {(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP {r.status_code})"
+                f"/update_weights  {(time.perf_counter() - t0) * 1000:8.1f} ms  (HTTP "
+                f"{r.status_code})"
             )
             again = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
             print(
-                f"output unchanged after sleep/wake and reloading the same weights: {again == first}"
+                "output unchanged after sleep/wake and reloading the same weights: "
+                f"{again == first}"
             )
         finally:
             up.stop()
@@ -124,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
             == reference
         )
         print(
-            f"sleep({level}) {slept * 1000:8.1f} ms, freed {freed:7.0f} MiB; wake_up {woke * 1000:8.1f} ms"
-            f"{' (weights reloaded from the checkpoint)' if level == 2 else ''}; output unchanged: {same}"
+            f"sleep({level}) {slept * 1000:8.1f} ms, freed {freed:7.0f} MiB; wake_up "
+            f"{woke * 1000:8.1f} ms"
+            f"{' (weights reloaded from the checkpoint)' if level == 2 else ''}; output unchanged: "
+            f"{same}"
         )
     from safetensors.torch import load_file
 
@@ -133,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     n = sum(t.numel() for t in weights.values())
     took = _timed(lambda: llm.update_weights(weights.items()))
     print(
-        f"update_weights: {len(weights)} tensors, {n / 1e6:.0f} M parameters in {took * 1000:.0f} ms "
-        f"(weights version {engine.weights_version})"
+        f"update_weights: {len(weights)} tensors, {n / 1e6:.0f} M parameters in {took * 1000:.0f} "
+        f"ms (weights version {engine.weights_version})"
     )
     took = _timed(lambda: llm.update_weights(str(default_model_dir() / "model.safetensors")))
     print(f"update_weights from a safetensors path: {took * 1000:.0f} ms")

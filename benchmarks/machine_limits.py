@@ -108,18 +108,21 @@ def main() -> None:
     tokens = args.num_prompts * args.output_len
     print(f"ISA: {cpu_isa()}, {args.threads} threads, {args.dtype}, torch {torch.__version__}")
     print(
-        f"peak GEMM (2048^3): {flops / 1e12:.2f} TFLOP/s; streaming read: {bandwidth / 1e9:.1f} GB/s"
+        f"peak GEMM (2048^3): {flops / 1e12:.2f} TFLOP/s; streaming read: {bandwidth / 1e9:.1f} "
+        "GB/s"
     )
     print(
-        f"prefill: {sum(lens)} prompt tokens, {prefill_flops / 1e12:.2f} TFLOP -> >= {prefill_s:.3f} s"
+        f"prefill: {sum(lens)} prompt tokens, {prefill_flops / 1e12:.2f} TFLOP -> >= "
+        f"{prefill_s:.3f} s"
     )
     print(
-        f"decode: {args.output_len - 1} steps of {len(lens)} sequences, {decode_bytes / 1e9:.1f} GB read "
-        f"({decode_flops / decode_bytes:.0f} FLOP/byte; the GEMM peak over bandwidth is "
+        f"decode: {args.output_len - 1} steps of {len(lens)} sequences, {decode_bytes / 1e9:.1f} "
+        f"GB read ({decode_flops / decode_bytes:.0f} FLOP/byte; the GEMM peak over bandwidth is "
         f"{flops / bandwidth:.0f}: memory-bound) -> >= {decode_s:.3f} s"
     )
     print(
-        f"whole workload: >= {prefill_s + decode_s:.2f} s, i.e. <= {tokens / (prefill_s + decode_s):.0f} "
+        f"whole workload: >= {prefill_s + decode_s:.2f} s, i.e. <= "
+        f"{tokens / (prefill_s + decode_s):.0f} "
         f"output tok/s (compare benchmarks/vs_vllm.py offline's figures)"
     )
 

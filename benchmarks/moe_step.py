@@ -114,7 +114,8 @@ def run(preset: str, dtype: torch.dtype, tokens: list[int], reps: int) -> None:
             read_counts = lambda: torch.bincount(ids, minlength=experts).tolist()  # noqa: E731
             t_sync = best_times({"sync": read_counts}, 200)["sync"]
             print(
-                f"{num_tokens:>5} {t_grouped * 1e3:>11.3f} {t_hf * 1e3:>11.3f} {t_hf / t_grouped:>10.2f}x "
+                f"{num_tokens:>5} {t_grouped * 1e3:>11.3f} {t_hf * 1e3:>11.3f} "
+                f"{t_hf / t_grouped:>10.2f}x "
                 f"{t_dense * 1e3:>9.3f} {t_grouped / t_dense:>9.2f}x {t_sync * 1e6:>8.1f} "
                 f"{len(ids.unique()):>12}"
             )

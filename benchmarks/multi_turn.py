@@ -267,7 +267,8 @@ def _x(x: float | None) -> str:
 def table(runs: list[RunResult]) -> str:
     lines = [
         f"{'config':7} {'placement':12} {'turns>=2':>8} {'TTFT p50 ms':>11} {'p99 ms':>8} "
-        f"{'hit rate':>9} {'worker hits':>11} {'tier hit tok':>12} {'pulled blk':>10} {'errors':>6} "
+        f"{'hit rate':>9} {'worker hits':>11} {'tier hit tok':>12} {'pulled blk':>10} "
+        f"{'errors':>6} "
         f"{'wall s':>7}"
     ]
     for r in runs:

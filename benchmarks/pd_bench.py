@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict:
             prefill = pb.WorkerRef(
                 worker_id=procs[Role.PREFILL].worker_id, address=f"127.0.0.1:{ports[Role.PREFILL]}"
             )
-            # Warm-up: each path once per length (on a GPU the first call of a shape compiles kernels).
+            # Warm-up: each path once per length (on a GPU the first call of a shape compiles
+            # kernels).
             for n in (64, *(int(x) for x in args.lengths.split(","))):
                 asyncio.run(_ttft(decode, auth, prompt(n), prefill))
                 asyncio.run(_ttft(decode, auth, prompt(n), None))

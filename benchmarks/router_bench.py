@@ -115,7 +115,8 @@ def bench_decision(args: argparse.Namespace) -> None:
             deciding.append(c - b)
             total.append(c - a)
         print(
-            f"\n{policy} ({len(prompts)} requests of {args.system_tokens}+{args.question_tokens} tokens)"
+            f"\n{policy} ({len(prompts)} requests of {args.system_tokens}+{args.question_tokens} "
+            "tokens)"
         )
         print(f"  block hashes ({(len(prompts[0]) - 1) // bs} blocks): {fmt_ms(hashing)}")
         print(f"  placement decision:          {fmt_ms(deciding)}")

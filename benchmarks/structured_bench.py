@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.reps} interleaved reps"
     )
     print(
-        f"{'batch':>5} {'plain ms/step':>14} {'constrained':>12} {'overhead':>9} {'mask ms/step':>13}"
+        f"{'batch':>5} {'plain ms/step':>14} {'constrained':>12} {'overhead':>9} "
+        f"{'mask ms/step':>13}"
     )
     for batch in (int(b) for b in args.batches.split(",")):
         plain, constrained, mask = [], [], []
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             mask.append(m)
         p, c, m = min(plain), min(constrained), min(mask)
         print(
-            f"{batch:>5} {p * 1000:>14.1f} {c * 1000:>12.1f} {(c / p - 1) * 100:>8.1f}% {m * 1000:>13.2f}"
+            f"{batch:>5} {p * 1000:>14.1f} {c * 1000:>12.1f} {(c / p - 1) * 100:>8.1f}% "
+            f"{m * 1000:>13.2f}"
         )
 
 

@@ -2,7 +2,8 @@
 cores, ratios printed (docs: benchmarks/vs_vllm.md).
 
   python benchmarks/vs_vllm.py offline [--vllm-python V/bin/python] [--num-prompts 16]
-  python benchmarks/vs_vllm.py serve   [--vllm-python V/bin/python] [--rates 0.5,1,2] [--repeats 2] [--planner]
+  python benchmarks/vs_vllm.py serve   [--vllm-python V/bin/python] [--rates 0.5,1,2]
+                                       [--repeats 2] [--planner]
 
 offline: N random-token prompts of 128-512 tokens -> 128 output tokens each (ignore_eos), the
   offline API of each (`LLM.generate`), one run each side, alone, each at its default dtype unless
@@ -58,7 +59,8 @@ _OFFLINE = textwrap.dedent("""
     outs = llm.generate(inputs, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"start_s": start_s, "gen_s": gen_s, "tokens": tokens}), flush=True)
+    result = {"start_s": start_s, "gen_s": gen_s, "tokens": tokens}
+    print("RESULT " + json.dumps(result), flush=True)
 """)
 
 
@@ -113,18 +115,20 @@ def offline(args) -> None:
             side: _offline_side(side, python, args, prompts_file, model) for side, python in sides
         }
     print(
-        f"\n== offline: {args.num_prompts} prompts of 128-512 random tokens -> {args.output_len} tokens "
-        f"(cores {args.cores or 'all'}) =="
+        f"\n== offline: {args.num_prompts} prompts of 128-512 random tokens -> {args.output_len} "
+        f"tokens (cores {args.cores or 'all'}) =="
     )
     for side, r in results.items():
         print(
-            f"{side:8s} dtype {r['dtype']:8s} start {r['start_s']:6.1f} s, generate {r['gen_s']:7.1f} s, "
+            f"{side:8s} dtype {r['dtype']:8s} start {r['start_s']:6.1f} s, generate "
+            f"{r['gen_s']:7.1f} s, "
             f"{r['tokens'] / r['gen_s']:7.1f} output tok/s"
         )
     if "vllm" in results:
         p, v = results["pdserve"], results["vllm"]
         print(
-            f"ratio pdserve/vLLM: {(p['tokens'] / p['gen_s']) / (v['tokens'] / v['gen_s']):.2f}x output tok/s, "
+            f"ratio pdserve/vLLM: {(p['tokens'] / p['gen_s']) / (v['tokens'] / v['gen_s']):.2f}x "
+            "output tok/s, "
             f"start-up {p['start_s']:.1f} s vs {v['start_s']:.1f} s"
         )
 
@@ -309,7 +313,8 @@ class Metrics(NamedTuple):
 
     def line(self) -> str:
         return (
-            f"TTFT p50/p99 {self.ttft_p50:6.0f} / {self.ttft_p99:6.0f} ms, ITL p50/p99 {self.itl_p50:5.0f} / "
+            f"TTFT p50/p99 {self.ttft_p50:6.0f} / {self.ttft_p99:6.0f} ms, ITL p50/p99 "
+            f"{self.itl_p50:5.0f} / "
             f"{self.itl_p99:5.0f} ms, {self.req_s:.2f} req/s, goodput {self.goodput:.2f} req/s"
         )
 
@@ -349,7 +354,8 @@ def summary(
     results: dict[tuple[str, float], list[Metrics]], sides: list[str], rates: list[float]
 ) -> list[str]:
     """Per rate and side, the median over its rounds; with a "vllm" side, each other side's ratios
-    of those medians to vLLM's and, to show the spread, its per-round TTFT p99 and ITL p99 ratios."""
+    of those medians to vLLM's and, to show the spread, its per-round TTFT p99 and ITL p99
+    ratios."""
     lines = [
         f"{side:14s} rate {rate:4.1f}/s: {median(results[side, rate]).line()}"
         for rate in rates
@@ -366,8 +372,9 @@ def summary(
                 list(map(ratio, results[side, rate], v)),
             )
             lines.append(
-                f"{side:14s} rate {rate:4.1f}/s: TTFT p50 {r.ttft_p50:.2f}x p99 {r.ttft_p99:.2f}x, ITL p50 "
-                f"{r.itl_p50:.2f}x p99 {r.itl_p99:.2f}x, req/s {r.req_s:.2f}x, goodput {r.goodput:.2f}x"
+                f"{side:14s} rate {rate:4.1f}/s: TTFT p50 {r.ttft_p50:.2f}x p99 {r.ttft_p99:.2f}x, "
+                f"ITL p50 {r.itl_p50:.2f}x p99 {r.itl_p99:.2f}x, req/s {r.req_s:.2f}x, "
+                f"goodput {r.goodput:.2f}x"
                 f"; per round TTFT p99 {' '.join(f'{x.ttft_p99:.2f}x' for x in rounds)}, "
                 f"ITL p99 {' '.join(f'{x.itl_p99:.2f}x' for x in rounds)}"
             )
@@ -408,9 +415,10 @@ def serve(args) -> None:
                 flush=True,
             )
     print(
-        f"\n== served: random 256 -> 64 tokens, {args.num_prompts} requests per run, SLO TTFT <= 2 s "
-        f"and every gap <= 250 ms (cores {args.cores or 'all'}; pdserve: `pdserve up`'s defaults"
-        f"{' + planner' if args.planner else ''}); median of {args.repeats} rounds per rate, sides alternating =="
+        f"\n== served: random 256 -> 64 tokens, {args.num_prompts} requests per run, "
+        f"SLO TTFT <= 2 s and every gap <= 250 ms (cores {args.cores or 'all'}; "
+        f"pdserve: `pdserve up`'s defaults{' + planner' if args.planner else ''}); "
+        f"median of {args.repeats} rounds per rate, sides alternating =="
     )
     print("\n".join(summary(results, list(starters), rates)))
     print(f"raw results: {work}")

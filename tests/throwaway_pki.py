@@ -1,7 +1,7 @@
 """A throwaway certificate authority for tests and benchmarks of the gRPC mutual TLS
 (cluster/grpc_security.py), made with the `openssl` command line: a CA and one certificate
-(for `localhost` / `127.0.0.1` by default) that a process presents both as server and as client (as every
-process of one `pdserve up` does). Valid for one day; never for a real cluster."""
+(for `localhost` / `127.0.0.1` by default) that a process presents both as server and as client
+(as every process of one `pdserve up` does). Valid for one day; never for a real cluster."""
 
 from __future__ import annotations
 

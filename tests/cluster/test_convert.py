@@ -46,7 +46,8 @@ def test_plain_sampling_round_trips():
         S(json_object=True),
         S(json=json.dumps(SCHEMA), disable_any_whitespace=True),
         S(
-            structural_tag='{"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}'
+            structural_tag='{"type": "structural_tag", "format": '
+            '{"type": "const_string", "value": "x"}}'
         ),
         S(regex="a", disable_additional_properties=True, disable_fallback=True),
         S(choice=("yes", "no"), reasoning_start=(151667,), reasoning_end=(198, 151668)),

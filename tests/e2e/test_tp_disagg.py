@@ -7,8 +7,8 @@ one choice each time:
   2. B prefill (tp 1) -> A decode (tp 2)       (C, tp 2, joins as decode meanwhile)
   3. C prefill (tp 2) -> A / C decode (tp 2)   (B stopped)
   4. A and C both decode (no prefill pool): a greedy stream on one of them loses a rank
-     (SIGKILL) while it runs the request; the worker exits, the router migrates the request to the other,
-     and the client's text is the single engine's.
+     (SIGKILL) while it runs the request; the worker exits, the router migrates the request to the
+     other, and the client's text is the single engine's.
 
 Every phase: greedy tokens and logprobs equal a single engine's at tp 1, the decode worker
 counted remote prefills (KV really moved), every block of every worker free afterwards; a

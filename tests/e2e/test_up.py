@@ -136,9 +136,9 @@ def test_up_serves_scales_survives_a_kill_and_leaves_nothing(tmp_path):
                 .decode()
             )
             served = [
-                l
-                for l in metrics.splitlines()
-                if l.startswith("pdserve_worker_generation_tokens_total")
+                line
+                for line in metrics.splitlines()
+                if line.startswith("pdserve_worker_generation_tokens_total")
             ]
             if served and float(served[0].split()[-1]) > 0:
                 break

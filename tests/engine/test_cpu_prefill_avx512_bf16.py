@@ -19,12 +19,17 @@ AVX512_BF16_HOST = {
 
 pytestmark = pytest.mark.skipif(
     not cpu_has("amx_bf16", "amx_tile", "avx512_bf16") or not cpu_kernels.load(),
-    reason="needs an AMX host with a C++ toolchain (an AVX512-BF16 host without AMX tests this natively)",
+    reason="needs an AMX host with a C++ toolchain "
+    "(an AVX512-BF16 host without AMX tests this natively)",
 )
 
 
 def test_prefill_kernel_on_an_avx512_bf16_host():
-    script = "from engine import cpu_kernels; import torch\nassert cpu_kernels.load()\nprint(torch.ops.pdserve_cpu.prefill_isa())"
+    script = (
+        "from engine import cpu_kernels; import torch\n"
+        "assert cpu_kernels.load()\n"
+        "print(torch.ops.pdserve_cpu.prefill_isa())"
+    )
     probe = run_as(AVX512_BF16_HOST, ["-c", script], timeout=300)
     assert probe.returncode == 0, probe.stderr[-3000:]
     assert probe.stdout.split() == ["avx512_bf16"]

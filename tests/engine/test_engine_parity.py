@@ -58,7 +58,10 @@ def _hf_greedy(hf_model, token_ids):
             return_dict_in_generate=True,
         )
     tokens = out.sequences[0, len(token_ids) :].tolist()
-    logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+    logprobs = [
+        torch.log_softmax(step_logits[0].float(), -1)[t].item()
+        for step_logits, t in zip(out.logits, tokens)
+    ]
     return tokens, logprobs
 
 

@@ -25,7 +25,9 @@ def _greedy(llm, prompts=PROMPTS):
 _SLEEP_RSS = """
 import sys
 from engine import LLM
-llm = LLM(sys.argv[1], num_layers=2, dtype="float32", enable_sleep_mode=True, kv_cache_memory=256 << 20)
+llm = LLM(
+    sys.argv[1], num_layers=2, dtype="float32", enable_sleep_mode=True, kv_cache_memory=256 << 20
+)
 llm.engine.kv_cache.fill_(0)  # every page resident
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss()

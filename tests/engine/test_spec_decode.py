@@ -18,7 +18,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 SELF_DRAFT = {"method": "draft_model", "model": "self:2", "num_speculative_tokens": 3}
 DRAFT_LAYERS = 2  # the separate draft model: cheaper than the target, as drafts are meant to be
 REPEATING = [
-    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The "
+    "quick",
     "Copy this list: red, green, blue, yellow, purple, orange. Again: red, green, blue,",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
 ]

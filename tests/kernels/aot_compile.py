@@ -260,7 +260,8 @@ def main(argv=None) -> int:
         }
         dtype = signature[params[0]] if params else ""
         print(
-            f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} shared={compiled.metadata.shared} "
+            f"sm_{args.arch} {fn.__name__:24s} {dtype:6s} {shown} "
+            f"shared={compiled.metadata.shared} "
             f"{_resource_usage(compiled.asm['cubin'])} ({time.perf_counter() - start:.1f} s)",
             flush=True,
         )

@@ -1,4 +1,5 @@
-"""lora_shrink (Triton) == lora_shrink_reference (torch) == a per-token loop of a_stack[slot] @ x[t]."""
+"""lora_shrink (Triton) == lora_shrink_reference (torch) == a per-token loop of
+a_stack[slot] @ x[t]."""
 
 import pytest
 import torch

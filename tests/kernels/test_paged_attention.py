@@ -1,5 +1,6 @@
 """paged_attention (Triton) == paged_attention_reference (torch) == dense causal attention, also
-over quantized pools (fp8 e4m3/e5m2, int8): there against dense attention over the dequantized K/V."""
+over quantized pools (fp8 e4m3/e5m2, int8): there against dense attention over the dequantized
+K/V."""
 
 import dataclasses
 import importlib

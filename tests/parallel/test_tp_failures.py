@@ -68,7 +68,9 @@ DRIVER = textwrap.dedent("""
               kv_cache_memory=8 << 20)
     print("ranks", *llm.engine.parallel_group.pids, flush=True)
     while True:
-        llm.generate(["Hi there, tell me a long story"], SamplingParams(max_tokens=32), use_tqdm=False)
+        llm.generate(
+            ["Hi there, tell me a long story"], SamplingParams(max_tokens=32), use_tqdm=False
+        )
 """)
 
 

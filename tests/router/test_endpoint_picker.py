@@ -242,8 +242,8 @@ def test_health_and_decision_latency(gw):
         f"\next_proc decision (client round trip) p50 {q(through, 50):.3f} ms "
         f"p99 {q(through, 99):.3f} ms; EndpointPicker.pick (parse, tokenize, place) p50 "
         f"{q(inside, 50):.3f} ms p99 {q(inside, 99):.3f} ms; the same for a chat request "
-        f"p50 {q(chat, 50):.3f} ms p99 {q(chat, 99):.3f} ms; placer.place p50 {q(direct, 50):.3f} ms "
-        f"p99 {q(direct, 99):.3f} ms"
+        f"p50 {q(chat, 50):.3f} ms p99 {q(chat, 99):.3f} ms; placer.place p50 {q(direct, 50):.3f} "
+        f"ms p99 {q(direct, 99):.3f} ms"
     )
     assert q(through, 50) < 100  # a loose bound: 2 shared cores
 

@@ -88,15 +88,10 @@ def test_restart_rebuilds_from_etcd_and_ignores_other_models(etcd, bg, cluster_n
 def test_registry_replace_all_and_key_parsing():
     async def main():
         registry = WorkerRegistry()
-        info = lambda wid, addr="a:1": WorkerInfo(
-            wid,
-            "decode",
-            addr,
-            "m",
-            "c",
-            16,  # noqa: E731
-            capacity=Capacity(total_blocks=1),
-        )
+
+        def info(wid, addr="a:1"):
+            return WorkerInfo(wid, "decode", addr, "m", "c", 16, capacity=Capacity(total_blocks=1))
+
         registry.replace_all([info("a"), info("b")])
         registry.replace_all([info("b", "b:2")])  # a gone; b restarted at another address
         assert [(w.info.worker_id, w.info.grpc_address) for w in registry.all()] == [("b", "b:2")]

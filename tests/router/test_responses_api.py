@@ -107,11 +107,14 @@ def test_function_calls_and_their_outputs():
             {"type": "function_call", "call_id": "call_c", "name": "time", "arguments": "{}"},
         ]
     )
-    call = lambda i, c: {
-        "id": i,
-        "type": "function",
-        "function": {"name": "weather", "arguments": f'{{"c":"{c}"}}'},
-    }
+
+    def call(i, c):
+        return {
+            "id": i,
+            "type": "function",
+            "function": {"name": "weather", "arguments": f'{{"c":"{c}"}}'},
+        }
+
     assert chat["messages"] == [
         {"role": "user", "content": "weather in Paris and Rome?"},
         {
@@ -451,7 +454,10 @@ def test_items_are_the_same_without_events():
     for d in deltas:
         quiet.add(d)
     quiet.close()
-    strip = lambda items: [{k: v for k, v in i.items() if k != "id"} for i in items]
+
+    def strip(items):
+        return [{k: v for k, v in i.items() if k != "id"} for i in items]
+
     assert quiet.events == [] and strip(quiet.output()) == strip(run_writer(deltas).output())
 
 

@@ -387,9 +387,15 @@ def test_auto_reasoning_text_and_calls_in_the_models_format(cluster, http, say):
     assert whole.status == "completed" and whole.usage.output_tokens_details.reasoning_tokens > 0
     events = stream(http, body)
     final = ResponsesResponse.model_validate(events[-1][1]["response"])
-    strip = lambda r: [i.model_dump(exclude={"id", "call_id"}) for i in r.output]
+
+    def strip(r):
+        return [i.model_dump(exclude={"id", "call_id"}) for i in r.output]
+
     assert strip(final) == strip(whole) and final.usage == whole.usage
-    text = lambda kind: "".join(d["delta"] for n, d in events if n == f"response.{kind}.delta")
+
+    def text(kind):
+        return "".join(d["delta"] for n, d in events if n == f"response.{kind}.delta")
+
     assert text("reasoning_text") == "Two cities." and text("output_text") == "Let me check. "
     # the turn sent back: reasoning, text and calls are one assistant message
     assert output_messages([i.model_dump() for i in whole.output]) == [

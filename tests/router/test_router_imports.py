@@ -96,7 +96,8 @@ print(json.dumps([m for m in ("torch", "triton", "xgrammar", "numpy") if m in sy
 def test_router_process_loads_no_torch():
     """What `pdserve router` imports before it serves — the CLI, the model card of the
     default model (tokenizer, chat template), the services and the app — loads neither
-    torch, triton nor xgrammar (grammars compile in a child process): a router is light (import time and RSS in docs/architecture.md)."""
+    torch, triton nor xgrammar (grammars compile in a child process): a router is light (import
+    time and RSS in docs/architecture.md)."""
     import json
     import subprocess
     import sys

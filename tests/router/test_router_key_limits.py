@@ -1,10 +1,11 @@
 """Per-API-key limits through the router's HTTP surface (router/http/key_limits.py, wired in
 router/http/middleware.py): a key at its concurrency limit gets a 429 (OpenAI's body,
-`rate_limit_exceeded`, Retry-After) while another key and the admin key are served; a stream's slot is freed when
-it ends and when its client disconnects; a refused request (429 or 400) holds no slot and
-spends no tokens; a request's tokens are reserved and reconciled with what it generated; the
-flags need API keys; a request the cluster failed before a token is not charged. A real uvicorn server on loopback (lifespan off: no etcd) over a
-stand-in for the dispatcher whose calls the tests hold open."""
+`rate_limit_exceeded`, Retry-After) while another key and the admin key are served; a stream's
+slot is freed when it ends and when its client disconnects; a refused request (429 or 400) holds
+no slot and spends no tokens; a request's tokens are reserved and reconciled with what it
+generated; the flags need API keys; a request the cluster failed before a token is not charged.
+A real uvicorn server on loopback (lifespan off: no etcd) over a stand-in for the dispatcher
+whose calls the tests hold open."""
 
 import asyncio
 from contextlib import asynccontextmanager

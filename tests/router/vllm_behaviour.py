@@ -4,9 +4,9 @@ server docs and `vllm/entrypoints/openai/protocol.py`: field defaults, validator
 models). test_vllm_differential.py replays every case against a real pdserve cluster
 through the official `openai` client.
 
-A case's body may name tokens through `Vocab` (ids from the served tokenizer); `expect` maps a dotted path
-into the JSON response to a value or a predicate. Every request is greedy and small, so the
-table runs in seconds on the 2-layer test cluster.
+A case's body may name tokens through `Vocab` (ids from the served tokenizer); `expect` maps a
+dotted path into the JSON response to a value or a predicate. Every request is greedy and small,
+so the table runs in seconds on the 2-layer test cluster.
 """
 
 from __future__ import annotations

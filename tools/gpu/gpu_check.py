@@ -94,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
-    """--model; else random weights (from --random-from or .gpu_bundle/model); else the bundled model."""
+    """--model; else random weights (from --random-from or .gpu_bundle/model); else the bundled
+    model."""
     if args.model:
         return Path(args.model) if args.model != "default" else _default_model()
     source = args.random_from or (
@@ -180,7 +181,8 @@ def kv_transfer(out: Path, device, copy_gbps: float, dry_run: bool, timeout: flo
     ]
     for r in summary:
         print(
-            f"  {r['block_tokens']:4d}-token blocks {r['total_mib']:4d} MiB: NIXL {r['nixl_gbps']:8.2f} GB/s"
+            f"  {r['block_tokens']:4d}-token blocks {r['total_mib']:4d} MiB: NIXL "
+            f"{r['nixl_gbps']:8.2f} GB/s"
             f" = {r['fraction_of_device_copy']:6.1%} of the device copy ({copy_once:.0f} GB/s)",
             flush=True,
         )
@@ -240,7 +242,8 @@ def summary(report: dict) -> str:
         return value if isinstance(value, dict) else {}
 
     lines = [
-        f"summary ({report.get('device')}, torch {report.get('torch')}, triton {report.get('triton')}):",
+        f"summary ({report.get('device')}, torch {report.get('torch')}, triton "
+        f"{report.get('triton')}):",
         f"- gpu tests: {section('pytest').get('summary', report.get('pytest'))}",
     ]
     decode = report.get("decode") if isinstance(report.get("decode"), list) else []

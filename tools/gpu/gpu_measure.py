@@ -185,8 +185,10 @@ def decode_bandwidth(device, dtype, timer, copy_gbps: float, dry_run: bool) -> l
                 else f" | replayed {replayed:7.3f} ms = {replayed_share:6.1%}"
             )
             print(
-                f"  decode batch={batch:4d} ctx={context:6d} {name:12s} partitions={plan.num_partitions:3d} "
-                f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of copy{graph_text}",
+                f"  decode batch={batch:4d} ctx={context:6d} {name:12s} "
+                f"partitions={plan.num_partitions:3d} "
+                f"{ms:9.3f} ms  KV read {gbps:8.1f} GB/s  = {gbps / copy_gbps:6.1%} of "
+                f"copy{graph_text}",
                 flush=True,
             )
         first, *others = outputs.values()
