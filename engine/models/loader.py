@@ -124,4 +124,7 @@ def _sharded(model_cls: type, config: dict, shard: TPShard, weights):
         args = shard_args(full, shard)
     except ValueError as exc:
         raise ModelFileError(f"{architecture_of(config)}: {exc}") from exc
-    return model_cls(args), slice_weights(weights, full, shard)  # (args.tp is shard)
+    # args.tp, not `shard`: shard_args fills in the model's sizes (heads, vocabulary) that
+    # the slices are cut by.
+    assert args.tp is not None
+    return model_cls(args), slice_weights(weights, full, args.tp)
