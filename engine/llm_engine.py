@@ -410,9 +410,8 @@ class LLMEngine:
         """One step, one way: schedule -> (draft) -> execute -> update_from_output. What
         each part learns travels in the step's input and outputs (SchedulerOutput, with
         the proposer's drafts; RunnerOutput, with the runner's time)."""
-        with (
-            self.block_manager.pool.copies_batched()
-        ):  # the step's tier copies: one gathered each way
+        # The step's tier copies: one gathered each way.
+        with self.block_manager.pool.copies_batched():
             output = self.scheduler.schedule(step)
         self.runner.prepare(output)
         if self.proposer is not None:
