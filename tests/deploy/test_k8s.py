@@ -549,7 +549,7 @@ def test_hpas_scale_each_pool_on_worker_metrics():
     targets = {h["spec"]["scaleTargetRef"]["name"]: h for h in hpas.values()}
     assert set(targets) == set(WORKERS), sorted(targets)
     exported = set(
-        re.findall(r'\("(\w+)",', (K8S.parents[1] / "worker_runtime" / "metrics.py").read_text())
+        re.findall(r'\(\s*"(\w+)",', (K8S.parents[1] / "worker_runtime" / "metrics.py").read_text())
     )
     names = {}
     for role, h in targets.items():
