@@ -74,10 +74,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight 
 
 
 def bf16_packing_supported() -> bool:
-    """Whether oneDNN packs and multiplies bf16 weights on this CPU: it needs AVX-512 (BW, VL,
-    DQ) or AVX-NE-CONVERT; on an AVX2-only CPU `_reorder_linear_weight` raises, and bf16
-    projections stay on F.linear."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether bf16 weights are packed on this CPU: where oneDNN multiplies bf16 natively
+    (AVX512-BF16 or AMX), bit-identically to F.linear at decode rows. On an AVX2-only CPU
+    `_reorder_linear_weight` raises; on AVX-512 without BF16 (emulated) the packed LM head's
+    decode row came out one bf16 rounding away from F.linear's (Intel Xeon, 576 x 49,152),
+    which changed greedy tokens: bf16 projections stay on F.linear there."""
+    from engine.runner.device import cpu_has_native_bf16
+
+    return (
+        torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and cpu_has_native_bf16()
+    )
 
 
 def pack_linears(model: nn.Module, enabled: bool = True) -> bool:

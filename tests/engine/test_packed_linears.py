@@ -17,7 +17,8 @@ from engine.models.layers import (
 )
 
 packing = pytest.mark.skipif(
-    not bf16_packing_supported(), reason="no bf16 oneDNN on this CPU (AVX2)"
+    not bf16_packing_supported(),
+    reason="no native bf16 on this CPU (AVX2, or AVX-512 without BF16)",
 )
 
 
