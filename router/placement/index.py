@@ -68,6 +68,10 @@ class KVIndex:
     def num_blocks(self, worker_id: str) -> int:
         return len(self._blocks.get(worker_id, ()))
 
+    def blocks_of(self, worker_id: str) -> dict[BlockHash, int]:
+        """A copy of what the index holds of one worker: block hash -> tier."""
+        return dict(self._blocks.get(worker_id, {}))
+
     def stored(
         self, worker_id: str, hashes: Iterable[BlockHash], tiers: Sequence[int] = ()
     ) -> None:

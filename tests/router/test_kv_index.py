@@ -147,7 +147,7 @@ def test_index_fed_by_a_real_block_manager_predicts_its_prefix_hits():
         predicted = blocks(idx.match(prompt_block_hashes(tokens, BS))).get("w", 0)
         assert predicted * BS == bm.match_prefix(_request("probe", tokens)).num_tokens
     assert len(idx) == len(bm.pool.cached_hashes())
-    assert set(idx._blocks["w"]) == set(bm.pool.cached_hashes())
+    assert set(idx.blocks_of("w")) == set(bm.pool.cached_hashes())
 
 
 def test_a_block_moving_between_pool_and_tier_keeps_its_holder_and_counts_its_tier():

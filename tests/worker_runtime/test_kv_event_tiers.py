@@ -56,13 +56,13 @@ def test_index_follows_demotions_promotions_and_tier_evictions():
         )
         _apply(index, kv_event_batch(events))
         truth = _truth(bm)
-        assert index._blocks["w"] == truth
+        assert index.blocks_of("w") == truth
         snapshot = pb.CachedBlocksResponse.FromString(
             kv_snapshot(*bm.pool.held_hashes()).SerializeToString()
         )
         rebuilt = KVIndex()
         rebuilt.reset("w", snapshot.block_hashes, snapshot.tiers)
-        assert rebuilt._blocks["w"] == truth
+        assert rebuilt.blocks_of("w") == truth
     assert saw_tier and saw_promotion and bm.pool.tier.stats.evictions  # every path was taken
     assert (
         bm.pool.tier.copy_times.load_s > 0
