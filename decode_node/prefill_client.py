@@ -71,8 +71,8 @@ class PrefillClient:
     ) -> RemoteResult:
         """Run the prompt on prefill worker `worker` (which first pulls what `source`
         holds); returns once the request runs here or
-        the prompt must be prefilled locally. Raises TimeoutError when the KV missed its
-        deadline, Unavailable when P failed and --strict-remote-prefill is set."""
+        the prompt must be prefilled locally. Raises TimeoutError when P went silent for
+        `kv_timeout_s`, Unavailable when P failed and --strict-remote-prefill is set."""
         ctx, rid = self.ctx, req.request_id
         done: asyncio.Future[None] = ctx.create_future()
         tid = f"push:{rid}:{next(self._attempts)}"
@@ -80,7 +80,10 @@ class PrefillClient:
         stub = pb_grpc.PrefillWorkerStub(self._channels.get(worker.address))
         # P starts on the prompt now; the block ids follow once the request is parked here
         # (an engine step boundary away), so the parking wait is off the critical path.
-        call = stub.Prefill(self._prefill_request(req, tid, source), timeout=kv_timeout_s)
+        # No deadline on the call: a long prompt takes what it takes. The transfer fails
+        # after `kv_timeout_s` without a word from P (its keepalives or blocks), and a dead
+        # P's channel fails the call (gRPC keepalive).
+        call = stub.Prefill(self._prefill_request(req, tid, source))
         try:
             attempt = await ctx.call(
                 lambda e: self.remote.start(e, req, tid, done, kv_timeout_s), cancellable=False
@@ -97,10 +100,13 @@ class PrefillClient:
             await stub.SetDestination(
                 self._destination(req, tid, attempt.block_ids), timeout=kv_timeout_s
             )
-            response = await call
+            response = await _answer_or_kv_failure(call, done)
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             return await self._failed(req, worker, tid, done, exc)
+        except (TimeoutError, Unavailable) as exc:  # the KV failed while P's call was open
+            call.cancel()
+            return self._kv_failed(req, worker, tid, exc)
         except BaseException:  # cancelled: the caller went away, or Worker.Abort
             call.cancel()
             self._confirm_stopped(worker, rid, tid, Unavailable(f"request {rid} was cancelled"))
@@ -164,11 +170,25 @@ class PrefillClient:
             done.done() and isinstance(done.exception(), TimeoutError)
         ):
             raise TimeoutError(
-                f"KV for request {rid} did not arrive within {ctx.kv_timeout_s:g}s"
+                f"KV for request {rid} stopped arriving: nothing from the prefill worker "
+                f"for {ctx.kv_timeout_s:g}s"
             ) from None
         if ctx.strict_remote_prefill:
             raise failure
         log.warning("%s; prefilling %s locally", failure, rid)
+        return RemoteResult(PrefillPath.LOCAL_FALLBACK)
+
+    def _kv_failed(
+        self, req: Request, worker: pb.WorkerRef, tid: str, exc: TimeoutError | Unavailable
+    ) -> RemoteResult:
+        """The receiver failed the attempt (P went silent for `kv_timeout_s`, or a
+        notification contradicted what we expect) before P answered: its blocks wait for
+        P's word; a timeout fails the request clearly, anything else falls back to local
+        prefill as a failed call does."""
+        self._confirm_stopped(worker, req.request_id, tid, exc)
+        if isinstance(exc, TimeoutError) or self.ctx.strict_remote_prefill:
+            raise exc
+        log.warning("%s; prefilling %s locally", exc, req.request_id)
         return RemoteResult(PrefillPath.LOCAL_FALLBACK)
 
     def _confirm_stopped(
@@ -188,6 +208,26 @@ class PrefillClient:
         ctx = self.ctx
         await confirm_stopped(self._channels.get(worker.address), request_id, ctx.kv_timeout_s)
         await ctx.call(lambda e: self.remote.writes_stopped(e, transfer_id, exc), cancellable=False)
+
+
+async def _answer_or_kv_failure(
+    call: grpc.aio.UnaryUnaryCall, done: asyncio.Future[None]
+) -> pb.PrefillResponse:
+    """P's answer — or, if the attempt fails here first (`done` settled with an error: the
+    receiver's progress window passed, or a bad notification), that error. `done` never
+    succeeds before the answer (RUNNING needs P's first token). The caller cancels `call`."""
+    answer = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((answer, done), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        answer.cancel()
+        raise
+    if answer.done():
+        return answer.result()
+    answer.cancel()
+    exc = done.exception()
+    assert exc is not None, "the attempt settles without an error only after P's answer"
+    raise exc
 
 
 def _for_prefill(req: Request) -> SamplingParams:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -145,9 +144,9 @@ class RemotePrefills:
             return None
         attempt = RemotePrefill(request.request_id, transfer_id, block_ids, done)
         try:
-            self._receiver.expect(
-                attempt.transfer_id, block_ids, deadline=time.monotonic() + kv_timeout_s
-            )
+            # The KV may take as long as P needs to compute the prompt: it fails only after
+            # `kv_timeout_s` without a word from P (kvtransfer/base.py: idle_s).
+            self._receiver.expect(attempt.transfer_id, block_ids, idle_s=kv_timeout_s)
         except Exception:
             engine.abort_request(request.request_id)
             raise
@@ -169,6 +168,9 @@ class RemotePrefills:
 
     def first_token(self, engine: LLMEngine, transfer_id: str, token: SampledToken) -> None:
         """P's call returned `token`: every write of the transfer has completed."""
+        # P answers once its writes completed: their notification is here or about to be.
+        # Taking it now runs the request in this very step rather than after the next one.
+        self.poll_kv(engine)
         attempt = self._attempts.get(transfer_id)
         if attempt is None:
             return
@@ -234,8 +236,8 @@ class RemotePrefills:
 def _kv_failure(attempt: RemotePrefill, result: TransferResult) -> Exception:
     if result.status is TransferStatus.TIMEOUT:
         return TimeoutError(
-            f"KV for request {attempt.request_id} did not arrive: timeout after "
-            f"{result.elapsed_s:.1f}s ({result.num_blocks} blocks landed) {result.error}"
+            f"KV for request {attempt.request_id} did not arrive: {result.error} "
+            f"({result.elapsed_s:.1f}s after it was expected)"
         )
     return Unavailable(
         f"KV transfer for request {attempt.request_id} failed: "

@@ -30,7 +30,13 @@ Contract shared by every implementation:
 * Programming errors raise at the call (see `kvtransfer.errors`) and leave no state behind.
 * Request ids are transfer-attempt ids: an id that is in flight, or finished among the last
   `KVTransferConfig.recent_ids`, is refused with DuplicateRequestError. Retry with a new id.
-* Deadlines are absolute `time.monotonic()` values of the calling process.
+* Deadlines are absolute `time.monotonic()` values of the calling process. A request may
+  instead follow its progress (`idle_s`): it fails only after `idle_s` seconds in which
+  nothing moved — no notification reached the receiver; no posted write of the sender
+  completed. While its request is open and not final, a sender keeps the receiver's window
+  open with a keepalive notification every `heartbeat_interval(idle_s)` seconds, so a long
+  prompt computed on a slow prefill worker never misses a fixed deadline, and a sender
+  process that died stops the heartbeats and fails the transfer within `idle_s`.
 * Implementations are safe to call from several threads (one internal lock), but are
   designed for one caller: the worker's engine loop.
 """
@@ -100,6 +106,18 @@ class KVTransferConfig:
     """NIXL backend plugins to instantiate."""
     nixl_progress_thread: bool = False
     """NIXL's own progress thread; it spins without delay, so off by default (worker polls)."""
+    heartbeat_s: float = 1.0  # kept equal to DEFAULT_HEARTBEAT_S
+    """Longest gap between a sender's keepalive notifications for a request open with
+    `idle_s` (shorter for short windows: `heartbeat_interval`)."""
+
+
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+def heartbeat_interval(idle_s: float, heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> float:
+    """Seconds between keepalives of a sender whose receiver fails it after `idle_s` of
+    silence: at most a quarter of the window, so one late keepalive never fails it."""
+    return min(heartbeat_s, idle_s / 4)
 
 
 class KVSender(ABC):
@@ -126,13 +144,18 @@ class KVSender(ABC):
         *,
         final: bool,
         deadline: float | None = None,
+        idle_s: float | None = None,
     ) -> None:
         """Post one batch of writes, asynchronously.
 
         `pairs` are (local block id, remote block id); each remote block at most once per
         request. The batch's notification tells the receiver which remote blocks landed; the
         final batch's notification also carries the request's total block count (it may
-        have no pairs). `deadline` is taken from the first batch only. Raises UnknownPeerError,
+        have no pairs); a batch with no pairs that is not final opens the request (its
+        notification tells the receiver the sender is there) and moves nothing.
+        `deadline` and `idle_s` are taken from the first batch only: with `idle_s`, the
+        request fails only when a posted write makes no progress for `idle_s` seconds, and
+        keepalives go out while it is open (module docstring). Raises UnknownPeerError,
         BlockRangeError, DuplicateRequestError (id finished recently) or RequestStateError
         (batch after the final one) without posting anything. A batch for a request that has
         already failed but was not yet reported is ignored.
@@ -185,9 +208,13 @@ class KVReceiver(ABC):
         *,
         deadline: float | None = None,
         peer: str | None = None,
+        idle_s: float | None = None,
     ) -> None:
         """Register that `request_id` will write into `block_ids` of our pool.
 
+        With `idle_s` the request times out only after `idle_s` seconds without a
+        notification from its sender (keepalives included), or at `deadline` if one is
+        given as well; else at `deadline` (default: the config's `default_timeout_s`).
         Must be called before the sender is told the block ids. `peer` (optional) binds the
         request to one sender agent. Raises BlockRangeError for ids outside the pool, repeated
         ids, or ids already expected by another pending request; DuplicateRequestError for an

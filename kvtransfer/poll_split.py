@@ -112,8 +112,11 @@ class _SenderView(_View, KVSender):
         *,
         final: bool,
         deadline: float | None = None,
+        idle_s: float | None = None,
     ) -> None:
-        self._split.source.send(request_id, peer, pairs, final=final, deadline=deadline)
+        self._split.source.send(
+            request_id, peer, pairs, final=final, deadline=deadline, idle_s=idle_s
+        )
         self._split.started()
 
     def poll(self) -> list[TransferResult]:
@@ -149,8 +152,11 @@ class _ReceiverView(_View, KVReceiver):
         *,
         deadline: float | None = None,
         peer: str | None = None,
+        idle_s: float | None = None,
     ) -> None:
-        self._split.source.expect(request_id, block_ids, deadline=deadline, peer=peer)
+        self._split.source.expect(
+            request_id, block_ids, deadline=deadline, peer=peer, idle_s=idle_s
+        )
         self._split.started()
 
     def poll(self) -> list[TransferResult]:

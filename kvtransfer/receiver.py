@@ -1,8 +1,10 @@
 """The receiving side of a request: which expected blocks of our pool have landed.
 
 Life cycle of a request here: `expect` reserves its block ids (no other pending request may
-expect them) and fixes its deadline; each batch notification, which the transport delivers
-only after that batch's data, marks blocks landed; the final notification announces the total.
+expect them) and fixes its deadline — or, with `idle_s`, a deadline that every notification
+of its sender (a batch or a keepalive) moves to `idle_s` after it; each batch notification,
+which the transport delivers only after that batch's data, marks blocks landed; the final
+notification announces the total.
 COMPLETE needs every expected block landed and a final total equal to the expected count.
 A notification that contradicts the expectation fails the request with ERROR; the deadline
 fails it with TIMEOUT; `cancel` with CANCELLED. Once reported by `poll`, the request's block
@@ -33,6 +35,10 @@ class _Request:
     deadline: float
     started_at: float
     peer: str | None
+    idle_s: float | None = None
+    """Progress window: each notification moves the deadline to `idle_s` after it."""
+    cap: float = float("inf")
+    """An absolute deadline given beside `idle_s`: progress never moves the deadline past it."""
     landed: set[int] = field(default_factory=set)
     total: int | None = None
     """Announced by the final notification."""
@@ -59,6 +65,7 @@ class Receiver(KVReceiver):
         *,
         deadline: float | None = None,
         peer: str | None = None,
+        idle_s: float | None = None,
     ) -> None:
         with self._b.lock:
             ids = unique_block_ids(block_ids, self._b.metadata().num_blocks, "expected block ids")
@@ -73,10 +80,15 @@ class Receiver(KVReceiver):
                 raise BlockRangeError(
                     f"blocks {taken[:8]} are already expected by request {self._owner[taken[0]]!r}"
                 )
+            if idle_s is not None and not idle_s > 0:
+                raise RequestStateError(f"idle_s must be > 0, not {idle_s!r}")
             now = time.monotonic()
-            if deadline is None:
+            cap = float("inf") if deadline is None or idle_s is None else deadline
+            if idle_s is not None:
+                deadline = min(now + idle_s, cap)
+            elif deadline is None:
                 deadline = now + self._b.config.default_timeout_s
-            req = _Request(request_id, frozenset(ids.tolist()), deadline, now, peer)
+            req = _Request(request_id, frozenset(ids.tolist()), deadline, now, peer, idle_s, cap)
             self._requests[request_id] = req
             for b in req.expected:
                 self._owner[b] = request_id
@@ -94,7 +106,11 @@ class Receiver(KVReceiver):
                         TransferStatus.TIMEOUT,
                         f"{len(req.landed)}/{len(req.expected)} blocks landed"
                         f"{'' if req.total is None else ', final notification seen'}"
-                        " by the deadline",
+                        + (
+                            " by the deadline"
+                            if req.idle_s is None or req.deadline >= req.cap
+                            else f", then nothing from the sender for {req.idle_s:g}s"
+                        ),
                     )
             return self._collect()
 
@@ -137,6 +153,8 @@ class Receiver(KVReceiver):
             self._finish(req, TransferStatus.ERROR, problem)
             return
         req.peer = agent
+        if req.idle_s is not None:  # the sender is there and moving: the window restarts
+            req.deadline = min(time.monotonic() + req.idle_s, req.cap)
         req.landed.update(notice.blocks)
         if notice.blocks:
             self.metrics.record_batch(

@@ -1,7 +1,12 @@
 """The sending side of a request: batches of block writes into one peer's pool.
 
-Life cycle of a request here: the first `send` opens it (deadline fixed then); each `send`
-validates its pairs, then posts one write of all of them carrying the batch notification;
+Life cycle of a request here: the first `send` opens it (deadline fixed then — or, with
+`idle_s`, a window that every posted or completed write restarts, and that runs only while a
+write is outstanding: the sender's own engine computing the next chunk is not a stalled
+transfer); each `send` validates its pairs, then posts one write of all of them carrying the
+batch notification (a non-final batch without pairs only notifies: the request is open);
+while a request with `idle_s` is open and not final, `poll` sends the receiver a keepalive
+notification every `heartbeat_interval(idle_s)` seconds;
 `poll` checks the posted writes, releasing each handle as it completes; when the final batch
 has been posted and every write completed the request is COMPLETE. A failed write, a
 disconnected peer, the deadline or `cancel` ends it early: its remaining handles are released
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.base import KVSender, TransferResult, TransferStatus
+from kvtransfer.base import KVSender, TransferResult, TransferStatus, heartbeat_interval
 from kvtransfer.errors import BlockRangeError, DuplicateRequestError, RequestStateError
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.protocol import BatchNotice
@@ -39,6 +44,10 @@ class _Request:
     peer: str
     deadline: float
     started_at: float
+    idle_s: float | None = None
+    """Progress window (`KVSender.send`); None: `deadline` is fixed."""
+    noticed_at: float = 0.0
+    """When the receiver was last notified (a batch, or a keepalive)."""
     remote_blocks: set[int] = field(default_factory=set)
     batches: list[_Batch] = field(default_factory=list)
     """Posted writes not yet completed and released."""
@@ -72,6 +81,7 @@ class Sender(KVSender):
         *,
         final: bool,
         deadline: float | None = None,
+        idle_s: float | None = None,
     ) -> None:
         with self._b.lock:
             meta = self._b.peer_meta(peer)
@@ -83,6 +93,8 @@ class Sender(KVSender):
                     raise RequestStateError(f"request id must be a non-empty str: {request_id!r}")
                 if request_id in self._recent:
                     raise DuplicateRequestError(f"request {request_id!r} finished recently")
+                if idle_s is not None and not idle_s > 0:
+                    raise RequestStateError(f"idle_s must be > 0, not {idle_s!r}")
             elif req.peer != peer:
                 raise RequestStateError(
                     f"request {request_id!r} writes to {req.peer!r}, not {peer!r}"
@@ -96,9 +108,11 @@ class Sender(KVSender):
 
             now = time.monotonic()
             if req is None:
-                if deadline is None:
+                if idle_s is not None:
+                    deadline = now + idle_s
+                elif deadline is None:
                     deadline = now + self._b.config.default_timeout_s
-                req = self._requests[request_id] = _Request(request_id, peer, deadline, now)
+                req = self._requests[request_id] = _Request(request_id, peer, deadline, now, idle_s)
             if not self._b.peer_alive(peer):
                 self._finish(req, TransferStatus.ERROR, f"peer {peer!r} is disconnected")
                 return
@@ -107,11 +121,14 @@ class Sender(KVSender):
             notice = BatchNotice(request_id, req.next_seq, tuple(remote_ids), total).encode()
             req.next_seq += 1
             req.final_sent = final
+            req.noticed_at = now
+            if req.idle_s is not None:
+                req.deadline = now + req.idle_s
             try:
                 if remote_ids:
                     handle = self._b.transport.post_write(peer, local, remote, notice, req.deadline)
                     req.batches.append(_Batch(handle, len(remote_ids), now))
-                elif final:
+                else:  # the final count, or the request opened: a notification alone
                     self._b.transport.send_notif(peer, notice)
             except TransportError as e:
                 if not e.disconnected:
@@ -126,6 +143,7 @@ class Sender(KVSender):
             for req in list(self._requests.values()):
                 if not req.status.finished:
                     self._advance(req, now)
+                    self._keep_alive(req, now)
                 elif req.unreleased:
                     req.unreleased = [h for h in req.unreleased if not self._b.transport.release(h)]
             self._zombies = [h for h in self._zombies if not self._b.transport.release(h)]
@@ -177,6 +195,8 @@ class Sender(KVSender):
             elif state is WriteState.DONE:
                 self._release(batch.handle)
                 req.blocks_done += batch.blocks
+                if req.idle_s is not None:
+                    req.deadline = now + req.idle_s
                 self.metrics.record_batch(
                     req.peer, batch.blocks, batch.blocks * block_bytes, now - batch.posted_at
                 )
@@ -187,8 +207,27 @@ class Sender(KVSender):
         req.batches = pending
         if req.final_sent and not pending:
             self._finish(req, TransferStatus.COMPLETE)
-        elif now >= req.deadline:
+        elif req.idle_s is None and now >= req.deadline:
             self._finish(req, TransferStatus.TIMEOUT, "writes not complete by the deadline")
+        elif pending and now >= req.deadline:  # idle_s: only a write in flight can stall
+            self._finish(req, TransferStatus.TIMEOUT, f"no write completed for {req.idle_s:g}s")
+
+    def _keep_alive(self, req: _Request, now: float) -> None:
+        """Notify the receiver that an open request is still coming (its window restarts)."""
+        if req.idle_s is None or req.final_sent or req.status.finished:
+            return
+        if now - req.noticed_at < heartbeat_interval(req.idle_s, self._b.config.heartbeat_s):
+            return
+        notice = BatchNotice(req.request_id, req.next_seq, ()).encode()
+        req.next_seq += 1
+        req.noticed_at = now
+        try:
+            self._b.transport.send_notif(req.peer, notice)
+        except TransportError as e:
+            if e.disconnected:
+                self._b.mark_peer_dead(req.peer, f"peer {req.peer!r} disconnected: {e}")
+            else:
+                self._finish(req, TransferStatus.ERROR, f"keepalive to {req.peer!r} failed: {e}")
 
     def _finish(self, req: _Request, status: TransferStatus, error: str = "") -> None:
         # Only a failed request has batches left here: writes possibly still in flight.

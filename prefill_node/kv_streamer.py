@@ -48,10 +48,16 @@ class Outgoing:
     )  # per KV group: leading prompt blocks the decode worker does not need
     """dest_blocks and group_skips: None until `set_destination` for a deferred destination."""
     deadline: float
+    """Until when a deferred destination may come."""
+    idle_s: float
+    """The transfer's progress window (`KVSender.send`): it fails only when a write stalls
+    this long; while the prompt computes (or waits here), keepalives tell the decode worker
+    it is coming — however long the prompt takes."""
     on_done: Callable[[TransferResult, SampledToken | None], None]
     """Called once: on the engine thread, or on the progress thread for a complete transfer."""
     sent: int = 0  # prompt blocks handled so far (sent or skipped)
     pinned: list[int] = field(default_factory=list)
+    opened: bool = False  # the sender knows the request: keepalives flow
     final_sent: bool = False
     first_token: SampledToken | None = None  # set when the final batch goes out
     held: bool = False  # finished before its destination came: its prompt blocks are pinned
@@ -157,18 +163,19 @@ class KVStreamer:
                 for i in range(max(out.sent, skip), upto)
             ]
             base += prompt_blocks - skip
-        if not pairs and not final:
-            return
+        if not pairs and not final and out.opened:
+            return  # nothing new; the sender's keepalives say we are computing
         blocks = [local for local, _ in pairs]
         bm.pool.pin(blocks)  # freed-this-step blocks are taken back before any reuse
         out.pinned += blocks
         out.sent = upto
+        out.opened = True
         out.final_sent = final
         if final:
             out.first_token = _first_token(req)
             self._final[out.transfer_id] = out
         try:
-            self.sender.send(out.transfer_id, out.peer, pairs, final=final, deadline=out.deadline)
+            self.sender.send(out.transfer_id, out.peer, pairs, final=final, idle_s=out.idle_s)
         except Exception as exc:  # refused before posting: fail this request only
             self._finish(engine, out, None, TransferStatus.ERROR, str(exc))
 

@@ -6,7 +6,9 @@ Life cycle of a request here:
    D does not have yet — or, `deferred`, without the block ids: D parks the request while
    this worker computes, and sends them in `SetDestination` (same transfer id; whichever of
    the two calls arrives first makes the slot). Nothing is written before they come; a
-   prompt that finishes first keeps its blocks pinned until then or its deadline.
+   prompt that finishes first keeps its blocks pinned until then or its deadline. From the
+   destination on, the transfer follows its progress: keepalives tell D the prompt is still
+   computing (or queued) here, however long it takes; only a stalled write or silence fails it.
 2. D must be a registered worker: a registration in etcd must name its NIXL metadata
    (PERMISSION_DENIED otherwise, nothing sent). D's peer is added (compatibility check; a
    no-op for known peers — peers are also added ahead of time as decode workers appear in
@@ -21,7 +23,7 @@ Life cycle of a request here:
    notification. The engine request is finished at that point: its blocks are only pinned
    until the writes complete, then they are cached-free.
 4. The response (first token, cached-token count, blocks sent) is returned once every write
-   completed. A failed write (D died) or a deadline fails the call; the caller cancelling
+   completed. A failed write (D died) or a stalled one fails the call; the caller cancelling
    aborts the request and frees everything once the sender reported the transfer (a write the
    transport cannot cancel yet keeps our source blocks pinned until it can).
 5. `Worker.Abort` (D, after cancelling or losing its call): the request is aborted here and
@@ -141,6 +143,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             dest_blocks=None if slot is not None else list(dest.block_ids),
             group_skips=None if slot is not None else skips,
             deadline=time.monotonic() + (dest.deadline_s or ctx.kv_timeout_s),
+            idle_s=dest.deadline_s or ctx.kv_timeout_s,
             on_done=on_done,
         )
 

@@ -175,9 +175,14 @@ def test_worker_abort_while_waiting_for_kv_ends_the_stream_and_quarantines_until
     run(main())
 
 
-def test_kv_timeout_keeps_the_blocks_until_ps_call_has_ended():
+def test_kv_timeout_fails_at_once_and_keeps_the_blocks_until_p_confirms_it_stopped():
+    """P went silent past the progress window: the request fails then (not when P's call
+    ends, which has no deadline of its own), and its blocks stay quarantined until P's
+    Abort answers that nothing more of it can land."""
+
     async def main():
         h = Harness(kv_timeout_s=0.05)
+        h.abort_reply = asyncio.get_running_loop().create_future()  # P has not confirmed
         try:
             task = h.generate("r")
             await h.spin()
@@ -185,11 +190,44 @@ def test_kv_timeout_keeps_the_blocks_until_ps_call_has_ended():
             blocks = list(call.request.destination.block_ids)
             await asyncio.sleep(0.1)
             await h.spin()  # the receiver times out; P's call is still open
+            assert task.done() and "did not arrive" in str(task.exception())
+            assert "nothing from the sender for 0.05s" in str(task.exception())
             assert h.held == blocks and "r" not in h.engine.allocated
-            call.future.set_result(h.response())  # P answers late: its writes are done
+            assert h.aborts == ["r"] and call.cancelled
+            h.abort_reply.set_result(None)  # P: nothing of it is in flight any more
             await h.spin()
-            assert task.done() and h.held == [] and not h.worker.prefill.remote.quarantined_blocks
-            assert "did not arrive" in str(task.exception())
+            assert h.held == [] and not h.worker.prefill.remote.quarantined_blocks
+        finally:
+            h.close()
+
+    run(main())
+
+
+def test_a_prefill_longer_than_the_window_completes_while_p_keeps_it_alive():
+    """The 8k-token prompt case: P takes ten of D's KV windows to compute the prompt (a fixed
+    deadline failed it, and D then prefilled it again itself: twice the TTFT). P's
+    keepalives keep the transfer alive; the request runs remotely on P's KV."""
+
+    async def main():
+        h = Harness(kv_timeout_s=0.05)
+        try:
+            task = h.generate("r")
+            await h.spin()
+            call = h.calls[0]
+            dest = call.request.destination
+            h.p_kv.sender.send(dest.transfer_id, "D", [], final=False, idle_s=0.05)
+            end = asyncio.get_running_loop().time() + 0.5
+            while asyncio.get_running_loop().time() < end:  # P computes; its progress thread
+                h.p_kv.sender.poll()  # sends keepalives
+                await asyncio.sleep(0.005)
+                h.run_engine()
+            assert not task.done()
+            await h.land_kv(call)
+            call.future.set_result(h.response())
+            await h.spin()
+            responses = await asyncio.wait_for(task, 5)
+            assert [(r.prefill_mode, list(r.token_ids)) for r in responses] == [("remote", [42])]
+            assert h.aborts == [] and h.held == [] and not h.worker.prefill.remote.in_flight
         finally:
             h.close()
 

@@ -61,7 +61,7 @@ class _Source:
         self.polls += 1
         return []
 
-    def expect(self, request_id, block_ids, *, deadline=None, peer=None):
+    def expect(self, request_id, block_ids, *, deadline=None, peer=None, idle_s=None):
         self.active = 1
 
     @property

@@ -84,6 +84,7 @@ def test_source_blocks_stay_pinned_until_an_uncancellable_write_is_released(how)
         dest_blocks=[1, 2, 3],
         group_skips=[0],
         deadline=time.monotonic() + 30,
+        idle_s=30.0,
         on_done=lambda result, first: ended.append(result),
     )
     streamer.add(out)
@@ -142,6 +143,7 @@ def test_a_complete_transfer_answers_between_steps_once_and_releases_after_the_s
             dest_blocks=[1, 2, 3],
             group_skips=[0],
             deadline=time.monotonic() + 30,
+            idle_s=30.0,
             on_done=lambda result, first: ended.append((result.status, first)),
         )
     )
@@ -168,6 +170,7 @@ def _deferred(req, ended, deadline_s=30.0):
         dest_blocks=None,
         group_skips=None,
         deadline=time.monotonic() + deadline_s,
+        idle_s=deadline_s,
         on_done=lambda result, first: ended.append((result.status, first)),
     )
 
