@@ -44,6 +44,9 @@ class RemoteResult(NamedTuple):
     the whole prompt now); LOCAL_FALLBACK: P failed and the parked request was dropped."""
     remote_cached_tokens: int = 0
     """Prompt tokens P found in its own prefix cache (REMOTE only)."""
+    kv_landed_at: float | None = None
+    """`time.monotonic()` when the last of P's KV landed here (REMOTE only): the handover
+    to the first token sent is measured from it."""
 
 
 class PrefillClient:
@@ -114,7 +117,7 @@ class PrefillClient:
         token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
         await ctx.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
         await done  # raises if the KV failed or timed out
-        return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens)
+        return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, attempt.kv_landed_at)
 
     def _prefill_request(
         self, req: Request, transfer_id: str, source: pb.KVSource | None

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.core.request import Request
@@ -89,6 +90,10 @@ class RemotePrefill:
     """Settled on the asyncio loop: None once RUNNING, the failure otherwise."""
     state: RemoteState = RemoteState.PARKED
     first_token: SampledToken | None = None
+    expected_at: float = field(default_factory=time.monotonic)
+    """When the receiver began expecting the blocks (`time.monotonic()`)."""
+    kv_landed_at: float | None = None
+    """When the receiver saw the last block land (set with the COMPLETE result)."""
 
     def advance(self, to: RemoteState) -> bool:
         """Move to `to`: True if it moved, False if already there; IllegalTransition else."""
@@ -160,6 +165,7 @@ class RemotePrefills:
             if attempt is None or not attempt.state.live:
                 continue  # e.g. the CANCELLED result of an attempt dropped earlier
             if result.status is TransferStatus.COMPLETE:
+                attempt.kv_landed_at = attempt.expected_at + result.elapsed_s
                 self._to(
                     engine, attempt, S.RUNNING if attempt.state is S.FIRST_TOKEN else S.KV_LANDED
                 )

@@ -135,7 +135,7 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
             await self.puller.pull(req, source)
             await self.ctx.call(lambda e: e.submit(req))
         self.ctx.metrics.count_prefill_mode(result.path)
-        return _Started(req, result.path, result.remote_cached_tokens)
+        return _Started(req, result.path, result.remote_cached_tokens, result.kv_landed_at)
 
     async def _drop(self, request_id: str, exc: Exception) -> None:
         await self.ctx.call(lambda e: self.prefill.drop(e, request_id, exc), cancellable=False)
@@ -165,6 +165,8 @@ class _Started:
     """The engine request that runs (a fresh one after a fallback to local prefill)."""
     path: PrefillPath
     remote_cached_tokens: int = 0
+    kv_landed_at: float | None = None
+    """A remote prefill's last KV landed here then (`time.monotonic()`)."""
 
 
 @dataclass(slots=True)
@@ -188,6 +190,8 @@ class _Sent:
         now = time.monotonic()
         if self.last_at is None:
             metrics.ttft.labels("decode").observe(now - self.started_at)
+            if self.started.kv_landed_at is not None:  # the split path's handover
+                metrics.kv_handover.observe(now - self.started.kv_landed_at)
         elif delta.token_ids:
             metrics.itl.labels("decode").observe(now - self.last_at)
         self.last_at = now

@@ -36,7 +36,9 @@ class WorkerConfig:
     advertise_host: str = ""
     """Host other processes use to reach this worker ('': same as --host)."""
     kv_timeout_s: float = option(30.0, name="--kv-timeout")
-    """Decode role: seconds to wait for a prompt's KV from a prefill worker."""
+    """Decode role: seconds without a word from the prefill worker (a block batch or a
+    keepalive) after which its prompt's KV is given up on — a progress window, not a
+    deadline: a long prompt on a slow prefill worker takes what it takes."""
     strict_remote_prefill: bool = False
     """Decode role: fail with UNAVAILABLE instead of prefilling locally when the prefill
     worker fails."""

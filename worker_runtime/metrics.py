@@ -22,6 +22,8 @@ from cluster.registration import ROLES
 from engine.llm_engine import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: The handover's targets are p50 <= 5 ms and p99 <= 20 ms (issue 58): finer below 50 ms.
+HANDOVER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 
 
 #: vLLM's engine-level names (vllm/v1/metrics/loggers.py) -> the EngineStats field behind them.
@@ -262,6 +264,13 @@ class WorkerMetrics:
             "Time of a completed pull, call to adoption",
             registry=self.registry,
             buckets=LATENCY_BUCKETS,
+        )
+        self.kv_handover = Histogram(
+            "pdserve_worker_kv_handover_seconds",
+            "Decode worker: from the last block of a remote prefill's KV landing here to its "
+            "first token handed to the Generate stream (docs/kvtransfer.md)",
+            registry=self.registry,
+            buckets=HANDOVER_BUCKETS,
         )
         self.kv_exports = Counter(
             "pdserve_worker_kv_exports",
