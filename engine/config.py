@@ -5,12 +5,16 @@ docstring under each field."""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.checks import FieldError, check_fields
 from engine.flags import add_flags, from_args, option
 from engine.spec_decode.config import SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -85,7 +89,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     """Share of the GPU's memory this engine may use (weights + activations + KV pool)."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens. Default: the model's max_position_embeddings."""
+    """Longest prompt + output in tokens. Default: the model's max_position_embeddings;
+    longer is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (as vLLM)."""
     max_num_seqs: int = 128
     """Most requests in one batch."""
     max_num_batched_tokens: int = 2048
@@ -329,3 +334,31 @@ def tensor_parallel_refusals(config: EngineConfig) -> list[tuple[bool, str, str]
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """EngineConfig's flags (vLLM's names where the concept is the same), in group "engine"."""
     add_flags(parser, EngineConfig, group="engine")
+
+
+ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+"""vLLM's environment switch for a `max_model_len` beyond the model's trained length."""
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    """The context length served: `requested`, or the model's `max_position_embeddings`.
+
+    A request beyond the model's length is refused by name, as vLLM does, unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (then served with a warning: positions past training may
+    give garbage — useful for speed tests of long prompts)."""
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+            raise FieldError(
+                "max_model_len",
+                f"max_model_len {requested} exceeds the model's max_position_embeddings "
+                f"{model_max}; set {ALLOW_LONG_MAX_MODEL_LEN}=1 to serve it anyway",
+            )
+        log.warning(
+            "max_model_len %d exceeds the model's max_position_embeddings %d (%s=1)",
+            requested,
+            model_max,
+            ALLOW_LONG_MAX_MODEL_LEN,
+        )
+    return requested

@@ -11,7 +11,7 @@ from typing import Any, Sequence, TypedDict
 
 from engine.attention.selector import fused_kernels, make_attention_backend
 from engine.checks import FieldError
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_max_model_len
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import StepInput
@@ -110,9 +110,12 @@ class LLMEngine:
             self.loaded.model.use_communicator(self.parallel_group.comm)
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
-        self.max_model_len = min(
-            config.max_model_len or args.max_position_embeddings, args.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(
+            config.max_model_len, args.max_position_embeddings
         )
+        serve_positions = getattr(self.loaded.model, "serve_positions", None)
+        if serve_positions is not None:  # the project's decoder (a plugin model: its own)
+            serve_positions(self.max_model_len)
         self.backend = make_attention_backend(config.attention_backend, self.device)
         self.loaded.model.use_fused_kernels(fused_kernels(self.backend.name, self.device))
         # Not across tensor-parallel ranks (kv_cache_memory is required there): a rank-0

@@ -74,6 +74,7 @@ class DecoderLM(CausalLMBase):
         )
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.dim, vocab, bias=False)
+        self._min_positions = 0  # rows every RoPE table holds at least (`serve_positions`)
         self.rope_tables = self._rope_tables()
         self.kernels = None  # the `kernels` package when fused Triton ops are on
         # RMSNorm / RoPE / SiLU-and-mul kernels: Triton's or the CPU's.
@@ -153,7 +154,15 @@ class DecoderLM(CausalLMBase):
 
     def _rope_tables(self) -> list[Tensor]:
         """The fp32 `cos | sin` table of each RoPE spec the layers use."""
-        return [rope_cache(spec) for spec in self._rope_specs]
+        return [rope_cache(spec, min_positions=self._min_positions) for spec in self._rope_specs]
+
+    def serve_positions(self, n: int) -> None:
+        """Make positions [0, n) runnable: the RoPE tables grow past the trained length when
+        the engine serves a longer max_model_len (engine/config.py resolve_max_model_len)."""
+        if n > min(len(t) for t in self.rope_tables):
+            self._min_positions = n
+            device = self.embed_tokens.weight.device
+            self.rope_tables = [t.to(device) for t in self._rope_tables()]
 
     def _apply(self, fn, recurse=True):
         # The RoPE tables stay fp32 whatever the dtype: after any move or cast they are rebuilt

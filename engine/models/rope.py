@@ -326,10 +326,14 @@ def _angles(positions: Tensor, inv_freq: Tensor) -> Tensor:
     return positions[:, None] * inv_freq
 
 
-def rope_cache(spec: RopeSpec, device: torch.device | None = None) -> Tensor:
-    """fp32 `[spec.max_positions, spec.rotary_dim]`: cos(p * f) * s | sin(p * f) * s (see the
-    module docstring for the layout and for `dynamic`/`longrope` beyond the original context)."""
-    n = spec.max_positions
+def rope_cache(
+    spec: RopeSpec, device: torch.device | None = None, min_positions: int = 0
+) -> Tensor:
+    """fp32 `[max(spec.max_positions, min_positions), spec.rotary_dim]`: cos(p * f) * s |
+    sin(p * f) * s (see the module docstring for the layout and for `dynamic`/`longrope`
+    beyond the original context). `min_positions` past the spec's: the same formulas run on
+    (a context length served beyond training, VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    n = max(spec.max_positions, min_positions)
     t = torch.arange(n, device=device, dtype=torch.float32)
     if spec.rope_type == "default":
         freqs = _angles(t, _plain(spec, device))
