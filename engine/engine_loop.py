@@ -102,8 +102,12 @@ class EngineLoop:
         after_step: Callable[[LLMEngine], bool] | None = None,
         itl_target_s: float = 0.0,
         step_threads: StepThreads | None = None,
+        in_flight_wait_s: float = POLL_WAIT_S,
     ) -> None:
         self.engine = engine
+        self.in_flight_wait_s = in_flight_wait_s
+        """Idle with work in flight elsewhere (transfers: `after_step` said so): look again
+        this often. A caller whose transfers `wake` the loop when they end waits longer."""
         self.step_threads = step_threads
         self.itl_target_s = itl_target_s
         """> 0: while requests decode, prefill chunks are sized so a step's measured cost
@@ -129,6 +133,11 @@ class EngineLoop:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+
+    def wake(self) -> None:
+        """Run the after-step work now if the loop is waiting (any thread): something it
+        waits for (a transfer result) arrived."""
+        self._wake.set()
 
     @property
     def alive(self) -> bool:
@@ -219,7 +228,7 @@ class EngineLoop:
             if not stepped:
                 if self.step_threads is not None:
                     self.step_threads.end_busy()
-                self._wake.wait(POLL_WAIT_S if in_flight else IDLE_WAIT_S)
+                self._wake.wait(self.in_flight_wait_s if in_flight else IDLE_WAIT_S)
 
     def _prompt_cap(self, decoding: int, queued: int = 0) -> int:
         """Prompt tokens per step that keep a step beside `decoding` decodes within the ITL

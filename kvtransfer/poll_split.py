@@ -49,11 +49,13 @@ class _Split(Generic[S]):
         self._tell(heard)
         return taken
 
-    def collect(self) -> None:
-        """Poll the shared object now (any thread): results wait for their owner's `poll`."""
+    def collect(self) -> int:
+        """Poll the shared object now (any thread): results wait for their owner's `poll`.
+        Returns how many were heard."""
         with self._lock:
             heard = self._poll_source()
         self._tell(heard)
+        return len(heard)
 
     def started(self) -> None:
         if self.on_work is not None:
@@ -82,9 +84,9 @@ class _View:
     _split: _Split
     _owner: int
 
-    def collect(self) -> None:
+    def collect(self) -> int:
         """Poll the shared object now, for both owners (see `_Split.collect`)."""
-        self._split.collect()
+        return self._split.collect()
 
     def listen(self, listener: Listener | None) -> None:
         """Call `listener(result)` for each of this owner's results as soon as it is

@@ -8,10 +8,13 @@ completion after its own next step — a whole prefill of the next prompt. Both 
 the first token's path. This thread polls every `period_s` while anything is in flight and
 files the results for the owners' own `poll` after their steps (kvtransfer/poll_split.py);
 an owner that listens hears of its results at once (the prefill worker answers its caller
-then).
+then), and `on_results` is told whenever a round heard any result: the worker wakes its
+engine loop with it, so the loop applies a result at once instead of polling every
+millisecond while transfers are in flight (event-driven: the decode worker admits a request
+whose KV just landed without waiting for a poll tick).
 
 Contract: the thread only calls `collect()` on the views it was given (one per shared
-sender or receiver) and `num_active`; it sleeps on an event while nothing is in flight and
+sender or receiver), `num_active` and `on_results`; it sleeps on an event while nothing is in flight and
 is woken by a view's `on_work` (a send or an expect starting a transfer).
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +35,9 @@ class Collectable(Protocol):
     @property
     def num_active(self) -> int: ...
 
-    def collect(self) -> None: ...
+    def collect(self) -> int:
+        """Poll now; return how many results were heard (filed for their owners)."""
+        ...
 
     def on_work(self, callback) -> None: ...
 
@@ -40,9 +45,15 @@ class Collectable(Protocol):
 class TransferProgress:
     """Polls `views` every `period_s` while any has a transfer in flight; see the module."""
 
-    def __init__(self, views: Sequence[Collectable], period_s: float = DEFAULT_PERIOD_S) -> None:
+    def __init__(
+        self,
+        views: Sequence[Collectable],
+        period_s: float = DEFAULT_PERIOD_S,
+        on_results: Callable[[], None] | None = None,
+    ) -> None:
         self._views = list(views)
         self._period_s = period_s
+        self._on_results = on_results
         self._work = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kv-transfer-progress", daemon=True)
@@ -66,11 +77,14 @@ class TransferProgress:
             self._work.wait(IDLE_CHECK_S)
             self._work.clear()
             while not self._stopping and self._in_flight():
+                heard = 0
                 for view in self._views:
                     try:
-                        view.collect()
+                        heard += view.collect()
                     except Exception:  # a closed backend at shutdown, or a bug: the
                         log.exception("KV transfer progress poll failed")  # engine loop's
                         self._stopping = True  # own polls still run and raise there
                         return
+                if heard and self._on_results is not None:
+                    self._on_results()
                 time.sleep(self._period_s)

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IN_FLIGHT_WAIT_S = 0.05
+"""The engine loop's look at transfers in flight while idle: a safety net only, since the
+transfer-progress thread wakes it on every result (a decode worker used to wake every
+millisecond while a long prompt's KV was on its way)."""
 
 
 class Registration(Protocol):
@@ -139,8 +143,10 @@ class WorkerRuntime:
         # push: each side polls its own view, told apart by transfer id.
         self.sender, self.pull_sender = split_sender(kv.sender, PULL_PREFIX)
         self.receiver, self.pull_receiver = split_receiver(kv.receiver, PULL_PREFIX)
+        # Every transfer result wakes the engine loop (event-driven: no millisecond polls).
         self.transfer_progress = TransferProgress(
-            [cast(Collectable, self.sender), cast(Collectable, self.receiver)]
+            [cast(Collectable, self.sender), cast(Collectable, self.receiver)],
+            on_results=lambda: self.loop.wake(),
         )
         self.metrics = metrics or WorkerMetrics(
             config.role, kv, engine.loaded.model_id, engine.num_speculative_tokens
@@ -179,6 +185,7 @@ class WorkerRuntime:
             self._after_step,
             itl_target_s=config.itl_target_ms / 1000,
             step_threads=step_threads,
+            in_flight_wait_s=IN_FLIGHT_WAIT_S,
         )
         self.stats: EngineStats = engine.stats()
         self.adapters = ServedAdapters(engine, self.call, self.paths, self.republish)

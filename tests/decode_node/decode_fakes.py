@@ -172,6 +172,9 @@ class ManualEngineLoop:
         self._commands.append((fn, future))
         return future
 
+    def wake(self) -> None:
+        """Nothing to wake: the test runs each round by hand."""
+
     def run_round(self) -> None:
         """The queued commands (a cancelled one is skipped), then the after-step work."""
         while self._commands:

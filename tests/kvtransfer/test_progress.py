@@ -87,3 +87,28 @@ def test_idle_thread_polls_nothing_and_wakes_when_a_transfer_starts():
     finally:
         progress.stop()
     assert not progress._thread.is_alive()
+
+
+def test_a_round_that_hears_a_result_wakes_the_engine_loop_and_quiet_rounds_do_not():
+    """`on_results` is how a worker's engine loop learns of a transfer result at once,
+    instead of polling every millisecond while the KV of a long prompt is on its way."""
+    fabric = FakeFabric()
+    p, _ = make(fabric, "P", 8, seed=1)
+    d, _ = make(fabric, "D", 8, seed=2)
+    p.add_peer(d.metadata())
+    push_send, _ = split_sender(p.sender, "pull:")
+    push_recv, _ = split_receiver(d.receiver, "pull:")
+    wakes = []
+    progress = TransferProgress([push_send, push_recv], on_results=lambda: wakes.append(1))
+    progress.start()
+    try:
+        push_recv.expect("push:a:0", [0, 1], idle_s=5.0)
+        push_send.send("push:a:0", "D", [], final=False, idle_s=5.0)  # open: in flight
+        time.sleep(0.05)
+        assert wakes == []  # rounds ran (keepalive timing aside), nothing finished
+        push_send.send("push:a:0", "D", [(0, 0), (1, 1)], final=True)
+        _wait(lambda: len(wakes) >= 1 and d.receiver.num_active == 0)
+    finally:
+        progress.stop()
+    assert [r.status for r in push_recv.poll()] == [S.COMPLETE]
+    assert [r.status for r in push_send.poll()] == [S.COMPLETE]
