@@ -61,9 +61,9 @@ BUDGET_S = 1.0
 """Wall-clock bound of the whole test; past it the result is 'failed: timed out ...'."""
 LOW_RATIO = 0.3
 """Below this ratio of memcpy the worker warns: the path is probably not the intended one.
-Measured on the 2-vCPU development VM (docs/kvtransfer.md, "Self-test at start"): CMA
-0.37-0.77 (the low end with the host's 2 cores shared by 5 busy processes), UCX over TCP on
-loopback 0.09-0.18."""
+Measured on the 2-vCPU development VM, its 2 cores shared with busy processes
+(docs/kvtransfer.md, "Self-test at start"): CMA 0.42-0.75, UCX over TCP on loopback
+0.10-0.16."""
 NOTIF = b"pdkv-selftest"
 """The notification each timed write carries (a real batch carries one too)."""
 
