@@ -15,6 +15,9 @@ What it does (`run_selftest`):
    the best round is the rate. The bytes that landed are compared with the source once.
 3. A one-thread memcpy of the same bytes on the same device (numpy on CPU; a device copy on
    CUDA) gives the reference rate; the ratio is transfer / memcpy.
+4. NIXL only: which transports UCX took. One more write, from a probe agent made with
+   `UCX_PROTO_INFO=y`, whose protocol tables (printed to stderr, captured meanwhile) name
+   them: `cma/memory` on one host, `tcp/<iface>` over sockets, `rc_mlx5/...` with RDMA.
 
 The worker's agent only reads its pool and never sees the temporary agent as a peer: the
 temporary agent is loaded into its transport under its lock and unloaded again, so its
@@ -33,9 +36,13 @@ import dataclasses
 import logging
 import math
 import os
+import re
+import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,14 +123,21 @@ def nixl_peer(config: KVTransferConfig) -> TransportBackend:
     return NixlTransferBackend(config)
 
 
-def describe_path(transport_name: str, mem_type: str, via: str = "") -> str:
-    """The path in words: the backend, the memory it moves, and for NIXL the UCX settings this
-    process runs with (UCX picks its transports from them; `UCX_PROTO_INFO=y` prints the ones
-    it selected, docs/kvtransfer.md)."""
+def describe_path(
+    transport_name: str, mem_type: str, via: str = "", transports: list[str] | None = None
+) -> str:
+    """The path in words: the backend, the memory it moves, and for NIXL the UCX transports
+    its writes took (`transports`, when UCX told: `ucx_write_transports`) and the UCX settings
+    this process runs with, which UCX picks its transports from."""
     if transport_name == "nixl":
         devices = os.environ.get("UCX_NET_DEVICES") or "all (unset)"
         tls = os.environ.get("UCX_TLS") or "any (unset)"
-        what = f"nixl/UCX {mem_type} UCX_NET_DEVICES={devices} UCX_TLS={tls}"
+        settings = f"UCX_NET_DEVICES={devices} UCX_TLS={tls}"
+        what = (
+            f"nixl/UCX {mem_type} writes over {', '.join(transports)} ({settings})"
+            if transports
+            else f"nixl/UCX {mem_type} {settings}"
+        )
     elif transport_name == "fake":
         what = f"fake (in-process torch copy, {mem_type}; not a real transport)"
     else:
@@ -172,6 +186,8 @@ class _Session:
         self.config = backend.config
         self.temps: list[TransportBackend] = []
         self.handle: Any = None
+        self.writer: TransportBackend = backend
+        """The agent that posted `handle`."""
         self.connected = False
         meta = backend.metadata()  # PoolError before register_pool: reported as failed
         self.num_blocks = max(1, min(meta.num_blocks, math.ceil(target_bytes / _block(pool))))
@@ -238,31 +254,55 @@ class _Session:
             raise SelftestError("timed out: no timed round fit in the budget")
         memcpy = _memcpy_seconds(self.sent, timed)
         gbps, memcpy_gbps = nbytes / best / 1e9, nbytes / memcpy / 1e9
+        transports = self._probe(ids) if self.src.transport.name == "nixl" else None
         return SelftestResult(
             True,
             gbps,
             memcpy_gbps,
             gbps / memcpy_gbps,
-            describe_path(self.src.transport.name, self.mem_type, self.via),
+            describe_path(self.src.transport.name, self.mem_type, self.via, transports),
             nbytes,
             time.perf_counter() - start,
         )
 
-    def _write_once(self, ids: Any) -> float:
-        """Post one write of every scratch block and poll both sides until it is done (a
-        NIXL write that carries a notification is done once the notification is out, which
-        takes the receiver's progress). Seconds from post to done."""
+    def _probe(self, ids: Any) -> list[str] | None:
+        """Which UCX transports a write from this process to another agent takes: one more
+        write into the scratch pool, from a probe agent made with `UCX_PROTO_INFO=y` (UCX reads
+        it per agent; the worker's own agent stays quiet), whose protocol tables UCX prints to
+        stderr — captured while the probe lives, parsed (`ucx_write_transports`), and what
+        else reached stderr meanwhile written through. The probe runs in this process with
+        its settings, so it takes the worker's path. None if UCX told nothing."""
+        try:
+            with _stderr_captured() as captured:
+                with _env("UCX_PROTO_INFO", "y"):
+                    probe, _ = self._temp(f"{self.name}-probe")
+                with probe.lock:
+                    probe.transport.connect(self.dst.metadata())
+                self._write_once(ids, probe)
+                probe.close()  # inside the capture: UCX may print while it tears down
+                self.temps.remove(probe)
+        except Exception as e:  # noqa: BLE001 - the measurement stands without it
+            log.debug("KV transfer self-test: no UCX protocol info: %s", e)
+            return None
+        return ucx_write_transports(captured[0]) or None
+
+    def _write_once(self, ids: Any, writer: TransportBackend | None = None) -> float:
+        """Post one write of every scratch block from `writer` (the source agent) into the
+        scratch pool and poll both sides until it is done (a NIXL write that carries a
+        notification is done once the notification is out, which takes the receiver's
+        progress). Seconds from post to done."""
         from kvtransfer.transport import WriteState
 
+        self.writer = writer or self.src
         t0 = time.perf_counter()
-        with self.src.lock:
-            self.handle = self.src.transport.post_write(
+        with self.writer.lock:
+            self.handle = self.writer.transport.post_write(
                 self.dst.agent_name, ids, ids, NOTIF, time.monotonic() + BUDGET_S
             )
         state = WriteState.PROC
         while state is WriteState.PROC:
-            with self.src.lock:
-                state = self.src.transport.check(self.handle)
+            with self.writer.lock:
+                state = self.writer.transport.check(self.handle)
             with self.dst.lock:
                 self.dst.pump()
                 self.dst.take_notifications()
@@ -282,8 +322,8 @@ class _Session:
             return
         until = time.perf_counter() + 0.5
         while True:
-            with self.src.lock:
-                if self.src.transport.release(self.handle):
+            with self.writer.lock:
+                if self.writer.transport.release(self.handle):
                     self.handle = None
                     return
             if time.perf_counter() > until:
@@ -361,3 +401,72 @@ def _memcpy_seconds(src: Any, rounds: int) -> float:
         if i:
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+_UCX_PREFIX = re.compile(r"^\[[\d.]+\] \[[^\]]*\]\s*")
+"""What UCX puts before each line it logs: `[<time>] [<host>:<pid>:<thread>]`."""
+
+
+def ucx_write_transports(log_text: str) -> list[str]:
+    """The transports of UCX's 'remote memory write' protocols (NIXL's WRITEs) towards other
+    agents, from the tables `UCX_PROTO_INFO=y` prints, in order, without repeats: e.g.
+    `['cma/memory']` on one host, `['tcp/lo']` over sockets. Tables of an agent's endpoint to
+    itself ('self') are skipped: a real transfer never takes them."""
+    found: list[str] = []
+    header = protocol = ""
+    rows = False
+    for raw in log_text.splitlines():
+        line = _UCX_PREFIX.sub("", raw).strip()
+        if not line.startswith("|"):
+            continue  # a table border, or anything else
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 1:  # a table's title lines: endpoint, then protocol
+            if "cfg#" in cells[0]:
+                header, protocol, rows = cells[0], "", False
+            else:
+                protocol = cells[0]
+        elif cells[0] == "Range":
+            rows = True
+        elif rows and "remote memory write" in protocol and " self " not in f" {header} ":
+            if cells[-1] and cells[-1] not in found:
+                found.append(cells[-1])
+    return found
+
+
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """The environment variable set while the block runs (an agent made in it reads it)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+@contextmanager
+def _stderr_captured() -> Iterator[list[str]]:
+    """File descriptor 2 redirected while the block runs (UCX writes there from C); yields a
+    list that holds the captured text afterwards. Lines that are not UCX's are written on to
+    the real stderr when the block ends."""
+    out: list[str] = []
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            out.append(f.read().decode(errors="replace"))
+            others = [
+                line for line in out[0].splitlines(keepends=True) if not _UCX_PREFIX.match(line)
+            ]
+            if others:
+                sys.stderr.write("".join(others))

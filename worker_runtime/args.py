@@ -66,8 +66,8 @@ class WorkerConfig:
     still keeps at least 3/4 of a busy worker's time. 0: only --max-num-batched-tokens and
     --long-prefill-token-threshold size them."""
     kv_transfer_selftest: bool = True
-    """At start, measure this worker's KV transfer path (a temporary agent, a few MiB; about
-    0.1-0.3 s) against a memcpy of the same bytes; log it, warn when it is slow, export it on
+    """At start, measure this worker's KV transfer path (temporary agents, a few MiB; about
+    0.3 s) against a memcpy of the same bytes, and name the transports UCX took; log it, warn when it is slow, export it on
     /metrics and publish it (`pdserve status` shows it; docs/kvtransfer.md, "Self-test at
     start"). --no-kv-transfer-selftest skips it (tests that start many workers)."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)

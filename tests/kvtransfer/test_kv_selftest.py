@@ -19,7 +19,7 @@ from kvtransfer import (
     run_selftest,
     wait_for,
 )
-from kvtransfer.selftest import describe_path, nixl_peer
+from kvtransfer.selftest import describe_path, nixl_peer, ucx_write_transports
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,8 +59,9 @@ def test_nixl_self_test_measures_and_leaves_the_worker_agent_as_it_was():
             assert r.gbps > 0 and r.memcpy_gbps > 0
             assert r.ratio == pytest.approx(r.gbps / r.memcpy_gbps)
             assert r.num_bytes == 22 * pool[0].numel() * 4  # 1 MiB in whole 48 KiB blocks
-            assert r.path == describe_path("nixl", "DRAM")
-            assert "UCX_NET_DEVICES=" in r.path and "UCX_TLS=" in r.path
+            # UCX's own word for the path (one host: CMA), and the settings it ran with.
+            assert r.path == describe_path("nixl", "DRAM", transports=["cma/memory"])
+            assert "UCX_NET_DEVICES=lo" in r.path and "UCX_TLS=" in r.path
             assert r.line().startswith(f"KV transfer self-test: {r.gbps:.2f} GB/s = ")
             assert w.peers() == [d.agent_name]
             assert set(w.transport._remote) == loaded  # the temporary agent was unloaded
@@ -78,6 +79,51 @@ def test_nixl_self_test_measures_and_leaves_the_worker_agent_as_it_was():
     finally:
         w.close()
         d.close()
+
+
+def test_ucx_over_tcp_is_named_and_its_protocol_tables_stay_out_of_stderr(monkeypatch, capfd):
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by every agent made from now on
+    w, pool = _nixl(64, seed=4)
+    try:
+        capfd.readouterr()
+        r = run_selftest(w, pool, nixl_peer, target_bytes=1 << 20)
+        assert r.ok and " writes over tcp/lo (" in r.path and "UCX_TLS=tcp" in r.path, r
+        assert "remote memory write" not in capfd.readouterr().err  # captured, not printed
+        assert "UCX_PROTO_INFO" not in os.environ
+    finally:
+        w.close()
+
+
+UCX_TABLES = """\
+[1796681183.5] [vm:5285 :0]   +--------+-------------+-----------------------------------+
+[1796681183.5] [vm:5285 :0]   | b self cfg#0                                             |
+[1796681183.5] [vm:5285 :0]   | remote memory write by ucp_put* from host memory to host |
+[1796681183.5] [vm:5285 :0]   +--------+-------------+-----------------------------------+
+[1796681183.5] [vm:5285 :0]   | Range  | Description |              Config               |
+[1796681183.5] [vm:5285 :0]   +--------+-------------+-----------------------------------+
+[1796681183.5] [vm:5285 :0]   | 0..inf | zero-copy   | self/memory                       |
+[1796681183.5] [vm:5285 :0]   +--------+-------------+-----------------------------------+
+[1796681183.6] [vm:5285 :0]   | b intra-node cfg#1                                       |
+[1796681183.6] [vm:5285 :0]   | active message by ucp_am_send* from host memory |
+[1796681183.6] [vm:5285 :0]   | Range  | Description |              Config               |
+[1796681183.6] [vm:5285 :0]   |          0 | short              | tcp/lo        |
+[1796681183.6] [vm:5285 :0]   | b intra-node cfg#1                                       |
+[1796681183.6] [vm:5285 :0]   | remote memory write by ucp_put* from host memory to host |
+[1796681183.6] [vm:5285 :0]   | Range  | Description |              Config               |
+[1796681183.6] [vm:5285 :0]   | 0..8k | short   | cma/memory                        |
+[1796681183.6] [vm:5285 :0]   | 8k..inf | zero-copy   | rc_mlx5/mlx5_0:1                        |
+[1796681183.7] [vm:5285 :0]   | b intra-node cfg#1                                       |
+[1796681183.7] [vm:5285 :0]   | remote memory write by ucp_put*(multi) from host memory to host |
+[1796681183.7] [vm:5285 :0]   | Range  | Description |              Config               |
+[1796681183.7] [vm:5285 :0]   | 0..inf | zero-copy   | cma/memory                        |
+"""
+
+
+def test_the_write_transports_are_read_from_ucx_protocol_tables():
+    """Only 'remote memory write' tables of endpoints to other agents count (not 'self', not
+    the active messages that carry notifications); each transport once, in order."""
+    assert ucx_write_transports(UCX_TABLES) == ["cma/memory", "rc_mlx5/mlx5_0:1"]
+    assert ucx_write_transports("no tables here\n") == []
 
 
 def test_a_pool_smaller_than_the_target_is_measured_whole():

@@ -167,7 +167,7 @@ def test_the_production_build_measures_its_nixl_agent(model_dir, enabled):
             assert published is None and _gauges(rt) == dict.fromkeys(GAUGES, 0.0)
             return
         assert published["gbps"] > 0 and published["memcpy_gbps"] > 0, published
-        assert published["path"].startswith("nixl/UCX DRAM UCX_NET_DEVICES=")
+        assert published["path"].startswith("nixl/UCX DRAM writes over cma/memory (UCX_NET_")
         assert _gauges(rt)["gbps"] == published["gbps"]
         assert rt.kv.peers() == [] and rt.kv.transport._remote == {}
     finally:
