@@ -199,10 +199,6 @@ class _Session:
         self.sent = pool[: self.num_blocks]
         """The bytes every round writes: the source agent's first blocks."""
         self.via = ""
-        if backend.transport.heads is not None:  # a tensor-parallel rank 0: see module doc
-            self.src, self.sent = self._temp(f"{self.name}-src")
-            self.sent.copy_(pool[: self.num_blocks])
-            self.via = " (between temporary agents: tensor-parallel workers write in parts)"
 
     def __enter__(self) -> _Session:
         return self
@@ -233,7 +229,13 @@ class _Session:
     def measure(self, rounds: int, start: float) -> SelftestResult:
         import numpy as np
 
+        if self.src.transport.heads is not None:  # a tensor-parallel rank 0: see module doc
+            self.src, self.sent = self._temp(f"{self.name}-src")
+            self.sent.copy_(self.pool[: self.num_blocks])
+            self.via = " (between temporary agents: tensor-parallel workers write in parts)"
         self.dst, self.received = self._temp(self.name)
+        _bytes(self.received).fill_(0xA5)  # unlike any pool's bytes: a write that moved
+        # nothing (the fresh pool of a worker at start is all zeros) is not taken for one
         with self.src.lock:
             self.src.transport.connect(self.dst.metadata())
             self.connected = True

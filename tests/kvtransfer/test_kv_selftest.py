@@ -214,3 +214,20 @@ def test_a_tensor_parallel_rank_zero_is_measured_between_temporary_agents():
     assert [n.startswith("W.selftest-") for n in made] == [True, True] and made[0].endswith("-src")
     assert set(fabric.agents) == {"W"} and w.transport._peers == set()
     assert w.transport.released_handles == 0  # nothing was posted by the worker's agent
+
+
+def test_bytes_that_did_not_land_fail_the_test_even_from_an_all_zero_pool():
+    """A worker's pool at start is all zeros: a write that moved nothing into a zeroed scratch
+    pool would look right. The scratch pool is filled with another pattern first."""
+
+    class Misplaced(FakeTransferBackend):  # its writes land in a copy, not in the scratch
+        def register_pool(self, kv_cache, compat):
+            return super().register_pool(kv_cache.clone(), compat)
+
+    fabric = FakeFabric()
+    pool = torch.zeros((16, *SHAPE))
+    w = FakeTransferBackend(fabric, KVTransferConfig(agent_name="W"))
+    w.register_pool(pool, KVCompat.for_pool(pool, "m"))
+    r = run_selftest(w, pool, lambda cfg: Misplaced(fabric, cfg))
+    assert r.path == "failed: the bytes that landed differ from the bytes sent", r
+    assert set(fabric.agents) == {"W"} and w.transport._peers == set()
