@@ -36,17 +36,15 @@ import dataclasses
 import logging
 import math
 import os
-import re
-import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.base import KVTransferBackend, KVTransferConfig
+from kvtransfer.scratch import as_bytes, block_bytes, memcpy_seconds, same_bytes, scratch_like
+from kvtransfer.ucx_proto_info import env_set, stderr_captured, ucx_write_transports
 
 if TYPE_CHECKING:
     from kvtransfer.backend import TransportBackend
@@ -190,7 +188,7 @@ class _Session:
         """The agent that posted `handle`."""
         self.connected = False
         meta = backend.metadata()  # PoolError before register_pool: reported as failed
-        self.num_blocks = max(1, min(meta.num_blocks, math.ceil(target_bytes / _block(pool))))
+        self.num_blocks = max(1, min(meta.num_blocks, math.ceil(target_bytes / block_bytes(pool))))
         self.compat = dataclasses.replace(meta.compat, num_kv_heads=int(pool.shape[4]))
         self.mem_type = meta.mem_type
         self.pool = pool
@@ -222,7 +220,7 @@ class _Session:
         """A temporary agent with a zeroed scratch pool registered."""
         agent = self.make_peer(dataclasses.replace(self.config, agent_name=name))
         self.temps.append(agent)
-        scratch = _scratch(self.pool, self.num_blocks)
+        scratch = scratch_like(self.pool, self.num_blocks)
         agent.register_pool(scratch, self.compat)
         return agent, scratch
 
@@ -234,13 +232,13 @@ class _Session:
             self.sent.copy_(self.pool[: self.num_blocks])
             self.via = " (between temporary agents: tensor-parallel workers write in parts)"
         self.dst, self.received = self._temp(self.name)
-        _bytes(self.received).fill_(0xA5)  # unlike any pool's bytes: a write that moved
+        as_bytes(self.received).fill_(0xA5)  # unlike any pool's bytes: a write that moved
         # nothing (the fresh pool of a worker at start is all zeros) is not taken for one
         with self.src.lock:
             self.src.transport.connect(self.dst.metadata())
             self.connected = True
         ids = np.arange(self.num_blocks, dtype=np.int64)
-        nbytes = self.num_blocks * _block(self.pool)
+        nbytes = self.num_blocks * block_bytes(self.pool)
         best, timed = math.inf, 0
         stop = time.perf_counter() + MEASURE_S
         for i in range(1 + rounds):
@@ -248,13 +246,13 @@ class _Session:
             if timed and (now > stop or now + 2 * best > self.deadline):
                 break  # keep what was measured: another round might not fit
             seconds = self._write_once(ids)
-            if i == 0 and not _same_bytes(self.received, self.sent):
+            if i == 0 and not same_bytes(self.received, self.sent):
                 raise SelftestError("the bytes that landed differ from the bytes sent")
             if i > 0:
                 best, timed = min(best, seconds), timed + 1
         if not timed:
             raise SelftestError("timed out: no timed round fit in the budget")
-        memcpy = _memcpy_seconds(self.sent, timed)
+        memcpy = memcpy_seconds(self.sent, timed)
         gbps, memcpy_gbps = nbytes / best / 1e9, nbytes / memcpy / 1e9
         transports = self._probe(ids) if self.src.transport.name == "nixl" else None
         return SelftestResult(
@@ -275,8 +273,8 @@ class _Session:
         else reached stderr meanwhile written through. The probe runs in this process with
         its settings, so it takes the worker's path. None if UCX told nothing."""
         try:
-            with _stderr_captured() as captured:
-                with _env("UCX_PROTO_INFO", "y"):
+            with stderr_captured() as captured:
+                with env_set("UCX_PROTO_INFO", "y"):
                     probe, _ = self._temp(f"{self.name}-probe")
                 with probe.lock:
                     probe.transport.connect(self.dst.metadata())
@@ -332,143 +330,3 @@ class _Session:
                 log.error("KV transfer self-test: a write handle could not be released")
                 return
             time.sleep(0.001)
-
-
-def _same_bytes(a: Any, b: Any) -> bool:
-    """Two tensors hold the same bytes (NaN garbage in a fresh pool equals itself here)."""
-    import torch
-
-    return bool(torch.equal(_bytes(a), _bytes(b)))
-
-
-def _block(pool: Any) -> int:
-    return int(pool.stride(0) * pool.element_size())
-
-
-def _bytes(t: Any) -> Any:
-    """A contiguous tensor's bytes (compared bytewise: NaN garbage in a fresh pool is equal
-    to itself here)."""
-    import torch
-
-    return t.contiguous().view(torch.uint8)
-
-
-def _scratch(pool: Any, num_blocks: int) -> Any:
-    """Zeroed blocks of `pool`'s geometry and dtype on its device. On CPU the buffer is
-    2 MiB-aligned and asks for transparent huge pages before it is touched, as the engine's
-    pool does (engine/kv/kv_pool.py): CMA into 4 KiB pages runs at half the speed."""
-    import torch
-
-    shape = (num_blocks, *pool.shape[1:])
-    if pool.device.type != "cpu":
-        return torch.zeros(shape, dtype=pool.dtype, device=pool.device)
-    huge = 2 << 20
-    nbytes = num_blocks * _block(pool)
-    buf = torch.empty(nbytes + huge, dtype=torch.uint8)
-    offset = -buf.data_ptr() % huge
-    region = buf[offset : offset + nbytes]
-    _advise_huge_pages(region.data_ptr(), nbytes)
-    return region.view(pool.dtype).view(shape).zero_()
-
-
-def _advise_huge_pages(addr: int, nbytes: int) -> None:
-    import ctypes
-    import sys
-
-    huge, madv_hugepage = 2 << 20, 14
-    end = (addr + nbytes) & ~(huge - 1)
-    if sys.platform.startswith("linux") and end > addr:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(end - addr), madv_hugepage)
-
-
-def _memcpy_seconds(src: Any, rounds: int) -> float:
-    """The best of `rounds` one-thread copies of `src` into a scratch buffer like the
-    self-test's (after a warm-up copy)."""
-    import numpy as np
-    import torch
-
-    dst = _scratch(src, src.shape[0])
-    cuda = src.device.type == "cuda"
-    if not cuda:
-        a, b = _bytes(dst).numpy(), _bytes(src).numpy()
-    best = math.inf
-    for i in range(1 + rounds):
-        t0 = time.perf_counter()
-        if cuda:
-            dst.copy_(src)
-            torch.cuda.synchronize(src.device)
-        else:
-            np.copyto(a, b)
-        if i:
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
-_UCX_PREFIX = re.compile(r"^\[[\d.]+\] \[[^\]]*\]\s*")
-"""What UCX puts before each line it logs: `[<time>] [<host>:<pid>:<thread>]`."""
-
-
-def ucx_write_transports(log_text: str) -> list[str]:
-    """The transports of UCX's 'remote memory write' protocols (NIXL's WRITEs) towards other
-    agents, from the tables `UCX_PROTO_INFO=y` prints, in order, without repeats: e.g.
-    `['cma/memory']` on one host, `['tcp/lo']` over sockets. Tables of an agent's endpoint to
-    itself ('self') are skipped: a real transfer never takes them."""
-    found: list[str] = []
-    header = protocol = ""
-    rows = False
-    for raw in log_text.splitlines():
-        line = _UCX_PREFIX.sub("", raw).strip()
-        if not line.startswith("|"):
-            continue  # a table border, or anything else
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 1:  # a table's title lines: endpoint, then protocol
-            if "cfg#" in cells[0]:
-                header, protocol, rows = cells[0], "", False
-            else:
-                protocol = cells[0]
-        elif cells[0] == "Range":
-            rows = True
-        elif rows and "remote memory write" in protocol and " self " not in f" {header} ":
-            if cells[-1] and cells[-1] not in found:
-                found.append(cells[-1])
-    return found
-
-
-@contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    """The environment variable set while the block runs (an agent made in it reads it)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-@contextmanager
-def _stderr_captured() -> Iterator[list[str]]:
-    """File descriptor 2 redirected while the block runs (UCX writes there from C); yields a
-    list that holds the captured text afterwards. Lines that are not UCX's are written on to
-    the real stderr when the block ends."""
-    out: list[str] = []
-    sys.stderr.flush()
-    with tempfile.TemporaryFile() as f:
-        saved = os.dup(2)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield out
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            f.seek(0)
-            out.append(f.read().decode(errors="replace"))
-            others = [
-                line for line in out[0].splitlines(keepends=True) if not _UCX_PREFIX.match(line)
-            ]
-            if others:
-                sys.stderr.write("".join(others))

@@ -19,7 +19,8 @@ from kvtransfer import (
     run_selftest,
     wait_for,
 )
-from kvtransfer.selftest import describe_path, nixl_peer, ucx_write_transports
+from kvtransfer.selftest import describe_path, nixl_peer
+from kvtransfer.ucx_proto_info import ucx_write_transports
 
 pytestmark = pytest.mark.timeout(60)
 
