@@ -78,6 +78,24 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class TransferSelftest:
+    """The worker's KV transfer self-test at start (kvtransfer/selftest.py), as published:
+    rates in GB/s; a failed test has 0 rates and `path` "failed: <why>"."""
+
+    gbps: float
+    memcpy_gbps: float
+    ratio: float
+    """gbps / memcpy_gbps: well below 1 means a slow or fallback path (docs/kvtransfer.md)."""
+    path: str
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "TransferSelftest":
+        return cls(
+            float(doc["gbps"]), float(doc["memcpy_gbps"]), float(doc["ratio"]), str(doc["path"])
+        )
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
     role: str  # prefill | decode
@@ -109,14 +127,22 @@ class WorkerInfo:
     """`engine.kv.block_hash.block_hash_probe` of its block size, KV cache dtype and weights
     version, computed by its own code; "" from workers older than the probe. A worker whose
     probe differs from the router's is refused (cluster/block_hash_agreement.py)."""
+    transfer_selftest: TransferSelftest | None = None
+    """Its KV transfer self-test at start; None (absent from the document): not run
+    (`--no-kv-transfer-selftest`, or a worker older than the self-test)."""
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        doc = asdict(self)
+        if self.transfer_selftest is None:  # optional: absent rather than null
+            del doc["transfer_selftest"]
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> "WorkerInfo":
         doc = json.loads(data)
         doc["capacity"] = Capacity.from_dict(doc.get("capacity", {}))
+        if doc.get("transfer_selftest") is not None:
+            doc["transfer_selftest"] = TransferSelftest.from_dict(doc["transfer_selftest"])
         doc["resident_loras"] = tuple(doc.get("resident_loras", ()))
         info = cls(**doc)
         if info.role not in ROLES:

@@ -48,11 +48,13 @@ __all__ = [
     "PeerMetrics",
     "PoolError",
     "RequestStateError",
+    "SelftestResult",
     "TransferMetrics",
     "TransferResult",
     "TransferStatus",
     "UnknownPeerError",
     "check_compatible",
+    "run_selftest",
     "wait_for",
 ]
 
@@ -67,4 +69,8 @@ def __getattr__(name: str) -> object:
         from kvtransfer import fake
 
         return getattr(fake, name)
+    if name in ("SelftestResult", "run_selftest"):  # the start-up self-test (selftest.py)
+        from kvtransfer import selftest
+
+        return getattr(selftest, name)
     raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")

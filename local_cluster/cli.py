@@ -2,7 +2,7 @@
 into an UpConfig once (config.py; the flags come from its fields) and runs the supervisor
 (up.py); `scale` asks the running `up` over its control port, and `status` lists its processes
 (state, restarts) and the workers registered in etcd with their load and KV use, second tier
-included (control.py says where both find the running `up`)."""
+included, and their KV transfer self-test (control.py says where both find the running `up`)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def status(args: argparse.Namespace) -> int:
         _print_processes()
     workers = sorted(asyncio.run(fetch()), key=lambda w: (w.role, w.worker_id))
     print("\n".join(worker_table(workers)))
+    for note in selftest_notes(workers):
+        print(note)
     for w in workers:
         why = probe_refusal(w)
         if why:
@@ -66,12 +68,14 @@ def status(args: argparse.Namespace) -> int:
 
 def worker_table(workers: list[WorkerInfo]) -> list[str]:
     """`pdserve status`'s lines for the registered workers: a header, then one per worker
-    (its second KV tier's used/total blocks, `-` without a tier)."""
+    (its second KV tier's used/total blocks, `-` without a tier; its KV transfer self-test:
+    GB/s and ratio to memcpy, `failed`, or `-` when not run — docs/kvtransfer.md)."""
     from cluster.block_hash_agreement import probe_refusal
 
     lines = [
         f"{'role':8} {'worker':32} {'address':22} {'state':9} {'free/total blocks':>18} "
-        f"{'KV tier used/total':>19} {'running':>8} {'waiting':>8} {'queued prefill':>15}"
+        f"{'KV tier used/total':>19} {'running':>8} {'waiting':>8} {'queued prefill':>15} "
+        f"{'KV xfer GB/s (x memcpy)':>23}"
     ]
     for w in workers:
         c = w.capacity
@@ -84,9 +88,37 @@ def worker_table(workers: list[WorkerInfo]) -> list[str]:
         lines.append(
             f"{w.role:8} {w.worker_id:32} {w.grpc_address:22} {state:9} "
             f"{c.free_blocks:>8}/{c.total_blocks:<9} {tier} {c.running:>8} "
-            f"{c.waiting:>8} {c.queued_prefill_tokens:>15}"
+            f"{c.waiting:>8} {c.queued_prefill_tokens:>15} {selftest_cell(w):>23}"
         )
     return lines
+
+
+def selftest_cell(w: WorkerInfo) -> str:
+    """A worker's KV transfer self-test in `pdserve status`: `9.85 (0.61x)`, `failed`, `-`."""
+    t = w.transfer_selftest
+    if t is None:
+        return "-"
+    if t.path.startswith("failed"):
+        return "failed"
+    return f"{t.gbps:.2f} ({t.ratio:.2f}x)"
+
+
+def selftest_notes(workers: list[WorkerInfo]) -> list[str]:
+    """One line per worker whose self-test failed or ran below the warning ratio: the path
+    and why, which the table has no room for."""
+    from kvtransfer.selftest import LOW_RATIO
+
+    notes = []
+    for w in workers:
+        t = w.transfer_selftest
+        if t is not None and t.path.startswith("failed"):
+            notes.append(f"KV transfer self-test of {w.worker_id} {t.path}")
+        elif t is not None and t.ratio < LOW_RATIO:
+            notes.append(
+                f"KV transfer self-test of {w.worker_id}: slow path, {t.gbps:.2f} GB/s = "
+                f"{t.ratio:.2f}x memcpy over {t.path} (docs/kvtransfer.md)"
+            )
+    return notes
 
 
 def _print_processes() -> None:

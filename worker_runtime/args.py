@@ -67,6 +67,12 @@ class WorkerConfig:
     step costs so a step stays within this many ms, and a prompt cut is cut evenly; prefill
     still keeps at least 3/4 of a busy worker's time. 0: only --max-num-batched-tokens and
     --long-prefill-token-threshold size them."""
+    kv_transfer_selftest: bool = True
+    """At start, measure this worker's KV transfer path (temporary agents, a few MiB; about
+    0.3 s) against a memcpy of the same bytes and name the transports UCX took; log it, warn
+    when it is slow, export it on /metrics and publish it (`pdserve status` shows it;
+    docs/kvtransfer.md, "Self-test at start"). --no-kv-transfer-selftest skips it (tests that
+    start many workers)."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
     """Who may call this worker's gRPC port (and what it presents to other workers): the
     cluster token and/or mutual TLS, as the router and every worker of the cluster

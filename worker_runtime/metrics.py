@@ -18,7 +18,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cluster.registration import ROLES
+from cluster.registration import ROLES, TransferSelftest
 from engine.llm_engine import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -184,6 +184,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self._stats: EngineStats | None = None
         self._step_seconds = 0.0
+        self._selftest: TransferSelftest | None = None
         self.registry.register(self)
         # KV transfer metrics (bytes, blocks, batches, requests, failures, latency histograms)
         # live in each side's own registry (kvtransfer.metrics); exported here as they are.
@@ -304,6 +305,10 @@ class WorkerMetrics:
         self._stats = stats
         self._step_seconds = loop.step_seconds
 
+    def set_transfer_selftest(self, result: TransferSelftest) -> None:
+        """The KV transfer self-test at start (worker_runtime/process.py)."""
+        self._selftest = result
+
     def count_prefill_mode(self, mode: str) -> None:
         self.prefill_modes[mode] = self.prefill_modes.get(mode, 0) + 1
 
@@ -422,6 +427,26 @@ class WorkerMetrics:
         for mode, n in self.prefill_modes.items():
             modes.add_metric([self.role, mode], n)
         yield modes
+        yield from self._transfer_selftest()
+
+    def _transfer_selftest(self):
+        """The self-test's gauges; 0 until it ran, and when it failed or was skipped."""
+        t = self._selftest
+        for name, doc in (
+            ("gbps", "KV transfer self-test at start: GB/s over this worker's path"),
+            (
+                "memcpy_gbps",
+                "KV transfer self-test at start: GB/s of a one-thread memcpy of the same bytes",
+            ),
+            (
+                "ratio",
+                "KV transfer self-test at start: transfer / memcpy rate (low: a slow or "
+                "fallback path, docs/kvtransfer.md)",
+            ),
+        ):
+            g = GaugeMetricFamily(f"pdserve_kv_transfer_selftest_{name}", doc)
+            g.add_metric([], 0.0 if t is None else getattr(t, name))
+            yield g
 
     def _spec_decode(self, s: EngineStats, vllm: list[str]):
         for vllm_name, name, doc, value in SPEC_COUNTERS:

@@ -1,12 +1,12 @@
 """The life cycle of a worker process, around its `WorkerRuntime` (runtime.py): build (load
-model, size pool, register the pool with NIXL) -> start (engine thread, gRPC server, metrics
-server, etcd registration; etcd unreachable at start is fatal, and so, with exit code 2, is a
-registered worker of this KV layout that hashes blocks differently:
-cluster/block_hash_agreement.py) -> serve -> SIGTERM: SHUTTING_DOWN (published at once; new
-work is refused with UNAVAILABLE), wait for in-flight calls (bounded), deregister, exit 0. If
-the engine loop dies (a step raised), every engine command fails at once, the worker
-deregisters and the process exits 1, so its supervisor restarts it. The entry point is
-pdserve/worker_main.py: `build_runtime`, the rooms' servicers (wiring.py), `serve`.
+model, size pool, register the pool with NIXL, measure it: `transfer_selftest`) -> start
+(engine thread, gRPC server, metrics server, etcd registration; etcd unreachable at start is
+fatal, and so, with exit code 2, is a registered worker of this KV layout that hashes blocks
+differently: cluster/block_hash_agreement.py) -> serve -> SIGTERM: SHUTTING_DOWN (published
+at once; new work is refused with UNAVAILABLE), wait for in-flight calls (bounded),
+deregister, exit 0. If the engine loop dies (a step raised), every engine command fails at
+once, the worker deregisters and the process exits 1, so its supervisor restarts it. The entry
+point is pdserve/worker_main.py: `build_runtime`, the rooms' servicers (wiring.py), `serve`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_auth import add_port
 from cluster.grpc_security import ClusterAuth
 from cluster.heap import freeze_startup_heap
-from cluster.registration import RegistrationRefused
+from cluster.registration import RegistrationRefused, TransferSelftest
 from engine.llm_engine import LLMEngine
 from worker_runtime.admission import WorkerPhase
 from worker_runtime.args import WorkerConfig
@@ -33,6 +33,7 @@ from worker_runtime.runtime import WorkerRuntime, make_grpc_server
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from kvtransfer.selftest import PeerFactory, SelftestResult
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def build_runtime(
     from cluster.registration import Registrar
     from kvtransfer import KVTransferConfig
     from kvtransfer.nixl_backend import NixlTransferBackend
+    from kvtransfer.selftest import nixl_peer
 
     step_threads = worker_threads(config.num_threads, config.share_host_cores)
     engine = LLMEngine(engine_config)
@@ -77,9 +79,38 @@ def build_runtime(
         etcd_credentials=etcd_credentials,
         step_threads=step_threads,
     )
+    if config.kv_transfer_selftest:
+        transfer_selftest(runtime, nixl_peer)
     release_openmp_threads()  # built: only the engine thread runs parallel regions now
     runtime.freeze_heap = True
     return runtime
+
+
+def transfer_selftest(rt: WorkerRuntime, make_peer: PeerFactory) -> SelftestResult:
+    """Measure the worker's KV transfer path once (kvtransfer/selftest.py; `make_peer` makes a
+    temporary agent of its backend's kind), before anything else uses the agent: log the
+    result (a warning when slow, an error when it failed), set its /metrics gauges and what
+    the registration publishes. Never raises: a worker whose self-test failed still starts."""
+    from kvtransfer.selftest import LOW_RATIO, run_selftest
+
+    result = run_selftest(rt.kv, rt.engine.kv_cache, make_peer)
+    if not result.ok:
+        log.error("%s; the worker starts anyway (docs/kvtransfer.md)", result.line())
+    elif result.low:
+        log.warning(
+            "%s -- BELOW %.1fx MEMCPY: KV transfers will be slow; is UCX on TCP instead of "
+            "shared memory (cma) or RDMA? Check UCX_NET_DEVICES and UCX_TLS, and "
+            "UCX_PROTO_INFO=y for the transports UCX picks (docs/kvtransfer.md, "
+            '"Self-test at start")',
+            result.line(),
+            LOW_RATIO,
+        )
+    else:
+        log.info("%s", result.line())
+    published = TransferSelftest(result.gbps, result.memcpy_gbps, result.ratio, result.path)
+    rt.transfer_selftest = published
+    rt.metrics.set_transfer_selftest(published)
+    return result
 
 
 async def serve(rt: WorkerRuntime, add_servicers: Callable[[grpc.aio.Server], None]) -> int:

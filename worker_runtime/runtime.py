@@ -25,7 +25,7 @@ from cluster.etcd_security import EtcdCredentials
 from cluster.grpc_auth import server_interceptors
 from cluster.grpc_options import SERVER_OPTIONS
 from cluster.grpc_security import ClusterAuth
-from cluster.registration import Capacity, WorkerInfo
+from cluster.registration import Capacity, TransferSelftest, WorkerInfo
 from engine.engine_loop import EngineLoop
 from engine.kv.block_hash import block_hash_probe
 from engine.llm_engine import EngineStats, LLMEngine
@@ -192,6 +192,8 @@ class WorkerRuntime:
         """LoRA adapters served here, by name (asyncio side; published in etcd)."""
         self.pull_cost = PullCost()
         """What this worker's peer pulls cost (kv_pull.py measures; published)."""
+        self.transfer_selftest: TransferSelftest | None = None
+        """The KV transfer self-test at start (process.py runs it; published); None: not run."""
         self.grpc_address = ""
         self.metrics_address = ""
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -361,6 +363,7 @@ class WorkerRuntime:
             block_hash_probe=block_hash_probe(
                 self.engine.config.block_size, self.kv_cache_dtype, self.lifecycle.weights_version
             ),
+            transfer_selftest=self.transfer_selftest,
         )
 
     def capacity(self) -> Capacity:
