@@ -14,8 +14,8 @@ millisecond while transfers are in flight (event-driven: the decode worker admit
 whose KV just landed without waiting for a poll tick).
 
 Contract: the thread only calls `collect()` on the views it was given (one per shared
-sender or receiver), `num_active` and `on_results`; it sleeps on an event while nothing is in flight and
-is woken by a view's `on_work` (a send or an expect starting a transfer).
+sender or receiver), `num_active` and `on_results`; it sleeps on an event while nothing is in
+flight and is woken by a view's `on_work` (a send or an expect starting a transfer).
 """
 
 from __future__ import annotations
