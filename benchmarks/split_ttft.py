@@ -3,7 +3,7 @@ prefilled remotely) against one colocated worker, with the prompt computed on ON
 (`--num-threads 1`), for prompts of several lengths — issue 58's target: the split costs
 nothing beyond moving the bytes, TTFT(1P+1D) <= TTFT(colocated) + raw transfer + 10 ms.
 
-  python benchmarks/split_ttft.py [--lengths 256,2048,8192] [--repeats 3] [--cores 0,1]
+  python benchmarks/split_ttft.py [--lengths 256,2048,8000] [--repeats 3] [--cores 0,1]
       [--max-model-len N] [--num-layers N]
 
 Each configuration is one `pdserve up` serving the bundled model; requests are sequential,
@@ -137,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lengths", default="256,2048,8192", help="prompt tokens")
+    parser.add_argument("--lengths", default="256,2048,8000", help="prompt tokens")
     parser.add_argument("--repeats", type=int, default=3, help="requests per length (median)")
     parser.add_argument("--cores", default="0,1")
     parser.add_argument("--max-model-len", type=int, default=None)

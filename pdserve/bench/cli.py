@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -154,6 +155,13 @@ def register(subparsers) -> None:
         default=None,
         help="goodput: a request is good only if every gap between its streamed chunks is <= this",
     )
+    g.add_argument(
+        "--worker-metrics",
+        default=None,
+        metavar="up|HOST:PORT,...",
+        help="scrape these workers' /metrics before and after the run and report the split "
+        "path's KV pushes and handovers ('up': the running `pdserve up`'s workers)",
+    )
     g.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     g.add_argument(
         "--plot", type=Path, default=None, help="write a PNG of TTFT / ITL / e2e latency CDFs here"
@@ -189,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=SloConfig(ttft_ms=args.slo_ttft_ms, itl_ms=args.slo_itl_ms),
         out=args.out,
         plot=args.plot,
+        worker_metrics=args.worker_metrics,
     )
 
 
@@ -196,11 +205,16 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     from pdserve.bench.report import format_table, summarize, to_json, write_json
     from pdserve.bench.runner import run_benchmark
+    from pdserve.bench.worker_side import kv_transfer_stats, metrics_urls, scrape
     from pdserve.bench.workload import build_workload
 
     specs = build_workload(cfg.workload)
+    workers = metrics_urls(cfg.worker_metrics) if cfg.worker_metrics else []
+    before = scrape(workers)
     run = run_benchmark(cfg, specs)
     report = summarize(run, cfg.slo)
+    if workers:
+        report = replace(report, kv_transfer=kv_transfer_stats(before, scrape(workers)))
     rate = "inf" if math.isinf(cfg.load.request_rate) else f"{cfg.load.request_rate:g}/s"
     print(
         f"model {run.model} at {cfg.endpoint.url} ({cfg.endpoint.endpoint}), "

@@ -111,3 +111,6 @@ class BenchConfig:
     """Where to write the JSON result (None: not written)."""
     plot: Path | None = None
     """Where to write the PNG of latency CDFs (None: not drawn)."""
+    worker_metrics: str | None = None
+    """Workers whose /metrics are scraped before and after the run for the split path's KV
+    transfer and handover figures: `up`, or comma-separated host:port (None: not scraped)."""

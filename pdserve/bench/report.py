@@ -22,6 +22,7 @@ import numpy as np
 from pdserve.bench.client import RequestResult
 from pdserve.bench.config import BenchConfig, SloConfig
 from pdserve.bench.runner import UNSENT, BenchRun
+from pdserve.bench.worker_side import KVTransferStats, format_rows
 
 SCHEMA_VERSION = 1
 
@@ -76,6 +77,8 @@ class Report:
     """good_requests per second; None when no SLO is set."""
     errors: dict[str, int]
     """Error message -> how many requests ended with it."""
+    kv_transfer: KVTransferStats | None = None
+    """The split path as the workers measured it (`--worker-metrics`; None: not scraped)."""
 
 
 def meets_slo(r: RequestResult, slo: SloConfig) -> bool:
@@ -200,6 +203,8 @@ def format_table(report: Report) -> str:
                 f"{report.goodput:.2f} ({report.good_requests} requests)",
             )
         )
+    if report.kv_transfer is not None:
+        rows += format_rows(report.kv_transfer)
     lines = [f"{k:<58} {v}" for k, v in rows]
     lines.append(f"{'latency (ms)':<10} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'n':>7}")
     for name, s in (

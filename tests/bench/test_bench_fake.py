@@ -34,6 +34,7 @@ SUMMARY_FIELDS = {
     "good_requests",
     "goodput",
     "errors",
+    "kv_transfer",
 }
 STATS_FIELDS = {"count", "mean", "p50", "p90", "p99", "min", "max"}
 REQUEST_FIELDS = {
