@@ -27,3 +27,10 @@ def test_http_bench_host_check_ab():
         results = asyncio.run(run(seconds=0.05, repeats=1, stub_host_check=True))
     assert set(results) == set(CASES)
     assert guard.check(rebound).status == 421
+
+
+def test_http_bench_check_alone():
+    from http_bench import check_alone
+
+    timings = check_alone(calls=100)
+    assert set(timings) == {"Host + Origin", "Host only"} and all(t > 0 for t in timings.values())
