@@ -218,7 +218,6 @@ def add_page_routes(app: FastAPI) -> None:
                     "content": {kind: {"schema": {"type": "string"}}},
                 }
             },
-            include_in_schema=path == "/dashboard",
         )
 
 
