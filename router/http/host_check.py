@@ -7,14 +7,15 @@ same-origin requests carrying `Host: attacker.example`. A router without an API 
 serve them (the model, and with --enable-sleep-mode / --enable-lora the admin surface).
 
 The rules (docs/security.md, "The HTTP edge"):
-- **Host**, only when the router has no API key (a key protects it otherwise): the name must
-  be one it serves on — the listen address (--host), `localhost`, `127.0.0.1`, `[::1]` — or an
-  --allowed-hosts entry, with or without a port (an entry with a port matches that port
+- **Host**, only when the router has no inference API key (a key protects it otherwise; an
+  admin key alone leaves /v1/* open, so it does not count): the name must be one it serves
+  on — the listen address (--host), `localhost`, `127.0.0.1`, `[::1]` — or an --allowed-hosts
+  entry, with or without a port (an entry with a port matches that port
   only). On a wildcard listen address (0.0.0.0, ::) any IP literal is served too (a rebinding
   page always sends a name). `--allowed-hosts '*'` turns the check off. A request without a
   Host header (HTTP/1.0; no browser sends one) passes. Else 421 `host_not_allowed`.
 - **Origin**, always: a browser request from another origin (an `Origin` header that names
-  neither the request's own host and port, nor an allowed host as above) is a 403
+  neither the request's own host, nor an allowed host as above) is a 403
   `origin_not_allowed`; so is `Origin: null` (sandboxed frames, files). No CORS header is
   ever sent, so a browser page of another origin cannot read answers either way.
 """

@@ -49,8 +49,9 @@ class AuthAndCount:
     def __init__(self, app: Any, services: Services) -> None:
         self.app = app
         self.services = services
-        keys, config = services.keys, services.config
-        keyed = bool(keys.api or keys.admin)
+        config = services.config
+        # Only inference keys close the model: with an admin key alone, /v1/* stays open.
+        keyed = bool(services.keys.api)
         self.hosts = HostCheck(config.host, config.allowed_hosts, keyed=keyed)
         self.throttle = FailedAuthThrottle()
 

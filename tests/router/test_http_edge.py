@@ -70,6 +70,21 @@ def test_host_rules_without_a_key():
     assert _check(HostCheck("127.0.0.1", (), True), "proxy.example") is None
 
 
+def test_an_admin_key_alone_keeps_the_host_check():
+    """With only an admin key, /v1/* is open: a rebinding page could still use the model."""
+    from types import SimpleNamespace
+
+    from router.http.auth import Keys
+    from router.http.middleware import AuthAndCount
+
+    def host_checked(keys: Keys) -> bool:
+        services = SimpleNamespace(keys=keys, config=RouterConfig(etcd="h:1"))
+        return AuthAndCount(None, services).hosts.check_host
+
+    assert host_checked(Keys()) and host_checked(Keys.of([], [KEY]))
+    assert not host_checked(Keys.of([KEY])) and not host_checked(Keys.of([KEY], [KEY + "-admin"]))
+
+
 def test_origin_rules():
     for keyed in (False, True):
         guard = HostCheck("127.0.0.1", (HostRule("app.example"),), keyed)
