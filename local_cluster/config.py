@@ -89,6 +89,11 @@ class UpConfig:
     VLLM_API_KEY in `up`'s environment reach the router as well."""
     admin_api_key_file: str | None = option(None, metavar="PATH")
     """The router's admin keys (its --admin-api-key-file); or PDSERVE_ADMIN_API_KEY."""
+    generate_api_key: bool = False
+    """Make a random API key for the router in a 0600 file of up's run directory (named in the
+    banner and the run file; removed when `up` stops): only the users who can read it reach
+    the model and the admin surface. Off by default: every local user of the host can then
+    use a keyless router (browsers cannot: docs/security.md, "The HTTP edge")."""
     allowed_model_paths: tuple[str, ...] = option((), metavar="DIR")
     """More directories the workers may load weights (/update_weights) and LoRA adapters
     (/v1/load_lora_adapter, a request's adapter) from. Every worker gets --allowed-model-paths
@@ -130,6 +135,11 @@ class UpConfig:
                     f"{on_argv[0].split('=', 1)[0] if on_argv else ''} "
                     "would put a key on the router's command line (visible in `ps`): use "
                     "--api-key-file / --admin-api-key-file or PDSERVE_API_KEY",
+                ),
+                (
+                    not (self.generate_api_key and self.api_key_file),
+                    "generate_api_key",
+                    "is exclusive with --api-key-file (give a key, or have one made)",
                 ),
                 (prefill >= 0, "prefill", "must be >= 0"),
                 (self.decode >= 0, "decode", "must be >= 0"),

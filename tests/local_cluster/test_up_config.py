@@ -185,6 +185,26 @@ def test_workers_may_read_only_the_model_and_adapter_directories(tmp_path):
     assert started(cmd)[0].allowed_model_paths == ("/x",)
 
 
+def test_generate_api_key_makes_a_0600_key_file_for_the_router(tmp_path):
+    from local_cluster.up import client_key
+
+    assert client_key(parse_up(), tmp_path) == parse_up()  # opt-in: nothing made
+    assert not (tmp_path / "api-key").exists()
+    config = client_key(parse_up("--generate-api-key"), tmp_path)
+    made = tmp_path / "api-key"
+    assert config.api_key_file == str(made) and made.stat().st_mode & 0o777 == 0o600
+    key = made.read_text().strip()
+    argv = router_flags(config, ETCD, 9000)
+    assert key not in " ".join(argv)  # by file, never on the command line
+    router = router_config(build_parser().parse_args(["router", *argv]))
+    assert router.api_key_file == str(made)
+    from router.http.auth import Keys, resolve_keys
+
+    assert resolve_keys(router, {}) == Keys.of([key])  # long enough, not a placeholder
+    with pytest.raises(ValueError, match="is exclusive with --api-key-file"):
+        parse_up("--generate-api-key", "--api-key-file", "k.txt")
+
+
 def test_worker_args_then_role_args_come_last_so_they_win():
     config = parse_up(
         "--kv-cache-dtype",
