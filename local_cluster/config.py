@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.chat_config import GROUP as CHAT_GROUP
 from cluster.chat_config import ChatConfig
@@ -88,6 +89,16 @@ class UpConfig:
     VLLM_API_KEY in `up`'s environment reach the router as well."""
     admin_api_key_file: str | None = option(None, metavar="PATH")
     """The router's admin keys (its --admin-api-key-file); or PDSERVE_ADMIN_API_KEY."""
+    generate_api_key: bool = False
+    """Make a random API key for the router in a 0600 file of up's run directory (named in the
+    banner and the run file; removed when `up` stops): only the users who can read it reach
+    the model and the admin surface. Off by default: every local user of the host can then
+    use a keyless router (browsers cannot: docs/security.md, "The HTTP edge")."""
+    allowed_model_paths: tuple[str, ...] = option((), metavar="DIR")
+    """More directories the workers may load weights (/update_weights) and LoRA adapters
+    (/v1/load_lora_adapter, a request's adapter) from. Every worker gets --allowed-model-paths
+    with the model's directory, each --lora-modules adapter's directory and these; a path
+    outside them is refused before it is opened (docs/security.md)."""
     grpc_security: GrpcSecurity = option(default_factory=GrpcSecurity, group=GRPC_SECURITY_GROUP)
     """The cluster plane's authentication, given to the router, every worker and the planner.
     Without --cluster-token-file or PDSERVE_CLUSTER_TOKEN, `up` makes a random token for this
@@ -125,6 +136,11 @@ class UpConfig:
                     "would put a key on the router's command line (visible in `ps`): use "
                     "--api-key-file / --admin-api-key-file or PDSERVE_API_KEY",
                 ),
+                (
+                    not (self.generate_api_key and self.api_key_file),
+                    "generate_api_key",
+                    "is exclusive with --api-key-file (give a key, or have one made)",
+                ),
                 (prefill >= 0, "prefill", "must be >= 0"),
                 (self.decode >= 0, "decode", "must be >= 0"),
                 (0 <= self.port < 65536, "port", "must be in 0..65535"),
@@ -147,6 +163,17 @@ class UpConfig:
         workers refuse them (`--worker-arg=--enable-admin-rpcs` turns them on, e.g. for
         `pdserve role`)."""
         return self.planner or self.engine.enable_sleep_mode or self.engine.enable_lora
+
+    @property
+    def model_roots(self) -> tuple[str, ...]:
+        """The workers' --allowed-model-paths: the model's directory (a GGUF file's folder),
+        each --lora-modules adapter's directory, then --allowed-model-paths', absolute.
+        `up` resolves the model (`default` -> its prepared folder) before asking."""
+        model = Path(self.engine.model).expanduser()
+        roots = [model.parent if model.suffix == ".gguf" or model.is_file() else model]
+        roots += [Path(m.path).expanduser() for m in self.engine.lora_modules]
+        roots += [Path(p).expanduser() for p in self.allowed_model_paths]
+        return tuple(dict.fromkeys(str(p.absolute()) for p in roots))
 
     def role_args(self, role: Role) -> tuple[str, ...]:
         """--prefill-arg's or --decode-arg's."""

@@ -48,6 +48,7 @@ def serve_control(supervisor: Supervisor, url: str) -> ThreadingHTTPServer:
             "logs": str(supervisor.log_dir),
             "etcd_security": dataclasses.asdict(supervisor.router_etcd),  # paths, no password
             "grpc_security": dataclasses.asdict(supervisor.config.grpc_security),
+            "api_key_file": supervisor.config.api_key_file,  # a path, never the key
         }
     )
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -1,8 +1,8 @@
 """Where a running `pdserve up` is found, and how its clients (`pdserve scale` / `status`,
 benchmarks, tests) talk to its control server (control.py): the run file
 `$PDSERVE_CACHE/run/current-cluster.json` (pid, url, etcd, cluster, control address and
-token, logs, where etcd's read-only user's password is, the gRPC security files), readable by
-its user alone."""
+token, logs, where etcd's read-only user's password is, the gRPC security files, the router's
+API key file when there is one), readable by its user alone."""
 
 from __future__ import annotations
 

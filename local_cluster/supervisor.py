@@ -89,7 +89,8 @@ class Supervisor:
 
     def worker_command(self, role: Role) -> list[str]:
         """`pdserve <role> ...`'s arguments: the worker's WorkerConfig (this cluster's etcd and
-        the workers' etcd user, name, thread count and gRPC security) and
+        the workers' etcd user, name, thread count, gRPC security and the directories it may
+        load weights and adapters from: `UpConfig.model_roots`) and
         `UpConfig.engine_for(role)` as flags (engine.flags.to_argv: every field off its
         default), then --worker-arg's, then --prefill-arg's or --decode-arg's (a later flag
         wins)."""
@@ -101,6 +102,7 @@ class Supervisor:
             cluster=c.cluster,
             num_threads=self._threads(),
             enable_admin_rpcs=c.runs_admin_rpcs,
+            allowed_model_paths=c.model_roots,
             grpc_security=c.grpc_security,
         )
         return [

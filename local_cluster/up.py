@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -26,7 +27,7 @@ from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import ClusterAuth, resolve, write_token_file
 from cluster.net import free_port
 from cluster.roles import ROLES, Role
-from cluster.secret_files import with_absolute_paths
+from cluster.secret_files import with_absolute_paths, write_secret_file
 from engine.config import EngineConfig
 from engine.flags import to_argv
 from local_cluster.children import EtcdChild, RouterProcess
@@ -50,6 +51,7 @@ def up(config: UpConfig) -> int:
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
     config, auth = cluster_security(config, run_dir)
+    config = client_key(config, run_dir)
     log_dir = Path(config.log_dir) if config.log_dir else run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     etcd_ports = (free_port(), free_port())
@@ -106,6 +108,15 @@ def cluster_security(config: UpConfig, run_dir: Path) -> tuple[UpConfig, Cluster
         security = dataclasses.replace(security, cluster_token_file=str(path))
         auth = resolve(security, os.environ)
     return dataclasses.replace(config, grpc_security=security), auth
+
+
+def client_key(config: UpConfig, run_dir: Path) -> UpConfig:
+    """With --generate-api-key: a random API key in `run_dir`/api-key (0600; removed with
+    `run_dir`), given to the router as its --api-key-file; else `config` as it is."""
+    if not config.generate_api_key:
+        return config
+    path = write_secret_file(run_dir / "api-key", secrets.token_urlsafe(32), exclusive=True)
+    return dataclasses.replace(config, api_key_file=str(path), generate_api_key=False)
 
 
 def add_router(sup: Supervisor) -> str:

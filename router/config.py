@@ -11,11 +11,12 @@ from cluster.etcd_security import GROUP as ETCD_GROUP
 from cluster.etcd_security import EtcdSecurity
 from cluster.grpc_security import GROUP as GRPC_SECURITY_GROUP
 from cluster.grpc_security import GrpcSecurity
-from engine.checks import check_fields
+from engine.checks import FieldError, check_fields
 from engine.config import LoRAModule, parse_size
 from engine.flags import option
 from router.endpoint_picker.config import GROUP as PICKER_GROUP
 from router.endpoint_picker.config import WILDCARD_HOSTS, EndpointPickerConfig
+from router.http.allowed_hosts import HostRule, parse_allowed_host
 from router.placement.allowed_workers import ANY, IPNetwork, parse_network
 
 POLICIES = ("affinity", "round_robin", "least_loaded")
@@ -210,6 +211,15 @@ class RouterConfig:
     """HTTP listen address."""
     port: int = 8000
     """HTTP port."""
+    allowed_hosts: tuple[HostRule, ...] = option(
+        (), type=str, group="security", metavar="HOST[,HOST...]"
+    )
+    """Host names (name, name:port, an IP; comma-separated) a router without an API key also
+    answers to, besides --host, localhost, 127.0.0.1 and [::1] (a DNS-rebinding guard: a
+    request for any other name is a 421); and browser origins it accepts besides its own
+    (another Origin is a 403). '*': any host name (the Origin check stays). On a wildcard
+    --host (0.0.0.0, ::) any IP address is served too; a name (a Service's, a proxy's) needs
+    this flag."""
     model: str = "default"
     """Tokenizer / chat template / context length source: "default" or an HF directory."""
     served_model_name: str | None = None
@@ -310,6 +320,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(map(LoRAModule.parse, self.lora_modules)))
+        object.__setattr__(self, "allowed_hosts", _allowed_hosts(self.allowed_hosts))
         for name in ("api_key", "admin_api_key"):  # one key may be given as a string
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
@@ -347,3 +358,20 @@ class RouterConfig:
                 ),
             ],
         )
+
+
+def _allowed_hosts(given: tuple[HostRule | str, ...] | str) -> tuple[HostRule, ...]:
+    """--allowed-hosts' values (comma-separated, or several values) as rules."""
+    if isinstance(given, str):
+        given = (given,)
+    rules: list[HostRule] = []
+    for item in given:
+        if isinstance(item, HostRule):
+            rules.append(item)
+            continue
+        for part in filter(None, (p.strip() for p in item.split(","))):
+            try:
+                rules.append(parse_allowed_host(part))
+            except ValueError as exc:
+                raise FieldError("allowed_hosts", f"allowed_hosts: {exc}") from None
+    return tuple(rules)

@@ -9,7 +9,8 @@ and chat through router/generation/serve.py, router/endpoints/responses/serving.
    merged stream counts what it generates into the key's ticket.
 2. `settle`: wait on that stream (the whole of it, or its first update) only while the
    client stays: `ClientGone` when it leaves, a 502 when the workers failed before the first
-   token; the stream is closed on any failure.
+   token (`worker_failed`: a fixed message naming the request id, the details in the log
+   only); the stream is closed on any failure.
 3. `answer`: the one collect-or-stream skeleton. Collected, the whole body is one JSON
    response; streamed, the response starts only once its first update has arrived (so
    placement failures, 503, and workers failing before the first token, 502, are real HTTP
@@ -37,7 +38,7 @@ from starlette.requests import Request
 from router.call import Delta, WorkerFailed
 from router.generation.prepare import Prepared
 from router.http.auth import effective_salt
-from router.http.errors import APIError
+from router.http.errors import REQUEST_ID, APIError, worker_failed
 from router.http.key_limits import TICKET, Ticket
 from router.http.streaming import ClientGone, merge, until_disconnect
 from router.placement.hint import PlacementHint
@@ -89,7 +90,7 @@ async def settle(request: Request, streams: Updates, work: Awaitable[T]) -> T:
         return await until_disconnect(request, work)
     except WorkerFailed as exc:
         await streams.aclose()
-        raise APIError(502, str(exc), code="worker_failed") from None
+        raise worker_failed(request.scope.get(REQUEST_ID, "-"), exc) from None
     except BaseException:  # ClientGone included
         await streams.aclose()
         raise
@@ -135,14 +136,18 @@ async def answer(
     except ClientGone:
         return Response(status_code=499)
     return StreamingResponse(
-        _events(cast(Streaming, writer), first, streams, ended),
+        _events(cast(Streaming, writer), first, streams, ended, request.scope.get(REQUEST_ID, "-")),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
 async def _events(
-    writer: Streaming, first: tuple[int, Delta], streams: Updates, ended: Callable[[bool], None]
+    writer: Streaming,
+    first: tuple[int, Delta],
+    streams: Updates,
+    ended: Callable[[bool], None],
+    request_id: str,
 ) -> AsyncIterator[bytes]:
     done = False
     try:
@@ -154,7 +159,8 @@ async def _events(
                     if chunk:
                         yield chunk
             except (WorkerFailed, APIError) as exc:
-                tail, done = writer.failed(exc), True
+                public = worker_failed(request_id, exc) if isinstance(exc, WorkerFailed) else exc
+                tail, done = writer.failed(public), True
                 ended(False)
                 yield tail
                 return

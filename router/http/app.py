@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.call import WorkerFailed
 from router.endpoints.admin.serving import add_admin_routes, dev_endpoints_enabled
 from router.endpoints.chat.serving import add_chat_routes
 from router.endpoints.completions.serving import add_completion_routes
@@ -23,7 +24,7 @@ from router.endpoints.models.serving import add_model_routes
 from router.endpoints.responses.serving import add_responses_routes
 from router.endpoints.tokenize.serving import add_tokenize_routes
 from router.http.dashboard import add_dashboard_routes
-from router.http.errors import APIError
+from router.http.errors import REQUEST_ID, APIError, worker_failed
 from router.http.limits import RequestLimits
 from router.http.middleware import AuthAndCount
 from router.http.openapi import install_openapi
@@ -41,6 +42,10 @@ def create_app(services: Services) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
+
+    @app.exception_handler(WorkerFailed)  # a route's workers failed: details to the log only
+    async def _worker_failed(request: Request, exc: WorkerFailed) -> Response:
+        return worker_failed(request.scope.get(REQUEST_ID, "-"), exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

@@ -6,11 +6,16 @@ Keys. Inference keys come from the first source given: `--api-key K [K ...]` (vL
 line; one trailing newline is not part of a key, so a Secret made from a key file works).
 Admin keys likewise from `--admin-api-key`, `--admin-api-key-file`, `PDSERVE_ADMIN_API_KEY`.
 An empty key, a known placeholder ("replace-me", ...), a key a client could not send in a
-header, an unreadable or empty file, or an admin key that is also an inference key is refused
-at start (ValueError naming the source: `pdserve router` exits 2). A key is never logged and
-never kept: `Keys` holds sha256 digests (compared in constant time, as vLLM does).
+header, a key shorter than 16 characters (MIN_KEY_CHARS), an unreadable or empty file, or an
+admin key that is also an inference key is refused at start (ValueError naming the source:
+`pdserve router` exits 2). A key is never logged and never kept: `Keys` holds sha256 digests
+(compared in constant time, as vLLM does).
 
 Paths:
+Before the key check (router/http/middleware.py): the Host / Origin check
+(router/http/host_check.py) and the back-off of addresses that keep presenting wrong keys
+(router/http/auth_throttle.py).
+
     open   anything not listed below: /health, /metrics, /version, /dashboard (the page
            itself holds no data: a browser cannot send a Bearer header when it navigates;
            the page sends the key on its data requests), /openapi.json, /docs, unknown paths
@@ -82,6 +87,10 @@ PLACEHOLDERS = frozenset(
 client's conventional dummy key for servers without one: as a server key it is a mistake."""
 TENANT_SALT = "pdserve.tenant_salt"
 """The ASGI scope entry `authorize` sets to the tenant salt of the key presented."""
+KEY_CHECKED = "pdserve.key_checked"
+"""The ASGI scope entry `authorize` sets (True) when the request presented a right key."""
+MIN_KEY_CHARS = 16
+"""Shortest key accepted at start (as for the cluster token and etcd's passwords)."""
 _SALT_DOMAIN = b"pdserve-cache-salt\x00"
 _LORA_ADMIN = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
@@ -158,6 +167,7 @@ def authorize(keys: Keys, scope: dict) -> APIError | None:
                 code="admin_key_required",
             )
         return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    scope[KEY_CHECKED] = True
     if presented is not None and presented in keys.salts:
         scope[TENANT_SALT] = keys.salts[presented]
     if not _matches(presented, keys.admin):  # an inference key: limited per key (key_limits)
@@ -316,5 +326,10 @@ def _checked(keys: tuple[str, ...], source: str) -> tuple[str, ...]:
             raise ValueError(
                 f"{where}: an API key must be printable ASCII without spaces "
                 "(a client could not send it as `Authorization: Bearer <key>`)"
+            )
+        if len(key) < MIN_KEY_CHARS:
+            raise ValueError(
+                f"{where}: an API key must have at least {MIN_KEY_CHARS} characters (this one "
+                f"has {len(key)}); generate one, e.g. `openssl rand -hex 32`"
             )
     return tuple(dict.fromkeys(keys))

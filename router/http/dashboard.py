@@ -1,19 +1,26 @@
-"""The live cluster page: GET /dashboard (one static HTML file with inline CSS and JS, no
-external URLs) polls GET /dashboard/data every second. The data (per-request routing
-decisions with their predicted cached tokens among it) needs the admin key, else the API key,
-when one is set (router/http/auth.py); the page holds no data and needs none: it sends the key
-given in its URL fragment (`/dashboard#key=...`, never sent to the server) or typed in."""
+"""The live cluster page: GET /dashboard (static HTML; its code and styles are
+/dashboard/app.js and /dashboard/app.css, no external URLs) polls GET /dashboard/data every
+second. The data (per-request routing decisions with their predicted cached tokens among it)
+needs the admin key, else the API key, when one is set (router/http/auth.py); the page holds no
+data and needs none: it sends the key given in its URL fragment (`/dashboard#key=...`, never
+sent to the server) or typed in, kept in the tab's sessionStorage.
+
+The page never executes what it shows (a registration's fields come from etcd, whoever could
+write there): the code writes data only as text (router/static/dashboard.js: no innerHTML),
+and every part of the page is served with PAGE_HEADERS — a Content-Security-Policy that allows
+scripts and styles from this router only (no inline script, no eval, no inline handler, no
+frame around it) and `X-Content-Type-Options: nosniff`."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from importlib import resources
-from typing import Any, Literal, Union
+from typing import Any, Awaitable, Callable, Literal, Union
 
 import httpx
 from fastapi import FastAPI
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
 
 from cluster.roles import Role
 from router.endpoints.base import ResponseModel
@@ -73,8 +80,29 @@ class DashboardData(ResponseModel):
     recent_decisions: list[DashboardDecision]
 
 
-def _page() -> str:
-    return resources.files("router").joinpath("static/dashboard.html").read_text("utf-8")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+"""The page's Content-Security-Policy: its own script and styles, fetches to this router."""
+PAGE_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+"""Headers of every part of the page (the HTML, its script and styles, its data)."""
+ASSETS = {
+    "/dashboard": ("dashboard.html", "text/html; charset=utf-8"),
+    "/dashboard/app.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dashboard/app.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+"""path -> (file under router/static/, its media type)."""
+
+
+def _asset(name: str) -> str:
+    return resources.files("router").joinpath(f"static/{name}").read_text("utf-8")
 
 
 async def kv_bytes_moved(workers: list[WorkerState], timeout_s: float = 0.5) -> dict[str, float]:
@@ -163,22 +191,40 @@ def dashboard_data(services: Services, kv_bytes: dict[str, float]) -> dict[str, 
     }
 
 
-def add_dashboard_routes(app: FastAPI, services: Services) -> None:
-    page = _page()
+def _serving(body: str, media_type: str) -> Callable[[], Awaitable[Response]]:
+    """A route answering `body` (a closure: a default argument would be a query parameter)."""
 
-    @app.get(
-        "/dashboard",
-        response_model=None,
-        responses={
-            200: {
-                "description": "The live cluster page (HTML with inline CSS and JS)",
-                "content": {"text/html": {"schema": {"type": "string"}}},
-            }
-        },
-    )
-    async def dashboard() -> HTMLResponse:
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+    async def serve() -> Response:
+        return Response(body, media_type=media_type, headers=PAGE_HEADERS)
+
+    return serve
+
+
+def add_page_routes(app: FastAPI) -> None:
+    """GET /dashboard and its script and styles (no data: open paths)."""
+    for path, (name, media_type) in ASSETS.items():
+        body = _asset(name)
+        kind = media_type.split(";")[0]
+
+        app.add_api_route(
+            path,
+            _serving(body, media_type),
+            methods=["GET"],
+            response_model=None,
+            response_class=HTMLResponse if kind == "text/html" else Response,
+            responses={
+                200: {
+                    "description": f"The live cluster page's {name}",
+                    "content": {kind: {"schema": {"type": "string"}}},
+                }
+            },
+        )
+
+
+def add_dashboard_routes(app: FastAPI, services: Services) -> None:
+    add_page_routes(app)
 
     @app.get("/dashboard/data", **route_schema(ok=DashboardData, errors=(401, 403, 500)))
-    async def data() -> dict[str, Any]:
+    async def data(response: Response) -> dict[str, Any]:
+        response.headers.update(PAGE_HEADERS)
         return dashboard_data(services, await kv_bytes_moved(services.registry.all()))

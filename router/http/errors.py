@@ -6,10 +6,17 @@ errors, and request-body validation errors) to this body, so a client never sees
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Mapping, Sequence
 
 from fastapi.responses import JSONResponse
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID = "pdserve.request_id"
+"""The ASGI scope entry holding the request's id (str), as its `X-Request-Id` header says
+(router/http/middleware.py sets it): a 5xx body names it, the log has the details."""
 
 _TYPES = {
     400: "invalid_request_error",
@@ -57,6 +64,19 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def worker_failed(request_id: str, exc: BaseException) -> APIError:
+    """The 502 a client gets when the workers failed its request: a fixed message naming the
+    request id. What failed (the worker, its address, the gRPC status and details: `exc`)
+    goes to the log only, so a client learns nothing of the cluster's inside."""
+    log.warning("request %s: the workers failed: %s", request_id, exc)
+    return APIError(
+        502,
+        f"The model workers failed to complete this request (request id {request_id}); "
+        "retry it, or give the operator the request id.",
+        code="worker_failed",
+    )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -1,6 +1,7 @@
 """The ASGI middleware every request passes (inside it, router/http/limits.py's
-`RequestLimits`): the key check, the per-key concurrency slot, requests counted by endpoint and
-status, and the `X-Request-Id` header."""
+`RequestLimits`): the Host / Origin check, the back-off of addresses that keep presenting wrong
+keys, the key check, the per-key concurrency slot, requests counted by endpoint and status, and
+the `X-Request-Id` header."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import uuid
 from typing import Any
 
 from router.endpoints.admin.serving import ADMIN_PATHS
-from router.http.auth import authorize
-from router.http.errors import APIError
+from router.http.auth import KEY_CHECKED, Access, access_of, authorize
+from router.http.auth_throttle import FailedAuthThrottle, client_of
+from router.http.errors import REQUEST_ID, APIError
+from router.http.host_check import HostCheck
 from router.http.key_limits import LIMITED_PATHS, TENANT, TICKET
 from router.services import Services
 
@@ -34,16 +37,23 @@ _ENDPOINTS = {
 
 
 class AuthAndCount:
-    """ASGI middleware: the key check (router/http/auth.py: which paths need which key), the
+    """ASGI middleware: the Host / Origin check (router/http/host_check.py: 421 / 403), the
+    back-off of an address after repeated wrong keys (router/http/auth_throttle.py: 429), the
+    key check (router/http/auth.py: which paths need which key), the
     per-key concurrency slot of a request to a worker path (router/http/key_limits.py: taken
     before the body is read, released once the response is over — a stream's end, the client
     gone, an error — which also reconciles the key's tokens), requests counted by endpoint
     and status (499: the client went away first), and every response carries an
-    `X-Request-Id` header: the request's own, or a fresh one."""
+    `X-Request-Id` header: the request's own, or a fresh one (also in `scope[REQUEST_ID]`)."""
 
     def __init__(self, app: Any, services: Services) -> None:
         self.app = app
         self.services = services
+        config = services.config
+        # Only inference keys close the model: with an admin key alone, /v1/* stays open.
+        keyed = bool(services.keys.api)
+        self.hosts = HostCheck(config.host, config.allowed_hosts, keyed=keyed)
+        self.throttle = FailedAuthThrottle()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -72,8 +82,17 @@ class AuthAndCount:
                 }
             await send(message)
 
+        scope[REQUEST_ID] = request_id.decode("latin-1")
         try:
-            denied = authorize(self.services.keys, scope)
+            denied = self.hosts.check(scope)
+            if denied is None and self.throttle and access_of(path) is not Access.OPEN:
+                denied = self.throttle.refused(client_of(scope))  # an address backing off
+            if denied is None:
+                denied = authorize(self.services.keys, scope)
+                if denied is not None and denied.status == 401:
+                    self.throttle.failed(client_of(scope))
+                elif denied is None and self.throttle and scope.get(KEY_CHECKED):
+                    self.throttle.succeeded(client_of(scope))
             if denied is not None:
                 await denied.response()(scope, receive, counting_send)
                 return

@@ -26,7 +26,7 @@ from local_cluster.launcher import ServiceProcess
 pytestmark = pytest.mark.slow
 
 CLUSTER = "fleet"
-KEY = "fleet-key"
+KEY = "fleet-key-0123456789abcdef"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
 

@@ -19,7 +19,7 @@ from engine.lora.request import LoRARequest, lora_id_for
 pytestmark = pytest.mark.slow
 
 CLUSTER = "lora"
-KEY = "lora-key"
+KEY = "lora-key-0123456789abcdef"
 LORA = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--enable-admin-rpcs"]
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 GREEDY = {"temperature": 0.0, "max_tokens": 12}

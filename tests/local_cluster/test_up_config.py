@@ -110,6 +110,7 @@ def test_every_engine_flag_of_up_reaches_the_workers_of_both_roles():
                 cluster="c",
                 num_threads=3,
                 enable_admin_rpcs=engine.enable_sleep_mode or engine.enable_lora,
+                allowed_model_paths=("/m", *(m.path for m in engine.lora_modules)),
             )
             # Prefill workers never speculate: they are not even given the flag.
             want = (
@@ -136,6 +137,8 @@ def test_defaults_are_not_passed_and_threads_are_shared_out():
         "c",
         "--num-threads",
         threads,
+        "--allowed-model-paths",
+        str(Path("default").absolute()),  # `up` resolves the model first (its folder then)
     ]
 
 
@@ -153,6 +156,53 @@ def test_workers_serve_admin_rpcs_only_when_the_cluster_calls_them(flags, admin)
     cmd = supervisor(parse_up(*flags)).worker_command(Role.PREFILL)
     worker, _ = started(cmd)
     assert worker.enable_admin_rpcs is admin
+
+
+def test_workers_may_read_only_the_model_and_adapter_directories(tmp_path):
+    """Without roots a worker reads any adapter or weights path a caller names (issue 51):
+    `up` confines its workers to the model's directory, the adapters' and the ones given."""
+    gguf = tmp_path / "models" / "m.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    config = parse_up(
+        "--model",
+        str(gguf),
+        "--enable-lora",
+        "--lora-modules",
+        f"sql={tmp_path / 'adapters' / 'sql'}",
+        "--allowed-model-paths",
+        "more",
+    )
+    want = (str(gguf.parent), str(tmp_path / "adapters" / "sql"), str(Path("more").absolute()))
+    assert config.model_roots == want
+    for role in ROLES:
+        worker, _ = started(supervisor(config).worker_command(role))
+        assert worker.allowed_model_paths == want
+    hf = parse_up("--model", str(tmp_path))
+    assert hf.model_roots == (str(tmp_path),)
+    # A --worker-arg comes later, so it still wins.
+    cmd = supervisor(parse_up("--worker-arg=--allowed-model-paths=/x")).worker_command(Role.DECODE)
+    assert started(cmd)[0].allowed_model_paths == ("/x",)
+
+
+def test_generate_api_key_makes_a_0600_key_file_for_the_router(tmp_path):
+    from local_cluster.up import client_key
+
+    assert client_key(parse_up(), tmp_path) == parse_up()  # opt-in: nothing made
+    assert not (tmp_path / "api-key").exists()
+    config = client_key(parse_up("--generate-api-key"), tmp_path)
+    made = tmp_path / "api-key"
+    assert config.api_key_file == str(made) and made.stat().st_mode & 0o777 == 0o600
+    key = made.read_text().strip()
+    argv = router_flags(config, ETCD, 9000)
+    assert key not in " ".join(argv)  # by file, never on the command line
+    router = router_config(build_parser().parse_args(["router", *argv]))
+    assert router.api_key_file == str(made)
+    from router.http.auth import Keys, resolve_keys
+
+    assert resolve_keys(router, {}) == Keys.of([key])  # long enough, not a placeholder
+    with pytest.raises(ValueError, match="is exclusive with --api-key-file"):
+        parse_up("--generate-api-key", "--api-key-file", "k.txt")
 
 
 def test_worker_args_then_role_args_come_last_so_they_win():

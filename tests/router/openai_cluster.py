@@ -30,7 +30,7 @@ from local_cluster.launcher import ServiceProcess
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_LAYERS = 2
-KEY = "sk-e2e"
+KEY = "sk-e2e-0123456789abcdef"
 MODEL = "SmolLM2-135M-Instruct"
 CLUSTER = "e2e"
 WORKER_MAX_MODEL_LEN = 1024  # below the model's own 8192: the router learns it from etcd

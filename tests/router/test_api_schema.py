@@ -23,7 +23,7 @@ def cluster(etcd, bg):
         etcd.endpoint,
         "api-schema",
         [("decode", "d1"), ("prefill", "p1")],
-        api_key="k",
+        api_key="k-0123456789abcdef",
         enable_response_store=True,
     )
     yield c
@@ -45,7 +45,7 @@ def test_every_route_declares_its_schemas(cluster, doc):
         if m != "HEAD"
     }
     declared = {(p, m) for p, ops in doc["paths"].items() for m in ops}
-    assert routes == declared and len(routes) == 15
+    assert routes == declared and len(routes) == 17
     components = doc["components"]["schemas"]
     for path, method in routes:
         op = doc["paths"][path][method]
@@ -122,7 +122,7 @@ def test_fuzz_findings(cluster):
         return httpx.post(
             cluster.router.url + "/v1/chat/completions",
             timeout=30,
-            headers={"Authorization": "Bearer k"},
+            headers={"Authorization": "Bearer k-0123456789abcdef"},
             json={"messages": [{"role": "user", "content": "hi"}], **body},
         )
 
@@ -132,7 +132,7 @@ def test_fuzz_findings(cluster):
     r = httpx.post(
         cluster.router.url + "/v1/completions",
         timeout=30,
-        headers={"Authorization": "Bearer k", "Content-Type": "application/json"},
+        headers={"Authorization": "Bearer k-0123456789abcdef", "Content-Type": "application/json"},
         content=b'{"prompt": "hi", "temperature": Infinity}',
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
@@ -144,7 +144,7 @@ def test_fuzz_fake_workers(cluster):
     is fuzzed against the real cluster below."""
     stats = fuzz(
         cluster.router.url,
-        {"Authorization": "Bearer k"},
+        {"Authorization": "Bearer k-0123456789abcdef"},
         examples=75,
         cap=16,
         skip=frozenset({"/v1/embeddings"}),

@@ -59,7 +59,10 @@ def cluster(etcd, bg, cluster_name, request):
     c.stop()
 
 
-TWO_TENANTS = {"api_key": ("sk-victim", "sk-attacker"), "admin_api_key": "sk-admin"}
+TWO_TENANTS = {
+    "api_key": ("sk-victim-0123456789abcdef", "sk-attacker-0123456789abcdef"),
+    "admin_api_key": "sk-admin-0123456789abcdef",
+}
 
 
 @pytest.mark.parametrize("cluster", [TWO_TENANTS], indirect=True)
@@ -67,9 +70,11 @@ def test_defaults_report_no_cached_tokens_and_hide_the_dashboard(cluster):
     """vLLM's default: no prompt_tokens_details unless asked for; the per-request predictions
     need the admin key."""
     url = cluster.router.url
-    again, right, wrong = _attack(url, "sk-victim", "sk-attacker", list(range(5000, 5016)))
+    again, right, wrong = _attack(
+        url, "sk-victim-0123456789abcdef", "sk-attacker-0123456789abcdef", list(range(5000, 5016))
+    )
     assert again is None and right is None and wrong is None
-    for key in (None, "sk-attacker"):
+    for key in (None, "sk-attacker-0123456789abcdef"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         assert httpx.get(url + "/dashboard/data", headers=headers, timeout=30).status_code in (
             401,
@@ -83,7 +88,10 @@ def test_defaults_report_no_cached_tokens_and_hide_the_dashboard(cluster):
 def test_control_the_attack_works_without_salts(cluster):
     """What the guessing attack reads when tenants share the cache (why the salt exists)."""
     again, right, wrong = _attack(
-        cluster.router.url, "sk-victim", "sk-attacker", list(range(6000, 6016))
+        cluster.router.url,
+        "sk-victim-0123456789abcdef",
+        "sk-attacker-0123456789abcdef",
+        list(range(6000, 6016)),
     )
     assert (again["cached_tokens"], right["cached_tokens"], wrong["cached_tokens"]) == (48, 48, 32)
 
@@ -95,15 +103,24 @@ def test_control_the_attack_works_without_salts(cluster):
 )
 def test_salts_from_the_key_make_right_and_wrong_guesses_alike(cluster):
     url = cluster.router.url
-    again, right, wrong = _attack(url, "sk-victim", "sk-attacker", list(range(7000, 7016)))
+    again, right, wrong = _attack(
+        url, "sk-victim-0123456789abcdef", "sk-attacker-0123456789abcdef", list(range(7000, 7016))
+    )
     assert again["cached_tokens"] == 48  # a tenant still reuses its own prefixes
     assert right == wrong == {"cached_tokens": 32}  # the attacker's own public prefix only
-    assert _predicted(url, "sk-admin", 2) == [32, 32]  # the router's index predicted alike
+    assert _predicted(url, "sk-admin-0123456789abcdef", 2) == [
+        32,
+        32,
+    ]  # the router's index predicted alike
     # The worker got the tenant's salt; a request's own cache_salt subdivides it.
-    _complete(url, "sk-attacker", PUBLIC, cache_salt="team-1")
+    _complete(url, "sk-attacker-0123456789abcdef", PUBLIC, cache_salt="team-1")
     salts = [q.cache_salt for q in cluster.workers["d1"].requests]
-    assert salts[-1] == tenant_salt("sk-attacker") + ":team-1"
-    assert salts[:-1] == [tenant_salt("sk-victim")] * 2 + [tenant_salt("sk-attacker")] * 3
+    assert salts[-1] == tenant_salt("sk-attacker-0123456789abcdef") + ":team-1"
+    assert (
+        salts[:-1]
+        == [tenant_salt("sk-victim-0123456789abcdef")] * 2
+        + [tenant_salt("sk-attacker-0123456789abcdef")] * 3
+    )
 
 
 def _usages(url, path, body):
@@ -111,7 +128,7 @@ def _usages(url, path, body):
     with httpx.stream(
         "POST",
         url + path,
-        headers={"Authorization": "Bearer sk-victim"},
+        headers={"Authorization": "Bearer sk-victim-0123456789abcdef"},
         json={
             "model": MODEL,
             "max_tokens": 3,
@@ -143,7 +160,7 @@ def test_prompt_tokens_details_only_when_enabled(cluster, details):
         usages = _usages(url, path, body) + _usages(url, path, body)
         whole = httpx.post(
             url + path,
-            headers={"Authorization": "Bearer sk-victim"},
+            headers={"Authorization": "Bearer sk-victim-0123456789abcdef"},
             json={"model": MODEL, "max_tokens": 2, **body},
             timeout=30,
         ).json()

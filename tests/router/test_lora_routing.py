@@ -80,7 +80,7 @@ def lora_cluster(etcd, bg):
         etcd.endpoint,
         "lora-routing",
         [("decode", "d1"), ("decode", "d2"), ("prefill", "p1"), ("prefill", "p2")],
-        api_key="k",
+        api_key="k-0123456789abcdef",
         enable_lora=True,
         placement=PlacementConfig(local_prefill_threshold=0, local_prefill_max_tokens=0),
     )
@@ -90,12 +90,17 @@ def lora_cluster(etcd, bg):
 
 def _post(c, path, body):
     return httpx.post(
-        c.router.url + path, json=body, headers={"Authorization": "Bearer k"}, timeout=30
+        c.router.url + path,
+        json=body,
+        headers={"Authorization": "Bearer k-0123456789abcdef"},
+        timeout=30,
     )
 
 
 def _models(c):
-    r = httpx.get(c.base_url + "/models", headers={"Authorization": "Bearer k"}, timeout=30)
+    r = httpx.get(
+        c.base_url + "/models", headers={"Authorization": "Bearer k-0123456789abcdef"}, timeout=30
+    )
     return {m["id"]: m for m in r.json()["data"]}
 
 
@@ -113,7 +118,7 @@ def test_load_fans_out_and_affinity_places_on_workers_with_the_adapter(lora_clus
     for _ in range(4):
         r = httpx.post(
             c.base_url + "/completions",
-            headers={"Authorization": "Bearer k"},
+            headers={"Authorization": "Bearer k-0123456789abcdef"},
             json={"model": "fox", "prompt": list(range(40)), "max_tokens": 2},
             timeout=30,
         )
@@ -126,7 +131,7 @@ def test_load_fans_out_and_affinity_places_on_workers_with_the_adapter(lora_clus
     assert r.status_code == 200 and "fox" not in _models(c)
     r = httpx.post(
         c.base_url + "/completions",
-        headers={"Authorization": "Bearer k"},
+        headers={"Authorization": "Bearer k-0123456789abcdef"},
         json={"model": "fox", "prompt": [1, 2], "max_tokens": 2},
         timeout=30,
     )

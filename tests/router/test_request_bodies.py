@@ -43,7 +43,7 @@ def app():
 def _post(app, path: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post(path, content=content, headers=headers)
 
     return asyncio.run(main())
@@ -110,15 +110,21 @@ def test_a_json_content_type_is_parsed(app, content_type):
 
 
 # What a web page may POST cross-site without a CORS preflight (a "simple request"): form or
-# text bodies, a body without a type (fetch of a Blob), and any of them from a browser,
-# which sends Origin. None of them reaches a handler.
+# text bodies, a body without a type (fetch of a Blob). None of them reaches a handler. From a
+# browser of another origin (it sends Origin) they are refused even earlier, by the Origin
+# check (router/http/host_check.py): test_a_cross_origin_post_is_refused_before_its_body.
 NOT_JSON = [
     ({"Content-Type": "application/x-www-form-urlencoded"}, b'{"prompt": "hi"}'),
     ({"Content-Type": "text/plain"}, b'{"prompt": "hi"}'),
     ({"Content-Type": "multipart/form-data; boundary=x"}, b"--x--"),
     ({}, b'{"prompt": "hi"}'),
-    ({"Origin": "https://evil.example"}, b""),
 ]
+
+
+@pytest.mark.parametrize("path", ["/sleep", "/v1/completions"])
+def test_a_cross_origin_post_is_refused_before_its_body(app, path):
+    r = _post(app, path, b"", {"Origin": "https://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
 
 
 @pytest.mark.parametrize("path", sorted({path for path, _, _ in WRONG_TYPE}) + ["/sleep"])

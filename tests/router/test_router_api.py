@@ -8,7 +8,7 @@ from router_harness import start_cluster
 
 from router.config import PlacementConfig
 
-KEY = "sk-test"
+KEY = "sk-test-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")

@@ -37,30 +37,45 @@ def refused(environ=None, **flags) -> str:
 
 def test_first_source_given_wins(tmp_path):
     file = tmp_path / "keys"
-    file.write_text("from-file\n")
-    env = {"PDSERVE_API_KEY": "from-pdserve-env", "VLLM_API_KEY": "from-vllm-env"}
-    assert keys(env, api_key="from-flag") == Keys.of(["from-flag"])
-    assert keys(env, api_key_file=str(file)) == Keys.of(["from-file"])
-    assert keys(env) == Keys.of(["from-pdserve-env"])
-    assert keys({"VLLM_API_KEY": "from-vllm-env"}) == Keys.of(["from-vllm-env"])
+    file.write_text("from-file-0123456789abcdef\n")
+    env = {
+        "PDSERVE_API_KEY": "from-pdserve-env-0123456789abcdef",
+        "VLLM_API_KEY": "from-vllm-env-0123456789abcdef",
+    }
+    assert keys(env, api_key="from-flag-0123456789abcdef") == Keys.of(
+        ["from-flag-0123456789abcdef"]
+    )
+    assert keys(env, api_key_file=str(file)) == Keys.of(["from-file-0123456789abcdef"])
+    assert keys(env) == Keys.of(["from-pdserve-env-0123456789abcdef"])
+    assert keys({"VLLM_API_KEY": "from-vllm-env-0123456789abcdef"}) == Keys.of(
+        ["from-vllm-env-0123456789abcdef"]
+    )
     assert keys({}) == Keys()  # none: no key is needed (as vLLM)
-    assert keys({"PDSERVE_ADMIN_API_KEY": "adm"}) == Keys.of([], ["adm"])
+    assert keys({"PDSERVE_ADMIN_API_KEY": "adm-0123456789abcdef"}) == Keys.of(
+        [], ["adm-0123456789abcdef"]
+    )
     # A variable reads like the file: what a Kubernetes Secret made from a key file holds.
-    assert keys({"PDSERVE_API_KEY": "k1\n"}) == Keys.of(["k1"])
-    assert keys({"PDSERVE_API_KEY": "k1\r\nk2\n"}) == Keys.of(["k1", "k2"])
+    assert keys({"PDSERVE_API_KEY": "k1-0123456789abcdef\n"}) == Keys.of(["k1-0123456789abcdef"])
+    assert keys({"PDSERVE_API_KEY": "k1-0123456789abcdef\r\nk2-0123456789abcdef\n"}) == Keys.of(
+        ["k1-0123456789abcdef", "k2-0123456789abcdef"]
+    )
 
 
 def test_key_files(tmp_path):
     f = tmp_path / "keys"
-    f.write_text("one\r\n")  # one trailing newline, LF or CRLF, is not part of the key
-    assert keys(api_key_file=str(f)) == Keys.of(["one"])
-    f.write_text("one\ntwo\n")  # several keys: one per line (vLLM: --api-key K1 K2)
-    assert keys(api_key_file=str(f)) == Keys.of(["one", "two"])
+    f.write_text(
+        "one-0123456789abcdef\r\n"
+    )  # one trailing newline, LF or CRLF, is not part of the key
+    assert keys(api_key_file=str(f)) == Keys.of(["one-0123456789abcdef"])
+    f.write_text(
+        "one-0123456789abcdef\ntwo-0123456789abcdef\n"
+    )  # several keys: one per line (vLLM: --api-key K1 K2)
+    assert keys(api_key_file=str(f)) == Keys.of(["one-0123456789abcdef", "two-0123456789abcdef"])
     f.write_text("")
     assert refused(api_key_file=str(f)) == f"--api-key-file {f}: the file is empty"
     f.write_text("\n")
     assert "the file is empty" in refused(api_key_file=str(f))
-    f.write_text("one\n\n")
+    f.write_text("one-0123456789abcdef\n\n")
     assert "(key 2): the API key is empty" in refused(api_key_file=str(f))
     missing = tmp_path / "nope"
     assert refused(admin_api_key_file=str(missing)) == (
@@ -79,7 +94,7 @@ def test_refused_keys_name_their_source():
         {"PDSERVE_ADMIN_API_KEY": "changeme"}
     )
     for unsendable in ("two words", "tab\there", "naïve", "line\nbreak"):
-        message = refused(api_key=("ok-key", unsendable))
+        message = refused(api_key=("ok-key-0123456789abcdef", unsendable))
         assert message.startswith("--api-key (key 2): an API key must be printable ASCII")
         assert unsendable not in message  # a real key never appears in a message
     assert refused(api_key="k", api_key_file="/f") == (
@@ -88,20 +103,35 @@ def test_refused_keys_name_their_source():
 
 
 def test_admin_key_must_differ_and_salts_need_keys():
-    assert "an admin key is also an API key" in refused(api_key=("a", "b"), admin_api_key="b")
+    assert "an admin key is also an API key" in refused(
+        api_key=("a-0123456789abcdef", "b-0123456789abcdef"), admin_api_key="b-0123456789abcdef"
+    )
     assert refused(cache_salt_from_api_key=True).startswith(
         "--cache-salt-from-api-key needs an API key"
     )
-    assert "needs --admin-api-key" in refused(api_key=("a", "b"), cache_salt_from_api_key=True)
-    salted = keys(api_key=("a", "b"), admin_api_key="adm", cache_salt_from_api_key=True)
-    assert sorted(salted.salts.values()) == sorted(map(tenant_salt, ("a", "b", "adm")))
-    assert keys(api_key="a", cache_salt_from_api_key=True).salts  # one tenant: allowed
+    assert "needs --admin-api-key" in refused(
+        api_key=("a-0123456789abcdef", "b-0123456789abcdef"), cache_salt_from_api_key=True
+    )
+    salted = keys(
+        api_key=("a-0123456789abcdef", "b-0123456789abcdef"),
+        admin_api_key="adm-0123456789abcdef",
+        cache_salt_from_api_key=True,
+    )
+    assert sorted(salted.salts.values()) == sorted(
+        map(tenant_salt, ("a-0123456789abcdef", "b-0123456789abcdef", "adm-0123456789abcdef"))
+    )
+    assert keys(
+        api_key="a-0123456789abcdef", cache_salt_from_api_key=True
+    ).salts  # one tenant: allowed
 
 
 def test_keys_are_never_logged_or_shown(caplog):
     secret = "sk-very-secret-0123456789"
     with caplog.at_level(logging.DEBUG, logger="router.http.auth"):
-        resolved = keys({"PDSERVE_ADMIN_API_KEY": secret + "-admin"}, api_key=(secret, "sk-two"))
+        resolved = keys(
+            {"PDSERVE_ADMIN_API_KEY": secret + "-admin"},
+            api_key=(secret, "sk-two-0123456789abcdef"),
+        )
     assert "2 from --api-key" in caplog.text and "1 from PDSERVE_ADMIN_API_KEY" in caplog.text
     assert "sk-" not in caplog.text and "sk-" not in repr(resolved)
 
@@ -111,6 +141,7 @@ def test_keys_are_never_logged_or_shown(caplog):
     [
         (["--api-key", ""], {}, "--api-key: the API key is empty"),
         (["--api-key=replace-me"], {}, "--api-key: 'replace-me' is a placeholder"),
+        (["--api-key", "sk-short"], {}, "--api-key: an API key must have at least 16 characters"),
         ([], {"PDSERVE_API_KEY": ""}, "PDSERVE_API_KEY: the API key is empty"),
         (
             ["--api-key-file", "/nonexistent/key"],
@@ -227,8 +258,8 @@ def admin_cluster(etcd, bg):
         etcd.endpoint,
         "auth-admin",
         [("decode", "d1")],
-        api_key=("sk-tenant-a", "sk-tenant-b"),
-        admin_api_key="sk-admin",
+        api_key=("sk-tenant-a-0123456789abcdef", "sk-tenant-b-0123456789abcdef"),
+        admin_api_key="sk-admin-0123456789abcdef",
         enable_dev_endpoints=True,
         enable_lora=True,
     )
@@ -243,23 +274,33 @@ def test_admin_key_guards_the_admin_surface(admin_cluster):
     for path in ("/v1/models", "/tokenize", "/detokenize"):
         _error(_call(url, path, None), 401, "invalid_api_key")
         _error(_call(url, path, "sk-wrong"), 401, "invalid_api_key")
-        for key in ("sk-tenant-a", "sk-tenant-b", "sk-admin"):
+        for key in (
+            "sk-tenant-a-0123456789abcdef",
+            "sk-tenant-b-0123456789abcdef",
+            "sk-admin-0123456789abcdef",
+        ):
             assert _call(url, path, key).status_code == 200, (path, key)
     for path in ("/dashboard/data", "/is_sleeping", "/v1/unload_lora_adapter"):
         _error(_call(url, path, None), 401, "invalid_api_key")
-        err = _error(_call(url, path, "sk-tenant-a"), 403, "admin_key_required")
+        err = _error(_call(url, path, "sk-tenant-a-0123456789abcdef"), 403, "admin_key_required")
         assert err["type"] == "permission_error" and "--admin-api-key" in err["message"]
-        assert _call(url, path, "sk-admin").status_code not in (401, 403), path
-    assert _call(url, "/dashboard/data", "sk-admin").status_code == 200
+        assert _call(url, path, "sk-admin-0123456789abcdef").status_code not in (401, 403), path
+    assert _call(url, "/dashboard/data", "sk-admin-0123456789abcdef").status_code == 200
     # vLLM's scheme check is case-insensitive; another scheme is no key.
     assert (
         httpx.get(
-            url + "/v1/models", headers={"Authorization": "bearer sk-tenant-b"}, timeout=30
+            url + "/v1/models",
+            headers={"Authorization": "bearer sk-tenant-b-0123456789abcdef"},
+            timeout=30,
         ).status_code
         == 200
     )
     _error(
-        httpx.get(url + "/v1/models", headers={"Authorization": "Basic sk-tenant-b"}, timeout=30),
+        httpx.get(
+            url + "/v1/models",
+            headers={"Authorization": "Basic sk-tenant-b-0123456789abcdef"},
+            timeout=30,
+        ),
         401,
         "invalid_api_key",
     )
@@ -274,7 +315,7 @@ def one_key_cluster(etcd, bg):
         etcd.endpoint,
         "auth-one",
         [("decode", "d1")],
-        api_key="sk-only",
+        api_key="sk-only-0123456789abcdef",
         enable_dev_endpoints=True,
         enable_lora=True,
     )
@@ -287,6 +328,8 @@ def test_without_admin_key_the_api_key_guards_everything(one_key_cluster):
     url = one_key_cluster.router.url
     for path in CALLS:
         _error(_call(url, path, None), 401, "invalid_api_key")
-        assert _call(url, path, "sk-only").status_code not in (401, 403), path
+        assert _call(url, path, "sk-only-0123456789abcdef").status_code not in (401, 403), path
     page = httpx.get(url + "/dashboard", timeout=30)  # the page holds no data: open
-    assert page.status_code == 200 and '"Authorization": "Bearer " + key' in page.text
+    code = httpx.get(url + "/dashboard/app.js", timeout=30)  # nor does its code
+    assert page.status_code == code.status_code == 200
+    assert '"Authorization": "Bearer " + key' in code.text

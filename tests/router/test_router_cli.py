@@ -16,6 +16,7 @@ from pdserve.cli import build_parser, main
 from router.cli import config_from_args
 from router.config import LimitsConfig, PlacementConfig, RouterConfig
 from router.endpoint_picker.config import EndpointPickerConfig
+from router.http.allowed_hosts import HostRule
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,6 +97,8 @@ def test_flags_reach_the_config():
             "4",
             "--host",
             "0.0.0.0",
+            "--allowed-hosts",
+            "llm.example, [::1]:8443",
             "--model",
             "/some/dir",
             "--generation-config",
@@ -248,6 +251,7 @@ def test_flags_reach_the_config():
     assert cfg.endpoint_picker == EndpointPickerConfig(9002, "10.0.0.7:9")
     assert cfg.allowed_worker_cidrs == (ip_network("10.0.0.0/8"), ip_network("::1/128"))
     assert cfg.enable_lora and cfg.enable_dev_endpoints
+    assert cfg.allowed_hosts == (HostRule("llm.example"), HostRule("::1", 8443))
     assert cfg.lora_modules == (LoRAModule("a", "/x"), LoRAModule("b", "/y"))
     assert (cfg.api_key_file, cfg.admin_api_key, cfg.admin_api_key_file) == (
         "/keys",

@@ -13,7 +13,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def cluster(etcd, bg):
-    c = start_cluster(bg, etcd.endpoint, "endpoints", [("decode", "d1")], api_key="k")
+    c = start_cluster(
+        bg, etcd.endpoint, "endpoints", [("decode", "d1")], api_key="k-0123456789abcdef"
+    )
     yield c
     c.stop()
 
@@ -21,7 +23,9 @@ def cluster(etcd, bg):
 @pytest.fixture(scope="module")
 def http(cluster):
     with httpx.Client(
-        base_url=cluster.router.url, timeout=30, headers={"Authorization": "Bearer k"}
+        base_url=cluster.router.url,
+        timeout=30,
+        headers={"Authorization": "Bearer k-0123456789abcdef"},
     ) as c:
         yield c
 

@@ -5,7 +5,7 @@ import openai
 import pytest
 from router_harness import start_cluster
 
-KEY = "sk-errors"
+KEY = "sk-errors-0123456789abcdef"
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMP = {"model": MODEL, "prompt": "hi", "max_tokens": 2}

@@ -22,7 +22,7 @@ from router.http.auth import _digest, resolve_keys
 from router.http.errors import APIError
 from router.server import RouterServices, load_model_card
 
-KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key-1"
+KEY_A, KEY_B, ADMIN = "tenant-a-key-0123456", "tenant-b-key-0123456", "admin-key-1-0123456"
 PROMPT = {"prompt": "hello there", "max_tokens": 10}
 
 
@@ -262,6 +262,6 @@ def test_the_flags_need_api_keys():
         config = RouterConfig(etcd="h:1", limits=LimitsConfig(**{flag: 1}))
         with pytest.raises(ValueError, match="needs API keys"):
             resolve_keys(config, {})
-        assert resolve_keys(config, {"PDSERVE_API_KEY": "k1"}).api
+        assert resolve_keys(config, {"PDSERVE_API_KEY": "k1-0123456789abcdef"}).api
     with pytest.raises(ValueError, match="must be >= 0"):
         LimitsConfig(max_tokens_per_minute_per_key=-1)

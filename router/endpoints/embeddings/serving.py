@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from cluster.roles import Role
 from engine.sampling.pooling import PoolingParams
 from proto import pdserve_pb2 as pb
+from router.call import WorkerFailed
 from router.config import LimitsConfig
 from router.endpoints.base import parse_json
 from router.endpoints.embeddings.protocol import EmbeddingRequest, EmbeddingResponse
@@ -170,7 +171,7 @@ class Embedder:
                     f"prefill worker {worker.info.worker_id}: {exc.code().name}: {exc.details()}"
                 )
                 if attempt == self.config.max_retries:
-                    raise APIError(502, failure, code="worker_failed") from None
+                    raise WorkerFailed(failure, after_first_token=False) from None
                 exclude.add(worker.info.worker_id)
                 self.metrics.retries.inc()
         raise AssertionError("unreachable")
