@@ -4,12 +4,41 @@ template; every refusal a 400 naming the field."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, Mapping
 
 from engine.processing.tokenizer import ChatTemplateError, Tokenizer
 from router.endpoints.chat.protocol import ChatCompletionRequest, ChatMessage, TextPart
 from router.http.errors import bad_request
+
+# Template variables the renderer sets itself, which chat_template_kwargs cannot replace: the
+# arguments of Tokenizer.render_chat (passing one again is a TypeError, which was an HTTP 500)
+# and what the request's own fields fill.
+_RENDER_ARGUMENTS = frozenset(
+    name
+    for name, p in inspect.signature(Tokenizer.render_chat).parameters.items()
+    if p.kind is not inspect.Parameter.VAR_KEYWORD
+)
+_FROM_FIELDS = {"tools": "tools", "documents": "documents"}
+
+
+def template_kwargs(
+    kwargs: Mapping[str, Any] | None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The template's further variables: the request's `chat_template_kwargs` (a 400 naming a
+    key that the renderer sets itself), then `extra`, what the router adds (`tools`,
+    `documents`)."""
+    for key in kwargs or {}:
+        if key in _RENDER_ARGUMENTS or key in _FROM_FIELDS:
+            where = f"chat_template_kwargs.{key}"
+            passed = f"the request's `{_FROM_FIELDS[key]}`" if key in _FROM_FIELDS else "its own"
+            raise bad_request(
+                f"{where}: {key!r} is reserved: the server passes {passed} to the chat "
+                "template under that name",
+                where,
+            )
+    return {**(kwargs or {}), **(extra or {})}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -52,11 +81,14 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     continue_final_message: bool,
-    kwargs: dict | None,
+    kwargs: Mapping[str, Any] | None,
     explicit_agp: bool,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """`explicit_agp`: add_generation_prompt was set in the request (its default, true, yields
-    to continue_final_message)."""
+    """`kwargs`: the request's chat_template_kwargs; `extra`: template variables the router
+    adds (`template_kwargs`). `explicit_agp`: add_generation_prompt was set in the request
+    (its default, true, yields to continue_final_message)."""
+    variables = template_kwargs(kwargs, extra)
     if continue_final_message:
         if add_generation_prompt and explicit_agp:
             raise bad_request(
@@ -66,7 +98,7 @@ def render_chat(
         add_generation_prompt = False
     try:
         return tok.render_chat(
-            chat_messages(messages), add_generation_prompt, continue_final_message, **(kwargs or {})
+            chat_messages(messages), add_generation_prompt, continue_final_message, **variables
         )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
@@ -91,14 +123,15 @@ def chat_text(
     req: ChatCompletionRequest, tok: Tokenizer, extra: Mapping[str, Any] | None = None
 ) -> str:
     """The rendered conversation. `extra`: template variables the router adds (`tools`)."""
-    kwargs = {**(req.chat_template_kwargs or {}), **(extra or {})}
+    added = dict(extra or {})
     if req.documents is not None:
-        kwargs["documents"] = req.documents
+        added["documents"] = req.documents
     return render_chat(
         tok,
         req.messages,
         req.add_generation_prompt,
         req.continue_final_message,
-        kwargs,
+        req.chat_template_kwargs,
         "add_generation_prompt" in req.model_fields_set,
+        added,
     )

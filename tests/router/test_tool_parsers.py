@@ -359,6 +359,31 @@ CASES = [
         True,
     ),
     ("pythonic", "unknown", f"[{NOT_THERE}(x=1)]", f"[{NOT_THERE}(x=1)]", [], False),
+    (
+        "pythonic",
+        "long_strings",
+        "[get_time(a='''x\ny ''z''', b=\"\"\"q\\\"\"\"\")]",
+        "",
+        [("get_time", {"a": "x\ny ''z", "b": 'q"'})],
+        False,
+    ),
+    ("pythonic", "partial_string", "[get_time(a=1, b='ab", "", [("get_time", '{"a": 1')], True),
+    (
+        "pythonic",
+        "line_end_in_string",
+        "[get_time(a='x\ny')] z",
+        "'x\ny')] z",
+        [("get_time", "")],
+        True,
+    ),
+    (
+        "pythonic",
+        "nested_call",
+        "[get_time(a=1, b=[get_time(c=2)])] z",
+        "[get_time(c=2)])] z",
+        [("get_time", '{"a": 1')],
+        True,
+    ),
 ]
 
 

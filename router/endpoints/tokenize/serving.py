@@ -44,16 +44,17 @@ def add_tokenize_routes(app: FastAPI, services: Services) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            kwargs = dict(req.chat_template_kwargs or {})
+            extra = {}
             if req.tools:  # as a chat request with these tools renders them (vLLM's field)
-                kwargs["tools"] = [t.to_openai() for t in function_tools(req.tools)]
+                extra["tools"] = [t.to_openai() for t in function_tools(req.tools)]
             text = render_chat(
                 tok,
                 req.messages,
                 req.add_generation_prompt,
                 req.continue_final_message,
-                kwargs,
+                req.chat_template_kwargs,
                 "add_generation_prompt" in req.model_fields_set,
+                extra,
             )
             special = bool(req.add_special_tokens)
         else:

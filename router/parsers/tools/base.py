@@ -16,6 +16,10 @@ and function calls, in the model family's own format. Contract, for every parser
   (a name that is no tool, malformed JSON before the name) goes out as content. A call whose
   arguments break off (the output ended, or the text stops being JSON) is finished as far as
   it was valid; `broken` then says so (the response's calls are what the model wrote).
+- Its work is linear in the text, however it is cut (parsers run on the router's event loop,
+  and a model can be made to write a call that never ends): it never re-reads, on a later
+  piece, text it read before. The built-in parsers also cap one call's text
+  (`StreamingToolParser.MAX_CALL_CHARS`: past it, the rest of the output is content).
 - `structural_tag(tools)`: the xgrammar structural tag (a dict) that makes this format's
   calls valid by construction under `tool_choice` "auto": text is free until a call marker,
   then the call follows the named tool's schema. None when the format has no such marker.

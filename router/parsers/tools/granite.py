@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.parsers.markers import matched
 from router.parsers.tools.base import register_tool_parser
 from router.parsers.tools.stream import WS, Gen, StreamingToolParser
 from router.parsers.tools.tags import quoted, tag, triggered_tags
@@ -23,16 +22,17 @@ class GraniteToolParser(StreamingToolParser):
     MARKERS = (MARKER, "<tool_call>")
 
     def parse(self, mark: int | None = None) -> Gen[None]:
+        self.bound(0)
         yield from self.run(WS)
         if (yield from self.peek()) == "[":
             if (yield from self.call_list(0)):
                 mark = yield from self.gap()
         else:
-            self.pos = 0  # the leading whitespace is content
+            self.release(0)  # the leading whitespace is content
         yield from super().parse(mark)
 
     def block(self, mark: int) -> Gen[bool | None]:
-        self.pos = matched(self._starts.match(self.buf, self.pos)).end()
+        self.pos = self.scan(self._starts)
         return (yield from self.call_list(mark))
 
     @classmethod

@@ -99,15 +99,16 @@ class JsonPrefix:
         """The text stopped being a valid prefix (at the index `feed` returned)."""
         return self._state == _FAILED
 
-    def feed(self, text: str, start: int = 0) -> int:
-        """Consumes `text[start:]` as far as it continues the value; returns the index after
-        the last character consumed (the value's end once `done`, the offending character's
-        index once `failed`)."""
-        i, n = start, len(text)
+    def feed(self, text: str, start: int = 0, end: int | None = None) -> int:
+        """Consumes `text[start:end]` as far as it continues the value; returns the index
+        after the last character consumed (the value's end once `done`, the offending
+        character's index once `failed`). Each character is looked at once: the state
+        carries over to the next call."""
+        i, n = start, len(text) if end is None else end
         while i < n:
             state = self._state
             if state == _STRING:
-                m = _STRING_RUN.match(text, i)
+                m = _STRING_RUN.match(text, i, n)
                 if m:
                     i = m.end()
                     continue
@@ -141,7 +142,7 @@ class JsonPrefix:
                     continue
                 self._number = step
                 if step in (2, 4, 7):
-                    m = _DIGITS.match(text, i + 1)
+                    m = _DIGITS.match(text, i + 1, n)
                     if m:
                         i = m.end()
                         continue
@@ -154,7 +155,7 @@ class JsonPrefix:
             elif state >= _DONE:
                 return i
             else:
-                i = matched(_WS.match(text, i)).end()
+                i = matched(_WS.match(text, i, n)).end()
                 if i == n:
                     break
                 if not self._structural(text[i]):

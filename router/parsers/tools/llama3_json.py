@@ -25,7 +25,7 @@ class Llama3JsonToolParser(StreamingToolParser):
     SEPARATOR = ";"
 
     def block(self, mark: int) -> Gen[bool | None]:
-        if self.buf.startswith(PYTHON_TAG, self.pos):
+        if self.ahead(len(PYTHON_TAG)) == PYTHON_TAG:
             self.pos += len(PYTHON_TAG)
         return (yield from self.json_call(mark))
 

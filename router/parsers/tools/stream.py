@@ -4,26 +4,38 @@ pauses inside the helpers below wherever the decision needs text that has not co
 decision never depends on where the pieces were cut, which is the contract's "any pieces
 give the same result" (router/parsers/tools/base.py).
 
-Life of the text here: `feed` appends to `buf` and resumes `parse()`. Outside calls,
+Life of the text here: `feed` appends to the tape (router/parsers/tools/tape.py: the text by
+absolute position, appended without copying what came before) and resumes `parse()`; every
+reader goes on from where it stopped, so the work is linear in the text. Outside calls,
 `text_until` sends content at once and holds back only a possible marker prefix. At a
 marker, the format's `block(mark)` reads the call(s); until a call is announced its text is
 held, and if it turns out to be no call, `release(mark)` sends it as content and the parse
 goes on from where that showed. After a complete block, the whitespace (and the format's
 `SEPARATOR`) before the next marker or the end of the output goes nowhere.
 
-Invariant: positions index `buf`. `_trim` drops consumed text and runs only inside
-`text_until` and `stream_args`, which are entered holding no earlier position."""
+One call's text, from the position where its held text begins to its end, is at most
+`MAX_CALL_CHARS` characters (docs/router.md, "Tool calling"). A block's readers see the text
+only up to that limit and read it as the end of the output: the call ends as far as it was
+valid (`broken` where it was announced; held text goes out as content), then `capped` is
+set, tool call parsing stops and the rest of the output is content. The limit is a position
+in the text, so where the pieces were cut does not matter here either.
+
+Invariants: positions are absolute and never move back (held text is sent with `release`,
+never re-read); `_trim` forgets read text and runs only inside `text_until`, `stream_args`
+and readers that the format calls where no earlier position is held."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from abc import abstractmethod
 from typing import ClassVar, Generator, TypeVar
 
 from router.parsers.markers import held_prefix, matched
 from router.parsers.tools.base import ToolParser
 from router.parsers.tools.json_prefix import JsonPrefix
+from router.parsers.tools.tape import Tape
 from router.parsers.tools.types import (
     FunctionTool,
     ParsedDelta,
@@ -35,7 +47,7 @@ T = TypeVar("T")
 Gen = Generator[None, None, T]
 
 WS = re.compile(r"[ \t\n\r]*")
-_TRIM_AT = 4096  # consumed characters kept before the buffer is cut
+_NO_LIMIT = sys.maxsize
 
 
 class StreamingToolParser(ToolParser):
@@ -43,6 +55,9 @@ class StreamingToolParser(ToolParser):
     """The texts that may begin a call block (longest first where one prefixes another)."""
     SEPARATOR: ClassVar[str] = ""
     """Text allowed between two blocks besides whitespace (Llama's `;`)."""
+    MAX_CALL_CHARS: ClassVar[int] = 1 << 20
+    """The most characters one call's text may have (its marker or held text included); a
+    call that runs past it ends tool call parsing: the rest of the output is content."""
     _starts: ClassVar[re.Pattern]
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -52,9 +67,11 @@ class StreamingToolParser(ToolParser):
 
     def __init__(self, tools: list[FunctionTool]) -> None:
         super().__init__(tools)
-        self.buf = ""
-        self.pos = 0
+        self.tape = Tape()
+        self.pos = 0  # where reading goes on (absolute; never before tape.base)
         self.final = False  # finish() was called: no more text
+        self.capped = False  # a call ran past MAX_CALL_CHARS: the rest is content
+        self._limit = _NO_LIMIT  # the position a block's readers see up to
         self._delta = ParsedDelta()
         self._calls = 0
         self._parse: Gen[None] | None = self.parse()
@@ -66,16 +83,24 @@ class StreamingToolParser(ToolParser):
         it ended otherwise, e.g. a call broke (the parse goes on from there as text)."""
 
     def parse(self, mark: int | None = None) -> Gen[None]:
-        """Text and blocks to the end (`mark`: a block's marker is at `pos`)."""
-        while True:
+        """Text and blocks to the end (`mark`: a block's marker is at `pos`), or until a call
+        runs past the limit."""
+        while not self.capped:
             if mark is None:
+                self._limit = _NO_LIMIT
                 mark = yield from self.text_until()
                 if mark is None:
                     return
-            mark = (yield from self.gap()) if (yield from self.block(mark)) else None
+            self.bound(mark)
+            ended = yield from self.block(mark)
+            mark = (yield from self.gap()) if ended and not self.capped else None
+
+    def bound(self, start: int) -> None:
+        """A call's text begins at `start`: its readers see at most MAX_CALL_CHARS from there."""
+        self._limit = start + self.MAX_CALL_CHARS
 
     def feed(self, text: str) -> ParsedDelta:
-        self.buf += text
+        self.tape.append(text, self.pos)
         return self._resume()
 
     def finish(self) -> ParsedDelta:
@@ -91,20 +116,41 @@ class StreamingToolParser(ToolParser):
                 next(self._parse)
             except StopIteration:
                 self._parse = None
-        if self._parse is None:  # only after the end of the output
-            self.content(len(self.buf))
+        if self._parse is None:  # after the end of the output, or past the limit
+            self.content(self.tape.end)
         return delta
+
+    # -- the text ----------------------------------------------------------------------------
+
+    def stop(self) -> int:
+        """Where the text readers may see ends (the text received, or the call's limit)."""
+        return min(self.tape.end, self._limit)
+
+    def text(self, start: int, stop: int) -> str:
+        return self.tape.text(start, stop)
+
+    def ahead(self, count: int) -> str:
+        """Up to `count` characters at `pos` (those seen so far)."""
+        base = self.tape.base
+        return self.tape.window[self.pos - base : min(self.pos + count, self.stop()) - base]
+
+    def scan(self, chars: re.Pattern) -> int:
+        """Where the longest match of `chars` at `pos` ends, in the text seen so far (nothing
+        consumed, nothing awaited)."""
+        base = self.tape.base
+        m = chars.match(self.tape.window, self.pos - base, self.stop() - base)
+        return base + matched(m).end()
 
     # -- output ------------------------------------------------------------------------------
 
     def content(self, end: int) -> None:
-        """Sends `buf[pos:end]` as content; `pos` moves to `end`."""
-        self._delta.content += self.buf[self.pos : end]
+        """Sends the text from `pos` to `end` as content; `pos` moves to `end`."""
+        self._delta.content += self.text(self.pos, end)
         self.pos = end
 
     def release(self, mark: int) -> None:
-        """Sends the held `buf[mark:pos]` as content (it was no call)."""
-        self._delta.content += self.buf[mark : self.pos]
+        """Sends the held text from `mark` to `pos` as content (it was no call)."""
+        self._delta.content += self.text(mark, self.pos)
 
     def announce(self, name: str) -> int:
         """A new call to `name` (a tool's): its index."""
@@ -123,8 +169,12 @@ class StreamingToolParser(ToolParser):
     # -- reading: each waits until the text decides, and at the end of the output gives up --
 
     def more(self) -> Gen[bool]:
-        """Waits for the next piece; False at the end of the output."""
+        """Waits for the next piece (a reader needs text past `stop()`); False at the end of
+        the output, or at the call's limit (`capped`), which its readers take for the end."""
         if self.final:
+            return False
+        if self.tape.end >= self._limit:
+            self.capped = True
             return False
         yield
         return True
@@ -133,22 +183,25 @@ class StreamingToolParser(ToolParser):
         """Content up to the next marker: its position (`pos` there), or None at the end."""
         while True:
             self._trim()
-            m = self._starts.search(self.buf, self.pos)
+            base, window = self.tape.base, self.tape.window
+            m = self._starts.search(window, self.pos - base)
             if m:
-                self.content(m.start())
-                return m.start()
-            held = 0 if self.final else held_prefix(self.buf, self.pos, self.MARKERS)
-            self.content(len(self.buf) - held)
+                self.content(base + m.start())
+                return self.pos
+            held = 0 if self.final else held_prefix(window, self.pos - base, self.MARKERS)
+            self.content(self.tape.end - held)
             if not (yield from self.more()):
                 return None
 
     def at_marker(self) -> Gen[bool]:
         """A marker begins at `pos` (nothing consumed)."""
-        while not self._starts.match(self.buf, self.pos):
-            rest = self.buf[self.pos :]
+        longest = max(map(len, self.MARKERS))
+        while True:
+            rest = self.ahead(longest)
+            if self._starts.match(rest):
+                return True
             if not any(m.startswith(rest) for m in self.MARKERS) or not (yield from self.more()):
                 return False
-        return True
 
     def gap(self) -> Gen[int | None]:
         """After a complete block: whitespace (and SEPARATOR) followed by a marker is the next
@@ -160,29 +213,30 @@ class StreamingToolParser(ToolParser):
             yield from self.run(WS)
         if (yield from self.at_marker()):
             return start
-        if self.pos < len(self.buf):
+        if not (self.final and self.pos >= self.tape.end):  # text follows (or the limit)
             self.release(start)
         return None
 
     def run(self, chars: re.Pattern) -> Gen[str]:
-        """The longest run at `pos` that `chars` matches (consumed)."""
+        """The longest run at `pos` that `chars` matches (consumed). `chars` matches any
+        piece of a run (a run is read on from where the last piece ended)."""
         start = self.pos
         while True:
-            self.pos = matched(chars.match(self.buf, self.pos)).end()
-            if self.pos < len(self.buf) or not (yield from self.more()):
-                return self.buf[start : self.pos]
+            self.pos = self.scan(chars)
+            if self.pos < self.stop() or not (yield from self.more()):
+                return self.text(start, self.pos)
 
     def peek(self) -> Gen[str]:
         """The character at `pos` (not consumed); "" at the end of the output."""
-        while self.pos >= len(self.buf):
+        while self.pos >= self.stop():
             if not (yield from self.more()):
                 return ""
-        return self.buf[self.pos]
+        return self.tape.window[self.pos - self.tape.base]
 
     def literal(self, *options: str) -> Gen[str | None]:
         """Whichever of `options` comes next (consumed), or None (nothing consumed)."""
         while True:
-            rest = self.buf[self.pos : self.pos + max(map(len, options))]
+            rest = self.ahead(max(map(len, options)))
             for option in options:
                 if rest.startswith(option):
                     self.pos += len(option)
@@ -210,9 +264,9 @@ class StreamingToolParser(ToolParser):
         """One complete JSON value's text (consumed); None where it stops being one."""
         start, validator = self.pos, JsonPrefix()
         while True:
-            self.pos = validator.feed(self.buf, self.pos)
+            self.pos = self._validate(validator)
             if validator.done:
-                return self.buf[start : self.pos]
+                return self.text(start, self.pos)
             if validator.failed or not (yield from self.more()):
                 return None
 
@@ -223,9 +277,9 @@ class StreamingToolParser(ToolParser):
         validator = JsonPrefix()
         while True:
             start = self.pos
-            self.pos = validator.feed(self.buf, start)
+            self.pos = self._validate(validator)
             if self.pos > start:
-                self.arguments(index, self.buf[start : self.pos])
+                self.arguments(index, self.text(start, self.pos))
             if validator.done:
                 return True
             if validator.failed or not (yield from self.more()):
@@ -273,8 +327,13 @@ class StreamingToolParser(ToolParser):
             if not (yield from self.expect(",")):
                 return (yield from self.expect("]"))
             mark = self.pos
+            self.bound(mark)
         return done
 
+    def _validate(self, validator: JsonPrefix) -> int:
+        """Feeds the text seen from `pos` to `validator`: where it stopped (absolute)."""
+        base = self.tape.base
+        return base + validator.feed(self.tape.window, self.pos - base, self.stop() - base)
+
     def _trim(self) -> None:
-        if self.pos > _TRIM_AT:
-            self.buf, self.pos = self.buf[self.pos :], 0
+        self.tape.forget()

@@ -98,12 +98,15 @@ class ParsedDelta:
 
 def assemble(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     """Whole calls from their pieces, in index order (what a client's accumulator does)."""
-    calls: dict[int, dict[str, str]] = {}
+    calls: dict[int, tuple[list[str], list[str]]] = {}  # index -> ([id, name], arguments)
     for d in deltas:
-        call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+        head, arguments = calls.setdefault(d.index, (["", ""], []))
         if d.id is not None:
-            call["id"] = d.id
+            head[0] = d.id
         if d.name is not None:
-            call["name"] = d.name
-        call["arguments"] += d.arguments
-    return [ToolCall(c["name"], c["arguments"], c["id"]) for _, c in sorted(calls.items())]
+            head[1] = d.name
+        arguments.append(d.arguments)  # joined once: a long call comes in many pieces
+    return [
+        ToolCall(head[1], "".join(arguments), head[0])
+        for _, (head, arguments) in sorted(calls.items())
+    ]
