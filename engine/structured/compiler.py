@@ -101,7 +101,6 @@ class GrammarCompiler:
                 f"{params.kind}: the constraint has {size} bytes, more "
                 f"than the {max_bytes} this server compiles (--max-grammar-bytes)",
             )
-        check_repetitions(params, self._limits.max_repetitions)
         key = params.key()
         mine: Future | None = None
         with self._lock:
@@ -131,11 +130,13 @@ class GrammarCompiler:
         """Compile a cache miss in `tenant`'s turn; cache it and hand it to the threads
         waiting on `pending`."""
         try:
-            self._slots.acquire(tenant)
-            try:
-                entry = self._compile_miss(params)
-            finally:
-                self._slots.release()
+            entry: xgr.CompiledGrammar | _Refusal | None = self._too_complex(params)
+            if entry is None:
+                self._slots.acquire(tenant)
+                try:
+                    entry = self._compile_miss(params)
+                finally:
+                    self._slots.release()
         except BaseException as exc:  # not the constraint's fault (busy, no child): not cached
             with self._lock:
                 del self._compiling[key]
@@ -148,6 +149,14 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         pending.set_result(entry)
         return entry
+
+    def _too_complex(self, params: StructuredOutputsParams) -> _Refusal | None:
+        """The repetition limit's refusal (a scan of the constraint: on a miss only)."""
+        try:
+            check_repetitions(params, self._limits.max_repetitions)
+        except FieldError as exc:
+            return _Refusal(exc.field, str(exc))
+        return None
 
     def _compile_miss(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | _Refusal:
         try:

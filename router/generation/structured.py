@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.checks import FieldError
 from engine.processing.tokenizer import Tokenizer
@@ -138,6 +138,14 @@ def constraint(
     return Constraint(params, param)
 
 
+_SCAN_ON_LOOP_BYTES = 16 << 10  # larger constraints are scanned for repetitions off the loop
+
+
+class _Refusal(NamedTuple):
+    message: str
+    code: str | None  # the 400's code (grammar_too_complex), or none
+
+
 class Grammars:
     """Checks that constraints compile against the served vocabulary, as the workers will: a
     constraint that does not compile is refused here, before placement. Compiles run in
@@ -146,11 +154,12 @@ class Grammars:
     the event loop. Results are cached by content, refusals too: a constraint refused once is
     refused at once, one compiled once is never compiled again (and never waits).
 
-    Life cycle of a check: the repetition bound (a 400 `grammar_too_complex`) -> the cache ->
-    the key's compile-seconds bucket (`key_limits.may_compile`: a 429) -> a compile slot in the
-    key's turn, awaited on the event loop up to `wait_s` (a 503 `compile_busy`, Retry-After) ->
-    the compile, on an executor thread that gives the slot back when the compile ends (even if
-    the client left) -> its seconds charged to the key (`key_limits.charge_compile`)."""
+    Life cycle of a check: the cache -> the repetition bound (a 400 `grammar_too_complex`,
+    cached) -> the key's compile-seconds bucket (`key_limits.may_compile`: a 429) -> a compile
+    slot in the key's turn, awaited on the event loop up to `wait_s` (a 503 `compile_busy`,
+    Retry-After) -> the compile, on an executor thread that gives the slot back when the
+    compile ends (even if the client left) -> its seconds charged to the key
+    (`key_limits.charge_compile`)."""
 
     def __init__(
         self,
@@ -172,7 +181,7 @@ class Grammars:
         """The compile slots (one per process), shared by keys in turns."""
         self._pool: CompileProcesses | None = None
         self._lock = threading.Lock()
-        self._results: OrderedDict[tuple, str | None] = OrderedDict()  # key -> refusal
+        self._results: OrderedDict[tuple, _Refusal | None] = OrderedDict()  # key -> refusal
         # One thread per slot: a thread only ever runs a compile that holds a slot.
         self._executor = ThreadPoolExecutor(processes, thread_name_prefix="grammar")
 
@@ -180,27 +189,45 @@ class Grammars:
         """Raises the 400 APIError naming `c.param` if `c` is too complex or does not
         compile in time, a 429 if `tenant` (an inference key's digest; None: keyless) has
         spent its compile seconds, a 503 if no compile slot came free in its turn."""
-        try:
-            check_repetitions(c.params, self._max_repetitions)
-        except FieldError as exc:
-            raise _invalid(exc, c.param, "grammar_too_complex") from None
         key = c.params.key()
         with self._lock:
             known = key in self._results
             refusal = self._results.get(key)
         if not known:
-            refusal = await self._compile_in_turn(c.params, key, tenant)
+            refusal = await self._too_complex(c.params, key)
+            if refusal is None:
+                refusal = await self._compile_in_turn(c.params, key, tenant)
         if refusal is not None:
-            raise _invalid(FieldError(c.params.kind, refusal), c.param)
+            raise _invalid(FieldError(c.params.kind, refusal.message), c.param, refusal.code)
 
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:
                 self._pool.close()
 
+    async def _too_complex(self, params: StructuredOutputsParams, key: tuple) -> _Refusal | None:
+        """The repetition limit's refusal (cached), or None. The scan is linear but in Python
+        (~37 ms for a 128 KiB regex): a large constraint is scanned off the event loop."""
+        try:
+            if params.num_bytes() > _SCAN_ON_LOOP_BYTES:
+                await asyncio.to_thread(check_repetitions, params, self._max_repetitions)
+            else:
+                check_repetitions(params, self._max_repetitions)
+        except FieldError as exc:
+            refusal = _Refusal(str(exc), "grammar_too_complex")
+            self._remember(key, refusal)
+            return refusal
+        return None
+
+    def _remember(self, key: tuple, refusal: _Refusal | None) -> None:
+        with self._lock:
+            self._results[key] = refusal
+            while len(self._results) > CACHE_ENTRIES:
+                self._results.popitem(last=False)
+
     async def _compile_in_turn(
         self, params: StructuredOutputsParams, key: tuple, tenant: bytes | None
-    ) -> str | None:
+    ) -> _Refusal | None:
         if self._key_limits is not None:
             self._key_limits.may_compile(tenant)
         try:
@@ -218,7 +245,7 @@ class Grammars:
         limits = self._key_limits
         if limits is not None:  # charged when the compile ends, whether the client waits or not
 
-            def charge(f: asyncio.Future[tuple[str | None, float]]) -> None:
+            def charge(f: asyncio.Future[tuple[_Refusal | None, float]]) -> None:
                 if not f.cancelled() and f.exception() is None:
                     limits.charge_compile(tenant, f.result()[1])
 
@@ -228,7 +255,7 @@ class Grammars:
 
     def _compile_in_slot(
         self, params: StructuredOutputsParams, key: tuple
-    ) -> tuple[str | None, float]:
+    ) -> tuple[_Refusal | None, float]:
         """(refusal or None, seconds compiling) for `params`, in the slot its caller holds
         (given back here, when the compile ends). A constraint another request compiled while
         this one waited is not compiled again."""
@@ -237,11 +264,9 @@ class Grammars:
                 if key in self._results:
                     return self._results[key], 0.0
             spent = [0.0]
-            refusal = self._compile(params, spent)
-            with self._lock:
-                self._results[key] = refusal
-                while len(self._results) > CACHE_ENTRIES:
-                    self._results.popitem(last=False)
+            message = self._compile(params, spent)
+            refusal = None if message is None else _Refusal(message, None)
+            self._remember(key, refusal)
             return refusal, spent[0]
         finally:
             self.slots.release()
