@@ -75,7 +75,7 @@ class FairSlots:
         """Blocks until a slot is this caller's, or raises CompileBusy after `wait_s`."""
         event = threading.Event()
         waiter = self._enqueue(tenant, event.set)
-        if not event.wait(self.wait_s) and self._withdraw(waiter):
+        if not waiter.granted and not event.wait(self.wait_s) and self._withdraw(waiter):
             raise CompileBusy(self.wait_s)
 
     async def acquire_async(self, tenant: Hashable) -> None:
@@ -94,6 +94,8 @@ class FairSlots:
                 self.release()
 
         waiter = self._enqueue(tenant, notify)
+        if waiter.granted:  # a free slot: taken at once
+            return
         try:
             await asyncio.wait_for(asyncio.shield(granted), self.wait_s)
         except TimeoutError:
@@ -126,7 +128,8 @@ class FairSlots:
             queue.waiters.append(waiter)
             ready = self._grant()
         for fn in ready:
-            fn()
+            if fn is not notify:  # granted at once: the caller sees `granted`, no wake-up
+                fn()
         return waiter
 
     def _withdraw(self, waiter: _Waiter) -> bool:
