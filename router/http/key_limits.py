@@ -1,13 +1,15 @@
 """Per-API-key limits: how many requests one key may have in flight, and how many tokens it
-may spend per minute, so that one tenant cannot take the whole cluster (docs/router.md,
-"Limits"; the flags are LimitsConfig's `max_concurrent_requests_per_key` and
-`max_tokens_per_minute_per_key`, 0 = off).
+may spend per minute, and how many seconds of grammar compiles, so that one tenant cannot take
+the whole cluster (docs/router.md, "Limits"; the flags are LimitsConfig's
+`max_concurrent_requests_per_key`, `max_tokens_per_minute_per_key` and
+`max_compile_seconds_per_minute_per_key`, 0 = off).
 
-Who is limited: the holder of an inference key, on the paths that run on workers
-(`LIMITED_PATHS`). Tenants are told apart by the sha256 digest of their key (router/http/auth.py
-puts it in the ASGI scope as `TENANT`); no key is held here, and no metric names a tenant. A
-request without a tenant is not limited: one that presented an admin key, or any request of a
-router without API keys (auth.resolve_keys refuses these flags without keys at start).
+Who is limited: the holder of an inference key, on the paths that run on workers or tokenize
+its text (`LIMITED_PATHS`), and in the endpoint picker's decisions. Tenants are told apart by
+the sha256 digest of their key (router/http/auth.py puts it in the ASGI scope as `TENANT`); no
+key is held here, and no metric names a tenant. A request without a tenant is not limited:
+one that presented an admin key, or any request of a router without API keys
+(auth.resolve_keys refuses these flags without keys at start).
 
 Life cycle of a request here:
 1. `admit` (router/http/middleware.py, before the body is read): a concurrency slot, or 429
