@@ -176,6 +176,14 @@ class EngineConfig:
     grammar_compile_processes: int = 1
     """Child processes compiling constraints, each one at a time; started on the first
     structured request that misses the compile cache."""
+    grammar_compile_wait_s: float = option(10.0, name="--grammar-compile-wait")
+    """The longest a compile waits for a free compile process (tenants, told apart by the
+    request's cache_salt, take turns, one compile each); past it the request is refused as
+    busy (RESOURCE_EXHAUSTED on a worker). A compile cache hit never waits."""
+    max_grammar_repetitions: int = option(1000, metavar="N")
+    """Largest product of nested counted-repetition bounds in a constraint's regexes and
+    grammars (engine/structured/repetition.py); larger is refused before any compile
+    (INVALID_ARGUMENT on a worker, naming the field). 0: no limit."""
     tensor_parallel_size: int = option(1, aliases=("-tp",), metavar="N")
     """Processes this engine's model is split across (vLLM's; docs/parallelism.md): rank 0
     is this process (scheduler, KV block manager, sampling, the worker's gRPC face), ranks
@@ -271,6 +279,8 @@ class EngineConfig:
                 (self.max_grammar_bytes > 0, "max_grammar_bytes", "must be > 0"),
                 (self.grammar_compile_timeout_s >= 0, "grammar_compile_timeout_s", "must be >= 0"),
                 (self.grammar_compile_processes >= 1, "grammar_compile_processes", "must be >= 1"),
+                (self.grammar_compile_wait_s > 0, "grammar_compile_wait_s", "must be > 0"),
+                (self.max_grammar_repetitions >= 0, "max_grammar_repetitions", "must be >= 0"),
                 (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
                 (self.distributed_timeout_s > 0, "distributed_timeout_s", "must be > 0"),
             ],

@@ -192,6 +192,8 @@ class LLMEngine:
                 config.grammar_compile_timeout_s,
                 config.grammar_compile_processes,
                 config.max_grammar_bytes,
+                config.max_grammar_repetitions,
+                config.grammar_compile_wait_s,
             ),
         )
         self.deltas = Deltas(self.tokenizer, self.scheduler)

@@ -165,6 +165,8 @@ def router_flags(
     default = EngineConfig()
     if engine.max_grammar_bytes != default.max_grammar_bytes:
         out += ["--max-grammar-bytes", str(engine.max_grammar_bytes)]
+    if engine.max_grammar_repetitions != default.max_grammar_repetitions:
+        out += ["--max-grammar-repetitions", str(engine.max_grammar_repetitions)]
     if engine.grammar_compile_timeout_s not in (0, default.grammar_compile_timeout_s):
         out += ["--grammar-compile-timeout", repr(engine.grammar_compile_timeout_s)]
     for flag, path in (

@@ -146,13 +146,22 @@ class LimitsConfig:
     in a child process that is killed then)."""
     grammar_compile_processes: int = 1
     """Child processes compiling constraints (each compiles one at a time)."""
+    grammar_compile_wait_s: float = option(10.0, name="--grammar-compile-wait")
+    """The longest a request waits for a free compile process (API keys take turns, one
+    compile each; keyless requests are one tenant); past it the request is a 503
+    (`compile_busy`, Retry-After). A compile cache hit never waits."""
+    max_grammar_repetitions: int = option(1000, metavar="N")
+    """Largest product of nested counted-repetition bounds (`(a{1,50}){1,50}`: 2500) in a
+    constraint's regexes (a JSON schema's patterns too) and grammars; larger is a 400
+    (`grammar_too_complex`) before any compile. 0: no limit."""
     tokenizer_threads: int = 2
     """Threads tokenizing large prompts off the event loop."""
     max_concurrent_requests_per_key: int = option(0, metavar="N")
     """Most requests one API key may have in progress on /v1/completions, /v1/chat/completions,
-    /v1/responses and /v1/embeddings (a stream holds its slot until it ends or the client
-    leaves); one more is a 429 (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API
-    keys; admin keys are not limited."""
+    /v1/responses, /v1/embeddings, /tokenize and /detokenize, and endpoint-picker decisions
+    (a stream holds its slot until it ends or the client leaves); one more is a 429
+    (rate_limit_exceeded, Retry-After: 1). 0: no limit. Needs API keys; admin keys are not
+    limited."""
     max_tokens_per_minute_per_key: int = option(0, metavar="TOKENS")
     """Tokens one API key may spend per minute on those paths (a bucket of one minute's tokens,
     refilled continuously): a request reserves its prompt tokens + max_tokens x n (no
@@ -161,6 +170,12 @@ class LimitsConfig:
     Retry-After: the seconds until there are). A request above a whole minute's tokens waits
     for a full bucket and overdraws it. 0: no limit. Needs API keys; admin keys are not
     limited."""
+    max_compile_seconds_per_minute_per_key: float = option(0.0, metavar="SECONDS")
+    """Grammar compile seconds one API key may spend per minute (a bucket like the tokens',
+    charged the seconds each of its compiles took, a timed-out one the whole timeout): with
+    the bucket empty or in debt, a request whose constraint misses the compile cache is a
+    429 (rate_limit_exceeded, Retry-After: the seconds until it refills). 0: no limit (the
+    seconds are still counted per key). Admin keys and keyless routers are not limited."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -174,6 +189,7 @@ class LimitsConfig:
             "max_grammar_bytes",
             "grammar_compile_timeout_s",
             "grammar_compile_processes",
+            "grammar_compile_wait_s",
             "tokenizer_threads",
         )
         check_fields(
@@ -187,6 +203,8 @@ class LimitsConfig:
                     "max_logit_bias",
                     "max_concurrent_requests_per_key",
                     "max_tokens_per_minute_per_key",
+                    "max_compile_seconds_per_minute_per_key",
+                    "max_grammar_repetitions",
                 )
             ]
             + [

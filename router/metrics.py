@@ -135,9 +135,10 @@ class RouterMetrics:
         self.rate_limited = _counter(
             "pdserve_router_rate_limited_requests",
             "Requests refused with 429 by the per-API-key limits, by reason (concurrency: "
-            "--max-concurrent-requests-per-key; tokens: --max-tokens-per-minute-per-key)",
+            "--max-concurrent-requests-per-key; tokens: --max-tokens-per-minute-per-key; "
+            "compile_seconds: --max-compile-seconds-per-minute-per-key)",
             "reason",
-            ("concurrency", "tokens"),
+            ("concurrency", "tokens", "compile_seconds"),
             r,
         )
         self.tool_requests = Counter(

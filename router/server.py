@@ -154,12 +154,16 @@ class RouterServices:
             limits.max_concurrent_requests_per_key,
             limits.max_tokens_per_minute_per_key,
             on_refused=lambda reason: self.metrics.rate_limited.labels(reason.value).inc(),
+            compile_seconds_per_minute=limits.max_compile_seconds_per_minute_per_key,
         )
         self.grammars = Grammars(
             card.tokenizer,
             card.vocab_size,
             limits.grammar_compile_processes,
             limits.grammar_compile_timeout_s,
+            limits.grammar_compile_wait_s,
+            limits.max_grammar_repetitions,
+            self.key_limits,
         )
         self._tokenizer_pool = ThreadPoolExecutor(
             limits.tokenizer_threads, thread_name_prefix="tokenize"

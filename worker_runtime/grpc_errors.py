@@ -38,6 +38,7 @@ class NotFound(LookupError):
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     from engine.engine_loop import EngineLoopDied
+    from engine.structured.fair_slots import CompileBusy
     from kvtransfer import IncompatiblePeerError, KVTransferError
 
     if isinstance(exc, NotFound):
@@ -50,7 +51,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, ResourceExhausted):
+    if isinstance(exc, (ResourceExhausted, CompileBusy)):  # no grammar compile slot in time
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION

@@ -124,7 +124,8 @@ class RequestBuilder:
         grammar = None
         if params.structured_outputs is not None and pooling is None:
             # The gate follows from the prompt, then from the replayed outputs.
-            grammar = self.grammars.matcher(params.structured_outputs, token_ids)
+            # Tenants take turns at the compile processes; the cache salt tells them apart.
+            grammar = self.grammars.matcher(params.structured_outputs, token_ids, cache_salt)
             if grammar.valid_prefix(outputs) != len(outputs):
                 raise ValueError(
                     "resume_output_token_ids: the outputs do not follow the "

@@ -25,6 +25,7 @@ import queue
 import socket
 import subprocess
 import sys
+import time
 from array import array
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -48,6 +49,12 @@ class CompileLimits:
     """Child processes compiling constraints, each one at a time."""
     max_bytes: int = 128 << 10
     """Largest constraint (`StructuredOutputsParams.num_bytes`); 0: no limit."""
+    max_repetitions: int = 1000
+    """Largest product of nested counted-repetition bounds (engine/structured/repetition.py),
+    refused before any compile; 0: no limit."""
+    wait_s: float = 10.0
+    """The longest a compile waits for a free process (engine/structured/fair_slots.py:
+    tenants take turns); past it the request is refused as busy (`CompileBusy`)."""
 
 
 class CompileTimeout(Exception):
@@ -175,10 +182,14 @@ class CompileProcesses:
         for _ in range(processes):
             self._free.put(None)  # started on first use
 
-    def check(self, params: StructuredOutputsParams, timeout_s: float) -> None:
+    def check(
+        self, params: StructuredOutputsParams, timeout_s: float, spent: list[float] | None = None
+    ) -> None:
         """Returns if `params` compiles within `timeout_s`; raises FieldError (it does not
-        compile) or CompileTimeout (killed: its slot starts a fresh child next time)."""
-        self._run(params, False, timeout_s)
+        compile) or CompileTimeout (killed: its slot starts a fresh child next time). Either
+        way `spent[0]`, if given, is set to the seconds the compile took (a child's start not
+        counted: the server's cost, not the constraint's)."""
+        self._run(params, False, timeout_s, spent)
 
     def compile(self, params: StructuredOutputsParams, timeout_s: float) -> str:
         """`params` compiled within `timeout_s`, as xgrammar's `CompiledGrammar.serialize_json`
@@ -189,13 +200,22 @@ class CompileProcesses:
         return text
 
     def _run(
-        self, params: StructuredOutputsParams, want_grammar: bool, timeout_s: float
+        self,
+        params: StructuredOutputsParams,
+        want_grammar: bool,
+        timeout_s: float,
+        spent: list[float] | None = None,
     ) -> str | None:
         child = self._free.get()
         try:
             if child is None:
                 child = _Child(self._header, self._vocab)
-            return child.compile(params, want_grammar, timeout_s)
+            t0 = time.monotonic()
+            try:
+                return child.compile(params, want_grammar, timeout_s)
+            finally:
+                if spent is not None:
+                    spent[0] = time.monotonic() - t0
         except CompileTimeout:
             assert child is not None  # only its compile times out
             child.kill()

@@ -8,7 +8,13 @@ Either way the grammar a matcher gets is the same (tests/engine/test_grammar_pro
 
 Thread-safe: workers compile on their request threads, never on the engine thread; equal
 constraints compile once (cached by content, refusals too; a caller asking for a constraint
-another thread is compiling waits for that compile)."""
+another thread is compiling waits for that compile).
+
+Before a compile: a constraint over the size limit, or whose nested counted repetitions
+multiply past `max_repetitions` (engine/structured/repetition.py), is refused by name. A cache
+miss takes a compile slot first (engine/structured/fair_slots.py: tenants take turns, one
+compile each; a slot not free within `wait_s` is `CompileBusy`, RESOURCE_EXHAUSTED on a
+worker), so no tenant's pile of compiles starves another's."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import NamedTuple, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import xgrammar as xgr
 
@@ -29,8 +35,10 @@ from engine.structured.compile_process import (
     CompileTimeout,
     timeout_error,
 )
+from engine.structured.fair_slots import FairSlots
 from engine.structured.gate import ReasoningGate
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.repetition import check_repetitions
 from engine.structured.state import GrammarState
 from engine.structured.vocab import vocabulary
 
@@ -66,20 +74,26 @@ class GrammarCompiler:
             weakref.finalize(self, self._processes.close)  # its children go with it
         else:
             self._compiler = xgrammar_compiler(self._info)
+        self._slots = FairSlots(limits.processes, limits.wait_s)
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar | _Refusal] = OrderedDict()
         self._compiling: dict[tuple, Future] = {}
         self._lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams, prompt: Sequence[int] = ()) -> GrammarState:
+    def matcher(
+        self, params: StructuredOutputsParams, prompt: Sequence[int] = (), tenant: Hashable = None
+    ) -> GrammarState:
         """A fresh matcher for the first output token after `prompt`: at the start of
         `params`' grammar, behind the reasoning gate that `prompt` leaves (gate.py). Raises
         FieldError naming the constraint's field if it does not compile (or not in time, or
-        is too large)."""
+        is too large), CompileBusy if no compile slot came free in time."""
         gate = ReasoningGate.for_prompt(params.reasoning_start, params.reasoning_end, prompt)
-        return GrammarState(xgr.GrammarMatcher(self.compile(params)), gate)
+        return GrammarState(xgr.GrammarMatcher(self.compile(params, tenant)), gate)
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """`params` compiled (cached by content). Raises FieldError naming its field."""
+    def compile(
+        self, params: StructuredOutputsParams, tenant: Hashable = None
+    ) -> xgr.CompiledGrammar:
+        """`params` compiled (cached by content). Raises FieldError naming its field, or
+        CompileBusy (a miss that got no compile slot in time: `tenant`'s turn did not come)."""
         max_bytes = self._limits.max_bytes
         if max_bytes and (size := params.num_bytes()) > max_bytes:
             raise FieldError(
@@ -97,7 +111,7 @@ class GrammarCompiler:
             if entry is None and pending is None:
                 mine = self._compiling[key] = Future()
         if mine is not None:
-            entry = self._compile_for_all(key, params, mine)
+            entry = self._compile_for_all(key, params, mine, tenant)
         elif entry is None:  # another thread compiles it
             assert pending is not None
             entry = pending.result()
@@ -111,12 +125,19 @@ class GrammarCompiler:
             self._processes.close()
 
     def _compile_for_all(
-        self, key: tuple, params: StructuredOutputsParams, pending: Future
+        self, key: tuple, params: StructuredOutputsParams, pending: Future, tenant: Hashable
     ) -> xgr.CompiledGrammar | _Refusal:
-        """Compile a cache miss; cache it and hand it to the threads waiting on `pending`."""
+        """Compile a cache miss in `tenant`'s turn; cache it and hand it to the threads
+        waiting on `pending`."""
         try:
-            entry = self._compile_miss(params)
-        except BaseException as exc:  # not the constraint's fault (no child started): not cached
+            entry: xgr.CompiledGrammar | _Refusal | None = self._too_complex(params)
+            if entry is None:
+                self._slots.acquire(tenant)
+                try:
+                    entry = self._compile_miss(params)
+                finally:
+                    self._slots.release()
+        except BaseException as exc:  # not the constraint's fault (busy, no child): not cached
             with self._lock:
                 del self._compiling[key]
             pending.set_exception(exc)
@@ -128,6 +149,14 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         pending.set_result(entry)
         return entry
+
+    def _too_complex(self, params: StructuredOutputsParams) -> _Refusal | None:
+        """The repetition limit's refusal (a scan of the constraint: on a miss only)."""
+        try:
+            check_repetitions(params, self._limits.max_repetitions)
+        except FieldError as exc:
+            return _Refusal(exc.field, str(exc))
+        return None
 
     def _compile_miss(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | _Refusal:
         try:

@@ -5,9 +5,10 @@ that should run it. The ext_proc protocol around it is router/endpoint_picker/ex
 What is picked, and why: pdserve's workers speak gRPC, not HTTP, so the InferencePool's
 endpoints are the routers (the OpenAI HTTP face); what the gateway cannot choose — the decode
 and prefill workers — travels to the router as a `PlacementHint` in request headers. The
-decision is the router's own: the same checks as the HTTP API (API key, body, model), the same
-tokenization, the same `Placer` over the same registry (etcd) and KV index, so prefix affinity,
-load and conditional disaggregation decide exactly as they would in the router.
+decision is the router's own: the same checks as the HTTP API (API key; the key's limits: a
+concurrency slot held for the time of the decision, a token bucket not empty; body, model),
+the same tokenization, the same `Placer` over the same registry (etcd) and KV index, so prefix
+affinity, load and conditional disaggregation decide exactly as they would in the router.
 
 The endpoint is this router's own (`--endpoint-picker-endpoint`), which then follows the hint
 with the in-flight accounting of the process that decided; when the gateway restricts the
@@ -28,6 +29,7 @@ from router.dispatch import context_needed
 from router.generation.prepare import Kind, prepare
 from router.http.auth import authorize, effective_salt
 from router.http.errors import APIError
+from router.http.key_limits import TENANT
 from router.http.limits import head_refusal, too_large
 from router.placement.hint import PlacementHint
 from router.placement.placer import PromptKey
@@ -99,6 +101,19 @@ class EndpointPicker:
             raise denied
         if len(body) > s.config.limits.max_request_body_bytes:  # no Content-Length: chunked
             raise too_large(s.config.limits.max_request_body_bytes)
+        # The key's limits, as the HTTP middleware applies them (a 429): a slot for the time
+        # of the decision (tokenizing is the router's CPU), no token spent.
+        tenant = scope.get(TENANT)  # set by authorize: an inference key's digest
+        ticket = s.key_limits.admit(tenant if isinstance(tenant, bytes) else None)
+        try:
+            return await self._decide(kind, scope, body)
+        finally:
+            s.key_limits.release(ticket)
+
+    async def _decide(
+        self, kind: Kind, scope: dict, body: bytes
+    ) -> tuple[PlacementHint | None, str]:
+        s = self.services
         prepared = await s.tokenizing(
             len(body),
             prepare,

@@ -39,7 +39,7 @@ from router.call import Delta, WorkerFailed
 from router.generation.prepare import Prepared
 from router.http.auth import effective_salt
 from router.http.errors import REQUEST_ID, APIError, worker_failed
-from router.http.key_limits import TICKET, Ticket
+from router.http.key_limits import TENANT, TICKET, Ticket
 from router.http.streaming import ClientGone, merge, until_disconnect
 from router.placement.hint import PlacementHint
 from router.placement.placer import PromptKey
@@ -54,7 +54,8 @@ async def dispatch(
     services: Services, request: Request, prepared: Prepared, arrival: float
 ) -> Updates:
     if prepared.constraint is not None:
-        await services.grammars.check(prepared.constraint)
+        # In the key's turn at the compile processes; the compile's seconds charged to it.
+        await services.grammars.check(prepared.constraint, request.scope.get(TENANT))
     _count_chat_features(services, prepared)
     await services.admin.wait_awake()  # a sleeping fleet: wait (bounded), then 503
     salt = effective_salt(request.scope, prepared.cache_salt)

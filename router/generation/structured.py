@@ -4,8 +4,15 @@ client used — OpenAI's `response_format`, vLLM's `structured_outputs`, or vLLM
 one engine `StructuredOutputsParams`, checked by compiling it against the served vocabulary
 before any worker is tied up (`Grammars.check`: in a child process, off the event loop, with
 a time limit; a compile takes milliseconds to seconds, a pathological one minutes). A
-constraint over the size limit is refused before any compile. Every refusal is a 400 naming
-the field the client used.
+constraint over the size limit, or whose nested counted repetitions multiply past
+--max-grammar-repetitions (engine/structured/repetition.py), is refused before any compile.
+Every refusal is a 400 naming the field the client used.
+
+Compiles are shared fairly: API keys take turns at the compile processes (one compile each,
+engine/structured/fair_slots.py; keyless requests are one tenant), a request that gets no
+compile process within --grammar-compile-wait is a 503 with Retry-After, and the seconds a
+compile took are charged to its key (router/http/key_limits.py: `charge_compile`, throttled
+by --max-compile-seconds-per-minute-per-key).
 
 `structured_outputs` may also carry only flags (`disable_any_whitespace`, ...) beside a
 constraint given another way; two constraints are refused, as vLLM refuses them."""
@@ -14,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.checks import FieldError
 from engine.processing.tokenizer import Tokenizer
@@ -27,11 +35,14 @@ from engine.structured.compile_process import (
     CompileTimeout,
     timeout_error,
 )
+from engine.structured.fair_slots import CompileBusy, FairSlots
 from engine.structured.params import KINDS, StructuredOutputsParams
+from engine.structured.repetition import check_repetitions
 from router.endpoints.chat.protocol import ChatCompletionRequest
 from router.endpoints.completions.protocol import CompletionRequest
 from router.endpoints.sampling import ResponseFormat
-from router.http.errors import bad_request
+from router.http.errors import APIError, bad_request
+from router.http.key_limits import KEYLESS, KeyLimits
 
 _GUIDED = {
     "guided_json": "json",
@@ -127,57 +138,148 @@ def constraint(
     return Constraint(params, param)
 
 
+_SCAN_ON_LOOP_BYTES = 4 << 10  # larger constraints are scanned for repetitions off the loop
+
+
+class _Refusal(NamedTuple):
+    message: str
+    code: str | None  # the 400's code (grammar_too_complex), or none
+
+
 class Grammars:
     """Checks that constraints compile against the served vocabulary, as the workers will: a
     constraint that does not compile is refused here, before placement. Compiles run in
     `processes` child processes (engine/structured/compile_process.py, the workers' too), each
-    bounded by `timeout_s`
-    (killed past it: a 400), and awaited on their own threads, never on the event loop.
-    Results are cached by content, refusals too: a constraint refused once is refused at
-    once."""
+    bounded by `timeout_s` (killed past it: a 400), and awaited on their own threads, never on
+    the event loop. Results are cached by content, refusals too: a constraint refused once is
+    refused at once, one compiled once is never compiled again (and never waits).
+
+    Life cycle of a check: the cache -> the repetition bound (a 400 `grammar_too_complex`,
+    cached) -> the key's compile-seconds bucket (`key_limits.may_compile`: a 429) -> a compile
+    slot in the key's turn, awaited on the event loop up to `wait_s` (a 503 `compile_busy`,
+    Retry-After) -> the compile, on an executor thread that gives the slot back when the
+    compile ends (even if the client left) -> its seconds charged to the key
+    (`key_limits.charge_compile`)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, processes: int = 1, timeout_s: float = 10.0
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        processes: int = 1,
+        timeout_s: float = 10.0,
+        wait_s: float = 10.0,
+        max_repetitions: int = 1000,
+        key_limits: KeyLimits | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._processes = processes
         self._timeout_s = timeout_s
+        self._max_repetitions = max_repetitions
+        self._key_limits = key_limits
+        self.slots = FairSlots(processes, wait_s)
+        """The compile slots (one per process), shared by keys in turns."""
         self._pool: CompileProcesses | None = None
         self._lock = threading.Lock()
-        self._results: OrderedDict[tuple, str | None] = OrderedDict()  # key -> refusal
+        self._results: OrderedDict[tuple, _Refusal | None] = OrderedDict()  # key -> refusal
+        # One thread per slot: a thread only ever runs a compile that holds a slot.
         self._executor = ThreadPoolExecutor(processes, thread_name_prefix="grammar")
 
-    async def check(self, c: Constraint) -> None:
-        """Raises the 400 APIError naming `c.param` if `c` does not compile in time."""
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._check, c)
+    async def check(self, c: Constraint, tenant: bytes | None = None) -> None:
+        """Raises the 400 APIError naming `c.param` if `c` is too complex or does not
+        compile in time, a 429 if `tenant` (an inference key's digest; None: keyless) has
+        spent its compile seconds, a 503 if no compile slot came free in its turn."""
+        key = c.params.key()
+        with self._lock:
+            known = key in self._results
+            refusal = self._results.get(key)
+        if not known:
+            refusal = await self._too_complex(c.params, key)
+            if refusal is None:
+                refusal = await self._compile_in_turn(c.params, key, tenant)
+        if refusal is not None:
+            raise _invalid(FieldError(c.params.kind, refusal.message), c.param, refusal.code)
 
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:
                 self._pool.close()
 
-    def _check(self, c: Constraint) -> None:
-        key = c.params.key()
-        with self._lock:
-            known = key in self._results
-            refusal = self._results.get(key)
-        if not known:
-            refusal = self._compile(c.params)
-            with self._lock:
-                self._results[key] = refusal
-                while len(self._results) > CACHE_ENTRIES:
-                    self._results.popitem(last=False)
-        if refusal is not None:
-            raise _invalid(FieldError(c.params.kind, refusal), c.param)
-
-    def _compile(self, params: StructuredOutputsParams) -> str | None:
-        """None if `params` compiles within the time limit, else why not."""
+    async def _too_complex(self, params: StructuredOutputsParams, key: tuple) -> _Refusal | None:
+        """The repetition limit's refusal (cached), or None. The scan is linear but in Python
+        (~5 ms for a dense 16 KiB regex): a large constraint is scanned off the event loop."""
         try:
-            self._get().check(params, self._timeout_s)
+            if params.num_bytes() > _SCAN_ON_LOOP_BYTES:
+                await asyncio.to_thread(check_repetitions, params, self._max_repetitions)
+            else:
+                check_repetitions(params, self._max_repetitions)
+        except FieldError as exc:
+            refusal = _Refusal(str(exc), "grammar_too_complex")
+            self._remember(key, refusal)
+            return refusal
+        return None
+
+    def _remember(self, key: tuple, refusal: _Refusal | None) -> None:
+        with self._lock:
+            self._results[key] = refusal
+            while len(self._results) > CACHE_ENTRIES:
+                self._results.popitem(last=False)
+
+    async def _compile_in_turn(
+        self, params: StructuredOutputsParams, key: tuple, tenant: bytes | None
+    ) -> _Refusal | None:
+        if self._key_limits is not None:
+            self._key_limits.may_compile(tenant)
+        try:
+            await self.slots.acquire_async(KEYLESS if tenant is None else tenant)
+        except CompileBusy as exc:
+            raise APIError(
+                503,
+                str(exc),
+                code="compile_busy",
+                headers={"Retry-After": str(max(1, math.ceil(self._timeout_s)))},
+            ) from None
+        done = asyncio.get_running_loop().run_in_executor(
+            self._executor, self._compile_in_slot, params, key
+        )
+        limits = self._key_limits
+        if limits is not None:  # charged when the compile ends, whether the client waits or not
+
+            def charge(f: asyncio.Future[tuple[_Refusal | None, float]]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    limits.charge_compile(tenant, f.result()[1])
+
+            done.add_done_callback(charge)
+        refusal, _ = await asyncio.shield(done)
+        return refusal
+
+    def _compile_in_slot(
+        self, params: StructuredOutputsParams, key: tuple
+    ) -> tuple[_Refusal | None, float]:
+        """(refusal or None, seconds compiling) for `params`, in the slot its caller holds
+        (given back here, when the compile ends). A constraint another request compiled while
+        this one waited is not compiled again."""
+        try:
+            with self._lock:
+                if key in self._results:
+                    return self._results[key], 0.0
+            spent = [0.0]
+            message = self._compile(params, spent)
+            refusal = None if message is None else _Refusal(message, None)
+            self._remember(key, refusal)
+            return refusal, spent[0]
+        finally:
+            self.slots.release()
+
+    def _compile(self, params: StructuredOutputsParams, spent: list[float]) -> str | None:
+        """None if `params` compiles within the time limit, else why not. `spent[0]`: the
+        seconds it compiled (a killed compile: the whole limit)."""
+        try:
+            self._get().check(params, self._timeout_s, spent)
         except FieldError as exc:
             return str(exc)
         except CompileTimeout:
+            spent[0] = max(spent[0], self._timeout_s)
             return str(timeout_error(params, self._timeout_s))
         return None
 
@@ -252,9 +354,9 @@ def _backend(value: str) -> dict[str, bool]:
     return flags
 
 
-def _invalid(exc: FieldError, param: str):
+def _invalid(exc: FieldError, param: str, code: str | None = None):
     message = str(exc)
-    return bad_request(message if message.startswith(param) else f"{param}: {message}", param)
+    return bad_request(message if message.startswith(param) else f"{param}: {message}", param, code)
 
 
 def _no_whitespace_pattern(param: str):

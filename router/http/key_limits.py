@@ -1,13 +1,15 @@
 """Per-API-key limits: how many requests one key may have in flight, and how many tokens it
-may spend per minute, so that one tenant cannot take the whole cluster (docs/router.md,
-"Limits"; the flags are LimitsConfig's `max_concurrent_requests_per_key` and
-`max_tokens_per_minute_per_key`, 0 = off).
+may spend per minute, and how many seconds of grammar compiles, so that one tenant cannot take
+the whole cluster (docs/router.md, "Limits"; the flags are LimitsConfig's
+`max_concurrent_requests_per_key`, `max_tokens_per_minute_per_key` and
+`max_compile_seconds_per_minute_per_key`, 0 = off).
 
-Who is limited: the holder of an inference key, on the paths that run on workers
-(`LIMITED_PATHS`). Tenants are told apart by the sha256 digest of their key (router/http/auth.py
-puts it in the ASGI scope as `TENANT`); no key is held here, and no metric names a tenant. A
-request without a tenant is not limited: one that presented an admin key, or any request of a
-router without API keys (auth.resolve_keys refuses these flags without keys at start).
+Who is limited: the holder of an inference key, on the paths that run on workers or tokenize
+its text (`LIMITED_PATHS`), and in the endpoint picker's decisions. Tenants are told apart by
+the sha256 digest of their key (router/http/auth.py puts it in the ASGI scope as `TENANT`); no
+key is held here, and no metric names a tenant. A request without a tenant is not limited:
+one that presented an admin key, or any request of a router without API keys
+(auth.resolve_keys refuses these flags without keys at start).
 
 Life cycle of a request here:
 1. `admit` (router/http/middleware.py, before the body is read): a concurrency slot, or 429
@@ -36,6 +38,17 @@ key could start any number of long generations on a full bucket at once and pay 
 reserving makes what runs concurrently fit the budget, and the reconciliation keeps the
 charge honest (OpenAI's rate limits also count max_tokens at admission).
 
+Grammar compiles are charged too (router/generation/structured.py `Grammars.check`): the
+seconds each structured-output compile took (its process's compile time; one killed at the
+time limit: the whole limit) go into the key's compile-seconds account (`compile_seconds`),
+and, with `max_compile_seconds_per_minute_per_key`, are taken from a second bucket that works
+as the tokens' does (one minute's seconds at most, refilled continuously, a compile that
+overran it leaves a debt). Before a compile (a cache miss: a cached constraint costs nothing)
+`may_compile` refuses with 429 (reason compile_seconds, Retry-After = the seconds until the
+bucket is positive again) a key whose bucket is empty or in debt: a key that burns compile
+time is throttled as one that burns tokens. Requests without a key (a keyless router, an
+admin key) are counted as one tenant (`KEYLESS`) and not limited.
+
 The counts live in this router process: N router replicas allow a key N times the limits.
 
 The bucket holds at most one minute's tokens and refills continuously (rate / 60 per
@@ -58,9 +71,21 @@ TENANT = "pdserve.tenant"
 TICKET = "pdserve.key_ticket"
 """The ASGI scope entry holding a limited request's `Ticket` (set by `admit`'s caller)."""
 LIMITED_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+    }
 )
-"""The paths whose requests run on workers: the ones limited per key."""
+"""The paths limited per key: those whose requests run on workers, and those that spend the
+router's CPU on a key's text (tokenizing). The endpoint picker takes a slot for the time of
+its decision (router/endpoint_picker/picker.py)."""
+KEYLESS = b""
+"""The one tenant requests without an inference key count as (compile accounting, turns at
+the compile processes); never limited. A key's digest is 32 bytes: no key is this."""
 
 
 class LimitReason(str, enum.Enum):
@@ -68,6 +93,7 @@ class LimitReason(str, enum.Enum):
 
     CONCURRENCY = "concurrency"
     TOKENS = "tokens"
+    COMPILE_SECONDS = "compile_seconds"
 
 
 @dataclass(slots=True)
@@ -92,7 +118,9 @@ class Ticket:
 class _Tenant:
     in_flight: int
     level: float  # tokens in the bucket; negative: a debt
-    stamp: float  # clock time `level` was computed at
+    stamp: float  # clock time `level` and `compile_level` were computed at
+    compile_level: float = 0.0  # compile seconds in the bucket; negative: a debt
+    compiled_s: float = 0.0  # compile seconds charged so far (all time)
 
 
 class KeyLimits:
@@ -106,11 +134,13 @@ class KeyLimits:
         tokens_per_minute: int,
         clock: Callable[[], float] = time.monotonic,
         on_refused: Callable[[LimitReason], None] = lambda reason: None,
+        compile_seconds_per_minute: float = 0.0,
     ) -> None:
-        if max_concurrent < 0 or tokens_per_minute < 0:
+        if max_concurrent < 0 or tokens_per_minute < 0 or compile_seconds_per_minute < 0:
             raise ValueError("per-key limits must be >= 0 (0: off)")
         self.max_concurrent = max_concurrent
         self.tokens_per_minute = tokens_per_minute
+        self.compile_seconds_per_minute = compile_seconds_per_minute
         self.clock = clock
         self.on_refused = on_refused
         self._tenants: dict[bytes, _Tenant] = {}  # one per key seen (keys are configured: bounded)
@@ -173,6 +203,36 @@ class KeyLimits:
             used = ticket.used if served or ticket.generated else 0
             state.level = min(self.tokens_per_minute, state.level + ticket.reserved - used)
 
+    def may_compile(self, tenant: bytes | None) -> None:
+        """Before a compile of `tenant`'s (None: keyless, never limited): a 429 APIError if
+        its compile-seconds bucket is empty or in debt."""
+        rate = self.compile_seconds_per_minute
+        if tenant is None or not rate:
+            return
+        state = self._refill(self._state(tenant))
+        if state.compile_level <= 0:
+            wait = (1e-3 - state.compile_level) * 60.0 / rate
+            raise self._refuse(
+                LimitReason.COMPILE_SECONDS,
+                max(1, math.ceil(wait - 1e-9)),
+                f"This API key has spent its {rate:g} seconds of grammar compiles per "
+                f"minute (--max-compile-seconds-per-minute-per-key); reuse a constraint "
+                f"already compiled, or retry later.",
+            )
+
+    def charge_compile(self, tenant: bytes | None, seconds: float) -> None:
+        """`tenant` (None: keyless) spent `seconds` compiling a constraint: counted in its
+        account, and taken from its compile bucket (which may go into debt)."""
+        state = self._refill(self._state(KEYLESS if tenant is None else tenant))
+        state.compiled_s += seconds
+        if tenant is not None and self.compile_seconds_per_minute:
+            state.compile_level -= seconds
+
+    def compile_seconds(self, tenant: bytes | None) -> float:
+        """Compile seconds charged to `tenant` (None: the keyless tenant) so far."""
+        state = self._tenants.get(KEYLESS if tenant is None else tenant)
+        return state.compiled_s if state else 0.0
+
     def in_flight(self, tenant: bytes) -> int:
         """Requests of `tenant` holding a slot now."""
         state = self._tenants.get(tenant)
@@ -185,7 +245,12 @@ class KeyLimits:
     def _state(self, tenant: bytes) -> _Tenant:
         state = self._tenants.get(tenant)
         if state is None:
-            state = self._tenants[tenant] = _Tenant(0, float(self.tokens_per_minute), self.clock())
+            state = self._tenants[tenant] = _Tenant(
+                0,
+                float(self.tokens_per_minute),
+                self.clock(),
+                float(self.compile_seconds_per_minute),
+            )
         return state
 
     def _refill(self, state: _Tenant) -> _Tenant:
@@ -193,6 +258,9 @@ class KeyLimits:
         if self.tokens_per_minute:
             gained = (now - state.stamp) * self.tokens_per_minute / 60.0
             state.level = min(float(self.tokens_per_minute), state.level + gained)
+        if rate := self.compile_seconds_per_minute:
+            gained = (now - state.stamp) * rate / 60.0
+            state.compile_level = min(rate, state.compile_level + gained)
         state.stamp = now
         return state
 

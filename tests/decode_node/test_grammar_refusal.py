@@ -42,7 +42,13 @@ def _generate(h: Harness, rid: str, schema: str) -> asyncio.Task:
 def test_a_pathological_schema_is_invalid_argument_and_takes_nothing(model_dir):
     tok = Tokenizer.from_dir(model_dir)
     builder = RequestBuilder(
-        tok, tok.vocab_size, 512, 4, seed=0, grammar_limits=CompileLimits(timeout_s=LIMIT_S)
+        tok,
+        tok.vocab_size,
+        512,
+        4,
+        seed=0,
+        # No repetition limit: it would refuse PATHOLOGICAL before any compile.
+        grammar_limits=CompileLimits(timeout_s=LIMIT_S, max_repetitions=0),
     )
 
     async def main():

@@ -64,7 +64,9 @@ def _compiler(tok: Tokenizer, **limits) -> GrammarCompiler:
 
 @pytest.fixture(scope="module")
 def in_child(tokenizer):
-    compiler = _compiler(tokenizer, timeout_s=LIMIT_S)
+    # No repetition limit: it would refuse PATHOLOGICAL before any compile (the time limit is
+    # what these tests are about; test_compile_fairness.py the repetition limit).
+    compiler = _compiler(tokenizer, timeout_s=LIMIT_S, max_repetitions=0)
     yield compiler
     compiler.close()
 
@@ -161,7 +163,7 @@ def test_an_engine_refuses_a_pathological_request_and_takes_nothing(model_dir):
     the limit; the engine holds nothing for it; then a valid constraint generates exactly what
     an engine compiling in-thread generates."""
     kw = dict(num_layers=1, dtype="float32", kv_cache_memory=16 << 20)
-    llm = LLM(str(model_dir), grammar_compile_timeout_s=LIMIT_S, **kw)
+    llm = LLM(str(model_dir), grammar_compile_timeout_s=LIMIT_S, max_grammar_repetitions=0, **kw)
     engine = llm.engine
     engine.make_request("warm", "Hi", SamplingParams(structured_outputs={"regex": "[0-9]"}))
     start = time.monotonic()

@@ -53,6 +53,8 @@ ENGINE = EngineConfig(
     max_grammar_bytes=4096,
     grammar_compile_timeout_s=2.5,
     grammar_compile_processes=2,
+    grammar_compile_wait_s=3.5,
+    max_grammar_repetitions=77,
 )
 ENGINES = [
     ENGINE,
@@ -289,6 +291,7 @@ def test_the_router_gets_the_cluster_the_model_and_what_the_engine_flags_ask_of_
     ).limits
     assert (limited.grammar_compile_timeout_s, limited.max_grammar_bytes) == (2.5, 4096)
     assert router(parse_up("--grammar-compile-timeout", "0")).limits.grammar_compile_timeout_s == 10
+    assert router(parse_up("--max-grammar-repetitions", "50")).limits.max_grammar_repetitions == 50
     keyed = router(parse_up("--api-key-file", "k.txt", "--admin-api-key-file", "/a.txt"))
     assert (keyed.api_key_file, keyed.admin_api_key_file) == (
         str(Path("k.txt").resolve()),

@@ -153,3 +153,31 @@ def test_refused_for_tokens_frees_its_slot_on_release():
 def test_negative_limits_are_refused():
     with pytest.raises(ValueError):
         KeyLimits(-1, 0)
+
+
+def test_compile_seconds_are_counted_and_their_bucket_refills():
+    clock, refused = Clock(), []
+    lim = KeyLimits(0, 0, clock, refused.append, compile_seconds_per_minute=6)
+    lim.may_compile(A)  # a full bucket: 6 s
+    lim.charge_compile(A, 4.0)
+    lim.may_compile(A)  # 2 s left
+    lim.charge_compile(A, 5.0)  # a compile may overdraw it: 3 s of debt
+    err = refusal(lim.may_compile, A)
+    assert "--max-compile-seconds-per-minute-per-key" in err.message
+    assert err.headers["Retry-After"] == "31"  # 3 s of debt at 0.1 s per second, then positive
+    assert refused == [LimitReason.COMPILE_SECONDS]
+    lim.may_compile(B)  # another key: its own bucket
+    lim.may_compile(None)  # keyless: counted, never limited
+    lim.charge_compile(None, 50.0)
+    lim.may_compile(None)
+    clock.now += 31
+    lim.may_compile(A)
+    assert (lim.compile_seconds(A), lim.compile_seconds(B), lim.compile_seconds(None)) == (
+        9.0,
+        0.0,
+        50.0,
+    )
+    off = KeyLimits(0, 0, clock)  # no budget: the seconds are still counted, nothing refused
+    off.charge_compile(A, 100.0)
+    off.may_compile(A)
+    assert off.compile_seconds(A) == 100.0

@@ -162,6 +162,12 @@ def test_flags_reach_the_config():
             "15",
             "--max-tokens-per-minute-per-key",
             "16",
+            "--grammar-compile-wait",
+            "17",
+            "--max-grammar-repetitions",
+            "18",
+            "--max-compile-seconds-per-minute-per-key",
+            "19",
             "--allowed-worker-cidrs",
             "10.0.0.0/8",
             "::1",
@@ -243,6 +249,9 @@ def test_flags_reach_the_config():
         tokenizer_threads=14,
         max_concurrent_requests_per_key=15,
         max_tokens_per_minute_per_key=16,
+        grammar_compile_wait_s=17,
+        max_grammar_repetitions=18,
+        max_compile_seconds_per_minute_per_key=19,
     )
     assert cfg.etcd_security == EtcdSecurity(
         "u", "/pw", etcd_ca="/ca", etcd_cert="/c", etcd_key="/k"

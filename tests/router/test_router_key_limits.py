@@ -150,14 +150,15 @@ def test_a_key_at_its_limit_gets_429_while_another_key_is_served(card):
                         {"messages": [{"role": "user", "content": "hi"}]},
                     )
                 )
-                # Key B and the admin key are served meanwhile; /tokenize is not limited.
+                # /tokenize and /detokenize spend the router's CPU on the key's text: limited.
+                rate_limited(await post(client, KEY_A, "/tokenize", {"prompt": "x"}))
+                rate_limited(await post(client, KEY_A, "/detokenize", {"tokens": [42]}))
+                # Key B and the admin key are served meanwhile.
+                assert (await post(client, KEY_B, "/tokenize", {"prompt": "x"})).status_code == 200
                 async with stream(client, KEY_B), stream(client, ADMIN):
                     assert lim.in_flight(_digest(KEY_B)) == 1
-                    assert (
-                        await post(client, KEY_A, "/tokenize", {"prompt": "x"})
-                    ).status_code == 200
                 assert lim.in_flight(a) == 1  # the refusals took no slot
-            assert refusals(services, "concurrency") == 4
+            assert refusals(services, "concurrency") == 6
             assert refusals(services, "tokens") == 0
             assert (
                 services.metrics.registry.get_sample_value(

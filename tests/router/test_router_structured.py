@@ -254,7 +254,9 @@ def test_compile_runs_off_the_event_loop(cluster, http, monkeypatch):
     threads = []
     compile_ = grammars._compile
     monkeypatch.setattr(
-        grammars, "_compile", lambda p: (threads.append(threading.current_thread()), compile_(p))[1]
+        grammars,
+        "_compile",
+        lambda p, spent: (threads.append(threading.current_thread()), compile_(p, spent))[1],
     )
     _sent(cluster, http, "/v1/completions", {**COMP, "guided_regex": "[0-9]{3}"})
     assert threads and threads[0].name.startswith("grammar")  # the compile threads
