@@ -36,7 +36,7 @@ def app():
 def _post(app, path: str, body: dict) -> httpx.Response:
     async def main():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.post(path, json=body)
 
     return asyncio.run(main())

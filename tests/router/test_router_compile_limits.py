@@ -26,7 +26,7 @@ from router.http.auth import _digest, resolve_keys
 from router.http.errors import APIError
 from router.server import RouterServices, load_model_card
 
-KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key-1"
+KEY_A, KEY_B, ADMIN = "tenant-a-key-0123456", "tenant-b-key-0123456", "admin-key-1-0123456"
 PROMPT = {"prompt": "hello there", "max_tokens": 2}
 
 
