@@ -32,7 +32,7 @@ from typing import Callable
 from engine.core.request import Request
 from engine.llm_engine import LLMEngine
 from engine.processing.tokens import SampledToken
-from kvtransfer import KVSender, TransferResult, TransferStatus
+from kvtransfer import KVSender, KVTransferError, TransferResult, TransferStatus
 
 
 @dataclass
@@ -130,8 +130,12 @@ class KVStreamer:
         first token sampled, the rest as the final batch), hold it until its destination."""
         bm = engine.block_manager
         req = out.request
-        if out.final_sent or not req.block_tables:
-            return  # all sent, or not admitted yet
+        if out.final_sent:
+            return  # all sent
+        if not out.opened and out.dest_blocks is not None:
+            self.open(out)  # queued here or computing: the decode worker hears we are coming
+        if not req.block_tables:
+            return  # not admitted yet
         if req.status.is_finished and req.num_output_tokens == 0:  # aborted in the engine
             self._stop(engine, out)
             return
@@ -163,7 +167,7 @@ class KVStreamer:
                 for i in range(max(out.sent, skip), upto)
             ]
             base += prompt_blocks - skip
-        if not pairs and not final and out.opened:
+        if not pairs and not final:
             return  # nothing new; the sender's keepalives say we are computing
         blocks = [local for local, _ in pairs]
         bm.pool.pin(blocks)  # freed-this-step blocks are taken back before any reuse
@@ -178,6 +182,17 @@ class KVStreamer:
             self.sender.send(out.transfer_id, out.peer, pairs, final=final, idle_s=out.idle_s)
         except Exception as exc:  # refused before posting: fail this request only
             self._finish(engine, out, None, TransferStatus.ERROR, str(exc))
+
+    def open(self, out: Outgoing) -> None:
+        """Open `out`'s transfer (its destination is known): the sender's keepalives start.
+        Any thread, before the destination reaches the engine thread (the prefill worker does
+        it on SetDestination, so a long step of another prompt cannot delay it); a transfer
+        that already ended or already sent its final batch is left as it is."""
+        try:
+            self.sender.send(out.transfer_id, out.peer, [], final=False, idle_s=out.idle_s)
+        except KVTransferError:
+            return  # ended or final: nothing to keep alive
+        out.opened = True
 
     def answer_early(self, result: TransferResult) -> None:
         """The sender's listener (any thread): answer the caller of a transfer that completed."""

@@ -215,9 +215,14 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         """Hand the deferred destination to the streamer once it comes; one that does not
         fit the prompt fails the Prefill (through `done`)."""
         given: pb.KVDestination = await slot
+        # Open the transfer now, not on the engine thread: `place` waits for the step in
+        # progress, which may be a long chunk of another prompt, while D's progress window
+        # runs from when it parked the request.
+        self.streamer.open(out)
 
         def place(engine: LLMEngine) -> None:
             if self.streamer.active.get(out.transfer_id) is not out:
+                self.streamer.sender.cancel(out.transfer_id)  # no keepalives for it
                 return  # ended already (cancelled, failed, timed out): its call says why
             skips = _destination_skips(given, engine.limits, out.request.num_prompt_tokens)
             self.streamer.set_destination(engine, out.transfer_id, list(given.block_ids), skips)

@@ -263,3 +263,34 @@ def test_a_second_destination_for_the_same_transfer_is_refused():
     streamer.set_destination(engine, "r:0", [8, 9, 10], [0])
     with pytest.raises(ValueError, match="already has its destination"):
         streamer.set_destination(engine, "r:0", [8, 9, 10], [0])
+
+
+def test_a_destination_for_a_queued_prompt_opens_the_transfer_and_keepalives_flow():
+    """The prompt waits in this worker's queue (not admitted: no blocks) when D's destination
+    comes — opened from the asyncio side (`open`), as the worker does on SetDestination: D
+    hears keepalives however long the queue is, and nothing is written yet."""
+    fabric = FakeFabric()
+    p, d = _backend(fabric, "P"), _backend(fabric, "D")
+    p.add_peer(d.metadata())
+    d.receiver.expect("r:0", [8, 9, 10], idle_s=0.1)
+    engine, streamer = _Engine(), KVStreamer(p.sender)
+    req, ended = _prompt(0, finished=False), []
+    req.block_tables = []  # queued
+    out = _deferred(req, ended, deadline_s=0.1)
+    streamer.add(out)
+    out.dest_blocks, out.group_skips = [8, 9, 10], [0]
+    streamer.open(out)
+    end = time.monotonic() + 0.5  # five of D's windows
+    while time.monotonic() < end:
+        streamer.after_step(engine)  # the engine steps other prompts
+        p.sender.poll()  # the progress thread: keepalives
+        assert d.receiver.poll() == []
+        time.sleep(0.005)
+    assert d.receiver.progress("r:0") == (0, 3) and engine.block_manager.pool.pinned == []
+    streamer.open(out)  # a second open (the engine side) changes nothing
+    streamer.cancel(engine, "r:0")
+    for _ in range(3):
+        streamer.after_step(engine)
+    assert ended == [(TransferStatus.CANCELLED, None)]
+    assert not streamer.active and p.sender.num_active == 0
+    d.receiver.cancel("r:0")
