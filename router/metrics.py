@@ -182,9 +182,10 @@ class RouterMetrics:
         self.placement_hints = _counter(
             "pdserve_router_placement_hints",
             "Requests that carried the endpoint picker's placement, by outcome (followed; "
-            "overridden: those workers could not take it any more)",
+            "overridden: those workers could not take it any more; unsealed: not the picker's "
+            "— no seal, a forged or a stale one — and ignored)",
             "outcome",
-            ("followed", "overridden"),
+            ("followed", "overridden", "unsealed"),
             r,
         )
         self.endpoint_picks = _counter(

@@ -38,6 +38,7 @@ from router.metrics import RouterMetrics
 from router.parsers.message import ChatOptions
 from router.placement.allowed_workers import AllowedWorkers
 from router.placement.events import KVSubscriptions
+from router.placement.hint import HintSeal
 from router.placement.index import KVIndex
 from router.placement.placer import Placer
 from router.placement.policy import make_policy
@@ -156,6 +157,8 @@ class RouterServices:
             on_refused=lambda reason: self.metrics.rate_limited.labels(reason.value).inc(),
             compile_seconds_per_minute=limits.max_compile_seconds_per_minute_per_key,
         )
+        self.hint_seal = HintSeal()
+        """Seals the endpoint picker's placement hints (router/placement/hint.py)."""
         self.grammars = Grammars(
             card.tokenizer,
             card.vocab_size,

@@ -17,6 +17,7 @@ from router.generation.structured import Grammars
 from router.http.auth import Keys
 from router.http.key_limits import KeyLimits
 from router.metrics import RouterMetrics
+from router.placement.hint import HintSeal
 from router.placement.registry import WorkerRegistry
 
 T = TypeVar("T")
@@ -34,6 +35,7 @@ class Services(Protocol):
     loras: LoRAAdapters  # the LoRA adapters served (models beside the base), load / unload
     admin: FleetAdmin  # fleet-wide sleep / wake up / weight updates; gates generation
     grammars: Grammars  # structured-output constraints compile-checked (time-limited)
+    hint_seal: HintSeal  # the endpoint picker's placement hints: sealed, then opened
 
     async def tokenizing(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` (parsing and tokenizing a body of `size` bytes): on the tokenizer

@@ -37,7 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router.endpoint_picker.picker import EndpointPicker, Pick
 from router.http.errors import APIError
 from router.http.limits import too_large
-from router.placement.hint import DECODE_HEADER, PREFILL_HEADER
+from router.placement.hint import HintSeal
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 )
             ]
         log.debug("%s -> %s, %s (%s)", ex.path, pick.endpoint, pick.hint, pick.reason)
-        common = ep.CommonResponse(header_mutation=_mutation(pick), clear_route_cache=True)
+        seal = self.picker.services.hint_seal
+        common = ep.CommonResponse(header_mutation=_mutation(pick, seal), clear_route_cache=True)
         metadata = _metadata(pick.endpoint)
         if not body_follows:
             return [
@@ -187,12 +188,12 @@ def _header(key: str, value: str) -> core.HeaderValueOption:
     )
 
 
-def _mutation(pick: Pick) -> ep.HeaderMutation:
-    # The hint headers are always written (empty: none), so a client cannot smuggle its own.
-    hint = pick.hint.headers() if pick.hint is not None else {DECODE_HEADER: "", PREFILL_HEADER: ""}
+def _mutation(pick: Pick, seal: HintSeal) -> ep.HeaderMutation:
+    # The hint headers are always written (empty: none), so a client cannot smuggle its own
+    # through the gateway; past it, the router follows only a hint that `seal` sealed.
     return ep.HeaderMutation(
         set_headers=[_header(DESTINATION_HEADER, pick.endpoint)]
-        + [_header(k, v) for k, v in hint.items()]
+        + [_header(k, v) for k, v in seal.headers(pick.hint).items()]
     )
 
 

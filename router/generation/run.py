@@ -41,7 +41,6 @@ from router.http.auth import effective_salt
 from router.http.errors import REQUEST_ID, APIError, worker_failed
 from router.http.key_limits import TENANT, TICKET, Ticket
 from router.http.streaming import ClientGone, merge, until_disconnect
-from router.placement.hint import PlacementHint
 from router.placement.placer import PromptKey
 from router.services import Services
 
@@ -65,12 +64,13 @@ async def dispatch(
         sum(map(len, prepared.prompts)),
         completion_budget(prepared, services.max_model_len()),
     )
-    # Behind the endpoint picker, a one-prompt request may carry its placement.
-    hint = (
-        PlacementHint.from_headers(request.headers)
-        if services.config.endpoint_picker.port and len(prepared.prompts) == 1
-        else None
-    )
+    # Behind the endpoint picker, a one-prompt request may carry its placement — sealed by
+    # this router's picker; a hint a client wrote itself is ignored (and counted).
+    hint = None
+    if services.config.endpoint_picker.port and len(prepared.prompts) == 1:
+        hint, refused = services.hint_seal.open(request.headers)
+        if refused:
+            services.metrics.placement_hints.labels("unsealed").inc()
     streams = merge(
         [
             services.dispatcher.generate(

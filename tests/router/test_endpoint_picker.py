@@ -26,6 +26,14 @@ from router_harness import start_cluster
 from cluster.net import free_port
 from router.endpoint_picker.config import EndpointPickerConfig
 from router.endpoint_picker.picker import EndpointPicker
+from router.placement.hint import (
+    DECODE_HEADER,
+    PREFILL_HEADER,
+    SEAL_HEADER,
+    SEAL_MAX_AGE_S,
+    HintSeal,
+    PlacementHint,
+)
 from router.placement.placer import PromptKey
 
 PROMPT = list(range(1, 201))  # token ids: 12 full blocks of 16
@@ -152,6 +160,7 @@ def test_a_subset_is_obeyed_and_other_paths_pass_without_placement(gw):
         "x-gateway-destination-endpoint": gw.endpoint,
         "x-pdserve-decode-worker": "",
         "x-pdserve-prefill-worker": "",
+        "x-pdserve-placement-seal": "",
     }
     batch = ask(gw, data=body(prompt=[PROMPT, PROMPT[:50]]))  # the router places each prompt
     assert batch.headers["x-pdserve-decode-worker"] == ""
@@ -171,23 +180,62 @@ def test_no_usable_decode_worker_is_a_503(gw):
 
 def test_the_router_follows_the_hint_and_overrides_a_stale_one(gw):
     url = gw.router.url + "/v1/completions"
+    seal = gw.services.hint_seal
     for target in ("d1", "d2"):
         r = httpx.post(
             url,
             content=body(),
-            headers={**JSON, "x-pdserve-decode-worker": target, "x-pdserve-prefill-worker": ""},
+            headers={**JSON, **seal.headers(PlacementHint(target, None))},
             timeout=30,
         )
         assert r.status_code == 200, r.text
         assert gw.workers[target].requests[-1].prompt_token_ids == PROMPT
         assert not gw.workers[target].requests[-1].HasField("prefill_worker")
     r = httpx.post(
-        url, content=body(), headers={**JSON, "x-pdserve-decode-worker": "gone"}, timeout=30
+        url, content=body(), headers={**JSON, **seal.headers(PlacementHint("gone", None))}
     )
     assert r.status_code == 200
     text = gw.services.metrics.render().decode()
     assert 'pdserve_router_placement_hints_total{outcome="followed"} 2.0' in text
     assert 'pdserve_router_placement_hints_total{outcome="overridden"} 1.0' in text
+
+
+def test_a_hint_the_picker_did_not_seal_is_ignored(gw):
+    """Issue 51: a client that reaches the router's port directly (past the gateway) cannot
+    steer its request: its own hint headers, a forged seal, a stale one or one sealed by
+    another router are not followed (counted `unsealed`), and the request is placed by the
+    router's own policy."""
+    url = gw.router.url + "/v1/completions"
+    real = gw.services.hint_seal
+    hint = PlacementHint("d1", "p1")
+    stale = HintSeal(real.secret, clock=lambda: time.time() - 2 * SEAL_MAX_AGE_S)
+    forged = {**real.headers(hint), DECODE_HEADER: "d2"}  # d1's seal on a d2 hint
+    attempts = [
+        hint.headers(),  # no seal at all
+        forged,
+        stale.headers(hint),
+        HintSeal().headers(hint),  # another router's secret
+    ]
+    for headers in attempts:
+        r = httpx.post(url, content=body(), headers={**JSON, **headers}, timeout=30)
+        assert r.status_code == 200, r.text
+    text = gw.services.metrics.render().decode()
+    assert 'pdserve_router_placement_hints_total{outcome="unsealed"} 4.0' in text
+    assert 'pdserve_router_placement_hints_total{outcome="followed"} 0.0' in text
+
+
+def test_the_seal_covers_both_workers_and_the_time():
+    now = [1000.0]
+    seal = HintSeal(b"k" * 32, clock=lambda: now[0])
+    hint = PlacementHint("d1", None)
+    headers = seal.headers(hint)
+    assert seal.open(headers) == (hint, False)
+    assert seal.open({**headers, PREFILL_HEADER: "p9"}) == (None, True)
+    assert seal.open({**headers, SEAL_HEADER: headers[SEAL_HEADER] + "0"}) == (None, True)
+    now[0] += SEAL_MAX_AGE_S + 1
+    assert seal.open(headers) == (None, True)
+    assert seal.open({}) == (None, False)  # no hint: nothing refused
+    assert seal.headers(None) == {DECODE_HEADER: "", PREFILL_HEADER: "", SEAL_HEADER: ""}
 
 
 def test_health_and_decision_latency(gw):
