@@ -41,6 +41,7 @@ class TransportBackend(KVTransferBackend):
         self._closed = False
         self._sender = Sender(self)
         self._receiver = Receiver(self)
+        transport.metrics = self._sender.metrics  # what the transport posts is counted there
 
     # -- KVTransferBackend -------------------------------------------------------------
     @property

@@ -123,7 +123,7 @@ class BlockPool:
         adjacent ids where the free list allows (invariants above), sorted. `after`: the
         block the caller's table ends with; its successor comes first if never cached (a
         table that grows stays one run). The caller made sure the list holds n."""
-        free, out = self._free, []
+        free, out = self._free, list[int]()
         if after is not None and n and self._spare(after + 1):
             self._extend(after + 1, 1, group, n, out)
         while len(out) < n:
