@@ -192,6 +192,7 @@ class NixlTransport(Transport):
         return posted.handles[0]
 
     def _record_post(self, descriptors: int, nbytes: int, started: float) -> None:
+        self.descriptors_posted += descriptors
         if self.metrics is not None:
             self.metrics.record_post(descriptors, nbytes, time.perf_counter() - started)
 

@@ -45,6 +45,8 @@ class Transport(ABC):
     metrics: TransferMetrics | None = None
     """The sender's metrics, where a transport records what it posts (`record_post`); set by
     the backend that owns both."""
+    descriptors_posted: int = 0
+    """NIXL descriptors posted so far by this process (0: a transport without them)."""
 
     @abstractmethod
     def register(self, kv_cache: Any, block_bytes: int) -> bytes:
