@@ -9,7 +9,9 @@ of runs (docs/benchmarks/kvtransfer.md has what that is worth).
 
 `coalesce` merges neighbours in the order given; callers order their block pairs by source
 block first (`by_source`): the order of a write's pairs does not matter, its destinations are
-distinct. This module imports numpy only.
+distinct. Where both pools are described block by block in prepared lists, NIXL does the same
+merge itself for consecutive indices (kvtransfer/nixl_backend.py); `count_runs` says how many
+regions that makes. This module imports numpy only.
 """
 
 from __future__ import annotations
@@ -48,3 +50,12 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     out_src[:, 1] = lengths
     out_dst[:, 1] = lengths
     return out_src, out_dst
+
+
+def count_runs(local: np.ndarray, remote: np.ndarray) -> int:
+    """Runs of block pairs `local[i] -> remote[i]` adjacent on both sides, in the order given
+    (the regions a plan of whole blocks in that order posts)."""
+    if len(local) == 0:
+        return 0
+    breaks = (np.diff(local) != 1) | (np.diff(remote) != 1)
+    return 1 + int(np.count_nonzero(breaks))

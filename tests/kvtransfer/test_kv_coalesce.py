@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvtransfer.coalesce import by_source, coalesce
+from kvtransfer.coalesce import by_source, coalesce, count_runs
 from kvtransfer.heads import HeadRange, PoolGeometry, plan_slices, slice_descs
 from kvtransfer.metrics import TransferMetrics
 
@@ -36,9 +36,12 @@ def test_mismatched_plans_are_refused():
         coalesce(descs((0, 8, 0)), descs())
 
 
-def test_block_pairs_are_ordered_by_source():
-    local, remote = by_source(np.array([7, 5, 6]), np.array([12, 10, 11]))
-    assert local.tolist() == [5, 6, 7] and remote.tolist() == [10, 11, 12]
+def test_block_pairs_are_ordered_by_source_and_their_runs_counted():
+    local, remote = by_source(np.array([7, 5, 6, 1]), np.array([12, 10, 11, 30]))
+    assert local.tolist() == [1, 5, 6, 7] and remote.tolist() == [30, 10, 11, 12]
+    assert count_runs(local, remote) == 2
+    assert count_runs(np.array([1, 2, 3]), np.array([5, 7, 8])) == 2
+    assert count_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == 0
 
 
 GEO = PoolGeometry(base_addr=1 << 20, num_heads=3, device_id=0, rows=8, head_bytes=32)
