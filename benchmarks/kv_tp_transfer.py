@@ -11,7 +11,7 @@ rank 0 plus rank 1's `RankAgent` (heads [0, 2) and [2, 3)) — polling their rec
 prefill workers P(TP=1) and P(TP=2) (rank 1 a `RankAgent` again) are this process. Block ids
 come from the engine's block pool (engine/kv/block_pool.py `reserve`): "fresh" is a new pool,
 "fragmented" one after churn (requests of 1-32 blocks taken and given back in random order,
-about half of it still held). Modes:
+half of them as cached prefixes, about half of the pool still held). Modes:
 
 - push: P(1) -> D(1), the request's blocks in batches of 2,048 tokens (one per engine step of
   a chunked prefill; the last one final);
@@ -117,14 +117,18 @@ def block_ids(num_blocks: int, n: int, fragmented: bool, seed: int) -> list[int]
     if fragmented:
         rng = random.Random(seed)
         held: list[list[int]] = []
-        for _ in range(400):
+        for i in range(400):
             k = rng.randint(1, 32)
             if pool.num_free_blocks - k > n + (num_blocks - n) // 2:
                 got = pool.reserve(k)
                 assert got is not None
                 held.append(got)
-            if held and rng.random() < 0.45:  # tables are given back leaves first
-                pool.release(list(reversed(held.pop(rng.randrange(len(held))))))
+            if held and rng.random() < 0.45:
+                ids = held.pop(rng.randrange(len(held)))
+                if rng.random() < 0.5:  # a computed prompt: its blocks stay cached
+                    for j, b in enumerate(ids):
+                        pool.cache_block(0, f"{seed}:{i}:{j}".encode(), b)
+                pool.release(list(reversed(ids)))  # tables are given back leaves first
     ids = pool.reserve(n)
     assert ids is not None
     return ids

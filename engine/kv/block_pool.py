@@ -125,15 +125,14 @@ class BlockPool:
         table that grows stays one run). The caller made sure the list holds n."""
         free, out = self._free, list[int]()
         if after is not None and n and self._spare(after + 1):
-            self._extend(after + 1, 1, group, n, out)
+            self._extend(after + 1, group, n, out)
         while len(out) < n:
             block_id, _ = free.popitem(last=False)
             spare = self.blocks[block_id].block_hash is None
             self._take(block_id, group)
             out.append(block_id)
-            if spare:  # never-cached neighbours are as good as the next never-cached block
-                self._extend(block_id + 1, 1, group, n, out)
-                self._extend(block_id - 1, -1, group, n, out)
+            if spare:  # never-cached successors are as good as the next never-cached block
+                self._extend(block_id + 1, group, n, out)
         out.sort()
         return out
 
@@ -144,14 +143,14 @@ class BlockPool:
         block = self.blocks[block_id]
         return block.ref_count == 0 and block.block_hash is None
 
-    def _extend(self, block_id: int, step: int, group: int, n: int, out: list[int]) -> None:
-        """Take spare blocks block_id, block_id + step, ... into `out` while they are spare
-        and `out` holds fewer than n."""
+    def _extend(self, block_id: int, group: int, n: int, out: list[int]) -> None:
+        """Take blocks block_id, block_id + 1, ... into `out` while they are spare and `out`
+        holds fewer than n."""
         while len(out) < n and self._spare(block_id):
             del self._free[block_id]
             self._take(block_id, group)
             out.append(block_id)
-            block_id += step
+            block_id += 1
 
     def _take(self, block_id: int, group: int) -> None:
         """A block just taken off the free list is in use by one reference for `group`; a
