@@ -8,7 +8,10 @@ Per prompt length, in the same run:
 - TTFT with the pull vs TTFT computing the prompt (the puller's prefix cache reset between
   runs, so each run pulls or computes the whole prompt): the reuse a pull buys;
 - pull throughput (the puller's pdserve_worker_kv_pull_seconds: SendBlocks call to the blocks
-  joining its prefix cache, round trip included) vs a memcpy of the same bytes in this process.
+  joining its prefix cache, round trip included) vs a memcpy of the same bytes in this process;
+- NIXL descriptors per pull (the holder's vllm:nixl_num_descriptors): one per run of blocks
+  adjacent in both pools. benchmarks/kv_tp_transfer.py has the transfer alone (no gRPC, no
+  engine steps), from fresh and fragmented pools.
 """
 
 from __future__ import annotations
@@ -133,12 +136,16 @@ def main(argv: list[str] | None = None) -> None:
                 asyncio.run(_ttft(holder, prompt, None))  # the holder computes and caches it
                 computed, pulled = [], []
                 before = _pull_counters(puller)
+                sent_before = _descriptor_counters(holder)
                 for _ in range(args.repeats):
                     asyncio.run(_reset(puller))
                     computed.append(asyncio.run(_ttft(puller, prompt, None)))
                     asyncio.run(_reset(puller))
                     pulled.append(asyncio.run(_ttft(puller, prompt, holder)))
                 pull_s, blocks, num_bytes = (a - b for a, b in zip(_pull_counters(puller), before))
+                posts, descriptors = (
+                    a - b for a, b in zip(_descriptor_counters(holder), sent_before)
+                )
                 num_bytes = int(num_bytes)
                 row = {
                     "prompt_tokens": n,
@@ -148,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
                     "pull_s": pull_s,
                     "pull_gbps": num_bytes / pull_s / 1e9 if pull_s else 0.0,
                     "memcpy_gbps": _memcpy_gbps(num_bytes // args.repeats) if num_bytes else 0.0,
+                    # NIXL descriptors per pull (the holder's vllm:nixl_num_descriptors); None
+                    # where the holder does not export them.
+                    "descriptors_per_pull": descriptors / args.repeats if posts else None,
                 }
                 row["ttft_ratio"] = row["ttft_pulled_s"] / row["ttft_computed_s"]
                 row["pull_vs_memcpy"] = (
@@ -159,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{row['ttft_pulled_s'] * 1e3:7.1f} ms ({row['ttft_ratio']:.3f}x); pull "
                     f"{row['blocks_pulled']} blocks in {pull_s / args.repeats * 1e3:.1f} ms = "
                     f"{row['pull_gbps']:.2f} GB/s vs "
-                    f"memcpy {row['memcpy_gbps']:.2f} GB/s ({row['pull_vs_memcpy']:.3f}x)",
+                    f"memcpy {row['memcpy_gbps']:.2f} GB/s ({row['pull_vs_memcpy']:.3f}x); "
+                    f"descriptors per pull {row['descriptors_per_pull']}",
                     flush=True,
                 )
         finally:
@@ -167,6 +178,16 @@ def main(argv: list[str] | None = None) -> None:
                 w.terminate()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+
+
+def _descriptor_counters(worker: ServiceProcess) -> tuple[float, float]:
+    """NIXL transfers the worker posted so far and their descriptors (0, 0 on code without
+    the vllm:nixl_* histograms)."""
+    address = worker.metrics_address
+    return (
+        _metric(address, "vllm:nixl_num_descriptors_count"),
+        _metric(address, "vllm:nixl_num_descriptors_sum"),
+    )
 
 
 def _pull_counters(worker: ServiceProcess) -> tuple[float, float, float]:

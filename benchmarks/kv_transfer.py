@@ -2,9 +2,11 @@
 
     python benchmarks/kv_transfer.py            # 16/64/256-token blocks; 1, 64, 512 MiB
     python benchmarks/kv_transfer.py --quick    # 16/64-token blocks; 1, 64 MiB
+    python benchmarks/kv_transfer.py --ids fresh  # block ids from the engine's pool (runs)
 
 This process is the sender (prefill worker) and a spawned child the receiver (decode worker).
-Each request writes `total` bytes of blocks from random local ids to random remote ids, in 8
+Each request writes `total` bytes of blocks from random local ids to random remote ids (or,
+`--ids fresh|fragmented`, ids as the engine's block pool hands them out), in 8
 batches (the last carries the notification that completes it), as a prefill worker would;
 the same request in 1 batch is reported beside it (per-batch cost: a flush + notification).
 Its time runs from the first `send` in this process to the moment the receiver's `poll()`
@@ -14,7 +16,8 @@ torch's threads; the faster is the ceiling the ratio is taken against. The per-r
 overhead is the latency of a 1-block request with its notification, receiver polling with a
 back-off capped at 50 us (an engine loop polls once per step instead). Pools use transparent
 huge pages unless --no-thp (CMA pins the receiver's pages: 4 KiB pages roughly halve its
-speed, and memcpy's too). Results are printed and written to benchmarks/results/.
+speed, and memcpy's too). Each row also says how many NIXL descriptors a request posted (one per
+run of blocks adjacent on both sides). Results are printed and written to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -167,14 +170,38 @@ def memcpy_s(src: Any, dst: Any, local: list[int], remote: list[int], threads: i
         torch.set_num_threads(before)
 
 
+def _ids(ids: str, num_blocks: int, n: int, seed: int) -> list[int]:
+    """n block ids: 'random' (a permutation's first n), or as the engine's block pool hands
+    them out, 'fresh' or 'fragmented' (benchmarks/kv_tp_transfer.py `block_ids`)."""
+    import torch
+
+    if ids == "random":
+        return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[
+            :n
+        ].tolist()
+    from kv_tp_transfer import block_ids
+
+    return block_ids(num_blocks, n, ids == "fragmented", seed)
+
+
+def _descriptors(backend: Any) -> int | None:
+    """NIXL descriptors the sender posted so far (None: not counted, older code)."""
+    transfers = getattr(backend.sender.metrics, "transfers", None)
+    return None if transfers is None else transfers.descriptors
+
+
 def run(
-    block_tokens_list: list[int], totals_mib: list[int], reps: int, lat_iters: int, device: str
+    block_tokens_list: list[int],
+    totals_mib: list[int],
+    reps: int,
+    lat_iters: int,
+    device: str,
+    ids: str = "random",
 ) -> dict[str, Any]:
     import torch
 
     bench = Bench(device)
     rows, latency = [], {}
-    rng = torch.Generator().manual_seed(0)
     try:
         for block_tokens in block_tokens_list:
             block_bytes = 30 * 2 * block_tokens * 3 * 64 * 4
@@ -192,11 +219,12 @@ def run(
             bench.transfer(backend, peer, [0], [0], 1)  # warm: first write after wire-up
             for total in totals_mib:
                 n = math.ceil(total * MIB / block_bytes)
-                local = torch.randperm(num_blocks, generator=rng)[:n].tolist()
-                remote = torch.randperm(num_blocks, generator=rng)[:n].tolist()
+                local = _ids(ids, num_blocks, n, seed=2 * total)
+                remote = _ids(ids, num_blocks, n, seed=2 * total + 1)
                 threads = torch.get_num_threads()
                 memcpy_s(src, dst, local, remote, threads)  # warm-up
                 e2e, snd, bulk, one, alln = [], [], [], [], []
+                descs_before = _descriptors(backend)
                 for _ in range(reps):  # interleaved, so that all see the same machine load
                     a, b = bench.transfer(backend, peer, local, remote, 8)
                     e2e.append(a)
@@ -206,6 +234,12 @@ def run(
                     alln.append(memcpy_s(src, dst, local, remote, threads))
                 check = bench.call("checksum", remote[-1])
                 assert check == _digest(src[local[-1]]), "received bytes differ"
+                descs_after = _descriptors(backend)
+                descriptors = (
+                    None
+                    if descs_before is None or descs_after is None
+                    else (descs_after - descs_before) / (2 * reps)
+                )
                 nbytes = n * block_bytes
                 one_gbps, all_gbps = nbytes / min(one) / 1e9, nbytes / min(alln) / 1e9
                 best_nixl = nbytes / min(e2e) / 1e9
@@ -222,6 +256,8 @@ def run(
                         memcpy_1t_gbps=one_gbps,
                         memcpy_all_gbps=all_gbps,
                         ratio_vs_memcpy=best_nixl / max(one_gbps, all_gbps),
+                        descriptors_per_request=descriptors,
+                        ids=ids,
                     )
                 )
                 _print_row(rows[-1])
@@ -257,7 +293,9 @@ def _print_row(r: dict[str, Any]) -> None:
         f"{r['total_mib']:>4} MiB {r['blocks']:>5} blk | nixl {r['nixl_gbps_best']:6.2f} GB/s "
         f"(median {r['nixl_gbps_median']:5.2f}; 1 batch {r['nixl_1_batch_gbps_best']:5.2f})"
         f" | memcpy 1t {r['memcpy_1t_gbps']:5.2f} all {r['memcpy_all_gbps']:5.2f} GB/s"
-        f" | ratio {r['ratio_vs_memcpy']:5.1%}",
+        f" | ratio {r['ratio_vs_memcpy']:5.1%}"
+        f" | {r['ids']} ids, descriptors/request "
+        f"{'-' if r['descriptors_per_request'] is None else r['descriptors_per_request']}",
         flush=True,
     )
 
@@ -278,15 +316,22 @@ def main() -> None:
         default=None,
         help="where to write the results (default: benchmarks/results/kv_transfer*.json)",
     )
+    ap.add_argument(
+        "--ids",
+        choices=("random", "fresh", "fragmented"),
+        default="random",
+        help="block ids: a random permutation (default), or from the engine's block pool, "
+        "fresh or after allocation churn (runs of adjacent blocks move as one descriptor)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     # torch reads this at its first CPU allocation (here and in the spawned receiver): large
     # allocations get madvise(MADV_HUGEPAGE), as the engine should do for its KV pool.
     os.environ["THP_MEM_ALLOC_ENABLE"] = "0" if args.no_thp else "1"
     if args.quick:
-        out = run([16, 64], [1, 64], args.reps or 5, 50, args.device)
+        out = run([16, 64], [1, 64], args.reps or 5, 50, args.device, args.ids)
     else:
-        out = run([16, 64, 256], [1, 64, 512], args.reps or 15, 300, args.device)
+        out = run([16, 64, 256], [1, 64, 512], args.reps or 15, 300, args.device, args.ids)
     lat = out["latency_1_block"]
     print(
         f"1-block request ({lat['block_bytes']} B) with notification: "
@@ -301,7 +346,8 @@ def main() -> None:
         )
     out["load_average"] = os.getloadavg()
     path = args.json or RESULTS.with_name(
-        f"kv_transfer{'_quick' if args.quick else ''}{'_4k' if args.no_thp else ''}.json"
+        f"kv_transfer{'_quick' if args.quick else ''}{'_4k' if args.no_thp else ''}"
+        f"{'' if args.ids == 'random' else '_' + args.ids}.json"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
-from kvtransfer.base import KVTransferBackend, KVTransferConfig
+from kvtransfer.base import KVTransferBackend, KVTransferConfig, TransferResult
 from kvtransfer.compat import KVCompat, check_compatible
 from kvtransfer.errors import KVTransferError, MetadataError, PoolError, UnknownPeerError
 from kvtransfer.metadata import PeerMetadata
@@ -39,8 +40,9 @@ class TransportBackend(KVTransferBackend):
         self._meta: PeerMetadata | None = None
         self._inbox: deque[tuple[str, bytes]] = deque(maxlen=MAX_INBOX)
         self._closed = False
-        self._sender = Sender(self)
+        self._sender: Sender = _CountingSender(self)
         self._receiver = Receiver(self)
+        transport.metrics = self._sender.metrics  # what the transport posts is counted there
 
     # -- KVTransferBackend -------------------------------------------------------------
     @property
@@ -181,3 +183,30 @@ class TransportBackend(KVTransferBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise KVTransferError("KV transfer backend is closed")
+
+
+class _CountingSender(Sender):
+    """The Sender whose results also say how many NIXL descriptors each request's writes
+    posted (`TransferResult.num_descriptors`, from `Transport.descriptors_posted`)."""
+
+    def __init__(self, backend: TransportBackend) -> None:
+        super().__init__(backend)
+        self._host = backend
+        self._descriptors: dict[str, int] = {}
+
+    def send(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        with self._host.lock:
+            before = self._host.transport.descriptors_posted
+            try:
+                super().send(request_id, *args, **kwargs)
+            finally:
+                posted = self._host.transport.descriptors_posted - before
+                if posted:
+                    self._descriptors[request_id] = self._descriptors.get(request_id, 0) + posted
+
+    def poll(self) -> list[TransferResult]:
+        with self._host.lock:
+            return [
+                replace(r, num_descriptors=self._descriptors.pop(r.request_id, 0))
+                for r in super().poll()
+            ]

@@ -87,6 +87,8 @@ class TransferResult:
     """From the first `send` / from `expect` until the terminal status."""
     error: str = ""
     """Why it failed; empty on success."""
+    num_descriptors: int = 0
+    """Sender: NIXL descriptors its writes posted (rank 0's; one per coalesced region)."""
 
 
 @dataclass(frozen=True, slots=True)

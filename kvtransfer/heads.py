@@ -12,7 +12,8 @@ every head. Moving blocks from a group of Np ranks into a group of Nd ranks:
 * `slice_descs`: a block is `[num_layers, 2, block_size, heads, head_dim]` in each pool, so
   the head dimension is not outermost: a slice of a block is `num_layers * 2 * block_size`
   strided pieces of `num_heads * head_bytes` each — or the whole block, one region, when the
-  slice is both pools' every head (equal splits; N = 1 to N = 1).
+  slice is both pools' every head (equal splits; N = 1 to N = 1). Pieces contiguous in both
+  pools are merged: a run of adjacent blocks of a whole slice is one region.
 
 This module imports neither torch nor NIXL (the router and tests use it as is).
 """
@@ -126,12 +127,17 @@ def slice_descs(
     s: Slice, src: PoolGeometry, dst: PoolGeometry, local: np.ndarray, remote: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """NIXL descriptors (address, length, device) of slice `s` of blocks `local` (source pool)
-    -> `remote` (destination pool), paired by index: one per block for a whole slice, else
-    one per (block, row) in block order then row order."""
+    -> `remote` (destination pool), paired by index, coalesced (kvtransfer/coalesce.py): the
+    pairs in source block order, then one region per run of blocks adjacent in both pools
+    for a whole slice, else one per (block, row) merged wherever rows are contiguous on both
+    sides."""
     import numpy as np
 
+    from kvtransfer.coalesce import by_source, coalesce
+
+    local, remote = by_source(np.asarray(local), np.asarray(remote))
     if s.whole:
-        return (
+        return coalesce(
             _descs(
                 src.base_addr + local.astype(np.uint64) * np.uint64(src.block_bytes),
                 src.block_bytes,
@@ -145,7 +151,7 @@ def slice_descs(
         )
     rows = np.arange(src.rows, dtype=np.uint64)
     length = s.num_heads * src.head_bytes
-    return (
+    return coalesce(
         _pieces(src, local, rows, s.src_head, length),
         _pieces(dst, remote, rows, s.dst_head, length),
     )

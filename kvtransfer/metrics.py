@@ -4,6 +4,13 @@ Each sender and each receiver owns a `TransferMetrics` with its own `CollectorRe
 process may hold several backends, e.g. in tests). A worker exports one by registering that
 registry in its own (`CollectorRegistry.register(metrics.registry)`); `peers` and `snapshot()`
 read the same collectors back as plain values.
+
+A sender also keeps vLLM's NIXL connector histograms, under vLLM's names and without labels
+(one sender per worker): `vllm:nixl_num_descriptors` and `vllm:nixl_bytes_transferred` per
+transfer posted (a batch; this rank's part of it on a tensor-parallel worker), and
+`vllm:nixl_post_time_seconds` (building and posting it) and `vllm:nixl_xfer_time_seconds`
+(post until done). The descriptors of a transfer are its runs of adjacent blocks
+(kvtransfer/coalesce.py), or its (block, row) pieces between pools of other head splits.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ LATENCY_BUCKETS_S = (
     30.0,
 )
 
+#: Upper bounds of the descriptors-per-transfer buckets (a run of adjacent blocks is one).
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536)
+#: Upper bounds (bytes) of the bytes-per-transfer buckets: 64 KiB to 4 GiB.
+BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 33, 2))
+
 _PREFIX = "pdserve_kv_transfer_"
 _LABELS = ("direction", "peer")
 
@@ -69,12 +81,24 @@ class PeerMetrics:
     """Post until done of one batch write (sender only)."""
 
 
+@dataclass(frozen=True, slots=True)
+class TransferSizes:
+    """The NIXL transfers a sender posted, as read from its histograms."""
+
+    transfers: int = 0
+    descriptors: int = 0
+    """Summed over the transfers (one per coalesced region)."""
+    bytes: int = 0
+
+
 class TransferMetrics:
     """Metrics of one sender or one receiver, labelled by direction and peer agent name.
 
     Exported names: pdserve_kv_transfer_{bytes,blocks,batches,requests}_total and
     _failures_total{reason} (counters), _latency_seconds and _batch_latency_seconds
-    (histograms), _dropped_notifications_total (direction only).
+    (histograms), _dropped_notifications_total (direction only); a sender also
+    vllm:nixl_{num_descriptors,bytes_transferred,post_time_seconds,xfer_time_seconds}
+    (histograms, module docstring).
     """
 
     def __init__(self, direction: str) -> None:
@@ -108,6 +132,36 @@ class TransferMetrics:
                 "batch_latency_seconds", "Post until done of one KV batch write (send only)"
             ),
         }
+        self._nixl = (
+            {
+                "descriptors": PromHistogram(
+                    "vllm:nixl_num_descriptors",
+                    "Histogram of number of descriptors per NIXL KV Cache transfers.",
+                    registry=self.registry,
+                    buckets=DESCRIPTOR_BUCKETS,
+                ),
+                "bytes": PromHistogram(
+                    "vllm:nixl_bytes_transferred",
+                    "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                    registry=self.registry,
+                    buckets=BYTES_BUCKETS,
+                ),
+                "post_s": PromHistogram(
+                    "vllm:nixl_post_time_seconds",
+                    "Histogram of transfer post time for NIXL KV Cache transfers.",
+                    registry=self.registry,
+                    buckets=LATENCY_BUCKETS_S,
+                ),
+                "xfer_s": PromHistogram(
+                    "vllm:nixl_xfer_time_seconds",
+                    "Histogram of transfer duration for NIXL KV Cache transfers.",
+                    registry=self.registry,
+                    buckets=LATENCY_BUCKETS_S,
+                ),
+            }
+            if direction == "send"
+            else {}
+        )
         self._dropped = counter(
             "dropped_notifications",
             "KV notifications that matched no pending request "
@@ -122,6 +176,16 @@ class TransferMetrics:
         self._counters["bytes"].labels(self.direction, peer).inc(nbytes)
         if latency_s is not None:
             self._histograms["batch_latency_s"].labels(self.direction, peer).observe(latency_s)
+            if self._nixl:
+                self._nixl["xfer_s"].observe(latency_s)
+
+    def record_post(self, descriptors: int, nbytes: int, post_s: float) -> None:
+        """A NIXL transfer posted by the sender: its descriptors (coalesced regions), bytes
+        and the seconds building and posting it took."""
+        if self._nixl:
+            self._nixl["descriptors"].observe(descriptors)
+            self._nixl["bytes"].observe(nbytes)
+            self._nixl["post_s"].observe(post_s)
 
     def record_completed(self, peer: str, latency_s: float) -> None:
         self._counters["requests_completed"].labels(self.direction, peer).inc()
@@ -135,6 +199,21 @@ class TransferMetrics:
         self._dropped.inc()
 
     # -- reading -------------------------------------------------------------------------
+    @property
+    def transfers(self) -> TransferSizes:
+        """The NIXL transfers posted so far (sender only; zeros otherwise)."""
+        if not self._nixl:
+            return TransferSizes()
+
+        def total(name: str, suffix: str) -> float:
+            return self.registry.get_sample_value(name + suffix) or 0.0
+
+        return TransferSizes(
+            int(total("vllm:nixl_num_descriptors", "_count")),
+            int(total("vllm:nixl_num_descriptors", "_sum")),
+            int(total("vllm:nixl_bytes_transferred", "_sum")),
+        )
+
     @property
     def dropped_notifications(self) -> int:
         value = self.registry.get_sample_value(

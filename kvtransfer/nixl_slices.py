@@ -4,7 +4,9 @@ head ranges than ours (a different tensor_parallel_size, or replicated heads), o
 `SliceWriter` belongs to one NIXL agent (rank 0's transport, or a `RankAgent` on ranks
 1..N-1). It loads every rank agent of a peer worker, plans once per peer which heads move
 between which ranks (kvtransfer.heads), and posts this rank's slices of a batch: one NIXL
-transfer per destination rank it writes into, each carrying a part notification. NIXL
+transfer per destination rank it writes into, each carrying a part notification, its block
+pairs coalesced into one region per run (kvtransfer/coalesce.py). Two single-pool workers
+post through the same writer: one transfer that carries the batch's own notification. NIXL
 delivers a notification only after its transfer's data, and a transfer that carries one is
 done only once both are out, so a part that is DONE has landed; rank 0 sends the batch's own
 notification (the one the receiver counts) only after every part of every rank is DONE.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,6 +71,17 @@ def make_agent(name: str, config: KVTransferConfig) -> tuple[Any, type]:
     return agent, _bindings.nixlRemoteDisconnectError
 
 
+class Posted(NamedTuple):
+    """What `SliceWriter.post` posted of a batch."""
+
+    handles: list[Any]
+    error: Exception | None
+    """What stopped the rest (None: every transfer was posted)."""
+    descriptors: int
+    """NIXL descriptors (coalesced regions) of the transfers posted."""
+    nbytes: int
+
+
 @dataclass(slots=True)
 class _Peer:
     meta: PeerMetadata
@@ -93,6 +106,8 @@ class SliceWriter:
         """Our pool (a pool registered again after a sleep moves: set it anew)."""
         self._mem_type = mem_type
         self._peers: dict[str, _Peer] = {}
+        self.descriptors_posted = 0
+        """NIXL descriptors this rank posted so far (one per coalesced region)."""
 
     def load(self, meta: PeerMetadata, first_loaded: bool = False) -> None:
         """Load the peer's rank agents (`first_loaded`: its rank 0 agent already is) and plan
@@ -140,14 +155,14 @@ class SliceWriter:
         """Our ranks that have a slice to write into peer `name`."""
         return {s.src_rank for s in self._peers[name].slices}
 
-    def post(
-        self, name: str, local: np.ndarray, remote: np.ndarray, part_notif: bytes
-    ) -> tuple[list[Any], Exception | None]:
+    def post(self, name: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Posted:
         """Post our slices of blocks `local` -> `remote` of peer `name`: one transfer per
-        destination rank. Returns the handles posted and the error that stopped the rest."""
+        destination rank, each carrying `notif`, its pairs coalesced (heads.slice_descs).
+        Returns the handles posted, the error that stopped the rest, and what was posted."""
         peer = self._peers[name]
         mine = [s for s in peer.slices if s.src_rank == self.rank]
         handles: list[Any] = []
+        descriptors = nbytes = 0
         try:
             for dst in sorted({s.dst_rank for s in mine}):
                 parts = [
@@ -162,14 +177,22 @@ class SliceWriter:
                     self._agent.get_xfer_descs(src, self._mem_type),
                     self._agent.get_xfer_descs(dst_descs, peer.meta.mem_type),
                     peer.agents[dst],
-                    part_notif,
+                    notif,
                 )
                 handles.append(handle)
+                descriptors += len(src)
+                nbytes += int(src[:, 1].sum())
                 if self._agent.transfer(handle) == "ERR":
                     raise RuntimeError("NIXL refused to post the write")
         except Exception as e:  # noqa: BLE001 - reported per request
-            return handles, e
-        return handles, None
+            return self._posted(handles, e, descriptors, nbytes)
+        return self._posted(handles, None, descriptors, nbytes)
+
+    def _posted(
+        self, handles: list[Any], error: Exception | None, descriptors: int, nbytes: int
+    ) -> Posted:
+        self.descriptors_posted += descriptors
+        return Posted(handles, error, descriptors, nbytes)
 
     def _remove(self, name: str) -> None:
         try:

@@ -111,12 +111,12 @@ class RankAgent:
             if meta is not None:
                 self.writer.load(PeerMetadata.from_bytes(meta))
             if self.rank_slices(peer):
-                handles, error = self.writer.post(
-                    peer, local, remote, PART_NOTIF + str(token).encode()
-                )
-                self._tokens[token] = _Token(handles, deadline, error is None)
-                if error is not None:
-                    log.warning("KV write %d to %r failed on this rank: %s", token, peer, error)
+                posted = self.writer.post(peer, local, remote, PART_NOTIF + str(token).encode())
+                self._tokens[token] = _Token(posted.handles, deadline, posted.error is None)
+                if posted.error is not None:
+                    log.warning(
+                        "KV write %d to %r failed on this rank: %s", token, peer, posted.error
+                    )
         self._wake.set()
 
     def rank_slices(self, peer: str) -> bool:

@@ -20,6 +20,7 @@ from kvtransfer.base import KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.heads import HeadRange
 from kvtransfer.metadata import PeerMetadata, RankPool
+from kvtransfer.metrics import TransferMetrics
 
 
 class WriteState(enum.Enum):
@@ -41,6 +42,11 @@ class Transport(ABC):
 
     name: str
     """Backend name written into metadata ('nixl', 'fake')."""
+    metrics: TransferMetrics | None = None
+    """The sender's metrics, where a transport records what it posts (`record_post`); set by
+    the backend that owns both."""
+    descriptors_posted: int = 0
+    """NIXL descriptors posted so far by this process (0: a transport without them)."""
 
     @abstractmethod
     def register(self, kv_cache: Any, block_bytes: int) -> bytes:

@@ -205,7 +205,7 @@ class BlockManager:
         if promote:
             pool.the_tier.stats.hit_tokens += (hit - min(i for _, i in promote)) * self.block_size
         for g, (_, _, new) in enumerate(plan):
-            tables[g].extend(pool.pop_free(g) for _ in range(new))
+            tables[g].extend(pool.pop_many(g, new, after=_last(tables[g])))
         if prefix.swapped:
             for g in self._groups:
                 pool.the_tier.swap_in((g, rid), tables[g][hit])
@@ -262,7 +262,8 @@ class BlockManager:
             pool.release([old])  # still shared: stays in use
             self._copies.append((old, tables[g][write_block]))
         for g in self._groups:
-            tables[g].extend(pool.pop_free(g) for _ in range(needed))
+            if needed:
+                tables[g].extend(pool.pop_many(g, needed, after=_last(tables[g])))
         return True
 
     def trim(self, request: Request, num_tokens: int) -> None:
@@ -368,3 +369,8 @@ class BlockManager:
         self.pool.reset_prefix_cache()
         for rid in list(self._swapped):
             self._drop_swapped(rid)
+
+
+def _last(table: list[int]) -> int | None:
+    """The block a table ends with (None: empty, or its last entry slid out of a window)."""
+    return table[-1] if table and table[-1] != RELEASED else None

@@ -13,6 +13,10 @@ Invariants:
 - `_cached[g][h] == b` implies `blocks[b].block_hash == h` and `blocks[b].group == g`; a
   cached block with ref count 0 is reusable (`pin` takes it back off the free list) until
   `pop_free` evicts it for reuse.
+- Runs: `pop_many` hands out n blocks as runs of adjacent ids where the free list allows
+  (a KV transfer moves a run as one region). It takes exactly the blocks n `pop_free`s
+  would evict, or never-cached ones instead of never-cached ones (all alike: no contents
+  worth keeping), and returns them sorted; O(n) dict operations plus a sort of n.
 - Second tier (`tier`, engine/kv/kv_tier.py; None: off): a cached block evicted for reuse is
   demoted there (its bytes copied out before `pop_free` returns it), and `promote` copies one
   back into a fresh pool block. (g, h) is in `_cached[g]` or in the tier, never both; group
@@ -111,12 +115,51 @@ class BlockPool:
         a cached one is evicted first (demoted to the tier, if any). The caller made sure
         the list is not empty."""
         block_id, _ = self._free.popitem(last=False)
+        self._take(block_id, group)
+        return block_id
+
+    def pop_many(self, group: int, n: int, after: int | None = None) -> list[int]:
+        """n blocks off the free list, as `pop_free` n times would take them, but in runs of
+        adjacent ids where the free list allows (invariants above), sorted. `after`: the
+        block the caller's table ends with; its successor comes first if never cached (a
+        table that grows stays one run). The caller made sure the list holds n."""
+        free, out = self._free, list[int]()
+        if after is not None and n and self._spare(after + 1):
+            self._extend(after + 1, group, n, out)
+        while len(out) < n:
+            block_id, _ = free.popitem(last=False)
+            spare = self.blocks[block_id].block_hash is None
+            self._take(block_id, group)
+            out.append(block_id)
+            if spare:  # never-cached successors are as good as the next never-cached block
+                self._extend(block_id + 1, group, n, out)
+        out.sort()
+        return out
+
+    def _spare(self, block_id: int) -> bool:
+        """Block `block_id` exists, is free and was never cached (or forgot its hash)."""
+        if not 0 <= block_id < self.num_blocks:
+            return False
+        block = self.blocks[block_id]
+        return block.ref_count == 0 and block.block_hash is None
+
+    def _extend(self, block_id: int, group: int, n: int, out: list[int]) -> None:
+        """Take blocks block_id, block_id + 1, ... into `out` while they are spare and `out`
+        holds fewer than n."""
+        while len(out) < n and self._spare(block_id):
+            del self._free[block_id]
+            self._take(block_id, group)
+            out.append(block_id)
+            block_id += 1
+
+    def _take(self, block_id: int, group: int) -> None:
+        """A block just taken off the free list is in use by one reference for `group`; a
+        cached one is evicted first (demoted to the tier, if any)."""
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict: the cached contents are about to change
             self._evict(block)
         block.ref_count = 1
         block.group = group
-        return block_id
 
     def pin(self, block_ids: list[int]) -> None:
         """One more reference to each block. A free one comes back off the free list with its
@@ -163,12 +206,16 @@ class BlockPool:
             return []
         tier = self.the_tier
         slots = [tier.take(key) for key in keys]  # before any pop: a pop may demote
-        block_ids = []
-        for (g, h), slot in zip(keys, slots):
-            block_id = self.pop_free(g)
+        by_group: dict[int, list[int]] = {}  # group -> indices into keys
+        for i, (g, _) in enumerate(keys):
+            by_group.setdefault(g, []).append(i)
+        block_ids = [0] * len(keys)
+        for g, indices in by_group.items():
+            for i, block_id in zip(indices, self.pop_many(g, len(indices))):
+                block_ids[i] = block_id
+        for (g, h), slot, block_id in zip(keys, slots, block_ids):
             tier.load(slot, block_id)
             self._cache(g, h, block_id)
-            block_ids.append(block_id)
         return block_ids
 
     def swap_out(self, key: SwapKey, block_id: int) -> bool:
@@ -239,7 +286,7 @@ class BlockPool:
         self._check_one_group()
         if num_blocks > len(self._free):
             return None
-        return [self.pop_free(0) for _ in range(num_blocks)]
+        return self.pop_many(0, num_blocks)
 
     def adopt(self, hashes: list[BlockHash], block_ids: list[int]) -> int:
         """Blocks from `reserve` now hold the KV of `hashes` (a prefix chain, in order): they

@@ -64,18 +64,31 @@ def _gather_copy(
     dst: torch.Tensor, dst_idx: list[int], src: torch.Tensor, src_idx: list[int]
 ) -> None:
     """dst[dst_idx[i]] <- src[src_idx[i]] for every i (blocks along dim 0, one dtype).
-    Host to host: one memmove per block in this thread (torch's copy_ and index ops split
-    the work over the intra-op threads, and on a busy CPU waiting for them cost milliseconds;
-    measured against index_select/index_copy_ in docs/benchmarks/kv_cache.md). Across devices: one
-    gather on the source's device, one transfer, one scatter on the destination's."""
+    Host to host: one memmove per run of blocks adjacent on both sides (`block_runs`) in this
+    thread (torch's copy_ and index ops split the work over the intra-op threads, and on a
+    busy CPU waiting for them cost milliseconds; measured against index_select/index_copy_ in
+    docs/benchmarks/kv_cache.md). Across devices: one gather on the source's device, one
+    transfer, one scatter on the destination's."""
     if dst.device.type == src.device.type == "cpu":
         nbytes = src[0].numel() * src.element_size()
         d0, s0 = dst.data_ptr(), src.data_ptr()
-        for d, s in zip(dst_idx, src_idx):
-            ctypes.memmove(d0 + d * nbytes, s0 + s * nbytes, nbytes)
+        for s, d, n in block_runs(src_idx, dst_idx):
+            ctypes.memmove(d0 + d * nbytes, s0 + s * nbytes, n * nbytes)
         return
     gathered = src.index_select(0, torch.tensor(src_idx, device=src.device))
     dst.index_copy_(0, torch.tensor(dst_idx, device=dst.device), gathered.to(dst.device))
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Block copies `src[i] -> dst[i]` (distinct destinations) as (first source, first
+    destination, length) runs of blocks adjacent on both sides, ordered by destination."""
+    runs: list[tuple[int, int, int]] = []
+    for d, s in sorted(zip(dst, src, strict=True)):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 @dataclass

@@ -4,12 +4,15 @@ joined by an in-process group channel. After a transfer every destination rank's
 exactly its heads of the source blocks, byte for byte, and nothing else changed."""
 
 import os
+import random
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from engine.kv import kv_format
+from engine.kv.block_pool import BlockPool
 from engine.parallel.shard import head_split
 from kvtransfer import KVCompat, KVTransferConfig, NixlTransferBackend, TransferStatus
 from kvtransfer.heads import HeadRange
@@ -24,7 +27,7 @@ _count = iter(range(1000))
 class Worker:
     """A worker of `size` ranks holding `full` (its whole-layout pool) split by head_split."""
 
-    def __init__(self, full: torch.Tensor, size: int, n_heads: int):
+    def __init__(self, full: torch.Tensor, size: int, n_heads: int, kv_cache_dtype="auto"):
         n_kv = full.shape[4]
         self.full = full
         self.ranges = [
@@ -38,7 +41,7 @@ class Worker:
         link = RankLink(self.ranges, self._call) if size > 1 else None
         name = f"tp-{os.getpid()}-{next(_count)}"
         self.backend = NixlTransferBackend(KVTransferConfig(agent_name=name), link)
-        compat = KVCompat("m", "float32", BLOCK, LAYERS, n_kv, HD)
+        compat = KVCompat.for_pool(full, "m", kv_cache_dtype)
         self.meta = self.backend.register_pool(self.pools[0], compat)
 
     def _call(self, task):
@@ -156,6 +159,94 @@ def test_tp_metadata_round_trips_and_single_pool_metadata_is_unchanged():
         assert back == p.meta and back.head_ranges() == [HeadRange(0, 2), HeadRange(2, 3)]
         assert b'"ranks"' not in d.meta.to_bytes() and b'"heads"' not in d.meta.to_bytes()
         assert p.meta.compat_hash == d.meta.compat_hash  # the layout is the model's, not the size's
+    finally:
+        p.close()
+        d.close()
+
+
+# ---- coalesced plans: adjacent blocks move as one region per rank --------------------------
+def make_format(blocks, n_kv, size, seed, kv_cache_dtype):
+    """A worker whose pool stores `kv_cache_dtype` KV (random bytes in its storage dtype)."""
+    storage = kv_format.storage_dtype(kv_cache_dtype, torch.float32)
+    stored = kv_format.stored_head_dim(kv_cache_dtype, HD)
+    g = torch.Generator().manual_seed(seed)
+    shape = (blocks, LAYERS, 2, BLOCK, n_kv, stored * storage.itemsize)
+    raw = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+    return Worker(raw.view(storage), size, 4 * n_kv, kv_cache_dtype)
+
+
+def pool_ids(num_blocks, n, fragmented, seed):
+    """n block ids as the engine's pool hands them out: fresh, or after allocation churn."""
+    pool = BlockPool(num_blocks)
+    if fragmented:
+        rng = random.Random(seed)
+        held = []
+        for _ in range(120):
+            k = rng.randint(1, 6)
+            if pool.num_free_blocks - k >= n + 8:
+                held.append(pool.reserve(k))
+            if held and rng.random() < 0.5:
+                pool.release(list(reversed(held.pop(rng.randrange(len(held))))))
+    return pool.reserve(n)
+
+
+def runs(pairs):
+    """Runs of block pairs adjacent on both sides, ordered by source block."""
+    pairs = sorted(pairs)
+    return 1 + sum(1 for (a, b), (c, e) in zip(pairs, pairs[1:]) if (c, e) != (a + 1, b + 1))
+
+
+def descriptors(w: Worker) -> list[int]:
+    """NIXL descriptors each rank of `w` has posted."""
+    return [w.backend.sender.metrics.transfers.descriptors] + [
+        a.writer.descriptors_posted for a in w.agents()
+    ]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
+@pytest.mark.parametrize("fragmented", [False, True], ids=["fresh", "fragmented"])
+@pytest.mark.parametrize("a, b", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 2)])
+def test_pools_are_byte_exact_after_a_coalesced_transfer(a, b, fragmented, kv_cache_dtype):
+    n, n_kv = 20, 3
+    p = make_format(48, n_kv, a, seed=11, kv_cache_dtype=kv_cache_dtype)
+    d = make_format(56, n_kv, b, seed=12, kv_cache_dtype=kv_cache_dtype)
+    try:
+        local = pool_ids(48, n, fragmented, seed=13)
+        remote = pool_ids(56, n, fragmented, seed=14)
+        pairs = list(zip(local, remote))
+        before = [as_bytes(pool).clone() for pool in d.pools]
+        s, r = transfer(p, d, pairs, "c1")
+        assert s.status is TransferStatus.COMPLETE and r.status is TransferStatus.COMPLETE, (s, r)
+        full = as_bytes(p.full)
+        for j, (rng, pool) in enumerate(zip(d.ranges, d.pools)):
+            want = before[j].clone()
+            want[remote] = full[local][:, :, :, :, rng.start : rng.stop]
+            assert torch.equal(as_bytes(pool), want), f"destination rank {j}"
+        if a == b:  # whole slices: one region per run, on every rank
+            assert descriptors(p) == [runs(pairs)] * a
+            assert fragmented or runs(pairs) == 1
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_contiguous_64_block_request_moves_in_one_region_per_rank(size):
+    p, d = make(80, 3, size, seed=15), make(72, 3, size, seed=16)
+    try:
+        local, remote = pool_ids(80, 64, False, 0), pool_ids(72, 64, False, 0)
+        s, r = transfer(p, d, list(zip(local, remote)), "c64")
+        assert s.status is TransferStatus.COMPLETE and r.status is TransferStatus.COMPLETE
+        assert all(x <= 2 for x in descriptors(p)), descriptors(p)
+        assert s.num_descriptors == descriptors(p)[0]
+        assert torch.equal(d.view()[remote], p.full[local])
+        transfers = p.backend.sender.metrics.transfers
+        assert transfers.transfers == 1
+        assert transfers.bytes == 64 * p.pools[0].stride(0) * p.pools[0].element_size()
     finally:
         p.close()
         d.close()
