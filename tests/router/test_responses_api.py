@@ -592,6 +592,28 @@ def test_store_bounds_the_bytes():
     assert store.get(None, "huge") is None and len(store) == 2
 
 
+def test_one_tenant_storing_in_a_loop_evicts_only_its_own_responses():
+    """Issue 51: a fair share. Past a bound, the tenant holding the most loses its least
+    recently used entry — a key storing responses in a loop never evicts another key's."""
+    store = ResponseStore(max_entries=6, max_bytes=1 << 20)
+    for tenant in (b"alice", b"bob"):
+        store.put(tenant, "kept", turn(tenant.decode()))
+    for i in range(100):
+        store.put(b"mallory", f"r{i}", turn(str(i)))
+    assert store.get(b"alice", "kept") == turn("alice")
+    assert store.get(b"bob", "kept") == turn("bob")
+    others = store.held(b"alice")[1] + store.held(b"bob")[1]
+    assert store.held(b"mallory") == (4, store.bytes - others)
+    assert store.get(b"mallory", "r99") == turn("99") and store.get(b"mallory", "r0") is None
+    size = len(json.dumps(turn("x" * 100), separators=(",", ":")))
+    by_bytes = ResponseStore(max_entries=100, max_bytes=4 * size)
+    by_bytes.put(b"alice", "kept", turn("x" * 100))
+    for i in range(20):
+        by_bytes.put(b"mallory", f"r{i}", turn("x" * 100))
+    assert by_bytes.get(b"alice", "kept") == turn("x" * 100)
+    assert by_bytes.held(b"mallory") == (3, 3 * size) and by_bytes.bytes == 4 * size
+
+
 def test_reasoning_through_chats_parser():
     """The run reads text with chat's MessageParser (Prepared.output): reasoning then answer,
     split wherever the pieces fall; reasoning tokens are those whose text was reasoning."""
