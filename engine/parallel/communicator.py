@@ -39,7 +39,7 @@ def _gloo_options(timeout: timedelta) -> Any:
     to the address the host name resolves to: in a container, its network's)."""
     import torch.distributed as dist
 
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
     options._timeout = timeout
     return options
