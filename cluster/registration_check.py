@@ -50,7 +50,7 @@ MAX_UNKNOWN_CAPACITY = 32
 
 _NAME = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
 _HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
-_BASE64 = re.compile(r"[A-Za-z0-9+/=_-]*")
+_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=_-"
 _TEXT = {  # field -> most characters
     "model_id": 1024,
     "compat_hash": 256,
@@ -141,8 +141,8 @@ def check_registration(doc: Any, key: tuple[str, str] | None = None) -> None:
     metadata = doc.get("kv_metadata", "")
     if not isinstance(metadata, str) or len(metadata) > MAX_KV_METADATA:
         raise InvalidRegistration(f"kv_metadata must be a string of at most {MAX_KV_METADATA}")
-    if not _BASE64.fullmatch(metadata):
-        raise InvalidRegistration("kv_metadata must be base64")
+    if not metadata.isascii() or metadata.encode().translate(None, _BASE64):
+        raise InvalidRegistration("kv_metadata must be base64")  # (bytes.translate: C speed)
     _capacity(doc.get("capacity", {}))
     _loras(doc.get("loras", {}), doc.get("resident_loras", []))
     if doc.get("transfer_selftest") is not None:
