@@ -86,7 +86,7 @@ class WorkerInfo:
     model_id: str
     compat_hash: str  # kvtransfer compatibility hash (model, KV format, block size, layout)
     block_size: int
-    kv_metadata: str = ""  # base64 of the kvtransfer peer metadata
+    kv_metadata: str = ""  # the kvtransfer peer metadata (JSON, ASCII)
     metrics_address: str = ""  # host:port of /metrics
     draining: bool = False
     capacity: Capacity = field(default_factory=Capacity)

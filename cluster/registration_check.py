@@ -15,7 +15,8 @@ Rules, by field (the JSON `WorkerInfo.to_json` writes):
 - counts (block counts, tokens, versions, lengths): ints (never bools) in [0, 2**53];
   measurements (rates, seconds): finite numbers in [0, 1e12].
 - free text (`model_id`, `compat_hash`, `kv_cache_dtype`, `block_hash_probe`, LoRA paths):
-  printable, bounded (see `_TEXT`); `kv_metadata`: base64, at most `MAX_KV_METADATA` chars.
+  printable, bounded (see `_TEXT`); `kv_metadata` (the kvtransfer metadata's JSON, parsed
+  and checked again by kvtransfer when used): printable ASCII, at most `MAX_KV_METADATA`.
 - `capacity`: the known measurements as above; fields a newer worker adds are ignored, but
   at most `MAX_UNKNOWN_CAPACITY` of them, each a bounded number.
 - `loras` / `resident_loras`: at most `MAX_LORAS` entries.
@@ -41,7 +42,7 @@ class InvalidRegistration(ValueError):
 
 MAX_DOCUMENT_BYTES = 4 << 20
 MAX_KV_METADATA = 2 << 20
-"""base64 characters: a NIXL agent's metadata (UCX worker addresses, memory keys) with a
+"""Characters: a NIXL agent's metadata (UCX worker addresses, memory keys) with a
 tensor-parallel group's ranks is kilobytes; megabytes leave room for many ranks."""
 MAX_COUNT = 1 << 53
 MAX_MEASURE = 1e12
@@ -50,7 +51,6 @@ MAX_UNKNOWN_CAPACITY = 32
 
 _NAME = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
 _HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
-_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=_-"
 _TEXT = {  # field -> most characters
     "model_id": 1024,
     "compat_hash": 256,
@@ -141,8 +141,8 @@ def check_registration(doc: Any, key: tuple[str, str] | None = None) -> None:
     metadata = doc.get("kv_metadata", "")
     if not isinstance(metadata, str) or len(metadata) > MAX_KV_METADATA:
         raise InvalidRegistration(f"kv_metadata must be a string of at most {MAX_KV_METADATA}")
-    if not metadata.isascii() or metadata.encode().translate(None, _BASE64):
-        raise InvalidRegistration("kv_metadata must be base64")  # (bytes.translate: C speed)
+    if not (metadata.isascii() and metadata.isprintable()):  # the kvtransfer metadata's JSON
+        raise InvalidRegistration("kv_metadata must be printable ASCII")
     _capacity(doc.get("capacity", {}))
     _loras(doc.get("loras", {}), doc.get("resident_loras", []))
     if doc.get("transfer_selftest") is not None:
