@@ -49,6 +49,7 @@ MAX_MEASURE = 1e12
 MAX_LORAS = 1024
 MAX_UNKNOWN_CAPACITY = 32
 
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 _NAME = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
 _HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
 _TEXT = {  # field -> most characters
@@ -141,7 +142,9 @@ def check_registration(doc: Any, key: tuple[str, str] | None = None) -> None:
     metadata = doc.get("kv_metadata", "")
     if not isinstance(metadata, str) or len(metadata) > MAX_KV_METADATA:
         raise InvalidRegistration(f"kv_metadata must be a string of at most {MAX_KV_METADATA}")
-    if not (metadata.isascii() and metadata.isprintable()):  # the kvtransfer metadata's JSON
+    # The kvtransfer metadata's JSON. bytes.translate deletes in a C loop several times
+    # faster than str.isprintable's (tens of kilobytes here: benchmarks/registration_check_bench).
+    if not metadata.isascii() or metadata.encode().translate(None, _PRINTABLE_ASCII):
         raise InvalidRegistration("kv_metadata must be printable ASCII")
     _capacity(doc.get("capacity", {}))
     _loras(doc.get("loras", {}), doc.get("resident_loras", []))
