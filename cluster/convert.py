@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
+
 from engine.lora.request import LoRARequest, lora_id_for
 from engine.processing.outputs import CompletionDelta
 from engine.processing.tokens import Logprob, Resume, SampledToken
@@ -130,11 +132,35 @@ def sampled_to_pb(token: SampledToken) -> pb.TokenLogprob:
     return m
 
 
-def sampled_from_pb(m: pb.TokenLogprob, with_logprobs: bool) -> SampledToken:
+class TokenOutOfRange(ValueError):
+    """A peer sent a token id outside the model's vocabulary."""
+
+
+def sampled_from_pb(
+    m: pb.TokenLogprob, with_logprobs: bool, vocab_size: int | None = None
+) -> SampledToken:
+    """The token a peer sampled. With `vocab_size` (the model's, from the engine), every
+    token id in it (the token and its top alternatives) is checked to lie in
+    [0, vocab_size): TokenOutOfRange otherwise — a peer's reply is never trusted to index
+    the vocabulary."""
+    if vocab_size is not None:
+        for token_id in (m.token_id, *(t.token_id for t in m.top)):
+            if not 0 <= token_id < vocab_size:
+                raise TokenOutOfRange(
+                    f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
     if not with_logprobs:
         return SampledToken(m.token_id)
     return SampledToken(
         m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top), m.rank
+    )
+
+
+def peer_reply_error(message: str) -> grpc.aio.AioRpcError:
+    """A peer's reply that cannot be used (a token out of range), as the failed call it
+    amounts to: INTERNAL with `message`."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message
     )
 
 

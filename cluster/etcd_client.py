@@ -4,7 +4,8 @@
 
 aetcd 1.0.0's Client authenticates with a user and password (etcd's Authenticate RPC; the
 token then rides on every call) but opens only plain gRPC channels; `_TlsClient` is that
-client over a TLS channel.
+client over a TLS channel. An `https://` endpoint is always TLS: with --etcd-ca's CA, else
+the system's trusted roots (never plaintext to an endpoint that asked for TLS).
 """
 
 from __future__ import annotations
@@ -24,15 +25,23 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 def make_client(endpoint: str, credentials: EtcdCredentials | None = None, timeout: float = 2.0):
     """An unconnected aetcd client for `endpoint` (use `async with`), authenticated and over
-    TLS as `credentials` say (None: anonymous, plain gRPC)."""
+    TLS as `credentials` say (None: anonymous, plain gRPC), or as the endpoint says
+    (`https://`: TLS, checked against the system's roots when no CA is given)."""
     import aetcd
 
     host, port = parse_endpoint(endpoint)
     creds = credentials or EtcdCredentials()
     kwargs = dict(username=creds.user, password=creds.password, timeout=timeout)
-    if creds.tls is None:
+    tls = creds.tls
+    if tls is None and endpoint.startswith("https://"):
+        tls = SYSTEM_ROOTS
+    if tls is None:
         return aetcd.Client(host, port, **kwargs)
-    return _tls_client_class()(host, port, tls=creds.tls, **kwargs)
+    return _tls_client_class()(host, port, tls=tls, **kwargs)
+
+
+SYSTEM_ROOTS = EtcdTls(ca=None)
+"""TLS against the system's trusted roots (an `https://` endpoint without --etcd-ca)."""
 
 
 def channel_credentials(tls: EtcdTls):

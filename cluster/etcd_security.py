@@ -23,10 +23,10 @@ GROUP = "etcd security (docs/security.md)"
 
 @dataclass(frozen=True)
 class EtcdTls:
-    """TLS material, read: the CA that signs etcd's certificate, and this client's own
-    certificate and key (both or neither)."""
+    """TLS material, read: the CA that signs etcd's certificate (None: the system's trusted
+    roots), and this client's own certificate and key (both or neither)."""
 
-    ca: bytes
+    ca: bytes | None
     cert: bytes | None = None
     key: bytes | None = None
 
@@ -51,7 +51,8 @@ class EtcdTlsFiles:
 
     etcd_ca: str | None = option(None, group=GROUP, metavar="PATH")
     """CA certificate (PEM) that etcd's server certificate must chain to: talk to etcd over
-    TLS, the endpoint's host checked against the certificate. Default: plain gRPC."""
+    TLS, the endpoint's host checked against the certificate. Default: plain gRPC, or TLS
+    against the system's trusted roots for an `https://` --etcd endpoint."""
     etcd_cert: str | None = option(None, group=GROUP, metavar="PATH")
     """Client certificate (PEM) presented to etcd (etcd's --client-cert-auth); needs
     --etcd-key and --etcd-ca."""

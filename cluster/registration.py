@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from cluster.etcd_client import make_client
 from cluster.etcd_security import EtcdCredentials
+from cluster.registration_check import MAX_DOCUMENT_BYTES, InvalidRegistration, check_registration
 from cluster.retry import Backoff, reconnect_forever
 from cluster.roles import ROLES
 
@@ -103,7 +104,7 @@ class WorkerInfo:
     model_id: str
     compat_hash: str  # kvtransfer compatibility hash (model, KV format, block size, layout)
     block_size: int
-    kv_metadata: str = ""  # base64 of the kvtransfer peer metadata
+    kv_metadata: str = ""  # the kvtransfer peer metadata (JSON, ASCII)
     metrics_address: str = ""  # host:port of /metrics
     draining: bool = False
     capacity: Capacity = field(default_factory=Capacity)
@@ -138,16 +139,44 @@ class WorkerInfo:
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "WorkerInfo":
-        doc = json.loads(data)
+    def from_json(cls, data: bytes, key: tuple[str, str] | None = None) -> "WorkerInfo":
+        """Parse a registration, checked whole first (cluster/registration_check.py:
+        InvalidRegistration, a ValueError, names the field that does not fit); `key`: the
+        (role, worker id) of the etcd key it was found under, which it must agree with."""
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise InvalidRegistration(f"{len(data)} bytes (at most {MAX_DOCUMENT_BYTES})")
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise InvalidRegistration(f"not JSON: {exc}") from None
+        check_registration(doc, key)
         doc["capacity"] = Capacity.from_dict(doc.get("capacity", {}))
         if doc.get("transfer_selftest") is not None:
             doc["transfer_selftest"] = TransferSelftest.from_dict(doc["transfer_selftest"])
         doc["resident_loras"] = tuple(doc.get("resident_loras", ()))
-        info = cls(**doc)
-        if info.role not in ROLES:
-            raise ValueError(f"unknown worker role {info.role!r}")
-        return info
+        # `transfer_selftest` is checked above; it is kept where this WorkerInfo has a field
+        # for it (the transfer self-test), else it is informational and dropped.
+        return cls(**{k: v for k, v in doc.items() if k in _FIELDS})
+
+
+_FIELDS = frozenset(f.name for f in fields(WorkerInfo))
+
+
+def registration_key(key: bytes, prefix: bytes) -> tuple[str, str] | None:
+    """(role, worker_id) of a registration key under `prefix`, None for keys of other
+    shapes."""
+    role, _, worker_id = key[len(prefix) :].decode(errors="replace").partition("/")
+    return (role, worker_id) if role in ROLES and worker_id else None
+
+
+def parse_registration(key: bytes, value: bytes, prefix: bytes) -> WorkerInfo | None:
+    """The registration under `key`, None (logged with the key) when it does not fit
+    cluster/registration_check.py or does not agree with its key."""
+    try:
+        return WorkerInfo.from_json(value, registration_key(key, prefix))
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("ignoring malformed registration %s: %s", key.decode(errors="replace"), exc)
+        return None
 
 
 def workers_prefix(cluster: str) -> bytes:
@@ -159,13 +188,10 @@ def worker_key(cluster: str, role: str, worker_id: str) -> bytes:
 
 
 async def list_workers(client, cluster: str) -> list[WorkerInfo]:
-    out = []
-    for kv in await client.get_prefix(workers_prefix(cluster)):
-        try:
-            out.append(WorkerInfo.from_json(kv.value))
-        except (ValueError, TypeError, KeyError) as exc:
-            log.warning("ignoring malformed registration %s: %s", kv.key, exc)
-    return out
+    prefix = workers_prefix(cluster)
+    listing = await client.get_prefix(prefix)
+    parsed = (parse_registration(kv.key, kv.value, prefix) for kv in listing)
+    return [info for info in parsed if info is not None]
 
 
 class Registrar:

@@ -21,7 +21,13 @@ from typing import NamedTuple
 
 import grpc
 
-from cluster.convert import lora_to_pb, sampled_from_pb, sampling_to_pb
+from cluster.convert import (
+    TokenOutOfRange,
+    lora_to_pb,
+    peer_reply_error,
+    sampled_from_pb,
+    sampling_to_pb,
+)
 from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
 from engine.core.request import Request
@@ -114,7 +120,12 @@ class PrefillClient:
             call.cancel()
             self._confirm_stopped(worker, rid, tid, Unavailable(f"request {rid} was cancelled"))
             raise
-        token = sampled_from_pb(response.first_token, req.sampling.logprobs is not None)
+        try:  # a first token outside the vocabulary is a failed prefill
+            token = sampled_from_pb(
+                response.first_token, req.sampling.logprobs is not None, ctx.vocab_size
+            )
+        except TokenOutOfRange as bad:
+            return await self._failed(req, worker, tid, done, peer_reply_error(f"first {bad}"))
         await ctx.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
         await done  # raises if the KV failed or timed out
         return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, attempt.kv_landed_at)

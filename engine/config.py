@@ -145,7 +145,8 @@ class EngineConfig:
     docs/kv_offloading.md). 0: off."""
     kv_offloading_path: str | None = option(None, metavar="PATH")
     """Back the second tier by this file (mapped shared; scratch space, overwritten, never
-    read back after a restart) instead of anonymous host memory. Needs kv_offloading_size."""
+    read back after a restart) instead of anonymous host memory. Needs kv_offloading_size.
+    Created 0600; an existing file must be this user's with no group/other permissions."""
     enable_sleep_mode: bool = False
     """Allow `sleep(level)` / `wake_up()` (vLLM's): free the KV pool (level 1; weights stay, on
     the CPU) or also drop the weights (level 2)."""

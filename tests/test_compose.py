@@ -24,13 +24,21 @@ ETCD_PASSWORDS = {
     "PDSERVE_ETCD_WORKER_PASSWORD": "compose-test-etcd-worker-0123456789",
     "PDSERVE_ETCD_ROUTER_PASSWORD": "compose-test-etcd-router-0123456789",
 }
-SECRETS = ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN", *ETCD_PASSWORDS)
+GRAFANA_PASSWORD = "compose-test-grafana-0123456789"
+SECRETS = (
+    "PDSERVE_API_KEY",
+    "PDSERVE_CLUSTER_TOKEN",
+    "PDSERVE_GRAFANA_ADMIN_PASSWORD",
+    "PDSERVE_SUBNET",
+    *ETCD_PASSWORDS,
+)
 
 
 def _compose(
     *args: str,
     key: str | None = TEST_KEY,
     token: str | None = TEST_TOKEN,
+    grafana: str | None = GRAFANA_PASSWORD,
     **etcd_passwords: str | None,
 ) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
@@ -40,6 +48,7 @@ def _compose(
     given = {
         "PDSERVE_API_KEY": key,
         "PDSERVE_CLUSTER_TOKEN": token,
+        "PDSERVE_GRAFANA_ADMIN_PASSWORD": grafana,
         **ETCD_PASSWORDS,
         **etcd_passwords,
     }
@@ -289,3 +298,43 @@ def test_dashboard_queries_use_only_metrics_the_code_exports():
             assert names <= known, (panel["title"], names - known)
             used |= names
     assert any(n.startswith("vllm:") for n in used) and any(n.startswith("pdserve_") for n in used)
+
+
+def test_grafana_has_no_default_admin_password():
+    """Before: Grafana's admin/admin on the host's loopback."""
+    grafana = _config()["services"]["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == GRAFANA_PASSWORD
+    for empty in (None, ""):
+        refused = _compose("config", "-q", grafana=empty)
+        assert refused.returncode != 0, refused.stderr
+        assert "set PDSERVE_GRAFANA_ADMIN_PASSWORD" in refused.stderr, refused.stderr
+
+
+def test_the_router_trusts_registrations_only_from_the_workers_network():
+    """The workers' network has a fixed subnet, and the router's --allowed-worker-cidrs is it:
+    a registration naming an address elsewhere gets no channel carrying the token."""
+    config = _config()
+    [subnet] = [c["subnet"] for c in config["networks"]["pdnet"]["ipam"]["config"]]
+    router = config["services"]["router"]["command"]
+    assert router[router.index("--allowed-worker-cidrs") + 1] == subnet == "172.29.0.0/16"
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    exe = shutil.which("docker-compose")
+    other = subprocess.run(
+        [exe, "-f", "docker-compose.yml", "config"],
+        cwd=COMPOSE,
+        env={
+            **env,
+            "PDSERVE_API_KEY": TEST_KEY,
+            "PDSERVE_CLUSTER_TOKEN": TEST_TOKEN,
+            "PDSERVE_GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD,
+            "PDSERVE_SUBNET": "10.77.0.0/24",
+            **ETCD_PASSWORDS,
+        },
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 0, other.stderr
+    moved = yaml.safe_load(other.stdout)
+    command = moved["services"]["router"]["command"]
+    assert command[command.index("--allowed-worker-cidrs") + 1] == "10.77.0.0/24"
+    assert moved["networks"]["pdnet"]["ipam"]["config"] == [{"subnet": "10.77.0.0/24"}]

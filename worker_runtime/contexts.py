@@ -176,3 +176,5 @@ class DecodeContext(ServingContext):
     own_metadata: Callable[[], bytes]
     strict_remote_prefill: bool
     """--strict-remote-prefill: a failed prefill worker fails the request."""
+    vocab_size: int
+    """The model's vocabulary: a first token a prefill worker returns must lie in it."""

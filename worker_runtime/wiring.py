@@ -79,6 +79,7 @@ def room_contexts(rt: WorkerRuntime) -> RoomContexts:
             auth=rt.auth,
             own_metadata=rt.own_metadata,
             strict_remote_prefill=rt.config.strict_remote_prefill,
+            vocab_size=rt.engine.loaded.args.vocab_size,
         ),
     )
 

@@ -6,7 +6,10 @@ flags (it is compiled with -march=native), so a cached library never runs on a C
 it was not built for; the compiler reads a copy of the very bytes the key was taken from (a
 source edited during a build cannot land under the old key). It lands in
 `$PDSERVE_KERNEL_CACHE` (default ~/.cache/pdserve/cpu_kernels); concurrent builds (pytest
-workers) serialise on a lock file. Without a compiler, or with PDSERVE_CPU_KERNELS=0, `load()`
+workers) serialise on a lock file. A library is code this process runs: the cache directory,
+the key's directory and the library must be owned by this process's user (or root) and not
+writable by group or others, else the cache is refused (`KernelCacheRefused`, logged) and the
+plain-torch paths are used. Without a compiler, or with PDSERVE_CPU_KERNELS=0, `load()`
 returns False and the torch backend and the model layers keep their plain-torch paths — same
 results to rounding, slower.
 
@@ -61,6 +64,7 @@ import functools
 import hashlib
 import logging
 import os
+import stat
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -132,6 +136,28 @@ def _build(out: Path, sources: dict[str, bytes]) -> None:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+class KernelCacheRefused(PermissionError):
+    """The kernel cache could be changed by someone other than this process's user."""
+
+
+def check_private(path: Path, follow: bool = False) -> None:
+    """KernelCacheRefused unless `path` (a symbolic link refused, or followed with `follow`)
+    is owned by this process's user or root and not writable by group or others."""
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        problem = "is a symbolic link"
+    elif st.st_uid not in (os.geteuid(), 0):
+        problem = f"is owned by uid {st.st_uid}, not this process's user ({os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}: group or others may write it"
+    else:
+        return
+    raise KernelCacheRefused(
+        f"CPU kernel cache {path} {problem}; a library there would run in this process "
+        "(set PDSERVE_KERNEL_CACHE to a directory of this user with mode 0700)"
+    )
+
+
 @functools.cache
 def load() -> bool:
     """Build (once per source / torch / CPU) and load the kernels; False where they cannot
@@ -151,13 +177,17 @@ def load() -> bool:
             os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache/pdserve/cpu_kernels")
         )
         lib = cache / key.hexdigest()[:16] / "pdserve_cpu.so"
-        lib.parent.mkdir(parents=True, exist_ok=True)
+        lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(cache, follow=True)
+        check_private(lib.parent)
         with open(lib.parent / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not lib.exists():
                 tmp = lib.with_suffix(f".{os.getpid()}.tmp")
                 _build(tmp, sources)
+                tmp.chmod(0o700)
                 os.replace(tmp, lib)
+        check_private(lib)
         torch.ops.load_library(str(lib))
     except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
         detail = getattr(exc, "stderr", "") or ""

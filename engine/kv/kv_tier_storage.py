@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,10 +27,46 @@ class TierStorage(Protocol):
     def load_many(self, slots: list[int], block_ids: list[int]) -> None: ...
 
 
+class TierFileRefused(PermissionError):
+    """--kv-offloading-path names a file others could read or change (the KV of every
+    prompt passes through it)."""
+
+
+def open_tier_file(path: str) -> int:
+    """A read-write descriptor of the tier file `path`: created 0600 (O_EXCL, never through a
+    symbolic link), or an existing one adopted only if it is a regular file owned by this
+    process's user with no group or other permissions. TierFileRefused (naming the path)
+    otherwise."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:  # a symbolic link (ELOOP), a directory, no permission
+        raise TierFileRefused(f"--kv-offloading-path {path}: cannot open it ({exc})") from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not this process's user ({os.geteuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(st.st_mode):04o}: group or others may access it"
+    if problem is not None:
+        os.close(fd)
+        raise TierFileRefused(
+            f"--kv-offloading-path {path} {problem}; the KV of every prompt passes through "
+            "it: remove it, or give a file of this user with mode 0600"
+        )
+    return fd
+
+
 class HostTierStorage:
     """Slots shaped like the pool's blocks, in host memory (pinned when the pool is on a GPU)
     or in a file mapped shared (`path`: scratch space, overwritten, never read back after a
-    restart)."""
+    restart; created 0600 or refused when others could reach it, `open_tier_file`)."""
 
     def __init__(self, pool: torch.Tensor, num_slots: int, path: str | None = None) -> None:
         self.pool = pool  # the tensor object, not its storage: sleep/wake swap its storage
@@ -39,11 +76,13 @@ class HostTierStorage:
             numel = 1
             for d in shape:
                 numel *= d
-            with open(path, "ab"):  # exists before it is mapped (from_file sizes it)
-                pass
-            self.slots = torch.from_file(
-                os.fspath(path), shared=True, size=numel, dtype=pool.dtype
-            ).view(shape)
+            fd = open_tier_file(os.fspath(path))
+            try:  # mapped through the descriptor checked, not the name (which could move)
+                self.slots = torch.from_file(
+                    f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=pool.dtype
+                ).view(shape)
+            finally:
+                os.close(fd)
         else:
             pin = pool.device.type == "cuda"
             self.slots = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)

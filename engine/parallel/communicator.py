@@ -14,6 +14,7 @@ rank 0 that dies closes its connections (and its children get SIGKILL, rank_work
 from __future__ import annotations
 
 import pickle
+import socket
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -21,6 +22,27 @@ import torch
 
 IDLE_TIMEOUT = timedelta(days=365)
 """How long a non-zero rank waits for rank 0's next step payload."""
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_listener(port: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:`port` only, for the rendezvous store to serve on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen()
+    return sock
+
+
+def _gloo_options(timeout: timedelta) -> Any:
+    """A gloo group whose connections listen and connect on loopback (by default gloo binds
+    to the address the host name resolves to: in a container, its network's)."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+    options._timeout = timeout
+    return options
 
 
 class Communicator(Protocol):
@@ -49,19 +71,34 @@ class DistributedCommunicator:
         self, rank: int, size: int, port: int, timeout_s: float, device: torch.device
     ) -> None:
         """Joins the group (rank 0 hosts the rendezvous on 127.0.0.1:`port`); every rank must
-        call this within `timeout_s`."""
+        call this within `timeout_s`. Everything the group listens on is loopback: the
+        rendezvous store (torch's own TCPStore server listens on every interface, so rank 0
+        binds the socket itself) and the gloo groups' connections."""
         import torch.distributed as dist
 
         self.rank, self.size, self.device = rank, size, device
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        self._listener = loopback_listener(port) if rank == 0 else None
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            size,
+            rank == 0,
+            timeout,
+            master_listen_fd=None if self._listener is None else self._listener.fileno(),
+        )
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
+            pg_options=_gloo_options(timeout) if backend == "gloo" else None,
         )
-        self._payloads = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self._payloads = dist.new_group(
+            backend="gloo", timeout=IDLE_TIMEOUT, pg_options=_gloo_options(IDLE_TIMEOUT)
+        )
         self.calls = 0  # collectives run by the forward (all-reduces and all-gathers)
 
     def all_reduce(self, x: torch.Tensor) -> None:

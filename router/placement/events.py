@@ -8,6 +8,9 @@ pool or the second tier; a worker that says nothing: the pool). Events that happ
 the snapshot are replayed on top of it; each hash ends in the state of its last event, so the
 result is exact.
 On any stream error the worker's entries are dropped and the loop starts over after a backoff.
+A worker's share of the index is bounded by the capacity it registered with (its pool's and
+its second tier's blocks, `KVIndex.set_limit`): stores beyond it are dropped, counted
+(`KVIndex.dropped`) and logged once per subscription.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class KVSubscriptions:
             task.cancel()
         self.synced.pop(info.worker_id, None)
         self.index.remove_worker(info.worker_id)
+        self.index.set_limit(info.worker_id, None)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -68,7 +72,26 @@ class KVSubscriptions:
 
         await reconnect_forever(session, f"KV events from {info.worker_id}", log, logging.INFO)
 
+    def _warn_dropped(self, info: WorkerInfo, before: int) -> int:
+        """Log the first stores of a subscription dropped for the worker's bound; returns
+        the drop count to compare with next (-1 once logged)."""
+        now = self.index.dropped.get(info.worker_id, 0)
+        if before >= 0 and now > before:
+            log.warning(
+                "KV index: worker %s sent more blocks than it registered (%d in its pool, %d "
+                "in its tier): %d dropped so far",
+                info.worker_id,
+                info.capacity.total_blocks,
+                info.capacity.kv_offload_total_blocks,
+                now,
+            )
+            return -1
+        return before
+
     async def _subscribe_once(self, info: WorkerInfo) -> None:
+        cap = info.capacity
+        self.index.set_limit(info.worker_id, cap.total_blocks, cap.kv_offload_total_blocks)
+        dropped = self.index.dropped.get(info.worker_id, 0)
         stub = self.channels.worker(info.grpc_address)
         call = stub.SubscribeKVEvents(pdserve_pb2.KVEventsRequest())
         try:
@@ -81,8 +104,10 @@ class KVSubscriptions:
             self.index.reset(info.worker_id, snapshot.block_hashes, snapshot.tiers)
             self.synced[info.worker_id].set()
             log.debug("KV index: %d blocks from %s", len(snapshot.block_hashes), info.worker_id)
+            dropped = self._warn_dropped(info, dropped)
             async for batch in call:
                 self.index.removed(info.worker_id, batch.removed)
                 self.index.stored(info.worker_id, batch.stored, batch.stored_tiers)
+                dropped = self._warn_dropped(info, dropped)
         finally:
             call.cancel()

@@ -10,6 +10,11 @@ prompt's hashes here equal the hashes a worker's prefix cache stores, by constru
 Holders of a block are a bit set (an int, one bit per worker slot): matching a prompt against
 every worker is one dict lookup and one AND per block, whatever the number of workers (plus
 one more AND, and a count per holder, for the blocks someone holds in a tier).
+
+Bounded: a worker's entries are at most what its registration says it can hold
+(`set_limit`: its pool's blocks and its second tier's, from its published capacity); stores
+beyond that are dropped and counted (`dropped`), so a worker that sends events without end
+cannot grow the index without end.
 """
 
 from __future__ import annotations
@@ -57,6 +62,21 @@ class KVIndex:
         self._slot: dict[str, int] = {}  # worker id -> slot
         self._owner: list[str | None] = []  # slot -> worker id
         self._blocks: dict[str, dict[BlockHash, int]] = {}  # worker id -> its hashes -> tier
+        self._limits: dict[str, tuple[int, int]] = {}  # worker id -> most (pool, tier) blocks
+        self._counts: dict[str, list[int]] = {}  # worker id -> [pool, tier] blocks indexed
+        self.dropped: dict[str, int] = {}
+        """Worker id -> stores dropped because its share was full (since it was limited)."""
+
+    def set_limit(self, worker_id: str, pool_blocks: int | None, tier_blocks: int = 0) -> None:
+        """At most `pool_blocks` of the worker's entries in its pool and `tier_blocks` in
+        its second tier (None: no limit, and its drop count is forgotten). Kept across
+        `remove_worker`/`reset`; entries already held beyond a lowered limit stay until
+        removed."""
+        if pool_blocks is None:
+            self._limits.pop(worker_id, None)
+            self.dropped.pop(worker_id, None)
+        else:
+            self._limits[worker_id] = (pool_blocks, tier_blocks)
 
     def __len__(self) -> int:
         """Distinct block hashes indexed."""
@@ -80,32 +100,48 @@ class KVIndex:
         slot = self._add_worker(worker_id)
         bit, keep = 1 << slot, ~(1 << slot)
         mine = self._blocks[worker_id]
+        counts = self._counts[worker_id]
+        limits = self._limits.get(worker_id)
         holders, tiered = self._holders, self._tiered
+        dropped = 0
         for h, tier in zip(hashes, chain(tiers, repeat(0))):
             tier = 1 if tier else 0
             old = mine.get(h)
             if old == tier:
                 continue
+            if limits is not None and counts[tier] >= limits[tier]:
+                dropped += 1  # its share is full: not indexed (a move: not held anywhere)
+                if old is not None:
+                    self._forget(worker_id, h, keep)
+                continue
             mine[h] = tier
+            counts[tier] += 1
             if old is None:
                 holders[h] = holders.get(h, 0) | bit
+            else:
+                counts[old] -= 1
             if tier:
                 tiered[h] = tiered.get(h, 0) | bit
             elif old:
                 _clear(tiered, h, keep)
+        if dropped:
+            self.dropped[worker_id] = self.dropped.get(worker_id, 0) + dropped
 
     def removed(self, worker_id: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slot.get(worker_id)
         if slot is None:
             return
-        mine = self._blocks[worker_id]
         keep = ~(1 << slot)
         for h in hashes:
-            old = mine.pop(h, None)
-            if old is not None:
-                _clear(self._holders, h, keep)
-                if old:
-                    _clear(self._tiered, h, keep)
+            self._forget(worker_id, h, keep)
+
+    def _forget(self, worker_id: str, h: BlockHash, keep: int) -> None:
+        old = self._blocks[worker_id].pop(h, None)
+        if old is not None:
+            self._counts[worker_id][old] -= 1
+            _clear(self._holders, h, keep)
+            if old:
+                _clear(self._tiered, h, keep)
 
     def reset(self, worker_id: str, hashes: Iterable[BlockHash], tiers: Sequence[int] = ()) -> None:
         """Replace everything known about a worker with a snapshot (`tiers` as in `stored`)."""
@@ -117,6 +153,7 @@ class KVIndex:
         if slot is None:
             return
         keep = ~(1 << slot)
+        del self._counts[worker_id]
         for h, tier in self._blocks.pop(worker_id).items():
             _clear(self._holders, h, keep)
             if tier:
@@ -166,6 +203,7 @@ class KVIndex:
                 self._owner.append(worker_id)
             self._slot[worker_id] = slot
             self._blocks[worker_id] = {}
+            self._counts[worker_id] = [0, 0]
         return slot
 
 

@@ -13,7 +13,10 @@ it under its new role.
 A registration can be refused (`refused`, by reason): one whose block-hash probe disagrees with
 this router's hashing (cluster/block_hash_agreement.py), and whatever the router's `refusal`
 says (another model, an address outside --allowed-worker-cidrs). A refused worker is not
-listed: it gets no request and no KV-index subscription.
+listed: it gets no request and no KV-index subscription. A registration that does not fit
+cluster/registration_check.py (types, ranges, lengths, its key) is refused whole and logged
+with its key. A worker first seen draining is listed but gets no channel from this router (no
+KV subscription: the cluster token goes only to workers seen ready) until it stops draining.
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ from typing import Callable, NamedTuple
 from cluster.block_hash_agreement import REASON as BLOCK_HASH_MISMATCH
 from cluster.block_hash_agreement import probe_refusal
 from cluster.etcd_security import EtcdCredentials
-from cluster.registration import WorkerInfo, make_client, workers_prefix
+from cluster.registration import (
+    WorkerInfo,
+    make_client,
+    parse_registration,
+    registration_key,
+    workers_prefix,
+)
 from cluster.retry import reconnect_forever
-from cluster.roles import ROLES, Role
+from cluster.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,7 @@ class WorkerState:
     seen_at: float  # router clock (monotonic) when this registration was last republished
     inflight: int = 0  # requests this router has on the worker (decode)
     inflight_prefill_tokens: int = 0  # prompt tokens sent that have no first token yet (prefill)
+    announced: bool = False  # the added-listeners were told (it has been seen not draining)
 
 
 class WorkerRegistry:
@@ -76,6 +86,8 @@ class WorkerRegistry:
         self.synced = asyncio.Event()  # set once the first full listing was applied
 
     def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
+        """`on_added(info)` once a listed worker is seen not draining (see `_announce`),
+        `on_removed(info)` when such a worker leaves."""
         self._on_added.append(on_added)
         self._on_removed.append(on_removed)
 
@@ -138,29 +150,39 @@ class WorkerRegistry:
         if old is None:
             # First sight (possibly an old listing): as fresh as its publication time says.
             age = max(0.0, time.time() - info.updated_at) if info.updated_at else 0.0
-            self._workers[info.worker_id] = WorkerState(info, self.clock() - age)
+            state = self._workers[info.worker_id] = WorkerState(info, self.clock() - age)
             log.info(
-                "worker %s (%s, KV %s) at %s joined",
+                "worker %s (%s, KV %s) at %s joined%s",
                 info.worker_id,
                 info.role,
                 info.kv_cache_dtype,
                 info.grpc_address,
+                " draining" if info.draining else "",
             )
             self._warn_unpaired(info)
-            for listener in self._on_added:
-                listener(info)
+            self._announce(state)
         else:
             if info.updated_at != old.info.updated_at:  # republished, not merely re-listed
                 old.seen_at = self.clock()
             new_weights = old.info.weights_version != info.weights_version
             old.info = info
-            if new_weights:
+            self._announce(old)
+            if new_weights and old.announced:
                 log.info(
                     "worker %s now runs weights version %d", info.worker_id, info.weights_version
                 )
                 for listener in self._on_new_weights:
                     listener(info)
         self.notify()
+
+    def _announce(self, state: WorkerState) -> None:
+        """Tell the added-listeners (the KV subscription: a channel carrying the cluster
+        token) about a worker once it is seen not draining: one that registers draining gets
+        no channel from this router, which placed nothing on it."""
+        if not state.announced and not state.info.draining:
+            state.announced = True
+            for listener in self._on_added:
+                listener(state.info)
 
     def _warn_unpaired(self, info: WorkerInfo) -> None:
         """A joining worker whose KV layout (compat hash: model, KV cache dtype and scales,
@@ -196,8 +218,9 @@ class WorkerRegistry:
         if state is None:
             return
         log.info("worker %s (%s) left", worker_id, state.info.role)
-        for listener in self._on_removed:
-            listener(state.info)
+        if state.announced:
+            for listener in self._on_removed:
+                listener(state.info)
         self.notify()
 
     def replace_all(self, infos: list[WorkerInfo]) -> None:
@@ -225,10 +248,8 @@ class WorkerRegistry:
             pass
 
 
-def parse_key(key: bytes, prefix: bytes) -> tuple[str, str] | None:
-    """(role, worker_id) of a registration key, None for keys of other shapes."""
-    role, _, worker_id = key[len(prefix) :].decode(errors="replace").partition("/")
-    return (role, worker_id) if role in ROLES and worker_id else None
+parse_key = registration_key
+"""(role, worker_id) of a registration key, None for keys of other shapes."""
 
 
 class EtcdWatcher:
@@ -257,13 +278,8 @@ class EtcdWatcher:
 
     async def _sync_and_watch(self, client) -> None:
         listing = await client.get_prefix(self.prefix)
-        infos = []
-        for kv in listing:
-            try:
-                infos.append(WorkerInfo.from_json(kv.value))
-            except (ValueError, TypeError, KeyError) as exc:
-                log.warning("ignoring malformed registration %s: %s", kv.key, exc)
-        self.registry.replace_all(infos)
+        parsed = (parse_registration(kv.key, kv.value, self.prefix) for kv in listing)
+        self.registry.replace_all([info for info in parsed if info is not None])
         watch = await client.watch_prefix(self.prefix, start_revision=listing.header.revision + 1)
         events = aiter(watch)
         try:
@@ -286,7 +302,8 @@ class EtcdWatcher:
         if event.kind == "DELETE":
             self.registry.delete(parsed[1], role=parsed[0])
             return
-        try:
-            self.registry.put(WorkerInfo.from_json(event.kv.value))
-        except (ValueError, TypeError, KeyError) as exc:
-            log.warning("ignoring malformed registration %s: %s", event.kv.key, exc)
+        info = parse_registration(event.kv.key, event.kv.value, self.prefix)
+        if info is None:  # refused whole (logged); an accepted earlier version leaves
+            self.registry.delete(parsed[1], role=parsed[0])
+        else:
+            self.registry.put(info)

@@ -13,7 +13,7 @@ import pytest
 from throwaway_pki import etcd_tls, openssl_available
 
 from cluster.etcd_auth import WORKER_USER, etcd_users
-from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity
+from cluster.etcd_security import PASSWORD_ENV, EtcdCredentials, EtcdSecurity, EtcdTls
 from cluster.etcd_server import EtcdServer
 from cluster.registration import Registrar, WorkerInfo, list_workers, make_client, worker_key
 from engine.checks import FieldError
@@ -179,5 +179,53 @@ def test_the_default_etcd_server_stays_open():
             async with make_client(etcd.endpoint) as client:
                 await client.put(b"/pdserve/x", b"1")
                 assert (await client.get(b"/pdserve/x")).value == b"1"
+
+        asyncio.run(main())
+
+
+# ---- an https:// endpoint is TLS, with or without --etcd-ca --------------------------------
+
+
+def test_an_https_endpoint_without_a_ca_is_tls_against_the_system_roots():
+    from cluster.etcd_client import SYSTEM_ROOTS, _tls_client_class
+
+    client = make_client("https://etcd.example:2379")
+    assert isinstance(client, _tls_client_class()) and SYSTEM_ROOTS.ca is None
+    assert not isinstance(make_client("http://etcd.example:2379"), _tls_client_class())
+
+
+def test_an_https_endpoint_never_talks_plaintext_to_a_plain_etcd():
+    """Before: the https:// scheme was dropped and the client spoke plain gRPC (a password
+    and every registration in the clear). Now the TLS handshake fails."""
+    with EtcdServer() as etcd:
+
+        async def main():
+            async with make_client(f"http://{etcd.endpoint}") as client:
+                await client.get_prefix(b"/pdserve/")  # plain works where plain was asked
+            with pytest.raises(Exception):
+                async with make_client(f"https://{etcd.endpoint}", timeout=2) as client:
+                    await client.get_prefix(b"/pdserve/")
+
+        asyncio.run(main())
+
+
+@pytest.mark.skipif(not openssl_available(), reason="no openssl CLI to make a throwaway CA")
+def test_an_https_endpoint_without_a_ca_checks_the_certificate(tmp_path):
+    """A certificate from a CA the system does not trust is refused (--etcd-ca names it)."""
+    tls = etcd_tls(tmp_path)
+    with EtcdServer(tls=tls) as etcd:
+
+        async def main():
+            own = EtcdTls(None, tls.cert.read_bytes(), tls.key.read_bytes())  # no CA given
+            with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+                async with make_client(
+                    f"https://{etcd.endpoint}", EtcdCredentials(tls=own), timeout=2
+                ) as client:
+                    await client.get_prefix(b"/pdserve/")
+            trusted = EtcdSecurity(
+                etcd_ca=str(tls.ca), etcd_cert=str(tls.cert), etcd_key=str(tls.key)
+            ).resolve({})
+            async with make_client(f"https://{etcd.endpoint}", trusted) as client:
+                await client.get_prefix(b"/pdserve/")
 
         asyncio.run(main())

@@ -33,6 +33,7 @@ from worker_runtime.runtime import WorkerRuntime
 from worker_runtime.wiring import room_contexts
 
 BLOCK_SIZE = 4
+VOCAB_SIZE = 100
 
 
 class FakeBlockPool:
@@ -75,7 +76,7 @@ class FakeEngine:
     loaded = SimpleNamespace(
         model_id="m",
         architecture="LlamaForCausalLM",
-        args=SimpleNamespace(n_layers=1, window=lambda layer: None),
+        args=SimpleNamespace(n_layers=1, window=lambda layer: None, vocab_size=VOCAB_SIZE),
     )
     config = SimpleNamespace(
         kv_cache_dtype="auto",

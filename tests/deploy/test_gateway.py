@@ -67,10 +67,17 @@ def test_the_pool_is_the_routers_and_its_picker_is_their_picker_port():
 def test_the_routers_arguments_parse_with_the_routers_own_parser():
     from router.cli import config_from_args, register
 
-    c = container(of_kind(gateway(), "Deployment")["router"])
+    docs = gateway()
+    c = container(of_kind(docs, "Deployment")["router"])
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    env = {"$(PDSERVE_ETCD)": "etcd:2379", "$(PDSERVE_CLUSTER)": "default", "$(POD_IP)": "10.1.2.3"}
+    pod_cidr = of_kind(docs, "ConfigMap")["pdserve-config"]["data"]["PDSERVE_POD_CIDR"]
+    env = {
+        "$(PDSERVE_ETCD)": "etcd:2379",
+        "$(PDSERVE_CLUSTER)": "default",
+        "$(POD_IP)": "10.1.2.3",
+        "$(PDSERVE_POD_CIDR)": pod_cidr,
+    }
     argv = [c["command"][1]]
     for a in c["args"]:
         for k, v in env.items():
@@ -79,6 +86,8 @@ def test_the_routers_arguments_parse_with_the_routers_own_parser():
     config = config_from_args(parser.parse_args(argv))
     assert config.endpoint_picker.port == 9002
     assert config.endpoint_picker.endpoint == "10.1.2.3:8000"
+    # registrations are trusted from the pod network only (the value the operator gives)
+    assert [str(n) for n in config.allowed_worker_cidrs] == [pod_cidr] == ["10.244.0.0/16"]
 
 
 @needs_kubectl

@@ -573,3 +573,92 @@ def test_external_etcd_drops_the_statefulset():
     full = _cache.get("cpu") or render("cpu")
     sts = of_kind(full, "StatefulSet")["etcd"]
     assert sts["spec"]["volumeClaimTemplates"], "bundled etcd without a PVC"
+
+
+# ---- hardening (issue 51): what a pod may do beyond its job -------------------------------
+
+
+def _pod_templates(docs: list[dict]) -> dict[str, dict]:
+    """Every workload's pod template, by "<kind>/<name>"."""
+    out = {}
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet", "Job"):
+            out[f"{d['kind']}/{d['metadata']['name']}"] = d["spec"]["template"]
+    return out
+
+
+@needs_kubectl
+def test_every_pod_is_hardened(rendered):
+    """No service-account token in any pod (no pdserve process talks to the Kubernetes API),
+    read-only root filesystems with a size-limited /tmp, no moving image tags, and no process
+    that talks to etcd without its own user."""
+    name, docs = rendered
+    templates = _pod_templates(docs)
+    assert {"Deployment/router", "StatefulSet/etcd", "Job/etcd-users"} & set(templates)
+    for where, tmpl in templates.items():
+        pod = tmpl["spec"]
+        assert pod.get("automountServiceAccountToken") is False, (name, where)
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        claims = {
+            c["metadata"]["name"]
+            for d in docs
+            if d["kind"] == "StatefulSet" and f"StatefulSet/{d['metadata']['name']}" == where
+            for c in d["spec"].get("volumeClaimTemplates", [])
+        }
+        assert volumes.get("tmp", {}).get("emptyDir", {}).get("sizeLimit"), (name, where)
+        for c in pod["containers"]:
+            assert c["securityContext"].get("readOnlyRootFilesystem") is True, (name, where)
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts.get("/tmp") == "tmp", (name, where)
+            assert set(mounts.values()) <= set(volumes) | claims, (name, where)  # all exist
+            image = c["image"]
+            tag = image.rpartition(":")[2] if ":" in image else ""
+            assert tag and tag not in ("latest", "cuda"), (name, where, image)
+            args = " ".join(c.get("command", []) + c.get("args", []))
+            if "--etcd=" in args and "etcd-users" not in args:
+                assert "--etcd-user=" in args, (name, where)  # never an anonymous etcd client
+
+
+@needs_kubectl
+def test_the_router_trusts_registrations_from_the_pod_network_only(rendered):
+    name, docs = rendered
+    router = container(of_kind(docs, "Deployment")["router"])
+    assert "--allowed-worker-cidrs=$(PDSERVE_POD_CIDR)" in router["args"], name
+    cidr = of_kind(docs, "ConfigMap")["pdserve-config"]["data"]["PDSERVE_POD_CIDR"]
+    from router.placement.allowed_workers import parse_network
+
+    network = parse_network(cidr)  # a value the operator gives: a network, never "any"
+    assert network.prefixlen > 0 and network.is_private, cidr
+
+
+def _dns_only(rule: dict) -> bool:
+    ports = {(p.get("port"), p.get("protocol", "TCP")) for p in rule.get("ports", [])}
+    return bool(ports) and ports <= {(53, "UDP"), (53, "TCP")}
+
+
+@needs_kubectl
+def test_egress_goes_to_pdserve_pods_dns_and_etcd_only(rendered):
+    """Before: no egress policy, so a pod could send the cluster token, a prompt or KV to any
+    address (a forged registration's, the internet)."""
+    name, docs = rendered
+    pols = list(of_kind(docs, "NetworkPolicy").values())
+    assert any(
+        p["spec"]["podSelector"] == {}
+        and p["spec"].get("policyTypes") == ["Egress"]
+        and not p["spec"].get("egress")
+        for p in pols
+    ), f"{name}: no default-deny egress policy"
+    for p in pols:
+        for rule in p["spec"].get("egress", []):
+            peers = rule.get("to")
+            assert peers, (name, p["metadata"]["name"], "egress to everyone")
+            for peer in peers:
+                assert "ipBlock" not in peer or peer["ipBlock"]["cidr"] not in (
+                    "0.0.0.0/0",
+                    "::/0",
+                ), (name, p["metadata"]["name"])
+                inside = "namespaceSelector" not in peer and "ipBlock" not in peer
+                etcd_port = {x.get("port") for x in rule.get("ports", [])} == {2379}
+                assert inside or _dns_only(rule) or etcd_port, (name, p["metadata"]["name"], rule)
+    if name == "external-etcd":
+        assert "pdserve-to-external-etcd" in of_kind(docs, "NetworkPolicy"), name

@@ -58,6 +58,9 @@ def deployment_view(docs: list[dict]) -> list[dict]:
         k8s.test_a_job_makes_etcds_users_with_every_password_from_a_secret,
         k8s.test_the_router_and_every_worker_get_their_own_etcd_user_from_a_secret,
         k8s.test_only_router_reachable_from_outside,
+        k8s.test_every_pod_is_hardened,
+        k8s.test_the_router_trusts_registrations_from_the_pod_network_only,
+        k8s.test_egress_goes_to_pdserve_pods_dns_and_etcd_only,
     ],
     ids=lambda f: f.__name__.removeprefix("test_"),
 )
@@ -84,7 +87,7 @@ def test_groups_are_one_rank_restarted_whole_and_patient_with_weight_loads():
         assert tmpl["restartPolicy"] == "RecreateGroupOnPodRestart", role
         pod = tmpl["workerTemplate"]["spec"]
         c = container({"spec": {"template": tmpl["workerTemplate"]}})
-        assert c["image"] == "pdserve:cuda", role
+        assert c["image"] == "pdserve:0.1.0-cuda", role
         probe = c["startupProbe"]
         assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60, role
         volumes = {v["name"]: v for v in pod["volumes"]}
@@ -111,3 +114,16 @@ def test_keda_scales_the_leaderworkersets():
             "kind": "LeaderWorkerSet",
             "name": role,
         }
+
+
+@needs_kubectl
+def test_the_router_reads_the_model_volume_and_cannot_write_it():
+    router = of_kind(lws(), "Deployment")["router"]
+    pod = router["spec"]["template"]["spec"]
+    c = container(router)
+    [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == "/models"]
+    assert mount["readOnly"] is True
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["PDSERVE_CACHE"].startswith("/tmp/")  # what it prepares goes to its scratch

@@ -54,6 +54,7 @@ def test_snapshot_then_events_then_removal(bg):
 def test_tiers_arrive_with_events_and_snapshots(bg):
     async def main():
         w = await FakeWorker("decode", "", "", "d1").start(register=False)
+        w.set_capacity(kv_offload_total_blocks=100)
         w.store(H[:6])
         w.demote(H[4:6])  # before the router subscribed: the snapshot's tiers say so
         index, channels, subs = await _subscribed(w)
@@ -109,3 +110,31 @@ def test_worker_restart_resubscribes(bg):
         await w2.stop()
 
     bg.run(main(), timeout=30)
+
+
+def test_a_worker_gets_no_more_of_the_index_than_its_registered_capacity(bg):
+    """A worker (or whoever registered as one) that sends stores without end cannot grow the
+    index beyond the blocks it registered: the excess is dropped and counted."""
+
+    async def main():
+        w = await FakeWorker("decode", "", "", "d1").start(register=False)
+        w.set_capacity(total_blocks=4, free_blocks=4, kv_offload_total_blocks=2)
+        many = compute_block_hashes(list(range(16 * 50)), 16)  # 50 blocks
+        w.store(many[:6])  # the snapshot holds 6: 4 are indexed
+        index, channels, subs = await _subscribed(w)
+        assert index.num_blocks("d1") == 4 and index.dropped["d1"] == 2
+        w.store(many[6:])
+        await wait_for(lambda: index.dropped["d1"] == 46)
+        assert index.num_blocks("d1") == 4 and len(index) == 4
+        w.demote(many[:3])  # the tier holds 2: the third leaves the index
+        await wait_for(lambda: index.dropped["d1"] == 47)
+        assert sorted(index.blocks_of("d1").values()) == [0, 1, 1]
+        w.evict([many[3], many[10]])  # room again in the pool
+        w.store(many[10:11])
+        await wait_for(lambda: many[10] in index.blocks_of("d1"))
+        assert index.blocks_of("d1") == {many[0]: 1, many[1]: 1, many[10]: 0}
+        subs.on_removed(w.info())
+        assert len(index) == 0 and "d1" not in index.dropped
+        await _close(subs, channels, w)
+
+    bg.run(main())

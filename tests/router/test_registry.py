@@ -2,6 +2,7 @@
 capacity ages out, draining workers stay listed but get no work, a restart rebuilds."""
 
 import asyncio
+import json
 
 from router_fakes import FakeWorker
 from router_harness import wait_for
@@ -156,3 +157,59 @@ def test_the_old_key_deleted_in_either_order_never_removes_the_new_role():
         assert registry.get("w").info.grpc_address == "a:2" and removed == ["w", "w"]
 
     asyncio.run(main())
+
+
+def test_a_worker_first_seen_draining_gets_no_channel_until_it_is_ready():
+    """The added-listeners open the KV subscription (a channel carrying the cluster token):
+    a registration marked draining from its first sight gets none, this router placed nothing
+    on it; one seen ready first keeps its subscription while it drains."""
+
+    async def main():
+        registry = WorkerRegistry()
+        added, removed = [], []
+        registry.add_listener(
+            lambda i: added.append(i.worker_id), lambda i: removed.append(i.worker_id)
+        )
+
+        def info(wid, draining):
+            return WorkerInfo(wid, "decode", f"{wid}:1", "m", "c", 16, draining=draining)
+
+        registry.put(info("d", draining=True))
+        assert registry.get("d") is not None and registry.state_of(registry.get("d")) == "draining"
+        assert added == [] and registry.ready("decode") == []
+        registry.delete("d")
+        assert removed == []  # nothing was opened, nothing to close
+        registry.put(info("e", draining=True))
+        registry.put(info("e", draining=False))  # ready now: subscribed once
+        registry.put(info("e", draining=True))
+        registry.put(info("e", draining=True))
+        assert added == ["e"]
+        registry.delete("e")
+        assert removed == ["e"]
+
+    asyncio.run(main())
+
+
+def test_a_forged_registration_is_not_listed_and_an_accepted_one_that_turns_bad_leaves(
+    etcd, bg, cluster_name
+):
+    async def main():
+        from cluster.registration import make_client, worker_key
+
+        registry, task = _watch(etcd, cluster_name)
+        good = WorkerInfo("d1", "decode", "127.0.0.1:5", "m", "c", 16)
+        async with make_client(etcd.endpoint) as client:
+            forged = json.loads(good.to_json())
+            forged["capacity"] = {"total_blocks": -1}
+            await client.put(worker_key(cluster_name, "decode", "x1"), json.dumps(forged).encode())
+            # a document naming another worker than its key
+            await client.put(worker_key(cluster_name, "decode", "x2"), good.to_json())
+            await client.put(worker_key(cluster_name, "decode", "d1"), good.to_json())
+            await wait_for(lambda: registry.get("d1") is not None)
+            assert [w.info.worker_id for w in registry.all()] == ["d1"]
+            await client.put(worker_key(cluster_name, "decode", "d1"), json.dumps(forged).encode())
+            await wait_for(lambda: registry.get("d1") is None)
+            assert registry.all() == []
+        task.cancel()
+
+    bg.run(main(), timeout=30)
