@@ -154,8 +154,6 @@ class WorkerInfo:
         if doc.get("transfer_selftest") is not None:
             doc["transfer_selftest"] = TransferSelftest.from_dict(doc["transfer_selftest"])
         doc["resident_loras"] = tuple(doc.get("resident_loras", ()))
-        # `transfer_selftest` is checked above; it is kept where this WorkerInfo has a field
-        # for it (the transfer self-test), else it is informational and dropped.
         return cls(**{k: v for k, v in doc.items() if k in _FIELDS})
 
 
