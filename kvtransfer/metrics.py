@@ -50,6 +50,8 @@ DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384, 65536
 BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 33, 2))
 
 _PREFIX = "pdserve_kv_transfer_"
+NIXL_LABELS = ("model_name", "engine", "role")
+"""The vllm:nixl_* histograms' labels, as vLLM's engine metrics (worker_runtime/metrics.py)."""
 _LABELS = ("direction", "peer")
 
 
@@ -103,6 +105,8 @@ class TransferMetrics:
 
     def __init__(self, direction: str) -> None:
         self.direction = direction
+        self.vllm_labels: tuple[str, str, str] = ("", "0", "")
+        """(model_name, engine, role) of the vllm:nixl_* samples (`label_vllm`)."""
         """'send' or 'receive'."""
         self.registry = CollectorRegistry()
 
@@ -137,24 +141,28 @@ class TransferMetrics:
                 "descriptors": PromHistogram(
                     "vllm:nixl_num_descriptors",
                     "Histogram of number of descriptors per NIXL KV Cache transfers.",
+                    NIXL_LABELS,
                     registry=self.registry,
                     buckets=DESCRIPTOR_BUCKETS,
                 ),
                 "bytes": PromHistogram(
                     "vllm:nixl_bytes_transferred",
                     "Histogram of bytes transferred per NIXL KV Cache transfers.",
+                    NIXL_LABELS,
                     registry=self.registry,
                     buckets=BYTES_BUCKETS,
                 ),
                 "post_s": PromHistogram(
                     "vllm:nixl_post_time_seconds",
                     "Histogram of transfer post time for NIXL KV Cache transfers.",
+                    NIXL_LABELS,
                     registry=self.registry,
                     buckets=LATENCY_BUCKETS_S,
                 ),
                 "xfer_s": PromHistogram(
                     "vllm:nixl_xfer_time_seconds",
                     "Histogram of transfer duration for NIXL KV Cache transfers.",
+                    NIXL_LABELS,
                     registry=self.registry,
                     buckets=LATENCY_BUCKETS_S,
                 ),
@@ -169,6 +177,10 @@ class TransferMetrics:
             "direction",
         ).labels(direction)
 
+    def label_vllm(self, model_name: str, role: str) -> None:
+        """The worker's model and role, for the vllm:nixl_* samples from now on."""
+        self.vllm_labels = (model_name, "0", role)
+
     # -- recording (under the owning backend's lock) -----------------------------------
     def record_batch(self, peer: str, blocks: int, nbytes: int, latency_s: float | None) -> None:
         self._counters["batches"].labels(self.direction, peer).inc()
@@ -177,15 +189,15 @@ class TransferMetrics:
         if latency_s is not None:
             self._histograms["batch_latency_s"].labels(self.direction, peer).observe(latency_s)
             if self._nixl:
-                self._nixl["xfer_s"].observe(latency_s)
+                self._nixl["xfer_s"].labels(*self.vllm_labels).observe(latency_s)
 
     def record_post(self, descriptors: int, nbytes: int, post_s: float) -> None:
         """A NIXL transfer posted by the sender: its descriptors (coalesced regions), bytes
         and the seconds building and posting it took."""
         if self._nixl:
-            self._nixl["descriptors"].observe(descriptors)
-            self._nixl["bytes"].observe(nbytes)
-            self._nixl["post_s"].observe(post_s)
+            self._nixl["descriptors"].labels(*self.vllm_labels).observe(descriptors)
+            self._nixl["bytes"].labels(*self.vllm_labels).observe(nbytes)
+            self._nixl["post_s"].labels(*self.vllm_labels).observe(post_s)
 
     def record_completed(self, peer: str, latency_s: float) -> None:
         self._counters["requests_completed"].labels(self.direction, peer).inc()
@@ -205,8 +217,13 @@ class TransferMetrics:
         if not self._nixl:
             return TransferSizes()
 
-        def total(name: str, suffix: str) -> float:
-            return self.registry.get_sample_value(name + suffix) or 0.0
+        def total(name: str, suffix: str) -> float:  # over every label set (role changes)
+            return sum(
+                s.value
+                for family in self.registry.collect()
+                for s in family.samples
+                if s.name == name + suffix
+            )
 
         return TransferSizes(
             int(total("vllm:nixl_num_descriptors", "_count")),

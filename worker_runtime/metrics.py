@@ -190,6 +190,7 @@ class WorkerMetrics:
         # live in each side's own registry (kvtransfer.metrics); exported here as they are.
         self.registry.register(kv_backend.sender.metrics.registry)
         self.registry.register(kv_backend.receiver.metrics.registry)
+        kv_backend.sender.metrics.label_vllm(model_name, role)
         labels = ["role"]
         vllm = [model_name, "0", role]
         self.ttft = _Both(
@@ -297,6 +298,7 @@ class WorkerMetrics:
         """The worker switched from `previous` to `role`."""
         self.role = role
         self.role_switches.labels(previous, role).inc()
+        self.kv.sender.metrics.label_vllm(self.model_name, role)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -67,6 +67,7 @@ def test_a_head_slice_stays_one_piece_per_block_row():
 
 def test_a_sender_exports_vllms_nixl_histograms_and_a_receiver_none():
     send, receive = TransferMetrics("send"), TransferMetrics("receive")
+    send.label_vllm("m", "prefill")  # as the worker's metrics do: vLLM's labels
     send.record_post(3, 4096, 0.0002)
     send.record_post(1, 1024, 0.0001)
     send.record_batch("peer", 4, 5120, 0.002)
@@ -80,11 +81,13 @@ def test_a_sender_exports_vllms_nixl_histograms_and_a_receiver_none():
         "vllm:nixl_post_time_seconds": 2,
         "vllm:nixl_xfer_time_seconds": 1,  # per completed batch
     }
+    labels = {"model_name": "m", "engine": "0", "role": "prefill"}
     for name, count in counts.items():
         assert f"# TYPE {name} histogram" in text
-        assert registry.get_sample_value(f"{name}_count") == count, name
-    assert registry.get_sample_value("vllm:nixl_num_descriptors_sum") == 4
-    assert registry.get_sample_value("vllm:nixl_num_descriptors_bucket", {"le": "1.0"}) == 1
+        assert registry.get_sample_value(f"{name}_count", labels) == count, name
+    assert registry.get_sample_value("vllm:nixl_num_descriptors_sum", labels) == 4
+    bucket = {**labels, "le": "1.0"}
+    assert registry.get_sample_value("vllm:nixl_num_descriptors_bucket", bucket) == 1
     assert send.transfers.transfers == 2
     assert (send.transfers.descriptors, send.transfers.bytes) == (4, 5120)
     assert receive.transfers.transfers == 0

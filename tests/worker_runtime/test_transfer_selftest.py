@@ -53,7 +53,7 @@ def runtime(engine):
     fabric = FakeFabric()
     kv = FakeTransferBackend(fabric, KVTransferConfig(agent_name="w"))
     rt = WorkerRuntime(
-        WorkerConfig(role="decode", etcd="unused:0"),
+        WorkerConfig(role="decode", etcd="unused:0", worker_id="decode-selftest-1"),
         engine,
         kv,
         lambda info: mock.AsyncMock(),
@@ -94,6 +94,7 @@ def test_the_result_is_logged_exported_and_published(runtime, caplog):
         "ratio": result.ratio,
         "path": result.path,
     }
+    runtime.grpc_address = runtime.metrics_address = "127.0.0.1:1"  # as once serving
     info = WorkerInfo.from_json(runtime.info().to_json())
     assert info.transfer_selftest == TransferSelftest(
         result.gbps, result.memcpy_gbps, result.ratio, result.path
