@@ -18,7 +18,12 @@ from typing import Any, Callable
 
 from cluster.etcd_client import make_client
 from cluster.etcd_security import EtcdCredentials
-from cluster.registration_check import MAX_DOCUMENT_BYTES, InvalidRegistration, check_registration
+from cluster.registration_check import (
+    MAX_DOCUMENT_BYTES,
+    SELFTEST_PATH_CHARS,
+    InvalidRegistration,
+    check_registration,
+)
 from cluster.retry import Backoff, reconnect_forever
 from cluster.roles import ROLES
 
@@ -88,6 +93,16 @@ class TransferSelftest:
     ratio: float
     """gbps / memcpy_gbps: well below 1 means a slow or fallback path (docs/kvtransfer.md)."""
     path: str
+
+    @classmethod
+    def published(
+        cls, gbps: float, memcpy_gbps: float, ratio: float, path: str
+    ) -> "TransferSelftest":
+        """What a worker publishes: `path` as one printable line of at most
+        SELFTEST_PATH_CHARS (a failure's reason may be a long, multi-line message), so the
+        registration passes every reader's check (cluster/registration_check.py)."""
+        line = "".join(c if c.isprintable() else " " for c in path)
+        return cls(gbps, memcpy_gbps, ratio, line[:SELFTEST_PATH_CHARS])
 
     @classmethod
     def from_dict(cls, doc: dict) -> "TransferSelftest":

@@ -48,6 +48,7 @@ MAX_COUNT = 1 << 53
 MAX_MEASURE = 1e12
 MAX_LORAS = 1024
 MAX_UNKNOWN_CAPACITY = 32
+SELFTEST_PATH_CHARS = 512  # the transfer self-test's path in words (or why it failed)
 
 _PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 _NAME = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")
@@ -194,7 +195,7 @@ def _selftest(test: Any) -> None:
         )
     for name in _SELFTEST_MEASURES:
         _measure(test.get(name), f"transfer_selftest.{name}")
-    _text(test.get("path"), "transfer_selftest.path", 64)
+    _text(test.get("path"), "transfer_selftest.path", SELFTEST_PATH_CHARS)
 
 
 def _count(value: Any, what: str) -> None:

@@ -107,7 +107,9 @@ def transfer_selftest(rt: WorkerRuntime, make_peer: PeerFactory) -> SelftestResu
         )
     else:
         log.info("%s", result.line())
-    published = TransferSelftest(result.gbps, result.memcpy_gbps, result.ratio, result.path)
+    published = TransferSelftest.published(
+        result.gbps, result.memcpy_gbps, result.ratio, result.path
+    )
     rt.transfer_selftest = published
     rt.metrics.set_transfer_selftest(published)
     return result

@@ -58,13 +58,33 @@ def test_the_transfer_self_test_result_is_accepted_in_its_shape():
     for bad in (
         {**selftest, "gbps": -1},
         {**selftest, "ratio": "fast"},
-        {**selftest, "path": "x" * 65},
+        {**selftest, "path": "x" * 513},
+        {**selftest, "path": "failed: a\nb"},
         {**selftest, "extra": 1},
         {"gbps": 1.0},
         [1, 2],
     ):
         with pytest.raises(InvalidRegistration, match="transfer_selftest"):
             _parse({**_doc(), "transfer_selftest": bad})
+
+
+def test_what_a_worker_publishes_of_its_self_test_passes_every_readers_check():
+    """The paths the self-test really reports (UCX's transports and settings in words, ~80
+    characters; a failure's multi-line reason) once made every worker's registration invalid
+    to every reader: no peers, no disaggregation. Published, they always fit."""
+    from dataclasses import asdict
+
+    from cluster.registration import TransferSelftest
+    from kvtransfer.selftest import describe_path
+
+    real = describe_path("nixl", "DRAM", transports=["cma/memory", "tcp/lo"])
+    failed = "failed: UCX said\n" + "x" * 2000
+    for path in (real, failed):
+        published = TransferSelftest.published(9.5, 16.0, 0.59, path)
+        info = _parse({**_doc(), "transfer_selftest": asdict(published)})
+        assert info.transfer_selftest == published
+    assert TransferSelftest.published(1, 2, 0.5, real).path == real
+    assert len(real) > 64
 
 
 def _set(path: str, value):
