@@ -86,12 +86,14 @@ class _Sent:
     token_ids: list[int] = field(default_factory=list)
     num_text_chars: int = 0
     started: bool = False  # any update yielded: no more retries, only migrations
+    cached_tokens: int = 0  # the latest value reported
 
     def add(self, delta: Delta) -> None:
         self.started = True
         if delta.index == 0:
             self.token_ids += delta.token_ids
             self.num_text_chars += len(delta.text)
+            self.cached_tokens = delta.cached_tokens
 
     def resume(self) -> Resume:
         return Resume(tuple(self.token_ids), self.num_text_chars)
@@ -255,6 +257,10 @@ class Dispatcher:
                     if placement.prefill is not None:
                         exclude.add(placement.prefill.info.worker_id)
                     continue
+                if _only_the_end_was_lost(sampling, sent):
+                    log.warning("ending at max_tokens after the worker failed: %s", exc)
+                    yield Delta(0, [], "", [], "length", sent.cached_tokens)
+                    return
                 refused = (
                     "n"
                     if sampling.n > 1
@@ -358,3 +364,16 @@ class Dispatcher:
                 # A no-op when the call already ended; aborts it on the worker otherwise.
                 call.cancel()
             self.channels.release(address)
+
+
+def _only_the_end_was_lost(sampling: SamplingParams, sent: _Sent) -> bool:
+    """Every token of the (one) completion came and only its end was lost (the worker died or
+    stalled between its last token and its finish): there is nothing left to migrate — a
+    worker refuses a resumed request with no token to go — so the router ends it, `length`.
+    Not with stop strings: a worker holds back text that may start one, which only it has."""
+    return (
+        sampling.n == 1
+        and sampling.max_tokens is not None
+        and len(sent.token_ids) >= sampling.max_tokens
+        and not sampling.stop
+    )

@@ -43,6 +43,9 @@ class Behavior:
     """Generate calls fail with INTERNAL after this many tokens."""
     stall_after_tokens: int | None = None
     """Generate calls stop streaming (but stay open) after this many tokens."""
+    fail_before_finish: bool = False
+    """A completion's last token goes out without its finish_reason, then the call fails
+    (a worker that dies between its last token and its end)."""
     token_delay_s: float = 0.0
     default_max_tokens: int = 32
     script: list[tuple[int, str]] | None = None
@@ -294,6 +297,10 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
                     prompt_lps = []  # first response only
                     if stop is not None:
                         msg.stop_str = stop[1]
+                    if finish and b.fail_before_finish:
+                        msg.finish_reason = ""
+                        yield msg
+                        await context.abort(grpc.StatusCode.INTERNAL, "injected failure at the end")
                     yield msg
                 if all(t is None for t in texts):
                     break

@@ -54,7 +54,7 @@ def _connect(cluster) -> socket.socket:
 def _head(path: str, **headers: str) -> bytes:
     lines = [
         f"POST {path} HTTP/1.1",
-        "Host: router",
+        "Host: localhost",
         "Content-Type: application/json",
         *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items()),
     ]
@@ -153,7 +153,7 @@ def test_connections_dribbling_their_headers_are_closed(cluster):
     socks = [_connect(cluster) for _ in range(8)]
     try:
         for sock in socks:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: router\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
         assert httpx.get(cluster.router.url + "/health", timeout=5).status_code == 200
         closed = _dribble(socks, seconds=6.0)
         assert None not in closed, closed  # all closed well before the dribble's end
@@ -164,7 +164,7 @@ def test_connections_dribbling_their_headers_are_closed(cluster):
 
 def test_a_keep_alive_connection_gets_the_same_header_timeout(cluster):
     with _connect(cluster) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         status, _, _ = _response(sock)
         assert status == 200
         sock.sendall(b"GET /health HTTP/1.1\r\n")  # the next head starts, then dribbles
