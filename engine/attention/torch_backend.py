@@ -73,7 +73,8 @@ def gather_kv(
     pages = _bytes(_pages(kv_cache))
     heads = torch.arange(num_heads, device=block_tables.device)
     # [..., H, nb]: page of (block, head)'s layer K.
-    k_pages = ((block_tables.long().unsqueeze(-2) * num_heads + heads[:, None]) * num_layers + layer) * 2
+    pages_of = block_tables.long().unsqueeze(-2) * num_heads + heads[:, None]
+    k_pages = (pages_of * num_layers + layer) * 2
     shape = (*block_tables.shape[:-1], num_heads, -1, pages.shape[-1])
     k = pages.index_select(0, k_pages.flatten()).view(shape).view(kv_cache.dtype)
     v = pages.index_select(0, (k_pages + 1).flatten()).view(shape).view(kv_cache.dtype)

@@ -124,12 +124,9 @@ def test_window_quantized_pool(name, kv_dtype, cap, device):
     keys, values = [], []
     for s, spec in enumerate(batch.logical.specs):
         blocks = batch.block_tables[s, : -(-spec.seq_len // block_size)].long()
-        keys.append(
-            dequantize_kv_reference(pool[blocks, :, batch.layer, 0].transpose(1, 2).flatten(0, 1)[: spec.seq_len])
-        )
-        values.append(
-            dequantize_kv_reference(pool[blocks, :, batch.layer, 1].transpose(1, 2).flatten(0, 1)[: spec.seq_len])
-        )
+        k, v = (pool[blocks, :, batch.layer, kv].transpose(1, 2).flatten(0, 1) for kv in (0, 1))
+        keys.append(dequantize_kv_reference(k[: spec.seq_len]))
+        values.append(dequantize_kv_reference(v[: spec.seq_len]))
     logical = type(batch.logical)(batch.logical.specs, batch.logical.query, keys, values)
     torch.testing.assert_close(out, _dense(logical, 20, cap), atol=1e-4, rtol=1e-4)
 

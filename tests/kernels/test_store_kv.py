@@ -75,7 +75,8 @@ def test_reference_places_tokens_and_skips_minus_one():
         written[block, offset] = True
     untouched = before.clone()
     # [N, H, L, 2, B, D] -> [N, B, 2, H, D] for layer 2: `written` picks (block, offset).
-    untouched[:, :, 2].permute(0, 3, 2, 1, 4)[written] = pool[:, :, 2].permute(0, 3, 2, 1, 4)[written]
+    order = (0, 3, 2, 1, 4)
+    untouched[:, :, 2].permute(order)[written] = pool[:, :, 2].permute(order)[written]
     assert torch.equal(pool, untouched), "slots -1 or other layers were modified"
     assert written.sum() == (slots >= 0).sum()
 
