@@ -50,7 +50,7 @@ def _pool(blocks: int, heads: int, seed: int) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((blocks, LAYERS, 2, BLOCK, heads, HEAD_DIM), generator=g)
+    return torch.randn((blocks, heads, LAYERS, 2, BLOCK, HEAD_DIM), generator=g)
 
 
 def _compat() -> Any:

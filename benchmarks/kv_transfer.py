@@ -55,10 +55,10 @@ def _pool(
     storage = kv_format.storage_dtype(kv_cache_dtype, getattr(torch, model_dtype))
     shape = (
         num_blocks,
+        MODEL_SHAPE["num_kv_heads"],
         MODEL_SHAPE["num_layers"],
         2,
         block_tokens,
-        MODEL_SHAPE["num_kv_heads"],
         kv_format.stored_head_dim(kv_cache_dtype, MODEL_SHAPE["head_dim"]),
     )
     pool = torch.empty(shape, dtype=storage, device=device)

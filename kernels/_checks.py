@@ -14,18 +14,19 @@ def check(condition: bool, message: str) -> None:
 
 
 def check_kv_cache(kv_cache: torch.Tensor, layer: int) -> None:
-    """kv_cache must be the pool: [num_blocks, num_layers, 2, block_size, num_kv_heads, D_stored],
-    contiguous (one block = one contiguous region), in one of the formats of kernels/kv_quant.py."""
+    """kv_cache must be the pool: [num_blocks, num_kv_heads, num_layers, 2, block_size, D_stored],
+    contiguous (one block = one contiguous region, one head of a block too), in one of the
+    formats of kernels/kv_quant.py."""
     check(
-        kv_cache.dim() == 6 and kv_cache.shape[2] == 2,
-        "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, D_stored], "
+        kv_cache.dim() == 6 and kv_cache.shape[3] == 2,
+        "kv_cache must be [num_blocks, num_kv_heads, num_layers, 2, block_size, D_stored], "
         f"got {tuple(kv_cache.shape)}",
     )
     check(kv_cache.is_contiguous(), f"kv_cache must be contiguous, strides {kv_cache.stride()}")
     check(
         kv_cache.dtype in KV_POOL_DTYPES, f"kv_cache dtype {kv_cache.dtype} not in {KV_POOL_DTYPES}"
     )
-    check(0 <= layer < kv_cache.shape[1], f"layer {layer} out of range [0, {kv_cache.shape[1]})")
+    check(0 <= layer < kv_cache.shape[2], f"layer {layer} out of range [0, {kv_cache.shape[2]})")
 
 
 def check_token_slots(token_slots: torch.Tensor, num_tokens: int, device: torch.device) -> None:

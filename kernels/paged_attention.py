@@ -2,7 +2,7 @@
 
 Contract shared by `paged_attention` (Triton) and `paged_attention_reference` (torch):
 - query [T, num_q_heads, head_dim]: the step's queries, sequence after sequence.
-- kv_cache [num_blocks, num_layers, 2, block_size, num_kv_heads, D_stored]: the pool, which
+- kv_cache [num_blocks, num_kv_heads, num_layers, 2, block_size, D_stored]: the pool, which
   already holds every key/value of this step (`store_kv` runs first), in the model dtype
   (D_stored = head_dim) or quantized (fp8 e4m3/e5m2: D_stored = head_dim; int8: head_dim + 4;
   kernels/kv_quant.py). Quantized K/V are dequantized on the fly.
@@ -54,7 +54,7 @@ MAX_PARTITIONS = 64
 
 def _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens) -> None:
     check_kv_cache(kv_cache, layer)
-    _, _, _, _, num_kv_heads, d_stored = kv_cache.shape
+    _, num_kv_heads, _, _, _, d_stored = kv_cache.shape
     fmt, head_dim = kv_format(kv_cache), pool_head_dim(kv_cache)
     check(
         query.dim() == 3 and query.shape[2] == head_dim,
@@ -280,7 +280,7 @@ def paged_attention(
     _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
     _check_window(sliding_window, logits_soft_cap)
     num_tokens, num_q_heads, head_dim = query.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_kv_heads, _, _, block_size, _ = kv_cache.shape
     num_seqs = seq_lens.shape[0]
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
@@ -347,15 +347,15 @@ def paged_attention(
         num_q_heads,
         num_partitions,
         partition_size,
-        layer * kv_cache.stride(1),
+        layer * kv_cache.stride(2),
         query.stride(0),
         query.stride(1),
         out.stride(0),
         out.stride(1),
         kv_cache.stride(0),
-        kv_cache.stride(2),
         kv_cache.stride(3),
         kv_cache.stride(4),
+        kv_cache.stride(1),
         block_tables.stride(0),
         BLOCK_SIZE=block_size,
         QUERIES_PER_KV=num_q_heads // num_kv_heads,
@@ -400,7 +400,7 @@ def paged_attention_reference(
     _check_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens)
     _check_window(sliding_window, logits_soft_cap)
     num_tokens, num_q_heads, head_dim = query.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_kv_heads, _, _, block_size, _ = kv_cache.shape
     group = num_q_heads // num_kv_heads
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -419,8 +419,10 @@ def paged_attention_reference(
         first_block = first // block_size  # keys from first_block * block_size on
         blocks = block_tables[s, first_block : triton.cdiv(seq_len, block_size)].long()
         num_keys = seq_len - first_block * block_size
-        k = dequantize_kv_reference(kv_cache[blocks, layer, 0].flatten(0, 1)[:num_keys])
-        v = dequantize_kv_reference(kv_cache[blocks, layer, 1].flatten(0, 1)[:num_keys])
+        # [blocks, H, B, D] -> [blocks * B, H, D]
+        k = kv_cache[blocks, :, layer, 0].transpose(1, 2).flatten(0, 1)[:num_keys]
+        v = kv_cache[blocks, :, layer, 1].transpose(1, 2).flatten(0, 1)[:num_keys]
+        k, v = dequantize_kv_reference(k), dequantize_kv_reference(v)
         k = k.repeat_interleave(group, dim=1)  # [num_keys, num_q_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale

@@ -1,7 +1,7 @@
 """Write one step's new K/V into the paged KV pool, quantizing when the pool is fp8 / int8.
 
-Pool layout (one contiguous tensor per worker, block-major):
-    kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, D_stored]   (index 0 = K, 1 = V)
+Pool layout (one contiguous tensor per worker, block-major, heads first inside a block):
+    kv_cache[num_blocks, num_kv_heads, num_layers, 2, block_size, D_stored]   (index 0 = K, 1 = V)
 D_stored is head_dim, or head_dim + 4 for an int8 pool (kernels/kv_quant.py has the formats).
 A slot id is `block_id * block_size + offset_in_block`; slot -1 means "do not store" (padding).
 """
@@ -83,7 +83,7 @@ def _store_kv_kernel(
 
 def _check_args(key, value, kv_cache, layer, slot_mapping) -> None:
     check_kv_cache(kv_cache, layer)
-    _, _, _, _, num_kv_heads, d_stored = kv_cache.shape
+    _, num_kv_heads, _, _, _, d_stored = kv_cache.shape
     fmt, head_dim = kv_format(kv_cache), pool_head_dim(kv_cache)
     for name, x in (("key", key), ("value", value)):
         check(
@@ -135,22 +135,22 @@ def store_kv(
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    _, _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_kv_heads, _, _, block_size, _ = kv_cache.shape
     head_dim = key.shape[2]
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
         kernel_view(kv_cache),
         slot_mapping,
-        layer * kv_cache.stride(1),
+        layer * kv_cache.stride(2),
         key.stride(0),
         key.stride(1),
         value.stride(0),
         value.stride(1),
         kv_cache.stride(0),
-        kv_cache.stride(2),
         kv_cache.stride(3),
         kv_cache.stride(4),
+        kv_cache.stride(1),
         BLOCK_SIZE=block_size,
         NUM_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -169,10 +169,11 @@ def store_kv_reference(
 ) -> None:
     """Plain-torch `store_kv` (same contract; the encoding is `quantize_kv_reference`)."""
     _check_args(key, value, kv_cache, layer, slot_mapping)
-    block_size = kv_cache.shape[3]
+    block_size = kv_cache.shape[4]
     slots = slot_mapping.long()
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, layer, 0, offsets] = quantize_kv_reference(key[keep], kv_cache.dtype)
-    kv_cache[blocks, layer, 1, offsets] = quantize_kv_reference(value[keep], kv_cache.dtype)
+    # Advanced indices split by the heads' slice: the result is [T, num_kv_heads, D_stored].
+    kv_cache[blocks, :, layer, 0, offsets] = quantize_kv_reference(key[keep], kv_cache.dtype)
+    kv_cache[blocks, :, layer, 1, offsets] = quantize_kv_reference(value[keep], kv_cache.dtype)

@@ -1,9 +1,10 @@
 """What two workers must agree on before one may write KV blocks into the other's pool.
 
 A block is copied byte for byte, so both pools must hold the same model's KV in the same
-storage format (element type and scale layout) and the same block-major layout:
+storage format (element type and scale layout) and the same block-major layout, heads first
+inside a block (so a range of heads of a block is one region, kvtransfer/heads.py):
 
-    kv_cache.shape == [num_blocks, num_layers, 2, block_size, num_kv_heads, stored_head_dim]
+    kv_cache.shape == [num_blocks, num_kv_heads, num_layers, 2, block_size, stored_head_dim]
 
 where `num_layers` is the layers one block holds: all of them, or one KV group's when the
 model mixes sliding and full attention (engine/kv/kv_groups.py: then a request has a table per
@@ -34,9 +35,12 @@ from typing import Any
 
 from kvtransfer.errors import IncompatiblePeerError, MetadataError, PoolError
 
-#: The only pool layout this version knows; part of the hash so that a future layout change
-#: refuses old peers instead of scrambling their KV.
-BLOCK_MAJOR_LAYOUT = "block-major:[num_blocks,num_layers,2,block_size,num_kv_heads,head_dim]"
+#: The only pool layout this version knows; part of the hash so that a layout change refuses
+#: peers of the other layout by name (`layout: ours=... theirs=...`) instead of scrambling
+#: their KV. The layout before heads came first inside a block was
+#: "block-major:[num_blocks,num_layers,2,block_size,num_kv_heads,head_dim]" (`OLD_LAYOUTS`).
+BLOCK_MAJOR_LAYOUT = "block-major-hnd:[num_blocks,num_kv_heads,num_layers,2,block_size,head_dim]"
+OLD_LAYOUTS = ("block-major:[num_blocks,num_layers,2,block_size,num_kv_heads,head_dim]",)
 
 _DTYPE_SIZES = {
     "float32": 4,
@@ -142,7 +146,7 @@ class KVCompat:
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one block: `kv_cache.shape[1:]`."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.stored_head_dim)
+        return (self.num_kv_heads, self.num_layers, 2, self.block_size, self.stored_head_dim)
 
     @property
     def element_size(self) -> int:
@@ -192,12 +196,12 @@ class KVCompat:
         """The descriptor of an existing pool tensor holding `kv_cache_dtype` KV (the engine's
         EngineConfig.kv_cache_dtype). PoolError if it is not 6-D or not of that format."""
         shape = tuple(kv_cache.shape)
-        if len(shape) != 6 or shape[2] != 2:
+        if len(shape) != 6 or shape[3] != 2:
             raise PoolError(
-                f"KV pool must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                f"KV pool must be [num_blocks, num_kv_heads, num_layers, 2, block_size, "
                 f"head_dim], got shape {list(shape)}"
             )
-        _, layers, _, block_size, heads, stored = shape
+        _, heads, layers, _, block_size, stored = shape
         kv = normalize_kv_cache_dtype(kv_cache_dtype)
         head_dim = stored - (_KV_FORMATS[kv][1] if kv in _KV_FORMATS else 0)
         try:
@@ -222,8 +226,13 @@ class KVCompat:
         """Raise PoolError unless `kv_cache` is a contiguous pool of exactly this layout —
         holding `num_heads` of the KV heads (one rank's of a tensor-parallel worker), or all."""
         shape = tuple(kv_cache.shape)
+        if self.layout != BLOCK_MAJOR_LAYOUT:
+            raise PoolError(
+                f"KV layout {self.layout!r} is not the one this version stores "
+                f"({BLOCK_MAJOR_LAYOUT!r})"
+            )
         block = list(self.block_shape)
-        block[3] = self.num_kv_heads if num_heads is None else num_heads
+        block[0] = self.num_kv_heads if num_heads is None else num_heads
         if len(shape) != 6 or list(shape[1:]) != block:
             raise PoolError(
                 f"KV pool shape {list(shape)} does not match [num_blocks, "

@@ -9,11 +9,13 @@ every head. Moving blocks from a group of Np ranks into a group of Nd ranks:
   source rank holding it (replicas on the source: one is read, chosen round-robin by
   destination rank; replicas on the destination: each is written). Consecutive heads from
   the same source rank form one `Slice`.
-* `slice_descs`: a block is `[num_layers, 2, block_size, heads, head_dim]` in each pool, so
-  the head dimension is not outermost: a slice of a block is `num_layers * 2 * block_size`
-  strided pieces of `num_heads * head_bytes` each — or the whole block, one region, when the
-  slice is both pools' every head (equal splits; N = 1 to N = 1). Pieces contiguous in both
-  pools are merged: a run of adjacent blocks of a whole slice is one region.
+* `slice_descs`: a block is `[heads, num_layers, 2, block_size, stored_head_dim]` in each
+  pool (engine/kv/kv_pool.py: heads first), so one head of a block is one contiguous region
+  of `num_layers * 2 * block_size * stored_head_dim * element_size` bytes and a slice of a
+  block — consecutive heads — is ONE region on each side: one descriptor per (block, slice),
+  whatever the two tensor-parallel sizes. When the slice is both pools' every head (equal
+  splits; N = 1 to N = 1) the region is the whole block, and a run of blocks adjacent in both
+  pools merges into one region.
 
 This module imports neither torch nor NIXL (the router and tests use it as is).
 """
@@ -60,23 +62,25 @@ class Slice:
 
 @dataclass(frozen=True, slots=True)
 class PoolGeometry:
-    """Where one rank's pool is, for descriptors: block b starts at `base + b * block_bytes`."""
+    """Where one rank's pool is, for descriptors: block b starts at `base + b * block_bytes`,
+    and head h of it (counted within this pool) `h * head_region_bytes` further."""
 
     base_addr: int
     num_heads: int
     device_id: int
     rows: int
-    """num_layers * 2 * block_size: the strided rows of a block."""
+    """num_layers * 2 * block_size: the rows of one head of a block (consecutive)."""
     head_bytes: int
     """Bytes of one head's values in one row (stored_head_dim * element size)."""
 
     @property
-    def row_bytes(self) -> int:
-        return self.num_heads * self.head_bytes
+    def head_region_bytes(self) -> int:
+        """One head of one block: its rows, one contiguous region."""
+        return self.rows * self.head_bytes
 
     @property
     def block_bytes(self) -> int:
-        return self.rows * self.row_bytes
+        return self.num_heads * self.head_region_bytes
 
 
 def check_ranges(ranges: Sequence[HeadRange], num_kv_heads: int) -> None:
@@ -129,8 +133,7 @@ def slice_descs(
     """NIXL descriptors (address, length, device) of slice `s` of blocks `local` (source pool)
     -> `remote` (destination pool), paired by index, coalesced (kvtransfer/coalesce.py): the
     pairs in source block order, then one region per run of blocks adjacent in both pools
-    for a whole slice, else one per (block, row) merged wherever rows are contiguous on both
-    sides."""
+    for a whole slice, else one region per block (the slice's heads of it)."""
     import numpy as np
 
     from kvtransfer.coalesce import by_source, coalesce
@@ -149,25 +152,26 @@ def slice_descs(
                 dst.device_id,
             ),
         )
-    rows = np.arange(src.rows, dtype=np.uint64)
-    length = s.num_heads * src.head_bytes
+    if src.head_region_bytes != dst.head_region_bytes:
+        raise ValueError(
+            f"a head of a block is {src.head_region_bytes} bytes in the source pool but "
+            f"{dst.head_region_bytes} in the destination's"
+        )
+    length = s.num_heads * src.head_region_bytes
     return coalesce(
-        _pieces(src, local, rows, s.src_head, length),
-        _pieces(dst, remote, rows, s.dst_head, length),
+        _pieces(src, local, s.src_head, length),
+        _pieces(dst, remote, s.dst_head, length),
     )
 
 
-def _pieces(
-    pool: PoolGeometry, blocks: np.ndarray, rows: np.ndarray, head: int, length: int
-) -> np.ndarray:
+def _pieces(pool: PoolGeometry, blocks: np.ndarray, head: int, length: int) -> np.ndarray:
+    """One region per block: `length` bytes from head `head` of it."""
     import numpy as np
 
-    addr = (
-        np.uint64(pool.base_addr + head * pool.head_bytes)
-        + blocks.astype(np.uint64)[:, None] * np.uint64(pool.block_bytes)
-        + rows[None, :] * np.uint64(pool.row_bytes)
-    )
-    return _descs(addr.ravel(), length, pool.device_id)
+    addr = np.uint64(pool.base_addr + head * pool.head_region_bytes) + blocks.astype(
+        np.uint64
+    ) * np.uint64(pool.block_bytes)
+    return _descs(addr, length, pool.device_id)
 
 
 def _descs(addr: np.ndarray, length: int, device_id: int) -> np.ndarray:

@@ -128,7 +128,7 @@ class NixlTransport(Transport):
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem_type)
         self._block_bytes = block_bytes
         blob = self._agent.get_agent_metadata()
-        ranges = [HeadRange(0, kv_cache.shape[4])] if self._group is None else self._group.ranges
+        ranges = [HeadRange(0, kv_cache.shape[1])] if self._group is None else self._group.ranges
         if self._slices is None:
             self._slices = SliceWriter(
                 self._agent, 0, ranges, pool_geometry(kv_cache), self._mem_type

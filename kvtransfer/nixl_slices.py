@@ -41,8 +41,8 @@ def rank_agent_name(agent_name: str, rank: int) -> str:
 
 
 def pool_geometry(kv_cache: Any) -> PoolGeometry:
-    """The geometry of a pool tensor [blocks, layers, 2, block_size, heads, head_dim]."""
-    _, layers, two, block_size, heads, dim = kv_cache.shape
+    """The geometry of a pool tensor [blocks, heads, layers, 2, block_size, head_dim]."""
+    _, heads, layers, two, block_size, dim = kv_cache.shape
     base = kv_cache.data_ptr()
     device = kv_cache.get_device() if kv_cache.is_cuda else 0
     return PoolGeometry(

@@ -189,7 +189,7 @@ class _Session:
         self.connected = False
         meta = backend.metadata()  # PoolError before register_pool: reported as failed
         self.num_blocks = max(1, min(meta.num_blocks, math.ceil(target_bytes / block_bytes(pool))))
-        self.compat = dataclasses.replace(meta.compat, num_kv_heads=int(pool.shape[4]))
+        self.compat = dataclasses.replace(meta.compat, num_kv_heads=int(pool.shape[1]))
         self.mem_type = meta.mem_type
         self.pool = pool
         self.name = f"{backend.agent_name}.selftest-{uuid.uuid4().hex[:8]}"

@@ -12,7 +12,7 @@ from engine.attention.metadata import AttentionMetadata
 class AttentionBackend(ABC):
     """Stores a step's new K/V into the paged pool, then attends over the pool.
 
-    Contract: `kv_cache` is `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`
+    Contract: `kv_cache` is `[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]`
     (index 0 = K, 1 = V; `num_layers`: the layers one block holds — a KV group's, and then
     `layer` is the slot in the group's blocks and `metadata` the group's, engine/kv/kv_groups.py).
     `forward` first writes `key`/`value` (`[T, num_kv_heads, head_dim]`)

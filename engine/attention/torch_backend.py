@@ -1,9 +1,9 @@
 """Attention in plain torch (CPU reference path; also runs on CUDA).
 
-The pool is addressed as pages: `kv_cache.view(-1, block_size, H, D)` where page
-`(block * num_layers + layer) * 2 + kv` is one layer's K (kv=0) or V (kv=1) of one block.
-`index_select`/`index_copy_` on that view are much cheaper than advanced indexing into the
-6-D pool."""
+The pool ([N, H, L, 2, B, D], engine/kv/kv_pool.py) is addressed as pages:
+`kv_cache.view(-1, block_size, D)` where page `((block * H + head) * L + layer) * 2 + kv` is one
+kv head's rows of one layer's K (kv=0) or V (kv=1) of one block. `index_select`/`index_copy_`
+on that view are much cheaper than advanced indexing into the 6-D pool."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pages(kv_cache: torch.Tensor) -> torch.Tensor:
-    return kv_cache.view(-1, *kv_cache.shape[3:])  # [N * L * 2, B, H, D]
+    return kv_cache.view(-1, *kv_cache.shape[4:])  # [N * H * L * 2, B, D]
 
 
 def store_kv_torch(
@@ -36,38 +36,46 @@ def store_kv_torch(
     """Writes key/value [T, Hkv, D] at `slot_mapping` (-1 = skip) of `layer`. With
     `metadata` (whose slot_mapping this is), the rows and the skip filter are worked out once
     per step and cached on it (every layer of a step stores at the same slots)."""
-    num_layers, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    num_heads, num_layers, block_size = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[4]
     plan = metadata.store_plan if metadata is not None else None
-    if plan is None or plan[0] != kv_cache.shape[1:4]:
+    if plan is None or plan[0] != kv_cache.shape[1:5]:
         valid = slot_mapping >= 0
         keep = None if bool(valid.all()) else valid.nonzero().squeeze(1)
         slots = slot_mapping if keep is None else slot_mapping[keep]
-        # Row of layer 0's K in the row view: ((block * L + 0) * 2 + 0) * B + offset.
-        base = (slots // block_size) * num_layers * 2 * block_size + slots % block_size
-        plan = (kv_cache.shape[1:4], base, keep)
+        # Row of (token, head)'s layer-0 K in the row view:
+        # (((block * H + head) * L + 0) * 2 + 0) * B + offset, [T, H] flattened.
+        heads = torch.arange(num_heads, device=slots.device)
+        page = (slots // block_size)[:, None] * num_heads + heads[None, :]
+        base = (page * num_layers * 2 * block_size + (slots % block_size)[:, None]).flatten()
+        plan = (kv_cache.shape[1:5], base, keep)
         if metadata is not None:
             metadata.store_plan = plan
     _, base, keep = plan
     if keep is not None:
         key, value = key[keep], value[keep]
-    rows = kv_cache.view(-1, *kv_cache.shape[4:])  # one row per (page, offset)
+    rows = kv_cache.view(-1, kv_cache.shape[-1])  # one row per (page, offset)
     k_rows = base + layer * 2 * block_size
     # Byte views: index_copy_ has no fp8 kernel on CPU (and bytes are what moves anyway).
     raw = _bytes(rows)
-    raw.index_copy_(0, k_rows, _bytes(quantize(key, kv_cache.dtype)))
-    raw.index_copy_(0, k_rows + block_size, _bytes(quantize(value, kv_cache.dtype)))
+    k = quantize(key, kv_cache.dtype).reshape(-1, kv_cache.shape[-1])
+    v = quantize(value, kv_cache.dtype).reshape(-1, kv_cache.shape[-1])
+    raw.index_copy_(0, k_rows, _bytes(k))
+    raw.index_copy_(0, k_rows + block_size, _bytes(v))
 
 
 def gather_kv(
     kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks in `block_tables` ([..., nb]) as [..., nb * B, H, D] each, in
-    `like`'s dtype and head size (dequantized when the pool is fp8 / int8,
-    engine/kv/kv_format.py)."""
-    num_layers = kv_cache.shape[1]
+    """K and V of the blocks in `block_tables` ([..., nb]) as [..., H, nb * B, D] each (heads
+    first, as SDPA takes them), in `like`'s dtype and head size (dequantized when the pool is
+    fp8 / int8, engine/kv/kv_format.py)."""
+    num_heads, num_layers = kv_cache.shape[1], kv_cache.shape[2]
     pages = _bytes(_pages(kv_cache))
-    k_pages = (block_tables.long() * num_layers + layer) * 2
-    shape = (*block_tables.shape[:-1], -1, *pages.shape[-2:])
+    heads = torch.arange(num_heads, device=block_tables.device)
+    # [..., H, nb]: page of (block, head)'s layer K.
+    pages_of = block_tables.long().unsqueeze(-2) * num_heads + heads[:, None]
+    k_pages = (pages_of * num_layers + layer) * 2
+    shape = (*block_tables.shape[:-1], num_heads, -1, pages.shape[-1])
     k = pages.index_select(0, k_pages.flatten()).view(shape).view(kv_cache.dtype)
     v = pages.index_select(0, (k_pages + 1).flatten()).view(shape).view(kv_cache.dtype)
     if kv_cache.dtype != like.dtype:
@@ -224,13 +232,13 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _prefill(query, kv_cache, layer, metadata: AttentionMetadata, s: int, scale, win, cap):
         """Sequence s's q_len queries (a whole prompt or a chunk after a cached context)."""
-        block_size = kv_cache.shape[3]
+        block_size = kv_cache.shape[4]
         q_len, seq_len = metadata.query_lens_cpu[s], metadata.seq_lens_cpu[s]
         first = _first_key(seq_len, q_len, win)
         first_block, num_blocks = first // block_size, -(-seq_len // block_size)
         k, v = gather_kv(kv_cache, layer, metadata.block_tables[s, first_block:num_blocks], query)
         lo, hi = first - first_block * block_size, seq_len - first_block * block_size
-        k, v = k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1)  # [Hkv, L, D], keys first..
+        k, v = k[:, lo:hi], v[:, lo:hi]  # [Hkv, L, D], keys first..
         q = query.transpose(0, 1)  # [Hq, q_len, D]
         if q_len == seq_len and win is None and cap is None:
             mask, causal = None, True
@@ -283,7 +291,7 @@ class TorchAttentionBackend(AttentionBackend):
         call, query heads grouped per kv head as in `_decode`."""
         q_lens = metadata.query_lens_cpu[first:end]
         ns, q_max = end - first, max(q_lens)
-        block_size = kv_cache.shape[3]
+        block_size = kv_cache.shape[4]
         seq_lens = metadata.seq_lens[first:end]
         q_len_t = torch.tensor(q_lens, device=query.device)
         if win is None:
@@ -302,8 +310,8 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata.block_tables[first:end], first_key, seq_lens, num_blocks, block_size
             )
             key0 = key0[:, None, None]
-        k, v = gather_kv(kv_cache, layer, tables, query)
-        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        k, v = gather_kv(kv_cache, layer, tables, query)  # [ns, Hkv, L, D]
+        num_kv_heads, head_dim = k.shape[-3], k.shape[-1]
         group = query.shape[1] // num_kv_heads
         padded = query.new_zeros(ns, q_max, *query.shape[1:])
         row_of = torch.tensor(
@@ -324,14 +332,14 @@ class TorchAttentionBackend(AttentionBackend):
         if win is not None:
             mask &= keys > q_pos[:, :, None] - win
         mask = mask.repeat_interleave(group, dim=1)[:, None]  # [ns, 1, q_max * group, L]
-        o = _attend(grouped, k.transpose(1, 2), v.transpose(1, 2), mask, scale, cap)
+        o = _attend(grouped, k, v, mask, scale, cap)
         o = o.view(ns, num_kv_heads, q_max, group, head_dim).transpose(1, 2)
         return o.reshape(ns * q_max, *query.shape[1:])[row_of]
 
     @staticmethod
     def _decode(query, kv_cache, layer, metadata: AttentionMetadata, scale, win=None, cap=None):
         nd = query.shape[0]
-        block_size = kv_cache.shape[3]
+        block_size = kv_cache.shape[4]
         seq_lens = metadata.seq_lens[:nd]
         if win is None:
             num_blocks = -(-max(metadata.seq_lens_cpu[:nd]) // block_size)
@@ -356,7 +364,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = mask.view(nd, 1, 1, -1)
         # The query heads sharing a kv head ride in SDPA's query-length dimension: no GQA
         # expansion of K/V (measured 8x faster in bf16 on CPU than enable_gqa).
-        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        num_kv_heads, head_dim = k.shape[-3], k.shape[-1]  # k, v: [nd, Hkv, L, D]
         grouped = query.view(nd, num_kv_heads, -1, head_dim)  # [nd, Hkv, Hq/Hkv, D]
-        o = _attend(grouped, k.transpose(1, 2), v.transpose(1, 2), mask, scale, cap)
+        o = _attend(grouped, k, v, mask, scale, cap)
         return o.reshape(query.shape)

@@ -36,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
                 query.shape[0],
                 metadata.num_seqs,
                 query.shape[1],
-                kv_cache.shape[4],
+                kv_cache.shape[1],
                 kv_cache.shape[5],
                 metadata.max_query_len,
                 metadata.max_seq_len,

@@ -15,7 +15,7 @@ results to rounding, slower.
 
 `paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale, window, soft_cap)`:
 decode rows (one query token per sequence) attending over the pool in place. query
-[S, Hq, D] (unit last stride), kv_cache the engine's contiguous `[N, L, 2, B, Hkv, D]` pool
+[S, Hq, D] (unit last stride), kv_cache the engine's contiguous `[N, Hkv, L, 2, B, D]` pool
 in query's dtype, or quantized (engine/kv/kv_format.py: float8_e4m3fn / float8_e5m2 with the
 same D, int8 with D + 4: each row's float32 scale after its values; widened to fp32 as read,
 never dequantized into new tensors), block_tables int32 [S, >= blocks], seq_lens
@@ -227,7 +227,7 @@ def prefills_in_place(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and query.dtype == kv_cache.dtype == torch.bfloat16
         and query.stride(-1) == 1
         and query.shape[-1] % 32 == 0
-        and kv_cache.shape[3] % 16 == 0
+        and kv_cache.shape[4] % 16 == 0
         and kv_cache.shape[-1] == query.shape[-1]
         and load()
         and hasattr(torch.ops.pdserve_cpu, "paged_prefill")

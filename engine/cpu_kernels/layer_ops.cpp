@@ -226,14 +226,17 @@ void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_ca
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == key.scalar_type() &&
               value.scalar_type() == key.scalar_type(),
               "kv_cache: a contiguous 6-D pool in key's dtype");
-  TORCH_CHECK(kv_cache.size(4) == key.size(1) && kv_cache.size(5) == key.size(2),
+  TORCH_CHECK(kv_cache.size(1) == key.size(1) && kv_cache.size(5) == key.size(2),
               "kv_cache: key's kv_heads and head_dim");
-  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(2), "layer out of range");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous() &&
               slot_mapping.scalar_type() == at::kLong, "slot_mapping: int64 [T], contiguous");
-  const int64_t T_ = key.size(0), N = kv_cache.size(0), L = kv_cache.size(1), B = kv_cache.size(3);
-  const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
-  const int64_t page_bytes = B * row_bytes;  // one layer's K (or V) of one block
+  // The pool is [N, Hkv, L, 2, B, D] (engine/kv/kv_pool.py): a token's heads land in Hkv pages.
+  const int64_t T_ = key.size(0), N = kv_cache.size(0), H = kv_cache.size(1), L = kv_cache.size(2);
+  const int64_t B = kv_cache.size(4);
+  const int64_t row_bytes = key.size(2) * key.element_size();  // one head of one token
+  const int64_t page_bytes = B * row_bytes;  // one head's rows of one layer's K (or V) of a block
+  const int64_t head_bytes = L * 2 * page_bytes, block_bytes = H * head_bytes;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t)
     TORCH_CHECK(slots[t] < N * B, "slot ", slots[t], " outside the pool of ", N, " blocks");
@@ -245,9 +248,11 @@ void store_kv_(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_ca
     for (int64_t t = b; t < e; ++t) {
       if (slots[t] < 0) continue;
       const int64_t block = slots[t] / B, offset = slots[t] % B;
-      char* k_page = pool + ((block * L + layer) * 2) * page_bytes;
-      std::memcpy(k_page + offset * row_bytes, kp + t * k_tok, row_bytes);
-      std::memcpy(k_page + page_bytes + offset * row_bytes, vp + t * v_tok, row_bytes);
+      char* k_row = pool + block * block_bytes + layer * 2 * page_bytes + offset * row_bytes;
+      for (int64_t h = 0; h < H; ++h, k_row += head_bytes) {
+        std::memcpy(k_row, kp + t * k_tok + h * row_bytes, row_bytes);
+        std::memcpy(k_row + page_bytes, vp + t * v_tok + h * row_bytes, row_bytes);
+      }
     }
   });
 }

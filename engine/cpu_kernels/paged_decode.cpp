@@ -153,7 +153,7 @@ inline void dots_of(const float* qf, const T* k, vec16 (&acc)[GB]) {
 // and the 4 * GB dot products are reduced across lanes together (sum4), not one by one.
 template <typename T, int V, int GB>
 inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t first, int64_t n,
-                     int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page, int64_t row,
+                     int64_t B, int64_t N, int64_t block, int64_t page, int64_t row,
                      int64_t h, int64_t DS, float scale, float cap, float* scores) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
@@ -163,9 +163,9 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
     if ((bi + kPrefetchBlocks) * B < n) {
       const int64_t ahead = table[bi + kPrefetchBlocks];
-      if (ahead >= 0 && ahead < N) prefetch_rows(kv + ((ahead * L + layer) * 2) * page + h * DS, B, row, DS);
+      if (ahead >= 0 && ahead < N) prefetch_rows(kv + ahead * block, B, row, DS);
     }
-    const T* k = kv + ((blk * L + layer) * 2) * page + h * DS + (pos - bi * B) * row;
+    const T* k = kv + blk * block + (pos - bi * B) * row;
     float* dst = scores + (pos - first);
     for (; pos + 4 <= stop; pos += 4, k += 4 * row, dst += 4) {
       vec16 acc[4][GB];
@@ -197,7 +197,7 @@ inline void key_pass(const float* qf, const T* kv, const int32_t* table, int64_t
 // row stay in registers. Block by block, as key_pass.
 template <typename T, int V, int GB>
 inline void value_pass(const float* probs, int64_t len, const float* inv, const T* kv, const int32_t* table,
-                       int64_t first, int64_t n, int64_t B, int64_t L, int64_t layer, int64_t page,
+                       int64_t first, int64_t n, int64_t B, int64_t block, int64_t page,
                        int64_t row, int64_t h, int64_t DS, float* out) {
   constexpr int64_t D = 16 * V;
   vec16 acc[GB][V];
@@ -205,9 +205,9 @@ inline void value_pass(const float* probs, int64_t len, const float* inv, const 
     for (int v = 0; v < V; ++v) acc[g][v] = zero16();
   for (int64_t pos = first; pos < n;) {
     const int64_t bi = pos / B, stop = std::min(n, (bi + 1) * B);
-    const T* vr = kv + ((table[bi] * L + layer) * 2 + 1) * page + h * DS + (pos - bi * B) * row;
+    const T* vr = kv + table[bi] * block + page + (pos - bi * B) * row;
     if (stop + (kPrefetchBlocks - 1) * B < n)
-      prefetch_rows(kv + ((table[bi + kPrefetchBlocks] * L + layer) * 2 + 1) * page + h * DS, B, row, DS);
+      prefetch_rows(kv + table[bi + kPrefetchBlocks] * block + page, B, row, DS);
     // The block's sums in registers (a block-local array GCC keeps there; the long-lived
     // `acc` it would store back to the stack on every row), added to `acc` once per block.
     vec16 part[GB][V];
@@ -236,18 +236,18 @@ inline void value_pass(const float* probs, int64_t len, const float* inv, const 
 // registers: the group's queries (fp32) and output accumulators stay in vector registers.
 template <typename T, int V>
 void item_vec16(const float* qf, int64_t G, const T* kv, const int32_t* table, int64_t first,
-                 int64_t n, int64_t B, int64_t N, int64_t L, int64_t layer, int64_t page,
+                 int64_t n, int64_t B, int64_t N, int64_t block, int64_t page,
                  int64_t row, int64_t h, int64_t DS, float scale, float cap, float* scores, float* out) {
   constexpr int64_t D = 16 * V;
   const int64_t len = n - first;
   int64_t g = 0;
   // Four heads per key pass under AVX2 too: its accumulators spill from the 16 ymm registers,
   // yet 1, 2 and 4 heads measured the same (fp32, batch 16: the pass waits on memory).
-  for (; g + 4 <= G; g += 4) key_pass<T, V, 4>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len);
+  for (; g + 4 <= G; g += 4) key_pass<T, V, 4>(qf + g * D, kv, table, first, n, B, N, block, page, row, h, DS, scale, cap, scores + g * len);
   switch (G - g) {
-    case 1: key_pass<T, V, 1>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
-    case 2: key_pass<T, V, 2>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
-    case 3: key_pass<T, V, 3>(qf + g * D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale, cap, scores + g * len); break;
+    case 1: key_pass<T, V, 1>(qf + g * D, kv, table, first, n, B, N, block, page, row, h, DS, scale, cap, scores + g * len); break;
+    case 2: key_pass<T, V, 2>(qf + g * D, kv, table, first, n, B, N, block, page, row, h, DS, scale, cap, scores + g * len); break;
+    case 3: key_pass<T, V, 3>(qf + g * D, kv, table, first, n, B, N, block, page, row, h, DS, scale, cap, scores + g * len); break;
     default: break;
   }
   const std::vector<float> inv = softmax_numerators(scores, G, len);
@@ -255,11 +255,11 @@ void item_vec16(const float* qf, int64_t G, const T* kv, const int32_t* table, i
   // heads up to head_dim 64, 2 at 128; AVX2's 16 ymm hold 8 vec16: 2 heads at 32, else 1).
   constexpr int kHeads = std::clamp((kVecRegisters - V - 1) / V, 1, 4);
   g = 0;
-  for (; g + kHeads <= G; g += kHeads) value_pass<T, V, kHeads>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D);
+  for (; g + kHeads <= G; g += kHeads) value_pass<T, V, kHeads>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, block, page, row, h, DS, out + g * D);
   switch (G - g) {
-    case 1: value_pass<T, V, 1>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D); break;
-    case 2: value_pass<T, V, 2>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D); break;
-    case 3: value_pass<T, V, 3>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, L, layer, page, row, h, DS, out + g * D); break;
+    case 1: value_pass<T, V, 1>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, block, page, row, h, DS, out + g * D); break;
+    case 2: value_pass<T, V, 2>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, block, page, row, h, DS, out + g * D); break;
+    case 3: value_pass<T, V, 3>(scores + g * len, len, inv.data() + g, kv, table, first, n, B, block, page, row, h, DS, out + g * D); break;
     default: break;
   }
 }
@@ -268,7 +268,7 @@ void item_vec16(const float* qf, int64_t G, const T* kv, const int32_t* table, i
 // The same for any head_dim (and without AVX-512), in plain loops.
 template <typename T>
 void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int32_t* table,
-                  int64_t first, int64_t n, int64_t B, int64_t N, int64_t L, int64_t layer,
+                  int64_t first, int64_t n, int64_t B, int64_t N, int64_t block,
                   int64_t page, int64_t row, int64_t h, int64_t DS, float scale, float cap,
                   float* scores, float* out) {
   const int64_t len = n - first;
@@ -276,7 +276,7 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
     TORCH_CHECK(blk >= 0 && blk < N, "block id ", blk, " outside the pool of ", N);
-    const T* k = kv + ((blk * L + layer) * 2) * page + h * DS + (pos % B) * row;
+    const T* k = kv + blk * block + (pos % B) * row;
     for (; pos < stop; ++pos, k += row) {
       load_row(k, buf.data(), D);
       const float ks = row_scale(k, D) * scale;
@@ -289,7 +289,7 @@ void item_generic(const float* qf, int64_t G, int64_t D, const T* kv, const int3
   std::fill(out, out + G * D, 0.f);
   for (int64_t pos = first; pos < n;) {
     const int64_t blk = table[pos / B], stop = std::min(n, (pos / B + 1) * B);
-    const T* v = kv + ((blk * L + layer) * 2 + 1) * page + h * DS + (pos % B) * row;
+    const T* v = kv + blk * block + page + (pos % B) * row;
     for (; pos < stop; ++pos, v += row) {
       load_row(v, buf.data(), D);
       const float vs = row_scale(v, D);
@@ -309,12 +309,14 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale_d,
             int64_t window, double cap_d, at::Tensor& out) {
   const int64_t S = query.size(0), Hq = query.size(1), D = query.size(2);
-  const int64_t N = kv_cache.size(0), L = kv_cache.size(1), B = kv_cache.size(3), Hkv = kv_cache.size(4);
+  // The pool is [N, Hkv, L, 2, B, DS] (engine/kv/kv_pool.py): one head's rows of one layer's K
+  // (or V) of one block are one page of B consecutive rows.
+  const int64_t N = kv_cache.size(0), Hkv = kv_cache.size(1), L = kv_cache.size(2), B = kv_cache.size(4);
   const int64_t G = Hq / Hkv;
   const int64_t q_tok = query.stride(0), q_head = query.stride(1);
   const int64_t table_stride = block_tables.stride(0);
   const int64_t DS = kv_cache.size(5);  // stored head_dim: D, or D + 4 (int8's scale)
-  const int64_t row = Hkv * DS, page = B * row;  // one layer's K (or V) of one block
+  const int64_t row = DS, page = B * row, head = L * 2 * page, block = Hkv * head;
   const T* q = query.data_ptr<T>();
   const P* kv = reinterpret_cast<const P*>(kv_cache.data_ptr());
   T* o = out.data_ptr<T>();
@@ -343,20 +345,21 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, int64_t layer,
       for (int64_t g = 0; g < G; ++g) load_row(q + s * q_tok + (h * G + g) * q_head, &qf[g * D], D);
       scores.resize(G * (n - first));
       const int32_t* table = tables + s * table_stride;
+      const P* kvh = kv + h * head + layer * 2 * page;  // this head's layer K page in block 0
 #ifdef PDSERVE_VEC16
-#define PDSERVE_ITEM(V) item_vec16<P, V>(qf.data(), G, kv, table, first, n, B, N, L, layer, page, \
+#define PDSERVE_ITEM(V) item_vec16<P, V>(qf.data(), G, kvh, table, first, n, B, N, block, page, \
                                           row, h, DS, scale, cap, scores.data(), acc.data())
       switch (D) {
         case 32: PDSERVE_ITEM(2); break;
         case 64: PDSERVE_ITEM(4); break;
         case 128: PDSERVE_ITEM(8); break;
         default:
-          item_generic<P>(qf.data(), G, D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale,
+          item_generic<P>(qf.data(), G, D, kvh, table, first, n, B, N, block, page, row, h, DS, scale,
                           cap, scores.data(), acc.data());
       }
 #undef PDSERVE_ITEM
 #else
-      item_generic<P>(qf.data(), G, D, kv, table, first, n, B, N, L, layer, page, row, h, DS, scale,
+      item_generic<P>(qf.data(), G, D, kvh, table, first, n, B, N, block, page, row, h, DS, scale,
                       cap, scores.data(), acc.data());
 #endif
       for (int64_t g = 0; g < G; ++g) {
@@ -378,8 +381,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, int
               "kv_cache: the query's dtype, float8_e4m3fn, float8_e5m2 or int8");
   TORCH_CHECK(kv_cache.size(5) == query.size(2) + (int8_pool ? 4 : 0),
               "kv_cache: the query's head_dim (+ 4 scale bytes for int8)");
-  TORCH_CHECK(query.size(1) % kv_cache.size(4) == 0, "query heads: a multiple of kv heads");
-  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "layer out of range");
+  TORCH_CHECK(query.size(1) % kv_cache.size(1) == 0, "query heads: a multiple of kv heads");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(2), "layer out of range");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
               block_tables.stride(1) == 1 && block_tables.size(0) == query.size(0),
               "block_tables: int32 [S, max_blocks], unit last stride");

@@ -102,11 +102,11 @@ T* scratch(std::vector<T>& buffer, int64_t n) {
 // holds; their scores are never read. Values in blocks of 32 keys, each pair of rows
 // interleaved per 16-dim chunk; rows past the end are zero (P = 0 must not meet a NaN).
 void pack(const Sequence& s, const uint16_t* pool, int64_t h, int64_t D, int64_t B, int64_t L, int64_t layer,
-          int64_t page, int64_t row, const Packed& out) {
+          int64_t block, int64_t page, int64_t row, const Packed& out) {
   const int64_t n = s.seq_len, k_blocks = (n + 15) / 16;
   std::fill(out.v, out.v + packed_v_size(n, D), 0);
   auto row_at = [&](int64_t key, int64_t kv) {
-    return pool + ((s.table[key / B] * L + layer) * 2 + kv) * page + (key % B) * row + h * D;
+    return pool + s.table[key / B] * block + ((h * L + layer) * 2 + kv) * page + (key % B) * row;
   };
   const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(static_cast<int>(row * sizeof(uint16_t))));
@@ -291,7 +291,8 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, in
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16,
               "kv_cache: a contiguous bfloat16 6-D pool");
   const int64_t T_ = query.size(0), Hq = query.size(1), D = query.size(2);
-  const int64_t N = kv_cache.size(0), L = kv_cache.size(1), B = kv_cache.size(3), Hkv = kv_cache.size(4);
+  // The pool is [N, Hkv, L, 2, B, D] (engine/kv/kv_pool.py).
+  const int64_t N = kv_cache.size(0), Hkv = kv_cache.size(1), L = kv_cache.size(2), B = kv_cache.size(4);
   TORCH_CHECK(kv_cache.size(5) == D && D % 32 == 0, "kv_cache: the query's head_dim, a multiple of 32");
   TORCH_CHECK(B % 16 == 0, "kv_cache: a block size that is a multiple of 16");
   TORCH_CHECK(Hq % Hkv == 0, "query heads: a multiple of kv heads");
@@ -318,7 +319,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, in
   TORCH_CHECK(rows == T_, "query: as many rows as query_lens sum to");
   at::Tensor out = at::empty({T_, Hq, D}, query.options());
   const uint16_t* pool = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr());
-  const int64_t row = Hkv * D, page = B * row, G = Hq / Hkv;
+  const int64_t row = D, page = B * row, block = Hkv * L * 2 * page, G = Hq / Hkv;
 
   // Phase 1: each (sequence, kv head)'s packed K and V, in one buffer of the calling thread.
   std::vector<Packed> packed(S * Hkv);
@@ -333,7 +334,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, in
       packed[s * Hkv + h] = {k, k + packed_k_size(lens[s], D)};
     }
   at::parallel_for(0, S * Hkv, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) pack(seqs[i / Hkv], pool, i % Hkv, D, B, L, layer, page, row, packed[i]);
+    for (int64_t i = b; i < e; ++i) pack(seqs[i / Hkv], pool, i % Hkv, D, B, L, layer, block, page, row, packed[i]);
   });
 
   // Phase 2: items (sequence, query head, 16-token tile), the most keys first, taken as

@@ -5,7 +5,8 @@ attend alike (full attention, or the same sliding window) are cut into groups of
 layers, and every group has its own block table per request: a sliding group's table can then
 give back the blocks that slid out of its window while a full-attention group keeps the whole
 history. A model whose layers all attend alike is one group of all its layers — the pool is
-then `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]` as it always was.
+then `[num_blocks, kv_heads, num_layers, 2, block_size, head_dim]` (heads first inside a
+block, engine/kv/kv_pool.py).
 
 `group_size` is the smallest number of layers of one kind (Gemma 3 270M: 3 full-attention
 layers and 15 sliding ones -> one full group and five sliding groups of 3); a kind whose count

@@ -1,5 +1,10 @@
 """Sizing and allocating the KV pool: one tensor, block-major, so one block (all layers, K and
-V) is one contiguous region — one descriptor for a KV transfer."""
+V) is one contiguous region — one descriptor for a KV transfer.
+
+Inside a block the kv heads come first ("HND" at the block level): one kv head's rows of all
+the block's layers, K and V, are one contiguous region too, so a range of heads of a block —
+what a worker at another tensor-parallel size holds of it (kvtransfer/heads.py) — is one
+region, not one piece per (layer, K/V, token) row."""
 
 from __future__ import annotations
 
@@ -15,14 +20,15 @@ DEFAULT_CPU_KV_MEMORY = 2 * GiB
 def kv_block_shape(
     args: ModelArgs, block_size: int, kv_cache_dtype: str = "auto"
 ) -> tuple[int, ...]:
-    """One block: [layers of a KV group, K/V, tokens, kv heads, stored head dim] (all the
+    """One block: [kv heads, layers of a KV group, K/V, tokens, stored head dim] (all the
     layers when they attend alike, engine/kv/kv_groups.py; head_dim + 4 for int8: the per-token
-    scales live in the block, engine/kv/kv_format.py)."""
+    scales live in the block, engine/kv/kv_format.py). Heads first: a head of a block is one
+    contiguous region (the module docstring)."""
     return (
+        args.n_kv_heads,
         args.kv_groups().group_size,
         2,
         block_size,
-        args.n_kv_heads,
         kv_format.stored_head_dim(kv_cache_dtype, args.head_dim),
     )
 
@@ -72,8 +78,8 @@ def allocate_kv_pool(
     device: torch.device,
     kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
-    """[num_blocks, layers per block (engine/kv/kv_groups.py), 2, block_size, num_kv_heads,
-    head_dim], zero-filled. On CPU
+    """[num_blocks, num_kv_heads, layers per block (engine/kv/kv_groups.py), 2, block_size,
+    stored head_dim], zero-filled. On CPU
     the pool asks for transparent huge pages before its pages are first touched: KV
     transfers (NIXL/CMA pins the receiver's pages) run about twice as fast on them."""
     pool = torch.empty(

@@ -124,7 +124,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self._capture = capture
         device, most = kv_cache.device, self.sizes[-1]
-        width = -(-max_model_len // kv_cache.shape[3])  # blocks of the longest context
+        width = -(-max_model_len // kv_cache.shape[4])  # blocks of the longest context
         self.input_ids = torch.zeros(most, dtype=torch.int64, device=device)
         self.positions = torch.zeros(most, dtype=torch.int64, device=device)
         self.slots = [

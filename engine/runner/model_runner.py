@@ -76,7 +76,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.bm = block_manager
-        self.block_size = kv_cache.shape[3]
+        self.block_size = kv_cache.shape[4]
         self.device = kv_cache.device
         self.sampler = Sampler()
         self.pooler = Pooler()

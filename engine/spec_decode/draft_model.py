@@ -48,7 +48,7 @@ class DraftModelProposer:
         self.model, self.kv_cache, self.backend, self.bm = model, kv_cache, backend, block_manager
         self.sampler = sampler
         self.num_layers, self.owns_kv = num_layers, owns_kv
-        self.block_size = kv_cache.shape[3]
+        self.block_size = kv_cache.shape[4]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if self.owns_kv:

@@ -23,7 +23,7 @@ def _decode_batch(
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 3
-    pool = torch.randn(num_blocks, layers, 2, block_size, num_kv_heads, head_dim, generator=gen).to(
+    pool = torch.randn(num_blocks, num_kv_heads, layers, 2, block_size, head_dim, generator=gen).to(
         dtype
     )
     perm = torch.randperm(num_blocks, generator=gen).tolist()

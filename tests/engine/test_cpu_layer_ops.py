@@ -115,7 +115,7 @@ def test_store_kv_writes_the_bytes_the_torch_store_writes(dtype):
 
     gen = torch.Generator().manual_seed(3)
     num_blocks, layers, block, heads, dim = 5, 2, 4, 3, 16
-    pool = torch.randn(num_blocks, layers, 2, block, heads, dim, generator=gen).to(dtype)
+    pool = torch.randn(num_blocks, heads, layers, 2, block, dim, generator=gen).to(dtype)
     qkv = torch.randn(6, (9 + 2 * heads) * dim, generator=gen).to(dtype)
     _, k, v = qkv.split([9 * dim, heads * dim, heads * dim], dim=-1)
     k, v = k.view(6, heads, dim), v.view(6, heads, dim)

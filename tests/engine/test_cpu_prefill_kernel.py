@@ -28,7 +28,7 @@ def _case(seqs, Hq=9, Hkv=3, D=64, B=16, layers=2, spare=6, seed=0):
     gen = torch.Generator().manual_seed(seed)
     need = [math.ceil(n / B) for _, n in seqs]
     blocks = sum(need) + spare
-    pool = torch.randn(blocks, layers, 2, B, Hkv, D, generator=gen).bfloat16()
+    pool = torch.randn(blocks, Hkv, layers, 2, B, D, generator=gen).bfloat16()
     order = random.Random(seed).sample(range(blocks), blocks)
     tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
     for s, nb in enumerate(need):
@@ -42,14 +42,15 @@ def _case(seqs, Hq=9, Hkv=3, D=64, B=16, layers=2, spare=6, seed=0):
 
 
 def _keys(pool, table, n, layer, kv):
-    B, Hkv, D = pool.shape[3:]
-    return pool[table[: math.ceil(n / B)].long(), layer, kv].reshape(-1, Hkv, D)[:n]
+    Hkv, B, D = pool.shape[1], pool.shape[4], pool.shape[5]
+    blocks = pool[table[: math.ceil(n / B)].long(), :, layer, kv]  # [nb, Hkv, B, D]
+    return blocks.transpose(1, 2).reshape(-1, Hkv, D)[:n]
 
 
 def _reference(pool, tables, query, seqs, layer, scale):
     """fp32 causal attention of each sequence's rows over its keys."""
     out, start = [], 0
-    G = query.shape[1] // pool.shape[4]
+    G = query.shape[1] // pool.shape[1]
     for s, (q, n) in enumerate(seqs):
         k = _keys(pool, tables[s], n, layer, 0).float().repeat_interleave(G, 1)
         v = _keys(pool, tables[s], n, layer, 1).float().repeat_interleave(G, 1)
@@ -83,7 +84,7 @@ def _metadata(seqs, tables, B):
 
 def _torch_path(pool, tables, query, seqs, layer, scale):
     """The backend's gather + SDPA prefill of each sequence (cpu_kernels off)."""
-    B = pool.shape[3]
+    B = pool.shape[4]
     meta = _metadata(seqs, tables, B)
     out, start = [], 0
     for s, (q, _) in enumerate(seqs):
@@ -128,7 +129,7 @@ def test_rows_past_a_sequence_end_never_reach_the_output():
     seqs = [(37, 37), (5, 50)]
     pool, tables, query, seq_lens, query_lens = _case(seqs, spare=3)
     clean = cpu_kernels.paged_prefill(query, pool, 0, tables, seq_lens, query_lens, 0.125)
-    B = pool.shape[3]
+    B = pool.shape[4]
     used = torch.zeros(pool.shape[0], B, dtype=torch.bool)
     for s, (_, n) in enumerate(seqs):
         for p in range(n):
@@ -188,11 +189,11 @@ def test_backend_sends_prefills_to_the_kernel(monkeypatch):
     agree with the kernels-off path to bf16 attention's error."""
     seqs = [(1, 40), (1, 90), (4, 60), (50, 50), (30, 130), (17, 17)]
     pool, tables, query, _, _ = _case(seqs)
-    B = pool.shape[3]
+    B = pool.shape[4]
     meta = _metadata(seqs, tables, B)
     # This step's K/V rows: what the pool already holds at their slots (stored over themselves).
     slots = meta.slot_mapping.tolist()
-    key, value = (torch.stack([pool[s // B, 1, kv, s % B] for s in slots]) for kv in (0, 1))
+    key, value = (torch.stack([pool[s // B, :, 1, kv, s % B] for s in slots]) for kv in (0, 1))
     calls = []
     real = cpu_kernels.paged_prefill
     monkeypatch.setattr(

@@ -114,7 +114,7 @@ def record_launches() -> list:
 
     def pool(dtype, block_size=16, kv_heads=3, head_dim=64):
         d_stored = head_dim + 4 if dtype == torch.int8 else head_dim  # int8: + the scale bytes
-        return torch.zeros(8, 2, 2, block_size, kv_heads, d_stored, dtype=dtype)
+        return torch.zeros(8, kv_heads, 2, 2, block_size, d_stored, dtype=dtype)
 
     def attention(
         dtype,

@@ -141,7 +141,7 @@ def lay_out(
     kv_dtype = kv_dtype or logical.query.dtype
     d_stored = head_dim + 4 if kv_dtype == torch.int8 else head_dim
     kv_cache = torch.full(
-        (num_blocks, num_layers, 2, block_size, num_kv_heads, d_stored),
+        (num_blocks, num_kv_heads, num_layers, 2, block_size, d_stored),
         poison_value(kv_dtype) if poison else 0,
         dtype=kv_dtype,
         device=device,

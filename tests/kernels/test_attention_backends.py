@@ -47,7 +47,7 @@ def _batch(dtype=torch.float32, kv_dtype=None, block_size=16, device="cpu"):
 
 
 def _metadata(batch) -> AttentionMetadata:
-    lb, block_size = batch.logical, batch.kv_cache.shape[3]
+    lb, block_size = batch.logical, batch.kv_cache.shape[4]
     table = batch.block_tables
     slots = [
         table[s, p // block_size].long() * block_size + p % block_size
@@ -120,16 +120,13 @@ def test_window_quantized_pool(name, kv_dtype, cap, device):
     batch = _batch(kv_dtype=kv_dtype, device=device)
     out = _forward(name, batch, sliding_window=20, logits_soft_cap=cap)
     # Oracle: dense attention over what the pool gives back for each sequence's keys.
-    pool, block_size = batch.kv_cache, batch.kv_cache.shape[3]
+    pool, block_size = batch.kv_cache, batch.kv_cache.shape[4]
     keys, values = [], []
     for s, spec in enumerate(batch.logical.specs):
         blocks = batch.block_tables[s, : -(-spec.seq_len // block_size)].long()
-        keys.append(
-            dequantize_kv_reference(pool[blocks, batch.layer, 0].flatten(0, 1)[: spec.seq_len])
-        )
-        values.append(
-            dequantize_kv_reference(pool[blocks, batch.layer, 1].flatten(0, 1)[: spec.seq_len])
-        )
+        k, v = (pool[blocks, :, batch.layer, kv].transpose(1, 2).flatten(0, 1) for kv in (0, 1))
+        keys.append(dequantize_kv_reference(k[: spec.seq_len]))
+        values.append(dequantize_kv_reference(v[: spec.seq_len]))
     logical = type(batch.logical)(batch.logical.specs, batch.logical.query, keys, values)
     torch.testing.assert_close(out, _dense(logical, 20, cap), atol=1e-4, rtol=1e-4)
 
@@ -138,7 +135,7 @@ def _poison_stale_blocks(batch, window, stale_entry=None):
     """Point every table entry wholly before its sequence's window, and the padding, at a NaN
     block (or at stale_entry), and fill every block that no remaining entry names with NaN."""
     table, pool = batch.block_tables, batch.kv_cache
-    block_size = pool.shape[3]
+    block_size = pool.shape[4]
     keep = torch.zeros(table.shape, dtype=torch.bool, device=table.device)
     for s, spec in enumerate(batch.logical.specs):
         first = max(0, spec.seq_len - spec.q_len - window + 1)

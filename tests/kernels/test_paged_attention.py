@@ -77,7 +77,7 @@ def _plan(batch, **plan_kw):
         q.shape[0],
         len(lb.specs),
         q.shape[1],
-        batch.kv_cache.shape[4],
+        batch.kv_cache.shape[1],
         q.shape[2],
         lb.max_query_len,
         lb.max_seq_len,
@@ -487,7 +487,7 @@ def _poison_stale_blocks(batch, window):
     block) at a NaN block, and fill every block no entry still names with NaN: what the block
     manager may leave once it releases blocks outside every window."""
     lb, table, pool = batch.logical, batch.block_tables, batch.kv_cache
-    block_size = pool.shape[3]
+    block_size = pool.shape[4]
     keep = torch.zeros(table.shape, dtype=torch.bool)
     stale = 0
     for s, spec in enumerate(lb.specs):

@@ -21,7 +21,7 @@ def _pool(
     gen = torch.Generator().manual_seed(0)
     if d_stored is None:
         d_stored = HEAD_DIM + 4 if dtype == torch.int8 else HEAD_DIM
-    shape = (num_blocks, NUM_LAYERS, 2, block_size, NUM_KV_HEADS, d_stored)
+    shape = (num_blocks, NUM_KV_HEADS, NUM_LAYERS, 2, block_size, d_stored)
     if dtype in QUANTIZED:
         return (
             torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8).view(dtype).to(device)
@@ -70,11 +70,13 @@ def test_reference_places_tokens_and_skips_minus_one():
         if slot < 0:
             continue
         block, offset = divmod(slot, BLOCK_SIZE)
-        assert torch.equal(pool[block, 2, 0, offset], key[t])
-        assert torch.equal(pool[block, 2, 1, offset], value[t])
+        assert torch.equal(pool[block, :, 2, 0, offset], key[t])
+        assert torch.equal(pool[block, :, 2, 1, offset], value[t])
         written[block, offset] = True
     untouched = before.clone()
-    untouched[:, 2].transpose(1, 2)[written] = pool[:, 2].transpose(1, 2)[written]
+    # [N, H, L, 2, B, D] -> [N, B, 2, H, D] for layer 2: `written` picks (block, offset).
+    order = (0, 3, 2, 1, 4)
+    untouched[:, :, 2].permute(order)[written] = pool[:, :, 2].permute(order)[written]
     assert torch.equal(pool, untouched), "slots -1 or other layers were modified"
     assert written.sum() == (slots >= 0).sum()
 
@@ -174,7 +176,7 @@ def test_fp8_encoding_edge_cases(kv_dtype, device):
     assert torch.equal(_bytes(actual), _bytes(expected))
     # The reference is torch's saturating cast: finite values stay finite.
     stored = (
-        expected[slots // BLOCK_SIZE, 0, 0, slots % BLOCK_SIZE]
+        expected[slots // BLOCK_SIZE, :, 0, 0, slots % BLOCK_SIZE]
         .flatten()[: values.numel()]
         .float()
         .cpu()
@@ -203,10 +205,10 @@ def test_int8_layout_and_rounding(device):
     # The kernel writes the same bytes.
     pool = _pool(torch.int8, device)
     store_kv(key.to(device), key.to(device), pool, 2, torch.tensor([5, 40, 77], device=device))
-    assert torch.equal(pool[0, 2, 0, 5].cpu(), stored[0]) and torch.equal(
-        pool[2, 2, 1, 8].cpu(), stored[1]
+    assert torch.equal(pool[0, :, 2, 0, 5].cpu(), stored[0]) and torch.equal(
+        pool[2, :, 2, 1, 8].cpu(), stored[1]
     )
-    assert torch.equal(pool[4, 2, 0, 13].cpu(), stored[2])
+    assert torch.equal(pool[4, :, 2, 0, 13].cpu(), stored[2])
 
 
 @pytest.mark.parametrize(
@@ -221,7 +223,7 @@ def test_int8_layout_and_rounding(device):
 def test_launcher_rejects_pool_of_no_format(kv_dtype, d_stored, message):
     key, value, slots = _step(21)
     pool = torch.zeros(
-        NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, d_stored, dtype=kv_dtype
+        NUM_BLOCKS, NUM_KV_HEADS, NUM_LAYERS, 2, BLOCK_SIZE, d_stored, dtype=kv_dtype
     )
     for fn in (store_kv, store_kv_reference):
         with pytest.raises(ValueError, match=message):

@@ -4,7 +4,7 @@ import torch
 
 from kvtransfer import FakeTransferBackend, KVCompat, KVTransferConfig, TransferStatus
 
-SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block_size, kv heads, head_dim
+SHAPE = (2, 2, 2, 4, 8)  # kv heads, layers, K/V, block_size, head_dim
 S = TransferStatus
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MODEL = "test-model"
-SHAPE = (4, 2, 16, 3, 64)  # layers, K/V, block_size, kv heads, head_dim: 96 KiB fp32 blocks
+SHAPE = (3, 4, 2, 16, 64)  # kv heads, layers, K/V, block_size, head_dim: 96 KiB fp32 blocks
 
 
 def make_pool(num_blocks: int, seed: int) -> Any:

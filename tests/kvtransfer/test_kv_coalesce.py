@@ -56,13 +56,30 @@ def test_a_run_of_whole_blocks_is_one_descriptor_in_any_pair_order():
     assert dst.tolist() == [[GEO.base_addr + 40 * bb, bb, 0], [GEO.base_addr + 20 * bb, 3 * bb, 0]]
 
 
-def test_a_head_slice_stays_one_piece_per_block_row():
+def test_a_head_slice_is_one_piece_per_block():
     dst_geo = PoolGeometry(1 << 30, 2, 0, 8, 32)
     slices = plan_slices([HeadRange(0, 3)], [HeadRange(0, 2), HeadRange(2, 3)])
     s = next(x for x in slices if x.dst_rank == 0)
     src, dst = slice_descs(s, GEO, dst_geo, np.array([1, 2]), np.array([5, 6]))
-    assert len(src) == len(dst) == 2 * GEO.rows  # rows are strided in the source pool
-    assert int(src[:, 1].sum()) == 2 * GEO.rows * 2 * 32
+    # Heads first in a block: heads 0-1 of a block are one region; adjacent blocks do not
+    # merge (head 2 of block 1 lies between them in the source pool).
+    assert len(src) == len(dst) == 2
+    hr = GEO.rows * 32
+    assert src.tolist() == [
+        [GEO.base_addr + 1 * GEO.block_bytes, 2 * hr, 0],
+        [GEO.base_addr + 2 * GEO.block_bytes, 2 * hr, 0],
+    ]
+    assert dst.tolist() == [
+        [(1 << 30) + 5 * 2 * hr, 2 * hr, 0],
+        [(1 << 30) + 6 * 2 * hr, 2 * hr, 0],
+    ]
+    t = next(x for x in slices if x.dst_rank == 1)  # head 2 -> the one head of rank 1's pool
+    src, dst = slice_descs(t, GEO, PoolGeometry(0, 1, 0, 8, 32), np.array([1, 2]), np.array([5, 6]))
+    assert src[:, 0].tolist() == [
+        GEO.base_addr + GEO.block_bytes + 2 * hr,
+        GEO.base_addr + 2 * GEO.block_bytes + 2 * hr,
+    ]
+    assert dst.tolist() == [[5 * hr, hr, 0], [6 * hr, hr, 0]]
 
 
 def test_a_sender_exports_vllms_nixl_histograms_and_a_receiver_none():

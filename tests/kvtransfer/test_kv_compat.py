@@ -41,7 +41,7 @@ def meta(**overrides) -> PeerMetadata:
 
 def test_default_model_block_bytes():
     assert DEFAULT.block_bytes == 30 * 2 * 16 * 3 * 64 * 4 == 737_280
-    assert DEFAULT.block_shape == (30, 2, 16, 3, 64)
+    assert DEFAULT.block_shape == (3, 30, 2, 16, 64)  # heads first
 
 
 def test_hash_is_stable_and_covers_every_field():
@@ -74,18 +74,21 @@ def test_check_compatible_names_the_differing_fields():
 
 
 def test_for_pool_and_check_pool():
-    pool = torch.zeros(5, 2, 2, 16, 3, 8)
+    pool = torch.zeros(5, 3, 2, 2, 16, 8)
     compat = KVCompat.for_pool(pool, "m")
-    assert compat.block_shape == (2, 2, 16, 3, 8) and compat.dtype == "float32"
+    assert compat.block_shape == (3, 2, 2, 16, 8) and compat.dtype == "float32"
+    assert (compat.num_kv_heads, compat.num_layers, compat.block_size) == (3, 2, 16)
     compat.check_pool(pool)
     with pytest.raises(PoolError, match="shape"):
-        compat.check_pool(torch.zeros(5, 2, 2, 8, 3, 8))
+        compat.check_pool(torch.zeros(5, 3, 2, 2, 8, 8))
+    with pytest.raises(PoolError, match="shape"):  # the layout before heads came first
+        compat.check_pool(torch.zeros(5, 2, 2, 16, 3, 8))
     with pytest.raises(PoolError, match="dtype"):
         compat.check_pool(pool.half())
     with pytest.raises(PoolError, match="contiguous"):
         compat.check_pool(pool.transpose(3, 4).contiguous().transpose(3, 4))
-    with pytest.raises(PoolError, match="num_blocks, num_layers, 2"):
-        KVCompat.for_pool(torch.zeros(5, 2, 3, 16, 3, 8), "m")
+    with pytest.raises(PoolError, match="num_blocks, num_kv_heads, num_layers, 2"):
+        KVCompat.for_pool(torch.zeros(5, 3, 2, 3, 16, 8), "m")
 
 
 def test_metadata_roundtrip():
@@ -176,7 +179,7 @@ def test_package_import_is_light():
 
 
 def test_quantized_pools_are_described_by_format_with_the_model_head_dim():
-    fp8 = KVCompat.for_pool(torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m", "fp8")
+    fp8 = KVCompat.for_pool(torch.zeros(4, 3, 30, 2, 16, 64, dtype=torch.float8_e4m3fn), "m", "fp8")
     assert (fp8.kv_cache_dtype, fp8.dtype, fp8.head_dim, fp8.scale_layout) == (
         "fp8_e4m3",
         "float8_e4m3fn",
@@ -185,13 +188,13 @@ def test_quantized_pools_are_described_by_format_with_the_model_head_dim():
     )
     assert fp8.block_bytes == 30 * 2 * 16 * 3 * 64 == DEFAULT.block_bytes // 4
     e5m2 = KVCompat.for_pool(
-        torch.zeros(4, 30, 2, 16, 3, 64, dtype=torch.float8_e5m2), "m", "fp8_e5m2"
+        torch.zeros(4, 3, 30, 2, 16, 64, dtype=torch.float8_e5m2), "m", "fp8_e5m2"
     )
     assert e5m2.dtype == "float8_e5m2" and e5m2.block_bytes == fp8.block_bytes
     # int8: 64 values + a float32 scale (4 int8 elements) per token and kv head
-    int8_pool = torch.zeros(4, 30, 2, 16, 3, 68, dtype=torch.int8)
+    int8_pool = torch.zeros(4, 3, 30, 2, 16, 68, dtype=torch.int8)
     int8 = KVCompat.for_pool(int8_pool, "m", "int8")
-    assert (int8.head_dim, int8.stored_head_dim, int8.block_shape) == (64, 68, (30, 2, 16, 3, 68))
+    assert (int8.head_dim, int8.stored_head_dim, int8.block_shape) == (64, 68, (3, 30, 2, 16, 68))
     assert int8.block_bytes == 30 * 2 * 16 * 3 * 68
     assert int8.scale_layout == "per-token-head:float32-after-head_dim"
     int8.check_pool(int8_pool)
@@ -203,16 +206,16 @@ def test_a_pool_that_is_not_of_its_declared_format_is_refused():
     with pytest.raises(
         PoolError, match="not a int8 KV cache"
     ):  # the engine said int8, pool is fp32
-        KVCompat.for_pool(torch.zeros(4, 2, 2, 16, 3, 68), "m", "int8")
+        KVCompat.for_pool(torch.zeros(4, 3, 2, 2, 16, 68), "m", "int8")
     with pytest.raises(PoolError, match="auto KV cache"):  # an fp8 pool described as auto
-        KVCompat.for_pool(torch.zeros(4, 2, 2, 16, 3, 64, dtype=torch.float8_e4m3fn), "m")
+        KVCompat.for_pool(torch.zeros(4, 3, 2, 2, 16, 64, dtype=torch.float8_e4m3fn), "m")
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         KVCompat("m", "int8", 16, 2, 3, 64, kv_cache_dtype="int4")
     foreign = KVCompat("m", "int8", 16, 2, 3, 64, kv_cache_dtype="int8", scale_layout="per-block")
     with pytest.raises(
         PoolError, match="scale layout 'per-block'"
     ):  # a peer may say it; we never store it
-        foreign.check_pool(torch.zeros(4, 2, 2, 16, 3, 68, dtype=torch.int8))
+        foreign.check_pool(torch.zeros(4, 3, 2, 2, 16, 68, dtype=torch.int8))
 
 
 def test_different_kv_formats_are_refused_naming_both():
@@ -261,7 +264,7 @@ def test_compat_describes_the_engines_pool_of_every_format(kv, model_dtype):
 def test_different_architectures_or_windows_are_refused_by_name():
     """Same pool shape, same directory name: a Mistral and a LLaMA checkpoint, or the same
     architecture with another sliding window, still never share KV."""
-    pool = torch.zeros(4, 2, 2, 16, 2, 16)
+    pool = torch.zeros(4, 2, 2, 2, 16, 16)
     llama = KVCompat.for_pool(
         pool, "m", architecture="LlamaForCausalLM", layer_windows=window_layers([None, None])
     )
@@ -280,3 +283,18 @@ def test_different_architectures_or_windows_are_refused_by_name():
     with pytest.raises(IncompatiblePeerError, match="layer_windows: ours='8,8' theirs='4,4'"):
         check_compatible(mistral, narrower)
     assert mistral.hash() != narrower.hash() != llama.hash()
+
+
+def test_a_peer_of_the_old_layout_is_refused_by_the_layouts_name():
+    """Before heads came first inside a block a pool was [N, L, 2, B, H, D]: the same bytes
+    per block, so only the layout's name in the compat description keeps the two apart."""
+    from kvtransfer.compat import BLOCK_MAJOR_LAYOUT, OLD_LAYOUTS
+
+    assert DEFAULT.layout == BLOCK_MAJOR_LAYOUT and BLOCK_MAJOR_LAYOUT not in OLD_LAYOUTS
+    old = KVCompat("smollm2-135m", "float32", 16, 30, 3, 64, layout=OLD_LAYOUTS[0])
+    assert old.block_bytes == DEFAULT.block_bytes and old.hash() != DEFAULT.hash()
+    with pytest.raises(IncompatiblePeerError, match="layout: ours='block-major-hnd") as e:
+        check_compatible(DEFAULT, old, peer="'decode-old'")
+    assert "theirs='block-major:[num_blocks,num_layers" in str(e.value)
+    with pytest.raises(PoolError, match="KV layout 'block-major:"):
+        old.check_pool(torch.zeros(4, 3, 30, 2, 16, 64))

@@ -83,10 +83,10 @@ def test_missing_heads_are_refused():
 
 
 def test_descriptors_address_exactly_the_slice_bytes():
-    # [blocks, layers=2, 2, block_size=4, heads, head_dim=8] float32, as flat byte buffers
+    # [blocks, heads, layers=2, 2, block_size=4, head_dim=8] float32, as flat byte buffers
     rows, hd, esize = 2 * 2 * 4, 8, 4
-    src_pool = np.arange(5 * rows * 3 * hd, dtype=np.float32).reshape(5, rows, 3, hd)
-    dst_pool = np.zeros((6, rows, 2, hd), dtype=np.float32)
+    src_pool = np.arange(5 * 3 * rows * hd, dtype=np.float32).reshape(5, 3, rows, hd)
+    dst_pool = np.zeros((6, 2, rows, hd), dtype=np.float32)
     src = PoolGeometry(0, 3, 0, rows, hd * esize)
     dst = PoolGeometry(0, 2, 0, rows, hd * esize)
     (s,) = [
@@ -96,12 +96,13 @@ def test_descriptors_address_exactly_the_slice_bytes():
     ]  # head 2 of the source -> head 0 of destination rank 1
     local, remote = np.array([1, 4]), np.array([5, 0])
     sd, dd = slice_descs(s, src, dst, local, remote)
-    assert len(sd) == len(dd) == 2 * rows and (sd[:, 1] == hd * esize).all()
+    # heads first in a block: one region per block, not one per (layer, K/V, token) row
+    assert len(sd) == len(dd) == 2 and (sd[:, 1] == rows * hd * esize).all()
     flat_src, flat_dst = src_pool.reshape(-1).view(np.uint8), dst_pool.reshape(-1).view(np.uint8)
     for (sa, n, _), (da, _, _) in zip(sd, dd):
         flat_dst[da : da + n] = flat_src[sa : sa + n]
     expected = np.zeros_like(dst_pool)
-    expected[[5, 0], :, 0] = src_pool[[1, 4], :, 2]
+    expected[[5, 0], 0] = src_pool[[1, 4], 2]
     assert np.array_equal(dst_pool, expected)
     whole = Slice(0, 0, 0, 0, 3, True)
     sd, dd = slice_descs(whole, src, PoolGeometry(1000, 3, 0, rows, hd * esize), local, remote)

@@ -21,7 +21,7 @@ from kvtransfer import (
 
 pytestmark = pytest.mark.timeout(60)
 
-SHAPE = (2, 2, 16, 3, 64)  # 24 KiB fp32 blocks
+SHAPE = (3, 2, 2, 16, 64)  # kv heads, layers, K/V, block_size, head_dim: 24 KiB fp32 blocks
 _count = iter(range(1000))
 
 

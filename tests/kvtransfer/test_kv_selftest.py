@@ -24,7 +24,7 @@ from kvtransfer.ucx_proto_info import ucx_write_transports
 
 pytestmark = pytest.mark.timeout(60)
 
-SHAPE = (2, 2, 16, 3, 64)  # 48 KiB fp32 blocks
+SHAPE = (3, 2, 2, 16, 64)  # kv heads, layers, K/V, block_size, head_dim: 48 KiB fp32 blocks
 _count = iter(range(1000))
 
 
@@ -197,7 +197,7 @@ def test_a_tensor_parallel_rank_zero_is_measured_between_temporary_agents():
     class RankZero(FakeTransport):
         @property
         def heads(self):
-            return HeadRange(0, SHAPE[3])
+            return HeadRange(0, SHAPE[0])
 
     fabric = FakeFabric()
     w, pool = _fake(fabric, "W")

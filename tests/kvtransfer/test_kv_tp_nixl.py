@@ -15,7 +15,7 @@ from engine.kv import kv_format
 from engine.kv.block_pool import BlockPool
 from engine.parallel.shard import head_split
 from kvtransfer import KVCompat, KVTransferConfig, NixlTransferBackend, TransferStatus
-from kvtransfer.heads import HeadRange
+from kvtransfer.heads import HeadRange, plan_slices
 from kvtransfer.rank_agent import RankLink
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,13 +28,13 @@ class Worker:
     """A worker of `size` ranks holding `full` (its whole-layout pool) split by head_split."""
 
     def __init__(self, full: torch.Tensor, size: int, n_heads: int, kv_cache_dtype="auto"):
-        n_kv = full.shape[4]
+        n_kv = full.shape[1]
         self.full = full
         self.ranges = [
             HeadRange(s.kv.start, s.kv.stop)
             for s in (head_split(n_heads, n_kv, size, r) for r in range(size))
         ]
-        self.pools = [full[:, :, :, :, r.start : r.stop].contiguous() for r in self.ranges]
+        self.pools = [full[:, r.start : r.stop].contiguous() for r in self.ranges]
         self.ctx = [
             SimpleNamespace(rank=r, kv_cache=p, services={}) for r, p in enumerate(self.pools)
         ]
@@ -61,7 +61,7 @@ class Worker:
         """The whole-layout pool as the ranks hold it now (first holder of each head)."""
         out = torch.zeros_like(self.full)
         for r, pool in zip(reversed(self.ranges), reversed(self.pools)):
-            out[:, :, :, :, r.start : r.stop] = pool
+            out[:, r.start : r.stop] = pool
         return out
 
 
@@ -88,7 +88,7 @@ def transfer(p: Worker, d: Worker, pairs, rid, batches=1, deadline_s=10.0):
 
 def make(blocks, n_kv, size, seed, n_heads=None):
     g = torch.Generator().manual_seed(seed)
-    full = torch.randn((blocks, LAYERS, 2, BLOCK, n_kv, HD), generator=g)
+    full = torch.randn((blocks, n_kv, LAYERS, 2, BLOCK, HD), generator=g)
     return Worker(full, size, n_heads or 4 * n_kv)
 
 
@@ -120,7 +120,7 @@ def test_each_destination_rank_gets_exactly_its_heads(n_kv, a, b):
         for src, dst in pairs:
             expected[dst] = p.full[src]
         for j, (rng, pool) in enumerate(zip(d.ranges, d.pools)):  # every replica written
-            want = expected[:, :, :, :, rng.start : rng.stop]
+            want = expected[:, rng.start : rng.stop]
             assert torch.equal(pool, want), f"destination rank {j}"
             untouched = [i for i in range(16) if i not in {x for _, x in pairs}]
             assert torch.equal(pool[untouched], replicas_before[j][untouched])
@@ -170,7 +170,7 @@ def make_format(blocks, n_kv, size, seed, kv_cache_dtype):
     storage = kv_format.storage_dtype(kv_cache_dtype, torch.float32)
     stored = kv_format.stored_head_dim(kv_cache_dtype, HD)
     g = torch.Generator().manual_seed(seed)
-    shape = (blocks, LAYERS, 2, BLOCK, n_kv, stored * storage.itemsize)
+    shape = (blocks, n_kv, LAYERS, 2, BLOCK, stored * storage.itemsize)
     raw = torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
     return Worker(raw.view(storage), size, 4 * n_kv, kv_cache_dtype)
 
@@ -224,11 +224,20 @@ def test_pools_are_byte_exact_after_a_coalesced_transfer(a, b, fragmented, kv_ca
         full = as_bytes(p.full)
         for j, (rng, pool) in enumerate(zip(d.ranges, d.pools)):
             want = before[j].clone()
-            want[remote] = full[local][:, :, :, :, rng.start : rng.stop]
+            want[remote] = full[local][:, rng.start : rng.stop]
             assert torch.equal(as_bytes(pool), want), f"destination rank {j}"
         if a == b:  # whole slices: one region per run, on every rank
             assert descriptors(p) == [runs(pairs)] * a
             assert fragmented or runs(pairs) == 1
+        # A slice of a block (heads first in a block) is one region: per source rank, one
+        # descriptor per (block, slice) — per (run, slice) where the slice is every head of
+        # both pools — never one per (block, layer, K/V, token) row.
+        expected = [0] * a
+        for sl in plan_slices(p.ranges, d.ranges):
+            expected[sl.src_rank] += runs(pairs) if sl.whole else n
+        assert descriptors(p) == expected, (descriptors(p), expected)
+        if a != b:
+            assert sum(expected) < n * LAYERS * 2 * BLOCK
     finally:
         p.close()
         d.close()

@@ -120,7 +120,7 @@ def make_decode_batch(batch: int, context: int, dtype, device, num_layers: int =
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     kv_cache = torch.randn(
-        num_blocks, num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device
+        num_blocks, NUM_KV_HEADS, num_layers, 2, BLOCK_SIZE, HEAD_DIM, dtype=dtype, device=device
     )
     block_tables = (
         torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
