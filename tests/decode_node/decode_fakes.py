@@ -67,7 +67,9 @@ class FakeEngine:
     running: list[str] = field(default_factory=list)
     next_block: int = 0
     kv_cache: torch.Tensor = field(
-        default_factory=lambda: torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
+        default_factory=lambda: torch.zeros(
+            (64, 1, 1, 2, BLOCK_SIZE, 4)
+        )  # [blocks, heads, layers, K/V, tokens, dim]
     )
 
     limits = SimpleNamespace(
@@ -373,7 +375,7 @@ def unauthenticated() -> grpc.aio.AioRpcError:
 
 def _backend(fabric: FakeFabric, name: str) -> FakeTransferBackend:
     backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
-    pool = torch.zeros((64, 1, 2, BLOCK_SIZE, 1, 4))
+    pool = torch.zeros((64, 1, 1, 2, BLOCK_SIZE, 4))  # [blocks, heads, layers, K/V, tokens, dim]
     backend.register_pool(
         pool, KVCompat.for_pool(pool, "m", architecture="LlamaForCausalLM", layer_windows="full")
     )

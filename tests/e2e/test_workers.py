@@ -4,7 +4,9 @@ The headline: greedy outputs through decode + prefill (KV streamed block by bloc
 several transfer batches per request) are token-identical to a single engine's."""
 
 import asyncio
+import os
 import random
+import signal
 import time
 
 import grpc
@@ -328,16 +330,37 @@ def test_client_cancel_aborts_and_frees_within_a_second(workers):
     assert asyncio.run(start_and_cancel()) < 1.0
 
 
-def test_kv_deadline_fails_clearly_and_frees(etcd, tmp_path, workers):
+def test_a_silent_prefill_worker_fails_the_kv_clearly_and_frees(etcd, tmp_path, workers):
+    """KV transfers follow their progress (issue 58): the decode worker gives up after
+    --kv-timeout seconds without a word from the prefill worker — here P is stopped (SIGSTOP)
+    mid-prompt — with DEADLINE_EXCEEDED, and every block is free once P runs again and
+    confirms it writes no more."""
     prefill, _ = workers
-    decode = WorkerProcess(
-        "decode", etcd.endpoint, "--kv-timeout", "0.001", "--cluster", "deadline", log_dir=tmp_path
-    ).wait_ready()
+    decode = WorkerProcess("decode", etcd.endpoint, "--kv-timeout", "1", log_dir=tmp_path)
+    decode.wait_ready()
+    prompt = [random.Random(2).randrange(100, 40000) for _ in range(2000)]
+
+    async def run():
+        call = asyncio.ensure_future(generate(decode.address, _request("silent", prompt, prefill)))
+        await asyncio.sleep(0.3)  # P computes the prompt, 24 tokens a step
+        os.kill(prefill.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            return err.value, time.monotonic() - t0
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            asyncio.run(generate(decode.address, _request("late", _prompts(1, seed=2)[0], prefill)))
-        assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        err, waited = asyncio.run(run())
+        assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED, err
+        assert "nothing from the prefill worker" in err.details() or "nothing from the sender" in (
+            err.details()
+        )
+        assert waited < 15
         wait_all_blocks_free(decode.address)
+        wait_all_blocks_free(prefill.address)
     finally:
         assert decode.terminate() == 0
 

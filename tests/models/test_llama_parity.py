@@ -29,7 +29,7 @@ def _our_logits(loaded, ids):
     args = loaded.args
     n = len(ids)
     num_blocks = -(-n // 16)
-    kv = torch.zeros(num_blocks, args.n_layers, 2, 16, args.n_kv_heads, args.head_dim)
+    kv = torch.zeros(num_blocks, args.n_kv_heads, args.n_layers, 2, 16, args.head_dim)  # HND
     meta = AttentionMetadata.single_sequence(0, n, 16, num_blocks)
     return loaded.model(
         torch.tensor(ids), torch.arange(n), ForwardContext(TorchAttentionBackend(), kv, meta)

@@ -53,7 +53,7 @@ class _Engine:
 
 def _backend(fabric, name):
     backend = FakeTransferBackend(fabric, KVTransferConfig(agent_name=name))
-    pool = torch.zeros((16, 1, 2, BLOCK, 1, 4))
+    pool = torch.zeros((16, 1, 1, 2, BLOCK, 4))  # [blocks, heads, layers, K/V, tokens, dim]
     backend.register_pool(pool, KVCompat.for_pool(pool, "m"))
     return backend
 
