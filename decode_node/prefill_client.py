@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import grpc
 
@@ -32,6 +33,8 @@ from cluster.roles import PrefillPath
 from decode_node.remote_prefill import RemotePrefills
 from engine.core.request import Request
 from engine.llm_engine import LLMEngine
+from engine.processing.outputs import CompletionDelta
+from engine.processing.tokens import SampledToken
 from engine.sampling.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -53,6 +56,9 @@ class RemoteResult(NamedTuple):
     kv_landed_at: float | None = None
     """`time.monotonic()` when the last of P's KV landed here (REMOTE only): the handover
     to the first token sent is measured from it."""
+    admitted: asyncio.Future[None] | None = None
+    """REMOTE with the first token already announced: settles once the request runs here
+    (None), or with the failure that dropped it after the caller got its first token."""
 
 
 class PrefillClient:
@@ -76,12 +82,18 @@ class PrefillClient:
         engine.abort_request(request_id)
 
     async def prefill(
-        self, req: Request, worker: pb.WorkerRef, source: pb.KVSource | None = None
+        self,
+        req: Request,
+        worker: pb.WorkerRef,
+        source: pb.KVSource | None = None,
+        announce: Callable[[CompletionDelta], None] | None = None,
     ) -> RemoteResult:
         """Run the prompt on prefill worker `worker` (which first pulls what `source`
-        holds); returns once the request runs here or
-        the prompt must be prefilled locally. Raises TimeoutError when P went silent for
-        `kv_timeout_s`, Unavailable when P failed and --strict-remote-prefill is set."""
+        holds); returns once the request runs here or the prompt must be prefilled locally
+        — or, given `announce`, as soon as P's first token is handed to it (the request's
+        first delta, before the engine's next step boundary admits it; `admitted` then
+        follows the admission). Raises TimeoutError when P went silent for `kv_timeout_s`,
+        Unavailable when P failed and --strict-remote-prefill is set."""
         ctx, rid = self.ctx, req.request_id
         done: asyncio.Future[None] = ctx.create_future()
         tid = f"push:{rid}:{next(self._attempts)}"
@@ -126,9 +138,38 @@ class PrefillClient:
             )
         except TokenOutOfRange as bad:
             return await self._failed(req, worker, tid, done, peer_reply_error(f"first {bad}"))
-        await ctx.call(lambda e: self.remote.first_token(e, tid, token), cancellable=False)
-        await done  # raises if the KV failed or timed out
+        answered_at = time.monotonic()
+        announced = ctx.preview_first(req, token) if announce is not None else None
+        if announce is not None and announced is not None:
+            # P answers once its writes completed: the token goes out now (the KV has landed),
+            # and the engine admits the request at its next step boundary.
+            announce(announced)
+            admitted = ctx.create_task(self._admit(tid, token, announced, done))
+            self._background.add(admitted)
+            admitted.add_done_callback(self._admission_ended)
+            landed_at = answered_at - response.answer_delay_s
+            return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, landed_at, admitted)
+        await self._admit(tid, token, None, done)
         return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, attempt.kv_landed_at)
+
+    async def _admit(
+        self,
+        tid: str,
+        token: SampledToken,
+        announced: CompletionDelta | None,
+        done: asyncio.Future[None],
+    ) -> None:
+        """Record P's first token in the attempt (the engine admits the request once its KV
+        is complete); returns when it runs here, raises what dropped it otherwise."""
+        await self.ctx.call(
+            lambda e: self.remote.first_token(e, tid, token, announced), cancellable=False
+        )
+        await done  # raises if the KV failed or timed out
+
+    def _admission_ended(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the stream that owns it reports it, if still there
 
     def _prefill_request(
         self, req: Request, transfer_id: str, source: pb.KVSource | None

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from engine.core.request import Request
@@ -42,6 +43,8 @@ from engine.processing.tokens import SampledToken
 from kvtransfer import KVReceiver, TransferResult, TransferStatus
 from worker_runtime.contexts import Settle
 from worker_runtime.grpc_errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 
 class RemoteState(enum.IntEnum):
@@ -90,6 +93,9 @@ class RemotePrefill:
     """Settled on the asyncio loop: None once RUNNING, the failure otherwise."""
     state: RemoteState = RemoteState.PARKED
     first_token: SampledToken | None = None
+    announced: CompletionDelta | None = None
+    """The first token's delta, already sent to the caller before the request ran here
+    (`Deltas.preview_first`): admission delivers only what differs from it."""
     expected_at: float = field(default_factory=time.monotonic)
     """When the receiver began expecting the blocks (`time.monotonic()`)."""
     kv_landed_at: float | None = None
@@ -172,8 +178,15 @@ class RemotePrefills:
             else:
                 self.fail(engine, attempt.transfer_id, _kv_failure(attempt, result))
 
-    def first_token(self, engine: LLMEngine, transfer_id: str, token: SampledToken) -> None:
-        """P's call returned `token`: every write of the transfer has completed."""
+    def first_token(
+        self,
+        engine: LLMEngine,
+        transfer_id: str,
+        token: SampledToken,
+        announced: CompletionDelta | None = None,
+    ) -> None:
+        """P's call returned `token`: every write of the transfer has completed. `announced`:
+        the token's delta as already sent to the caller (None: not sent yet)."""
         # P answers once its writes completed: their notification is here or about to be.
         # Taking it now runs the request in this very step rather than after the next one.
         self.poll_kv(engine)
@@ -184,6 +197,7 @@ class RemotePrefills:
             self._to(engine, attempt, S.RELEASED)
         elif attempt.state.live:
             attempt.first_token = token
+            attempt.announced = announced
             self._to(engine, attempt, S.RUNNING if attempt.state is S.KV_LANDED else S.FIRST_TOKEN)
 
     def fail(self, engine: LLMEngine, transfer_id: str, exc: Exception) -> None:
@@ -231,12 +245,32 @@ class RemotePrefills:
             assert attempt.first_token is not None, "RUNNING follows P's first token"
             del self._live[attempt.request_id]
             del self._attempts[attempt.transfer_id]
-            self._deliver(engine.finish_remote_prefill(attempt.request_id, attempt.first_token))
+            deltas = engine.finish_remote_prefill(attempt.request_id, attempt.first_token)
+            if attempt.announced is not None:
+                deltas = after_announced(deltas, attempt.announced)
+            if deltas:
+                self._deliver(deltas)
             self._settle(attempt.done)
         elif to is S.RELEASED:
             del self._attempts[attempt.transfer_id]
             if was is S.QUARANTINED:
                 engine.block_manager.pool.release(attempt.block_ids)
+
+
+def after_announced(
+    deltas: list[CompletionDelta], announced: CompletionDelta
+) -> list[CompletionDelta]:
+    """What is left to send of an admission's deltas (its first is the first token's) once
+    `announced`, the preview of that first delta, went out: nothing but the rest when they
+    agree, which they do by construction (`Deltas.preview_first` runs the same checks on the
+    same inputs). Should they ever differ, the caller keeps the tokens it has and gets the
+    admission's end and any text beyond the preview's, and the difference is logged."""
+    first, rest = deltas[0], deltas[1:]
+    if first == announced:
+        return rest
+    log.error("first-token preview %s differs from the engine's %s", announced, first)
+    more_text = first.text[len(announced.text) :] if first.text.startswith(announced.text) else ""
+    return [replace(first, token_ids=[], logprobs=[], text=more_text), *rest]
 
 
 def _kv_failure(attempt: RemotePrefill, result: TransferResult) -> Exception:

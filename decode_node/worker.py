@@ -52,6 +52,14 @@ T = TypeVar("T")
 _ABORT = object()  # put on a request's stream queue by `abort`
 
 
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """Put on a request's stream queue when the request failed after its first token went
+    out (an admission after an announced first token): the stream ends with `exc`."""
+
+    exc: BaseException
+
+
 class RequestAborted(Exception):
     """`Worker.Abort` was called for a request this worker is streaming."""
 
@@ -95,12 +103,14 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         try:
             try:
                 sent.started = await _unless_aborted(
-                    self._start(req, request, new_request), aborted
+                    self._start(req, request, new_request, queue), aborted
                 )
                 while not sent.done:
                     delta = await queue.get()
                     if delta is _ABORT:
                         raise RequestAborted
+                    if isinstance(delta, _Failed):
+                        raise delta.exc
                     sent.record(delta, ctx.metrics)
                     yield sent.to_pb(delta)
             except RequestAborted:
@@ -121,14 +131,21 @@ class DecodeWorker(pb_grpc.DecodeWorkerServicer):
         req: Request,
         request: pb.GenerateRequest,
         new_request: Callable[[], Awaitable[Request]],
+        queue: asyncio.Queue[Any],
     ) -> _Started:
         """Get the request running here: its prompt prefilled on the prefill worker named
         (KV pushed into our blocks), or here — after pulling the leading blocks the router
-        named a holder of (kv_source) into whichever of the two computes it."""
+        named a holder of (kv_source) into whichever of the two computes it. A remote
+        prefill's first token is put on `queue` as soon as P returns it (the request is
+        admitted at the engine's next step boundary; a failure then ends the stream)."""
         source = request.kv_source if request.HasField("kv_source") else None
         result = RemoteResult(PrefillPath.LOCAL)
         if request.HasField("prefill_worker") and req.remote_prefill_ok:
-            result = await self.prefill.prefill(req, request.prefill_worker, source)
+            result = await self.prefill.prefill(
+                req, request.prefill_worker, source, announce=queue.put_nowait
+            )
+            if result.admitted is not None:
+                result.admitted.add_done_callback(functools.partial(_end_on_failure, queue))
         if result.path is PrefillPath.LOCAL_FALLBACK:  # the parked request was dropped
             req = await new_request()
         if result.path is not PrefillPath.REMOTE:
@@ -221,6 +238,13 @@ class _Sent:
                 )
             )
         return out
+
+
+def _end_on_failure(queue: asyncio.Queue[Any], admitted: asyncio.Future[None]) -> None:
+    """An admission that failed after the first token went out ends the stream."""
+    exc = None if admitted.cancelled() else admitted.exception()
+    if exc is not None:
+        queue.put_nowait(_Failed(exc))
 
 
 async def _unless_aborted(work: Awaitable[T], aborted: asyncio.Event) -> T:

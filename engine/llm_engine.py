@@ -406,6 +406,15 @@ class LLMEngine:
             [(self.scheduler.remote_kv_arrived(request_id, first_token), 1)]
         )
 
+    def preview_remote_first(
+        self, request: Request, first_token: SampledToken
+    ) -> CompletionDelta | None:
+        """The delta `finish_remote_prefill` will make first for this parked request, made
+        now without changing anything, from any thread — so the token can be on its way
+        before the next step boundary (engine/processing/deltas.py `Deltas.preview_first`;
+        None for a request with a grammar)."""
+        return self.deltas.preview_first(request, first_token)
+
     def has_schedulable_work(self) -> bool:
         """Something for `step()` to compute (requests parked for remote KV are not)."""
         return bool(self.scheduler.running or self.scheduler.waiting)

@@ -131,10 +131,12 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
         req.keep_blocks_from = skips  # streamed out: kept whatever the windows
         if request.HasField("kv_source"):  # a peer holds more of the prompt: pull, then compute
             await self.puller.pull(req, request.kv_source)
-        done: asyncio.Future[tuple[TransferResult, SampledToken | None]] = ctx.create_future()
+        done: asyncio.Future[tuple[TransferResult, SampledToken | None, float]]
+        done = ctx.create_future()
 
         def on_done(result: TransferResult, first_token: SampledToken | None) -> None:
-            ctx.settle(done, (result, first_token))
+            # When the sender saw the last write complete (the answer's delay is from here).
+            ctx.settle(done, (result, first_token, time.monotonic()))
 
         out = Outgoing(
             request=req,
@@ -156,7 +158,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             None if slot is None else asyncio.ensure_future(self._place_when_given(slot, out, done))
         )
         try:
-            result, first_token = await done
+            result, first_token, completed_at = await done
         except BaseException:  # cancelled, or a destination that does not fit the prompt
             await asyncio.shield(
                 ctx.call(lambda e: self._cancel(e, dest.transfer_id, req.request_id))
@@ -174,6 +176,7 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             first_token=sampled_to_pb(first_token),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_blocks_sent=result.num_blocks,
+            answer_delay_s=time.monotonic() - completed_at,
         )
 
     async def SetDestination(self, request: pb.KVDestination, context):

@@ -256,14 +256,16 @@ class SendBlocksResponse(_message.Message):
     def __init__(self, num_blocks_sent: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "num_blocks_sent")
+    __slots__ = ("first_token", "num_cached_tokens", "num_blocks_sent", "answer_delay_s")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DELAY_S_FIELD_NUMBER: _ClassVar[int]
     first_token: TokenLogprob
     num_cached_tokens: int
     num_blocks_sent: int
-    def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks_sent: _Optional[int] = ...) -> None: ...
+    answer_delay_s: float
+    def __init__(self, first_token: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks_sent: _Optional[int] = ..., answer_delay_s: _Optional[float] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "pooling_type", "normalize", "cache_salt", "priority")

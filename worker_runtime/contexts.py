@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only: the engine (torch) is the runtime's to im
     from engine.llm_engine import LLMEngine
     from engine.lora.request import LoRARequest
     from engine.processing.outputs import CompletionDelta
-    from engine.processing.tokens import Resume
+    from engine.processing.tokens import Resume, SampledToken
     from engine.sampling.pooling import PoolingParams
     from engine.sampling.sampling_params import SamplingParams
     from kvtransfer import KVReceiver, KVSender, TransferResult
@@ -178,3 +178,6 @@ class DecodeContext(ServingContext):
     """--strict-remote-prefill: a failed prefill worker fails the request."""
     vocab_size: int
     """The model's vocabulary: a first token a prefill worker returns must lie in it."""
+    preview_first: Callable[[Request, SampledToken], CompletionDelta | None]
+    """Any thread: the delta a parked request's first token will make when it is admitted
+    (engine/processing/deltas.py `Deltas.preview_first`), so it can be sent at once."""

@@ -80,6 +80,7 @@ def room_contexts(rt: WorkerRuntime) -> RoomContexts:
             own_metadata=rt.own_metadata,
             strict_remote_prefill=rt.config.strict_remote_prefill,
             vocab_size=rt.engine.loaded.args.vocab_size,
+            preview_first=rt.engine.preview_remote_first,
         ),
     )
 

@@ -348,23 +348,12 @@ class Scheduler(SpeculationScheduling):
         return status
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        """vLLM's check_stop: length first; no EOS / stop token before min_tokens (the sampler
-        masks them, this is a guard); EOS before stop_token_ids (only the latter set
-        `stop_reason`)."""
-        params = request.sampling
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        return None
+        status, stop_token = stop_status(
+            request, token_id, request.num_output_tokens, request.num_tokens, self.max_model_len
+        )
+        if stop_token is not None:
+            request.stop_reason = stop_token
+        return status
 
     # ---- finishing -----------------------------------------------------------------------
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -432,6 +421,25 @@ class Scheduler(SpeculationScheduling):
     # ---- state ---------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+
+def stop_status(
+    request: Request, token_id: int, num_output_tokens: int, num_tokens: int, max_model_len: int
+) -> tuple[RequestStatus | None, int | None]:
+    """vLLM's check_stop for `token_id` appended as output number `num_output_tokens`
+    (`num_tokens` in all): length first; no EOS / stop token before min_tokens (the sampler
+    masks them, this is a guard); EOS before stop_token_ids (only the latter is a stop
+    reason, returned second). Reads the request, changes nothing: any thread may ask."""
+    params = request.sampling
+    if num_output_tokens >= request.max_tokens or num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    if num_output_tokens < params.min_tokens:
+        return None, None
+    if not params.ignore_eos and token_id in request.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED, None
+    if token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token_id
+    return None, None
 
 
 def _order(request: Request) -> tuple[int, float]:

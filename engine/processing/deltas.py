@@ -4,11 +4,11 @@ strings included), the caller's groups of completions, and one CompletionDelta p
 from __future__ import annotations
 
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, stop_status
 from engine.processing.detokenizer import IncrementalDetokenizer
 from engine.processing.outputs import CompletionDelta
 from engine.processing.tokenizer import Tokenizer
-from engine.processing.tokens import Logprob
+from engine.processing.tokens import Logprob, SampledToken
 
 
 class Deltas:
@@ -83,6 +83,43 @@ class Deltas:
             if finished:
                 self._forget(request)
         return deltas
+
+    def preview_first(self, request: Request, token: SampledToken) -> CompletionDelta | None:
+        """The delta `build` will make when `token` becomes the parked request's first output
+        (a decode worker admitting a remote prefill: `LLMEngine.finish_remote_prefill`), made
+        now without changing anything, so the token can be on its way to the caller before the
+        engine's next step boundary. Any thread: it reads only what a request parked for
+        remote KV never changes (prompt, sampling, limits), through its own detokenizer.
+        None for a request with a grammar: whether it is complete after the token is its
+        matcher's verdict, which only the engine thread may advance."""
+        if request.grammar is not None or request.num_output_tokens or request.resume:
+            return None
+        status, stop_token = stop_status(
+            request, token.token_id, 1, request.num_tokens + 1, self.scheduler.max_model_len
+        )
+        stop_reason: str | int | None = stop_token
+        detok = self.new_detokenizer(request)
+        stop = detok.append(token.token_id, status is RequestStatus.FINISHED_STOPPED)
+        if stop is not None:  # as `_detokenize`: the stop string's verdict wins
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        sampling = request.sampling
+        logprobs = (
+            [Logprob(token.token_id, token.logprob, list(token.top_logprobs), token.rank)]
+            if token.logprob is not None and sampling.logprobs is not None
+            else []
+        )
+        return CompletionDelta(
+            request_id=request.group_id,
+            index=request.completion_index,
+            token_ids=[token.token_id],
+            text=detok.take_delta(status is not None),
+            logprobs=logprobs,
+            finish_reason=status.finish_reason if status is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=1,
+            stop_reason=stop_reason,
+        )
 
     def _detokenize(
         self, request: Request, detok: IncrementalDetokenizer, tokens: list[int]

@@ -66,6 +66,8 @@ class FakeEngine:
     allocated: dict[str, list[int]] = field(default_factory=dict)
     running: list[str] = field(default_factory=list)
     next_block: int = 0
+    announce_first: bool = False
+    first_finish: str | None = "length"  # the first delta's finish (None: the stream goes on)
     kv_cache: torch.Tensor = field(
         default_factory=lambda: torch.zeros(
             (64, 1, 1, 2, BLOCK_SIZE, 4)
@@ -130,20 +132,26 @@ class FakeEngine:
 
     def finish_remote_prefill(self, rid, token):
         self.running.append(rid)  # and finished at once: one token, max_tokens reached
+        return [self._first_delta(rid, token)]
+
+    def preview_remote_first(self, req, token):
+        """The first delta before admission when `announce_first` (as the real engine);
+        None otherwise (as for a request with a grammar)."""
+        return self._first_delta(req.request_id, token) if self.announce_first else None
+
+    def _first_delta(self, rid, token):
         n = len(self.allocated[rid]) * BLOCK_SIZE
-        return [
-            CompletionDelta(
-                request_id=rid,
-                index=0,
-                token_ids=[token.token_id],
-                text="",
-                logprobs=[],
-                finish_reason="length",
-                num_prompt_tokens=n,
-                num_cached_tokens=n,
-                num_output_tokens=1,
-            )
-        ]
+        return CompletionDelta(
+            request_id=rid,
+            index=0,
+            token_ids=[token.token_id],
+            text="",
+            logprobs=[],
+            finish_reason=self.first_finish,
+            num_prompt_tokens=n,
+            num_cached_tokens=n,
+            num_output_tokens=1,
+        )
 
     def submit(self, req):
         self.running.append(req.request_id)
@@ -321,8 +329,14 @@ class Harness:
             self.run_engine()
 
     def generate(
-        self, rid: str, num_tokens: int = 10, lora: pb.LoRAAdapter | None = None
+        self,
+        rid: str,
+        num_tokens: int = 10,
+        lora: pb.LoRAAdapter | None = None,
+        into: list | None = None,
     ) -> asyncio.Task:
+        """Generate `rid`; the task's result is every response, which also land in `into`
+        (when given) as they arrive."""
         request = pb.GenerateRequest(
             request_id=rid,
             prompt_token_ids=list(range(1, num_tokens + 1)),
@@ -333,7 +347,10 @@ class Harness:
         assert sampling_from_pb(request.sampling).remote_prefill_ok
 
         async def consume():
-            return [r async for r in self.worker.Generate(request, _Context())]
+            out = into if into is not None else []
+            async for response in self.worker.Generate(request, _Context()):
+                out.append(response)
+            return out
 
         return asyncio.ensure_future(consume())
 
