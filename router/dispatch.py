@@ -257,10 +257,6 @@ class Dispatcher:
                     if placement.prefill is not None:
                         exclude.add(placement.prefill.info.worker_id)
                     continue
-                if _only_the_end_was_lost(sampling, sent):
-                    log.warning("ending at max_tokens after the worker failed: %s", exc)
-                    yield Delta(0, [], "", [], "length", sent.cached_tokens)
-                    return
                 refused = (
                     "n"
                     if sampling.n > 1
@@ -364,16 +360,3 @@ class Dispatcher:
                 # A no-op when the call already ended; aborts it on the worker otherwise.
                 call.cancel()
             self.channels.release(address)
-
-
-def _only_the_end_was_lost(sampling: SamplingParams, sent: _Sent) -> bool:
-    """Every token of the (one) completion came and only its end was lost (the worker died or
-    stalled between its last token and its finish): there is nothing left to migrate — a
-    worker refuses a resumed request with no token to go — so the router ends it, `length`.
-    Not with stop strings: a worker holds back text that may start one, which only it has."""
-    return (
-        sampling.n == 1
-        and sampling.max_tokens is not None
-        and len(sent.token_ids) >= sampling.max_tokens
-        and not sampling.stop
-    )

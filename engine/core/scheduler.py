@@ -155,6 +155,12 @@ class Scheduler(SpeculationScheduling):
             and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
         ):
             request = self.waiting[j]
+            if request.num_output_tokens >= request.max_tokens:
+                # Resumed with every output it may have (only its end was lost elsewhere):
+                # nothing to compute; it ends "length" (with any text still held back).
+                self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
+                continue
             if not self._lora_fits(request, loras):
                 j += 1
                 continue

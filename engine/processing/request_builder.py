@@ -77,7 +77,7 @@ class RequestBuilder:
         weights_version: int = 0,
     ) -> Request:
         """Raises ValueError with a message that starts with the offending field. `resume`:
-        continue after outputs produced elsewhere (n must be 1; fewer than max_tokens).
+        continue after outputs produced elsewhere (n must be 1; at most max_tokens).
         `pooling`: a pooling (embedding) request; it never samples (`params` only truncate).
         A structured-output request compiles its grammar here (off the engine thread) and
         replays `resume`'s outputs into its matcher. `lora`: the adapter it runs with (its
@@ -114,11 +114,11 @@ class RequestBuilder:
         params, eos = self._eos_rules(params)
         max_tokens = max(1, min(params.max_tokens or room, room))
         outputs = list(resume.output_token_ids) if resume else []
-        if resume is not None and (params.n != 1 or len(outputs) >= max_tokens):
+        # All max_tokens outputs: only the end was lost; the scheduler ends it at once.
+        if resume is not None and (params.n != 1 or len(outputs) > max_tokens):
             raise ValueError(
-                f"resume_output_token_ids: a resumed request needs n == 1 and "
-                f"fewer than max_tokens ({max_tokens}) outputs, got n={params.n}, "
-                f"{len(outputs)} outputs"
+                f"resume_output_token_ids: a resumed request needs n == 1 and at most "
+                f"max_tokens ({max_tokens}) outputs, got n={params.n}, {len(outputs)} outputs"
             )
         lora_id = lora.lora_int_id if lora is not None else None
         grammar = None

@@ -51,7 +51,10 @@ def _run(llm, prompt: list[int], params: SamplingParams, resume: Resume | None =
 def _check_every_seam(llm, prompt: list[int], params: SamplingParams) -> _Run:
     whole = _run(llm, prompt, params)
     assert len(whole.tokens) > 3
-    for k in range(1, len(whole.tokens)):
+    # Ended by its length, it may be resumed with every output too (only its end was lost):
+    # it ends at once, with the text its detokenizer held back.
+    seams = len(whole.tokens) + (whole.finish_reason == "length")
+    for k in range(1, seams):
         sent = "".join(whole.texts[:k])
         rest = _run(llm, prompt, params, Resume(tuple(whole.tokens[:k]), len(sent)))
         assert whole.tokens[:k] + rest.tokens == whole.tokens, k
@@ -106,10 +109,27 @@ def test_multibyte_characters_split_at_the_seam(llm, prompt):
     assert any(ord(ch) > 0xFFFF or "\u3000" <= ch <= "\u9fff" for ch in whole.text)
 
 
+def test_a_resume_with_every_output_ends_at_once_with_the_held_back_text(llm, prompt):
+    """The caller got all 6 tokens, the last without its end: the text of a stream that goes
+    on (a stop string's hold-back kept the last characters) — which the resume releases."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, stop=["never appears here"])
+    whole = _run(llm, prompt, params)
+    assert whole.finish_reason == "length" and len(whole.tokens) == 6
+    going_on = _run(llm, prompt, replace(params, max_tokens=7))
+    assert going_on.tokens[:6] == whole.tokens
+    sent = "".join(going_on.texts[:6])  # what the caller had: less than the whole text
+    assert len(sent) < len(whole.text) and whole.text.startswith(sent)
+    free = llm.engine.block_manager.pool.num_free_blocks
+    rest = _run(llm, prompt, params, Resume(tuple(whole.tokens), len(sent)))
+    assert (rest.tokens, rest.finish_reason) == ([], "length")
+    assert sent + rest.tail == whole.text
+    assert llm.engine.block_manager.pool.num_free_blocks == free  # nothing held
+
+
 def test_bad_resumes_are_refused(llm, prompt):
     params = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="resume_output_token_ids"):
-        llm.engine.make_request("bad-1", prompt, params, resume=Resume((5, 6, 7, 8), 0))
+        llm.engine.make_request("bad-1", prompt, params, resume=Resume((5, 6, 7, 8, 9), 0))
     with pytest.raises(ValueError, match="resume_output_token_ids"):
         llm.engine.make_request("bad-2", prompt, replace(params, n=2), resume=Resume((5,), 0))
     request = llm.engine.make_request("bad-3", prompt, params, resume=Resume((5,), 1000))

@@ -251,6 +251,15 @@ class _DecodeService(pb_grpc.DecodeWorkerServicer):
         sent = 0
         start = len(request.resume_output_token_ids)
         try:
+            if start and start >= max_tokens:  # every output came before, only the end was lost
+                yield pb.GenerateResponse(
+                    finish_reason="length",
+                    usage=pb.Usage(
+                        prompt_tokens=len(prompt), completion_tokens=start, cached_tokens=cached
+                    ),
+                    prefill_mode=mode,
+                )
+                return
             texts = ["" for _ in range(s.n or 1)]
             if start:  # a migrated request: its text so far, for stop strings
                 texts[0] = "".join(
