@@ -57,7 +57,6 @@ class Outgoing:
     """Called once: on the engine thread, or on the progress thread for a complete transfer."""
     sent: int = 0  # prompt blocks handled so far (sent or skipped)
     pinned: list[int] = field(default_factory=list)
-    opened: bool = False  # the sender knows the request: keepalives flow
     final_sent: bool = False
     first_token: SampledToken | None = None  # set when the final batch goes out
     held: bool = False  # finished before its destination came: its prompt blocks are pinned
@@ -132,7 +131,7 @@ class KVStreamer:
         req = out.request
         if out.final_sent:
             return  # all sent
-        if not out.opened and out.dest_blocks is not None:
+        if out.dest_blocks is not None and self.sender.status(out.transfer_id) is None:
             self.open(out)  # queued here or computing: the decode worker hears we are coming
         if not req.block_tables:
             return  # not admitted yet
@@ -173,7 +172,6 @@ class KVStreamer:
         bm.pool.pin(blocks)  # freed-this-step blocks are taken back before any reuse
         out.pinned += blocks
         out.sent = upto
-        out.opened = True
         out.final_sent = final
         if final:
             out.first_token = _first_token(req)
@@ -191,8 +189,7 @@ class KVStreamer:
         try:
             self.sender.send(out.transfer_id, out.peer, [], final=False, idle_s=out.idle_s)
         except KVTransferError:
-            return  # ended or final: nothing to keep alive
-        out.opened = True
+            pass  # ended or final: nothing to keep alive
 
     def answer_early(self, result: TransferResult) -> None:
         """The sender's listener (any thread): answer the caller of a transfer that completed."""
