@@ -2,10 +2,16 @@
 of its command line against the `--help` of the programs they go to (`unknown_flags`), the
 workers' /metrics summed (`Cluster.worker_metrics`).
 The cluster runs on 127.0.0.1 with free ports and its own PDSERVE_CACHE, and is stopped by its
-PID (SIGTERM: `up` drains and stops its children; SIGKILL of its process group after 60 s)."""
+PID (SIGTERM: `up` drains and stops its children; SIGKILL of its process group after 60 s).
+
+`start_pinned` / `stop_pinned`: a one-decode-worker `up` pinned to host cores (taskset), with
+or without one prefill worker, for the split-vs-colocated scripts (split_ttft.py,
+handover_bench.py, colocated_vs_disagg.py); `add_pinned_args` / `pinned_worker_flags`: the
+command-line arguments those scripts share."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -146,3 +152,86 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def add_pinned_args(parser: argparse.ArgumentParser) -> None:
+    """`--cores` and `--num-layers`, as every script that starts `start_pinned` clusters has."""
+    parser.add_argument("--cores", default="0,1")
+    parser.add_argument("--num-layers", type=int, default=None, help="truncate (smoke runs)")
+
+
+def pinned_worker_flags(args: argparse.Namespace, kv_cache_memory: str) -> list[str]:
+    """The workers' flags from `add_pinned_args`' arguments: the KV cache size, and
+    `--num-layers` when given."""
+    flags = [f"--kv-cache-memory={kv_cache_memory}"]
+    if args.num_layers:
+        flags.append(f"--num-layers={args.num_layers}")
+    return flags
+
+
+def start_pinned(
+    name: str,
+    cores: str,
+    work: Path,
+    *,
+    split: bool,
+    up_args: list[str],
+    num_threads: int = 1,
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = 600.0,
+) -> tuple[subprocess.Popen, str]:
+    """`pdserve up --port 0 --prefill 1|0 --decode 1` (one prefill worker when `split`), pinned
+    to `cores` (`taskset -c`), workers on `num_threads` threads each, then `up_args`; logs in
+    `work`/logs-`name`, PDSERVE_CACHE `work`/cache-`name` (`env` adds to the environment).
+    Returns (process, router URL) once it printed "pdserve is up"; if it did not within
+    `start_timeout_s`, it is stopped and RuntimeError raised."""
+    cmd = [
+        "taskset",
+        "-c",
+        cores,
+        sys.executable,
+        "-m",
+        "pdserve",
+        "up",
+        "--port",
+        "0",
+        "--prefill",
+        "1" if split else "0",
+        "--decode",
+        "1",
+        "--num-threads",
+        str(num_threads),
+        "--log-dir",
+        str(work / f"logs-{name}"),
+        *up_args,
+    ]
+    env = {**os.environ, "PDSERVE_CACHE": str(work / f"cache-{name}"), **(env or {})}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("pdserve is up: "):
+                url.append(line.split()[3])
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(start_timeout_s):
+        stop_pinned(proc)
+        raise RuntimeError(f"pdserve up ({name}) did not start; logs in {work}")
+    return proc, url[0]
+
+
+def stop_pinned(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group of a `start_pinned` cluster; SIGKILL after 60 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
+
+from bench_cluster import start_pinned
 
 from local_cluster.run_file import control_request
 
@@ -37,8 +37,6 @@ def _start_up(
     mode: str, cores: str, work: Path, model_flags: list[str], planner_flags: list[str]
 ) -> tuple[subprocess.Popen, str]:
     split = mode in ("disaggregated", "planner")
-    threads = "1" if split else str(len(cores.split(",")))
-    env = {**os.environ, "PDSERVE_CACHE": str(work / f"cache-{mode}")}
     # The bundled model is prepared under the default cache; point this run at the same files.
     model = subprocess.run(
         [sys.executable, "-m", "pdserve", "prepare-model"],
@@ -46,51 +44,20 @@ def _start_up(
         text=True,
         check=True,
     ).stdout.strip()
-    cmd = [
-        "taskset",
-        "-c",
+    return start_pinned(
+        mode,
         cores,
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--port",
-        "0",
-        "--prefill",
-        "1" if split else "0",
-        "--decode",
-        "1",
-        "--num-threads",
-        threads,
-        "--model",
-        model,
-        "--log-dir",
-        str(work / f"logs-{mode}"),
-        *[f"--worker-arg={f}" for f in model_flags],
-        *(planner_flags if mode == "planner" else []),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        work,
+        split=split,
+        num_threads=1 if split else len(cores.split(",")),
+        up_args=[
+            "--model",
+            model,
+            *[f"--worker-arg={f}" for f in model_flags],
+            *(planner_flags if mode == "planner" else []),
+        ],
+        start_timeout_s=300,
     )
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            if line.startswith("pdserve is up: "):
-                url.append(line.split()[3])
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300):
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise RuntimeError(f"pdserve up ({mode}) did not start; logs in {work}")
-    return proc, url[0]
 
 
 def _planner_pools(work: Path) -> str:

@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from split_ttft import start_up, stop
+from bench_cluster import add_pinned_args, pinned_worker_flags, stop_pinned
+from split_ttft import start_up
 
 
 def main() -> None:
@@ -29,14 +30,11 @@ def main() -> None:
     )
     parser.add_argument("--rates", default="0.5,1,2,4", help="requests per second")
     parser.add_argument("--requests", type=int, default=40, help="requests per rate")
-    parser.add_argument("--cores", default="0,1")
     parser.add_argument("--input-len-range", default="256,1024")
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--num-layers", type=int, default=None, help="truncate (smoke runs)")
+    add_pinned_args(parser)
     args = parser.parse_args()
-    flags = ["--kv-cache-memory=2GiB"]
-    if args.num_layers:
-        flags.append(f"--num-layers={args.num_layers}")
+    flags = pinned_worker_flags(args, "2GiB")
     work = Path(tempfile.mkdtemp(prefix="pdserve-handover-"))
     proc, url = start_up(True, args.cores, work, flags)
     rows = []
@@ -58,7 +56,7 @@ def main() -> None:
             rows.append((rate, summary))
             print(f"rate {rate}: {summary['kv_transfer']}", flush=True)
     finally:
-        stop(proc)
+        stop_pinned(proc)
     print(f"\n1P+1D, every prompt remote; logs in {work}")
     print(
         f"{'req/s':>6} {'done':>5} {'handover p50':>13} {'p99':>8} {'pushes':>7} "

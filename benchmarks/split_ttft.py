@@ -22,82 +22,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import torch
+from bench_cluster import add_pinned_args, pinned_worker_flags, start_pinned, stop_pinned
 
 from engine.runner.device import cpu_has_native_bf16
 
 
 def start_up(split: bool, cores: str, work: Path, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    """`pdserve up` pinned to `cores`; returns (process, router URL)."""
-    name = "split" if split else "colocated"
-    cmd = [
-        "taskset",
-        "-c",
+    """`pdserve up` pinned to `cores`, workers on one thread, `flags` for every worker; returns
+    (process, router URL). Split: every prompt goes to the prefill worker (no local prefill
+    on estimates)."""
+    return start_pinned(
+        "split" if split else "colocated",
         cores,
-        sys.executable,
-        "-m",
-        "pdserve",
-        "up",
-        "--port",
-        "0",
-        "--prefill",
-        "1" if split else "0",
-        "--decode",
-        "1",
-        "--num-threads",
-        "1",
-        "--log-dir",
-        str(work / f"logs-{name}"),
-        # Every prompt goes to the prefill worker (no local prefill on estimates).
-        *(["--router-arg=--local-prefill-max-tokens=0"] if split else []),
-        *[f"--worker-arg={f}" for f in flags],
-    ]
-    # Past the model's trained length (32k prompts): served for speed, as vLLM's switch allows.
-    env = {
-        **os.environ,
-        "PDSERVE_CACHE": str(work / f"cache-{name}"),
-        "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
-    }
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("pdserve is up: "):
-                url.append(line.split()[3])
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(600):
-        stop(proc)
-        raise RuntimeError(f"pdserve up ({name}) did not start; logs in {work}")
-    return proc, url[0]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        work,
+        split=split,
+        up_args=[
+            *(["--router-arg=--local-prefill-max-tokens=0"] if split else []),
+            *[f"--worker-arg={f}" for f in flags],
+        ],
+        # Past the model's trained length (32k prompts): served for speed, as vLLM's switch allows.
+        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
+    )
 
 
 def ttft_s(client: httpx.Client, url: str, model: str, prompt: list[int]) -> float:
@@ -139,17 +94,14 @@ def main() -> None:
     )
     parser.add_argument("--lengths", default="256,2048,8000", help="prompt tokens")
     parser.add_argument("--repeats", type=int, default=3, help="requests per length (median)")
-    parser.add_argument("--cores", default="0,1")
+    add_pinned_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-layers", type=int, default=None, help="truncate (smoke runs)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    flags = ["--kv-cache-memory=3GiB"]
+    flags = pinned_worker_flags(args, "3GiB")
     if args.max_model_len:
         flags.append(f"--max-model-len={args.max_model_len}")
-    if args.num_layers:
-        flags.append(f"--num-layers={args.num_layers}")
     model_dir = subprocess.run(
         [sys.executable, "-m", "pdserve", "prepare-model"], capture_output=True, text=True,
         check=True,
@@ -171,7 +123,7 @@ def main() -> None:
                     ]
                     print(f"{'1P+1D' if split else 'colocated'} {n}: {ttfts[split, n]}", flush=True)
         finally:
-            stop(proc)
+            stop_pinned(proc)
     print(f"\nTTFT, median of {args.repeats}, prompt computed on one core, logs in {work}")
     print(
         f"{'prompt':>8} {'colocated':>11} {'1P+1D':>11} {'ratio':>7} {'extra':>10} {'raw copy':>9}"

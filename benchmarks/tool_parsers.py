@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from typing import Callable
 
+from router.parsers.feeding import endless_pieces
 from router.parsers.message import RequiredCallsReader
 from router.parsers.reasoning.parser import reasoning_parser, reasoning_parser_names
 from router.parsers.tools.parser import tool_parser, tool_parser_names
@@ -87,7 +87,6 @@ def _best_us(runs: list, pieces: list[str], repeats: int) -> list[float]:
 
 # -- one call with an argument that never ends (issue 51) ------------------------------------
 
-FILLER = "lorem ipsum, (dolor) [sit] amet; "
 OPENINGS = {
     "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "',
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "',
@@ -96,18 +95,6 @@ OPENINGS = {
     "pythonic": '[get_weather(city="',
     "required": '[{"name": "get_weather", "parameters": {"city": "',
 }
-
-
-def unterminated(opening: str, chars: int) -> list[str]:
-    """`opening`, then `chars` characters of a string that never ends, in 1-8 character
-    pieces (the same cuts every run)."""
-    text = opening + (FILLER * (chars // len(FILLER) + 1))[:chars]
-    rng, pieces, i = random.Random(0), [], 0
-    while i < len(text):
-        n = rng.randint(1, 8)
-        pieces.append(text[i : i + n])
-        i += n
-    return pieces
 
 
 def _reader(name: str) -> Callable[[], ParsedDelta]:
@@ -137,7 +124,7 @@ def scaling(sizes: list[int], repeats: int) -> None:
         opening = "<think>" if kind == "reasoning" else OPENINGS[which or kind]
         best = []
         for size in sizes:
-            pieces = unterminated(opening, size)
+            pieces = endless_pieces(opening, size)
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()

@@ -1,5 +1,6 @@
-"""A worker's Prometheus /metrics: engine stats, KV transfer stats (kvtransfer's own
-registries), request latencies. docs/metrics.md lists every name.
+"""A worker's Prometheus /metrics: engine stats, request latencies, and the KV transfer
+metrics (worker_runtime/kv_transfer_metrics.py: transfers, handover, pulls, the self-test).
+docs/metrics.md lists every name.
 
 Besides pdserve's own `pdserve_worker_*` names, the engine-level stats are also exported under
 vLLM's names (`vllm:*`, labels `model_name`, `engine`, plus `role`), so dashboards and
@@ -20,10 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.registration import ROLES, TransferSelftest
 from engine.llm_engine import EngineStats
+from worker_runtime.kv_transfer_metrics import KVTransferMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-#: The handover's targets are p50 <= 5 ms and p99 <= 20 ms (issue 58): finer below 50 ms.
-HANDOVER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 
 
 #: vLLM's engine-level names (vllm/v1/metrics/loggers.py) -> the EngineStats field behind them.
@@ -89,73 +89,17 @@ SPEC_COUNTERS = (
 )
 # vLLM's own bucket bounds for these histograms (v1 loggers).
 VLLM_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
 VLLM_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
 VLLM_E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 
 
 class _Both:
@@ -184,13 +128,17 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self._stats: EngineStats | None = None
         self._step_seconds = 0.0
-        self._selftest: TransferSelftest | None = None
         self.registry.register(self)
-        # KV transfer metrics (bytes, blocks, batches, requests, failures, latency histograms)
-        # live in each side's own registry (kvtransfer.metrics); exported here as they are.
-        self.registry.register(kv_backend.sender.metrics.registry)
-        self.registry.register(kv_backend.receiver.metrics.registry)
-        kv_backend.sender.metrics.label_vllm(model_name, role)
+        self.transfer = KVTransferMetrics(
+            self.registry, kv_backend, model_name, role, LATENCY_BUCKETS
+        )
+        # The workers use the KV transfer metrics under these names.
+        self.kv_pulls = self.transfer.kv_pulls
+        self.kv_pull_blocks = self.transfer.kv_pull_blocks
+        self.kv_pull_seconds = self.transfer.kv_pull_seconds
+        self.kv_handover = self.transfer.kv_handover
+        self.kv_exports = self.transfer.kv_exports
+        self.kv_export_blocks = self.transfer.kv_export_blocks
         labels = ["role"]
         vllm = [model_name, "0", role]
         self.ttft = _Both(
@@ -247,46 +195,6 @@ class WorkerMetrics:
         self.embeddings = Counter(
             "pdserve_worker_embeddings", "Embedding requests served", labels, registry=self.registry
         ).labels(role)
-        # KV pulled from peers (kv_pull.py) and sent to them (kv_export.py), whatever the role.
-        self.kv_pulls = Counter(
-            "pdserve_worker_kv_pulls",
-            "Pulls of prompt blocks from a peer "
-            "the router named, by outcome (pulled; failed: computed "
-            "instead; skipped: nothing to pull or no room)",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.kv_pull_blocks = Counter(
-            "pdserve_worker_kv_pull_blocks",
-            "Blocks pulled from peers into the prefix cache",
-            registry=self.registry,
-        )
-        self.kv_pull_seconds = Histogram(
-            "pdserve_worker_kv_pull_seconds",
-            "Time of a completed pull, call to adoption",
-            registry=self.registry,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.kv_handover = Histogram(
-            "pdserve_worker_kv_handover_seconds",
-            "Decode worker: from the last block of a remote prefill's KV landing here to its "
-            "first token handed to the Generate stream (docs/kvtransfer.md)",
-            registry=self.registry,
-            buckets=HANDOVER_BUCKETS,
-        )
-        self.kv_exports = Counter(
-            "pdserve_worker_kv_exports",
-            "Block sends to a pulling peer, "
-            "by outcome (sent; missing: a block no longer held here; "
-            "failed)",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.kv_export_blocks = Counter(
-            "pdserve_worker_kv_export_blocks",
-            "Blocks sent to pulling peers",
-            registry=self.registry,
-        )
         self.role_switches = Counter(
             "pdserve_worker_role_switches",
             "Role switches (Worker.SetRole), by the role left and the role taken",
@@ -298,7 +206,7 @@ class WorkerMetrics:
         """The worker switched from `previous` to `role`."""
         self.role = role
         self.role_switches.labels(previous, role).inc()
-        self.kv.sender.metrics.label_vllm(self.model_name, role)
+        self.transfer.set_role(role)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -309,7 +217,7 @@ class WorkerMetrics:
 
     def set_transfer_selftest(self, result: TransferSelftest) -> None:
         """The KV transfer self-test at start (worker_runtime/process.py)."""
-        self._selftest = result
+        self.transfer.set_selftest(result)
 
     def count_prefill_mode(self, mode: str) -> None:
         self.prefill_modes[mode] = self.prefill_modes.get(mode, 0) + 1
@@ -429,26 +337,7 @@ class WorkerMetrics:
         for mode, n in self.prefill_modes.items():
             modes.add_metric([self.role, mode], n)
         yield modes
-        yield from self._transfer_selftest()
-
-    def _transfer_selftest(self):
-        """The self-test's gauges; 0 until it ran, and when it failed or was skipped."""
-        t = self._selftest
-        for name, doc in (
-            ("gbps", "KV transfer self-test at start: GB/s over this worker's path"),
-            (
-                "memcpy_gbps",
-                "KV transfer self-test at start: GB/s of a one-thread memcpy of the same bytes",
-            ),
-            (
-                "ratio",
-                "KV transfer self-test at start: transfer / memcpy rate (low: a slow or "
-                "fallback path, docs/kvtransfer.md)",
-            ),
-        ):
-            g = GaugeMetricFamily(f"pdserve_kv_transfer_selftest_{name}", doc)
-            g.add_metric([], 0.0 if t is None else getattr(t, name))
-            yield g
+        yield from self.transfer.collect_selftest()
 
     def _spec_decode(self, s: EngineStats, vllm: list[str]):
         for vllm_name, name, doc, value in SPEC_COUNTERS:

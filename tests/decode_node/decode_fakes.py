@@ -354,6 +354,29 @@ class Harness:
 
         return asyncio.ensure_future(consume())
 
+    async def started(
+        self, rid: str = "r", kv_landed: bool = False
+    ) -> tuple[asyncio.Task, FakeCall]:
+        """`generate(rid)`, spun until its Prefill call to P is out (and, with `kv_landed`,
+        until P's KV for it has landed here): (the Generate task, P's call)."""
+        task = self.generate(rid)
+        await self.spin()
+        call = self.calls[0]
+        if kv_landed:
+            await self.land_kv(call)
+            await self.spin()
+        return task, call
+
+    async def fell_back(self, rid: str = "r", aborts: int = 1) -> None:
+        """Steps the engine (5 s at most) until P's attempt at `rid` is given up and `rid`
+        prefills here: P was sent `aborts` Aborts, no block stays held, `rid` runs here."""
+        await self.spin_until(
+            lambda: not self.held and len(self.aborts) >= aborts and bool(self.engine.running),
+            timeout_s=5,
+        )
+        assert self.aborts == [rid] * aborts  # P's attempt was dropped, its blocks released
+        assert self.engine.running == [rid]  # prefilled here instead
+
     async def land_kv(self, call: FakeCall) -> None:
         """P writes every block the call asked for (final batch included)."""
         dest = call.request.destination

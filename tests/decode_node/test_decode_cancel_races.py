@@ -79,13 +79,9 @@ def test_cancel_while_p_may_write_quarantines_until_p_confirms(kv_landed):
     async def main():
         h = Harness()
         try:
-            task = h.generate("r")
-            await h.spin()
-            call = h.calls[0]
+            task, call = await h.started("r", kv_landed=kv_landed)
             blocks = list(call.request.destination.block_ids)
             if kv_landed:
-                await h.land_kv(call)
-                await h.spin()
                 assert (
                     h.worker.prefill.remote.state(call.request.destination.transfer_id).name
                     == "KV_LANDED"
@@ -130,12 +126,7 @@ def test_kv_and_first_token_in_either_order_run_the_request(kv_first):
     async def main():
         h = Harness()
         try:
-            task = h.generate("r")
-            await h.spin()
-            call = h.calls[0]
-            if kv_first:
-                await h.land_kv(call)
-                await h.spin()
+            task, call = await h.started("r", kv_landed=kv_first)
             call.future.set_result(h.response())
             await h.spin()
             if not kv_first:
@@ -184,9 +175,7 @@ def test_kv_timeout_fails_at_once_and_keeps_the_blocks_until_p_confirms_it_stopp
         h = Harness(kv_timeout_s=0.05)
         h.abort_reply = asyncio.get_running_loop().create_future()  # P has not confirmed
         try:
-            task = h.generate("r")
-            await h.spin()
-            call = h.calls[0]
+            task, call = await h.started("r")
             blocks = list(call.request.destination.block_ids)
             await asyncio.sleep(0.1)
             await h.spin()  # the receiver times out; P's call is still open
@@ -211,9 +200,7 @@ def test_a_prefill_longer_than_the_window_completes_while_p_keeps_it_alive():
     async def main():
         h = Harness(kv_timeout_s=0.05)
         try:
-            task = h.generate("r")
-            await h.spin()
-            call = h.calls[0]
+            task, call = await h.started("r")
             dest = call.request.destination
             h.p_kv.sender.send(dest.transfer_id, "D", [], final=False, idle_s=0.05)
             end = asyncio.get_running_loop().time() + 0.5
@@ -246,17 +233,10 @@ def test_a_prefill_worker_that_fails_falls_back_and_releases_once_it_cannot_writ
         error = getattr(decode_fakes, refusal)
         h = Harness()
         try:
-            task = h.generate("r")
-            await h.spin()
+            task, call = await h.started("r")
             h.abort_error = error()
-            h.calls[0].future.set_exception(error())
-            deadline = asyncio.get_running_loop().time() + 5
-            while h.held or len(h.aborts) < asked or not h.engine.running:
-                assert asyncio.get_running_loop().time() < deadline, h.held
-                await asyncio.sleep(0.01)
-                h.run_engine()
-            assert h.aborts == ["r"] * asked
-            assert h.engine.running == ["r"]  # prefilled here instead
+            call.future.set_exception(error())
+            await h.fell_back("r", aborts=asked)
             task.cancel()
             await h.spin()
         finally:

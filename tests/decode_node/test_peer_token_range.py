@@ -34,21 +34,11 @@ def test_a_first_token_outside_the_vocabulary_fails_the_prefill_and_falls_back(c
     async def main():
         h = Harness()
         try:
-            task = h.generate("r")
-            await h.spin()
-            call = h.calls[0]
-            await h.land_kv(call)
-            await h.spin()
+            task, call = await h.started("r", kv_landed=True)
             call.future.set_result(
                 pb.PrefillResponse(first_token=pb.TokenLogprob(token_id=VOCAB_SIZE + 7))
             )
-            deadline = asyncio.get_running_loop().time() + 5
-            while h.held or not h.aborts or not h.engine.running:
-                assert asyncio.get_running_loop().time() < deadline, (h.held, h.aborts)
-                await asyncio.sleep(0.01)
-                h.run_engine()
-            assert h.aborts == ["r"]  # P's attempt was dropped, its blocks released
-            assert h.engine.running == ["r"]  # prefilled here instead
+            await h.fell_back("r")
             assert not h.worker.prefill.remote.in_flight
             task.cancel()
             await h.spin()

@@ -13,6 +13,7 @@ from typing import Iterator
 import grpc
 
 from cluster.net import free_port
+from cluster.registration import WorkerInfo, list_workers, make_client
 from local_cluster.launcher import ServiceProcess
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -145,6 +146,29 @@ def wait_all_blocks_free(address: str, timeout: float = 5.0) -> pb.HealthRespons
                 f"{address}: {c.total_blocks - c.free_blocks} blocks still in use, {c}"
             )
         time.sleep(0.05)
+
+
+async def registration(etcd: str, worker: WorkerProcess, cluster: str = "default") -> WorkerInfo:
+    """`worker`'s registration as the etcd at `etcd` holds it."""
+    async with make_client(etcd) as client:
+        workers = await list_workers(client, cluster)
+    [info] = [i for i in workers if i.worker_id == worker.worker_id]
+    return info
+
+
+def decode_request(
+    rid: str, tokens: list[int], prefill: WorkerProcess | None = None, **sampling
+) -> pb.GenerateRequest:
+    """A decode worker's Generate request: greedy, 12 tokens unless `sampling` says otherwise;
+    prefilled on `prefill` when given."""
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 12)
+    req = pb.GenerateRequest(
+        request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling)
+    )
+    if prefill is not None:
+        req.prefill_worker.CopyFrom(prefill.ref())
+    return req
 
 
 async def generate(address: str, request: pb.GenerateRequest, timeout: float = 120.0):

@@ -1,7 +1,7 @@
-"""Prefill + decode workers as real processes on loopback with a real etcd; KV over NIXL.
-
-The headline: greedy outputs through decode + prefill (KV streamed block by block over NIXL,
-several transfer batches per request) are token-identical to a single engine's."""
+"""Prefill + decode workers as real processes on loopback with a real etcd; KV over NIXL. The
+headline: greedy outputs through decode + prefill (KV streamed block by block over NIXL, several
+transfer batches per request) are token-identical to a single engine's. A worker's
+registration over its life: test_worker_registration.py."""
 
 import asyncio
 import os
@@ -16,14 +16,15 @@ from pd_cluster import (
     WorkerProcess,
     ahealth,
     cancel_once_started,
+    decode_request,
     generate,
     metric,
+    registration,
     tokens_by_index,
     wait_all_blocks_free,
 )
 
 from cluster.etcd_server import EtcdServer
-from cluster.registration import list_workers, make_client
 from engine import LLM, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -66,17 +67,6 @@ def reference_llm(model_dir):
     return LLM(str(model_dir), num_layers=NUM_LAYERS, kv_cache_memory=32 << 20, dtype="float32")
 
 
-def _request(rid, tokens, prefill=None, **sampling):
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", 12)
-    req = pb.GenerateRequest(
-        request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling)
-    )
-    if prefill is not None:
-        req.prefill_worker.CopyFrom(prefill.ref())
-    return req
-
-
 def _prompts(n, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(rng.randint(5, 150))] for _ in range(n)]
@@ -92,7 +82,7 @@ def test_disaggregated_greedy_equals_single_engine(workers, reference_llm):
     async def run_all():
         return await asyncio.gather(
             *[
-                generate(decode.address, _request(f"parity-{i}", p, prefill))
+                generate(decode.address, decode_request(f"parity-{i}", p, prefill))
                 for i, p in enumerate(prompts)
             ]
         )
@@ -124,7 +114,7 @@ def test_seeded_sampling_across_workers_equals_single_engine(workers, reference_
     responses = asyncio.run(
         generate(
             decode.address,
-            _request(
+            decode_request(
                 "seeded",
                 prompt,
                 prefill,
@@ -150,9 +140,9 @@ def test_decode_side_prefix_reuse_transfers_only_missing_blocks(workers):
     prefill, decode = workers
     shared = list(range(1000, 1200))  # 200 tokens: 12 full blocks (+ 8)
     first, second = shared + [5, 6, 7], shared + [8, 9, 10, 11, 12]
-    asyncio.run(generate(decode.address, _request("prefix-a", first, prefill)))
+    asyncio.run(generate(decode.address, decode_request("prefix-a", first, prefill)))
     before = metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
-    responses = asyncio.run(generate(decode.address, _request("prefix-b", second, prefill)))
+    responses = asyncio.run(generate(decode.address, decode_request("prefix-b", second, prefill)))
     landed = (
         metric(decode.metrics_address, "pdserve_kv_transfer_blocks_total", direction="receive")
         - before
@@ -165,7 +155,7 @@ def test_local_prefill_without_a_prefill_worker(workers, reference_llm):
     _, decode = workers
     [prompt] = _prompts(1, seed=5)
     responses = asyncio.run(
-        generate(decode.address, _request("local", prompt, n=2, temperature=0.7, seed=3))
+        generate(decode.address, decode_request("local", prompt, n=2, temperature=0.7, seed=3))
     )
     assert {r.prefill_mode for r in responses} == {"local"}
     got = tokens_by_index(responses)
@@ -178,7 +168,7 @@ def test_local_prefill_without_a_prefill_worker(workers, reference_llm):
 def test_unreachable_prefill_worker_falls_back_to_local(workers, reference_llm):
     _, decode = workers
     [prompt] = _prompts(1, seed=9)
-    req = _request("fallback", prompt)
+    req = decode_request("fallback", prompt)
     req.prefill_worker.CopyFrom(pb.WorkerRef(worker_id="gone", address="127.0.0.1:1"))
     responses = asyncio.run(generate(decode.address, req))
     assert {r.prefill_mode for r in responses} == {"local_fallback"}
@@ -201,7 +191,7 @@ def test_unreachable_prefill_worker_falls_back_to_local(workers, reference_llm):
 )
 def test_invalid_requests_are_invalid_argument(workers, bad, message):
     _, decode = workers
-    req = _request("bad", [1, 2, 3])
+    req = decode_request("bad", [1, 2, 3])
     for field, value in bad.items():
         if field == "prompt_token_ids":
             del req.prompt_token_ids[:]
@@ -222,14 +212,7 @@ def test_prefill_writes_only_into_registered_workers(workers, etcd):
     test here prefills through it)."""
     prefill, decode = workers
 
-    async def decode_metadata() -> bytes:
-        async with make_client(etcd.endpoint) as client:
-            [info] = [
-                i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id
-            ]
-        return info.kv_metadata.encode("ascii")
-
-    registered = asyncio.run(decode_metadata())
+    registered = asyncio.run(registration(etcd.endpoint, decode)).kv_metadata.encode("ascii")
 
     def prefill_to(metadata: bytes, rid: str):
         request = pb.PrefillRequest(
@@ -264,10 +247,7 @@ def test_a_deferred_destination_that_does_not_fit_the_prompt_fails_that_prefill(
     prefill, decode = workers
 
     async def run() -> grpc.aio.AioRpcError:
-        async with make_client(etcd.endpoint) as client:
-            [info] = [
-                i for i in await list_workers(client, "default") if i.worker_id == decode.worker_id
-            ]
+        info = await registration(etcd.endpoint, decode)
         tid = f"deferred-{order}:0"
         request = pb.PrefillRequest(
             request_id=f"deferred-{order}",
@@ -305,10 +285,8 @@ def test_client_cancel_aborts_and_frees_within_a_second(workers):
 
     async def start_and_cancel():
         async with grpc.aio.insecure_channel(decode.address) as ch:
-            from proto import pdserve_pb2_grpc as pb_grpc
-
             call = pb_grpc.DecodeWorkerStub(ch).Generate(
-                _request(
+                decode_request(
                     "cancel-me",
                     _prompts(1, seed=11)[0],
                     prefill,
@@ -341,7 +319,9 @@ def test_a_silent_prefill_worker_fails_the_kv_clearly_and_frees(etcd, tmp_path, 
     prompt = [random.Random(2).randrange(100, 40000) for _ in range(2000)]
 
     async def run():
-        call = asyncio.ensure_future(generate(decode.address, _request("silent", prompt, prefill)))
+        call = asyncio.ensure_future(
+            generate(decode.address, decode_request("silent", prompt, prefill))
+        )
         await asyncio.sleep(0.3)  # P computes the prompt, 24 tokens a step
         os.kill(prefill.pid, signal.SIGSTOP)
         try:
@@ -365,62 +345,6 @@ def test_a_silent_prefill_worker_fails_the_kv_clearly_and_frees(etcd, tmp_path, 
         assert decode.terminate() == 0
 
 
-def test_registration_and_lease_expiry_after_kill(etcd, tmp_path):
-    async def roles(cluster):
-        async with make_client(etcd.endpoint) as client:
-            return sorted((w.role, w.worker_id) for w in await list_workers(client, cluster))
-
-    decode = WorkerProcess(
-        "decode", etcd.endpoint, "--cluster", "lease", log_dir=tmp_path
-    ).wait_ready()
-    try:
-        [(role, worker_id)] = asyncio.run(roles("lease"))
-        assert (role, worker_id) == ("decode", decode.worker_id)
-        decode.proc.kill()  # kill -9: no deregistration; the lease must lapse
-        decode.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while asyncio.run(roles("lease")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert asyncio.run(roles("lease")) == []
-    finally:
-        decode.kill()
-
-
-def test_sigterm_drains_in_flight_work_then_deregisters(etcd, tmp_path):
-    decode = WorkerProcess(
-        "decode", etcd.endpoint, "--cluster", "drain", log_dir=tmp_path
-    ).wait_ready()
-
-    async def main():
-        # Long enough to be in flight well past the SIGTERM on a fast CPU (2 layers decode
-        # at a few ms per token), bounded on a slow one.
-        task = asyncio.create_task(
-            generate(decode.address, _request("drain", [5] * 20, max_tokens=400, ignore_eos=True))
-        )
-        await asyncio.sleep(0.3)
-        decode.proc.send_signal(15)
-        await asyncio.sleep(0.3)
-        async with make_client(etcd.endpoint) as client:
-            during = await list_workers(client, "drain")
-        with pytest.raises(grpc.aio.AioRpcError) as refused:  # no new work while draining
-            await generate(decode.address, _request("too-late", [5] * 20))
-        return await task, during, refused.value.code()
-
-    responses, during, refused_code = asyncio.run(main())
-    assert [w.draining for w in during] == [True]
-    assert refused_code is grpc.StatusCode.UNAVAILABLE
-    assert (
-        sum(len(r.token_ids) for r in responses) == 400 and responses[-1].finish_reason == "length"
-    )
-    assert decode.proc.wait(30) == 0
-
-    async def registered():
-        async with make_client(etcd.endpoint) as client:
-            return await list_workers(client, "drain")
-
-    assert asyncio.run(registered()) == []
-
-
 def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(
     etcd, tmp_path, workers, reference_llm
 ):
@@ -431,7 +355,7 @@ def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(
 
     async def start_then_kill():
         task = asyncio.create_task(
-            generate(doomed.address, _request("doomed", long_prompt, prefill))
+            generate(doomed.address, decode_request("doomed", long_prompt, prefill))
         )
         deadline = time.monotonic() + 20
         while (await ahealth(prefill.address)).capacity.running == 0:  # prefill under way
@@ -447,7 +371,9 @@ def test_decode_worker_dying_mid_transfer_frees_the_prefill_worker(
         doomed.kill()
     wait_all_blocks_free(prefill.address, timeout=15)  # aborted, pinned blocks released
     [prompt] = _prompts(1, seed=12)  # and it keeps serving
-    responses = asyncio.run(generate(decode.address, _request("after-death", prompt, prefill)))
+    responses = asyncio.run(
+        generate(decode.address, decode_request("after-death", prompt, prefill))
+    )
     [ref] = reference_llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
     )
@@ -464,7 +390,7 @@ def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
 
     cancel_once_started(
         decode.address,
-        _request("cancel-mid", long_prompt, prefill),
+        decode_request("cancel-mid", long_prompt, prefill),
         prefill_computes_it,
         timeout=20,
     )
@@ -472,34 +398,3 @@ def test_cancel_mid_transfer_aborts_on_both_workers_and_frees(workers):
     # write can land in reused blocks), then frees them; the prefill side frees its own.
     wait_all_blocks_free(decode.address, timeout=10)
     wait_all_blocks_free(prefill.address, timeout=10)
-
-
-def test_etcd_lost_and_back_keeps_serving_and_reregisters(tmp_path):
-    etcd = EtcdServer(data_dir=tmp_path / "etcd").start()
-    decode = WorkerProcess(
-        "decode", etcd.endpoint, "--cluster", "loss", log_dir=tmp_path
-    ).wait_ready()
-
-    async def registered(endpoint, since=0.0):
-        async with make_client(endpoint) as client:
-            return [w.worker_id for w in await list_workers(client, "loss") if w.updated_at > since]
-
-    try:
-        assert asyncio.run(registered(etcd.endpoint)) == [decode.worker_id]
-        etcd.stop()
-        responses = asyncio.run(
-            generate(decode.address, _request("no-etcd", [5] * 20, max_tokens=4))
-        )
-        assert sum(len(r.token_ids) for r in responses) == 4  # still serving without etcd
-        etcd = EtcdServer(
-            data_dir=tmp_path / "etcd", client_port=etcd.client_port, peer_port=etcd.peer_port
-        ).start()
-        restarted = time.time()
-        deadline = time.monotonic() + 20
-        # Published again after the restart (not a key left over from before the outage).
-        while asyncio.run(registered(etcd.endpoint, since=restarted)) != [decode.worker_id]:
-            assert time.monotonic() < deadline, "the worker did not re-register"
-            time.sleep(0.3)
-    finally:
-        assert decode.terminate() == 0
-        etcd.stop()

@@ -20,6 +20,7 @@ from typing import Callable
 import pytest
 from test_tool_parsers import CASES, FRAGMENTS, TOOLS, _check_call_pieces, _result, _splits
 
+from router.parsers.feeding import FILLER, endless_pieces
 from router.parsers.message import RequiredCallsReader
 from router.parsers.reasoning.parser import reasoning_parser, reasoning_parser_names
 from router.parsers.tools.base import ToolParser
@@ -27,7 +28,6 @@ from router.parsers.tools.parser import tool_parser, tool_parser_names
 from router.parsers.tools.stream import StreamingToolParser
 from router.parsers.tools.types import ParsedDelta, assemble
 
-FILLER = "lorem ipsum, (dolor) [sit] amet; "
 # Each reader's text up to an argument string (or a name) that the output never ends.
 ARGUMENT = {
     "granite": '<|tool_call|>[{"name": "get_time", "arguments": {"s": "',
@@ -62,16 +62,6 @@ def _make(name: str) -> Callable[[], ToolParser]:
     return lambda: tool_parser(name)(TOOLS)
 
 
-def _pieces(opening: str, chars: int, filler: str) -> list[str]:
-    text = opening + (filler * (chars // len(filler) + 1))[:chars]
-    rng, pieces, i = random.Random(0), [], 0
-    while i < len(text):
-        n = rng.randint(1, 8)
-        pieces.append(text[i : i + n])
-        i += n
-    return pieces
-
-
 def _timed(make: Callable[[], ToolParser], pieces: list[str], budget: float):
     """Seconds to feed `pieces` and finish, and the deltas; inf (None) once past `budget`."""
     parser, deltas = make(), []
@@ -94,9 +84,11 @@ def test_work_is_linear_in_an_endless_call(name, shape):
         opening = (ARGUMENT if shape == "argument" else HELD_NAME)[reader]
         filler = FILLER if shape == "argument" else "abcd_efgh_"
     make = _make(name)
-    small = min(_timed(make, _pieces(opening, 10_000, filler), float("inf"))[0] for _ in range(3))
+    small = min(
+        _timed(make, endless_pieces(opening, 10_000, filler), float("inf"))[0] for _ in range(3)
+    )
     for _ in range(3):  # a busy machine may slow one run: any of three within the bound
-        big, deltas = _timed(make, _pieces(opening, 100_000, filler), BOUND * small)
+        big, deltas = _timed(make, endless_pieces(opening, 100_000, filler), BOUND * small)
         if deltas is not None:
             break
     assert deltas is not None, f"100k characters cost over {BOUND}x what 10k cost"

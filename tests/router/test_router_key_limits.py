@@ -12,17 +12,14 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-import uvicorn
+from keyed_router import ADMIN, KEY_A, KEY_B, keyed_router
 
-from cluster.net import free_port
 from router.call import Delta
 from router.config import LimitsConfig, RouterConfig
-from router.http.app import create_app
 from router.http.auth import _digest, resolve_keys
 from router.http.errors import APIError
-from router.server import RouterServices, load_model_card
+from router.server import load_model_card
 
-KEY_A, KEY_B, ADMIN = "tenant-a-key-0123456", "tenant-b-key-0123456", "admin-key-1-0123456"
 PROMPT = {"prompt": "hello there", "max_tokens": 10}
 
 
@@ -61,29 +58,12 @@ def card():
 
 @asynccontextmanager
 async def router(card, **limits):
-    config = RouterConfig(
-        etcd="127.0.0.1:1",
-        api_key=(KEY_A, KEY_B),
-        admin_api_key=(ADMIN,),
-        limits=LimitsConfig(**limits),
-    )
-    services = RouterServices(config, card, resolve_keys(config, {}))
-    app = create_app(services)
-    services.dispatcher = held = HeldDispatcher()  # the handlers look it up per request
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+    held = HeldDispatcher()
+    async with keyed_router(card, held, timeout=10, **limits) as (services, client):
+        try:
             yield services, client
-    finally:
-        held.release.set()
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        finally:
+            held.release.set()
 
 
 def post(client, key, path="/v1/completions", body=PROMPT, **kw):
