@@ -139,6 +139,7 @@ class PrefillClient:
         except TokenOutOfRange as bad:
             return await self._failed(req, worker, tid, done, peer_reply_error(f"first {bad}"))
         answered_at = time.monotonic()
+        ctx.metrics.kv_handover_prefill.observe(response.answer_delay_s)
         announced = ctx.preview_first(req, token) if announce is not None else None
         if announce is not None and announced is not None:
             # P answers once its writes completed: the token goes out now (the KV has landed),

@@ -137,6 +137,7 @@ class WorkerMetrics:
         self.kv_pull_blocks = self.transfer.kv_pull_blocks
         self.kv_pull_seconds = self.transfer.kv_pull_seconds
         self.kv_handover = self.transfer.kv_handover
+        self.kv_handover_prefill = self.transfer.kv_handover_prefill
         self.kv_exports = self.transfer.kv_exports
         self.kv_export_blocks = self.transfer.kv_export_blocks
         labels = ["role"]

@@ -5,7 +5,9 @@ Per run (the difference of the two scrapes, summed over workers): prompt pushes 
 into decode workers, bytes per push, the push's time (decode side: expected -> last block
 landed, which includes the prefill worker's compute: a push streams while the prompt computes),
 descriptors per transfer (prefill side, where the transport exports them) and the handover —
-last block landed -> first token handed to the stream (`pdserve_worker_kv_handover_seconds`).
+the prefill worker's last write complete -> first token handed to the decode worker's stream
+(`pdserve_worker_kv_handover_seconds`), with the prefill worker's part of it
+(`pdserve_worker_kv_handover_prefill_seconds`: its write seen complete -> its answer sent).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from local_cluster.metrics_text import Scrape, increase, quantile, window_bucket
 
 TRANSFER_S = "pdserve_kv_transfer_latency_seconds"
 HANDOVER_S = "pdserve_worker_kv_handover_seconds"
+HANDOVER_PREFILL_S = "pdserve_worker_kv_handover_prefill_seconds"
 DESCRIPTORS = "vllm:nixl_num_descriptors"
 
 
@@ -33,6 +36,9 @@ class KVTransferStats:
     handovers: int
     handover_ms_p50: float | None
     handover_ms_p99: float | None
+    handover_prefill_ms_p50: float | None
+    """The prefill worker's part of the handover (its answer's delay)."""
+    handover_prefill_ms_p99: float | None
     descriptors_per_transfer: float | None
     """Mean NIXL descriptors per transfer on the sending side (None: not exported)."""
 
@@ -71,12 +77,14 @@ def kv_transfer_stats(before: list[Scrape], after: list[Scrape]) -> KVTransferSt
     nbytes = 0.0
     latency: dict[float, float] = {}
     handover: dict[float, float] = {}
+    handover_prefill: dict[float, float] = {}
     for old, new in zip(before, after):
         transfers += increase(new, old, "pdserve_kv_transfer_requests_total", direction="receive")
         nbytes += increase(new, old, "pdserve_kv_transfer_bytes_total", direction="receive")
         descriptors += increase(new, old, f"{DESCRIPTORS}_sum")
         _add(latency, _window(new, old, TRANSFER_S, direction="receive"))
         _add(handover, _window(new, old, HANDOVER_S))
+        _add(handover_prefill, _window(new, old, HANDOVER_PREFILL_S))
     sent = sum(increase(n, o, f"{DESCRIPTORS}_count") for o, n in zip(before, after))
     handovers = int(max(handover.values(), default=0))
     return KVTransferStats(
@@ -87,6 +95,8 @@ def kv_transfer_stats(before: list[Scrape], after: list[Scrape]) -> KVTransferSt
         handovers=handovers,
         handover_ms_p50=_ms(quantile(handover, 0.5)),
         handover_ms_p99=_ms(quantile(handover, 0.99)),
+        handover_prefill_ms_p50=_ms(quantile(handover_prefill, 0.5)),
+        handover_prefill_ms_p99=_ms(quantile(handover_prefill, 0.99)),
         descriptors_per_transfer=descriptors / sent if sent else None,
     )
 
@@ -104,7 +114,11 @@ def format_rows(stats: KVTransferStats) -> list[tuple[str, str]]:
         ("KV pushes completed (decode side)", str(stats.transfers)),
         ("KV bytes per push", "-" if per is None else f"{per / 2**20:.2f} MiB"),
         ("KV push time, ms (includes the prompt's compute)", push),
-        ("handover, ms (last KV landed -> first token sent)", handover),
+        ("handover, ms (last KV write complete -> first token sent)", handover),
+        (
+            "  of which the prefill worker's answer, ms",
+            ms(stats.handover_prefill_ms_p50, stats.handover_prefill_ms_p99),
+        ),
     ]
     if stats.descriptors_per_transfer is not None:
         rows.append(("descriptors per transfer", f"{stats.descriptors_per_transfer:.1f}"))

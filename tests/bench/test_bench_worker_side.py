@@ -16,9 +16,12 @@ from pdserve.bench.worker_side import format_rows, kv_transfer_stats, metrics_ur
 HANDOVER_BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 
 
-def page(pushes: int, nbytes: int, handovers: list[int]) -> str:
+def page(
+    pushes: int, nbytes: int, handovers: list[int], prefill_parts: list[int] | None = None
+) -> str:
     """A decode worker's page: `pushes` completed pushes of `nbytes` in all, all in the
-    0.5-1 s latency bucket; handover counts per bucket (cumulative written out here)."""
+    0.5-1 s latency bucket; handover counts per bucket (cumulative written out here), and
+    the prefill worker's parts of them likewise (when given)."""
     lines = [
         "# TYPE pdserve_kv_transfer_requests counter",
         f'pdserve_kv_transfer_requests_total{{direction="receive",peer="P"}} {pushes}',
@@ -32,22 +35,32 @@ def page(pushes: int, nbytes: int, handovers: list[int]) -> str:
             "pdserve_kv_transfer_latency_seconds_bucket"
             f'{{direction="receive",peer="P",le="{le}"}} {count}'
         )
-    lines.append("# TYPE pdserve_worker_kv_handover_seconds histogram")
-    cumulative = 0
-    for le, n in zip((*map(str, HANDOVER_BOUNDS), "+Inf"), [*handovers, 0]):
-        cumulative += n
-        lines.append(f'pdserve_worker_kv_handover_seconds_bucket{{le="{le}"}} {cumulative}')
+    histograms = {"pdserve_worker_kv_handover_seconds": handovers}
+    if prefill_parts is not None:
+        histograms["pdserve_worker_kv_handover_prefill_seconds"] = prefill_parts
+    for name, counts in histograms.items():
+        lines.append(f"# TYPE {name} histogram")
+        cumulative = 0
+        for le, n in zip((*map(str, HANDOVER_BOUNDS), "+Inf"), [*counts, 0]):
+            cumulative += n
+            lines.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
     return "\n".join(lines) + "\n"
 
 
 def test_the_run_is_the_difference_of_the_two_scrapes():
     # 10 handovers before the run (all slow); the run adds 4 under 1 ms and none slower.
-    old = Scrape.parse(page(3, 3 << 20, [0, 0, 0, 0, 0, 0, 0, 10, 0, 0]))
-    new = Scrape.parse(page(7, 11 << 20, [0, 4, 0, 0, 0, 0, 0, 10, 0, 0]))
+    # The prefill worker's parts: 10 before (1-2 ms), the run's 4 all under 0.5 ms.
+    old = Scrape.parse(
+        page(3, 3 << 20, [0, 0, 0, 0, 0, 0, 0, 10, 0, 0], [0, 0, 10, 0, 0, 0, 0, 0, 0, 0])
+    )
+    new = Scrape.parse(
+        page(7, 11 << 20, [0, 4, 0, 0, 0, 0, 0, 10, 0, 0], [4, 0, 10, 0, 0, 0, 0, 0, 0, 0])
+    )
     stats = kv_transfer_stats([old], [new])
     assert stats.transfers == 4 and stats.bytes_per_transfer == 2 << 20
     assert stats.handovers == 4
     assert 0.5 <= stats.handover_ms_p50 <= 1.0 and stats.handover_ms_p99 <= 1.0
+    assert stats.handover_prefill_ms_p50 <= 0.5 and stats.handover_prefill_ms_p99 <= 0.5
     assert 500 <= stats.transfer_ms_p50 <= 1000
     assert stats.descriptors_per_transfer is None  # not exported: not shown
     rows = dict(format_rows(stats))
