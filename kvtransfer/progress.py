@@ -20,7 +20,7 @@ for a whole long prompt slows the prefill worker's compute beside it):
   just heard a result, or a send / expect was just posted: every `period_s` (1 ms).
 * **listening** — a receiver waits for a peer's notification (nothing tells it when one
   comes; the peer's write completes only once we have polled, measured:
-  docs/benchmarks/kvtransfer.md): back-off from `period_s`, doubling to `listen_period_s`.
+  docs/benchmarks/kvtransfer.md): back-off from `period_s`, doubling to `listen_period_s` (5 ms).
 * **open** — only senders' requests are open, nothing outstanding (a prefill worker computing
   its next chunk): back-off doubling to `idle_period_s`; never later than a view's own timers
   need (`poll_due_s`: the next keepalive — `heartbeat_interval`, ~1 s — or a deadline).
@@ -46,9 +46,12 @@ from typing import Callable, Protocol, Sequence
 log = logging.getLogger(__name__)
 
 DEFAULT_PERIOD_S = 0.001
-LISTEN_PERIOD_S = 0.01
+LISTEN_PERIOD_S = 0.005
 """A receiver waiting for a notification is polled at least this often: its peer's write
-completes only once we polled, so this bounds what listening adds to the sender's completion."""
+completes only once we polled (UCX's peer error-handling mode, which dead-peer detection
+needs), so this bounds what listening adds to the sender's completion — and to the prefill
+worker's answer. Measured on the 2-core host: a round costs ~8 us; 1 ms polling ~4.4% of a
+core, 5 ms ~1.1%, 10 ms ~0.8% (docs/benchmarks/kvtransfer.md)."""
 IDLE_PERIOD_S = 0.5
 """Only senders' requests open, nothing outstanding: at least this often (and as their
 keepalives need, `poll_due_s`)."""
