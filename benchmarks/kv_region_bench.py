@@ -15,7 +15,10 @@ of processes (UCX reads its environment once) and measures, interleaved in the s
   (one thread), and `torch 2t`: torch's copy with every thread (the faster is the ceiling the
   NIXL ratio is taken against: `ratio`);
 * `kernel 1t`: process_vm_writev into a buffer of this process itself (one thread; the kernel's
-  copy loop CMA runs, without UCX) — the copy CMA is bounded by.
+  copy loop CMA runs, without UCX) — the copy CMA is bounded by;
+* `shm 1t`: libc memcpy into a warm memfd MAP_SHARED mapping (4 KiB shmem pages) — what a
+  sender would reach writing a peer's pool that lives in shared memory (another process can
+  map it through /proc/<pid>/fd/<n>): the user-space single copy CMA is not.
 
 Variants: `default` (the backend's settings), `split<k>` (the region posted as k transfers, one
 after another, in one thread), `threads<k>` (k transfers posted from k threads at once, the
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import multiprocessing as mp
 import os
 import statistics
@@ -190,12 +194,17 @@ def _variant(conn: Any, variant: str, tokens: list[int], reps: int) -> None:
         backend = _backend(f"region-send-{os.getpid()}", src, workers)
         peer = backend.add_peer(meta)
         libc = _libc()
+        shm_fd = os.memfd_create("kv-region-bench")
+        os.ftruncate(shm_fd, dst.numel() * 4)
+        shm = mmap.mmap(shm_fd, dst.numel() * 4, mmap.MAP_SHARED)
+        shm_t = torch.frombuffer(shm, dtype=torch.uint8)
+        shm_t.fill_(0)  # pages touched, as a live pool's are
         seq = 0
         for tok in tokens:
             n = tok // BLOCK_TOKENS
             nbytes = n * src[0].numel() * 4
             ids = list(range(n))
-            nixl, post, mem1, tor, kern = [], [], [], [], []
+            nixl, post, mem1, tor, kern, shm1 = [], [], [], [], [], []
             for rep in range(reps + 1):  # the first round warms up, and is dropped
                 seq += 1
                 rid = f"r{seq}"
@@ -229,12 +238,16 @@ def _variant(conn: Any, variant: str, tokens: list[int], reps: int) -> None:
                 dst[:n].copy_(src[:n])
                 m2 = time.perf_counter()
                 k_s = _kernel_copy_s(libc, dst.data_ptr(), src.data_ptr(), nbytes)
+                s0 = time.perf_counter()
+                libc.memcpy(shm_t.data_ptr(), src.data_ptr(), nbytes)
+                s_s = time.perf_counter() - s0
                 if rep:
                     nixl.append(t_recv - t0)
                     post.append(post_s)
                     mem1.append(m1 - m0)
                     tor.append(m2 - m1)
                     kern.append(k_s)
+                    shm1.append(s_s)
             here.send(("sum", n))
             got = here.recv()
             want = float(src[:n].double().sum())
@@ -250,6 +263,7 @@ def _variant(conn: Any, variant: str, tokens: list[int], reps: int) -> None:
                 memcpy_1t_gbps=nbytes / min(mem1) / 1e9,
                 torch_all_gbps=nbytes / min(tor) / 1e9,
                 kernel_1t_gbps=nbytes / min(kern) / 1e9,
+                shm_1t_gbps=nbytes / min(shm1) / 1e9,
                 ratio=min(base, 1e9) / min(nixl),
                 ratio_vs_1t=min(mem1) / min(nixl),
             )
@@ -258,11 +272,15 @@ def _variant(conn: Any, variant: str, tokens: list[int], reps: int) -> None:
                 f"{variant:>24} {tok:>5} tok {row['mib']:6.1f} MiB | nixl {row['nixl_gbps']:5.2f} "
                 f"(median {row['nixl_gbps_median']:5.2f}; in post {row['post_gbps']:5.2f}) GB/s | "
                 f"memcpy 1t {row['memcpy_1t_gbps']:5.2f} torch all {row['torch_all_gbps']:5.2f} "
-                f"kernel 1t {row['kernel_1t_gbps']:5.2f} GB/s | ratio {row['ratio']:.2f}x "
+                f"kernel 1t {row['kernel_1t_gbps']:5.2f} shm 1t {row['shm_1t_gbps']:5.2f} GB/s | "
+                f"ratio {row['ratio']:.2f}x "
                 f"(vs 1t {row['ratio_vs_1t']:.2f}x)",
                 flush=True,
             )
         backend.close()
+        del shm_t
+        shm.close()
+        os.close(shm_fd)
     finally:
         here.send(("exit",))
         here.recv()
