@@ -20,9 +20,13 @@ of processes (UCX reads its environment once) and measures, interleaved in the s
   sender would reach writing a peer's pool that lives in shared memory (another process can
   map it through /proc/<pid>/fd/<n>): the user-space single copy CMA is not.
 
-Variants: `default` (the backend's settings), `split<k>` (the region posted as k transfers, one
-after another, in one thread), `threads<k>` (k transfers posted from k threads at once, the
-UCX backend with k workers), and `env:NAME=VALUE[+NAME=VALUE]` (UCX settings).
+Variants: `default` (the backend's settings: one transfer through `sender.send`), `split<k>`
+(the region posted as k raw NIXL transfers, one after another, in one thread), `threads<k>`
+(k transfers posted from k threads at once, the UCX backend with `num_workers=k`),
+`nixlthreads<k>` (one transfer, the UCX backend with `num_threads=k`), and
+`env:NAME=VALUE[+NAME=VALUE]` (UCX settings, e.g. `env:UCX_PROTO_INFO=y` prints the protocols
+UCX picked). Split and threaded variants send the receiver's batch notification once every
+part is done.
 Pools use transparent huge pages (THP_MEM_ALLOC_ENABLE=1), as the engine's pool does.
 """
 
@@ -177,6 +181,9 @@ def _variant(conn: Any, variant: str, tokens: list[int], reps: int) -> None:
     os.environ.update(env)
     import torch
 
+    from kvtransfer.nixl_slices import PART_NOTIF  # receivers drop these: parts of a batch
+    from kvtransfer.protocol import BatchNotice
+
     workers = int(variant[7:]) if variant.startswith("threads") else 1
     if variant.startswith("nixlthreads"):
         _ucx_params({"num_threads": variant[11:]})
@@ -214,14 +221,11 @@ def _variant(conn: Any, variant: str, tokens: list[int], reps: int) -> None:
                 if variant.startswith(("split", "threads")):
                     k = int(variant[5:] if variant.startswith("split") else variant[7:])
                     t0 = time.monotonic()
-                    post_s = _post_chunks(backend, peer, n, k, variant.startswith("threads"), b"x")
-                    # the counted notification, alone (the data has landed)
-                    backend.sender.send(rid, peer, [(i, i) for i in ids][:0], final=False)
-                    from kvtransfer.protocol import BatchNotice
-
-                    backend.transport.send_notif(peer, BatchNotice(rid, 1, tuple(ids), n).encode())
-                    backend.sender.cancel(rid)
-                    backend.sender.poll()
+                    threads = variant.startswith("threads")
+                    post_s = _post_chunks(backend, peer, n, k, threads, PART_NOTIF)
+                    # every part is done (landed): the receiver's batch notification, alone
+                    notice = BatchNotice(rid, 0, tuple(ids), n).encode()
+                    backend.transport.send_notif(peer, notice)
                 else:
                     t0 = time.monotonic()
                     p0 = time.perf_counter()
