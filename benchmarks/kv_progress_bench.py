@@ -15,7 +15,10 @@ fixed matmul loop, the prefill's compute stand-in. Cases, in one run, interleave
   in a real cluster: it costs CPU there, not this process's GIL).
 
 Printed per case: the compute's throughput (best of the rounds) relative to `none`'s best, the
-progress threads' polling rounds per second, and the process's CPU seconds per second.
+progress threads' polling rounds per second, and the process's CPU seconds per second. Then
+what listening costs a transfer: a 1-block write's completion on P (which needs D to poll:
+UCX's peer error-handling mode) after D's thread has listened quietly for 0.2-0.3 s, at the old
+pace and today's.
 """
 
 from __future__ import annotations
@@ -62,10 +65,41 @@ def _compute(seconds: float) -> tuple[float, float]:
     return n / wall, (time.process_time() - c0) / wall
 
 
+def _completion_after_quiet(
+    p_send: Any, d_send: Any, d_recv: Any, peer: str, pace: dict[str, float], samples: int
+) -> list[float]:
+    """Seconds from P's `send` of one block to P's COMPLETE, each after D's progress thread has
+    listened to an idle request for 0.2-0.3 s (P's write completes only once D polled)."""
+    import random
+
+    from kvtransfer.progress import TransferProgress
+
+    d_thread = TransferProgress([d_send, d_recv], **pace)
+    d_thread.start()
+    out = []
+    try:
+        for i in range(samples):
+            rid = f"quiet-{i}-{random.random()}"
+            d_recv.expect(rid, [2], idle_s=60.0)
+            time.sleep(random.uniform(0.2, 0.3))
+            t0 = time.perf_counter()
+            p_send.send(rid, peer, [(2, 2)], final=True)
+            while not p_send.poll():
+                time.sleep(20e-6)
+            out.append(time.perf_counter() - t0)
+            end = time.monotonic() + 10
+            while not d_recv.poll() and time.monotonic() < end:
+                time.sleep(0.001)
+    finally:
+        d_thread.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=20, help="writes timed after a quiet spell")
     args = ap.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from kvtransfer.poll_split import split_receiver, split_sender
@@ -116,6 +150,16 @@ def main() -> None:
         print(
             f"{case:>15}: compute {rate / base:6.1%} of no thread | progress rounds "
             f"{rounds:7.1f}/s (its threads together) | process CPU {cpu:5.2f} s/s"
+        )
+    for case, pace in (
+        ("1ms", dict(listen_period_s=0.001, idle_period_s=0.001)),
+        ("adaptive", {}),
+    ):
+        lat = _completion_after_quiet(p_send, d_send, d_recv, d.agent_name, pace, args.samples)
+        print(
+            f"{case:>15}: a 1-block write after D listened quietly for 0.2-0.3 s completes on "
+            f"P in p50 {1e3 * statistics.median(lat):.2f} ms, max {1e3 * max(lat):.2f} ms "
+            f"({len(lat)} writes)"
         )
     print(f"load average {os.getloadavg()[0]:.2f}")
     p.close()
