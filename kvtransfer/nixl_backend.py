@@ -12,13 +12,19 @@ CUDA (VRAM) pools; UCX picks the path (CMA on one host, RDMA/NVLink/cuda_ipc on 
 machines). Every post is counted in the sender's metrics (regions, bytes, post time:
 kvtransfer/metrics.py).
 
-Progress: no thread. UCX advances only inside our calls, so the worker's loop calls
-`sender.poll()` / `receiver.poll()` every step (each is a few microseconds when idle). On one
+Progress: no NIXL thread. UCX advances only inside our calls, so the worker's loop calls
+`sender.poll()` / `receiver.poll()` every step, and its transfer-progress thread between steps
+(kvtransfer/progress.py; each poll is a few microseconds when idle). On one
 host UCX writes with CMA, which copies inside the posting call: `send` returns after its batch
 is copied, so keep batches to what one engine step produced. A batch's flush and notification
-complete only once the receiver has polled, so the sender's COMPLETE trails the receiver's
-poll period. NIXL's own progress thread (`KVTransferConfig.nixl_progress_thread`) spins
-without delay and is off by default.
+complete only once the receiver has polled (UCX's `peer` error-handling mode, which the
+dead-peer detection below needs: with mode `none` the sender completes in ~1 ms without the
+receiver, measured), so the sender's COMPLETE trails the receiver's poll period
+(kvtransfer/progress.py: a listening receiver polls at least every 5 ms). The copy itself is
+the kernel's (process_vm_writev, cached stores): ~0.97x of that copy in-process, ~0.4x of a
+libc memcpy with non-temporal stores (docs/benchmarks/kvtransfer.md, 2026-12-08).
+NIXL's own progress thread (`KVTransferConfig.nixl_progress_thread`) spins without delay and
+is off by default.
 
 Tensor-parallel workers and heterogeneous peers (nixl_slices.py, rank_agent.py): when our
 pools or the peer's hold other head ranges than one whole pool each, a batch is posted as

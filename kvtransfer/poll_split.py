@@ -16,6 +16,7 @@ listener (`listen`) hears of each of its results at once, on whichever thread co
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Callable, Generic, TypeVar
@@ -138,6 +139,10 @@ class _SenderView(_View, KVSender):
     def num_outstanding_writes(self) -> int:
         return self._split.source.num_outstanding_writes
 
+    def poll_due_s(self) -> float:
+        """The shared sender's `poll_due_s` (0: poll soon, when it has none)."""
+        return _poll_due(self._split.source)
+
 
 class _ReceiverView(_View, KVReceiver):
     def __init__(self, split: _Split[KVReceiver], owner: int) -> None:
@@ -176,6 +181,16 @@ class _ReceiverView(_View, KVReceiver):
     @property
     def num_active(self) -> int:
         return self._split.source.num_active
+
+    def poll_due_s(self) -> float:
+        """The shared receiver's `poll_due_s` (inf: no timers known, when it has none)."""
+        return _poll_due(self._split.source, math.inf)
+
+
+def _poll_due(source: object, unknown: float = 0.0) -> float:
+    """`source.poll_due_s()`, or `unknown` for a sender or receiver without one."""
+    poll_due = getattr(source, "poll_due_s", None)
+    return unknown if poll_due is None else float(poll_due())
 
 
 def split_sender(sender: KVSender, prefix: str) -> tuple[KVSender, KVSender]:

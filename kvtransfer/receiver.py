@@ -14,6 +14,7 @@ ids are free to be expected again and later notifications for it are dropped.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,20 @@ class Receiver(KVReceiver):
     @property
     def num_active(self) -> int:
         return len(self._requests)
+
+    def poll_due_s(self) -> float:
+        """How long this receiver may go unpolled for its own timers (the progress thread's
+        pace, kvtransfer/progress.py): until the nearest deadline of a pending request, 0 if
+        a finished one waits to be reported, inf with none. A notification may come sooner:
+        the progress thread listens on its own period while any request is pending."""
+        with self._b.lock:
+            now = time.monotonic()
+            due = math.inf
+            for req in self._requests.values():
+                if req.status.finished:
+                    return 0.0
+                due = min(due, req.deadline - now)
+            return max(due, 0.0)
 
     # -- internals ---------------------------------------------------------------------
     def _on_notification(self, agent: str, msg: bytes) -> None:

@@ -18,6 +18,7 @@ released on a later poll.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -170,6 +171,24 @@ class Sender(KVSender):
         return sum(len(r.batches) + len(r.unreleased) for r in self._requests.values()) + len(
             self._zombies
         )
+
+    def poll_due_s(self) -> float:
+        """How long this sender may go unpolled (the progress thread's pace,
+        kvtransfer/progress.py): 0 while a write is outstanding or a finished request waits
+        to be reported; else until the next keepalive or fixed deadline of an open request;
+        inf with nothing open."""
+        with self._b.lock:
+            now = time.monotonic()
+            due = math.inf
+            for req in self._requests.values():
+                if req.batches or req.status.finished:
+                    return 0.0
+                if req.idle_s is None:
+                    due = min(due, req.deadline - now)
+                elif not req.final_sent:  # no write outstanding: only keepalives are due
+                    interval = heartbeat_interval(req.idle_s, self._b.config.heartbeat_s)
+                    due = min(due, req.noticed_at + interval - now)
+            return max(due, 0.0)
 
     # -- called by the backend (under its lock) ----------------------------------------
     def fail_peer(self, peer: str, reason: str) -> None:
