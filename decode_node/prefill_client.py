@@ -96,6 +96,9 @@ class PrefillClient:
         Unavailable when P failed and --strict-remote-prefill is set."""
         ctx, rid = self.ctx, req.request_id
         done: asyncio.Future[None] = ctx.create_future()
+        # Whoever still waits for it raises its failure; one nobody waits for any more (the
+        # caller cancelled) is not an error to report.
+        done.add_done_callback(_seen)
         tid = f"push:{rid}:{next(self._attempts)}"
         kv_timeout_s = ctx.kv_timeout_s
         stub = pb_grpc.PrefillWorkerStub(self._channels.get(worker.address))
@@ -284,6 +287,11 @@ async def _answer_or_kv_failure(
     exc = done.exception()
     assert exc is not None, "the attempt settles without an error only after P's answer"
     raise exc
+
+
+def _seen(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _for_prefill(req: Request) -> SamplingParams:

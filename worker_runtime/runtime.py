@@ -38,6 +38,7 @@ from proto import pdserve_pb2 as pb
 from worker_runtime.adapters import ServedAdapters
 from worker_runtime.admission import Admission
 from worker_runtime.args import WorkerConfig
+from worker_runtime.capacity import capacity_of
 from worker_runtime.contexts import PULL_PREFIX, AbortHook, Listener, StepHook
 from worker_runtime.grpc_errors import StatusInterceptor
 from worker_runtime.host_cores import HostCoreShare, off_the_loop
@@ -367,40 +368,7 @@ class WorkerRuntime:
         )
 
     def capacity(self) -> Capacity:
-        """Load (the latest stats snapshot) and speed (the engine loop's step timings:
-        measured, never assumed; 0 until measured)."""
-        s, loop, cfg = self.stats, self.loop, self.engine.config
-        prefill, decode = loop.prefill_steps, loop.decode_steps
-        # In token blocks (what the router sizes a prompt in): a token block takes a block in
-        # each KV group (engine/kv/kv_groups.py) — at most; sliding groups give theirs back. The
-        # second tier too: it holds one slot per (group, block).
-        groups = self.engine.limits.kv_groups
-        return Capacity(
-            total_blocks=s.num_blocks // groups,
-            free_blocks=s.num_free_blocks // groups,
-            running=s.num_running + s.num_waiting_for_kv,
-            waiting=s.num_waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            prefill_tokens_per_s=prefill.prompt_tokens_per_s,
-            decode_step_s=decode.seconds,
-            decode_step_tokens=decode.tokens,
-            prefill_step_s=prefill.seconds,
-            prefill_step_tokens=prefill.tokens,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            long_prefill_token_threshold=min(
-                [
-                    c
-                    for c in (self.engine.scheduler.long_prefill_token_threshold, loop.prompt_cap)
-                    if c
-                ],
-                default=0,
-            ),
-            kv_offload_total_blocks=s.kv_offload_blocks // groups,
-            kv_offload_used_blocks=s.kv_offload_blocks_used // groups,
-            kv_promote_s_per_block=s.kv_offload_promote_s,
-            kv_pull_blocks_per_s=self.pull_cost.blocks_per_s,
-            kv_pull_overhead_s=self.pull_cost.overhead_s,
-        )
+        return capacity_of(self.engine, self.stats, self.loop, self.pull_cost)
 
     async def cached_blocks(self) -> pb.CachedBlocksResponse:
         """Every block hash held now, pool and second tier (`GetCachedBlocks`)."""
