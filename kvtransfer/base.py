@@ -89,6 +89,10 @@ class TransferResult:
     """Why it failed; empty on success."""
     num_descriptors: int = 0
     """Sender: NIXL descriptors its writes posted (rank 0's; one per coalesced region)."""
+    settle_s: float = 0.0
+    """Sender: from its last write's post returning to the request's terminal status — the
+    transport's acknowledgement (UCX completes a write once the peer's worker progressed;
+    on one host the bytes have landed when the post returns). 0 if nothing was posted."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,8 @@ class _Request:
     status: TransferStatus = TransferStatus.PENDING
     error: str = ""
     finished_at: float = 0.0
+    last_posted_at: float = 0.0
+    """When the latest write's post returned (on one host its bytes have landed by then)."""
 
 
 class Sender(KVSender):
@@ -129,6 +131,7 @@ class Sender(KVSender):
                 if remote_ids:
                     handle = self._b.transport.post_write(peer, local, remote, notice, req.deadline)
                     req.batches.append(_Batch(handle, len(remote_ids), now))
+                    req.last_posted_at = time.monotonic()
                 else:  # the final count, or the request opened: a notification alone
                     self._b.transport.send_notif(peer, notice)
             except TransportError as e:
@@ -279,6 +282,7 @@ class Sender(KVSender):
                 r.blocks_done * block_bytes,
                 r.finished_at - r.started_at,
                 r.error,
+                settle_s=r.finished_at - r.last_posted_at if r.last_posted_at else 0.0,
             )
             for r in done
         ]

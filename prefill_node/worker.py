@@ -176,7 +176,9 @@ class PrefillWorker(pb_grpc.PrefillWorkerServicer):
             first_token=sampled_to_pb(first_token),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_blocks_sent=result.num_blocks,
-            answer_delay_s=time.monotonic() - completed_at,
+            # From the last write's post returning (its bytes have landed on one host),
+            # through the transport's acknowledgement, to now.
+            answer_delay_s=time.monotonic() - completed_at + result.settle_s,
         )
 
     async def SetDestination(self, request: pb.KVDestination, context):

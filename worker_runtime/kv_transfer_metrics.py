@@ -6,9 +6,9 @@
   receiver's own registries (kvtransfer/metrics.py); they are exported as they are, and the
   `vllm:nixl_*` histograms carry the engine metrics' labels (model name, engine, role, which
   follows a role switch).
-- The decode worker's handover (`pdserve_worker_kv_handover_seconds`): from the prefill
-  worker's sender seeing a remote prefill's last KV write complete to its first token handed
-  to the stream here; and the prefill worker's part of it, as its answer reports it
+- The decode worker's handover (`pdserve_worker_kv_handover_seconds`): from a remote
+  prefill's last KV write landing (the prefill worker's post returning) to its first token
+  handed to the stream here; and the prefill worker's part of it, as its answer reports it
   (`pdserve_worker_kv_handover_prefill_seconds`).
 - Pulls of prompt blocks from peers (worker_runtime/kv_pull.py) and sends to pulling peers
   (worker_runtime/kv_export.py), whatever the role.
@@ -73,8 +73,8 @@ class KVTransferMetrics:
         )
         self.kv_handover = Histogram(
             "pdserve_worker_kv_handover_seconds",
-            "Decode worker: from the prefill worker's sender seeing a remote prefill's last KV "
-            "write complete to its first token handed to the Generate stream here "
+            "Decode worker: from a remote prefill's last KV write landing (the prefill worker's "
+            "post returning) to its first token handed to the Generate stream here "
             "(docs/kvtransfer.md, the split path's critical path)",
             registry=registry,
             buckets=HANDOVER_BUCKETS,
@@ -82,7 +82,7 @@ class KVTransferMetrics:
         self.kv_handover_prefill = Histogram(
             "pdserve_worker_kv_handover_prefill_seconds",
             "Decode worker: the prefill worker's part of the handover, as its answer reports "
-            "it (its sender seeing the last write complete -> its answer sent)",
+            "it (its last write's post returning -> its answer sent)",
             registry=registry,
             buckets=HANDOVER_BUCKETS,
         )

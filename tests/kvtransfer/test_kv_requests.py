@@ -65,6 +65,21 @@ def test_empty_final_batch_carries_the_total(pd):
     assert results[("send", "r")].status is S.COMPLETE
 
 
+def test_settle_is_the_time_from_the_last_post_to_completion(pd):
+    """`settle_s`: the transport's acknowledgement after the last write was posted (the
+    prefill worker's handover counts from that post: on one host its bytes have landed)."""
+    p, _, d, _ = pd
+    d.receiver.expect("r", [1, 2, 3])
+    p.sender.send("r", "D", [(0, 1), (1, 2)], final=False)
+    assert step(p, d) == {}
+    time.sleep(0.2)  # long before the last post: not part of its settle
+    p.sender.send("r", "D", [(2, 3)], final=True)
+    time.sleep(0.05)  # the completion is seen only at the next poll
+    result = step(p, d)[("send", "r")]
+    assert result.status is S.COMPLETE
+    assert 0.05 <= result.settle_s < 0.2 <= result.elapsed_s
+
+
 @pytest.mark.parametrize(
     "pairs, message",
     [
