@@ -54,8 +54,9 @@ class RemoteResult(NamedTuple):
     remote_cached_tokens: int = 0
     """Prompt tokens P found in its own prefix cache (REMOTE only)."""
     kv_landed_at: float | None = None
-    """`time.monotonic()` when the last of P's KV landed here (REMOTE only): the handover
-    to the first token sent is measured from it."""
+    """`time.monotonic()` when the last of P's KV landed here (REMOTE only), as P's answer
+    tells it (its arrival less `answer_delay_s`): the handover to the first token sent is
+    measured from it."""
     admitted: asyncio.Future[None] | None = None
     """REMOTE with the first token already announced: settles once the request runs here
     (None), or with the failure that dropped it after the caller got its first token."""
@@ -141,7 +142,7 @@ class PrefillClient:
             )
         except TokenOutOfRange as bad:
             return await self._failed(req, worker, tid, done, peer_reply_error(f"first {bad}"))
-        answered_at = time.monotonic()
+        landed_at = time.monotonic() - response.answer_delay_s
         ctx.metrics.kv_handover_prefill.observe(response.answer_delay_s)
         announced = ctx.preview_first(req, token) if announce is not None else None
         if announce is not None and announced is not None:
@@ -151,10 +152,9 @@ class PrefillClient:
             admitted = ctx.create_task(self._admit(tid, token, announced, done))
             self._background.add(admitted)
             admitted.add_done_callback(self._admission_ended)
-            landed_at = answered_at - response.answer_delay_s
             return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, landed_at, admitted)
         await self._admit(tid, token, None, done)
-        return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, attempt.kv_landed_at)
+        return RemoteResult(PrefillPath.REMOTE, response.num_cached_tokens, landed_at)
 
     async def _admit(
         self,
@@ -172,8 +172,7 @@ class PrefillClient:
 
     def _admission_ended(self, task: asyncio.Task[None]) -> None:
         self._background.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: the stream that owns it reports it, if still there
+        _seen(task)  # the stream that owns it reports a failure, if it is still there
 
     def _prefill_request(
         self, req: Request, transfer_id: str, source: pb.KVSource | None
@@ -290,6 +289,7 @@ async def _answer_or_kv_failure(
 
 
 def _seen(future: asyncio.Future[None]) -> None:
+    """Mark a settled future's failure as seen (asyncio logs one nobody retrieved)."""
     if not future.cancelled():
         future.exception()
 

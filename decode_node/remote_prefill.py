@@ -32,8 +32,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from engine.core.request import Request
@@ -96,10 +95,6 @@ class RemotePrefill:
     announced: CompletionDelta | None = None
     """The first token's delta, already sent to the caller before the request ran here
     (`Deltas.preview_first`): admission delivers only what differs from it."""
-    expected_at: float = field(default_factory=time.monotonic)
-    """When the receiver began expecting the blocks (`time.monotonic()`)."""
-    kv_landed_at: float | None = None
-    """When the receiver saw the last block land (set with the COMPLETE result)."""
 
     def advance(self, to: RemoteState) -> bool:
         """Move to `to`: True if it moved, False if already there; IllegalTransition else."""
@@ -171,7 +166,6 @@ class RemotePrefills:
             if attempt is None or not attempt.state.live:
                 continue  # e.g. the CANCELLED result of an attempt dropped earlier
             if result.status is TransferStatus.COMPLETE:
-                attempt.kv_landed_at = attempt.expected_at + result.elapsed_s
                 self._to(
                     engine, attempt, S.RUNNING if attempt.state is S.FIRST_TOKEN else S.KV_LANDED
                 )
