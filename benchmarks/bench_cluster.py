@@ -12,6 +12,7 @@ command-line arguments those scripts share."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -235,3 +236,16 @@ def stop_pinned(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def bench_completions(url: str, out: Path, *flags: str, env: dict[str, str] | None = None) -> dict:
+    """One `pdserve bench` run of /v1/completions against `url` with `flags` (its console
+    report silenced, its JSON to `out`); returns the report's summary."""
+    subprocess.run(
+        [
+            sys.executable, "-m", "pdserve.bench", "--url", url, "--endpoint", "completions",
+            "--no-progress", "--out", str(out), *flags,
+        ],
+        env=env, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return json.loads(out.read_text())["summary"]

@@ -14,14 +14,11 @@ workers' own histograms over that rate's requests (docs/bench.md, `kv_transfer`)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench_cluster import add_pinned_args, pinned_worker_flags, stop_pinned
+from bench_cluster import add_pinned_args, bench_completions, pinned_worker_flags, stop_pinned
 from split_ttft import start_up
 
 
@@ -42,18 +39,12 @@ def main() -> None:
     try:
         env = {**os.environ, "PDSERVE_CACHE": str(work / "cache-split")}  # up's run file
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-            out = work / f"rate-{rate}.json"
-            subprocess.run(
-                [
-                    sys.executable, "-m", "pdserve.bench", "--url", url, "--endpoint",
-                    "completions", "--no-progress", "--out", str(out), "--worker-metrics", "up",
-                    "--num-requests", str(args.requests), "--request-rate", str(rate),
-                    "--input-len-range", args.input_len_range, "--output-len",
-                    str(args.output_len), "--ignore-eos", "--seed", str(100 + i),
-                ],
-                env=env, check=True, stdout=subprocess.DEVNULL,
+            summary = bench_completions(
+                url, work / f"rate-{rate}.json", "--worker-metrics", "up",
+                "--num-requests", str(args.requests), "--request-rate", str(rate),
+                "--input-len-range", args.input_len_range, "--output-len", str(args.output_len),
+                "--ignore-eos", "--seed", str(100 + i), env=env,
             )  # fmt: skip
-            summary = json.loads(out.read_text())["summary"]
             rows.append((rate, summary))
             print(f"rate {rate}: {summary['kv_transfer']}", flush=True)
     finally:

@@ -20,13 +20,16 @@ both configurations alike (a shape with the same per-token work split, faster st
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench_cluster import add_pinned_args, pinned_worker_flags, start_pinned, stop_pinned
+from bench_cluster import (
+    add_pinned_args,
+    bench_completions,
+    pinned_worker_flags,
+    start_pinned,
+    stop_pinned,
+)
 
 CONFIGS = {"colocated": False, "split": True}
 """name -> one prefill worker? Threads per worker: the cores shared out, as `pdserve up` does."""
@@ -43,20 +46,14 @@ def run_rates(name: str, args: argparse.Namespace, work: Path) -> dict[float, di
     out: dict[float, dict] = {}
     try:
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
-            path = work / f"{name}-{rate}.json"
-            subprocess.run(
-                [
-                    sys.executable, "-m", "pdserve.bench", "--url", url, "--endpoint",
-                    "completions", "--no-progress", "--out", str(path),
-                    "--num-requests", str(args.requests), "--request-rate", str(rate),
-                    "--input-len-range", args.input_len_range,
-                    "--output-len-range", args.output_len_range, "--ignore-eos",
-                    "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
-                    "--seed", str(200 + i),
-                ],
-                check=True, stdout=subprocess.DEVNULL,
+            out[rate] = bench_completions(
+                url, work / f"{name}-{rate}.json",
+                "--num-requests", str(args.requests), "--request-rate", str(rate),
+                "--input-len-range", args.input_len_range,
+                "--output-len-range", args.output_len_range, "--ignore-eos",
+                "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
+                "--seed", str(200 + i),
             )  # fmt: skip
-            out[rate] = json.loads(path.read_text())["summary"]
             print(f"{name} at {rate} req/s: {_row(out[rate])}", flush=True)
     finally:
         stop_pinned(proc)

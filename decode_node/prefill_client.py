@@ -142,8 +142,9 @@ class PrefillClient:
             )
         except TokenOutOfRange as bad:
             return await self._failed(req, worker, tid, done, peer_reply_error(f"first {bad}"))
-        landed_at = time.monotonic() - response.answer_delay_s
-        ctx.metrics.kv_handover_prefill.observe(response.answer_delay_s)
+        delay_s = max(0.0, response.answer_delay_s)  # a peer's figure: never negative (or NaN)
+        landed_at = time.monotonic() - delay_s
+        ctx.metrics.kv_handover_prefill.observe(delay_s)
         announced = ctx.preview_first(req, token) if announce is not None else None
         if announce is not None and announced is not None:
             # P answers once its writes completed: the token goes out now (the KV has landed),

@@ -89,10 +89,11 @@ class Deltas:
         (a decode worker admitting a remote prefill: `LLMEngine.finish_remote_prefill`), made
         now without changing anything, so the token can be on its way to the caller before the
         engine's next step boundary. Any thread: it reads only what a request parked for
-        remote KV never changes (prompt, sampling, limits), through its own detokenizer.
+        remote KV never changes (prompt, sampling, limits; no outputs, no resume: see
+        `Request.remote_prefill_ok`), through its own detokenizer.
         None for a request with a grammar: whether it is complete after the token is its
         matcher's verdict, which only the engine thread may advance."""
-        if request.grammar is not None or request.num_output_tokens or request.resume:
+        if request.grammar is not None:
             return None
         status, stop_token = stop_status(
             request, token.token_id, 1, request.num_tokens + 1, self.scheduler.max_model_len

@@ -135,3 +135,25 @@ def _final(rid: str) -> CompletionDelta:
         num_cached_tokens=12,
         num_output_tokens=2,
     )
+
+
+def test_the_prefill_workers_reported_delay_is_never_taken_negative():
+    """`answer_delay_s` is the peer's figure: a negative one counts as 0 (the handover would
+    otherwise start after the answer arrived)."""
+
+    async def main():
+        h = _announcing()
+        try:
+            task = h.generate("r")
+            await h.spin()
+            answer = h.response()
+            answer.answer_delay_s = -5.0
+            h.calls[0].future.set_result(answer)
+            await h.spin(engine=False)
+            h.rt.metrics.kv_handover_prefill.observe.assert_called_once_with(0.0)
+            task.cancel()
+            await h.spin()
+        finally:
+            h.close()
+
+    asyncio.run(main())

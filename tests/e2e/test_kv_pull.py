@@ -16,6 +16,7 @@ import pytest
 from pd_cluster import (
     NUM_LAYERS,
     WorkerProcess,
+    decode_request,
     generate,
     health,
     metric,
@@ -65,14 +66,9 @@ def reference_llm(model_dir):
 
 
 def _request(rid, tokens, prefill=None, source=None, num_blocks=0, **sampling):
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", 12)
+    """`decode_request` with logprobs, and the peer holding the prompt's leading blocks."""
     sampling.setdefault("logprobs", 1)
-    req = pb.GenerateRequest(
-        request_id=rid, prompt_token_ids=tokens, sampling=pb.SamplingParams(**sampling)
-    )
-    if prefill is not None:
-        req.prefill_worker.CopyFrom(prefill.ref())
+    req = decode_request(rid, tokens, prefill, **sampling)
     if source is not None:
         req.kv_source.CopyFrom(
             pb.KVSource(worker_id=source.worker_id, address=source.address, num_blocks=num_blocks)

@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from pd_cluster import WorkerProcess, ahealth, generate, wait_all_blocks_free
+from pd_cluster import WorkerProcess, ahealth, decode_request, generate, wait_all_blocks_free
 
 from cluster.etcd_server import EtcdServer
 from proto import pdserve_pb2 as pb
@@ -45,17 +45,6 @@ def workers(tmp_path_factory):
             assert prefill.terminate() == 0
 
 
-def _request(rid, tokens, prefill=None, **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        sampling=pb.SamplingParams(temperature=0.0, **sampling),
-    )
-    if prefill is not None:
-        req.prefill_worker.CopyFrom(prefill.ref())
-    return req
-
-
 def _prompt(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(100, 40000) for _ in range(n)]
@@ -74,7 +63,7 @@ def test_abort_of_a_running_request_ends_its_stream_with_a_final_update(workers)
     async def run():
         async with grpc.aio.insecure_channel(decode.address) as ch:
             call = pb_grpc.DecodeWorkerStub(ch).Generate(
-                _request(
+                decode_request(
                     "abort-running",
                     _prompt(40, 1),
                     prefill,
@@ -105,7 +94,7 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
     async def run():
         async with grpc.aio.insecure_channel(decode.address) as ch:
             call = pb_grpc.DecodeWorkerStub(ch).Generate(
-                _request("abort-parked", long_prompt, prefill, max_tokens=4)
+                decode_request("abort-parked", long_prompt, prefill, max_tokens=4)
             )
             deadline = time.monotonic() + 20
             while (await ahealth(prefill.address)).capacity.running == 0:  # P is computing it
@@ -133,7 +122,9 @@ def test_abort_while_waiting_for_kv_then_the_worker_keeps_serving(workers):
     wait_all_blocks_free(prefill.address, timeout=15)
     # The engine thread is alive: a new request runs to completion through both workers.
     after = asyncio.run(
-        generate(decode.address, _request("after-abort", _prompt(30, 3), prefill, max_tokens=3))
+        generate(
+            decode.address, decode_request("after-abort", _prompt(30, 3), prefill, max_tokens=3)
+        )
     )
     assert [r.finish_reason for r in after if r.finish_reason] == ["length"]
     assert {r.prefill_mode for r in after} == {"remote"}
@@ -147,7 +138,7 @@ def test_max_num_seqs_bounds_requests_waiting_for_kv(workers):
             asyncio.ensure_future(
                 generate(
                     decode.address,
-                    _request(f"seqs-{i}", _prompt(600, 10 + i), prefill, max_tokens=2),
+                    decode_request(f"seqs-{i}", _prompt(600, 10 + i), prefill, max_tokens=2),
                 )
             )
             for i in range(4)
